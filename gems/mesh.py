@@ -1,0 +1,222 @@
+"""The R x D x S device mesh: one validated object, named axes, one vocabulary.
+
+Every parallel strategy in gems places ranks on this mesh and talks to its
+neighbours through the process groups it builds. The words are fixed here:
+
+* **axis** is a mesh axis (``replica``, ``pipeline``, ``spatial``); **dim** is
+  always a tensor dimension.
+* ``R`` = ``parallel.replicas`` (data-parallel copies of the whole model),
+  ``D`` = ``parallel.pipeline`` (model partitions), ``S`` = ``parallel.spatial``
+  (spatial parts of one sample; the product of ``parts`` over the cut dims).
+* Ranks are laid out spatial-innermost, replica-outermost::
+
+      rank = (r * D + d) * S + s
+
+  so the S parts of a sample, which exchange halos every layer, are neighbours
+  (same node when ``S`` divides the tasks per node), pipeline stages come next,
+  and the replica axis, which talks once per step, spans nodes.
+* The spatial index ``s`` is itself row-major over ``parts``: for parts
+  ``[2, 3]`` rank ``s = 4`` sits at grid coordinates ``(1, 1)``.
+
+The pure part (sizes, coordinates, rank lists) needs no process group, so the
+planner and the tests use it at any world size; :meth:`Mesh.build_groups`
+creates the torch.distributed groups once the world exists.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from gems.errors import ConfigError
+
+
+class Axis(str, enum.Enum):
+    """Names of the mesh axes (never of tensor dims)."""
+
+    REPLICA = "replica"
+    PIPELINE = "pipeline"
+    SPATIAL = "spatial"
+
+
+@dataclass(frozen=True)
+class Coord:
+    """Where one rank sits on the mesh."""
+
+    replica: int
+    pipeline: int
+    spatial: int
+    spatial_grid: tuple[int, ...]  # coordinates of ``spatial`` in the parts grid
+
+
+@dataclass
+class Mesh:
+    """Degrees of parallelism, validated against each other and the world.
+
+    ``parts`` lists the number of parts along each cut spatial dim and
+    ``spatial_dims`` which spatial dims are cut (0 = depth in 3D, height in 2D).
+    """
+
+    replicas: int = 1
+    pipeline: int = 1
+    parts: tuple[int, ...] = (1,)
+    spatial_dims: tuple[int, ...] = (0,)
+    world_size: int | None = None
+    groups: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.parts = tuple(int(p) for p in self.parts)
+        self.spatial_dims = tuple(int(d) for d in self.spatial_dims)
+        for key, val in (("parallel.replicas", self.replicas), ("parallel.pipeline", self.pipeline)):
+            if not isinstance(val, int) or val < 1:
+                raise ConfigError(key, val, "a positive integer")
+        if any(p < 1 for p in self.parts):
+            raise ConfigError("parallel.spatial", list(self.parts), "positive integers, e.g. 2 or [2,2]")
+        if len(self.parts) != len(self.spatial_dims):
+            raise ConfigError(
+                "parallel.spatial_dims",
+                list(self.spatial_dims),
+                f"one dim per entry of parallel.spatial={list(self.parts)} "
+                f"(e.g. {list(range(len(self.parts)))})",
+            )
+        if len(set(self.spatial_dims)) != len(self.spatial_dims) or any(d < 0 for d in self.spatial_dims):
+            raise ConfigError("parallel.spatial_dims", list(self.spatial_dims), "distinct non-negative dims, e.g. [0] or [0,1]")
+        if self.world_size is not None and self.world_size != self.size:
+            raise ConfigError(
+                "world size",
+                self.world_size,
+                f"R x D x S = {self.replicas} x {self.pipeline} x {self.spatial} = {self.size} "
+                "(change parallel.* or cluster.nodes/cluster.tasks_per_node)",
+            )
+
+    # ---- sizes -----------------------------------------------------------------
+    @property
+    def spatial(self) -> int:
+        return math.prod(self.parts)
+
+    @property
+    def size(self) -> int:
+        return self.replicas * self.pipeline * self.spatial
+
+    @property
+    def replica_enabled(self) -> bool:
+        return self.replicas > 1
+
+    @property
+    def pipeline_enabled(self) -> bool:
+        return self.pipeline > 1
+
+    @property
+    def spatial_enabled(self) -> bool:
+        return self.spatial > 1
+
+    # ---- coordinates ------------------------------------------------------------
+    def rank_of(self, replica: int, pipeline: int, spatial: int) -> int:
+        return (replica * self.pipeline + pipeline) * self.spatial + spatial
+
+    def coord(self, rank: int) -> Coord:
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} outside a mesh of {self.size}")
+        s = rank % self.spatial
+        d = (rank // self.spatial) % self.pipeline
+        r = rank // (self.spatial * self.pipeline)
+        return Coord(r, d, s, self.grid_of(s))
+
+    def grid_of(self, spatial: int) -> tuple[int, ...]:
+        """Row-major coordinates of spatial index ``spatial`` in the parts grid."""
+        out = []
+        for p in reversed(self.parts):
+            out.append(spatial % p)
+            spatial //= p
+        return tuple(reversed(out))
+
+    def spatial_of(self, grid: Sequence[int]) -> int:
+        s = 0
+        for g, p in zip(grid, self.parts):
+            s = s * p + g
+        return s
+
+    # ---- rank lists (pure) --------------------------------------------------------
+    def spatial_ranks(self, replica: int, pipeline: int) -> list[int]:
+        return [self.rank_of(replica, pipeline, s) for s in range(self.spatial)]
+
+    def pipeline_ranks(self, replica: int, spatial: int) -> list[int]:
+        return [self.rank_of(replica, d, spatial) for d in range(self.pipeline)]
+
+    def replica_ranks(self, pipeline: int, spatial: int) -> list[int]:
+        return [self.rank_of(r, pipeline, spatial) for r in range(self.replicas)]
+
+    def stage_ranks(self, pipelines: Sequence[int]) -> list[int]:
+        """All ranks (every replica and spatial part) at the given pipeline positions."""
+        return sorted(
+            self.rank_of(r, d, s)
+            for r in range(self.replicas)
+            for d in sorted(set(pipelines))
+            for s in range(self.spatial)
+        )
+
+    def all_rank_lists(self, axis: Axis) -> list[list[int]]:
+        if axis is Axis.SPATIAL:
+            return [self.spatial_ranks(r, d) for r in range(self.replicas) for d in range(self.pipeline)]
+        if axis is Axis.PIPELINE:
+            return [self.pipeline_ranks(r, s) for r in range(self.replicas) for s in range(self.spatial)]
+        return [self.replica_ranks(d, s) for d in range(self.pipeline) for s in range(self.spatial)]
+
+    # ---- process groups -------------------------------------------------------------
+    def build_groups(self, rank: int, mirrored: bool = False) -> None:
+        """Create the torch.distributed groups this rank belongs to.
+
+        Every rank calls ``new_group`` for every group in the same order (a
+        torch requirement). ``mirrored`` adds, for GEMS-MAST/MASTER, the
+        gradient group of pipeline positions ``{d, D-1-d}``; otherwise the
+        gradient group is the ranks at the same pipeline position (``R x S``).
+        """
+        import torch.distributed as dist
+
+        me = self.coord(rank)
+        for axis in Axis:
+            for ranks in self.all_rank_lists(axis):
+                g = dist.new_group(ranks) if len(ranks) > 1 else None
+                if rank in ranks:
+                    self.groups[axis.value] = g
+                    self.groups[axis.value + "_ranks"] = ranks
+        seen: set[tuple[int, ...]] = set()
+        for d in range(self.pipeline):
+            pos = (d, self.pipeline - 1 - d) if mirrored else (d,)
+            key = tuple(sorted(set(pos)))
+            if key in seen:
+                continue
+            seen.add(key)
+            ranks = self.stage_ranks(key)
+            g = dist.new_group(ranks) if len(ranks) > 1 else None
+            if me.pipeline in key:
+                self.groups["grad"] = g
+                self.groups["grad_ranks"] = ranks
+
+    def group(self, axis: Axis | str) -> Any:
+        """The process group of this rank along ``axis`` (None when of size 1)."""
+        name = axis.value if isinstance(axis, Axis) else axis
+        return self.groups.get(name)
+
+    def ranks(self, axis: Axis | str) -> list[int]:
+        name = axis.value if isinstance(axis, Axis) else axis
+        return list(self.groups.get(name + "_ranks", []))
+
+    def describe(self) -> str:
+        sp = "x".join(str(p) for p in self.parts)
+        return f"R{self.replicas} x D{self.pipeline} x S{self.spatial}({sp} over dims {list(self.spatial_dims)})"
+
+
+def mesh_from_config(cfg: Any, world_size: int | None = None) -> Mesh:
+    """Build the mesh from the ``parallel`` config node."""
+    p = cfg.parallel
+    spatial = p.spatial
+    parts = [spatial] if isinstance(spatial, int) else list(spatial)
+    dims = p.get("spatial_dims", None)
+    if dims is None:
+        dims = list(range(len(parts)))
+    dims = list(dims)
+    if len(parts) == 1 and len(dims) > 1:
+        raise ConfigError("parallel.spatial", spatial, f"a list with one entry per dim in parallel.spatial_dims={dims}")
+    return Mesh(int(p.replicas), int(p.pipeline), tuple(parts), tuple(dims), world_size)

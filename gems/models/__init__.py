@@ -1,0 +1,108 @@
+"""Model registry: every model is a flat ``nn.Sequential`` plus what gems must
+know about it (input and target shapes, loss, where the spatial trunk ends).
+
+``build_model(cfg.model)`` is the one entry point; ``model=custom`` imports any
+callable named by ``model._target_`` that returns an ``nn.Sequential``.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import nn
+
+from gems.errors import ConfigError
+
+
+@dataclass
+class ModelSpec:
+    """A model and its contract with the data and the loss.
+
+    ``target`` is ``"vector"`` (one vector of ``num_outputs`` per sample,
+    e.g. CosmoFlow's 4 parameters) or ``"dense"`` (one class per voxel, shaped
+    like the input's spatial dims, e.g. U-Net). ``spatial_end`` is the index of
+    the first layer that needs the whole sample (spatial parallelism gathers
+    the activation before it); None when the model is spatial to the end.
+    """
+
+    module: nn.Sequential
+    name: str
+    input_shape: tuple[int, ...]  # (C, *spatial)
+    num_outputs: int
+    loss: str  # "mse" | "cross_entropy"
+    target: str = "vector"
+    spatial_end: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def spatial_ndim(self) -> int:
+        return len(self.input_shape) - 1
+
+
+def _first_flatten(seq: nn.Sequential) -> int | None:
+    for i, layer in enumerate(seq):
+        if isinstance(layer, nn.Flatten):
+            return i
+    return None
+
+
+def _sized(name: str, allowed: str, fn: Callable[..., nn.Sequential], size: int, **kw: Any) -> nn.Sequential:
+    try:
+        return fn(size=size, **kw)
+    except ValueError:
+        raise ConfigError("model.size", size, allowed) from None
+
+
+def build_model(m: Any) -> ModelSpec:
+    """Build the model named by ``m.name`` from the ``model`` config node."""
+    name = m.name
+    if name in ("cosmoflow", "cosmoflow_mlperf"):
+        from gems.models import cosmoflow as cf
+
+        fn = getattr(cf, name)
+        kw = dict(width=float(m.get("width", 1.0)), dropout=float(m.get("dropout", 0.2 if name == "cosmoflow" else 0.5)))
+        allowed = "a power of two >= 32 (the paper uses 128, 256, 512)" if name == "cosmoflow" else "a power of two >= 32 (MLPerf uses 128)"
+        seq = _sized(name, allowed, fn, int(m.size), **kw)
+        return ModelSpec(seq, name, (4, *[int(m.size)] * 3), 4, "mse", "vector", _first_flatten(seq))
+    if name == "unet3d":
+        try:
+            from gems.models.unet3d import build_unet3d
+        except ImportError:
+            raise ConfigError("model", name, "one of cosmoflow, cosmoflow_mlperf, resnet, custom (unet3d is not built yet)") from None
+        return build_unet3d(m)
+    if name == "resnet":
+        try:
+            from gems.models.resnet import build_resnet
+        except ImportError:
+            raise ConfigError("model", name, "one of cosmoflow, cosmoflow_mlperf, unet3d, custom (resnet is not built yet)") from None
+        return build_resnet(m)
+    if name == "custom":
+        return _build_custom(m)
+    raise ConfigError("model", name, "one of cosmoflow, cosmoflow_mlperf, unet3d, resnet, custom")
+
+
+def _build_custom(m: Any) -> ModelSpec:
+    target = m.get("_target_")
+    if not target or "." not in str(target):
+        raise ConfigError("model._target_", target, "a dotted path to a callable returning nn.Sequential, e.g. mypkg.models.make_net")
+    mod_name, _, attr = str(target).rpartition(".")
+    try:
+        fn = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError("model._target_", target, f"an importable callable ({type(e).__name__}: {e})") from None
+    kwargs = dict(m.get("kwargs") or {})
+    seq = fn(**kwargs)
+    if not isinstance(seq, nn.Sequential):
+        raise ConfigError("model._target_", target, f"a callable that returns nn.Sequential (it returned {type(seq).__name__})")
+    shape = m.get("input_shape")
+    if not shape or len(shape) < 2:
+        raise ConfigError("model.input_shape", shape, "[C, *spatial], e.g. [1, 32, 32]")
+    loss = m.get("loss", "mse")
+    if loss not in ("mse", "cross_entropy"):
+        raise ConfigError("model.loss", loss, "mse or cross_entropy")
+    target_kind = m.get("target", "vector")
+    if target_kind not in ("vector", "dense"):
+        raise ConfigError("model.target", target_kind, "vector or dense")
+    return ModelSpec(seq, "custom", tuple(int(s) for s in shape), int(m.get("num_outputs", 1)), loss, target_kind,
+                     m.get("spatial_end", _first_flatten(seq)))

@@ -1,0 +1,84 @@
+"""CosmoFlow, the 3D CNN of the strong-scaling paper and its MLPerf HPC variant.
+
+Paper variant (LBANN): 4 x N^3 input, N in {128, 256, 512}; Conv3d k=3 with
+16, 32, 64, 128 (stride 2), 256, 256, 256 channels, LeakyReLU; AvgPool3d
+(k=3, s=2, p=1) after conv1-5, plus one extra pool at 256^3 and two at 512^3
+(placed right after the first, where the activation is largest) so that the
+flattened size is 2048 at every N; dense 2048 -> 256 -> 4 with dropout; MSE.
+Smaller N (32, 64: tests and the embedded default) keep the same layers,
+minus pools that would see fewer than 3 cells, with a smaller flattened size. ``width`` scales every channel count.
+
+MLPerf HPC variant: 4 x 128^3; five Conv3d k=3 'same' with 32..512 channels,
+each LeakyReLU + MaxPool3d(2); dense -> 128 -> 64 -> 4, dropout 0.5, tanh x 1.2.
+
+Both are one flat ``nn.Sequential`` so spatial wrapping and pipeline
+partitioning can see every layer. The convolutional trunk ends at the
+``Flatten``; ``spatial_end`` is its index: spatial parallelism gathers there.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from gems.models.layers import SampleDropout
+
+
+class Scale(nn.Module):
+    """Multiply by a constant (MLPerf's tanh x 1.2 output)."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+    def extra_repr(self) -> str:
+        return f"factor={self.factor}"
+
+
+def _ch(c: int, width: float) -> int:
+    return max(1, int(round(c * width)))
+
+
+def cosmoflow(size: int = 128, width: float = 1.0, dropout: float = 0.2, slope: float = 0.3,
+              in_channels: int = 4, num_outputs: int = 4) -> nn.Sequential:
+    if size < 32 or size & (size - 1):
+        raise ValueError("size")
+    extra_pools = max(0, int(math.log2(size // 128))) if size >= 128 else 0
+    chans = [16, 32, 64, 128, 256, 256, 256]
+    layers: list[nn.Module] = []
+    c_in, n = in_channels, size
+    for i, c in enumerate(chans):
+        stride = 2 if i == 3 else 1
+        layers += [nn.Conv3d(c_in, _ch(c, width), 3, stride=stride, padding=1), nn.LeakyReLU(slope)]
+        c_in = _ch(c, width)
+        n = (n + 2 - 3) // stride + 1
+        if i < 5:
+            pools = 1 + (extra_pools if i == 0 else 0)
+            for _ in range(pools):
+                if n < 3:  # only below the paper's sizes: torch pools need input >= kernel
+                    break
+                layers.append(nn.AvgPool3d(3, stride=2, padding=1))
+                n = (n + 2 - 3) // 2 + 1
+    flat = c_in * n ** 3
+    layers += [nn.Flatten(), nn.Linear(flat, _ch(256, width)), nn.LeakyReLU(slope), SampleDropout(dropout),
+               nn.Linear(_ch(256, width), num_outputs)]
+    return nn.Sequential(*layers)
+
+
+def cosmoflow_mlperf(size: int = 128, width: float = 1.0, dropout: float = 0.5, slope: float = 0.3,
+                     in_channels: int = 4, num_outputs: int = 4) -> nn.Sequential:
+    if size < 32 or size & (size - 1):
+        raise ValueError("size")
+    layers: list[nn.Module] = []
+    c_in, n = in_channels, size
+    for c in (32, 64, 128, 256, 512):
+        layers += [nn.Conv3d(c_in, _ch(c, width), 3, padding=1), nn.LeakyReLU(slope), nn.MaxPool3d(2)]
+        c_in, n = _ch(c, width), n // 2
+    layers += [nn.Flatten(), nn.Linear(c_in * n ** 3, _ch(128, width)), nn.LeakyReLU(slope), SampleDropout(dropout),
+               nn.Linear(_ch(128, width), _ch(64, width)), nn.LeakyReLU(slope), SampleDropout(dropout),
+               nn.Linear(_ch(64, width), num_outputs), nn.Tanh(), Scale(1.2)]
+    return nn.Sequential(*layers)
