@@ -1,0 +1,91 @@
+"""Run a function on every rank of a real gloo world on this machine.
+
+Transparency tests compare a parallel run against the serial one; they need
+real processes and a real process group, not mocks. ``run_world(fn, n)``
+spawns ``n`` processes, initialises torch.distributed with gloo over a free
+loopback port, calls ``fn(rank, world_size, *args)`` on each and returns the
+list of return values in rank order. A failure on any rank raises here with
+that rank's traceback; a hang ends at ``timeout`` seconds.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+        out = fn(rank, world, *args)
+        queue.put((rank, True, out))
+    except BaseException:  # report every failure to the parent, then exit non-zero
+        queue.put((rank, False, traceback.format_exc()))
+        raise SystemExit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+
+    ``fn`` must be importable (a module-level function) and its results picklable.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=False) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    import queue as _q
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"run_world: {world_size - len(results) - len(errors)} rank(s) still running after {timeout}s")
+            try:
+                rank, ok, payload = queue.get(timeout=min(left, 1.0))
+            except _q.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
+                if dead and not errors:
+                    # a rank died without reporting (killed, segfault): give the others a moment, then fail
+                    time.sleep(2.0)
+                    if queue.empty():
+                        raise RuntimeError(f"run_world: rank(s) {dead} exited with {[procs[i].exitcode for i in dead]} without a result")
+                continue
+            if ok:
+                results[rank] = payload
+            else:
+                errors.append(f"--- rank {rank} ---\n{payload}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise RuntimeError("run_world failed:\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
