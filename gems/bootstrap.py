@@ -1,0 +1,138 @@
+"""Rank discovery and rendezvous: who am I, how many are we, where do we meet.
+
+A rank can be started by four launchers, and each leaves different traces:
+
+* ``mpirun``/``mpiexec``/``srun --mpi=pmi2`` with ``comm.backend=mpi``: mpi4py's
+  COMM_WORLD gives rank and size; rank 0 picks a free port and broadcasts
+  its host and port, so no environment is needed at all.
+* Slurm (``srun``, also under submitit): ``SLURM_PROCID``, ``SLURM_NTASKS``,
+  ``SLURM_LOCALID``; the rendezvous host is the first node of
+  ``SLURM_JOB_NODELIST`` and the port is derived from the job id, so every
+  rank computes the same address without talking.
+* torchrun and gems' own local launcher: ``RANK``, ``WORLD_SIZE``,
+  ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.
+* nothing: a single process.
+
+One GPU per rank on GPU nodes (``LOCAL_RANK`` picks it). The torch.distributed
+backend is nccl on GPUs and gloo on CPUs; ``comm.backend=mpi`` keeps that
+process group for point-to-point traffic (halos, pipeline activations) and
+does the gradient all-reduce through mpi4py (gems/replication.py).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import socket
+import subprocess
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gems.errors import ConfigError
+
+
+@dataclass
+class World:
+    rank: int
+    size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str  # mpi | slurm | torchrun | single
+    device: torch.device
+    backend: str  # torch.distributed backend: nccl | gloo
+    grad_comm: str  # torch | mpi
+    mpi_comm: Any = None  # mpi4py COMM_WORLD when comm.backend=mpi
+    hostname: str = ""
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm nodelist such as ``node[1-4],gpu07`` or ``nid[001234,001236]``."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.split()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    m = re.match(r"([^\[,]+)(\[([^\]]+)\])?", nodelist)
+    if not m:
+        return nodelist
+    prefix, _, ranges = m.groups()
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def port_from_job(job_id: str) -> int:
+    digits = int(re.sub(r"\D", "", job_id) or 0)
+    return 20000 + digits % 20000
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def discover(comm_backend: str = "auto") -> tuple[int, int, int, str, int, str, Any]:
+    """(rank, size, local_rank, master_addr, master_port, source, mpi_comm) from the environment."""
+    env = os.environ
+    if comm_backend == "mpi":
+        try:
+            from mpi4py import MPI
+        except ImportError as e:
+            raise ConfigError("comm.backend", "mpi", f"mpi4py with an MPI library (pip install mpi4py mpich): {e}") from None
+        comm = MPI.COMM_WORLD
+        rank, size = comm.Get_rank(), comm.Get_size()
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        local_rank = local.Get_rank()
+        local.Free()
+        addr_port = (socket.gethostname(), _free_port()) if rank == 0 else None
+        addr, port = comm.bcast(addr_port, root=0)
+        return rank, size, local_rank, addr, port, "mpi", comm
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return (int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)), "torchrun", None)
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "localhost")
+        job = env.get("SLURM_JOB_ID", "0")
+        return (int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
+                first_slurm_host(nodelist), port_from_job(job), "slurm", None)
+    return 0, 1, 0, "127.0.0.1", 0, "single", None
+
+
+def pick_device(train_device: str, local_rank: int) -> torch.device:
+    if train_device == "cuda" or (train_device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device", "cuda", "auto or cpu (no CUDA device is visible on this node)")
+        n = torch.cuda.device_count()
+        dev = torch.device("cuda", local_rank % n)
+        torch.cuda.set_device(dev)
+        return dev
+    return torch.device("cpu")
+
+
+def init_world(cfg: Any) -> World:
+    """Discover this rank, pick its device and initialise torch.distributed."""
+    import torch.distributed as dist
+
+    backend_cfg = cfg.comm.backend
+    rank, size, local_rank, addr, port, source, mpi_comm = discover(backend_cfg)
+    device = pick_device(cfg.train.device, local_rank)
+    if backend_cfg == "nccl" and device.type != "cuda":
+        raise ConfigError("comm.backend", "nccl", "gloo or auto on CPU nodes (nccl needs GPUs)")
+    backend = "nccl" if device.type == "cuda" and backend_cfg in ("auto", "nccl", "mpi") else "gloo"
+    if size > 1 and not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", addr)
+        os.environ.setdefault("MASTER_PORT", str(port))
+        timeout = datetime.timedelta(seconds=int(cfg.comm.get("timeout_s", 300)))
+        kw: dict[str, Any] = {}
+        if backend == "nccl":
+            kw["device_id"] = device
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size,
+                                timeout=timeout, **kw)
+    return World(rank, size, local_rank, addr, port, source, device, backend,
+                 "mpi" if backend_cfg == "mpi" else "torch", mpi_comm, socket.gethostname())

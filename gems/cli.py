@@ -1,0 +1,292 @@
+"""The ``gems`` command: run, sweep, results, render, plan, data, bench.
+
+Every subcommand composes ``conf/config.yaml`` with the Hydra overrides
+given (``key=value``, ``group=option``, ``+experiment=NAME``). Exit status:
+0 done; 2 bad input, reported as one line naming the key, the value and what
+would work, before anything is submitted or written; 1 a run that failed
+after it started.
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+USAGE = """usage: gems COMMAND [OVERRIDES...]
+
+commands:
+  run [OVERRIDES]        one training job (default: small CosmoFlow on this machine)
+  sweep [OVERRIDES]      one job per combination of comma-separated values (a=1,2 b=x,y),
+                         or the sweep of +experiment=NAME; then the table and plot
+  results [DIR]          aggregate records under DIR (default results/) into table.md,
+                         table.csv and scaling.png per sweep
+  render [OVERRIDES]     print the sbatch script this configuration would submit
+  plan [OVERRIDES]       memory plan per rank without starting the world
+  data synth [OVERRIDES] write a synthetic HDF5 dataset (data.path, data.num_samples)
+  bench NAME             side-by-side benchmark: overhead, spatial, pipeline
+
+overrides: key=value (train.steps=10), group=option (model=unet3d cluster=local_slurm),
+           +experiment=NAME (see conf/experiment/). Keys: see conf/ and gems/config.py.
+"""
+
+
+def _err(msg: str) -> None:
+    print(f"gems: error: {msg}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gems.errors import ConfigError, RunError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if "-h" in rest or "--help" in rest:
+        print(USAGE)
+        return 0
+    commands: dict[str, Callable[[list[str]], int]] = {
+        "run": cmd_run, "sweep": cmd_sweep, "results": cmd_results, "render": cmd_render,
+        "plan": cmd_plan, "data": cmd_data, "bench": cmd_bench,
+    }
+    if cmd not in commands:
+        _err(f"command={cmd}: expected one of {', '.join(commands)}")
+        return 2
+    try:
+        return commands[cmd](rest)
+    except ConfigError as e:
+        _err(str(e))
+        return 2
+    except RunError as e:
+        _err(str(e))
+        return 1
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+
+
+# ---------------------------------------------------------------------------- run
+def _prepare(cfg: Any) -> Any:
+    """Fill in the run id and check what needs the file system before launching."""
+    from omegaconf import open_dict
+
+    from gems.errors import ConfigError
+    from gems.results.record import default_name, new_run_id
+
+    with open_dict(cfg):
+        if not cfg.get("run_id"):
+            cfg.run_id = new_run_id(default_name(cfg))
+    results = Path(cfg.results.dir)
+    if results.exists() and not results.is_dir():
+        raise ConfigError("results.dir", str(results), "a folder (a file of that name exists)")
+    if cfg.data.name == "hdf5":
+        path = Path(str(cfg.data.path))
+        if not path.exists():
+            raise ConfigError("data.path", str(path), "an existing folder of .h5 samples (write one with `gems data synth data.path=...`)")
+    from gems.models import build_model
+
+    build_model(cfg.model)  # a model that cannot be built is bad input: fail before launching
+    if cfg.parallel.schedule in ("mast", "master") and cfg.parallel.pipeline < 2:
+        raise ConfigError("parallel.schedule", cfg.parallel.schedule, "parallel.pipeline >= 2 (GEMS mirrors partitions over D ranks), or schedule=lp")
+    return cfg
+
+
+def launch_one(cfg: Any, quiet: bool = False) -> dict[str, Any]:
+    if cfg.cluster.launcher == "slurm":
+        from gems.launch import slurm
+
+        return slurm.launch(cfg)
+    from gems.launch import local
+
+    if quiet:
+        return local.launch(cfg)
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    with console.status(f"[bold]{cfg.run_id}[/]: starting") as status:
+        return local.launch(cfg, on_progress=lambda s: status.update(f"[bold]{cfg.run_id}[/]: {s}"))
+
+
+def print_rows(records: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from gems.results.table import rows_for
+
+    cols = ("name", "status", "world", "mesh", "schedule", "batch", "samples/s", "samples/s/gpu", "step_s",
+            "peak_mem_MiB", "final_loss")
+    t = Table(show_header=True, header_style="bold")
+    for c in cols:
+        t.add_column(c)
+    for row in rows_for(records):
+        t.add_row(*[f"{row[c]:.4g}" if isinstance(row[c], float) else str(row[c]) for c in cols])
+    Console(width=None if sys.stdout.isatty() else 200).print(t)
+
+
+def cmd_run(overrides: list[str]) -> int:
+    from gems.config import compose
+
+    cfg = _prepare(compose(overrides))
+    record = launch_one(cfg)
+    print_rows([record])
+    from gems.results.record import record_path
+
+    print(f"record: {record_path(cfg)}")
+    if record.get("status") != "ok":
+        _err(f"run {cfg.run_id} failed: {record.get('error')}")
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------------------- sweep
+def expand_sweep(overrides: list[str]) -> tuple[list[list[str]], dict[str, Any]]:
+    """Split overrides into fixed ones and sweeps; return every combination (Hydra syntax)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from gems.config import compose
+    from gems.errors import ConfigError
+
+    parser = OverridesParser.create()
+    try:
+        parsed = parser.parse_overrides(overrides)
+    except Exception as e:
+        raise ConfigError("override", " ".join(overrides), f"Hydra override syntax ({str(e).splitlines()[0]})") from None
+    # sweeps defined by an experiment: hydra.sweeper.params
+    base = [o.input_line for o in parsed if not o.is_sweep_override()]
+    hcfg = compose(base, return_hydra_config=True)
+    exp_params = dict(hcfg.hydra.sweeper.get("params") or {})
+    given = {o.get_key_element(): o for o in parsed}
+    axes: list[list[str]] = []
+    for key, spec in exp_params.items():
+        if key in given:
+            continue
+        ov = parser.parse_override(f"{key}={spec}")
+        axes.append([f"{key}={v}" for v in ov.sweep_string_iterator()] if ov.is_sweep_override() else [f"{key}={spec}"])
+    for o in parsed:
+        if o.is_sweep_override():
+            axes.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
+    combos = [base + list(c) for c in itertools.product(*axes)] if axes else [base]
+    meta = {"experiment": next((o.value() for o in parsed if o.get_key_element() in ("+experiment", "experiment")), None)}
+    return combos, meta
+
+
+def cmd_sweep(overrides: list[str]) -> int:
+    from omegaconf import open_dict
+
+    from gems.config import compose
+    from gems.results.table import aggregate
+
+    combos, meta = expand_sweep(overrides)
+    cfgs = []
+    sweep_name = None
+    for combo in combos:  # compose and validate every job before any runs
+        cfg = compose(combo)
+        if sweep_name is None:
+            sweep_name = cfg.results.get("sweep") or (f"{meta['experiment']}" if meta["experiment"] else None) \
+                or f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+        with open_dict(cfg):
+            cfg.results.sweep = sweep_name
+            cfg.results.dir = str(Path(cfg.results.dir) / sweep_name)
+        cfgs.append(_prepare(cfg))
+    print(f"sweep {sweep_name}: {len(cfgs)} job(s)", flush=True)
+    records = []
+    if cfgs[0].cluster.launcher == "slurm":
+        from gems.launch import slurm
+
+        records = slurm.launch_many(cfgs)
+    else:
+        for i, cfg in enumerate(cfgs):
+            print(f"[{i + 1}/{len(cfgs)}] {cfg.run_id}", flush=True)
+            records.append(launch_one(cfg))
+    print_rows(records)
+    root = Path(cfgs[0].results.dir).parent
+    out = aggregate(root, only_sweep=sweep_name)
+    for folder in out.values():
+        print(f"table: {folder / 'table.md'}\nplot: {folder / 'scaling.png'}")
+    failed = [r for r in records if r.get("status") != "ok"]
+    if failed:
+        _err(f"{len(failed)} of {len(records)} job(s) failed: " + "; ".join(f"{r['run_id']}: {r.get('error')}" for r in failed))
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------------------- results, render, plan, data, bench
+def cmd_results(args: list[str]) -> int:
+    from gems.results.table import aggregate, load_records, markdown, rows_for
+
+    root = Path(args[0]) if args else Path("results")
+    out = aggregate(root)
+    by_sweep: dict[str, list[dict[str, Any]]] = {}
+    for r in load_records(root):
+        by_sweep.setdefault(r.get("sweep") or "runs", []).append(r)
+    for sweep, folder in out.items():
+        print(markdown(rows_for(by_sweep[sweep]), sweep))
+        print(f"written: {folder / 'table.md'}, {folder / 'table.csv'}, {folder / 'scaling.png'}\n")
+    return 0
+
+
+def cmd_render(overrides: list[str]) -> int:
+    from gems.config import compose
+
+    cfg = _prepare(compose(overrides))
+    from gems.launch.render import render
+
+    print(render(cfg), end="")
+    return 0
+
+
+def cmd_plan(overrides: list[str]) -> int:
+    from gems.errors import ConfigError
+
+    try:
+        from gems.plan import plan_main
+    except ImportError:
+        raise ConfigError("command", "plan", "run, sweep, results, render, data synth or bench (the memory planner is not built yet)") from None
+    from gems.config import compose
+
+    return int(plan_main(compose(overrides)) or 0)
+
+
+def cmd_data(args: list[str]) -> int:
+    from gems.errors import ConfigError
+
+    if not args or args[0] != "synth":
+        raise ConfigError("data", args[0] if args else "", "`gems data synth data.path=DIR [data.num_samples=N] [model.size=N]`")
+    from gems.config import compose
+    from gems.data.synth import synth_main
+
+    return int(synth_main(compose(["data=hdf5", *args[1:]]) if not any(a.startswith("data=") for a in args[1:])
+                          else compose(args[1:])) or 0)
+
+
+BENCHES = {
+    "overhead": ("gems.bench.overhead", "bench_overhead"),
+    "spatial": ("gems.bench.spatial", "bench_spatial"),
+    "pipeline": ("gems.bench.pipeline", "bench_pipeline"),
+}
+
+
+def cmd_bench(args: list[str]) -> int:
+    import importlib
+
+    from gems.errors import ConfigError
+
+    if not args or args[0] not in BENCHES:
+        raise ConfigError("bench", args[0] if args else "", "one of " + ", ".join(BENCHES))
+    mod, fn = BENCHES[args[0]]
+    out_dir = Path("results") / "bench"
+    for a in args[1:]:
+        if a.startswith("out="):
+            out_dir = Path(a.split("=", 1)[1])
+        else:
+            raise ConfigError("bench option", a, "out=DIR")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = getattr(importlib.import_module(mod), fn)(out_dir)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

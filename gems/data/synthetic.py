@@ -1,0 +1,72 @@
+"""Synthetic samples that are a pure function of (seed, sample index).
+
+Every mesh must see the same global batch, so a sample cannot depend on the
+rank that draws it. A sample is generated plane by plane along spatial dim 0
+(depth in 3D, height in 2D), each plane from its own seeded generator, so a
+rank that holds a slab of planes generates only those planes: a spatial part
+of a 512^3 sample costs its share, not the whole sample.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def _gen(seed: int, index: int, plane: int) -> torch.Generator:
+    return torch.Generator().manual_seed(((seed * 1_000_003 + index) * 100_003 + plane + 7) & 0x7FFF_FFFF_FFFF)
+
+
+def sample_input(seed: int, index: int, shape: Sequence[int], slices: Sequence[slice] | None = None) -> torch.Tensor:
+    """Input of ``index`` with ``shape`` = (C, *spatial); ``slices`` picks a part of the spatial dims."""
+    c, *spatial = [int(s) for s in shape]
+    sl = list(slices) if slices is not None else [slice(0, n) for n in spatial]
+    sl += [slice(0, n) for n in spatial[len(sl):]]
+    rest = [c, *spatial[1:]]
+    planes = range(*sl[0].indices(spatial[0]))
+    out = []
+    for d in planes:
+        plane = torch.randn(rest, generator=_gen(seed, index, d))
+        out.append(plane[(slice(None), *sl[1:])])
+    return torch.stack(out, dim=1)
+
+
+def sample_target(seed: int, index: int, kind: str, num_outputs: int, loss: str,
+                  spatial: Sequence[int] = (), slices: Sequence[slice] | None = None) -> torch.Tensor:
+    """Target of ``index``: a vector of ``num_outputs`` (mse), a class index (cross-entropy),
+    or one class per cell shaped like ``spatial`` (dense), optionally only the part ``slices``."""
+    g = _gen(seed, index, -1)
+    if kind == "dense":
+        full_planes = [torch.randint(0, num_outputs, tuple(spatial[1:]), generator=_gen(seed, index, -2 - d))
+                       for d in range(*(slices[0] if slices else slice(0, spatial[0])).indices(spatial[0]))]
+        t = torch.stack(full_planes, dim=0)
+        if slices:
+            t = t[(slice(None), *slices[1:])]
+        return t
+    if loss == "cross_entropy":
+        return torch.randint(0, num_outputs, (), generator=g)
+    return torch.rand(num_outputs, generator=g) * 2 - 1
+
+
+class SyntheticData:
+    """The dataset of ``num_samples`` synthetic samples for a model spec."""
+
+    def __init__(self, spec: object, seed: int, num_samples: int) -> None:
+        self.spec = spec
+        self.seed = seed
+        self.num_samples = num_samples
+
+    def batch(self, indices: Sequence[int], slices: Sequence[slice] | None = None,
+              want_input: bool = True, want_target: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        spec = self.spec
+        xs, ys = [], []
+        for i in indices:
+            j = i % self.num_samples
+            if want_input:
+                xs.append(sample_input(self.seed, j, spec.input_shape, slices))  # type: ignore[attr-defined]
+            if want_target:
+                ys.append(sample_target(self.seed, j, spec.target, spec.num_outputs, spec.loss,  # type: ignore[attr-defined]
+                                        spec.input_shape[1:], slices if spec.target == "dense" else None))  # type: ignore[attr-defined]
+        x = torch.stack(xs) if xs else None
+        y = torch.stack(ys) if ys else None
+        return x, y

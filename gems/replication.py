@@ -1,0 +1,177 @@
+"""Replication: gradients summed over every rank that holds a copy of a parameter.
+
+One reducer serves every strategy. Data-parallel replicas, the spatial parts
+of a sample and the mirrored partitions of GEMS-MAST all hold copies of the
+same parameters and each computes a *weighted* share of the global loss
+(docs/design.md), so the exact gradient is the plain **sum** over the copies:
+no averaging, no special cases.
+
+The sum is bucketed and overlapped with the backward pass, as in
+DistributedDataParallel: a post-accumulate-grad hook marks a parameter ready
+once it has received its last gradient of the step; a bucket whose
+parameters are all ready is flattened and its all-reduce launched at once,
+in bucket order on every rank (collectives must be issued in the same order
+everywhere). ``finish()`` waits for the rest and writes the sums back.
+
+Two transports: torch.distributed (gloo, nccl) and MPI through mpi4py
+(``comm.backend=mpi``; host buffers, or device buffers where the MPI library
+is CUDA-aware). PyTorch wheels carry no MPI backend, so this path is gems' own.
+DDP would do the torch path for plain replication, but not the MPI path, the
+mirrored partitions or the multi-pass schedules; one reducer keeps them equal.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+
+class _MPIGroup:
+    """A sub-communicator of COMM_WORLD over ``ranks`` (collective: every rank calls it)."""
+
+    def __init__(self, world_comm: Any, ranks: list[int]) -> None:
+        me = world_comm.Get_rank()
+        color = min(ranks) if me in ranks else -1
+        self.comm = world_comm.Split(color if color >= 0 else 0x7FFFFFF, key=me)
+        self.cuda_aware = os.environ.get("GEMS_MPI_CUDA_AWARE", "0") == "1"
+
+
+def mpi_group(world_comm: Any, mesh: Any, rank: int) -> _MPIGroup:
+    """Build the MPI gradient communicator matching ``mesh.ranks('grad')``.
+
+    Every rank calls this once with its own grad ranks; ranks sharing a group
+    share its smallest rank as colour.
+    """
+    return _MPIGroup(world_comm, mesh.ranks("grad") or [rank])
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.ready = 0
+        self.handle: Any = None
+        self.flat: torch.Tensor | None = None
+        self.host: Any = None
+
+
+class GradientReducer:
+    """Sum the gradients of ``params`` over a group, overlapped with backward.
+
+    ``params`` must be listed in the same order on every rank of the group.
+    ``group`` is a torch.distributed group, or an ``_MPIGroup`` from
+    :func:`mpi_group`, or None for a group of one (then nothing happens).
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], group: Any, bucket_mb: float = 25.0) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.group = group
+        self.enabled = group is not None
+        self.is_mpi = isinstance(group, _MPIGroup)
+        cap = max(1, int(bucket_mb * 2**20))
+        # buckets in reverse registration order: roughly the order gradients arrive
+        self.buckets: list[_Bucket] = []
+        cur: list[nn.Parameter] = []
+        size = 0
+        for p in reversed(self.params):
+            cur.append(p)
+            size += p.numel() * p.element_size()
+            if size >= cap:
+                self.buckets.append(_Bucket(cur))
+                cur, size = [], 0
+        if cur:
+            self.buckets.append(_Bucket(cur))
+        self._where = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+        self._expected: dict[int, int] = {}
+        self._count: dict[int, int] = {}
+        self._next = 0  # next bucket to launch
+        self._armed = False
+        self.wait_s = 0.0
+        self._hooks = []
+        if self.enabled:
+            for p in self.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    # ---- step protocol ----------------------------------------------------------
+    def start_step(self, expected: int | Callable[[nn.Parameter], int] = 1) -> None:
+        """Arm the hooks: a parameter is ready after ``expected`` gradient accumulations this step."""
+        for b in self.buckets:
+            b.ready, b.handle, b.flat, b.host = 0, None, None, None
+        self._count = {id(p): 0 for p in self.params}
+        self._expected = {id(p): (expected(p) if callable(expected) else expected) for p in self.params}
+        self._next = 0
+        self._armed = True
+        self.wait_s = 0.0
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self._armed:
+            return
+        k = id(p)
+        self._count[k] += 1
+        if self._count[k] == self._expected[k]:
+            b = self.buckets[self._where[k]]
+            b.ready += 1
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        grads = []
+        for p in b.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad.reshape(-1))
+        b.flat = torch.cat(grads) if len(grads) > 1 else grads[0].clone()
+        if self.is_mpi:
+            from mpi4py import MPI
+
+            if b.flat.is_cuda and not self.group.cuda_aware:
+                b.host = b.flat.cpu()
+                buf = b.host.numpy()
+            else:
+                b.host = b.flat if not b.flat.is_cuda else None
+                buf = b.flat.numpy() if not b.flat.is_cuda else b.flat
+            b.handle = self.group.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        else:
+            import torch.distributed as dist
+
+            b.handle = dist.all_reduce(b.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def finish(self) -> float:
+        """Launch what the hooks did not, wait for every bucket, write sums back. Returns seconds waited."""
+        if not self.enabled:
+            self._armed = False
+            return 0.0
+        t0 = time.perf_counter()
+        while self._next < len(self.buckets):  # parameters that got no (or fewer) gradients this step
+            self._launch(self.buckets[self._next])
+            self._next += 1
+        for b in self.buckets:
+            b.handle.wait() if not self.is_mpi else b.handle.Wait()
+            if self.is_mpi and b.host is not None and b.flat is not None and b.flat.is_cuda:
+                b.flat.copy_(b.host)
+            assert b.flat is not None
+            off = 0
+            for p in b.params:
+                n = p.numel()
+                p.grad.copy_(b.flat[off:off + n].view_as(p.grad))
+                off += n
+            b.flat, b.host, b.handle = None, None, None
+        self._armed = False
+        self.wait_s = time.perf_counter() - t0
+        return self.wait_s
+
+    def reduce_now(self) -> float:
+        """Sum all gradients at once (no overlap): for callers that do not arm hooks."""
+        self.start_step(expected=1 << 30)
+        return self.finish()
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

@@ -1,0 +1,167 @@
+"""The results record: one JSON file per run, written atomically by rank 0.
+
+The fields are the public interface (INTERFACE.md, "The results record");
+``SCHEMA`` is bumped when a field changes meaning. ``write_record`` writes
+a temporary file beside the target and renames it into place, so a reader
+never sees half a record and an existing record is never overwritten.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "gems.record/1"
+
+REQUIRED = (
+    "schema", "run_id", "name", "sweep", "status", "config", "world_size", "nodes", "mesh", "schedule",
+    "global_batch", "steps", "throughput_samples_per_s", "step_time_s", "time_breakdown_s",
+    "peak_memory_bytes", "loss", "restarts", "env",
+)
+BREAKDOWN_KEYS = ("compute", "pipeline_comm", "halo", "allreduce", "bubble_or_wait", "data")
+
+
+def new_run_id(name: str) -> str:
+    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+def default_name(cfg: Any) -> str:
+    if cfg.results.get("name"):
+        return str(cfg.results.name)
+    p = cfg.parallel
+    sp = p.spatial if isinstance(p.spatial, int) else "x".join(str(s) for s in p.spatial)
+    size = cfg.model.get("size")
+    model = f"{cfg.model.name}{size}" if size and cfg.model.name != "custom" else cfg.model.name
+    return f"{model}-R{p.replicas}D{p.pipeline}S{sp}-{p.schedule}"
+
+
+def record_path(cfg: Any) -> Path:
+    return Path(cfg.results.dir) / f"{cfg.run_id}.json"
+
+
+def git_commit() -> str | None:
+    try:
+        here = Path(__file__).resolve().parent
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def env_info(world: Any = None, hosts: list[str] | None = None) -> dict[str, Any]:
+    import torch
+
+    gpu = None
+    if world is not None and getattr(world, "device", None) is not None and world.device.type == "cuda":
+        gpu = torch.cuda.get_device_name(world.device)
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "backend": None if world is None else (world.backend + ("+mpi" if world.grad_comm == "mpi" else "")),
+        "device": None if world is None else world.device.type,
+        "gpu_name": gpu,
+        "cpu": platform.processor() or platform.machine(),
+        "hostnames": sorted(set(hosts or [platform.node()])),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "launcher": None if world is None else world.source,
+        "git_commit": git_commit(),
+    }
+
+
+def build_record(cfg: Any, world: Any, mesh: Any, *, losses: list[float], step_times: list[float],
+                 global_batch: int, breakdown: dict[str, float], peaks: list[int], hosts: list[str],
+                 wall_s: float) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    median = statistics.median(step_times) if step_times else float("nan")
+    return {
+        "schema": SCHEMA,
+        "run_id": cfg.run_id,
+        "name": default_name(cfg),
+        "sweep": cfg.results.get("sweep"),
+        "status": "ok",
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "world_size": world.size,
+        "nodes": len(set(hosts)),
+        "mesh": {"replicas": mesh.replicas, "pipeline": mesh.pipeline, "spatial": mesh.spatial,
+                 "spatial_parts": list(mesh.parts), "spatial_dims": list(mesh.spatial_dims)},
+        "schedule": cfg.parallel.schedule,
+        "global_batch": global_batch,
+        "steps": len(losses),
+        "warmup_steps": int(cfg.train.warmup_steps),
+        "throughput_samples_per_s": global_batch / median if step_times else 0.0,
+        "step_time_s": {"median": median, "min": min(step_times, default=float("nan")),
+                        "max": max(step_times, default=float("nan")), "all": step_times},
+        "time_breakdown_s": {k: float(breakdown.get(k, 0.0)) for k in BREAKDOWN_KEYS},
+        "peak_memory_bytes": {"max": max(peaks), "per_rank": peaks},
+        "loss": [float(x) for x in losses],
+        "restarts": int(os.environ.get("SLURM_RESTART_COUNT", 0) or 0),
+        "wall_s": wall_s,
+        "env": env_info(world, hosts),
+    }
+
+
+def failed_record(cfg: Any, error: str, world_size: int | None = None, hosts: list[str] | None = None) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    from gems.mesh import mesh_from_config
+
+    mesh = mesh_from_config(cfg)
+    return {
+        "schema": SCHEMA, "run_id": cfg.run_id, "name": default_name(cfg), "sweep": cfg.results.get("sweep"),
+        "status": "failed", "error": error, "config": OmegaConf.to_container(cfg, resolve=True),
+        "world_size": world_size or mesh.size, "nodes": len(set(hosts or [])) or int(cfg.cluster.nodes),
+        "mesh": {"replicas": mesh.replicas, "pipeline": mesh.pipeline, "spatial": mesh.spatial,
+                 "spatial_parts": list(mesh.parts), "spatial_dims": list(mesh.spatial_dims)},
+        "schedule": cfg.parallel.schedule, "global_batch": int(cfg.train.batch_size), "steps": 0,
+        "throughput_samples_per_s": None, "step_time_s": None,
+        "time_breakdown_s": None, "peak_memory_bytes": None, "loss": [], "restarts": 0,
+        "env": env_info(None, hosts),
+    }
+
+
+def write_record(path: Path | str, record: dict[str, Any]) -> Path:
+    """Write ``record`` to ``path`` atomically; never replace an existing record."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".record-", suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, indent=1, allow_nan=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, path)  # fails if a record already exists there
+    finally:
+        os.unlink(tmp)
+    return path
+
+
+def read_record(path: Path | str) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
+def validate_record(r: dict[str, Any]) -> list[str]:
+    """Problems with a record, empty when it is well formed."""
+    problems = [f"missing field {k}" for k in REQUIRED if k not in r]
+    if r.get("schema") != SCHEMA:
+        problems.append(f"schema {r.get('schema')!r} != {SCHEMA!r}")
+    if r.get("status") not in ("ok", "failed"):
+        problems.append(f"status {r.get('status')!r}")
+    if r.get("status") == "failed" and not r.get("error"):
+        problems.append("failed record without error")
+    if r.get("status") == "ok":
+        if len(r.get("loss", [])) != r.get("steps"):
+            problems.append("one loss per step expected")
+        if set(r.get("time_breakdown_s", {})) != set(BREAKDOWN_KEYS):
+            problems.append("time_breakdown_s keys")
+        if len(r["peak_memory_bytes"]["per_rank"]) != r["world_size"]:
+            problems.append("peak memory per rank")
+    return problems

@@ -1,0 +1,384 @@
+"""The gems worker: what every rank runs, from configuration to results record.
+
+``run_rank(cfg_yaml)`` is the entry on every launcher (local processes,
+submitit tasks, ``srun``/``mpiexec`` via ``python -m gems.worker --config``).
+It bootstraps the world (gems/bootstrap.py), builds the R x D x S mesh,
+builds the model and composes the strategies in :func:`parallelize`, runs the
+step loop with warm-up, and rank 0 writes the results record.
+
+The strategies are composed in one place, in this order (docs/design.md):
+spatial parts inside each layer, then pipeline partitions over the layers,
+then the gradient sum over every copy of each parameter.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import statistics
+import sys
+import time
+import traceback
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from gems.bootstrap import World, init_world
+from gems.errors import ConfigError
+from gems.mesh import Mesh, mesh_from_config
+from gems.models import ModelSpec, build_model
+from gems.models.layers import batch_context
+from gems.replication import GradientReducer, mpi_group
+from gems.results import record as rec
+from gems import timers
+
+
+# ---------------------------------------------------------------------------- memory
+def _rss_status(field_name: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class MemoryMeter:
+    """Peak memory of this rank: torch.cuda's peak on GPU, peak RSS growth on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.base = 0
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = 0
+        else:
+            try:  # reset the kernel's high-water mark (Linux >= 4.0)
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                pass
+            self.base = _rss_status("VmRSS")
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return max(0, _rss_status("VmHWM") - self.base)
+
+
+# ---------------------------------------------------------------------------- loss
+def make_loss_fn(spec: ModelSpec, mesh: Mesh, global_batch: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The weighted local loss: summed over all ranks it equals the serial mean loss (docs/design.md)."""
+    gathered = mesh.spatial_enabled and spec.spatial_end is not None
+    part_weight = 1.0 / mesh.spatial if gathered else 1.0
+
+    if spec.target == "dense":
+        cells = math.prod(spec.input_shape[1:])
+
+        def dense(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            if spec.loss == "cross_entropy":
+                s = F.cross_entropy(out.float(), y, reduction="sum")
+            else:
+                s = F.mse_loss(out.float(), y.float(), reduction="sum") / out.shape[1]
+            return s / (cells * global_batch)
+
+        return dense
+
+    def vector(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if spec.loss == "cross_entropy":
+            s = F.cross_entropy(out.float(), y, reduction="sum")
+        else:
+            s = F.mse_loss(out.float(), y.float(), reduction="sum") / out.shape[1]
+        return s * (part_weight / global_batch)
+
+    return vector
+
+
+# ---------------------------------------------------------------------------- composition
+@dataclass
+class Parallel:
+    """What one rank trains: a forward/backward step function and its parameters."""
+
+    step: Callable[[torch.Tensor | None, torch.Tensor | None, list[int], int], float]
+    params: list[nn.Parameter]
+    modules: list[nn.Module]
+    reducer: GradientReducer
+    input_slices: tuple[slice, ...] | None  # this rank's spatial part of a sample
+    needs_input: bool
+    needs_target: bool
+    samples_per_step: int  # samples this rank's replica line trains per step
+    stats: Callable[[], dict[str, float]] = field(default=lambda: {})
+
+
+def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig) -> Parallel:
+    """Compose the strategies for this rank, in this order:
+
+    1. spatial: each layer works on this rank's part of the sample (S > 1);
+    2. pipeline: the layers are split into D partitions and a schedule runs
+       them (D > 1, or a GEMS schedule);
+    3. replication: gradients are summed over every rank that holds a copy.
+    """
+    rank, device = world.rank, world.device
+    p = cfg.parallel
+    B, R = int(cfg.train.batch_size), mesh.replicas
+    local_batch = B // R
+    seed = int(cfg.train.seed)
+    loss_fn = make_loss_fn(spec, mesh, B)
+    seq: nn.Sequential = spec.module
+    slices: tuple[slice, ...] | None = None
+
+    # 1. spatial
+    if mesh.spatial_enabled:
+        from gems.spatial import SpatialContext, apply_spatial
+
+        ctx = SpatialContext.from_mesh(mesh, rank)
+        slices = tuple(ctx.local_slices(spec.input_shape[1:]))
+        seq = apply_spatial(seq, ctx, spec.spatial_end, bn_stats=p.bn_stats)
+
+    seq = seq.to(device)
+    if device.type == "cuda" and spec.spatial_ndim in (2, 3):
+        seq = seq.to(memory_format=torch.channels_last if spec.spatial_ndim == 2 else torch.channels_last_3d)
+    amp = _autocast(cfg.train.precision, device)
+
+    # 2. pipeline
+    gems_schedule = p.schedule in ("gpipe", "1f1b", "mast", "master") or mesh.pipeline_enabled
+    if gems_schedule:
+        from gems.pipeline import apply_pipeline
+
+        runner = apply_pipeline(
+            seq, mesh, rank, schedule=p.schedule, micro_batches=int(p.micro_batches),
+            gems_replicas=int(p.gems_replicas), balance=list(p.balance) if p.balance else None,
+            checkpoint=bool(p.checkpoint), sample_shape=_local_shape(spec, slices), loss_fn=loss_fn,
+            local_batch=local_batch, device=device, autocast=amp,
+        )
+        params = list(runner.parameters())
+        reducer = _reducer(params, mesh, world, cfg)
+
+        def pipe_step(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int) -> float:
+            reducer.start_step(expected=runner.expected_grad_counts())
+            loss = runner.step(x, y, ids, seed, step)
+            reducer.finish()
+            return float(loss)
+
+        return Parallel(pipe_step, params, list(runner.modules), reducer, slices,
+                        runner.needs_input, runner.needs_target, runner.samples_per_step,
+                        getattr(runner, "stats", lambda: {}))
+
+    # no pipeline: one forward and backward of the whole (spatial) model
+    params = list(seq.parameters())
+    reducer = _reducer(params, mesh, world, cfg)
+    if p.checkpoint:
+        from torch.utils.checkpoint import checkpoint_sequential
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return checkpoint_sequential(seq, max(1, len(seq) // 2), x, use_reentrant=False)
+    else:
+        forward = seq
+
+    def plain_step(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int) -> float:
+        assert x is not None and y is not None
+        reducer.start_step()
+        with batch_context(seed, step, ids):
+            with amp:
+                out = forward(x)
+            loss = loss_fn(out, y)
+            loss.backward()
+        reducer.finish()
+        return float(loss.detach())
+
+    return Parallel(plain_step, params, [seq], reducer, slices, True, True, local_batch)
+
+
+def _local_shape(spec: ModelSpec, slices: tuple[slice, ...] | None) -> tuple[int, ...]:
+    if slices is None:
+        return tuple(spec.input_shape)
+    spatial = [len(range(*s.indices(n))) for s, n in zip(slices, spec.input_shape[1:])]
+    return (spec.input_shape[0], *spatial)
+
+
+def _autocast(precision: str, device: torch.device) -> Any:
+    if precision == "fp32":
+        return nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    if precision == "fp16" and device.type != "cuda":
+        raise ConfigError("train.precision", precision, "fp32 or bf16 on CPU (fp16 needs a GPU)")
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def _reducer(params: list[nn.Parameter], mesh: Mesh, world: World, cfg: DictConfig) -> GradientReducer:
+    bucket = float(cfg.comm.bucket_mb)
+    if world.grad_comm == "mpi":
+        group: Any = mpi_group(world.mpi_comm, mesh, world.rank) if len(mesh.ranks("grad")) > 1 else None
+    else:
+        group = mesh.group("grad")
+    return GradientReducer(params, group, bucket)
+
+
+def make_optimizer(cfg: DictConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    t = cfg.train
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=float(t.lr), momentum=float(t.get("momentum", 0.9)))
+    return torch.optim.Adam(params, lr=float(t.lr))
+
+
+# ---------------------------------------------------------------------------- data
+def make_data(cfg: DictConfig, spec: ModelSpec) -> Any:
+    if cfg.data.name == "hdf5":
+        from gems.data.hdf5 import HDF5Data
+
+        return HDF5Data(cfg.data.path, spec)
+    from gems.data.synthetic import SyntheticData
+
+    return SyntheticData(spec, int(cfg.train.seed), int(cfg.data.num_samples))
+
+
+def replica_indices(step: int, batch: int, replicas: int, replica: int) -> list[int]:
+    """Global sample indices of replica ``replica`` at ``step`` (contiguous shares of the step's batch)."""
+    share = batch // replicas
+    start = step * batch + replica * share
+    return list(range(start, start + share))
+
+
+# ---------------------------------------------------------------------------- the run
+def train(cfg: DictConfig, world: World) -> dict[str, Any]:
+    """Train on this rank; returns the record (complete on rank 0)."""
+    import torch.distributed as dist
+
+    t_start = time.time()
+    if cfg.train.threads and world.device.type == "cpu":
+        torch.set_num_threads(int(cfg.train.threads))
+    mesh = mesh_from_config(cfg, world.size)
+    mirrored = cfg.parallel.schedule in ("mast", "master")
+    if world.size > 1:
+        mesh.build_groups(world.rank, mirrored=mirrored)
+    else:
+        mesh.groups.update(grad=None, grad_ranks=[0])
+    coord = mesh.coord(world.rank)
+    torch.manual_seed(int(cfg.train.seed))
+    spec = build_model(cfg.model)  # same seed everywhere: every copy starts from the same weights
+    meter = MemoryMeter(world.device)
+    meter.reset()
+    par = parallelize(spec, mesh, world, cfg)
+    opt = make_optimizer(cfg, par.params)
+    data = make_data(cfg, spec)
+    B, R = int(cfg.train.batch_size), mesh.replicas
+    steps, warm = int(cfg.train.steps), int(cfg.train.warmup_steps)
+
+    losses: list[float] = []
+    step_times: list[float] = []
+    breakdown = {k: 0.0 for k in ("compute", "pipeline_comm", "halo", "allreduce", "bubble_or_wait", "data")}
+    timers.reset()
+    for step in range(steps):
+        if cfg.fault.kill_rank == world.rank and cfg.fault.at_step == step:
+            print(f"gems: fault injection: killing rank {world.rank} at step {step}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        _sync(world.device)
+        t0 = time.perf_counter()
+        ids = replica_indices(step, B, R, coord.replica)
+        x, y = data.batch(ids, par.input_slices, want_input=par.needs_input, want_target=par.needs_target)
+        x = x.to(world.device, non_blocking=True) if x is not None else None
+        y = y.to(world.device, non_blocking=True) if y is not None else None
+        t_data = time.perf_counter() - t0
+        timers.reset()
+        loss = par.step(x, y, ids, step)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(world.device)
+        dt = time.perf_counter() - t0
+        losses.append(loss)
+        if world.rank == 0:
+            print(f"gems: step {step + 1}/{steps} {dt:.3f} s{' (warm-up)' if step < warm else ''}", flush=True)
+        if step >= warm:
+            step_times.append(dt)
+            t = timers.snapshot()
+            extra = par.stats()
+            breakdown["data"] += t_data
+            breakdown["allreduce"] += par.reducer.wait_s
+            breakdown["halo"] += t.get("halo", 0.0) + extra.get("halo", 0.0)
+            breakdown["pipeline_comm"] += t.get("pipeline_comm", 0.0) + extra.get("pipeline_comm", 0.0)
+            breakdown["bubble_or_wait"] += t.get("bubble_or_wait", 0.0) + extra.get("bubble_or_wait", 0.0)
+    measured = len(step_times)
+    for k in breakdown:
+        breakdown[k] /= max(1, measured)
+    median = statistics.median(step_times)
+    breakdown["compute"] = max(0.0, median - sum(v for k, v in breakdown.items() if k != "compute"))
+
+    # gather: global per-step loss, peak memory and host of every rank
+    peak = meter.peak()
+    loss_t = torch.tensor(losses, dtype=torch.float64)
+    hosts = [world.hostname]
+    peaks = [peak]
+    times = torch.tensor(step_times, dtype=torch.float64)
+    if world.size > 1:
+        dist.all_reduce(loss_t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank ends
+        gathered: list[Any] = [None] * world.size
+        dist.all_gather_object(gathered, (world.hostname, peak))
+        hosts = [g[0] for g in gathered]
+        peaks = [int(g[1]) for g in gathered]
+    step_times = times.tolist()
+    median = statistics.median(step_times)
+    # samples per step: the whole global batch (every replica line trains B/R; eta replicas included)
+    samples = par.samples_per_step * R
+    record = rec.build_record(
+        cfg, world, mesh, losses=loss_t.tolist(), step_times=step_times, global_batch=samples,
+        breakdown=breakdown, peaks=peaks, hosts=hosts, wall_s=time.time() - t_start,
+    )
+    return record
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_rank(cfg_yaml: str) -> dict[str, Any] | None:
+    """Entry point on every rank; rank 0 writes the record and returns it."""
+    import torch.distributed as dist
+
+    cfg = OmegaConf.create(cfg_yaml)
+    world = init_world(cfg)
+    try:
+        record = train(cfg, world)
+        if world.rank == 0:
+            rec.write_record(rec.record_path(cfg), record)
+            return record
+        return None
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # the peer may already be gone; the record says why
+                pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gems.worker", description="Run one gems rank (launchers call this).")
+    ap.add_argument("--config", required=True, help="resolved configuration YAML written by the launcher")
+    args = ap.parse_args(argv)
+    try:
+        with open(args.config) as f:
+            text = f.read()
+        run_rank(text)
+    except ConfigError as e:
+        print(f"gems: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except Exception:
+        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("PMI_RANK", "?")))
+        print(f"gems: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
