@@ -165,6 +165,9 @@ CHOICES = {
 def register_schemas() -> None:
     from hydra.core.config_store import ConfigStore
 
+    # arithmetic for experiments, e.g. a weak-scaling batch: ${mul:${parallel.replicas},4}
+    OmegaConf.register_new_resolver("mul", lambda a, b: int(a) * int(b), replace=True)
+
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=GemsConf)
     for group, schema in GROUP_SCHEMAS.items():
@@ -206,13 +209,22 @@ def compose(overrides: list[str] | tuple[str, ...] = (), return_hydra_config: bo
         bad = next((o for o in overrides if o and str(e).find(o) >= 0), " ".join(overrides))
         raise ConfigError("override", bad, "key=value, group=option or +experiment=NAME") from None
     except ConfigCompositionException as e:
-        raise _composition_error(e, list(overrides)) from None
+        raise _with_value(_composition_error(e, list(overrides)), overrides) from None
     except Exception as e:  # omegaconf validation errors carry the key
-        raise _omegaconf_error(e) from None
+        raise _with_value(_omegaconf_error(e), overrides) from None
     finally:
         GlobalHydra.instance().clear()
     validate(cfg)
     return cfg
+
+
+def _with_value(err: ConfigError, overrides: Any) -> ConfigError:
+    """Name the value the user typed for the failing key."""
+    for ov in overrides:
+        k, _, v = ov.lstrip("+~").partition("=")
+        if k == err.key:
+            return ConfigError(err.key, v, err.expected)
+    return err
 
 
 def _missing_option(msg: str, overrides: list[str]) -> ConfigError:
@@ -243,15 +255,16 @@ def _hint_for(msg: str) -> str:
 
 
 def _omegaconf_error(e: Exception) -> ConfigError:
+    import re
+
     key = getattr(e, "full_key", None) or "config"
     msg = str(e).splitlines()[0]
-    value = None
-    for line in str(e).splitlines():
-        if line.strip().startswith("Value:") or "Value '" in line:
-            value = line.split(":", 1)[-1].strip()
     if "not in struct" in msg or "Missing key" in msg or "Key '" in msg:
-        return ConfigError(key, value if value is not None else "(unknown key)", "a key that exists in the schema (see gems/config.py)")
-    return ConfigError(key, value if value is not None else "?", msg)
+        return ConfigError(key, "?", "a key that exists in the schema (gems/config.py); new keys take a + prefix")
+    m = re.search(r"Value '(.*)' of type '(\w+)' could not be converted to (\w+)", msg)
+    if m:
+        return ConfigError(key, m.group(1), f"a value of type {m.group(3).lower()}")
+    return ConfigError(key, "?", msg)
 
 
 def validate(cfg: DictConfig) -> None:

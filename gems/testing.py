@@ -10,6 +10,7 @@ that rank's traceback; a hang ends at ``timeout`` seconds.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from typing import Any, Callable
@@ -34,7 +35,8 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
         out = fn(rank, world, *args)
-        queue.put((rank, True, out))
+        # plain pickle copies tensor data: torch's queue would share memory that dies with this process
+        queue.put((rank, True, pickle.dumps(out)))
     except BaseException:  # report every failure to the parent, then exit non-zero
         queue.put((rank, False, traceback.format_exc()))
         raise SystemExit(1)
@@ -76,7 +78,7 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                         raise RuntimeError(f"run_world: rank(s) {dead} exited with {[procs[i].exitcode for i in dead]} without a result")
                 continue
             if ok:
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"--- rank {rank} ---\n{payload}")
                 break

@@ -22,7 +22,7 @@ Public API::
 """
 from __future__ import annotations
 
-import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -82,7 +82,9 @@ def sbatch_parameters(cfg: DictConfig) -> dict[str, Any]:
         "cpus_per_task": int(c.cpus_per_task),
         "wckey": "gems",
     }
-    if int(c.gpus_per_node or 0) > 0:
+    additional = OmegaConf.to_container(c.additional, resolve=True) if c.additional else {}
+    # sites that count GPUs as a generic resource (--gres=gpu:4) get that instead of --gpus-per-node
+    if int(c.gpus_per_node or 0) > 0 and "gres" not in additional:  # type: ignore[operator]
         params["gpus_per_node"] = int(c.gpus_per_node)
     if c.mem_gb is not None:
         params["mem"] = _mem(c.mem_gb)
@@ -96,7 +98,6 @@ def sbatch_parameters(cfg: DictConfig) -> dict[str, Any]:
     srun_args = [str(a) for a in (c.srun_args or [])]
     if srun_args:
         params["srun_args"] = srun_args
-    additional = OmegaConf.to_container(c.additional, resolve=True) if c.additional else {}
     if additional:
         params["additional_parameters"] = {str(k): v for k, v in additional.items()}  # type: ignore[union-attr]
     return params
@@ -380,46 +381,67 @@ def _tail(path: Path, lines: int) -> list[str]:
     return [ln for ln in text.rstrip().splitlines() if ln.strip()][-lines:]
 
 
-def stderr_tail(run: SlurmRun, lines: int = 15) -> str:
-    """The end of the error streams: srun's own messages, then the first failing task's stream."""
+_SRUN_EXIT = re.compile(r"tasks? ([0-9,\-]+): (Exited with exit code (\d+)|Killed|Segmentation fault|Aborted)")
+
+
+def _first_task(spec: str) -> int:
+    return int(re.split(r"[,\-]", spec)[0])
+
+
+def _is_slurm_line(line: str) -> bool:
+    return line.startswith(("srun:", "slurmstepd"))
+
+
+def stderr_tail(run: SlurmRun, lines: int = 15) -> tuple[str, str]:
+    """(headline, tail): which task failed first and the end of its error stream.
+
+    srun's own messages (in task 0's stream) name the first task that exited badly;
+    without them, the first task with no successful result is taken.
+    """
     from submitit.core import utils
 
-    results = _task_outcomes(run)
-    chunks: list[str] = []
-    first = utils.JobPaths(run.job_dir, job_id=run.job_id, task_id=0).stderr
-    srun_lines = [ln for ln in _tail(first, 400) if ln.startswith(("srun:", "slurmstepd:"))]
-    if srun_lines:
-        chunks.extend(srun_lines[-5:])
-    for t, res in enumerate(results):
-        if res is not None and res[0] == "success":
-            continue
-        tail = [ln for ln in _tail(utils.JobPaths(run.job_dir, job_id=run.job_id, task_id=t).stderr, 200)
-                if not ln.startswith(("srun:", "slurmstepd:")) and "submitit" not in ln]
-        if tail:
-            chunks.append(f"[task {t}]")
-            chunks.extend(tail[-lines:])
+    def err_path(t: int) -> Path:
+        return utils.JobPaths(run.job_dir, job_id=run.job_id, task_id=t).stderr
+
+    srun_lines = [ln for ln in _tail(err_path(0), 400) if _is_slurm_line(ln)]
+    culprit: int | None = None
+    headline = ""
+    for ln in srun_lines:
+        m = _SRUN_EXIT.search(ln)
+        if m and m.group(2) != "Killed":
+            culprit = _first_task(m.group(1))
+            code = m.group(3)
+            headline = f"task {culprit} " + (f"exited with status {code}" if code else m.group(2).lower())
             break
-    return "\n".join(chunks)
+    if culprit is None:
+        results = _task_outcomes(run)
+        culprit = next((t for t, r in enumerate(results) if r is None or r[0] != "success"), None)
+    chunks = srun_lines[-5:]
+    if culprit is not None:
+        tail = [ln for ln in _tail(err_path(culprit), 200) if not _is_slurm_line(ln) and "submitit" not in ln]
+        if tail:
+            headline = (headline or f"task {culprit}") + ": " + tail[-1].strip()
+            chunks += [f"[task {culprit} stderr]"] + tail[-lines:]
+    return headline, "\n".join(chunks)
 
 
 def _error_of(run: SlurmRun, state: str) -> str | None:
     results = _task_outcomes(run)
     errors = [(t, r[1]) for t, r in enumerate(results) if r is not None and r[0] == "error"]
     missing = [t for t, r in enumerate(results) if r is None]
-    if state == "COMPLETED" or (state == "GONE" and not errors and not missing):
-        if not errors and not missing:
-            return None
+    if state in ("COMPLETED", "GONE") and not errors and not missing:
+        return None
     if errors:
         t, trace = errors[0]
         last = [ln for ln in str(trace).strip().splitlines() if ln.strip()]
-        head = f"task {t} raised: {last[-1] if last else 'an exception'}"
+        head = f"task {t} raised {last[-1] if last else 'an exception'}"
         return head + "\n" + "\n".join(last[-12:])
-    where = f"tasks {missing[:8]} gave no result" if missing else "no task failed in Python"
     why = {"GONE": "the job left the queue", "TIMEOUT": "the job hit its time limit (cluster.time_min)",
            "CANCELLED": "the job was cancelled", "OUT_OF_MEMORY": "a task ran out of memory (cluster.mem_gb)",
            "NODE_FAIL": "a node failed"}.get(state, f"the job ended {state}")
-    tail = stderr_tail(run)
-    return f"{why}; {where}" + (f"\n{tail}" if tail else f" (no error output in {run.job_dir})")
+    headline, tail = stderr_tail(run)
+    where = headline or (f"tasks {missing[:8]} gave no result" if missing else "no task failed in Python")
+    return f"{why}: {where}" + (f"\n{tail}" if tail else f" (no error output in {run.job_dir})")
 
 
 def _outcome(run: SlurmRun, state: str, error: str | None) -> Outcome:
@@ -465,7 +487,7 @@ def poll(runs: Sequence[SlurmRun], finished: dict[str, Outcome], error_grace_s: 
         if now - run.submitted_at > run.timeout_s:
             _cancel(run)
             run.ended_at = now
-            tail = stderr_tail(run)
+            _, tail = stderr_tail(run)
             minutes = run.timeout_s / 60
             msg = (f"gave up after {minutes:g} min in state {run.state} (cluster.timeout_min; "
                    f"the job was cancelled)" + (f"\n{tail}" if tail else ""))

@@ -89,17 +89,27 @@ def balance_by_cost(costs: Sequence[float], D: int) -> list[int]:
 
 
 def _fake_run(layers: Sequence[nn.Module], sample: tuple[int, ...], dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Output (shape, dtype) of every layer for an input of shape ``sample`` (batch included), on fake tensors."""
+    """Output (shape, dtype) of every layer for an input of shape ``sample`` (batch included), on fake tensors.
+
+    Layers run in eval mode (shapes are the same; BatchNorm buffers and dropout are left alone).
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    modes = [(m, m.training) for layer in layers for m in layer.modules()]
+    for m, _ in modes:
+        m.training = False
     out = []
-    with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
-        x = torch.empty(sample, dtype=dtype)
-        for layer in layers:
-            x = layer(x)
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{type(layer).__name__} returned {type(x).__name__}; pipeline cuts carry one tensor")
-            out.append((tuple(x.shape), x.dtype))
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            x = torch.empty(sample, dtype=dtype)
+            for layer in layers:
+                x = layer(x)
+                if not isinstance(x, torch.Tensor):
+                    raise TypeError(f"{type(layer).__name__} returned {type(x).__name__}; pipeline cuts carry one tensor")
+                out.append((tuple(int(v) for v in x.shape), x.dtype))
+    finally:
+        for m, mode in modes:
+            m.training = mode
     return out
 
 

@@ -177,8 +177,8 @@ def lp(D: int, m: int = 1) -> Schedule:
     ``lp(2, 2)`` (``FA0s1`` = forward of pass A, micro-batch 0, stage 1)::
 
         tick   0     1     2     3     4     5     6     7     8     9     10    11
-        rank0  FA0s0 .     .     .     .     BA0s0 .     FA1s0 .     .     .     .     BA1s0 .
-        rank1  .     FA0s1 BA0s1 .     .     .     .     .     FA1s1 BA1s1 .     .     .     .
+        rank0  FA0s0 .     .     .     BA0s0 .     FA1s0 .     .     .     BA1s0 .
+        rank1  .     FA0s1 BA0s1 .     .     .     .     FA1s1 BA1s1 .     .     .
 
     (drawn by :func:`draw`; a backward takes two ticks, ``.`` is idle)
     """
@@ -190,7 +190,7 @@ def gpipe(D: int, m: int) -> Schedule:
 
     ``gpipe(2, 3)``::
 
-        tick   0     1     2     3     4     5     6     7     8     9
+        tick   0     1     2     3     4     5     6     7     8     9     10    11
         rank0  FA0s0 FA1s0 FA2s0 .     .     .     BA0s0 .     BA1s0 .     BA2s0 .
         rank1  .     FA0s1 FA1s1 FA2s1 BA0s1 .     BA1s1 .     BA2s1 .     .     .
     """
@@ -204,8 +204,8 @@ def one_f_one_b(D: int, m: int) -> Schedule:
 
         tick   0     1     2     3     4     5     6     7     8     9     10    11    12    13    14    15    16    17
         rank0  FA0s0 FA1s0 FA2s0 .     .     .     .     BA0s0 .     FA3s0 BA1s0 .     .     BA2s0 .     .     BA3s0 .
-        rank1  .     FA0s1 FA1s1 .     .     BA0s1 .     FA2s1 BA1s1 .     .     FA3s1 BA2s1 .     .     BA3s1 .     .
-        rank2  .     .     FA0s2 BA0s2 .     FA1s2 BA1s2 .     FA2s2 .     BA2s2 .     FA3s2 BA3s2 .     .     .     .
+        rank1  .     FA0s1 FA1s1 .     .     BA0s1 .     FA2s1 BA1s1 .     FA3s1 BA2s1 .     .     BA3s1 .     .     .
+        rank2  .     .     FA0s2 BA0s2 .     FA1s2 BA1s2 .     FA2s2 BA2s2 .     FA3s2 BA3s2 .     .     .     .     .
     """
     return _generate("1f1b", D, 1, m, False, "B", lambda s: min(D - s, m))
 
@@ -217,11 +217,11 @@ def mast(D: int, m: int = 1) -> Schedule:
     time A leaves idle. ``m > 1`` micro-batches per direction is Chimera.
     ``mast(4)``::
 
-        tick   0     1     2     3     4     5     6     7     8     9     10    11    12    13
-        rank0  FA0s0 .     .     FB0s3 BB0s3 .     .     .     .     .     BA0s0 .     .     .
-        rank1  .     FA0s1 FB0s2 .     .     .     BB0s2 .     .     BA0s1 .     .     .     .
-        rank2  .     FB0s1 FA0s2 .     .     .     BA0s2 .     .     BB0s1 .     .     .     .
-        rank3  FB0s0 .     .     FA0s3 BA0s3 .     .     .     .     .     BB0s0 .     .     .
+        tick   0     1     2     3     4     5     6     7     8     9     10    11
+        rank0  FA0s0 .     .     FB0s3 BB0s3 .     .     .     .     .     BA0s0 .
+        rank1  .     FA0s1 FB0s2 .     .     .     BB0s2 .     BA0s1 .     .     .
+        rank2  .     FB0s1 FA0s2 .     .     .     BA0s2 .     BB0s1 .     .     .
+        rank3  FB0s0 .     .     FA0s3 BA0s3 .     .     .     .     .     BB0s0 .
     """
     return _generate("mast", D, 2, m, True, "B", lambda s: min(D - s, m))
 
@@ -235,10 +235,10 @@ def master(D: int, eta: int, m: int = 1) -> Schedule:
     does not). ``master(2, 4)``::
 
         tick   0     1     2     3     4     5     6     7     8     9     10    11
-        rank0  FA0s0 FB0s1 BB0s1 .     BA0s0 .     F20s0 F30s1 B30s1 .     B20s0 .
-        rank1  FB0s0 FA0s1 BA0s1 .     BB0s0 .     F30s0 F20s1 B20s1 .     B30s0 .
+        rank0  FA0s0 FB0s1 BB0s1 .     BA0s0 .     FC0s0 FD0s1 BD0s1 .     BC0s0 .
+        rank1  FB0s0 FA0s1 BA0s1 .     BB0s0 .     FD0s0 FC0s1 BC0s1 .     BD0s0 .
 
-    (pass numbers 2, 3, ... are printed in place of the letters A, B)
+    (passes are lettered A, B, C, D, ...: A and C flow down, B and D up)
     """
     if eta < 1:
         raise ConfigError("parallel.gems_replicas", eta, "a positive integer (replica passes per step)")

@@ -1,0 +1,113 @@
+"""``gems render``: the sbatch script a configuration would submit, for people who submit by hand.
+
+Why it exists: on many clusters users want (or must) see and submit the batch script
+themselves. The script is rendered from a Jinja2 template in ``sbatch_templates/`` with the
+same #SBATCH options, setup lines and srun line that gems' submitit launcher uses
+(both come from :func:`gems.launch.slurm.sbatch_parameters`), so a hand-submitted job
+and a ``gems run cluster=...`` job ask Slurm for the same resources. The only difference
+is the command: ``python -m gems.worker --config <resolved.yaml>`` instead of submitit's
+pickle runner. ``tests/test_render.py`` keeps the two in step.
+
+A template named after the cluster (``sbatch_templates/<cluster.name>.sbatch.j2``) replaces
+the default ``gems.sbatch.j2`` for that cluster.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from gems.errors import ConfigError
+from gems.launch.slurm import python_command, sbatch_parameters
+
+# submitit's sbatch parameters that are not #SBATCH options
+_NOT_SBATCH = ("setup", "srun_args", "additional_parameters", "teardown", "signal_delay_s",
+               "stderr_to_stdout", "use_srun", "array_parallelism", "map_count")
+SIGNAL = "USR2@90"  # submitit's default: USR2 90 s before the time limit (preemption/requeue)
+
+
+def templates_dir() -> Path:
+    """``sbatch_templates/``: $GEMS_TEMPLATES, else the one beside the package."""
+    env = os.environ.get("GEMS_TEMPLATES")
+    if env:
+        return Path(env).resolve()
+    here = Path(__file__).resolve().parents[1]
+    for cand in (here.parent / "sbatch_templates", here / "sbatch_templates"):
+        if (cand / "gems.sbatch.j2").is_file():
+            return cand
+    raise ConfigError("GEMS_TEMPLATES", env, "a folder holding gems.sbatch.j2 (the sbatch_templates/ of a gems checkout)")
+
+
+def _flag(key: str, value: Any) -> str:
+    key = key.replace("_", "-")
+    if value is True:
+        return f"--{key}"
+    return f"--{key}={shlex.quote(str(value))}"
+
+
+def sbatch_options(cfg: DictConfig, job_dir: str | Path) -> list[str]:
+    """The #SBATCH options, sorted by name, as submitit writes them for this cfg and folder."""
+    params = sbatch_parameters(cfg)
+    job_dir = str(job_dir)
+    opts: dict[str, Any] = {k: v for k, v in params.items() if k not in _NOT_SBATCH}
+    opts["signal"] = SIGNAL
+    opts["output"] = f"{job_dir}/%j_0_log.out"
+    opts["error"] = f"{job_dir}/%j_0_log.err"
+    opts["open-mode"] = "append"
+    opts.update(params.get("additional_parameters") or {})
+    return [_flag(k, opts[k]) for k in sorted(opts)]
+
+
+def srun_command(cfg: DictConfig, job_dir: str | Path) -> str:
+    params = sbatch_parameters(cfg)
+    job_dir = str(job_dir)
+    words = ["srun", "--unbuffered", "--output", f"{job_dir}/%j_%t_log.out",
+             "--error", f"{job_dir}/%j_%t_log.err", *params.get("srun_args", [])]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def render(cfg: DictConfig, job_dir: str | Path | None = None, config_path: str | Path | None = None) -> str:
+    """The sbatch script for ``cfg``; logs go to ``job_dir``, ranks read ``config_path``.
+
+    Defaults: ``job_dir`` = ``{results.dir}/.jobs/{run_id}`` (as the launcher uses), and
+    ``config_path`` = ``{job_dir}/config.yaml`` (write it with :func:`write_job`).
+    """
+    import jinja2
+
+    from gems.launch.slurm import default_job_dir
+
+    jd = Path(job_dir) if job_dir is not None else default_job_dir(cfg)
+    cp = Path(config_path) if config_path is not None else jd / "config.yaml"
+    c = cfg.cluster
+    tdir = templates_dir()
+    name = f"{c.name}.sbatch.j2" if (tdir / f"{c.name}.sbatch.j2").is_file() else "gems.sbatch.j2"
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(tdir)), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, autoescape=False)
+    params = sbatch_parameters(cfg)
+    return env.get_template(name).render(
+        job_name=params["job_name"], cluster_name=c.name, nodes=int(c.nodes), tasks_per_node=int(c.tasks_per_node),
+        world=int(c.nodes) * int(c.tasks_per_node), script_name=f"{params['job_name']}.sbatch",
+        options=sbatch_options(cfg, jd), setup=list(params.get("setup", [])), srun=srun_command(cfg, jd),
+        python=python_command(cfg), config=shlex.quote(str(cp)),
+    )
+
+
+def write_job(cfg: DictConfig, job_dir: str | Path | None = None) -> Path:
+    """Write ``config.yaml`` and ``<job name>.sbatch`` into the job folder; return the script's path."""
+    from gems.config import to_yaml
+    from gems.launch.slurm import default_job_dir, job_name, prepare
+
+    cfg = prepare(cfg)
+    jd = Path(job_dir).resolve() if job_dir is not None else default_job_dir(cfg)
+    jd.mkdir(parents=True, exist_ok=True)
+    cp = jd / "config.yaml"
+    cp.write_text(to_yaml(cfg))
+    script = jd / f"{job_name(cfg)}.sbatch"
+    script.write_text(render(cfg, jd, cp))
+    return script
+
+
+__all__ = ["render", "write_job", "sbatch_options", "srun_command", "templates_dir"]

@@ -1,0 +1,318 @@
+"""One runtime that executes any :class:`~gems.pipeline.schedules.Schedule` over torch.distributed p2p.
+
+The schedule says what this pipeline rank does, in order; this module does it:
+runs the forward or backward of its partition on the right chunk of the batch,
+sends activations down and gradients up with non-blocking ``isend`` and posts
+the matching ``irecv`` a few actions ahead, so transfers overlap compute.
+Since sends never block and every order came out of a valid execution
+(:func:`~gems.pipeline.schedules.simulate` checks it), no rank can deadlock.
+
+Batch split (deterministic, the same on every rank and for the serial
+reference): a line's share of ``n`` samples is cut into ``eta x m`` contiguous
+chunks of ``n / (eta m)``; chunk ``p * m + i`` is micro-batch ``i`` of replica
+pass ``p``. So ``mast`` gives the first half to replica A and the second to B;
+``master`` gives eta equal chunks alternating A, B, A, ...; ``lp``/``gpipe``/
+``1f1b`` have one pass cut into ``m`` micro-batches.
+
+Messages are matched by tag: (step parity, activation | gradient | shape
+header, pass, micro-batch, stage). The activation shape crossing each cut is
+known in advance when the partitions could be traced on fake tensors
+(:func:`~gems.pipeline.partition.boundary_shapes`); otherwise the first
+activation a sender sends into a stage is preceded by a small shape header
+and the receiver waits for it once (first step only).
+
+Around every forward, and every backward (recomputation included),
+``gems.models.layers.batch_context(seed, step, chunk's sample ids)`` is set,
+so ``SampleDropout`` draws the serial masks. With ``checkpoint=True`` a
+partition keeps only its input between forward and backward and runs the
+forward again in the backward; BatchNorm buffers are restored after the
+recomputation so running statistics are updated once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gems.models.layers import batch_context
+from gems.pipeline.schedules import Action, Schedule
+
+__all__ = ["PipelineRunner", "LossFn"]
+
+LossFn = Callable[[torch.Tensor, Any, int], torch.Tensor]
+_ACT, _GRAD, _HEADER = 0, 1, 2
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool]
+_HEADER_LEN = 10  # ndim, dtype code, up to 8 dims
+
+
+@dataclass
+class _Live:
+    """What one (pass, micro-batch, stage) keeps between its forward and its backward."""
+
+    x: torch.Tensor
+    y: torch.Tensor | None = None  # None when checkpointing or on the last stage
+    loss: torch.Tensor | None = None
+
+
+@dataclass
+class _Stats:
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    wait_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class PipelineRunner:
+    """Runs one pipeline line's forward and backward of a step under a schedule.
+
+    Made by :func:`gems.pipeline.apply_pipeline`. ``modules`` holds this rank's
+    partitions (ascending partition index), ``parameters()`` their parameters
+    in that order, so the two mirrored holders of a partition pair flatten
+    their gradients identically.
+    """
+
+    def __init__(self, partitions: dict[int, nn.Sequential], schedule: Schedule, position: int, peers: Sequence[int],
+                 group: Any, batch_size: int, loss_fn: LossFn, checkpoint: bool = False,
+                 shapes: Sequence[tuple[tuple[int, ...], torch.dtype]] | None = None, lookahead: int = 2,
+                 balance: Sequence[int] | None = None) -> None:
+        self.schedule = schedule
+        self.position = position
+        self.peers = list(peers)
+        self.group = group
+        self.batch_size = batch_size
+        self.loss_fn = loss_fn
+        self.checkpoint = checkpoint
+        self.lookahead = lookahead
+        self.partitions = partitions
+        self.balance = list(balance) if balance is not None else []  # layers per partition, all D
+        self.modules = nn.ModuleList([partitions[i] for i in sorted(partitions)])
+        self.actions: tuple[Action, ...] = schedule.actions[position]
+        self.chunk = batch_size // schedule.chunks
+        D = schedule.stages
+        # activation (shape, dtype) entering stage s, per direction; filled by tracing or by headers
+        self._shape: dict[tuple[int, int], tuple[tuple[int, ...], torch.dtype]] = {}
+        if shapes is not None:
+            for s in range(1, D):
+                for direction in (0, 1):
+                    self._shape[(direction, s)] = (tuple(shapes[s - 1][0]), shapes[s - 1][1])
+        self._header_sent: set[tuple[int, int]] = set()
+        self.stats = _Stats()
+        self._step_parity = 0
+        params = [p for m in self.modules for p in m.parameters()]
+        self.device = params[0].device if params else torch.device("cpu")
+
+    # ---- what the caller needs to know -------------------------------------------------------------------
+    @property
+    def samples_per_step(self) -> int:
+        """Samples this pipeline line trains on per step (all replica passes together)."""
+        return self.batch_size
+
+    @property
+    def needs_inputs(self) -> bool:
+        """Whether this rank runs a first stage (and so reads input samples)."""
+        return any(a.stage == 0 for a in self.actions)
+
+    @property
+    def needs_targets(self) -> bool:
+        """Whether this rank runs a last stage (and so computes a loss)."""
+        return any(a.stage == self.schedule.stages - 1 for a in self.actions)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters, ordered by partition index."""
+        return [p for m in self.modules for p in m.parameters()]
+
+    def buffers(self) -> list[torch.Tensor]:
+        """This rank's buffers (e.g. BatchNorm statistics), ordered by partition index."""
+        return [b for m in self.modules for b in m.buffers()]
+
+    def chunk_slice(self, replica: int, micro_batch: int) -> slice:
+        """Which samples of the line's share a (pass, micro-batch) carries."""
+        c = replica * self.schedule.micro_batches + micro_batch
+        return slice(c * self.chunk, (c + 1) * self.chunk)
+
+    # ---- p2p ---------------------------------------------------------------------------------------------
+    def _tag(self, kind: int, replica: int, micro_batch: int, stage: int) -> int:
+        s = self.schedule
+        parity = 0 if kind == _HEADER else self._step_parity
+        return (((parity * 3 + kind) * s.replicas + replica) * s.micro_batches + micro_batch) * s.stages + stage
+
+    def _peer(self, replica: int, stage: int) -> int:
+        return self.peers[self.schedule.rank_of(replica, stage)]
+
+    def _isend(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        self._sends.append((dist.isend(t, dst, group=self.group, tag=tag), t))
+
+    def _send_activation(self, a: Action, y: torch.Tensor) -> None:
+        direction = self.schedule.direction(a.replica)
+        key = (direction, a.stage + 1)
+        y = y.detach().contiguous()
+        dst = self._peer(a.replica, a.stage + 1)
+        if key not in self._shape and key not in self._header_sent:
+            head = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+            head[0], head[1] = y.dim(), _DTYPES.index(y.dtype)
+            head[2:2 + y.dim()] = torch.tensor(y.shape, dtype=torch.int64)
+            self._isend(head, dst, self._tag(_HEADER, direction, 0, a.stage + 1))
+            self._header_sent.add(key)
+        self._isend(y, dst, self._tag(_ACT, a.replica, a.micro_batch, a.stage + 1))
+
+    def _recv_key(self, a: Action) -> tuple[int, int, int, int] | None:
+        """The message an action needs, as (kind, pass, micro-batch, stage), or None."""
+        if a.kind == "F" and a.stage > 0:
+            return (_ACT, a.replica, a.micro_batch, a.stage)
+        if a.kind == "B" and a.stage < self.schedule.stages - 1:
+            return (_GRAD, a.replica, a.micro_batch, a.stage)
+        return None
+
+    def _shape_of(self, key: tuple[int, int, int, int]) -> tuple[tuple[int, ...], torch.dtype] | None:
+        kind, replica, _, stage = key
+        direction = self.schedule.direction(replica)
+        return self._shape.get((direction, stage if kind == _ACT else stage + 1))
+
+    def _post(self, key: tuple[int, int, int, int]) -> bool:
+        """Post the irecv for ``key`` if its shape is known; True when posted."""
+        if key in self._recvs:
+            return True
+        shape = self._shape_of(key)
+        if shape is None:
+            return False
+        kind, replica, mb, stage = key
+        buf = torch.empty(shape[0], dtype=shape[1], device=self.device)
+        src = self._peer(replica, stage - 1 if kind == _ACT else stage + 1)
+        self._recvs[key] = (dist.irecv(buf, src, group=self.group, tag=self._tag(kind, replica, mb, stage)), buf)
+        return True
+
+    def _receive(self, key: tuple[int, int, int, int]) -> torch.Tensor:
+        import time
+
+        t0 = time.perf_counter()
+        if not self._post(key):  # first activation into this stage from this sender: read its shape header
+            kind, replica, _, stage = key
+            direction = self.schedule.direction(replica)
+            head = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+            dist.recv(head, self._peer(replica, stage - 1), group=self.group, tag=self._tag(_HEADER, direction, 0, stage))
+            ndim = int(head[0])
+            self._shape[(direction, stage)] = (tuple(int(v) for v in head[2:2 + ndim]), _DTYPES[int(head[1])])
+            self._post(key)
+        work, buf = self._recvs.pop(key)
+        work.wait()
+        self.stats.wait_s += time.perf_counter() - t0
+        return buf
+
+    def _prefetch(self, index: int) -> None:
+        """Post receives for the next ``lookahead`` actions that need one."""
+        posted = 0
+        for a in self.actions[index:]:
+            key = self._recv_key(a)
+            if key is None:
+                continue
+            if not self._post(key):
+                break
+            posted += 1
+            if posted >= self.lookahead:
+                break
+
+    def _reap_sends(self, wait: bool = False) -> None:
+        keep = []
+        for work, t in self._sends:
+            if wait:
+                work.wait()
+            elif not work.is_completed():
+                keep.append((work, t))
+        self._sends = keep
+
+    # ---- compute -----------------------------------------------------------------------------------------
+    def _forward(self, a: Action, x: torch.Tensor, target: Any) -> None:
+        part = self.partitions[a.stage]
+        last = a.stage == self.schedule.stages - 1
+        with batch_context(self._seed, self._step, self._ids[self.chunk_slice(a.replica, a.micro_batch)]):
+            if self.checkpoint:
+                with torch.no_grad():
+                    y = part(x)
+                    live = _Live(x)
+                    if last:
+                        self._loss_sum += float(self.loss_fn(y, target, self.chunk))
+            else:
+                if a.stage > 0 and x.is_floating_point():
+                    x.requires_grad_(True)
+                y = part(x)
+                live = _Live(x)
+                if last:
+                    live.loss = self.loss_fn(y, target, self.chunk)
+                    self._loss_sum += float(live.loss.detach())
+                else:
+                    live.y = y
+        self._live[(a.replica, a.micro_batch, a.stage)] = live
+        if not last:
+            self._send_activation(a, y)
+
+    def _backward(self, a: Action, grad: torch.Tensor | None, target: Any) -> None:
+        part = self.partitions[a.stage]
+        live = self._live.pop((a.replica, a.micro_batch, a.stage))
+        x = live.x
+        with batch_context(self._seed, self._step, self._ids[self.chunk_slice(a.replica, a.micro_batch)]):
+            if self.checkpoint:
+                saved = [b.detach().clone() for b in part.buffers()]
+                x = x.detach()
+                if a.stage > 0 and x.is_floating_point():
+                    x.requires_grad_(True)
+                y = part(x)
+                with torch.no_grad():
+                    for b, v in zip(part.buffers(), saved):
+                        b.copy_(v)
+                out = self.loss_fn(y, target, self.chunk) if grad is None else y
+            else:
+                out = live.loss if grad is None else live.y
+            assert out is not None
+            if out.requires_grad:
+                torch.autograd.backward(out, grad)
+        if a.stage > 0:
+            g = x.grad if x.grad is not None else torch.zeros_like(x)
+            self._isend(g, self._peer(a.replica, a.stage - 1), self._tag(_GRAD, a.replica, a.micro_batch, a.stage - 1))
+
+    def step(self, inputs: torch.Tensor | None, targets: Any, sample_ids: Sequence[int], seed: int, step: int) -> float:
+        """Forward and backward of one step's share of this line; returns the weighted losses computed here.
+
+        ``inputs`` and ``targets`` are the line's whole share (``batch_size``
+        samples, in global order); ranks that run no first stage may pass None
+        for ``inputs``, ranks that run no last stage None for ``targets``.
+        Gradients accumulate into ``.grad`` of :meth:`parameters`; summing
+        them over the mesh's ``grad`` group gives the serial gradient.
+        """
+        import time
+
+        if len(sample_ids) != self.batch_size:
+            raise ValueError(f"step() got {len(sample_ids)} sample ids; this line trains on {self.batch_size} per step")
+        self._seed, self._step, self._ids = seed, step, list(sample_ids)
+        self._loss_sum = 0.0
+        self._live: dict[tuple[int, int, int], _Live] = {}
+        self._recvs: dict[tuple[int, int, int, int], tuple[Any, torch.Tensor]] = {}
+        self._sends: list[tuple[Any, torch.Tensor]] = []
+        last = self.schedule.stages - 1
+        for index, a in enumerate(self.actions):
+            self._prefetch(index)
+            key = self._recv_key(a)
+            received = self._receive(key) if key is not None else None
+            sl = self.chunk_slice(a.replica, a.micro_batch)
+            target = targets[sl] if a.stage == last and targets is not None else None
+            t0 = time.perf_counter()
+            if a.kind == "F":
+                if a.stage == 0:
+                    if inputs is None:
+                        raise ValueError("this rank runs a first stage: step() needs the inputs")
+                    x = inputs[sl]
+                else:
+                    assert received is not None
+                    x = received
+                self._forward(a, x, target)
+                self.stats.forward_s += time.perf_counter() - t0
+            else:
+                self._backward(a, received, target)
+                self.stats.backward_s += time.perf_counter() - t0
+            self._reap_sends()
+        self._reap_sends(wait=True)
+        self._recvs.clear()
+        self._step_parity ^= 1
+        return self._loss_sum

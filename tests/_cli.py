@@ -1,0 +1,24 @@
+"""Run the real `gems` command in a subprocess and read what it wrote."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+
+def gems(*args: str, cwd: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "gems.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout, env=env)
+
+
+def records(folder: str) -> list[dict]:
+    out = []
+    for p in sorted(glob.glob(os.path.join(folder, "**", "*.json"), recursive=True)):
+        if "/.jobs/" in p:
+            continue
+        with open(p) as f:
+            out.append(json.load(f))
+    return out

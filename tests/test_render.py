@@ -1,0 +1,102 @@
+"""Golden sbatch scripts: ``gems render`` output for the cluster presets, compared with files
+recorded under tests/golden/, and checked against the text submitit itself generates.
+
+A mismatch shows the diff; when the change is intended, record the new files with
+``GEMS_ACCEPT_GOLDEN=1 python -m pytest tests/test_render.py`` and review them in the diff.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+
+import pytest
+
+from gems.config import compose
+from gems.errors import ConfigError
+from gems.launch.render import render, sbatch_options, srun_command
+from gems.launch.slurm import python_command, sbatch_parameters
+
+GOLDEN = Path(__file__).parent / "golden"
+JOB_DIR = "/scratch/gems/.jobs/golden"
+CONFIG = f"{JOB_DIR}/config.yaml"
+
+# preset -> overrides that make a valid job (the mesh must equal nodes x tasks_per_node)
+CASES: dict[str, list[str]] = {
+    "local_slurm": ["cluster=local_slurm", "parallel.replicas=4"],
+    "slurm": ["cluster=slurm", "cluster.partition=gpu", "cluster.mem_gb=7.5", "+cluster.additional.exclusive=true"],
+    "perlmutter": ["cluster=perlmutter", "cluster.account=m0000", "parallel.replicas=4", "train.batch_size=8"],
+    "juwels_booster": ["cluster=juwels_booster", "cluster.account=proj", "parallel.replicas=4", "train.batch_size=8"],
+    "leonardo": ["cluster=leonardo", "cluster.account=EUHPC_X", "cluster.nodes=2", "parallel.replicas=8",
+                 "train.batch_size=8"],
+    "alps": ["cluster=alps", "cluster.account=a00", "parallel.replicas=4", "train.batch_size=8"],
+    "frontier": ["cluster=frontier", "cluster.account=abc123", "parallel.replicas=8", "train.batch_size=8"],
+}
+
+
+def _cfg(name: str):  # the interpreter is pinned so that the files do not depend on this machine
+    return compose(CASES[name] + ["cluster.python=python"])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_render_matches_golden(name: str) -> None:
+    text = render(_cfg(name), JOB_DIR, CONFIG)
+    path = GOLDEN / f"{name}.sbatch"
+    if os.environ.get("GEMS_ACCEPT_GOLDEN") == "1" or not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        if os.environ.get("GEMS_ACCEPT_GOLDEN") != "1":
+            pytest.fail(f"recorded a new golden file {path}; review it and run the test again")
+    expected = path.read_text()
+    if text != expected:
+        diff = "".join(difflib.unified_diff(expected.splitlines(True), text.splitlines(True),
+                                            fromfile=f"golden/{name}.sbatch", tofile="render()"))
+        pytest.fail(f"gems render differs from {path}:\n{diff}\n"
+                    "If the change is intended: GEMS_ACCEPT_GOLDEN=1 python -m pytest tests/test_render.py")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_render_equals_submitit(name: str) -> None:
+    """The #SBATCH lines, setup and srun prefix are exactly those submitit submits."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    cfg = _cfg(name)
+    command = f"{python_command(cfg)} -u -m submitit.core._submit {JOB_DIR}"
+    theirs = _make_sbatch_string(command=command, folder=JOB_DIR, **sbatch_parameters(cfg))
+    ours = render(cfg, JOB_DIR, CONFIG)
+
+    def sbatch_lines(text: str) -> list[str]:
+        return [ln for ln in text.splitlines() if ln.startswith("#SBATCH")]
+
+    assert sbatch_lines(ours) == sbatch_lines(theirs)
+    assert sbatch_lines(ours) == [f"#SBATCH {o}" for o in sbatch_options(cfg, JOB_DIR)]
+    srun_theirs = next(ln for ln in theirs.splitlines() if ln.startswith("srun "))
+    srun_ours = next(ln for ln in ours.splitlines() if ln.startswith("srun "))
+    prefix = srun_command(cfg, JOB_DIR) + " " + python_command(cfg) + " -u -m "
+    assert srun_theirs.startswith(prefix) and srun_ours.startswith(prefix)
+    assert srun_ours.endswith(f"gems.worker --config {CONFIG}")
+    for line in cfg.cluster.setup:
+        assert line in theirs.splitlines() and line in ours.splitlines()
+
+
+def test_missing_account_is_a_config_error() -> None:
+    cfg = compose(["cluster=perlmutter", "parallel.replicas=4", "train.batch_size=8"])
+    with pytest.raises(ConfigError) as e:
+        render(cfg, JOB_DIR, CONFIG)
+    assert e.value.key == "cluster.account" and "cluster.account=" in str(e.value)
+
+
+def test_gres_replaces_gpus_per_node() -> None:
+    cfg = _cfg("juwels_booster")
+    opts = sbatch_options(cfg, JOB_DIR)
+    assert "--gres=gpu:4" in opts and not any(o.startswith("--gpus-per-node") for o in opts)
+    assert "--gpus-per-node=4" in sbatch_options(_cfg("perlmutter"), JOB_DIR)
+
+
+@pytest.mark.parametrize("name", ["perlmutter", "juwels_booster", "leonardo", "alps", "frontier"])
+def test_gpu_presets_are_complete(name: str) -> None:
+    c = _cfg(name).cluster
+    assert c.launcher == "slurm" and c.gpus_per_node > 0 and c.gpu_memory_gb > 0
+    assert c.tasks_per_node == c.gpus_per_node  # one rank per GPU
+    text = (Path(__file__).parents[1] / "conf" / "cluster" / f"{name}.yaml").read_text()
+    assert text.startswith("# ") and ("docs." in text.splitlines()[0] or "apps." in text.splitlines()[0])

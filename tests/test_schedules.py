@@ -1,0 +1,162 @@
+"""Schedules as pure data: checked without any process group."""
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+
+from gems.errors import ConfigError
+from gems.pipeline import schedules as S
+from gems.pipeline.schedules import Action, DeadlockError, Schedule, draw, make_schedule, simulate
+
+
+def all_schedules():
+    for D in range(1, 6):
+        for m in range(1, 5):
+            yield S.lp(D, m)
+            yield S.gpipe(D, m)
+            yield S.one_f_one_b(D, m)
+            if D > 1:
+                yield S.mast(D, m)
+                for eta in range(1, 6):
+                    yield S.master(D, eta, m)
+
+
+def max_in_flight(sched: Schedule) -> list[list[int]]:
+    """Per rank and direction, the most forwards whose backward has not run yet (activations kept)."""
+    out = []
+    for order in sched.actions:
+        cur, peak = [0, 0], [0, 0]
+        for a in order:
+            d = sched.direction(a.replica)
+            cur[d] += 1 if a.kind == "F" else -1
+            peak[d] = max(peak[d], cur[d])
+        out.append(peak)
+    return out
+
+
+def test_every_schedule_is_complete_ordered_and_deadlock_free():
+    n = 0
+    for sched in all_schedules():
+        span = simulate(sched)  # raises on duplicates, omissions, wrong rank or deadlock
+        for a, (start, _) in span.items():
+            if a.kind == "B":
+                assert span[Action("F", a.replica, a.micro_batch, a.stage)][1] <= start
+                if a.stage < sched.stages - 1:
+                    assert span[Action("B", a.replica, a.micro_batch, a.stage + 1)][1] <= start
+            elif a.stage > 0:
+                assert span[Action("F", a.replica, a.micro_batch, a.stage - 1)][1] <= start
+        for r, order in enumerate(sched.actions):  # own forward precedes own backward in the list itself
+            pos = {a: i for i, a in enumerate(order)}
+            assert all(pos[Action("F", a.replica, a.micro_batch, a.stage)] < i for i, a in enumerate(order) if a.kind == "B")
+        n += 1
+    assert n > 100
+
+
+def test_mast_places_the_mirrored_replica_on_the_other_end():
+    for D in (2, 3, 4, 8):
+        sched = S.mast(D)
+        for r in range(D):
+            assert sched.partitions_of(r) == sorted({r, D - 1 - r})
+            stages = {(a.replica, a.stage) for a in sched.actions[r]}
+            assert stages == {(0, r), (1, D - 1 - r)}
+
+
+def test_master_runs_eta_passes_alternating_directions_at_mast_memory():
+    for D in (2, 3, 4):
+        for eta in (1, 2, 3, 4, 7):
+            sched = S.master(D, eta)
+            assert sched.replicas == eta  # not capped at two
+            passes = {a.replica for order in sched.actions for a in order}
+            assert passes == set(range(eta))
+            for p in passes:
+                assert sched.rank_of(p, 0) == (0 if p % 2 == 0 else D - 1)
+            # at most one pass per direction alive on a rank: the memory of MAST, whatever eta
+            assert all(max(peak) <= 1 for peak in max_in_flight(sched))
+
+
+def test_activation_memory_bounds():
+    D, m = 4, 6
+    assert [max(p) for p in max_in_flight(S.gpipe(D, m))] == [m] * D
+    assert [p[0] for p in max_in_flight(S.one_f_one_b(D, m))] == [D - s for s in range(D)]
+    assert all(max(p) == 1 for p in max_in_flight(S.lp(D, m)))
+    for sched in (S.mast(D, m), S.master(D, 4, m)):  # Chimera bound
+        assert all(sum(p) <= D + 1 for p in max_in_flight(sched))
+
+
+def test_mirrored_schedules_fill_the_bubbles():
+    assert S.busy_fraction(S.lp(2)) == pytest.approx(0.5)
+    assert S.busy_fraction(S.mast(2)) == pytest.approx(1.0)
+    for eta in (2, 4, 6):
+        assert S.busy_fraction(S.master(2, eta)) == pytest.approx(1.0)
+    for D in (3, 4, 8):
+        # same samples per step: lp on the whole batch (forward 2 ticks, backward 4) against mast on halves
+        lp_ticks = 2 * 3 * D
+        assert S.makespan(S.mast(D)) < lp_ticks
+        # more micro-batches per direction (Chimera) only shrink the bubble
+        assert S.busy_fraction(S.mast(D, D)) > S.busy_fraction(S.mast(D, 1))
+    # 1F1B's bubble: (D-1) / (m + D - 1) of the time with F=1, B=2
+    for D, m in ((2, 4), (4, 8)):
+        assert S.busy_fraction(S.one_f_one_b(D, m)) == pytest.approx(m / (m + D - 1))
+
+
+def _doc_tables(fn) -> list[str]:
+    doc = inspect.getdoc(fn) or ""
+    blocks = re.findall(r"::\n\n((?:    .*\n?)+)", doc)
+    return ["\n".join(line[4:].rstrip() for line in b.rstrip().splitlines()) for b in blocks]
+
+
+@pytest.mark.parametrize("fn,args", [(S.lp, (2, 2)), (S.gpipe, (2, 3)), (S.one_f_one_b, (3, 4)), (S.mast, (4,)),
+                                     (S.master, (2, 4))])
+def test_docstring_tables_are_what_the_generators_produce(fn, args):
+    tables = _doc_tables(fn)
+    assert tables, f"{fn.__name__} has no clock table"
+    assert tables[0] == draw(fn(*args))
+
+
+def test_simulator_finds_cross_rank_deadlock():
+    good = S.lp(2, 2)
+    r0, r1 = good.actions
+    # rank 1 wants micro-batch 1 before micro-batch 0 is done, while rank 0 holds 1 back until 0's backward
+    bad_r1 = (Action("F", 0, 1, 1), Action("B", 0, 1, 1), Action("F", 0, 0, 1), Action("B", 0, 0, 1))
+    bad = Schedule("bad", 2, 1, 2, False, (r0, bad_r1))
+    with pytest.raises(DeadlockError, match="wait on each other"):
+        simulate(bad)
+
+
+def test_simulator_rejects_backward_before_forward_and_bad_lists():
+    good = S.gpipe(2, 2)
+    r0, r1 = good.actions
+    with pytest.raises(DeadlockError):
+        simulate(Schedule("bwd-first", 2, 1, 2, False, (tuple(reversed(r0)), r1)))
+    with pytest.raises(AssertionError, match="duplicated"):
+        simulate(Schedule("dup", 2, 1, 2, False, (r0 + r0[:1], r1)))
+    with pytest.raises(AssertionError, match="missing"):
+        simulate(Schedule("short", 2, 1, 2, False, (r0[1:], r1)))
+    with pytest.raises(AssertionError, match="lives on rank"):
+        simulate(Schedule("swapped", 2, 1, 2, False, (r1, r0)))
+
+
+def test_make_schedule_validates():
+    with pytest.raises(ConfigError) as e:
+        make_schedule("mast", 1)
+    assert e.value.key == "parallel.schedule"
+    with pytest.raises(ConfigError) as e:
+        make_schedule("master", 1, gems_replicas=4)
+    assert e.value.key == "parallel.schedule"
+    with pytest.raises(ConfigError) as e:
+        make_schedule("zigzag", 2)
+    assert e.value.key == "parallel.schedule" and "mast" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        make_schedule("mast", 2, gems_replicas=4)
+    assert e.value.key == "parallel.gems_replicas" and "master" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        make_schedule("1f1b", 2, 4, gems_replicas=3)
+    assert e.value.key == "parallel.gems_replicas"
+    with pytest.raises(ConfigError) as e:
+        make_schedule("gpipe", 2, 0)
+    assert e.value.key == "parallel.micro_batches"
+    assert make_schedule("master", 2, 1, 6).replicas == 6
+    assert make_schedule("master", 2).replicas == 2
+    assert make_schedule("lp", 1).actions == ((Action("F", 0, 0, 0), Action("B", 0, 0, 0)),)
