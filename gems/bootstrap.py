@@ -11,6 +11,11 @@ A rank can be started by four launchers, and each leaves different traces:
   rank computes the same address without talking.
 * torchrun and gems' own local launcher: ``RANK``, ``WORLD_SIZE``,
   ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.
+
+A ``MASTER_ADDR`` already in the environment always wins over the derived
+one, so a site that must rendezvous over another interface sets it in
+``cluster.setup``. The host name in records is ``SLURMD_NODENAME`` where
+Slurm sets it (several slurmd on one host are distinct nodes).
 * nothing: a single process.
 
 One GPU per rank on GPU nodes (``LOCAL_RANK`` picks it). The torch.distributed
@@ -126,13 +131,19 @@ def init_world(cfg: Any) -> World:
         raise ConfigError("comm.backend", "nccl", "gloo or auto on CPU nodes (nccl needs GPUs)")
     backend = "nccl" if device.type == "cuda" and backend_cfg in ("auto", "nccl", "mpi") else "gloo"
     if size > 1 and not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", addr)
-        os.environ.setdefault("MASTER_PORT", str(port))
+        # env:// honours a MASTER_ADDR the site set (e.g. an InfiniBand hostname) and torchrun's
+        # agent-hosted store; Slurm and MPI ranks fill in what they derived or were told
+        if source == "mpi":
+            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+        else:
+            os.environ.setdefault("MASTER_ADDR", addr)
+            os.environ.setdefault("MASTER_PORT", str(port))
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(size)
         timeout = datetime.timedelta(seconds=int(cfg.comm.get("timeout_s", 300)))
         kw: dict[str, Any] = {}
         if backend == "nccl":
             kw["device_id"] = device
-        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=size,
-                                timeout=timeout, **kw)
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=timeout, **kw)
     return World(rank, size, local_rank, addr, port, source, device, backend,
-                 "mpi" if backend_cfg == "mpi" else "torch", mpi_comm, socket.gethostname())
+                 "mpi" if backend_cfg == "mpi" else "torch", mpi_comm,
+                 os.environ.get("SLURMD_NODENAME") or socket.gethostname())

@@ -65,13 +65,15 @@ def _run_case(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     runner = apply_pipeline(seq, mesh, rank, loss_fn=make_loss(kind, B), batch_size=B // R, schedule=c["schedule"],
                             micro_batches=c["m"], gems_replicas=c.get("eta"), checkpoint=c.get("checkpoint", False),
                             sample_shape=shape if c.get("trace", True) else None, balance=c.get("balance"))
-    opt = torch.optim.SGD(runner.parameters(), lr=LR)
+    params = runner.parameters()  # may be empty: a memory-balanced cut can leave a rank only pooling layers
+    opt = torch.optim.SGD(params, lr=LR) if params else None
     r = mesh.coord(rank).replica
     share = slice(r * B // R, (r + 1) * B // R)
     losses, grads0 = [], {}
     for t in range(c["steps"]):
         x, y, ids = batch(t, B, shape, kind)
-        opt.zero_grad(set_to_none=False)
+        for p in params:
+            p.grad = torch.zeros_like(p)
         local = runner.step(x[share] if runner.needs_inputs else None, y[share] if runner.needs_targets else None,
                             ids[share], SEED, t)
         for p in runner.parameters():
@@ -82,7 +84,8 @@ def _run_case(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
         losses.append(total.item())
         if t == 0:
             grads0 = {i: [p.grad.clone() for p in part.parameters()] for i, part in runner.partitions.items()}
-        opt.step()
+        if opt is not None:
+            opt.step()
     return {"rank": rank, "losses": losses, "grads0": grads0, "balance": runner.balance,
             "params": {i: [p.detach().clone() for p in part.parameters()] for i, part in runner.partitions.items()},
             "samples_per_step": runner.samples_per_step}

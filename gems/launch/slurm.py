@@ -48,13 +48,19 @@ START_HINT = "start it with scripts/slurm_cluster.sh start or use cluster=local"
 
 
 # ----------------------------------------------------------------------------- options
+_WHAT = {"account": "your project/budget account", "partition": "a partition (sinfo -s)",
+         "qos": "a QOS (sacctmgr show qos)", "constraint": "a node feature (sinfo -o %f)"}
+
+
 def _cluster_value(cfg: DictConfig, key: str) -> Any:
+    """``cluster.<key>``; a placeholder (``???`` or ``<...>`` in a preset) is a ConfigError."""
     try:
-        return OmegaConf.select(cfg, f"cluster.{key}", throw_on_missing=True)
+        val = OmegaConf.select(cfg, f"cluster.{key}", throw_on_missing=True)
     except MissingMandatoryValue:
-        what = {"account": "your project/budget account", "partition": "a partition (sinfo -s)",
-                "qos": "a QOS (sacctmgr show qos)", "constraint": "a node feature (sinfo -o %f)"}
-        raise ConfigError(f"cluster.{key}", "???", f"{what.get(key, 'a value')}: add cluster.{key}=NAME") from None
+        val = "???"
+    if isinstance(val, str) and (val == "???" or (val.startswith("<") and val.endswith(">"))):
+        raise ConfigError(f"cluster.{key}", val, f"{_WHAT.get(key, 'a value')}: add cluster.{key}=NAME")
+    return val
 
 
 def _mem(gb: float) -> str:
@@ -463,7 +469,7 @@ def poll(runs: Sequence[SlurmRun], finished: dict[str, Outcome], error_grace_s: 
         if info is not None and run.job_id in info:
             run.seen = True
             run.state, run.detail = info[run.job_id]
-        elif info is not None:
+        elif info is not None and (run.seen or now - run.submitted_at > 60):
             # Slurm no longer knows it (purged after MinJobAge, or never listed): ask accounting, else files
             acct = _sacct_state(run.job_id)
             run.state = acct if acct else "GONE"

@@ -30,7 +30,8 @@ recomputation so running statistics are updated once.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -40,7 +41,7 @@ from torch import nn
 from gems.models.layers import batch_context
 from gems.pipeline.schedules import Action, Schedule
 
-__all__ = ["PipelineRunner", "LossFn"]
+__all__ = ["PipelineRunner", "LossFn", "Stats"]
 
 LossFn = Callable[[torch.Tensor, Any, int], torch.Tensor]
 _ACT, _GRAD, _HEADER = 0, 1, 2
@@ -58,11 +59,12 @@ class _Live:
 
 
 @dataclass
-class _Stats:
+class Stats:
+    """Seconds spent since the last reset: computing forwards, backwards, and waiting for messages."""
+
     forward_s: float = 0.0
     backward_s: float = 0.0
     wait_s: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class PipelineRunner:
@@ -98,9 +100,20 @@ class PipelineRunner:
             for s in range(1, D):
                 for direction in (0, 1):
                     self._shape[(direction, s)] = (tuple(shapes[s - 1][0]), shapes[s - 1][1])
-        self._header_sent: set[tuple[int, int]] = set()
-        self.stats = _Stats()
+        self.stats = Stats()  # the caller may read and reset it (time breakdown of records)
         self._step_parity = 0
+        # what each peer sends this rank, in the order it sends it: receives are posted in that order,
+        # as NCCL matches point-to-point messages by issue order (gloo and MPI would also match by tag)
+        self._inbox: dict[int, list[tuple[int, int, int, int]]] = {}
+        self._src_index: dict[tuple[int, int, int, int], tuple[int, int]] = {}
+        for src, order in enumerate(schedule.actions):
+            for a in order:
+                msg = self._message(a)
+                if msg is not None and msg[0] == position:
+                    queue = self._inbox.setdefault(src, [])
+                    self._src_index[msg[1]] = (src, len(queue))
+                    queue.append(msg[1])
+        self._next: dict[int, int] = {}
         params = [p for m in self.modules for p in m.parameters()]
         self.device = params[0].device if params else torch.device("cpu")
 
@@ -150,13 +163,20 @@ class PipelineRunner:
         key = (direction, a.stage + 1)
         y = y.detach().contiguous()
         dst = self._peer(a.replica, a.stage + 1)
-        if key not in self._shape and key not in self._header_sent:
-            head = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-            head[0], head[1] = y.dim(), _DTYPES.index(y.dtype)
-            head[2:2 + y.dim()] = torch.tensor(y.shape, dtype=torch.int64)
+        if key not in self._shape:  # the receiver cannot know it either: tell it once
+            fields = [y.dim(), _DTYPES.index(y.dtype), *y.shape]
+            head = torch.tensor(fields + [0] * (_HEADER_LEN - len(fields)), dtype=torch.int64, device=y.device)
             self._isend(head, dst, self._tag(_HEADER, direction, 0, a.stage + 1))
-            self._header_sent.add(key)
+            self._shape[key] = (tuple(y.shape), y.dtype)  # also the shape of the gradient coming back
         self._isend(y, dst, self._tag(_ACT, a.replica, a.micro_batch, a.stage + 1))
+
+    def _message(self, a: Action) -> tuple[int, tuple[int, int, int, int]] | None:
+        """(destination position, key) of what an action sends, if anything."""
+        if a.kind == "F" and a.stage < self.schedule.stages - 1:
+            return self.schedule.rank_of(a.replica, a.stage + 1), (_ACT, a.replica, a.micro_batch, a.stage + 1)
+        if a.kind == "B" and a.stage > 0:
+            return self.schedule.rank_of(a.replica, a.stage - 1), (_GRAD, a.replica, a.micro_batch, a.stage - 1)
+        return None
 
     def _recv_key(self, a: Action) -> tuple[int, int, int, int] | None:
         """The message an action needs, as (kind, pass, micro-batch, stage), or None."""
@@ -171,31 +191,45 @@ class PipelineRunner:
         direction = self.schedule.direction(replica)
         return self._shape.get((direction, stage if kind == _ACT else stage + 1))
 
-    def _post(self, key: tuple[int, int, int, int]) -> bool:
-        """Post the irecv for ``key`` if its shape is known; True when posted."""
-        if key in self._recvs:
-            return True
-        shape = self._shape_of(key)
-        if shape is None:
-            return False
-        kind, replica, mb, stage = key
-        buf = torch.empty(shape[0], dtype=shape[1], device=self.device)
-        src = self._peer(replica, stage - 1 if kind == _ACT else stage + 1)
-        self._recvs[key] = (dist.irecv(buf, src, group=self.group, tag=self._tag(kind, replica, mb, stage)), buf)
+    def _read_header(self, key: tuple[int, int, int, int], src: int) -> None:
+        kind, replica, _, stage = key
+        assert kind == _ACT, "a gradient's shape is known from the forward that sent the activation"
+        direction = self.schedule.direction(replica)
+        head = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
+        dist.recv(head, self.peers[src], group=self.group, tag=self._tag(_HEADER, direction, 0, stage))
+        head = head.cpu()
+        ndim = int(head[0])
+        self._shape[(direction, stage)] = (tuple(int(v) for v in head[2:2 + ndim]), _DTYPES[int(head[1])])
+
+    def _post(self, key: tuple[int, int, int, int], block: bool) -> bool:
+        """Post the irecvs from ``key``'s sender up to ``key``, in the order it sends them.
+
+        A message whose shape is still unknown (first step, untraced partitions)
+        needs its header first: read it when ``block`` (the caller needs this
+        message now, so the sender is bound to send the header), else stop.
+        True when ``key`` is posted.
+        """
+        src, index = self._src_index[key]
+        queue = self._inbox[src]
+        while self._next.get(src, 0) <= index:
+            k = queue[self._next.get(src, 0)]
+            shape = self._shape_of(k)
+            if shape is None:
+                if not block:
+                    return False
+                self._read_header(k, src)
+                shape = self._shape_of(k)
+                assert shape is not None
+            kind, replica, mb, stage = k
+            buf = torch.empty(shape[0], dtype=shape[1], device=self.device)
+            work = dist.irecv(buf, self.peers[src], group=self.group, tag=self._tag(kind, replica, mb, stage))
+            self._recvs[k] = (work, buf)
+            self._next[src] = self._next.get(src, 0) + 1
         return True
 
     def _receive(self, key: tuple[int, int, int, int]) -> torch.Tensor:
-        import time
-
         t0 = time.perf_counter()
-        if not self._post(key):  # first activation into this stage from this sender: read its shape header
-            kind, replica, _, stage = key
-            direction = self.schedule.direction(replica)
-            head = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-            dist.recv(head, self._peer(replica, stage - 1), group=self.group, tag=self._tag(_HEADER, direction, 0, stage))
-            ndim = int(head[0])
-            self._shape[(direction, stage)] = (tuple(int(v) for v in head[2:2 + ndim]), _DTYPES[int(head[1])])
-            self._post(key)
+        self._post(key, block=True)
         work, buf = self._recvs.pop(key)
         work.wait()
         self.stats.wait_s += time.perf_counter() - t0
@@ -208,10 +242,7 @@ class PipelineRunner:
             key = self._recv_key(a)
             if key is None:
                 continue
-            if not self._post(key):
-                break
-            posted += 1
-            if posted >= self.lookahead:
+            if not self._post(key, block=False) or (posted := posted + 1) >= self.lookahead:
                 break
 
     def _reap_sends(self, wait: bool = False) -> None:
@@ -259,15 +290,16 @@ class PipelineRunner:
                 if a.stage > 0 and x.is_floating_point():
                     x.requires_grad_(True)
                 y = part(x)
-                with torch.no_grad():
-                    for b, v in zip(part.buffers(), saved):
-                        b.copy_(v)
                 out = self.loss_fn(y, target, self.chunk) if grad is None else y
             else:
                 out = live.loss if grad is None else live.y
             assert out is not None
             if out.requires_grad:
                 torch.autograd.backward(out, grad)
+            if self.checkpoint:  # after the backward: autograd saved these buffers and checks their versions
+                with torch.no_grad():
+                    for b, v in zip(part.buffers(), saved):
+                        b.copy_(v)
         if a.stage > 0:
             g = x.grad if x.grad is not None else torch.zeros_like(x)
             self._isend(g, self._peer(a.replica, a.stage - 1), self._tag(_GRAD, a.replica, a.micro_batch, a.stage - 1))
@@ -281,8 +313,6 @@ class PipelineRunner:
         Gradients accumulate into ``.grad`` of :meth:`parameters`; summing
         them over the mesh's ``grad`` group gives the serial gradient.
         """
-        import time
-
         if len(sample_ids) != self.batch_size:
             raise ValueError(f"step() got {len(sample_ids)} sample ids; this line trains on {self.batch_size} per step")
         self._seed, self._step, self._ids = seed, step, list(sample_ids)
@@ -290,6 +320,7 @@ class PipelineRunner:
         self._live: dict[tuple[int, int, int], _Live] = {}
         self._recvs: dict[tuple[int, int, int, int], tuple[Any, torch.Tensor]] = {}
         self._sends: list[tuple[Any, torch.Tensor]] = []
+        self._next = {}
         last = self.schedule.stages - 1
         for index, a in enumerate(self.actions):
             self._prefetch(index)
@@ -313,6 +344,6 @@ class PipelineRunner:
                 self.stats.backward_s += time.perf_counter() - t0
             self._reap_sends()
         self._reap_sends(wait=True)
-        self._recvs.clear()
+        assert not self._recvs and not self._live, "schedule left messages or activations behind"
         self._step_parity ^= 1
         return self._loss_sum

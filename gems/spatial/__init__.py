@@ -1,0 +1,14 @@
+"""Spatial parallelism: one sample cut into parts across ranks, exact against serial.
+
+``SpatialContext`` says where this rank's part lies and gathers or scatters
+whole samples; ``apply_spatial`` turns a model's layers into their spatial
+versions (halo exchange as autograd functions, global BatchNorm statistics, a
+gather where the trunk ends). Parameter gradients stay per rank: the caller
+sums them over the spatial group, as for every other strategy
+(docs/design.md).
+"""
+from gems.spatial.apply import apply_spatial, register_container, register_pointwise
+from gems.spatial.context import SpatialContext
+from gems.spatial.geometry import split_bounds
+
+__all__ = ["SpatialContext", "apply_spatial", "register_container", "register_pointwise", "split_bounds"]

@@ -1,0 +1,114 @@
+"""``gems bench overhead``: what gems costs over a plain PyTorch loop, and what replication costs.
+
+1. One rank: the gems worker's training loop (``gems.worker.train``, world of
+   one) against a hand-written PyTorch loop over the same model, the same
+   synthetic batches and the same optimizer, alternated in rounds so that
+   both see the same machine noise. Goal: gems throughput >= 0.97x plain.
+2. Replication weak scaling, 1 -> 2 ranks on CPU, one thread per rank, a
+   fixed batch per replica, through the real launcher (``gems run``).
+   Goal: efficiency T(1)/T(2) >= 0.9.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from gems.bench.common import env_block, md_table, median, write
+
+MODEL = ["model.size=64", "model.width=1.0"]
+
+
+def _cfg(extra: list[str]):
+    from gems.config import compose
+
+    return compose([*MODEL, "train.steps=8", "train.warmup_steps=2", *extra])
+
+
+def gems_loop(per_rank_batch: int) -> float:
+    """Median step time of the gems worker loop on one rank (in this process)."""
+    from omegaconf import open_dict
+
+    from gems.bootstrap import World
+    from gems.worker import train
+
+    cfg = _cfg([f"train.batch_size={per_rank_batch}"])
+    with open_dict(cfg):
+        cfg.run_id = "bench-overhead"
+    world = World(0, 1, 0, "127.0.0.1", 0, "single", torch.device("cpu"), "gloo", "torch", None, "localhost")
+    with contextlib.redirect_stdout(io.StringIO()):  # the worker's per-step lines
+        record = train(cfg, world)
+    return float(record["step_time_s"]["median"])
+
+
+def plain_loop(per_rank_batch: int) -> float:
+    """The same training written as a plain PyTorch loop."""
+    from gems.data.synthetic import SyntheticData
+    from gems.models import build_model
+    from gems.models.layers import batch_context
+
+    cfg = _cfg([f"train.batch_size={per_rank_batch}"])
+    torch.manual_seed(0)
+    spec = build_model(cfg.model)
+    model = spec.module
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    data = SyntheticData(spec, 0, 64)
+    times = []
+    for step in range(int(cfg.train.steps)):
+        t0 = time.perf_counter()
+        ids = list(range(step * per_rank_batch, (step + 1) * per_rank_batch))
+        x, y = data.batch(ids)
+        with batch_context(0, step, ids):
+            loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return median(times[int(cfg.train.warmup_steps):])
+
+
+def launched(replicas: int, per_rank_batch: int, out: Path) -> float:
+    cmd = [sys.executable, "-m", "gems.cli", "run", *MODEL, f"parallel.replicas={replicas}",
+           f"train.batch_size={replicas * per_rank_batch}", "train.steps=8", "train.warmup_steps=2",
+           f"results.dir={out}", f"results.name=bench-R{replicas}"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"bench run failed: {res.stderr.strip().splitlines()[-1:]}")
+    path = res.stdout.strip().splitlines()[-1].split("record: ", 1)[1]
+    return float(json.loads(Path(path).read_text())["step_time_s"]["median"])
+
+
+def bench_overhead(out_dir: Path, rounds: int = 3) -> str:
+    torch.set_num_threads(1)
+    b = 2
+    g, p = [], []
+    for _ in range(rounds):  # alternate, so both loops see the same noise
+        p.append(plain_loop(b))
+        g.append(gems_loop(b))
+    ratio = median(p) / median(g)
+    runs = out_dir / "overhead_runs"
+    t1, t2 = [], []
+    for _ in range(max(2, rounds - 1)):
+        t1.append(launched(1, b, runs))
+        t2.append(launched(2, b, runs))
+    eff = median(t1) / median(t2)
+    rows = [
+        ["gems loop vs plain PyTorch loop, 1 rank", f"{median(g):.4f} s", f"{median(p):.4f} s",
+         f"{ratio:.3f}x throughput", ">= 0.97", "yes" if ratio >= 0.97 else "no"],
+        ["replication 1 -> 2 ranks, weak (batch 2 per rank)", f"{median(t2):.4f} s (R=2)", f"{median(t1):.4f} s (R=1)",
+         f"{eff:.3f} efficiency", ">= 0.9", "yes" if eff >= 0.9 else "no"],
+    ]
+    text = "## gems bench overhead\n\n"
+    text += ("CosmoFlow (paper layers) on 4 x 64^3 synthetic volumes, Adam, fp32, one thread per rank; "
+             f"median step time over 6 measured steps, median of {rounds} alternated rounds.\n\n")
+    text += md_table(["comparison", "gems", "reference", "result", "goal", "met"], rows)
+    text += "\n" + env_block("gems bench overhead")
+    write(out_dir, "overhead", text)
+    return text

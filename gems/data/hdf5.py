@@ -1,0 +1,113 @@
+"""Partitioned reading of the ExaLearn CosmoFlow layout: each rank reads its part only.
+
+One HDF5 file per sample: dataset ``full`` shaped (C, D, H, W) (or (C, H, W)
+for 2D), int16 particle counts, and ``unitPar``, the 4 normalised
+cosmological parameters (the regression target). Counts become
+``log(x + 1)`` in float32, as in the MLPerf HPC reference.
+
+Under spatial parallelism a 512^3 sample is 1 GiB of int16; reading it whole
+on every rank would multiply the I/O by S. :func:`read_sample` reads one
+hyperslab (h5py passes the slices to HDF5 as a hyperslab selection, so only
+those bytes are read), and :class:`HDF5Samples` picks the hyperslab of this
+rank from its :class:`gems.spatial.SpatialContext`: the I/O is partitioned
+like the sample. ``source`` may be a path or an open binary file object
+(h5py reads through it), which is how the tests count the bytes read.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, BinaryIO, Sequence
+
+import numpy as np
+import torch
+
+from gems.errors import ConfigError
+
+Source = str | os.PathLike | BinaryIO
+
+
+def _h5() -> Any:
+    import h5py
+
+    return h5py
+
+
+def _name(source: Source) -> str:
+    return str(source) if isinstance(source, (str, os.PathLike)) else str(getattr(source, "name", source))
+
+
+def sample_shape(source: Source) -> tuple[int, ...]:
+    """(C, *spatial) of the ``full`` dataset, from the file's metadata."""
+    with _h5().File(source, "r") as f:
+        if "full" not in f:
+            raise ConfigError("data.path", _name(source), "HDF5 files with a `full` dataset (C, D, H, W) and `unitPar`")
+        return tuple(int(n) for n in f["full"].shape)
+
+
+def read_sample(source: Source, slices: Sequence[slice] | None = None,
+                log1p: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read the part ``slices`` (one per spatial dim; None: all) of one sample.
+
+    Returns ``(x, target)``: ``x`` float32 shaped (C, *part), ``log(x+1)`` of
+    the counts when ``log1p``; ``target`` the float32 ``unitPar`` vector.
+    """
+    with _h5().File(source, "r") as f:
+        ds = f["full"]
+        sel = (slice(None), *(slices if slices is not None else ()))
+        arr = np.empty(_sel_shape(ds.shape, sel), dtype=ds.dtype)
+        if arr.size:
+            ds.read_direct(arr, source_sel=sel)
+        target = torch.from_numpy(np.asarray(f["unitPar"][()], dtype=np.float32).reshape(-1))
+    x = torch.from_numpy(arr.astype(np.float32, copy=False))
+    if log1p:
+        x = torch.log1p(x)
+    return x, target
+
+
+def _sel_shape(shape: Sequence[int], sel: Sequence[slice]) -> tuple[int, ...]:
+    full = list(sel) + [slice(None)] * (len(shape) - len(sel))
+    return tuple(len(range(*s.indices(n))) for s, n in zip(full, shape))
+
+
+class HDF5Samples:
+    """The samples under ``path`` (a directory of ``*.h5``, sorted by name, or one file).
+
+    ``expected_shape`` (C, *spatial) is the model's input; a file that does not
+    match is a :class:`ConfigError` naming it. With ``ctx`` each item is this
+    rank's part (its hyperslab of every sample); ``slices`` picks a part by hand.
+    """
+
+    def __init__(self, path: str | os.PathLike, expected_shape: Sequence[int] | None = None, ctx: Any = None,
+                 slices: Sequence[slice] | None = None, log1p: bool = True) -> None:
+        p = Path(path)
+        self.files = sorted(p.glob("*.h5")) if p.is_dir() else ([p] if p.is_file() else [])
+        if not self.files:
+            raise ConfigError("data.path", str(path), "a directory of .h5 sample files (`gems data synth` writes one)")
+        self.expected = tuple(int(n) for n in expected_shape) if expected_shape is not None else None
+        self.shape = self._check(self.files[0])
+        self.log1p = log1p
+        self.slices = tuple(slices) if slices is not None else (ctx.local_slices(self.shape[1:]) if ctx is not None else None)
+        self._checked = {self.files[0]}
+
+    def _check(self, file: Path) -> tuple[int, ...]:
+        shape = sample_shape(file)
+        if self.expected is not None and shape != self.expected:
+            raise ConfigError("data.path", str(file),
+                              f"`full` shaped {list(self.expected)} (C, *spatial) to match the model; this file has {list(shape)}")
+        return shape
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        file = self.files[index % len(self.files)]
+        if file not in self._checked:
+            self._check(file)
+            self._checked.add(file)
+        return read_sample(file, self.slices, self.log1p)
+
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stacked parts ``(N, C, *part)`` and targets ``(N, 4)`` of the samples ``indices``."""
+        items = [self[i] for i in indices]
+        return torch.stack([x for x, _ in items]), torch.stack([t for _, t in items])

@@ -1,0 +1,141 @@
+"""The 3D U-Net of the strong-scaling paper, as one flat ``nn.Sequential``.
+
+Down blocks of two Conv3d k=3 'same' (+ norm + ReLU) with [32, 64], [64, 128],
+[128, 256] channels, each followed by MaxPool3d(2); a bottom block [256, 512];
+up blocks of a ConvTranspose3d (k=2, s=2, channels kept), a concatenation with
+the skip activation of the same level and two convolutions, [256, 256],
+[128, 128], [64, 64]; a 1x1x1 convolution to ``num_classes`` (3 in the
+paper). ``width`` scales every channel count; ``norm`` is ``batch`` (global
+statistics under spatial parallelism) or ``none``.
+
+Skip connections are layers too, so pipeline partitioning and spatial
+wrapping see every layer: :class:`Stash` saves the activation of a level in
+a :class:`SkipStore` shared by the model's layers, :class:`PopConcat` takes
+it back and concatenates it along channels (:class:`PopAdd` adds it, for
+residual models). The store is first-in first-out per name, so several
+micro-batches may be stashed before the first is popped, as long as the
+stash and the pop run in the same process (a pipeline that splits them must
+carry the stash across).
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+from torch import nn
+
+from gems.errors import ConfigError
+
+
+class SkipStore:
+    """Activations waiting for their skip connection, by name (FIFO)."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, deque[torch.Tensor]] = {}
+
+    def push(self, name: str, x: torch.Tensor) -> None:
+        self._queues.setdefault(name, deque()).append(x)
+
+    def pop(self, name: str) -> torch.Tensor:
+        q = self._queues.get(name)
+        if not q:
+            raise RuntimeError(f"skip connection {name!r}: nothing stashed (run the layers from its Stash on, in order)")
+        return q.popleft()
+
+    def clear(self) -> None:
+        self._queues.clear()
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def __getstate__(self) -> dict[str, Any]:  # activations never travel with the model
+        return {"_queues": {}}
+
+
+class Stash(nn.Module):
+    """Save the activation for a later :class:`PopConcat` / :class:`PopAdd`; pass it on."""
+
+    def __init__(self, store: SkipStore, name: str) -> None:
+        super().__init__()
+        self.store, self.name = store, name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.store.push(self.name, x)
+        return x
+
+    def extra_repr(self) -> str:
+        return repr(self.name)
+
+
+class PopConcat(nn.Module):
+    """Concatenate the stashed activation (first) with the input along channels."""
+
+    def __init__(self, store: SkipStore, name: str) -> None:
+        super().__init__()
+        self.store, self.name = store, name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.store.pop(self.name), x], dim=1)
+
+    def extra_repr(self) -> str:
+        return repr(self.name)
+
+
+class PopAdd(PopConcat):
+    """Add the stashed activation to the input (a residual connection)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.store.pop(self.name)
+
+
+def _ch(c: int, width: float) -> int:
+    return max(1, int(round(c * width)))
+
+
+def _conv(c_in: int, c_out: int, norm: str) -> list[nn.Module]:
+    layers: list[nn.Module] = [nn.Conv3d(c_in, c_out, 3, padding=1, bias=norm == "none")]
+    if norm == "batch":
+        layers.append(nn.BatchNorm3d(c_out))
+    return layers + [nn.ReLU()]
+
+
+def unet3d(in_channels: int = 1, num_classes: int = 3, width: float = 1.0, norm: str = "batch") -> nn.Sequential:
+    """The flat layer sequence (input edge: a multiple of 8)."""
+    store = SkipStore()
+    w = lambda c: _ch(c, width)  # noqa: E731
+    layers: list[nn.Module] = []
+    c = in_channels
+    for level, (c1, c2) in enumerate([(32, 64), (64, 128), (128, 256)]):
+        layers += _conv(c, w(c1), norm) + _conv(w(c1), w(c2), norm)
+        layers += [Stash(store, f"level{level}"), nn.MaxPool3d(2)]
+        c = w(c2)
+    layers += _conv(c, w(256), norm) + _conv(w(256), w(512), norm)
+    c = w(512)
+    for level, (c1, skip) in reversed(list(enumerate([(64, 64), (128, 128), (256, 256)]))):
+        layers += [nn.ConvTranspose3d(c, c, 2, stride=2), PopConcat(store, f"level{level}")]
+        layers += _conv(c + w(skip), w(c1), norm) + _conv(w(c1), w(c1), norm)
+        c = w(c1)
+    layers.append(nn.Conv3d(c, num_classes, 1))
+    return nn.Sequential(*layers)
+
+
+def build_unet3d(m: Any) -> "ModelSpec":  # noqa: F821 - imported lazily to avoid a cycle
+    """``model=unet3d``: keys size, width, in_channels, num_classes, norm (batch | none)."""
+    from gems.models import ModelSpec
+
+    def get(key: str, default: Any) -> Any:
+        return m.get(key, default) if hasattr(m, "get") else getattr(m, key, default)
+
+    size = get("size", 64)
+    if not isinstance(size, int) or size < 8 or size % 8:
+        raise ConfigError("model.size", size, "a multiple of 8 (three 2x poolings), e.g. 64 or 128")
+    norm = str(get("norm", "batch"))
+    if norm not in ("batch", "none"):
+        raise ConfigError("model.norm", norm, "batch or none")
+    width = float(get("width", 1.0))
+    if width <= 0:
+        raise ConfigError("model.width", width, "a positive channel multiplier, e.g. 1.0 or 0.25")
+    in_channels, num_classes = int(get("in_channels", 1)), int(get("num_classes", 3))
+    seq = unet3d(in_channels, num_classes, width, norm)
+    return ModelSpec(seq, "unet3d", (in_channels, size, size, size), num_classes, "cross_entropy", "dense", None)

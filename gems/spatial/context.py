@@ -1,0 +1,228 @@
+"""Where this rank's part of a sample lies, and the collectives over the parts.
+
+A :class:`SpatialContext` is everything a spatial layer needs to know about
+the mesh: the process group of the ``S`` parts of one sample, the global rank
+of each part, how many parts each cut dim has, which spatial dims are cut and
+this rank's coordinates in the parts grid. It also carries the global
+spatial shape of activations: every tensor a spatial layer returns is tagged
+with its global spatial extents (a Python attribute), so the next layer knows
+how the sample is split without asking; an untagged input (the first layer,
+a pipeline stage's entry) costs one tiny all-reduce.
+
+``scatter`` and ``gather`` convert between a full sample and this rank's
+part. ``gather`` is a true all-gather whose backward is its adjoint: the sum
+of the gradients every part received for the full activation, then this
+rank's slice (docs/design.md).
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from gems.errors import ConfigError
+from gems.spatial.geometry import Box, shape_of, split_bounds
+
+GSHAPE = "_gems_gshape"  # attribute carrying an activation's global spatial shape
+
+
+class SpatialContext:
+    """The spatial parts of one sample and this rank's place among them.
+
+    ``group``: the torch.distributed group of the parts (None: the default
+    group, which must then be exactly ``ranks``); ``ranks``: the global rank
+    of each spatial index ``s`` (row-major over ``parts``); ``parts``: parts
+    per cut dim; ``dims``: which spatial dims are cut (0 = depth in 3D, height
+    in 2D); ``grid``: this rank's coordinates in the parts grid. ``overlap``
+    computes the interior of convolutions and pools while halos are in flight.
+    """
+
+    def __init__(self, group: Any, ranks: Sequence[int], parts: Sequence[int], dims: Sequence[int],
+                 grid: Sequence[int], overlap: bool = True) -> None:
+        self.group = group
+        self.ranks = [int(r) for r in ranks]
+        self.parts = tuple(int(p) for p in parts)
+        self.dims = tuple(int(d) for d in dims)
+        self.grid = tuple(int(g) for g in grid)
+        self.overlap = bool(overlap)
+        if len(self.parts) != len(self.dims):
+            raise ConfigError("parallel.spatial_dims", list(self.dims), f"one dim per entry of parallel.spatial={list(self.parts)}")
+        if len(set(self.dims)) != len(self.dims) or any(d < 0 for d in self.dims):
+            raise ConfigError("parallel.spatial_dims", list(self.dims), "distinct non-negative dims, e.g. [0] or [0,1]")
+        if any(p < 1 for p in self.parts):
+            raise ConfigError("parallel.spatial", list(self.parts), "positive integers, e.g. 2 or [2,2]")
+        if len(self.ranks) != self.size or len(self.grid) != len(self.parts) or not all(0 <= g < p for g, p in zip(self.grid, self.parts)):
+            raise ValueError(f"SpatialContext: {len(self.ranks)} ranks and grid {self.grid} do not fit parts {self.parts}")
+        self.index = 0
+        for g, p in zip(self.grid, self.parts):
+            self.index = self.index * p + g
+        #: seconds spent exchanging halos (packing, waiting, backward), by layer label
+        self.halo_seconds: dict[str, float] = defaultdict(float)
+        self._comm_streams: dict[Any, Any] = {}
+
+    @classmethod
+    def from_mesh(cls, mesh: Any, rank: int, overlap: bool = True) -> "SpatialContext":
+        """The context of ``rank`` on a :class:`gems.mesh.Mesh` whose groups are built."""
+        ranks = mesh.ranks("spatial") or [rank]
+        return cls(mesh.group("spatial"), ranks, mesh.parts, mesh.spatial_dims, mesh.grid_of(mesh.coord(rank).spatial), overlap)
+
+    # ---- the parts grid ------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return math.prod(self.parts)
+
+    @property
+    def rank(self) -> int:
+        return self.ranks[self.index]
+
+    def coords(self, s: int) -> tuple[int, ...]:
+        out = []
+        for p in reversed(self.parts):
+            out.append(s % p)
+            s //= p
+        return tuple(reversed(out))
+
+    def boxes(self, gshape: Sequence[int]) -> list[Box]:
+        """The box (per spatial dim ``[lo, hi)``) that each spatial index owns of a ``gshape`` activation."""
+        splits = [split_bounds(int(gshape[d]), p) for d, p in zip(self.dims, self.parts)]
+        out = []
+        for s in range(self.size):
+            c = self.coords(s)
+            box = [(0, int(n)) for n in gshape]
+            for k, d in enumerate(self.dims):
+                box[d] = splits[k][c[k]]
+            out.append(tuple(box))
+        return out
+
+    def box(self, gshape: Sequence[int]) -> Box:
+        """This rank's box of a ``gshape`` activation."""
+        return self.boxes(gshape)[self.index]
+
+    def check_ndim(self, ndim: int) -> None:
+        """A ConfigError when a cut dim is not among the ``ndim`` spatial dims."""
+        bad = [d for d in self.dims if d >= ndim]
+        if bad:
+            raise ConfigError("parallel.spatial_dims", list(self.dims),
+                              f"spatial dims of this {ndim}-D model, each in 0..{ndim - 1} (0 = {'depth' if ndim == 3 else 'height'})")
+
+    def check_shape(self, spatial_shape: Sequence[int]) -> None:
+        """A ConfigError when the sample cannot be cut as asked."""
+        self.check_ndim(len(spatial_shape))
+        for d, p in zip(self.dims, self.parts):
+            if p > int(spatial_shape[d]):
+                raise ConfigError("parallel.spatial", list(self.parts) if len(self.parts) > 1 else p,
+                                  f"at most {spatial_shape[d]} parts along spatial dim {d}: the sample has "
+                                  f"{spatial_shape[d]} cells there (shape {list(spatial_shape)})")
+
+    def local_slices(self, spatial_shape: Sequence[int]) -> tuple[slice, ...]:
+        """This rank's part of a sample of ``spatial_shape``, one slice per spatial dim."""
+        self.check_shape(spatial_shape)
+        return tuple(slice(lo, hi) for lo, hi in self.box(spatial_shape))
+
+    # ---- global shapes --------------------------------------------------------------
+    def mark(self, x: torch.Tensor, gshape: Sequence[int]) -> torch.Tensor:
+        """Tag ``x`` (this rank's part) with the global spatial shape of the activation."""
+        setattr(x, GSHAPE, tuple(int(n) for n in gshape))
+        return x
+
+    def global_shape(self, x: torch.Tensor) -> tuple[int, ...]:
+        """The global spatial shape of the activation whose part is ``x``.
+
+        Read from the tag when a spatial layer made ``x``; otherwise summed
+        over the parts (every rank of the group must call this together, which
+        holds because every rank runs the same layers on the same kind of input).
+        """
+        g = getattr(x, GSHAPE, None)
+        if g is not None and len(g) == x.dim() - 2:
+            return tuple(g)
+        nd = x.dim() - 2
+        self.check_ndim(nd)
+        if self.size == 1:
+            g = tuple(int(n) for n in x.shape[2:])
+        else:
+            v = [0] * nd
+            for j in range(nd):
+                if j in self.dims:
+                    k = self.dims.index(j)
+                    if all(c == 0 for i, c in enumerate(self.grid) if i != k):
+                        v[j] = int(x.shape[2 + j])
+                elif self.index == 0:
+                    v[j] = int(x.shape[2 + j])
+            t = torch.tensor(v, dtype=torch.int64, device=self._coll_device(x))
+            dist.all_reduce(t, group=self.group)
+            g = tuple(int(n) for n in t.tolist())
+        self.mark(x, g)
+        return g
+
+    def _coll_device(self, x: torch.Tensor) -> torch.device:
+        if x.is_cuda and dist.get_backend(self.group) != "gloo":
+            return x.device
+        return torch.device("cpu")
+
+    def comm_stream(self, device: torch.device) -> Any:
+        """The side CUDA stream that packs and posts halo messages for ``device``."""
+        if device not in self._comm_streams:
+            self._comm_streams[device] = torch.cuda.Stream(device=device)
+        return self._comm_streams[device]
+
+    # ---- full sample <-> part ----------------------------------------------------------
+    def scatter(self, x_full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full ``(N, C, *spatial)`` tensor (a copy; no communication)."""
+        sl = self.local_slices(x_full.shape[2:])
+        return self.mark(x_full[(slice(None), slice(None), *sl)].clone(), x_full.shape[2:])
+
+    def gather(self, x_local: torch.Tensor) -> torch.Tensor:
+        """The full activation on every part; backward sums the parts' gradients, then slices."""
+        if self.size == 1:
+            return x_local
+        return _Gather.apply(x_local, self, self.global_shape(x_local))
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Differentiable sum over the parts of a quantity every part then uses."""
+        if self.size == 1:
+            return x
+        return _AllReduceSum.apply(x, self)
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, sctx: SpatialContext, gshape: tuple[int, ...]) -> torch.Tensor:
+        boxes = sctx.boxes(gshape)
+        big = [max(b[j][1] - b[j][0] for b in boxes) for j in range(len(gshape))]
+        pad: list[int] = []
+        for j in reversed(range(len(gshape))):
+            pad += [0, big[j] - x.shape[2 + j]]
+        xp = F.pad(x, pad).contiguous() if any(pad) else x.contiguous()
+        bufs = [torch.empty_like(xp) for _ in range(sctx.size)]
+        dist.all_gather(bufs, xp, group=sctx.group)
+        full = x.new_empty((x.shape[0], x.shape[1], *gshape))
+        for b, buf in zip(boxes, bufs):
+            full[(slice(None), slice(None), *(slice(lo, hi) for lo, hi in b))] = \
+                buf[(slice(None), slice(None), *(slice(0, n) for n in shape_of(b)))]
+        ctx.sctx, ctx.box = sctx, boxes[sctx.index]
+        return full
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.sctx.group)
+        return g[(slice(None), slice(None), *(slice(lo, hi) for lo, hi in ctx.box))].contiguous(), None, None
+
+
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, sctx: SpatialContext) -> torch.Tensor:
+        y = x.detach().clone().contiguous()
+        dist.all_reduce(y, group=sctx.group)
+        ctx.sctx = sctx
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.sctx.group)
+        return g, None

@@ -1,0 +1,466 @@
+"""Spatial versions of the layers of a CNN trunk, each exact against its serial self.
+
+Every layer here takes this rank's part of an activation and returns its part
+of the output, split along the cut dims like the input (``np.array_split`` of
+the output's global extent). It holds the *same* parameter and buffer
+objects as the layer it replaces, under the same names, so the state dict and
+the optimizer see the serial model.
+
+* Convolutions and pools own the output cells in their range and read exactly
+  the input window those cells need (:class:`gems.spatial.geometry.Window`),
+  fetched by the halo exchange; padding at the sample's edges is applied
+  explicitly, so any kernel, stride, padding, dilation and ``ceil_mode`` is
+  exact, with uneven parts and halos wider than a neighbour. With
+  ``SpatialContext.overlap`` the interior is computed while halos are in
+  flight, then the boundary slabs.
+* Transposed convolutions gather the inputs that feed their outputs and crop.
+* Upsampling uses torch's index rule and interpolates along each dim.
+* BatchNorm (and GroupNorm, InstanceNorm) sum their statistics over the parts
+  with a differentiable all-reduce: global statistics, exact. ``bn_stats=
+  "local"`` keeps per-part BatchNorm statistics (not equal to serial).
+* Element-wise layers run unchanged; :class:`SpatialSampleDropout` slices the
+  mask the serial run would draw.
+
+A rank whose part of an activation is empty (an activation smaller than the
+number of parts, deep in the trunk) returns an empty part that stays in the
+autograd graph, so it still sends and receives its share of halo gradients.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gems.spatial import halo
+from gems.spatial.context import GSHAPE, SpatialContext
+from gems.spatial.geometry import (Box, Resample, Transposed, Window, boundary_slabs, clip, is_empty, local_index,
+                                   nest, shape_of)
+
+
+class _Zeros(torch.autograd.Function):
+    """Zeros of ``shape`` that depend on ``deps`` (zero gradients flow back to them)."""
+
+    @staticmethod
+    def forward(ctx: Any, shape: tuple[int, ...], *deps: torch.Tensor) -> torch.Tensor:
+        ctx.metas = [(d.shape, d.dtype, d.device) for d in deps]
+        return deps[0].new_zeros(shape)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        return (None, *[torch.zeros(s, dtype=t, device=dev) for s, t, dev in ctx.metas])
+
+
+def zeros_out(shape: Sequence[int], *deps: torch.Tensor | None) -> torch.Tensor:
+    return _Zeros.apply(tuple(int(s) for s in shape), *[d for d in deps if d is not None])
+
+
+def _pads(need: Box, clipped: Box) -> list[int]:
+    """F.pad amounts (last dim first) from the clipped window to the needed one."""
+    out: list[int] = []
+    for (lo, hi), (clo, chi) in reversed(list(zip(need, clipped))):
+        out += [clo - lo, hi - chi]
+    return out
+
+
+def _tuple(v: Any, nd: int) -> tuple[int, ...]:
+    return tuple(int(a) for a in v) if isinstance(v, (tuple, list)) else (int(v),) * nd
+
+
+class SpatialLayer(nn.Module):
+    """Base of the spatial layers: the context and a label for halo timings."""
+
+    def __init__(self, sctx: SpatialContext, label: str) -> None:
+        super().__init__()
+        self.sctx = sctx
+        self.label = label
+
+    def _adopt(self, layer: nn.Module, params: Sequence[str] = (), buffers: Sequence[str] = ()) -> None:
+        """Register ``layer``'s own parameter and buffer objects under the same names."""
+        for name in params:
+            self.register_parameter(name, getattr(layer, name, None))
+        for name in buffers:
+            self.register_buffer(name, getattr(layer, name, None), persistent=name not in layer._non_persistent_buffers_set)
+
+
+class _WindowLayer(SpatialLayer):
+    """Convolution and pooling: outputs in this rank's range read input windows."""
+
+    maps: list[Window]
+    fill: float = 0.0
+
+    def _op(self, xp: torch.Tensor, box: Box, gin: tuple[int, ...]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _out_channels(self, x: torch.Tensor) -> int:
+        return x.shape[1]
+
+    def _deps(self) -> list[torch.Tensor | None]:
+        return []
+
+    def _need(self, box: Box, gin: tuple[int, ...]) -> tuple[Box, Box]:
+        need = tuple(m.need(a, b) for m, (a, b) in zip(self.maps, box))
+        return need, tuple(clip(r, n) for r, n in zip(need, gin))
+
+    def _compute(self, win: torch.Tensor, box: Box, gin: tuple[int, ...]) -> torch.Tensor:
+        need, clipped = self._need(box, gin)
+        pads = _pads(need, clipped)
+        if any(pads):
+            win = F.pad(win, pads, value=self.fill)
+        return self._op(win, box, gin)
+
+    def _setup(self, gin: tuple[int, ...]) -> tuple[Any, ...]:
+        sctx = self.sctx
+        gout = tuple(m.out_size(n) for m, n in zip(self.maps, gin))
+        outs = sctx.boxes(gout)
+        needs = [self._need(b, gin)[1] if not is_empty(b) else tuple((0, 0) for _ in b) for b in outs]
+        p = halo.plan(sctx, gin, needs)
+        box = outs[sctx.index]
+        inner: Box = box
+        slabs: list[Box] = []
+        if not is_empty(box) and not p.quiet:
+            inner = tuple(self.maps[j].interior(a, b, p.own[j], gin[j]) if j in sctx.dims else (a, b)
+                          for j, (a, b) in enumerate(box))
+            if is_empty(inner):
+                inner = box
+            else:
+                slabs = boundary_slabs(box, inner, sorted(sctx.dims))
+        return gout, p, box, inner, slabs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sctx = self.sctx
+        gin = sctx.global_shape(x)
+        cache = self.__dict__.setdefault("_plans", {})
+        if gin not in cache:
+            cache[gin] = self._setup(gin)
+        gout, p, box, inner, slabs = cache[gin]
+        if is_empty(box):
+            (win,) = halo.windows(sctx, x, p, [p.need], self.label)
+            y = zeros_out((x.shape[0], self._out_channels(x), *shape_of(box)), win, *self._deps())
+        elif not slabs or not sctx.overlap:
+            (win,) = halo.windows(sctx, x, p, [p.need], self.label)
+            y = self._compute(win, box, gin)
+        else:  # interior while the halos travel, then the boundary slabs
+            pending = halo.Pending(sctx, x, p, self.label)
+            y_in = self._compute(x[local_index(self._need(inner, gin)[1], p.own)], inner, gin)
+            wins = halo.windows(sctx, x, p, [self._need(s, gin)[1] for s in slabs], self.label, pending)
+            y = nest(box, inner, sorted(sctx.dims), y_in, [self._compute(w, s, gin) for w, s in zip(wins, slabs)])
+        return sctx.mark(y, gout)
+
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+_MAXP = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+_AVGP = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+
+
+class SpatialConv(_WindowLayer):
+    """Conv1d/2d/3d: any kernel, stride, padding (int, tuple, 'same', 'valid'), dilation, groups."""
+
+    def __init__(self, conv: nn.modules.conv._ConvNd, sctx: SpatialContext, label: str) -> None:
+        super().__init__(sctx, label)
+        self._adopt(conv, ("weight", "bias"))
+        nd = conv.weight.dim() - 2
+        k, s, d = _tuple(conv.kernel_size, nd), _tuple(conv.stride, nd), _tuple(conv.dilation, nd)
+        if isinstance(conv.padding, str):
+            tot = [0 if conv.padding == "valid" else d[j] * (k[j] - 1) for j in range(nd)]
+            pads = [(t // 2, t - t // 2) for t in tot]
+        else:
+            pads = [(p, p) for p in _tuple(conv.padding, nd)]
+        self.maps = [Window(k[j], s[j], d[j], *pads[j]) for j in range(nd)]
+        self.stride, self.dilation, self.groups, self.nd = s, d, conv.groups, nd
+        self.out_channels = conv.out_channels
+
+    def _out_channels(self, x: torch.Tensor) -> int:
+        return self.out_channels
+
+    def _deps(self) -> list[torch.Tensor | None]:
+        return [self.weight, self.bias]
+
+    def _op(self, xp: torch.Tensor, box: Box, gin: tuple[int, ...]) -> torch.Tensor:
+        return _CONV[self.nd](xp, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+
+    def extra_repr(self) -> str:
+        return f"{self.label}, weight={tuple(self.weight.shape)}, maps={self.maps}"
+
+
+class SpatialMaxPool(_WindowLayer):
+    """MaxPool1d/2d/3d: any kernel, stride, padding, dilation, ceil_mode."""
+
+    fill = -math.inf
+
+    def __init__(self, pool: nn.Module, sctx: SpatialContext, label: str, nd: int) -> None:
+        super().__init__(sctx, label)
+        k = _tuple(pool.kernel_size, nd)
+        s = _tuple(pool.stride if pool.stride is not None else pool.kernel_size, nd)
+        p, d = _tuple(pool.padding, nd), _tuple(pool.dilation, nd)
+        self.maps = [Window(k[j], s[j], d[j], p[j], p[j], bool(pool.ceil_mode)) for j in range(nd)]
+        self.k, self.s, self.d, self.nd = k, s, d, nd
+
+    def _op(self, xp: torch.Tensor, box: Box, gin: tuple[int, ...]) -> torch.Tensor:
+        return _MAXP[self.nd](xp, self.k, self.s, 0, self.d)
+
+    def extra_repr(self) -> str:
+        return f"{self.label}, maps={self.maps}"
+
+
+class SpatialAvgPool(_WindowLayer):
+    """AvgPool1d/2d/3d: any kernel, stride, padding, ceil_mode, count_include_pad, divisor_override."""
+
+    def __init__(self, pool: nn.Module, sctx: SpatialContext, label: str, nd: int) -> None:
+        super().__init__(sctx, label)
+        k = _tuple(pool.kernel_size, nd)
+        s = _tuple(pool.stride if pool.stride is not None else pool.kernel_size, nd)
+        p = _tuple(pool.padding, nd)
+        self.maps = [Window(k[j], s[j], 1, p[j], p[j], bool(pool.ceil_mode)) for j in range(nd)]
+        self.k, self.s, self.nd = k, s, nd
+        self.include_pad = bool(getattr(pool, "count_include_pad", True))
+        self.divisor = getattr(pool, "divisor_override", None)
+
+    def _op(self, xp: torch.Tensor, box: Box, gin: tuple[int, ...]) -> torch.Tensor:
+        y = _AVGP[self.nd](xp, self.k, self.s)  # padding-free windows: sum / prod(k)
+        full = math.prod(self.k)
+        if self.divisor:
+            return y if self.divisor == full else y * (full / self.divisor)
+        counts = [m.avg_count(a, b, n, self.include_pad) for m, (a, b), n in zip(self.maps, box, gin)]
+        if all(bool((c == k).all()) for c, k in zip(counts, self.k)):
+            return y
+        div = counts[0]
+        for c in counts[1:]:
+            div = div[..., None] * c
+        return y * (full / div).to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.label}, maps={self.maps}"
+
+
+class SpatialConvTranspose(SpatialLayer):
+    """ConvTranspose1d/2d/3d: any kernel, stride, padding, output_padding, dilation, groups."""
+
+    def __init__(self, conv: nn.modules.conv._ConvTransposeNd, sctx: SpatialContext, label: str) -> None:
+        super().__init__(sctx, label)
+        self._adopt(conv, ("weight", "bias"))
+        nd = conv.weight.dim() - 2
+        k, s, d = _tuple(conv.kernel_size, nd), _tuple(conv.stride, nd), _tuple(conv.dilation, nd)
+        p, op = _tuple(conv.padding, nd), _tuple(conv.output_padding, nd)
+        self.maps = [Transposed(k[j], s[j], d[j], p[j], op[j]) for j in range(nd)]
+        self.stride, self.dilation, self.groups, self.nd = s, d, conv.groups, nd
+        self.out_channels = conv.out_channels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sctx = self.sctx
+        gin = sctx.global_shape(x)
+        cache = self.__dict__.setdefault("_plans", {})
+        if gin not in cache:
+            gout = tuple(m.out_size(n) for m, n in zip(self.maps, gin))
+            outs = sctx.boxes(gout)
+            needs = [tuple(m.need(a, b, n) for m, (a, b), n in zip(self.maps, b, gin)) for b in outs]
+            cache[gin] = (gout, outs[sctx.index], halo.plan(sctx, gin, needs))
+        gout, box, p = cache[gin]
+        (win,) = halo.windows(sctx, x, p, [p.need], self.label)
+        shape = (x.shape[0], self.out_channels, *shape_of(box))
+        if is_empty(box):
+            return sctx.mark(zeros_out(shape, win, self.weight, self.bias), gout)
+        if is_empty(p.need):  # outputs that no input reaches: the bias alone
+            y = zeros_out(shape, win, self.weight)
+        else:
+            y = _CONVT[self.nd](win, self.weight, None, self.stride, 0, 0, self.groups, self.dilation)
+            pads: list[int] = []
+            for m, (a, b), (lo, hi) in reversed(list(zip(self.maps, box, p.need))):
+                s0, s1 = m.span(lo, hi)
+                pads += [s0 - a, b - s1]  # negative: crop
+            if any(pads):
+                y = F.pad(y, pads)
+        if self.bias is not None:
+            y = y + self.bias.view(1, -1, *([1] * self.nd))
+        return sctx.mark(y, gout)
+
+    def extra_repr(self) -> str:
+        return f"{self.label}, weight={tuple(self.weight.shape)}, maps={self.maps}"
+
+
+class SpatialUpsample(SpatialLayer):
+    """Upsample (nearest, nearest-exact, linear, bilinear, trilinear; size or scale_factor)."""
+
+    def __init__(self, up: nn.Upsample, sctx: SpatialContext, label: str) -> None:
+        super().__init__(sctx, label)
+        self.mode = "linear" if up.mode in ("linear", "bilinear", "trilinear") else up.mode
+        self.size, self.scale_factor = up.size, up.scale_factor
+        self.align_corners, self.recompute = bool(up.align_corners), bool(up.recompute_scale_factor)
+
+    def _maps(self, nd: int) -> list[Resample]:
+        size = _tuple(self.size, nd) if self.size is not None else (None,) * nd
+        sf = self.scale_factor
+        scales = tuple(float(v) for v in sf) if isinstance(sf, (tuple, list)) else (float(sf) if sf is not None else None,) * nd
+        return [Resample(self.mode, self.align_corners, scales[j], size[j], self.recompute) for j in range(nd)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sctx = self.sctx
+        gin = sctx.global_shape(x)
+        cache = self.__dict__.setdefault("_plans", {})
+        if gin not in cache:
+            maps = self._maps(len(gin))
+            gout = tuple(m.out_size(n) for m, n in zip(maps, gin))
+            outs = sctx.boxes(gout)
+            needs = [tuple(m.need(a, b, n) for m, (a, b), n in zip(maps, b, gin)) if not is_empty(b)
+                     else tuple((0, 0) for _ in b) for b in outs]
+            box = outs[sctx.index]
+            src = [m.sources(a, b, n) for m, (a, b), n in zip(maps, box, gin)] if not is_empty(box) else []
+            cache[gin] = (gout, box, halo.plan(sctx, gin, needs), src)
+        gout, box, p, src = cache[gin]
+        (y,) = halo.windows(sctx, x, p, [p.need], self.label)
+        if is_empty(box):
+            return sctx.mark(zeros_out((x.shape[0], x.shape[1], *shape_of(box)), y), gout)
+        for j, ((i0, i1, lam), (lo, _)) in enumerate(zip(src, p.need)):
+            i0, i1 = i0.to(y.device) - lo, i1.to(y.device) - lo
+            if self.mode != "linear":
+                y = y.index_select(2 + j, i0)
+                continue
+            w = lam.to(device=y.device, dtype=y.dtype).view(-1, *([1] * (len(gin) - 1 - j)))
+            y = y.index_select(2 + j, i0) * (1 - w) + y.index_select(2 + j, i1) * w
+        return sctx.mark(y, gout)
+
+    def extra_repr(self) -> str:
+        return f"{self.label}, mode={self.mode}, size={self.size}, scale_factor={self.scale_factor}"
+
+
+class SpatialNorm(SpatialLayer):
+    """BatchNorm, GroupNorm and InstanceNorm with statistics over the whole sample.
+
+    Per-channel (BatchNorm: over the batch too) or per-(sample, group) sums are
+    all-reduced over the parts, differentiably; the running statistics of
+    BatchNorm are updated from the global ones, exactly as the serial layer does.
+    """
+
+    def __init__(self, norm: nn.Module, sctx: SpatialContext, label: str) -> None:
+        super().__init__(sctx, label)
+        self._adopt(norm, ("weight", "bias"), ("running_mean", "running_var", "num_batches_tracked")
+                    if not isinstance(norm, nn.GroupNorm) else ())
+        self.kind = "group" if isinstance(norm, nn.GroupNorm) else ("instance" if isinstance(norm, nn.modules.instancenorm._InstanceNorm) else "batch")
+        self.eps = norm.eps
+        self.momentum = getattr(norm, "momentum", None)
+        self.track = bool(getattr(norm, "track_running_stats", False))
+        self.groups = norm.num_groups if isinstance(norm, nn.GroupNorm) else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sctx = self.sctx
+        gin = sctx.global_shape(x)
+        n, c = x.shape[:2]
+        sp = [1] * (x.dim() - 2)
+        if self.kind == "batch" and not self.training and self.track:
+            y = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+            return sctx.mark(y, gin)
+        if self.kind == "batch":
+            xs, dims, count = x, [0, *range(2, x.dim())], n * math.prod(gin)
+            stat_shape = (1, c, *sp)
+        else:
+            g = self.groups if self.kind == "group" else c
+            xs = x.reshape(n, g, c // g, *x.shape[2:])
+            dims, count = list(range(2, xs.dim())), (c // g) * math.prod(gin)
+            stat_shape = (n, g, 1, *sp)
+        mean = sctx.all_reduce(xs.sum(dims)) / count
+        d = xs - mean.view(stat_shape)
+        var = sctx.all_reduce((d * d).sum(dims)) / count
+        y = (d * torch.rsqrt(var + self.eps).view(stat_shape)).reshape(x.shape)
+        if self.weight is not None:
+            y = y * self.weight.view(1, c, *sp) + self.bias.view(1, c, *sp)
+        if self.training and self.track and self.running_mean is not None:
+            with torch.no_grad():
+                if self.kind == "instance":
+                    mean, var = mean.mean(0), var.mean(0)
+                self.num_batches_tracked += 1
+                f = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                unbiased = var * (count / max(count - 1, 1))
+                self.running_mean.mul_(1 - f).add_(mean.detach().reshape(-1), alpha=f)
+                self.running_var.mul_(1 - f).add_(unbiased.detach().reshape(-1), alpha=f)
+        return sctx.mark(y, gin)
+
+    def extra_repr(self) -> str:
+        return f"{self.label}, {self.kind}, global statistics"
+
+
+class SpatialPointwise(SpatialLayer):
+    """A layer that works cell by cell (activations, skip stash/concat/add): run as is.
+
+    ``layer`` must hold no parameters (it is kept out of the module tree so the
+    state dict is unchanged); PReLU is :class:`SpatialPReLU`.
+    """
+
+    def __init__(self, layer: nn.Module, sctx: SpatialContext, label: str) -> None:
+        super().__init__(sctx, label)
+        object.__setattr__(self, "inner", layer)
+
+    def forward(self, *args: Any) -> Any:
+        g = getattr(args[0], GSHAPE, None) if args else None
+        self.inner.training = self.training  # the hidden layer follows train()/eval() of this one
+        y = self.inner(*args)
+        if g is not None and isinstance(y, torch.Tensor) and y is not args[0]:
+            self.sctx.mark(y, g)
+        return y
+
+    def extra_repr(self) -> str:
+        return repr(self.inner)
+
+
+class SpatialPReLU(SpatialLayer):
+    def __init__(self, layer: nn.PReLU, sctx: SpatialContext, label: str) -> None:
+        super().__init__(sctx, label)
+        self._adopt(layer, ("weight",))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = getattr(x, GSHAPE, None)
+        y = F.prelu(x, self.weight)
+        return self.sctx.mark(y, g) if g is not None else y
+
+
+class SpatialSampleDropout(SpatialLayer):
+    """SampleDropout on a part: this rank's slice of the mask the serial run draws
+    (the mask is drawn whole, one sample at a time, as the serial layer does)."""
+
+    def __init__(self, layer: nn.Module, sctx: SpatialContext, label: str) -> None:
+        super().__init__(sctx, label)
+        object.__setattr__(self, "inner", layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.inner.p == 0.0:
+            return x
+        gin = self.sctx.global_shape(x)
+        mode = self.inner.training
+        self.inner.train(True)
+        try:
+            scale = self.inner(torch.ones((x.shape[0], x.shape[1], *gin), dtype=x.dtype))
+        finally:
+            self.inner.train(mode)
+        part = scale[local_index(self.sctx.box(gin), tuple((0, n) for n in gin))].to(x.device)
+        return self.sctx.mark(x * part, gin)
+
+
+class SpatialGather(SpatialLayer):
+    """Where the spatial trunk ends: every part gets the full activation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.sctx.gather(x)
+
+
+def tag_output(sctx: SpatialContext, cache: dict[tuple[int, ...], tuple[int, ...]], module: nn.Module,
+               args: tuple[Any, ...], out: Any) -> None:
+    """Forward hook of converted containers: tag the output with its global shape.
+
+    The global output shape is a function of the global input shape, the same
+    on every rank, so the one all-reduce that finds it happens on every rank
+    at the same call and never again.
+    """
+    if not isinstance(out, torch.Tensor) or getattr(out, GSHAPE, None) is not None or not args:
+        return
+    gin = getattr(args[0], GSHAPE, None)
+    if gin is None:
+        return
+    if gin in cache:
+        sctx.mark(out, cache[gin])
+    else:
+        cache[gin] = sctx.global_shape(out)
+
+
+LayerFactory = Callable[[nn.Module, SpatialContext, str], nn.Module]

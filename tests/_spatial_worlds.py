@@ -1,0 +1,309 @@
+"""Rank functions of the spatial transparency tests.
+
+Each case builds a small model, runs it serially on every rank (the
+reference), then partitioned over a spatial group, and compares outputs,
+input gradients, summed parameter gradients and buffers. A 4-rank world
+holds several groups at once (two of size 2, one of size 3, the whole world
+of 4) so one spawn covers S = 2, 3 and 4, one and two cut dims. Failures are
+returned as text per case, so one bad case does not hide the others.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gems.models.layers import SampleDropout, batch_context
+from gems.spatial import SpatialContext, apply_spatial
+
+# ---- spatial layouts: name -> (parts, dims) -----------------------------------------
+LAYOUTS: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    "S2d0": ((2,), (0,)),
+    "S2d1": ((2,), (1,)),
+    "S3d0": ((3,), (0,)),
+    "S3d2": ((3,), (2,)),
+    "S4d0": ((4,), (0,)),
+    "S4d1": ((4,), (1,)),
+    "S22": ((2, 2), (0, 1)),
+    "S22d12": ((2, 2), (1, 2)),
+}
+
+
+def _seq(*layers: nn.Module) -> nn.Sequential:
+    return nn.Sequential(*layers)
+
+
+def _unet_level(c: int) -> nn.Sequential:
+    from gems.models.unet3d import PopConcat, SkipStore, Stash
+
+    st = SkipStore()
+    return _seq(nn.Conv3d(c, 3, 3, padding=1), Stash(st, "a"), nn.MaxPool3d(2), nn.Conv3d(3, 3, 3, padding=1),
+                nn.ConvTranspose3d(3, 3, 2, stride=2), PopConcat(st, "a"), nn.Conv3d(6, 2, 1))
+
+
+def _residual(c: int) -> nn.Sequential:
+    from gems.models.unet3d import PopAdd, SkipStore, Stash
+
+    st = SkipStore()
+    return _seq(Stash(st, "r"), nn.Conv3d(c, c, 3, padding=1), nn.ReLU(), nn.Conv3d(c, c, 3, padding=1), PopAdd(st, "r"))
+
+
+def _preact() -> nn.Sequential:
+    from gems.models.resnet import PreActBottleneck
+
+    return _seq(nn.Conv2d(2, 4, 3, padding=1), PreActBottleneck(4, 2, stride=2), PreActBottleneck(8, 2, stride=1))
+
+
+# ---- layer cases: name -> (builder, input shape (N, C, *spatial), layouts, options) ------
+D3 = (2, 2, 9, 6, 5)
+LAYER_CASES: dict[str, tuple[Callable[[], nn.Sequential], tuple[int, ...], tuple[str, ...], dict[str, Any]]] = {
+    "conv3d_k3p1": (lambda: _seq(nn.Conv3d(2, 3, 3, padding=1)), D3, ("S2d0", "S4d0", "S22", "S3d2"), {}),
+    "conv3d_k3s2p1": (lambda: _seq(nn.Conv3d(2, 3, 3, stride=2, padding=1)), D3, ("S2d0", "S4d0", "S22d12"), {}),
+    "conv3d_k5d2p3_wide_halo": (lambda: _seq(nn.Conv3d(2, 2, 5, dilation=2, padding=3)), (1, 2, 11, 9, 4),
+                                ("S4d0", "S3d0", "S22"), {}),
+    "conv3d_k4s3p2": (lambda: _seq(nn.Conv3d(2, 2, 4, stride=3, padding=2)), (1, 2, 13, 10, 4), ("S4d0", "S22"), {}),
+    "conv3d_same_k4": (lambda: _seq(nn.Conv3d(2, 2, 4, padding="same", bias=False)), D3, ("S2d0", "S22"), {}),
+    "conv3d_valid_groups": (lambda: _seq(nn.Conv3d(2, 4, (3, 2, 1), groups=2)), D3, ("S3d0", "S22"), {}),
+    "conv3d_no_overlap": (lambda: _seq(nn.Conv3d(2, 3, 3, padding=1), nn.Conv3d(3, 2, 3, stride=2, padding=1)), D3,
+                          ("S22", "S3d0"), {"overlap": False}),
+    "conv2d_k3p1": (lambda: _seq(nn.Conv2d(2, 3, 3, padding=1), nn.Conv2d(3, 2, 3, padding=1)), (2, 2, 9, 7),
+                    ("S2d1", "S4d1", "S22"), {}),
+    "conv2d_k7s2p3": (lambda: _seq(nn.Conv2d(2, 2, 7, stride=2, padding=3)), (1, 2, 15, 11), ("S4d0", "S22"), {}),
+    "conv1d_k3p2d2": (lambda: _seq(nn.Conv1d(2, 3, 3, padding=2, dilation=2), nn.Conv1d(3, 2, 2, stride=2)),
+                      (2, 2, 17), ("S3d0", "S4d0"), {}),
+    "convT3d_k2s2": (lambda: _seq(nn.ConvTranspose3d(2, 3, 2, stride=2)), (1, 2, 5, 4, 3), ("S2d0", "S4d0", "S22"), {}),
+    "convT3d_k3s2p1op1": (lambda: _seq(nn.ConvTranspose3d(2, 2, 3, stride=2, padding=1, output_padding=1)),
+                          (1, 2, 5, 4, 3), ("S3d0", "S22"), {}),
+    "convT2d_k4s2p1d2_groups": (lambda: _seq(nn.ConvTranspose2d(2, 4, 4, stride=2, padding=1, dilation=2, groups=2)),
+                                (1, 2, 7, 6), ("S4d0", "S22"), {}),
+    "convT2d_k1s3_gaps": (lambda: _seq(nn.ConvTranspose2d(2, 2, 1, stride=3)), (1, 2, 5, 4), ("S4d0", "S22"), {}),
+    "maxpool3d_k2": (lambda: _seq(nn.MaxPool3d(2)), D3, ("S2d0", "S4d0", "S22d12"), {}),
+    "maxpool3d_k3s2p1_ceil_dil": (lambda: _seq(nn.MaxPool3d(3, 2, 1, ceil_mode=True), nn.MaxPool3d(2, 1, dilation=2)),
+                                  (1, 2, 12, 9, 7), ("S3d0", "S22"), {}),
+    "avgpool3d_k3s2p1": (lambda: _seq(nn.AvgPool3d(3, stride=2, padding=1)), D3, ("S2d0", "S4d0", "S22", "S3d2"), {}),
+    "avgpool3d_nopad_ceil": (lambda: _seq(nn.AvgPool3d(3, 2, 1, ceil_mode=True, count_include_pad=False)),
+                             (1, 2, 10, 7, 6), ("S4d0", "S22"), {}),
+    "avgpool2d_divisor": (lambda: _seq(nn.AvgPool2d(3, 2, 1, divisor_override=4), nn.AvgPool2d(2)), (1, 2, 11, 9),
+                          ("S3d0", "S22"), {}),
+    "batchnorm3d_train": (lambda: _seq(nn.Conv3d(2, 3, 3, padding=1), nn.BatchNorm3d(3), nn.ReLU()), D3,
+                          ("S2d0", "S4d0", "S22"), {}),
+    "batchnorm2d_eval": (lambda: _seq(nn.BatchNorm2d(2), nn.Conv2d(2, 2, 3, padding=1)), (2, 2, 8, 6), ("S22",),
+                         {"train": False}),
+    "batchnorm2d_cumulative": (lambda: _seq(nn.BatchNorm2d(2, momentum=None)), (2, 2, 8, 6), ("S4d0",), {}),
+    "groupnorm_instancenorm": (lambda: _seq(nn.GroupNorm(2, 2), nn.Conv3d(2, 4, 1), nn.InstanceNorm3d(4, affine=True)),
+                               D3, ("S2d0", "S22"), {}),
+    "upsample_nearest2": (lambda: _seq(nn.Upsample(scale_factor=2)), (1, 2, 5, 4, 3), ("S2d0", "S4d0", "S22"), {}),
+    "upsample_nearest_frac": (lambda: _seq(nn.Upsample(scale_factor=1.5), nn.Upsample(size=(9, 8))), (1, 2, 7, 5),
+                              ("S3d0", "S22"), {}),
+    "upsample_nearest_exact": (lambda: _seq(nn.Upsample(scale_factor=(2.5, 1.7), mode="nearest-exact")), (1, 2, 5, 6),
+                               ("S4d0", "S22"), {}),
+    "upsample_trilinear": (lambda: _seq(nn.Upsample(scale_factor=2, mode="trilinear")), (1, 2, 5, 4, 3),
+                           ("S3d0", "S22"), {}),
+    "upsample_bilinear_corners": (lambda: _seq(nn.Upsample(size=(13, 11), mode="bilinear", align_corners=True)),
+                                  (1, 2, 6, 5), ("S4d0", "S22"), {}),
+    "pointwise_chain": (lambda: _seq(nn.Conv3d(2, 3, 1), nn.LeakyReLU(0.3), nn.PReLU(3), nn.Tanh(), nn.Softmax(dim=1),
+                                     nn.Identity()), D3, ("S22",), {}),
+    "residual_add": (lambda: _residual(2), D3, ("S2d0", "S22"), {}),
+    "unet_level_concat": (lambda: _unet_level(2), (1, 2, 8, 6, 4), ("S2d0", "S4d0", "S22"), {}),
+    "preact_resnet_block": (_preact, (2, 2, 10, 9), ("S2d0", "S22"), {}),
+    "sample_dropout_trunk": (lambda: _seq(nn.Conv3d(2, 3, 1), SampleDropout(0.4), nn.Conv3d(3, 2, 3, padding=1)), D3,
+                             ("S22",), {}),
+    "gather_head": (lambda: _seq(nn.Conv3d(2, 3, 3, padding=1), nn.AvgPool3d(2), nn.Flatten(), nn.Linear(3 * 4 * 3 * 2, 5),
+                                 SampleDropout(0.3), nn.Linear(5, 4)), (2, 2, 8, 6, 5), ("S2d0", "S4d0", "S22"),
+                    {"spatial_end": 2}),
+    "empty_parts_deep": (lambda: _seq(nn.AvgPool3d(2), nn.MaxPool3d(3, 2, 1), nn.Conv3d(2, 3, 3, padding=1),
+                                      nn.BatchNorm3d(3), nn.Upsample(scale_factor=2), nn.Conv3d(3, 2, 1),
+                                      nn.Flatten(), nn.Linear(2 * 4 * 4 * 4, 3)), (2, 2, 6, 8, 6), ("S4d0", "S22d12"),
+                         {"spatial_end": 6}),
+}
+
+
+def model_cases() -> dict[str, tuple[Callable[[], nn.Sequential], tuple[int, ...], tuple[str, ...], dict[str, Any]]]:
+    from gems.models import build_model
+
+    def spec(**kw: Any) -> Any:
+        class Node(dict):
+            __getattr__ = dict.__getitem__
+
+        return build_model(Node(kw))
+
+    cf = dict(name="cosmoflow", size=32, width=0.125, dropout=0.2)
+    ml = dict(name="cosmoflow_mlperf", size=32, width=0.0625, dropout=0.5)
+    un = dict(name="unet3d", size=16, width=0.0625, in_channels=1, num_classes=3, norm="batch")
+    return {  # models are built inside the case, after the seed: the same on every rank
+        "cosmoflow": (lambda: spec(**cf).module, (2, 4, 32, 32, 32), ("S2d0", "S4d0", "S22", "S3d2"),
+                      {"spatial_end": spec(**cf).spatial_end}),
+        "cosmoflow_mlperf": (lambda: spec(**ml).module, (2, 4, 32, 32, 32), ("S2d0", "S22d12", "S4d1"),
+                             {"spatial_end": spec(**ml).spatial_end}),
+        "unet3d": (lambda: spec(**un).module, (2, 1, 16, 16, 16), ("S2d0", "S22", "S3d0"),
+                   {"spatial_end": spec(**un).spatial_end}),
+    }
+
+
+def case_names(cases: dict[str, Any]) -> list[str]:
+    return [f"{name}[{lay}]" for name, (_, _, lays, _) in cases.items() for lay in lays]
+
+
+# ---- comparison -----------------------------------------------------------------------
+def _close(what: str, got: torch.Tensor, want: torch.Tensor, scale: float | None = None) -> str | None:
+    """float32 rounding: rtol 1e-5 and atol 2e-6 x the magnitude of the quantity
+    (for parameter gradients the largest gradient of the model: a gradient that
+    is zero in exact arithmetic, like a bias before BatchNorm, is rounding noise
+    of sums of that size)."""
+    if scale is None:
+        scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
+    try:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * scale)
+    except AssertionError as e:
+        return f"{what}: {str(e).splitlines()[0:4]}"
+    return None
+
+
+def make_groups(world: int) -> dict[str, Any]:
+    """Every group the layouts use, created in the same order on every rank."""
+    groups = {}
+    for name, ranks in (("01", [0, 1]), ("23", [2, 3]), ("012", [0, 1, 2])):
+        groups[name] = (dist.new_group(ranks), ranks)
+    groups["all"] = (None, list(range(world)))
+    return groups
+
+
+def context_for(rank: int, layout: str, groups: dict[str, Any], overlap: bool = True) -> SpatialContext | None:
+    parts, dims = LAYOUTS[layout]
+    size = 1
+    for p in parts:
+        size *= p
+    if size == 2:
+        group, ranks = groups["01"] if rank < 2 else groups["23"]
+    elif size == 3:
+        if rank == 3:
+            return None
+        group, ranks = groups["012"]
+    else:
+        group, ranks = groups["all"]
+    s = ranks.index(rank)
+    grid = []
+    for p in reversed(parts):
+        grid.append(s % p)
+        s //= p
+    return SpatialContext(group, ranks, parts, dims, tuple(reversed(grid)), overlap=overlap)
+
+
+def run_case(build: Callable[[], nn.Sequential], shape: tuple[int, ...], sctx: SpatialContext,
+             opts: dict[str, Any]) -> list[str]:
+    """Serial vs spatial on this rank's group: a list of mismatches (empty when exact)."""
+    torch.manual_seed(1234)
+    model = build()
+    train = opts.get("train", True)
+    if not train:  # give BatchNorm non-trivial running statistics
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+    model.train(train)
+    serial = copy.deepcopy(model)
+    end = opts.get("spatial_end")
+    spatial = apply_spatial(model, sctx, end, opts.get("bn_stats", "global"))
+    g = torch.Generator().manual_seed(99)
+    x = torch.randn(shape, generator=g)
+    ids = list(range(10, 10 + shape[0]))
+
+    xs = x.clone().requires_grad_()
+    with batch_context(7, 3, ids):
+        y = serial(xs)
+    w = torch.randn(y.shape, generator=g)
+    (y * w).sum().backward()
+
+    xl = sctx.scatter(x).requires_grad_()
+    with batch_context(7, 3, ids):
+        yl = spatial(xl)
+    if end is not None:
+        loss = (yl * w).sum() / sctx.size
+        y_full = yl.detach()
+    else:
+        box = sctx.box(y.shape[2:])
+        loss = (yl * w[(slice(None), slice(None), *(slice(a, b) for a, b in box))]).sum()
+        y_full = sctx.gather(yl.detach())
+    loss.backward()
+
+    bad = []
+    bad.append(_close("output", y_full, y.detach()))
+    bad.append(_close("input grad", sctx.gather(xl.grad), xs.grad))
+    gscale = max([1.0] + [float(p.grad.abs().max()) for p in serial.parameters() if p.grad is not None])
+    for (name, p_ser), p_sp in zip(serial.named_parameters(), model.parameters()):
+        if p_sp.grad is None:
+            bad.append(f"{name}: no gradient on this rank")
+            continue
+        gsum = p_sp.grad.clone()
+        dist.all_reduce(gsum, group=sctx.group)
+        bad.append(_close(f"grad {name}", gsum, p_ser.grad, gscale))
+    for (name, b_ser), b_sp in zip(serial.named_buffers(), model.buffers()):
+        if b_ser.is_floating_point():
+            bad.append(_close(f"buffer {name}", b_sp, b_ser))
+        elif not torch.equal(b_ser, b_sp):
+            bad.append(f"buffer {name}: {b_sp} != {b_ser}")
+    if [n for n, _ in serial.state_dict().items()] != [n for n, _ in spatial.state_dict().items()][:len(serial.state_dict())] \
+            and end is None:
+        bad.append(f"state dict keys differ: {list(spatial.state_dict())[:6]}...")
+    return [b for b in bad if b]
+
+
+EXTRA_CASES = {"layers": ["bn_local[S22]"], "models": ["cosmoflow_from_mesh[R2xS2]"]}
+
+
+def _bn_local(rank: int, groups: dict[str, Any]) -> list[str]:
+    """bn_stats="local": each part normalises with its own statistics (the serial layer on the part)."""
+    sctx = context_for(rank, "S22", groups)
+    assert sctx is not None
+    torch.manual_seed(5)
+    bn = nn.BatchNorm3d(2)
+    serial = copy.deepcopy(bn)
+    spatial = apply_spatial(nn.Sequential(bn), sctx, None, bn_stats="local")
+    x = torch.randn(D3, generator=torch.Generator().manual_seed(3))
+    xl = sctx.scatter(x)
+    bad = [_close("local-statistics output", spatial(xl), serial(xl))]
+    full = sctx.gather(spatial(xl).detach())
+    if torch.allclose(full, nn.BatchNorm3d(2)(x), atol=1e-3):
+        bad.append("local statistics equal the global ones: the test shows nothing")
+    return [b for b in bad if b]
+
+
+def _from_mesh(rank: int, world: int) -> list[str]:
+    """A context built from an R=2 x S=2 mesh runs CosmoFlow exactly."""
+    from gems.mesh import Mesh
+
+    mesh = Mesh(replicas=2, pipeline=1, parts=(2,), spatial_dims=(0,), world_size=world)
+    mesh.build_groups(rank)
+    sctx = SpatialContext.from_mesh(mesh, rank)
+    build, shape, _, opts = model_cases()["cosmoflow"]
+    return run_case(build, shape, sctx, opts)
+
+
+def cases_world(rank: int, world: int, which: str, only: list[str] | None = None) -> dict[str, str]:
+    """Run every case of ``which`` ("layers" or "models"); return failures of this rank by case."""
+    torch.set_num_threads(1)
+    cases = LAYER_CASES if which == "layers" else model_cases()
+    groups = make_groups(world)
+    out: dict[str, str] = {}
+    extra = _bn_local(rank, groups) if which == "layers" else _from_mesh(rank, world)
+    if extra:
+        out[EXTRA_CASES[which][0]] = f"rank {rank}: " + "\n".join(extra)
+    for name, (build, shape, lays, opts) in cases.items():
+        for lay in lays:
+            if only is not None and f"{name}[{lay}]" not in only and name not in only:
+                continue
+            sctx = context_for(rank, lay, groups, opts.get("overlap", True))
+            if lay.startswith("S3"):  # rank 3 sits out; keep every rank's collectives in step
+                dist.barrier()
+            if sctx is None:
+                continue
+            try:
+                bad = run_case(build, shape, sctx, opts)
+            except Exception as e:  # the group is out of step now: stop here, naming the case
+                raise RuntimeError(f"case {name}[{lay}] raised on rank {rank}") from e
+            if bad:
+                out[f"{name}[{lay}]"] = f"rank {rank}: " + "\n".join(bad)
+    return out

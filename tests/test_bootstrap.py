@@ -1,0 +1,62 @@
+"""Rank discovery from each launcher's traces, and the torchrun path end to end."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gems.bootstrap import discover, first_slurm_host, port_from_job
+
+
+@pytest.mark.parametrize("nodelist,first", [
+    ("node[1-4]", "node1"), ("gpu07", "gpu07"), ("nid[001234,001236-001240]", "nid001234"), ("a01,b02", "a01"),
+])
+def test_first_host_of_a_nodelist(nodelist, first):
+    assert first_slurm_host(nodelist) == first
+
+
+def test_port_is_derived_from_the_job_id_and_in_range():
+    ports = {port_from_job(str(j)) for j in range(1000, 1100)}
+    assert len(ports) == 100 and all(20000 <= p < 40000 for p in ports)
+    assert port_from_job("123_4") == port_from_job("123_4")
+
+
+def test_slurm_variables(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[12-15]")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    rank, size, local, addr, port, source, _ = discover("auto")
+    assert (rank, size, local, addr, port, source) == (5, 8, 1, "gpu12", port_from_job("4242"), "slurm")
+
+
+def test_torchrun_variables_win_over_slurm(monkeypatch):
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    assert discover("auto")[:6] == (1, 2, 0, "10.1.2.3", 29999, "torchrun")
+
+
+def test_torchrun_launches_a_two_rank_job(tmp_path):
+    from gems.config import compose, to_yaml
+    from omegaconf import open_dict
+
+    cfg = compose(["model.size=32", "model.width=0.25", "parallel.replicas=2", "train.batch_size=2",
+                   "train.steps=2", "train.warmup_steps=1", f"results.dir={tmp_path}"])
+    with open_dict(cfg):
+        cfg.run_id = "torchrun-test"
+    path = tmp_path / "cfg.yaml"
+    path.write_text(to_yaml(cfg))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          "-m", "gems.worker", "--config", str(path)], capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rec = json.loads((tmp_path / "torchrun-test.json").read_text())
+    assert rec["status"] == "ok" and rec["world_size"] == 2 and rec["env"]["launcher"] == "torchrun"

@@ -1,0 +1,188 @@
+"""Partitioning, shape tracing, validation and the single-process runner (no process group)."""
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gems.errors import ConfigError
+from gems.mesh import Mesh
+from gems.models.layers import SampleDropout, batch_context
+from gems.models.resnet import resnet_v2
+from gems.pipeline import apply_pipeline, make_schedule, split
+from gems.pipeline.partition import (balance_by_cost, balance_by_memory, boundary_shapes, check_balance, layer_memory,
+                                     layer_times)
+from gems.pipeline.runtime import PipelineRunner
+
+
+def small_net(norm: bool = True) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6) if norm else nn.Identity(), nn.ReLU(),
+        nn.Conv2d(6, 8, 3, stride=2, padding=1), nn.ReLU(), SampleDropout(0.3),
+        nn.Flatten(), nn.Linear(8 * 4 * 4, 5))
+
+
+def ce(B: int):
+    return lambda out, tgt, n: F.cross_entropy(out, tgt, reduction="sum") / B
+
+
+def test_balance_by_cost_is_the_optimal_contiguous_cut():
+    rng = random.Random(3)
+    for _ in range(40):
+        n, D = rng.randint(1, 9), rng.randint(1, 4)
+        if D > n:
+            continue
+        costs = [rng.choice([0.5, 1.0, 2.0, 7.0]) for _ in range(n)]
+        bal = balance_by_cost(costs, D)
+        assert len(bal) == D and sum(bal) == n and min(bal) >= 1
+
+        def worst(b):
+            edges = [0, *itertools.accumulate(b)]
+            return max(sum(costs[edges[i]:edges[i + 1]]) for i in range(len(b)))
+
+        best = min(worst([e - s for s, e in zip((0, *cut), (*cut, n))])
+                   for cut in itertools.combinations(range(1, n), D - 1))
+        assert worst(bal) == pytest.approx(best)
+
+
+def test_split_shares_modules_and_check_balance_names_the_key():
+    seq = small_net()
+    parts = split(seq, [3, 3, 2])
+    assert [len(p) for p in parts] == [3, 3, 2]
+    assert parts[1][0] is seq[3]
+    for bad in ([3, 3], [4, 4, 1], [8, 0, 0], [2, 2, 2]):
+        with pytest.raises(ConfigError) as e:
+            check_balance(bad, len(seq), 3)
+        assert e.value.key == "parallel.balance" and "8 layers" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        check_balance([1] * 9, len(seq), 9)
+    assert e.value.key == "parallel.pipeline"
+
+
+def test_boundary_shapes_on_fake_tensors_match_a_real_run():
+    seq = small_net()
+    parts = split(seq, [2, 3, 3])
+    shapes = boundary_shapes(parts, (4, 3, 8, 8))
+    with batch_context(0, 0, range(4)):
+        x = torch.randn(4, 3, 8, 8)
+        real = []
+        for p in parts[:-1]:
+            x = p(x)
+            real.append((tuple(x.shape), x.dtype))
+    assert shapes == real
+
+
+def test_fake_tracing_never_allocates_the_activations():
+    seq = resnet_v2(110, width=1.0)
+    # a real forward at this size would need about 2 x 64 x 2048^2 x 4 bytes = 2 GiB for one block output
+    t0 = time.perf_counter()
+    shapes = boundary_shapes(split(seq, [10, 10, 10, len(seq) - 30]), (2, 3, 2048, 2048))
+    assert shapes[0][0] == (2, 64, 2048, 2048) and shapes[-1][0] == (2, 256, 512, 512)
+    assert time.perf_counter() - t0 < 60
+    mem = layer_memory(seq, (1, 3, 2048, 2048))
+    assert len(mem) == len(seq) and mem[1] > 64 * 2048 ** 2 * 4 and all(m >= 0 for m in mem)
+    assert all(m.training for m in seq.modules())  # tracing ran in eval mode and restored train mode
+
+
+def test_balance_by_memory_is_deterministic_and_evens_bytes():
+    seq = resnet_v2(38, width=0.5)
+    a = balance_by_memory(seq, 4, (1, 3, 64, 64))
+    assert a == balance_by_memory(seq, 4, (1, 3, 64, 64))
+    costs = layer_memory(seq, (1, 3, 64, 64))
+
+    def per_part(bal):
+        edges = [0, *itertools.accumulate(bal)]
+        return [sum(costs[edges[i]:edges[i + 1]]) for i in range(len(bal))]
+
+    n = len(seq)
+    by_count = [n // 4 + (1 if i < n % 4 else 0) for i in range(4)]
+    assert max(per_part(a)) < max(per_part(by_count))  # the activations shrink along the net: counting layers is worse
+
+
+def test_layer_times_leave_the_model_untouched():
+    seq = small_net()
+    before = [b.clone() for b in seq.buffers()]
+    times = layer_times(seq, (2, 3, 8, 8))
+    assert len(times) == len(seq) and all(t > 0 for t in times)
+    assert all(torch.equal(a, b) for a, b in zip(before, seq.buffers()))
+    assert all(p.grad is None for p in seq.parameters())
+
+
+def test_bad_input_names_the_key():
+    seq, mesh2 = small_net(), Mesh(1, 2)
+
+    def err(**kw):
+        args = dict(loss_fn=ce(8), batch_size=8, schedule="mast")
+        args.update(kw)
+        mesh = args.pop("mesh", mesh2)
+        with pytest.raises(ConfigError) as e:
+            apply_pipeline(seq, mesh, 0, **args)
+        return e.value
+
+    assert err(balance=[4, 3]).key == "parallel.balance"
+    assert err(mesh=Mesh(1, 9)).key == "parallel.pipeline"
+    assert err(mesh=Mesh(1, 1)).key == "parallel.schedule"
+    assert err(batch_size=7).key == "train.batch_size"
+    assert err(schedule="1f1b", micro_batches=3).key == "parallel.micro_batches"
+    assert err(schedule="master", gems_replicas=3).key == "parallel.gems_replicas"
+    assert err(schedule="master", gems_replicas=2, micro_batches=3).key == "parallel.micro_batches"
+    assert err(schedule="mast", gems_replicas=3).key == "parallel.gems_replicas"
+    e = err(batch_size=7)
+    assert "7" in str(e) and "2" in str(e)
+
+
+def serial_grads(seq: nn.Sequential, x, y, ids, chunks: int, B: int):
+    k = B // chunks
+    for p in seq.parameters():
+        p.grad = None
+    total = 0.0
+    for j in range(chunks):
+        sl = slice(j * k, (j + 1) * k)
+        with batch_context(1, 0, ids[sl]):
+            loss = ce(B)(seq(x[sl]), y[sl], k)
+            loss.backward()
+        total += loss.item()
+    return total, [p.grad.clone() for p in seq.parameters()]
+
+
+@pytest.mark.parametrize("schedule,m", [("lp", 1), ("gpipe", 4), ("1f1b", 2)])
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_one_rank_runner_is_gradient_accumulation(schedule, m, checkpoint):
+    B = 8
+    g = torch.Generator().manual_seed(0)
+    x, y, ids = torch.randn(B, 3, 8, 8, generator=g), torch.randint(0, 5, (B,), generator=g), list(range(B))
+    ref = small_net()
+    want_loss, want = serial_grads(ref, x, y, ids, m, B)
+    seq = small_net()
+    runner = apply_pipeline(seq, Mesh(1, 1), 0, loss_fn=ce(B), batch_size=B, schedule=schedule, micro_batches=m,
+                            checkpoint=checkpoint, sample_shape=(3, 8, 8))
+    assert runner.samples_per_step == B and runner.needs_inputs and runner.needs_targets
+    loss = runner.step(x, y, ids, seed=1, step=0)
+    assert loss == pytest.approx(want_loss, rel=1e-6)
+    for p, w in zip(runner.parameters(), want):
+        torch.testing.assert_close(p.grad, w)
+    # BatchNorm statistics moved exactly as in the serial run (recomputation restores them)
+    for a, b in zip(runner.buffers(), ref.buffers()):
+        torch.testing.assert_close(a, b)
+
+
+def test_runner_roles_and_batch_split():
+    parts = {i: nn.Sequential(nn.Linear(2, 2)) for i in range(4)}
+    sched = make_schedule("master", 4, micro_batches=2, gems_replicas=4)
+    held = {i: parts[i] for i in sched.partitions_of(1)}
+    r = PipelineRunner(held, sched, 1, [0, 1, 2, 3], None, 32, ce(32))
+    assert sorted(r.partitions) == [1, 2] and r.samples_per_step == 32
+    assert not r.needs_inputs and not r.needs_targets
+    # eta x m chunks of 4: pass p, micro-batch i covers samples [(2p + i) * 4, (2p + i + 1) * 4)
+    assert r.chunk_slice(0, 0) == slice(0, 4) and r.chunk_slice(1, 1) == slice(12, 16) and r.chunk_slice(3, 1) == slice(28, 32)
+    ends = make_schedule("mast", 4)
+    r0 = PipelineRunner({0: parts[0], 3: parts[3]}, ends, 0, [0, 1, 2, 3], None, 8, ce(8))
+    assert r0.needs_inputs and r0.needs_targets  # stage 0 of A and stage 3 of B
+    assert r0.chunk_slice(0, 0) == slice(0, 4) and r0.chunk_slice(1, 0) == slice(4, 8)  # A: first half, B: second
+    assert r0.parameters() == [*parts[0].parameters(), *parts[3].parameters()]

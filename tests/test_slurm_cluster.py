@@ -1,0 +1,146 @@
+"""The Slurm launcher against the real four-node test cluster (scripts/slurm_cluster.sh start).
+
+No mocks: jobs go through sbatch/srun on node1..node4 of this machine. The rank functions
+live in tests/_slurm_ranks.py (importable on the nodes through PYTHONPATH, see conftest).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.skipif(shutil.which("sinfo") is None,
+                       reason="no Slurm here (sinfo not on PATH); start one with scripts/slurm_cluster.sh start"),
+]
+
+import _slurm_ranks as ranks  # noqa: E402
+
+from gems.config import compose  # noqa: E402
+from gems.errors import ConfigError  # noqa: E402
+from gems.launch import slurm  # noqa: E402
+
+
+def _cfg(tmp_path: Path, *extra: str):
+    return compose(["cluster=local_slurm", "parallel.replicas=4", f"results.dir={tmp_path / 'results'}", *extra])
+
+
+def _jobs_in_queue() -> set[str]:
+    out = subprocess.run(["squeue", "-h", "--states=all", "-o", "%i"], capture_output=True, text=True, timeout=30)
+    return set(out.stdout.split())
+
+
+def test_two_nodes_four_ranks_allreduce(tmp_path: Path) -> None:
+    run = slurm.submit(_cfg(tmp_path), fn=ranks.allreduce_rank)
+    [out] = slurm.wait(run, progress=False)
+    assert out.ok, out.error
+    assert out.state == "COMPLETED"
+    assert sorted(r["rank"] for r in out.results) == [0, 1, 2, 3]
+    assert all(r["world"] == 4 and r["sum"] == 10.0 for r in out.results)
+    assert len({r["node"] for r in out.results}) == 2, out.results
+    assert (out.job_dir / "config.yaml").is_file()
+
+
+def test_dead_rank_is_reported_failed_in_bounded_time(tmp_path: Path) -> None:
+    t0 = time.time()
+    run = slurm.submit(_cfg(tmp_path), fn=ranks.die_on_rank1)
+    [out] = slurm.wait(run, progress=False)
+    assert not out.ok
+    assert time.time() - t0 < 120
+    assert out.state == "FAILED"
+    assert "task 1 exited with status 3" in (out.error or ""), out.error
+    assert "dying on purpose" in (out.error or "")
+
+
+def test_timeout_cancels_and_reports(tmp_path: Path) -> None:
+    t0 = time.time()
+    run = slurm.submit(_cfg(tmp_path, "cluster.timeout_min=0.15"), fn=ranks.sleep_forever)
+    [out] = slurm.wait(run, progress=False)
+    assert not out.ok and out.state == "TIMEOUT"
+    assert "cluster.timeout_min" in (out.error or "")
+    assert time.time() - t0 < 90
+    time.sleep(2)
+    state = subprocess.run(["squeue", "-h", "--states=all", "-j", out.job_id, "-o", "%T"],
+                           capture_output=True, text=True).stdout.strip()
+    assert state in ("", "CANCELLED", "COMPLETING"), state
+
+
+def test_sweep_of_two_jobs_waits_for_both(tmp_path: Path) -> None:
+    cfgs = [_cfg(tmp_path / "a"), _cfg(tmp_path / "b")]
+    runs = slurm.submit_all(cfgs, fn=ranks.allreduce_rank)
+    assert len({r.job_id for r in runs}) == 2
+    outs = slurm.wait(runs, progress=True)
+    assert [o.job_id for o in outs] == [r.job_id for r in runs]
+    assert all(o.ok for o in outs), [o.error for o in outs]
+
+
+def test_request_larger_than_the_cluster_submits_nothing(tmp_path: Path) -> None:
+    before = _jobs_in_queue()
+    cfg = compose(["cluster=local_slurm", "cluster.nodes=5", "parallel.replicas=10", "train.batch_size=10",
+                   f"results.dir={tmp_path}"])
+    with pytest.raises(ConfigError) as e:
+        slurm.submit(cfg, fn=ranks.allreduce_rank)
+    assert e.value.key == "cluster.nodes" and "at most 4" in str(e.value)
+    cfg = compose(["cluster=local_slurm", "cluster.partition=nope", f"results.dir={tmp_path}", "parallel.replicas=4"])
+    with pytest.raises(ConfigError) as e:
+        slurm.submit(cfg, fn=ranks.allreduce_rank)
+    assert e.value.key == "cluster.partition" and "debug" in str(e.value)
+    assert _jobs_in_queue() <= before | set()  # nothing new was queued
+
+
+def test_no_sbatch_on_path_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    monkeypatch.setenv("PATH", str(bare))
+    with pytest.raises(ConfigError) as e:
+        slurm.submit(_cfg(tmp_path), fn=ranks.allreduce_rank)
+    assert e.value.key == "cluster" and "scripts/slurm_cluster.sh start" in str(e.value)
+
+
+def test_controller_not_answering_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    conf = Path(os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")).read_text()
+    dead = "\n".join("SlurmctldPort=17999" if ln.startswith("SlurmctldPort=") else ln for ln in conf.splitlines())
+    if "SlurmctldPort=17999" not in dead:
+        dead += "\nSlurmctldPort=17999\n"
+    (tmp_path / "slurm.conf").write_text(dead)
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "slurm.conf"))
+    with pytest.raises(ConfigError) as e:
+        slurm.submit(_cfg(tmp_path), fn=ranks.allreduce_rank)
+    assert e.value.key == "cluster" and "use cluster=local" in str(e.value)
+    assert not (tmp_path / "results" / ".jobs").exists()
+
+
+def test_gems_worker_through_submitit_writes_its_record(tmp_path: Path) -> None:
+    record = slurm.launch(_cfg(tmp_path), progress=False)
+    assert record["status"] == "ok", record.get("error")
+    assert record["world_size"] == 4
+    assert record["env"].get("slurm_job_id")
+
+
+def test_rendered_script_runs_when_submitted_by_hand(tmp_path: Path) -> None:
+    from gems.launch.render import write_job
+    from gems.results import record as rec
+
+    cfg = slurm.prepare(_cfg(tmp_path, f"cluster.python={sys.executable}"))
+    script = write_job(cfg)
+    out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    job_id = out.stdout.strip().split(";")[0]
+    path = rec.record_path(cfg)
+    deadline = time.time() + 240
+    while time.time() < deadline and not path.exists():
+        state = subprocess.run(["squeue", "-h", "--states=all", "-j", job_id, "-o", "%T"],
+                               capture_output=True, text=True).stdout.strip()
+        if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+            break
+        time.sleep(1)
+    assert path.exists(), (script.parent / f"{job_id}_0_log.err").read_text()[-2000:]
+    record = rec.read_record(path)
+    assert record["status"] == "ok" and record["world_size"] == 4
