@@ -195,7 +195,7 @@ def cmd_sweep(overrides: list[str]) -> int:
     if cfgs[0].cluster.launcher == "slurm":
         from gems.launch import slurm
 
-        records = slurm.launch_many(cfgs)
+        records = slurm.launch_all(cfgs)
     else:
         for i, cfg in enumerate(cfgs):
             print(f"[{i + 1}/{len(cfgs)}] {cfg.run_id}", flush=True)
@@ -231,9 +231,11 @@ def cmd_render(overrides: list[str]) -> int:
     from gems.config import compose
 
     cfg = _prepare(compose(overrides))
-    from gems.launch.render import render
+    from gems.launch.render import write_job
 
-    print(render(cfg), end="")
+    script = write_job(cfg)
+    print(script.read_text(), end="")
+    print(f"# written: {script} (submit it with: sbatch {script})", file=sys.stderr)
     return 0
 
 

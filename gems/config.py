@@ -79,7 +79,7 @@ class ClusterConf:
     name: str = "local"
     launcher: str = "local"  # local | slurm
     nodes: int = 1
-    tasks_per_node: int = 1
+    tasks_per_node: Optional[int] = 1  # null: R x D x S / nodes
     gpus_per_node: int = 0
     cpus_per_task: int = 1
     gpu_memory_gb: float = 0.0
@@ -294,12 +294,21 @@ def validate(cfg: DictConfig) -> None:
     if B % R:
         raise ConfigError("train.batch_size", B, f"a multiple of parallel.replicas={R} (the global batch is split over replicas)")
     if cfg.cluster.launcher == "slurm" or cfg.cluster.name != "local":
-        world = cfg.cluster.nodes * cfg.cluster.tasks_per_node
+        nodes = int(cfg.cluster.nodes)
+        if cfg.cluster.tasks_per_node is None:  # derive the tasks from the mesh
+            if mesh.size % nodes:
+                raise ConfigError("cluster.nodes", nodes, f"a divisor of R x D x S = {mesh.size} ({mesh.describe()}), "
+                                  "or set cluster.tasks_per_node")
+            from omegaconf import open_dict
+
+            with open_dict(cfg):
+                cfg.cluster.tasks_per_node = mesh.size // nodes
+        world = nodes * cfg.cluster.tasks_per_node
         if world != mesh.size:
             raise ConfigError(
                 "cluster.tasks_per_node", cfg.cluster.tasks_per_node,
-                f"nodes x tasks_per_node = {cfg.cluster.nodes} x {cfg.cluster.tasks_per_node} = {world} ranks "
-                f"to equal R x D x S = {mesh.size} ({mesh.describe()})",
+                f"nodes x tasks_per_node = {nodes} x {cfg.cluster.tasks_per_node} = {world} ranks "
+                f"to equal R x D x S = {mesh.size} ({mesh.describe()}); leave it null to derive it",
             )
     if cfg.data.name == "hdf5" and not cfg.data.path:
         raise ConfigError("data.path", cfg.data.path, "a folder of .h5 sample files (write one with `gems data synth`)")

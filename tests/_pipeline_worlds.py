@@ -64,7 +64,8 @@ def _run_case(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     mesh.build_groups(rank, mirrored=is_mirrored(c["schedule"]))
     runner = apply_pipeline(seq, mesh, rank, loss_fn=make_loss(kind, B), batch_size=B // R, schedule=c["schedule"],
                             micro_batches=c["m"], gems_replicas=c.get("eta"), checkpoint=c.get("checkpoint", False),
-                            sample_shape=shape if c.get("trace", True) else None, balance=c.get("balance"))
+                            sample_shape=shape if c.get("trace", True) else None, balance=c.get("balance"),
+                            balance_by=c.get("balance_by", "memory"))
     params = runner.parameters()  # may be empty: a memory-balanced cut can leave a rank only pooling layers
     opt = torch.optim.SGD(params, lr=LR) if params else None
     r = mesh.coord(rank).replica

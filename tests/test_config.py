@@ -31,7 +31,7 @@ def test_every_group_option_composes(group, option):
         cfg = compose([f"{group}={option}", *extra])
     except ConfigError as e:
         # a preset whose default tasks do not match the default 1-rank mesh is a mesh error, not a broken file
-        assert e.key in ("cluster.tasks_per_node",), str(e)
+        assert e.key in ("cluster.tasks_per_node", "cluster.nodes"), str(e)
         return
     assert cfg[group] is not None
 

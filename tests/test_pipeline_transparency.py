@@ -20,9 +20,9 @@ from gems.testing import run_world
 
 
 def case(model: str, schedule: str, D: int, m: int = 1, eta: int | None = None, R: int = 1, B: int = 8,
-         checkpoint: bool = False, trace: bool = True, steps: int = 3) -> dict[str, Any]:
+         checkpoint: bool = False, trace: bool = True, steps: int = 3, balance_by: str = "memory") -> dict[str, Any]:
     return dict(model=model, schedule=schedule, D=D, R=R, m=m, eta=eta, B=B, checkpoint=checkpoint, trace=trace,
-                steps=steps)
+                steps=steps, balance_by=balance_by)
 
 
 WORLD2 = [  # D = 2
@@ -36,6 +36,7 @@ WORLD2 = [  # D = 2
     case("resnet_bn", "mast", 2),
     case("resnet_bn", "1f1b", 2, m=2, checkpoint=True),  # recomputation must not update BN statistics twice
     case("resnet_gn", "master", 2, m=2, eta=2, trace=False),
+    case("resnet_gn", "1f1b", 2, m=2, balance_by="time", steps=2),  # measured balance: rank 0's is broadcast
 ]
 WORLD3 = [  # odd D: the middle rank holds one partition for both directions
     case("cosmoflow", "mast", 3, B=6),

@@ -229,10 +229,11 @@ def mast(D: int, m: int = 1) -> Schedule:
 def master(D: int, eta: int, m: int = 1) -> Schedule:
     """GEMS-MASTER: ``eta`` replica passes per step, alternating down and up, on MAST's ranks and memory.
 
-    Pass ``p`` runs down when even, up when odd; a direction admits its next pass
-    on a stage only once the previous one has left it, so the memory is MAST's
-    for any eta (MPI4DL stops at two replicas whatever ``--times`` says; gems
-    does not). ``master(2, 4)``::
+    Pass ``p`` runs down when even, up when odd. With ``m = 1`` a direction
+    admits its next pass on a stage only once the previous one has left it, so
+    the activation memory is MAST's for any eta (MPI4DL trains two replicas
+    whatever ``--times`` says; gems does not); with ``m > 1`` the Chimera bound
+    of ``D + 1`` micro-batches per rank holds. ``master(2, 4)``::
 
         tick   0     1     2     3     4     5     6     7     8     9     10    11
         rank0  FA0s0 FB0s1 BB0s1 .     BA0s0 .     FC0s0 FD0s1 BD0s1 .     BC0s0 .

@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from gems.errors import ConfigError
+from gems.models.layers import SampleDropout
 from gems.spatial import layers as L
 from gems.spatial.context import SpatialContext
 
@@ -139,7 +140,7 @@ class _Converter:
             return L.SpatialPReLU(m, s, label)
         if isinstance(m, (nn.Softmax, nn.LogSoftmax)) and m.dim == 1:
             return L.SpatialPointwise(m, s, label)
-        if type(m).__name__ == "SampleDropout":
+        if isinstance(m, SampleDropout):
             return L.SpatialSampleDropout(m, s, label)
         if isinstance(m, self.pointwise) and not list(m.parameters(recurse=False)):
             return L.SpatialPointwise(m, s, label)
