@@ -155,7 +155,7 @@ def expand_sweep(overrides: list[str]) -> tuple[list[list[str]], dict[str, Any]]
         raise ConfigError("override", " ".join(overrides), f"Hydra override syntax ({str(e).splitlines()[0]})") from None
     # sweeps defined by an experiment: hydra.sweeper.params
     base = [o.input_line for o in parsed if not o.is_sweep_override()]
-    hcfg = compose(base, return_hydra_config=True)
+    hcfg = compose(base, return_hydra_config=True, check=False)  # each combination is checked below
     exp_params = dict(hcfg.hydra.sweeper.get("params") or {})
     given = {o.get_key_element(): o for o in parsed}
     axes: list[list[str]] = []

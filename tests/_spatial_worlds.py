@@ -171,7 +171,7 @@ def make_groups(world: int) -> dict[str, Any]:
     return groups
 
 
-def context_for(rank: int, layout: str, groups: dict[str, Any], overlap: bool = True) -> SpatialContext | None:
+def context_for(rank: int, layout: str, groups: dict[str, Any], overlap: bool | None = True) -> SpatialContext | None:
     parts, dims = LAYOUTS[layout]
     size = 1
     for p in parts:

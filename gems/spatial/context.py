@@ -38,17 +38,19 @@ class SpatialContext:
     of each spatial index ``s`` (row-major over ``parts``); ``parts``: parts
     per cut dim; ``dims``: which spatial dims are cut (0 = depth in 3D, height
     in 2D); ``grid``: this rank's coordinates in the parts grid. ``overlap``
-    computes the interior of convolutions and pools while halos are in flight.
+    computes the interior of convolutions and pools while halos are in flight
+    (None: on for CUDA tensors, where it hides the exchange; on CPU the
+    single-window path needs less memory, see gems/bench/spatial.py).
     """
 
     def __init__(self, group: Any, ranks: Sequence[int], parts: Sequence[int], dims: Sequence[int],
-                 grid: Sequence[int], overlap: bool = True) -> None:
+                 grid: Sequence[int], overlap: bool | None = None) -> None:
         self.group = group
         self.ranks = [int(r) for r in ranks]
         self.parts = tuple(int(p) for p in parts)
         self.dims = tuple(int(d) for d in dims)
         self.grid = tuple(int(g) for g in grid)
-        self.overlap = bool(overlap)
+        self.overlap = overlap
         if len(self.parts) != len(self.dims):
             raise ConfigError("parallel.spatial_dims", list(self.dims), f"one dim per entry of parallel.spatial={list(self.parts)}")
         if len(set(self.dims)) != len(self.dims) or any(d < 0 for d in self.dims):
@@ -65,7 +67,7 @@ class SpatialContext:
         self._comm_streams: dict[Any, Any] = {}
 
     @classmethod
-    def from_mesh(cls, mesh: Any, rank: int, overlap: bool = True) -> "SpatialContext":
+    def from_mesh(cls, mesh: Any, rank: int, overlap: bool | None = None) -> "SpatialContext":
         """The context of ``rank`` on a :class:`gems.mesh.Mesh` whose groups are built."""
         ranks = mesh.ranks("spatial") or [rank]
         return cls(mesh.group("spatial"), ranks, mesh.parts, mesh.spatial_dims, mesh.grid_of(mesh.coord(rank).spatial), overlap)
@@ -162,6 +164,10 @@ class SpatialContext:
         if x.is_cuda and dist.get_backend(self.group) != "gloo":
             return x.device
         return torch.device("cpu")
+
+    def overlaps(self, x: torch.Tensor) -> bool:
+        """Whether layers compute their interior while halos of ``x`` travel."""
+        return x.is_cuda if self.overlap is None else bool(self.overlap)
 
     def comm_stream(self, device: torch.device) -> Any:
         """The side CUDA stream that packs and posts halo messages for ``device``."""

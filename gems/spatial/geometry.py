@@ -90,11 +90,12 @@ class Window:
             return (0, 0)
         return (a * self.stride - self.pad_lo, (b - 1) * self.stride - self.pad_lo + self.extent)
 
-    def interior(self, a: int, b: int, own: Range, n: int) -> Range:
-        """Outputs in ``[a, b)`` whose (clipped) inputs all lie in ``own``: computable before halos arrive."""
+    def interior(self, a: int, b: int, own: Range) -> Range:
+        """Outputs in ``[a, b)`` whose inputs all lie in ``own`` (padding excluded):
+        computable from the local part alone, before halos arrive."""
         s, p = self.stride, self.pad_lo
-        c = a if own[0] == 0 else max(a, -(-(own[0] + p) // s))
-        e = b if own[1] == n else min(b, (own[1] + p - self.extent) // s + 1)
+        c = max(a, -(-(own[0] + p) // s))
+        e = min(b, (own[1] + p - self.extent) // s + 1)
         return (c, max(c, e))
 
     def avg_count(self, a: int, b: int, n: int, include_pad: bool) -> torch.Tensor:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from gems.spatial.context import SpatialContext
 from gems.spatial.geometry import Box, intersect, is_empty, local_index, shape_of
@@ -125,11 +126,12 @@ class Assemble(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, info: tuple[SpatialContext, Plan, tuple[Box, ...], str],
                 *recvd: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        _, p, targets, _ = info
+        _, p, targets, _, fill = info
         n, c = x.shape[:2]
         outs = []
         for tgt in targets:
-            out = x.new_empty((n, c, *shape_of(tgt)))
+            inside = intersect(tgt, p.need) == tgt
+            out = x.new_empty((n, c, *shape_of(tgt))) if inside else x.new_full((n, c, *shape_of(tgt)), fill)
             for holder, src in [(p.own, x), *[(box, buf) for (_, box), buf in zip(p.recvs, recvd)]]:
                 r = intersect(holder, tgt)
                 if not is_empty(r):
@@ -141,7 +143,7 @@ class Assemble(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        sctx, p, targets, label = ctx.info
+        sctx, p, targets, label, _ = ctx.info
         t_start = time.perf_counter()
         n, c = ctx.xshape[:2]
         kw: dict[str, Any] = dict(dtype=ctx.xdtype, device=ctx.xdevice)
@@ -166,11 +168,20 @@ class Assemble(torch.autograd.Function):
 
 
 def windows(sctx: SpatialContext, x: torch.Tensor, p: Plan, targets: list[Box], label: str,
-            pending: Pending | None = None) -> tuple[torch.Tensor, ...]:
-    """The input windows ``targets`` (boxes inside ``p.need``) of the part ``x``."""
-    if p.quiet:  # nothing to exchange: slices of the local part (views, differentiable)
-        return tuple(_region(x, t, p.own) for t in targets)
+            pending: Pending | None = None, fill: float = 0.0) -> tuple[torch.Tensor, ...]:
+    """The input windows ``targets`` of the part ``x``: boxes inside ``p.need``
+    or reaching past the sample's edges, where they hold ``fill`` (padding)."""
+    if p.quiet:  # nothing to exchange: slices of the local part (views), padded where asked
+        out = []
+        for t in targets:
+            inner = intersect(t, p.own)
+            w = _region(x, inner, p.own)
+            pads: list[int] = []
+            for (lo, hi), (ilo, ihi) in reversed(list(zip(t, inner))):
+                pads += [ilo - lo, hi - ihi]
+            out.append(F.pad(w, pads, value=fill) if any(pads) else w)
+        return tuple(out)
     if pending is None:
         pending = Pending(sctx, x, p, label)
     recvd = pending.wait()
-    return Assemble.apply(x, (sctx, p, tuple(targets), label), *recvd)
+    return Assemble.apply(x, (sctx, p, tuple(targets), label, fill), *recvd)

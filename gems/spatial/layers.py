@@ -86,13 +86,26 @@ class SpatialLayer(nn.Module):
 
 
 class _WindowLayer(SpatialLayer):
-    """Convolution and pooling: outputs in this rank's range read input windows."""
+    """Convolution and pooling: outputs in this rank's range read input windows.
+
+    Along cut dims (and uncut dims with asymmetric padding) windows are exact
+    and padded explicitly; uncut dims keep the layer's own padding (``native``).
+    """
 
     maps: list[Window]
+    native: list[int | None]  # per dim: the padding the op applies itself, None where windows are explicit
     fill: float = 0.0
 
     def _op(self, xp: torch.Tensor, box: Box, gin: tuple[int, ...]) -> torch.Tensor:
         raise NotImplementedError
+
+    def _set_native(self) -> None:
+        self.native = [m.pad_lo if j not in self.sctx.dims and m.pad_lo == m.pad_hi else None
+                       for j, m in enumerate(self.maps)]
+
+    @property
+    def _pad(self) -> tuple[int, ...]:
+        return tuple(p or 0 for p in self.native)
 
     def _out_channels(self, x: torch.Tensor) -> int:
         return x.shape[1]
@@ -100,16 +113,14 @@ class _WindowLayer(SpatialLayer):
     def _deps(self) -> list[torch.Tensor | None]:
         return []
 
-    def _need(self, box: Box, gin: tuple[int, ...]) -> tuple[Box, Box]:
-        need = tuple(m.need(a, b) for m, (a, b) in zip(self.maps, box))
-        return need, tuple(clip(r, n) for r, n in zip(need, gin))
+    def _out_box(self, box: Box, gout: tuple[int, ...]) -> Box:
+        return box
 
-    def _compute(self, win: torch.Tensor, box: Box, gin: tuple[int, ...]) -> torch.Tensor:
-        need, clipped = self._need(box, gin)
-        pads = _pads(need, clipped)
-        if any(pads):
-            win = F.pad(win, pads, value=self.fill)
-        return self._op(win, box, gin)
+    def _need(self, box: Box, gin: tuple[int, ...]) -> tuple[Box, Box]:
+        """Input box read by the outputs ``box``: unclipped (with padding) and clipped."""
+        need = tuple(m.need(a, b) if nat is None else (0, n)
+                     for m, nat, (a, b), n in zip(self.maps, self.native, box, gin))
+        return need, tuple(clip(r, n) for r, n in zip(need, gin))
 
     def _setup(self, gin: tuple[int, ...]) -> tuple[Any, ...]:
         sctx = self.sctx
@@ -120,8 +131,9 @@ class _WindowLayer(SpatialLayer):
         box = outs[sctx.index]
         inner: Box = box
         slabs: list[Box] = []
-        if not is_empty(box) and not p.quiet:
-            inner = tuple(self.maps[j].interior(a, b, p.own[j], gin[j]) if j in sctx.dims else (a, b)
+        explicit_uncut = any(nat is None and j not in sctx.dims for j, nat in enumerate(self.native))
+        if not is_empty(box) and not p.quiet and not explicit_uncut:
+            inner = tuple(self.maps[j].interior(a, b, p.own[j]) if j in sctx.dims else (a, b)
                           for j, (a, b) in enumerate(box))
             if is_empty(inner):
                 inner = box
@@ -139,14 +151,14 @@ class _WindowLayer(SpatialLayer):
         if is_empty(box):
             (win,) = halo.windows(sctx, x, p, [p.need], self.label)
             y = zeros_out((x.shape[0], self._out_channels(x), *shape_of(box)), win, *self._deps())
-        elif not slabs or not sctx.overlap:
-            (win,) = halo.windows(sctx, x, p, [p.need], self.label)
-            y = self._compute(win, box, gin)
-        else:  # interior while the halos travel, then the boundary slabs
+        elif not slabs or not sctx.overlaps(x):
+            (win,) = halo.windows(sctx, x, p, [self._need(box, gin)[0]], self.label, fill=self.fill)
+            y = self._op(win, box, gin)
+        else:  # the interior while the halos travel, then the boundary slabs
             pending = halo.Pending(sctx, x, p, self.label)
-            y_in = self._compute(x[local_index(self._need(inner, gin)[1], p.own)], inner, gin)
-            wins = halo.windows(sctx, x, p, [self._need(s, gin)[1] for s in slabs], self.label, pending)
-            y = nest(box, inner, sorted(sctx.dims), y_in, [self._compute(w, s, gin) for w, s in zip(wins, slabs)])
+            y_in = self._op(x[local_index(self._need(inner, gin)[0], p.own)], inner, gin)
+            wins = halo.windows(sctx, x, p, [self._need(s, gin)[0] for s in slabs], self.label, pending, self.fill)
+            y = nest(box, inner, sorted(sctx.dims), y_in, [self._op(w, s, gin) for w, s in zip(wins, slabs)])
         return sctx.mark(y, gout)
 
 
@@ -170,6 +182,7 @@ class SpatialConv(_WindowLayer):
         else:
             pads = [(p, p) for p in _tuple(conv.padding, nd)]
         self.maps = [Window(k[j], s[j], d[j], *pads[j]) for j in range(nd)]
+        self._set_native()
         self.stride, self.dilation, self.groups, self.nd = s, d, conv.groups, nd
         self.out_channels = conv.out_channels
 
@@ -180,7 +193,7 @@ class SpatialConv(_WindowLayer):
         return [self.weight, self.bias]
 
     def _op(self, xp: torch.Tensor, box: Box, gin: tuple[int, ...]) -> torch.Tensor:
-        return _CONV[self.nd](xp, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+        return _CONV[self.nd](xp, self.weight, self.bias, self.stride, self._pad, self.dilation, self.groups)
 
     def extra_repr(self) -> str:
         return f"{self.label}, weight={tuple(self.weight.shape)}, maps={self.maps}"
@@ -197,10 +210,11 @@ class SpatialMaxPool(_WindowLayer):
         s = _tuple(pool.stride if pool.stride is not None else pool.kernel_size, nd)
         p, d = _tuple(pool.padding, nd), _tuple(pool.dilation, nd)
         self.maps = [Window(k[j], s[j], d[j], p[j], p[j], bool(pool.ceil_mode)) for j in range(nd)]
-        self.k, self.s, self.d, self.nd = k, s, d, nd
+        self._set_native()
+        self.k, self.s, self.d, self.nd, self.ceil = k, s, d, nd, bool(pool.ceil_mode)
 
     def _op(self, xp: torch.Tensor, box: Box, gin: tuple[int, ...]) -> torch.Tensor:
-        return _MAXP[self.nd](xp, self.k, self.s, 0, self.d)
+        return _MAXP[self.nd](xp, self.k, self.s, self._pad, self.d, self.ceil)
 
     def extra_repr(self) -> str:
         return f"{self.label}, maps={self.maps}"
@@ -215,22 +229,29 @@ class SpatialAvgPool(_WindowLayer):
         s = _tuple(pool.stride if pool.stride is not None else pool.kernel_size, nd)
         p = _tuple(pool.padding, nd)
         self.maps = [Window(k[j], s[j], 1, p[j], p[j], bool(pool.ceil_mode)) for j in range(nd)]
-        self.k, self.s, self.nd = k, s, nd
+        self._set_native()
+        self.k, self.s, self.nd, self.ceil = k, s, nd, bool(pool.ceil_mode)
         self.include_pad = bool(getattr(pool, "count_include_pad", True))
         self.divisor = getattr(pool, "divisor_override", None)
 
     def _op(self, xp: torch.Tensor, box: Box, gin: tuple[int, ...]) -> torch.Tensor:
-        y = _AVGP[self.nd](xp, self.k, self.s)  # padding-free windows: sum / prod(k)
-        full = math.prod(self.k)
+        # the op counts explicit (cut-dim) padding as cells; torch's rule may not: rescale per cut dim
+        if self.nd == 1:
+            y = F.avg_pool1d(xp, self.k, self.s, self._pad, self.ceil, self.include_pad)
+            return y * (self.k[0] / self.divisor) if self.divisor else y
+        y = _AVGP[self.nd](xp, self.k, self.s, self._pad, self.ceil, self.include_pad, self.divisor)
         if self.divisor:
-            return y if self.divisor == full else y * (full / self.divisor)
-        counts = [m.avg_count(a, b, n, self.include_pad) for m, (a, b), n in zip(self.maps, box, gin)]
-        if all(bool((c == k).all()) for c, k in zip(counts, self.k)):
             return y
-        div = counts[0]
-        for c in counts[1:]:
-            div = div[..., None] * c
-        return y * (full / div).to(y.dtype)
+        fix = None
+        for j, (m, (a, b), n) in enumerate(zip(self.maps, box, gin)):
+            if self.native[j] is not None:
+                continue
+            c = m.avg_count(a, b, n, self.include_pad)
+            if bool((c == self.k[j]).all()):
+                continue
+            f = (self.k[j] / c).view(-1, *([1] * (self.nd - 1 - j)))
+            fix = f if fix is None else fix * f
+        return y if fix is None else y * fix.to(y.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.label}, maps={self.maps}"

@@ -1,0 +1,55 @@
+"""The job suite end to end on the real Slurm test cluster, through the `gems` command.
+
+Needs scripts/slurm_cluster.sh start (CI does it). A 2-node x 2-task job reaches
+a record with 4 ranks on 2 nodes and the serial losses; a 2-point sweep
+reaches its table.
+"""
+import shutil
+
+import pytest
+import torch
+
+from _cli import gems, records
+
+pytestmark = [pytest.mark.slurm,
+              pytest.mark.skipif(shutil.which("sinfo") is None, reason="Slurm is not installed (scripts/slurm_cluster.sh start)")]
+
+SMALL = ["model.size=32", "model.width=0.5", "train.batch_size=4", "train.steps=4", "train.warmup_steps=1"]
+
+
+def test_two_nodes_two_tasks_reach_a_record_with_the_serial_losses(tmp_path):
+    out = gems("run", f"results.dir={tmp_path}/slurm", "cluster=local_slurm", "cluster.nodes=2",
+               "cluster.tasks_per_node=2", "parallel.replicas=4", *SMALL, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
+    (r,) = records(str(tmp_path / "slurm"))
+    assert r["status"] == "ok" and r["world_size"] == 4 and r["nodes"] == 2, r.get("error")
+    assert len(r["env"]["hostnames"]) == 2 and r["env"]["slurm_job_id"]
+    serial = gems("run", f"results.dir={tmp_path}/serial", *SMALL)
+    assert serial.returncode == 0, serial.stderr
+    (s,) = records(str(tmp_path / "serial"))
+    torch.testing.assert_close(torch.tensor(r["loss"]), torch.tensor(s["loss"]), rtol=1e-5, atol=1e-7)
+
+
+def test_mpi_over_srun_pmi2(tmp_path):
+    out = gems("run", f"results.dir={tmp_path}", "cluster=local_slurm", "cluster.nodes=2", "parallel.replicas=2",
+               "comm=mpi", *SMALL, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (r,) = records(str(tmp_path))
+    assert r["status"] == "ok" and r["env"]["launcher"] == "mpi" and r["nodes"] == 2
+
+
+def test_a_two_point_sweep_reaches_its_table(tmp_path):
+    out = gems("sweep", f"results.dir={tmp_path}", "results.sweep=slurm_sweep", "cluster=local_slurm",
+               "cluster.nodes=2", "parallel.replicas=2,4", *SMALL, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
+    table = (tmp_path / "slurm_sweep" / "table.md").read_text()
+    assert table.count("| cosmoflow32-R") == 2 and "| ok |" in table
+    assert (tmp_path / "slurm_sweep" / "scaling.png").exists()
+
+
+def test_slurm_failure_is_recorded_not_waited_on(tmp_path):
+    out = gems("run", f"results.dir={tmp_path}", "cluster=local_slurm", "cluster.nodes=2", "parallel.replicas=2",
+               "fault.kill_rank=1", "fault.at_step=1", "comm.timeout_s=30", *SMALL, timeout=600)
+    assert out.returncode == 1, out.stderr[-2000:]
+    (r,) = records(str(tmp_path))
+    assert r["status"] == "failed" and r["error"]
