@@ -53,11 +53,12 @@ class ParallelConf:
     spatial_dims: Optional[list] = None  # cut dims among the spatial ones; default [0] (or 0..k-1 for a list)
     schedule: str = "lp"  # lp | gpipe | 1f1b | mast | master
     micro_batches: int = 1
-    gems_replicas: int = 2  # eta for master
+    gems_replicas: Optional[int] = None  # eta for master (default 2); mast is always 2
     balance: Optional[list] = None  # layers per partition; automatic when absent
+    balance_by: str = "memory"  # memory | time: how the automatic balance weighs layers
     checkpoint: bool = False  # recompute activations in the backward
     bn_stats: str = "global"  # global | local BatchNorm statistics over spatial parts
-    overlap: bool = True  # interior/halo overlap on GPU
+    overlap: Optional[bool] = None  # interior/halo overlap (null: on GPU only)
 
 
 @dataclass
@@ -158,6 +159,7 @@ CHOICES = {
     "plan.format": ("table", "json"),
     "results.scaling": ("weak", "strong"),
     "parallel.bn_stats": ("global", "local"),
+    "parallel.balance_by": ("memory", "time"),
     "model.norm": ("batch", "group", "none"),
 }
 

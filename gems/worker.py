@@ -137,13 +137,22 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig) -> P
     seq: nn.Sequential = spec.module
     slices: tuple[slice, ...] | None = None
 
+    ctx: Any = None
+
     # 1. spatial
     if mesh.spatial_enabled:
         from gems.spatial import SpatialContext, apply_spatial
 
-        ctx = SpatialContext.from_mesh(mesh, rank)
+        ctx = SpatialContext.from_mesh(mesh, rank, p.get("overlap"))
         slices = tuple(ctx.local_slices(spec.input_shape[1:]))
         seq = apply_spatial(seq, ctx, spec.spatial_end, bn_stats=p.bn_stats)
+
+    def halo_stats() -> dict[str, float]:
+        if ctx is None:
+            return {}
+        out = {"halo": float(sum(ctx.halo_seconds.values()))}
+        ctx.halo_seconds.clear()
+        return out
 
     seq = seq.to(device)
     if device.type == "cuda" and spec.spatial_ndim in (2, 3):
@@ -151,28 +160,41 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig) -> P
     amp = _autocast(cfg.train.precision, device)
 
     # 2. pipeline
-    gems_schedule = p.schedule in ("gpipe", "1f1b", "mast", "master") or mesh.pipeline_enabled
-    if gems_schedule:
+    if p.schedule != "lp" or mesh.pipeline_enabled:
+        from collections import Counter
+
         from gems.pipeline import apply_pipeline
 
         runner = apply_pipeline(
-            seq, mesh, rank, schedule=p.schedule, micro_batches=int(p.micro_batches),
-            gems_replicas=int(p.gems_replicas), balance=list(p.balance) if p.balance else None,
-            checkpoint=bool(p.checkpoint), sample_shape=_local_shape(spec, slices), loss_fn=loss_fn,
-            local_batch=local_batch, device=device, autocast=amp,
+            seq, mesh, rank, loss_fn=lambda out, y, n: loss_fn(out, y), batch_size=local_batch,
+            schedule=p.schedule, micro_batches=int(p.micro_batches),
+            gems_replicas=None if p.gems_replicas is None else int(p.gems_replicas),
+            balance=list(p.balance) if p.balance else None, balance_by=p.get("balance_by", "memory"),
+            checkpoint=bool(p.checkpoint), sample_shape=None if ctx is not None else tuple(spec.input_shape),
         )
         params = list(runner.parameters())
         reducer = _reducer(params, mesh, world, cfg)
+        # a parameter is final after the last backward of its partition on this rank
+        backwards = Counter(a.stage for a in runner.actions if a.kind == "B")
+        count = {id(q): backwards[s] for s, part in runner.partitions.items() for q in part.parameters()}
 
         def pipe_step(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int) -> float:
-            reducer.start_step(expected=runner.expected_grad_counts())
-            loss = runner.step(x, y, ids, seed, step)
+            if ctx is not None and x is not None:
+                ctx.mark(x, spec.input_shape[1:])
+            reducer.start_step(expected=lambda q: count[id(q)])
+            with amp:
+                loss = runner.step(x, y, ids, seed, step)
             reducer.finish()
             return float(loss)
 
+        def pipe_stats() -> dict[str, float]:
+            st = runner.stats
+            out = {"bubble_or_wait": st.wait_s, **halo_stats()}
+            st.forward_s = st.backward_s = st.wait_s = 0.0
+            return out
+
         return Parallel(pipe_step, params, list(runner.modules), reducer, slices,
-                        runner.needs_input, runner.needs_target, runner.samples_per_step,
-                        getattr(runner, "stats", lambda: {}))
+                        runner.needs_inputs, runner.needs_targets, runner.samples_per_step, pipe_stats)
 
     # no pipeline: one forward and backward of the whole (spatial) model
     params = list(seq.parameters())
@@ -187,6 +209,8 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig) -> P
 
     def plain_step(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int) -> float:
         assert x is not None and y is not None
+        if ctx is not None:
+            ctx.mark(x, spec.input_shape[1:])
         reducer.start_step()
         with batch_context(seed, step, ids):
             with amp:
@@ -196,7 +220,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig) -> P
         reducer.finish()
         return float(loss.detach())
 
-    return Parallel(plain_step, params, [seq], reducer, slices, True, True, local_batch)
+    return Parallel(plain_step, params, [seq], reducer, slices, True, True, local_batch, halo_stats)
 
 
 def _local_shape(spec: ModelSpec, slices: tuple[slice, ...] | None) -> tuple[int, ...]:
@@ -232,14 +256,32 @@ def make_optimizer(cfg: DictConfig, params: list[nn.Parameter]) -> torch.optim.O
 
 
 # ---------------------------------------------------------------------------- data
-def make_data(cfg: DictConfig, spec: ModelSpec) -> Any:
+def make_data(cfg: DictConfig, spec: ModelSpec, slices: tuple[slice, ...] | None = None) -> Any:
     if cfg.data.name == "hdf5":
-        from gems.data.hdf5 import HDF5Data
+        from gems.data.hdf5 import HDF5Samples
 
-        return HDF5Data(cfg.data.path, spec)
+        if spec.target != "vector":
+            raise ConfigError("data", "hdf5", f"synthetic for {spec.name} (the ExaLearn files carry one target vector per sample)")
+        return _HDF5Batches(HDF5Samples(cfg.data.path, spec.input_shape, slices=slices))
     from gems.data.synthetic import SyntheticData
 
     return SyntheticData(spec, int(cfg.train.seed), int(cfg.data.num_samples))
+
+
+class _HDF5Batches:
+    """The worker's view of HDF5 samples: this rank's hyperslab, inputs or targets as needed."""
+
+    def __init__(self, samples: Any) -> None:
+        self.samples = samples
+
+    def batch(self, indices: list[int], slices: Any = None, want_input: bool = True,
+              want_target: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not want_input:
+            from gems.data.hdf5 import read_target
+
+            return None, torch.stack([read_target(self.samples.files[i % len(self.samples)]) for i in indices])
+        x, y = self.samples.batch(indices)
+        return x, (y if want_target else None)
 
 
 def replica_indices(step: int, batch: int, replicas: int, replica: int) -> list[int]:
@@ -270,7 +312,7 @@ def train(cfg: DictConfig, world: World) -> dict[str, Any]:
     meter.reset()
     par = parallelize(spec, mesh, world, cfg)
     opt = make_optimizer(cfg, par.params)
-    data = make_data(cfg, spec)
+    data = make_data(cfg, spec, par.input_slices)
     B, R = int(cfg.train.batch_size), mesh.replicas
     steps, warm = int(cfg.train.steps), int(cfg.train.warmup_steps)
 
@@ -298,10 +340,10 @@ def train(cfg: DictConfig, world: World) -> dict[str, Any]:
         losses.append(loss)
         if world.rank == 0:
             print(f"gems: step {step + 1}/{steps} {dt:.3f} s{' (warm-up)' if step < warm else ''}", flush=True)
+        t = timers.snapshot()
+        extra = par.stats()  # read every step, so warm-up time is not carried into measured steps
         if step >= warm:
             step_times.append(dt)
-            t = timers.snapshot()
-            extra = par.stats()
             breakdown["data"] += t_data
             breakdown["allreduce"] += par.reducer.wait_s
             breakdown["halo"] += t.get("halo", 0.0) + extra.get("halo", 0.0)

@@ -65,6 +65,12 @@ def read_sample(source: Source, slices: Sequence[slice] | None = None,
     return x, target
 
 
+def read_target(source: Source) -> torch.Tensor:
+    """Only the ``unitPar`` target of a sample (for ranks that compute the loss but read no input)."""
+    with _h5().File(source, "r") as f:
+        return torch.from_numpy(np.asarray(f["unitPar"][()], dtype=np.float32).reshape(-1))
+
+
 def _sel_shape(shape: Sequence[int], sel: Sequence[slice]) -> tuple[int, ...]:
     full = list(sel) + [slice(None)] * (len(shape) - len(sel))
     return tuple(len(range(*s.indices(n))) for s, n in zip(full, shape))
