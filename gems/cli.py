@@ -65,6 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _err("interrupted")
         return 130
+    except Exception as e:  # a bug, not bad input: one line, the traceback on request
+        import os
+        import traceback
+
+        if os.environ.get("GEMS_DEBUG"):
+            traceback.print_exc()
+        _err(f"internal error in `gems {cmd}`: {type(e).__name__}: {e} (GEMS_DEBUG=1 shows the traceback)")
+        return 1
 
 
 # ---------------------------------------------------------------------------- run
@@ -85,11 +93,9 @@ def _prepare(cfg: Any) -> Any:
         path = Path(str(cfg.data.path))
         if not path.exists():
             raise ConfigError("data.path", str(path), "an existing folder of .h5 samples (write one with `gems data synth data.path=...`)")
-    from gems.models import build_model
+    from gems.worker import preflight
 
-    build_model(cfg.model)  # a model that cannot be built is bad input: fail before launching
-    if cfg.parallel.schedule in ("mast", "master") and cfg.parallel.pipeline < 2:
-        raise ConfigError("parallel.schedule", cfg.parallel.schedule, "parallel.pipeline >= 2 (GEMS mirrors partitions over D ranks), or schedule=lp")
+    preflight(cfg)  # model, spatial cut and schedule: bad input fails here, before launching
     return cfg
 
 
@@ -259,8 +265,9 @@ def cmd_data(args: list[str]) -> int:
     from gems.config import compose
     from gems.data.synth import synth_main
 
-    return int(synth_main(compose(["data=hdf5", *args[1:]]) if not any(a.startswith("data=") for a in args[1:])
-                          else compose(args[1:])) or 0)
+    overrides = args[1:] if any(a.startswith("data=") for a in args[1:]) else ["data=hdf5", *args[1:]]
+    synth_main(compose(overrides, check=False))  # a dataset needs no mesh
+    return 0
 
 
 BENCHES = {

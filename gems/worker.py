@@ -223,6 +223,43 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig) -> P
     return Parallel(plain_step, params, [seq], reducer, slices, True, True, local_batch, halo_stats)
 
 
+def preflight(cfg: DictConfig) -> None:
+    """Every check that needs the model but not the world, run by the CLI before launching.
+
+    A mesh the model cannot take (too many parts, a missing dim, a layer gems
+    cannot partition, a schedule the batch or the layers do not divide) is bad
+    input: it must stop with exit 2 before anything is submitted, not fail on
+    every rank of a 1024-GPU job.
+    """
+    import copy
+
+    mesh = mesh_from_config(cfg)
+    spec = build_model(cfg.model)
+    p = cfg.parallel
+    seq = spec.module
+    if mesh.spatial_enabled:
+        from gems.spatial import SpatialContext, apply_spatial
+
+        for d in mesh.spatial_dims:
+            if d >= spec.spatial_ndim:
+                raise ConfigError("parallel.spatial_dims", list(mesh.spatial_dims),
+                                  f"dims below {spec.spatial_ndim}: {spec.name} has {spec.spatial_ndim} spatial dims")
+        ctx = SpatialContext(None, list(range(mesh.spatial)), mesh.parts, mesh.spatial_dims, (0,) * len(mesh.parts))
+        ctx.local_slices(spec.input_shape[1:])
+        seq = apply_spatial(copy.deepcopy(seq), ctx, spec.spatial_end, bn_stats=p.bn_stats)
+    if p.schedule != "lp" or mesh.pipeline_enabled:
+        from gems.pipeline import check_batch, make_schedule
+        from gems.pipeline.partition import check_balance
+
+        if mesh.pipeline > len(seq):
+            raise ConfigError("parallel.pipeline", mesh.pipeline, f"at most the model's {len(seq)} layers")
+        sched = make_schedule(p.schedule, mesh.pipeline, int(p.micro_batches),
+                              None if p.gems_replicas is None else int(p.gems_replicas))
+        check_batch(int(cfg.train.batch_size) // mesh.replicas, sched, mesh.replicas)
+        if p.balance:
+            check_balance(list(p.balance), len(seq), mesh.pipeline)
+
+
 def _local_shape(spec: ModelSpec, slices: tuple[slice, ...] | None) -> tuple[int, ...]:
     if slices is None:
         return tuple(spec.input_shape)
