@@ -1,0 +1,70 @@
+"""gems: train CNNs on samples too large for one GPU.
+
+Three strategies on one R x D x S mesh, each in its own place, composed in
+``gems.worker.parallelize``:
+
+* spatial parallelism (``gems.spatial``): each sample cut in space over S
+  ranks, halos exchanged by autograd functions, I/O partitioned the same way;
+* pipelines and GEMS (``gems.pipeline``): the model cut into D partitions,
+  run by a schedule (lp, gpipe, 1f1b, mast, master);
+* replication (``gems.replication``): gradients summed over every copy.
+
+For your own training script::
+
+    import gems
+    world = gems.init()                                   # torchrun, srun, mpirun or one process
+    mesh = gems.Mesh(parts=(world.size,), world_size=world.size)
+    mesh.build_groups(world.rank)
+    ctx = gems.SpatialContext.from_mesh(mesh, world.rank)
+    model = gems.apply_spatial(net, ctx, spatial_end=index_of_flatten)
+    reducer = gems.GradientReducer(model.parameters(), mesh.group("grad"))
+
+See examples/ and README.md.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+__all__ = ["init", "Mesh", "Axis", "SpatialContext", "apply_spatial", "apply_pipeline", "GradientReducer",
+           "ConfigError", "batch_context", "__version__"]
+
+
+def init(backend: str = "auto", device: str = "auto", timeout_s: int = 300) -> Any:
+    """Discover this rank (torchrun, Slurm/submitit, mpirun with ``backend="mpi"``, or a
+    single process), pick its device and initialise torch.distributed. Returns a ``World``."""
+    from omegaconf import OmegaConf
+
+    from gems.bootstrap import init_world
+
+    cfg = OmegaConf.create({"comm": {"backend": backend, "timeout_s": timeout_s}, "train": {"device": device}})
+    return init_world(cfg)
+
+
+def __getattr__(name: str) -> Any:  # lazy: `import gems` stays cheap for the CLI
+    if name in ("Mesh", "Axis"):
+        from gems import mesh
+
+        return getattr(mesh, name)
+    if name in ("SpatialContext", "apply_spatial"):
+        from gems import spatial
+
+        return getattr(spatial, name)
+    if name == "apply_pipeline":
+        from gems.pipeline import apply_pipeline
+
+        return apply_pipeline
+    if name == "GradientReducer":
+        from gems.replication import GradientReducer
+
+        return GradientReducer
+    if name == "ConfigError":
+        from gems.errors import ConfigError
+
+        return ConfigError
+    if name == "batch_context":
+        from gems.models.layers import batch_context
+
+        return batch_context
+    raise AttributeError(f"module 'gems' has no attribute {name!r}")

@@ -169,6 +169,8 @@ def register_schemas() -> None:
 
     # arithmetic for experiments, e.g. a weak-scaling batch: ${mul:${parallel.replicas},4}
     OmegaConf.register_new_resolver("mul", lambda a, b: int(a) * int(b), replace=True)
+    # nodes for a world: ${ceildiv:${mul:${parallel.replicas},${parallel.spatial}},${cluster.gpus_per_node}}
+    OmegaConf.register_new_resolver("ceildiv", lambda a, b: -(-int(a) // max(1, int(b))), replace=True)
 
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=GemsConf)

@@ -1,11 +1,23 @@
 #!/usr/bin/env bash
-# The whole gems test suite, as the README and CI run it: scripts/test.sh [PYTEST ARGS]
+# The whole gems test suite, as the README and CI run it:  bash scripts/test.sh [PYTEST ARGS]
 #
-# Tests marked `slurm` need the local test cluster (scripts/slurm_cluster.sh start, as
-# root); they are skipped only where Slurm is not installed at all. An empty run (pytest
-# exit status 5, "no tests collected") counts as a failure.
+# From a fresh clone it sets up first: installs gems and its dependencies
+# (scripts/setup.sh: torch 2.13.0 where none is installed, the mpich wheel) and starts
+# the 4-node Slurm test cluster on this machine (scripts/slurm_cluster.sh start: apt
+# packages, munge, slurmctld, 4 slurmd; needs root; idempotent). GEMS_TEST_SETUP=0 skips
+# both, for quick reruns of a subset. An empty run (pytest exit status 5, "no tests
+# collected") counts as a failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+if [[ "${GEMS_TEST_SETUP:-1}" != 0 ]]; then
+    bash scripts/setup.sh || exit 1
+    if [[ $(id -u) -eq 0 ]]; then
+        scripts/slurm_cluster.sh start || exit 1
+    else
+        sudo scripts/slurm_cluster.sh start || exit 1
+    fi
+fi
 
 # one thread per rank: the tests run many ranks on few cores
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -14,7 +26,7 @@ export PYTHONUNBUFFERED=1
 # Open MPI refuses root without these; MPICH ignores them
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # pip's mpich installs mpiexec beside the interpreter
-PY=${PYTHON:-python}
+PY=${PYTHON:-python3}
 PATH="$(dirname "$(command -v "$PY")"):$PATH"
 export PATH
 

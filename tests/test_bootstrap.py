@@ -60,3 +60,14 @@ def test_torchrun_launches_a_two_rank_job(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     rec = json.loads((tmp_path / "torchrun-test.json").read_text())
     assert rec["status"] == "ok" and rec["world_size"] == 2 and rec["env"]["launcher"] == "torchrun"
+
+
+def test_python_api_example_under_torchrun():
+    import pathlib
+
+    example = pathlib.Path(__file__).resolve().parent.parent / "examples" / "spatial_own_loop.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                          str(example), "--replicas", "2"], capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "losses equal the serial run" in out.stdout

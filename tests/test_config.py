@@ -72,3 +72,14 @@ def test_bad_config_names_the_key(overrides, key):
         compose(overrides)
     assert e.value.key == key, str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_every_study_script_names_an_existing_experiment():
+    import re
+
+    jobs = Path(__file__).resolve().parent.parent / "jobs"
+    scripts = sorted(jobs.glob("*.sh"))
+    assert scripts
+    for script in scripts:
+        names = re.findall(r"\+experiment=(\w+)", script.read_text())
+        assert names and all(n in EXPERIMENTS for n in names), script.name
