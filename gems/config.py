@@ -73,6 +73,7 @@ class TrainConf:
     precision: str = "fp32"  # fp32 | bf16 | fp16
     device: str = "auto"  # auto | cpu | cuda
     threads: int = 1  # torch threads per rank on CPU (0: torch's default)
+    checkpoint_every: int = 0  # save every N steps so a preempted or requeued job resumes (0: only when preempted)
 
 
 @dataclass
@@ -116,13 +117,15 @@ class ResultsConf:
 @dataclass
 class PlanConf:
     format: str = "table"  # table | json
+    reserve_gb: float = 1.0  # per rank, set aside for the CUDA context, allocator and workspaces (CPU: at most 0.5)
 
 
 @dataclass
 class FaultConf:
     kill_rank: int = -1
     at_step: int = 1
-    preempt_at_step: int = -1
+    preempt_at_step: int = -1  # save and stop at this step once; the launcher resumes the job
+    max_restarts: int = 3  # how often the local launcher resumes a preempted job
 
 
 @dataclass

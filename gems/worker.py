@@ -36,6 +36,7 @@ from gems.models import ModelSpec, build_model
 from gems.models.layers import batch_context
 from gems.replication import GradientReducer, mpi_group
 from gems.results import record as rec
+from gems import checkpoint as ckpt
 from gems import timers
 
 
@@ -237,6 +238,8 @@ def preflight(cfg: DictConfig) -> None:
     spec = build_model(cfg.model)
     p = cfg.parallel
     seq = spec.module
+    if cfg.data.name == "hdf5":  # a file that does not match the model is named before launch
+        make_data(cfg, spec)
     if mesh.spatial_enabled:
         from gems.spatial import SpatialContext, apply_spatial
 
@@ -352,15 +355,28 @@ def train(cfg: DictConfig, world: World) -> dict[str, Any]:
     data = make_data(cfg, spec, par.input_slices)
     B, R = int(cfg.train.batch_size), mesh.replicas
     steps, warm = int(cfg.train.steps), int(cfg.train.warmup_steps)
+    ckpt_every = int(cfg.train.get("checkpoint_every") or 0)
 
-    losses: list[float] = []
-    step_times: list[float] = []
-    breakdown = {k: 0.0 for k in ("compute", "pipeline_comm", "halo", "allreduce", "bubble_or_wait", "data")}
+    # resume after a preemption or requeue (gems/checkpoint.py)
+    restarts = ckpt.restart_count()
+    history: dict[str, Any] = {"losses": [], "step_times": [],
+                               "breakdown": {k: 0.0 for k in ("compute", "pipeline_comm", "halo", "allreduce",
+                                                                "bubble_or_wait", "data")}}
+    start = 0
+    if restarts > 0:
+        got = ckpt.load(cfg, world.rank, par.modules, opt)
+        if got is not None:
+            start, history = got
+    losses: list[float] = history["losses"]
+    step_times: list[float] = history["step_times"]
+    breakdown: dict[str, float] = history["breakdown"]
     timers.reset()
-    for step in range(steps):
+    for step in range(start, steps):
         if cfg.fault.kill_rank == world.rank and cfg.fault.at_step == step:
             print(f"gems: fault injection: killing rank {world.rank} at step {step}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if cfg.fault.preempt_at_step == step and restarts == 0:
+            _preempt(cfg, world, step, par, opt, history)
         _sync(world.device)
         t0 = time.perf_counter()
         ids = replica_indices(step, B, R, coord.replica)
@@ -386,6 +402,8 @@ def train(cfg: DictConfig, world: World) -> dict[str, Any]:
             breakdown["halo"] += t.get("halo", 0.0) + extra.get("halo", 0.0)
             breakdown["pipeline_comm"] += t.get("pipeline_comm", 0.0) + extra.get("pipeline_comm", 0.0)
             breakdown["bubble_or_wait"] += t.get("bubble_or_wait", 0.0) + extra.get("bubble_or_wait", 0.0)
+        if ckpt_every and (step + 1) % ckpt_every == 0 and step + 1 < steps:
+            ckpt.save(cfg, world.rank, step + 1, par.modules, opt, history)
     measured = len(step_times)
     for k in breakdown:
         breakdown[k] /= max(1, measured)
@@ -411,9 +429,24 @@ def train(cfg: DictConfig, world: World) -> dict[str, Any]:
     samples = par.samples_per_step * R
     record = rec.build_record(
         cfg, world, mesh, losses=loss_t.tolist(), step_times=step_times, global_batch=samples,
-        breakdown=breakdown, peaks=peaks, hosts=hosts, wall_s=time.time() - t_start,
+        breakdown=breakdown, peaks=peaks, hosts=hosts, wall_s=time.time() - t_start, restarts=restarts,
     )
     return record
+
+
+def _preempt(cfg: DictConfig, world: World, step: int, par: Parallel, opt: torch.optim.Optimizer,
+             history: dict[str, Any]) -> None:
+    """``fault.preempt_at_step``: save, then stop as a preempted job does; the launcher resumes it."""
+    ckpt.save(cfg, world.rank, step, par.modules, opt, history)
+    if world.rank == 0:
+        print(f"gems: fault injection: preempting the job at step {step}", file=sys.stderr, flush=True)
+    if world.source == "slurm" or os.environ.get("SLURM_JOB_ID"):
+        if world.rank == 0 and not ckpt.request_requeue():
+            raise RuntimeError("fault.preempt_at_step: `scontrol requeue` failed")
+        time.sleep(600)  # Slurm ends every task of a requeued job; this never returns in practice
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(ckpt.PREEMPTED_EXIT)
 
 
 def _sync(device: torch.device) -> None:

@@ -69,6 +69,10 @@ def test_hdf5_partitioned_input_trains_like_serial(tmp_path):
     ref = losses(tmp_path / "serial", *base)
     par = losses(tmp_path / "s2", *base, "parallel.spatial=2", "parallel.replicas=2")
     torch.testing.assert_close(torch.tensor(par["loss"]), torch.tensor(ref["loss"]), rtol=2e-5, atol=1e-6)
+    # files that do not match the model are named before anything starts
+    bad = gems("run", f"results.dir={tmp_path}/bad", *COSMO, "model.size=64", "data=hdf5", f"data.path={data}")
+    assert bad.returncode == 2 and "sample_" in bad.stderr and "[4, 32, 32, 32]" in bad.stderr, bad.stderr
+    assert not (tmp_path / "bad").exists()
     # synth refuses to overwrite what is there
     again = gems("data", "synth", f"data.path={data}", "data.num_samples=4", "model.size=32")
     assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1

@@ -60,3 +60,11 @@ def test_slurm_failure_is_recorded_not_waited_on(tmp_path):
     assert out.returncode == 1, out.stderr[-2000:]
     (r,) = records(str(tmp_path))
     assert r["status"] == "failed" and r["error"]
+
+
+def test_a_requeued_job_resumes_from_its_checkpoint(tmp_path):
+    out = gems("run", f"results.dir={tmp_path}", "cluster=local_slurm", "cluster.nodes=2", "parallel.replicas=2",
+               "fault.preempt_at_step=2", "cluster.timeout_min=6", *SMALL, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (r,) = records(str(tmp_path))
+    assert r["status"] == "ok" and r["restarts"] == 1 and len(r["loss"]) == 4

@@ -53,7 +53,14 @@ def _last_error_line(text: str) -> str:
 
 
 def launch(cfg: DictConfig, on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the job on this machine; return its record (status ok or failed)."""
+    """Run the job on this machine; return its record (status ok or failed).
+
+    A job whose ranks all stop with exit status 75 was preempted
+    (``fault.preempt_at_step``): it is started again with
+    ``GEMS_RESTART_COUNT`` set and resumes from its checkpoint, at most
+    ``fault.max_restarts`` times.
+    """
+    from gems.checkpoint import PREEMPTED_EXIT
     from gems.config import to_yaml
 
     world = mesh_from_config(cfg).size
@@ -65,51 +72,15 @@ def launch(cfg: DictConfig, on_progress: Callable[[str], None] | None = None) ->
     env.setdefault("OMP_NUM_THREADS", str(max(1, int(cfg.train.threads or 1))))
     env["PYTHONUNBUFFERED"] = "1"
     cmd = [sys.executable, "-m", "gems.worker", "--config", str(cfg_path)]
-    procs: list[subprocess.Popen[bytes]] = []
-    logs: list[Path] = []
-    if cfg.comm.backend == "mpi":
-        log = jd / "mpiexec.log"
-        logs.append(log)
-        mpi_cmd = [mpiexec_path(), "-n", str(world), *cmd]
-        procs.append(subprocess.Popen(mpi_cmd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                                      start_new_session=True))
-    else:
-        port = free_port()
-        for r in range(world):
-            log = jd / f"rank{r}.log"
-            logs.append(log)
-            e = dict(env, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
-                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            procs.append(subprocess.Popen(cmd, env=e, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                                          start_new_session=True))
-    failed: tuple[int, int] | None = None
     deadline = time.monotonic() + 60 * float(cfg.cluster.get("timeout_min") or (cfg.cluster.time_min + 5))
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-            if bad and failed is None:
-                failed = bad[0]
-                grace = time.monotonic() + 5.0
-                while time.monotonic() < grace and any(p.poll() is None for p in procs):
-                    time.sleep(0.1)
-                break
-            if all(c == 0 for c in codes):
-                break
-            if time.monotonic() > deadline:
-                failed = (-1, -1)
-                break
-            if on_progress:
-                on_progress(_progress_line(logs[0]))
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, 9)
-                except OSError:
-                    p.kill()
-                p.wait()
+    max_restarts = int(cfg.fault.get("max_restarts", 3))
+    for attempt in range(max_restarts + 1):
+        procs, logs = _start(cfg, world, jd, cmd, dict(env, GEMS_RESTART_COUNT=str(attempt)), attempt)
+        failed = _watch(procs, logs, deadline, on_progress)
+        if failed is None or failed[1] != PREEMPTED_EXIT or attempt == max_restarts:
+            break
+        if on_progress:
+            on_progress(f"preempted; resuming (restart {attempt + 1})")
     path = rec.record_path(cfg)
     if failed is None and path.exists():
         return rec.read_record(path)
@@ -127,6 +98,66 @@ def launch(cfg: DictConfig, on_progress: Callable[[str], None] | None = None) ->
     if not path.exists():
         rec.write_record(path, record)
     return record
+
+
+def _start(cfg: DictConfig, world: int, jd: Path, cmd: list[str], env: dict[str, str],
+           attempt: int) -> tuple[list[subprocess.Popen[bytes]], list[Path]]:
+    suffix = f".restart{attempt}" if attempt else ""
+    procs: list[subprocess.Popen[bytes]] = []
+    logs: list[Path] = []
+    if cfg.comm.backend == "mpi":
+        log = jd / f"mpiexec{suffix}.log"
+        logs.append(log)
+        procs.append(subprocess.Popen([mpiexec_path(), "-n", str(world), *cmd], env=env, stdout=open(log, "wb"),
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+        return procs, logs
+    port = free_port()
+    for r in range(world):
+        log = jd / f"rank{r}{suffix}.log"
+        logs.append(log)
+        e = dict(env, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(cmd, env=e, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    return procs, logs
+
+
+def _watch(procs: list[subprocess.Popen[bytes]], logs: list[Path], deadline: float,
+           on_progress: Callable[[str], None] | None) -> tuple[int, int] | None:
+    """Wait for the ranks. None: all done; (rank, status) of the first failure (status 75 for a
+    preemption, when every rank stopped so); (-1, -1) past the deadline. Kills what is left."""
+    from gems.checkpoint import PREEMPTED_EXIT
+
+    failed: tuple[int, int] | None = None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0, PREEMPTED_EXIT)]
+            if bad:
+                failed = bad[0]
+                grace = time.monotonic() + 5.0
+                while time.monotonic() < grace and any(p.poll() is None for p in procs):
+                    time.sleep(0.1)
+                break
+            if all(c is not None for c in codes):
+                stopped = [i for i, c in enumerate(codes) if c == PREEMPTED_EXIT]
+                failed = (stopped[0], PREEMPTED_EXIT) if stopped else None
+                break
+            if time.monotonic() > deadline:
+                failed = (-1, -1)
+                break
+            if on_progress:
+                on_progress(_progress_line(logs[0]))
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, 9)
+                except OSError:
+                    p.kill()
+                p.wait()
+    return failed
 
 
 def _progress_line(log: Path) -> str:

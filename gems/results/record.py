@@ -77,7 +77,7 @@ def env_info(world: Any = None, hosts: list[str] | None = None) -> dict[str, Any
 
 def build_record(cfg: Any, world: Any, mesh: Any, *, losses: list[float], step_times: list[float],
                  global_batch: int, breakdown: dict[str, float], peaks: list[int], hosts: list[str],
-                 wall_s: float) -> dict[str, Any]:
+                 wall_s: float, restarts: int = 0) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     median = statistics.median(step_times) if step_times else float("nan")
@@ -102,7 +102,7 @@ def build_record(cfg: Any, world: Any, mesh: Any, *, losses: list[float], step_t
         "time_breakdown_s": {k: float(breakdown.get(k, 0.0)) for k in BREAKDOWN_KEYS},
         "peak_memory_bytes": {"max": max(peaks), "per_rank": peaks},
         "loss": [float(x) for x in losses],
-        "restarts": int(os.environ.get("SLURM_RESTART_COUNT", 0) or 0),
+        "restarts": restarts,
         "wall_s": wall_s,
         "env": env_info(world, hosts),
     }

@@ -65,6 +65,13 @@ class SpatialContext:
         #: seconds spent exchanging halos (packing, waiting, backward), by layer label
         self.halo_seconds: dict[str, float] = defaultdict(float)
         self._comm_streams: dict[Any, Any] = {}
+        self._tags = 0
+
+    def new_tag(self) -> int:
+        """A message tag for a new spatial layer: the same on every rank, because
+        every rank builds the same layers in the same order (0 is the untagged one)."""
+        self._tags += 1
+        return 4 * self._tags
 
     @classmethod
     def from_mesh(cls, mesh: Any, rank: int, overlap: bool | None = None) -> "SpatialContext":

@@ -18,9 +18,25 @@ stream; ``wait`` makes the compute stream wait for the side stream (the host
 only blocks for backends that complete on the host, such as gloo). On CPU the
 same code runs with gloo, whose transport threads move the data while the
 interior is computed.
+
+Linear window ops (convolution, average pooling) take a cheaper route that
+never copies the part (:class:`Exchange`, :class:`Source`, :class:`Shell`,
+:class:`AddInto`): the op runs on the local part as it is, with its own zero
+padding along the cut dims, and the few boundary planes are then corrected by
+adding the op applied to a *shell* window that holds only the received halo
+cells (zeros elsewhere). By linearity the sum equals the op on the assembled
+window. The gradient side is split over two autograd nodes so that nothing of
+the part's full size is allocated: the shell sends the halo gradients back,
+and the source (an identity on the part, upstream of the op) adds the
+gradients it receives into the op's input gradient in place. Measured on
+CosmoFlow 128^3 at S=2 on CPU, the copy route spent more time assembling,
+zero-filling and scattering full-size windows than exchanging halos
+(gems/bench/spatial.py). The messages of this route carry per-layer tags, so
+the two nodes may post and wait at different times without mismatching.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -68,18 +84,32 @@ def _region(x: torch.Tensor, box: Box, holder: Box) -> torch.Tensor:
     return x[local_index(box, holder)]
 
 
+_TAG = threading.local()  # the tag of the messages being posted (0 unless a tagged exchange sets it)
+
+
 def _exchange(sctx: SpatialContext, send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, torch.Tensor]]) -> list[Any]:
-    ops = [dist.P2POp(dist.irecv, t, peer, group=sctx.group) for peer, t in recv]
-    ops += [dist.P2POp(dist.isend, t, peer, group=sctx.group) for peer, t in send]
+    tag = getattr(_TAG, "value", 0)
+    ops = [dist.P2POp(dist.irecv, t, peer, group=sctx.group, tag=tag) for peer, t in recv]
+    ops += [dist.P2POp(dist.isend, t, peer, group=sctx.group, tag=tag) for peer, t in send]
     return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _tagged_exchange(sctx: SpatialContext, send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, torch.Tensor]],
+                     tag: int) -> list[Any]:
+    """:func:`_exchange` with message tag ``tag`` (the signature of ``_exchange`` stays the planner's)."""
+    _TAG.value = tag
+    try:
+        return _exchange(sctx, send, recv)
+    finally:
+        _TAG.value = 0
 
 
 class Pending:
     """Halo messages in flight for one layer's forward (posted from detached data)."""
 
-    def __init__(self, sctx: SpatialContext, x: torch.Tensor, p: Plan, label: str) -> None:
+    def __init__(self, sctx: SpatialContext, x: torch.Tensor, p: Plan, label: str, tag: int = 0) -> None:
         t0 = time.perf_counter()
-        self.sctx, self.plan, self.label = sctx, p, label
+        self.sctx, self.plan, self.label, self.tag = sctx, p, label, tag
         self.stream = None
         x = x.detach()
         if x.is_cuda:
@@ -97,8 +127,8 @@ class Pending:
         n, c = x.shape[:2]
         self.bufs = [x.new_empty((n, c, *shape_of(box))) for _, box in self.plan.recvs]
         self.sent = [_region(x, box, self.plan.own).contiguous() for _, box in self.plan.sends]
-        self.works = _exchange(self.sctx, [(peer, t) for (peer, _), t in zip(self.plan.sends, self.sent)],
-                               [(peer, t) for (peer, _), t in zip(self.plan.recvs, self.bufs)])
+        self.works = _tagged_exchange(self.sctx, [(peer, t) for (peer, _), t in zip(self.plan.sends, self.sent)],
+                                      [(peer, t) for (peer, _), t in zip(self.plan.recvs, self.bufs)], self.tag)
 
     def wait(self) -> list[torch.Tensor]:
         """The received pieces, usable on the current stream."""
@@ -115,6 +145,7 @@ class Pending:
             for w in self.works:
                 w.wait()
         self.works = []
+        self.sent = []
         self.sctx.halo_seconds[self.label] += time.perf_counter() - t0
         return self.bufs
 
@@ -126,7 +157,7 @@ class Assemble(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, info: tuple[SpatialContext, Plan, tuple[Box, ...], str],
                 *recvd: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        _, p, targets, _, fill = info
+        _, p, targets, _, fill, _ = info
         n, c = x.shape[:2]
         outs = []
         for tgt in targets:
@@ -143,7 +174,7 @@ class Assemble(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        sctx, p, targets, label, _ = ctx.info
+        sctx, p, targets, label, _, tag = ctx.info
         t_start = time.perf_counter()
         n, c = ctx.xshape[:2]
         kw: dict[str, Any] = dict(dtype=ctx.xdtype, device=ctx.xdevice)
@@ -157,8 +188,8 @@ class Assemble(torch.autograd.Function):
                 if not is_empty(r):
                     dst[local_index(r, holder)] += g[local_index(r, tgt)]
         back = [torch.empty((n, c, *shape_of(box)), dtype=gx.dtype, device=gx.device) for _, box in p.sends]
-        works = _exchange(sctx, [(peer, gb) for (peer, _), gb in zip(p.recvs, gbufs)],
-                          [(peer, b) for (peer, _), b in zip(p.sends, back)])
+        works = _tagged_exchange(sctx, [(peer, gb) for (peer, _), gb in zip(p.recvs, gbufs)],
+                                 [(peer, b) for (peer, _), b in zip(p.sends, back)], tag + 1)
         for w in works:
             w.wait()
         for (_, box), b in zip(p.sends, back):
@@ -168,9 +199,11 @@ class Assemble(torch.autograd.Function):
 
 
 def windows(sctx: SpatialContext, x: torch.Tensor, p: Plan, targets: list[Box], label: str,
-            pending: Pending | None = None, fill: float = 0.0) -> tuple[torch.Tensor, ...]:
+            pending: Pending | None = None, fill: float = 0.0, tag: int = 0) -> tuple[torch.Tensor, ...]:
     """The input windows ``targets`` of the part ``x``: boxes inside ``p.need``
-    or reaching past the sample's edges, where they hold ``fill`` (padding)."""
+    or reaching past the sample's edges, where they hold ``fill`` (padding).
+    ``tag``: the layer's message tag (forward ``tag``, backward ``tag + 1``), the
+    same whichever route a rank takes, so ranks on different routes still match."""
     if p.quiet:  # nothing to exchange: slices of the local part (views), padded where asked
         out = []
         for t in targets:
@@ -182,6 +215,147 @@ def windows(sctx: SpatialContext, x: torch.Tensor, p: Plan, targets: list[Box], 
             out.append(F.pad(w, pads, value=fill) if any(pads) else w)
         return tuple(out)
     if pending is None:
-        pending = Pending(sctx, x, p, label)
+        pending = Pending(sctx, x, p, label, tag)
     recvd = pending.wait()
-    return Assemble.apply(x, (sctx, p, tuple(targets), label, fill), *recvd)
+    return Assemble.apply(x, (sctx, p, tuple(targets), label, fill, pending.tag), *recvd)
+
+
+# ---- the route of linear ops: no copy of the part ------------------------------------------------
+class Exchange(Pending):
+    """One call of one layer's tagged exchange: halo values forward, their gradients backward.
+
+    Forward messages use ``tag``, backward ones ``tag + 1``. Backward, every
+    rank posts all of this call's messages at its first node of the call
+    (:class:`Shell` or :class:`Source`). A gloo send completes only once the
+    receiver has posted its receive, so a rank never waits for its sends in
+    the middle of the backward (where it would idle until the neighbour
+    reaches the matching node): the received gradients are waited for where
+    they are added, the sends at the end of the backward pass.
+    """
+
+    def __init__(self, sctx: SpatialContext, x: torch.Tensor, p: Plan, label: str, tag: int) -> None:
+        self.meta = (x.shape[0], x.shape[1], x.dtype, x.device)
+        self.bwd_recvs: list[Any] | None = None
+        self.gsent: list[torch.Tensor] = []
+        super().__init__(sctx, x, p, label, tag)
+
+    def post_backward(self, gbufs: list[torch.Tensor] | None) -> None:
+        """Send the gradients of the received halos (zeros when ``None``) and receive those of the sent cells."""
+        if self.bwd_recvs is not None:
+            return
+        t0 = time.perf_counter()
+        n, c, dtype, device = self.meta
+        p = self.plan
+        if gbufs is None:
+            gbufs = [torch.zeros((n, c, *shape_of(box)), dtype=dtype, device=device) for _, box in p.recvs]
+        self.gsent = [torch.empty((n, c, *shape_of(box)), dtype=dtype, device=device) for _, box in p.sends]
+        works = _tagged_exchange(self.sctx, [(peer, g) for (peer, _), g in zip(p.recvs, gbufs)],
+                                 [(peer, g) for (peer, _), g in zip(p.sends, self.gsent)], self.tag + 1)
+        self.bwd_recvs = works[:len(p.sends)]  # _exchange posts the receives first
+        _after_backward(self.sctx, self.label, works[len(p.sends):], gbufs)
+        self.sctx.halo_seconds[self.label] += time.perf_counter() - t0
+
+    def finish_backward(self, g: torch.Tensor | None) -> torch.Tensor | None:
+        """Wait for the gradients of the sent cells; add them into ``g`` (the part's gradient) in place."""
+        self.post_backward(None)
+        t0 = time.perf_counter()
+        for w in self.bwd_recvs or []:
+            w.wait()
+        if g is not None:
+            for (_, box), gs in zip(self.plan.sends, self.gsent):
+                g[local_index(box, self.plan.own)] += gs
+        self.gsent, self.bwd_recvs = [], []
+        self.sctx.halo_seconds[self.label] += time.perf_counter() - t0
+        return g
+
+
+def _after_backward(sctx: SpatialContext, label: str, works: list[Any], keep: list[torch.Tensor]) -> None:
+    """Wait for ``works`` (sends of ``keep``) when the current backward pass ends (now, outside one)."""
+    if not works:
+        return
+
+    def finish() -> None:
+        t0 = time.perf_counter()
+        for w in works:
+            w.wait()
+        keep.clear()
+        sctx.halo_seconds[label] += time.perf_counter() - t0
+
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(finish)
+    except RuntimeError:  # not inside a backward pass
+        finish()
+
+
+class Source(torch.autograd.Function):
+    """Identity on a part whose cells other ranks read as halos; backward adds
+    the gradients those ranks send back into the part's gradient, in place."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, ex: Exchange) -> torch.Tensor:
+        ctx.ex = ex
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        # g is the input gradient of the one op that reads the part (fresh, owned by this node)
+        return ctx.ex.finish_backward(g), None
+
+
+class Shell(torch.autograd.Function):
+    """Windows ``targets`` (boxes, padding included) holding only the received
+    halo cells, zeros elsewhere; backward sends the halo gradients to their owners.
+
+    ``anchor`` (the part, through :class:`Source`) only places this node
+    downstream of the source, so that it runs first in the backward.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, ex: Exchange, targets: tuple[Box, ...],
+                *recvd: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n, c = anchor.shape[:2]
+        p = ex.plan
+        outs = []
+        for tgt in targets:
+            out = anchor.new_zeros((n, c, *shape_of(tgt)))
+            for (_, box), buf in zip(p.recvs, recvd):
+                r = intersect(box, tgt)
+                if not is_empty(r):
+                    out[local_index(r, tgt)] = _region(buf, r, box)
+            outs.append(out)
+        ctx.ex, ctx.targets = ex, targets
+        ctx.set_materialize_grads(False)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        ex: Exchange = ctx.ex
+        p = ex.plan
+        n, c, dtype, device = ex.meta
+        gbufs = [torch.zeros((n, c, *shape_of(box)), dtype=dtype, device=device) for _, box in p.recvs]
+        for tgt, g in zip(ctx.targets, grads):
+            if g is None:
+                continue
+            for (_, box), gb in zip(p.recvs, gbufs):
+                r = intersect(box, tgt)
+                if not is_empty(r):
+                    gb[local_index(r, box)] += g[local_index(r, tgt)]
+        ex.post_backward(gbufs)
+        return (None, None, None, *([None] * len(p.recvs)))
+
+
+class AddInto(torch.autograd.Function):
+    """``y[idx] += part`` for each (index, part), in place on ``y`` (an op's fresh output that its
+    op does not save); backward passes the gradient through and hands each part its slice."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, idxs: tuple[tuple[slice, ...], ...], *parts: torch.Tensor) -> torch.Tensor:
+        for idx, t in zip(idxs, parts):
+            y[idx] += t
+        ctx.mark_dirty(y)
+        ctx.idxs = idxs
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        return (g, None, *[g[idx] for idx in ctx.idxs])

@@ -27,6 +27,7 @@ autograd graph, so it still sends and receives its share of halo gradients.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Callable, Sequence
 
@@ -36,8 +37,8 @@ from torch import nn
 
 from gems.spatial import halo
 from gems.spatial.context import GSHAPE, SpatialContext
-from gems.spatial.geometry import (Box, Resample, Transposed, Window, boundary_slabs, clip, is_empty, local_index,
-                                   nest, shape_of)
+from gems.spatial.geometry import (Box, Resample, Transposed, Window, boundary_slabs, clip, intersect, is_empty,
+                                   local_index, nest, shape_of)
 
 
 class _Zeros(torch.autograd.Function):
@@ -76,6 +77,7 @@ class SpatialLayer(nn.Module):
         super().__init__()
         self.sctx = sctx
         self.label = label
+        self.tag = sctx.new_tag()
 
     def _adopt(self, layer: nn.Module, params: Sequence[str] = (), buffers: Sequence[str] = ()) -> None:
         """Register ``layer``'s own parameter and buffer objects under the same names."""
@@ -122,6 +124,40 @@ class _WindowLayer(SpatialLayer):
                      for m, nat, (a, b), n in zip(self.maps, self.native, box, gin))
         return need, tuple(clip(r, n) for r, n in zip(need, gin))
 
+    def _linear(self) -> bool:
+        """Whether the op is linear in its input with zero padding (the no-copy route applies)."""
+        return False
+
+    def _native_op(self, xp: torch.Tensor, pads: tuple[int, ...], bias: bool) -> torch.Tensor:
+        """The op with its own zero padding ``pads`` in every dim (``bias``: add the bias, if any)."""
+        raise NotImplementedError
+
+    def _setup_linear(self, p: halo.Plan, box: Box, gin: tuple[int, ...]) -> tuple[Any, ...] | None:
+        """The no-copy route, when it is exact: every cut dim pads symmetrically, and the op on the
+        local part with that padding yields exactly this rank's outputs. Returns the padding of the
+        op on the part, the padding of the correction windows, and (window, index in the output)
+        of each boundary slab whose outputs read received halo cells."""
+        sctx = self.sctx
+        if not self._linear() or p.quiet or is_empty(box) or is_empty(p.own):
+            return None
+        if any(nat is None and j not in sctx.dims for j, nat in enumerate(self.native)):
+            return None
+        for j in sctx.dims:
+            m, (a, b), (lo, hi) = self.maps[j], box[j], p.own[j]
+            if m.ceil_mode or m.pad_lo != m.pad_hi or lo != a * m.stride or hi - lo < m.extent:
+                return None  # (torch's pools refuse parts thinner than the kernel)
+            if Window(m.kernel, m.stride, m.dilation, m.pad_lo, m.pad_lo).out_size(hi - lo) != b - a:
+                return None
+        pads = tuple(self.maps[j].pad_lo if j in sctx.dims else int(nat or 0) for j, nat in enumerate(self.native))
+        inner = tuple(self.maps[j].interior(a, b, p.own[j]) if j in sctx.dims else (a, b) for j, (a, b) in enumerate(box))
+        slabs = [box] if is_empty(inner) else boundary_slabs(box, inner, sorted(sctx.dims))
+        fixes = []
+        for s in slabs:
+            need, clipped = self._need(s, gin)
+            if any(not is_empty(intersect(clipped, r)) for _, r in p.recvs):
+                fixes.append((need, local_index(s, box)))
+        return pads, self._pad, tuple(fixes)
+
     def _setup(self, gin: tuple[int, ...]) -> tuple[Any, ...]:
         sctx = self.sctx
         gout = tuple(m.out_size(n) for m, n in zip(self.maps, gin))
@@ -139,7 +175,23 @@ class _WindowLayer(SpatialLayer):
                 inner = box
             else:
                 slabs = boundary_slabs(box, inner, sorted(sctx.dims))
-        return gout, p, box, inner, slabs
+        return gout, p, box, inner, slabs, self._setup_linear(p, box, gin)
+
+    def _forward_linear(self, x: torch.Tensor, p: halo.Plan, route: tuple[Any, ...]) -> torch.Tensor:
+        """The op on the part as it is, plus the halo corrections of the boundary slabs (no copy of the part)."""
+        pads, fix_pads, fixes = route
+        sctx = self.sctx
+        ex = halo.Exchange(sctx, x, p, self.label, self.tag)
+        xs = halo.Source.apply(x, ex) if p.sends and x.requires_grad and torch.is_grad_enabled() else x
+        recvd = None if sctx.overlaps(x) else ex.wait()
+        y = self._native_op(xs, pads, True)
+        if recvd is None:
+            recvd = ex.wait()
+        if not fixes:
+            return y
+        wins = halo.Shell.apply(xs, ex, tuple(w for w, _ in fixes), *recvd)
+        parts = [self._native_op(w, fix_pads, False) for w in wins]
+        return halo.AddInto.apply(y, tuple(i for _, i in fixes), *parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         sctx = self.sctx
@@ -147,15 +199,17 @@ class _WindowLayer(SpatialLayer):
         cache = self.__dict__.setdefault("_plans", {})
         if gin not in cache:
             cache[gin] = self._setup(gin)
-        gout, p, box, inner, slabs = cache[gin]
-        if is_empty(box):
-            (win,) = halo.windows(sctx, x, p, [p.need], self.label)
+        gout, p, box, inner, slabs, route = cache[gin]
+        if route is not None:
+            y = self._forward_linear(x, p, route)
+        elif is_empty(box):
+            (win,) = halo.windows(sctx, x, p, [p.need], self.label, tag=self.tag)
             y = zeros_out((x.shape[0], self._out_channels(x), *shape_of(box)), win, *self._deps())
         elif not slabs or not sctx.overlaps(x):
-            (win,) = halo.windows(sctx, x, p, [self._need(box, gin)[0]], self.label, fill=self.fill)
+            (win,) = halo.windows(sctx, x, p, [self._need(box, gin)[0]], self.label, fill=self.fill, tag=self.tag)
             y = self._op(win, box, gin)
         else:  # the interior while the halos travel, then the boundary slabs
-            pending = halo.Pending(sctx, x, p, self.label)
+            pending = halo.Pending(sctx, x, p, self.label, self.tag)
             y_in = self._op(x[local_index(self._need(inner, gin)[0], p.own)], inner, gin)
             wins = halo.windows(sctx, x, p, [self._need(s, gin)[0] for s in slabs], self.label, pending, self.fill)
             y = nest(box, inner, sorted(sctx.dims), y_in, [self._op(w, s, gin) for w, s in zip(wins, slabs)])
@@ -163,6 +217,56 @@ class _WindowLayer(SpatialLayer):
 
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_PERMS: dict[tuple[Any, ...], tuple[int, ...] | None] = {}
+
+
+def _backend(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stride: Sequence[int], padding: Sequence[int],
+             dilation: Sequence[int], groups: int) -> str:
+    sel = getattr(torch._C, "_select_conv_backend", None)
+    try:
+        return str(sel(x, w, b, list(stride), list(padding), list(dilation), False, [0] * len(stride), groups, None))
+    except Exception:  # a torch without it, or fake tensors: no opinion
+        return ""
+
+
+def _perm_for(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stride: Sequence[int], padding: Sequence[int],
+              dilation: Sequence[int], groups: int) -> tuple[int, ...] | None:
+    """A permutation of the spatial dims under which torch picks oneDNN where it would pick its slow
+    reference kernel for this shape, or None.
+
+    torch's CPU heuristic takes the reference kernel ("Slow3d") when N*C*D*H is small, so a part
+    cut along depth (D halved) can fall on it where the whole sample did not: CosmoFlow's third
+    conv at S=2 (1x32x16x32x32) ran 13x slower forward + backward. Permuting the spatial dims of
+    the input and the kernel alike computes the same convolution (up to summation order) and lets
+    torch see a shape it sends to oneDNN."""
+    nd = x.dim() - 2
+    if nd < 2 or x.device.type != "cpu":
+        return None
+    key = (tuple(x.shape), tuple(w.shape), b is not None, tuple(stride), tuple(padding), tuple(dilation), groups, x.dtype)
+    if key not in _PERMS:
+        _PERMS[key] = None
+        if "Slow" in _backend(x, w, b, stride, padding, dilation, groups):
+            for perm in itertools.permutations(range(nd)):
+                full = (0, 1, *[2 + q for q in perm])
+                if "Mkldnn" in _backend(x.permute(full), w.permute(full), b, [stride[q] for q in perm],
+                                        [padding[q] for q in perm], [dilation[q] for q in perm], groups):
+                    _PERMS[key] = perm
+                    break
+    return _PERMS[key]
+
+
+def conv_nd(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stride: Sequence[int], padding: Sequence[int],
+            dilation: Sequence[int], groups: int) -> torch.Tensor:
+    """``F.convNd``, through a permutation of the spatial dims where that avoids torch's slow kernel."""
+    nd = x.dim() - 2
+    perm = _perm_for(x, w, b, stride, padding, dilation, groups)
+    if perm is None:
+        return _CONV[nd](x, w, b, tuple(stride), tuple(padding), tuple(dilation), groups)
+    full = (0, 1, *[2 + q for q in perm])
+    inv = tuple(full.index(i) for i in range(nd + 2))
+    y = _CONV[nd](x.permute(full), w.permute(full), b, [stride[q] for q in perm], [padding[q] for q in perm],
+                  [dilation[q] for q in perm], groups)
+    return y.permute(inv).contiguous()
 _CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 _MAXP = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _AVGP = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
@@ -193,7 +297,13 @@ class SpatialConv(_WindowLayer):
         return [self.weight, self.bias]
 
     def _op(self, xp: torch.Tensor, box: Box, gin: tuple[int, ...]) -> torch.Tensor:
-        return _CONV[self.nd](xp, self.weight, self.bias, self.stride, self._pad, self.dilation, self.groups)
+        return conv_nd(xp, self.weight, self.bias, self.stride, self._pad, self.dilation, self.groups)
+
+    def _linear(self) -> bool:
+        return True
+
+    def _native_op(self, xp: torch.Tensor, pads: tuple[int, ...], bias: bool) -> torch.Tensor:
+        return conv_nd(xp, self.weight, self.bias if bias else None, self.stride, pads, self.dilation, self.groups)
 
     def extra_repr(self) -> str:
         return f"{self.label}, weight={tuple(self.weight.shape)}, maps={self.maps}"
@@ -233,6 +343,17 @@ class SpatialAvgPool(_WindowLayer):
         self.k, self.s, self.nd, self.ceil = k, s, nd, bool(pool.ceil_mode)
         self.include_pad = bool(getattr(pool, "count_include_pad", True))
         self.divisor = getattr(pool, "divisor_override", None)
+
+    def _linear(self) -> bool:
+        # with count_include_pad (or a fixed divisor) torch divides by the same count whether a
+        # padded cell is the op's own padding or an explicit zero; without it, it does not
+        return not self.ceil and (self.include_pad or bool(self.divisor))
+
+    def _native_op(self, xp: torch.Tensor, pads: tuple[int, ...], bias: bool) -> torch.Tensor:
+        if self.nd == 1:
+            y = F.avg_pool1d(xp, self.k, self.s, pads, False, self.include_pad)
+            return y * (self.k[0] / self.divisor) if self.divisor else y
+        return _AVGP[self.nd](xp, self.k, self.s, pads, False, self.include_pad, self.divisor)
 
     def _op(self, xp: torch.Tensor, box: Box, gin: tuple[int, ...]) -> torch.Tensor:
         # the op counts explicit (cut-dim) padding as cells; torch's rule may not: rescale per cut dim
@@ -280,7 +401,7 @@ class SpatialConvTranspose(SpatialLayer):
             needs = [tuple(m.need(a, b, n) for m, (a, b), n in zip(self.maps, b, gin)) for b in outs]
             cache[gin] = (gout, outs[sctx.index], halo.plan(sctx, gin, needs))
         gout, box, p = cache[gin]
-        (win,) = halo.windows(sctx, x, p, [p.need], self.label)
+        (win,) = halo.windows(sctx, x, p, [p.need], self.label, tag=self.tag)
         shape = (x.shape[0], self.out_channels, *shape_of(box))
         if is_empty(box):
             return sctx.mark(zeros_out(shape, win, self.weight, self.bias), gout)
@@ -331,7 +452,7 @@ class SpatialUpsample(SpatialLayer):
             src = [m.sources(a, b, n) for m, (a, b), n in zip(maps, box, gin)] if not is_empty(box) else []
             cache[gin] = (gout, box, halo.plan(sctx, gin, needs), src)
         gout, box, p, src = cache[gin]
-        (y,) = halo.windows(sctx, x, p, [p.need], self.label)
+        (y,) = halo.windows(sctx, x, p, [p.need], self.label, tag=self.tag)
         if is_empty(box):
             return sctx.mark(zeros_out((x.shape[0], x.shape[1], *shape_of(box)), y), gout)
         for j, ((i0, i1, lam), (lo, _)) in enumerate(zip(src, p.need)):

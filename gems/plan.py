@@ -1,0 +1,1166 @@
+"""``gems plan``: memory per rank of an R x D x S job, without starting the world.
+
+Why: a job that does not fit finds out after it queued, started every rank and
+ran a first step. The planner answers before: for every distinct mesh position
+(pipeline position ``d``, spatial part ``s``; replicas are identical) how many
+bytes the rank needs and where they go, against the device's memory, the
+largest global batch that fits, and the smallest change that would make an
+oversized job fit. It runs in one process at any world size (1024, 2048
+ranks...) in seconds, allocating nothing of the model's activations.
+
+How the estimate is made:
+
+* **Activations are measured, not modelled.** The real model is built
+  (``gems.models.build_model``), converted by the real ``apply_spatial`` with a
+  stand-in :class:`~gems.spatial.SpatialContext` for this rank's part (the halo
+  exchange, the all-reduces and the gather are replaced by shape-only
+  stand-ins), and run layer by layer in training mode under
+  ``FakeTensorMode`` at the rank's *local* shapes: its spatial part, the halo
+  windows the spatial layers assemble, the micro-batch of the schedule.
+  Every tensor autograd saves for backward is caught by
+  ``torch.autograd.graph.saved_tensors_hooks``, de-duplicated by storage and
+  attributed to the layer that saved it, so the count is autograd's real saved
+  set (input windows of convolutions, outputs of activations, pooling
+  indices, casted weights under autocast ...), minus the parameters. The
+  forward runs at micro-batches 1 and 2; memory is affine in the micro-batch,
+  which gives any batch size without another trace.
+* **Precision.** ``bf16``/``fp16`` run the trace under ``torch.autocast`` on
+  CPU targets, and under a function mode that applies CUDA autocast's casting
+  rules (convolutions and matmuls in low precision, reductions, norms and
+  losses in fp32, weight casts cached) on GPU targets, since CPU and CUDA
+  autocast differ (e.g. ``avg_pool3d`` is fp32 on CPU only).
+* **Schedules.** A partition keeps its saved set, its input and its output
+  per micro-batch from forward to backward. Which micro-batches are alive at
+  once comes from walking this rank's action list of the real schedule
+  (:func:`gems.pipeline.make_schedule`): ``gpipe`` keeps all ``m``, ``1f1b``
+  ``min(m, D-d)``, ``mast``/``master`` one per direction for ``m = 1`` on the
+  two mirrored partitions (2x parameters). ``checkpoint=true`` keeps only
+  partition inputs and recomputes one partition at a time in its backward.
+  The peak adds the largest backward working set (the output and input
+  gradients of one layer).
+* **Other terms**: parameters (fp32), gradients (fp32), optimizer state
+  (Adam 2x parameters, SGD with momentum 1x); halo buffers (the largest layer's
+  received and packed slabs, from the real exchange plan of the cut); comm
+  buffers (gradient buckets: the reducer keeps every flattened bucket until the
+  step's ``finish()``, so their sum is the held gradients; pipeline receive
+  buffers posted ``lookahead = 2`` ahead plus a gradient in flight; the
+  spatial gather's all-gather buffers); the input (and target) batch of the
+  replica line on ranks that run the first (last) stage.
+* **Device**: ``cluster.gpu_memory_gb`` GiB (or the local GPU's memory with
+  ``train.device=cuda``), else this machine's RAM shared by the ranks of a
+  node; ``plan.reserve_gb`` is set aside for the CUDA context, allocator and
+  library workspaces (on CPU the interpreter).
+
+What is approximate: the allocator's fragmentation and cuDNN workspaces (in
+``plan.reserve_gb``), forward-time temporaries of a single op, the CUDA
+autocast rules beyond the ops CNNs use, ``balance_by=time`` (planned with the
+memory balance), and spatial position classes (parts whose slabs have the same
+sizes at every layer and the same neighbours are traced once).
+
+``plan.format=json`` prints one object; its keys (schema ``gems.plan/1``):
+``schema, model, input_shape, world_size, mesh {replicas, pipeline, spatial,
+parts, spatial_dims}, schedule, micro_batches, gems_replicas, checkpoint,
+precision, optimizer, global_batch, micro_batch`` (samples per chunk),
+``balance`` (layers per partition), ``device {kind, name, memory_bytes,
+reserve_bytes, usable_bytes}``, ``positions`` (one per distinct position:
+``pipeline, spatial`` (the indices s that share it), ``grid, partitions,
+local_input_shape, in_flight`` (micro-batches alive at the peak per
+partition), ``bytes {parameters, gradients, optimizer, activations, halo,
+communication, total}``, ``activations_detail {saved, working, batch,
+constant}``), ``peak {bytes, pipeline, spatial}``, ``fits``,
+``max_global_batch``, ``max_micro_batch``, ``min_gems_replicas`` (master:
+the fewest passes that fit ``train.batch_size``), ``suggestion``, ``verdict``,
+``seconds``, ``notes``.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gems.errors import ConfigError
+
+__all__ = ["Breakdown", "Position", "MemoryPlan", "make_plan", "plan_main", "render_table", "to_json",
+           "saved_bytes", "SCHEMA"]
+
+SCHEMA = "gems.plan/1"
+GiB = float(2**30)
+_CACHE: dict[tuple, Any] = {}  # built models, spatial layer lists and traces of this process, by what they depend on
+LOOKAHEAD = 2  # receives the pipeline runtime posts ahead (gems.pipeline.apply_pipeline's default)
+
+
+# ============================================================================ results
+@dataclass
+class Breakdown:
+    """Bytes of one rank by what holds them."""
+
+    parameters: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    halo: int = 0
+    communication: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.halo + self.communication
+
+    def as_dict(self) -> dict[str, int]:
+        d = asdict(self)
+        d["total"] = self.total
+        return d
+
+
+@dataclass
+class Position:
+    """One distinct mesh position: pipeline position ``pipeline`` and the spatial indices that share its memory."""
+
+    pipeline: int
+    spatial: list[int]
+    grid: list[int]
+    partitions: list[int]
+    local_input_shape: list[int]
+    in_flight: dict[int, int]
+    bytes: Breakdown
+    activations_detail: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        s = self.spatial
+        if len(s) == 1:
+            ss = str(s[0])
+        elif s == list(range(s[0], s[-1] + 1)):
+            ss = f"{s[0]}-{s[-1]}"
+        else:
+            ss = ",".join(map(str, s[:4])) + (",..." if len(s) > 4 else "")
+        return f"d={self.pipeline},s={ss}"
+
+
+@dataclass
+class MemoryPlan:
+    """What ``gems plan`` prints (:func:`to_json` is its JSON form)."""
+
+    model: str
+    input_shape: list[int]
+    world_size: int
+    mesh: dict[str, Any]
+    schedule: str
+    micro_batches: int
+    gems_replicas: int
+    checkpoint: bool
+    precision: str
+    optimizer: str
+    global_batch: int
+    micro_batch: int
+    balance: list[int]
+    device: dict[str, Any]
+    positions: list[Position]
+    fits: bool
+    max_global_batch: int
+    max_micro_batch: int
+    min_gems_replicas: int | None
+    suggestion: str | None
+    verdict: str
+    seconds: float
+    notes: list[str]
+
+    @property
+    def worst(self) -> Position:
+        return max(self.positions, key=lambda p: p.bytes.total)
+
+
+# ============================================================================ precision
+_LOW_OPS: set[Any] = {
+    torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d,
+    F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.bmm, torch.addmm,
+    torch.baddbmm, torch.addbmm, torch.prelu, F.prelu, torch.einsum,
+}
+_FP32_OPS: set[Any] = {
+    torch.exp, torch.log, torch.log1p, torch.expm1, torch.pow, torch.Tensor.pow, torch.rsqrt, torch.reciprocal,
+    F.softplus, F.layer_norm, F.group_norm, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.nll_loss, F.cross_entropy,
+    F.binary_cross_entropy_with_logits, F.kl_div, torch.cdist, torch.logsumexp,
+}
+_FP32_OUT_OPS: set[Any] = {  # CUDA autocast runs these with dtype=float32 (no copy of the input)
+    torch.sum, torch.Tensor.sum, torch.prod, torch.Tensor.prod, torch.cumsum, torch.Tensor.cumsum,
+    torch.softmax, torch.Tensor.softmax, F.softmax, torch.log_softmax, torch.Tensor.log_softmax, F.log_softmax,
+}
+
+
+class _CudaAutocast(torch.overrides.TorchFunctionMode):
+    """CUDA autocast's casting rules on CPU (fake) tensors: a GPU plan on a machine without a GPU.
+
+    ``torch.autocast("cuda")`` is disabled where CUDA is absent and CPU autocast
+    follows other lists (``avg_pool3d``, for one, runs in fp32 on CPU only), so
+    the ops that matter for CNNs are cast here as CUDA would: convolutions and
+    matmuls in the low dtype (leaf weights cast once and cached, as autocast
+    does), reductions, softmax, norms and losses in fp32, everything else in
+    the dtype of its inputs.
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.cache: dict[int, torch.Tensor] = {}
+
+    def _cast(self, v: Any, dtype: torch.dtype) -> Any:
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != dtype and v.dtype != torch.float64:
+            if v.is_leaf and v.requires_grad and dtype == self.dtype:
+                key = id(v)
+                if key not in self.cache:
+                    self.cache[key] = v.to(dtype)
+                return self.cache[key]
+            return v.to(dtype)
+        if isinstance(v, (list, tuple)):
+            return type(v)(self._cast(a, dtype) for a in v)
+        return v
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func in _LOW_OPS:
+            args = tuple(self._cast(a, self.dtype) for a in args)
+            kwargs = {k: self._cast(v, self.dtype) for k, v in kwargs.items()}
+        elif func in _FP32_OPS:
+            args = tuple(self._cast(a, torch.float32) for a in args)
+            kwargs = {k: self._cast(v, torch.float32) for k, v in kwargs.items()}
+        elif func in _FP32_OUT_OPS and args and isinstance(args[0], torch.Tensor) \
+                and args[0].dtype in (torch.float16, torch.bfloat16) and kwargs.get("dtype") is None:
+            kwargs["dtype"] = torch.float32
+        return func(*args, **kwargs)
+
+
+def _precision(precision: str, gpu: bool) -> Callable[[], Any]:
+    """A factory of the context that applies ``train.precision`` as the target device would."""
+    if precision == "fp32":
+        return contextlib.nullcontext
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    if gpu:
+        return lambda: _CudaAutocast(dtype)
+    if precision == "fp16":
+        raise ConfigError("train.precision", precision, "fp32 or bf16 on CPU (fp16 needs a GPU: set cluster.gpu_memory_gb)")
+    return lambda: torch.autocast("cpu", dtype=dtype)
+
+
+# ============================================================================ the spatial stand-in
+def _spatial_stand_in(parts: Sequence[int], dims: Sequence[int], grid: Sequence[int], overlap: bool | None) -> Any:
+    """A SpatialContext for one part whose collectives only make tensors of the right shapes."""
+    from gems.spatial.context import GSHAPE, SpatialContext
+    from gems.spatial.geometry import split_bounds
+
+    class _Gather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, sctx: Any, gshape: tuple[int, ...]) -> torch.Tensor:
+            boxes = sctx.boxes(gshape)
+            big = [max(b[j][1] - b[j][0] for b in boxes) for j in range(len(gshape))]
+            part = x.shape[0] * x.shape[1] * math.prod(big) * x.element_size()
+            full = x.shape[0] * x.shape[1] * math.prod(gshape) * x.element_size()
+            sctx.comm_log.append((sctx.layer[0], sctx.size * part + full))
+            ctx.shape = x.shape
+            return x.new_empty((x.shape[0], x.shape[1], *gshape))
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+            return g.new_empty(ctx.shape), None, None
+
+    class _AllReduce(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.detach().clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return g.clone()
+
+    class StandIn(SpatialContext):
+        def __init__(self) -> None:
+            n = math.prod(parts)
+            super().__init__(None, list(range(n)), parts, dims, grid, overlap)
+            self.layer = [0]  # index of the top-level layer running now
+            self.comm_log: list[tuple[int, int]] = []  # (layer, bytes) of gather buffers
+            self.halo_log: list[tuple[int, int]] = []  # (layer, bytes) of halo send + receive buffers
+            self._last: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+
+        def mark(self, x: torch.Tensor, gshape: Sequence[int]) -> torch.Tensor:
+            out = super().mark(x, gshape)
+            self._last = (tuple(int(v) for v in x.shape[2:]), tuple(int(v) for v in gshape))
+            return out
+
+        def global_shape(self, x: torch.Tensor) -> tuple[int, ...]:
+            g = getattr(x, GSHAPE, None)
+            if g is not None and len(g) == x.dim() - 2:
+                return tuple(g)
+            # untagged (a residual block's sum): the all-reduce of sizes, inferred from the last tagged activation
+            local = [int(v) for v in x.shape[2:]]
+            ref_l, ref_g = self._last if self._last is not None and len(self._last[0]) == len(local) else (local, local)
+            out = list(local)
+            for k, (d, p) in enumerate(zip(self.dims, self.parts)):
+                est = ref_g[d] * local[d] / ref_l[d] if ref_l[d] else ref_g[d]
+                lo = max(0, local[d] * p - p)
+                cands = [n for n in range(lo, local[d] * p + p + 1)
+                         if split_bounds(n, p)[self.grid[k]][1] - split_bounds(n, p)[self.grid[k]][0] == local[d]]
+                out[d] = min(cands, key=lambda n: abs(n - est)) if cands else int(round(est))
+            g = tuple(out)
+            self.mark(x, g)
+            return g
+
+        def gather(self, x: torch.Tensor) -> torch.Tensor:
+            if self.size == 1:
+                return x
+            return _Gather.apply(x, self, self.global_shape(x))
+
+        def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+            return x if self.size == 1 else _AllReduce.apply(x)
+
+    return StandIn()
+
+
+@contextlib.contextmanager
+def _no_halo_traffic(sctx: Any) -> Iterator[None]:
+    """Replace the halo messages by a log of their sizes (buffers are still made by the real code)."""
+    from gems.spatial import halo
+
+    real = halo._exchange
+
+    def fake(_ctx: Any, send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, torch.Tensor]]) -> list[Any]:
+        nbytes = sum(t.numel() * t.element_size() for _, t in [*send, *recv])
+        sctx.halo_log.append((sctx.layer[0], nbytes))
+        return []
+
+    halo._exchange = fake
+    try:
+        yield
+    finally:
+        halo._exchange = real
+
+
+def _avg_pool_op(self: Any, xp: torch.Tensor, box: Any, gin: tuple[int, ...]) -> torch.Tensor:
+    """``SpatialAvgPool._op`` for fake tensors: the same ops, with the divisor check made on real index tensors
+    (the real op reads their values, which fake tensors do not have)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from gems.spatial.layers import _AVGP
+
+    if self.nd == 1:
+        y = F.avg_pool1d(xp, self.k, self.s, self._pad, self.ceil, self.include_pad)
+        return y * (self.k[0] / self.divisor) if self.divisor else y
+    y = _meta_safe_avg_pool(lambda _s, x, pads: _AVGP[_s.nd](x, _s.k, _s.s, pads, _s.ceil, _s.include_pad, _s.divisor))(
+        self, xp, self._pad)
+    if self.divisor:
+        return y
+    shape: list[int] | None = None
+    with unset_fake_temporarily():
+        for j, (m, (a, b), n) in enumerate(zip(self.maps, box, gin)):
+            if self.native[j] is not None:
+                continue
+            c = m.avg_count(a, b, n, self.include_pad)
+            if bool((c == self.k[j]).all()):
+                continue
+            f = [1] * self.nd
+            f[j] = b - a
+            shape = f if shape is None else [max(u, v) for u, v in zip(shape, f)]
+    return y if shape is None else y * torch.ones(shape, dtype=y.dtype)
+
+
+def _meta_safe_avg_pool(fn: Any) -> Any:
+    """Wrap an ``avg_pool`` call so that inputs smaller than the kernel (a thin halo window deep in the trunk,
+    padded by the op) pass the meta kernel, which checks the unpadded size where the CPU and CUDA ones do not:
+    the input is padded up to the kernel and the output cropped to the real op's size (same memory within a
+    few cells)."""
+    def call(self: Any, xp: torch.Tensor, pads: Any, *rest: Any) -> torch.Tensor:
+        nd = self.nd
+        sizes = [int(v) for v in xp.shape[2:]]
+        pad_t = pads if isinstance(pads, (tuple, list)) else (pads,) * nd
+        small = [max(0, self.k[j] - sizes[j]) for j in range(nd)]
+        if not any(small) or nd == 1:
+            return fn(self, xp, pads, *rest)
+        outs = [(sizes[j] + 2 * int(pad_t[j]) - self.k[j]) // self.s[j] + 1 for j in range(nd)]
+        grow: list[int] = []
+        for j in reversed(range(nd)):
+            grow += [0, small[j]]
+        y = fn(self, F.pad(xp, grow), pads, *rest)
+        return y[(slice(None), slice(None), *(slice(0, o) for o in outs))]
+
+    return call
+
+
+@contextlib.contextmanager
+def _real_geometry() -> Iterator[None]:
+    """Index arithmetic of the spatial layers that reads values (pool divisors, upsampling sources) runs on
+    real tensors: it is tiny and depends on shapes only."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from gems.spatial import geometry
+    from gems.spatial import layers as L
+
+    saved: dict[tuple[Any, str], Any] = {}
+    for cls, name in ((geometry.Resample, "sources"), (geometry.Resample, "need")):
+        real = cls.__dict__[name]
+        saved[(cls, name)] = real
+
+        def wrapped(*a: Any, _real: Any = real, **k: Any) -> Any:
+            with unset_fake_temporarily():
+                return _real(*a, **k)
+
+        setattr(cls, name, wrapped)
+    saved[(L.SpatialAvgPool, "_op")] = L.SpatialAvgPool.__dict__["_op"]
+    L.SpatialAvgPool._op = _avg_pool_op  # type: ignore[method-assign]
+    if "_native_op" in L.SpatialAvgPool.__dict__:
+        real_native = L.SpatialAvgPool.__dict__["_native_op"]
+        saved[(L.SpatialAvgPool, "_native_op")] = real_native
+        L.SpatialAvgPool._native_op = _meta_safe_avg_pool(real_native)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for (cls, name), real in saved.items():
+            setattr(cls, name, real)
+
+
+# ============================================================================ the trace
+def _key(t: torch.Tensor) -> tuple[int, int]:
+    st = t.untyped_storage()
+    return st._cdata, st.nbytes()
+
+
+@dataclass
+class _Trace:
+    """One training-mode forward of the whole (spatial) model at one micro-batch, on fake tensors."""
+
+    batch: int
+    in_key: int
+    in_bytes: int
+    out_keys: list[int]  # storage of each layer's output
+    out_bytes: list[int]  # bytes of each layer's output (the last: the loss pseudo-layer's output)
+    saved: dict[int, tuple[int, set[int]]]  # storage -> (bytes, layers that saved it); parameters left out
+    halo: dict[int, int]  # layer -> largest halo exchange (send + receive bytes)
+    gather: dict[int, int]  # layer -> gather buffers
+    target_bytes: int
+
+    def stage(self, a: int, e: int, last: bool) -> tuple[int, int, int, int]:
+        """(saved bytes kept by layers [a, e) incl. its input and output, input bytes, working set, output bytes).
+
+        The first partition's input is a view of the input batch (counted once, as the batch), and needs no gradient.
+        """
+        keys: dict[int, int] = {}
+        for k, (nb, layers) in self.saved.items():
+            if any(a <= i < e for i in layers) or (last and len(self.out_bytes) - 1 in layers):
+                keys[k] = nb
+        if a == 0:  # a view of the line's input batch, which is counted as such
+            keys.pop(self.in_key, None)
+            in_b = 0
+        else:
+            in_b = self.out_bytes[a - 1]
+            keys[self.out_keys[a - 1]] = in_b
+        out_b = self.out_bytes[e - 1]
+        if not last:
+            keys[self.out_keys[e - 1]] = out_b
+        ins = [in_b] + self.out_bytes[a:e - 1]
+        work = max(i + o for i, o in zip(ins, self.out_bytes[a:e]))
+        return sum(keys.values()), in_b, work, out_b
+
+
+def saved_bytes(fn: Callable[[], Any], exclude: Sequence[torch.Tensor] = ()) -> int:
+    """Bytes of the distinct storages autograd saves while ``fn()`` runs (real or fake tensors).
+
+    ``exclude``: tensors (e.g. parameters) whose storages are not counted.
+    The measure the planner uses, exposed for checking it against real runs.
+    """
+    skip = {_key(t)[0] for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        k, nb = _key(t)
+        if k not in skip:
+            seen[k] = nb
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return sum(seen.values())
+
+
+def _loss(spec: Any, out: torch.Tensor, local_spatial: Sequence[int]) -> tuple[torch.Tensor, int]:
+    """The training loss on ``out`` with a fake target; returns (loss, target bytes per sample)."""
+    b = out.shape[0]
+    if spec.target == "dense":
+        spatial = [int(v) for v in out.shape[2:]]
+        if spec.loss == "cross_entropy":
+            y = torch.empty((b, *spatial), dtype=torch.int64)
+            return F.cross_entropy(out.float(), y, reduction="sum"), 8 * math.prod(spatial)
+        y = torch.empty(out.shape, dtype=torch.float32)
+        return F.mse_loss(out.float(), y, reduction="sum"), 4 * math.prod(out.shape[1:])
+    if spec.loss == "cross_entropy":
+        return F.cross_entropy(out.float(), torch.empty((b,), dtype=torch.int64), reduction="sum"), 8
+    y = torch.empty(out.shape, dtype=torch.float32)
+    return F.mse_loss(out.float(), y, reduction="sum"), 4 * math.prod(out.shape[1:])
+
+
+def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[int], gshape: Sequence[int],
+           sctx: Any, amp: Callable[[], Any]) -> _Trace:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from gems.models.layers import batch_context
+
+    saved: dict[int, tuple[int, set[int]]] = {}
+    cur = [0]
+    out_keys: list[int] = []
+    out_bytes: list[int] = []
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake: list[dict[str, torch.Tensor]] = []
+        params: set[int] = set()
+        for layer in layers:
+            d: dict[str, torch.Tensor] = {}
+            for name, p in layer.named_parameters():
+                f = torch.empty(p.shape, dtype=p.dtype).requires_grad_(p.requires_grad)
+                d[name] = f
+                params.add(_key(f)[0])
+            for name, b in layer.named_buffers():
+                if b is not None:
+                    d[name] = torch.empty(b.shape, dtype=b.dtype)
+            fake.append(d)
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            k, nb = _key(t)
+            if k not in params:
+                saved.setdefault(k, (nb, set()))[1].add(cur[0])
+            return t
+
+        x = torch.empty((batch, *local), dtype=torch.float32)
+        in_key, in_bytes = _key(x)
+        if sctx is not None:
+            sctx.mark(x, gshape)
+        halo_ctx = _no_halo_traffic(sctx) if sctx is not None else contextlib.nullcontext()
+        with halo_ctx, _real_geometry(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                batch_context(0, 0, range(batch)), amp():
+            for i, (layer, d) in enumerate(zip(layers, fake)):
+                cur[0] = i
+                if sctx is not None:
+                    sctx.layer[0] = i
+                x = torch.func.functional_call(layer, d, (x,)) if d else layer(x)
+                if not isinstance(x, torch.Tensor):
+                    raise ConfigError("model", type(layer).__name__, "layers that return one tensor (a flat nn.Sequential)")
+                k, _ = _key(x)
+                out_keys.append(k)
+                out_bytes.append(x.numel() * x.element_size())
+            cur[0] = len(layers)
+            loss, target = _loss(spec, x, local[1:])
+            out_bytes.append(loss.numel() * loss.element_size())
+        del loss, x
+    halo: dict[int, int] = {}
+    gather: dict[int, int] = {}
+    if sctx is not None:
+        for i, nb in sctx.halo_log:
+            halo[i] = max(halo.get(i, 0), nb)
+        for i, nb in sctx.comm_log:
+            gather[i] = gather.get(i, 0) + nb
+        sctx.halo_log.clear()
+        sctx.comm_log.clear()
+    return _Trace(batch, in_key, in_bytes, out_keys, out_bytes, saved, halo, gather, batch * target)
+
+
+# ============================================================================ per-stage memory (affine in the micro-batch)
+@dataclass
+class _Affine:
+    c: float
+    k: float
+
+    def at(self, b: int) -> int:
+        return int(round(self.c + self.k * b))
+
+
+def _line(v1: float, v2: float, b1: int = 1, b2: int = 2) -> _Affine:
+    """The line through (b1, v1) and (b2, v2); one point (b1 == b2): proportional to the micro-batch."""
+    if b1 == b2:
+        return _Affine(0.0, v1 / b1)
+    k = (v2 - v1) / (b2 - b1)
+    return _Affine(v1 - k * b1, k)
+
+
+@dataclass
+class _Stage:
+    """Memory terms of one partition on one spatial position, as functions of the micro-batch."""
+
+    saved: _Affine  # per micro-batch: saved set incl. the partition's input and output
+    const: _Affine  # the part of ``saved`` that does not grow with the micro-batch (casted weights, stats)
+    inp: _Affine  # the partition's input (what checkpointing keeps)
+    work: _Affine  # largest backward working set (one layer's output + input gradients)
+    out: _Affine  # the partition's output (what crosses the next cut)
+    halo: _Affine
+    gather: _Affine
+    params: int
+    ckpt_layers: list[tuple[int, int]] = field(default_factory=list)  # checkpoint_sequential segments (plain path)
+
+
+def _stages(t1: _Trace, t2: _Trace, bal: Sequence[int], layers: Sequence[nn.Module]) -> list[_Stage]:
+    out = []
+    b1, b2 = t1.batch, t2.batch
+
+    def _affine(v1: float, v2: float) -> _Affine:
+        return _line(v1, v2, b1, b2)
+
+    start = 0
+    D = len(bal)
+    for i, n in enumerate(bal):
+        a, e = start, start + n
+        s1, i1, w1, o1 = t1.stage(a, e, i == D - 1)
+        s2, i2, w2, o2 = t2.stage(a, e, i == D - 1)
+        sv = _affine(s1, s2)
+        const = _Affine(max(0.0, sv.c), 0.0)
+        per = _Affine(min(sv.c, 0.0), sv.k)
+        h1 = max((v for j, v in t1.halo.items() if a <= j < e), default=0)
+        h2 = max((v for j, v in t2.halo.items() if a <= j < e), default=0)
+        g1 = sum(v for j, v in t1.gather.items() if a <= j < e)
+        g2 = sum(v for j, v in t2.gather.items() if a <= j < e)
+        params = sum(p.numel() * p.element_size() for layer in layers[a:e] for p in layer.parameters())
+        out.append(_Stage(per, const, _affine(i1, i2), _affine(w1, w2), _affine(o1, o2), _affine(h1, h2),
+                          _affine(g1, g2), params))
+        start = e
+    return out
+
+
+# ============================================================================ schedules
+def _in_flight(schedule: Any, d: int, limit_actions: int = 4096) -> list[tuple[str, int, dict[int, int]]]:
+    """For each action of rank ``d``: (kind, partition, micro-batches alive per partition after it starts)."""
+    steps: list[tuple[str, int, dict[int, int]]] = []
+    live: dict[int, int] = {}
+    for a in schedule.actions[d]:
+        if a.kind == "F":
+            live[a.stage] = live.get(a.stage, 0) + 1
+            steps.append(("F", a.stage, dict(live)))
+        else:
+            steps.append(("B", a.stage, dict(live)))
+            live[a.stage] -= 1
+    return steps
+
+
+def _formula_flight(name: str, D: int, m: int, d: int, mirrored: bool) -> list[tuple[str, int, dict[int, int]]]:
+    """The peak in-flight counts when the schedule is too long to generate (very large D x m)."""
+    held = sorted({d, D - 1 - d}) if mirrored else [d]
+    cnt = {}
+    for p in held:
+        cnt[p] = m if name == "gpipe" else (1 if name == "lp" else min(m, D - p))
+    return [("B", p, dict(cnt)) for p in held]
+
+
+# ============================================================================ the plan
+@dataclass
+class _Setup:
+    spec: Any
+    model_key: str
+    mesh: Any
+    schedule: str
+    m: int
+    eta: int
+    checkpoint: bool
+    precision: str
+    gpu: bool
+    batch: int  # train.batch_size
+    replicas: int
+    optimizer_factor: int
+    bucket_mb: float
+    overlap: bool | None
+    bn_stats: str
+    balance: list[int] | None
+    balance_by: str
+
+
+def _device(cfg: Any, world: int) -> dict[str, Any]:
+    c = cfg.cluster
+    reserve = float(cfg.plan.get("reserve_gb", 1.0)) * GiB
+    gb = float(c.get("gpu_memory_gb") or 0.0)
+    if gb > 0:
+        return {"kind": "gpu", "name": f"{c.name} GPU ({gb:g} GiB)", "memory_bytes": int(gb * GiB), "reserve_bytes": int(reserve)}
+    if cfg.train.device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("cluster.gpu_memory_gb", gb, "the GPU memory in GiB (e.g. 80) when planning train.device=cuda "
+                              "on a machine without a GPU")
+        props = torch.cuda.get_device_properties(0)
+        return {"kind": "gpu", "name": props.name, "memory_bytes": int(props.total_memory), "reserve_bytes": int(reserve)}
+    per_node = world if c.name == "local" and c.launcher == "local" else int(c.tasks_per_node or 1)
+    if c.get("mem_gb"):
+        ram = float(c.mem_gb) * GiB
+    else:
+        ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return {"kind": "cpu", "name": f"RAM / {per_node} rank(s) per node", "memory_bytes": int(ram / max(1, per_node)),
+            "reserve_bytes": int(min(reserve, 0.5 * GiB))}
+
+
+def _world(cfg: Any) -> int | None:
+    c = cfg.cluster
+    if c.launcher == "slurm" or c.name != "local":
+        if c.tasks_per_node is None:
+            return None
+        return int(c.nodes) * int(c.tasks_per_node)
+    return None
+
+
+class _Planner:
+    """Traces (cached per spatial class and micro-batch) and the memory arithmetic on top."""
+
+    def __init__(self, st: _Setup, quick: bool = False) -> None:
+        self.st = st
+        self.quick = quick
+        self._ckpt_batches = (1, 2)
+        self.amp = _precision(st.precision, st.gpu)
+        self.notes: list[str] = []
+        self._ckpt: dict[int, list[tuple[tuple[int, int, int, int], tuple[int, int, int, int]]]] = {}
+
+    # ---- structure ------------------------------------------------------------------
+    def sched(self) -> Any:
+        from gems.pipeline.schedules import make_schedule
+
+        st = self.st
+        return make_schedule(st.schedule, st.mesh.pipeline, st.m, st.eta if st.schedule == "master" else None)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.st.schedule != "lp" or self.st.mesh.pipeline > 1
+
+    @property
+    def chunks(self) -> int:
+        return self.st.eta * self.st.m if self.pipelined else 1
+
+    def chunk_of(self, batch: int) -> int:
+        return batch // (self.st.replicas * self.chunks)
+
+    def check_batch(self, batch: int) -> None:
+        st = self.st
+        if batch % st.replicas:
+            raise ConfigError("train.batch_size", batch, f"a multiple of parallel.replicas={st.replicas}")
+        if self.pipelined:
+            from gems.pipeline import check_batch
+
+            check_batch(batch // st.replicas, self.sched(), st.replicas)
+
+    def classes(self) -> list[list[int]]:
+        """Spatial indices grouped by identical slab sizes at every layer and identical neighbours."""
+        from gems.pipeline.partition import _fake_run
+        from gems.spatial.geometry import split_bounds
+
+        mesh, spec = self.st.mesh, self.st.spec
+        if mesh.spatial == 1:
+            return [[0]]
+        end = spec.spatial_end if spec.spatial_end is not None else len(spec.module)
+        shapes = [tuple(spec.input_shape[1:])]
+        try:
+            shapes += [s[2:] for s, _ in _fake_run(list(spec.module)[:end], (1, *spec.input_shape), torch.float32)]
+        except Exception:  # a trunk that cannot run serially on fake tensors: key by the input only
+            pass
+        keys: dict[tuple, list[int]] = {}
+        for s in range(mesh.spatial):
+            g = mesh.grid_of(s)
+            key = []
+            for k, (d, p) in enumerate(zip(mesh.spatial_dims, mesh.parts)):
+                sizes = tuple(split_bounds(int(sh[d]), p)[g[k]][1] - split_bounds(int(sh[d]), p)[g[k]][0]
+                              for sh in shapes if d < len(sh))
+                key.append((g[k] == 0, g[k] == p - 1, sizes))
+            keys.setdefault(tuple(key), []).append(s)
+        return list(keys.values())
+
+    def layers_for(self, s: int) -> tuple[list[nn.Module], Any, list[int]]:
+        """The (spatial) layer list of spatial index ``s``, its stand-in context and local input shape."""
+        mesh, spec = self.st.mesh, self.st.spec
+        if mesh.spatial == 1:
+            return list(spec.module), None, list(spec.input_shape)
+        from gems.spatial import apply_spatial
+
+        sctx = _spatial_stand_in(mesh.parts, mesh.spatial_dims, mesh.grid_of(s),
+                                 self.st.overlap if self.st.overlap is not None else self.st.gpu)
+        sl = sctx.local_slices(spec.input_shape[1:])
+        local = [spec.input_shape[0], *[len(range(*x.indices(n))) for x, n in zip(sl, spec.input_shape[1:])]]
+        seq = apply_spatial(spec.module, sctx, spec.spatial_end, bn_stats=self.st.bn_stats)
+        seq.train()
+        return list(seq), sctx, local
+
+    def balance(self, n_layers: int, chunk: int) -> list[int]:
+        from gems.pipeline.partition import balance_by_memory, check_balance
+
+        st = self.st
+        D = st.mesh.pipeline
+        if not self.pipelined or D == 1:
+            if st.balance is not None and self.pipelined:
+                return check_balance(st.balance, n_layers, D)
+            return [n_layers]
+        if D > n_layers:
+            raise ConfigError("parallel.pipeline", D, f"at most the model's {n_layers} layers")
+        if st.balance is not None:
+            return check_balance(st.balance, n_layers, D)
+        if st.mesh.spatial > 1:  # the runtime cannot trace spatial partitions: an even split by count
+            return [n_layers // D + (1 if i < n_layers % D else 0) for i in range(D)]
+        if st.balance_by == "time":
+            self.notes.append("parallel.balance_by=time is measured at run time; planned with the memory balance")
+        return balance_by_memory(st.spec.module, D, (max(1, chunk), *st.spec.input_shape))
+
+    # ---- memory ---------------------------------------------------------------------
+    def _layers(self, s: int) -> tuple[list[nn.Module], Any, list[int]]:
+        key = ("layers", self.st.model_key, self.st.mesh.parts, self.st.mesh.spatial_dims, s, self.st.overlap,
+               self.st.gpu, self.st.bn_stats)
+        if key not in _CACHE:
+            _CACHE[key] = self.layers_for(s)
+        return _CACHE[key]
+
+    def _traced(self, s: int, batch: int) -> _Trace:
+        key = ("trace", self.st.model_key, self.st.mesh.parts, self.st.mesh.spatial_dims, s, self.st.overlap,
+               self.st.gpu, self.st.bn_stats, self.st.precision, batch)
+        if key not in _CACHE:
+            layers, sctx, local = self._layers(s)
+            _CACHE[key] = _trace(self.st.spec, layers, batch, local, self.st.spec.input_shape[1:], sctx, self.amp)
+        return _CACHE[key]
+
+    def profile(self, chunk: int) -> tuple[list[int], list[tuple[list[int], list[int], list[_Stage], int]]]:
+        """Balance, and per spatial class: (indices, local input shape, stages, target bytes per sample).
+
+        ``quick`` (used to test candidate changes): one trace at ``chunk`` of the middle part only.
+        """
+        classes = self.classes()
+        if self.quick:
+            mid = self.st.mesh.spatial // 2
+            classes = [[mid]]
+        out = []
+        bal: list[int] = []
+        for members in classes:
+            layers, sctx, local = self._layers(members[0])
+            if not bal:
+                bal = self.balance(len(layers), chunk)
+            if self.quick:
+                t1 = t2 = self._traced(members[0], max(1, chunk))
+            else:
+                t1, t2 = self._traced(members[0], 1), self._traced(members[0], 2)
+            stages = _stages(t1, t2, bal, layers)
+            if not self.pipelined and self.st.checkpoint:  # checkpoint_sequential segments of the plain path
+                n = len(layers)
+                seg = max(1, n // 2)
+                size = n // seg
+                stages[0].ckpt_layers = [(a, min(a + size, n)) for a in range(0, size * (seg - 1), size)] + \
+                    [(size * (seg - 1), n)]
+                self._ckpt_batches = (t1.batch, t2.batch)
+                self._ckpt[id(stages[0])] = [(t1.stage(a, e, e == n), t2.stage(a, e, e == n)) for a, e in stages[0].ckpt_layers]
+            out.append((members, local, stages, t1.target_bytes))
+        return bal, out
+
+    def position(self, d: int, members: list[int], local: list[int], stages: list[_Stage], target_b: int,
+                 chunk: int, flights: list[tuple[str, int, dict[int, int]]], held: list[int]) -> Position:
+        st = self.st
+        mesh = st.mesh
+        D = mesh.pipeline
+        params = sum(stages[p].params for p in held)
+        grads = params
+        optim = st.optimizer_factor * params
+        # activations: walk the schedule
+        peak, extra_at, at = 0, 0, flights[0][2] if flights else {}
+        if not self.pipelined:
+            s0 = stages[0]
+            if st.checkpoint:
+                segs = self._ckpt[id(s0)]
+                b1, b2 = self._ckpt_batches
+                keep = sum(_line(a[1], b[1], b1, b2).at(chunk) for a, b in segs[:-1])  # segment inputs
+                last = _line(segs[-1][0][0], segs[-1][1][0], b1, b2).at(chunk)
+                recompute = max(_line(a[0], b[0], b1, b2).at(chunk) for a, b in segs)
+                peak, extra_at = keep + max(last, recompute) + s0.work.at(chunk), s0.work.at(chunk)
+            else:
+                peak, extra_at = s0.saved.at(chunk) + s0.work.at(chunk), s0.work.at(chunk)
+            at = {0: 1}
+            const = s0.const.at(chunk)
+        else:
+            const = sum(stages[p].const.at(chunk) for p in held)
+            for kind, p, live in flights:
+                keep = 0
+                for q, n in live.items():
+                    per = stages[q].inp.at(chunk) if st.checkpoint else stages[q].saved.at(chunk)
+                    keep += n * per
+                if kind == "B" or not st.checkpoint:
+                    extra = stages[p].work.at(chunk) + (stages[p].saved.at(chunk) if st.checkpoint else 0)
+                else:
+                    extra = stages[p].out.at(chunk)
+                if keep + extra > peak:
+                    peak, extra_at, at = keep + extra, extra, dict(live)
+        first = 0 in held
+        last_stage = (D - 1) in held if self.pipelined else True
+        line = chunk * self.chunks  # the samples of the line this rank reads per step
+        in_per_sample = 4 * math.prod(local)
+        batch_bytes = (line * in_per_sample if first else 0) + (line * target_b if last_stage else 0)
+        acts = peak + const + batch_bytes
+        halo = max((stages[p].halo.at(chunk) for p in held), default=0)
+        # communication buffers
+        grad_group = st.replicas * mesh.spatial * (2 if self.pipelined and self.sched().mirrored and D - 1 - d != d else 1)
+        comm = grads if grad_group > 1 else 0
+        if self.pipelined and D > 1:
+            bound = max(max(stages[p].inp.at(chunk), stages[p].out.at(chunk)) for p in held)
+            comm += LOOKAHEAD * bound + max(stages[p].inp.at(chunk) for p in held)
+        comm += max((stages[p].gather.at(chunk) for p in held), default=0)
+        bd = Breakdown(params, grads, optim, int(acts), int(halo), int(comm))
+        return Position(d, members, list(mesh.grid_of(members[0])), held, local, {int(k): int(v) for k, v in at.items()}, bd,
+                        {"saved": int(peak - extra_at), "working": int(extra_at),
+                         "batch": int(batch_bytes), "constant": int(const)})
+
+    def positions(self, batch: int, profile: Any = None) -> tuple[list[int], list[Position]]:
+        st = self.st
+        chunk = self.chunk_of(batch)
+        bal, classes = profile if profile is not None else self.profile(chunk)
+        D = st.mesh.pipeline
+        out = []
+        sched = self.sched() if self.pipelined else None
+        for d in range(D):
+            if sched is not None:
+                held = sched.partitions_of(d)
+                if len(sched.actions[d]) <= 4096:
+                    flights = _in_flight(sched, d)
+                else:
+                    flights = _formula_flight(st.schedule, D, st.m, d, sched.mirrored)
+            else:
+                held, flights = [0], []
+            for members, local, stages, target_b in classes:
+                out.append(self.position(d, members, local, stages, target_b, chunk, flights, held))
+        return bal, out
+
+
+def _setup(cfg: Any) -> _Setup:
+    from gems.mesh import mesh_from_config
+    from gems.models import build_model
+
+    from omegaconf import OmegaConf
+
+    p = cfg.parallel
+    mesh = mesh_from_config(cfg, _world(cfg))
+    model_key = OmegaConf.to_yaml(cfg.model, resolve=True)
+    if ("model", model_key) not in _CACHE:
+        spec = build_model(cfg.model)
+        spec.module.train()
+        _CACHE[("model", model_key)] = spec
+    spec = _CACHE[("model", model_key)]
+    sched = str(p.schedule)
+    eta = 2 if sched == "mast" else (int(p.gems_replicas or 2) if sched == "master" else 1)
+    opt = str(cfg.train.optimizer)
+    factor = 2 if opt == "adam" else (1 if float(cfg.train.get("momentum", 0.0) or 0.0) > 0 else 0)
+    gpu = float(cfg.cluster.get("gpu_memory_gb") or 0.0) > 0 or cfg.train.device == "cuda"
+    if mesh.spatial > 1:
+        from gems.spatial.context import SpatialContext  # noqa: F401 - fails early when spatial is unavailable
+    return _Setup(spec, model_key, mesh, sched, int(p.micro_batches), eta, bool(p.checkpoint), str(cfg.train.precision), gpu,
+                  int(cfg.train.batch_size), mesh.replicas, factor, float(cfg.comm.bucket_mb), p.get("overlap"),
+                  str(p.get("bn_stats", "global")), list(p.balance) if p.get("balance") else None,
+                  str(p.get("balance_by", "memory")))
+
+
+def _max_chunk(pl: _Planner, usable: int, chunk0: int) -> tuple[int, Any]:
+    """The largest micro-batch (samples per chunk) whose plan fits ``usable`` bytes, with the profile reused."""
+    prof = pl.profile(max(1, chunk0))
+
+    def peak(c: int) -> int:
+        batch = c * pl.st.replicas * pl.chunks
+        return max(p.bytes.total for p in pl.positions(batch, prof)[1])
+
+    if peak(1) > usable:
+        return 0, prof
+    lo, hi = 1, 2
+    while peak(hi) <= usable:
+        lo, hi = hi, hi * 2
+        if hi > 1 << 40:
+            break
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if peak(mid) <= usable:
+            lo = mid
+        else:
+            hi = mid
+    return lo, prof
+
+
+def _fmt(b: float) -> str:
+    return f"{b / GiB:.1f} GiB"
+
+
+def make_plan(cfg: Any, suggest: bool = True, quick: bool = False) -> MemoryPlan:
+    """The memory plan of the composed configuration ``cfg`` (no process group, no allocation).
+
+    ``suggest``: when it does not fit, search the smallest change that does.
+    ``quick``: only whether the configured batch fits (one trace of the middle spatial part; no batch search).
+    """
+    t0 = time.perf_counter()
+    st = _setup(cfg)
+    mesh = st.mesh
+    pl = _Planner(st, quick)
+    if st.spec.spatial_ndim > 0:
+        for d in mesh.spatial_dims:
+            if d >= st.spec.spatial_ndim:
+                raise ConfigError("parallel.spatial_dims", list(mesh.spatial_dims),
+                                  f"dims of this {st.spec.spatial_ndim}-D model, each in 0..{st.spec.spatial_ndim - 1}")
+    pl.check_batch(st.batch)
+    world = mesh.size
+    dev = _device(cfg, world)
+    usable = dev["memory_bytes"] - dev["reserve_bytes"]
+    dev["usable_bytes"] = int(usable)
+    chunk = pl.chunk_of(st.batch)
+    if quick:
+        max_chunk, prof = -1, None
+    else:
+        max_chunk, prof = _max_chunk(pl, usable, chunk)
+    bal, positions = pl.positions(st.batch, prof)
+    worst = max(positions, key=lambda p: p.bytes.total)
+    fits = worst.bytes.total <= usable
+    max_batch = max_chunk * st.replicas * pl.chunks
+    min_eta = None
+    if st.schedule == "master":
+        line = st.batch // st.replicas
+        for eta in range(1, line + 1):
+            if line % (eta * st.m) == 0 and max_chunk >= line // (eta * st.m):
+                min_eta = eta
+                break
+    where = f"rank position {worst.label}"
+    suggestion = None
+    if fits:
+        verdict = f"fits: peak {_fmt(worst.bytes.total)} of {_fmt(dev['memory_bytes'])} on {where}"
+    else:
+        verdict = f"does not fit: peak {_fmt(worst.bytes.total)} of {_fmt(dev['memory_bytes'])} on {where}"
+        if suggest:
+            suggestion = _suggest(cfg, st)
+            verdict += f"; try {suggestion}" if suggestion else "; no single change of checkpoint, micro-batches, " \
+                                                                "precision, spatial parts or pipeline found to fit"
+    bits = f"max global batch that fits: {max_batch}"
+    if st.schedule == "master" and min_eta is not None:
+        bits += f"; gems_replicas >= {min_eta} fits train.batch_size={st.batch}"
+    verdict += f" ({bits})"
+    return MemoryPlan(
+        model=st.spec.name + (f"{st.spec.input_shape[1]}" if st.spec.name.startswith("cosmoflow") else ""),
+        input_shape=list(st.spec.input_shape), world_size=world,
+        mesh={"replicas": mesh.replicas, "pipeline": mesh.pipeline, "spatial": mesh.spatial, "parts": list(mesh.parts),
+              "spatial_dims": list(mesh.spatial_dims)},
+        schedule=st.schedule, micro_batches=st.m, gems_replicas=st.eta, checkpoint=st.checkpoint,
+        precision=st.precision, optimizer=str(cfg.train.optimizer), global_batch=st.batch, micro_batch=chunk,
+        balance=list(bal), device=dev, positions=positions, fits=fits, max_global_batch=max_batch,
+        max_micro_batch=max_chunk, min_gems_replicas=min_eta, suggestion=suggestion, verdict=verdict,
+        seconds=round(time.perf_counter() - t0, 3), notes=pl.notes)
+
+
+def _fits(cfg: Any, overrides: dict[str, Any]) -> bool:
+    from omegaconf import OmegaConf, open_dict
+
+    c = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    OmegaConf.set_struct(c, False)
+    with open_dict(c):
+        for k, v in overrides.items():
+            OmegaConf.update(c, k, v, merge=False)
+        if c.cluster.launcher == "slurm" or c.cluster.name != "local":  # more ranks: more tasks, same nodes
+            from gems.mesh import mesh_from_config
+
+            c.cluster.tasks_per_node = mesh_from_config(c).size // int(c.cluster.nodes) or 1
+            if mesh_from_config(c).size % int(c.cluster.nodes):
+                c.cluster.nodes = 1
+                c.cluster.tasks_per_node = mesh_from_config(c).size
+    try:
+        return make_plan(c, suggest=False, quick=True).fits
+    except ConfigError:
+        return False
+
+
+def _suggest(cfg: Any, st: _Setup) -> str | None:
+    """The smallest change that fits, tried in order: same ranks first, then more ranks."""
+    cands: list[tuple[str, dict[str, Any]]] = []
+    if not st.checkpoint:
+        cands.append(("parallel.checkpoint=true", {"parallel.checkpoint": True}))
+    if st.precision == "fp32":
+        cands.append(("train.precision=bf16", {"train.precision": "bf16"}))
+    if st.schedule != "lp" or st.mesh.pipeline > 1:
+        line = st.batch // st.replicas // st.eta
+        for m in range(st.m + 1, line + 1):
+            if line % m == 0 and st.schedule != "gpipe":
+                cands.append((f"parallel.micro_batches={m}", {"parallel.micro_batches": m}))
+                break
+    # more spatial parts along the cut dims
+    parts = list(st.mesh.parts)
+    extent = [st.spec.input_shape[1 + d] for d in st.mesh.spatial_dims] if st.spec.spatial_ndim else []
+    for mult in (2, 4, 8, 16):
+        k = min(range(len(parts)), key=lambda i: parts[i])
+        new = list(parts)
+        new[k] *= mult
+        if extent and new[k] > extent[k]:
+            break
+        val = new[0] if len(new) == 1 else new
+        txt = f"parallel.spatial={val if len(new) == 1 else '[' + ','.join(map(str, new)) + ']'}"
+        cands.append((txt, {"parallel.spatial": val}))
+        cands.append((txt + " parallel.checkpoint=true", {"parallel.spatial": val, "parallel.checkpoint": True}))
+    n_layers = len(st.spec.module)
+    if st.mesh.pipeline * 2 <= n_layers:
+        sched = st.schedule if st.schedule != "lp" else "1f1b"
+        cands.append((f"parallel.pipeline={st.mesh.pipeline * 2} parallel.schedule={sched}",
+                      {"parallel.pipeline": st.mesh.pipeline * 2, "parallel.schedule": sched, "parallel.balance": None}))
+    for text, ov in cands:
+        if _fits(cfg, ov):
+            return text
+    return None
+
+
+# ============================================================================ output
+def to_json(plan: MemoryPlan) -> dict[str, Any]:
+    """The plan as one JSON-ready object (keys in the module docstring)."""
+    return {
+        "schema": SCHEMA, "model": plan.model, "input_shape": plan.input_shape, "world_size": plan.world_size,
+        "mesh": plan.mesh, "schedule": plan.schedule, "micro_batches": plan.micro_batches,
+        "gems_replicas": plan.gems_replicas, "checkpoint": plan.checkpoint, "precision": plan.precision,
+        "optimizer": plan.optimizer, "global_batch": plan.global_batch, "micro_batch": plan.micro_batch,
+        "balance": plan.balance, "device": plan.device,
+        "positions": [{"pipeline": p.pipeline, "spatial": p.spatial, "grid": p.grid, "partitions": p.partitions,
+                       "local_input_shape": p.local_input_shape, "in_flight": {str(k): v for k, v in p.in_flight.items()},
+                       "bytes": p.bytes.as_dict(), "activations_detail": p.activations_detail} for p in plan.positions],
+        "peak": {"bytes": plan.worst.bytes.total, "pipeline": plan.worst.pipeline, "spatial": plan.worst.spatial},
+        "fits": plan.fits, "max_global_batch": plan.max_global_batch, "max_micro_batch": plan.max_micro_batch,
+        "min_gems_replicas": plan.min_gems_replicas, "suggestion": plan.suggestion, "verdict": plan.verdict,
+        "seconds": plan.seconds, "notes": plan.notes,
+    }
+
+
+def render_table(plan: MemoryPlan, width: int = 120) -> str:
+    """A readable table: one row per distinct position, the breakdown in GiB, then the verdict."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    m = plan.mesh
+    title = (f"gems plan: {plan.model} {plan.input_shape}, R{m['replicas']} x D{m['pipeline']} x S{m['spatial']} "
+             f"= {plan.world_size} ranks, {plan.schedule} m={plan.micro_batches}"
+             + (f" eta={plan.gems_replicas}" if plan.schedule == "master" else "")
+             + f", batch {plan.global_batch} (micro-batch {plan.micro_batch}), {plan.precision}, {plan.optimizer}"
+             + (", checkpoint" if plan.checkpoint else ""))
+    t = Table(title=title, title_justify="left")
+    for col in ("position", "partitions", "local input", "in flight", "params", "grads", "optim", "activ", "halo",
+                "comm", "total GiB"):
+        t.add_column(col, justify="left" if col in ("position", "partitions", "local input", "in flight") else "right")
+    worst = plan.worst
+    for p in plan.positions:
+        b = p.bytes
+        g = lambda v: f"{v / GiB:.2f}"  # noqa: E731
+        mark = " *" if p is worst else ""
+        t.add_row(p.label + mark, ",".join(map(str, p.partitions)), "x".join(map(str, p.local_input_shape)),
+                  " ".join(f"{k}:{v}" for k, v in sorted(p.in_flight.items())) or "-",
+                  g(b.parameters), g(b.gradients), g(b.optimizer), g(b.activations), g(b.halo), g(b.communication),
+                  g(b.total))
+    buf = io.StringIO()
+    con = Console(file=buf, width=width, force_terminal=False, color_system=None)
+    con.print(t)
+    dev = plan.device
+    con.print(f"device: {dev['name']}: {dev['memory_bytes'] / GiB:.1f} GiB, {dev['reserve_bytes'] / GiB:.1f} GiB reserved "
+              f"(plan.reserve_gb); balance {plan.balance}; planned in {plan.seconds:.2f} s")
+    for n in plan.notes:
+        con.print(f"note: {n}")
+    con.print(plan.verdict, soft_wrap=True)
+    return buf.getvalue()
+
+
+def plan_main(cfg: Any) -> int:
+    """``gems plan``: print the plan as ``plan.format`` says; 0 whether or not it fits (bad input raises ConfigError)."""
+    fmt = str(cfg.plan.get("format", "table"))
+    if fmt not in ("table", "json"):
+        raise ConfigError("plan.format", fmt, "table or json")
+    plan = make_plan(cfg)
+    if fmt == "json":
+        print(json.dumps(to_json(plan)))
+    else:
+        print(render_table(plan), end="")
+    return 0

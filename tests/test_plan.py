@@ -1,0 +1,217 @@
+"""gems plan: the planned bytes against real measurements, monotonicity, the batch search, bad input."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _cli import gems
+from gems.config import compose
+from gems.errors import ConfigError
+from gems.plan import GiB, make_plan, saved_bytes, to_json
+
+SMALL = ["model=cosmoflow", "model.size=32", "model.width=0.25", "train.batch_size=2"]
+
+
+def _position(plan, d: int, s: int):
+    return next(p for p in plan.positions if p.pipeline == d and s in p.spatial)
+
+
+def _params(spec) -> int:
+    return sum(p.numel() * p.element_size() for p in spec.module.parameters())
+
+
+def _close(planned: float, real: float, tol: float = 0.03) -> None:
+    assert abs(planned - real) <= tol * real, f"planned {planned} vs measured {real}"
+
+
+def _real_saved(seq, x, last: bool, y=None) -> int:
+    """Bytes of distinct storages kept for backward by a real forward of ``seq`` on ``x``, incl. its input
+    (when it needs a gradient) and output (when it is sent on), excluding parameters."""
+    params = list(seq.parameters())
+    keep = {}
+
+    def run():
+        out = seq(x)
+        if last:
+            out = F.mse_loss(out.float(), y, reduction="sum")
+        keep["out"] = out
+        return out
+
+    n = saved_bytes(run, exclude=params)
+    st = {x.untyped_storage()._cdata} if x.requires_grad else set()
+    extra = x.untyped_storage().nbytes() if x.requires_grad else 0
+    # input and output, when autograd did not save them already, are kept by the runtime too
+    seen = set()
+
+    def pack(t):
+        seen.add(t.untyped_storage()._cdata)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = seq(x)
+    if x.requires_grad and x.untyped_storage()._cdata in seen:
+        extra = 0
+    if not last and out.untyped_storage()._cdata not in seen:
+        extra += out.untyped_storage().nbytes()
+    del st
+    return n + extra
+
+
+def test_serial_plan_matches_the_real_saved_set_and_parameter_state():
+    cfg = compose(SMALL)
+    plan = make_plan(cfg)
+    from gems.models import build_model
+
+    spec = build_model(cfg.model)
+    spec.module.train()
+    x = torch.randn(2, *spec.input_shape)
+    from gems.models.layers import batch_context
+
+    with batch_context(0, 0, range(2)):
+        real = _real_saved(spec.module, x, last=True, y=torch.randn(2, 4))
+    p = _position(plan, 0, 0)
+    det = p.activations_detail
+    # the plan counts the input as the batch, the real saved set holds it (conv1 saves its input)
+    planned = det["saved"] + det["constant"] + x.numel() * 4
+    _close(planned, real)
+    n = _params(spec)
+    assert (p.bytes.parameters, p.bytes.gradients, p.bytes.optimizer) == (n, n, 2 * n)  # Adam
+
+
+def _spatial_rank(rank: int, world: int) -> int:
+    from gems.models import build_model
+    from gems.models.layers import batch_context
+    from gems.spatial import SpatialContext, apply_spatial
+
+    cfg = compose(SMALL + ["parallel.spatial=2"])
+    spec = build_model(cfg.model)
+    torch.manual_seed(0)
+    ctx = SpatialContext(None, [0, 1], [2], [0], [rank])
+    seq = apply_spatial(spec.module, ctx, spec.spatial_end)
+    seq.train()
+    x = ctx.scatter(torch.randn(2, *spec.input_shape))
+    with batch_context(0, 0, range(2)):
+        return _real_saved(seq, x, last=True, y=torch.randn(2, 4))
+
+
+def test_spatial_plan_matches_a_real_two_part_run():
+    from gems.testing import run_world
+
+    real = run_world(_spatial_rank, 2, timeout=120)
+    plan = make_plan(compose(SMALL + ["parallel.spatial=2"]))
+    for s in (0, 1):
+        p = _position(plan, 0, s)
+        det = p.activations_detail
+        local_in = 4 * math.prod(p.local_input_shape) * 2
+        _close(det["saved"] + det["constant"] + local_in, real[s])
+        assert p.local_input_shape == [4, 16, 32, 32]
+        assert p.bytes.halo > 0 and p.bytes.communication > 0  # halo slabs; gradient buckets and the gather
+
+
+def test_mast_plan_holds_two_partitions_and_their_real_saved_sets():
+    cfg = compose(SMALL + ["parallel.pipeline=2", "parallel.schedule=mast"])
+    plan = make_plan(cfg)
+    from gems.models import build_model
+    from gems.models.layers import batch_context
+    from gems.pipeline.partition import split
+
+    spec = build_model(cfg.model)
+    spec.module.train()
+    parts = split(spec.module, plan.balance)
+    chunk = plan.micro_batch
+    assert chunk == 1  # batch 2 over passes A and B
+    x = torch.randn(chunk, *spec.input_shape)
+    per = []
+    with batch_context(0, 0, range(chunk)):
+        for i, part in enumerate(parts):
+            xi = x.detach().requires_grad_(i > 0)
+            per.append(_real_saved(part, xi, last=i == len(parts) - 1, y=torch.randn(chunk, 4)))
+            x = part(xi)
+    for d in (0, 1):
+        p = _position(plan, d, 0)
+        # one micro-batch per direction: at the peak each partition keeps at most one
+        assert p.partitions == [0, 1] and set(p.in_flight) <= {0, 1} and set(p.in_flight.values()) == {1}
+        n = _params(spec)  # both mirrored partitions: the whole model's parameters
+        assert p.bytes.parameters == n and p.bytes.optimizer == 2 * n
+        det = p.activations_detail
+        alive = sum(per[q] for q in p.in_flight)
+        _close(det["saved"] + det["constant"] + (chunk * 4 * math.prod(spec.input_shape) if 0 in p.in_flight else 0),
+               alive)
+
+
+def test_peak_falls_with_spatial_parts_for_cosmoflow_512():
+    peaks = []
+    for S in (1, 2, 4):
+        plan = make_plan(compose(["model=cosmoflow", "model.size=512", f"parallel.spatial={S}",
+                                  "cluster.gpu_memory_gb=80", "train.batch_size=1"]), suggest=False)
+        peaks.append(plan.worst.bytes.total)
+        assert plan.fits
+    assert peaks[0] > peaks[1] > peaks[2], [p / GiB for p in peaks]
+    assert peaks[0] / peaks[2] > 3.5  # nearly 1/S: the halos are thin
+
+
+def test_max_batch_is_the_largest_that_fits():
+    base = ["model=cosmoflow", "model.size=64", "model.width=0.5", "cluster.gpu_memory_gb=1.5", "plan.reserve_gb=0",
+            "parallel.replicas=2", "train.batch_size=2"]
+    plan = make_plan(compose(base))
+    b = plan.max_global_batch
+    assert b >= 2 and b % 2 == 0
+    assert make_plan(compose(base[:-1] + [f"train.batch_size={b}"]), suggest=False).fits
+    over = make_plan(compose(base[:-1] + [f"train.batch_size={b + 2}"]), suggest=False)
+    assert not over.fits and "does not fit" in over.verdict
+
+
+def test_does_not_fit_suggests_a_change_that_fits():
+    base = ["model=cosmoflow", "model.size=512", "cluster.gpu_memory_gb=40", "train.batch_size=2"]
+    plan = make_plan(compose(base))
+    assert not plan.fits and plan.suggestion
+    assert plan.verdict.startswith("does not fit") and plan.suggestion in plan.verdict
+    fixed = make_plan(compose(base + plan.suggestion.split()), suggest=False)
+    assert fixed.fits
+
+
+def test_bf16_activations_are_smaller_on_gpu_targets():
+    base = ["model=cosmoflow", "model.size=128", "cluster.gpu_memory_gb=80", "train.batch_size=1"]
+    fp32 = make_plan(compose(base), suggest=False).worst.bytes.activations
+    bf16 = make_plan(compose(base + ["train.precision=bf16"]), suggest=False).worst.bytes.activations
+    assert 0.4 * fp32 < bf16 < 0.75 * fp32
+
+
+def test_json_and_table_from_the_cli_at_a_large_world():
+    out = gems("plan", "model=resnet", "model.depth=110", "model.size=512", "cluster=slurm", "cluster.nodes=256",
+               "cluster.tasks_per_node=4", "parallel.replicas=256", "parallel.pipeline=4", "parallel.schedule=mast",
+               "train.batch_size=512", "cluster.gpu_memory_gb=80", "plan.format=json")
+    assert out.returncode == 0, out.stderr
+    obj = json.loads(out.stdout)
+    assert obj["schema"] == "gems.plan/1" and obj["world_size"] == 1024 and obj["fits"] in (True, False)
+    assert {p["pipeline"] for p in obj["positions"]} == {0, 1, 2, 3}
+    assert set(obj["positions"][0]["bytes"]) == {"parameters", "gradients", "optimizer", "activations", "halo",
+                                                   "communication", "total"}
+    assert obj["verdict"].startswith(("fits:", "does not fit:"))
+    out = gems("plan", *SMALL, "parallel.spatial=2")
+    assert out.returncode == 0, out.stderr
+    assert "d=0,s=0" in out.stdout and "total GiB" in out.stdout and "fits: peak" in out.stdout
+
+
+def test_bad_input_names_the_key():
+    with pytest.raises(ConfigError) as e:
+        make_plan(compose(["model.name=nope"]))
+    assert e.value.key == "model"
+    with pytest.raises(ConfigError) as e:
+        compose(["cluster=slurm", "cluster.nodes=2", "cluster.tasks_per_node=3", "parallel.spatial=4"])
+    assert e.value.key == "cluster.tasks_per_node"
+    with pytest.raises(ConfigError) as e:
+        make_plan(compose(SMALL + ["parallel.spatial=64"]))
+    assert e.value.key == "parallel.spatial"
+    out = gems("plan", "model.name=nope")
+    assert out.returncode == 2 and "model" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_to_json_round_trips():
+    plan = make_plan(compose(SMALL))
+    obj = json.loads(json.dumps(to_json(plan)))
+    assert obj["peak"]["bytes"] == plan.worst.bytes.total and obj["max_global_batch"] == plan.max_global_batch
