@@ -469,6 +469,10 @@ def poll(runs: Sequence[SlurmRun], finished: dict[str, Outcome], error_grace_s: 
         if info is not None and run.job_id in info:
             run.seen = True
             run.state, run.detail = info[run.job_id]
+            if run.state == "PENDING" and run.detail == "BeginTime" and int(run.cfg.fault.get("preempt_at_step", -1)) >= 0:
+                # a deliberate preemption (fault.preempt_at_step) requeued it: Slurm holds requeued jobs
+                # back for two minutes; a fault test need not wait for that
+                _run(["scontrol", "update", f"JobId={run.job_id}", "StartTime=now"], timeout=30)
         elif info is not None and (run.seen or now - run.submitted_at > 60):
             # Slurm no longer knows it (purged after MinJobAge, or never listed): ask accounting, else files
             acct = _sacct_state(run.job_id)
