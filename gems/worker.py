@@ -240,6 +240,12 @@ def preflight(cfg: DictConfig) -> None:
     seq = spec.module
     if cfg.data.name == "hdf5":  # a file that does not match the model is named before launch
         make_data(cfg, spec)
+    if cfg.train.precision == "fp16":
+        on_cpu = cfg.train.device == "cpu" or (
+            cfg.cluster.launcher == "local" and not torch.cuda.is_available() and cfg.train.device == "auto") or (
+            cfg.cluster.launcher == "slurm" and not cfg.cluster.gpus_per_node)
+        if on_cpu:
+            raise ConfigError("train.precision", "fp16", "fp32 or bf16 on CPU ranks (fp16 needs GPUs)")
     if mesh.spatial_enabled:
         from gems.spatial import SpatialContext, apply_spatial
 

@@ -95,3 +95,11 @@ def test_bad_parallel_input_exits_2_before_launch(tmp_path, args, key):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and key in lines[0], out.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_bf16_through_a_gems_pipeline_tracks_serial_bf16(tmp_path, serial):
+    base = COSMO + ["train.batch_size=4", "train.precision=bf16"]
+    ref = serial(*base)
+    r = losses(tmp_path, *base, "parallel.pipeline=2", "parallel.schedule=mast")
+    assert all(x == x for x in r["loss"]), "no NaN: activations cross the cut in the dtype the receiver expects"
+    torch.testing.assert_close(torch.tensor(r["loss"]), torch.tensor(ref), rtol=2e-2, atol=1e-3)

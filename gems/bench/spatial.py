@@ -89,7 +89,8 @@ def _fixed_convs(model: Any) -> Any:
     return nn.Sequential(*[FixedConv(m) if isinstance(m, nn.Conv3d) else m for m in model])
 
 
-def bench_rank(rank: int, world: int, size: int, steps: int, warmup: int, mode: str) -> dict[str, Any]:
+def bench_rank(rank: int, world: int, size: int, steps: int, warmup: int, mode: str,
+               bucket_mb: float = 25.0) -> dict[str, Any]:
     """One rank of one configuration: step times, peak RSS growth, halo and gradient-sum seconds."""
     import torch
     import torch.distributed as dist
@@ -124,7 +125,7 @@ def bench_rank(rank: int, world: int, size: int, steps: int, warmup: int, mode: 
     target = torch.zeros(1, spec.num_outputs)
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=1e-4)
-    reducer = GradientReducer(params, dist.group.WORLD if spatial else None)
+    reducer = GradientReducer(params, dist.group.WORLD if spatial else None, bucket_mb)
     times: list[float] = []
     grad_sum: list[float] = []
     if world > 1:

@@ -168,6 +168,12 @@ class PipelineRunner:
             head = torch.tensor(fields + [0] * (_HEADER_LEN - len(fields)), dtype=torch.int64, device=y.device)
             self._isend(head, dst, self._tag(_HEADER, direction, 0, a.stage + 1))
             self._shape[key] = (tuple(y.shape), y.dtype)  # also the shape of the gradient coming back
+        shape, dtype = self._shape[key]
+        if tuple(y.shape) != shape:
+            raise RuntimeError(f"stage {a.stage} produced an activation of shape {tuple(y.shape)}, "
+                               f"the receiver expects {shape}")
+        if y.dtype != dtype:  # e.g. bf16 under autocast where the cut was traced in fp32: send what is expected
+            y = y.to(dtype)
         self._isend(y, dst, self._tag(_ACT, a.replica, a.micro_batch, a.stage + 1))
 
     def _message(self, a: Action) -> tuple[int, tuple[int, int, int, int]] | None:

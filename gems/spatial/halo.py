@@ -190,8 +190,9 @@ class Assemble(torch.autograd.Function):
         back = [torch.empty((n, c, *shape_of(box)), dtype=gx.dtype, device=gx.device) for _, box in p.sends]
         works = _tagged_exchange(sctx, [(peer, gb) for (peer, _), gb in zip(p.recvs, gbufs)],
                                  [(peer, b) for (peer, _), b in zip(p.sends, back)], tag + 1)
-        for w in works:
+        for w in works[:len(p.sends)]:  # the receives; the sends are waited for when the backward ends
             w.wait()
+        _after_backward(sctx, label, works[len(p.sends):], gbufs)
         for (_, box), b in zip(p.sends, back):
             gx[local_index(box, p.own)] += b
         sctx.halo_seconds[label] += time.perf_counter() - t_start

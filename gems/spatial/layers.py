@@ -128,6 +128,10 @@ class _WindowLayer(SpatialLayer):
         """Whether the op is linear in its input with zero padding (the no-copy route applies)."""
         return False
 
+    def _min_part(self, m: Window) -> int:
+        """The thinnest part (cells along a cut dim) the op accepts with its own padding."""
+        return max(1, m.extent - 2 * m.pad_lo)
+
     def _native_op(self, xp: torch.Tensor, pads: tuple[int, ...], bias: bool) -> torch.Tensor:
         """The op with its own zero padding ``pads`` in every dim (``bias``: add the bias, if any)."""
         raise NotImplementedError
@@ -144,8 +148,8 @@ class _WindowLayer(SpatialLayer):
             return None
         for j in sctx.dims:
             m, (a, b), (lo, hi) = self.maps[j], box[j], p.own[j]
-            if m.ceil_mode or m.pad_lo != m.pad_hi or lo != a * m.stride or hi - lo < m.extent:
-                return None  # (torch's pools refuse parts thinner than the kernel)
+            if m.ceil_mode or m.pad_lo != m.pad_hi or lo != a * m.stride or hi - lo < self._min_part(m):
+                return None
             if Window(m.kernel, m.stride, m.dilation, m.pad_lo, m.pad_lo).out_size(hi - lo) != b - a:
                 return None
         pads = tuple(self.maps[j].pad_lo if j in sctx.dims else int(nat or 0) for j, nat in enumerate(self.native))
@@ -343,6 +347,9 @@ class SpatialAvgPool(_WindowLayer):
         self.k, self.s, self.nd, self.ceil = k, s, nd, bool(pool.ceil_mode)
         self.include_pad = bool(getattr(pool, "count_include_pad", True))
         self.divisor = getattr(pool, "divisor_override", None)
+
+    def _min_part(self, m: Window) -> int:
+        return m.extent  # torch's pools refuse inputs thinner than the kernel, padding or not
 
     def _linear(self) -> bool:
         # with count_include_pad (or a fixed divisor) torch divides by the same count whether a
