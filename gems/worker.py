@@ -362,6 +362,8 @@ def train(cfg: DictConfig, world: World) -> dict[str, Any]:
     B, R = int(cfg.train.batch_size), mesh.replicas
     steps, warm = int(cfg.train.steps), int(cfg.train.warmup_steps)
     ckpt_every = int(cfg.train.get("checkpoint_every") or 0)
+    # running statistics (BatchNorm) of the copies of a parameter's module see different samples
+    buffers = [b for m in par.modules for b in m.buffers() if b.is_floating_point()] if mesh.group("grad") else []
 
     # resume after a preemption or requeue (gems/checkpoint.py)
     restarts = ckpt.restart_count()
@@ -394,6 +396,8 @@ def train(cfg: DictConfig, world: World) -> dict[str, Any]:
         loss = par.step(x, y, ids, step)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if buffers:
+            _average_buffers(buffers, mesh)
         _sync(world.device)
         dt = time.perf_counter() - t0
         losses.append(loss)
@@ -438,6 +442,20 @@ def train(cfg: DictConfig, world: World) -> dict[str, Any]:
         breakdown=breakdown, peaks=peaks, hosts=hosts, wall_s=time.time() - t_start, restarts=restarts,
     )
     return record
+
+
+def _average_buffers(buffers: list[torch.Tensor], mesh: Mesh) -> None:
+    """Average floating buffers over the ``grad`` group, so every copy keeps the same running
+    statistics (replicas and mirrored GEMS partitions see different samples)."""
+    import torch.distributed as dist
+
+    flat = torch.cat([b.reshape(-1).float() for b in buffers])
+    dist.all_reduce(flat, group=mesh.group("grad"))
+    flat /= len(mesh.ranks("grad"))
+    off = 0
+    for b in buffers:
+        b.copy_(flat[off:off + b.numel()].view_as(b))
+        off += b.numel()
 
 
 def _preempt(cfg: DictConfig, world: World, step: int, par: Parallel, opt: torch.optim.Optimizer,

@@ -103,3 +103,24 @@ def test_bf16_through_a_gems_pipeline_tracks_serial_bf16(tmp_path, serial):
     r = losses(tmp_path, *base, "parallel.pipeline=2", "parallel.schedule=mast")
     assert all(x == x for x in r["loss"]), "no NaN: activations cross the cut in the dtype the receiver expects"
     torch.testing.assert_close(torch.tensor(r["loss"]), torch.tensor(ref), rtol=2e-2, atol=1e-3)
+
+
+def test_mirrored_copies_stay_identical_buffers_included(tmp_path):
+    """GEMS-MAST on D=2: both ranks hold partitions 0 and 1 (A's and B's). The checkpoint a
+    preemption leaves behind holds each rank's state: parameters and BatchNorm statistics must be
+    bit-identical between the two copies."""
+    out = gems("run", f"results.dir={tmp_path}", "model=resnet", "model.depth=11", "model.size=32",
+               "model.width=0.25", "train.batch_size=4", "train.steps=4", "train.warmup_steps=1",
+               "parallel.pipeline=2", "parallel.schedule=mast", "fault.preempt_at_step=3", timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (ck,) = list(tmp_path.glob(".jobs/*/ckpt"))
+    a = torch.load(ck / "rank0.pt", weights_only=False)["modules"]
+    b = torch.load(ck / "rank1.pt", weights_only=False)["modules"]
+    assert len(a) == len(b) == 2
+    n_buffers = 0
+    for pa, pb in zip(a, b):
+        assert pa.keys() == pb.keys()
+        for k in pa:
+            assert torch.equal(pa[k], pb[k]), k
+            n_buffers += "running" in k
+    assert n_buffers > 0
