@@ -150,3 +150,49 @@ def test_unet3d_spec():
         build_model(_node(name="unet3d", size=20))
     with pytest.raises(ConfigError, match="model.norm"):
         build_model(_node(name="unet3d", size=16, norm="layer"))
+
+
+def test_conv_nd_avoids_the_slow_kernel_and_stays_exact():
+    """A depth-halved slab that torch sends to its slow reference kernel goes to oneDNN through
+    a permutation of the spatial dims, with the same values and gradients."""
+    from gems.spatial.layers import _perm_for, conv_nd
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 32, 16, 32, 32, requires_grad=True)
+    w = torch.randn(8, 32, 3, 3, 3, requires_grad=True)
+    b = torch.randn(8, requires_grad=True)
+    assert "Slow" in str(torch._C._select_conv_backend(x, w, b, [1] * 3, [0, 1, 1], [1] * 3, False, [0] * 3, 1, None))
+    assert _perm_for(x, w, b, (1, 1, 1), (0, 1, 1), (1, 1, 1), 1) is not None
+    y = conv_nd(x, w, b, (1, 1, 1), (0, 1, 1), (1, 1, 1), 1)
+    gy = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, w, b), gy)
+    want_y = F.conv3d(x, w, b, 1, (0, 1, 1))
+    want = torch.autograd.grad(want_y, (x, w, b), gy)
+    torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-4)
+    for g, h in zip(got, want):
+        torch.testing.assert_close(g, h, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("layer,route", [
+    (nn.Conv3d(2, 3, 3, padding=1), True),
+    (nn.Conv3d(2, 3, 3, stride=2, padding=1), True),
+    (nn.AvgPool3d(3, stride=2, padding=1), True),
+    (nn.AvgPool3d(3, stride=2, padding=1, count_include_pad=False), False),  # divisor depends on padding
+    (nn.MaxPool3d(3, stride=2, padding=1), False),  # not linear
+    (nn.Conv3d(2, 3, (3, 3, 3), padding=(1, 0, 1)), True),
+])
+def test_linear_layers_take_the_no_copy_route(layer, route):
+    """Convolutions and count-include-pad average pools of a depth cut never copy the part: the op
+    runs on it with its own padding and the boundary planes get the halo correction."""
+    for s in range(2):
+        sp = apply_spatial(nn.Sequential(layer), _ctx((2,), (0,), s))[0]
+        setup = sp._setup((16, 8, 8))
+        assert (setup[-1] is not None) is route
+        if route:
+            pads, _, fixes = setup[-1]
+            # one boundary plane, facing the other part, where this part receives a halo
+            assert pads[0] == 1 and len(fixes) == len(setup[1].recvs) == (1 if s == 1 or _tuple3(layer.stride)[0] == 1 else 0)
+
+
+def _tuple3(v):
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * 3

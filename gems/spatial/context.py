@@ -38,9 +38,12 @@ class SpatialContext:
     of each spatial index ``s`` (row-major over ``parts``); ``parts``: parts
     per cut dim; ``dims``: which spatial dims are cut (0 = depth in 3D, height
     in 2D); ``grid``: this rank's coordinates in the parts grid. ``overlap``
-    computes the interior of convolutions and pools while halos are in flight
-    (None: on for CUDA tensors, where it hides the exchange; on CPU the
-    single-window path needs less memory, see gems/bench/spatial.py).
+    computes the interior of convolutions and pools while halos are in flight.
+    Convolutions and average pools (the no-copy route of gems.spatial.halo)
+    always run their op on the part while the halos travel unless ``overlap``
+    is False; for the other window layers None means on for CUDA tensors, where
+    it hides the exchange, and off on CPU, where the single-window path needs
+    less memory (gems/bench/spatial.py).
     """
 
     def __init__(self, group: Any, ranks: Sequence[int], parts: Sequence[int], dims: Sequence[int],
@@ -65,6 +68,8 @@ class SpatialContext:
         #: seconds spent exchanging halos (packing, waiting, backward), by layer label
         self.halo_seconds: dict[str, float] = defaultdict(float)
         self._comm_streams: dict[Any, Any] = {}
+        #: forward halo sends not yet known complete, with their buffers (gems.spatial.halo.Exchange)
+        self.sends_in_flight: list[tuple[list[Any], list[torch.Tensor]]] = []
         self._tags = 0
 
     def new_tag(self) -> int:

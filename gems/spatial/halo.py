@@ -240,10 +240,30 @@ class Exchange(Pending):
         self.gsent: list[torch.Tensor] = []
         super().__init__(sctx, x, p, label, tag)
 
+    def wait(self) -> list[torch.Tensor]:
+        """The received pieces. On the host, this layer's sends are not waited for here (that
+        would idle a rank whose neighbour has not reached the layer yet, e.g. one that only
+        sends): they are waited for once a later exchange has received, by which time the
+        neighbours have posted the matching receives."""
+        if self.stream is not None:
+            return super().wait()
+        t0 = time.perf_counter()
+        nr = len(self.plan.recvs)
+        for w in self.works[:nr]:  # _exchange posts the receives first
+            w.wait()
+        if nr or not self.works:
+            _drain_sends(self.sctx)
+        if self.works[nr:]:
+            self.sctx.sends_in_flight.append((self.works[nr:], self.sent))
+        self.works, self.sent = [], []
+        self.sctx.halo_seconds[self.label] += time.perf_counter() - t0
+        return self.bufs
+
     def post_backward(self, gbufs: list[torch.Tensor] | None) -> None:
         """Send the gradients of the received halos (zeros when ``None``) and receive those of the sent cells."""
         if self.bwd_recvs is not None:
             return
+        _drain_sends(self.sctx)
         t0 = time.perf_counter()
         n, c, dtype, device = self.meta
         p = self.plan
@@ -268,6 +288,14 @@ class Exchange(Pending):
         self.gsent, self.bwd_recvs = [], []
         self.sctx.halo_seconds[self.label] += time.perf_counter() - t0
         return g
+
+
+def _drain_sends(sctx: SpatialContext) -> None:
+    """Wait for the forward sends still in flight (and let their buffers go)."""
+    for works, _ in sctx.sends_in_flight:
+        for w in works:
+            w.wait()
+    sctx.sends_in_flight.clear()
 
 
 def _after_backward(sctx: SpatialContext, label: str, works: list[Any], keep: list[torch.Tensor]) -> None:
