@@ -102,7 +102,7 @@ class ClusterConf:
 @dataclass
 class CommConf:
     backend: str = "auto"  # auto | nccl | gloo | mpi
-    bucket_mb: float = 25.0  # gradient all-reduce bucket size
+    bucket_mb: float = 4.0  # gradient all-reduce bucket size (MiB): small enough to overlap with the backward
     timeout_s: int = 300  # collective timeout: a dead peer ends the run instead of hanging it
 
 
