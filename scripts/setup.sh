@@ -15,3 +15,6 @@ if ! command -v mpiexec >/dev/null 2>&1 || [ -x "$("$PY" -c 'import sys,os;print
 fi
 "$PY" -m pip install -q -e ".[${extras}]"
 "$PY" -c "import gems, torch, mpi4py, h5py, hydra, submitit; print('gems installed; torch', torch.__version__)"
+# pyenv puts new console scripts on PATH only after a rehash
+if command -v pyenv >/dev/null 2>&1; then pyenv rehash 2>/dev/null || true; fi
+command -v gems >/dev/null 2>&1 || echo "note: add $("$PY" -c 'import sysconfig;print(sysconfig.get_path("scripts"))') to PATH for the gems command"
