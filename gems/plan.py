@@ -340,51 +340,23 @@ def _no_halo_traffic(sctx: Any) -> Iterator[None]:
         halo._exchange = real
 
 
-def _avg_pool_op(self: Any, xp: torch.Tensor, box: Any, gin: tuple[int, ...]) -> torch.Tensor:
-    """``SpatialAvgPool._op`` for fake tensors: the same ops, with the divisor check made on real index tensors
-    (the real op reads their values, which fake tensors do not have)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    from gems.spatial.layers import _AVGP
-
-    if self.nd == 1:
-        y = F.avg_pool1d(xp, self.k, self.s, self._pad, self.ceil, self.include_pad)
-        return y * (self.k[0] / self.divisor) if self.divisor else y
-    y = _meta_safe_avg_pool(lambda _s, x, pads: _AVGP[_s.nd](x, _s.k, _s.s, pads, _s.ceil, _s.include_pad, _s.divisor))(
-        self, xp, self._pad)
-    if self.divisor:
-        return y
-    shape: list[int] | None = None
-    with unset_fake_temporarily():
-        for j, (m, (a, b), n) in enumerate(zip(self.maps, box, gin)):
-            if self.native[j] is not None:
-                continue
-            c = m.avg_count(a, b, n, self.include_pad)
-            if bool((c == self.k[j]).all()):
-                continue
-            f = [1] * self.nd
-            f[j] = b - a
-            shape = f if shape is None else [max(u, v) for u, v in zip(shape, f)]
-    return y if shape is None else y * torch.ones(shape, dtype=y.dtype)
-
-
-def _meta_safe_avg_pool(fn: Any) -> Any:
-    """Wrap an ``avg_pool`` call so that inputs smaller than the kernel (a thin halo window deep in the trunk,
-    padded by the op) pass the meta kernel, which checks the unpadded size where the CPU and CUDA ones do not:
-    the input is padded up to the kernel and the output cropped to the real op's size (same memory within a
-    few cells)."""
-    def call(self: Any, xp: torch.Tensor, pads: Any, *rest: Any) -> torch.Tensor:
-        nd = self.nd
-        sizes = [int(v) for v in xp.shape[2:]]
-        pad_t = pads if isinstance(pads, (tuple, list)) else (pads,) * nd
-        small = [max(0, self.k[j] - sizes[j]) for j in range(nd)]
+def _meta_safe_pool(fn: Any) -> Any:
+    """Wrap ``F.avg_poolNd(x, kernel, stride, padding, ...)`` so that inputs smaller than the kernel (a thin
+    halo window deep in the trunk, padded by the op) pass the meta kernel, which checks the unpadded size
+    where the CPU and CUDA ones do not: the input is padded up to the kernel and the output cropped to the
+    real op's size (same memory within a few cells)."""
+    def call(x: torch.Tensor, k: Any, s: Any, pads: Any, *rest: Any) -> torch.Tensor:
+        nd = x.dim() - 2
+        ks, ss, ps = (v if isinstance(v, (tuple, list)) else (v,) * nd for v in (k, s, pads))
+        sizes = [int(v) for v in x.shape[2:]]
+        small = [max(0, int(ks[j]) - sizes[j]) for j in range(nd)]
         if not any(small) or nd == 1:
-            return fn(self, xp, pads, *rest)
-        outs = [(sizes[j] + 2 * int(pad_t[j]) - self.k[j]) // self.s[j] + 1 for j in range(nd)]
+            return fn(x, k, s, pads, *rest)
+        outs = [(sizes[j] + 2 * int(ps[j]) - int(ks[j])) // int(ss[j]) + 1 for j in range(nd)]
         grow: list[int] = []
         for j in reversed(range(nd)):
             grow += [0, small[j]]
-        y = fn(self, F.pad(xp, grow), pads, *rest)
+        y = fn(F.pad(x, grow), k, s, pads, *rest)
         return y[(slice(None), slice(None), *(slice(0, o) for o in outs))]
 
     return call
@@ -409,17 +381,15 @@ def _real_geometry() -> Iterator[None]:
                 return _real(*a, **k)
 
         setattr(cls, name, wrapped)
-    saved[(L.SpatialAvgPool, "_op")] = L.SpatialAvgPool.__dict__["_op"]
-    L.SpatialAvgPool._op = _avg_pool_op  # type: ignore[method-assign]
-    if "_native_op" in L.SpatialAvgPool.__dict__:
-        real_native = L.SpatialAvgPool.__dict__["_native_op"]
-        saved[(L.SpatialAvgPool, "_native_op")] = real_native
-        L.SpatialAvgPool._native_op = _meta_safe_avg_pool(real_native)  # type: ignore[method-assign]
+    pools = dict(L._AVGP)
+    for nd, fn in pools.items():
+        L._AVGP[nd] = _meta_safe_pool(fn)
     try:
         yield
     finally:
         for (cls, name), real in saved.items():
             setattr(cls, name, real)
+        L._AVGP.update(pools)
 
 
 # ============================================================================ the trace

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 Range = tuple[int, int]
@@ -98,14 +99,16 @@ class Window:
         e = min(b, (own[1] + p - self.extent) // s + 1)
         return (c, max(c, e))
 
-    def avg_count(self, a: int, b: int, n: int, include_pad: bool) -> torch.Tensor:
-        """Divisor of each output of an average pool over ``[a, b)`` (torch's rule)."""
-        o = torch.arange(a, b, dtype=torch.int64)
+    def avg_count(self, a: int, b: int, n: int, include_pad: bool) -> np.ndarray:
+        """Divisor of each output of an average pool over ``[a, b)`` (torch's rule).
+
+        Plain numpy: it depends on shapes only, so it also runs where tensors are fake (gems plan)."""
+        o = np.arange(a, b, dtype=np.int64)
         start = o * self.stride - self.pad_lo
-        end = torch.clamp(start + self.kernel, max=n + self.pad_hi)
+        end = np.minimum(start + self.kernel, n + self.pad_hi)
         if not include_pad:
-            start, end = start.clamp(min=0), end.clamp(max=n)
-        return (end - start).to(torch.float64)
+            start, end = np.maximum(start, 0), np.minimum(end, n)
+        return (end - start).astype(np.float64)
 
 
 @dataclass(frozen=True)

@@ -426,9 +426,9 @@ class SpatialAvgPool(_WindowLayer):
             if self.native[j] is not None:
                 continue
             c = m.avg_count(a, b, n, self.include_pad)
-            if bool((c == self.k[j]).all()):
+            if (c == self.k[j]).all():
                 continue
-            f = (self.k[j] / c).view(-1, *([1] * (self.nd - 1 - j)))
+            f = torch.from_numpy(self.k[j] / c).view(-1, *([1] * (self.nd - 1 - j)))
             fix = f if fix is None else fix * f
         return y if fix is None else y * fix.to(y.dtype)
 
