@@ -32,6 +32,23 @@ from typing import Any, Sequence
 from gems.errors import ConfigError
 
 
+def unravel(index: int, parts: Sequence[int]) -> tuple[int, ...]:
+    """Row-major coordinates of spatial index ``index`` in a grid of ``parts``."""
+    out = []
+    for p in reversed(parts):
+        out.append(index % p)
+        index //= p
+    return tuple(reversed(out))
+
+
+def ravel(grid: Sequence[int], parts: Sequence[int]) -> int:
+    """The spatial index of grid coordinates ``grid`` (inverse of :func:`unravel`)."""
+    index = 0
+    for g, p in zip(grid, parts):
+        index = index * p + g
+    return index
+
+
 class Axis(str, enum.Enum):
     """Names of the mesh axes (never of tensor dims)."""
 
@@ -125,17 +142,10 @@ class Mesh:
 
     def grid_of(self, spatial: int) -> tuple[int, ...]:
         """Row-major coordinates of spatial index ``spatial`` in the parts grid."""
-        out = []
-        for p in reversed(self.parts):
-            out.append(spatial % p)
-            spatial //= p
-        return tuple(reversed(out))
+        return unravel(spatial, self.parts)
 
     def spatial_of(self, grid: Sequence[int]) -> int:
-        s = 0
-        for g, p in zip(grid, self.parts):
-            s = s * p + g
-        return s
+        return ravel(grid, self.parts)
 
     # ---- rank lists (pure) --------------------------------------------------------
     def spatial_ranks(self, replica: int, pipeline: int) -> list[int]:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from gems.errors import ConfigError
+from gems.mesh import ravel, unravel
 from gems.spatial.geometry import Box, shape_of, split_bounds
 
 GSHAPE = "_gems_gshape"  # attribute carrying an activation's global spatial shape
@@ -62,9 +63,7 @@ class SpatialContext:
             raise ConfigError("parallel.spatial", list(self.parts), "positive integers, e.g. 2 or [2,2]")
         if len(self.ranks) != self.size or len(self.grid) != len(self.parts) or not all(0 <= g < p for g, p in zip(self.grid, self.parts)):
             raise ValueError(f"SpatialContext: {len(self.ranks)} ranks and grid {self.grid} do not fit parts {self.parts}")
-        self.index = 0
-        for g, p in zip(self.grid, self.parts):
-            self.index = self.index * p + g
+        self.index = ravel(self.grid, self.parts)
         #: seconds spent exchanging halos (packing, waiting, backward), by layer label
         self.halo_seconds: dict[str, float] = defaultdict(float)
         self._comm_streams: dict[Any, Any] = {}
@@ -94,11 +93,7 @@ class SpatialContext:
         return self.ranks[self.index]
 
     def coords(self, s: int) -> tuple[int, ...]:
-        out = []
-        for p in reversed(self.parts):
-            out.append(s % p)
-            s //= p
-        return tuple(reversed(out))
+        return unravel(s, self.parts)
 
     def boxes(self, gshape: Sequence[int]) -> list[Box]:
         """The box (per spatial dim ``[lo, hi)``) that each spatial index owns of a ``gshape`` activation."""
