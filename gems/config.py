@@ -73,6 +73,7 @@ class TrainConf:
     precision: str = "fp32"  # fp32 | bf16 | fp16
     device: str = "auto"  # auto | cpu | cuda
     threads: int = 1  # torch threads per rank on CPU (0: torch's default)
+    host_memory: str = "auto"  # auto | keep | release: freed host memory stays in the process (auto: on CPU ranks)
     checkpoint_every: int = 0  # save every N steps so a preempted or requeued job resumes (0: only when preempted)
 
 
@@ -156,6 +157,7 @@ CHOICES = {
     "train.optimizer": ("sgd", "adam"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "train.device": ("auto", "cpu", "cuda"),
+    "train.host_memory": ("auto", "keep", "release"),
     "comm.backend": ("auto", "nccl", "gloo", "mpi"),
     "cluster.launcher": ("local", "slurm"),
     "data.name": ("synthetic", "hdf5"),

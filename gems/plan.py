@@ -41,8 +41,9 @@ How the estimate is made:
 * **Other terms**: parameters (fp32), gradients (fp32), optimizer state
   (Adam 2x parameters, SGD with momentum 1x); halo buffers (the largest layer's
   received and packed slabs, from the real exchange plan of the cut); comm
-  buffers (gradient buckets: the reducer keeps every flattened bucket until the
-  step's ``finish()``, so their sum is the held gradients; pipeline receive
+  buffers (gradient buckets: the reducer sums gradients of 1 MiB or more in
+  place and keeps a flattened copy of the smaller ones until the step's
+  ``finish()``, so the held copies are the small gradients; pipeline receive
   buffers posted ``lookahead = 2`` ahead plus a gradient in flight; the
   spatial gather's all-gather buffers); the input (and target) batch of the
   replica line on ranks that run the first (last) stage.
@@ -87,6 +88,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gems.errors import ConfigError
+from gems.replication import IN_PLACE_BYTES
 
 __all__ = ["Breakdown", "Position", "MemoryPlan", "make_plan", "plan_main", "render_table", "to_json",
            "saved_bytes", "SCHEMA"]
@@ -565,6 +567,7 @@ class _Stage:
     halo: _Affine
     gather: _Affine
     params: int
+    copied: int = 0  # gradient bytes the reducer sums through a flattened copy (parameters under 1 MiB)
     ckpt_layers: list[tuple[int, int]] = field(default_factory=list)  # checkpoint_sequential segments (plain path)
 
 
@@ -588,9 +591,9 @@ def _stages(t1: _Trace, t2: _Trace, bal: Sequence[int], layers: Sequence[nn.Modu
         h2 = max((v for j, v in t2.halo.items() if a <= j < e), default=0)
         g1 = sum(v for j, v in t1.gather.items() if a <= j < e)
         g2 = sum(v for j, v in t2.gather.items() if a <= j < e)
-        params = sum(p.numel() * p.element_size() for layer in layers[a:e] for p in layer.parameters())
+        sizes = [p.numel() * p.element_size() for layer in layers[a:e] for p in layer.parameters()]
         out.append(_Stage(per, const, _affine(i1, i2), _affine(w1, w2), _affine(o1, o2), _affine(h1, h2),
-                          _affine(g1, g2), params))
+                          _affine(g1, g2), sum(sizes), sum(b for b in sizes if b < IN_PLACE_BYTES)))
         start = e
     return out
 
@@ -860,7 +863,7 @@ class _Planner:
         halo = max((stages[p].halo.at(chunk) for p in held), default=0)
         # communication buffers
         grad_group = st.replicas * mesh.spatial * (2 if self.pipelined and self.sched().mirrored and D - 1 - d != d else 1)
-        comm = grads if grad_group > 1 else 0
+        comm = sum(stages[p].copied for p in held) if grad_group > 1 else 0
         if self.pipelined and D > 1:
             bound = max(max(stages[p].inp.at(chunk), stages[p].out.at(chunk)) for p in held)
             comm += LOOKAHEAD * bound + max(stages[p].inp.at(chunk) for p in held)

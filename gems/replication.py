@@ -12,6 +12,10 @@ once it has received its last gradient of the step; a bucket whose
 parameters are all ready is flattened and its all-reduce launched at once,
 in bucket order on every rank (collectives must be issued in the same order
 everywhere). ``finish()`` waits for the rest and writes the sums back.
+Gradients of 1 MiB or more are summed in place in their ``.grad`` (one
+collective each, no copy: the hook fires after their last accumulation);
+the small ones of a bucket go through one flattened copy, so the reducer
+holds extra memory only for the small gradients.
 
 Two transports: torch.distributed (gloo, nccl) and MPI through mpi4py
 (``comm.backend=mpi``; host buffers, or device buffers where the MPI library
@@ -48,13 +52,16 @@ def mpi_group(world_comm: Any, mesh: Any, rank: int) -> _MPIGroup:
     return _MPIGroup(world_comm, mesh.ranks("grad") or [rank])
 
 
+#: a parameter at least this large is summed in place in its own ``.grad`` instead of through a copy
+IN_PLACE_BYTES = 1 << 20
+
+
 class _Bucket:
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
         self.ready = 0
-        self.handle: Any = None
-        self.flat: torch.Tensor | None = None
-        self.host: Any = None
+        # (tensor to sum, the parameters whose gradients it holds, copied back after the sum?, handle, host copy)
+        self.parts: list[tuple[torch.Tensor, list[nn.Parameter], bool, Any, Any]] = []
 
 
 class GradientReducer:
@@ -98,7 +105,7 @@ class GradientReducer:
     def start_step(self, expected: int | Callable[[nn.Parameter], int] = 1) -> None:
         """Arm the hooks: a parameter is ready after ``expected`` gradient accumulations this step."""
         for b in self.buckets:
-            b.ready, b.handle, b.flat, b.host = 0, None, None, None
+            b.ready, b.parts = 0, []
         self._count = {id(p): 0 for p in self.params}
         self._expected = {id(p): (expected(p) if callable(expected) else expected) for p in self.params}
         self._next = 0
@@ -121,26 +128,35 @@ class GradientReducer:
             self._next += 1
 
     def _launch(self, b: _Bucket) -> None:
-        grads = []
+        """Start the sums of bucket ``b``: large contiguous gradients in place (no copy: the hook fired after
+        their last accumulation, so autograd no longer writes them), the small ones flattened into one tensor."""
+        small: list[nn.Parameter] = []
+        tensors: list[tuple[torch.Tensor, list[nn.Parameter], bool]] = []
         for p in b.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            grads.append(p.grad.reshape(-1))
-        b.flat = torch.cat(grads) if len(grads) > 1 else grads[0].clone()
+            if p.grad.numel() * p.grad.element_size() >= IN_PLACE_BYTES and p.grad.is_contiguous():
+                tensors.append((p.grad, [p], False))
+            else:
+                small.append(p)
+        if small:
+            flat = torch.cat([p.grad.reshape(-1) for p in small]) if len(small) > 1 else small[0].grad.reshape(-1).clone()
+            tensors.append((flat, small, True))
+        b.parts = [(t, ps, copy, *self._start(t)) for t, ps, copy in tensors]
+
+    def _start(self, t: torch.Tensor) -> tuple[Any, Any]:
+        """Start the sum of ``t`` in place over the group: (handle, host copy or None)."""
         if self.is_mpi:
             from mpi4py import MPI
 
-            if b.flat.is_cuda and not self.group.cuda_aware:
-                b.host = b.flat.cpu()
-                buf = b.host.numpy()
-            else:
-                b.host = b.flat if not b.flat.is_cuda else None
-                buf = b.flat.numpy() if not b.flat.is_cuda else b.flat
-            b.handle = self.group.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        else:
-            import torch.distributed as dist
+            if t.is_cuda and not self.group.cuda_aware:
+                host = t.cpu()
+                return self.group.comm.Iallreduce(MPI.IN_PLACE, host.numpy(), op=MPI.SUM), host
+            buf = t.numpy() if not t.is_cuda else t
+            return self.group.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM), None
+        import torch.distributed as dist
 
-            b.handle = dist.all_reduce(b.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True), None
 
     def finish(self) -> float:
         """Launch what the hooks did not, wait for every bucket, write sums back. Returns seconds waited."""
@@ -152,16 +168,17 @@ class GradientReducer:
             self._launch(self.buckets[self._next])
             self._next += 1
         for b in self.buckets:
-            b.handle.wait() if not self.is_mpi else b.handle.Wait()
-            if self.is_mpi and b.host is not None and b.flat is not None and b.flat.is_cuda:
-                b.flat.copy_(b.host)
-            assert b.flat is not None
-            off = 0
-            for p in b.params:
-                n = p.numel()
-                p.grad.copy_(b.flat[off:off + n].view_as(p.grad))
-                off += n
-            b.flat, b.host, b.handle = None, None, None
+            for t, ps, copy, handle, host in b.parts:
+                handle.Wait() if self.is_mpi else handle.wait()
+                if host is not None:
+                    t.copy_(host)
+                if copy:
+                    off = 0
+                    for p in ps:
+                        n = p.numel()
+                        p.grad.copy_(t[off:off + n].view_as(p.grad))
+                        off += n
+            b.parts = []
         self._armed = False
         self.wait_s = time.perf_counter() - t0
         return self.wait_s

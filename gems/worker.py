@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from gems.bootstrap import World, init_world
+from gems.bootstrap import World, init_world, keep_host_memory
 from gems.errors import ConfigError
 from gems.mesh import Mesh, mesh_from_config
 from gems.models import ModelSpec, build_model
@@ -343,6 +343,9 @@ def train(cfg: DictConfig, world: World) -> dict[str, Any]:
     import torch.distributed as dist
 
     t_start = time.time()
+    host_memory = cfg.train.get("host_memory", "auto")
+    if host_memory == "keep" or (host_memory == "auto" and world.device.type == "cpu"):
+        keep_host_memory()
     if cfg.train.threads and world.device.type == "cpu":
         torch.set_num_threads(int(cfg.train.threads))
     mesh = mesh_from_config(cfg, world.size)

@@ -12,8 +12,9 @@ ResNet-v2 cut at the same layer for every contender, the same global batch):
 Every contender runs whole training steps: zero_grad, forward and backward of
 the global batch, the gradient sum over the mirrored copies where the
 schedule has them, an SGD step. Throughput is global batch / median step
-time; memory is each rank's peak RSS growth over the steps (CPU) or peak
-allocated bytes (CUDA), beside the parameter bytes it holds.
+time; memory is each rank's peak tensor memory (parameters, gradients and
+what a step allocates on top, from the CPU allocator's events) and its peak
+RSS growth, beside the parameter bytes it holds.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import resource
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +82,14 @@ def _bench_rank(rank: int, world: int, c: dict[str, Any], balance: list[int], st
     from gems.mesh import Mesh
     from gems.pipeline import apply_pipeline, is_mirrored, split
 
+    from gems.bench.common import persistent_bytes, step_peak_bytes
+    from gems.bootstrap import keep_host_memory
+    from gems.config import CommConf
+    from gems.replication import GradientReducer
+
     if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= world:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})
+    keep_host_memory()  # as `gems run` does on CPU ranks, for every contender
     seq = _model()
     batch = c["B"]
     mesh = Mesh(1, 2, world_size=world)
@@ -92,18 +100,17 @@ def _bench_rank(rank: int, world: int, c: dict[str, Any], balance: list[int], st
                                 gems_replicas=c.get("eta"), balance=balance,
                                 sample_shape=(MODEL["in_channels"], MODEL["size"], MODEL["size"]))
         params = runner.parameters()
-        grad_group = mesh.group("grad") if is_mirrored(c["schedule"]) else None
+        # the mirrored copies' gradients are summed as `gems run` sums them: bucketed, overlapped with the backward
+        reducer = GradientReducer(params, mesh.group("grad") if is_mirrored(c["schedule"]) else None,
+                                  CommConf().bucket_mb)
+        backwards = Counter(a.stage for a in runner.actions if a.kind == "B")
+        count = {id(q): backwards[s] for s, part in runner.partitions.items() for q in part.parameters()}
         del seq
 
         def step(t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+            reducer.start_step(expected=lambda q: count[id(q)])
             runner.step(x, y, list(range(t * batch, (t + 1) * batch)), 0, t)
-            if grad_group is not None:
-                flat = torch.cat([p.grad.reshape(-1) for p in params])
-                dist.all_reduce(flat, group=grad_group)
-                offset = 0
-                for p in params:
-                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-                    offset += p.numel()
+            reducer.finish()
     else:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -123,22 +130,33 @@ def _bench_rank(rank: int, world: int, c: dict[str, Any], balance: list[int], st
     opt = torch.optim.SGD(params, lr=0.01)
     times: list[float] = []
     base = _rss_bytes()
-    for t in range(warmup + steps):
+
+    def train_step(t: int) -> None:
         x, y = _data(t, batch)
-        dist.barrier()
-        t0 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
         step(t, x, y)
         opt.step()
+
+    for t in range(warmup + steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        train_step(t)
         dist.barrier()
         times.append(time.perf_counter() - t0)
-    return {"times": times[warmup:], "peak_growth": max(0, _peak_bytes() - base),
+    rss = max(0, _peak_bytes() - base)
+    held = persistent_bytes(params, opt)
+    dist.barrier()
+    in_step = step_peak_bytes(lambda: train_step(warmup + steps))
+    return {"times": times[warmup:], "peak_growth": rss, "tensor_peak": held + in_step,
             "param_bytes": sum(p.numel() * p.element_size() for p in params)}
 
 
 def _balance() -> list[int]:
     from gems.pipeline.partition import balance_by_cost, layer_times
 
+    from gems.bootstrap import keep_host_memory
+
+    keep_host_memory()
     torch.set_num_threads(1)
     seq = _model()
     times = [min(a, b) for a, b in zip(*(layer_times(seq, (MICRO, MODEL["in_channels"], MODEL["size"], MODEL["size"]))
@@ -147,32 +165,40 @@ def _balance() -> list[int]:
 
 
 def bench_pipeline(out_dir: str | os.PathLike[str] = "results/bench", steps: int = 8, warmup: int = 2,
-                   rounds: int = 2) -> str:
+                   rounds: int = 3) -> str:
     """Run every contender on 2 local gloo ranks; write ``pipeline.md`` under ``out_dir``; return the table.
 
     Contenders run one after the other in fresh processes, ``rounds`` times in
-    alternating order; each keeps its best round (the machine may be shared).
+    alternating order; a contender's step time is the median over rounds of
+    its median step (the machine may be shared: every contender sees the same
+    noise, and one lucky or unlucky round moves nobody).
     """
     from gems.testing import run_world
 
     load_before = os.getloadavg()[0]
     balance = _balance()
-    best: dict[str, tuple[float, list[int], list[int]]] = {}
+    runs: dict[str, list[tuple[float, list[int], list[int], list[int]]]] = {}
     for rnd in range(rounds):
         for c in (CONTENDERS if rnd % 2 == 0 else CONTENDERS[::-1]):
             res = run_world(_bench_rank, 2, c, balance, steps, warmup, timeout=600)
             step_s = statistics.median(max(a, b) for a, b in zip(res[0]["times"], res[1]["times"]))
-            if c["label"] not in best or step_s < best[c["label"]][0]:
-                best[c["label"]] = (step_s, [r["peak_growth"] for r in res], [r["param_bytes"] for r in res])
+            runs.setdefault(c["label"], []).append((step_s, [r["peak_growth"] for r in res],
+                                                    [r["tensor_peak"] for r in res], [r["param_bytes"] for r in res]))
     load_after = os.getloadavg()[0]
-    rows = [(c, c["B"] / best[c["label"]][0], *best[c["label"]]) for c in CONTENDERS]
+    rows = []
+    for c in CONTENDERS:
+        rs = sorted(runs[c["label"]])
+        step_s, rss, tensor, pbytes = rs[len(rs) // 2]  # the median round (rounds is odd by default)
+        rows.append((c, c["B"] / step_s, step_s, min(r[0] for r in rs), max(r[0] for r in rs), rss, tensor, pbytes))
     by = {c["label"]: tput for c, tput, *_ in rows}
     mib = 1 << 20
-    lines = ["| schedule | global batch | samples/s | step (s) | x lp | peak RSS growth per rank (MiB) | parameters per rank (MiB) |",
-             "| --- | ---: | ---: | ---: | ---: | --- | --- |"]
-    for c, tput, step_s, peaks, pbytes in rows:
-        lines.append(f"| {c['label']} | {c['B']} | {tput:.2f} | {step_s:.3f} | {tput / by['gems lp']:.2f} | "
-                     f"{' / '.join(f'{p / mib:.0f}' for p in peaks)} | {' / '.join(f'{p / mib:.2f}' for p in pbytes)} |")
+    lines = ["| schedule | global batch | samples/s | step (s) | range over rounds (s) | x lp | peak tensor memory per "
+             "rank (MiB) | peak RSS growth per rank (MiB) | parameters per rank (MiB) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |"]
+    for c, tput, step_s, lo, hi, rss, tensor, pbytes in rows:
+        lines.append(f"| {c['label']} | {c['B']} | {tput:.2f} | {step_s:.3f} | {lo:.3f}-{hi:.3f} | "
+                     f"{tput / by['gems lp']:.2f} | {' / '.join(f'{p / mib:.1f}' for p in tensor)} | "
+                     f"{' / '.join(f'{p / mib:.0f}' for p in rss)} | {' / '.join(f'{p / mib:.2f}' for p in pbytes)} |")
     summary = [f"- mast over lp: **{by['gems mast'] / by['gems lp']:.2f}x** (goal >= 1.7x, ideal 2x)"]
     for B in (16, 8):
         m = B // MICRO
@@ -190,9 +216,12 @@ def bench_pipeline(out_dir: str | os.PathLike[str] = "results/bench", steps: int
         "# gems bench pipeline", "",
         f"ResNet-v2 depth {MODEL['depth']} (width {MODEL['width']}, {MODEL['norm']} norm) on {MODEL['size']}^2 images, "
         f"D = 2 cut at balance {balance} (measured layer times), micro-batch {MICRO} for master (one per replica "
-        f"pass) and the 1F1B/GPipe schedules; median of {steps} steps after {warmup} warm-up steps, best of {rounds} rounds; "
-        "every step includes "
-        "the gradient sum over mirrored copies (mast, master) and the SGD update.", "",
+        f"pass) and the 1F1B/GPipe schedules; median of {steps} steps after {warmup} warm-up steps, median of {rounds} "
+        "rounds; every step includes the gradient sum over mirrored copies (mast, master: gems' bucketed reducer, "
+        "overlapped with the backward, as `gems run` does) and the SGD update. Every rank keeps freed host memory "
+        "for reuse, as `gems run` does on CPU ranks (`train.host_memory=auto`). Peak tensor memory: parameters, "
+        "gradients and the peak a step allocates on top (the CPU allocator's events; what a GPU would count); "
+        "peak RSS growth also counts what the C library keeps.", "",
         *lines, "", *summary, "", "## Environment", "", env, "", "## To reproduce", "",
         "```", "gems bench pipeline    # or: python -m gems.bench.pipeline results/bench", "```", ""])
     out = Path(out_dir)
