@@ -11,22 +11,24 @@ ResNet-v2 cut at the same layer for every contender, the same global batch):
 
 Every contender runs whole training steps: zero_grad, forward and backward of
 the global batch, the gradient sum over the mirrored copies where the
-schedule has them, an SGD step. Throughput is global batch / median step
-time; memory is each rank's peak tensor memory (parameters, gradients and
-what a step allocates on top, from the CPU allocator's events) and its peak
-RSS growth, beside the parameter bytes it holds.
+schedule has them, an SGD step. All contenders live in the same two
+processes and take turns step by step (a rotating order), so the noise of a
+shared machine falls on all of them alike. Throughput is global batch /
+median step time; memory is each rank's peak tensor memory (parameters,
+gradients and what a step allocates on top, from the CPU allocator's events:
+what a GPU would count), beside the parameter bytes it holds. Peak RSS is
+not per contender when they share a process, so it is not reported.
 """
 from __future__ import annotations
 
 import os
 import platform
-import resource
 import statistics
 import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -38,6 +40,9 @@ def _contenders() -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = [
         dict(label="gems lp", kind="gems", schedule="lp", m=1, B=16),
         dict(label="gems mast", kind="gems", schedule="mast", m=1, B=16),
+        # Chimera: 2 micro-batches per direction, so transfers overlap the other micro-batch's compute
+        dict(label="gems mast (m=2 per direction)", kind="gems", schedule="mast", m=2, B=16),
+        dict(label="gems master (eta=2, m=2 per pass)", kind="gems", schedule="master", m=2, eta=2, B=16),
     ]
     for B in (16, 8):  # 4 and 2 micro-batches of MICRO samples
         m = B // MICRO
@@ -60,40 +65,25 @@ def _model() -> torch.nn.Sequential:
     return resnet_v2(MODEL["depth"], MODEL["in_channels"], MODEL["num_classes"], MODEL["width"], MODEL["norm"])
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _data(step: int, B: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     x = torch.randn(B, MODEL["in_channels"], MODEL["size"], MODEL["size"], generator=g)
     return x, torch.randint(0, MODEL["num_classes"], (B,), generator=g)
 
 
-def _bench_rank(rank: int, world: int, c: dict[str, Any], balance: list[int], steps: int, warmup: int) -> dict[str, Any]:
-    import torch.distributed as dist
+def _contender(rank: int, world: int, c: dict[str, Any], balance: list[int]) -> tuple[Callable[[int], None], Any, Any]:
+    """Build one contender on this rank: (training step of step index t, its parameters, its optimizer)."""
     import torch.nn.functional as F
 
+    from gems.config import CommConf
     from gems.mesh import Mesh
     from gems.pipeline import apply_pipeline, is_mirrored, split
-
-    from gems.bench.common import persistent_bytes, step_peak_bytes
-    from gems.bootstrap import keep_host_memory
-    from gems.config import CommConf
     from gems.replication import GradientReducer
 
-    if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= world:
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})
-    keep_host_memory()  # as `gems run` does on CPU ranks, for every contender
     seq = _model()
     batch = c["B"]
-    mesh = Mesh(1, 2, world_size=world)
     if c["kind"] == "gems":
+        mesh = Mesh(1, 2, world_size=world)
         mesh.build_groups(rank, mirrored=is_mirrored(c["schedule"]))
         runner = apply_pipeline(seq, mesh, rank, loss_fn=lambda o, t, n: F.cross_entropy(o, t, reduction="sum") / batch,
                                 batch_size=batch, schedule=c["schedule"], micro_batches=c["m"],
@@ -105,7 +95,6 @@ def _bench_rank(rank: int, world: int, c: dict[str, Any], balance: list[int], st
                                   CommConf().bucket_mb)
         backwards = Counter(a.stage for a in runner.actions if a.kind == "B")
         count = {id(q): backwards[s] for s, part in runner.partitions.items() for q in part.parameters()}
-        del seq
 
         def step(t: int, x: torch.Tensor, y: torch.Tensor) -> None:
             reducer.start_step(expected=lambda q: count[id(q)])
@@ -115,7 +104,6 @@ def _bench_rank(rank: int, world: int, c: dict[str, Any], balance: list[int], st
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         part = split(seq, balance)[rank]
-        del seq
         stage = PipelineStage(part, rank, 2, torch.device("cpu"))
         cls = Schedule1F1B if c["schedule"] == "1f1b" else ScheduleGPipe
         sched = cls(stage, n_microbatches=c["m"], loss_fn=lambda o, t: F.cross_entropy(o, t))
@@ -128,8 +116,6 @@ def _bench_rank(rank: int, world: int, c: dict[str, Any], balance: list[int], st
                 sched.step(target=y, losses=[])
 
     opt = torch.optim.SGD(params, lr=0.01)
-    times: list[float] = []
-    base = _rss_bytes()
 
     def train_step(t: int) -> None:
         x, y = _data(t, batch)
@@ -137,18 +123,39 @@ def _bench_rank(rank: int, world: int, c: dict[str, Any], balance: list[int], st
         step(t, x, y)
         opt.step()
 
-    for t in range(warmup + steps):
+    return train_step, params, opt
+
+
+def _bench_rank(rank: int, world: int, contenders: list[dict[str, Any]], balance: list[int], cycles: int,
+                warmup: int) -> dict[str, Any]:
+    """Every contender in these two processes, one training step each per cycle, in a rotating order."""
+    import torch.distributed as dist
+
+    from gems.bench.common import persistent_bytes, step_peak_bytes
+    from gems.bootstrap import keep_host_memory
+
+    if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= world:
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})
+    keep_host_memory()  # as `gems run` does on CPU ranks, for every contender
+    built = [_contender(rank, world, c, balance) for c in contenders]
+    times: list[list[float]] = [[] for _ in contenders]
+    n = len(contenders)
+    for cycle in range(warmup + cycles):
+        for k in range(n):
+            i = (cycle + k) % n
+            dist.barrier()
+            t0 = time.perf_counter()
+            built[i][0](cycle)
+            dist.barrier()
+            if cycle >= warmup:
+                times[i].append(time.perf_counter() - t0)
+    peaks = []
+    for train_step, params, opt in built:  # one profiled step each: the tensor memory a step needs
+        held = persistent_bytes(params, opt)
         dist.barrier()
-        t0 = time.perf_counter()
-        train_step(t)
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    rss = max(0, _peak_bytes() - base)
-    held = persistent_bytes(params, opt)
-    dist.barrier()
-    in_step = step_peak_bytes(lambda: train_step(warmup + steps))
-    return {"times": times[warmup:], "peak_growth": rss, "tensor_peak": held + in_step,
-            "param_bytes": sum(p.numel() * p.element_size() for p in params)}
+        peaks.append(held + step_peak_bytes(lambda: train_step(warmup + cycles)))
+    return {"times": times, "tensor_peak": peaks,
+            "param_bytes": [sum(p.numel() * p.element_size() for p in params) for _, params, _ in built]}
 
 
 def _balance() -> list[int]:
@@ -164,49 +171,56 @@ def _balance() -> list[int]:
     return balance_by_cost(times, 2)
 
 
-def bench_pipeline(out_dir: str | os.PathLike[str] = "results/bench", steps: int = 8, warmup: int = 2,
-                   rounds: int = 3) -> str:
+def bench_pipeline(out_dir: str | os.PathLike[str] = "results/bench", cycles: int = 30, warmup: int = 3) -> str:
     """Run every contender on 2 local gloo ranks; write ``pipeline.md`` under ``out_dir``; return the table.
 
-    Contenders run one after the other in fresh processes, ``rounds`` times in
-    alternating order; a contender's step time is the median over rounds of
-    its median step (the machine may be shared: every contender sees the same
-    noise, and one lucky or unlucky round moves nobody).
+    All contenders live in the same two processes and take turns: each cycle
+    runs one training step of every contender, in an order that rotates from
+    cycle to cycle. On a shared machine the noise then falls on all of them
+    alike; a contender's step time is its median over the cycles, and each
+    goal ratio is also given as the median of the ratios within a cycle.
     """
     from gems.testing import run_world
 
     load_before = os.getloadavg()[0]
     balance = _balance()
-    runs: dict[str, list[tuple[float, list[int], list[int], list[int]]]] = {}
-    for rnd in range(rounds):
-        for c in (CONTENDERS if rnd % 2 == 0 else CONTENDERS[::-1]):
-            res = run_world(_bench_rank, 2, c, balance, steps, warmup, timeout=600)
-            step_s = statistics.median(max(a, b) for a, b in zip(res[0]["times"], res[1]["times"]))
-            runs.setdefault(c["label"], []).append((step_s, [r["peak_growth"] for r in res],
-                                                    [r["tensor_peak"] for r in res], [r["param_bytes"] for r in res]))
+    res = run_world(_bench_rank, 2, CONTENDERS, balance, cycles, warmup, timeout=1200)
     load_after = os.getloadavg()[0]
-    rows = []
-    for c in CONTENDERS:
-        rs = sorted(runs[c["label"]])
-        step_s, rss, tensor, pbytes = rs[len(rs) // 2]  # the median round (rounds is odd by default)
-        rows.append((c, c["B"] / step_s, step_s, min(r[0] for r in rs), max(r[0] for r in rs), rss, tensor, pbytes))
-    by = {c["label"]: tput for c, tput, *_ in rows}
+    # a step ends when the slower rank ends
+    steps = {c["label"]: [max(a, b) for a, b in zip(res[0]["times"][i], res[1]["times"][i])]
+             for i, c in enumerate(CONTENDERS)}
+    med = {k: statistics.median(v) for k, v in steps.items()}
+    by = {c["label"]: c["B"] / med[c["label"]] for c in CONTENDERS}
+    batch = {c["label"]: c["B"] for c in CONTENDERS}
+
+    def paired(a: str, b: str) -> str:
+        """Median and quartiles over cycles of a's throughput over b's within the same cycle."""
+        r = [(batch[a] / x) / (batch[b] / y) for x, y in zip(steps[a], steps[b])]
+        q = statistics.quantiles(r, n=4)
+        return f"per cycle {statistics.median(r):.2f}x, quartiles {q[0]:.2f}-{q[2]:.2f}"
+
     mib = 1 << 20
-    lines = ["| schedule | global batch | samples/s | step (s) | range over rounds (s) | x lp | peak tensor memory per "
-             "rank (MiB) | peak RSS growth per rank (MiB) | parameters per rank (MiB) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |"]
-    for c, tput, step_s, lo, hi, rss, tensor, pbytes in rows:
-        lines.append(f"| {c['label']} | {c['B']} | {tput:.2f} | {step_s:.3f} | {lo:.3f}-{hi:.3f} | "
-                     f"{tput / by['gems lp']:.2f} | {' / '.join(f'{p / mib:.1f}' for p in tensor)} | "
-                     f"{' / '.join(f'{p / mib:.0f}' for p in rss)} | {' / '.join(f'{p / mib:.2f}' for p in pbytes)} |")
-    summary = [f"- mast over lp: **{by['gems mast'] / by['gems lp']:.2f}x** (goal >= 1.7x, ideal 2x)"]
+    lines = ["| schedule | global batch | samples/s | median step (s) | quartiles (s) | x lp | peak tensor memory per "
+             "rank (MiB) | parameters per rank (MiB) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    for i, c in enumerate(CONTENDERS):
+        q = statistics.quantiles(steps[c["label"]], n=4)
+        tensor = [r["tensor_peak"][i] for r in res]
+        pbytes = [r["param_bytes"][i] for r in res]
+        lines.append(f"| {c['label']} | {c['B']} | {by[c['label']]:.2f} | {med[c['label']]:.3f} | {q[0]:.3f}-{q[2]:.3f} | "
+                     f"{by[c['label']] / by['gems lp']:.2f} | {' / '.join(f'{p / mib:.1f}' for p in tensor)} | "
+                     f"{' / '.join(f'{p / mib:.2f}' for p in pbytes)} |")
+    summary = [f"- mast over lp: **{by['gems mast'] / by['gems lp']:.2f}x** ({paired('gems mast', 'gems lp')}; "
+               "goal >= 1.7x, ideal 2x)"]
     for B in (16, 8):
         m = B // MICRO
         master = by[f"gems master (eta={m})"]
         ideal = (m + 1) / m  # 1F1B at D = 2 idles 1 / (m + 1) of the time; master at D = 2 does not
         summary.append(f"- global batch {B} ({m} micro-batches of {MICRO}): master over torch Schedule1F1B "
-                       f"**{master / by[f'torch Schedule1F1B (m={m})']:.2f}x**, over torch ScheduleGPipe "
-                       f"**{master / by[f'torch ScheduleGPipe (m={m})']:.2f}x** (goal >= 1.2x; the bubble bound is "
+                       f"**{master / by[f'torch Schedule1F1B (m={m})']:.2f}x** "
+                       f"({paired(f'gems master (eta={m})', f'torch Schedule1F1B (m={m})')}), over torch ScheduleGPipe "
+                       f"**{master / by[f'torch ScheduleGPipe (m={m})']:.2f}x** "
+                       f"({paired(f'gems master (eta={m})', f'torch ScheduleGPipe (m={m})')}) (goal >= 1.2x; the bubble bound is "
                        f"{ideal:.2f}x); gems 1f1b over torch Schedule1F1B "
                        f"{by[f'gems 1f1b (m={m})'] / by[f'torch Schedule1F1B (m={m})']:.2f}x (same schedule: runtime overhead)")
     env = (f"{platform.machine()}, {os.cpu_count()} cores, load average {load_before:.1f} before and {load_after:.1f} "
@@ -216,12 +230,13 @@ def bench_pipeline(out_dir: str | os.PathLike[str] = "results/bench", steps: int
         "# gems bench pipeline", "",
         f"ResNet-v2 depth {MODEL['depth']} (width {MODEL['width']}, {MODEL['norm']} norm) on {MODEL['size']}^2 images, "
         f"D = 2 cut at balance {balance} (measured layer times), micro-batch {MICRO} for master (one per replica "
-        f"pass) and the 1F1B/GPipe schedules; median of {steps} steps after {warmup} warm-up steps, median of {rounds} "
-        "rounds; every step includes the gradient sum over mirrored copies (mast, master: gems' bucketed reducer, "
+        f"pass) and the 1F1B/GPipe schedules. All contenders share two processes and take turns, one training step "
+        f"each per cycle in a rotating order: {cycles} cycles after {warmup} warm-up cycles, medians over cycles. "
+        "Every step includes the gradient sum over mirrored copies (mast, master: gems' bucketed reducer, "
         "overlapped with the backward, as `gems run` does) and the SGD update. Every rank keeps freed host memory "
         "for reuse, as `gems run` does on CPU ranks (`train.host_memory=auto`). Peak tensor memory: parameters, "
-        "gradients and the peak a step allocates on top (the CPU allocator's events; what a GPU would count); "
-        "peak RSS growth also counts what the C library keeps.", "",
+        "gradients and the peak a step allocates on top (the CPU allocator's events; what a GPU would count). "
+        "The per-cycle ratios pair the two contenders' steps of the same cycle.", "",
         *lines, "", *summary, "", "## Environment", "", env, "", "## To reproduce", "",
         "```", "gems bench pipeline    # or: python -m gems.bench.pipeline results/bench", "```", ""])
     out = Path(out_dir)
