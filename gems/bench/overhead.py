@@ -86,7 +86,10 @@ def launched(replicas: int, per_rank_batch: int, out: Path) -> float:
 
 
 def bench_overhead(out_dir: Path, rounds: int = 3) -> str:
+    from gems.bootstrap import keep_host_memory
+
     torch.set_num_threads(1)
+    keep_host_memory()  # what gems' worker does on CPU ranks; set for the whole process, so both loops get it
     b = 2
     g, p = [], []
     for _ in range(rounds):  # alternate, so both loops see the same noise
