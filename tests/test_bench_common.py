@@ -1,0 +1,44 @@
+"""The memory measures the benchmarks report: peak tensor bytes of a step, bytes held across steps."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gems.bench.common import persistent_bytes, step_peak_bytes, tensor_bytes
+
+MiB = 1 << 20
+
+
+def test_step_peak_follows_allocations_and_frees():
+    def step():
+        a = torch.ones(MiB)  # 4 MiB
+        b = torch.ones(MiB // 2)  # 2 MiB: 6 MiB live
+        del a
+        c = torch.ones(MiB // 4)  # 1 MiB: 3 MiB live
+        return float(b.sum() + c.sum())
+
+    peak = step_peak_bytes(step)
+    assert 6 * MiB <= peak < 6 * MiB + 64 * 1024, peak
+
+
+def test_step_peak_counts_a_backward_and_not_what_lived_before():
+    w = nn.Linear(512, 512)
+    x = torch.randn(256, 512)
+    before = step_peak_bytes(lambda: None)
+    peak = step_peak_bytes(lambda: w(x).relu().sum().backward())
+    out = 256 * 512 * 4
+    # at least an activation-sized gradient beside the weight gradient; the weights themselves not
+    assert before < 64 * 1024
+    assert out + 512 * 512 * 4 <= peak < 6 * out + 2 * 512 * 512 * 4, peak
+
+
+def test_persistent_bytes_counts_parameters_gradients_and_optimizer_state_once():
+    net = nn.Linear(100, 50)
+    opt = torch.optim.Adam(net.parameters())
+    net(torch.randn(3, 100)).sum().backward()
+    opt.step()
+    p = (100 * 50 + 50) * 4
+    assert persistent_bytes(net.parameters()) == 2 * p  # parameters and gradients
+    assert persistent_bytes(net.parameters(), opt) == 4 * p  # + Adam's two moments
+    v = torch.zeros(1000)
+    assert tensor_bytes([v, v[:10], v.view(10, 100)]) == 4000  # views of one storage count once
