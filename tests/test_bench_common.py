@@ -42,3 +42,16 @@ def test_persistent_bytes_counts_parameters_gradients_and_optimizer_state_once()
     assert persistent_bytes(net.parameters(), opt) == 4 * p  # + Adam's two moments
     v = torch.zeros(1000)
     assert tensor_bytes([v, v[:10], v.view(10, 100)]) == 4000  # views of one storage count once
+
+
+def test_bench_modules_answer_help_and_reject_options_without_running():
+    import subprocess
+    import sys
+
+    for name in ("overhead", "spatial", "pipeline"):
+        ok = subprocess.run([sys.executable, "-m", f"gems.bench.{name}", "--help"], capture_output=True, text=True,
+                            timeout=60)
+        assert ok.returncode == 0 and f"gems.bench.{name} [OUT_DIR]" in ok.stdout
+        bad = subprocess.run([sys.executable, "-m", f"gems.bench.{name}", "--steps=3"], capture_output=True, text=True,
+                             timeout=60)
+        assert bad.returncode == 2 and "--steps=3" in bad.stderr and "Traceback" not in bad.stderr

@@ -115,3 +115,16 @@ def step_peak_bytes(fn: Any) -> int:
         live += nbytes
         peak = max(peak, live)
     return peak
+
+
+def out_dir_from_argv(argv: Sequence[str], command: str) -> str:
+    """The OUT_DIR argument of ``python -m gems.bench.NAME [OUT_DIR]``; -h/--help prints the usage and exits."""
+    import sys
+
+    if len(argv) > 1 and argv[1].startswith("-"):
+        if argv[1] in ("-h", "--help"):
+            print(f"usage: {command}\nwrites NAME.md (the table and its environment) under OUT_DIR (default results/bench)")
+            raise SystemExit(0)
+        print(f"error: argument {argv[1]!r}: expected an output folder (OUT_DIR) or --help", file=sys.stderr)
+        raise SystemExit(2)
+    return argv[1] if len(argv) > 1 else "results/bench"

@@ -132,3 +132,9 @@ def bench_overhead(out_dir: Path, rounds: int = 3) -> str:
     text += "\n" + env_block("gems bench overhead")
     write(out_dir, "overhead", text)
     return text
+
+
+if __name__ == "__main__":
+    from gems.bench.common import out_dir_from_argv
+
+    print(bench_overhead(Path(out_dir_from_argv(sys.argv, "python -m gems.bench.overhead [OUT_DIR]"))))

@@ -246,4 +246,6 @@ def bench_pipeline(out_dir: str | os.PathLike[str] = "results/bench", cycles: in
 
 
 if __name__ == "__main__":
-    print(bench_pipeline(sys.argv[1] if len(sys.argv) > 1 else "results/bench"))
+    from gems.bench.common import out_dir_from_argv
+
+    print(bench_pipeline(out_dir_from_argv(sys.argv, "python -m gems.bench.pipeline [OUT_DIR]")))

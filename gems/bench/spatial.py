@@ -253,8 +253,10 @@ def bench_spatial(out_dir: str | os.PathLike = "results/bench", size: int = 128,
               "convolution's slab shape), `conv fix` the kernel choice the spatial layers make, `+ gradient sum` "
               "adds the one communication no spatial scheme avoids: summing the weight gradients (19 MB) over "
               "the two processes with the runtime's reducer (gloo over TCP loopback: ~15 ms alone for 19 MB on "
-              "this machine, and its copies take CPU from the compute of both ranks). What S=2 loses beyond that "
-              "bound is the halo exchange: a two-way sync point at every layer.",
+              "this machine, and its transport threads take CPU from the compute of both ranks). S=2 pays that "
+              "and a halo exchange at every layer (a two-way sync point; per layer below). A two-rank step ends "
+              "when the slower core ends: on this shared machine one core is at times 15-20% slower than the "
+              "other, which caps every two-rank row alike.",
               "",
               "## Halo time per layer (S=2, no overlap; rank 0; packing + waiting + backward exchange)", "",
               "| layer | halo s per step | share of step |", "| --- | ---: | ---: |"]
@@ -283,4 +285,6 @@ def bench_spatial(out_dir: str | os.PathLike = "results/bench", size: int = 128,
 
 
 if __name__ == "__main__":
-    print(bench_spatial(sys.argv[1] if len(sys.argv) > 1 else "results/bench"))
+    from gems.bench.common import out_dir_from_argv
+
+    print(bench_spatial(out_dir_from_argv(sys.argv, "python -m gems.bench.spatial [OUT_DIR]")))
