@@ -46,6 +46,7 @@ RUNS: dict[str, tuple[int, str, str]] = {
     "S=1 (serial)": (1, "serial", "keep"),
     "S=2 (depth, overlap)": (2, "overlap", "keep"),
     "S=2 (depth, no overlap)": (2, "sync", "keep"),
+    "S=2 (depth, overlap), gradient sum over MPI": (2, "overlap+mpi", "keep"),
     "S=1 (serial), host_memory=release": (1, "serial", "release"),
     "S=2 (depth, overlap), host_memory=release": (2, "overlap", "release"),
     "bound: serial model on a half slab x2, plain torch": (2, "bound", "keep"),
@@ -99,7 +100,7 @@ def _fixed_convs(model: Any) -> Any:
 
 
 def bench_rank(rank: int, world: int, size: int, steps: int, warmup: int, mode: str,
-               host_memory: str = "keep", bucket_mb: float | None = None) -> dict[str, Any]:
+               host_memory: str = "keep", bucket_mb: float | None = None, grad_comm: str = "gloo") -> dict[str, Any]:
     """One rank of one configuration: step times, peak RSS growth, peak tensor bytes, halo and gradient-sum seconds."""
     import torch
     import torch.distributed as dist
@@ -142,7 +143,14 @@ def bench_rank(rank: int, world: int, size: int, steps: int, warmup: int, mode: 
         from gems.config import CommConf
 
         bucket_mb = CommConf().bucket_mb
-    reducer = GradientReducer(params, dist.group.WORLD if spatial or mode == "bound_sum" else None, bucket_mb)
+    group: Any = dist.group.WORLD if spatial or mode == "bound_sum" else None
+    if group is not None and grad_comm == "mpi":  # comm.backend=mpi: the gradient sum through mpi4py
+        from mpi4py import MPI
+
+        from gems.replication import _MPIGroup
+
+        group = _MPIGroup(MPI.COMM_WORLD, list(range(world)))
+    reducer = GradientReducer(params, group, bucket_mb)
     times: list[float] = []
     grad_sum: list[float] = []
 
@@ -178,6 +186,49 @@ def bench_rank(rank: int, world: int, size: int, steps: int, warmup: int, mode: 
     in_step = step_peak_bytes(lambda: one_step(warmup + steps))
     return {"times": times, "peak_kib": peak, "grad_sum": grad_sum, "halo": halo,
             "tensor_peak": held + in_step, "tensor_held": held}
+
+
+def mpi_rank_main(out: str, size: int, steps: int, warmup: int, mode: str, host: str) -> None:
+    """One rank under ``mpiexec`` (``comm.backend=mpi``: gloo for the halos, MPI for the gradient sum);
+    rank 0 writes every rank's result to ``out`` as JSON."""
+    import datetime as dt
+
+    import torch.distributed as dist
+
+    from gems.bootstrap import discover
+
+    rank, world, _, addr, port, _, comm = discover("mpi")
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
+                            timeout=dt.timedelta(seconds=600))
+    res = bench_rank(rank, world, size, steps, warmup, mode, host, grad_comm="mpi")
+    every = comm.gather(res, root=0)
+    if rank == 0:
+        Path(out).write_text(json.dumps(every))
+    dist.destroy_process_group()
+
+
+def _under_mpiexec(world: int, size: int, steps: int, warmup: int, mode: str, host: str) -> list[dict[str, Any]] | None:
+    """Run one configuration under mpiexec; None when there is no MPI launcher."""
+    import subprocess
+    import tempfile
+
+    from gems.errors import ConfigError
+    from gems.launch.local import mpiexec_path
+
+    try:
+        mpiexec = mpiexec_path()
+    except ConfigError:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "ranks.json")
+        code = (f"from gems.bench.spatial import mpi_rank_main; "
+                f"mpi_rank_main({out!r}, {size}, {steps}, {warmup}, {mode!r}, {host!r})")
+        run = subprocess.run([mpiexec, "-n", str(world), sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=1800)
+        if run.returncode != 0:
+            raise RuntimeError(f"mpiexec run failed ({run.returncode}): {run.stderr.strip()[-2000:]}")
+        return json.loads(Path(out).read_text())
 
 
 def _cpu() -> str:
@@ -217,7 +268,14 @@ def bench_spatial(out_dir: str | os.PathLike = "results/bench", size: int = 128,
     results: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in RUNS}
     for _ in range(rounds):
         for name, (world, mode, host) in RUNS.items():
-            results[name].append(run_world(bench_rank, world, size, steps, warmup, mode, host, timeout=1800))
+            if mode.endswith("+mpi"):
+                res = _under_mpiexec(world, size, steps, warmup, mode[:-4], host)
+                if res is None:  # no MPI here: leave the row out
+                    continue
+                results[name].append(res)
+            else:
+                results[name].append(run_world(bench_rank, world, size, steps, warmup, mode, host, timeout=1800))
+    results = {name: rs for name, rs in results.items() if rs}
     load_after = os.getloadavg()
     summ = {name: _summary(rs, steps) for name, rs in results.items()}
     mib = 1 << 20
@@ -247,6 +305,9 @@ def bench_spatial(out_dir: str | os.PathLike = "results/bench", size: int = 128,
               "(`train.host_memory=auto`, see gems.bootstrap.keep_host_memory); `release` is glibc's default, "
               "where every step page-faults its large activations in again. Keeping makes both S=1 and S=2 faster "
               "and lowers the S=2 speedup: S=1 had more to lose to page faults.",
+              "- *gradient sum over MPI*: `comm.backend=mpi` as `gems run` does it: the ranks start under "
+              "mpiexec, halos still go over gloo, the weight-gradient sum goes through mpi4py (MPICH sums through "
+              "shared memory, without transport threads competing with the compute).",
               "- The bounds run the serial model on 65 of the 128 depth planes (a part and its halo plane) in two "
               "concurrent processes with no communication: the best two ranks could do on this machine. "
               "`plain` uses torch's kernels as they are (torch picks its slow reference kernel for the third "
