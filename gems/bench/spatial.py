@@ -258,7 +258,7 @@ def _summary(rounds: list[list[dict[str, Any]]], steps: int) -> dict[str, float]
 
 
 def bench_spatial(out_dir: str | os.PathLike = "results/bench", size: int = 128, steps: int = 3, warmup: int = 1,
-                  rounds: int = 3) -> str:
+                  rounds: int = 5) -> str:
     """Run every configuration of :data:`RUNS` in ``rounds`` rounds; write ``spatial.md`` and ``spatial.json``."""
     import torch
 
