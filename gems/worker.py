@@ -38,43 +38,7 @@ from gems.replication import GradientReducer, mpi_group
 from gems.results import record as rec
 from gems import checkpoint as ckpt
 from gems import timers
-
-
-# ---------------------------------------------------------------------------- memory
-def _rss_status(field_name: str) -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-class MemoryMeter:
-    """Peak memory of this rank: torch.cuda's peak on GPU, peak RSS growth on CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.base = 0
-
-    def reset(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = 0
-        else:
-            try:  # reset the kernel's high-water mark (Linux >= 4.0)
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-            except OSError:
-                pass
-            self.base = _rss_status("VmRSS")
-
-    def peak(self) -> int:
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return max(0, _rss_status("VmHWM") - self.base)
+from gems.memory import MemoryMeter, persistent_bytes, step_peak_bytes
 
 
 # ---------------------------------------------------------------------------- loss
@@ -359,6 +323,7 @@ def train(cfg: DictConfig, world: World) -> dict[str, Any]:
     spec = build_model(cfg.model)  # same seed everywhere: every copy starts from the same weights
     meter = MemoryMeter(world.device)
     meter.reset()
+    tensor_peak: int | None = None  # CPU ranks: measured on the last warm-up step
     par = parallelize(spec, mesh, world, cfg)
     opt = make_optimizer(cfg, par.params)
     data = make_data(cfg, spec, par.input_slices)
@@ -396,9 +361,14 @@ def train(cfg: DictConfig, world: World) -> dict[str, Any]:
         y = y.to(world.device, non_blocking=True) if y is not None else None
         t_data = time.perf_counter() - t0
         timers.reset()
-        loss = par.step(x, y, ids, step)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if step == warm - 1 and world.device.type == "cpu":
+            # the last warm-up step, profiled: the tensor memory a GPU would count (gems/memory.py)
+            held = persistent_bytes(par.params, opt, [b for m in par.modules for b in m.buffers()])
+            box: list[float] = []
+            tensor_peak = held + step_peak_bytes(lambda: box.append(_train_step(par, opt, x, y, ids, step)))
+            loss = box[0]
+        else:
+            loss = _train_step(par, opt, x, y, ids, step)
         if buffers:
             _average_buffers(buffers, mesh)
         _sync(world.device)
@@ -433,9 +403,12 @@ def train(cfg: DictConfig, world: World) -> dict[str, Any]:
         dist.all_reduce(loss_t, op=dist.ReduceOp.SUM)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank ends
         gathered: list[Any] = [None] * world.size
-        dist.all_gather_object(gathered, (world.hostname, peak))
+        dist.all_gather_object(gathered, (world.hostname, peak, tensor_peak))
         hosts = [g[0] for g in gathered]
         peaks = [int(g[1]) for g in gathered]
+        tensor_peaks = [g[2] for g in gathered]
+    else:
+        tensor_peaks = [tensor_peak]
     step_times = times.tolist()
     median = statistics.median(step_times)
     # samples per step: the whole global batch (every replica line trains B/R; eta replicas included)
@@ -443,8 +416,17 @@ def train(cfg: DictConfig, world: World) -> dict[str, Any]:
     record = rec.build_record(
         cfg, world, mesh, losses=loss_t.tolist(), step_times=step_times, global_batch=samples,
         breakdown=breakdown, peaks=peaks, hosts=hosts, wall_s=time.time() - t_start, restarts=restarts,
+        tensor_peaks=tensor_peaks if all(t is not None for t in tensor_peaks) else None,
     )
     return record
+
+
+def _train_step(par: Parallel, opt: torch.optim.Optimizer, x: torch.Tensor | None, y: torch.Tensor | None,
+                ids: list[int], step: int) -> float:
+    loss = par.step(x, y, ids, step)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
 
 
 def _average_buffers(buffers: list[torch.Tensor], mesh: Mesh) -> None:

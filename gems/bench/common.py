@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from gems.memory import persistent_bytes, step_peak_bytes, tensor_bytes  # noqa: F401  (the benchmarks' measures)
+
 
 def cpu_name() -> str:
     try:
@@ -63,58 +65,6 @@ def write(out_dir: Path, name: str, text: str) -> Path:
     path = out_dir / f"{name}.md"
     path.write_text(text)
     return path
-
-
-def tensor_bytes(tensors: Any) -> int:
-    """Bytes held by distinct tensor storages among ``tensors`` (an iterable of tensors; views count once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if t is not None:
-            s = t.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
-
-
-def persistent_bytes(params: Any, optimizer: Any = None, extra: Any = ()) -> int:
-    """Tensor bytes that live across steps: parameters, their gradients, optimizer state, ``extra`` tensors."""
-    import torch
-
-    params = list(params)
-    ts = [p for p in params] + [p.grad for p in params if p.grad is not None] + list(extra)
-    if optimizer is not None:
-        ts += [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return tensor_bytes(ts)
-
-
-def step_peak_bytes(fn: Any) -> int:
-    """Peak tensor bytes allocated on the CPU while ``fn()`` runs, above what was live when it started.
-
-    The CPU counterpart of ``torch.cuda.max_memory_allocated()`` minus its value at
-    the start: read from the profiler's allocator events (every allocation and free
-    of the default CPU allocator, workspaces of kernels included), so unlike peak RSS
-    it does not count glibc's heap that was kept from earlier steps, library buffers or
-    the Python interpreter. Blocks allocated before ``fn`` and freed inside it are not
-    subtracted (the profiler does not know their size), so it errs high, never low.
-    """
-    import json
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f).get("traceEvents", [])
-    mem = sorted((e["ts"], e["args"].get("Ev Idx", 0), int(e["args"]["Bytes"])) for e in events
-                 if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0)
-    live = peak = 0
-    for _, _, nbytes in mem:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
 
 
 def out_dir_from_argv(argv: Sequence[str], command: str) -> str:

@@ -77,7 +77,7 @@ def env_info(world: Any = None, hosts: list[str] | None = None) -> dict[str, Any
 
 def build_record(cfg: Any, world: Any, mesh: Any, *, losses: list[float], step_times: list[float],
                  global_batch: int, breakdown: dict[str, float], peaks: list[int], hosts: list[str],
-                 wall_s: float, restarts: int = 0) -> dict[str, Any]:
+                 wall_s: float, restarts: int = 0, tensor_peaks: list[int] | None = None) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     median = statistics.median(step_times) if step_times else float("nan")
@@ -100,7 +100,10 @@ def build_record(cfg: Any, world: Any, mesh: Any, *, losses: list[float], step_t
         "step_time_s": {"median": median, "min": min(step_times, default=float("nan")),
                         "max": max(step_times, default=float("nan")), "all": step_times},
         "time_breakdown_s": {k: float(breakdown.get(k, 0.0)) for k in BREAKDOWN_KEYS},
-        "peak_memory_bytes": {"max": max(peaks), "per_rank": peaks},
+        "peak_memory_bytes": {"max": max(peaks), "per_rank": peaks,
+                              "kind": "cuda_max_allocated" if world.device.type == "cuda" else "rss_growth",
+                              **({"tensor_max": max(tensor_peaks), "tensor_per_rank": tensor_peaks}
+                                 if tensor_peaks else {})},
         "loss": [float(x) for x in losses],
         "restarts": restarts,
         "wall_s": wall_s,

@@ -20,7 +20,7 @@ from gems.errors import ConfigError
 
 COLUMNS = ("name", "status", "world", "nodes", "mesh", "schedule", "batch", "samples/s", "samples/s/gpu",
            "speedup", "efficiency", "step_s", "compute_s", "halo_s", "pipe_comm_s", "allreduce_s", "wait_s",
-           "data_s", "peak_mem_MiB", "final_loss")
+           "data_s", "peak_mem_MiB", "tensor_mem_MiB", "final_loss")
 
 
 def load_records(root: Path) -> list[dict[str, Any]]:
@@ -65,7 +65,11 @@ def rows_for(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "efficiency": eff, "step_s": t, "compute_s": bd.get("compute"), "halo_s": bd.get("halo"),
                 "pipe_comm_s": bd.get("pipeline_comm"), "allreduce_s": bd.get("allreduce"),
                 "wait_s": bd.get("bubble_or_wait"), "data_s": bd.get("data"),
-                "peak_mem_MiB": r["peak_memory_bytes"]["max"] / 2**20, "final_loss": loss[-1],
+                "peak_mem_MiB": r["peak_memory_bytes"]["max"] / 2**20,
+                # CPU records: the tensor memory a GPU would count (peak_mem_MiB is RSS growth there)
+                "tensor_mem_MiB": (r["peak_memory_bytes"]["tensor_max"] / 2**20
+                                   if "tensor_max" in r["peak_memory_bytes"] else None),
+                "final_loss": loss[-1],
                 "_scaling": scaling,
             })
         else:

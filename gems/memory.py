@@ -1,0 +1,101 @@
+"""Memory of a rank: what the record reports and the benchmarks compare.
+
+Two measures. :class:`MemoryMeter` is the process's peak: torch.cuda's peak
+allocation on GPU, peak RSS growth on CPU (which also counts what the C
+library keeps, all of it with ``train.host_memory=keep``, and its
+fragmentation). :func:`step_peak_bytes` with :func:`persistent_bytes` is the
+tensor memory a GPU would count, measured on CPU from the default CPU
+allocator's profiler events: what lives across steps plus the peak a step
+allocates on top. CPU records carry both (``peak_memory_bytes.tensor_per_rank``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, Callable
+
+import torch
+
+
+def _rss_status(field_name: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class MemoryMeter:
+    """Peak memory of this rank: torch.cuda's peak on GPU, peak RSS growth on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.base = 0
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = 0
+        else:
+            try:  # reset the kernel's high-water mark (Linux >= 4.0)
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                pass
+            self.base = _rss_status("VmRSS")
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return max(0, _rss_status("VmHWM") - self.base)
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """Bytes held by distinct tensor storages among ``tensors`` (an iterable of tensors; views count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def persistent_bytes(params: Any, optimizer: Any = None, extra: Any = ()) -> int:
+    """Tensor bytes that live across steps: parameters, their gradients, optimizer state, ``extra`` tensors."""
+    params = list(params)
+    ts = [p for p in params] + [p.grad for p in params if p.grad is not None] + list(extra)
+    if optimizer is not None:
+        ts += [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return tensor_bytes(ts)
+
+
+def step_peak_bytes(fn: Callable[[], Any]) -> int:
+    """Peak tensor bytes allocated on the CPU while ``fn()`` runs, above what was live when it started.
+
+    The CPU counterpart of ``torch.cuda.max_memory_allocated()`` minus its value at
+    the start: read from the profiler's allocator events (every allocation and free
+    of the default CPU allocator, workspaces of kernels included), so unlike peak RSS
+    it does not count glibc's heap that was kept from earlier steps, library buffers or
+    the Python interpreter. Blocks allocated before ``fn`` and freed inside it are not
+    subtracted (the profiler does not know their size), so it errs high, never low.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    mem = sorted((e["ts"], e["args"].get("Ev Idx", 0), int(e["args"]["Bytes"])) for e in events
+                 if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0)
+    live = peak = 0
+    for _, _, nbytes in mem:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
