@@ -55,7 +55,7 @@ class ParallelConf:
     micro_batches: int = 1
     gems_replicas: Optional[int] = None  # eta for master (default 2); mast is always 2
     balance: Optional[list] = None  # layers per partition; automatic when absent
-    balance_by: str = "memory"  # memory | time: how the automatic balance weighs layers
+    balance_by: str = "memory"  # memory | time | comm (D = 2: the smallest crossing, best for mast/master/lp)
     checkpoint: bool = False  # recompute activations in the backward
     bn_stats: str = "global"  # global | local BatchNorm statistics over spatial parts
     overlap: Optional[bool] = None  # interior/halo overlap (null: on GPU only)
@@ -164,7 +164,7 @@ CHOICES = {
     "plan.format": ("table", "json"),
     "results.scaling": ("weak", "strong"),
     "parallel.bn_stats": ("global", "local"),
-    "parallel.balance_by": ("memory", "time"),
+    "parallel.balance_by": ("memory", "time", "comm"),
     "model.norm": ("batch", "group", "none"),
 }
 
@@ -321,6 +321,9 @@ def validate(cfg: DictConfig) -> None:
                 f"nodes x tasks_per_node = {nodes} x {cfg.cluster.tasks_per_node} = {world} ranks "
                 f"to equal R x D x S = {mesh.size} ({mesh.describe()}); leave it null to derive it",
             )
+    if cfg.parallel.get("balance_by") == "comm" and int(cfg.parallel.pipeline) != 2:
+        raise ConfigError("parallel.balance_by", "comm", f"memory or time at parallel.pipeline={cfg.parallel.pipeline} "
+                          "(comm picks the one cut of D = 2)")
     if cfg.data.name == "hdf5" and not cfg.data.path:
         raise ConfigError("data.path", cfg.data.path, "a folder of .h5 sample files (write one with `gems data synth`)")
 

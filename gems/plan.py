@@ -769,6 +769,10 @@ class _Planner:
             return [n_layers // D + (1 if i < n_layers % D else 0) for i in range(D)]
         if st.balance_by == "time":
             self.notes.append("parallel.balance_by=time is measured at run time; planned with the memory balance")
+        if st.balance_by == "comm" and D == 2:
+            from gems.pipeline.partition import balance_by_comm
+
+            return balance_by_comm(st.spec.module, (max(1, chunk), *st.spec.input_shape))
         return balance_by_memory(st.spec.module, D, (max(1, chunk), *st.spec.input_shape))
 
     # ---- memory ---------------------------------------------------------------------

@@ -49,6 +49,9 @@ CASES = [
     ("resnet D=2 gpipe", ["model=resnet", "model.depth=11", "model.size=32", "model.width=0.25", "model.norm=group",
                           "train.batch_size=4", "train.steps=3", "train.warmup_steps=1"],
      ["parallel.pipeline=2", "parallel.schedule=gpipe", "parallel.micro_batches=2"]),
+    ("resnet D=2 mast, comm cut", ["model=resnet", "model.depth=11", "model.size=32", "model.width=0.25",
+                                   "model.norm=group", "train.batch_size=4", "train.steps=3", "train.warmup_steps=1"],
+     ["parallel.pipeline=2", "parallel.schedule=mast", "parallel.balance_by=comm"]),
 ]
 
 
@@ -88,6 +91,7 @@ def test_hdf5_partitioned_input_trains_like_serial(tmp_path):
     (["parallel.spatial=[2,2]", "parallel.spatial_dims=[0,3]"], "parallel.spatial_dims=[0, 3]"),
     (["model=resnet", "model.depth=12"], "model.depth=12"),
     (["data=hdf5", "data.path=/nonexistent"], "data.path=/nonexistent"),
+    (["parallel.pipeline=4", "parallel.schedule=mast", "parallel.balance_by=comm"], "parallel.balance_by=comm"),
 ])
 def test_bad_parallel_input_exits_2_before_launch(tmp_path, args, key):
     out = gems("run", f"results.dir={tmp_path}/r", *args)

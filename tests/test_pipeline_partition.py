@@ -186,3 +186,21 @@ def test_runner_roles_and_batch_split():
     assert r0.needs_inputs and r0.needs_targets  # stage 0 of A and stage 3 of B
     assert r0.chunk_slice(0, 0) == slice(0, 4) and r0.chunk_slice(1, 0) == slice(4, 8)  # A: first half, B: second
     assert r0.parameters() == [*parts[0].parameters(), *parts[3].parameters()]
+
+
+
+def test_comm_cut_is_the_smallest_crossing_activation():
+    from torch import nn
+
+    from gems.pipeline.partition import balance_by_comm, layer_memory
+
+    # crossings per sample after layers 0..3: 8x32x32, 8x8x8 (the smallest), 32x8x8, 2048
+    seq = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.MaxPool2d(4), nn.Conv2d(8, 32, 1), nn.Flatten(),
+                        nn.Linear(2048, 4))
+    assert balance_by_comm(seq, (2, 3, 32, 32)) == [2, 3]
+    # equal crossings everywhere: the most even memory wins
+    flat = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+    mem = layer_memory(flat, (2, 64))
+    cut, rest = balance_by_comm(flat, (2, 64))
+    assert cut + rest == 6
+    assert abs(sum(mem) - 2 * sum(mem[:cut])) == min(abs(sum(mem) - 2 * sum(mem[:i])) for i in range(1, 6))

@@ -43,6 +43,9 @@ def _contenders() -> list[dict[str, Any]]:
         # Chimera: 2 micro-batches per direction, so transfers overlap the other micro-batch's compute
         dict(label="gems mast (m=2 per direction)", kind="gems", schedule="mast", m=2, B=16),
         dict(label="gems master (eta=2, m=2 per pass)", kind="gems", schedule="master", m=2, eta=2, B=16),
+        # the cut parallel.balance_by=comm picks at D = 2: the smallest activation crossing it
+        dict(label="gems lp, comm cut", kind="gems", schedule="lp", m=1, B=16, cut="comm"),
+        dict(label="gems mast, comm cut", kind="gems", schedule="mast", m=1, B=16, cut="comm"),
     ]
     for B in (16, 8):  # 4 and 2 micro-batches of MICRO samples
         m = B // MICRO
@@ -82,6 +85,10 @@ def _contender(rank: int, world: int, c: dict[str, Any], balance: list[int]) -> 
 
     seq = _model()
     batch = c["B"]
+    if c.get("cut") == "comm":
+        from gems.pipeline.partition import balance_by_comm
+
+        balance = balance_by_comm(seq, (MICRO, MODEL["in_channels"], MODEL["size"], MODEL["size"]))
     if c["kind"] == "gems":
         mesh = Mesh(1, 2, world_size=world)
         mesh.build_groups(rank, mirrored=is_mirrored(c["schedule"]))
@@ -210,8 +217,15 @@ def bench_pipeline(out_dir: str | os.PathLike[str] = "results/bench", cycles: in
         lines.append(f"| {c['label']} | {c['B']} | {by[c['label']]:.2f} | {med[c['label']]:.3f} | {q[0]:.3f}-{q[2]:.3f} | "
                      f"{by[c['label']] / by['gems lp']:.2f} | {' / '.join(f'{p / mib:.1f}' for p in tensor)} | "
                      f"{' / '.join(f'{p / mib:.2f}' for p in pbytes)} |")
+    from gems.pipeline.partition import balance_by_comm
+
+    comm_cut = balance_by_comm(_model(), (MICRO, MODEL["in_channels"], MODEL["size"], MODEL["size"]))
     summary = [f"- mast over lp: **{by['gems mast'] / by['gems lp']:.2f}x** ({paired('gems mast', 'gems lp')}; "
-               "goal >= 1.7x, ideal 2x)"]
+               "goal >= 1.7x, ideal 2x)",
+               f"- at the cut `parallel.balance_by=comm` picks ({comm_cut}: the smallest activation crosses it; at "
+               "D = 2 mast and lp are balanced whatever the cut): mast over lp "
+               f"{by['gems mast, comm cut'] / by['gems lp, comm cut']:.2f}x "
+               f"({paired('gems mast, comm cut', 'gems lp, comm cut')})"]
     for B in (16, 8):
         m = B // MICRO
         master = by[f"gems master (eta={m})"]

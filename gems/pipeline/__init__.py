@@ -20,7 +20,8 @@ from torch import nn
 
 from gems.errors import ConfigError
 from gems.mesh import Mesh
-from gems.pipeline.partition import balance_by_memory, balance_by_time, boundary_shapes, check_balance, split
+from gems.pipeline.partition import (balance_by_comm, balance_by_memory, balance_by_time, boundary_shapes,
+                                     check_balance, split)
 from gems.pipeline.runtime import LossFn, PipelineRunner
 from gems.pipeline.schedules import SCHEDULES, Action, Schedule, make_schedule
 
@@ -64,8 +65,10 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
       loss of the chunk (sum of per-sample losses / global batch).
     * ``balance``: layers per partition; None balances automatically by
       ``balance_by`` = ``"memory"`` (parameters + activations from a fake-tensor
-      trace, deterministic) or ``"time"`` (measured; rank 0's result is
-      broadcast) on one micro-batch of ``sample_shape``; without a
+      trace, deterministic), ``"time"`` (measured; rank 0's result is
+      broadcast) or, at D = 2, ``"comm"`` (the cut with the smallest crossing
+      activation: the fastest for ``mast``/``master``/``lp``, see
+      :func:`~gems.pipeline.partition.balance_by_comm`) on one micro-batch of ``sample_shape``; without a
       ``sample_shape`` the layers are split evenly by count.
     * ``sample_shape``: ``(C, *spatial)`` of the activation entering the first
       layer *on this rank* (local shape under spatial parallelism). When the
@@ -94,8 +97,13 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
         bal = balance_by_memory(seq, D, sample, dtype)
     elif balance_by == "time":
         bal = balance_by_time(seq, D, sample)
+    elif balance_by == "comm":
+        if D != 2:
+            raise ConfigError("parallel.balance_by", "comm", f"memory or time at parallel.pipeline={D} "
+                              "(comm picks the one cut of D = 2)")
+        bal = balance_by_comm(seq, sample, dtype)
     else:
-        raise ConfigError("parallel.balance_by", balance_by, "memory or time")
+        raise ConfigError("parallel.balance_by", balance_by, "memory, time or comm")
     parts = split(seq, bal)
     shapes = None
     if sample is not None and D > 1:

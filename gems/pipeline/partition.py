@@ -32,7 +32,7 @@ from torch import nn
 
 from gems.errors import ConfigError
 
-__all__ = ["split", "check_balance", "balance_by_cost", "balance_by_memory", "balance_by_time",
+__all__ = ["split", "check_balance", "balance_by_cost", "balance_by_comm", "balance_by_memory", "balance_by_time",
            "layer_memory", "boundary_shapes"]
 
 
@@ -139,6 +139,32 @@ def layer_memory(seq: nn.Sequential, sample: tuple[int, ...], dtype: torch.dtype
         act = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
         costs.append(float(3 * params + act))
     return costs
+
+
+def balance_by_comm(seq: nn.Sequential, sample: tuple[int, ...], dtype: torch.dtype = torch.float32) -> list[int]:
+    """Two partitions cut where the activation crossing the cut is smallest (ties: the most even memory).
+
+    For GEMS at D = 2 (``mast``, ``master``) the cut decides nothing but the
+    traffic: each rank runs partition 0 of one replica and partition 1 of the
+    other, so every rank computes the whole model once per replica pass and
+    holds all parameters, whatever the cut. The activations and their
+    gradients cross the cut on the critical path (the mirrored forwards wait
+    for each other), so the smallest crossing is the fastest cut. ``lp`` at
+    D = 2 runs the partitions one after the other, so it too only pays the
+    traffic; ``1f1b``/``gpipe`` need time balance instead.
+    """
+    outs = _fake_run(list(seq), tuple(sample), dtype)
+    if len(outs) < 2:
+        raise ConfigError("parallel.pipeline", 2, f"at most the model's {len(outs)} layers")
+    mem = layer_memory(seq, sample, dtype)
+    total = sum(mem)
+
+    def cost(i: int) -> tuple[int, float]:  # cut after layer i - 1: partition 0 = layers[:i]
+        shape, dt = outs[i - 1]
+        return torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size(), abs(total - 2 * sum(mem[:i]))
+
+    cut = min(range(1, len(outs)), key=cost)
+    return [cut, len(outs) - cut]
 
 
 def balance_by_memory(seq: nn.Sequential, D: int, sample: tuple[int, ...],
