@@ -363,7 +363,8 @@ def train(cfg: DictConfig, world: World) -> dict[str, Any]:
         timers.reset()
         if step == warm - 1 and world.device.type == "cpu":
             # the last warm-up step, profiled: the tensor memory a GPU would count (gems/memory.py)
-            held = persistent_bytes(par.params, opt, [b for m in par.modules for b in m.buffers()])
+            held = persistent_bytes(par.params, opt, [b for m in par.modules for b in m.buffers()] +
+                                    [t for t in (x, y) if t is not None])  # the batch: read before the step
             box: list[float] = []
             tensor_peak = held + step_peak_bytes(lambda: box.append(_train_step(par, opt, x, y, ids, step)))
             loss = box[0]
