@@ -63,23 +63,6 @@ class _Node(dict):
     __getattr__ = dict.__getitem__
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_peak() -> bool:
-    try:  # Linux: writing 5 resets VmHWM (the peak RSS) to the current RSS
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _fixed_convs(model: Any) -> Any:
     """The serial model with every Conv3d computed through ``conv_nd`` (same parameters)."""
     import torch
@@ -105,7 +88,7 @@ def bench_rank(rank: int, world: int, size: int, steps: int, warmup: int, mode: 
     import torch
     import torch.distributed as dist
 
-    from gems.bench.common import persistent_bytes, step_peak_bytes
+    from gems.memory import MemoryMeter, persistent_bytes, step_peak_bytes
     from gems.bootstrap import keep_host_memory
     from gems.data.synthetic import sample_input
     from gems.models import build_model
@@ -167,8 +150,8 @@ def bench_rank(rank: int, world: int, size: int, steps: int, warmup: int, mode: 
 
     if world > 1:
         dist.barrier()
-    _reset_peak()
-    base = _status_kib("VmRSS")
+    meter = MemoryMeter(torch.device("cpu"))
+    meter.reset()
     for step in range(warmup + steps):
         if step == warmup and sctx:
             sctx.halo_seconds.clear()
@@ -177,7 +160,7 @@ def bench_rank(rank: int, world: int, size: int, steps: int, warmup: int, mode: 
         if step >= warmup:
             times.append(time.perf_counter() - t0)
             grad_sum.append(waited)
-    peak = _status_kib("VmHWM") - base
+    peak = meter.peak() // 1024  # KiB
     halo = dict(sctx.halo_seconds) if sctx else {}
     # tensor memory, as a GPU would count it: what lives across steps plus the peak a step allocates on top
     held = persistent_bytes(params, opt, [x, target, *model.buffers()])
@@ -231,17 +214,6 @@ def _under_mpiexec(world: int, size: int, steps: int, warmup: int, mode: str, ho
         return json.loads(Path(out).read_text())
 
 
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _summary(rounds: list[list[dict[str, Any]]], steps: int) -> dict[str, float]:
     """Median over rounds of: step time (a step ends when the slowest rank ends), peak RSS growth and peak
     tensor bytes (max over ranks), halo share and gradient-sum wait share (max over ranks)."""
@@ -262,6 +234,7 @@ def bench_spatial(out_dir: str | os.PathLike = "results/bench", size: int = 128,
     """Run every configuration of :data:`RUNS` in ``rounds`` rounds; write ``spatial.md`` and ``spatial.json``."""
     import torch
 
+    from gems.bench.common import cpu_name
     from gems.testing import run_world
 
     load_before = os.getloadavg()
@@ -328,7 +301,7 @@ def bench_spatial(out_dir: str | os.PathLike = "results/bench", size: int = 128,
         lines.append(f"| {label} | {sec:.4f} | {100 * sec / step0:.2f}% |")
     lines += ["", "## Environment", "",
               f"- torch {torch.__version__}, Python {platform.python_version()}, gloo backend on one machine",
-              f"- CPU: {_cpu()}, {os.cpu_count()} logical cores; 1 thread per rank",
+              f"- CPU: {cpu_name()}, {os.cpu_count()} logical cores; 1 thread per rank",
               f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
               f"- load average (1 min) before / after: {load_before[0]:.2f} / {load_after[0]:.2f} "
               "(other processes on the machine skew the 2-rank timings)",
