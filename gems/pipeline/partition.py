@@ -132,7 +132,11 @@ def boundary_shapes(parts: Sequence[nn.Sequential], sample: tuple[int, ...],
 
 def layer_memory(seq: nn.Sequential, sample: tuple[int, ...], dtype: torch.dtype = torch.float32) -> list[float]:
     """Bytes per layer: parameters x 3 (weights, gradient, optimizer state) + output activation."""
-    outs = _fake_run(list(seq), tuple(sample), dtype)
+    return _layer_memory(seq, _fake_run(list(seq), tuple(sample), dtype))
+
+
+def _layer_memory(seq: nn.Sequential, outs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[float]:
+    """:func:`layer_memory` from the layers' traced outputs."""
     costs = []
     for layer, (shape, dt) in zip(seq, outs):
         params = sum(p.numel() * p.element_size() for p in layer.parameters())
@@ -156,7 +160,7 @@ def balance_by_comm(seq: nn.Sequential, sample: tuple[int, ...], dtype: torch.dt
     outs = _fake_run(list(seq), tuple(sample), dtype)
     if len(outs) < 2:
         raise ConfigError("parallel.pipeline", 2, f"at most the model's {len(outs)} layers")
-    mem = layer_memory(seq, sample, dtype)
+    mem = _layer_memory(seq, outs)
     total = sum(mem)
 
     def cost(i: int) -> tuple[int, float]:  # cut after layer i - 1: partition 0 = layers[:i]
