@@ -321,9 +321,10 @@ def validate(cfg: DictConfig) -> None:
                 f"nodes x tasks_per_node = {nodes} x {cfg.cluster.tasks_per_node} = {world} ranks "
                 f"to equal R x D x S = {mesh.size} ({mesh.describe()}); leave it null to derive it",
             )
-    if cfg.parallel.get("balance_by") == "comm" and int(cfg.parallel.pipeline) != 2:
-        raise ConfigError("parallel.balance_by", "comm", f"memory or time at parallel.pipeline={cfg.parallel.pipeline} "
-                          "(comm picks the one cut of D = 2)")
+    if cfg.parallel.get("balance_by") == "comm":
+        from gems.pipeline.partition import check_comm_cut
+
+        check_comm_cut(int(cfg.parallel.pipeline))
     if cfg.data.name == "hdf5" and not cfg.data.path:
         raise ConfigError("data.path", cfg.data.path, "a folder of .h5 sample files (write one with `gems data synth`)")
 

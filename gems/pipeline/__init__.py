@@ -21,7 +21,7 @@ from torch import nn
 from gems.errors import ConfigError
 from gems.mesh import Mesh
 from gems.pipeline.partition import (balance_by_comm, balance_by_memory, balance_by_time, boundary_shapes,
-                                     check_balance, split)
+                                     check_balance, check_comm_cut, split)
 from gems.pipeline.runtime import LossFn, PipelineRunner
 from gems.pipeline.schedules import SCHEDULES, Action, Schedule, make_schedule
 
@@ -98,9 +98,7 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
     elif balance_by == "time":
         bal = balance_by_time(seq, D, sample)
     elif balance_by == "comm":
-        if D != 2:
-            raise ConfigError("parallel.balance_by", "comm", f"memory or time at parallel.pipeline={D} "
-                              "(comm picks the one cut of D = 2)")
+        check_comm_cut(D)
         bal = balance_by_comm(seq, sample, dtype)
     else:
         raise ConfigError("parallel.balance_by", balance_by, "memory, time or comm")

@@ -145,6 +145,13 @@ def _layer_memory(seq: nn.Sequential, outs: Sequence[tuple[tuple[int, ...], torc
     return costs
 
 
+def check_comm_cut(D: int) -> None:
+    """``parallel.balance_by=comm`` picks the one cut of D = 2; anything else is bad input."""
+    if D != 2:
+        raise ConfigError("parallel.balance_by", "comm", f"memory or time at parallel.pipeline={D} "
+                          "(comm picks the one cut of D = 2)")
+
+
 def balance_by_comm(seq: nn.Sequential, sample: tuple[int, ...], dtype: torch.dtype = torch.float32) -> list[int]:
     """Two partitions cut where the activation crossing the cut is smallest (ties: the most even memory).
 
