@@ -1,10 +1,10 @@
-"""The memory measures the benchmarks report: peak tensor bytes of a step, bytes held across steps."""
+"""The memory measures the benchmarks and CPU records report (gems.memory): peak tensor bytes of a step, bytes held across steps."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from gems.bench.common import persistent_bytes, step_peak_bytes, tensor_bytes
+from gems.memory import persistent_bytes, step_peak_bytes, tensor_bytes
 
 MiB = 1 << 20
 

@@ -8,8 +8,6 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from gems.memory import persistent_bytes, step_peak_bytes, tensor_bytes  # noqa: F401  (the benchmarks' measures)
-
 
 def cpu_name() -> str:
     try:

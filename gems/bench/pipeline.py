@@ -138,7 +138,7 @@ def _bench_rank(rank: int, world: int, contenders: list[dict[str, Any]], balance
     """Every contender in these two processes, one training step each per cycle, in a rotating order."""
     import torch.distributed as dist
 
-    from gems.bench.common import persistent_bytes, step_peak_bytes
+    from gems.memory import persistent_bytes, step_peak_bytes
     from gems.bootstrap import keep_host_memory
 
     if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= world:

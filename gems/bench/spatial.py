@@ -271,7 +271,7 @@ def bench_spatial(out_dir: str | os.PathLike = "results/bench", size: int = 128,
               "",
               "- *Peak tensor memory* is what a GPU would count (`torch.cuda.max_memory_allocated`): the tensors that "
               "live across steps (parameters, optimizer state, the input part) plus the peak a training step "
-              "allocates on top, read from the CPU allocator's events (gems.bench.common.step_peak_bytes). "
+              "allocates on top, read from the CPU allocator's events (gems.memory.step_peak_bytes). "
               "*Peak RSS growth* is the process's resident-memory high-water mark over the step loop: it also counts "
               "what glibc keeps (all of it with host_memory=keep) and its fragmentation.",
               "- *host_memory*: `gems run` keeps freed host memory in the process on CPU ranks "
