@@ -125,7 +125,7 @@ def bench_overhead(out_dir: Path, rounds: int = 3) -> str:
     text = "## gems bench overhead\n\n"
     text += ("CosmoFlow (paper layers) on 4 x 64^3 synthetic volumes, Adam, fp32, one thread per rank; "
              f"median step time over 6 measured steps, median of {rounds} alternated rounds. Every rank keeps freed "
-             "host memory (`train.host_memory=auto` on CPU), which made R=1 steps ~30% faster than with glibc's "
+             "host memory (`train.host_memory=auto` on CPU), which makes R=1 steps faster than with glibc's "
              "defaults; the gradient sum over gloo (TCP loopback; its threads take CPU from the compute of both "
              "ranks on this 2-core machine) did not get faster, so it weighs more in the R=2 step. MPICH sums "
              "through shared memory without background threads.\n\n")

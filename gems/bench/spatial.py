@@ -286,11 +286,10 @@ def bench_spatial(out_dir: str | os.PathLike = "results/bench", size: int = 128,
               "`plain` uses torch's kernels as they are (torch picks its slow reference kernel for the third "
               "convolution's slab shape), `conv fix` the kernel choice the spatial layers make, `+ gradient sum` "
               "adds the one communication no spatial scheme avoids: summing the weight gradients (19 MB) over "
-              "the two processes with the runtime's reducer (gloo over TCP loopback: ~15 ms alone for 19 MB on "
-              "this machine, and its transport threads take CPU from the compute of both ranks). S=2 pays that "
+              "the two processes with the runtime's reducer (gloo over TCP loopback, whose transport threads take CPU "
+              "from the compute of both ranks). S=2 pays that "
               "and a halo exchange at every layer (a two-way sync point; per layer below). A two-rank step ends "
-              "when the slower core ends: on this shared machine one core is at times 15-20% slower than the "
-              "other, which caps every two-rank row alike.",
+              "when the slower core ends, which caps every two-rank row alike on a shared machine.",
               "",
               "## Halo time per layer (S=2, no overlap; rank 0; packing + waiting + backward exchange)", "",
               "| layer | halo s per step | share of step |", "| --- | ---: | ---: |"]
