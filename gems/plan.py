@@ -765,10 +765,15 @@ class _Planner:
             raise ConfigError("parallel.pipeline", D, f"at most the model's {n_layers} layers")
         if st.balance is not None:
             return check_balance(st.balance, n_layers, D)
-        if st.mesh.spatial > 1:  # the runtime cannot trace spatial partitions: an even split by count
-            return [n_layers // D + (1 if i < n_layers % D else 0) for i in range(D)]
-        if st.balance_by == "time":
+        by = st.balance_by
+        if by == "time":
             self.notes.append("parallel.balance_by=time is measured at run time; planned with the memory balance")
+            by = "memory"
+        if st.mesh.spatial > 1:  # as the runtime balances spatial partitions: the serial layers on the largest part
+            from gems.pipeline.partition import spatial_balance
+
+            return spatial_balance(st.spec.module, D, by, (max(1, chunk), *st.spec.input_shape), st.mesh.parts,
+                                   st.mesh.spatial_dims, st.spec.spatial_end)
         if st.balance_by == "comm" and D == 2:
             from gems.pipeline.partition import balance_by_comm
 

@@ -83,6 +83,7 @@ class Parallel:
     needs_target: bool
     samples_per_step: int  # samples this rank's replica line trains per step
     stats: Callable[[], dict[str, float]] = field(default=lambda: {})
+    balance: list[int] | None = None  # layers per pipeline partition (None without a pipeline)
 
 
 def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig) -> Parallel:
@@ -104,12 +105,17 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig) -> P
 
     ctx: Any = None
 
+    pipelined = p.schedule != "lp" or mesh.pipeline_enabled
+    balance = list(p.balance) if p.balance else None
+
     # 1. spatial
     if mesh.spatial_enabled:
         from gems.spatial import SpatialContext, apply_spatial
 
         ctx = SpatialContext.from_mesh(mesh, rank, p.get("overlap"))
         slices = tuple(ctx.local_slices(spec.input_shape[1:]))
+        if pipelined and balance is None and mesh.pipeline > 1:  # balanced on the serial layers, as ranks run them
+            balance = _spatial_balance(spec, mesh, cfg, device)
         seq = apply_spatial(seq, ctx, spec.spatial_end, bn_stats=p.bn_stats)
 
     def halo_stats() -> dict[str, float]:
@@ -125,7 +131,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig) -> P
     amp = _autocast(cfg.train.precision, device)
 
     # 2. pipeline
-    if p.schedule != "lp" or mesh.pipeline_enabled:
+    if pipelined:
         from collections import Counter
 
         from gems.pipeline import apply_pipeline
@@ -134,7 +140,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig) -> P
             seq, mesh, rank, loss_fn=lambda out, y, n: loss_fn(out, y), batch_size=local_batch,
             schedule=p.schedule, micro_batches=int(p.micro_batches),
             gems_replicas=None if p.gems_replicas is None else int(p.gems_replicas),
-            balance=list(p.balance) if p.balance else None, balance_by=p.get("balance_by", "memory"),
+            balance=balance, balance_by=p.get("balance_by", "memory"),
             checkpoint=bool(p.checkpoint), sample_shape=None if ctx is not None else tuple(spec.input_shape),
         )
         params = list(runner.parameters())
@@ -159,7 +165,8 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig) -> P
             return out
 
         return Parallel(pipe_step, params, list(runner.modules), reducer, slices,
-                        runner.needs_inputs, runner.needs_targets, runner.samples_per_step, pipe_stats)
+                        runner.needs_inputs, runner.needs_targets, runner.samples_per_step, pipe_stats,
+                        balance=list(runner.balance))
 
     # no pipeline: one forward and backward of the whole (spatial) model
     params = list(seq.parameters())
@@ -231,6 +238,20 @@ def preflight(cfg: DictConfig) -> None:
         check_batch(int(cfg.train.batch_size) // mesh.replicas, sched, mesh.replicas)
         if p.balance:
             check_balance(list(p.balance), len(seq), mesh.pipeline)
+
+
+def _spatial_balance(spec: ModelSpec, mesh: Mesh, cfg: DictConfig, device: torch.device) -> list[int]:
+    """``parallel.balance_by`` for pipeline partitions made of spatial layers: balanced on the serial layers,
+    as every rank runs them (:func:`gems.pipeline.partition.spatial_balance`)."""
+    from gems.pipeline import check_batch, make_schedule
+    from gems.pipeline.partition import spatial_balance
+
+    p = cfg.parallel
+    sched = make_schedule(p.schedule, mesh.pipeline, int(p.micro_batches),
+                          None if p.gems_replicas is None else int(p.gems_replicas))
+    chunk = check_batch(int(cfg.train.batch_size) // mesh.replicas, sched, mesh.replicas)
+    return spatial_balance(spec.module, mesh.pipeline, p.get("balance_by", "memory"), (chunk, *spec.input_shape),
+                           mesh.parts, mesh.spatial_dims, spec.spatial_end, device=device)
 
 
 def _local_shape(spec: ModelSpec, slices: tuple[slice, ...] | None) -> tuple[int, ...]:
@@ -417,7 +438,7 @@ def train(cfg: DictConfig, world: World) -> dict[str, Any]:
     record = rec.build_record(
         cfg, world, mesh, losses=loss_t.tolist(), step_times=step_times, global_batch=samples,
         breakdown=breakdown, peaks=peaks, hosts=hosts, wall_s=time.time() - t_start, restarts=restarts,
-        tensor_peaks=tensor_peaks if all(t is not None for t in tensor_peaks) else None,
+        tensor_peaks=tensor_peaks if all(t is not None for t in tensor_peaks) else None, balance=par.balance,
     )
     return record
 

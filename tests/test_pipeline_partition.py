@@ -204,3 +204,46 @@ def test_comm_cut_is_the_smallest_crossing_activation():
     cut, rest = balance_by_comm(flat, (2, 64))
     assert cut + rest == 6
     assert abs(sum(mem) - 2 * sum(mem[:cut])) == min(abs(sum(mem) - 2 * sum(mem[:i])) for i in range(1, 6))
+
+
+def _trunk_and_head(big_head: bool = False) -> tuple[nn.Sequential, int]:
+    """Three activation-heavy 3D layers, then the gather point (before layer 3) and a dense head."""
+    torch.manual_seed(0)
+    trunk = [nn.Conv3d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv3d(4, 4, 3, padding=1)]
+    head = [nn.Flatten(), nn.Linear(4 * 5 * 8 * 8, 3)] if big_head else [nn.AdaptiveAvgPool3d(1), nn.Flatten(),
+                                                                          nn.Linear(4, 3)]
+    return nn.Sequential(*trunk, *head), 3
+
+
+def test_spatial_balance_without_cuts_is_the_serial_balance():
+    from gems.pipeline.partition import balance_by_comm, spatial_balance
+
+    seq, _ = _trunk_and_head()
+    sample = (2, 1, 8, 8, 8)
+    for D in (2, 3):
+        assert spatial_balance(seq, D, "memory", sample, (1,), (0,), None) == balance_by_memory(seq, D, sample)
+    assert spatial_balance(seq, 2, "comm", sample, (1,), (0,), None) == balance_by_comm(seq, sample)
+
+
+def test_spatial_balance_weighs_the_trunk_by_the_part_and_counts_the_gather():
+    """Before the gather a rank holds its part of each activation (the largest part: 3 of 5 planes at S=2, 2 of 5
+    at S=3), the gather and the head hold the whole; parameters are whole everywhere."""
+    from gems.pipeline.partition import spatial_balance
+
+    seq, end = _trunk_and_head(big_head=True)
+    sample = (1, 1, 5, 8, 8)
+    act = [4 * 5 * 64 * 4] * 3 + [4 * 5 * 64 * 4, 3 * 4]  # output bytes of each serial layer (flatten, linear)
+    params = [3 * 4 * sum(q.numel() for q in layer.parameters()) for layer in seq]
+    for parts, share in (((2,), 3 / 5), ((3,), 2 / 5), ((1,), 1.0)):
+        costs = [params[i] + act[i] * share for i in range(end)] + [act[end - 1]] + \
+                [params[i] + act[i] for i in range(end, len(seq))]
+        for D in (2, 3, 4):
+            got = spatial_balance(seq, D, "memory", sample, parts, (0,), end)
+            assert sum(got) == len(seq) + 1, "the gather is a layer of the spatial model"
+            assert got == balance_by_cost(costs, D), (parts, D)
+    # comm: the trunk's crossings are parts, the gather's and the flatten's the whole activation, so the cut falls
+    # in the trunk; of the three equal trunk cuts the one that evens memory most (the head holds the parameters)
+    assert spatial_balance(seq, 2, "comm", sample, (2,), (0,), end) == [3, 3]
+    # time: every rank gets rank 0's measured cut, a valid balance of the spatial model
+    got = spatial_balance(seq, 3, "time", sample, (2,), (0,), end)
+    assert sum(got) == len(seq) + 1 and len(got) == 3 and min(got) >= 1

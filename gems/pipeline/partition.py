@@ -21,11 +21,18 @@ Costs for automatic balancing:
 
 The cut minimises the largest partition cost (contiguous linear partition,
 dynamic programming over prefix sums).
+
+Spatial partitions talk to other ranks, so they cannot be traced or timed on
+their own. :func:`spatial_balance` balances the *serial* layers instead, as
+each rank runs them: the layers before the gather on the largest part of the
+sample (activation bytes and time scale with the part), the gather and the
+layers after it on the full activation, and the parameters whole everywhere.
 """
 from __future__ import annotations
 
+import math
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -33,7 +40,7 @@ from torch import nn
 from gems.errors import ConfigError
 
 __all__ = ["split", "check_balance", "balance_by_cost", "balance_by_comm", "balance_by_memory", "balance_by_time",
-           "layer_memory", "boundary_shapes"]
+           "layer_memory", "boundary_shapes", "spatial_balance"]
 
 
 def check_balance(balance: Sequence[int] | None, n_layers: int, D: int) -> list[int]:
@@ -185,18 +192,25 @@ def balance_by_memory(seq: nn.Sequential, D: int, sample: tuple[int, ...],
 
 
 def layer_times(seq: nn.Sequential, sample: tuple[int, ...], repeat: int = 2,
-                device: torch.device | str = "cpu") -> list[float]:
-    """Forward + backward seconds of every layer on one real input of shape ``sample`` (batch included).
+                device: torch.device | str | None = None,
+                inputs: Sequence[tuple[int, ...]] | None = None) -> list[float]:
+    """Forward + backward seconds of every layer on one real input of shape ``sample`` (batch included),
+    on ``device`` (default: where the layers' parameters are). With ``inputs``, layer ``i`` runs on its
+    own random input of shape ``inputs[i]`` instead of the previous layer's output.
 
     Buffers (BatchNorm statistics) are restored and gradients cleared afterwards.
     """
     from gems.models.layers import batch_context
 
+    if device is None:
+        device = next((q.device for q in seq.parameters()), torch.device("cpu"))
     saved = [b.detach().clone() for b in seq.buffers()]
     times = []
     x = torch.randn(sample, device=device)
     with batch_context(0, 0, range(sample[0])):
-        for layer in seq:
+        for i, layer in enumerate(seq):
+            if inputs is not None:
+                x = torch.randn(inputs[i], device=device)
             best, y = float("inf"), x
             for _ in range(repeat):
                 xi = x.detach().requires_grad_(x.is_floating_point())
@@ -209,24 +223,117 @@ def layer_times(seq: nn.Sequential, sample: tuple[int, ...], repeat: int = 2,
                 best = min(best, time.perf_counter() - t0)
             times.append(best)
             x = y.detach()
-    for p in seq.parameters():
-        p.grad = None
+    for q in seq.parameters():
+        q.grad = None
     with torch.no_grad():
         for b, v in zip(seq.buffers(), saved):
             b.copy_(v)
     return times
 
 
-def balance_by_time(seq: nn.Sequential, D: int, sample: tuple[int, ...], device: torch.device | str = "cpu") -> list[int]:
-    """Balance that evens out measured compute time; rank 0's measurement wins when torch.distributed is up."""
+def _on_rank0(compute: Callable[[], list[int]]) -> list[int]:
+    """``compute()`` on rank 0, broadcast to every rank when torch.distributed is up (measurements differ)."""
     import torch.distributed as dist
 
     shared = dist.is_available() and dist.is_initialized()
     bal: list[int] = []
     if not shared or dist.get_rank() == 0:
-        bal = balance_by_cost(layer_times(seq, sample, device=device), D)
+        bal = compute()
     if shared:
         box: list[object] = [bal]
         dist.broadcast_object_list(box, src=0)
         bal = list(box[0])  # type: ignore[call-overload]
     return bal
+
+
+def balance_by_time(seq: nn.Sequential, D: int, sample: tuple[int, ...],
+                    device: torch.device | str | None = None) -> list[int]:
+    """Balance that evens out measured compute time; rank 0's measurement wins when torch.distributed is up."""
+    return _on_rank0(lambda: balance_by_cost(layer_times(seq, sample, device=device), D))
+
+
+def _reach(layer: nn.Module, d: int) -> int:
+    """Halo cells a window layer reads along spatial dim ``d`` beyond its part: (kernel - 1) x dilation."""
+    k, dil = getattr(layer, "kernel_size", None), getattr(layer, "dilation", 1)
+    if k is None:
+        return 0
+    k = k[d] if isinstance(k, (tuple, list)) else k
+    dil = dil[d] if isinstance(dil, (tuple, list)) else dil
+    return (int(k) - 1) * int(dil)
+
+
+def spatial_balance(serial: nn.Sequential, D: int, by: str, sample: tuple[int, ...], parts: Sequence[int],
+                    dims: Sequence[int], end: int | None, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> list[int]:
+    """The balance, by ``by`` (memory, time or comm), of the spatial version of ``serial``.
+
+    ``sample``: one micro-batch of the whole sample (batch first); ``parts``
+    cuts along spatial ``dims``; costs are taken on the largest part (every
+    rank balances on the same numbers, so the cuts agree); ``end``: the model's gather index (None: the
+    output stays partitioned). :func:`gems.spatial.apply_spatial` inserts the
+    gather before layer ``end``, so the returned balance counts one more layer
+    than ``serial`` has when ``end`` is set. Costs per layer as each rank pays
+    them: before the gather the activation bytes (memory), the crossing bytes
+    (comm) and the time on the part; the gather's output and everything after
+    it full size; parameters whole on every rank. ``"time"`` runs copies of
+    the layers on ``device`` (rank 0 measures, every rank gets its result).
+    """
+    layers = list(serial)
+    n = len(layers)
+    e = n if end is None else int(end)
+    from gems.spatial.geometry import split_bounds
+
+    outs = _fake_run(layers, tuple(sample), dtype)
+    part = [int(v) for v in sample[2:]]
+    for k, d in zip(parts, dims):
+        lo, hi = split_bounds(part[d], int(k))[0]  # np.array_split: the first part is the largest
+        part[d] = hi - lo
+    share = math.prod(int(v) for v in part) / max(1, math.prod(sample[2:]))
+
+    def act(i: int) -> float:  # bytes of layer i's output as a rank holds it
+        shape, dt = outs[i]
+        return torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size() * (share if i < e else 1.0)
+
+    params = [float(sum(q.numel() * q.element_size() for q in layer.parameters())) for layer in layers]
+    mem = [3 * params[i] + act(i) for i in range(n)]
+    crossing = [act(i) for i in range(n)]  # leaving spatial layer i
+    if end is not None and 0 < e:  # the gather: the full activation of layer e - 1
+        full = act(e - 1) / share
+        mem.insert(e, full)
+        crossing.insert(e, full)
+    elif end is not None:  # gather of the input itself
+        full = float(torch.Size(sample).numel() * torch.empty((), dtype=dtype).element_size())
+        mem.insert(0, full)
+        crossing.insert(0, full)
+    if len(mem) < D:
+        raise ConfigError("parallel.pipeline", D, f"at most the model's {len(mem)} layers (gather included)")
+    if by == "memory":
+        return balance_by_cost(mem, D)
+    if by == "comm":
+        check_comm_cut(D)
+        total = sum(mem)
+        cut = min(range(1, len(mem)), key=lambda i: (crossing[i - 1], abs(total - 2 * sum(mem[:i]))))
+        return [cut, len(mem) - cut]
+    if by == "time":
+        def measure() -> list[int]:
+            import copy
+
+            # each layer on the input a rank holds: its part of the global input (the largest part) plus the
+            # halo its window reads, i.e. the part widened to the kernel's reach (capped at the whole extent)
+            ins = [tuple(sample)] + [shape for shape, _ in outs[:-1]]
+            local = []
+            for i, shape in enumerate(ins):
+                shape = list(shape)
+                if i < e:
+                    for k, d in zip(parts, dims):
+                        lo, hi = split_bounds(shape[2 + d], int(k))[0]
+                        shape[2 + d] = min(shape[2 + d], hi - lo + _reach(layers[i], d))
+                local.append(tuple(shape))
+            seq = copy.deepcopy(serial).to(device)
+            times = layer_times(seq, local[0], device=device, inputs=local)
+            if end is not None:
+                times.insert(e, 0.0)  # the gather: communication only
+            return balance_by_cost(times, D)
+
+        return _on_rank0(measure)
+    raise ConfigError("parallel.balance_by", by, "memory, time or comm")

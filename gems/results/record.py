@@ -77,7 +77,8 @@ def env_info(world: Any = None, hosts: list[str] | None = None) -> dict[str, Any
 
 def build_record(cfg: Any, world: Any, mesh: Any, *, losses: list[float], step_times: list[float],
                  global_batch: int, breakdown: dict[str, float], peaks: list[int], hosts: list[str],
-                 wall_s: float, restarts: int = 0, tensor_peaks: list[int] | None = None) -> dict[str, Any]:
+                 wall_s: float, restarts: int = 0, tensor_peaks: list[int] | None = None,
+                 balance: list[int] | None = None) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     median = statistics.median(step_times) if step_times else float("nan")
@@ -91,7 +92,8 @@ def build_record(cfg: Any, world: Any, mesh: Any, *, losses: list[float], step_t
         "world_size": world.size,
         "nodes": len(set(hosts)),
         "mesh": {"replicas": mesh.replicas, "pipeline": mesh.pipeline, "spatial": mesh.spatial,
-                 "spatial_parts": list(mesh.parts), "spatial_dims": list(mesh.spatial_dims)},
+                 "spatial_parts": list(mesh.parts), "spatial_dims": list(mesh.spatial_dims),
+                 "balance": balance},  # layers per pipeline partition (a spatial model counts its gather)
         "schedule": cfg.parallel.schedule,
         "global_batch": global_batch,
         "steps": len(losses),
