@@ -9,6 +9,13 @@ ResNet-v2 cut at the same layer for every contender, the same global batch):
    ``master`` against ``torch.distributed.pipelining``'s ``Schedule1F1B`` and
    ``ScheduleGPipe`` at the same micro-batch size (goal >= 1.2x).
 
+Two more rows put the first number in context. The *bound* runs what one
+``mast`` rank computes per step (the whole model on half of the batch) in both
+processes at once with no communication: the most two ranks get out of this
+machine. And ``lp``/``mast`` run again on 128^2 images (4x the pixels), where
+fixed per-step costs (Python, message latency) weigh less, as they do at the
+image sizes GEMS is for.
+
 Every contender runs whole training steps: zero_grad, forward and backward of
 the global batch, the gradient sum over the mirrored copies where the
 schedule has them, an SGD step. All contenders live in the same two
@@ -34,6 +41,8 @@ import torch
 
 MODEL = dict(depth=29, width=0.5, size=64, in_channels=3, num_classes=10, norm="group")
 MICRO = 4  # samples per micro-batch (per replica pass for master) in the schedule comparison
+LARGE = 128  # image size of the second mast-over-lp comparison (4x the pixels: fixed per-step costs weigh less)
+BOUND = "bound: whole model on half the batch x2, no communication"
 
 
 def _contenders() -> list[dict[str, Any]]:
@@ -46,6 +55,9 @@ def _contenders() -> list[dict[str, Any]]:
         # the cut parallel.balance_by=comm picks at D = 2: the smallest activation crossing it
         dict(label="gems lp, comm cut", kind="gems", schedule="lp", m=1, B=16, cut="comm"),
         dict(label="gems mast, comm cut", kind="gems", schedule="mast", m=1, B=16, cut="comm"),
+        # the most two ranks can do on this machine: what a mast rank computes (the whole model on half of the
+        # batch), in two concurrent processes, without a single message
+        dict(label=BOUND, kind="bound", B=16),
     ]
     for B in (16, 8):  # 4 and 2 micro-batches of MICRO samples
         m = B // MICRO
@@ -55,6 +67,14 @@ def _contenders() -> list[dict[str, Any]]:
             dict(label=f"torch Schedule1F1B (m={m})", kind="torch", schedule="1f1b", m=m, B=B),
             dict(label=f"torch ScheduleGPipe (m={m})", kind="torch", schedule="gpipe", m=m, B=B),
         ]
+    big = f" ({LARGE}^2)"
+    out += [
+        dict(label="gems lp" + big, kind="gems", schedule="lp", m=1, B=16, size=LARGE),
+        dict(label="gems mast" + big, kind="gems", schedule="mast", m=1, B=16, size=LARGE),
+        dict(label="gems lp, comm cut" + big, kind="gems", schedule="lp", m=1, B=16, cut="comm", size=LARGE),
+        dict(label="gems mast, comm cut" + big, kind="gems", schedule="mast", m=1, B=16, cut="comm", size=LARGE),
+        dict(label=BOUND + big, kind="bound", B=16, size=LARGE),
+    ]
     return out
 
 
@@ -68,13 +88,13 @@ def _model() -> torch.nn.Sequential:
     return resnet_v2(MODEL["depth"], MODEL["in_channels"], MODEL["num_classes"], MODEL["width"], MODEL["norm"])
 
 
-def _data(step: int, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _data(step: int, B: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    x = torch.randn(B, MODEL["in_channels"], MODEL["size"], MODEL["size"], generator=g)
+    x = torch.randn(B, MODEL["in_channels"], size, size, generator=g)
     return x, torch.randint(0, MODEL["num_classes"], (B,), generator=g)
 
 
-def _contender(rank: int, world: int, c: dict[str, Any], balance: list[int]) -> tuple[Callable[[int], None], Any, Any]:
+def _contender(rank: int, world: int, c: dict[str, Any], balances: dict[int, list[int]]) -> tuple[Callable[[int], None], Any, Any]:
     """Build one contender on this rank: (training step of step index t, its parameters, its optimizer)."""
     import torch.nn.functional as F
 
@@ -85,17 +105,25 @@ def _contender(rank: int, world: int, c: dict[str, Any], balance: list[int]) -> 
 
     seq = _model()
     batch = c["B"]
+    size = c.get("size", MODEL["size"])
+    balance = balances[size]
     if c.get("cut") == "comm":
         from gems.pipeline.partition import balance_by_comm
 
-        balance = balance_by_comm(seq, (MICRO, MODEL["in_channels"], MODEL["size"], MODEL["size"]))
-    if c["kind"] == "gems":
+        balance = balance_by_comm(seq, (MICRO, MODEL["in_channels"], size, size))
+    if c["kind"] == "bound":
+        params = list(seq.parameters())
+
+        def step(t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+            half = slice(rank * batch // 2, (rank + 1) * batch // 2)
+            F.cross_entropy(seq(x[half]), y[half], reduction="sum").div(batch).backward()
+    elif c["kind"] == "gems":
         mesh = Mesh(1, 2, world_size=world)
         mesh.build_groups(rank, mirrored=is_mirrored(c["schedule"]))
         runner = apply_pipeline(seq, mesh, rank, loss_fn=lambda o, t, n: F.cross_entropy(o, t, reduction="sum") / batch,
                                 batch_size=batch, schedule=c["schedule"], micro_batches=c["m"],
                                 gems_replicas=c.get("eta"), balance=balance,
-                                sample_shape=(MODEL["in_channels"], MODEL["size"], MODEL["size"]))
+                                sample_shape=(MODEL["in_channels"], size, size))
         params = runner.parameters()
         # the mirrored copies' gradients are summed as `gems run` sums them: bucketed, overlapped with the backward
         reducer = GradientReducer(params, mesh.group("grad") if is_mirrored(c["schedule"]) else None,
@@ -125,7 +153,7 @@ def _contender(rank: int, world: int, c: dict[str, Any], balance: list[int]) -> 
     opt = torch.optim.SGD(params, lr=0.01)
 
     def train_step(t: int) -> None:
-        x, y = _data(t, batch)
+        x, y = _data(t, batch, size)
         opt.zero_grad(set_to_none=False)
         step(t, x, y)
         opt.step()
@@ -133,7 +161,7 @@ def _contender(rank: int, world: int, c: dict[str, Any], balance: list[int]) -> 
     return train_step, params, opt
 
 
-def _bench_rank(rank: int, world: int, contenders: list[dict[str, Any]], balance: list[int], cycles: int,
+def _bench_rank(rank: int, world: int, contenders: list[dict[str, Any]], balances: dict[int, list[int]], cycles: int,
                 warmup: int) -> dict[str, Any]:
     """Every contender in these two processes, one training step each per cycle, in a rotating order."""
     import torch.distributed as dist
@@ -144,7 +172,7 @@ def _bench_rank(rank: int, world: int, contenders: list[dict[str, Any]], balance
     if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= world:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})
     keep_host_memory()  # as `gems run` does on CPU ranks, for every contender
-    built = [_contender(rank, world, c, balance) for c in contenders]
+    built = [_contender(rank, world, c, balances) for c in contenders]
     times: list[list[float]] = [[] for _ in contenders]
     n = len(contenders)
     for cycle in range(warmup + cycles):
@@ -165,7 +193,7 @@ def _bench_rank(rank: int, world: int, contenders: list[dict[str, Any]], balance
             "param_bytes": [sum(p.numel() * p.element_size() for p in params) for _, params, _ in built]}
 
 
-def _balance() -> list[int]:
+def _balance(size: int) -> list[int]:
     from gems.pipeline.partition import balance_by_cost, layer_times
 
     from gems.bootstrap import keep_host_memory
@@ -173,7 +201,7 @@ def _balance() -> list[int]:
     keep_host_memory()
     torch.set_num_threads(1)
     seq = _model()
-    times = [min(a, b) for a, b in zip(*(layer_times(seq, (MICRO, MODEL["in_channels"], MODEL["size"], MODEL["size"]))
+    times = [min(a, b) for a, b in zip(*(layer_times(seq, (MICRO, MODEL["in_channels"], size, size))
                                          for _ in range(2)))]
     return balance_by_cost(times, 2)
 
@@ -190,8 +218,9 @@ def bench_pipeline(out_dir: str | os.PathLike[str] = "results/bench", cycles: in
     from gems.testing import run_world
 
     load_before = os.getloadavg()[0]
-    balance = _balance()
-    res = run_world(_bench_rank, 2, CONTENDERS, balance, cycles, warmup, timeout=1200)
+    balances = {size: _balance(size) for size in (MODEL["size"], LARGE)}
+    balance = balances[MODEL["size"]]
+    res = run_world(_bench_rank, 2, CONTENDERS, balances, cycles, warmup, timeout=1800)
     load_after = os.getloadavg()[0]
     # a step ends when the slower rank ends
     steps = {c["label"]: [max(a, b) for a, b in zip(res[0]["times"][i], res[1]["times"][i])]
@@ -210,22 +239,29 @@ def bench_pipeline(out_dir: str | os.PathLike[str] = "results/bench", cycles: in
     lines = ["| schedule | global batch | samples/s | median step (s) | quartiles (s) | x lp | peak tensor memory per "
              "rank (MiB) | parameters per rank (MiB) |",
              "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    big = f" ({LARGE}^2)"
     for i, c in enumerate(CONTENDERS):
         q = statistics.quantiles(steps[c["label"]], n=4)
         tensor = [r["tensor_peak"][i] for r in res]
         pbytes = [r["param_bytes"][i] for r in res]
+        lp = "gems lp" + (big if c.get("size") == LARGE else "")  # against lp on the same images
         lines.append(f"| {c['label']} | {c['B']} | {by[c['label']]:.2f} | {med[c['label']]:.3f} | {q[0]:.3f}-{q[2]:.3f} | "
-                     f"{by[c['label']] / by['gems lp']:.2f} | {' / '.join(f'{p / mib:.1f}' for p in tensor)} | "
+                     f"{by[c['label']] / by[lp]:.2f} | {' / '.join(f'{p / mib:.1f}' for p in tensor)} | "
                      f"{' / '.join(f'{p / mib:.2f}' for p in pbytes)} |")
     from gems.pipeline.partition import balance_by_comm
 
-    comm_cut = balance_by_comm(_model(), (MICRO, MODEL["in_channels"], MODEL["size"], MODEL["size"]))
-    summary = [f"- mast over lp: **{by['gems mast'] / by['gems lp']:.2f}x** ({paired('gems mast', 'gems lp')}; "
-               "goal >= 1.7x, ideal 2x)",
-               f"- at the cut `parallel.balance_by=comm` picks ({comm_cut}: the smallest activation crosses it; at "
-               "D = 2 mast and lp are balanced whatever the cut): mast over lp "
-               f"{by['gems mast, comm cut'] / by['gems lp, comm cut']:.2f}x "
-               f"({paired('gems mast, comm cut', 'gems lp, comm cut')})"]
+    summary = []
+    for size, tail in ((MODEL["size"], ""), (LARGE, big)):
+        comm_cut = balance_by_comm(_model(), (MICRO, MODEL["in_channels"], size, size))
+        mast, lp, bound = by["gems mast" + tail], by["gems lp" + tail], by[BOUND + tail]
+        summary += [f"- {size}^2 images: mast over lp **{mast / lp:.2f}x** ({paired('gems mast' + tail, 'gems lp' + tail)}; "
+                    f"goal >= 1.7x, ideal 2x); the no-communication bound over lp {bound / lp:.2f}x "
+                    f"({paired(BOUND + tail, 'gems lp' + tail)}), so mast reaches {mast / bound:.0%} of what two ranks "
+                    "can do here",
+                    f"- {size}^2 images, at the cut `parallel.balance_by=comm` picks ({comm_cut}: the smallest activation "
+                    "crosses it; at D = 2 mast and lp are balanced whatever the cut): mast over lp "
+                    f"{by['gems mast, comm cut' + tail] / by['gems lp, comm cut' + tail]:.2f}x "
+                    f"({paired('gems mast, comm cut' + tail, 'gems lp, comm cut' + tail)})"]
     for B in (16, 8):
         m = B // MICRO
         master = by[f"gems master (eta={m})"]
@@ -242,15 +278,20 @@ def bench_pipeline(out_dir: str | os.PathLike[str] = "results/bench", cycles: in
            f"torch {torch.__version__}, gloo, 2 ranks x 1 thread, each rank pinned to its own core when there are two")
     text = "\n".join([
         "# gems bench pipeline", "",
-        f"ResNet-v2 depth {MODEL['depth']} (width {MODEL['width']}, {MODEL['norm']} norm) on {MODEL['size']}^2 images, "
-        f"D = 2 cut at balance {balance} (measured layer times), micro-batch {MICRO} for master (one per replica "
+        f"ResNet-v2 depth {MODEL['depth']} (width {MODEL['width']}, {MODEL['norm']} norm) on {MODEL['size']}^2 images "
+        f"(rows marked {LARGE}^2: on {LARGE}^2 images), "
+        f"D = 2 cut at balance {balance} ({balances[LARGE]} on {LARGE}^2; measured layer times), micro-batch {MICRO} "
+        "for master (one per replica "
         f"pass) and the 1F1B/GPipe schedules. All contenders share two processes and take turns, one training step "
         f"each per cycle in a rotating order: {cycles} cycles after {warmup} warm-up cycles, medians over cycles. "
         "Every step includes the gradient sum over mirrored copies (mast, master: gems' bucketed reducer, "
         "overlapped with the backward, as `gems run` does) and the SGD update. Every rank keeps freed host memory "
         "for reuse, as `gems run` does on CPU ranks (`train.host_memory=auto`). Peak tensor memory: parameters, "
         "gradients and the peak a step allocates on top (the CPU allocator's events; what a GPU would count). "
-        "The per-cycle ratios pair the two contenders' steps of the same cycle.", "",
+        "The per-cycle ratios pair the two contenders' steps of the same cycle. The *bound* rows run what one mast "
+        "rank computes in a step (the whole model, forward and backward, on half of the global batch) in both "
+        "processes at once with no communication at all: the best two ranks can do on this machine, where two "
+        "busy cores slow each other down (shared memory bandwidth, a shared host).", "",
         *lines, "", *summary, "", "## Environment", "", env, "", "## To reproduce", "",
         "```", "gems bench pipeline    # or: python -m gems.bench.pipeline results/bench", "```", ""])
     out = Path(out_dir)
