@@ -55,7 +55,7 @@ class ParallelConf:
     micro_batches: int = 1
     gems_replicas: Optional[int] = None  # eta for master (default 2); mast is always 2
     balance: Optional[list] = None  # layers per partition; automatic when absent
-    balance_by: str = "memory"  # memory | time | comm (D = 2: the smallest crossing, best for mast/master/lp)
+    balance_by: str = "auto"  # auto (comm for mast/master at D = 2, else memory) | memory | time | comm (D = 2 only)
     checkpoint: bool = False  # recompute activations in the backward
     bn_stats: str = "global"  # global | local BatchNorm statistics over spatial parts
     overlap: Optional[bool] = None  # interior/halo overlap (null: on GPU only)
@@ -164,7 +164,7 @@ CHOICES = {
     "plan.format": ("table", "json"),
     "results.scaling": ("weak", "strong"),
     "parallel.bn_stats": ("global", "local"),
-    "parallel.balance_by": ("memory", "time", "comm"),
+    "parallel.balance_by": ("auto", "memory", "time", "comm"),
     "model.norm": ("batch", "group", "none"),
 }
 

@@ -774,7 +774,7 @@ class _Planner:
 
             return spatial_balance(st.spec.module, D, by, (max(1, chunk), *st.spec.input_shape), st.mesh.parts,
                                    st.mesh.spatial_dims, st.spec.spatial_end)
-        if st.balance_by == "comm" and D == 2:
+        if by == "comm" and D == 2:
             from gems.pipeline.partition import balance_by_comm
 
             return balance_by_comm(st.spec.module, (max(1, chunk), *st.spec.input_shape))
@@ -906,6 +906,7 @@ class _Planner:
 def _setup(cfg: Any) -> _Setup:
     from gems.mesh import mesh_from_config
     from gems.models import build_model
+    from gems.pipeline.partition import resolve_balance_by
 
     from omegaconf import OmegaConf
 
@@ -927,7 +928,7 @@ def _setup(cfg: Any) -> _Setup:
     return _Setup(spec, model_key, mesh, sched, int(p.micro_batches), eta, bool(p.checkpoint), str(cfg.train.precision), gpu,
                   int(cfg.train.batch_size), mesh.replicas, factor, float(cfg.comm.bucket_mb), p.get("overlap"),
                   str(p.get("bn_stats", "global")), list(p.balance) if p.get("balance") else None,
-                  str(p.get("balance_by", "memory")))
+                  resolve_balance_by(str(p.get("balance_by", "auto")), sched, mesh.pipeline))
 
 
 def _max_chunk(pl: _Planner, usable: int, chunk0: int) -> tuple[int, Any]:

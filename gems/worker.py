@@ -140,7 +140,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig) -> P
             seq, mesh, rank, loss_fn=lambda out, y, n: loss_fn(out, y), batch_size=local_batch,
             schedule=p.schedule, micro_batches=int(p.micro_batches),
             gems_replicas=None if p.gems_replicas is None else int(p.gems_replicas),
-            balance=balance, balance_by=p.get("balance_by", "memory"),
+            balance=balance, balance_by=p.get("balance_by", "auto"),
             checkpoint=bool(p.checkpoint), sample_shape=None if ctx is not None else tuple(spec.input_shape),
         )
         params = list(runner.parameters())
@@ -244,13 +244,14 @@ def _spatial_balance(spec: ModelSpec, mesh: Mesh, cfg: DictConfig, device: torch
     """``parallel.balance_by`` for pipeline partitions made of spatial layers: balanced on the serial layers,
     as every rank runs them (:func:`gems.pipeline.partition.spatial_balance`)."""
     from gems.pipeline import check_batch, make_schedule
-    from gems.pipeline.partition import spatial_balance
+    from gems.pipeline.partition import resolve_balance_by, spatial_balance
 
     p = cfg.parallel
     sched = make_schedule(p.schedule, mesh.pipeline, int(p.micro_batches),
                           None if p.gems_replicas is None else int(p.gems_replicas))
     chunk = check_batch(int(cfg.train.batch_size) // mesh.replicas, sched, mesh.replicas)
-    return spatial_balance(spec.module, mesh.pipeline, p.get("balance_by", "memory"), (chunk, *spec.input_shape),
+    by = resolve_balance_by(p.get("balance_by", "auto"), p.schedule, mesh.pipeline)
+    return spatial_balance(spec.module, mesh.pipeline, by, (chunk, *spec.input_shape),
                            mesh.parts, mesh.spatial_dims, spec.spatial_end, device=device)
 
 

@@ -247,3 +247,12 @@ def test_spatial_balance_weighs_the_trunk_by_the_part_and_counts_the_gather():
     # time: every rank gets rank 0's measured cut, a valid balance of the spatial model
     got = spatial_balance(seq, 3, "time", sample, (2,), (0,), end)
     assert sum(got) == len(seq) + 1 and len(got) == 3 and min(got) >= 1
+
+
+def test_auto_balance_is_the_comm_cut_for_mirrored_schedules_at_d2_only():
+    from gems.pipeline.partition import resolve_balance_by
+
+    assert resolve_balance_by("auto", "mast", 2) == resolve_balance_by("auto", "master", 2) == "comm"
+    for schedule, D in (("mast", 4), ("master", 3), ("lp", 2), ("1f1b", 2), ("gpipe", 4)):
+        assert resolve_balance_by("auto", schedule, D) == "memory", (schedule, D)
+    assert resolve_balance_by("time", "mast", 2) == "time" and resolve_balance_by("memory", "mast", 2) == "memory"

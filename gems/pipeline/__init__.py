@@ -21,7 +21,7 @@ from torch import nn
 from gems.errors import ConfigError
 from gems.mesh import Mesh
 from gems.pipeline.partition import (balance_by_comm, balance_by_memory, balance_by_time, boundary_shapes,
-                                     check_balance, check_comm_cut, split)
+                                     check_balance, check_comm_cut, resolve_balance_by, split)
 from gems.pipeline.runtime import LossFn, PipelineRunner
 from gems.pipeline.schedules import SCHEDULES, Action, Schedule, make_schedule
 
@@ -54,7 +54,7 @@ def check_batch(batch_size: int, sched: Schedule, replicas: int = 1) -> int:
 
 def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn, batch_size: int,
                    schedule: str = "mast", micro_batches: int = 1, gems_replicas: int | None = None,
-                   balance: Sequence[int] | None = None, balance_by: str = "memory", checkpoint: bool = False,
+                   balance: Sequence[int] | None = None, balance_by: str = "auto", checkpoint: bool = False,
                    sample_shape: Sequence[int] | None = None, dtype: torch.dtype = torch.float32,
                    lookahead: int = 2) -> PipelineRunner:
     """Partition ``seq`` over the pipeline axis of ``mesh`` and return this rank's runner.
@@ -64,7 +64,8 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
     * ``loss_fn(output_chunk, target_chunk, chunk_size)`` returns the *weighted*
       loss of the chunk (sum of per-sample losses / global batch).
     * ``balance``: layers per partition; None balances automatically by
-      ``balance_by`` = ``"memory"`` (parameters + activations from a fake-tensor
+      ``balance_by`` = ``"auto"`` (``comm`` for mast/master at D = 2, else ``memory``:
+      :func:`~gems.pipeline.partition.resolve_balance_by`), ``"memory"`` (parameters + activations from a fake-tensor
       trace, deterministic), ``"time"`` (measured; rank 0's result is
       broadcast) or, at D = 2, ``"comm"`` (the cut with the smallest crossing
       activation: the fastest for ``mast``/``master``/``lp``, see
@@ -86,6 +87,7 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
         raise ConfigError("parallel.pipeline", D, f"at most the model's {n_layers} layers")
     sched = make_schedule(schedule, D, micro_batches, gems_replicas)
     chunk = check_batch(batch_size, sched, mesh.replicas)
+    balance_by = resolve_balance_by(balance_by, schedule, D)
     sample = None if sample_shape is None else (chunk, *[int(v) for v in sample_shape])
     if balance is not None:
         bal = check_balance(balance, n_layers, D)
@@ -101,7 +103,7 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
         check_comm_cut(D)
         bal = balance_by_comm(seq, sample, dtype)
     else:
-        raise ConfigError("parallel.balance_by", balance_by, "memory, time or comm")
+        raise ConfigError("parallel.balance_by", balance_by, "auto, memory, time or comm")
     parts = split(seq, bal)
     shapes = None
     if sample is not None and D > 1:
