@@ -210,7 +210,7 @@ def preflight(cfg: DictConfig) -> None:
     p = cfg.parallel
     seq = spec.module
     if cfg.data.name == "hdf5":  # a file that does not match the model is named before launch
-        make_data(cfg, spec)
+        make_data(cfg, spec).samples.check_all(int(cfg.train.steps) * int(cfg.train.batch_size), spec.num_outputs)
     if cfg.train.precision == "fp16":
         on_cpu = cfg.train.device == "cpu" or (
             cfg.cluster.launcher == "local" and not torch.cuda.is_available() and cfg.train.device == "auto") or (

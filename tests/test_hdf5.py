@@ -111,7 +111,8 @@ def test_dataset_gives_this_ranks_part(files):
 
 
 def test_shape_mismatch_names_the_file(files, tmp_path):
-    with pytest.raises(ConfigError, match=r"data.path=.*sample_00000.h5.*\[4, 64, 64, 64\].*\[4, 32, 24, 20\]"):
+    with pytest.raises(ConfigError, match=r"data.path=.*: expected `full` shaped \[4, 64, 64, 64\].*; "
+                                          r"sample_00000.h5 .*has \[4, 32, 24, 20\]"):
         HDF5Samples(files[0].parent, (4, 64, 64, 64))
     import shutil
 
@@ -139,3 +140,90 @@ def test_synth_main_writes_and_refuses_to_overwrite(tmp_path):
         synth_main(cfg)
     with pytest.raises(ConfigError, match="data.path"):
         synth_main({"data": {"path": "???"}, "model": {"size": 8}})
+
+
+# ---------------------------------------------------------------------------- every file checked before launch
+CLI_SHAPE = (4, 32, 32, 32)  # cosmoflow model.size=32
+
+
+def _write(path, full_shape=CLI_SHAPE, full_dtype=np.int16, par=4, par_dtype=np.float32):
+    """One sample file in the ExaLearn layout (``par=None``: no ``unitPar``)."""
+    with h5py.File(path, "w") as f:
+        f.create_dataset("full", data=np.ones(full_shape, dtype=full_dtype))
+        if par is not None:
+            f.create_dataset("unitPar", data=np.zeros(par, dtype=par_dtype))
+
+
+def _folder(root, n=4, bad=None, **kw):
+    """``n`` good files ``sample_0000i.h5`` in ``root``; file ``bad`` written with ``kw`` instead."""
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        _write(root / f"sample_{i:05d}.h5", **(kw if i == bad else {}))
+    return root
+
+
+@pytest.mark.parametrize("kw,found", [
+    (dict(full_shape=(4, 16, 32, 32)), "has [4, 16, 32, 32]"),
+    (dict(par=None), "has no `unitPar` dataset"),
+    (dict(full_dtype="S2"), "has `full` of dtype |S2"),
+    (dict(par=3), "has `unitPar` shaped [3] of dtype float32"),
+], ids=["shape", "no unitPar", "full dtype", "unitPar size"])
+def test_run_names_the_first_bad_file_before_launch(tmp_path, kw, found):
+    """The 3rd of 4 files is bad: `gems run` names it in one line, exit 2, before any rank starts
+    (today's workers would fail on it at step 2 with exit 1)."""
+    from _cli import gems
+
+    data = _folder(tmp_path / "data", bad=2, **kw)
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "earlier.json").write_text("{}")  # what is there stays, and nothing is added
+    out = gems("run", f"results.dir={results}", "model.size=32", "model.width=0.25", "train.batch_size=2",
+               "train.steps=2", "train.warmup_steps=1", "data=hdf5", f"data.path={data}", timeout=120)
+    assert out.returncode == 2, out.stderr + out.stdout
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    line = lines[0]
+    assert f"data.path={data}:" in line and "sample_00002.h5 (file 3 of 4)" in line and found in line, line
+    if "shape" in kw:
+        assert "`full` shaped [4, 32, 32, 32]" in line, line  # the shape the model needs
+    assert "Traceback" not in out.stderr and "step" not in out.stdout
+    assert [p.name for p in results.iterdir()] == ["earlier.json"]
+
+
+def test_check_all_reads_headers_only_and_only_the_files_the_run_reads(tmp_path):
+    data = _folder(tmp_path / "d", n=6, bad=4, full_shape=(4, 8, 32, 32))
+    ds = HDF5Samples(data, CLI_SHAPE)
+    ds.check_all(4, 4)  # steps x batch = 4 samples read: files 0..3, all good
+    with pytest.raises(ConfigError, match=r"sample_00004\.h5 \(file 5 of 6\) has \[4, 8, 32, 32\]$"):
+        ds.check_all(5, 4)
+    with pytest.raises(ConfigError, match=r"sample_00004\.h5"):
+        ds.check_all(None)  # every file
+    # a file that is not HDF5 at all, and a single-file data.path
+    (data / "sample_00001.h5").write_bytes(b"not hdf5")
+    with pytest.raises(ConfigError, match=r"sample_00001\.h5 \(file 2 of 6\) has an unreadable file \(OSError"):
+        HDF5Samples(data, CLI_SHAPE).check_all(2)
+    with pytest.raises(ConfigError, match=r"data\.path=.*sample_00004\.h5: expected `full` shaped .*; the file has"):
+        HDF5Samples(data / "sample_00004.h5", CLI_SHAPE)
+    # headers only: the counts of a file whose raw data is gone (external storage, removed) are never read
+    raw = tmp_path / "counts.bin"
+    raw.write_bytes(np.ones(CLI_SHAPE, np.int16).tobytes())
+    with h5py.File(tmp_path / "ext.h5", "w") as f:
+        f.create_dataset("full", shape=CLI_SHAPE, dtype=np.int16, external=[(str(raw), 0, raw.stat().st_size)])
+        f.create_dataset("unitPar", data=np.zeros(4, np.float32))
+    read_sample(tmp_path / "ext.h5")  # the file works while its raw data is there
+    raw.unlink()
+    HDF5Samples(tmp_path / "ext.h5", CLI_SHAPE).check_all(None, 4)
+    with pytest.raises(OSError):
+        read_sample(tmp_path / "ext.h5")  # reading the counts would fail now
+    # and quick: 1000 tiny files
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(1000):
+        _write(many / f"s{i:04d}.h5", full_shape=(1, 2, 2, 2))
+    import time
+
+    t0 = time.perf_counter()
+    HDF5Samples(many, (1, 2, 2, 2)).check_all(None, 4)
+    took = time.perf_counter() - t0
+    print(f"checked 1000 files in {took:.2f} s")
+    assert took < 10.0, took  # ~0.2 s on an idle core; generous for a loaded machine

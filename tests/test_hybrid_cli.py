@@ -46,6 +46,10 @@ CASES = [
      ["parallel.replicas=2", "parallel.pipeline=2", "parallel.schedule=mast", "parallel.spatial=2"]),
     ("unet3d S=2 global BN", ["model=unet3d", "model.size=16", "model.width=0.125", "train.batch_size=2",
                               "train.steps=3", "train.warmup_steps=1"], ["parallel.spatial=2"]),
+    ("custom model S=2, gathered before its Flatten", ["model=custom", "model._target_=_custom_models.plain",
+                                                        "model.input_shape=[1,8,8,8]", "model.num_outputs=3",
+                                                        "train.batch_size=2", "train.steps=3", "train.warmup_steps=1"],
+     ["parallel.spatial=2"]),
     ("resnet D=2 gpipe", ["model=resnet", "model.depth=11", "model.size=32", "model.width=0.25", "model.norm=group",
                           "train.batch_size=4", "train.steps=3", "train.warmup_steps=1"],
      ["parallel.pipeline=2", "parallel.schedule=gpipe", "parallel.micro_batches=2"]),
@@ -61,6 +65,35 @@ def test_parallel_losses_equal_serial(tmp_path, serial, name, base, par):
     r = losses(tmp_path, *base, *par)
     torch.testing.assert_close(torch.tensor(r["loss"]), torch.tensor(ref), rtol=2e-5, atol=1e-6)
     assert r["global_batch"] == int(next(a for a in base if a.startswith("train.batch_size=")).split("=")[1])
+    if r["mesh"]["pipeline"] > 1 and r["mesh"]["spatial"] > 1:  # spatial partitions: balanced, and as planned
+        bal = r["mesh"]["balance"]
+        n = sum(bal)
+        assert bal != [n - n // 2, n // 2], "balanced by memory on the serial layers, not split by count"
+        plan = gems("plan", *base, *par)
+        assert plan.returncode == 0 and f"balance {bal};" in plan.stdout, plan.stdout[-800:]
+
+
+SGD = ["model.size=32", "model.width=0.5", "train.steps=4", "train.warmup_steps=1", "train.batch_size=4",
+       "train.optimizer=sgd"]
+SGD_LR = 0.02
+
+
+@pytest.mark.parametrize("par", [["parallel.spatial=2", "parallel.spatial_dims=[0]"],
+                                 ["parallel.replicas=2", "parallel.spatial=2", "parallel.spatial_dims=[0]"]],
+                         ids=["S=2 depth", "R=2 x S=2"])
+def test_sgd_gradients_are_summed_over_spatial_parts(tmp_path, serial, par):
+    """Adam divides the gradient by its own scale: the Adam cases above see gradients averaged over the
+    spatial parts instead of summed only through Adam's eps, by a few times their tolerance. SGD (with
+    momentum) does not: a gradient scaled by c trains exactly like the learning rate scaled by c."""
+    ref = torch.tensor(serial(*SGD, f"train.lr={SGD_LR}"))
+    r = losses(tmp_path, *SGD, f"train.lr={SGD_LR}", *par)
+    got = torch.tensor(r["loss"])
+    assert r["world_size"] == (4 if "parallel.replicas=2" in par else 2) and r["global_batch"] == 4
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=1e-6)
+    # the comparison can fail: gradients averaged over the 2 parts would train like lr / 2
+    averaged = torch.tensor(serial(*SGD, f"train.lr={SGD_LR / 2}"))
+    tol = 2e-5 * ref.abs() + 1e-6
+    assert ((got - averaged).abs() > 20 * tol)[1:].all(), (got, averaged)
 
 
 def test_hdf5_partitioned_input_trains_like_serial(tmp_path):
@@ -92,6 +125,11 @@ def test_hdf5_partitioned_input_trains_like_serial(tmp_path):
     (["model=resnet", "model.depth=12"], "model.depth=12"),
     (["data=hdf5", "data.path=/nonexistent"], "data.path=/nonexistent"),
     (["parallel.pipeline=4", "parallel.schedule=mast", "parallel.balance_by=comm"], "parallel.balance_by=comm"),
+    # a custom model (tests/_custom_models.py) with a layer before its gather point that gems cannot partition
+    (["model=custom", "model._target_=_custom_models.global_pool", "model.input_shape=[1,8,8,8]", "model.num_outputs=3",
+      "model.spatial_end=3", "parallel.spatial=2"], "model='layer 2 AdaptiveAvgPool3d(output_size=1)': expected a layer gems can"),
+    (["model=custom", "model._target_=_custom_models.own_layer", "model.input_shape=[1,8,8,8]", "model.num_outputs=3",
+      "parallel.spatial=2"], "model='layer 1 Normalize()': expected a layer gems can partition"),  # gather: its Flatten
 ])
 def test_bad_parallel_input_exits_2_before_launch(tmp_path, args, key):
     out = gems("run", f"results.dir={tmp_path}/r", *args)

@@ -121,9 +121,9 @@ def test_conversion_keeps_parameters_and_state_dict():
 
 def test_unsupported_layer_names_it():
     seq = nn.Sequential(nn.Conv2d(1, 2, 3), nn.AdaptiveAvgPool2d(3))
-    with pytest.raises(ConfigError, match=r"model=AdaptiveAvgPool2d.*layers gems can partition"):
+    with pytest.raises(ConfigError, match=r"model='layer 1 AdaptiveAvgPool2d.*a layer gems can partition"):
         apply_spatial(seq, _ctx())
-    with pytest.raises(ConfigError, match=r"Flatten.*spatial_end"):
+    with pytest.raises(ConfigError, match=r"layer 1 Flatten.*model.spatial_end <= 1"):
         apply_spatial(nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(2, 2)), _ctx(), None)
     with pytest.raises(ConfigError, match="padding_mode"):
         apply_spatial(nn.Sequential(nn.Conv2d(1, 2, 3, padding=1, padding_mode="circular")), _ctx())

@@ -15,6 +15,7 @@ like the sample. ``source`` may be a path or an open binary file object
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any, BinaryIO, Sequence
@@ -80,40 +81,82 @@ class HDF5Samples:
     """The samples under ``path`` (a directory of ``*.h5``, sorted by name, or one file).
 
     ``expected_shape`` (C, *spatial) is the model's input; a file that does not
-    match is a :class:`ConfigError` naming it. With ``ctx`` each item is this
+    match is a :class:`ConfigError` naming it. The first file is checked here,
+    every other one when it is first read; :meth:`check_all` checks them all
+    up front (the CLI's pre-launch check). With ``ctx`` each item is this
     rank's part (its hyperslab of every sample); ``slices`` picks a part by hand.
     """
 
     def __init__(self, path: str | os.PathLike, expected_shape: Sequence[int] | None = None, ctx: Any = None,
                  slices: Sequence[slice] | None = None, log1p: bool = True) -> None:
         p = Path(path)
-        self.files = sorted(p.glob("*.h5")) if p.is_dir() else ([p] if p.is_file() else [])
+        self.path, self.is_dir = str(path), p.is_dir()
+        self.files = sorted(p.glob("*.h5")) if self.is_dir else ([p] if p.is_file() else [])
         if not self.files:
             raise ConfigError("data.path", str(path), "a directory of .h5 sample files (`gems data synth` writes one)")
         self.expected = tuple(int(n) for n in expected_shape) if expected_shape is not None else None
-        self.shape = self._check(self.files[0])
+        self.shape = self._check(0)
         self.log1p = log1p
         self.slices = tuple(slices) if slices is not None else (ctx.local_slices(self.shape[1:]) if ctx is not None else None)
-        self._checked = {self.files[0]}
+        self._checked = {0}
 
-    def _check(self, file: Path) -> tuple[int, ...]:
-        shape = sample_shape(file)
+    def check_all(self, count: int | None = None, target_size: int | None = None) -> None:
+        """Check the metadata of every file the first ``count`` samples read (all files when None),
+        in order: the first bad one is a :class:`ConfigError` naming it. Only headers are read
+        (the datasets' shapes and dtypes), never the samples; ``target_size``: the length
+        ``unitPar`` must have (the model's outputs)."""
+        n = len(self.files) if count is None else min(len(self.files), max(0, int(count)))
+        for i in range(n):
+            self._check(i, target_size)
+        self._checked.update(range(n))
+
+    def _check(self, index: int, target_size: int | None = None) -> tuple[int, ...]:
+        """(C, *spatial) of file ``index``, after checking its layout (headers only) against the model."""
+        file = self.files[index]
+        h5 = _h5()
+
+        def bad(expected: str, found: str) -> ConfigError:
+            where = f"{file.name} (file {index + 1} of {len(self.files)})" if self.is_dir else "the file"
+            return ConfigError("data.path", self.path, f"{expected}; {where} has {_oneline(found)}")
+
+        layout = "HDF5 sample files, each with a `full` dataset (C, *spatial) of counts and a `unitPar` target vector"
+        try:
+            with h5.File(file, "r") as f:
+                meta = {k: (d.shape, d.dtype) if isinstance(d, h5.Dataset) else None
+                        for k, d in (("full", f.get("full")), ("unitPar", f.get("unitPar")))}
+        except OSError as e:  # not HDF5, truncated, unreadable
+            raise bad(layout, f"an unreadable file ({type(e).__name__}: {e})") from None
+        for k, m in meta.items():
+            if m is None:
+                raise bad(layout, f"no `{k}` dataset")
+        (shape, dtype), (pshape, pdtype) = meta["full"], meta["unitPar"]
+        shape = tuple(int(n) for n in shape or ())  # shape None: an empty (null) dataspace
+        if dtype.kind not in "iuf":
+            raise bad("`full` of integer or float counts (int16 in the ExaLearn layout)", f"`full` of dtype {dtype}")
         if self.expected is not None and shape != self.expected:
-            raise ConfigError("data.path", str(file),
-                              f"`full` shaped {list(self.expected)} (C, *spatial) to match the model; this file has {list(shape)}")
+            raise bad(f"`full` shaped {list(self.expected)} (C, *spatial) to match the model", str(list(shape)))
+        size = 0 if pshape is None else math.prod(pshape)
+        if pdtype.kind not in "iuf" or size == 0 or (target_size is not None and size != int(target_size)):
+            want = f"{int(target_size)} numbers" if target_size is not None else "numbers"
+            raise bad(f"`unitPar` of {want} (the target vector, one value per model output)",
+                      f"`unitPar` shaped {list(pshape or ())} of dtype {pdtype}")
         return shape
 
     def __len__(self) -> int:
         return len(self.files)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        file = self.files[index % len(self.files)]
-        if file not in self._checked:
-            self._check(file)
-            self._checked.add(file)
-        return read_sample(file, self.slices, self.log1p)
+        i = index % len(self.files)
+        if i not in self._checked:
+            self._check(i)
+            self._checked.add(i)
+        return read_sample(self.files[i], self.slices, self.log1p)
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Stacked parts ``(N, C, *part)`` and targets ``(N, 4)`` of the samples ``indices``."""
         items = [self[i] for i in indices]
         return torch.stack([x for x, _ in items]), torch.stack([t for _, t in items])
+
+
+def _oneline(text: str) -> str:
+    return " ".join(str(text).split())

@@ -104,5 +104,6 @@ def _build_custom(m: Any) -> ModelSpec:
     target_kind = m.get("target", "vector")
     if target_kind not in ("vector", "dense"):
         raise ConfigError("model.target", target_kind, "vector or dense")
+    end = m.get("spatial_end")  # the config always has the key (null: gather before the first Flatten, if any)
     return ModelSpec(seq, "custom", tuple(int(s) for s in shape), int(m.get("num_outputs", 1)), loss, target_kind,
-                     m.get("spatial_end", _first_flatten(seq)))
+                     _first_flatten(seq) if end is None else int(end))

@@ -32,7 +32,7 @@ _CONTAINERS: list[type] = []
 SUPPORTED = ("Conv1d/2d/3d, ConvTranspose1d/2d/3d, MaxPool1d/2d/3d, AvgPool1d/2d/3d, BatchNorm1d/2d/3d, "
              "GroupNorm, InstanceNorm (no running stats), Upsample, element-wise activations and dropout, "
              "SampleDropout, Softmax/LogSoftmax over channels, nn.Sequential, skip stash/concat/add, registered "
-             "residual blocks; Flatten and Linear only after parallel.spatial_end")
+             "residual blocks; Flatten and Linear only after the gather (model.spatial_end)")
 
 
 def register_pointwise(cls: type) -> type:
@@ -95,10 +95,12 @@ class _Converter:
         self.pointwise = _known_pointwise()
         self.containers = _known_containers()
 
-    def refuse(self, m: nn.Module, why: str = "") -> ConfigError:
+    def refuse(self, m: nn.Module, label: str, fix: str = "") -> ConfigError:
+        """Bad input naming the layer (its index in the model and what it is) and what would work."""
         text = repr(m).replace("\n", " ")
-        return ConfigError("model", text if len(text) < 100 else text[:97] + "...",
-                           (why + "; " if why else "") + f"layers gems can partition: {SUPPORTED}")
+        text = text if len(text) < 80 else text[:77] + "..."
+        return ConfigError("model", f"layer {label.split(':')[0]} {text}",
+                           (fix + "; or " if fix else "") + f"a layer gems can partition: {SUPPORTED}")
 
     def __call__(self, m: nn.Module, label: str) -> nn.Module:
         new = self.convert(m, label)
@@ -116,11 +118,11 @@ class _Converter:
             return L.SpatialConvTranspose(m, s, label)
         if isinstance(m, nn.modules.conv._ConvNd):
             if m.padding_mode != "zeros":
-                raise self.refuse(m, f"padding_mode={m.padding_mode!r} is not partitioned (use 'zeros')")
+                raise self.refuse(m, label, "padding_mode='zeros' (the only padding the halo exchange reproduces)")
             return L.SpatialConv(m, s, label)
         if isinstance(m, nn.modules.pooling._MaxPoolNd):
             if m.return_indices:
-                raise self.refuse(m, "return_indices=True is not partitioned")
+                raise self.refuse(m, label, "return_indices=False")
             return L.SpatialMaxPool(m, s, label, nd)
         if isinstance(m, nn.modules.pooling._AvgPoolNd):
             return L.SpatialAvgPool(m, s, label, nd)
@@ -130,11 +132,11 @@ class _Converter:
             return L.SpatialNorm(m, s, label)
         if isinstance(m, nn.modules.instancenorm._InstanceNorm):
             if m.track_running_stats:
-                raise self.refuse(m, "InstanceNorm with track_running_stats is not partitioned")
+                raise self.refuse(m, label, "InstanceNorm with track_running_stats=False")
             return L.SpatialNorm(m, s, label)
         if isinstance(m, nn.Upsample):
             if m.mode not in ("nearest", "nearest-exact", "linear", "bilinear", "trilinear"):
-                raise self.refuse(m, f"Upsample mode {m.mode!r} is not partitioned")
+                raise self.refuse(m, label, "Upsample mode nearest, nearest-exact, linear, bilinear or trilinear")
             return L.SpatialUpsample(m, s, label)
         if isinstance(m, nn.PReLU):
             return L.SpatialPReLU(m, s, label)
@@ -145,8 +147,9 @@ class _Converter:
         if isinstance(m, self.pointwise) and not list(m.parameters(recurse=False)):
             return L.SpatialPointwise(m, s, label)
         if isinstance(m, (nn.Flatten, nn.Linear)):
-            raise self.refuse(m, "it needs the whole sample: set spatial_end (the gather) before it")
-        raise self.refuse(m)
+            top = label.split(":")[0].split(".")[0]
+            raise self.refuse(m, label, f"model.spatial_end <= {top} (it needs the whole sample: gather before it)")
+        raise self.refuse(m, label)
 
     def container(self, m: nn.Module, label: str) -> nn.Module:
         """A copy of ``m`` sharing its parameters, with converted children and a tagging hook."""

@@ -1,0 +1,27 @@
+"""Tiny models for `gems run model=custom model._target_=_custom_models.NAME` (tests/ is on PYTHONPATH)."""
+import torch
+from torch import nn
+
+
+def global_pool() -> nn.Sequential:
+    """A 3D net with a global pooling before its gather point (the Flatten, layer 3): not partitionable."""
+    return nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool3d(1), nn.Flatten(),
+                         nn.Linear(2, 3))
+
+
+class Normalize(nn.Module):
+    """A layer of the user's own that reduces over the whole sample: gems does not know it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / x.abs().amax(dim=(2, 3, 4), keepdim=True).clamp_min(1e-6)
+
+
+def own_layer(n: int = 8) -> nn.Sequential:
+    return nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), Normalize(), nn.Flatten(), nn.Linear(2 * n ** 3, 3))
+
+
+def plain(n: int = 8) -> nn.Sequential:
+    """A partitionable 3D net: no model.spatial_end needed, the gather goes before its Flatten."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.ReLU(), nn.AvgPool3d(2), nn.Flatten(),
+                         nn.Linear(2 * (n // 2) ** 3, 3))
