@@ -1,41 +1,59 @@
 """Rank functions and the serial reference for the pipeline transparency tests.
 
 A *case* is a dict: model ("cosmoflow" | "resnet_bn" | "resnet_gn"), schedule,
-D (pipeline), R (replicas), m (micro-batches), eta (gems_replicas or None),
-checkpoint, B (global batch), steps. Every rank builds the same model from the
-same seed, runs ``steps`` SGD steps through ``apply_pipeline``, sums gradients
-over the mesh's ``grad`` group and returns the global loss of every step, the
-step-0 gradients and final parameters of each partition it holds.
-``serial_case`` computes the same from one process by gradient accumulation
-over the same chunks.
+D (pipeline), R (replicas), S (spatial parts), m (micro-batches), eta
+(gems_replicas or None), checkpoint, B (global batch), steps, and ``via``:
+
+* ``"pipeline"``: the rank calls ``apply_pipeline`` itself and sums the
+  gradients over the mesh's ``grad`` group with one ``all_reduce`` each;
+* ``"worker"``: the rank composes the strategies exactly as ``gems run`` does,
+  through :func:`gems.worker.parallelize` (spatial parts inside the pipeline
+  partitions, then the pipeline, then the real
+  :class:`gems.replication.GradientReducer` summing over the ``grad`` group,
+  hooks and buckets included). Spatial cases (S > 1) need this route.
+
+Every rank builds the same model from the same seed, runs ``steps`` SGD steps
+and returns the global loss of every step and, for each partition it holds,
+the step-0 gradients and final parameters, each with its index in the serial
+model's ``parameters()`` (partitions of a spatial model carry an extra gather
+layer, so partitions are compared parameter by parameter, not by position),
+the floating buffers with their index in ``buffers()`` and the
+``num_batches_tracked`` of its BatchNorm layers. ``serial_case`` computes the
+same from one process by gradient accumulation over the same chunks.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from torch import nn
 
 from gems.mesh import Mesh
+from gems.models import ModelSpec, build_model
 from gems.models.layers import batch_context
-from gems.pipeline import apply_pipeline, is_mirrored, split
+from gems.pipeline import apply_pipeline, is_mirrored, make_schedule
 
 SEED = 7
 LR = 0.05
 
 
-def build(model: str) -> tuple[nn.Sequential, tuple[int, ...], str]:
+def build(model: str) -> ModelSpec:
+    """The model through the registry, as ``gems run`` builds it; the same weights on every rank."""
     torch.manual_seed(0)
     if model == "cosmoflow":
-        from gems.models.cosmoflow import cosmoflow
+        node: dict[str, Any] = dict(name="cosmoflow", size=32, width=0.125, dropout=0.3)
+    else:
+        node = dict(name="resnet", depth=20, size=16, in_channels=3, num_classes=5, width=0.25,
+                    norm="batch" if model == "resnet_bn" else "group")
+    return build_model(OmegaConf.create(node))
 
-        return cosmoflow(32, width=0.125, dropout=0.3), (4, 32, 32, 32), "mse"
-    from gems.models.resnet import resnet_v2
 
-    norm = "batch" if model == "resnet_bn" else "group"
-    return resnet_v2(20, in_channels=3, num_classes=5, width=0.25, norm=norm), (3, 16, 16), "ce"
+def _kind(spec: ModelSpec) -> str:
+    return "mse" if spec.loss == "mse" else "ce"
 
 
 def batch(step: int, B: int, shape: tuple[int, ...], loss: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -57,53 +75,145 @@ def pipeline_cases(rank: int, world: int, cases: list[dict[str, Any]]) -> list[d
     return [_run_case(rank, world, c) for c in cases]
 
 
+class _Rank:
+    """What one rank trains, however it was composed."""
+
+    mesh: Mesh
+    held: dict[int, nn.Module]  # partition index -> this rank's module of it
+    params: list[nn.Parameter]
+    needs_inputs: bool
+    needs_targets: bool
+    slices: tuple[slice, ...] | None  # this rank's spatial part of a sample
+    samples_per_step: int
+    balance: list[int] | None
+
+    def step(self, x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], t: int) -> float:
+        """One step's forwards and backwards; afterwards ``.grad`` holds the sum over the grad group."""
+        raise NotImplementedError
+
+
+class _Direct(_Rank):
+    def __init__(self, rank: int, world: int, c: dict[str, Any], spec: ModelSpec) -> None:
+        R, D, B = c["R"], c["D"], c["B"]
+        self.mesh = Mesh(R, D, world_size=world)
+        self.mesh.build_groups(rank, mirrored=is_mirrored(c["schedule"]))
+        self.runner = apply_pipeline(
+            spec.module, self.mesh, rank, loss_fn=make_loss(_kind(spec), B), batch_size=B // R,
+            schedule=c["schedule"], micro_batches=c["m"], gems_replicas=c.get("eta"),
+            checkpoint=c.get("checkpoint", False), sample_shape=spec.input_shape if c.get("trace", True) else None,
+            balance=c.get("balance"), balance_by=c.get("balance_by", "memory"))
+        self.held = dict(self.runner.partitions)
+        self.params = self.runner.parameters()  # may be empty: a memory-balanced cut can leave only pooling layers
+        self.needs_inputs, self.needs_targets = self.runner.needs_inputs, self.runner.needs_targets
+        self.slices, self.samples_per_step, self.balance = None, self.runner.samples_per_step, self.runner.balance
+
+    def step(self, x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], t: int) -> float:
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+        local = self.runner.step(x, y, ids, SEED, t)
+        if self.mesh.group("grad") is not None:
+            for p in self.params:
+                dist.all_reduce(p.grad, group=self.mesh.group("grad"))
+        return local
+
+
+class _Worker(_Rank):
+    """Composed by ``gems.worker.parallelize`` from a configuration, as on every rank of ``gems run``."""
+
+    def __init__(self, rank: int, world: int, c: dict[str, Any], spec: ModelSpec) -> None:
+        from gems.bootstrap import World
+        from gems.mesh import mesh_from_config
+        from gems.worker import parallelize
+
+        cfg = OmegaConf.create({
+            "parallel": dict(replicas=c["R"], pipeline=c["D"], spatial=c["S"], spatial_dims=list(c["spatial_dims"]),
+                             schedule=c["schedule"], micro_batches=c["m"], gems_replicas=c.get("eta"),
+                             balance=c.get("balance"),
+                             balance_by=c.get("balance_by", "memory"), checkpoint=c.get("checkpoint", False),
+                             bn_stats="global", overlap=c.get("overlap")),
+            "train": dict(batch_size=c["B"], seed=SEED, precision="fp32"),
+            "comm": dict(bucket_mb=c.get("bucket_mb", 4.0)),
+        })
+        w = World(rank=rank, size=world, local_rank=rank, master_addr="127.0.0.1", master_port=0, source="single",
+                  device=torch.device("cpu"), backend="gloo", grad_comm="torch")
+        self.mesh = mesh_from_config(cfg, world)
+        self.mesh.build_groups(rank, mirrored=is_mirrored(c["schedule"]))
+        self.par = parallelize(spec, self.mesh, w, cfg)
+        sched = make_schedule(c["schedule"], c["D"], c["m"], c.get("eta"))
+        held = sched.partitions_of(self.mesh.coord(rank).pipeline)
+        assert len(held) == len(self.par.modules), (held, len(self.par.modules))
+        self.held = dict(zip(held, self.par.modules))
+        self.params = self.par.params
+        self.needs_inputs, self.needs_targets = self.par.needs_input, self.par.needs_target
+        self.slices, self.samples_per_step = self.par.input_slices, self.par.samples_per_step
+        self.balance = getattr(self.par, "balance", None)
+
+    def step(self, x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], t: int) -> float:
+        for p in self.params:
+            p.grad = None  # as the worker leaves them (zero_grad(set_to_none=True))
+        return self.par.step(x, y, ids, t)
+
+
 def _run_case(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
-    seq, shape, kind = build(c["model"])
-    R, D, B = c["R"], c["D"], c["B"]
-    mesh = Mesh(R, D, world_size=world)
-    mesh.build_groups(rank, mirrored=is_mirrored(c["schedule"]))
-    runner = apply_pipeline(seq, mesh, rank, loss_fn=make_loss(kind, B), batch_size=B // R, schedule=c["schedule"],
-                            micro_batches=c["m"], gems_replicas=c.get("eta"), checkpoint=c.get("checkpoint", False),
-                            sample_shape=shape if c.get("trace", True) else None, balance=c.get("balance"),
-                            balance_by=c.get("balance_by", "memory"))
-    params = runner.parameters()  # may be empty: a memory-balanced cut can leave a rank only pooling layers
-    opt = torch.optim.SGD(params, lr=LR) if params else None
-    r = mesh.coord(rank).replica
+    spec = build(c["model"])
+    shape, kind = tuple(spec.input_shape), _kind(spec)
+    param_index = {id(p): k for k, p in enumerate(spec.module.parameters())}
+    buffer_index = {id(b): k for k, b in enumerate(spec.module.buffers())}
+    me: _Rank = (_Worker if c["via"] == "worker" else _Direct)(rank, world, c, spec)
+    R, B = c["R"], c["B"]
+    opt = torch.optim.SGD(me.params, lr=LR) if me.params else None
+    r = me.mesh.coord(rank).replica
     share = slice(r * B // R, (r + 1) * B // R)
+    index = {i: [param_index[id(p)] for p in part.parameters()] for i, part in me.held.items()}
     losses, grads0 = [], {}
     for t in range(c["steps"]):
         x, y, ids = batch(t, B, shape, kind)
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        local = runner.step(x[share] if runner.needs_inputs else None, y[share] if runner.needs_targets else None,
-                            ids[share], SEED, t)
-        for p in runner.parameters():
-            if mesh.group("grad") is not None:
-                dist.all_reduce(p.grad, group=mesh.group("grad"))
+        x, y = x[share], y[share]
+        if me.slices is not None:  # this rank's part of every sample, as the data reader hands it over
+            x = x[(slice(None), slice(None), *me.slices)].contiguous()
+        local = me.step(x if me.needs_inputs else None, y if me.needs_targets else None, ids[share], t)
         total = torch.tensor([local], dtype=torch.float64)
         dist.all_reduce(total)
         losses.append(total.item())
         if t == 0:
-            grads0 = {i: [p.grad.clone() for p in part.parameters()] for i, part in runner.partitions.items()}
+            grads0 = {i: [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in part.parameters()]
+                      for i, part in me.held.items()}
         if opt is not None:
             opt.step()
-    return {"rank": rank, "losses": losses, "grads0": grads0, "balance": runner.balance,
-            "params": {i: [p.detach().clone() for p in part.parameters()] for i, part in runner.partitions.items()},
-            "samples_per_step": runner.samples_per_step}
+    sched = make_schedule(c["schedule"], c["D"], c["m"], c.get("eta"))
+    forwards = {i: sum(a.kind == "F" and a.stage == i for a in sched.actions[me.mesh.coord(rank).pipeline])
+                for i in me.held}
+    return {"rank": rank, "losses": losses, "grads0": grads0, "balance": me.balance, "index": index,
+            "params": {i: [p.detach().clone() for p in part.parameters()] for i, part in me.held.items()},
+            "buffers": {i: [(buffer_index[id(b)], b.detach().clone()) for _, b in part.named_buffers() if b.is_floating_point()]
+                        for i, part in me.held.items()},
+            "tracked": {i: [int(b) for n, b in part.named_buffers() if n.endswith("num_batches_tracked")]
+                        for i, part in me.held.items()},
+            "forwards": forwards, "samples_per_step": me.samples_per_step}
 
 
-def serial_case(c: dict[str, Any], balance: list[int]) -> dict[str, Any]:
-    """One process, the same chunks: replica r's share cut into eta x m chunks, gradients accumulated."""
-    seq, shape, kind = build(c["model"])
-    R, B = c["R"], c["B"]
+def serial_case(c: dict[str, Any]) -> dict[str, Any]:
+    """One process, the same chunks: replica r's share cut into eta x m chunks, gradients accumulated.
+
+    Returns the losses and, indexed like ``parameters()`` / ``buffers()`` of the model, the step-0
+    gradients, the initial and final parameters and the final buffers. Cases that cut the batch alike
+    share one reference (the caller must not modify it).
+    """
     eta = 2 if c["schedule"] == "mast" else (c.get("eta") or 1)
-    chunks = R * eta * c["m"]
+    return _serial(c["model"], c["B"], c["R"] * eta * c["m"], c["steps"])
+
+
+@functools.lru_cache(maxsize=None)
+def _serial(model: str, B: int, chunks: int, steps: int) -> dict[str, Any]:
+    spec = build(model)
+    seq, shape, kind = spec.module, tuple(spec.input_shape), _kind(spec)
     k = B // chunks
     loss_fn = make_loss(kind, B)
-    opt = torch.optim.SGD(seq.parameters(), lr=LR)
-    parts = split(seq, balance)
-    losses, grads0 = [], {}
-    for t in range(c["steps"]):
+    params = list(seq.parameters())
+    init = [p.detach().clone() for p in params]
+    opt = torch.optim.SGD(params, lr=LR)
+    losses, grads0 = [], []
+    for t in range(steps):
         x, y, ids = batch(t, B, shape, kind)
         opt.zero_grad(set_to_none=False)
         total = 0.0
@@ -115,7 +225,7 @@ def serial_case(c: dict[str, Any], balance: list[int]) -> dict[str, Any]:
             total += loss.item()
         losses.append(total)
         if t == 0:
-            grads0 = {i: [p.grad.clone() for p in part.parameters()] for i, part in enumerate(parts)}
+            grads0 = [p.grad.clone() for p in params]
         opt.step()
-    return {"losses": losses, "grads0": grads0,
-            "params": {i: [p.detach().clone() for p in part.parameters()] for i, part in enumerate(parts)}}
+    return {"losses": losses, "grads0": grads0, "init": init, "params": [p.detach().clone() for p in params],
+            "buffers": [b.detach().clone() for b in seq.buffers()]}
