@@ -4,8 +4,10 @@ Each case builds a small model, runs it serially on every rank (the
 reference), then partitioned over a spatial group, and compares outputs,
 input gradients, summed parameter gradients and buffers. A 4-rank world
 holds several groups at once (two of size 2, one of size 3, the whole world
-of 4) so one spawn covers S = 2, 3 and 4, one and two cut dims. Failures are
-returned as text per case, so one bad case does not hide the others.
+of 4) so one spawn covers S = 2, 3 and 4, one and two cut dims; an 8-rank
+world cuts 3D inputs into 2x2x2 cubes (halos through faces, edges and the
+vertex corner). Failures are returned as text per case, so one bad case does
+not hide the others.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ LAYOUTS: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "S4d1": ((4,), (1,)),
     "S22": ((2, 2), (0, 1)),
     "S22d12": ((2, 2), (1, 2)),
+    "S222": ((2, 2, 2), (0, 1, 2)),  # the 8-rank world only
 }
 
 
@@ -73,21 +76,27 @@ LAYER_CASES: dict[str, tuple[Callable[[], nn.Sequential], tuple[int, ...], tuple
                     ("S2d1", "S4d1", "S22"), {}),
     "conv2d_k7s2p3": (lambda: _seq(nn.Conv2d(2, 2, 7, stride=2, padding=3)), (1, 2, 15, 11), ("S4d0", "S22"), {}),
     "conv1d_k3p2d2": (lambda: _seq(nn.Conv1d(2, 3, 3, padding=2, dilation=2), nn.Conv1d(3, 2, 2, stride=2)),
-                      (2, 2, 17), ("S3d0", "S4d0"), {}),
+                      (2, 2, 17), ("S2d0", "S3d0", "S4d0"), {}),
     "convT3d_k2s2": (lambda: _seq(nn.ConvTranspose3d(2, 3, 2, stride=2)), (1, 2, 5, 4, 3), ("S2d0", "S4d0", "S22"), {}),
     "convT3d_k3s2p1op1": (lambda: _seq(nn.ConvTranspose3d(2, 2, 3, stride=2, padding=1, output_padding=1)),
                           (1, 2, 5, 4, 3), ("S3d0", "S22"), {}),
     "convT2d_k4s2p1d2_groups": (lambda: _seq(nn.ConvTranspose2d(2, 4, 4, stride=2, padding=1, dilation=2, groups=2)),
-                                (1, 2, 7, 6), ("S4d0", "S22"), {}),
+                                (1, 2, 7, 6), ("S2d0", "S4d0", "S22"), {}),
     "convT2d_k1s3_gaps": (lambda: _seq(nn.ConvTranspose2d(2, 2, 1, stride=3)), (1, 2, 5, 4), ("S4d0", "S22"), {}),
     "maxpool3d_k2": (lambda: _seq(nn.MaxPool3d(2)), D3, ("S2d0", "S4d0", "S22d12"), {}),
     "maxpool3d_k3s2p1_ceil_dil": (lambda: _seq(nn.MaxPool3d(3, 2, 1, ceil_mode=True), nn.MaxPool3d(2, 1, dilation=2)),
-                                  (1, 2, 12, 9, 7), ("S3d0", "S22"), {}),
+                                  (1, 2, 12, 9, 7), ("S2d0", "S3d0", "S22"), {}),
     "avgpool3d_k3s2p1": (lambda: _seq(nn.AvgPool3d(3, stride=2, padding=1)), D3, ("S2d0", "S4d0", "S22", "S3d2"), {}),
     "avgpool3d_nopad_ceil": (lambda: _seq(nn.AvgPool3d(3, 2, 1, ceil_mode=True, count_include_pad=False)),
                              (1, 2, 10, 7, 6), ("S4d0", "S22"), {}),
     "avgpool2d_divisor": (lambda: _seq(nn.AvgPool2d(3, 2, 1, divisor_override=4), nn.AvgPool2d(2)), (1, 2, 11, 9),
-                          ("S3d0", "S22"), {}),
+                          ("S2d1", "S3d0", "S22"), {}),
+    "avgpool2d_k3s2p1_nopad": (lambda: _seq(nn.AvgPool2d(3, 2, 1, count_include_pad=False)), (2, 2, 9, 7),
+                               ("S2d0", "S4d1"), {}),
+    "maxpool2d_k3s2p1": (lambda: _seq(nn.MaxPool2d(3, 2, 1), nn.MaxPool2d((2, 3), 1, (1, 1))), (1, 4, 11, 7),
+                         ("S2d1", "S3d0", "S4d0", "S22"), {"ramps": True}),
+    "maxpool1d_k4s3p2_ceil": (lambda: _seq(nn.MaxPool1d(4, 3, 2, ceil_mode=True), nn.MaxPool1d(3, 1, 1)), (2, 2, 19),
+                              ("S2d0", "S3d0", "S4d0"), {"ramps": True}),
     "batchnorm3d_train": (lambda: _seq(nn.Conv3d(2, 3, 3, padding=1), nn.BatchNorm3d(3), nn.ReLU()), D3,
                           ("S2d0", "S4d0", "S22"), {}),
     "batchnorm2d_eval": (lambda: _seq(nn.BatchNorm2d(2), nn.Conv2d(2, 2, 3, padding=1)), (2, 2, 8, 6), ("S22",),
@@ -120,6 +129,39 @@ LAYER_CASES: dict[str, tuple[Callable[[], nn.Sequential], tuple[int, ...], tuple
                          {"spatial_end": 6}),
 }
 
+# The cases above run with overlap=True. These run the CPU default (overlap=None) and overlap=False
+# on both routes of the window layers. Max pools and average pools that do not count padding take
+# the window route (halo.Assemble); with overlap=None or False on CPU that is one whole window, not
+# the interior-then-slabs path overlap=True takes. Average pools counting padding take the no-copy
+# route (Exchange/Shell/AddInto), which waits for the halos before the op only with overlap=False.
+# The linear cases' extents are aligned with the stride so every rank takes that route, the window
+# cases' are uneven; "route" checks which route each layer took.
+for _ov, _tag in ((None, "cpu_default"), (False, "no_overlap")):
+    LAYER_CASES[f"maxpool3d_k3s2p1_{_tag}"] = (lambda: _seq(nn.MaxPool3d(3, 2, 1)), (2, 4, 9, 6, 5), ("S2d0", "S22"),
+                                               {"overlap": _ov, "route": "window", "ramps": True})
+    LAYER_CASES[f"avgpool3d_k3s2p1_nopad_{_tag}"] = (lambda: _seq(nn.AvgPool3d(3, 2, 1, count_include_pad=False)), D3,
+                                                     ("S2d0", "S22"), {"overlap": _ov, "route": "window"})
+    LAYER_CASES[f"avgpool3d_k3s2p1_{_tag}"] = (lambda: _seq(nn.AvgPool3d(3, 2, 1)), (2, 2, 8, 8, 5), ("S2d0", "S22"),
+                                               {"overlap": _ov, "route": "linear"})
+    LAYER_CASES[f"conv_pools_chain_{_tag}"] = (
+        lambda: _seq(nn.Conv3d(2, 3, 3, padding=1), nn.AvgPool3d(3, 2, 1), nn.MaxPool3d(3, 2, 1), nn.Conv3d(3, 2, 3, padding=1)),
+        (1, 2, 12, 8, 5), ("S2d0", "S22"), {"overlap": _ov})
+
+# ---- the 8-rank world: 2x2x2 cubes of a 3D input ---------------------------------------
+CUBE_CASES: dict[str, tuple[Callable[[], nn.Sequential], tuple[int, ...], tuple[str, ...], dict[str, Any]]] = {
+    "cube_conv3d_k3p1": (lambda: _seq(nn.Conv3d(2, 2, 3, padding=1)), (2, 2, 5, 6, 7), ("S222",), {"route": "linear"}),
+    "cube_conv3d_k3s2p1": (lambda: _seq(nn.Conv3d(2, 2, 3, stride=2, padding=1)), (1, 2, 7, 6, 5), ("S222",), {}),
+    "cube_maxpool3d_k3s2p1": (lambda: _seq(nn.MaxPool3d(3, 2, 1)), (1, 8, 7, 6, 5), ("S222",),
+                              {"route": "window", "ramps": True}),
+    "cube_maxpool3d_k3s1p1_cpu_default": (lambda: _seq(nn.MaxPool3d(3, 1, 1)), (1, 8, 5, 6, 7), ("S222",),
+                                          {"overlap": None, "ramps": True}),
+    "cube_avgpool3d_k3s2p1": (lambda: _seq(nn.AvgPool3d(3, 2, 1)), (1, 2, 8, 8, 8), ("S222",), {"route": "linear"}),
+    "cube_avgpool3d_k3s2p1_uneven": (lambda: _seq(nn.AvgPool3d(3, 2, 1)), (1, 2, 7, 6, 5), ("S222",), {}),
+    "cube_batchnorm3d_global": (lambda: _seq(nn.Conv3d(2, 2, 3, padding=1), nn.BatchNorm3d(2), nn.ReLU()), (2, 2, 5, 6, 7),
+                                ("S222",), {}),
+    "cube_convT3d_k2s2": (lambda: _seq(nn.ConvTranspose3d(2, 2, 2, stride=2)), (1, 2, 5, 4, 3), ("S222",), {}),
+}
+
 
 def model_cases() -> dict[str, tuple[Callable[[], nn.Sequential], tuple[int, ...], tuple[str, ...], dict[str, Any]]]:
     from gems.models import build_model
@@ -133,13 +175,25 @@ def model_cases() -> dict[str, tuple[Callable[[], nn.Sequential], tuple[int, ...
     cf = dict(name="cosmoflow", size=32, width=0.125, dropout=0.2)
     ml = dict(name="cosmoflow_mlperf", size=32, width=0.0625, dropout=0.5)
     un = dict(name="unet3d", size=16, width=0.0625, in_channels=1, num_classes=3, norm="batch")
+    cf256 = dict(name="cosmoflow", size=256, width=0.125, dropout=0.2)
+
+    def cf256_head() -> nn.Sequential:
+        """The first layers of the paper's 256^3 CosmoFlow: conv1, LeakyReLU, two AvgPool3d k3s2p1
+        back to back, conv2, LeakyReLU (run on a small input whose parts stay aligned with the
+        pools' stride, as 256^3 at S=4 and S22 does: every window layer takes the no-copy route)."""
+        head = nn.Sequential(*list(spec(**cf256).module)[:6])
+        assert [type(m).__name__ for m in head] == ["Conv3d", "LeakyReLU", "AvgPool3d", "AvgPool3d", "Conv3d", "LeakyReLU"]
+        return head
+
     return {  # models are built inside the case, after the seed: the same on every rank
         "cosmoflow": (lambda: spec(**cf).module, (2, 4, 32, 32, 32), ("S2d0", "S4d0", "S22", "S3d2"),
                       {"spatial_end": spec(**cf).spatial_end}),
         "cosmoflow_mlperf": (lambda: spec(**ml).module, (2, 4, 32, 32, 32), ("S2d0", "S22d12", "S4d1"),
                              {"spatial_end": spec(**ml).spatial_end}),
-        "unet3d": (lambda: spec(**un).module, (2, 1, 16, 16, 16), ("S2d0", "S22", "S3d0"),
+        # S4d0: the bottom levels (4^3, 2^3) leave parts of one cell and empty parts
+        "unet3d": (lambda: spec(**un).module, (2, 1, 16, 16, 16), ("S2d0", "S22", "S3d0", "S4d0"),
                    {"spatial_end": spec(**un).spatial_end}),
+        "cosmoflow256_pool_pair": (cf256_head, (1, 4, 48, 24, 8), ("S4d0", "S22"), {"route": "linear"}),
     }
 
 
@@ -176,6 +230,9 @@ def context_for(rank: int, layout: str, groups: dict[str, Any], overlap: bool | 
     size = 1
     for p in parts:
         size *= p
+    world = dist.get_world_size()
+    if size != world and not (world == 4 and size in (2, 3)):
+        raise ValueError(f"layout {layout} ({size} parts) has no group in a {world}-rank world")
     if size == 2:
         group, ranks = groups["01"] if rank < 2 else groups["23"]
     elif size == 3:
@@ -190,6 +247,18 @@ def context_for(rank: int, layout: str, groups: dict[str, Any], overlap: bool | 
         grid.append(s % p)
         s //= p
     return SpatialContext(group, ranks, parts, dims, tuple(reversed(grid)), overlap=overlap)
+
+
+def ramps(shape: tuple[int, ...]) -> torch.Tensor:
+    """Channel ``c`` is a ramp over the spatial coordinates, falling along dim ``j`` where bit ``j``
+    of ``c`` is 0, rising where it is 1: every window of a max pool takes its value (and its
+    gradient goes) to one corner of the window, in the direction of the channel's bits. With
+    2**nd channels every halo piece's outermost cell (faces, edges, vertex corners in every
+    direction) is some window's max, so a missing or misplaced one shows; on random input it
+    would only show when it happens to be the max."""
+    coords = torch.meshgrid(*[torch.arange(n, dtype=torch.float32) for n in shape[2:]], indexing="ij")
+    chans = [sum(x_j * (1.0 if (c >> j) & 1 else -1.0) for j, x_j in enumerate(coords)) for c in range(shape[1])]
+    return torch.stack(chans).unsqueeze(0).expand(shape).contiguous()
 
 
 def run_case(build: Callable[[], nn.Sequential], shape: tuple[int, ...], sctx: SpatialContext,
@@ -209,6 +278,8 @@ def run_case(build: Callable[[], nn.Sequential], shape: tuple[int, ...], sctx: S
     spatial = apply_spatial(model, sctx, end, opts.get("bn_stats", "global"))
     g = torch.Generator().manual_seed(99)
     x = torch.randn(shape, generator=g)
+    if opts.get("ramps"):
+        x = 0.01 * x + ramps(shape)
     ids = list(range(10, 10 + shape[0]))
 
     xs = x.clone().requires_grad_()
@@ -245,13 +316,32 @@ def run_case(build: Callable[[], nn.Sequential], shape: tuple[int, ...], sctx: S
             bad.append(_close(f"buffer {name}", b_sp, b_ser))
         elif not torch.equal(b_ser, b_sp):
             bad.append(f"buffer {name}: {b_sp} != {b_ser}")
+    if opts.get("route") is not None:
+        bad += _route_check(spatial, opts["route"])
     if [n for n, _ in serial.state_dict().items()] != [n for n, _ in spatial.state_dict().items()][:len(serial.state_dict())] \
             and end is None:
         bad.append(f"state dict keys differ: {list(spatial.state_dict())[:6]}...")
     return [b for b in bad if b]
 
 
-EXTRA_CASES = {"layers": ["bn_local[S22]"], "models": ["cosmoflow_from_mesh[R2xS2]"]}
+def _route_check(spatial: nn.Module, route: str) -> list[str]:
+    """Every convolution and pool of this rank that exchanges halos took ``route`` ("linear": the
+    no-copy route of gems.spatial.halo, "window": assembled windows), so the case tests what it says."""
+    from gems.spatial.geometry import is_empty
+    from gems.spatial.layers import _WindowLayer
+
+    took = []
+    for m in spatial.modules():
+        if isinstance(m, _WindowLayer):
+            for _, p, box, _, _, r in m.__dict__.get("_plans", {}).values():
+                if not p.quiet and not is_empty(box):
+                    took.append((m.label, "window" if r is None else "linear"))
+    if not took:
+        return [f"route {route}: no layer exchanged halos"]
+    return [f"route: {label} took the {r} route, not the {route} one" for label, r in took if r != route]
+
+
+EXTRA_CASES = {"layers": ["bn_local[S22]"], "models": ["cosmoflow_from_mesh[R2xS2]"], "cubes": []}
 
 
 def _bn_local(rank: int, groups: dict[str, Any]) -> list[str]:
@@ -283,12 +373,13 @@ def _from_mesh(rank: int, world: int) -> list[str]:
 
 
 def cases_world(rank: int, world: int, which: str, only: list[str] | None = None) -> dict[str, str]:
-    """Run every case of ``which`` ("layers" or "models"); return failures of this rank by case."""
+    """Run every case of ``which`` ("layers", "models": 4 ranks; "cubes": 8 ranks); return failures
+    of this rank by case."""
     torch.set_num_threads(1)
-    cases = LAYER_CASES if which == "layers" else model_cases()
+    cases = {"layers": LAYER_CASES, "cubes": CUBE_CASES}.get(which) or model_cases()
     groups = make_groups(world)
     out: dict[str, str] = {}
-    extra = _bn_local(rank, groups) if which == "layers" else _from_mesh(rank, world)
+    extra = _bn_local(rank, groups) if which == "layers" else _from_mesh(rank, world) if which == "models" else []
     if extra:
         out[EXTRA_CASES[which][0]] = f"rank {rank}: " + "\n".join(extra)
     for name, (build, shape, lays, opts) in cases.items():

@@ -196,3 +196,49 @@ def test_linear_layers_take_the_no_copy_route(layer, route):
 
 def _tuple3(v):
     return tuple(v) if isinstance(v, (tuple, list)) else (v,) * 3
+
+
+def test_halo_plan_of_a_cube_cut_reaches_all_seven_neighbours():
+    """A 2x2x2 cut of a 5x6x7 activation, a k3 s1 p1 window: every part receives from all 7
+    others: 3 faces (one cell thick), 3 edges (one cell thick in two dims), the vertex corner
+    (one cell in all three). Sends mirror the receives, and the part plus what it receives is
+    exactly its (clipped) window, each cell once."""
+    from gems.spatial.geometry import Window, clip
+    from gems.spatial.halo import plan
+
+    gshape = (5, 6, 7)
+    cuts = [((0, 3), (3, 5)), ((0, 3), (3, 6)), ((0, 4), (4, 7))]  # np.array_split of 5, 6, 7 in two
+    w = Window(3, 1, 1, 1, 1)
+    ranks = [10 + s for s in range(8)]  # global ranks differ from the spatial indices
+
+    def ctx(s):
+        return SpatialContext(None, ranks, (2, 2, 2), (0, 1, 2), tuple(int(g) for g in np.unravel_index(s, (2, 2, 2))))
+
+    needs = [tuple(clip(w.need(a, b), n) for (a, b), n in zip(ctx(s).box(gshape), gshape)) for s in range(8)]
+    plans = [plan(ctx(s), gshape, needs) for s in range(8)]
+    for s, p in enumerate(plans):
+        g = np.unravel_index(s, (2, 2, 2))
+        assert p.own == tuple(cuts[j][g[j]] for j in range(3))
+        assert p.need == tuple((max(lo - 1, 0), min(hi + 1, n)) for (lo, hi), n in zip(p.own, gshape))
+        want = {}
+        for t in range(8):
+            if t == s:
+                continue
+            h = np.unravel_index(t, (2, 2, 2))
+            # along a dim where the neighbour sits above: my hi plane; below: the plane under my lo
+            want[ranks[t]] = tuple(cuts[j][g[j]] if h[j] == g[j] else
+                                   ((cuts[j][g[j]][1], cuts[j][g[j]][1] + 1) if h[j] > g[j] else
+                                    (cuts[j][g[j]][0] - 1, cuts[j][g[j]][0])) for j in range(3))
+        assert dict(p.recvs) == want and len(p.recvs) == 7, (s, p.recvs)
+        kinds = sorted(sum(hi - lo == 1 for lo, hi in box) for _, box in p.recvs)
+        assert kinds == [1, 1, 1, 2, 2, 2, 3]  # faces, edges, the vertex corner
+        # what s sends to t is what t receives from s
+        assert dict(p.sends) == {ranks[t]: dict(plans[t].recvs)[ranks[s]] for t in range(8) if t != s}
+        cells = np.zeros(gshape, int)
+        for box in [p.own, *(b for _, b in p.recvs)]:
+            cells[tuple(slice(lo, hi) for lo, hi in box)] += 1
+        inside = tuple(slice(lo, hi) for lo, hi in p.need)
+        assert (cells[inside] == 1).all() and cells.sum() == int(np.prod([hi - lo for lo, hi in p.need]))
+    # rank 0's corner is the single cell diagonally across the cut centre, from the last part
+    assert dict(plans[0].recvs)[ranks[7]] == ((3, 4), (3, 4), (4, 5))
+    assert dict(plans[7].recvs)[ranks[0]] == ((2, 3), (2, 3), (3, 4))

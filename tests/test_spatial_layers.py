@@ -1,21 +1,37 @@
 """Every spatial layer type equals its serial self: outputs, input and parameter
-gradients, buffers; S = 2, 3, 4; one and two cut dims; uneven parts; 1D, 2D, 3D.
-One 4-rank gloo world runs all cases; each case is reported on its own."""
+gradients, buffers; S = 2, 3, 4; one and two cut dims; uneven parts; 1D, 2D, 3D;
+overlap on, off and the CPU default. One 4-rank gloo world runs all cases; each
+case is reported on its own. An 8-rank world cuts 3D inputs into 2x2x2 cubes,
+where every part exchanges halos with all 7 others (faces, edges, the corner)."""
 import pytest
 
-from _spatial_worlds import EXTRA_CASES, LAYER_CASES, case_names, cases_world
+from _spatial_worlds import CUBE_CASES, EXTRA_CASES, LAYER_CASES, case_names, cases_world
 from gems.testing import run_world
 
 
-@pytest.fixture(scope="module")
-def failures():
+def _collect(which, world):
     out = {}
-    for per_rank in run_world(cases_world, 4, "layers", timeout=300):
+    for per_rank in run_world(cases_world, world, which, timeout=300):
         for case, text in per_rank.items():
             out[case] = out.get(case, "") + text + "\n"
     return out
 
 
+@pytest.fixture(scope="module")
+def failures():
+    return _collect("layers", 4)
+
+
+@pytest.fixture(scope="module")
+def cube_failures():
+    return _collect("cubes", 8)
+
+
 @pytest.mark.parametrize("case", case_names(LAYER_CASES) + EXTRA_CASES["layers"])
 def test_layer_matches_serial(failures, case):
     assert case not in failures, failures.get(case)
+
+
+@pytest.mark.parametrize("case", case_names(CUBE_CASES))
+def test_cube_layer_matches_serial(cube_failures, case):
+    assert case not in cube_failures, cube_failures.get(case)
