@@ -259,7 +259,8 @@ def bench_pipeline(out_dir: str | os.PathLike[str] = "results/bench", cycles: in
                     f"({paired(BOUND + tail, 'gems lp' + tail)}), so mast reaches {mast / bound:.0%} of what two ranks "
                     "can do here",
                     f"- {size}^2 images, at the cut `parallel.balance_by=comm` picks ({comm_cut}: the smallest activation "
-                    "crosses it; at D = 2 mast and lp are balanced whatever the cut): mast over lp "
+                    "crosses it; mast's default cut at D = 2, `balance_by=auto`; at D = 2 mast and lp are balanced "
+                    "whatever the cut, and it is lp's fastest cut too): mast over lp "
                     f"{by['gems mast, comm cut' + tail] / by['gems lp, comm cut' + tail]:.2f}x "
                     f"({paired('gems mast, comm cut' + tail, 'gems lp, comm cut' + tail)})"]
     for B in (16, 8):
