@@ -33,7 +33,7 @@ from gems.bootstrap import World, init_world, keep_host_memory
 from gems.errors import ConfigError
 from gems.mesh import Mesh, mesh_from_config
 from gems.models import ModelSpec, build_model
-from gems.models.layers import batch_context
+from gems.models.layers import batch_context, guard_bf16_conv3d
 from gems.replication import GradientReducer, mpi_group
 from gems.results import record as rec
 from gems import checkpoint as ckpt
@@ -102,6 +102,8 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig) -> P
     loss_fn = make_loss_fn(spec, mesh, B)
     seq: nn.Sequential = spec.module
     slices: tuple[slice, ...] | None = None
+    if device.type == "cpu" and cfg.train.precision == "bf16":
+        guard_bf16_conv3d(seq)  # torch's bf16 Conv3d weight gradient on CPU is wrong for inputs 2 cells deep
 
     ctx: Any = None
 

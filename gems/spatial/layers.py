@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gems.models.layers import bf16_conv3d_needs_fp32, conv3d_in_fp32
 from gems.spatial import halo
 from gems.spatial.context import GSHAPE, SpatialContext
 from gems.spatial.geometry import (Box, Resample, Transposed, Window, boundary_slabs, clip, intersect, is_empty,
@@ -302,9 +303,12 @@ def _perm_for(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stride: 
 
 def conv_nd(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stride: Sequence[int], padding: Sequence[int],
             dilation: Sequence[int], groups: int) -> torch.Tensor:
-    """``F.convNd``, through a permutation of the spatial dims where that avoids torch's slow kernel."""
+    """``F.convNd``, through a permutation of the spatial dims where that avoids torch's slow kernel
+    (and in fp32 where torch's bf16 CPU kernel is wrong: :func:`gems.models.layers.bf16_conv3d_needs_fp32`)."""
     nd = x.dim() - 2
     perm = _perm_for(x, w, b, stride, padding, dilation, groups)
+    if nd == 3 and bf16_conv3d_needs_fp32(x, 0 if perm is None else perm[0]):
+        return conv3d_in_fp32(x, w, b, tuple(stride), tuple(padding), tuple(dilation), groups)
     if perm is None:
         return _CONV[nd](x, w, b, tuple(stride), tuple(padding), tuple(dilation), groups)
     full = (0, 1, *[2 + q for q in perm])
