@@ -36,15 +36,17 @@ How the estimate is made:
   ``min(m, D-d)``, ``mast``/``master`` one per direction for ``m = 1`` on the
   two mirrored partitions (2x parameters). ``checkpoint=true`` keeps only
   partition inputs and recomputes one partition at a time in its backward.
-  The peak adds the largest backward working set (the output and input
-  gradients of one layer).
+  The peak adds the backward working set (the output and input gradients
+  of one layer) at the layer where saved tensors plus that working set are
+  largest: storages saved only by later layers are freed by then.
 * **Other terms**: parameters (fp32), gradients (fp32), optimizer state
   (Adam 2x parameters, SGD with momentum 1x); halo buffers (the largest layer's
   received and packed slabs, from the real exchange plan of the cut); comm
   buffers (gradient buckets: the reducer sums gradients of 1 MiB or more in
   place and keeps a flattened copy of the smaller ones until the step's
   ``finish()``, so the held copies are the small gradients; pipeline receive
-  buffers posted ``lookahead = 2`` ahead plus a gradient in flight; the
+  buffers posted ahead of the one in use (``lookahead = 2``, fewer when the
+  rank receives fewer messages a step) plus a gradient in flight; the
   spatial gather's all-gather buffers); the input (and target) batch of the
   replica line on ranks that run the first (last) stage.
 * **Device**: ``cluster.gpu_memory_gb`` GiB (or the local GPU's memory with
@@ -417,24 +419,37 @@ class _Trace:
     def stage(self, a: int, e: int, last: bool) -> tuple[int, int, int, int]:
         """(saved bytes kept by layers [a, e) incl. its input and output, input bytes, working set, output bytes).
 
+        The working set is what the backward needs on top of the whole saved set at its worst layer: the
+        backward of layer ``j`` holds its output and input gradients while the storages saved only by layers
+        after ``j`` are already freed, so the peak is ``max_j(alive_j + grads_j)``, reported as its excess
+        over the saved set (the large gradients of a CNN's first layers come when little is still saved).
         The first partition's input is a view of the input batch (counted once, as the batch), and needs no gradient.
         """
         keys: dict[int, int] = {}
+        first: dict[int, int] = {}  # storage -> the first layer of [a, e) that saved it: freed after its backward
         for k, (nb, layers) in self.saved.items():
-            if any(a <= i < e for i in layers) or (last and len(self.out_bytes) - 1 in layers):
+            mine = [i for i in layers if a <= i < e]
+            if mine or (last and len(self.out_bytes) - 1 in layers):
                 keys[k] = nb
+                first[k] = min(mine) if mine else e - 1
         if a == 0:  # a view of the line's input batch, which is counted as such
             keys.pop(self.in_key, None)
             in_b = 0
         else:
             in_b = self.out_bytes[a - 1]
             keys[self.out_keys[a - 1]] = in_b
+            first[self.out_keys[a - 1]] = a - 1  # the partition's input lives through its backward
         out_b = self.out_bytes[e - 1]
         if not last:
             keys[self.out_keys[e - 1]] = out_b
+            first[self.out_keys[e - 1]] = a - 1
+        total = sum(keys.values())
         ins = [in_b] + self.out_bytes[a:e - 1]
-        work = max(i + o for i, o in zip(ins, self.out_bytes[a:e]))
-        return sum(keys.values()), in_b, work, out_b
+        peak = 0
+        for j, (i, o) in zip(range(a, e), zip(ins, self.out_bytes[a:e])):
+            alive = sum(nb for k, nb in keys.items() if first[k] <= j)
+            peak = max(peak, alive + i + o)
+        return total, in_b, max(0, peak - total), out_b
 
 
 def saved_bytes(fn: Callable[[], Any], exclude: Sequence[torch.Tensor] = ()) -> int:
@@ -828,7 +843,9 @@ class _Planner:
         return bal, out
 
     def position(self, d: int, members: list[int], local: list[int], stages: list[_Stage], target_b: int,
-                 chunk: int, flights: list[tuple[str, int, dict[int, int]]], held: list[int]) -> Position:
+                 chunk: int, flights: list[tuple[str, int, dict[int, int]]], held: list[int],
+                 recvs: int = LOOKAHEAD + 1) -> Position:
+        """The memory of pipeline position ``d`` for spatial ``members``; ``recvs``: messages it receives per step."""
         st = self.st
         mesh = st.mesh
         D = mesh.pipeline
@@ -875,7 +892,9 @@ class _Planner:
         comm = sum(stages[p].copied for p in held) if grad_group > 1 else 0
         if self.pipelined and D > 1:
             bound = max(max(stages[p].inp.at(chunk), stages[p].out.at(chunk)) for p in held)
-            comm += LOOKAHEAD * bound + max(stages[p].inp.at(chunk) for p in held)
+            # receives posted ahead of the one in use (that one is the partition's input, counted as saved),
+            # plus a gradient in flight
+            comm += min(LOOKAHEAD, max(0, recvs - 1)) * bound + max(stages[p].inp.at(chunk) for p in held)
         comm += max((stages[p].gather.at(chunk) for p in held), default=0)
         bd = Breakdown(params, grads, optim, int(acts), int(halo), int(comm))
         return Position(d, members, list(mesh.grid_of(members[0])), held, local, {int(k): int(v) for k, v in at.items()}, bd,
@@ -890,8 +909,11 @@ class _Planner:
         out = []
         sched = self.sched() if self.pipelined else None
         for d in range(D):
+            recvs = LOOKAHEAD + 1
             if sched is not None:
                 held = sched.partitions_of(d)
+                recvs = sum(1 for a in sched.actions[d]
+                            if (a.kind == "F" and a.stage > 0) or (a.kind == "B" and a.stage < D - 1))
                 if len(sched.actions[d]) <= 4096:
                     flights = _in_flight(sched, d)
                 else:
@@ -899,7 +921,7 @@ class _Planner:
             else:
                 held, flights = [0], []
             for members, local, stages, target_b in classes:
-                out.append(self.position(d, members, local, stages, target_b, chunk, flights, held))
+                out.append(self.position(d, members, local, stages, target_b, chunk, flights, held, recvs))
         return bal, out
 
 

@@ -1,6 +1,8 @@
 """CPU records carry the tensor memory a GPU would count, and it falls with the spatial parts."""
 from __future__ import annotations
 
+import pytest
+
 from _cli import gems, records
 
 RUN = ["model.size=64", "model.width=0.5", "train.steps=3", "train.warmup_steps=1"]
@@ -26,3 +28,29 @@ def test_no_warmup_step_no_tensor_memory(tmp_path):
     # the tensor memory is measured on the last warm-up step (profiled), never on a timed one
     got = _record(tmp_path, "train.warmup_steps=0")
     assert "tensor_max" not in got and got["max"] > 0
+
+
+def _planned(*args):
+    import json
+
+    out = gems("plan", "plan.format=json", *RUN, *args, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("args", [[], ["parallel.spatial=2"], ["parallel.pipeline=2", "parallel.schedule=mast"],
+                                  ["parallel.pipeline=2", "parallel.schedule=1f1b", "parallel.micro_batches=2"]],
+                         ids=["serial", "S=2", "mast D=2", "1f1b D=2 m=2"])
+def test_gems_plan_bounds_the_measured_tensor_memory_closely(tmp_path, args):
+    """`gems plan` is an upper bound of what each rank's tensors really reach, and a close one (within 40%):
+    the rank with the largest measured memory against the plan of its mesh position."""
+    got = _record(tmp_path, *args)["tensor_per_rank"]
+    plan = _planned(*args)
+    by_rank = {}
+    for pos in plan["positions"]:
+        for s in pos["spatial"]:
+            by_rank[pos["pipeline"] * plan["mesh"]["spatial"] + s] = pos["bytes"]["total"]
+    assert len(by_rank) == len(got)
+    for rank, measured in enumerate(got):
+        ratio = by_rank[rank] / measured
+        assert 1.0 <= ratio <= 1.4, f"rank {rank}: planned {by_rank[rank]} B, measured {measured} B ({ratio:.2f}x)"

@@ -12,7 +12,7 @@ ResNet-v2 cut at the same layer for every contender, the same global batch):
 Two more rows put the first number in context. The *bound* runs what one
 ``mast`` rank computes per step (the whole model on half of the batch) in both
 processes at once with no communication: the most two ranks get out of this
-machine. And ``lp``/``mast`` run again on 128^2 images (4x the pixels), where
+machine. And ``lp``/``mast`` run again on 256^2 images (16x the pixels), where
 fixed per-step costs (Python, message latency) weigh less, as they do at the
 image sizes GEMS is for.
 
@@ -41,7 +41,7 @@ import torch
 
 MODEL = dict(depth=29, width=0.5, size=64, in_channels=3, num_classes=10, norm="group")
 MICRO = 4  # samples per micro-batch (per replica pass for master) in the schedule comparison
-LARGE = 128  # image size of the second mast-over-lp comparison (4x the pixels: fixed per-step costs weigh less)
+LARGE = 256  # image size of the second mast-over-lp comparison (16x the pixels: fixed per-step costs weigh less)
 BOUND = "bound: whole model on half the batch x2, no communication"
 
 
