@@ -256,3 +256,23 @@ def test_auto_balance_is_the_comm_cut_for_mirrored_schedules_at_d2_only():
     for schedule, D in (("mast", 4), ("master", 3), ("lp", 2), ("1f1b", 2), ("gpipe", 4)):
         assert resolve_balance_by("auto", schedule, D) == "memory", (schedule, D)
     assert resolve_balance_by("time", "mast", 2) == "time" and resolve_balance_by("memory", "mast", 2) == "memory"
+
+
+class _Slow(nn.Module):
+    """An identity that takes 20 ms forward (a layer far costlier than its neighbours)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02)
+        return x * 1.0
+
+
+def test_balance_by_time_separates_the_slow_layers():
+    from gems.pipeline.partition import balance_by_time
+
+    torch.manual_seed(0)
+    seq = nn.Sequential(_Slow(), nn.Linear(8, 8), _Slow(), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8),
+                        nn.ReLU())
+    bal = balance_by_time(seq, 2, (4, 8))
+    assert sum(bal) == len(seq) and bal[0] in (1, 2), f"the 20 ms layers 0 and 2 must land on different ranks: {bal}"
+    # neither a split by count nor the memory balance (the slow layers hold nothing) would do that
+    assert balance_by_memory(seq, 2, (4, 8))[0] not in (1, 2)
