@@ -188,15 +188,16 @@ def balance_by_comm(seq: nn.Sequential, sample: tuple[int, ...], dtype: torch.dt
     outs = _fake_run(list(seq), tuple(sample), dtype)
     if len(outs) < 2:
         raise ConfigError("parallel.pipeline", 2, f"at most the model's {len(outs)} layers")
-    mem = _layer_memory(seq, outs)
+    return _smallest_crossing(_layer_memory(seq, outs),
+                              [torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size() for shape, dt in outs])
+
+
+def _smallest_crossing(mem: Sequence[float], crossing: Sequence[float]) -> list[int]:
+    """The two-partition balance whose cut has the smallest ``crossing[i]`` (bytes leaving layer ``i``),
+    ties broken by the most even ``mem`` (bytes per layer)."""
     total = sum(mem)
-
-    def cost(i: int) -> tuple[int, float]:  # cut after layer i - 1: partition 0 = layers[:i]
-        shape, dt = outs[i - 1]
-        return torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size(), abs(total - 2 * sum(mem[:i]))
-
-    cut = min(range(1, len(outs)), key=cost)
-    return [cut, len(outs) - cut]
+    cut = min(range(1, len(mem)), key=lambda i: (crossing[i - 1], abs(total - 2 * sum(mem[:i]))))
+    return [cut, len(mem) - cut]
 
 
 def balance_by_memory(seq: nn.Sequential, D: int, sample: tuple[int, ...],
@@ -325,9 +326,7 @@ def spatial_balance(serial: nn.Sequential, D: int, by: str, sample: tuple[int, .
         return balance_by_cost(mem, D)
     if by == "comm":
         check_comm_cut(D)
-        total = sum(mem)
-        cut = min(range(1, len(mem)), key=lambda i: (crossing[i - 1], abs(total - 2 * sum(mem[:i]))))
-        return [cut, len(mem) - cut]
+        return _smallest_crossing(mem, crossing)
     if by == "time":
         def measure() -> list[int]:
             import copy
