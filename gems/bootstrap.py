@@ -98,6 +98,10 @@ def discover(comm_backend: str = "auto") -> tuple[int, int, int, str, int, str, 
         local.Free()
         addr_port = (socket.gethostname(), _free_port()) if rank == 0 else None
         addr, port = comm.bcast(addr_port, root=0)
+        # rank 0 leaves MPI for the TCPStore next; without asynchronous progress (MPICH's OFI
+        # tcp provider) its bcast may still sit in its send queue, and rank 1 would wait
+        # until rank 0 calls MPI again. The barrier completes the delivery first.
+        comm.Barrier()
         return rank, size, local_rank, addr, port, "mpi", comm
     if "RANK" in env and "WORLD_SIZE" in env:
         return (int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
