@@ -489,11 +489,23 @@ def _loss(spec: Any, out: torch.Tensor, local_spatial: Sequence[int]) -> tuple[t
     return F.mse_loss(out.float(), y, reduction="sum"), 4 * math.prod(out.shape[1:])
 
 
+# What one layer saves for its backward, by the structure of the layer and its input (see _trace's
+# ``memo``): deep networks repeat a few kinds of block hundreds of times (ResNet-1001: 333 blocks).
+_LAYER_MEMO: dict[tuple, tuple] = {}
+_LAYER_MEMO_MAX = 100_000
+
+
 def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[int], gshape: Sequence[int],
-           sctx: Any, amp: Callable[[], Any]) -> _Trace:
+           sctx: Any, amp: Callable[[], Any], memo: Any = None) -> _Trace:
+    """``memo``: a key for what ``amp`` does (e.g. the precision and the device kind). With it, a serial
+    layer whose structure (:func:`gems.pipeline.partition._structure`) and input (shape, dtype, whether it
+    needs a gradient) were traced before is not run again: its output and the storages it saves (its
+    input, its output, or new ones, with their bytes) are replayed. A layer that saves a storage an
+    earlier layer made (a shared weight's cast) or returns its input's storage is always run."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from gems.models.layers import batch_context
+    from gems.pipeline.partition import _structure
 
     saved: dict[int, tuple[int, set[int]]] = {}
     cur = [0]
@@ -526,20 +538,59 @@ def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[i
         halo_ctx = _no_halo_traffic(sctx) if sctx is not None else contextlib.nullcontext()
         with halo_ctx, _real_geometry(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                 batch_context(0, 0, range(batch)), amp():
+            known = {in_key} | {_key(t)[0] for d in fake for t in d.values()}
+            hold = [x]  # every layer's input and output stays alive: a freed storage's address (its key) is reused
+            fresh = [0]  # replayed new storages get keys -1, -2, ...: no real storage has a negative address
             for i, (layer, d) in enumerate(zip(layers, fake)):
                 cur[0] = i
                 if sctx is not None:
                     sctx.layer[0] = i
-                x = torch.func.functional_call(layer, d, (x,)) if d else layer(x)
-                if not isinstance(x, torch.Tensor):
-                    raise ConfigError("model", type(layer).__name__, "layers that return one tensor (a flat nn.Sequential)")
-                k, _ = _key(x)
-                out_keys.append(k)
+                st = _structure(layer) if memo is not None and sctx is None else None
+                mkey = None if st is None else (memo, st, tuple(x.shape), x.dtype, x.requires_grad)
+                kx = _key(x)[0]
+                if mkey is not None and mkey in _LAYER_MEMO:
+                    shape, dtype, grad, entries = _LAYER_MEMO[mkey]
+                    y = torch.empty(shape, dtype=dtype, requires_grad=grad)
+                    x = y.clone() if grad else y  # not a leaf: a next in-place layer may write it
+                    ky = _key(x)[0]
+                    for kind, nb in entries:
+                        if kind == "new":
+                            fresh[0] -= 1
+                            k = fresh[0]
+                        else:
+                            k = kx if kind == "in" else ky
+                        saved.setdefault(k, (nb, set()))[1].add(i)
+                else:
+                    before = set(saved)
+                    x = torch.func.functional_call(layer, d, (x,)) if d else layer(x)
+                    if not isinstance(x, torch.Tensor):
+                        raise ConfigError("model", type(layer).__name__, "layers that return one tensor (a flat nn.Sequential)")
+                    ky = _key(x)[0]
+                    mine = [(k, nb) for k, (nb, ls) in saved.items() if i in ls]
+                    own = {_key(t)[0] for t in d.values()}  # this layer's buffers (BatchNorm's running stats)
+                    entries = []
+                    for k, nb in mine:
+                        if k == kx:
+                            entries.append(("in", nb))
+                        elif k == ky:
+                            entries.append(("out", nb))
+                        elif k in own and k not in before:
+                            entries.append(("new", nb))
+                        elif k in before or k in known or k in out_keys:
+                            mkey = None  # an earlier layer's storage: the layer is not alone
+                        else:
+                            entries.append(("new", nb))
+                    if ky == kx:
+                        mkey = None
+                    if mkey is not None and len(_LAYER_MEMO) < _LAYER_MEMO_MAX:
+                        _LAYER_MEMO[mkey] = (tuple(x.shape), x.dtype, x.requires_grad, tuple(entries))
+                hold.append(x)
+                out_keys.append(_key(x)[0])
                 out_bytes.append(x.numel() * x.element_size())
             cur[0] = len(layers)
             loss, target = _loss(spec, x, local[1:])
             out_bytes.append(loss.numel() * loss.element_size())
-        del loss, x
+        del loss, x, hold
     halo: dict[int, int] = {}
     gather: dict[int, int] = {}
     if sctx is not None:
@@ -808,7 +859,8 @@ class _Planner:
                self.st.gpu, self.st.bn_stats, self.st.precision, batch)
         if key not in _CACHE:
             layers, sctx, local = self._layers(s)
-            _CACHE[key] = _trace(self.st.spec, layers, batch, local, self.st.spec.input_shape[1:], sctx, self.amp)
+            _CACHE[key] = _trace(self.st.spec, layers, batch, local, self.st.spec.input_shape[1:], sctx, self.amp,
+                                 memo=(self.st.precision, self.st.gpu))
         return _CACHE[key]
 
     def profile(self, chunk: int) -> tuple[list[int], list[tuple[list[int], list[int], list[_Stage], int]]]:

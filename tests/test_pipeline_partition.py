@@ -276,3 +276,55 @@ def test_balance_by_time_separates_the_slow_layers():
     assert sum(bal) == len(seq) and bal[0] in (1, 2), f"the 20 ms layers 0 and 2 must land on different ranks: {bal}"
     # neither a split by count nor the memory balance (the slow layers hold nothing) would do that
     assert balance_by_memory(seq, 2, (4, 8))[0] not in (1, 2)
+
+
+class _Crop(nn.Module):
+    """Drops ``n`` cells at each end of the last dim; ``n`` is an attribute its repr does not show."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def forward(self, x):
+        return x[..., self.n:x.shape[-1] - self.n]
+
+
+class _Steered(nn.Module):
+    """Its output shape follows an object attribute: only the same object may share a memo entry."""
+
+    def __init__(self, box: list) -> None:
+        super().__init__()
+        self.box = box
+
+    def forward(self, x):
+        return x[..., :self.box[0]]
+
+
+def test_shape_memo_tells_apart_layers_whose_repr_is_the_same():
+    from gems.pipeline.partition import _SHAPE_MEMO, _fake_run
+
+    _SHAPE_MEMO.clear()
+    layers = [_Crop(1), _Crop(2), _Crop(1), _Steered([5]), _Steered([3]), nn.Conv1d(2, 2, 3), nn.Conv1d(2, 2, 3, padding=1)]
+    want = [38, 36, 38, 5, 3, 38, 40]
+    for _ in range(2):  # the second time, every layer comes from the memo
+        got = [_fake_run([m], (2, 2, 40), torch.float32)[0][0][-1] for m in layers]
+        assert got == want
+    assert len(_SHAPE_MEMO) == 6  # the two Crop(1) share an entry
+
+
+def test_shape_memo_reuses_the_repeated_blocks_of_a_deep_resnet():
+    from gems.pipeline import partition as P
+
+    net = resnet_v2(depth=110, width=0.25, num_classes=4)
+    P._SHAPE_MEMO.clear()
+    keep = P._SHAPE_MEMO_MAX
+    try:
+        P._SHAPE_MEMO_MAX = 0
+        plain = P._fake_run(list(net), (2, 3, 32, 32), torch.float32)
+        P._SHAPE_MEMO_MAX = keep
+        memo = P._fake_run(list(net), (2, 3, 32, 32), torch.float32)
+    finally:
+        P._SHAPE_MEMO_MAX = keep
+    assert memo == plain
+    # 110 = 9 x 12 + 2: 36 bottleneck blocks, of a handful of distinct (structure, input) kinds
+    assert len(net) > 36 and len(P._SHAPE_MEMO) <= 12, len(P._SHAPE_MEMO)

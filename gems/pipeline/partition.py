@@ -95,10 +95,40 @@ def balance_by_cost(costs: Sequence[float], D: int) -> list[int]:
     return bal[::-1]
 
 
+# (structure of a layer, input shape, input dtype) -> output (shape, dtype): the blocks of a deep network
+# repeat (ResNet-1001 has 333 blocks of a handful of kinds), and each fake run of one costs milliseconds
+_SHAPE_MEMO: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}
+_SHAPE_MEMO_MAX = 100_000
+
+
+def _structure(layer: nn.Module) -> tuple | None:
+    """A key equal for layers that map equal input shapes to equal output shapes: per submodule its
+    class, its plain attributes, and the shapes and dtypes of its parameters and buffers. None (never
+    memoised) for a module with hooks, which may change shapes unseen."""
+    key = []
+    for name, m in layer.named_modules():
+        if m._forward_hooks or m._forward_pre_hooks or getattr(m, "_forward_hooks_with_kwargs", None):
+            return None
+        attrs = []
+        for k, v in vars(m).items():
+            if k.startswith("_") or k == "training":
+                continue
+            if isinstance(v, (bool, int, float, str, type(None))) or (
+                    isinstance(v, tuple) and all(isinstance(e, (bool, int, float, str, type(None))) for e in v)):
+                attrs.append((k, v))
+            else:  # anything else (a context, a callable) may steer the shapes: only identity is safe
+                attrs.append((k, type(v).__qualname__, id(v)))
+        tensors = tuple((n, tuple(t.shape), t.dtype) for n, t in
+                        [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)] if t is not None)
+        key.append((name, type(m).__module__, type(m).__qualname__, tuple(attrs), tensors))
+    return tuple(key)
+
+
 def _fake_run(layers: Sequence[nn.Module], sample: tuple[int, ...], dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Output (shape, dtype) of every layer for an input of shape ``sample`` (batch included), on fake tensors.
 
     Layers run in eval mode (shapes are the same; BatchNorm buffers and dropout are left alone).
+    A layer whose structure and input were seen before is not run again (:func:`_structure`).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -108,12 +138,24 @@ def _fake_run(layers: Sequence[nn.Module], sample: tuple[int, ...], dtype: torch
     out = []
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
-            x = torch.empty(sample, dtype=dtype)
+            shape, dt = tuple(int(v) for v in sample), dtype
+            x = None
             for layer in layers:
-                x = layer(x)
-                if not isinstance(x, torch.Tensor):
-                    raise TypeError(f"{type(layer).__name__} returned {type(x).__name__}; pipeline cuts carry one tensor")
-                out.append((tuple(int(v) for v in x.shape), x.dtype))
+                st = _structure(layer)
+                memo = None if st is None else (st, shape, dt)
+                if memo is not None and memo in _SHAPE_MEMO:
+                    shape, dt = _SHAPE_MEMO[memo]
+                    x = None
+                else:
+                    if x is None:
+                        x = torch.empty(shape, dtype=dt)
+                    x = layer(x)
+                    if not isinstance(x, torch.Tensor):
+                        raise TypeError(f"{type(layer).__name__} returned {type(x).__name__}; pipeline cuts carry one tensor")
+                    shape, dt = tuple(int(v) for v in x.shape), x.dtype
+                    if memo is not None and len(_SHAPE_MEMO) < _SHAPE_MEMO_MAX:
+                        _SHAPE_MEMO[memo] = (shape, dt)
+                out.append((shape, dt))
     finally:
         for m, mode in modes:
             m.training = mode
