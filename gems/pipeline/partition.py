@@ -101,6 +101,21 @@ _SHAPE_MEMO: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}
 _SHAPE_MEMO_MAX = 100_000
 
 
+class _Same:
+    """Equal only to a wrapper of the very same object, which it keeps alive (so its id is not reused)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
 def _structure(layer: nn.Module) -> tuple | None:
     """A key equal for layers that map equal input shapes to equal output shapes: per submodule its
     class, its plain attributes, and the shapes and dtypes of its parameters and buffers. None (never
@@ -117,7 +132,7 @@ def _structure(layer: nn.Module) -> tuple | None:
                     isinstance(v, tuple) and all(isinstance(e, (bool, int, float, str, type(None))) for e in v)):
                 attrs.append((k, v))
             else:  # anything else (a context, a callable) may steer the shapes: only identity is safe
-                attrs.append((k, type(v).__qualname__, id(v)))
+                attrs.append((k, _Same(v)))
         tensors = tuple((n, tuple(t.shape), t.dtype) for n, t in
                         [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)] if t is not None)
         key.append((name, type(m).__module__, type(m).__qualname__, tuple(attrs), tensors))
