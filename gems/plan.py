@@ -500,12 +500,15 @@ def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[i
     """``memo``: a key for what ``amp`` does (e.g. the precision and the device kind). With it, a serial
     layer whose structure (:func:`gems.pipeline.partition._structure`) and input (shape, dtype, whether it
     needs a gradient) were traced before is not run again: its output and the storages it saves (its
-    input, its output, or new ones, with their bytes) are replayed. A layer that saves a storage an
-    earlier layer made (a shared weight's cast) or returns its input's storage is always run."""
+    input, its output, or new ones, with their bytes) are replayed, and for spatial layers also the
+    global shape of the output, the halo and gather buffers it logs and the stand-in's shape state. A
+    layer that saves a storage an earlier layer made (a shared weight's cast) or returns its input's
+    storage is always run."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from gems.models.layers import batch_context
     from gems.pipeline.partition import _structure
+    from gems.spatial.context import GSHAPE
 
     saved: dict[int, tuple[int, set[int]]] = {}
     cur = [0]
@@ -545,13 +548,21 @@ def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[i
                 cur[0] = i
                 if sctx is not None:
                     sctx.layer[0] = i
-                st = _structure(layer) if memo is not None and sctx is None else None
-                mkey = None if st is None else (memo, st, tuple(x.shape), x.dtype, x.requires_grad)
+                st = _structure(layer) if memo is not None else None
+                # a spatial layer also depends on its input's global shape and the stand-in's last tagged one
+                spatial_in = (getattr(x, GSHAPE, None), sctx._last) if sctx is not None else None
+                mkey = None if st is None else (memo, st, tuple(x.shape), x.dtype, x.requires_grad, spatial_in)
                 kx = _key(x)[0]
                 if mkey is not None and mkey in _LAYER_MEMO:
-                    shape, dtype, grad, entries = _LAYER_MEMO[mkey]
+                    shape, dtype, grad, entries, spatial_out = _LAYER_MEMO[mkey]
                     y = torch.empty(shape, dtype=dtype, requires_grad=grad)
                     x = y.clone() if grad else y  # not a leaf: a next in-place layer may write it
+                    if sctx is not None:
+                        gs, sctx._last, halos, gathers = spatial_out
+                        if gs is not None:
+                            setattr(x, GSHAPE, gs)
+                        sctx.halo_log += [(i, nb) for nb in halos]
+                        sctx.comm_log += [(i, nb) for nb in gathers]
                     ky = _key(x)[0]
                     for kind, nb in entries:
                         if kind == "new":
@@ -562,6 +573,7 @@ def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[i
                         saved.setdefault(k, (nb, set()))[1].add(i)
                 else:
                     before = set(saved)
+                    logs = (len(sctx.halo_log), len(sctx.comm_log)) if sctx is not None else (0, 0)
                     x = torch.func.functional_call(layer, d, (x,)) if d else layer(x)
                     if not isinstance(x, torch.Tensor):
                         raise ConfigError("model", type(layer).__name__, "layers that return one tensor (a flat nn.Sequential)")
@@ -582,8 +594,16 @@ def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[i
                             entries.append(("new", nb))
                     if ky == kx:
                         mkey = None
+                    spatial_out = None
+                    if sctx is not None:
+                        spatial_out = (getattr(x, GSHAPE, None), sctx._last,
+                                       tuple(nb for j, nb in sctx.halo_log[logs[0]:] if j == i),
+                                       tuple(nb for j, nb in sctx.comm_log[logs[1]:] if j == i))
+                        if len(spatial_out[2]) != len(sctx.halo_log) - logs[0] or \
+                                len(spatial_out[3]) != len(sctx.comm_log) - logs[1]:
+                            mkey = None  # logged under another layer's index: not the layer alone
                     if mkey is not None and len(_LAYER_MEMO) < _LAYER_MEMO_MAX:
-                        _LAYER_MEMO[mkey] = (tuple(x.shape), x.dtype, x.requires_grad, tuple(entries))
+                        _LAYER_MEMO[mkey] = (tuple(x.shape), x.dtype, x.requires_grad, tuple(entries), spatial_out)
                 hold.append(x)
                 out_keys.append(_key(x)[0])
                 out_bytes.append(x.numel() * x.element_size())

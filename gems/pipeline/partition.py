@@ -30,6 +30,8 @@ layers after it on the full activation, and the parameters whole everywhere.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import time
 from typing import Callable, Sequence
@@ -116,27 +118,65 @@ class _Same:
         return id(self.obj)
 
 
+_NO = object()  # not a plain value
+
+
+def _plain(v: object, depth: int = 0) -> object:
+    """A hashable value-form of ``v`` when it is made of scalars, dtypes, tuples, lists, dataclasses and
+    modules (by structure); ``_NO`` otherwise."""
+    if isinstance(v, (bool, int, float, str, type(None), torch.dtype)):
+        return v
+    if depth < 4 and isinstance(v, (tuple, list)):
+        items = tuple(_plain(e, depth + 1) for e in v)
+        return _NO if any(e is _NO for e in items) else (type(v).__qualname__, items)
+    if depth < 4 and dataclasses.is_dataclass(v) and not isinstance(v, type):
+        items = tuple(_plain(getattr(v, f.name), depth + 1) for f in dataclasses.fields(v))
+        return _NO if any(e is _NO for e in items) else (type(v).__qualname__, items)
+    if depth < 4 and isinstance(v, nn.Module):
+        st = _structure(v)
+        return _NO if st is None else ("module", st)
+    return _NO
+
+
+# attributes of gems' spatial layers that name messages and errors, never shapes or bytes
+_LABELS = ("label", "tag")
+
+
 def _structure(layer: nn.Module) -> tuple | None:
     """A key equal for layers that map equal input shapes to equal output shapes: per submodule its
-    class, its plain attributes, and the shapes and dtypes of its parameters and buffers. None (never
-    memoised) for a module with hooks, which may change shapes unseen."""
+    class, its plain attributes (:func:`_plain`), and the shapes and dtypes of its parameters and
+    buffers. Any other attribute is compared by identity. None (never memoised) for a module with
+    hooks other than gems' own, which may change shapes unseen."""
     key = []
     for name, m in layer.named_modules():
-        if m._forward_hooks or m._forward_pre_hooks or getattr(m, "_forward_hooks_with_kwargs", None):
+        if m._forward_pre_hooks or getattr(m, "_forward_hooks_with_kwargs", None):
             return None
+        hooks = []
+        for h in m._forward_hooks.values():
+            # the one hook gems adds (spatial containers tag their output's global shape): what it does is
+            # a function of the input's global shape and the context, which the planner's memo keys on
+            if isinstance(h, functools.partial) and _is_tag_output(h.func) and h.args:
+                hooks.append(("tag_output", _Same(h.args[0])))
+            else:
+                return None
+        spatial = type(m).__module__.startswith("gems.spatial")
         attrs = []
         for k, v in vars(m).items():
-            if k.startswith("_") or k == "training":
+            if k.startswith("_") or k == "training" or (spatial and k in _LABELS):
                 continue
-            if isinstance(v, (bool, int, float, str, type(None))) or (
-                    isinstance(v, tuple) and all(isinstance(e, (bool, int, float, str, type(None))) for e in v)):
-                attrs.append((k, v))
-            else:  # anything else (a context, a callable) may steer the shapes: only identity is safe
-                attrs.append((k, _Same(v)))
+            c = _plain(v)
+            # anything else (a context, a callable) may steer the shapes: only the same object is safe
+            attrs.append((k, _Same(v) if c is _NO else c))
         tensors = tuple((n, tuple(t.shape), t.dtype) for n, t in
                         [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)] if t is not None)
-        key.append((name, type(m).__module__, type(m).__qualname__, tuple(attrs), tensors))
+        key.append((name, type(m).__module__, type(m).__qualname__, tuple(attrs), tensors, tuple(hooks)))
     return tuple(key)
+
+
+def _is_tag_output(fn: object) -> bool:
+    from gems.spatial.layers import tag_output
+
+    return fn is tag_output
 
 
 def _fake_run(layers: Sequence[nn.Module], sample: tuple[int, ...], dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
