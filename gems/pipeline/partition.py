@@ -236,17 +236,18 @@ def boundary_shapes(parts: Sequence[nn.Sequential], sample: tuple[int, ...],
 
 def layer_memory(seq: nn.Sequential, sample: tuple[int, ...], dtype: torch.dtype = torch.float32) -> list[float]:
     """Bytes per layer: parameters x 3 (weights, gradient, optimizer state) + output activation."""
-    return _layer_memory(seq, _fake_run(list(seq), tuple(sample), dtype))
+    return _layer_memory(seq, [_nbytes(shape, dt) for shape, dt in _fake_run(list(seq), tuple(sample), dtype)])
 
 
-def _layer_memory(seq: nn.Sequential, outs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[float]:
-    """:func:`layer_memory` from the layers' traced outputs."""
-    costs = []
-    for layer, (shape, dt) in zip(seq, outs):
-        params = sum(p.numel() * p.element_size() for p in layer.parameters())
-        act = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
-        costs.append(float(3 * params + act))
-    return costs
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> float:
+    """Bytes of a tensor of ``shape`` and ``dtype``."""
+    return float(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
+
+
+def _layer_memory(seq: Sequence[nn.Module], acts: Sequence[float]) -> list[float]:
+    """:func:`layer_memory` from the bytes of each layer's output activation."""
+    return [float(3 * sum(p.numel() * p.element_size() for p in layer.parameters()) + a)
+            for layer, a in zip(seq, acts)]
 
 
 def resolve_balance_by(by: str, schedule: str, D: int) -> str:
@@ -285,8 +286,8 @@ def balance_by_comm(seq: nn.Sequential, sample: tuple[int, ...], dtype: torch.dt
     outs = _fake_run(list(seq), tuple(sample), dtype)
     if len(outs) < 2:
         raise ConfigError("parallel.pipeline", 2, f"at most the model's {len(outs)} layers")
-    return _smallest_crossing(_layer_memory(seq, outs),
-                              [torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size() for shape, dt in outs])
+    acts = [_nbytes(shape, dt) for shape, dt in outs]
+    return _smallest_crossing(_layer_memory(seq, acts), acts)
 
 
 def _smallest_crossing(mem: Sequence[float], crossing: Sequence[float]) -> list[int]:
@@ -402,19 +403,15 @@ def spatial_balance(serial: nn.Sequential, D: int, by: str, sample: tuple[int, .
         part[d] = hi - lo
     share = math.prod(int(v) for v in part) / max(1, math.prod(sample[2:]))
 
-    def act(i: int) -> float:  # bytes of layer i's output as a rank holds it
-        shape, dt = outs[i]
-        return torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size() * (share if i < e else 1.0)
-
-    params = [float(sum(q.numel() * q.element_size() for q in layer.parameters())) for layer in layers]
-    mem = [3 * params[i] + act(i) for i in range(n)]
-    crossing = [act(i) for i in range(n)]  # leaving spatial layer i
+    # bytes of each layer's output as a rank holds it (leaving spatial layer i: the crossing)
+    crossing = [_nbytes(*outs[i]) * (share if i < e else 1.0) for i in range(n)]
+    mem = _layer_memory(layers, crossing)
     if end is not None and 0 < e:  # the gather: the full activation of layer e - 1
-        full = act(e - 1) / share
+        full = crossing[e - 1] / share
         mem.insert(e, full)
         crossing.insert(e, full)
     elif end is not None:  # gather of the input itself
-        full = float(torch.Size(sample).numel() * torch.empty((), dtype=dtype).element_size())
+        full = _nbytes(sample, dtype)
         mem.insert(0, full)
         crossing.insert(0, full)
     if len(mem) < D:
