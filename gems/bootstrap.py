@@ -144,7 +144,11 @@ def init_world(cfg: Any) -> World:
             os.environ.setdefault("MASTER_ADDR", addr)
             os.environ.setdefault("MASTER_PORT", str(port))
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(size)
-        timeout = datetime.timedelta(seconds=int(cfg.comm.get("timeout_s", 300)))
+        from gems.fault.watchdog import collective_timeout_s
+
+        # NCCL: a collective that times out tears the process group down (it raises) instead of hanging
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        timeout = datetime.timedelta(seconds=collective_timeout_s(cfg))
         kw: dict[str, Any] = {}
         if backend == "nccl":
             kw["device_id"] = device

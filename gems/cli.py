@@ -54,11 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in commands:
         _err(f"command={cmd}: expected one of {', '.join(commands)}")
         return 2
+    from gems.launch.local import Cancelled
+
     try:
         return commands[cmd](rest)
     except ConfigError as e:
         _err(str(e))
         return 2
+    except Cancelled as e:
+        _err(f"{e}{(': ' + e.detail) if getattr(e, 'detail', '') else ''}")
+        return 128 + e.signum
     except RunError as e:
         _err(str(e))
         return 1

@@ -18,115 +18,143 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from gems.errors import ConfigError
 
 
+def key(default: Any = MISSING, help: str = "", *, choices: tuple[str, ...] | None = None,
+        ge: float | None = None, gt: float | None = None, lt: float | None = None, factory: Any = None) -> Any:
+    """A schema field with its meaning and its valid values, stated once: :func:`validate` checks every
+    key against them, and ``gems COMMAND --help`` prints them."""
+    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "lt": lt}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class ModelConf:
-    name: str = MISSING
-    size: int = 128  # the input's edge length
-    width: float = 1.0  # channel multiplier (1.0 = the published model)
-    dropout: float = 0.2
-    depth: int = 110  # resnet: 9n+2
-    num_classes: int = 3  # unet3d / resnet classes
-    in_channels: int = 4
-    norm: str = "batch"  # batch | group | none (resnet, unet3d)
-    _target_: Optional[str] = None  # custom: dotted path of a callable returning nn.Sequential
-    kwargs: dict = field(default_factory=dict)  # custom: arguments of that callable
-    input_shape: Optional[list] = None  # custom: [C, *spatial]
-    num_outputs: int = 4
-    loss: str = "mse"  # mse | cross_entropy
-    target: str = "vector"  # vector | dense
-    spatial_end: Optional[int] = None  # custom: first layer that needs the whole sample
+    name: str = key(MISSING, "the model: cosmoflow, cosmoflow_mlperf, unet3d, resnet or custom")
+    size: int = key(128, "the input's edge length", ge=1)
+    width: float = key(1.0, "channel multiplier (1.0 = the published model)", gt=0)
+    dropout: float = key(0.2, "dropout probability", ge=0, lt=1)
+    depth: int = key(110, "resnet depth, 9n+2 (110, 1001)", ge=11)
+    num_classes: int = key(3, "unet3d / resnet classes", ge=1)
+    in_channels: int = key(4, "input channels", ge=1)
+    norm: str = key("batch", "normalisation of resnet and unet3d", choices=("batch", "group", "none"))
+    _target_: Optional[str] = key(None, "custom: dotted path of a callable returning nn.Sequential")
+    kwargs: dict = key(help="custom: arguments of that callable", factory=dict)
+    input_shape: Optional[list] = key(None, "custom: [C, *spatial] of one sample")
+    num_outputs: int = key(4, "outputs per sample (vector targets)", ge=1)
+    loss: str = key("mse", "the loss", choices=("mse", "cross_entropy"))
+    target: str = key("vector", "vector (one per sample) or dense (one class per voxel)", choices=("vector", "dense"))
+    spatial_end: Optional[int] = key(None, "custom: first layer that needs the whole sample (null: the first Flatten)",
+                                     ge=0)
 
 
 @dataclass
 class DataConf:
-    name: str = "synthetic"  # synthetic | hdf5
-    path: Optional[str] = None  # hdf5: a folder of one-file-per-sample .h5 files
-    num_samples: int = 64  # synthetic: size of the dataset (indices wrap around)
-    int16: bool = True  # hdf5 files hold int16 counts; log(x+1) is applied when read
+    name: str = key("synthetic", "synthetic (a function of train.seed) or hdf5 (data.path)",
+                    choices=("synthetic", "hdf5"))
+    path: Optional[str] = key(None, "hdf5: a folder of one-file-per-sample .h5 files")
+    num_samples: int = key(64, "synthetic: size of the dataset (indices wrap around)", ge=1)
+    int16: bool = key(True, "hdf5 files hold int16 counts; log(x+1) is applied when read")
 
 
 @dataclass
 class ParallelConf:
-    replicas: int = 1  # R: data-parallel copies
-    pipeline: int = 1  # D: model partitions
-    spatial: Any = 1  # S: an int, or a list of parts per cut dim
-    spatial_dims: Optional[list] = None  # cut dims among the spatial ones; default [0] (or 0..k-1 for a list)
-    schedule: str = "lp"  # lp | gpipe | 1f1b | mast | master
-    micro_batches: int = 1
-    gems_replicas: Optional[int] = None  # eta for master (default 2); mast is always 2
-    balance: Optional[list] = None  # layers per partition; automatic when absent
-    balance_by: str = "auto"  # auto (comm for mast/master at D = 2, else memory) | memory | time | comm (D = 2 only)
-    checkpoint: bool = False  # recompute activations in the backward
-    bn_stats: str = "global"  # global | local BatchNorm statistics over spatial parts
-    overlap: Optional[bool] = None  # interior/halo overlap (null: on GPU only)
+    replicas: int = key(1, "R: data-parallel copies", ge=1)
+    pipeline: int = key(1, "D: model partitions", ge=1)
+    spatial: Any = key(1, "S: an int, or a list of parts per cut dim ([2,2])")
+    spatial_dims: Optional[list] = key(None, "cut dims among the spatial ones; default [0] (or 0..k-1 for a list)")
+    schedule: str = key("lp", "pipeline schedule", choices=("lp", "gpipe", "1f1b", "mast", "master"))
+    micro_batches: int = key(1, "micro-batches per replica pass", ge=1)
+    gems_replicas: Optional[int] = key(None, "eta for master (default 2); mast is always 2", ge=1)
+    balance: Optional[list] = key(None, "layers per partition; automatic when absent")
+    balance_by: str = key("auto", "auto (comm for mast/master at D = 2, else memory) | memory | time | comm (D = 2)",
+                          choices=("auto", "memory", "time", "comm"))
+    checkpoint: bool = key(False, "recompute activations in the backward")
+    bn_stats: str = key("global", "BatchNorm statistics over spatial parts", choices=("global", "local"))
+    overlap: Optional[bool] = key(None, "interior/halo overlap (null: on GPU only)")
 
 
 @dataclass
 class TrainConf:
-    batch_size: int = 4  # global batch of one optimizer step, all replicas together
-    steps: int = 6
-    warmup_steps: int = 2
-    lr: float = 1e-3
-    optimizer: str = "adam"  # sgd | adam
-    momentum: float = 0.9
-    seed: int = 0
-    precision: str = "fp32"  # fp32 | bf16 | fp16
-    device: str = "auto"  # auto | cpu | cuda
-    threads: int = 1  # torch threads per rank on CPU (0: torch's default)
-    host_memory: str = "auto"  # auto | keep | release: freed host memory stays in the process (auto: on CPU ranks)
-    checkpoint_every: int = 0  # save every N steps so a preempted or requeued job resumes (0: only when preempted)
+    batch_size: int = key(4, "global batch of one optimizer step, all replicas together", ge=1)
+    steps: int = key(6, "optimizer steps", ge=1)
+    warmup_steps: int = key(2, "steps left out of the throughput (fewer than train.steps)", ge=0)
+    lr: float = key(1e-3, "learning rate", gt=0)
+    optimizer: str = key("adam", "the optimizer", choices=("sgd", "adam"))
+    momentum: float = key(0.9, "sgd momentum", ge=0, lt=1)
+    seed: int = key(0, "seed of weights, data and dropout", ge=0)
+    precision: str = key("fp32", "compute precision", choices=("fp32", "bf16", "fp16"))
+    device: str = key("auto", "where ranks compute", choices=("auto", "cpu", "cuda"))
+    threads: int = key(1, "torch threads per rank on CPU (0: torch's default)", ge=0)
+    host_memory: str = key("auto", "freed host memory stays in the process (auto: on CPU ranks)",
+                           choices=("auto", "keep", "release"))
+    checkpoint_every: int = key(0, "save every N steps so a preempted or requeued job resumes (0: only when "
+                                   "preempted or near the time limit)", ge=0)
+    on_nonfinite: str = key("stop", "a NaN or Inf global loss stops the run (stop) or is recorded (warn)",
+                            choices=("stop", "warn"))
 
 
 @dataclass
 class ClusterConf:
-    name: str = "local"
-    launcher: str = "local"  # local | slurm
-    nodes: int = 1
-    tasks_per_node: Optional[int] = 1  # null: R x D x S / nodes
-    gpus_per_node: int = 0
-    cpus_per_task: int = 1
-    gpu_memory_gb: float = 0.0
-    mem_gb: Optional[float] = None
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    qos: Optional[str] = None
-    constraint: Optional[str] = None
-    time_min: int = 30
-    setup: list = field(default_factory=list)  # shell lines run before the ranks start
-    srun_args: list = field(default_factory=list)  # e.g. ["--mpi=pmi2"]
-    additional: dict = field(default_factory=dict)  # any other sbatch option, by its sbatch name
-    python: Optional[str] = None  # interpreter on the compute nodes (default: this one)
-    poll_s: float = 1.0  # how often the launcher checks the job
-    timeout_min: Optional[float] = None  # give up waiting after this long (default: time_min + 5)
+    name: str = key("local", "the cluster preset")
+    launcher: str = key("local", "local processes or Slurm", choices=("local", "slurm"))
+    nodes: int = key(1, "nodes of the job", ge=1)
+    tasks_per_node: Optional[int] = key(1, "ranks per node (null: R x D x S / nodes)", ge=1)
+    gpus_per_node: int = key(0, "GPUs per node", ge=0)
+    cpus_per_task: int = key(1, "CPUs per rank", ge=1)
+    gpu_memory_gb: float = key(0.0, "memory of one GPU (gems plan)", ge=0)
+    mem_gb: Optional[float] = key(None, "memory per node to ask for", gt=0)
+    partition: Optional[str] = key(None, "Slurm partition")
+    account: Optional[str] = key(None, "Slurm account")
+    qos: Optional[str] = key(None, "Slurm QOS")
+    constraint: Optional[str] = key(None, "Slurm node features")
+    time_min: int = key(30, "the job's time limit in minutes", ge=1)
+    signal_margin_s: int = key(120, "Slurm sends SIGUSR2 this long before the time limit: every rank checkpoints "
+                                    "and the job is requeued", gt=0)
+    setup: list = key(help="shell lines run before the ranks start", factory=list)
+    srun_args: list = key(help='extra srun arguments, e.g. ["--mpi=pmi2"]', factory=list)
+    additional: dict = key(help="any other sbatch option, by its sbatch name", factory=dict)
+    python: Optional[str] = key(None, "interpreter on the compute nodes (default: this one)")
+    poll_s: float = key(1.0, "how often the launcher checks the job (seconds)", gt=0)
+    timeout_min: Optional[float] = key(None, "give up waiting after this long (default: time_min + 5)", gt=0)
 
 
 @dataclass
 class CommConf:
-    backend: str = "auto"  # auto | nccl | gloo | mpi
-    bucket_mb: float = 4.0  # gradient all-reduce bucket size (MiB): small enough to overlap with the backward
-    timeout_s: int = 300  # collective timeout: a dead peer ends the run instead of hanging it
+    backend: str = key("auto", "torch.distributed backend, or mpi for the gradient sum over mpi4py",
+                       choices=("auto", "nccl", "gloo", "mpi"))
+    bucket_mb: float = key(4.0, "gradient all-reduce bucket size (MiB)", gt=0)
+    timeout_s: Optional[float] = key(None, "collective timeout, the backstop behind the watchdog (null: "
+                                           "fault.warmup_timeout_s + fault.stall_timeout_s)", gt=0)
 
 
 @dataclass
 class ResultsConf:
-    dir: str = "results"
-    name: Optional[str] = None  # run name (default: derived from model and mesh)
-    sweep: Optional[str] = None  # sweep this run belongs to
-    scaling: str = "weak"  # weak | strong: how `gems results` computes efficiency
+    dir: str = key("results", "where records go")
+    name: Optional[str] = key(None, "run name (default: derived from model and mesh)")
+    sweep: Optional[str] = key(None, "sweep this run belongs to")
+    scaling: str = key("weak", "how `gems results` computes efficiency", choices=("weak", "strong"))
 
 
 @dataclass
 class PlanConf:
-    format: str = "table"  # table | json
-    reserve_gb: float = 1.0  # per rank, set aside for the CUDA context, allocator and workspaces (CPU: at most 0.5)
+    format: str = key("table", "gems plan's output", choices=("table", "json"))
+    reserve_gb: float = key(1.0, "per rank, set aside for the CUDA context, allocator and workspaces (CPU: at "
+                                 "most 0.5)", ge=0)
 
 
 @dataclass
 class FaultConf:
-    kill_rank: int = -1
-    at_step: int = 1
-    preempt_at_step: int = -1  # save and stop at this step once; the launcher resumes the job
-    max_restarts: int = 3  # how often the local launcher resumes a preempted job
+    stall_timeout_s: Optional[float] = key(60.0, "a rank without progress this long ends the job (null: no "
+                                                 "stall detection)", gt=0)
+    warmup_timeout_s: float = key(600.0, "the same allowance during set-up, warm-up, the first step, "
+                                         "checkpoints and the record", gt=0)
+    kill_rank: int = key(-1, "fault injection: this rank kills itself at fault.at_step (-1: none)", ge=-1)
+    stall_rank: int = key(-1, "fault injection: this rank stalls in the forward of fault.at_step", ge=-1)
+    nan_rank: int = key(-1, "fault injection: this rank's input of fault.at_step is NaN", ge=-1)
+    at_step: int = key(1, "the step of kill_rank, stall_rank and nan_rank (from 0)", ge=0)
+    preempt_at_step: int = key(-1, "save and stop at this step once; the launcher resumes the job", ge=-1)
+    max_restarts: int = key(3, "how often the local launcher resumes a preempted job", ge=0)
 
 
 @dataclass
@@ -151,22 +179,46 @@ GROUP_SCHEMAS = {
     "cluster": ClusterConf,
     "comm": CommConf,
 }
+#: every node of the configuration and its schema
+SECTIONS = {**GROUP_SCHEMAS, "results": ResultsConf, "plan": PlanConf, "fault": FaultConf}
 
-CHOICES = {
-    "parallel.schedule": ("lp", "gpipe", "1f1b", "mast", "master"),
-    "train.optimizer": ("sgd", "adam"),
-    "train.precision": ("fp32", "bf16", "fp16"),
-    "train.device": ("auto", "cpu", "cuda"),
-    "train.host_memory": ("auto", "keep", "release"),
-    "comm.backend": ("auto", "nccl", "gloo", "mpi"),
-    "cluster.launcher": ("local", "slurm"),
-    "data.name": ("synthetic", "hdf5"),
-    "plan.format": ("table", "json"),
-    "results.scaling": ("weak", "strong"),
-    "parallel.bn_stats": ("global", "local"),
-    "parallel.balance_by": ("auto", "memory", "time", "comm"),
-    "model.norm": ("batch", "group", "none"),
-}
+
+def schema_keys() -> dict[str, Any]:
+    """``section.key`` -> the dataclass field (default, ``metadata``: help, choices, bounds)."""
+    from dataclasses import fields
+
+    return {f"{sec}.{f.name}": f for sec, cls in SECTIONS.items() for f in fields(cls)}
+
+
+CHOICES = {k: f.metadata["choices"] for k, f in schema_keys().items() if f.metadata.get("choices")}
+
+
+def _bounds_text(meta: dict[str, Any]) -> str:
+    parts = []
+    if meta.get("ge") is not None:
+        parts.append(f">= {meta['ge']:g}")
+    if meta.get("gt") is not None:
+        parts.append(f"> {meta['gt']:g}")
+    if meta.get("lt") is not None:
+        parts.append(f"< {meta['lt']:g}")
+    return " and ".join(parts)
+
+
+def check_key(name: str, val: Any) -> None:
+    """ConfigError when ``val`` is outside the choices or bounds the schema declares for ``name``."""
+    f = schema_keys().get(name)
+    if f is None or val is None:
+        return
+    meta = f.metadata
+    if meta.get("choices") and val not in meta["choices"]:
+        raise ConfigError(name, val, "one of " + ", ".join(meta["choices"]))
+    if isinstance(val, bool) or not isinstance(val, (int, float)):
+        return
+    bad = ((meta.get("ge") is not None and not val >= meta["ge"]) or (meta.get("gt") is not None and not val > meta["gt"])
+           or (meta.get("lt") is not None and not val < meta["lt"]) or val != val)
+    if bad:
+        kind = "an integer" if f.type in (int, "int", "Optional[int]") else "a number"
+        raise ConfigError(name, val, f"{kind} {_bounds_text(meta)}" + (f" ({meta['help']})" if meta.get("help") else ""))
 
 
 def register_schemas() -> None:
@@ -279,20 +331,12 @@ def _omegaconf_error(e: Exception) -> ConfigError:
 
 
 def validate(cfg: DictConfig) -> None:
-    """Checks that do not need the world: choices, positivity, divisibility."""
-    for key, allowed in CHOICES.items():
-        val = OmegaConf.select(cfg, key)
-        if val is not None and val not in allowed:
-            raise ConfigError(key, val, "one of " + ", ".join(allowed))
-    for key in ("train.batch_size", "train.steps", "parallel.replicas", "parallel.pipeline",
-                "parallel.micro_batches", "parallel.gems_replicas", "cluster.nodes", "cluster.tasks_per_node"):
-        val = OmegaConf.select(cfg, key)
-        if val is not None and (not isinstance(val, int) or val < 1):
-            raise ConfigError(key, val, "a positive integer")
-    if cfg.train.warmup_steps < 0 or cfg.train.warmup_steps >= cfg.train.steps:
+    """Every key against its schema's choices and bounds, then the checks that relate keys to each other
+    (none needs the world or the model: those are :func:`gems.worker.preflight`'s)."""
+    for name in schema_keys():
+        check_key(name, OmegaConf.select(cfg, name, default=None))
+    if cfg.train.warmup_steps >= cfg.train.steps:
         raise ConfigError("train.warmup_steps", cfg.train.warmup_steps, f"0 <= warmup < train.steps={cfg.train.steps}")
-    if cfg.train.lr <= 0:
-        raise ConfigError("train.lr", cfg.train.lr, "a positive learning rate")
     sp = cfg.parallel.spatial
     if isinstance(sp, int) or (OmegaConf.is_list(sp) and all(isinstance(x, int) for x in sp) and len(sp) > 0):
         pass
@@ -321,6 +365,14 @@ def validate(cfg: DictConfig) -> None:
                 f"nodes x tasks_per_node = {nodes} x {cfg.cluster.tasks_per_node} = {world} ranks "
                 f"to equal R x D x S = {mesh.size} ({mesh.describe()}); leave it null to derive it",
             )
+    for k in ("kill_rank", "stall_rank", "nan_rank"):
+        if int(cfg.fault.get(k, -1)) >= mesh.size:
+            raise ConfigError(f"fault.{k}", cfg.fault[k], f"a rank below the world size {mesh.size} ({mesh.describe()}), "
+                              "or -1 for none")
+    if cfg.cluster.launcher == "slurm" and int(cfg.cluster.signal_margin_s) >= 60 * int(cfg.cluster.time_min):
+        raise ConfigError("cluster.signal_margin_s", cfg.cluster.signal_margin_s,
+                          f"fewer seconds than the time limit cluster.time_min={cfg.cluster.time_min} min "
+                          f"(= {60 * int(cfg.cluster.time_min)} s) holds")
     if cfg.parallel.get("balance_by") == "comm":
         from gems.pipeline.partition import check_comm_cut
 

@@ -32,6 +32,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from gems.fault.progress import waiting
+
 
 class _MPIGroup:
     """A sub-communicator of COMM_WORLD over ``ranks`` (collective: every rank calls it)."""
@@ -164,6 +166,13 @@ class GradientReducer:
             self._armed = False
             return 0.0
         t0 = time.perf_counter()
+        with waiting("gradient sum"):
+            self._wait_all()
+        self._armed = False
+        self.wait_s = time.perf_counter() - t0
+        return self.wait_s
+
+    def _wait_all(self) -> None:
         while self._next < len(self.buckets):  # parameters that got no (or fewer) gradients this step
             self._launch(self.buckets[self._next])
             self._next += 1
@@ -179,9 +188,6 @@ class GradientReducer:
                         p.grad.copy_(t[off:off + n].view_as(p.grad))
                         off += n
             b.parts = []
-        self._armed = False
-        self.wait_s = time.perf_counter() - t0
-        return self.wait_s
 
     def reduce_now(self) -> float:
         """Sum all gradients at once (no overlap): for callers that do not arm hooks."""

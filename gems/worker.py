@@ -30,7 +30,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from gems.bootstrap import World, init_world, keep_host_memory
-from gems.errors import ConfigError
+from gems.errors import ConfigError, RunError
+from gems.fault import all_finite, inject, progress, reports
+from gems.fault.watchdog import Watchdog
 from gems.mesh import Mesh, mesh_from_config
 from gems.models import ModelSpec, build_model
 from gems.models.layers import batch_context, guard_bf16_conv3d
@@ -84,6 +86,9 @@ class Parallel:
     samples_per_step: int  # samples this rank's replica line trains per step
     stats: Callable[[], dict[str, float]] = field(default=lambda: {})
     balance: list[int] | None = None  # layers per pipeline partition (None without a pipeline)
+    #: where this rank first saw a non-finite value in the last step: 0 its input, 1 + s the output of
+    #: partition s; None when all was finite (read only after a non-finite loss: it may synchronise a GPU)
+    first_nonfinite: Callable[[], int | None] = field(default=lambda: None)
 
 
 def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig) -> Parallel:
@@ -168,7 +173,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig) -> P
 
         return Parallel(pipe_step, params, list(runner.modules), reducer, slices,
                         runner.needs_inputs, runner.needs_targets, runner.samples_per_step, pipe_stats,
-                        balance=list(runner.balance))
+                        balance=list(runner.balance), first_nonfinite=runner.first_nonfinite)
 
     # no pipeline: one forward and backward of the whole (spatial) model
     params = list(seq.parameters())
@@ -181,20 +186,30 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig) -> P
     else:
         forward = seq
 
+    finite: dict[int, torch.Tensor] = {}  # position -> all finite? (a device flag: no synchronisation)
+
     def plain_step(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int) -> float:
         assert x is not None and y is not None
         if ctx is not None:
             ctx.mark(x, spec.input_shape[1:])
         reducer.start_step()
+        finite[0] = all_finite(x)
+        progress.mark("forward")
         with batch_context(seed, step, ids):
             with amp:
                 out = forward(x)
+            finite[1] = all_finite(out)
             loss = loss_fn(out, y)
+            progress.mark("backward")
             loss.backward()
         reducer.finish()
         return float(loss.detach())
 
-    return Parallel(plain_step, params, [seq], reducer, slices, True, True, local_batch, halo_stats)
+    def first_bad() -> int | None:
+        return next((pos for pos, ok in sorted(finite.items()) if not bool(ok)), None)
+
+    return Parallel(plain_step, params, [seq], reducer, slices, True, True, local_batch, halo_stats,
+                    first_nonfinite=first_bad)
 
 
 def preflight(cfg: DictConfig) -> None:
@@ -282,8 +297,31 @@ def _reducer(params: list[nn.Parameter], mesh: Mesh, world: World, cfg: DictConf
     return GradientReducer(params, group, bucket)
 
 
+class _NoParameters:
+    """The optimizer of a rank whose partitions hold no parameters (only pooling, say): nothing to step,
+    a state that saves and loads like any other (torch's optimizers refuse an empty parameter list)."""
+
+    def __init__(self) -> None:
+        self.state: dict[Any, Any] = {}
+        self.param_groups: list[dict[str, Any]] = []
+
+    def step(self, closure: Any = None) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": {}, "param_groups": []}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+
 def make_optimizer(cfg: DictConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
     t = cfg.train
+    if not params:  # a partition without parameters is legitimate (time balance may give a rank pooling only)
+        return _NoParameters()  # type: ignore[return-value]
     if t.optimizer == "sgd":
         return torch.optim.SGD(params, lr=float(t.lr), momentum=float(t.get("momentum", 0.9)))
     return torch.optim.Adam(params, lr=float(t.lr))
@@ -326,11 +364,35 @@ def replica_indices(step: int, batch: int, replicas: int, replica: int) -> list[
 
 
 # ---------------------------------------------------------------------------- the run
-def train(cfg: DictConfig, world: World) -> dict[str, Any]:
+class NonFiniteLoss(RunError):
+    """The global loss of a step was NaN or Inf and ``train.on_nonfinite=stop``: every rank stops at that step."""
+
+
+def start_watchdog(cfg: DictConfig, world: World, on_stall: Callable[[str, dict[str, Any]], None]) -> Watchdog | None:
+    """This rank's heartbeat thread (``fault.stall_timeout_s``; null switches stall detection off)."""
+    f = cfg.fault
+    if f.get("stall_timeout_s") is None:
+        return None
+    jd = rec.job_dir(cfg)
+
+    def report(message: str, failure: dict[str, Any]) -> None:
+        reports.write_report(jd, world.rank, message, echo=world.rank not in failure.get("ranks", []),
+                             kind=failure.get("kind", "stall"), blame=failure.get("blame"))
+
+    launcher = os.environ.get("GEMS_LAUNCHER_PID")
+    return Watchdog(world.rank, world.size, stall_s=float(f.stall_timeout_s), warmup_s=float(f.warmup_timeout_s),
+                    addr=os.environ.get("MASTER_ADDR", world.master_addr),
+                    port=int(os.environ.get("MASTER_PORT", world.master_port)),
+                    on_stall=on_stall if world.rank == 0 else None, on_report=report,
+                    launcher_pid=int(launcher) if launcher else None).start()
+
+
+def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str, Any]:
     """Train on this rank; returns the record (complete on rank 0)."""
     import torch.distributed as dist
 
     t_start = time.time()
+    progress.mark("setup")
     host_memory = cfg.train.get("host_memory", "auto")
     if host_memory == "keep" or (host_memory == "auto" and world.device.type == "cpu"):
         keep_host_memory()
@@ -351,36 +413,45 @@ def train(cfg: DictConfig, world: World) -> dict[str, Any]:
     par = parallelize(spec, mesh, world, cfg)
     opt = make_optimizer(cfg, par.params)
     data = make_data(cfg, spec, par.input_slices)
+    inject.arm(cfg, world.rank, par.modules)
     B, R = int(cfg.train.batch_size), mesh.replicas
     steps, warm = int(cfg.train.steps), int(cfg.train.warmup_steps)
     ckpt_every = int(cfg.train.get("checkpoint_every") or 0)
+    on_nonfinite = str(cfg.train.get("on_nonfinite", "stop"))
     # running statistics (BatchNorm) of the copies of a parameter's module see different samples
     buffers = [b for m in par.modules for b in m.buffers() if b.is_floating_point()] if mesh.group("grad") else []
+    ckpt.install_time_limit_handler()
 
-    # resume after a preemption or requeue (gems/checkpoint.py)
+    # resume after a preemption, a time limit or a requeue (gems/checkpoint.py)
     restarts = ckpt.restart_count()
-    history: dict[str, Any] = {"losses": [], "step_times": [],
+    history: dict[str, Any] = {"losses": [], "step_times": [], "nonfinite_steps": [],
                                "breakdown": {k: 0.0 for k in ("compute", "pipeline_comm", "halo", "allreduce",
                                                                 "bubble_or_wait", "data")}}
     start = 0
-    if restarts > 0:
-        got = ckpt.load(cfg, world.rank, par.modules, opt)
-        if got is not None:
-            start, history = got
+    progress.mark("checkpoint")
+    got = ckpt.load(cfg, world.rank, par.modules, opt)
+    if got is not None:
+        start, history = got
+        history.setdefault("nonfinite_steps", [])
+        restarts = max(restarts, 1)
+    if wd is not None:
+        wd.warm_until = max(warm, start + 1)  # warm-up and the first step after a (re)start: the long allowance
     losses: list[float] = history["losses"]
     step_times: list[float] = history["step_times"]
     breakdown: dict[str, float] = history["breakdown"]
+    nonfinite: list[int] = history["nonfinite_steps"]
+    context = _StepContext(cfg, world, mesh, par, opt, B, R)
     timers.reset()
     for step in range(start, steps):
-        if cfg.fault.kill_rank == world.rank and cfg.fault.at_step == step:
-            print(f"gems: fault injection: killing rank {world.rank} at step {step}", file=sys.stderr, flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+        inject.before_step(cfg, world.rank, step)
         if cfg.fault.preempt_at_step == step and restarts == 0:
-            _preempt(cfg, world, step, par, opt, history)
+            _preempt(cfg, world, step, par, opt, history, wd, "fault injection: preempting the job")
+        progress.mark("data", step)
         _sync(world.device)
         t0 = time.perf_counter()
         ids = replica_indices(step, B, R, coord.replica)
         x, y = data.batch(ids, par.input_slices, want_input=par.needs_input, want_target=par.needs_target)
+        x = inject.poison(cfg, world.rank, step, x)
         x = x.to(world.device, non_blocking=True) if x is not None else None
         y = y.to(world.device, non_blocking=True) if y is not None else None
         t_data = time.perf_counter() - t0
@@ -389,18 +460,28 @@ def train(cfg: DictConfig, world: World) -> dict[str, Any]:
             # the last warm-up step, profiled: the tensor memory a GPU would count (gems/memory.py)
             held = persistent_bytes(par.params, opt, [b for m in par.modules for b in m.buffers()] +
                                     [t for t in (x, y) if t is not None])  # the batch: read before the step
-            box: list[float] = []
-            tensor_peak = held + step_peak_bytes(lambda: box.append(_train_step(par, opt, x, y, ids, step)))
-            loss = box[0]
+            box: list[tuple[float, bool]] = []
+            tensor_peak = held + step_peak_bytes(lambda: box.append(context.step(x, y, ids, step)))
+            loss, stop = box[0]
         else:
-            loss = _train_step(par, opt, x, y, ids, step)
+            loss, stop = context.step(x, y, ids, step)
         if buffers:
-            _average_buffers(buffers, mesh)
+            with progress.waiting("gradient sum"):
+                _average_buffers(buffers, mesh)
         _sync(world.device)
         dt = time.perf_counter() - t0
         losses.append(loss)
+        finite = math.isfinite(loss)
+        if not finite:
+            nonfinite.append(step)
+            if on_nonfinite == "stop":
+                context.stop_nonfinite(step, loss, losses, restarts)
+            elif world.rank == 0:
+                print(f"gems: warning: the loss of step {step} is {loss} (train.on_nonfinite=warn: training goes on; "
+                      f"the record says so)", file=sys.stderr, flush=True)
         if world.rank == 0:
-            print(f"gems: step {step + 1}/{steps} {dt:.3f} s{' (warm-up)' if step < warm else ''}", flush=True)
+            print(f"gems: step {step + 1}/{steps} {dt:.3f} s loss {loss:.6g}{' (warm-up)' if step < warm else ''}",
+                  flush=True)
         t = timers.snapshot()
         extra = par.stats()  # read every step, so warm-up time is not carried into measured steps
         if step >= warm:
@@ -410,22 +491,24 @@ def train(cfg: DictConfig, world: World) -> dict[str, Any]:
             breakdown["halo"] += t.get("halo", 0.0) + extra.get("halo", 0.0)
             breakdown["pipeline_comm"] += t.get("pipeline_comm", 0.0) + extra.get("pipeline_comm", 0.0)
             breakdown["bubble_or_wait"] += t.get("bubble_or_wait", 0.0) + extra.get("bubble_or_wait", 0.0)
-        if ckpt_every and (step + 1) % ckpt_every == 0 and step + 1 < steps:
+        if stop and step + 1 < steps:  # Slurm's signal before the time limit (or a preemption notice)
+            _preempt(cfg, world, step + 1, par, opt, history, wd, "the time limit is near: checkpointing and requeueing")
+        if ckpt_every and (step + 1) % ckpt_every == 0 and step + 1 < steps and not nonfinite:
+            progress.mark("checkpoint")  # a diverged run keeps its last good checkpoint
             ckpt.save(cfg, world.rank, step + 1, par.modules, opt, history)
+    progress.mark("record")
     measured = len(step_times)
     for k in breakdown:
         breakdown[k] /= max(1, measured)
     median = statistics.median(step_times)
     breakdown["compute"] = max(0.0, median - sum(v for k, v in breakdown.items() if k != "compute"))
 
-    # gather: global per-step loss, peak memory and host of every rank
+    # gather: peak memory and host of every rank (the losses are already global, step by step)
     peak = meter.peak()
-    loss_t = torch.tensor(losses, dtype=torch.float64)
     hosts = [world.hostname]
     peaks = [peak]
     times = torch.tensor(step_times, dtype=torch.float64)
     if world.size > 1:
-        dist.all_reduce(loss_t, op=dist.ReduceOp.SUM)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank ends
         gathered: list[Any] = [None] * world.size
         dist.all_gather_object(gathered, (world.hostname, peak, tensor_peak))
@@ -435,23 +518,100 @@ def train(cfg: DictConfig, world: World) -> dict[str, Any]:
     else:
         tensor_peaks = [tensor_peak]
     step_times = times.tolist()
-    median = statistics.median(step_times)
     # samples per step: the whole global batch (every replica line trains B/R; eta replicas included)
     samples = par.samples_per_step * R
     record = rec.build_record(
-        cfg, world, mesh, losses=loss_t.tolist(), step_times=step_times, global_batch=samples,
+        cfg, world, mesh, losses=losses, step_times=step_times, global_batch=samples,
         breakdown=breakdown, peaks=peaks, hosts=hosts, wall_s=time.time() - t_start, restarts=restarts,
         tensor_peaks=tensor_peaks if all(t is not None for t in tensor_peaks) else None, balance=par.balance,
     )
+    if nonfinite:
+        record["diverged"] = True
+        record["nonfinite_steps"] = list(nonfinite)
     return record
 
 
-def _train_step(par: Parallel, opt: torch.optim.Optimizer, x: torch.Tensor | None, y: torch.Tensor | None,
-                ids: list[int], step: int) -> float:
-    loss = par.step(x, y, ids, step)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
+class _StepContext:
+    """One training step on this rank: the strategies' forward and backward, the step's sync over every
+    rank (the global loss, a stop request), then the optimizer, unless the loss is not finite."""
+
+    def __init__(self, cfg: DictConfig, world: World, mesh: Mesh, par: Parallel, opt: torch.optim.Optimizer,
+                 B: int, R: int) -> None:
+        self.cfg, self.world, self.mesh, self.par, self.opt, self.B, self.R = cfg, world, mesh, par, opt, B, R
+        self.stop_on_nonfinite = str(cfg.train.get("on_nonfinite", "stop")) == "stop"
+
+    def step(self, x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int) -> tuple[float, bool]:
+        """(the global loss of the step, whether any rank asked to stop for a checkpoint)."""
+        local = self.par.step(x, y, ids, step)
+        with progress.waiting("step sync"):
+            loss, stop = _step_sync(local, ckpt.stop_requested(), self.world)
+        if math.isfinite(loss) or not self.stop_on_nonfinite:
+            progress.mark("optimizer")
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        return loss, stop
+
+    def stop_nonfinite(self, step: int, loss: float, losses: list[float], restarts: int) -> None:
+        """Every rank is here at the same step: find where the first non-finite value appeared, have rank 0
+        write the failed record, and stop."""
+        where, failure = _locate_nonfinite(self.par, self.world, self.mesh, step, self.B, self.R)
+        msg = (f"the loss of step {step} is {loss} (train.on_nonfinite=stop); the first non-finite value was in "
+               f"{where}")
+        if self.world.rank == 0:
+            failure.update(kind="nonfinite", step=step, loss=str(loss))
+            record = rec.failed_record(self.cfg, msg, failure=failure, losses=losses, restarts=restarts)
+            record["nonfinite_steps"] = [step]
+            _write_once(rec.record_path(self.cfg), record)
+        raise NonFiniteLoss(msg)
+
+
+def _step_sync(local_loss: float, stop: bool, world: World) -> tuple[float, bool]:
+    """The global loss of the step (the weighted local losses summed over every rank, docs/design.md) and
+    whether any rank was asked to stop; one small all-reduce, the same result on every rank."""
+    if world.size == 1:
+        return float(local_loss), bool(stop)
+    import torch.distributed as dist
+
+    t = torch.tensor([local_loss, 1.0 if stop else 0.0], dtype=torch.float64,
+                     device=world.device if world.backend == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    total, stops = t.tolist()
+    return total, stops > 0
+
+
+def _locate_nonfinite(par: Parallel, world: World, mesh: Mesh, step: int, B: int, R: int) -> tuple[str, dict[str, Any]]:
+    """Where the first non-finite value of this step appeared: the earliest position (input, then the
+    output of each pipeline partition, then the loss) and, there, the lowest rank. A collective."""
+    D = max(1, mesh.pipeline)
+    pos = par.first_nonfinite()
+    key = float("inf") if pos is None else float(pos * world.size + world.rank)
+    if world.size > 1:
+        import torch.distributed as dist
+
+        t = torch.tensor([key], dtype=torch.float64, device=world.device if world.backend == "nccl" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        key = float(t.item())
+    if not math.isfinite(key):
+        return "the loss itself (every input and partition output was finite)", {"where": "loss"}
+    pos, rank = divmod(int(key), world.size)
+    c = mesh.coord(rank)
+    if pos == 0:
+        ids = replica_indices(step, B, R, c.replica)
+        part = f", spatial part {c.spatial}" if mesh.spatial > 1 else ""
+        return (f"the input of rank {rank} (samples {ids[0]}-{ids[-1]}{part})",
+                {"where": "input", "rank": rank, "samples": [ids[0], ids[-1]]})
+    if pos <= D:
+        s = pos - 1
+        what = f"the output of pipeline partition {s}" if D > 1 else "the model's output"
+        return f"{what} on rank {rank}", {"where": "output", "rank": rank, "partition": s}
+    return f"the loss computed on rank {rank}", {"where": "loss", "rank": rank}
+
+
+def _write_once(path: Any, record: dict[str, Any]) -> None:
+    try:
+        rec.write_record(path, record)
+    except FileExistsError:  # a record is never replaced
+        pass
 
 
 def _average_buffers(buffers: list[torch.Tensor], mesh: Mesh) -> None:
@@ -469,14 +629,17 @@ def _average_buffers(buffers: list[torch.Tensor], mesh: Mesh) -> None:
 
 
 def _preempt(cfg: DictConfig, world: World, step: int, par: Parallel, opt: torch.optim.Optimizer,
-             history: dict[str, Any]) -> None:
-    """``fault.preempt_at_step``: save, then stop as a preempted job does; the launcher resumes it."""
+             history: dict[str, Any], wd: Watchdog | None, why: str) -> None:
+    """Save before ``step``, then stop as a preempted job does; Slurm or the local launcher resumes it."""
+    progress.mark("checkpoint")
     ckpt.save(cfg, world.rank, step, par.modules, opt, history)
     if world.rank == 0:
-        print(f"gems: fault injection: preempting the job at step {step}", file=sys.stderr, flush=True)
+        print(f"gems: {why} (checkpoint before step {step})", file=sys.stderr, flush=True)
+    if wd is not None:
+        wd.stop()  # waiting to be ended is no stall
     if world.source == "slurm" or os.environ.get("SLURM_JOB_ID"):
         if world.rank == 0 and not ckpt.request_requeue():
-            raise RuntimeError("fault.preempt_at_step: `scontrol requeue` failed")
+            raise RuntimeError("`scontrol requeue` failed: the checkpoint is saved, but the job was not requeued")
         time.sleep(600)  # Slurm ends every task of a requeued job; this never returns in practice
     sys.stdout.flush()
     sys.stderr.flush()
@@ -489,23 +652,54 @@ def _sync(device: torch.device) -> None:
 
 
 def run_rank(cfg_yaml: str) -> dict[str, Any] | None:
-    """Entry point on every rank; rank 0 writes the record and returns it."""
+    """Entry point on every rank; rank 0 writes the record and returns it.
+
+    A rank that fails writes its failure report (:mod:`gems.fault.reports`) before
+    the error leaves it, so the launcher can tell the cause from the echoes.
+    """
     import torch.distributed as dist
 
     cfg = OmegaConf.create(cfg_yaml)
-    world = init_world(cfg)
+    rank = _env_rank()
+    wd: Watchdog | None = None
     try:
-        record = train(cfg, world)
+        world = init_world(cfg)
+        rank = world.rank
+
+        def on_stall(message: str, failure: dict[str, Any]) -> None:
+            _write_once(rec.record_path(cfg), rec.failed_record(cfg, message, failure=failure,
+                                                                restarts=ckpt.restart_count()))
+
+        wd = start_watchdog(cfg, world, on_stall)
+        record = train(cfg, world, wd)
+        if wd is not None:
+            wd.stop()
         if world.rank == 0:
+            progress.mark("record")
             rec.write_record(rec.record_path(cfg), record)
             return record
         return None
+    except NonFiniteLoss:
+        raise  # the record says it all
+    except BaseException as e:
+        if not isinstance(e, (KeyboardInterrupt, SystemExit)) and rank is not None:
+            reports.report_exception(rec.job_dir(cfg), rank, e)
+        raise
     finally:
+        if wd is not None:
+            wd.stop()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:  # the peer may already be gone; the record says why
                 pass
+
+
+def _env_rank() -> int | None:
+    for key in ("RANK", "SLURM_PROCID", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -519,9 +713,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"gems: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except NonFiniteLoss as e:
+        print(f"gems: error: {e}", file=sys.stderr, flush=True)
+        return 1
     except Exception:
-        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("PMI_RANK", "?")))
-        print(f"gems: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        rank = _env_rank()
+        print(f"gems: rank {'?' if rank is None else rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         return 1
     return 0
 

@@ -4,29 +4,69 @@ Each rank is ``python -m gems.worker --config job/config.yaml`` with
 torchrun-style variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), or
 the whole world under ``mpiexec`` when ``comm.backend=mpi``. The launcher
 watches the processes: when one exits non-zero the others get a short grace
-period and are then killed, and the run is recorded as failed with the
-failing rank and the last lines it wrote, never left hanging.
+period and are then killed, and the run is recorded as failed, never left
+hanging. The record names the cause, not the echo: a record the ranks wrote
+themselves (a stall, a non-finite loss) is kept as it is; otherwise the
+ranks' failure reports and the exits seen here go through
+:func:`gems.fault.reports.explain` (the first rank that failed on its own, a
+rank killed by a signal with its last resident memory, ...).
+
+Whatever ends the launcher ends its ranks: SIGINT, SIGTERM and SIGHUP kill
+them and record the run as cancelled; if the launcher is killed outright,
+each rank's watchdog sees ``GEMS_LAUNCHER_PID`` gone and ends itself.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from omegaconf import DictConfig
 
-from gems.errors import ConfigError
+from gems.errors import ConfigError, RunError
+from gems.fault.reports import Exit, explain
 from gems.mesh import mesh_from_config
 from gems.results import record as rec
 from gems.testing import free_port
 
+GRACE_S = 5.0  # after the first failure, how long the other ranks get to end (and report) by themselves
+
+
+class Cancelled(RunError):
+    """The launcher was asked to stop (SIGINT, SIGTERM, SIGHUP); its ranks (or Slurm jobs) were ended."""
+
+    def __init__(self, signum: int, detail: str = "") -> None:
+        self.signum, self.detail = signum, detail
+        super().__init__(f"cancelled by {signal.Signals(signum).name}")
+
+
+@contextlib.contextmanager
+def cancel_on_signals() -> Iterator[None]:
+    """While inside, SIGTERM and SIGHUP (and SIGINT) raise :class:`Cancelled` in the main thread."""
+    def raise_cancelled(signum: int, frame: Any) -> None:
+        raise Cancelled(signum)
+
+    old: dict[int, Any] = {}
+    try:
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            old[sig] = signal.signal(sig, raise_cancelled)
+    except ValueError:  # not the main thread: the caller handles signals
+        pass
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
 
 def job_dir(cfg: DictConfig) -> Path:
-    return Path(cfg.results.dir) / ".jobs" / str(cfg.run_id)
+    return rec.job_dir(cfg)
 
 
 def mpiexec_path() -> str:
@@ -49,7 +89,7 @@ def _last_error_line(text: str) -> str:
         s = line.strip()
         if s and not s.startswith(("File ", "^", "~")) and s != "Traceback (most recent call last):":
             return s
-    return "no output"
+    return ""
 
 
 def launch(cfg: DictConfig, on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -58,45 +98,61 @@ def launch(cfg: DictConfig, on_progress: Callable[[str], None] | None = None) ->
     A job whose ranks all stop with exit status 75 was preempted
     (``fault.preempt_at_step``): it is started again with
     ``GEMS_RESTART_COUNT`` set and resumes from its checkpoint, at most
-    ``fault.max_restarts`` times.
+    ``fault.max_restarts`` times. SIGINT, SIGTERM or SIGHUP end the ranks, write
+    a cancelled record and raise :class:`Cancelled`.
     """
     from gems.checkpoint import PREEMPTED_EXIT
     from gems.config import to_yaml
 
     world = mesh_from_config(cfg).size
-    jd = job_dir(cfg)
-    jd.mkdir(parents=True, exist_ok=True)
+    jd = rec.make_job_dir(cfg)
     cfg_path = jd / "config.yaml"
     cfg_path.write_text(to_yaml(cfg))
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, int(cfg.train.threads or 1))))
     env["PYTHONUNBUFFERED"] = "1"
+    env["GEMS_LAUNCHER_PID"] = str(os.getpid())
     cmd = [sys.executable, "-m", "gems.worker", "--config", str(cfg_path)]
     deadline = time.monotonic() + 60 * float(cfg.cluster.get("timeout_min") or (cfg.cluster.time_min + 5))
     max_restarts = int(cfg.fault.get("max_restarts", 3))
-    for attempt in range(max_restarts + 1):
-        procs, logs = _start(cfg, world, jd, cmd, dict(env, GEMS_RESTART_COUNT=str(attempt)), attempt)
-        failed = _watch(procs, logs, deadline, on_progress)
-        if failed is None or failed[1] != PREEMPTED_EXIT or attempt == max_restarts:
-            break
-        if on_progress:
-            on_progress(f"preempted; resuming (restart {attempt + 1})")
     path = rec.record_path(cfg)
-    if failed is None and path.exists():
+    watch = _Watch([], [], on_progress)
+    try:
+        with cancel_on_signals():
+            for attempt in range(max_restarts + 1):
+                procs, logs = _start(cfg, world, jd, cmd, dict(env, GEMS_RESTART_COUNT=str(attempt)), attempt)
+                watch = _Watch(procs, logs, on_progress)
+                watch.run(deadline)
+                if not watch.preempted or attempt == max_restarts:
+                    break
+                if on_progress:
+                    on_progress(f"preempted; resuming (restart {attempt + 1})")
+    except Cancelled as c:
+        watch.stop()
+        error = (f"cancelled: the launcher received {signal.Signals(c.signum).name}; its {world} rank(s) were "
+                 "ended")
+        _keep(path, rec.failed_record(cfg, error, failure={"kind": "cancelled", "signal": c.signum}))
+        c.detail = f"its {world} rank(s) were ended; record: {path}"
+        raise
+    if path.exists():  # the ranks' own record: ok, or a failure they diagnosed (stall, non-finite loss)
         return rec.read_record(path)
-    if failed == (-1, -1):
-        error = f"timed out after cluster.timeout_min={cfg.cluster.get('timeout_min') or cfg.cluster.time_min + 5} min"
-    elif failed is not None:
-        i, code = failed
-        who = f"rank {i}" if cfg.comm.backend != "mpi" else "an MPI rank"
-        sig = f" (signal {-code})" if code < 0 else ""
-        error = f"{who} exited with status {code}{sig}: {_last_error_line(tail(logs[i], 40))}"
+    if watch.timed_out:
+        limit = cfg.cluster.get("timeout_min") or cfg.cluster.time_min + 5
+        error, failure = f"timed out after cluster.timeout_min={limit} min", {"kind": "timeout"}
     else:
-        error = "the job ended without writing its record: " + _last_error_line(tail(logs[0], 40))
-    record = rec.failed_record(cfg, error)
-    record["logs"] = [str(x) for x in logs]
-    if not path.exists():
+        who = "rank" if cfg.comm.backend != "mpi" else "MPI rank"
+        error, failure = explain(jd, watch.exits, who)
+    record = rec.failed_record(cfg, error, failure=failure)
+    record["logs"] = [str(x) for x in watch.logs]
+    return _keep(path, record)
+
+
+def _keep(path: Path, record: dict[str, Any]) -> dict[str, Any]:
+    """Write ``record`` unless a record exists (a record is never replaced); return the one on disk."""
+    try:
         rec.write_record(path, record)
+    except FileExistsError:
+        return rec.read_record(path)
     return record
 
 
@@ -122,42 +178,100 @@ def _start(cfg: DictConfig, world: int, jd: Path, cmd: list[str], env: dict[str,
     return procs, logs
 
 
-def _watch(procs: list[subprocess.Popen[bytes]], logs: list[Path], deadline: float,
-           on_progress: Callable[[str], None] | None) -> tuple[int, int] | None:
-    """Wait for the ranks. None: all done; (rank, status) of the first failure (status 75 for a
-    preemption, when every rank stopped so); (-1, -1) past the deadline. Kills what is left."""
-    from gems.checkpoint import PREEMPTED_EXIT
-
-    failed: tuple[int, int] | None = None
+def rss_bytes(pid: int) -> int | None:
+    """Resident memory of a process and its descendants (mpiexec's ranks), from /proc; None off Linux."""
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0, PREEMPTED_EXIT)]
-            if bad:
-                failed = bad[0]
-                grace = time.monotonic() + 5.0
-                while time.monotonic() < grace and any(p.poll() is None for p in procs):
-                    time.sleep(0.1)
-                break
-            if all(c is not None for c in codes):
-                stopped = [i for i, c in enumerate(codes) if c == PREEMPTED_EXIT]
-                failed = (stopped[0], PREEMPTED_EXIT) if stopped else None
-                break
-            if time.monotonic() > deadline:
-                failed = (-1, -1)
-                break
-            if on_progress:
-                on_progress(_progress_line(logs[0]))
-            time.sleep(0.2)
-    finally:
-        for p in procs:
+        children: dict[int, list[int]] = {}
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                try:
+                    with open(f"/proc/{entry.name}/stat") as f:
+                        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                    children.setdefault(ppid, []).append(int(entry.name))
+                except (OSError, ValueError, IndexError):
+                    continue
+    except OSError:
+        return None
+    total, todo = 0, [pid]
+    page = os.sysconf("SC_PAGE_SIZE")
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * page
+        except (OSError, ValueError, IndexError):
+            pass
+        todo.extend(children.get(p, []))
+    return total or None
+
+
+class _Watch:
+    """Watch a job's processes until all end, one fails (then the others get :data:`GRACE_S`), or the deadline."""
+
+    def __init__(self, procs: list[subprocess.Popen[bytes]], logs: list[Path],
+                 on_progress: Callable[[str], None] | None) -> None:
+        self.procs, self.logs, self.on_progress = procs, logs, on_progress
+        self.exits: list[Exit] = []  # non-zero exits in the order seen (not counting the ones killed here)
+        self.rss: dict[int, int] = {}
+        self.preempted = self.timed_out = False
+        self._last_rss = 0.0
+        self._seen: set[int] = set()
+
+    def run(self, deadline: float) -> None:
+        from gems.checkpoint import PREEMPTED_EXIT
+
+        try:
+            failed_at: float | None = None
+            while True:
+                self._collect()
+                codes = [p.poll() for p in self.procs]
+                if failed_at is None and any(c not in (None, 0, PREEMPTED_EXIT) for c in codes):
+                    failed_at = time.monotonic()
+                if failed_at is not None and (time.monotonic() - failed_at > GRACE_S or
+                                              all(c is not None for c in codes)):
+                    break
+                if all(c is not None for c in codes):
+                    self.preempted = any(c == PREEMPTED_EXIT for c in codes)
+                    break
+                if time.monotonic() > deadline:
+                    self.timed_out = True
+                    break
+                if self.on_progress and failed_at is None:
+                    self.on_progress(_progress_line(self.logs[0]))
+                time.sleep(0.2)
+        finally:
+            self.stop()
+
+    def _collect(self) -> None:
+        now = time.monotonic()
+        sample = now - self._last_rss > 1.0
+        for i, p in enumerate(self.procs):
+            code = p.poll()
+            if code is None:
+                if sample:
+                    got = rss_bytes(p.pid)
+                    if got:
+                        self.rss[i] = got
+            elif code not in (0, 75) and i not in self._seen:  # 75: preempted, to be resumed
+                self._seen.add(i)
+                rank = -1 if self.logs[i].name.startswith("mpiexec") else i
+                self.exits.append(Exit(rank, code, self.rss.get(i), _last_error_line(tail(self.logs[i], 40))))
+        if sample:
+            self._last_rss = now
+
+    def stop(self) -> None:
+        """End every process still running (the whole process group: mpiexec takes its ranks along)."""
+        for p in self.procs:
             if p.poll() is None:
                 try:
-                    os.killpg(p.pid, 9)
+                    os.killpg(p.pid, signal.SIGKILL)
                 except OSError:
                     p.kill()
-                p.wait()
-    return failed
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not wait
+                pass
 
 
 def _progress_line(log: Path) -> str:

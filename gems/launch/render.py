@@ -26,7 +26,6 @@ from gems.launch.slurm import python_command, sbatch_parameters
 # submitit's sbatch parameters that are not #SBATCH options
 _NOT_SBATCH = ("setup", "srun_args", "additional_parameters", "teardown", "signal_delay_s",
                "stderr_to_stdout", "use_srun", "array_parallelism", "map_count")
-SIGNAL = "USR2@90"  # submitit's default: USR2 90 s before the time limit (preemption/requeue)
 
 
 def templates_dir() -> Path:
@@ -53,7 +52,7 @@ def sbatch_options(cfg: DictConfig, job_dir: str | Path) -> list[str]:
     params = sbatch_parameters(cfg)
     job_dir = str(job_dir)
     opts: dict[str, Any] = {k: v for k, v in params.items() if k not in _NOT_SBATCH}
-    opts["signal"] = SIGNAL
+    opts["signal"] = f"USR2@{params['signal_delay_s']}"  # as submitit writes it: gems checkpoints and requeues
     opts["output"] = f"{job_dir}/%j_0_log.out"
     opts["error"] = f"{job_dir}/%j_0_log.err"
     opts["open-mode"] = "append"
@@ -101,8 +100,9 @@ def write_job(cfg: DictConfig, job_dir: str | Path | None = None) -> Path:
     from gems.launch.slurm import default_job_dir, job_name, prepare
 
     cfg = prepare(cfg)
-    jd = Path(job_dir).resolve() if job_dir is not None else default_job_dir(cfg)
-    jd.mkdir(parents=True, exist_ok=True)
+    from gems.results.record import private_dir
+
+    jd = private_dir(Path(job_dir).resolve() if job_dir is not None else default_job_dir(cfg))
     cp = jd / "config.yaml"
     cp.write_text(to_yaml(cfg))
     script = jd / f"{job_name(cfg)}.sbatch"

@@ -87,6 +87,8 @@ def sbatch_parameters(cfg: DictConfig) -> dict[str, Any]:
         "ntasks_per_node": int(c.tasks_per_node),
         "cpus_per_task": int(c.cpus_per_task),
         "wckey": "gems",
+        # SIGUSR2 this long before the time limit: every rank checkpoints and the job is requeued
+        "signal_delay_s": int(c.get("signal_margin_s", 120)),
     }
     additional = OmegaConf.to_container(c.additional, resolve=True) if c.additional else {}
     # sites that count GPUs as a generic resource (--gres=gpu:4) get that instead of --gpus-per-node
@@ -308,8 +310,10 @@ def submit_all(cfgs: Sequence[DictConfig], job_dirs: Sequence[Path | str] | None
             preflight(c, partitions)
     fn = fn or _default_fn()
     runs: list[SlurmRun] = []
+    from gems.results.record import private_dir
+
     for c, d in zip(prepared, dirs):
-        d.mkdir(parents=True, exist_ok=True)
+        private_dir(d)
         text = to_yaml(c)
         (d / "config.yaml").write_text(text)
         ex = make_executor(c, d)

@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gems.fault import all_finite
+from gems.fault.progress import mark, waiting
 from gems.models.layers import batch_context
 from gems.pipeline.schedules import Action, Schedule
 
@@ -101,6 +103,7 @@ class PipelineRunner:
                 for direction in (0, 1):
                     self._shape[(direction, s)] = (tuple(shapes[s - 1][0]), shapes[s - 1][1])
         self.stats = Stats()  # the caller may read and reset it (time breakdown of records)
+        self._finite: list[tuple[int, torch.Tensor | bool]] = []  # (position, all finite?) of the last step
         self._step_parity = 0
         # what each peer sends this rank, in the order it sends it: receives are posted in that order,
         # as NCCL matches point-to-point messages by issue order (gloo and MPI would also match by tag)
@@ -140,6 +143,11 @@ class PipelineRunner:
     def buffers(self) -> list[torch.Tensor]:
         """This rank's buffers (e.g. BatchNorm statistics), ordered by partition index."""
         return [b for m in self.modules for b in m.buffers()]
+
+    def first_nonfinite(self) -> int | None:
+        """Where this rank first saw a non-finite value in the last step: 0 its input, 1 + s the output of
+        partition s; None when all was finite (reading the flags may synchronise a GPU)."""
+        return min((pos for pos, ok in self._finite if not bool(ok)), default=None)
 
     def chunk_slice(self, replica: int, micro_batch: int) -> slice:
         """Which samples of the line's share a (pass, micro-batch) carries."""
@@ -235,9 +243,10 @@ class PipelineRunner:
 
     def _receive(self, key: tuple[int, int, int, int]) -> torch.Tensor:
         t0 = time.perf_counter()
-        self._post(key, block=True)
-        work, buf = self._recvs.pop(key)
-        work.wait()
+        with waiting("pipeline transfer"):
+            self._post(key, block=True)
+            work, buf = self._recvs.pop(key)
+            work.wait()
         self.stats.wait_s += time.perf_counter() - t0
         return buf
 
@@ -252,18 +261,20 @@ class PipelineRunner:
                 break
 
     def _reap_sends(self, wait: bool = False) -> None:
-        keep = []
-        for work, t in self._sends:
-            if wait:
-                work.wait()
-            elif not work.is_completed():
-                keep.append((work, t))
-        self._sends = keep
+        if wait:
+            with waiting("pipeline transfer"):
+                for work, _ in self._sends:
+                    work.wait()
+            self._sends = []
+            return
+        self._sends = [(work, t) for work, t in self._sends if not work.is_completed()]
 
     # ---- compute -----------------------------------------------------------------------------------------
     def _forward(self, a: Action, x: torch.Tensor, target: Any) -> None:
         part = self.partitions[a.stage]
         last = a.stage == self.schedule.stages - 1
+        if a.stage == 0:
+            self._finite.append((0, all_finite(x)))
         with batch_context(self._seed, self._step, self._ids[self.chunk_slice(a.replica, a.micro_batch)]):
             if self.checkpoint:
                 with torch.no_grad():
@@ -281,6 +292,7 @@ class PipelineRunner:
                     self._loss_sum += float(live.loss.detach())
                 else:
                     live.y = y
+        self._finite.append((1 + a.stage, all_finite(y)))
         self._live[(a.replica, a.micro_batch, a.stage)] = live
         if not last:
             self._send_activation(a, y)
@@ -323,6 +335,7 @@ class PipelineRunner:
             raise ValueError(f"step() got {len(sample_ids)} sample ids; this line trains on {self.batch_size} per step")
         self._seed, self._step, self._ids = seed, step, list(sample_ids)
         self._loss_sum = 0.0
+        self._finite = []
         self._live: dict[tuple[int, int, int], _Live] = {}
         self._recvs: dict[tuple[int, int, int, int], tuple[Any, torch.Tensor]] = {}
         self._sends: list[tuple[Any, torch.Tensor]] = []
@@ -335,6 +348,7 @@ class PipelineRunner:
             sl = self.chunk_slice(a.replica, a.micro_batch)
             target = targets[sl] if a.stage == last and targets is not None else None
             t0 = time.perf_counter()
+            mark("forward" if a.kind == "F" else "backward")
             if a.kind == "F":
                 if a.stage == 0:
                     if inputs is None:

@@ -46,6 +46,30 @@ def record_path(cfg: Any) -> Path:
     return Path(cfg.results.dir) / f"{cfg.run_id}.json"
 
 
+def job_dir(cfg: Any) -> Path:
+    """A run's own folder: its resolved configuration, rank logs, failure reports and checkpoints
+    (``{results.dir}/.jobs/{run_id}``; every launcher and the worker use this one place)."""
+    return Path(cfg.results.dir) / ".jobs" / str(cfg.get("run_id") or "gems")
+
+
+def make_job_dir(cfg: Any) -> Path:
+    """Create the run's folder readable by its owner alone: logs and checkpoints can hold data, paths and
+    environment; records stay readable beside them."""
+    return private_dir(job_dir(cfg))
+
+
+def private_dir(d: Path | str) -> Path:
+    """``d`` created with mode 0700 (and ``.jobs`` above it, where it is one); existing folders are kept."""
+    d = Path(d)
+    if d.parent.name == ".jobs":
+        d.parent.parent.mkdir(parents=True, exist_ok=True)
+        d.parent.mkdir(exist_ok=True, mode=0o700)
+    else:
+        d.parent.mkdir(parents=True, exist_ok=True)
+    d.mkdir(exist_ok=True, mode=0o700)
+    return d
+
+
 def git_commit() -> str | None:
     try:
         here = Path(__file__).resolve().parent
@@ -113,7 +137,11 @@ def build_record(cfg: Any, world: Any, mesh: Any, *, losses: list[float], step_t
     }
 
 
-def failed_record(cfg: Any, error: str, world_size: int | None = None, hosts: list[str] | None = None) -> dict[str, Any]:
+def failed_record(cfg: Any, error: str, world_size: int | None = None, hosts: list[str] | None = None,
+                  failure: dict[str, Any] | None = None, losses: list[float] | None = None,
+                  restarts: int = 0) -> dict[str, Any]:
+    """The record of a run that failed: ``error`` is the one-line reason, ``failure`` its details
+    (``kind``: stall, nonfinite, rank_error, signal, cancelled, timeout, exit; the ranks, step and phase)."""
     from omegaconf import OmegaConf
 
     from gems.mesh import mesh_from_config
@@ -121,13 +149,15 @@ def failed_record(cfg: Any, error: str, world_size: int | None = None, hosts: li
     mesh = mesh_from_config(cfg)
     return {
         "schema": SCHEMA, "run_id": cfg.run_id, "name": default_name(cfg), "sweep": cfg.results.get("sweep"),
-        "status": "failed", "error": error, "config": OmegaConf.to_container(cfg, resolve=True),
+        "status": "failed", "error": error, "failure": failure or {"kind": "exit"},
+        "config": OmegaConf.to_container(cfg, resolve=True),
         "world_size": world_size or mesh.size, "nodes": len(set(hosts or [])) or int(cfg.cluster.nodes),
         "mesh": {"replicas": mesh.replicas, "pipeline": mesh.pipeline, "spatial": mesh.spatial,
                  "spatial_parts": list(mesh.parts), "spatial_dims": list(mesh.spatial_dims)},
-        "schedule": cfg.parallel.schedule, "global_batch": int(cfg.train.batch_size), "steps": 0,
+        "schedule": cfg.parallel.schedule, "global_batch": int(cfg.train.batch_size), "steps": len(losses or []),
         "throughput_samples_per_s": None, "step_time_s": None,
-        "time_breakdown_s": None, "peak_memory_bytes": None, "loss": [], "restarts": 0,
+        "time_breakdown_s": None, "peak_memory_bytes": None, "loss": [float(x) for x in (losses or [])],
+        "restarts": restarts,
         "env": env_info(None, hosts),
     }
 
@@ -142,6 +172,10 @@ def write_record(path: Path | str, record: dict[str, Any]) -> Path:
             json.dump(record, f, indent=1, allow_nan=True)
             f.flush()
             os.fsync(f.fileno())
+        # readable by all (a result), as the umask allows; mkstemp made it owner-only
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o644 & ~umask)
         os.link(tmp, path)  # fails if a record already exists there
     finally:
         os.unlink(tmp)

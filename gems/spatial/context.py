@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from gems.errors import ConfigError
+from gems.fault.progress import waiting
 from gems.mesh import ravel, unravel
 from gems.spatial.geometry import Box, shape_of, split_bounds
 
@@ -162,7 +163,8 @@ class SpatialContext:
                 elif self.index == 0:
                     v[j] = int(x.shape[2 + j])
             t = torch.tensor(v, dtype=torch.int64, device=self._coll_device(x))
-            dist.all_reduce(t, group=self.group)
+            with waiting("spatial collective"):
+                dist.all_reduce(t, group=self.group)
             g = tuple(int(n) for n in t.tolist())
         self.mark(x, g)
         return g
@@ -211,7 +213,8 @@ class _Gather(torch.autograd.Function):
             pad += [0, big[j] - x.shape[2 + j]]
         xp = F.pad(x, pad).contiguous() if any(pad) else x.contiguous()
         bufs = [torch.empty_like(xp) for _ in range(sctx.size)]
-        dist.all_gather(bufs, xp, group=sctx.group)
+        with waiting("spatial collective"):
+            dist.all_gather(bufs, xp, group=sctx.group)
         full = x.new_empty((x.shape[0], x.shape[1], *gshape))
         for b, buf in zip(boxes, bufs):
             full[(slice(None), slice(None), *(slice(lo, hi) for lo, hi in b))] = \
@@ -222,7 +225,8 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         g = g.contiguous().clone()
-        dist.all_reduce(g, group=ctx.sctx.group)
+        with waiting("spatial collective"):
+            dist.all_reduce(g, group=ctx.sctx.group)
         return g[(slice(None), slice(None), *(slice(lo, hi) for lo, hi in ctx.box))].contiguous(), None, None
 
 
@@ -230,12 +234,14 @@ class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, sctx: SpatialContext) -> torch.Tensor:
         y = x.detach().clone().contiguous()
-        dist.all_reduce(y, group=sctx.group)
+        with waiting("spatial collective"):
+            dist.all_reduce(y, group=sctx.group)
         ctx.sctx = sctx
         return y
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         g = g.contiguous().clone()
-        dist.all_reduce(g, group=ctx.sctx.group)
+        with waiting("spatial collective"):
+            dist.all_reduce(g, group=ctx.sctx.group)
         return g, None

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from gems.fault.progress import waiting
 from gems.spatial.context import SpatialContext
 from gems.spatial.geometry import Box, intersect, is_empty, local_index, shape_of
 
@@ -135,15 +136,13 @@ class Pending:
         t0 = time.perf_counter()
         if self.stream is not None:
             with torch.cuda.stream(self.stream):
-                for w in self.works:
-                    w.wait()
+                _wait(self.works)
             main = torch.cuda.current_stream(self.stream.device)
             main.wait_stream(self.stream)
             for b in self.bufs:
                 b.record_stream(main)
         else:
-            for w in self.works:
-                w.wait()
+            _wait(self.works)
         self.works = []
         self.sent = []
         self.sctx.halo_seconds[self.label] += time.perf_counter() - t0
@@ -190,8 +189,7 @@ class Assemble(torch.autograd.Function):
         back = [torch.empty((n, c, *shape_of(box)), dtype=gx.dtype, device=gx.device) for _, box in p.sends]
         works = _tagged_exchange(sctx, [(peer, gb) for (peer, _), gb in zip(p.recvs, gbufs)],
                                  [(peer, b) for (peer, _), b in zip(p.sends, back)], tag + 1)
-        for w in works[:len(p.sends)]:  # the receives; the sends are waited for when the backward ends
-            w.wait()
+        _wait(works[:len(p.sends)])  # the receives; the sends are waited for when the backward ends
         _after_backward(sctx, label, works[len(p.sends):], gbufs)
         for (_, box), b in zip(p.sends, back):
             gx[local_index(box, p.own)] += b
@@ -249,8 +247,7 @@ class Exchange(Pending):
             return super().wait()
         t0 = time.perf_counter()
         nr = len(self.plan.recvs)
-        for w in self.works[:nr]:  # _exchange posts the receives first
-            w.wait()
+        _wait(self.works[:nr])  # _exchange posts the receives first
         if nr or not self.works:
             _drain_sends(self.sctx)
         if self.works[nr:]:
@@ -280,8 +277,7 @@ class Exchange(Pending):
         """Wait for the gradients of the sent cells; add them into ``g`` (the part's gradient) in place."""
         self.post_backward(None)
         t0 = time.perf_counter()
-        for w in self.bwd_recvs or []:
-            w.wait()
+        _wait(self.bwd_recvs or [])
         if g is not None:
             for (_, box), gs in zip(self.plan.sends, self.gsent):
                 g[local_index(box, self.plan.own)] += gs
@@ -290,11 +286,17 @@ class Exchange(Pending):
         return g
 
 
+def _wait(works: Any) -> None:
+    """Wait for halo messages (the watchdog sees a rank that waits here as waiting for a neighbour)."""
+    with waiting("halo"):
+        for w in works:
+            w.wait()
+
+
 def _drain_sends(sctx: SpatialContext) -> None:
     """Wait for the forward sends still in flight (and let their buffers go)."""
     for works, _ in sctx.sends_in_flight:
-        for w in works:
-            w.wait()
+        _wait(works)
     sctx.sends_in_flight.clear()
 
 
@@ -305,8 +307,7 @@ def _after_backward(sctx: SpatialContext, label: str, works: list[Any], keep: li
 
     def finish() -> None:
         t0 = time.perf_counter()
-        for w in works:
-            w.wait()
+        _wait(works)
         keep.clear()
         sctx.halo_seconds[label] += time.perf_counter() - t0
 

@@ -1,0 +1,58 @@
+"""Deliberate failures, so that tests (and users) can see gems survive or report them.
+
+``fault.kill_rank`` with ``fault.at_step``: the rank kills itself (SIGKILL) at
+that step. ``fault.stall_rank``: the rank stops making progress in the
+forward of that step (it sleeps, as a hung kernel or read would), for the
+watchdog to find. ``fault.nan_rank``: the rank's input of that step becomes
+NaN, for the non-finite check to stop the run. ``fault.preempt_at_step`` is the
+worker's own (a checkpoint and a requeue, see :mod:`gems.checkpoint`).
+Steps count from 0, as the record's ``loss`` list does.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from gems.fault.progress import PROGRESS
+
+
+def _say(text: str) -> None:
+    print(f"gems: fault injection: {text}", file=sys.stderr, flush=True)
+
+
+def arm(cfg: Any, rank: int, modules: list[nn.Module]) -> None:
+    """Install what must sit inside the model: the stall of ``fault.stall_rank``."""
+    f = cfg.fault
+    if int(f.get("stall_rank", -1)) != rank or not modules:
+        return
+    at = int(f.at_step)
+
+    def stall(module: nn.Module, args: Any) -> None:
+        if PROGRESS.step == at:
+            _say(f"rank {rank} stalls in the forward of step {at} (it sleeps)")
+            while True:
+                time.sleep(3600)
+
+    modules[0].register_forward_pre_hook(stall)
+
+
+def before_step(cfg: Any, rank: int, step: int) -> None:
+    f = cfg.fault
+    if int(f.kill_rank) == rank and int(f.at_step) == step:
+        _say(f"killing rank {rank} at step {step}")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def poison(cfg: Any, rank: int, step: int, x: torch.Tensor | None) -> torch.Tensor | None:
+    """``fault.nan_rank``: this rank's input of ``fault.at_step`` becomes NaN."""
+    f = cfg.fault
+    if x is None or int(f.get("nan_rank", -1)) != rank or int(f.at_step) != step:
+        return x
+    _say(f"rank {rank} reads NaN as its input of step {step}")
+    return torch.full_like(x, float("nan")) if x.is_floating_point() else x

@@ -1,0 +1,73 @@
+"""Where each rank is: the step and the phase of its work, kept for the watchdog.
+
+The worker marks the phases of a step (``data``, ``forward``, ``backward``,
+``optimizer``...), and the strategies mark the waits inside them (``halo``,
+``spatial collective``, ``pipeline transfer``, ``gradient sum``) with
+:func:`waiting`. Every mark is progress: a rank that marks nothing for
+``fault.stall_timeout_s`` is stalled (:mod:`gems.fault.watchdog`), and the
+phase it is stuck in tells whether it is the cause (computing, reading data)
+or waiting for a peer that is.
+
+A mark is a few attribute writes, cheap enough for every layer's halo wait.
+The watchdog thread reads the fields without a lock: each is one atomic
+attribute read in CPython, and a read that mixes two marks is still a mark.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterator
+
+#: every phase a rank can be in, in the order a step goes through them
+PHASES = ("setup", "data", "forward", "backward", "halo", "spatial collective", "pipeline transfer",
+          "gradient sum", "optimizer", "step sync", "checkpoint", "record")
+#: phases in which a rank waits for its peers: a rank stuck here is waiting for the cause, not the cause
+WAITS = frozenset({"halo", "spatial collective", "pipeline transfer", "gradient sum", "step sync"})
+#: phases that get the long (warm-up) allowance at any step: building, saving, gathering the record
+SLOW = frozenset({"setup", "checkpoint", "record"})
+
+
+class Progress:
+    """The step and phase of this rank, and when either last changed (``time.monotonic()``)."""
+
+    __slots__ = ("step", "phase", "marks", "since")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.step = -1  # -1: before the first step
+        self.phase = "setup"
+        self.marks = 0
+        self.since = time.monotonic()
+
+    def mark(self, phase: str, step: int | None = None) -> None:
+        """This rank entered ``phase`` (of ``step``, when given): progress."""
+        if step is not None:
+            self.step = step
+        self.phase = phase
+        self.marks += 1
+        self.since = time.monotonic()
+
+    def age(self) -> float:
+        """Seconds since the last mark."""
+        return time.monotonic() - self.since
+
+
+#: this process's progress (one rank per process)
+PROGRESS = Progress()
+
+
+def mark(phase: str, step: int | None = None) -> None:
+    PROGRESS.mark(phase, step)
+
+
+@contextlib.contextmanager
+def waiting(phase: str) -> Iterator[None]:
+    """Mark a wait for peers (``phase`` in :data:`WAITS`), then return to the phase around it."""
+    before = PROGRESS.phase
+    PROGRESS.mark(phase)
+    try:
+        yield
+    finally:
+        PROGRESS.mark(before)
