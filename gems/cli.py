@@ -37,7 +37,7 @@ def _err(msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gems.errors import ConfigError, RunError
+    from gems.errors import Cancelled, ConfigError, RunError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -54,15 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in commands:
         _err(f"command={cmd}: expected one of {', '.join(commands)}")
         return 2
-    from gems.launch.local import Cancelled
-
     try:
         return commands[cmd](rest)
     except ConfigError as e:
         _err(str(e))
         return 2
     except Cancelled as e:
-        _err(f"{e}{(': ' + e.detail) if getattr(e, 'detail', '') else ''}")
+        _err(f"{e}{': ' + e.detail if e.detail else ''}")
         return 128 + e.signum
     except RunError as e:
         _err(str(e))
@@ -82,25 +80,31 @@ def main(argv: list[str] | None = None) -> int:
 
 # ---------------------------------------------------------------------------- run
 def _prepare(cfg: Any) -> Any:
-    """Fill in the run id and check what needs the file system before launching."""
+    """Fill in the run id and check everything the run needs (the model, the mesh, the files it reads and
+    the folders it writes), so that bad input stops here with exit 2, before anything is written."""
     from omegaconf import open_dict
 
+    from gems import checkpoint as ckpt
     from gems.errors import ConfigError
-    from gems.results.record import default_name, new_run_id
+    from gems.paths import readable_dir, writable_dir
+    from gems.results.record import default_name, new_run_id, record_path
 
+    given = cfg.get("run_id")
     with open_dict(cfg):
-        if not cfg.get("run_id"):
+        if not given:
             cfg.run_id = new_run_id(default_name(cfg))
-    results = Path(cfg.results.dir)
-    if results.exists() and not results.is_dir():
-        raise ConfigError("results.dir", str(results), "a folder (a file of that name exists)")
     if cfg.data.name == "hdf5":
-        path = Path(str(cfg.data.path))
-        if not path.exists():
-            raise ConfigError("data.path", str(path), "an existing folder of .h5 samples (write one with `gems data synth data.path=...`)")
+        readable_dir("data.path", cfg.data.path, "a folder of .h5 samples (write one with `gems data synth data.path=...`)")
+    if given:  # a run id of the user's: resume its checkpoint, never replace its record
+        if record_path(cfg).exists():
+            raise ConfigError("run_id", given, f"a new run id (the record {record_path(cfg)} exists, and records "
+                              "are never replaced)")
+        if ckpt.has_checkpoint(cfg):
+            ckpt.check_fingerprint(cfg)
     from gems.worker import preflight
 
     preflight(cfg)  # model, spatial cut and schedule: bad input fails here, before launching
+    writable_dir("results.dir", cfg.results.dir, "a folder for the run's records")
     return cfg
 
 
@@ -116,8 +120,48 @@ def launch_one(cfg: Any, quiet: bool = False) -> dict[str, Any]:
     from rich.console import Console
 
     console = Console(stderr=True)
+    steps = StepProgress(int(cfg.train.steps))
+    if not console.is_terminal:  # a log or a pipe: a plain line now and then, so a long run is never silent
+        return local.launch(cfg, on_progress=lambda s: steps.line(s, lambda t: print(f"gems: {cfg.run_id}: {t}",
+                                                                                      file=sys.stderr, flush=True)))
     with console.status(f"[bold]{cfg.run_id}[/]: starting") as status:
-        return local.launch(cfg, on_progress=lambda s: status.update(f"[bold]{cfg.run_id}[/]: {s}"))
+        return local.launch(cfg, on_progress=lambda s: steps.line(s, lambda t: status.update(f"[bold]{cfg.run_id}[/]: {t}"),
+                                                                  every_s=0.0))
+
+
+class StepProgress:
+    """Turns rank 0's step lines ("step 3/6 0.812 s loss 0.29") into progress with an estimate of the time
+    left; ``line`` passes a new text on at most every ``every_s`` seconds (a new step, or the first line)."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.times, self.last, self.shown_at = total, [], "", 0.0
+
+    def line(self, text: str, show: Callable[[str], None], every_s: float = 10.0) -> None:
+        import re
+
+        if text == self.last:
+            return
+        self.last = text
+        m = re.match(r"step (\d+)/(\d+) ([0-9.]+) s", text)
+        out = text
+        if m:
+            done, total, dt = int(m.group(1)), int(m.group(2)), float(m.group(3))
+            self.times.append(dt)
+            recent = sorted(self.times[-5:])[len(self.times[-5:]) // 2]
+            left = (total - done) * recent
+            out = f"{text}; about {_duration(left)} left" if done < total else text
+        now = time.monotonic()
+        if now - self.shown_at >= every_s or not m:
+            self.shown_at = now
+            show(out)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def print_rows(records: list[dict[str, Any]]) -> None:
@@ -227,7 +271,15 @@ def cmd_sweep(overrides: list[str]) -> int:
 def cmd_results(args: list[str]) -> int:
     from gems.results.table import aggregate, load_records, markdown, rows_for
 
-    root = Path(args[0]) if args else Path("results")
+    from gems.errors import ConfigError
+    from gems.paths import readable_dir, writable_dir
+
+    if len(args) > 1:
+        raise ConfigError("results", " ".join(args), "at most one folder: `gems results [DIR]`")
+    if args and ("=" in args[0] or args[0].startswith("-")):
+        raise ConfigError("results", args[0], "a folder of records, e.g. `gems results results/` (no overrides)")
+    root = readable_dir("results DIR", args[0] if args else "results", "a folder holding gems records")
+    writable_dir("results DIR", root, "a folder gems can write the tables into")
     out = aggregate(root)
     by_sweep: dict[str, list[dict[str, Any]]] = {}
     for r in load_records(root):
@@ -290,12 +342,15 @@ def cmd_bench(args: list[str]) -> int:
     if not args or args[0] not in BENCHES:
         raise ConfigError("bench", args[0] if args else "", "one of " + ", ".join(BENCHES))
     mod, fn = BENCHES[args[0]]
+    from gems.paths import writable_dir
+
     out_dir = Path("results") / "bench"
     for a in args[1:]:
         if a.startswith("out="):
             out_dir = Path(a.split("=", 1)[1])
         else:
             raise ConfigError("bench option", a, "out=DIR")
+    writable_dir("out", out_dir, "a folder for the benchmark's table")
     out_dir.mkdir(parents=True, exist_ok=True)
     table = getattr(importlib.import_module(mod), fn)(out_dir)
     print(table)

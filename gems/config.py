@@ -276,8 +276,10 @@ def compose(overrides: list[str] | tuple[str, ...] = (), return_hydra_config: bo
         raise _with_value(_omegaconf_error(e), overrides) from None
     finally:
         GlobalHydra.instance().clear()
-    if check:
-        validate(cfg)
+    try:
+        validate(cfg, relations=check)
+    except ConfigError as e:
+        raise _with_value(e, overrides) from None
     return cfg
 
 
@@ -330,11 +332,13 @@ def _omegaconf_error(e: Exception) -> ConfigError:
     return ConfigError(key, "?", msg)
 
 
-def validate(cfg: DictConfig) -> None:
-    """Every key against its schema's choices and bounds, then the checks that relate keys to each other
-    (none needs the world or the model: those are :func:`gems.worker.preflight`'s)."""
+def validate(cfg: DictConfig, relations: bool = True) -> None:
+    """Every key against its schema's choices and bounds, then (``relations``) the checks that relate keys
+    to each other (none needs the world or the model: those are :func:`gems.worker.preflight`'s)."""
     for name in schema_keys():
         check_key(name, OmegaConf.select(cfg, name, default=None))
+    if not relations:
+        return
     if cfg.train.warmup_steps >= cfg.train.steps:
         raise ConfigError("train.warmup_steps", cfg.train.warmup_steps, f"0 <= warmup < train.steps={cfg.train.steps}")
     sp = cfg.parallel.spatial

@@ -3,7 +3,7 @@
 ``ConfigError`` is bad input: a key, the value given and what would work. The
 CLI prints it as one line and exits 2 before anything is submitted or
 written. ``RunError`` is a run that failed after it started (exit 1), with the
-rank and the reason.
+rank and the reason; ``Cancelled`` one that a signal ended (exit 128 + signal).
 """
 from __future__ import annotations
 
@@ -20,6 +20,17 @@ class ConfigError(Exception):
 
 class RunError(Exception):
     """A run that failed after it started: exit status 1."""
+
+
+class Cancelled(RunError):
+    """The launcher was asked to stop (SIGINT, SIGTERM, SIGHUP): exit status 128 + the signal's number.
+    ``detail`` says what became of the ranks or Slurm jobs."""
+
+    def __init__(self, signum: int, detail: str = "") -> None:
+        import signal
+
+        self.signum, self.detail = signum, detail
+        super().__init__(f"cancelled by {signal.Signals(signum).name}")
 
 
 def _show(value: Any) -> str:

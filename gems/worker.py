@@ -34,7 +34,7 @@ from gems.errors import ConfigError, RunError
 from gems.fault import all_finite, inject, progress, reports
 from gems.fault.watchdog import Watchdog
 from gems.mesh import Mesh, mesh_from_config
-from gems.models import ModelSpec, build_model
+from gems.models import ModelSpec, build_model, check_shapes
 from gems.models.layers import batch_context, guard_bf16_conv3d
 from gems.replication import GradientReducer, mpi_group
 from gems.results import record as rec
@@ -224,6 +224,8 @@ def preflight(cfg: DictConfig) -> None:
 
     mesh = mesh_from_config(cfg)
     spec = build_model(cfg.model)
+    if spec.name == "custom":  # the built-in models fit their declared input by construction
+        check_shapes(spec)
     p = cfg.parallel
     seq = spec.module
     if cfg.data.name == "hdf5":  # a file that does not match the model is named before launch

@@ -89,6 +89,9 @@ def synth_main(cfg: Any) -> list[Path]:
         raise ConfigError("model.size", size, "the sample edge in cells, e.g. 128")
     channels = int(get(model, "in_channels", 4))
     ndim = 2 if get(model, "name", "") == "resnet" else 3
+    from gems.paths import writable_dir
+
+    writable_dir("data.path", path, "a folder gems can create or write the samples into")
     existing = sorted(Path(path).glob("sample_*.h5")) if Path(path).is_dir() else []
     if existing:
         raise ConfigError("data.path", str(path), f"a new or empty directory (it holds {len(existing)} sample files; "

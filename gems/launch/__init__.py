@@ -1,0 +1,29 @@
+"""Launchers: ranks as local processes (:mod:`~gems.launch.local`), Slurm jobs through submitit
+(:mod:`~gems.launch.slurm`), sbatch scripts for submitting by hand (:mod:`~gems.launch.render`)."""
+from __future__ import annotations
+
+import contextlib
+import signal
+from typing import Any, Iterator
+
+from gems.errors import Cancelled
+
+
+@contextlib.contextmanager
+def cancel_on_signals() -> Iterator[None]:
+    """While inside, SIGINT, SIGTERM and SIGHUP (a lost terminal) raise :class:`~gems.errors.Cancelled` in the
+    main thread, so a launcher ends what it started, whatever signal ends it."""
+    def raise_cancelled(signum: int, frame: Any) -> None:
+        raise Cancelled(signum)
+
+    old: dict[int, Any] = {}
+    try:
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            old[sig] = signal.signal(sig, raise_cancelled)
+    except ValueError:  # not the main thread: the caller handles signals
+        pass
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

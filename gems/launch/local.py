@@ -17,7 +17,6 @@ each rank's watchdog sees ``GEMS_LAUNCHER_PID`` gone and ends itself.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -25,44 +24,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from omegaconf import DictConfig
 
-from gems.errors import ConfigError, RunError
+from gems.errors import Cancelled, ConfigError
 from gems.fault.reports import Exit, explain
+from gems.launch import cancel_on_signals
 from gems.mesh import mesh_from_config
 from gems.results import record as rec
 from gems.testing import free_port
 
 GRACE_S = 5.0  # after the first failure, how long the other ranks get to end (and report) by themselves
-
-
-class Cancelled(RunError):
-    """The launcher was asked to stop (SIGINT, SIGTERM, SIGHUP); its ranks (or Slurm jobs) were ended."""
-
-    def __init__(self, signum: int, detail: str = "") -> None:
-        self.signum, self.detail = signum, detail
-        super().__init__(f"cancelled by {signal.Signals(signum).name}")
-
-
-@contextlib.contextmanager
-def cancel_on_signals() -> Iterator[None]:
-    """While inside, SIGTERM and SIGHUP (and SIGINT) raise :class:`Cancelled` in the main thread."""
-    def raise_cancelled(signum: int, frame: Any) -> None:
-        raise Cancelled(signum)
-
-    old: dict[int, Any] = {}
-    try:
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-            old[sig] = signal.signal(sig, raise_cancelled)
-    except ValueError:  # not the main thread: the caller handles signals
-        pass
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
 
 
 def job_dir(cfg: DictConfig) -> Path:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import signal
 import shutil
 import subprocess
 import sys
@@ -35,7 +36,7 @@ from typing import Any, Callable, Iterable, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from gems.errors import ConfigError
+from gems.errors import Cancelled, ConfigError
 
 RankFn = Callable[[str], Any]
 
@@ -233,6 +234,7 @@ class SlurmRun:
     state: str = "PENDING"
     detail: str = ""  # pending reason or node list
     seen: bool = False  # squeue has listed it at least once
+    ran: bool = False  # squeue has listed it RUNNING at least once
     ended_at: float | None = None
     error_seen_at: float | None = None
 
@@ -266,6 +268,7 @@ class Outcome:
     record_path: Path | None = None
     job_dir: Path | None = None
     elapsed_s: float = 0.0
+    failure: dict[str, Any] | None = None  # the cause, as gems.fault.reports.explain tells it
 
 
 def _default_fn() -> RankFn:
@@ -435,12 +438,53 @@ def stderr_tail(run: SlurmRun, lines: int = 15) -> tuple[str, str]:
     return headline, "\n".join(chunks)
 
 
+_SIGNALS = {"Killed": -9, "Segmentation fault": -11, "Aborted": -6}
+
+
+def _srun_exits(run: SlurmRun) -> list[Any]:
+    """The tasks srun reported as ended badly, in its order (exit statuses, or signals as negative codes)."""
+    from submitit.core import utils
+
+    from gems.fault.reports import Exit
+
+    err0 = utils.JobPaths(run.job_dir, job_id=run.job_id, task_id=0).stderr
+    exits: list[Exit] = []
+    for ln in _tail(err0, 400):
+        m = _SRUN_EXIT.search(ln) if _is_slurm_line(ln) else None
+        if m:
+            code = int(m.group(3)) if m.group(3) else _SIGNALS.get(m.group(2), -9)
+            for t in _task_list(m.group(1)):
+                if all(e.rank != t for e in exits):
+                    exits.append(Exit(t, code))
+    return exits
+
+
+def _task_list(spec: str) -> list[int]:
+    out: list[int] = []
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _cause(run: SlurmRun) -> tuple[str, dict[str, Any]] | None:
+    """The cause from the ranks' failure reports (the first rank that failed on its own), if any wrote one."""
+    from gems.fault.reports import explain, read_reports
+
+    if not read_reports(run.job_dir):
+        return None
+    return explain(run.job_dir, _srun_exits(run), "task")
+
+
 def _error_of(run: SlurmRun, state: str) -> str | None:
     results = _task_outcomes(run)
     errors = [(t, r[1]) for t, r in enumerate(results) if r is not None and r[0] == "error"]
     missing = [t for t, r in enumerate(results) if r is None]
     if state in ("COMPLETED", "GONE") and not errors and not missing:
         return None
+    cause = _cause(run)
+    if cause is not None:
+        return cause[0]
     if errors:
         t, trace = errors[0]
         last = [ln for ln in str(trace).strip().splitlines() if ln.strip()]
@@ -458,8 +502,13 @@ def _outcome(run: SlurmRun, state: str, error: str | None) -> Outcome:
     results = [r[1] if r is not None and r[0] == "success" else None for r in _task_outcomes(run)]
     rp = run.record_path if run.record_path.exists() else None
     end = run.ended_at or time.time()
+    failure = None
+    if error is not None:
+        cause = _cause(run)
+        failure = cause[1] if cause is not None else {"kind": {"TIMEOUT": "timeout", "CANCELLED": "cancelled"}.get(
+            state, "exit"), "state": state}
     return Outcome(run.run_id, run.job_id, error is None, state, error, results, rp, run.job_dir,
-                   end - run.submitted_at)
+                   end - run.submitted_at, failure)
 
 
 def poll(runs: Sequence[SlurmRun], finished: dict[str, Outcome], error_grace_s: float = 30.0) -> None:
@@ -473,9 +522,11 @@ def poll(runs: Sequence[SlurmRun], finished: dict[str, Outcome], error_grace_s: 
         if info is not None and run.job_id in info:
             run.seen = True
             run.state, run.detail = info[run.job_id]
-            if run.state == "PENDING" and run.detail == "BeginTime" and int(run.cfg.fault.get("preempt_at_step", -1)) >= 0:
-                # a deliberate preemption (fault.preempt_at_step) requeued it: Slurm holds requeued jobs
-                # back for two minutes; a fault test need not wait for that
+            if run.state == "RUNNING":
+                run.ran = True
+            if run.state == "PENDING" and run.detail == "BeginTime" and run.ran:
+                # gems requeued it (a preemption, the time limit near): Slurm holds a requeued job back for
+                # two minutes; the job's own checkpoint makes an immediate restart safe
                 _run(["scontrol", "update", f"JobId={run.job_id}", "StartTime=now"], timeout=30)
         elif info is not None and (run.seen or now - run.submitted_at > 60):
             # Slurm no longer knows it (purged after MinJobAge, or never listed): ask accounting, else files
@@ -535,12 +586,17 @@ def _table(runs: Sequence[SlurmRun], finished: dict[str, Outcome]) -> Any:
 
 
 def wait(runs: SlurmRun | Sequence[SlurmRun], progress: bool = True, poll_s: float | None = None,
-         on_update: Callable[[Sequence[SlurmRun], dict[str, Outcome]], None] | None = None) -> list[Outcome]:
+         on_update: Callable[[Sequence[SlurmRun], dict[str, Outcome]], None] | None = None,
+         on_cancel: str = "cancel") -> list[Outcome]:
     """Wait until every job has ended (ok or failed); outcomes in the order of ``runs``.
 
     Never waits forever: each job ends at the latest ``cluster.timeout_min`` after submission
-    (default ``cluster.time_min + 5``), when it is cancelled and reported failed.
+    (default ``cluster.time_min + 5``), when it is cancelled and reported failed. SIGINT, SIGTERM or
+    SIGHUP raise :class:`~gems.errors.Cancelled`: with ``on_cancel="cancel"`` the jobs still queued or
+    running are cancelled first and recorded so; with ``"leave"`` they go on (a detached study).
     """
+    from gems.launch import cancel_on_signals
+
     runs = [runs] if isinstance(runs, SlurmRun) else list(runs)
     if not runs:
         return []
@@ -556,19 +612,35 @@ def wait(runs: SlurmRun | Sequence[SlurmRun], progress: bool = True, poll_s: flo
                         auto_refresh=console.is_terminal)
         live_ctx.start()
     try:
-        while True:
-            poll(runs, finished)
-            if live_ctx is not None and live_ctx.console.is_terminal:
-                live_ctx.update(_table(runs, finished))
-            if on_update is not None:
-                on_update(runs, finished)
-            if len(finished) == len(runs):
-                break
-            time.sleep(step)
-    except KeyboardInterrupt:
-        for r in runs:
-            if r.job_id not in finished:
+        with cancel_on_signals():
+            while True:
+                poll(runs, finished)
+                if live_ctx is not None and live_ctx.console.is_terminal:
+                    live_ctx.update(_table(runs, finished))
+                if on_update is not None:
+                    on_update(runs, finished)
+                if len(finished) == len(runs):
+                    break
+                time.sleep(step)
+    except Cancelled as c:
+        left = [r for r in runs if r.job_id not in finished]
+        ids = ", ".join(r.job_id for r in left)
+        if on_cancel == "cancel":
+            from gems.results import record as rec
+
+            for r in left:
                 _cancel(r)
+                error = f"slurm job {r.job_id}: cancelled: the launcher received {signal.Signals(c.signum).name}"
+                rec_failed = rec.failed_record(r.cfg, error, failure={"kind": "cancelled", "signal": c.signum,
+                                                                      "slurm_job_id": r.job_id})
+                rec_failed["env"]["slurm_job_id"] = r.job_id
+                try:
+                    rec.write_record(r.record_path, rec_failed)
+                except FileExistsError:
+                    pass
+            c.detail = f"cancelled Slurm job(s) {ids}" if left else "every job had ended"
+        else:
+            c.detail = f"Slurm job(s) {ids} go on" if left else "every job had ended"
         raise
     finally:
         if live_ctx is not None:
@@ -585,7 +657,7 @@ def record_of(run: SlurmRun, outcome: Outcome) -> dict[str, Any]:
     if outcome.record_path is not None:
         return rec.read_record(outcome.record_path)
     error = outcome.error or f"job {outcome.job_id} ended {outcome.state} without writing its record"
-    record = rec.failed_record(run.cfg, f"slurm job {outcome.job_id}: {error}")
+    record = rec.failed_record(run.cfg, f"slurm job {outcome.job_id}: {error}", failure=outcome.failure)
     record["logs"] = str(run.job_dir)
     record["env"]["slurm_job_id"] = outcome.job_id
     if not run.record_path.exists():

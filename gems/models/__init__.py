@@ -40,6 +40,37 @@ class ModelSpec:
         return len(self.input_shape) - 1
 
 
+def check_shapes(spec: ModelSpec) -> None:
+    """Trace the model layer by layer on meta tensors of its declared input (one sample, no memory, no
+    compute); a layer that cannot take what reaches it, or an output that does not fit the targets, is a
+    ConfigError naming the key to change, before any rank starts."""
+    import copy
+
+    import torch
+
+    key = "model.input_shape" if spec.name == "custom" else "model.size"
+    shape = list(spec.input_shape) if spec.name == "custom" else spec.input_shape[1]
+    seq = copy.deepcopy(spec.module).to("meta").eval()
+    x = torch.empty((1, *spec.input_shape), device="meta")
+    for i, layer in enumerate(seq):
+        try:
+            x = layer(x)
+        except Exception as e:  # the layer's own words say what it expected
+            msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(key, shape, f"an input shape that every layer accepts: layer {i} "
+                              f"({type(layer).__name__}) received {list(x.shape)} and said: {msg[:200]}") from None
+    if not isinstance(x, torch.Tensor):
+        raise ConfigError("model._target_", spec.name, f"a model whose output is a tensor (it returns {type(x).__name__})")
+    if spec.target == "vector":
+        if x.dim() != 2 or x.shape[1] != spec.num_outputs:
+            raise ConfigError("model.num_outputs", spec.num_outputs, f"{x.shape[1] if x.dim() == 2 else 'a flat output'}: "
+                              f"the model's output for one sample has shape {list(x.shape)} (batch, outputs)")
+    else:
+        if x.dim() != len(spec.input_shape) + 1 or tuple(x.shape[2:]) != tuple(spec.input_shape[1:]):
+            raise ConfigError("model.target", "dense", f"vector, or a model whose output keeps the input's spatial "
+                              f"shape {list(spec.input_shape[1:])} (it gives {list(x.shape[2:])})")
+
+
 def _first_flatten(seq: nn.Sequential) -> int | None:
     for i, layer in enumerate(seq):
         if isinstance(layer, nn.Flatten):

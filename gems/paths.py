@@ -1,0 +1,53 @@
+"""Every path a command takes, checked for what the command will do with it, before it does anything.
+
+A path that cannot work is bad input like any other key (exit 2, one line
+naming the key, the path and what would work), found before anything is
+written: a folder to write into is probed by creating and removing an empty
+folder in its nearest existing ancestor (permissions alone do not say it: a
+read-only or virtual file system, ``/proc``, refuses root too); a folder to
+read is checked to exist and be listable.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from gems.errors import ConfigError
+
+
+def _nearest_existing(p: Path) -> Path:
+    for cand in (p, *p.parents):
+        if cand.exists():
+            return cand
+    return Path("/")
+
+
+def writable_dir(key: str, path: str | os.PathLike[str], what: str = "a folder gems can create or write") -> Path:
+    """``path`` if a command can create it (with its parents) or write into it; else ConfigError."""
+    p = Path(os.path.expanduser(str(path)))
+    if p.exists() and not p.is_dir():
+        raise ConfigError(key, str(path), f"{what} (a file of that name exists)")
+    anc = _nearest_existing(p.absolute())
+    if not anc.is_dir():
+        raise ConfigError(key, str(path), f"{what} ({anc} is a file, not a folder)")
+    try:
+        probe = tempfile.mkdtemp(prefix=".gems-probe-", dir=anc)
+        os.rmdir(probe)
+    except OSError as e:
+        raise ConfigError(key, str(path), f"{what} ({anc}: {e.strerror or e})") from None
+    return p
+
+
+def readable_dir(key: str, path: str | os.PathLike[str], what: str) -> Path:
+    """``path`` if it is a folder this process can list; else ConfigError."""
+    p = Path(os.path.expanduser(str(path)))
+    if not p.exists():
+        raise ConfigError(key, str(path), f"{what} (it does not exist)")
+    if not p.is_dir():
+        raise ConfigError(key, str(path), f"{what} (it is a file)")
+    try:
+        next(iter(os.scandir(p)), None)
+    except OSError as e:
+        raise ConfigError(key, str(path), f"{what} ({e.strerror or e})") from None
+    return p
