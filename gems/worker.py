@@ -422,7 +422,6 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
     on_nonfinite = str(cfg.train.get("on_nonfinite", "stop"))
     # running statistics (BatchNorm) of the copies of a parameter's module see different samples
     buffers = [b for m in par.modules for b in m.buffers() if b.is_floating_point()] if mesh.group("grad") else []
-    ckpt.install_time_limit_handler()
 
     # resume after a preemption, a time limit or a requeue (gems/checkpoint.py)
     restarts = ckpt.restart_count()
@@ -445,10 +444,10 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
     context = _StepContext(cfg, world, mesh, par, opt, B, R)
     timers.reset()
     for step in range(start, steps):
+        progress.mark("data", step)
         inject.before_step(cfg, world.rank, step)
         if cfg.fault.preempt_at_step == step and restarts == 0:
             _preempt(cfg, world, step, par, opt, history, wd, "fault injection: preempting the job")
-        progress.mark("data", step)
         _sync(world.device)
         t0 = time.perf_counter()
         ids = replica_indices(step, B, R, coord.replica)
@@ -661,6 +660,7 @@ def run_rank(cfg_yaml: str) -> dict[str, Any] | None:
     """
     import torch.distributed as dist
 
+    ckpt.install_time_limit_handler()  # first: Slurm's signal may come while the rank starts
     cfg = OmegaConf.create(cfg_yaml)
     rank = _env_rank()
     wd: Watchdog | None = None

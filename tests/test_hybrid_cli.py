@@ -155,7 +155,7 @@ def test_mirrored_copies_stay_identical_buffers_included(tmp_path):
                "model.width=0.25", "train.batch_size=4", "train.steps=4", "train.warmup_steps=1",
                "parallel.pipeline=2", "parallel.schedule=mast", "fault.preempt_at_step=3", timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    (ck,) = list(tmp_path.glob(".jobs/*/ckpt"))
+    (ck,) = list(tmp_path.glob(".jobs/*/ckpt/step*"))
     a = torch.load(ck / "rank0.pt", weights_only=False)["modules"]
     b = torch.load(ck / "rank1.pt", weights_only=False)["modules"]
     assert len(a) == len(b) == 2

@@ -4,7 +4,8 @@
 that step. ``fault.stall_rank``: the rank stops making progress in the
 forward of that step (it sleeps, as a hung kernel or read would), for the
 watchdog to find. ``fault.nan_rank``: the rank's input of that step becomes
-NaN, for the non-finite check to stop the run. ``fault.preempt_at_step`` is the
+NaN, for the non-finite check to stop the run. ``fault.step_delay_s``: every
+step takes that much longer (a stand-in for long steps, to meet a time limit). ``fault.preempt_at_step`` is the
 worker's own (a checkpoint and a requeue, see :mod:`gems.checkpoint`).
 Steps count from 0, as the record's ``loss`` list does.
 """
@@ -47,6 +48,8 @@ def before_step(cfg: Any, rank: int, step: int) -> None:
     if int(f.kill_rank) == rank and int(f.at_step) == step:
         _say(f"killing rank {rank} at step {step}")
         os.kill(os.getpid(), signal.SIGKILL)
+    if float(f.get("step_delay_s") or 0) > 0:
+        time.sleep(float(f.step_delay_s))
 
 
 def poison(cfg: Any, rank: int, step: int, x: torch.Tensor | None) -> torch.Tensor | None:

@@ -140,15 +140,18 @@ def diagnose(beats: dict[int, Beat], size: int, now: float, started: float, star
     missing = [r for r in range(size) if r not in beats] if now - started >= startup_limit else []
     if not stalled and not missing:
         return None
+    # a heartbeat is up to a tick old when it arrives: a rank that stopped computing a moment before its
+    # peers stopped waiting for it may cross its limit just after them; it is still the cause
+    near = [b for b in beats.values() if b.age_now(now) >= b.limit - 2 * tick]
     frozen = sorted(b.rank for b in stalled if now - b.seen > 3 * tick)
-    causes = [b for b in stalled if b.phase not in WAITS]
+    causes = [b for b in near if b.phase not in WAITS]
     if not causes and stalled and not missing:
         causes = [max(stalled, key=lambda b: b.age_now(now))]
     if causes:
         first = min(causes, key=lambda b: (b.step, -b.age_now(now)))
         ranks = sorted(b.rank for b in causes)
         step, phase, limit = first.step, first.phase, first.limit
-        age = max(b.age_now(now) for b in causes)
+        age = max(limit, max(b.age_now(now) for b in causes))  # its heartbeat was up to a tick old
     else:
         ranks, step, phase, age, limit = sorted(missing), -1, "setup", now - started, startup_limit
     waiting = {b.rank: b.phase for b in beats.values() if b.rank not in ranks}
@@ -277,6 +280,8 @@ class Watchdog:
         if stall is None:
             return
         message = stall.message(self.stall_s, self.warmup_s)
+        if os.environ.get("GEMS_DEBUG"):
+            print(f"gems: watchdog beats at {now:.2f}: {self._beats}", file=sys.stderr, flush=True)
         failure = stall.as_dict()
         if self.on_stall is not None:
             try:
