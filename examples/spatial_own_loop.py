@@ -31,7 +31,7 @@ def main() -> None:
     world = gems.init()
     R = args.replicas
     mesh = gems.Mesh(replicas=R, parts=(world.size // R,), spatial_dims=(0,), world_size=world.size)
-    mesh.build_groups(world.rank)
+    mesh.build_groups(world.rank, timeout=world.timeout)
     me = mesh.coord(world.rank)
 
     torch.manual_seed(0)  # every rank starts from the same weights

@@ -14,7 +14,7 @@ For your own training script::
     import gems
     world = gems.init()                                   # torchrun, srun, mpirun or one process
     mesh = gems.Mesh(parts=(world.size,), world_size=world.size)
-    mesh.build_groups(world.rank)
+    mesh.build_groups(world.rank, timeout=world.timeout)
     ctx = gems.SpatialContext.from_mesh(mesh, world.rank)
     model = gems.apply_spatial(net, ctx, spatial_end=index_of_flatten)
     reducer = gems.GradientReducer(model.parameters(), mesh.group("grad"))

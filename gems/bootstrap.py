@@ -52,6 +52,7 @@ class World:
     grad_comm: str  # torch | mpi
     mpi_comm: Any = None  # mpi4py COMM_WORLD when comm.backend=mpi
     hostname: str = ""
+    timeout: datetime.timedelta | None = None  # of every collective: pass it to Mesh.build_groups
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -135,6 +136,9 @@ def init_world(cfg: Any) -> World:
     if backend_cfg == "nccl" and device.type != "cuda":
         raise ConfigError("comm.backend", "nccl", "gloo or auto on CPU nodes (nccl needs GPUs)")
     backend = "nccl" if device.type == "cuda" and backend_cfg in ("auto", "nccl", "mpi") else "gloo"
+    from gems.fault.watchdog import collective_timeout_s
+
+    timeout = datetime.timedelta(seconds=collective_timeout_s(cfg))
     if size > 1 and not dist.is_initialized():
         # env:// honours a MASTER_ADDR the site set (e.g. an InfiniBand hostname) and torchrun's
         # agent-hosted store; Slurm and MPI ranks fill in what they derived or were told
@@ -144,18 +148,15 @@ def init_world(cfg: Any) -> World:
             os.environ.setdefault("MASTER_ADDR", addr)
             os.environ.setdefault("MASTER_PORT", str(port))
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(size)
-        from gems.fault.watchdog import collective_timeout_s
-
         # NCCL: a collective that times out tears the process group down (it raises) instead of hanging
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-        timeout = datetime.timedelta(seconds=collective_timeout_s(cfg))
         kw: dict[str, Any] = {}
         if backend == "nccl":
             kw["device_id"] = device
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=timeout, **kw)
     return World(rank, size, local_rank, addr, port, source, device, backend,
                  "mpi" if backend_cfg == "mpi" else "torch", mpi_comm,
-                 os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+                 os.environ.get("SLURMD_NODENAME") or socket.gethostname(), timeout)
 
 
 def keep_host_memory() -> bool:

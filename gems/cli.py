@@ -192,6 +192,10 @@ def cmd_run(overrides: list[str]) -> int:
     if record.get("status") != "ok":
         _err(f"run {cfg.run_id} failed: {record.get('error')}")
         return 1
+    if record.get("diverged"):
+        steps = ", ".join(str(s) for s in record.get("nonfinite_steps", [])[:8])
+        print(f"gems: warning: run {cfg.run_id} diverged (non-finite loss at step {steps}; train.on_nonfinite=warn): "
+              "its throughput is no data point", file=sys.stderr, flush=True)
     return 0
 
 

@@ -174,8 +174,12 @@ class Mesh:
         return [self.replica_ranks(d, s) for d in range(self.pipeline) for s in range(self.spatial)]
 
     # ---- process groups -------------------------------------------------------------
-    def build_groups(self, rank: int, mirrored: bool = False) -> None:
+    def build_groups(self, rank: int, mirrored: bool = False, timeout: Any = None) -> None:
         """Create the torch.distributed groups this rank belongs to.
+
+        ``timeout`` (a ``datetime.timedelta``; ``World.timeout`` from :func:`gems.init`) bounds every
+        collective of the groups. Pass it: torch gives a new group its backend's default (30 minutes on
+        gloo), not the default group's timeout, so a stalled peer would hold the others that long.
 
         Every rank calls ``new_group`` for every group in the same order (a
         torch requirement). ``mirrored`` adds, for GEMS-MAST/MASTER, the
@@ -187,7 +191,7 @@ class Mesh:
         me = self.coord(rank)
         for axis in Axis:
             for ranks in self.all_rank_lists(axis):
-                g = dist.new_group(ranks) if len(ranks) > 1 else None
+                g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks:
                     self.groups[axis.value] = g
                     self.groups[axis.value + "_ranks"] = ranks
@@ -199,7 +203,7 @@ class Mesh:
                 continue
             seen.add(key)
             ranks = self.stage_ranks(key)
-            g = dist.new_group(ranks) if len(ranks) > 1 else None
+            g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
             if me.pipeline in key:
                 self.groups["grad"] = g
                 self.groups["grad_ranks"] = ranks

@@ -403,7 +403,7 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
     mesh = mesh_from_config(cfg, world.size)
     mirrored = cfg.parallel.schedule in ("mast", "master")
     if world.size > 1:
-        mesh.build_groups(world.rank, mirrored=mirrored)
+        mesh.build_groups(world.rank, mirrored=mirrored, timeout=world.timeout)
     else:
         mesh.groups.update(grad=None, grad_ranks=[0])
     coord = mesh.coord(world.rank)

@@ -25,3 +25,26 @@ def plain(n: int = 8) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.ReLU(), nn.AvgPool3d(2), nn.Flatten(),
                          nn.Linear(2 * (n // 2) ** 3, 3))
+
+
+class FailOnRank(nn.Module):
+    """Raises a user error on one rank (``RANK``) from its ``at``-th forward on: its peers see only echoes."""
+
+    def __init__(self, rank: int, at: int) -> None:
+        super().__init__()
+        self.rank, self.at, self.calls = rank, at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import os
+
+        if os.environ.get("RANK") == str(self.rank):
+            self.calls += 1
+            if self.calls > self.at:
+                raise ValueError("the user's layer refuses this batch")
+        return x
+
+
+def failing(rank: int = 1, at: int = 2, n: int = 8) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), FailOnRank(rank, at), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(4 * n * n, 3))

@@ -43,16 +43,22 @@ def _mesh(r: dict[str, Any]) -> str:
     return f"{m.get('replicas', '?')}x{m.get('pipeline', '?')}x{m.get('spatial', '?')}"
 
 
+def measured(r: dict[str, Any]) -> bool:
+    """Whether a record is a data point: ok and not diverged (a failed or diverged run has no throughput)."""
+    return r.get("status") == "ok" and not r.get("diverged")
+
+
 def rows_for(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     recs = sorted(records, key=lambda r: (r.get("world_size") or 0, r.get("run_id") or ""))
-    ok = [r for r in recs if r.get("status") == "ok"]
+    ok = [r for r in recs if measured(r)]
     base = ok[0] if ok else None
     rows = []
     for r in recs:
         row: dict[str, Any] = {c: "" for c in COLUMNS}
-        row.update(name=r.get("name"), status=r.get("status"), world=r.get("world_size"), nodes=r.get("nodes"),
+        status = "diverged" if r.get("status") == "ok" and r.get("diverged") else r.get("status")
+        row.update(name=r.get("name"), status=status, world=r.get("world_size"), nodes=r.get("nodes"),
                    mesh=_mesh(r), schedule=r.get("schedule"), batch=r.get("global_batch"))
-        if r.get("status") == "ok" and base is not None:
+        if measured(r) and base is not None:
             p, p0 = r["world_size"], base["world_size"]
             t, t0 = r["step_time_s"]["median"], base["step_time_s"]["median"]
             thr = r["throughput_samples_per_s"]
@@ -72,6 +78,9 @@ def rows_for(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "final_loss": loss[-1],
                 "_scaling": scaling,
             })
+        elif r.get("diverged"):
+            steps = r.get("nonfinite_steps") or []
+            row["final_loss"] = f"non-finite loss at step(s) {', '.join(str(x) for x in steps[:5])}"
         else:
             row["final_loss"] = (r.get("error") or "")[:80]
         rows.append(row)
