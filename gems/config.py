@@ -98,10 +98,13 @@ class TrainConf:
 class ClusterConf:
     name: str = key("local", "the cluster preset")
     launcher: str = key("local", "local processes or Slurm", choices=("local", "slurm"))
-    nodes: int = key(1, "nodes of the job", ge=1)
+    nodes: Optional[int] = key(1, "nodes of the job (null: as few as hold R x D x S ranks, one per GPU, or "
+                                  "cpus_per_task CPUs each on CPU nodes)", ge=1)
     tasks_per_node: Optional[int] = key(1, "ranks per node (null: R x D x S / nodes)", ge=1)
     gpus_per_node: int = key(0, "GPUs per node", ge=0)
     cpus_per_task: int = key(1, "CPUs per rank", ge=1)
+    cpus_per_node: Optional[int] = key(None, "CPUs of a node, for placing ranks on CPU nodes (null: unknown, one "
+                                            "node unless cluster.nodes says otherwise)", ge=1)
     gpu_memory_gb: float = key(0.0, "memory of one GPU (gems plan)", ge=0)
     mem_gb: Optional[float] = key(None, "memory per node to ask for", gt=0)
     partition: Optional[str] = key(None, "Slurm partition")
@@ -355,22 +358,11 @@ def validate(cfg: DictConfig, relations: bool = True) -> None:
     if B % R:
         raise ConfigError("train.batch_size", B, f"a multiple of parallel.replicas={R} (the global batch is split over replicas)")
     if cfg.cluster.launcher == "slurm" or cfg.cluster.name != "local":
-        nodes = int(cfg.cluster.nodes)
-        if cfg.cluster.tasks_per_node is None:  # derive the tasks from the mesh
-            if mesh.size % nodes:
-                raise ConfigError("cluster.nodes", nodes, f"a divisor of R x D x S = {mesh.size} ({mesh.describe()}), "
-                                  "or set cluster.tasks_per_node")
-            from omegaconf import open_dict
+        nodes, tasks = place(cfg.cluster, mesh.size, mesh.describe())
+        from omegaconf import open_dict
 
-            with open_dict(cfg):
-                cfg.cluster.tasks_per_node = mesh.size // nodes
-        world = nodes * cfg.cluster.tasks_per_node
-        if world != mesh.size:
-            raise ConfigError(
-                "cluster.tasks_per_node", cfg.cluster.tasks_per_node,
-                f"nodes x tasks_per_node = {nodes} x {cfg.cluster.tasks_per_node} = {world} ranks "
-                f"to equal R x D x S = {mesh.size} ({mesh.describe()}); leave it null to derive it",
-            )
+        with open_dict(cfg):
+            cfg.cluster.nodes, cfg.cluster.tasks_per_node = nodes, tasks
     for k in ("kill_rank", "stall_rank", "nan_rank"):
         if int(cfg.fault.get(k, -1)) >= mesh.size:
             raise ConfigError(f"fault.{k}", cfg.fault[k], f"a rank below the world size {mesh.size} ({mesh.describe()}), "
@@ -385,6 +377,34 @@ def validate(cfg: DictConfig, relations: bool = True) -> None:
         check_comm_cut(int(cfg.parallel.pipeline))
     if cfg.data.name == "hdf5" and not cfg.data.path:
         raise ConfigError("data.path", cfg.data.path, "a folder of .h5 sample files (write one with `gems data synth`)")
+
+
+def place(cluster: Any, world: int, mesh_text: str = "") -> tuple[int, int]:
+    """(nodes, tasks per node) for ``world`` ranks: what ``cluster.nodes`` and ``cluster.tasks_per_node`` fix,
+    the rest derived. With neither fixed: as few nodes as hold the ranks (one per GPU on GPU nodes,
+    ``cpus_per_node / cpus_per_task`` on CPU nodes, all on one where the node's size is unknown), then the
+    next count that divides the world evenly. Each point of a sweep is placed by its own world."""
+    what = f"R x D x S = {world}" + (f" ({mesh_text})" if mesh_text else "")
+    nodes, tasks = cluster.get("nodes"), cluster.get("tasks_per_node")
+    if nodes is not None and tasks is not None:
+        if int(nodes) * int(tasks) != world:
+            raise ConfigError("cluster.tasks_per_node", tasks, f"nodes x tasks_per_node = {nodes} x {tasks} = "
+                              f"{int(nodes) * int(tasks)} ranks to equal {what}; leave it null to derive it")
+        return int(nodes), int(tasks)
+    if nodes is not None:
+        if world % int(nodes):
+            raise ConfigError("cluster.nodes", nodes, f"a divisor of {what}, or null to derive it")
+        return int(nodes), world // int(nodes)
+    if tasks is not None:
+        if world % int(tasks):
+            raise ConfigError("cluster.tasks_per_node", tasks, f"a divisor of {what}, or null to derive it")
+        return world // int(tasks), int(tasks)
+    gpus, cpus = int(cluster.get("gpus_per_node") or 0), cluster.get("cpus_per_node")
+    per_node = gpus if gpus > 0 else (max(1, int(cpus) // int(cluster.get("cpus_per_task") or 1)) if cpus else world)
+    n = -(-world // per_node)
+    while world % n:
+        n += 1
+    return n, world // n
 
 
 def to_yaml(cfg: DictConfig) -> str:

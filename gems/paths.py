@@ -4,7 +4,8 @@ A path that cannot work is bad input like any other key (exit 2, one line
 naming the key, the path and what would work), found before anything is
 written: a folder to write into is probed by creating and removing an empty
 folder in its nearest existing ancestor (permissions alone do not say it: a
-read-only or virtual file system, ``/proc``, refuses root too); a folder to
+read-only or virtual file system, ``/proc``, refuses root too), whose times are
+then restored; a folder to
 read is checked to exist and be listable.
 """
 from __future__ import annotations
@@ -31,11 +32,16 @@ def writable_dir(key: str, path: str | os.PathLike[str], what: str = "a folder g
     anc = _nearest_existing(p.absolute())
     if not anc.is_dir():
         raise ConfigError(key, str(path), f"{what} ({anc} is a file, not a folder)")
+    st = anc.stat()
     try:
         probe = tempfile.mkdtemp(prefix=".gems-probe-", dir=anc)
         os.rmdir(probe)
     except OSError as e:
         raise ConfigError(key, str(path), f"{what} ({anc}: {e.strerror or e})") from None
+    try:  # the probe leaves no trace, not even in the folder's times
+        os.utime(anc, ns=(st.st_atime_ns, st.st_mtime_ns))
+    except OSError:
+        pass
     return p
 
 

@@ -102,11 +102,13 @@ def write_job(cfg: DictConfig, job_dir: str | Path | None = None) -> Path:
     cfg = prepare(cfg)
     from gems.results.record import private_dir
 
-    jd = private_dir(Path(job_dir).resolve() if job_dir is not None else default_job_dir(cfg))
+    jd = Path(job_dir).resolve() if job_dir is not None else default_job_dir(cfg)
     cp = jd / "config.yaml"
+    text = render(cfg, jd, cp)  # first: a value the script cannot take is bad input, and nothing is written
+    private_dir(jd)
     cp.write_text(to_yaml(cfg))
     script = jd / f"{job_name(cfg)}.sbatch"
-    script.write_text(render(cfg, jd, cp))
+    script.write_text(text)
     return script
 
 
