@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from gems.bootstrap import World, init_world, keep_host_memory
+from gems.bootstrap import (KEEP_GROWTH, World, init_world, keep_host_memory, keeps_host_memory_within,
+                            node_memory_bytes, ranks_on_this_node)
 from gems.errors import ConfigError, RunError
 from gems.fault import all_finite, inject, progress, reports
 from gems.fault.watchdog import Watchdog
@@ -395,9 +396,7 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
 
     t_start = time.time()
     progress.mark("setup")
-    host_memory = cfg.train.get("host_memory", "auto")
-    if host_memory == "keep" or (host_memory == "auto" and world.device.type == "cpu"):
-        keep_host_memory()
+    host_memory = HostMemory(str(cfg.train.get("host_memory", "auto")), world.device)
     if cfg.train.threads and world.device.type == "cpu":
         torch.set_num_threads(int(cfg.train.threads))
     mesh = mesh_from_config(cfg, world.size)
@@ -466,6 +465,7 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
             loss, stop = box[0]
         else:
             loss, stop = context.step(x, y, ids, step)
+        host_memory.after_step(world.rank)
         if buffers:
             with progress.waiting("gradient sum"):
                 _average_buffers(buffers, mesh)
@@ -526,10 +526,45 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
         breakdown=breakdown, peaks=peaks, hosts=hosts, wall_s=time.time() - t_start, restarts=restarts,
         tensor_peaks=tensor_peaks if all(t is not None for t in tensor_peaks) else None, balance=par.balance,
     )
+    record["host_memory"] = host_memory.summary
     if nonfinite:
         record["diverged"] = True
         record["nonfinite_steps"] = list(nonfinite)
     return record
+
+
+class HostMemory:
+    """``train.host_memory`` on this rank. ``keep`` keeps freed host memory in the process from the start
+    (faster CPU steps, more resident memory: :func:`gems.bootstrap.keep_host_memory`); ``release`` never;
+    ``auto`` on CPU ranks runs the first step with glibc's defaults, measures its peak, and keeps freed
+    memory from then on only if every rank of the node still fits in its memory at what keeping costs
+    (:func:`gems.bootstrap.keeps_host_memory_within`): a run that fits without kept memory is never
+    killed for it."""
+
+    def __init__(self, policy: str, device: torch.device) -> None:
+        self.policy = policy if device.type == "cpu" or policy == "keep" else "release"
+        self.budget = node_memory_bytes()
+        self.ranks = ranks_on_this_node()
+        self.decided = self.policy != "auto"
+        self.summary: dict[str, Any] = {"policy": self.policy, "kept": self.policy == "keep"}
+        if self.policy == "keep":
+            keep_host_memory()
+
+    def after_step(self, rank: int) -> None:
+        if self.decided:
+            return
+        import resource
+
+        self.decided = True
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        kept = keeps_host_memory_within(peak, self.budget, self.ranks)
+        if kept:
+            keep_host_memory()
+        self.summary.update(kept=kept, first_step_peak_rss=peak, node_budget=self.budget, ranks_on_node=self.ranks)
+        if not kept and rank == 0:
+            print(f"gems: train.host_memory=auto: freed host memory is released (glibc's defaults): {self.ranks} "
+                  f"rank(s) x {peak / 2**30:.2f} GiB x {KEEP_GROWTH} would not fit in "
+                  f"{(self.budget or 0) / 2**30:.1f} GiB", file=sys.stderr, flush=True)
 
 
 class _StepContext:

@@ -1,0 +1,108 @@
+"""Every command the README and jobs/README.md show runs here as written (with fewer steps), so a
+documented example can never be the broken one; the ones that need another machine say why.
+
+The commands are read from the documents themselves (fenced ``bash`` blocks and indented code
+lines): a command added to the docs without a line in COMMANDS fails the first test."""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _cli import records
+
+ROOT = Path(__file__).resolve().parents[1]
+FEWER = ["train.steps=2", "train.warmup_steps=1"]
+
+#: command as documented -> extra overrides for the test (fewer steps), or a reason it does not run here
+COMMANDS: dict[str, list[str] | str] = {
+    "bash scripts/setup.sh && gems run": [],  # the set-up is CI's first step: the test runs `gems run`
+    "bash scripts/test.sh": "this test suite itself",
+    "gems run parallel.spatial=2": FEWER,
+    "gems run parallel.spatial=[2,2] parallel.spatial_dims=[0,1]": FEWER,
+    "gems run parallel.pipeline=2 parallel.schedule=mast": FEWER,
+    "gems run parallel.pipeline=4 parallel.schedule=mast parallel.balance_by=time": FEWER,
+    "gems run parallel.pipeline=4 parallel.schedule=master parallel.gems_replicas=4 train.batch_size=8": FEWER,
+    "gems run parallel.replicas=2 parallel.pipeline=2 parallel.spatial=2 parallel.schedule=mast train.batch_size=8": FEWER,
+    "gems run model=unet3d model.size=64 parallel.spatial=4": ["train.steps=1", "train.warmup_steps=0"],
+    "gems run model=resnet model.depth=110 model.size=512 parallel.pipeline=4 parallel.schedule=mast":
+        ["train.steps=2", "train.warmup_steps=1"],
+    "gems data synth data.path=/scratch/cosmo data.num_samples=64 model.size=128": [],
+    "gems run model=cosmoflow data=hdf5 data.path=/scratch/cosmo parallel.spatial=4": FEWER,
+    "gems run comm=mpi parallel.replicas=2": FEWER,
+    "gems sweep +experiment=replication_weak": FEWER,
+    "gems run cluster=local_slurm cluster.nodes=2 parallel.replicas=4": FEWER,
+    "gems sweep +experiment=cosmoflow512_weak cluster=perlmutter cluster.account=m1234":
+        "submits to NERSC Perlmutter (its render is tested in test_render.py)",
+    "gems render cluster=juwels_booster cluster.account=myproj parallel.spatial=8 parallel.replicas=8 train.batch_size=64": [],
+    "jobs/replication_weak.sh": FEWER,
+    "jobs/replication_weak.sh cluster=local_slurm": FEWER,
+    "ACCOUNT=m1234 jobs/cosmoflow512_weak.sh cluster=perlmutter": "submits to NERSC Perlmutter",
+    "gems plan model=cosmoflow model.size=512 cluster.gpu_memory_gb=40 train.batch_size=1": [],
+    "gems plan model=cosmoflow model.size=512 parallel.spatial=8 cluster=perlmutter cluster.account=x": [],
+    "gems plan model=resnet model.depth=1001 model.size=512 parallel.pipeline=4 parallel.schedule=mast": [],
+}
+
+#: commands that need the Slurm test cluster
+SLURM = ("cluster=local_slurm",)
+
+
+def documented() -> list[str]:
+    out: list[str] = []
+    for doc in ("README.md", "jobs/README.md"):
+        text = (ROOT / doc).read_text()
+        lines = [ln for block in re.findall(r"```bash\n(.*?)```", text, re.S) for ln in block.splitlines()]
+        lines += [ln for ln in text.splitlines() if ln.startswith("    ") and not ln.startswith("     ")]
+        for ln in lines:
+            cmd = ln.split("  #")[0].strip()
+            if cmd.startswith(("gems ", "jobs/", "ACCOUNT=", "bash scripts/")) or cmd == "gems run":
+                out.append(re.sub(r"\s+", " ", cmd))
+    return list(dict.fromkeys(out))
+
+
+def test_every_documented_command_is_listed_here():
+    docs = documented()
+    assert set(docs) == set(COMMANDS), (sorted(set(docs) - set(COMMANDS)), sorted(set(COMMANDS) - set(docs)))
+
+
+RUN = [c for c, how in COMMANDS.items() if isinstance(how, list)]
+
+
+def _marks(cmd: str) -> list:
+    if any(s in cmd for s in SLURM):
+        return [pytest.mark.slurm, pytest.mark.skipif(shutil.which("sinfo") is None, reason="no Slurm test cluster")]
+    return []
+
+
+@pytest.mark.parametrize("cmd", [pytest.param(c, marks=_marks(c)) for c in RUN if "/scratch/cosmo" not in c])
+def test_the_documented_command_runs(tmp_path, cmd):
+    _run(tmp_path, cmd, COMMANDS[cmd])
+
+
+def test_the_documented_hdf5_commands_run_one_after_the_other(tmp_path):
+    for cmd in [c for c in RUN if "/scratch/cosmo" in c]:
+        _run(tmp_path, cmd.replace("/scratch/cosmo", str(tmp_path / "cosmo")), COMMANDS[cmd])
+
+
+def _run(tmp_path: Path, cmd: str, extra: list[str]) -> None:
+    words = shlex.split(cmd.split("&&")[-1])
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    while words and "=" in words[0] and not words[0].startswith(("gems", "jobs/")):
+        k, _, v = words.pop(0).partition("=")
+        env[k] = v
+    if words[0] == "gems":
+        argv = [sys.executable, "-m", "gems.cli", *words[1:]]
+    else:  # a study script: it calls `gems` on PATH
+        argv = ["bash", str(ROOT / words[0]), *words[1:]]
+        env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    out = subprocess.run(argv + list(extra), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, f"{cmd}\n{out.stderr[-3000:]}\n{out.stdout[-1500:]}"
+    if words[0] in ("jobs/replication_weak.sh",) or words[1] in ("run", "sweep"):
+        recs = records(str(tmp_path / "results"))
+        assert recs and all(r["status"] == "ok" for r in recs), [r.get("error") for r in recs]
