@@ -1,4 +1,4 @@
-"""Every command the README and jobs/README.md show runs here as written (with fewer steps), so a
+"""Every command the README and jobs/README.md show runs here as written (with one step), so a
 documented example can never be the broken one; the ones that need another machine say why.
 
 The commands are read from the documents themselves (fenced ``bash`` blocks and indented code
@@ -18,7 +18,7 @@ import pytest
 from _cli import records
 
 ROOT = Path(__file__).resolve().parents[1]
-FEWER = ["train.steps=2", "train.warmup_steps=1"]
+FEWER = ["train.steps=1", "train.warmup_steps=0"]
 
 #: command as documented -> extra overrides for the test (fewer steps), or a reason it does not run here
 COMMANDS: dict[str, list[str] | str] = {
@@ -30,9 +30,8 @@ COMMANDS: dict[str, list[str] | str] = {
     "gems run parallel.pipeline=4 parallel.schedule=mast parallel.balance_by=time": FEWER,
     "gems run parallel.pipeline=4 parallel.schedule=master parallel.gems_replicas=4 train.batch_size=8": FEWER,
     "gems run parallel.replicas=2 parallel.pipeline=2 parallel.spatial=2 parallel.schedule=mast train.batch_size=8": FEWER,
-    "gems run model=unet3d model.size=64 parallel.spatial=4": ["train.steps=1", "train.warmup_steps=0"],
-    "gems run model=resnet model.depth=110 model.size=512 parallel.pipeline=4 parallel.schedule=mast":
-        ["train.steps=2", "train.warmup_steps=1"],
+    "gems run model=unet3d model.size=64 parallel.spatial=4": FEWER,
+    "gems run model=resnet model.depth=110 model.size=512 parallel.pipeline=4 parallel.schedule=mast": FEWER,
     "gems data synth data.path=/scratch/cosmo data.num_samples=64 model.size=128": [],
     "gems run model=cosmoflow data=hdf5 data.path=/scratch/cosmo parallel.spatial=4": FEWER,
     "gems run comm=mpi parallel.replicas=2": FEWER,
