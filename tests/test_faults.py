@@ -61,6 +61,29 @@ def test_a_stalled_rank_ends_the_job_with_its_rank_step_and_phase(tmp_path, mesh
     assert not _alive_workers(r["run_id"])
 
 
+def _rank_pid(job: str, rank: int) -> int:
+    for pid in _alive_workers(job):
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in env:
+            return pid
+    raise AssertionError(f"no rank {rank} of {job}")
+
+
+def test_a_frozen_rank_0_is_named_by_the_others_and_the_launcher(tmp_path):
+    """Rank 0 hosts the store and the monitor: frozen (SIGSTOP), it can tell nothing. The others find
+    the store silent for their allowance, blame rank 0 and end; the launcher writes the record."""
+    p = _start(tmp_path, *STALL)
+    _wait_for(lambda: any("gems: step 3/" in log.read_text(errors="replace")
+                          for log in tmp_path.glob(".jobs/*/rank0.log")))
+    (job,) = [d.name for d in tmp_path.glob(".jobs/*")]
+    os.kill(_rank_pid(job, 0), signal.SIGSTOP)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 1, err
+    (r,) = records(str(tmp_path))
+    assert r["failure"]["ranks"] == [0] and "rank 0 stopped answering" in r["error"], r["error"]
+    _wait_for(lambda: not _alive_workers(job), timeout=10)
+
+
 def test_a_stall_under_mpiexec_is_found_too(tmp_path):
     out = gems("run", f"results.dir={tmp_path}", *SMALL, *STALL, "comm=mpi", "parallel.replicas=2", "train.steps=8",
                "fault.stall_rank=1", "fault.at_step=2", timeout=240)

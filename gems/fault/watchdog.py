@@ -199,6 +199,7 @@ class Watchdog:
         self._beats: dict[int, Beat] = {}
         self._started = time.monotonic()
         self._last_ok = time.monotonic()
+        self._said = False
         self.store: Any = None
 
     # ---- life ---------------------------------------------------------------------------------------------
@@ -228,41 +229,55 @@ class Watchdog:
         return self.warmup_s if (step < self.warm_until or phase in SLOW) else self.stall_s
 
     def _run(self) -> None:
+        io: threading.Thread | None = None
         while not self._stop.wait(self.tick):
-            try:
-                self.beat()
-            except SystemExit:  # pragma: no cover - os._exit does not return
-                raise
-            except Exception as e:  # a bug here must not end a healthy run; say it once and go on
+            if self.launcher_pid and not _alive(self.launcher_pid):
+                self._end(f"rank {self.rank} stops: its launcher (pid {self.launcher_pid}) is gone")
+            # the store's calls run beside this loop: one that hangs (rank 0 frozen: its server takes the
+            # request and never answers) cannot hang the watchdog with it
+            if io is None or not io.is_alive():
+                io = threading.Thread(target=self._beat_safely, name="gems-heartbeat", daemon=True)
+                io.start()
+            if self.rank != 0:
+                self._check_store()
+
+    def _beat_safely(self) -> None:
+        try:
+            self.beat()
+        except Exception as e:  # the store does not answer (counted by _check_store), or a bug: say it once
+            if not self._said:
+                self._said = True
                 print(f"gems: watchdog of rank {self.rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+    def _check_store(self) -> None:
+        """End this rank when the store on rank 0 has not answered for this rank's allowance."""
+        silent = time.monotonic() - self._last_ok
+        limit = self.limit(self.progress.step, self.progress.phase)
+        if silent < limit + self.tick:
+            return
+        key = (f"fault.stall_timeout_s={self.stall_s:g}" if limit == self.stall_s
+               else f"fault.warmup_timeout_s={self.warmup_s:g}")
+        msg = (f"rank 0 stopped answering: the job's store on rank 0 ({self.addr}:{self.port}) has been silent "
+               f"for {silent:.0f} s ({key}): rank 0 is stalled, frozen or gone")
+        if self.on_report:
+            self.on_report(msg, {"kind": "stall", "ranks": [0], "blame": [0], "phase": "unknown"})
+        self._end(f"rank {self.rank}: {msg}")
 
     # ---- one tick -----------------------------------------------------------------------------------------
     def beat(self) -> None:
-        if self.launcher_pid and not _alive(self.launcher_pid):
-            self._end(f"rank {self.rank} stops: its launcher (pid {self.launcher_pid}) is gone")
+        """Publish this rank's heartbeat; on rank 0 read everyone's, elsewhere look for the abort key."""
         p = self.progress
         step, phase, age = p.step, p.phase, p.age()
         limit = self.limit(step, phase)
         self._seq += 1
         beat = json.dumps({"seq": self._seq, "step": step, "phase": phase, "age": round(age, 3), "limit": limit})
-        try:
-            self.store.set(hb_key(self.rank), beat)
-            if self.rank == 0:
-                self._monitor()
-            elif self.store.check([ABORT_KEY]):
-                msg = self.store.get(ABORT_KEY).decode(errors="replace")
-                self._end(f"rank {self.rank} stops: {msg}")
-            self._last_ok = time.monotonic()
-        except Exception as e:  # the store on rank 0 does not answer
-            silent = time.monotonic() - self._last_ok
-            if silent >= limit:
-                key = (f"fault.stall_timeout_s={self.stall_s:g}" if limit == self.stall_s
-                       else f"fault.warmup_timeout_s={self.warmup_s:g}")
-                msg = (f"rank 0 stopped answering: the job's store on rank 0 ({self.addr}:{self.port}) has been "
-                       f"silent for {silent:.0f} s ({key}; {type(e).__name__}): rank 0 is stalled, frozen or gone")
-                if self.on_report:
-                    self.on_report(msg, {"kind": "stall", "ranks": [0], "blame": [0], "phase": "unknown"})
-                self._end(f"rank {self.rank}: {msg}")
+        self.store.set(hb_key(self.rank), beat)
+        if self.rank == 0:
+            self._monitor()
+        elif self.store.check([ABORT_KEY]):
+            msg = self.store.get(ABORT_KEY).decode(errors="replace")
+            self._end(f"rank {self.rank} stops: {msg}")
+        self._last_ok = time.monotonic()
 
     def _monitor(self) -> None:
         now = time.monotonic()
