@@ -11,17 +11,18 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from gems.errors import ConfigError
 
 
-def key(default: Any = MISSING, help: str = "", *, choices: tuple[str, ...] | None = None,
+def key(default: Any = MISSING, help: str = "", *, choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None,
         ge: float | None = None, gt: float | None = None, lt: float | None = None, factory: Any = None) -> Any:
     """A schema field with its meaning and its valid values, stated once: :func:`validate` checks every
-    key against them, and ``gems COMMAND --help`` prints them."""
+    key against them, and ``gems COMMAND --help`` prints them. ``choices`` may be a function, for a list
+    that a registry owns (the schedules)."""
     meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "lt": lt}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
@@ -63,7 +64,9 @@ class ParallelConf:
     pipeline: int = key(1, "D: model partitions", ge=1)
     spatial: Any = key(1, "S: an int, or a list of parts per cut dim ([2,2])")
     spatial_dims: Optional[list] = key(None, "cut dims among the spatial ones; default [0] (or 0..k-1 for a list)")
-    schedule: str = key("lp", "pipeline schedule", choices=("lp", "gpipe", "1f1b", "mast", "master"))
+    schedule: str = key("lp", "pipeline schedule (the names registered in gems/pipeline/schedules.py)",
+                        choices=lambda: tuple(__import__("gems.pipeline.schedules", fromlist=["x"]).registered()))
+    virtual_stages: Optional[int] = key(None, "stages per rank of an interleaved schedule (default 2 there)", ge=1)
     micro_batches: int = key(1, "micro-batches per replica pass", ge=1)
     gems_replicas: Optional[int] = key(None, "eta for master (default 2); mast is always 2", ge=1)
     balance: Optional[list] = key(None, "layers per partition; automatic when absent")
@@ -195,7 +198,11 @@ def schema_keys() -> dict[str, Any]:
     return {f"{sec}.{f.name}": f for sec, cls in SECTIONS.items() for f in fields(cls)}
 
 
-CHOICES = {k: f.metadata["choices"] for k, f in schema_keys().items() if f.metadata.get("choices")}
+def choices_of(name: str) -> tuple[str, ...] | None:
+    """The values a key takes, where the schema (or the registry it names) lists them."""
+    f = schema_keys().get(name)
+    got = f.metadata.get("choices") if f is not None else None
+    return tuple(got()) if callable(got) else got
 
 
 def _bounds_text(meta: dict[str, Any]) -> str:
@@ -215,8 +222,9 @@ def check_key(name: str, val: Any) -> None:
     if f is None or val is None:
         return
     meta = f.metadata
-    if meta.get("choices") and val not in meta["choices"]:
-        raise ConfigError(name, val, "one of " + ", ".join(meta["choices"]))
+    choices = choices_of(name)
+    if choices and val not in choices:
+        raise ConfigError(name, val, "one of " + ", ".join(choices))
     if isinstance(val, bool) or not isinstance(val, (int, float)):
         return
     bad = ((meta.get("ge") is not None and not val >= meta["ge"]) or (meta.get("gt") is not None and not val > meta["gt"])

@@ -117,10 +117,6 @@ class Mesh:
         return self.replicas * self.pipeline * self.spatial
 
     @property
-    def replica_enabled(self) -> bool:
-        return self.replicas > 1
-
-    @property
     def pipeline_enabled(self) -> bool:
         return self.pipeline > 1
 
@@ -174,7 +170,8 @@ class Mesh:
         return [self.replica_ranks(d, s) for d in range(self.pipeline) for s in range(self.spatial)]
 
     # ---- process groups -------------------------------------------------------------
-    def build_groups(self, rank: int, mirrored: bool = False, timeout: Any = None) -> None:
+    def build_groups(self, rank: int, mirrored: bool = False, timeout: Any = None,
+                     groups: Sequence[Sequence[int]] | None = None) -> None:
         """Create the torch.distributed groups this rank belongs to.
 
         ``timeout`` (a ``datetime.timedelta``; ``World.timeout`` from :func:`gems.init`) bounds every
@@ -182,9 +179,12 @@ class Mesh:
         gloo), not the default group's timeout, so a stalled peer would hold the others that long.
 
         Every rank calls ``new_group`` for every group in the same order (a
-        torch requirement). ``mirrored`` adds, for GEMS-MAST/MASTER, the
-        gradient group of pipeline positions ``{d, D-1-d}``; otherwise the
-        gradient group is the ranks at the same pipeline position (``R x S``).
+        torch requirement). ``groups`` lists the pipeline positions whose
+        ranks hold copies of the same partitions (a schedule's
+        ``holder_groups()``: ``(d, D-1-d)`` for GEMS-MAST/MASTER); each gradient
+        group is those positions over every replica and spatial part.
+        ``mirrored=True`` without ``groups`` means GEMS's pairs; otherwise each
+        position is its own group (``R x S`` ranks).
         """
         import torch.distributed as dist
 
@@ -195,10 +195,11 @@ class Mesh:
                 if rank in ranks:
                     self.groups[axis.value] = g
                     self.groups[axis.value + "_ranks"] = ranks
+        if groups is None:
+            groups = [tuple(sorted({d, self.pipeline - 1 - d})) if mirrored else (d,) for d in range(self.pipeline)]
         seen: set[tuple[int, ...]] = set()
-        for d in range(self.pipeline):
-            pos = (d, self.pipeline - 1 - d) if mirrored else (d,)
-            key = tuple(sorted(set(pos)))
+        for pos in groups:
+            key = tuple(sorted(set(int(d) for d in pos)))
             if key in seen:
                 continue
             seen.add(key)

@@ -90,6 +90,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gems.errors import ConfigError
+from gems.pipeline.schedules import receives
 from gems.replication import IN_PLACE_BYTES
 
 __all__ = ["Breakdown", "Position", "MemoryPlan", "make_plan", "plan_main", "render_table", "to_json",
@@ -699,9 +700,9 @@ def _in_flight(schedule: Any, d: int, limit_actions: int = 4096) -> list[tuple[s
     return steps
 
 
-def _formula_flight(name: str, D: int, m: int, d: int, mirrored: bool) -> list[tuple[str, int, dict[int, int]]]:
-    """The peak in-flight counts when the schedule is too long to generate (very large D x m)."""
-    held = sorted({d, D - 1 - d}) if mirrored else [d]
+def _formula_flight(name: str, D: int, m: int, held: Sequence[int]) -> list[tuple[str, int, dict[int, int]]]:
+    """The peak in-flight counts of a rank holding partitions ``held`` when the schedule is too long to walk
+    (very large D x m)."""
     cnt = {}
     for p in held:
         cnt[p] = m if name == "gpipe" else (1 if name == "lp" else min(m, D - p))
@@ -728,6 +729,7 @@ class _Setup:
     bn_stats: str
     balance: list[int] | None
     balance_by: str
+    settings: Any  # gems.parallel.ParallelSettings: the schedule, pipelined, holder groups, stages
 
 
 def _device(cfg: Any, world: int) -> dict[str, Any]:
@@ -773,30 +775,22 @@ class _Planner:
 
     # ---- structure ------------------------------------------------------------------
     def sched(self) -> Any:
-        from gems.pipeline.schedules import make_schedule
-
-        st = self.st
-        return make_schedule(st.schedule, st.mesh.pipeline, st.m, st.eta if st.schedule == "master" else None)
+        return self.st.settings.schedule
 
     @property
     def pipelined(self) -> bool:
-        return self.st.schedule != "lp" or self.st.mesh.pipeline > 1
+        return self.st.settings.pipelined
 
     @property
     def chunks(self) -> int:
-        return self.st.eta * self.st.m if self.pipelined else 1
+        sched = self.st.settings.schedule
+        return sched.chunks if sched is not None else 1
 
     def chunk_of(self, batch: int) -> int:
         return batch // (self.st.replicas * self.chunks)
 
     def check_batch(self, batch: int) -> None:
-        st = self.st
-        if batch % st.replicas:
-            raise ConfigError("train.batch_size", batch, f"a multiple of parallel.replicas={st.replicas}")
-        if self.pipelined:
-            from gems.pipeline import check_batch
-
-            check_batch(batch // st.replicas, self.sched(), st.replicas)
+        self.st.settings.with_batch(batch)  # ConfigError naming the key that does not divide
 
     def classes(self) -> list[list[int]]:
         """Spatial indices grouped by identical slab sizes at every layer and identical neighbours."""
@@ -842,13 +836,12 @@ class _Planner:
         from gems.pipeline.partition import balance_by_memory, check_balance
 
         st = self.st
-        D = st.mesh.pipeline
+        D = st.settings.stages  # partitions: more than the ranks for interleaved schedules
         if not self.pipelined or D == 1:
             if st.balance is not None and self.pipelined:
                 return check_balance(st.balance, n_layers, D)
             return [n_layers]
-        if D > n_layers:
-            raise ConfigError("parallel.pipeline", D, f"at most the model's {n_layers} layers")
+        st.settings.check_layers(n_layers)
         if st.balance is not None:
             return check_balance(st.balance, n_layers, D)
         by = st.balance_by
@@ -953,14 +946,14 @@ class _Planner:
                 if keep + extra > peak:
                     peak, extra_at, at = keep + extra, extra, dict(live)
         first = 0 in held
-        last_stage = (D - 1) in held if self.pipelined else True
+        last_stage = (st.settings.stages - 1) in held if self.pipelined else True
         line = chunk * self.chunks  # the samples of the line this rank reads per step
         in_per_sample = 4 * math.prod(local)
         batch_bytes = (line * in_per_sample if first else 0) + (line * target_b if last_stage else 0)
         acts = peak + const + batch_bytes
         halo = max((stages[p].halo.at(chunk) for p in held), default=0)
         # communication buffers
-        grad_group = st.replicas * mesh.spatial * (2 if self.pipelined and self.sched().mirrored and D - 1 - d != d else 1)
+        grad_group = st.replicas * mesh.spatial * next(len(g) for g in st.settings.holder_groups if d in g)
         comm = sum(stages[p].copied for p in held) if grad_group > 1 else 0
         if self.pipelined and D > 1:
             bound = max(max(stages[p].inp.at(chunk), stages[p].out.at(chunk)) for p in held)
@@ -984,12 +977,11 @@ class _Planner:
             recvs = LOOKAHEAD + 1
             if sched is not None:
                 held = sched.partitions_of(d)
-                recvs = sum(1 for a in sched.actions[d]
-                            if (a.kind == "F" and a.stage > 0) or (a.kind == "B" and a.stage < D - 1))
+                recvs = sum(1 for a in sched.actions[d] if receives(a, sched.stages) is not None)
                 if len(sched.actions[d]) <= 4096:
                     flights = _in_flight(sched, d)
                 else:
-                    flights = _formula_flight(st.schedule, D, st.m, d, sched.mirrored)
+                    flights = _formula_flight(st.schedule, D, st.m, held)
             else:
                 held, flights = [0], []
             for members, local, stages, target_b in classes:
@@ -1000,12 +992,13 @@ class _Planner:
 def _setup(cfg: Any) -> _Setup:
     from gems.mesh import mesh_from_config
     from gems.models import build_model
-    from gems.pipeline.partition import resolve_balance_by
+    from gems.parallel import resolve
 
     from omegaconf import OmegaConf
 
     p = cfg.parallel
     mesh = mesh_from_config(cfg, _world(cfg))
+    settings = resolve(cfg)
     model_key = OmegaConf.to_yaml(cfg.model, resolve=True)
     if ("model", model_key) not in _CACHE:
         spec = build_model(cfg.model)
@@ -1013,16 +1006,16 @@ def _setup(cfg: Any) -> _Setup:
         _CACHE[("model", model_key)] = spec
     spec = _CACHE[("model", model_key)]
     sched = str(p.schedule)
-    eta = 2 if sched == "mast" else (int(p.gems_replicas or 2) if sched == "master" else 1)
+    eta = settings.schedule.replicas if settings.schedule is not None else 1
     opt = str(cfg.train.optimizer)
-    factor = 2 if opt == "adam" else (1 if float(cfg.train.get("momentum", 0.0) or 0.0) > 0 else 0)
+    factor = 2 if opt == "adam" else (1 if float(cfg.train.momentum) > 0 else 0)
     gpu = float(cfg.cluster.get("gpu_memory_gb") or 0.0) > 0 or cfg.train.device == "cuda"
     if mesh.spatial > 1:
         from gems.spatial.context import SpatialContext  # noqa: F401 - fails early when spatial is unavailable
     return _Setup(spec, model_key, mesh, sched, int(p.micro_batches), eta, bool(p.checkpoint), str(cfg.train.precision), gpu,
                   int(cfg.train.batch_size), mesh.replicas, factor, float(cfg.comm.bucket_mb), p.get("overlap"),
                   str(p.get("bn_stats", "global")), list(p.balance) if p.get("balance") else None,
-                  resolve_balance_by(str(p.get("balance_by", "auto")), sched, mesh.pipeline))
+                  settings.balance_by, settings)
 
 
 def _max_chunk(pl: _Planner, usable: int, chunk0: int) -> tuple[int, Any]:
@@ -1123,13 +1116,12 @@ def _fits(cfg: Any, overrides: dict[str, Any]) -> bool:
     with open_dict(c):
         for k, v in overrides.items():
             OmegaConf.update(c, k, v, merge=False)
-        if c.cluster.launcher == "slurm" or c.cluster.name != "local":  # more ranks: more tasks, same nodes
+        if c.cluster.launcher == "slurm" or c.cluster.name != "local":  # more ranks: placed like any run
+            from gems.config import place
             from gems.mesh import mesh_from_config
 
-            c.cluster.tasks_per_node = mesh_from_config(c).size // int(c.cluster.nodes) or 1
-            if mesh_from_config(c).size % int(c.cluster.nodes):
-                c.cluster.nodes = 1
-                c.cluster.tasks_per_node = mesh_from_config(c).size
+            c.cluster.nodes = c.cluster.tasks_per_node = None
+            c.cluster.nodes, c.cluster.tasks_per_node = place(c.cluster, mesh_from_config(c).size)
     try:
         return make_plan(c, suggest=False, quick=True).fits
     except ConfigError:

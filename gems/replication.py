@@ -189,11 +189,6 @@ class GradientReducer:
                         off += n
             b.parts = []
 
-    def reduce_now(self) -> float:
-        """Sum all gradients at once (no overlap): for callers that do not arm hooks."""
-        self.start_step(expected=1 << 30)
-        return self.finish()
-
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()

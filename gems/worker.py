@@ -35,6 +35,7 @@ from gems.errors import ConfigError, RunError
 from gems.fault import all_finite, inject, progress, reports
 from gems.fault.watchdog import Watchdog
 from gems.mesh import Mesh, mesh_from_config
+from gems.parallel import ParallelSettings, resolve, spatial_stage_balance
 from gems.models import ModelSpec, build_model, check_shapes
 from gems.models.layers import batch_context, guard_bf16_conv3d
 from gems.replication import GradientReducer, mpi_group
@@ -92,14 +93,18 @@ class Parallel:
     first_nonfinite: Callable[[], int | None] = field(default=lambda: None)
 
 
-def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig) -> Parallel:
+def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
+                settings: ParallelSettings | None = None) -> Parallel:
     """Compose the strategies for this rank, in this order:
 
     1. spatial: each layer works on this rank's part of the sample (S > 1);
-    2. pipeline: the layers are split into D partitions and a schedule runs
-       them (D > 1, or a GEMS schedule);
+    2. pipeline: the layers are split into the schedule's partitions and it
+       runs them (D > 1, or a schedule other than lp);
     3. replication: gradients are summed over every rank that holds a copy.
+
+    ``settings`` (:func:`gems.parallel.resolve`) says how; resolved from ``cfg`` when not given.
     """
+    settings = settings or resolve(cfg)
     rank, device = world.rank, world.device
     p = cfg.parallel
     B, R = int(cfg.train.batch_size), mesh.replicas
@@ -113,8 +118,8 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig) -> P
 
     ctx: Any = None
 
-    pipelined = p.schedule != "lp" or mesh.pipeline_enabled
-    balance = list(p.balance) if p.balance else None
+    pipelined = settings.pipelined
+    balance = list(settings.balance) if settings.balance else None
 
     # 1. spatial
     if mesh.spatial_enabled:
@@ -122,8 +127,8 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig) -> P
 
         ctx = SpatialContext.from_mesh(mesh, rank, p.get("overlap"))
         slices = tuple(ctx.local_slices(spec.input_shape[1:]))
-        if pipelined and balance is None and mesh.pipeline > 1:  # balanced on the serial layers, as ranks run them
-            balance = _spatial_balance(spec, mesh, cfg, device)
+        if pipelined and balance is None and settings.stages > 1:  # balanced on the serial layers, as ranks run them
+            balance = spatial_stage_balance(settings, spec, device)
         seq = apply_spatial(seq, ctx, spec.spatial_end, bn_stats=p.bn_stats)
 
     def halo_stats() -> dict[str, float]:
@@ -147,14 +152,14 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig) -> P
         runner = apply_pipeline(
             seq, mesh, rank, loss_fn=lambda out, y, n: loss_fn(out, y), batch_size=local_batch,
             schedule=p.schedule, micro_batches=int(p.micro_batches),
-            gems_replicas=None if p.gems_replicas is None else int(p.gems_replicas),
-            balance=balance, balance_by=p.get("balance_by", "auto"),
-            checkpoint=bool(p.checkpoint), sample_shape=None if ctx is not None else tuple(spec.input_shape),
+            gems_replicas=settings.gems_replicas, virtual_stages=settings.virtual_stages,
+            balance=balance, balance_by=settings.balance_by_given,
+            checkpoint=settings.checkpoint, sample_shape=None if ctx is not None else tuple(spec.input_shape),
         )
         params = list(runner.parameters())
         reducer = _reducer(params, mesh, world, cfg)
         # a parameter is final after the last backward of its partition on this rank
-        backwards = Counter(a.stage for a in runner.actions if a.kind == "B")
+        backwards = Counter(a.stage for a in runner.actions if a.kind in ("B", "W"))
         count = {id(q): backwards[s] for s, part in runner.partitions.items() for q in part.parameters()}
 
         def pipe_step(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int) -> float:
@@ -247,39 +252,7 @@ def preflight(cfg: DictConfig) -> None:
         ctx = SpatialContext(None, list(range(mesh.spatial)), mesh.parts, mesh.spatial_dims, (0,) * len(mesh.parts))
         ctx.local_slices(spec.input_shape[1:])
         seq = apply_spatial(copy.deepcopy(seq), ctx, spec.spatial_end, bn_stats=p.bn_stats)
-    if p.schedule != "lp" or mesh.pipeline_enabled:
-        from gems.pipeline import check_batch, make_schedule
-        from gems.pipeline.partition import check_balance
-
-        if mesh.pipeline > len(seq):
-            raise ConfigError("parallel.pipeline", mesh.pipeline, f"at most the model's {len(seq)} layers")
-        sched = make_schedule(p.schedule, mesh.pipeline, int(p.micro_batches),
-                              None if p.gems_replicas is None else int(p.gems_replicas))
-        check_batch(int(cfg.train.batch_size) // mesh.replicas, sched, mesh.replicas)
-        if p.balance:
-            check_balance(list(p.balance), len(seq), mesh.pipeline)
-
-
-def _spatial_balance(spec: ModelSpec, mesh: Mesh, cfg: DictConfig, device: torch.device) -> list[int]:
-    """``parallel.balance_by`` for pipeline partitions made of spatial layers: balanced on the serial layers,
-    as every rank runs them (:func:`gems.pipeline.partition.spatial_balance`)."""
-    from gems.pipeline import check_batch, make_schedule
-    from gems.pipeline.partition import resolve_balance_by, spatial_balance
-
-    p = cfg.parallel
-    sched = make_schedule(p.schedule, mesh.pipeline, int(p.micro_batches),
-                          None if p.gems_replicas is None else int(p.gems_replicas))
-    chunk = check_batch(int(cfg.train.batch_size) // mesh.replicas, sched, mesh.replicas)
-    by = resolve_balance_by(p.get("balance_by", "auto"), p.schedule, mesh.pipeline)
-    return spatial_balance(spec.module, mesh.pipeline, by, (chunk, *spec.input_shape),
-                           mesh.parts, mesh.spatial_dims, spec.spatial_end, device=device)
-
-
-def _local_shape(spec: ModelSpec, slices: tuple[slice, ...] | None) -> tuple[int, ...]:
-    if slices is None:
-        return tuple(spec.input_shape)
-    spatial = [len(range(*s.indices(n))) for s, n in zip(slices, spec.input_shape[1:])]
-    return (spec.input_shape[0], *spatial)
+    resolve(cfg).check_layers(len(seq))  # the schedule, the batch over passes and micro-batches, the balance
 
 
 def _autocast(precision: str, device: torch.device) -> Any:
@@ -326,7 +299,7 @@ def make_optimizer(cfg: DictConfig, params: list[nn.Parameter]) -> torch.optim.O
     if not params:  # a partition without parameters is legitimate (time balance may give a rank pooling only)
         return _NoParameters()  # type: ignore[return-value]
     if t.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=float(t.lr), momentum=float(t.get("momentum", 0.9)))
+        return torch.optim.SGD(params, lr=float(t.lr), momentum=float(t.momentum))
     return torch.optim.Adam(params, lr=float(t.lr))
 
 
@@ -400,9 +373,9 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
     if cfg.train.threads and world.device.type == "cpu":
         torch.set_num_threads(int(cfg.train.threads))
     mesh = mesh_from_config(cfg, world.size)
-    mirrored = cfg.parallel.schedule in ("mast", "master")
+    settings = resolve(cfg)
     if world.size > 1:
-        mesh.build_groups(world.rank, mirrored=mirrored, timeout=world.timeout)
+        mesh.build_groups(world.rank, groups=settings.holder_groups, timeout=world.timeout)
     else:
         mesh.groups.update(grad=None, grad_ranks=[0])
     coord = mesh.coord(world.rank)
@@ -411,7 +384,7 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
     meter = MemoryMeter(world.device)
     meter.reset()
     tensor_peak: int | None = None  # CPU ranks: measured on the last warm-up step
-    par = parallelize(spec, mesh, world, cfg)
+    par = parallelize(spec, mesh, world, cfg, settings)
     opt = make_optimizer(cfg, par.params)
     data = make_data(cfg, spec, par.input_slices)
     inject.arm(cfg, world.rank, par.modules)

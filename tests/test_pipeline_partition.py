@@ -250,7 +250,7 @@ def test_spatial_balance_weighs_the_trunk_by_the_part_and_counts_the_gather():
 
 
 def test_auto_balance_is_the_comm_cut_for_mirrored_schedules_at_d2_only():
-    from gems.pipeline.partition import resolve_balance_by
+    from gems.parallel import balance_rule as resolve_balance_by
 
     assert resolve_balance_by("auto", "mast", 2) == resolve_balance_by("auto", "master", 2) == "comm"
     for schedule, D in (("mast", 4), ("master", 3), ("lp", 2), ("1f1b", 2), ("gpipe", 4)):

@@ -1,15 +1,16 @@
 """Pipelines and GEMS: partition a flat model over the pipeline axis and run a schedule.
 
 ``apply_pipeline`` is the one entry point (the worker calls it after
-``apply_spatial``): it cuts the ``nn.Sequential`` into ``D = mesh.pipeline``
-partitions, picks the ones this rank holds under the schedule (``mast`` and
+``apply_spatial``): it cuts the ``nn.Sequential`` into the schedule's stages
+(``D = mesh.pipeline`` of them, or ``v x D`` for an interleaved schedule),
+picks the ones this rank holds under the schedule's placement (``mast`` and
 ``master``: partition ``d`` of replica A and ``D-1-d`` of replica B) and
 returns a :class:`PipelineRunner` that runs one step's forwards and backwards.
 
 Gradients are left per rank; summing them over ``mesh.group("grad")`` (built
-with ``mesh.build_groups(rank, mirrored=schedule in ("mast", "master"))``)
-gives every holder of a partition the serial gradient, so mirrored copies stay
-identical after the optimizer step.
+with ``mesh.build_groups(rank, groups=schedule.holder_groups())``) gives every
+holder of a partition the serial gradient, so mirrored copies stay identical
+after the optimizer step.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from torch import nn
 from gems.errors import ConfigError
 from gems.mesh import Mesh
 from gems.pipeline.partition import (balance_by_comm, balance_by_memory, balance_by_time, boundary_shapes,
-                                     check_balance, check_comm_cut, resolve_balance_by, split)
+                                     check_balance, check_comm_cut, split)
 from gems.pipeline.runtime import LossFn, PipelineRunner
 from gems.pipeline.schedules import SCHEDULES, Action, Schedule, make_schedule
 
@@ -29,34 +30,30 @@ __all__ = ["apply_pipeline", "PipelineRunner", "Schedule", "Action", "make_sched
            "is_mirrored"]
 
 
-def is_mirrored(schedule: str) -> bool:
-    """Whether the schedule puts two partitions on a rank (``mesh.build_groups(..., mirrored=...)``)."""
-    return schedule in ("mast", "master")
+def is_mirrored(schedule: str, D: int = 2) -> bool:
+    """Whether the schedule puts copies of a partition on two pipeline ranks (from its placement)."""
+    try:
+        return any(len(g) > 1 for g in make_schedule(schedule, max(2, D)).holder_groups())
+    except ConfigError:
+        return False
 
 
 def check_batch(batch_size: int, sched: Schedule, replicas: int = 1) -> int:
     """Samples per chunk, or a ConfigError naming the key that does not divide the line's share."""
-    n = batch_size
-    where = f"the {n} samples a pipeline line gets per step (train.batch_size / parallel.replicas = {n * replicas} / {replicas})"
-    if n < 1:
-        raise ConfigError("train.batch_size", n * replicas, "a positive multiple of parallel.replicas")
-    if n % sched.replicas:
-        if sched.name == "master":
-            raise ConfigError("parallel.gems_replicas", sched.replicas, f"a divisor of {where}")
-        raise ConfigError("train.batch_size", n * replicas, f"a multiple of {sched.replicas * replicas} "
-                          f"({sched.name} gives each of its {sched.replicas} replica passes an equal share of a line's batch)")
-    if (n // sched.replicas) % sched.micro_batches:
-        raise ConfigError("parallel.micro_batches", sched.micro_batches,
-                          f"a divisor of the {n // sched.replicas} samples of each replica pass "
-                          f"({where}, over {sched.replicas} pass(es))")
-    return n // sched.chunks
+    from gems.parallel import ParallelSettings
+    from gems.mesh import Mesh
+
+    s = ParallelSettings(Mesh(replicas=replicas, pipeline=sched.ranks), sched.name, sched, batch_size * replicas,
+                         sched.micro_batches, sched.replicas, None, None, "memory", "auto", False)
+    s.check_batch()
+    return s.chunk
 
 
 def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn, batch_size: int,
                    schedule: str = "mast", micro_batches: int = 1, gems_replicas: int | None = None,
                    balance: Sequence[int] | None = None, balance_by: str = "auto", checkpoint: bool = False,
                    sample_shape: Sequence[int] | None = None, dtype: torch.dtype = torch.float32,
-                   lookahead: int = 2) -> PipelineRunner:
+                   lookahead: int = 2, virtual_stages: int | None = None) -> PipelineRunner:
     """Partition ``seq`` over the pipeline axis of ``mesh`` and return this rank's runner.
 
     * ``batch_size``: samples of one step for this pipeline line, i.e.
@@ -65,7 +62,7 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
       loss of the chunk (sum of per-sample losses / global batch).
     * ``balance``: layers per partition; None balances automatically by
       ``balance_by`` = ``"auto"`` (``comm`` for mast/master at D = 2, else ``memory``:
-      :func:`~gems.pipeline.partition.resolve_balance_by`), ``"memory"`` (parameters + activations from a fake-tensor
+      :func:`gems.parallel.resolve_balance_by`), ``"memory"`` (parameters + activations from a fake-tensor
       trace, deterministic), ``"time"`` (measured; rank 0's result is
       broadcast) or, at D = 2, ``"comm"`` (the cut with the smallest crossing
       activation: the fastest for ``mast``/``master``/``lp``, see
@@ -77,36 +74,45 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
       advance; pass None when partitions communicate (spatial layers): the
       runtime then learns the shapes at the first send.
     * ``checkpoint``: recompute each partition's activations in its backward.
+    * ``virtual_stages``: stages per rank, for interleaved schedules (the model
+      is cut into ``virtual_stages x D`` partitions).
 
-    The mesh's groups must exist (``mesh.build_groups(rank, mirrored=is_mirrored(schedule))``)
+    The mesh's groups must exist (``mesh.build_groups(rank, groups=schedule.holder_groups())``)
     when ``mesh.pipeline > 1``.
     """
+    from dataclasses import replace
+
+    from gems.parallel import ParallelSettings, resolve_balance_by
+
     D = mesh.pipeline
     n_layers = len(seq)
-    if D > n_layers:
-        raise ConfigError("parallel.pipeline", D, f"at most the model's {n_layers} layers")
-    sched = make_schedule(schedule, D, micro_batches, gems_replicas)
-    chunk = check_batch(batch_size, sched, mesh.replicas)
-    balance_by = resolve_balance_by(balance_by, schedule, D)
+    sched = make_schedule(schedule, D, micro_batches, gems_replicas, virtual_stages)
+    settings = ParallelSettings(mesh, schedule, sched, batch_size * mesh.replicas, micro_batches, gems_replicas,
+                                virtual_stages, tuple(balance) if balance is not None else None, "memory", balance_by,
+                                checkpoint)
+    settings = replace(settings, balance_by=resolve_balance_by(settings))
+    settings.check_batch()
+    settings.check_layers(n_layers)
+    S, chunk, balance_by = settings.stages, settings.chunk, settings.balance_by
     sample = None if sample_shape is None else (chunk, *[int(v) for v in sample_shape])
     if balance is not None:
-        bal = check_balance(balance, n_layers, D)
-    elif D == 1:
+        bal = check_balance(balance, n_layers, S)
+    elif S == 1:
         bal = [n_layers]
     elif sample is None:
-        bal = [n_layers // D + (1 if i < n_layers % D else 0) for i in range(D)]
+        bal = [n_layers // S + (1 if i < n_layers % S else 0) for i in range(S)]
     elif balance_by == "memory":
-        bal = balance_by_memory(seq, D, sample, dtype)
+        bal = balance_by_memory(seq, S, sample, dtype)
     elif balance_by == "time":
-        bal = balance_by_time(seq, D, sample)
+        bal = balance_by_time(seq, S, sample)
     elif balance_by == "comm":
-        check_comm_cut(D)
+        check_comm_cut(S)
         bal = balance_by_comm(seq, sample, dtype)
     else:
         raise ConfigError("parallel.balance_by", balance_by, "auto, memory, time or comm")
     parts = split(seq, bal)
     shapes = None
-    if sample is not None and D > 1:
+    if sample is not None and S > 1:
         try:
             shapes = boundary_shapes(parts, sample, dtype)
         except Exception:  # a partition that cannot be traced (it communicates, or returns a non-tensor)
@@ -116,13 +122,6 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
     held = {i: parts[i] for i in sched.partitions_of(coord.pipeline)}
     group = mesh.group("pipeline") if D > 1 else None
     if D > 1 and "pipeline_ranks" not in mesh.groups:
-        raise RuntimeError(f"apply_pipeline: call mesh.build_groups(rank, mirrored={is_mirrored(schedule)}) first")
+        raise RuntimeError(f"apply_pipeline: call mesh.build_groups(rank, groups={sched.holder_groups()}) first")
     return PipelineRunner(held, sched, coord.pipeline, peers, group, batch_size, loss_fn, checkpoint, shapes, lookahead,
                           balance=bal)
-
-
-def describe(schedule: str, D: int, micro_batches: int = 1, gems_replicas: int | None = None) -> str:
-    """The clock table of a schedule, for ``gems plan`` and the docs."""
-    from gems.pipeline.schedules import draw
-
-    return draw(make_schedule(schedule, D, micro_batches, gems_replicas))

@@ -250,20 +250,6 @@ def _layer_memory(seq: Sequence[nn.Module], acts: Sequence[float]) -> list[float
             for layer, a in zip(seq, acts)]
 
 
-def resolve_balance_by(by: str, schedule: str, D: int) -> str:
-    """``parallel.balance_by=auto``: ``comm`` for the mirrored schedules at D = 2, ``memory`` otherwise.
-
-    At D = 2 a ``mast``/``master`` rank runs partition 0 of one replica and
-    partition 1 of the other: it holds every parameter and computes the whole
-    model per replica pass whatever the cut, so only the traffic (on the
-    critical path) depends on it, and the smallest crossing wins. Everywhere
-    else memory balance is what lets a model that does not fit one device run.
-    """
-    if by != "auto":
-        return by
-    return "comm" if D == 2 and schedule in ("mast", "master") else "memory"
-
-
 def check_comm_cut(D: int) -> None:
     """``parallel.balance_by=comm`` picks the one cut of D = 2; anything else is bad input."""
     if D != 2:

@@ -41,12 +41,14 @@ from torch import nn
 from gems.fault import all_finite
 from gems.fault.progress import mark, waiting
 from gems.models.layers import batch_context
-from gems.pipeline.schedules import Action, Schedule
+from gems.pipeline.schedules import ACT as _ACT
+from gems.pipeline.schedules import GRAD as _GRAD
+from gems.pipeline.schedules import Action, Schedule, receives, sends
 
 __all__ = ["PipelineRunner", "LossFn", "Stats"]
 
 LossFn = Callable[[torch.Tensor, Any, int], torch.Tensor]
-_ACT, _GRAD, _HEADER = 0, 1, 2
+_HEADER = 2
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool]
 _HEADER_LEN = 10  # ndim, dtype code, up to 8 dims
 
@@ -95,12 +97,12 @@ class PipelineRunner:
         self.modules = nn.ModuleList([partitions[i] for i in sorted(partitions)])
         self.actions: tuple[Action, ...] = schedule.actions[position]
         self.chunk = batch_size // schedule.chunks
-        D = schedule.stages
+        S = schedule.stages
         # activation (shape, dtype) entering stage s, per direction; filled by tracing or by headers
         self._shape: dict[tuple[int, int], tuple[tuple[int, ...], torch.dtype]] = {}
         if shapes is not None:
-            for s in range(1, D):
-                for direction in (0, 1):
+            for s in range(1, S):
+                for direction in range(len(schedule.placement)):
                     self._shape[(direction, s)] = (tuple(shapes[s - 1][0]), shapes[s - 1][1])
         self.stats = Stats()  # the caller may read and reset it (time breakdown of records)
         self._finite: list[tuple[int, torch.Tensor | bool]] = []  # (position, all finite?) of the last step
@@ -185,20 +187,17 @@ class PipelineRunner:
         self._isend(y, dst, self._tag(_ACT, a.replica, a.micro_batch, a.stage + 1))
 
     def _message(self, a: Action) -> tuple[int, tuple[int, int, int, int]] | None:
-        """(destination position, key) of what an action sends, if anything."""
-        if a.kind == "F" and a.stage < self.schedule.stages - 1:
-            return self.schedule.rank_of(a.replica, a.stage + 1), (_ACT, a.replica, a.micro_batch, a.stage + 1)
-        if a.kind == "B" and a.stage > 0:
-            return self.schedule.rank_of(a.replica, a.stage - 1), (_GRAD, a.replica, a.micro_batch, a.stage - 1)
-        return None
+        """(destination position, key) of what an action sends, if anything (:func:`schedules.sends`)."""
+        out = sends(a, self.schedule.stages)
+        if out is None:
+            return None
+        kind, stage = out
+        return self.schedule.rank_of(a.replica, stage), (kind, a.replica, a.micro_batch, stage)
 
     def _recv_key(self, a: Action) -> tuple[int, int, int, int] | None:
-        """The message an action needs, as (kind, pass, micro-batch, stage), or None."""
-        if a.kind == "F" and a.stage > 0:
-            return (_ACT, a.replica, a.micro_batch, a.stage)
-        if a.kind == "B" and a.stage < self.schedule.stages - 1:
-            return (_GRAD, a.replica, a.micro_batch, a.stage)
-        return None
+        """The message an action needs, as (kind, pass, micro-batch, stage), or None (:func:`schedules.receives`)."""
+        got = receives(a, self.schedule.stages)
+        return None if got is None else (got[0], a.replica, a.micro_batch, got[1])
 
     def _shape_of(self, key: tuple[int, int, int, int]) -> tuple[tuple[int, ...], torch.dtype] | None:
         kind, replica, _, stage = key

@@ -2,23 +2,37 @@
 
 A schedule is decided before any process exists, so it can be drawn, checked
 and unit-tested here; :mod:`gems.pipeline.runtime` only executes it. Every
-schedule of gems is one list of :class:`Action` per rank:
+schedule of gems is one list of :class:`Action` per rank plus its *placement*:
 
-* ``kind`` ``"F"`` or ``"B"``; ``stage`` the partition index (0 is the model's
-  first layers);
-* ``replica`` the replica *pass* (0 .. eta-1): pass ``p`` flows *down*
-  (partition ``s`` on rank ``s``) when ``p`` is even and *up* (partition ``s``
-  on rank ``D-1-s``) when ``p`` is odd and the schedule is mirrored
-  (``mast``, ``master``); non-mirrored schedules have one pass, down;
-* ``micro_batch`` the micro-batch inside the pass.
+* ``kind`` ``"F"`` (forward) or ``"B"`` (backward); ``stage`` the partition
+  index (0 is the model's first layers); ``micro_batch`` the micro-batch inside
+  the pass;
+* ``replica`` the replica *pass* (0 .. eta-1);
+* ``placement[p % len(placement)][stage]`` is the rank that runs ``stage`` for
+  pass ``p``. A plain pipeline has one row, stage ``s`` on rank ``s``; GEMS
+  ``mast`` and ``master`` have two, down (``s`` on ``s``) and up (``s`` on
+  ``D-1-s``), so rank ``r`` holds partition ``r`` of replica A and ``D-1-r`` of
+  replica B, exactly as in GEMS-MAST; ``interleaved1f1b`` cuts the model into
+  ``v x D`` stages with stage ``s`` on rank ``s mod D``. A schedule has as many
+  stages as the model has partitions, which may be more than its ranks.
 
-So in ``mast`` rank ``r`` holds partition ``r`` of replica A (pass 0) and
-partition ``D-1-r`` of replica B (pass 1), exactly as in GEMS-MAST; ``master``
-runs eta passes alternating A, B, A, ... on the same ranks and partitions.
+What an action waits for is stated once, in :func:`needs` (the forward of the
+stage before, the backward of the stage after, its own forward), and what
+crosses ranks in :func:`sends` and :func:`receives`; the generator, the
+simulator, the runtime and the planner all ask them.
 
-The per-rank orders are produced by one list-scheduling simulation with unit
-costs (forward 1 tick, backward 2) and a bound on the micro-batches whose
-activations a rank keeps per direction (its *in-flight limit*):
+Schedules are registered by name (:func:`register`); ``parallel.schedule``
+accepts exactly the registered names, and "does this schedule put copies of a
+partition on several pipeline ranks" is answered by the placement
+(:meth:`Schedule.holder_groups`), not by the name. To add one: write a function
+of ``(ranks, micro_batches, passes, virtual_stages)`` that returns a
+:class:`Schedule`, decorate it with ``@register(name, ...)``, draw it in its
+docstring, and give it tests (tests/test_schedules.py checks every registered
+schedule for completeness, order and deadlock freedom).
+
+Most orders are produced by one list-scheduling simulation with unit costs
+(forward 1 tick, backward 2) and a bound on the micro-batches whose
+activations a rank keeps per placement row (its *in-flight limit*):
 
 =========  ===========================  ===============  ===================
 schedule   passes x micro-batches       prefers          in-flight limit
@@ -34,24 +48,24 @@ master     eta x m (mirrored)           backward         direction
 GEMS-MAST and ``master`` is GEMS-MASTER (one pass per direction in flight: the
 memory of MAST, whatever eta); with ``m > 1`` they are the Chimera
 generalisation (at most ``D + 1`` micro-batches of activations per rank).
-Since the simulation executes each order against the true dependencies, the
-orders are a valid interleaving; :func:`simulate` re-checks any schedule
-(every forward before its backward, stage order, each action exactly once,
-no deadlock under the point-to-point pattern) and :func:`draw` prints the clock
-table that each generator's docstring shows.
+``interleaved1f1b`` follows the Megatron-LM order (Narayanan et al., SC21).
+:func:`simulate` re-checks any schedule (every forward before its backward,
+stage order, each action exactly once, no deadlock under the point-to-point
+pattern) and :func:`draw` prints the clock table each docstring shows.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable
 
 from gems.errors import ConfigError
 
-__all__ = ["Action", "Schedule", "make_schedule", "lp", "gpipe", "one_f_one_b", "mast", "master",
-           "simulate", "draw", "DeadlockError", "SCHEDULES"]
+__all__ = ["Action", "Schedule", "ScheduleKind", "make_schedule", "register", "registered", "lp", "gpipe",
+           "one_f_one_b", "mast", "master", "interleaved_1f1b", "needs", "sends", "receives", "simulate", "draw",
+           "DeadlockError", "SCHEDULES"]
 
-SCHEDULES = ("lp", "gpipe", "1f1b", "mast", "master")
 F_COST, B_COST = 1, 2
+ACT, GRAD = 0, 1  # what crosses a cut: an activation (down) or its gradient (up)
 
 
 @dataclass(frozen=True, order=True)
@@ -70,7 +84,13 @@ class Action:
 
 @dataclass(frozen=True)
 class Schedule:
-    """A whole step: ``actions[rank]`` is what that pipeline rank runs, in order."""
+    """A whole step: ``actions[rank]`` is what that pipeline rank runs, in order.
+
+    ``stages`` is the number of model partitions; ``placement`` (one row per
+    direction of the passes) says which rank runs each stage. Without an
+    explicit placement, stage ``s`` runs on rank ``s``, and on ``D-1-s`` for
+    the odd passes of a ``mirrored`` schedule.
+    """
 
     name: str
     stages: int
@@ -78,18 +98,41 @@ class Schedule:
     micro_batches: int  # per pass
     mirrored: bool
     actions: tuple[tuple[Action, ...], ...]
+    placement: tuple[tuple[int, ...], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.placement:
+            down = tuple(range(self.stages))
+            rows = (down, tuple(reversed(down))) if self.mirrored else (down,)
+            object.__setattr__(self, "placement", rows)
+
+    @property
+    def ranks(self) -> int:
+        """Pipeline ranks (``parallel.pipeline``)."""
+        return len(self.actions)
 
     def direction(self, replica: int) -> int:
-        """0: down (partition s on rank s); 1: up (partition s on rank D-1-s)."""
-        return replica % 2 if self.mirrored else 0
+        """The placement row of a pass (0: down; 1: up, for the odd passes of a mirrored schedule)."""
+        return replica % len(self.placement)
 
     def rank_of(self, replica: int, stage: int) -> int:
-        return stage if self.direction(replica) == 0 else self.stages - 1 - stage
+        return self.placement[self.direction(replica)][stage]
 
     def partitions_of(self, rank: int) -> list[int]:
         """Partition indices this rank holds, ascending."""
-        dirs = {0, 1} if self.mirrored else {0}
-        return sorted({rank if d == 0 else self.stages - 1 - rank for d in dirs})
+        return sorted({s for row in self.placement for s, r in enumerate(row) if r == rank})
+
+    def holder_groups(self) -> list[tuple[int, ...]]:
+        """Pipeline ranks that hold copies of the same partitions (their gradients are summed together):
+        ``(d, D-1-d)`` pairs under GEMS, every rank alone in a plain or interleaved pipeline."""
+        groups: list[set[int]] = []
+        for s in range(self.stages):
+            holders = {row[s] for row in self.placement}
+            for g in [g for g in groups if g & holders]:
+                holders |= g
+                groups.remove(g)
+            groups.append(holders)
+        return sorted(tuple(sorted(g)) for g in groups)
 
     @property
     def chunks(self) -> int:
@@ -101,34 +144,84 @@ class DeadlockError(RuntimeError):
     """The per-rank orders cannot all run to the end under their dependencies."""
 
 
+# ---- the one rule of what waits for what ------------------------------------------------------------------
+def needs(a: Action, stages: int) -> list[Action]:
+    """The actions whose results ``a`` waits for: a forward the forward of the stage before; a backward
+    its own forward and the backward of the stage after."""
+    if a.kind == "F":
+        return [Action("F", a.replica, a.micro_batch, a.stage - 1)] if a.stage > 0 else []
+    out = [Action("F", a.replica, a.micro_batch, a.stage)]
+    if a.stage < stages - 1:
+        out.append(Action("B", a.replica, a.micro_batch, a.stage + 1))
+    return out
+
+
+def sends(a: Action, stages: int) -> tuple[int, int] | None:
+    """(ACT or GRAD, the stage it goes to) of what ``a`` produces for another stage, or None."""
+    if a.kind == "F" and a.stage < stages - 1:
+        return ACT, a.stage + 1
+    if a.kind == "B" and a.stage > 0:
+        return GRAD, a.stage - 1
+    return None
+
+
+def receives(a: Action, stages: int) -> tuple[int, int] | None:
+    """(ACT or GRAD, this stage) of what ``a`` needs from another stage, or None: the message that
+    :func:`sends` sends from the action :func:`needs` names."""
+    if a.kind == "F" and a.stage > 0:
+        return ACT, a.stage
+    if a.kind == "B" and a.stage < stages - 1:
+        return GRAD, a.stage
+    return None
+
+
+# ---- the registry ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ScheduleKind:
+    """A registered schedule: how to build it and which options it takes."""
+
+    name: str
+    build: Callable[[int, int, int, int], Schedule]  # (ranks, micro-batches, passes, virtual stages)
+    passes: str = "one"  # "one" | "two" (mast) | "eta" (master: parallel.gems_replicas, default 2)
+    min_ranks: int = 1
+    virtual: bool = False  # takes parallel.virtual_stages
+    about: str = ""
+
+
+_REGISTRY: dict[str, ScheduleKind] = {}
+
+
+def register(name: str, *, passes: str = "one", min_ranks: int = 1, virtual: bool = False,
+             about: str = "") -> Callable[[Callable[[int, int, int, int], Schedule]], Callable[[int, int, int, int], Schedule]]:
+    """Register a schedule builder under ``name`` (the value of ``parallel.schedule``)."""
+    def deco(fn: Callable[[int, int, int, int], Schedule]) -> Callable[[int, int, int, int], Schedule]:
+        _REGISTRY[name] = ScheduleKind(name, fn, passes, min_ranks, virtual, about)
+        return fn
+    return deco
+
+
+def registered() -> dict[str, ScheduleKind]:
+    return dict(_REGISTRY)
+
+
 # ---- the generator ---------------------------------------------------------------------------------------
 def _generate(name: str, D: int, passes: int, m: int, mirrored: bool, prefer: str,
               limit: Callable[[int], int]) -> Schedule:
     """List scheduling with unit costs; ``limit(stage)`` bounds the micro-batches in flight per direction."""
-    def rank_of(p: int, s: int) -> int:
-        return s if (not mirrored or p % 2 == 0) else D - 1 - s
-
+    shape = Schedule(name, D, passes, m, mirrored, tuple(() for _ in range(D)))
     todo: list[set[Action]] = [set() for _ in range(D)]
     for p in range(passes):
         for i in range(m):
             for s in range(D):
-                todo[rank_of(p, s)] |= {Action("F", p, i, s), Action("B", p, i, s)}
+                todo[shape.rank_of(p, s)] |= {Action("F", p, i, s), Action("B", p, i, s)}
     done_at: dict[Action, int] = {}
     busy_until = [0] * D
-    inflight = [[0, 0] for _ in range(D)]  # per rank, per direction
+    inflight = [[0] * len(shape.placement) for _ in range(D)]  # per rank, per direction
     orders: list[list[Action]] = [[] for _ in range(D)]
     t = 0
 
-    def deps(a: Action) -> list[Action]:
-        if a.kind == "F":
-            return [Action("F", a.replica, a.micro_batch, a.stage - 1)] if a.stage > 0 else []
-        out = [Action("F", a.replica, a.micro_batch, a.stage)]
-        if a.stage < D - 1:
-            out.append(Action("B", a.replica, a.micro_batch, a.stage + 1))
-        return out
-
     def ready_time(a: Action) -> int | None:
-        ts = [done_at.get(d) for d in deps(a)]
+        ts = [done_at.get(d) for d in needs(a, D)]
         if any(x is None or x > t for x in ts):
             return None
         return max([x for x in ts if x is not None], default=0)
@@ -143,12 +236,12 @@ def _generate(name: str, D: int, passes: int, m: int, mirrored: bool, prefer: st
                 rt = ready_time(a)
                 if rt is None:
                     continue
-                direction = a.replica % 2 if mirrored else 0
+                direction = shape.direction(a.replica)
                 if a.kind == "F":
                     if inflight[r][direction] >= limit(a.stage):
                         continue
                     # passes of one direction enter a stage in order
-                    if any(b.kind == "F" and (b.replica % 2 if mirrored else 0) == direction
+                    if any(b.kind == "F" and shape.direction(b.replica) == direction
                            and (b.replica, b.micro_batch) < (a.replica, a.micro_batch) for b in todo[r]):
                         continue
                 first = (a.kind != prefer)
@@ -158,8 +251,7 @@ def _generate(name: str, D: int, passes: int, m: int, mirrored: bool, prefer: st
             a = min(cands)[-1]
             todo[r].discard(a)
             orders[r].append(a)
-            direction = a.replica % 2 if mirrored else 0
-            inflight[r][direction] += 1 if a.kind == "F" else -1
+            inflight[r][shape.direction(a.replica)] += 1 if a.kind == "F" else -1
             busy_until[r] = t + (F_COST if a.kind == "F" else B_COST)
             done_at[a] = busy_until[r]
             progressed = True
@@ -169,6 +261,11 @@ def _generate(name: str, D: int, passes: int, m: int, mirrored: bool, prefer: st
                 raise DeadlockError(f"{name}: no rank can progress at tick {t}")  # pragma: no cover - a generator bug
             t = min(future)
     return Schedule(name, D, passes, m, mirrored, tuple(tuple(o) for o in orders))
+
+
+@register("lp", about="layer parallelism: one micro-batch in the pipeline at a time")
+def _lp(D: int, m: int, passes: int, v: int) -> Schedule:
+    return lp(D, m)
 
 
 def lp(D: int, m: int = 1) -> Schedule:
@@ -185,6 +282,11 @@ def lp(D: int, m: int = 1) -> Schedule:
     return _generate("lp", D, 1, m, False, "B", lambda s: 1)
 
 
+@register("gpipe", about="GPipe: all forwards, then all backwards")
+def _gpipe(D: int, m: int, passes: int, v: int) -> Schedule:
+    return gpipe(D, m)
+
+
 def gpipe(D: int, m: int) -> Schedule:
     """GPipe: all forwards of the step's micro-batches, then all backwards.
 
@@ -195,6 +297,11 @@ def gpipe(D: int, m: int) -> Schedule:
         rank1  .     FA0s1 FA1s1 FA2s1 BA0s1 .     BA1s1 .     BA2s1 .     .     .
     """
     return _generate("gpipe", D, 1, m, False, "F", lambda s: m)
+
+
+@register("1f1b", about="1F1B (PipeDream-flush): stage s keeps at most D - s micro-batches")
+def _1f1b(D: int, m: int, passes: int, v: int) -> Schedule:
+    return one_f_one_b(D, m)
 
 
 def one_f_one_b(D: int, m: int) -> Schedule:
@@ -208,6 +315,11 @@ def one_f_one_b(D: int, m: int) -> Schedule:
         rank2  .     .     FA0s2 BA0s2 .     FA1s2 BA1s2 .     FA2s2 BA2s2 .     FA3s2 BA3s2 .     .     .     .     .
     """
     return _generate("1f1b", D, 1, m, False, "B", lambda s: min(D - s, m))
+
+
+@register("mast", passes="two", min_ranks=2, about="GEMS-MAST: a mirrored replica flows up while A flows down")
+def _mast(D: int, m: int, passes: int, v: int) -> Schedule:
+    return mast(D, m)
 
 
 def mast(D: int, m: int = 1) -> Schedule:
@@ -224,6 +336,11 @@ def mast(D: int, m: int = 1) -> Schedule:
         rank3  FB0s0 .     .     FA0s3 BA0s3 .     .     .     .     .     BB0s0 .
     """
     return _generate("mast", D, 2, m, True, "B", lambda s: min(D - s, m))
+
+
+@register("master", passes="eta", min_ranks=2, about="GEMS-MASTER: eta replica passes per step in MAST's memory")
+def _master(D: int, m: int, passes: int, v: int) -> Schedule:
+    return master(D, passes, m)
 
 
 def master(D: int, eta: int, m: int = 1) -> Schedule:
@@ -246,48 +363,104 @@ def master(D: int, eta: int, m: int = 1) -> Schedule:
     return _generate("master", D, eta, m, True, "B", lambda s: min(D - s, m))
 
 
-def make_schedule(name: str, D: int, micro_batches: int = 1, gems_replicas: int | None = None) -> Schedule:
-    """The schedule named by ``parallel.schedule``, validated."""
-    if name not in SCHEDULES:
-        raise ConfigError("parallel.schedule", name, "one of " + ", ".join(SCHEDULES))
+@register("interleaved1f1b", min_ranks=2, virtual=True,
+          about="interleaved 1F1B: v stages per rank (parallel.virtual_stages), a smaller bubble")
+def _interleaved(D: int, m: int, passes: int, v: int) -> Schedule:
+    return interleaved_1f1b(D, v, m)
+
+
+def interleaved_1f1b(D: int, v: int, m: int) -> Schedule:
+    """Interleaved 1F1B: the model in ``v x D`` stages, stage ``s`` on rank ``s mod D``.
+
+    Each rank runs ``v`` small stages instead of one large one, so the
+    pipeline fills and drains ``v`` times faster: the bubble shrinks by ``v``
+    for ``v`` times the activation messages. Micro-batches enter in groups of
+    ``D``; a rank runs ``(D - r - 1) x 2 + (v - 1) x D`` forwards before its
+    first backward, then alternates (Megatron-LM's order; ``m`` must be a
+    multiple of ``D``). ``interleaved_1f1b(2, 2, 2)``::
+
+        tick   0     1     2     3     4     5     6     7     8     9     10    11    12    13    14
+        rank0  FA0s0 FA1s0 FA0s2 FA1s2 .     .     BA0s2 .     .     BA1s2 .     BA0s0 .     BA1s0 .
+        rank1  .     FA0s1 FA1s1 FA0s3 BA0s3 .     FA1s3 BA1s3 .     BA0s1 .     BA1s1 .     .     .
+
+    (``s2`` and ``s3`` are the second stage of rank 0 and rank 1; backward takes two ticks)
+    """
+    if v < 1:
+        raise ConfigError("parallel.virtual_stages", v, "a positive integer (stages per rank)")
+    if m % D:
+        raise ConfigError("parallel.micro_batches", m, f"a multiple of parallel.pipeline={D} (interleaved 1F1B "
+                          "sends micro-batches through in groups of one per rank)")
+    S = v * D
+    total = v * m  # forwards (and backwards) per rank
+
+    def forward(k: int, r: int) -> Action:
+        group, within = divmod(k, D * v)
+        chunk, i = divmod(within, D)
+        return Action("F", 0, group * D + i, chunk * D + r)
+
+    def backward(k: int, r: int) -> Action:
+        group, within = divmod(k, D * v)
+        chunk, i = divmod(within, D)
+        return Action("B", 0, group * D + i, (v - 1 - chunk) * D + r)
+
+    orders = []
+    for r in range(D):
+        warm = min(total, (D - r - 1) * 2 + (v - 1) * D)
+        order = [forward(k, r) for k in range(warm)]
+        for k in range(total - warm):
+            order += [forward(warm + k, r), backward(k, r)]
+        order += [backward(k, r) for k in range(total - warm, total)]
+        orders.append(tuple(order))
+    placement = (tuple(s % D for s in range(S)),)
+    return Schedule("interleaved1f1b", S, 1, m, False, tuple(orders), placement)
+
+
+#: the names ``parallel.schedule`` takes (registration order)
+SCHEDULES = tuple(_REGISTRY)
+
+
+def make_schedule(name: str, D: int, micro_batches: int = 1, gems_replicas: int | None = None,
+                  virtual_stages: int | None = None) -> Schedule:
+    """The schedule named by ``parallel.schedule``, validated against what its registration says it takes."""
+    kind = _REGISTRY.get(name)
+    if kind is None:
+        raise ConfigError("parallel.schedule", name, "one of " + ", ".join(_REGISTRY))
     if not isinstance(D, int) or D < 1:
         raise ConfigError("parallel.pipeline", D, "a positive integer")
     if not isinstance(micro_batches, int) or micro_batches < 1:
         raise ConfigError("parallel.micro_batches", micro_batches, "a positive integer")
-    if name in ("mast", "master") and D < 2:
-        raise ConfigError("parallel.schedule", name, f"lp, gpipe or 1f1b at parallel.pipeline=1 ({name} mirrors the "
-                          "model over at least 2 pipeline ranks)")
-    if name == "mast" and gems_replicas not in (None, 2):
-        raise ConfigError("parallel.gems_replicas", gems_replicas, "2 (or unset) for mast; use schedule=master for more")
-    if name not in ("mast", "master") and gems_replicas not in (None, 1):
+    if D < kind.min_ranks:
+        others = ", ".join(k for k, v in _REGISTRY.items() if v.min_ranks <= D)
+        raise ConfigError("parallel.schedule", name, f"{others} at parallel.pipeline={D} ({name} needs at least "
+                          f"{kind.min_ranks} pipeline ranks)")
+    if kind.passes == "two" and gems_replicas not in (None, 2):
+        raise ConfigError("parallel.gems_replicas", gems_replicas, f"2 (or unset) for {name}; use schedule=master for more")
+    if kind.passes == "one" and gems_replicas not in (None, 1):
         raise ConfigError("parallel.gems_replicas", gems_replicas, f"1 (or unset) for schedule={name}; "
                           "replica passes need schedule=master")
-    if name == "lp":
-        return lp(D, micro_batches)
-    if name == "gpipe":
-        return gpipe(D, micro_batches)
-    if name == "1f1b":
-        return one_f_one_b(D, micro_batches)
-    if name == "mast":
-        return mast(D, micro_batches)
-    return master(D, 2 if gems_replicas is None else int(gems_replicas), micro_batches)
+    if not kind.virtual and virtual_stages not in (None, 1):
+        takes = ", ".join(k for k, v in _REGISTRY.items() if v.virtual)
+        raise ConfigError("parallel.virtual_stages", virtual_stages, f"1 (or unset) for schedule={name}; "
+                          f"{takes} take(s) several stages per rank")
+    passes = {"one": 1, "two": 2}.get(kind.passes, 2 if gems_replicas is None else int(gems_replicas))
+    v = int(virtual_stages) if virtual_stages is not None else (2 if kind.virtual else 1)
+    return kind.build(D, micro_batches, passes, v)
 
 
 # ---- checking and drawing ----------------------------------------------------------------------------------
 def simulate(sched: Schedule, f_cost: int = F_COST, b_cost: int = B_COST) -> dict[Action, tuple[int, int]]:
     """Run the per-rank orders as the runtime would; return each action's (start, end) tick.
 
-    Each rank executes its list in order; an action starts once its inputs have
-    arrived (the forward of the previous stage, or the backward of the next
-    stage, whichever rank ran it) and its own forward has run. Sends never block
-    (the runtime's ``isend``), so a rank stuck on a receive is the only way to
+    Each rank executes its list in order; an action starts once what it
+    :func:`needs` has run, whichever rank ran it. Sends never block (the
+    runtime's ``isend``), so a rank stuck on a receive is the only way to
     hang: :class:`DeadlockError` names the stuck ranks. Also checks that every
     (pass, micro-batch, stage) forward and backward appears exactly once, on
     the rank that holds that stage for that pass.
     """
-    D = sched.stages
+    S = sched.stages
     expected = {Action(k, p, i, s) for k in "FB" for p in range(sched.replicas)
-                for i in range(sched.micro_batches) for s in range(D)}
+                for i in range(sched.micro_batches) for s in range(S)}
     seen: list[Action] = [a for order in sched.actions for a in order]
     if len(seen) != len(set(seen)) or set(seen) != expected:
         dup = sorted({a for a in seen if seen.count(a) > 1})
@@ -297,21 +470,17 @@ def simulate(sched: Schedule, f_cost: int = F_COST, b_cost: int = B_COST) -> dic
         for a in order:
             if sched.rank_of(a.replica, a.stage) != r:
                 raise AssertionError(f"{sched.name}: {a} on rank {r}, but its stage lives on rank {sched.rank_of(a.replica, a.stage)}")
+    R = sched.ranks
     end: dict[Action, int] = {}
     span: dict[Action, tuple[int, int]] = {}
-    pos = [0] * D
-    clock = [0] * D
-    while any(pos[r] < len(sched.actions[r]) for r in range(D)):
+    pos = [0] * R
+    clock = [0] * R
+    while any(pos[r] < len(sched.actions[r]) for r in range(R)):
         moved = False
-        for r in range(D):
+        for r in range(R):
             while pos[r] < len(sched.actions[r]):
                 a = sched.actions[r][pos[r]]
-                if a.kind == "F":
-                    need = [Action("F", a.replica, a.micro_batch, a.stage - 1)] if a.stage > 0 else []
-                else:
-                    need = [Action("F", a.replica, a.micro_batch, a.stage)]
-                    if a.stage < D - 1:
-                        need.append(Action("B", a.replica, a.micro_batch, a.stage + 1))
+                need = needs(a, S)
                 if any(n not in end for n in need):
                     break
                 start = max([clock[r]] + [end[n] for n in need])
@@ -321,7 +490,7 @@ def simulate(sched: Schedule, f_cost: int = F_COST, b_cost: int = B_COST) -> dic
                 pos[r] += 1
                 moved = True
         if not moved:
-            stuck = {r: str(sched.actions[r][pos[r]]) for r in range(D) if pos[r] < len(sched.actions[r])}
+            stuck = {r: str(sched.actions[r][pos[r]]) for r in range(R) if pos[r] < len(sched.actions[r])}
             raise DeadlockError(f"{sched.name}: ranks wait on each other forever at {stuck}")
     return span
 
@@ -336,11 +505,11 @@ def draw(sched: Schedule) -> str:
     span = simulate(sched)
     ticks = max(e for _, e in span.values())
     cell = max(5, max(len(str(a)) for a in span))
-    grid = [["." for _ in range(ticks)] for _ in range(sched.stages)]
+    grid = [["." for _ in range(ticks)] for _ in range(sched.ranks)]
     for a, (s, _) in span.items():
         grid[sched.rank_of(a.replica, a.stage)][s] = str(a)
     head = "tick   " + " ".join(f"{t:<{cell}}" for t in range(ticks))
-    rows = [f"rank{r:<2} " + " ".join(f"{c:<{cell}}" for c in grid[r]) for r in range(sched.stages)]
+    rows = [f"rank{r:<2} " + " ".join(f"{c:<{cell}}" for c in grid[r]) for r in range(sched.ranks)]
     return "\n".join([head.rstrip()] + [row.rstrip() for row in rows])
 
 
@@ -348,8 +517,32 @@ def busy_fraction(sched: Schedule) -> float:
     """Compute ticks over rank-ticks: 1.0 means no bubble."""
     span = simulate(sched)
     work = sum(e - s for s, e in span.values())
-    return work / (sched.stages * max(e for _, e in span.values()))
+    return work / (sched.ranks * max(e for _, e in span.values()))
 
 
-def orders_as_text(sched: Schedule) -> Sequence[str]:
-    return [" ".join(str(a) for a in order) for order in sched.actions]
+def bubble_fraction(sched: Schedule) -> float:
+    """Idle rank-ticks over rank-ticks under the unit costs (``1 - busy_fraction``)."""
+    return 1.0 - busy_fraction(sched)
+
+
+def in_flight(sched: Schedule, rank: int) -> list[int]:
+    """Per placement row, the most forwards on ``rank`` whose backward has not run yet (activations kept)."""
+    cur = [0] * len(sched.placement)
+    peak = [0] * len(sched.placement)
+    for a in sched.actions[rank]:
+        d = sched.direction(a.replica)
+        cur[d] += 1 if a.kind == "F" else -1
+        peak[d] = max(peak[d], cur[d])
+    return peak
+
+
+def check_messages(sched: Schedule) -> None:
+    """Every message an action receives is what the action it needs on another stage sends (and only then)."""
+    for order in sched.actions:
+        for a in order:
+            got = receives(a, sched.stages)
+            src = [n for n in needs(a, sched.stages) if n.stage != a.stage]
+            assert (got is None) == (not src), a
+            for n in src:
+                assert sends(n, sched.stages) == got, (a, n)
+

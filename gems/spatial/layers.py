@@ -71,14 +71,6 @@ def zeros_out(shape: Sequence[int], *deps: torch.Tensor | None) -> torch.Tensor:
     return _Zeros.apply(tuple(int(s) for s in shape), *[d for d in deps if d is not None])
 
 
-def _pads(need: Box, clipped: Box) -> list[int]:
-    """F.pad amounts (last dim first) from the clipped window to the needed one."""
-    out: list[int] = []
-    for (lo, hi), (clo, chi) in reversed(list(zip(need, clipped))):
-        out += [clo - lo, hi - chi]
-    return out
-
-
 def _tuple(v: Any, nd: int) -> tuple[int, ...]:
     return tuple(int(a) for a in v) if isinstance(v, (tuple, list)) else (int(v),) * nd
 
@@ -127,9 +119,6 @@ class _WindowLayer(SpatialLayer):
 
     def _deps(self) -> list[torch.Tensor | None]:
         return []
-
-    def _out_box(self, box: Box, gout: tuple[int, ...]) -> Box:
-        return box
 
     def _need(self, box: Box, gin: tuple[int, ...]) -> tuple[Box, Box]:
         """Input box read by the outputs ``box``: unclipped (with padding) and clipped."""
