@@ -64,7 +64,7 @@ def __getattr__(name: str) -> Any:  # lazy: `import gems` stays cheap for the CL
 
         return ConfigError
     if name == "batch_context":
-        from gems.models.layers import batch_context
+        from gems.layers import batch_context
 
         return batch_context
     raise AttributeError(f"module 'gems' has no attribute {name!r}")

@@ -155,6 +155,27 @@ def balance_rule(by: str, schedule: str, D: int) -> str:
     return resolve_balance_by(s)
 
 
+def spatial_model(spec: Any, mesh: Mesh, bn_stats: str = "global") -> tuple[Any, str | None]:
+    """The model as spatial parallelism runs it: ``spec`` with ``spatial_end`` where the trunk really ends
+    (:func:`gems.spatial.gather_point`: before the first layer gems cannot cut, or after a global pooling),
+    and the note that says so (None when the model's own ``spatial_end`` holds). The worker, the preflight
+    and the planner all take the model from here, so they agree on the gather, the loss weights and the
+    balance."""
+    import dataclasses
+
+    if mesh.spatial == 1:
+        return spec, None
+    from gems.spatial import gather_point
+
+    end, note = gather_point(spec.module, spec.spatial_end, mesh.parts, mesh.spatial_dims, bn_stats)
+    if note is None:
+        return spec, None
+    if spec.target == "dense":
+        raise ConfigError("model", spec.name, f"a model whose every layer gems can cut (its output is one class per "
+                          f"cell, cut like its input): {note.split(';')[0]}")
+    return dataclasses.replace(spec, spatial_end=end), note
+
+
 def spatial_stage_balance(s: ParallelSettings, spec: Any, device: Any = None) -> list[int]:
     """The partitions of a pipeline made of spatial layers, balanced on the serial layers as every rank runs
     them (:func:`gems.pipeline.partition.spatial_balance`); the worker and the planner both call this."""

@@ -507,7 +507,7 @@ def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[i
     storage is always run."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from gems.models.layers import batch_context
+    from gems.layers import batch_context
     from gems.pipeline.partition import _structure
     from gems.spatial.context import GSHAPE
 
@@ -730,6 +730,7 @@ class _Setup:
     balance: list[int] | None
     balance_by: str
     settings: Any  # gems.parallel.ParallelSettings: the schedule, pipelined, holder groups, stages
+    notes: list[str] = field(default_factory=list)  # e.g. where the spatial trunk really ends
 
 
 def _device(cfg: Any, world: int) -> dict[str, Any]:
@@ -770,7 +771,7 @@ class _Planner:
         self.quick = quick
         self._ckpt_batches = (1, 2)
         self.amp = _precision(st.precision, st.gpu)
-        self.notes: list[str] = []
+        self.notes: list[str] = list(st.notes)
         self._ckpt: dict[int, list[tuple[tuple[int, int, int, int], tuple[int, int, int, int]]]] = {}
 
     # ---- structure ------------------------------------------------------------------
@@ -1005,6 +1006,9 @@ def _setup(cfg: Any) -> _Setup:
         spec.module.train()
         _CACHE[("model", model_key)] = spec
     spec = _CACHE[("model", model_key)]
+    from gems.parallel import spatial_model
+
+    spec, gather_note = spatial_model(spec, mesh, str(p.get("bn_stats", "global")))
     sched = str(p.schedule)
     eta = settings.schedule.replicas if settings.schedule is not None else 1
     opt = str(cfg.train.optimizer)
@@ -1015,7 +1019,7 @@ def _setup(cfg: Any) -> _Setup:
     return _Setup(spec, model_key, mesh, sched, int(p.micro_batches), eta, bool(p.checkpoint), str(cfg.train.precision), gpu,
                   int(cfg.train.batch_size), mesh.replicas, factor, float(cfg.comm.bucket_mb), p.get("overlap"),
                   str(p.get("bn_stats", "global")), list(p.balance) if p.get("balance") else None,
-                  settings.balance_by, settings)
+                  settings.balance_by, settings, [gather_note] if gather_note else [])
 
 
 def _max_chunk(pl: _Planner, usable: int, chunk0: int) -> tuple[int, Any]:

@@ -35,9 +35,9 @@ from gems.errors import ConfigError, RunError
 from gems.fault import all_finite, inject, progress, reports
 from gems.fault.watchdog import Watchdog
 from gems.mesh import Mesh, mesh_from_config
-from gems.parallel import ParallelSettings, resolve, spatial_stage_balance
+from gems.parallel import ParallelSettings, resolve, spatial_model, spatial_stage_balance
 from gems.models import ModelSpec, build_model, check_shapes
-from gems.models.layers import batch_context, guard_bf16_conv3d
+from gems.layers import batch_context, guard_bf16_conv3d
 from gems.replication import GradientReducer, mpi_group
 from gems.results import record as rec
 from gems import checkpoint as ckpt
@@ -88,6 +88,7 @@ class Parallel:
     samples_per_step: int  # samples this rank's replica line trains per step
     stats: Callable[[], dict[str, float]] = field(default=lambda: {})
     balance: list[int] | None = None  # layers per pipeline partition (None without a pipeline)
+    notes: list[str] = field(default_factory=list)  # what the composition decided on its own (the record says)
     #: where this rank first saw a non-finite value in the last step: 0 its input, 1 + s the output of
     #: partition s; None when all was finite (read only after a non-finite loss: it may synchronise a GPU)
     first_nonfinite: Callable[[], int | None] = field(default=lambda: None)
@@ -107,6 +108,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
     settings = settings or resolve(cfg)
     rank, device = world.rank, world.device
     p = cfg.parallel
+    spec, gather_note = spatial_model(spec, mesh, p.bn_stats)
     B, R = int(cfg.train.batch_size), mesh.replicas
     local_batch = B // R
     seed = int(cfg.train.seed)
@@ -179,7 +181,8 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
 
         return Parallel(pipe_step, params, list(runner.modules), reducer, slices,
                         runner.needs_inputs, runner.needs_targets, runner.samples_per_step, pipe_stats,
-                        balance=list(runner.balance), first_nonfinite=runner.first_nonfinite)
+                        balance=list(runner.balance), first_nonfinite=runner.first_nonfinite,
+                        notes=[gather_note] if gather_note else [])
 
     # no pipeline: one forward and backward of the whole (spatial) model
     params = list(seq.parameters())
@@ -215,7 +218,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
         return next((pos for pos, ok in sorted(finite.items()) if not bool(ok)), None)
 
     return Parallel(plain_step, params, [seq], reducer, slices, True, True, local_batch, halo_stats,
-                    first_nonfinite=first_bad)
+                    first_nonfinite=first_bad, notes=[gather_note] if gather_note else [])
 
 
 def preflight(cfg: DictConfig) -> None:
@@ -251,7 +254,10 @@ def preflight(cfg: DictConfig) -> None:
                                   f"dims below {spec.spatial_ndim}: {spec.name} has {spec.spatial_ndim} spatial dims")
         ctx = SpatialContext(None, list(range(mesh.spatial)), mesh.parts, mesh.spatial_dims, (0,) * len(mesh.parts))
         ctx.local_slices(spec.input_shape[1:])
-        seq = apply_spatial(copy.deepcopy(seq), ctx, spec.spatial_end, bn_stats=p.bn_stats)
+        spec, note = spatial_model(spec, mesh, p.bn_stats)
+        if note:
+            print(f"gems: note: {note}", file=sys.stderr, flush=True)
+        seq = apply_spatial(copy.deepcopy(spec.module), ctx, spec.spatial_end, bn_stats=p.bn_stats)
     resolve(cfg).check_layers(len(seq))  # the schedule, the batch over passes and micro-batches, the balance
 
 
@@ -500,6 +506,8 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
         tensor_peaks=tensor_peaks if all(t is not None for t in tensor_peaks) else None, balance=par.balance,
     )
     record["host_memory"] = host_memory.summary
+    if par.notes:
+        record["notes"] = list(par.notes)
     if nonfinite:
         record["diverged"] = True
         record["nonfinite_steps"] = list(nonfinite)

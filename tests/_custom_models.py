@@ -48,3 +48,44 @@ def failing(rank: int = 1, at: int = 2, n: int = 8) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), FailOnRank(rank, at), nn.ReLU(), nn.Flatten(),
                          nn.Linear(4 * n * n, 3))
+
+
+def resnet_head_2d(n: int = 8) -> nn.Sequential:
+    """A ResNet-style 2D net: convolutions, then AdaptiveAvgPool2d(1) before its Flatten and classifier."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, stride=2, padding=1), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+
+
+def max_head_3d(n: int = 8) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv3d(1, 3, 3, padding=1), nn.ReLU(), nn.AdaptiveMaxPool3d(1), nn.Flatten(),
+                         nn.Linear(3, 3))
+
+
+def adaptive_3(n: int = 8) -> nn.Sequential:
+    """An adaptive pooling to 2 x 2 x 2 (not a global one): gems gathers before it."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool3d(2), nn.Flatten(),
+                         nn.Linear(16, 3))
+
+
+class Square(nn.Module):
+    """A layer of the user's own that acts on each cell: registered below, so gems cuts it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * x
+
+
+def registered_own(n: int = 8) -> nn.Sequential:
+    from gems.spatial import register_pointwise
+
+    register_pointwise(Square)
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), Square(), nn.AvgPool3d(2), nn.Flatten(),
+                         nn.Linear(2 * (n // 2) ** 3, 3))
+
+
+def dense_own() -> nn.Sequential:
+    """A dense (per-cell classes) net with a layer gems does not know: it cannot be gathered mid-way."""
+    return nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), Normalize(), nn.Conv3d(2, 2, 1))

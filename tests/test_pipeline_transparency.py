@@ -30,11 +30,11 @@ from gems.testing import run_world
 def case(model: str, schedule: str, D: int, m: int = 1, eta: int | None = None, R: int = 1, S: int = 1,
          B: int = 8, checkpoint: bool = False, trace: bool = True, steps: int = 3, balance_by: str = "memory",
          via: str = "pipeline", spatial_dims: tuple[int, ...] = (0,), bucket_mb: float = 4.0,
-         balance: list[int] | None = None) -> dict[str, Any]:
+         balance: list[int] | None = None, v: int | None = None) -> dict[str, Any]:
     assert S == 1 or via == "worker", "spatial parts are composed by the worker"
     return dict(model=model, schedule=schedule, D=D, R=R, S=S, m=m, eta=eta, B=B, checkpoint=checkpoint,
                 trace=trace, steps=steps, balance_by=balance_by, via=via, spatial_dims=spatial_dims,
-                bucket_mb=bucket_mb, balance=balance)
+                bucket_mb=bucket_mb, balance=balance, v=v)
 
 
 WORLD2 = [  # D = 2
@@ -52,6 +52,10 @@ WORLD2 = [  # D = 2
     case("resnet_bn", "1f1b", 2, m=2, checkpoint=True),  # recomputation must not update BN statistics twice
     case("resnet_gn", "master", 2, m=2, eta=2, trace=False),
     case("resnet_gn", "1f1b", 2, m=2, balance_by="time", steps=2),  # measured balance: rank 0's is broadcast
+    # interleaved stages: two (three) partitions per rank, stage s on rank s mod D
+    case("cosmoflow", "interleaved1f1b", 2, m=2, v=2),
+    case("resnet_bn", "interleaved1f1b", 2, m=4, v=3, checkpoint=True, steps=2),
+    case("resnet_gn", "interleaved1f1b", 2, m=2, v=2, via="worker", trace=False, steps=2),
 ]
 WORLD3 = [  # odd D: the middle rank holds one partition for both directions
     case("cosmoflow", "mast", 3, B=6),
@@ -74,6 +78,8 @@ WORLD4 = [  # D = 4, R = 2 x D = 2 (GEMS-Hybrid), D = 2 x S = 2 (spatial parts i
     # halos again in the recompute; the cut (the gather is layer 17 of 23) leaves halo layers on both sides
     case("cosmoflow", "mast", 2, S=2, checkpoint=True, steps=2, via="worker", balance=[3, 20]),
     case("resnet_gn", "master", 2, m=2, eta=2, S=2, steps=2, via="worker", spatial_dims=(1,)),
+    case("cosmoflow", "interleaved1f1b", 4, m=4, v=2, steps=2),
+    case("cosmoflow", "interleaved1f1b", 2, m=2, v=2, S=2, steps=2, via="worker"),
 ]
 WORLD8 = [  # R = 2 x D = 2 x S = 2 and R = 2 x D = 4
     case("cosmoflow", "mast", 2, R=2, S=2, steps=2, via="worker"),

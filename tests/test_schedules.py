@@ -160,3 +160,65 @@ def test_make_schedule_validates():
     assert make_schedule("master", 2, 1, 6).replicas == 6
     assert make_schedule("master", 2).replicas == 2
     assert make_schedule("lp", 1).actions == ((Action("F", 0, 0, 0), Action("B", 0, 0, 0)),)
+
+
+# ---- the registry, placement as data, interleaved stages ---------------------------------------------------
+def test_every_registered_schedule_is_complete_ordered_and_deadlock_free():
+    names = set(S.registered())
+    assert {"lp", "gpipe", "1f1b", "mast", "master", "interleaved1f1b"} <= names
+    n = 0
+    for name, kind in S.registered().items():
+        for D in range(max(2, kind.min_ranks), 5):
+            for m in (D, 2 * D):
+                for v in ((2, 3) if kind.virtual else (None,)):
+                    sched = make_schedule(name, D, m, virtual_stages=v)
+                    span = simulate(sched)
+                    S.check_messages(sched)
+                    assert all(sched.rank_of(a.replica, a.stage) == r for r, o in enumerate(sched.actions) for a in o)
+                    for a, (start, _) in span.items():
+                        for dep in S.needs(a, sched.stages):
+                            assert span[dep][1] <= start, (name, a, dep)
+                    n += 1
+    assert n > 40
+
+
+def test_placement_is_data_and_says_who_holds_copies():
+    assert S.mast(4).holder_groups() == [(0, 3), (1, 2)]
+    assert S.mast(3).holder_groups() == [(0, 2), (1,)]
+    assert S.one_f_one_b(4, 4).holder_groups() == [(0,), (1,), (2,), (3,)]
+    il = S.interleaved_1f1b(4, 2, 4)
+    assert il.stages == 8 and il.ranks == 4 and il.placement == ((0, 1, 2, 3, 0, 1, 2, 3),)
+    assert il.partitions_of(1) == [1, 5] and il.holder_groups() == [(0,), (1,), (2,), (3,)]
+    # a schedule with another placement is expressible: two stages per rank, mirrored rows
+    odd = Schedule("custom", 2, 2, 1, False, ((), ()), placement=((0, 1), (1, 0)))
+    assert odd.rank_of(1, 0) == 1 and odd.holder_groups() == [(0, 1)]
+
+
+@pytest.mark.parametrize("D,v,m", [(2, 2, 2), (2, 2, 4), (4, 2, 4), (4, 2, 8), (3, 3, 6), (4, 4, 8)])
+def test_interleaved_stages_shrink_the_bubble_of_1f1b(D, v, m):
+    il, base = S.interleaved_1f1b(D, v, m), S.one_f_one_b(D, m)
+    # unit costs per action: an interleaved stage is 1/v of a 1F1B stage, so busy fractions compare directly
+    assert S.bubble_fraction(il) < S.bubble_fraction(base)
+    # 1F1B's bubble is (D-1)/(m+D-1); interleaving divides the fill-and-drain by about v
+    assert S.bubble_fraction(base) == pytest.approx((D - 1) / (m + D - 1))
+    assert S.bubble_fraction(il) <= S.bubble_fraction(base) / v * 1.35 + 1e-9
+    # the stages of a rank keep at most (D - r - 1) * 2 + (v - 1) * D + 1 micro-batches in flight
+    for r in range(D):
+        assert S.in_flight(il, r)[0] <= min(v * m, (D - r - 1) * 2 + (v - 1) * D + 1)
+
+
+def test_interleaved_options_are_checked():
+    with pytest.raises(ConfigError) as e:
+        make_schedule("interleaved1f1b", 2, 3)
+    assert e.value.key == "parallel.micro_batches"
+    with pytest.raises(ConfigError) as e:
+        make_schedule("1f1b", 2, 2, virtual_stages=2)
+    assert e.value.key == "parallel.virtual_stages" and "interleaved1f1b" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        make_schedule("interleaved1f1b", 1, 2)
+    assert e.value.key == "parallel.schedule"
+    assert make_schedule("interleaved1f1b", 2, 2).stages == 4  # two stages per rank by default
+
+
+def test_interleaved_docstring_table_is_what_the_generator_produces():
+    assert _doc_tables(S.interleaved_1f1b)[0] == draw(S.interleaved_1f1b(2, 2, 2))

@@ -92,7 +92,7 @@ def bench_rank(rank: int, world: int, size: int, steps: int, warmup: int, mode: 
     from gems.bootstrap import keep_host_memory
     from gems.data.synthetic import sample_input
     from gems.models import build_model
-    from gems.models.layers import batch_context
+    from gems.layers import batch_context
     from gems.replication import GradientReducer
     from gems.spatial import SpatialContext, apply_spatial
 

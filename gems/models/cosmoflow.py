@@ -22,9 +22,12 @@ import math
 import torch
 from torch import nn
 
-from gems.models.layers import SampleDropout
+from gems.spatial.registry import register_pointwise
+
+from gems.layers import SampleDropout
 
 
+@register_pointwise  # the spatial converter cuts it (gems/spatial/registry.py)
 class Scale(nn.Module):
     """Multiply by a constant (MLPerf's tanh x 1.2 output)."""
 

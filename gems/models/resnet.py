@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from gems.spatial.registry import register_container
+
 from gems.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -41,6 +43,7 @@ def _norm(kind: str, channels: int) -> nn.Module:
     return nn.Identity()
 
 
+@register_container  # the spatial converter cuts it (gems/spatial/registry.py)
 class PreActBottleneck(nn.Module):
     """norm-relu-conv1x1, norm-relu-conv3x3 (stride), norm-relu-conv1x1, plus the (projected) input."""
 

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gems.spatial.registry import register_pointwise
+
 from gems.errors import ConfigError
 
 
@@ -53,6 +55,7 @@ class SkipStore:
         return {"_queues": {}}
 
 
+@register_pointwise  # the spatial converter cuts it (gems/spatial/registry.py)
 class Stash(nn.Module):
     """Save the activation for a later :class:`PopConcat` / :class:`PopAdd`; pass it on."""
 
@@ -68,6 +71,7 @@ class Stash(nn.Module):
         return repr(self.name)
 
 
+@register_pointwise  # the spatial converter cuts it (gems/spatial/registry.py)
 class PopConcat(nn.Module):
     """Concatenate the stashed activation (first) with the input along channels."""
 
@@ -82,6 +86,7 @@ class PopConcat(nn.Module):
         return repr(self.name)
 
 
+@register_pointwise  # the spatial converter cuts it (gems/spatial/registry.py)
 class PopAdd(PopConcat):
     """Add the stashed activation to the input (a residual connection)."""
 

@@ -299,7 +299,7 @@ def layer_times(seq: nn.Sequential, sample: tuple[int, ...], repeat: int = 2,
 
     Buffers (BatchNorm statistics) are restored and gradients cleared afterwards.
     """
-    from gems.models.layers import batch_context
+    from gems.layers import batch_context
 
     if device is None:
         device = next((q.device for q in seq.parameters()), torch.device("cpu"))

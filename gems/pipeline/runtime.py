@@ -22,7 +22,7 @@ activation a sender sends into a stage is preceded by a small shape header
 and the receiver waits for it once (first step only).
 
 Around every forward, and every backward (recomputation included),
-``gems.models.layers.batch_context(seed, step, chunk's sample ids)`` is set,
+``gems.layers.batch_context(seed, step, chunk's sample ids)`` is set,
 so ``SampleDropout`` draws the serial masks. With ``checkpoint=True`` a
 partition keeps only its input between forward and backward and runs the
 forward again in the backward; BatchNorm buffers are restored after the
@@ -40,7 +40,7 @@ from torch import nn
 
 from gems.fault import all_finite
 from gems.fault.progress import mark, waiting
-from gems.models.layers import batch_context
+from gems.layers import batch_context
 from gems.pipeline.schedules import ACT as _ACT
 from gems.pipeline.schedules import GRAD as _GRAD
 from gems.pipeline.schedules import Action, Schedule, receives, sends

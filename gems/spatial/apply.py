@@ -17,60 +17,24 @@ from typing import Any
 from torch import nn
 
 from gems.errors import ConfigError
-from gems.models.layers import SampleDropout
+from gems.layers import SampleDropout
 from gems.spatial import layers as L
 from gems.spatial.context import SpatialContext
+from gems.spatial.registry import (CONTAINER, POINTWISE, CannotCut, register_container, register_layer,
+                                   register_pointwise, rule_for)
 
-POINTWISE: tuple[type, ...] = (
+POINTWISE_TYPES: tuple[type, ...] = (
     nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
     nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Softsign,
     nn.Tanhshrink, nn.LogSigmoid, nn.Threshold, nn.Dropout, nn.AlphaDropout,
 )
-_EXTRA_POINTWISE: list[type] = []
-_CONTAINERS: list[type] = []
 
-SUPPORTED = ("Conv1d/2d/3d, ConvTranspose1d/2d/3d, MaxPool1d/2d/3d, AvgPool1d/2d/3d, BatchNorm1d/2d/3d, "
-             "GroupNorm, InstanceNorm (no running stats), Upsample, element-wise activations and dropout, "
-             "SampleDropout, Softmax/LogSoftmax over channels, nn.Sequential, skip stash/concat/add, registered "
-             "residual blocks; Flatten and Linear only after the gather (model.spatial_end)")
+SUPPORTED = ("Conv1d/2d/3d, ConvTranspose1d/2d/3d, MaxPool1d/2d/3d, AvgPool1d/2d/3d, AdaptiveAvgPool/"
+             "AdaptiveMaxPool with output size 1, BatchNorm1d/2d/3d, GroupNorm, InstanceNorm (no running stats), "
+             "Upsample, element-wise activations and dropout, SampleDropout, Softmax/LogSoftmax over channels, "
+             "nn.Sequential and registered layers (gems.spatial.register_layer)")
 
-
-def register_pointwise(cls: type) -> type:
-    """Declare a parameter-free layer that acts on each cell independently (usable as a decorator)."""
-    _EXTRA_POINTWISE.append(cls)
-    return cls
-
-
-def register_container(cls: type) -> type:
-    """Declare a block whose forward combines its children with element-wise
-    operations only (a residual block: ``f(x) + g(x)``); its children are converted."""
-    _CONTAINERS.append(cls)
-    return cls
-
-
-def _known_pointwise() -> tuple[type, ...]:
-    extra: list[type] = []
-    try:
-        from gems.models.cosmoflow import Scale
-        extra.append(Scale)
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from gems.models.unet3d import PopAdd, PopConcat, Stash
-        extra += [Stash, PopConcat, PopAdd]
-    except ImportError:  # pragma: no cover
-        pass
-    return POINTWISE + tuple(extra) + tuple(_EXTRA_POINTWISE)
-
-
-def _known_containers() -> tuple[type, ...]:
-    extra: list[type] = []
-    try:
-        from gems.models.resnet import PreActBottleneck
-        extra.append(PreActBottleneck)
-    except ImportError:
-        pass
-    return tuple(extra) + tuple(_CONTAINERS)
+__all__ = ["apply_spatial", "gather_point", "register_layer", "register_pointwise", "register_container", "SUPPORTED"]
 
 
 def _ndim_of(m: nn.Module) -> int | None:
@@ -90,17 +54,11 @@ def _ndim_of(m: nn.Module) -> int | None:
 
 
 class _Converter:
+    """Turns layers into their spatial versions by their registered rules (:mod:`gems.spatial.registry`)."""
+
     def __init__(self, sctx: SpatialContext, bn_stats: str, nd: int) -> None:
         self.sctx, self.bn_stats, self.nd = sctx, bn_stats, nd
-        self.pointwise = _known_pointwise()
-        self.containers = _known_containers()
-
-    def refuse(self, m: nn.Module, label: str, fix: str = "") -> ConfigError:
-        """Bad input naming the layer (its index in the model and what it is) and what would work."""
-        text = repr(m).replace("\n", " ")
-        text = text if len(text) < 80 else text[:77] + "..."
-        return ConfigError("model", f"layer {label.split(':')[0]} {text}",
-                           (fix + "; or " if fix else "") + f"a layer gems can partition: {SUPPORTED}")
+        self.trunk_ends = False  # set by a layer whose output is whole on every part (a global pooling)
 
     def __call__(self, m: nn.Module, label: str) -> nn.Module:
         new = self.convert(m, label)
@@ -108,48 +66,19 @@ class _Converter:
         return new
 
     def convert(self, m: nn.Module, label: str) -> nn.Module:
-        s = self.sctx
-        nd = _ndim_of(m) or self.nd
         if isinstance(m, nn.Sequential):
             return nn.Sequential(OrderedDict((name, self(c, f"{label}.{name}")) for name, c in m.named_children()))
-        if isinstance(m, self.containers):
+        rule = rule_for(m)
+        if rule is None:
+            raise CannotCut("")
+        if rule == POINTWISE:
+            if list(m.parameters(recurse=False)):
+                raise CannotCut("a pointwise layer without parameters")
+            return L.SpatialPointwise(m, self.sctx, label)
+        if rule == CONTAINER:
             return self.container(m, label)
-        if isinstance(m, nn.modules.conv._ConvTransposeNd):
-            return L.SpatialConvTranspose(m, s, label)
-        if isinstance(m, nn.modules.conv._ConvNd):
-            if m.padding_mode != "zeros":
-                raise self.refuse(m, label, "padding_mode='zeros' (the only padding the halo exchange reproduces)")
-            return L.SpatialConv(m, s, label)
-        if isinstance(m, nn.modules.pooling._MaxPoolNd):
-            if m.return_indices:
-                raise self.refuse(m, label, "return_indices=False")
-            return L.SpatialMaxPool(m, s, label, nd)
-        if isinstance(m, nn.modules.pooling._AvgPoolNd):
-            return L.SpatialAvgPool(m, s, label, nd)
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            return L.SpatialNorm(m, s, label) if self.bn_stats == "global" else _LocalNorm(m, s, label)
-        if isinstance(m, nn.GroupNorm):
-            return L.SpatialNorm(m, s, label)
-        if isinstance(m, nn.modules.instancenorm._InstanceNorm):
-            if m.track_running_stats:
-                raise self.refuse(m, label, "InstanceNorm with track_running_stats=False")
-            return L.SpatialNorm(m, s, label)
-        if isinstance(m, nn.Upsample):
-            if m.mode not in ("nearest", "nearest-exact", "linear", "bilinear", "trilinear"):
-                raise self.refuse(m, label, "Upsample mode nearest, nearest-exact, linear, bilinear or trilinear")
-            return L.SpatialUpsample(m, s, label)
-        if isinstance(m, nn.PReLU):
-            return L.SpatialPReLU(m, s, label)
-        if isinstance(m, (nn.Softmax, nn.LogSoftmax)) and m.dim == 1:
-            return L.SpatialPointwise(m, s, label)
-        if isinstance(m, SampleDropout):
-            return L.SpatialSampleDropout(m, s, label)
-        if isinstance(m, self.pointwise) and not list(m.parameters(recurse=False)):
-            return L.SpatialPointwise(m, s, label)
-        if isinstance(m, (nn.Flatten, nn.Linear)):
-            top = label.split(":")[0].split(".")[0]
-            raise self.refuse(m, label, f"model.spatial_end <= {top} (it needs the whole sample: gather before it)")
-        raise self.refuse(m, label)
+        assert callable(rule)
+        return rule(m, self, label)
 
     def container(self, m: nn.Module, label: str) -> nn.Module:
         """A copy of ``m`` sharing its parameters, with converted children and a tagging hook."""
@@ -159,6 +88,80 @@ class _Converter:
             new._modules[name] = self(child, f"{label}.{name}")
         new.register_forward_hook(functools.partial(L.tag_output, self.sctx, {}))
         return new
+
+
+# ---- torch's layers -------------------------------------------------------------------------------------------
+def _conv(m: Any, c: _Converter, label: str) -> nn.Module:
+    if m.padding_mode != "zeros":
+        raise CannotCut("padding_mode='zeros' (the only padding the halo exchange reproduces)")
+    return L.SpatialConv(m, c.sctx, label)
+
+
+def _max_pool(m: Any, c: _Converter, label: str) -> nn.Module:
+    if m.return_indices:
+        raise CannotCut("return_indices=False")
+    return L.SpatialMaxPool(m, c.sctx, label, _ndim_of(m) or c.nd)
+
+
+def _batch_norm(m: Any, c: _Converter, label: str) -> nn.Module:
+    return L.SpatialNorm(m, c.sctx, label) if c.bn_stats == "global" else _LocalNorm(m, c.sctx, label)
+
+
+def _instance_norm(m: Any, c: _Converter, label: str) -> nn.Module:
+    if m.track_running_stats:
+        raise CannotCut("InstanceNorm with track_running_stats=False")
+    return L.SpatialNorm(m, c.sctx, label)
+
+
+def _upsample(m: Any, c: _Converter, label: str) -> nn.Module:
+    if m.mode not in ("nearest", "nearest-exact", "linear", "bilinear", "trilinear"):
+        raise CannotCut("Upsample mode nearest, nearest-exact, linear, bilinear or trilinear")
+    return L.SpatialUpsample(m, c.sctx, label)
+
+
+def _softmax(m: Any, c: _Converter, label: str) -> nn.Module:
+    if m.dim != 1:
+        raise CannotCut("Softmax/LogSoftmax over the channels (dim=1)")
+    return L.SpatialPointwise(m, c.sctx, label)
+
+
+def _global_pool(kind: Any) -> Any:
+    def rule(m: Any, c: _Converter, label: str) -> nn.Module:
+        size = m.output_size if isinstance(m.output_size, (tuple, list)) else (m.output_size,)
+        if any(s != 1 for s in size if s is not None) or None in size:
+            raise CannotCut("output_size=1 (a global pooling; other adaptive sizes need the whole sample)")
+        if getattr(m, "return_indices", False):
+            raise CannotCut("return_indices=False")
+        c.trunk_ends = True  # the output is whole on every part: the spatial trunk ends here
+        return kind(c.sctx, label)
+    return rule
+
+
+def _needs_whole(m: Any, c: _Converter, label: str) -> nn.Module:
+    raise CannotCut("model.spatial_end at or before it (it needs the whole sample)")
+
+
+for _t, _rule in [
+    (nn.modules.conv._ConvTransposeNd, lambda m, c, label: L.SpatialConvTranspose(m, c.sctx, label)),
+    (nn.modules.conv._ConvNd, _conv),
+    (nn.modules.pooling._MaxPoolNd, _max_pool),
+    (nn.modules.pooling._AvgPoolNd, lambda m, c, label: L.SpatialAvgPool(m, c.sctx, label, _ndim_of(m) or c.nd)),
+    (nn.modules.pooling._AdaptiveAvgPoolNd, _global_pool(L.SpatialGlobalAvgPool)),
+    (nn.modules.pooling._AdaptiveMaxPoolNd, _global_pool(L.SpatialGlobalMaxPool)),
+    (nn.modules.batchnorm._BatchNorm, _batch_norm),
+    (nn.GroupNorm, lambda m, c, label: L.SpatialNorm(m, c.sctx, label)),
+    (nn.modules.instancenorm._InstanceNorm, _instance_norm),
+    (nn.Upsample, _upsample),
+    (nn.PReLU, lambda m, c, label: L.SpatialPReLU(m, c.sctx, label)),
+    (nn.Softmax, _softmax),
+    (nn.LogSoftmax, _softmax),
+    (SampleDropout, lambda m, c, label: L.SpatialSampleDropout(m, c.sctx, label)),
+    (nn.Flatten, _needs_whole),
+    (nn.Linear, _needs_whole),
+]:
+    register_layer(_t, _rule)
+for _t in POINTWISE_TYPES:
+    register_pointwise(_t)
 
 
 class _LocalNorm(L.SpatialLayer):
@@ -184,6 +187,45 @@ class _LocalNorm(L.SpatialLayer):
         return self.sctx.mark(y, g) if g is not None else y
 
 
+def _describe(m: nn.Module) -> str:
+    text = repr(m).replace("\n", " ")
+    return text if len(text) < 80 else text[:77] + "..."
+
+
+def gather_point(seq: nn.Sequential, spatial_end: int | None, parts: Any, dims: Any,
+                 bn_stats: str = "global") -> tuple[int | None, str | None]:
+    """Where the spatial trunk of ``seq`` really ends, and why when it is not ``spatial_end``.
+
+    The layers before ``spatial_end`` (all of them when it is None) are converted in order on a stand-in
+    context: the first layer gems cannot cut ends the trunk before it (the activation is gathered there
+    and the rest runs whole on every part); a global pooling ends it after itself (its output is already
+    whole). Returns ``(end, note)``: ``end`` is ``spatial_end`` itself when every layer before it is cut,
+    with ``note`` None.
+    """
+    layers = list(seq)
+    end = len(layers) if spatial_end is None else int(spatial_end)
+    n = 1
+    for p in parts:
+        n *= int(p)
+    sctx = SpatialContext(None, list(range(n)), tuple(parts), tuple(dims), (0,) * len(tuple(parts)))
+    nd = next((k for k in (_ndim_of(m) for m in layers[:end]) if k is not None), 1)
+    conv = _Converter(sctx, bn_stats, nd)
+    names = list(seq._modules.keys())
+    for i, m in enumerate(layers[:end]):
+        try:
+            conv(m, f"{names[i]}:{type(m).__name__}")
+        except CannotCut as e:
+            why = f": {e.why}" if e.why else f" (gems cuts {SUPPORTED})"
+            return i, (f"layer {i} {_describe(m)} cannot be cut into parts{why}; the activation is gathered "
+                       f"before it and layers {i}.. run whole on every part")
+        if conv.trunk_ends:
+            if i + 1 == end:
+                return end, None
+            return i + 1, (f"layer {i} {_describe(m)} is a global pooling: its output is whole on every part, "
+                           f"so the trunk ends after it")
+    return spatial_end, None
+
+
 def apply_spatial(seq: nn.Sequential, ctx: SpatialContext, spatial_end: int | None = None,
                   bn_stats: str = "global") -> nn.Sequential:
     """The spatial version of ``seq``: takes this rank's part of the input.
@@ -207,9 +249,15 @@ def apply_spatial(seq: nn.Sequential, ctx: SpatialContext, spatial_end: int | No
         ctx.check_ndim(nd)
     conv = _Converter(ctx, bn_stats, nd or 1)
     names = list(seq._modules.keys())
-    out: list[nn.Module] = [conv(m, f"{names[i]}:{type(m).__name__}") for i, m in enumerate(layers[:end])]
+    out: list[nn.Module] = []
+    for i, m in enumerate(layers[:end]):
+        try:
+            out.append(conv(m, f"{names[i]}:{type(m).__name__}"))
+        except CannotCut as e:  # callers that want the automatic gather ask gather_point first
+            raise ConfigError("model", f"layer {i} {_describe(m)}", (e.why + "; or " if e.why else "")
+                              + f"a layer gems can partition: {SUPPORTED}") from None
     if spatial_end is not None:
-        out.append(L.SpatialGather(ctx, "gather"))
+        out.append(L.SpatialGather(ctx, "gather", whole=conv.trunk_ends))
         out += layers[end:]
     spatial = nn.Sequential(*out)
     spatial.training = seq.training

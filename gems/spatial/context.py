@@ -202,6 +202,28 @@ class SpatialContext:
             return x
         return _AllReduceSum.apply(x, self)
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The element-wise maximum over the parts (no gradient: callers route it themselves)."""
+        return self._reduce(x, dist.ReduceOp.MAX)
+
+    def all_reduce_min(self, x: torch.Tensor) -> torch.Tensor:
+        """The element-wise minimum over the parts (no gradient)."""
+        return self._reduce(x, dist.ReduceOp.MIN)
+
+    def all_reduce_sum_grad(self, g: torch.Tensor) -> torch.Tensor:
+        """The sum over the parts of a gradient (inside a backward: not differentiable)."""
+        return self._reduce(g, dist.ReduceOp.SUM)
+
+    def _reduce(self, x: torch.Tensor, op: Any) -> torch.Tensor:
+        y = x.detach().clone().contiguous()
+        if self.size > 1:
+            dev = self._coll_device(y)
+            z = y.to(dev)
+            with waiting("spatial collective"):
+                dist.all_reduce(z, op=op, group=self.group)
+            y = z.to(y.device)
+        return y
+
 
 class _Gather(torch.autograd.Function):
     @staticmethod

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gems.models.layers import bf16_conv3d_needs_fp32, conv3d_in_fp32
+from gems.layers import bf16_conv3d_needs_fp32, conv3d_in_fp32
 from gems.spatial import halo
 from gems.spatial.context import GSHAPE, SpatialContext
 from gems.spatial.geometry import (Box, Resample, Transposed, Window, boundary_slabs, clip, intersect, is_empty,
@@ -293,7 +293,7 @@ def _perm_for(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stride: 
 def conv_nd(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stride: Sequence[int], padding: Sequence[int],
             dilation: Sequence[int], groups: int) -> torch.Tensor:
     """``F.convNd``, through a permutation of the spatial dims where that avoids torch's slow kernel
-    (and in fp32 where torch's bf16 CPU kernel is wrong: :func:`gems.models.layers.bf16_conv3d_needs_fp32`)."""
+    (and in fp32 where torch's bf16 CPU kernel is wrong: :func:`gems.layers.bf16_conv3d_needs_fp32`)."""
     nd = x.dim() - 2
     perm = _perm_for(x, w, b, stride, padding, dilation, groups)
     if nd == 3 and bf16_conv3d_needs_fp32(x, 0 if perm is None else perm[0]):
@@ -631,10 +631,70 @@ class SpatialSampleDropout(SpatialLayer):
 
 
 class SpatialGather(SpatialLayer):
-    """Where the spatial trunk ends: every part gets the full activation."""
+    """Where the spatial trunk ends: every part gets the full activation. After a global pooling
+    (``whole=True``) the activation is already whole on every part and passes as it is, also when a
+    pipeline cut between the two delivered it without its tag."""
+
+    def __init__(self, sctx: SpatialContext, label: str, whole: bool = False) -> None:
+        super().__init__(sctx, label)
+        self.whole = whole
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.whole or getattr(x, WHOLE, False):
+            return x
         return self.sctx.gather(x)
+
+
+#: the attribute that says an activation is complete and the same on every part (after a global pooling)
+WHOLE = "_gems_whole"
+
+
+class SpatialGlobalAvgPool(SpatialLayer):
+    """``AdaptiveAvgPool{1,2,3}d(1)`` over the whole sample: the local sums, summed over the parts, divided
+    by the global cell count. The output is whole on every part; its backward sums the parts' gradients
+    (the adjoint of that replication) and spreads them evenly, as the serial layer does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gin = self.sctx.global_shape(x)
+        dims = tuple(range(2, x.dim()))
+        y = self.sctx.all_reduce(x.sum(dims, keepdim=True)) / math.prod(gin)
+        setattr(y, WHOLE, True)
+        return y
+
+
+class _GlobalMax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, sctx: SpatialContext) -> torch.Tensor:
+        n, c = x.shape[:2]
+        flat = x.detach().reshape(n, c, -1)
+        vals, idx = flat.max(dim=2)
+        best = sctx.all_reduce_max(vals)
+        # ties across parts: the lowest spatial index holds the maximum (one element gets the gradient)
+        here = vals == best
+        who = torch.where(here, torch.full_like(vals, float(sctx.index)), torch.full_like(vals, float("inf")))
+        mine = here & (sctx.all_reduce_min(who) == float(sctx.index))
+        ctx.save_for_backward(idx, mine)
+        ctx.sctx, ctx.shape = sctx, x.shape
+        return best.reshape(n, c, *([1] * (x.dim() - 2))).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        idx, mine = ctx.saved_tensors
+        n, c = ctx.shape[:2]
+        total = ctx.sctx.all_reduce_sum_grad(g.reshape(n, c))  # every part used the replicated output
+        gx = torch.zeros((n, c, math.prod(ctx.shape[2:])), dtype=g.dtype, device=g.device)
+        gx.scatter_(2, idx.unsqueeze(2), (total * mine.to(total.dtype)).unsqueeze(2))
+        return gx.reshape(ctx.shape), None
+
+
+class SpatialGlobalMaxPool(SpatialLayer):
+    """``AdaptiveMaxPool{1,2,3}d(1)`` over the whole sample: the local maxima, maximised over the parts; the
+    gradient goes to the one cell that holds the maximum (on the lowest part where several parts tie)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _GlobalMax.apply(x, self.sctx)
+        setattr(y, WHOLE, True)
+        return y
 
 
 def tag_output(sctx: SpatialContext, cache: dict[tuple[int, ...], tuple[int, ...]], module: nn.Module,

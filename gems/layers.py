@@ -1,0 +1,114 @@
+"""Building blocks the models and the strategies share (so that neither imports the other).
+
+Layers whose randomness is a pure function of (seed, step, sample), so that
+every mesh draws the same dropout masks as the serial run.
+
+Plain ``nn.Dropout`` draws from each rank's RNG, so a run on 4 ranks and a run
+on 1 would train different networks. ``SampleDropout`` draws sample ``i``'s
+mask at step ``t`` from a generator seeded with ``(seed, t, i)``. The runtime
+that calls the model says which samples are in the batch with
+:func:`batch_context`; pipeline runtimes set it again around the backward of a
+micro-batch, so recomputation draws the same masks.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+
+@dataclass
+class _BatchInfo:
+    seed: int
+    step: int
+    sample_ids: tuple[int, ...]
+
+
+_CURRENT: list[_BatchInfo] = []
+
+
+@contextlib.contextmanager
+def batch_context(seed: int, step: int, sample_ids: Sequence[int]) -> Iterator[None]:
+    """Declare which global samples the next forward passes carry."""
+    _CURRENT.append(_BatchInfo(int(seed), int(step), tuple(int(i) for i in sample_ids)))
+    try:
+        yield
+    finally:
+        _CURRENT.pop()
+
+
+class SampleDropout(nn.Module):
+    """Dropout with masks drawn per global sample, identical on every mesh."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if not _CURRENT:
+            raise RuntimeError("SampleDropout needs gems.models.layers.batch_context(seed, step, sample_ids) around the forward")
+        info = _CURRENT[-1]
+        if len(info.sample_ids) != x.shape[0]:
+            raise RuntimeError(f"batch_context names {len(info.sample_ids)} samples, the batch has {x.shape[0]}")
+        masks = []
+        for i in info.sample_ids:
+            g = torch.Generator().manual_seed((info.seed * 1_000_003 + info.step) * 1_000_033 + i)
+            masks.append(torch.rand(x.shape[1:], generator=g) >= self.p)
+        mask = torch.stack(masks).to(device=x.device, dtype=x.dtype)
+        return x * mask / (1.0 - self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+# ---- a guard against a torch CPU bug in bf16 3D convolutions --------------------------------------------
+# torch 2.13's oneDNN kernel for the weight gradient of a bf16 Conv3d on CPU reads memory it never wrote when
+# the input is 2 cells deep (k3 p1 at any width and channel count): the gradient changes from run to run and
+# is NaN when the recycled memory held NaN. CosmoFlow's last convolutions run on 2^3 at every sample size,
+# so bf16 training of it on CPU ranks diverged at random. These convolutions are tiny: gems computes them in
+# fp32 and rounds the output to bf16, as autocast would have returned it.
+
+def _autocast_bf16_cpu() -> bool:
+    return torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+
+
+def bf16_conv3d_needs_fp32(x: torch.Tensor, first: int = 0) -> bool:
+    """Whether a 3D convolution of ``x`` on CPU would run in bf16 on an input 2 cells deep, when spatial
+    dim ``first`` of ``x`` is put first (as :func:`gems.spatial.layers.conv_nd` may permute)."""
+    return (x.device.type == "cpu" and x.dim() == 5 and x.shape[2 + first] == 2
+            and (x.dtype == torch.bfloat16 or (x.is_floating_point() and _autocast_bf16_cpu())))
+
+
+def conv3d_in_fp32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stride: Any, padding: Any,
+                   dilation: Any, groups: int) -> torch.Tensor:
+    """``F.conv3d`` computed in fp32 (autocast off), returned in bf16."""
+    with torch.autocast("cpu", enabled=False):
+        y = torch.nn.functional.conv3d(x.float(), w.float(), None if b is None else b.float(), stride, padding,
+                                       dilation, groups)
+    return y.to(torch.bfloat16)
+
+
+class _GuardedConv3d(nn.Conv3d):
+    """An ``nn.Conv3d`` (same parameters, same state dict) that avoids the bf16 CPU bug above."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.padding_mode == "zeros" and bf16_conv3d_needs_fp32(x):
+            return conv3d_in_fp32(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+        return super().forward(x)
+
+
+def guard_bf16_conv3d(model: nn.Module) -> int:
+    """Route ``model``'s Conv3d layers around the bf16 CPU bug (for bf16 runs on CPU ranks); returns how many."""
+    n = 0
+    for m in model.modules():
+        if type(m) is nn.Conv3d:
+            m.__class__ = _GuardedConv3d
+            n += 1
+    return n
