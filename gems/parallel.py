@@ -12,10 +12,16 @@ again. (In the spirit of torchtitan's ``ParallelDims``.)
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+import math
+from typing import Any, Sequence
+
+import torch
+from torch import nn
 
 from gems.errors import ConfigError
 from gems.mesh import Mesh, mesh_from_config
+from gems.pipeline.partition import (balance_by_cost, check_comm_cut, layer_costs, layer_times, nbytes, on_rank0,
+                                     smallest_crossing, trace_shapes)
 from gems.pipeline.schedules import Schedule, make_schedule
 
 #: why a balance is what it is
@@ -81,19 +87,10 @@ class ParallelSettings:
         if B < 1 or B % R:
             raise ConfigError("train.batch_size", B, f"a positive multiple of parallel.replicas={R} (the global batch "
                               "is split over replicas)")
-        if self.schedule is None:
-            return
-        sched, n = self.schedule, B // R
-        where = f"the {n} samples a pipeline line gets per step (train.batch_size / parallel.replicas = {B} / {R})"
-        if n % sched.replicas:
-            if sched.name == "master":
-                raise ConfigError("parallel.gems_replicas", sched.replicas, f"a divisor of {where}")
-            raise ConfigError("train.batch_size", B, f"a multiple of {sched.replicas * R} ({sched.name} gives each of "
-                              f"its {sched.replicas} replica passes an equal share of a line's batch)")
-        if (n // sched.replicas) % sched.micro_batches:
-            raise ConfigError("parallel.micro_batches", sched.micro_batches,
-                              f"a divisor of the {n // sched.replicas} samples of each replica pass ({where}, over "
-                              f"{sched.replicas} pass(es))")
+        if self.schedule is not None:
+            from gems.pipeline import check_batch
+
+            check_batch(B // R, self.schedule, R)
 
     def check_layers(self, n_layers: int) -> None:
         """ConfigError when the model has too few layers for the partitions, or the given balance does not fit."""
@@ -115,8 +112,6 @@ class ParallelSettings:
 
 def resolve(cfg: Any, batch: int | None = None) -> ParallelSettings:
     """The settings of ``cfg`` (at ``batch`` instead of ``train.batch_size`` when given), checked."""
-    from gems.pipeline.partition import check_comm_cut
-
     p = cfg.parallel
     mesh = mesh_from_config(cfg)
     name = str(p.schedule)
@@ -139,13 +134,10 @@ def resolve(cfg: Any, batch: int | None = None) -> ParallelSettings:
 
 
 def resolve_balance_by(s: ParallelSettings) -> str:
-    """``parallel.balance_by=auto``: ``comm`` where every rank holds the whole model whatever the cut (the
-    mirrored schedules at D = 2: each rank runs partition 0 of one replica and partition 1 of the other,
-    so only the traffic on the critical path depends on the cut, and the smallest crossing wins);
-    ``memory`` everywhere else, which is what lets a model that does not fit one device run."""
-    if s.balance_by_given != "auto":
-        return s.balance_by_given
-    return "comm" if s.mesh.pipeline == 2 and s.stages == 2 and s.mirrored else "memory"
+    """``parallel.balance_by`` with ``auto`` resolved (:func:`gems.pipeline.partition.resolve_balance_by`)."""
+    from gems.pipeline.partition import resolve_balance_by as rule
+
+    return rule(s.balance_by_given, s.schedule)
 
 
 def balance_rule(by: str, schedule: str, D: int) -> str:
@@ -178,8 +170,88 @@ def spatial_model(spec: Any, mesh: Mesh, bn_stats: str = "global") -> tuple[Any,
 
 def spatial_stage_balance(s: ParallelSettings, spec: Any, device: Any = None) -> list[int]:
     """The partitions of a pipeline made of spatial layers, balanced on the serial layers as every rank runs
-    them (:func:`gems.pipeline.partition.spatial_balance`); the worker and the planner both call this."""
-    from gems.pipeline.partition import spatial_balance
-
+    them (:func:`spatial_balance`); the worker and the planner both call this."""
     return spatial_balance(spec.module, s.stages, s.balance_by, (max(1, s.chunk), *spec.input_shape), s.mesh.parts,
                            s.mesh.spatial_dims, spec.spatial_end, device=device)
+
+
+# ---- pipelines of spatial layers: balanced on the serial layers as each rank runs them -------------------
+def _reach(layer: nn.Module, d: int) -> int:
+    """Halo cells a window layer reads along spatial dim ``d`` beyond its part: (kernel - 1) x dilation."""
+    k, dil = getattr(layer, "kernel_size", None), getattr(layer, "dilation", 1)
+    if k is None:
+        return 0
+    k = k[d] if isinstance(k, (tuple, list)) else k
+    dil = dil[d] if isinstance(dil, (tuple, list)) else dil
+    return (int(k) - 1) * int(dil)
+
+
+def spatial_balance(serial: nn.Sequential, D: int, by: str, sample: tuple[int, ...], parts: Sequence[int],
+                    dims: Sequence[int], end: int | None, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> list[int]:
+    """The balance, by ``by`` (memory, time or comm), of the spatial version of ``serial``.
+
+    ``sample``: one micro-batch of the whole sample (batch first); ``parts``
+    cuts along spatial ``dims``; costs are taken on the largest part (every
+    rank balances on the same numbers, so the cuts agree); ``end``: the model's gather index (None: the
+    output stays partitioned). :func:`gems.spatial.apply_spatial` inserts the
+    gather before layer ``end``, so the returned balance counts one more layer
+    than ``serial`` has when ``end`` is set. Costs per layer as each rank pays
+    them: before the gather the activation bytes (memory), the crossing bytes
+    (comm) and the time on the part; the gather's output and everything after
+    it full size; parameters whole on every rank. ``"time"`` runs copies of
+    the layers on ``device`` (rank 0 measures, every rank gets its result).
+    """
+    layers = list(serial)
+    n = len(layers)
+    e = n if end is None else int(end)
+    from gems.spatial import split_bounds
+
+    outs = trace_shapes(layers, tuple(sample), dtype)
+    part = [int(v) for v in sample[2:]]
+    for k, d in zip(parts, dims):
+        lo, hi = split_bounds(part[d], int(k))[0]  # np.array_split: the first part is the largest
+        part[d] = hi - lo
+    share = math.prod(int(v) for v in part) / max(1, math.prod(sample[2:]))
+
+    # bytes of each layer's output as a rank holds it (leaving spatial layer i: the crossing)
+    crossing = [nbytes(*outs[i]) * (share if i < e else 1.0) for i in range(n)]
+    mem = layer_costs(layers, crossing)
+    if end is not None and 0 < e:  # the gather: the full activation of layer e - 1
+        full = crossing[e - 1] / share
+        mem.insert(e, full)
+        crossing.insert(e, full)
+    elif end is not None:  # gather of the input itself
+        full = nbytes(sample, dtype)
+        mem.insert(0, full)
+        crossing.insert(0, full)
+    if len(mem) < D:
+        raise ConfigError("parallel.pipeline", D, f"at most the model's {len(mem)} layers (gather included)")
+    if by == "memory":
+        return balance_by_cost(mem, D)
+    if by == "comm":
+        check_comm_cut(D)
+        return smallest_crossing(mem, crossing)
+    if by == "time":
+        def measure() -> list[int]:
+            import copy
+
+            # each layer on the input a rank holds: its part of the global input (the largest part) plus the
+            # halo its window reads, i.e. the part widened to the kernel's reach (capped at the whole extent)
+            ins = [tuple(sample)] + [shape for shape, _ in outs[:-1]]
+            local = []
+            for i, shape in enumerate(ins):
+                shape = list(shape)
+                if i < e:
+                    for k, d in zip(parts, dims):
+                        lo, hi = split_bounds(shape[2 + d], int(k))[0]
+                        shape[2 + d] = min(shape[2 + d], hi - lo + _reach(layers[i], d))
+                local.append(tuple(shape))
+            seq = copy.deepcopy(serial).to(device)
+            times = layer_times(seq, local[0], device=device, inputs=local)
+            if end is not None:
+                times.insert(e, 0.0)  # the gather: communication only
+            return balance_by_cost(times, D)
+
+        return on_rank0(measure)
+    raise ConfigError("parallel.balance_by", by, "memory, time or comm")

@@ -795,7 +795,7 @@ class _Planner:
 
     def classes(self) -> list[list[int]]:
         """Spatial indices grouped by identical slab sizes at every layer and identical neighbours."""
-        from gems.pipeline.partition import _fake_run
+        from gems.pipeline.partition import trace_shapes as _fake_run
         from gems.spatial.geometry import split_bounds
 
         mesh, spec = self.st.mesh, self.st.spec
@@ -850,7 +850,7 @@ class _Planner:
             self.notes.append("parallel.balance_by=time is measured at run time; planned with the memory balance")
             by = "memory"
         if st.mesh.spatial > 1:  # as the runtime balances spatial partitions: the serial layers on the largest part
-            from gems.pipeline.partition import spatial_balance
+            from gems.parallel import spatial_balance
 
             return spatial_balance(st.spec.module, D, by, (max(1, chunk), *st.spec.input_shape), st.mesh.parts,
                                    st.mesh.spatial_dims, st.spec.spatial_end)

@@ -216,7 +216,8 @@ def _trunk_and_head(big_head: bool = False) -> tuple[nn.Sequential, int]:
 
 
 def test_spatial_balance_without_cuts_is_the_serial_balance():
-    from gems.pipeline.partition import balance_by_comm, spatial_balance
+    from gems.pipeline.partition import balance_by_comm
+    from gems.parallel import spatial_balance
 
     seq, _ = _trunk_and_head()
     sample = (2, 1, 8, 8, 8)
@@ -228,7 +229,7 @@ def test_spatial_balance_without_cuts_is_the_serial_balance():
 def test_spatial_balance_weighs_the_trunk_by_the_part_and_counts_the_gather():
     """Before the gather a rank holds its part of each activation (the largest part: 3 of 5 planes at S=2, 2 of 5
     at S=3), the gather and the head hold the whole; parameters are whole everywhere."""
-    from gems.pipeline.partition import spatial_balance
+    from gems.parallel import spatial_balance
 
     seq, end = _trunk_and_head(big_head=True)
     sample = (1, 1, 5, 8, 8)
@@ -301,7 +302,8 @@ class _Steered(nn.Module):
 
 
 def test_shape_memo_tells_apart_layers_whose_repr_is_the_same():
-    from gems.pipeline.partition import _SHAPE_MEMO, _fake_run
+    from gems.pipeline.partition import _SHAPE_MEMO
+    from gems.pipeline.partition import trace_shapes as _fake_run
 
     _SHAPE_MEMO.clear()
     layers = [_Crop(1), _Crop(2), _Crop(1), _Steered([5]), _Steered([3]), nn.Conv1d(2, 2, 3), nn.Conv1d(2, 2, 3, padding=1)]
@@ -320,9 +322,9 @@ def test_shape_memo_reuses_the_repeated_blocks_of_a_deep_resnet():
     keep = P._SHAPE_MEMO_MAX
     try:
         P._SHAPE_MEMO_MAX = 0
-        plain = P._fake_run(list(net), (2, 3, 32, 32), torch.float32)
+        plain = P.trace_shapes(list(net), (2, 3, 32, 32), torch.float32)
         P._SHAPE_MEMO_MAX = keep
-        memo = P._fake_run(list(net), (2, 3, 32, 32), torch.float32)
+        memo = P.trace_shapes(list(net), (2, 3, 32, 32), torch.float32)
     finally:
         P._SHAPE_MEMO_MAX = keep
     assert memo == plain

@@ -22,7 +22,7 @@ from torch import nn
 from gems.errors import ConfigError
 from gems.mesh import Mesh
 from gems.pipeline.partition import (balance_by_comm, balance_by_memory, balance_by_time, boundary_shapes,
-                                     check_balance, check_comm_cut, split)
+                                     check_balance, check_comm_cut, resolve_balance_by, split)
 from gems.pipeline.runtime import LossFn, PipelineRunner
 from gems.pipeline.schedules import SCHEDULES, Action, Schedule, make_schedule
 
@@ -40,13 +40,20 @@ def is_mirrored(schedule: str, D: int = 2) -> bool:
 
 def check_batch(batch_size: int, sched: Schedule, replicas: int = 1) -> int:
     """Samples per chunk, or a ConfigError naming the key that does not divide the line's share."""
-    from gems.parallel import ParallelSettings
-    from gems.mesh import Mesh
-
-    s = ParallelSettings(Mesh(replicas=replicas, pipeline=sched.ranks), sched.name, sched, batch_size * replicas,
-                         sched.micro_batches, sched.replicas, None, None, "memory", "auto", False)
-    s.check_batch()
-    return s.chunk
+    n = batch_size
+    where = f"the {n} samples a pipeline line gets per step (train.batch_size / parallel.replicas = {n * replicas} / {replicas})"
+    if n < 1:
+        raise ConfigError("train.batch_size", n * replicas, "a positive multiple of parallel.replicas")
+    if n % sched.replicas:
+        if sched.name == "master":
+            raise ConfigError("parallel.gems_replicas", sched.replicas, f"a divisor of {where}")
+        raise ConfigError("train.batch_size", n * replicas, f"a multiple of {sched.replicas * replicas} "
+                          f"({sched.name} gives each of its {sched.replicas} replica passes an equal share of a line's batch)")
+    if (n // sched.replicas) % sched.micro_batches:
+        raise ConfigError("parallel.micro_batches", sched.micro_batches,
+                          f"a divisor of the {n // sched.replicas} samples of each replica pass "
+                          f"({where}, over {sched.replicas} pass(es))")
+    return n // sched.chunks
 
 
 def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn, batch_size: int,
@@ -62,7 +69,7 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
       loss of the chunk (sum of per-sample losses / global batch).
     * ``balance``: layers per partition; None balances automatically by
       ``balance_by`` = ``"auto"`` (``comm`` for mast/master at D = 2, else ``memory``:
-      :func:`gems.parallel.resolve_balance_by`), ``"memory"`` (parameters + activations from a fake-tensor
+      :func:`~gems.pipeline.partition.resolve_balance_by`), ``"memory"`` (parameters + activations from a fake-tensor
       trace, deterministic), ``"time"`` (measured; rank 0's result is
       broadcast) or, at D = 2, ``"comm"`` (the cut with the smallest crossing
       activation: the fastest for ``mast``/``master``/``lp``, see
@@ -80,20 +87,14 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
     The mesh's groups must exist (``mesh.build_groups(rank, groups=schedule.holder_groups())``)
     when ``mesh.pipeline > 1``.
     """
-    from dataclasses import replace
-
-    from gems.parallel import ParallelSettings, resolve_balance_by
-
     D = mesh.pipeline
     n_layers = len(seq)
     sched = make_schedule(schedule, D, micro_batches, gems_replicas, virtual_stages)
-    settings = ParallelSettings(mesh, schedule, sched, batch_size * mesh.replicas, micro_batches, gems_replicas,
-                                virtual_stages, tuple(balance) if balance is not None else None, "memory", balance_by,
-                                checkpoint)
-    settings = replace(settings, balance_by=resolve_balance_by(settings))
-    settings.check_batch()
-    settings.check_layers(n_layers)
-    S, chunk, balance_by = settings.stages, settings.chunk, settings.balance_by
+    chunk = check_batch(batch_size, sched, mesh.replicas)
+    S, balance_by = sched.stages, resolve_balance_by(balance_by, sched)
+    if S > n_layers:
+        raise ConfigError("parallel.pipeline" if S == D else "parallel.virtual_stages", D if S == D else S // D,
+                          f"at most the model's {n_layers} layers in {S} partitions")
     sample = None if sample_shape is None else (chunk, *[int(v) for v in sample_shape])
     if balance is not None:
         bal = check_balance(balance, n_layers, S)

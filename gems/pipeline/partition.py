@@ -23,7 +23,7 @@ The cut minimises the largest partition cost (contiguous linear partition,
 dynamic programming over prefix sums).
 
 Spatial partitions talk to other ranks, so they cannot be traced or timed on
-their own. :func:`spatial_balance` balances the *serial* layers instead, as
+their own. :func:`gems.parallel.spatial_balance` balances the *serial* layers instead, as
 each rank runs them: the layers before the gather on the largest part of the
 sample (activation bytes and time scale with the part), the gather and the
 layers after it on the full activation, and the parameters whole everywhere.
@@ -34,7 +34,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -42,7 +42,8 @@ from torch import nn
 from gems.errors import ConfigError
 
 __all__ = ["split", "check_balance", "balance_by_cost", "balance_by_comm", "balance_by_memory", "balance_by_time",
-           "layer_memory", "boundary_shapes", "spatial_balance"]
+           "layer_memory", "boundary_shapes", "trace_shapes", "nbytes", "layer_costs", "smallest_crossing",
+           "layer_times", "on_rank0", "check_comm_cut"]
 
 
 def check_balance(balance: Sequence[int] | None, n_layers: int, D: int) -> list[int]:
@@ -155,7 +156,7 @@ def _structure(layer: nn.Module) -> tuple | None:
         for h in m._forward_hooks.values():
             # the one hook gems adds (spatial containers tag their output's global shape): what it does is
             # a function of the input's global shape and the context, which the planner's memo keys on
-            if isinstance(h, functools.partial) and _is_tag_output(h.func) and h.args:
+            if isinstance(h, functools.partial) and _shape_neutral(h.func) and h.args:
                 hooks.append(("tag_output", _Same(h.args[0])))
             else:
                 return None
@@ -173,13 +174,13 @@ def _structure(layer: nn.Module) -> tuple | None:
     return tuple(key)
 
 
-def _is_tag_output(fn: object) -> bool:
-    from gems.spatial.layers import tag_output
+def _shape_neutral(fn: object) -> bool:
+    """A forward hook that marks itself ``shape_neutral`` (the spatial containers' tagging hook) changes
+    no shape: the memo may replay layers that carry it."""
+    return bool(getattr(getattr(fn, "func", fn), "shape_neutral", False))
 
-    return fn is tag_output
 
-
-def _fake_run(layers: Sequence[nn.Module], sample: tuple[int, ...], dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+def trace_shapes(layers: Sequence[nn.Module], sample: tuple[int, ...], dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Output (shape, dtype) of every layer for an input of shape ``sample`` (batch included), on fake tensors.
 
     Layers run in eval mode (shapes are the same; BatchNorm buffers and dropout are left alone).
@@ -228,7 +229,7 @@ def boundary_shapes(parts: Sequence[nn.Sequential], sample: tuple[int, ...],
     shapes = []
     x_shape, x_dtype = tuple(sample), dtype
     for part in parts[:-1]:
-        last = _fake_run(list(part), x_shape, x_dtype)[-1]
+        last = trace_shapes(list(part), x_shape, x_dtype)[-1]
         shapes.append(last)
         x_shape, x_dtype = last
     return shapes
@@ -236,18 +237,30 @@ def boundary_shapes(parts: Sequence[nn.Sequential], sample: tuple[int, ...],
 
 def layer_memory(seq: nn.Sequential, sample: tuple[int, ...], dtype: torch.dtype = torch.float32) -> list[float]:
     """Bytes per layer: parameters x 3 (weights, gradient, optimizer state) + output activation."""
-    return _layer_memory(seq, [_nbytes(shape, dt) for shape, dt in _fake_run(list(seq), tuple(sample), dtype)])
+    return layer_costs(seq, [nbytes(shape, dt) for shape, dt in trace_shapes(list(seq), tuple(sample), dtype)])
 
 
-def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> float:
+def nbytes(shape: Sequence[int], dtype: torch.dtype) -> float:
     """Bytes of a tensor of ``shape`` and ``dtype``."""
     return float(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
 
 
-def _layer_memory(seq: Sequence[nn.Module], acts: Sequence[float]) -> list[float]:
+def layer_costs(seq: Sequence[nn.Module], acts: Sequence[float]) -> list[float]:
     """:func:`layer_memory` from the bytes of each layer's output activation."""
     return [float(3 * sum(p.numel() * p.element_size() for p in layer.parameters()) + a)
             for layer, a in zip(seq, acts)]
+
+
+def resolve_balance_by(by: str, sched: Any) -> str:
+    """``parallel.balance_by=auto``: ``comm`` where every rank holds the whole model whatever the cut (two
+    stages on two ranks that hold copies of both: GEMS mast/master at D = 2, each rank running partition 0
+    of one replica and partition 1 of the other, so only the traffic on the critical path depends on the
+    cut, and the smallest crossing wins); ``memory`` everywhere else, which is what lets a model that does
+    not fit one device run. ``sched``: the :class:`~gems.pipeline.schedules.Schedule` (None: no pipeline)."""
+    if by != "auto":
+        return by
+    mirrored = sched is not None and any(len(g) > 1 for g in sched.holder_groups())
+    return "comm" if sched is not None and sched.ranks == 2 and sched.stages == 2 and mirrored else "memory"
 
 
 def check_comm_cut(D: int) -> None:
@@ -269,14 +282,14 @@ def balance_by_comm(seq: nn.Sequential, sample: tuple[int, ...], dtype: torch.dt
     D = 2 runs the partitions one after the other, so it too only pays the
     traffic; ``1f1b``/``gpipe`` need time balance instead.
     """
-    outs = _fake_run(list(seq), tuple(sample), dtype)
+    outs = trace_shapes(list(seq), tuple(sample), dtype)
     if len(outs) < 2:
         raise ConfigError("parallel.pipeline", 2, f"at most the model's {len(outs)} layers")
-    acts = [_nbytes(shape, dt) for shape, dt in outs]
-    return _smallest_crossing(_layer_memory(seq, acts), acts)
+    acts = [nbytes(shape, dt) for shape, dt in outs]
+    return smallest_crossing(layer_costs(seq, acts), acts)
 
 
-def _smallest_crossing(mem: Sequence[float], crossing: Sequence[float]) -> list[int]:
+def smallest_crossing(mem: Sequence[float], crossing: Sequence[float]) -> list[int]:
     """The two-partition balance whose cut has the smallest ``crossing[i]`` (bytes leaving layer ``i``),
     ties broken by the most even ``mem`` (bytes per layer)."""
     total = sum(mem)
@@ -330,7 +343,7 @@ def layer_times(seq: nn.Sequential, sample: tuple[int, ...], repeat: int = 2,
     return times
 
 
-def _on_rank0(compute: Callable[[], list[int]]) -> list[int]:
+def on_rank0(compute: Callable[[], list[int]]) -> list[int]:
     """``compute()`` on rank 0, broadcast to every rank when torch.distributed is up (measurements differ)."""
     import torch.distributed as dist
 
@@ -348,85 +361,4 @@ def _on_rank0(compute: Callable[[], list[int]]) -> list[int]:
 def balance_by_time(seq: nn.Sequential, D: int, sample: tuple[int, ...],
                     device: torch.device | str | None = None) -> list[int]:
     """Balance that evens out measured compute time; rank 0's measurement wins when torch.distributed is up."""
-    return _on_rank0(lambda: balance_by_cost(layer_times(seq, sample, device=device), D))
-
-
-def _reach(layer: nn.Module, d: int) -> int:
-    """Halo cells a window layer reads along spatial dim ``d`` beyond its part: (kernel - 1) x dilation."""
-    k, dil = getattr(layer, "kernel_size", None), getattr(layer, "dilation", 1)
-    if k is None:
-        return 0
-    k = k[d] if isinstance(k, (tuple, list)) else k
-    dil = dil[d] if isinstance(dil, (tuple, list)) else dil
-    return (int(k) - 1) * int(dil)
-
-
-def spatial_balance(serial: nn.Sequential, D: int, by: str, sample: tuple[int, ...], parts: Sequence[int],
-                    dims: Sequence[int], end: int | None, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str = "cpu") -> list[int]:
-    """The balance, by ``by`` (memory, time or comm), of the spatial version of ``serial``.
-
-    ``sample``: one micro-batch of the whole sample (batch first); ``parts``
-    cuts along spatial ``dims``; costs are taken on the largest part (every
-    rank balances on the same numbers, so the cuts agree); ``end``: the model's gather index (None: the
-    output stays partitioned). :func:`gems.spatial.apply_spatial` inserts the
-    gather before layer ``end``, so the returned balance counts one more layer
-    than ``serial`` has when ``end`` is set. Costs per layer as each rank pays
-    them: before the gather the activation bytes (memory), the crossing bytes
-    (comm) and the time on the part; the gather's output and everything after
-    it full size; parameters whole on every rank. ``"time"`` runs copies of
-    the layers on ``device`` (rank 0 measures, every rank gets its result).
-    """
-    layers = list(serial)
-    n = len(layers)
-    e = n if end is None else int(end)
-    from gems.spatial.geometry import split_bounds
-
-    outs = _fake_run(layers, tuple(sample), dtype)
-    part = [int(v) for v in sample[2:]]
-    for k, d in zip(parts, dims):
-        lo, hi = split_bounds(part[d], int(k))[0]  # np.array_split: the first part is the largest
-        part[d] = hi - lo
-    share = math.prod(int(v) for v in part) / max(1, math.prod(sample[2:]))
-
-    # bytes of each layer's output as a rank holds it (leaving spatial layer i: the crossing)
-    crossing = [_nbytes(*outs[i]) * (share if i < e else 1.0) for i in range(n)]
-    mem = _layer_memory(layers, crossing)
-    if end is not None and 0 < e:  # the gather: the full activation of layer e - 1
-        full = crossing[e - 1] / share
-        mem.insert(e, full)
-        crossing.insert(e, full)
-    elif end is not None:  # gather of the input itself
-        full = _nbytes(sample, dtype)
-        mem.insert(0, full)
-        crossing.insert(0, full)
-    if len(mem) < D:
-        raise ConfigError("parallel.pipeline", D, f"at most the model's {len(mem)} layers (gather included)")
-    if by == "memory":
-        return balance_by_cost(mem, D)
-    if by == "comm":
-        check_comm_cut(D)
-        return _smallest_crossing(mem, crossing)
-    if by == "time":
-        def measure() -> list[int]:
-            import copy
-
-            # each layer on the input a rank holds: its part of the global input (the largest part) plus the
-            # halo its window reads, i.e. the part widened to the kernel's reach (capped at the whole extent)
-            ins = [tuple(sample)] + [shape for shape, _ in outs[:-1]]
-            local = []
-            for i, shape in enumerate(ins):
-                shape = list(shape)
-                if i < e:
-                    for k, d in zip(parts, dims):
-                        lo, hi = split_bounds(shape[2 + d], int(k))[0]
-                        shape[2 + d] = min(shape[2 + d], hi - lo + _reach(layers[i], d))
-                local.append(tuple(shape))
-            seq = copy.deepcopy(serial).to(device)
-            times = layer_times(seq, local[0], device=device, inputs=local)
-            if end is not None:
-                times.insert(e, 0.0)  # the gather: communication only
-            return balance_by_cost(times, D)
-
-        return _on_rank0(measure)
-    raise ConfigError("parallel.balance_by", by, "memory, time or comm")
+    return on_rank0(lambda: balance_by_cost(layer_times(seq, sample, device=device), D))

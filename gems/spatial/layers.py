@@ -716,4 +716,7 @@ def tag_output(sctx: SpatialContext, cache: dict[tuple[int, ...], tuple[int, ...
         cache[gin] = sctx.global_shape(out)
 
 
+tag_output.shape_neutral = True  # type: ignore[attr-defined]  # it tags, never reshapes: shape memos may replay it
+
+
 LayerFactory = Callable[[nn.Module, SpatialContext, str], nn.Module]
