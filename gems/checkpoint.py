@@ -47,7 +47,7 @@ FINGERPRINT_KEYS = (
     "train.precision", "train.seed", "data.name", "data.num_samples",
 )
 
-_STOP = {"requested": False, "signal": None}
+_STOP: dict[str, Any] = {"requested": False, "signal": None}
 
 
 def restart_count() -> int:

@@ -134,7 +134,8 @@ class StepProgress:
     left; ``line`` passes a new text on at most every ``every_s`` seconds (a new step, or the first line)."""
 
     def __init__(self, total: int) -> None:
-        self.total, self.times, self.last, self.shown_at = total, [], "", 0.0
+        self.total, self.last, self.shown_at = total, "", 0.0
+        self.times: list[float] = []
 
     def line(self, text: str, show: Callable[[str], None], every_s: float = 10.0) -> None:
         import re
@@ -213,7 +214,7 @@ def expand_sweep(overrides: list[str]) -> tuple[list[list[str]], dict[str, Any]]
     except Exception as e:
         raise ConfigError("override", " ".join(overrides), f"Hydra override syntax ({str(e).splitlines()[0]})") from None
     # sweeps defined by an experiment: hydra.sweeper.params
-    base = [o.input_line for o in parsed if not o.is_sweep_override()]
+    base = [str(o.input_line) for o in parsed if not o.is_sweep_override()]
     hcfg = compose(base, return_hydra_config=True, check=False)  # each combination is checked below
     exp_params = dict(hcfg.hydra.sweeper.get("params") or {})
     given = {o.get_key_element(): o for o in parsed}
@@ -273,10 +274,9 @@ def cmd_sweep(overrides: list[str]) -> int:
 
 # ---------------------------------------------------------------------------- results, render, plan, data, bench
 def cmd_results(args: list[str]) -> int:
-    from gems.results.table import aggregate, load_records, markdown, rows_for
-
     from gems.errors import ConfigError
     from gems.paths import readable_dir, writable_dir
+    from gems.results.table import aggregate, load_records, markdown, rows_for
 
     if len(args) > 1:
         raise ConfigError("results", " ".join(args), "at most one folder: `gems results [DIR]`")
@@ -312,7 +312,8 @@ def cmd_plan(overrides: list[str]) -> int:
     try:
         from gems.plan import plan_main
     except ImportError:
-        raise ConfigError("command", "plan", "run, sweep, results, render, data synth or bench (the memory planner is not built yet)") from None
+        raise ConfigError("command", "plan",
+                          "run, sweep, results, render, data synth or bench (the memory planner is not built yet)") from None
     from gems.config import compose
 
     return int(plan_main(compose(overrides)) or 0)

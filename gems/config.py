@@ -332,7 +332,7 @@ def _hint_for(msg: str) -> str:
     return msg
 
 
-def _omegaconf_error(e: Exception) -> ConfigError:
+def _omegaconf_error(e: BaseException) -> ConfigError:
     import re
 
     key = getattr(e, "full_key", None) or "config"

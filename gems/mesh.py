@@ -68,6 +68,24 @@ class Coord:
 
 
 @dataclass
+class Groups:
+    """This rank's process groups along each axis, and the ranks in them (None: a group of one).
+
+    ``grad``: every rank that holds a copy of this rank's parameters (the same pipeline positions over all
+    replicas and spatial parts), whose gradients are summed together."""
+
+    spatial: Any = None
+    spatial_ranks: list[int] = field(default_factory=list)
+    pipeline: Any = None
+    pipeline_ranks: list[int] = field(default_factory=list)
+    replica: Any = None
+    replica_ranks: list[int] = field(default_factory=list)
+    grad: Any = None
+    grad_ranks: list[int] = field(default_factory=list)
+    built: bool = False  # build_groups ran
+
+
+@dataclass
 class Mesh:
     """Degrees of parallelism, validated against each other and the world.
 
@@ -80,7 +98,7 @@ class Mesh:
     parts: tuple[int, ...] = (1,)
     spatial_dims: tuple[int, ...] = (0,)
     world_size: int | None = None
-    groups: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    groups: Groups = field(default_factory=Groups, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.parts = tuple(int(p) for p in self.parts)
@@ -193,8 +211,8 @@ class Mesh:
             for ranks in self.all_rank_lists(axis):
                 g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
                 if rank in ranks:
-                    self.groups[axis.value] = g
-                    self.groups[axis.value + "_ranks"] = ranks
+                    setattr(self.groups, axis.value, g)
+                    setattr(self.groups, axis.value + "_ranks", ranks)
         if groups is None:
             groups = [tuple(sorted({d, self.pipeline - 1 - d})) if mirrored else (d,) for d in range(self.pipeline)]
         seen: set[tuple[int, ...]] = set()
@@ -206,17 +224,17 @@ class Mesh:
             ranks = self.stage_ranks(key)
             g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
             if me.pipeline in key:
-                self.groups["grad"] = g
-                self.groups["grad_ranks"] = ranks
+                self.groups.grad, self.groups.grad_ranks = g, ranks
+        self.groups.built = True
 
     def group(self, axis: Axis | str) -> Any:
         """The process group of this rank along ``axis`` (None when of size 1)."""
         name = axis.value if isinstance(axis, Axis) else axis
-        return self.groups.get(name)
+        return getattr(self.groups, name)
 
     def ranks(self, axis: Axis | str) -> list[int]:
         name = axis.value if isinstance(axis, Axis) else axis
-        return list(self.groups.get(name + "_ranks", []))
+        return list(getattr(self.groups, name + "_ranks"))
 
     def describe(self) -> str:
         sp = "x".join(str(p) for p in self.parts)

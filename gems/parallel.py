@@ -11,8 +11,8 @@ again. (In the spirit of torchtitan's ``ParallelDims``.)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 import math
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch
@@ -20,8 +20,16 @@ from torch import nn
 
 from gems.errors import ConfigError
 from gems.mesh import Mesh, mesh_from_config
-from gems.pipeline.partition import (balance_by_cost, check_comm_cut, layer_costs, layer_times, nbytes, on_rank0,
-                                     smallest_crossing, trace_shapes)
+from gems.pipeline.partition import (
+    balance_by_cost,
+    check_comm_cut,
+    layer_costs,
+    layer_times,
+    nbytes,
+    on_rank0,
+    smallest_crossing,
+    trace_shapes,
+)
 from gems.pipeline.schedules import Schedule, make_schedule
 
 #: why a balance is what it is
@@ -240,8 +248,8 @@ def spatial_balance(serial: nn.Sequential, D: int, by: str, sample: tuple[int, .
             # halo its window reads, i.e. the part widened to the kernel's reach (capped at the whole extent)
             ins = [tuple(sample)] + [shape for shape, _ in outs[:-1]]
             local = []
-            for i, shape in enumerate(ins):
-                shape = list(shape)
+            for i, given in enumerate(ins):
+                shape = list(given)
                 if i < e:
                     for k, d in zip(parts, dims):
                         lo, hi = split_bounds(shape[2 + d], int(k))[0]

@@ -991,11 +991,11 @@ class _Planner:
 
 
 def _setup(cfg: Any) -> _Setup:
+    from omegaconf import OmegaConf
+
     from gems.mesh import mesh_from_config
     from gems.models import build_model
     from gems.parallel import resolve
-
-    from omegaconf import OmegaConf
 
     p = cfg.parallel
     mesh = mesh_from_config(cfg, _world(cfg))

@@ -54,6 +54,11 @@ def mpi_group(world_comm: Any, mesh: Any, rank: int) -> _MPIGroup:
     return _MPIGroup(world_comm, mesh.ranks("grad") or [rank])
 
 
+def _grad(p: nn.Parameter) -> torch.Tensor:
+    assert p.grad is not None, "a launched bucket gives every parameter a gradient"
+    return p.grad
+
+
 #: a parameter at least this large is summed in place in its own ``.grad`` instead of through a copy
 IN_PLACE_BYTES = 1 << 20
 
@@ -142,7 +147,8 @@ class GradientReducer:
             else:
                 small.append(p)
         if small:
-            flat = torch.cat([p.grad.reshape(-1) for p in small]) if len(small) > 1 else small[0].grad.reshape(-1).clone()
+            grads = [_grad(p) for p in small]
+            flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
             tensors.append((flat, small, True))
         b.parts = [(t, ps, copy, *self._start(t)) for t, ps, copy in tensors]
 
@@ -185,7 +191,8 @@ class GradientReducer:
                     off = 0
                     for p in ps:
                         n = p.numel()
-                        p.grad.copy_(t[off:off + n].view_as(p.grad))
+                        g = _grad(p)
+                        g.copy_(t[off:off + n].view_as(g))
                         off += n
             b.parts = []
 

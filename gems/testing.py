@@ -75,7 +75,8 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                     # a rank died without reporting (killed, segfault): give the others a moment, then fail
                     time.sleep(2.0)
                     if queue.empty():
-                        raise RuntimeError(f"run_world: rank(s) {dead} exited with {[procs[i].exitcode for i in dead]} without a result")
+                        codes = [procs[i].exitcode for i in dead]
+                        raise RuntimeError(f"run_world: rank(s) {dead} exited with {codes} without a result")
                 continue
             if ok:
                 results[rank] = pickle.loads(payload)

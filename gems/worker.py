@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import signal
 import statistics
 import sys
 import time
@@ -29,20 +28,27 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from gems.bootstrap import (KEEP_GROWTH, World, init_world, keep_host_memory, keeps_host_memory_within,
-                            node_memory_bytes, ranks_on_this_node)
+from gems import checkpoint as ckpt
+from gems import timers
+from gems.bootstrap import (
+    KEEP_GROWTH,
+    World,
+    init_world,
+    keep_host_memory,
+    keeps_host_memory_within,
+    node_memory_bytes,
+    ranks_on_this_node,
+)
 from gems.errors import ConfigError, RunError
 from gems.fault import all_finite, inject, progress, reports
 from gems.fault.watchdog import Watchdog
-from gems.mesh import Mesh, mesh_from_config
-from gems.parallel import ParallelSettings, resolve, spatial_model, spatial_stage_balance
-from gems.models import ModelSpec, build_model, check_shapes
 from gems.layers import batch_context, guard_bf16_conv3d
+from gems.memory import MemoryMeter, persistent_bytes, step_peak_bytes
+from gems.mesh import Mesh, mesh_from_config
+from gems.models import ModelSpec, build_model, check_shapes
+from gems.parallel import ParallelSettings, resolve, spatial_model, spatial_stage_balance
 from gems.replication import GradientReducer, mpi_group
 from gems.results import record as rec
-from gems import checkpoint as ckpt
-from gems import timers
-from gems.memory import MemoryMeter, persistent_bytes, step_peak_bytes
 
 
 # ---------------------------------------------------------------------------- loss
@@ -142,7 +148,8 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
 
     seq = seq.to(device)
     if device.type == "cuda" and spec.spatial_ndim in (2, 3):
-        seq = seq.to(memory_format=torch.channels_last if spec.spatial_ndim == 2 else torch.channels_last_3d)
+        seq = seq.to(memory_format=torch.channels_last if spec.spatial_ndim == 2  # type: ignore[call-overload]
+                     else torch.channels_last_3d)
     amp = _autocast(cfg.train.precision, device)
 
     # 2. pipeline
@@ -195,7 +202,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
     else:
         forward = seq
 
-    finite: dict[int, torch.Tensor] = {}  # position -> all finite? (a device flag: no synchronisation)
+    finite: dict[int, torch.Tensor | bool] = {}  # position -> all finite? (a device flag: no synchronisation)
 
     def plain_step(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int) -> float:
         assert x is not None and y is not None
@@ -315,7 +322,8 @@ def make_data(cfg: DictConfig, spec: ModelSpec, slices: tuple[slice, ...] | None
         from gems.data.hdf5 import HDF5Samples
 
         if spec.target != "vector":
-            raise ConfigError("data", "hdf5", f"synthetic for {spec.name} (the ExaLearn files carry one target vector per sample)")
+            raise ConfigError("data", "hdf5",
+                              f"synthetic for {spec.name} (the ExaLearn files carry one target vector per sample)")
         return _HDF5Batches(HDF5Samples(cfg.data.path, spec.input_shape, slices=slices))
     from gems.data.synthetic import SyntheticData
 
@@ -383,7 +391,7 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
     if world.size > 1:
         mesh.build_groups(world.rank, groups=settings.holder_groups, timeout=world.timeout)
     else:
-        mesh.groups.update(grad=None, grad_ranks=[0])
+        mesh.groups.grad_ranks = [0]
     coord = mesh.coord(world.rank)
     torch.manual_seed(int(cfg.train.seed))
     spec = build_model(cfg.model)  # same seed everywhere: every copy starts from the same weights
@@ -678,6 +686,7 @@ def run_rank(cfg_yaml: str) -> dict[str, Any] | None:
 
     ckpt.install_time_limit_handler()  # first: Slurm's signal may come while the rank starts
     cfg = OmegaConf.create(cfg_yaml)
+    assert isinstance(cfg, DictConfig), "the job's configuration is a mapping"
     rank = _env_rank()
     wd: Watchdog | None = None
     try:

@@ -5,7 +5,8 @@
 # (scripts/setup.sh: torch 2.13.0 where none is installed, the mpich wheel) and starts
 # the 4-node Slurm test cluster on this machine (scripts/slurm_cluster.sh start: apt
 # packages, munge, slurmctld, 4 slurmd; needs root; idempotent). GEMS_TEST_SETUP=0 skips
-# both, for quick reruns of a subset. An empty run (pytest exit status 5, "no tests
+# both, for quick reruns of a subset. Without arguments it first runs ruff and mypy
+# (configured in pyproject.toml) over the code. An empty run (pytest exit status 5, "no tests
 # collected") counts as a failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +36,12 @@ if command -v sinfo >/dev/null 2>&1 && ! timeout 20 sinfo -h >/dev/null 2>&1; th
     echo "test.sh: start the test cluster with: sudo scripts/slurm_cluster.sh start" >&2
 fi
 
-[[ $# -eq 0 ]] && set -- tests   # arguments replace the default target, e.g. tests/test_render.py
+if [[ $# -eq 0 ]]; then  # the whole suite: the lint and type checks first (pyproject.toml configures both)
+    echo "test.sh: ruff check gems tests; mypy (gems)"
+    "$PY" -m ruff check gems tests || exit 1
+    "$PY" -m mypy || exit 1
+    set -- tests   # arguments replace the default target, e.g. tests/test_render.py
+fi
 "$PY" -m pytest -q -x --timeout=600 "$@"
 rc=$?
 if [[ $rc -eq 5 ]]; then

@@ -8,7 +8,6 @@ stays fast; test_cli.py runs a few of them as real processes."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest

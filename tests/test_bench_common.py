@@ -1,4 +1,5 @@
-"""The memory measures the benchmarks and CPU records report (gems.memory): peak tensor bytes of a step, bytes held across steps."""
+"""The memory measures the benchmarks and CPU records report (gems.memory): peak tensor bytes of a step,
+bytes held across steps."""
 from __future__ import annotations
 
 import torch

@@ -45,8 +45,9 @@ def test_torchrun_variables_win_over_slurm(monkeypatch):
 
 
 def test_torchrun_launches_a_two_rank_job(tmp_path):
-    from gems.config import compose, to_yaml
     from omegaconf import open_dict
+
+    from gems.config import compose, to_yaml
 
     cfg = compose(["model.size=32", "model.width=0.25", "parallel.replicas=2", "train.batch_size=2",
                    "train.steps=2", "train.warmup_steps=1", f"results.dir={tmp_path}"])

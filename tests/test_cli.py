@@ -1,11 +1,10 @@
 """The gems command: the embedded default, records, tables, failures and bad input."""
 import json
-import os
 import time
 
 import pytest
-
 from _cli import gems, records
+
 from gems.results.record import REQUIRED, validate_record, write_record
 
 
@@ -56,7 +55,8 @@ def test_a_killed_rank_is_a_failed_record_and_exit_1(tmp_path):
     (["run", "data=hdf5", "data.path=/does/not/exist"], "data.path=/does/not/exist"),
     (["run", "model=custom", "model._target_=no_such_pkg.make", "model.input_shape=[1,8,8]"], "model._target_=no_such_pkg.make"),
     (["run", "parallel.schedule=mast"], "parallel.schedule=mast"),
-    (["run", "cluster=local_slurm", "cluster.nodes=2", "cluster.tasks_per_node=3", "parallel.replicas=2"], "cluster.tasks_per_node=3"),
+    (["run", "cluster=local_slurm", "cluster.nodes=2", "cluster.tasks_per_node=3", "parallel.replicas=2"],
+     "cluster.tasks_per_node=3"),
     (["bench", "nope"], "bench=nope"),
     (["frobnicate"], "command=frobnicate"),
 ])

@@ -6,7 +6,6 @@ failure explanation are also tested as pure functions on heartbeats and reports 
 cannot be put into on demand (a frozen process, a rank that never started)."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -18,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _cli import gems, records
+
 from gems.fault.progress import WAITS
 from gems.fault.reports import Exit, explain, write_report
 from gems.fault.watchdog import Beat, collective_timeout_s, diagnose
@@ -229,6 +228,7 @@ def test_a_killed_launcher_leaves_no_rank_and_the_run_resumes_from_its_checkpoin
     assert again.returncode == 0, again.stderr[-2000:]
     (r,) = records(str(tmp_path))
     ref = gems("run", f"results.dir={tmp_path}/ref", *SMALL, "parallel.replicas=2", "train.steps=12")
+    assert ref.returncode == 0, ref.stderr[-2000:]
     (f,) = records(str(tmp_path / "ref"))
     assert r["restarts"] == 1 and r["loss"] == f["loss"]
     dup = gems(*args)

@@ -8,7 +8,6 @@ with global BatchNorm, ResNet partitioned over a pipeline.
 """
 import pytest
 import torch
-
 from _cli import gems, records
 
 COSMO = ["model.size=32", "model.width=0.5", "train.steps=3", "train.warmup_steps=1"]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-
 from _cli import gems, records
 
 RUN = ["model.size=64", "model.width=0.5", "train.steps=3", "train.warmup_steps=1"]

@@ -15,8 +15,7 @@ from gems.mesh import Mesh
 from gems.models.layers import SampleDropout, batch_context
 from gems.models.resnet import resnet_v2
 from gems.pipeline import apply_pipeline, make_schedule, split
-from gems.pipeline.partition import (balance_by_cost, balance_by_memory, boundary_shapes, check_balance, layer_memory,
-                                     layer_times)
+from gems.pipeline.partition import balance_by_cost, balance_by_memory, boundary_shapes, check_balance, layer_memory, layer_times
 from gems.pipeline.runtime import PipelineRunner
 
 
@@ -216,8 +215,8 @@ def _trunk_and_head(big_head: bool = False) -> tuple[nn.Sequential, int]:
 
 
 def test_spatial_balance_without_cuts_is_the_serial_balance():
-    from gems.pipeline.partition import balance_by_comm
     from gems.parallel import spatial_balance
+    from gems.pipeline.partition import balance_by_comm
 
     seq, _ = _trunk_and_head()
     sample = (2, 1, 8, 8, 8)

@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 import torch
-
 from _pipeline_worlds import pipeline_cases, serial_case
+
 from gems.testing import run_world
 
 
@@ -119,7 +119,8 @@ def check(results: list[list[dict[str, Any]]], cases: list[dict[str, Any]]) -> N
                 assert index.setdefault(i, p["index"][i]) == p["index"][i], f"{label}: copies of part {i} hold other parameters"
                 for k, g, w in zip(p["index"][i], grads, p["params"][i], strict=True):
                     close(g, ref["grads0"][k], 1e-4, f"{label}: grad {k} of part {i}")
-                    close(w - ref["init"][k], ref["params"][k] - ref["init"][k], 2e-3, f"{label}: update of param {k} of part {i}")
+                    close(w - ref["init"][k], ref["params"][k] - ref["init"][k], 2e-3,
+                          f"{label}: update of param {k} of part {i}")
                 copies.setdefault(i, []).append(p["params"][i])
                 # every BatchNorm forward runs once per chunk, recomputation or not
                 want = c["steps"] * p["forwards"][i]

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from _cli import gems
+
 from gems.config import compose
 from gems.errors import ConfigError
 from gems.plan import GiB, make_plan, saved_bytes, to_json

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from _cli import records
 
 ROOT = Path(__file__).resolve().parents[1]

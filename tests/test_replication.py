@@ -6,8 +6,8 @@ with the single-process run.
 """
 import pytest
 import torch
-
 from _cli import gems, records
+
 from gems.testing import run_world
 
 SMALL = ["model.size=32", "model.width=0.5", "train.batch_size=4", "train.steps=4", "train.warmup_steps=1"]

@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 import torch
-
 from _cli import gems, records
 
 pytestmark = [pytest.mark.slurm,

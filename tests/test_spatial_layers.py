@@ -4,8 +4,8 @@ overlap on, off and the CPU default. One 4-rank gloo world runs all cases; each
 case is reported on its own. An 8-rank world cuts 3D inputs into 2x2x2 cubes,
 where every part exchanges halos with all 7 others (faces, edges, the corner)."""
 import pytest
-
 from _spatial_worlds import CUBE_CASES, EXTRA_CASES, LAYER_CASES, case_names, cases_world
+
 from gems.testing import run_world
 
 

@@ -3,9 +3,9 @@ equal serial: outputs, input gradients, summed parameter gradients, BatchNorm
 running statistics, with dropout drawn per sample (training mode). The paper's
 sizes (128^3 to 512^3) are checked on fake tensors: their shapes, not their values."""
 import pytest
+from _spatial_worlds import EXTRA_CASES, case_names, cases_world, model_cases
 from torch import nn
 
-from _spatial_worlds import EXTRA_CASES, case_names, cases_world, model_cases
 from gems.pipeline.partition import boundary_shapes
 from gems.testing import run_world
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _cli import gems, records
 from torch import nn
 
-from _cli import gems, records
 from gems.spatial import CannotCut, gather_point, register_layer
 from gems.spatial.registry import rule_for
 

@@ -51,8 +51,8 @@ def gems_loop(per_rank_batch: int) -> float:
 def plain_loop(per_rank_batch: int) -> float:
     """The same training written as a plain PyTorch loop."""
     from gems.data.synthetic import SyntheticData
-    from gems.models import build_model
     from gems.layers import batch_context
+    from gems.models import build_model
 
     cfg = _cfg([f"train.batch_size={per_rank_batch}"])
     torch.manual_seed(0)

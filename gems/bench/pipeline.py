@@ -94,7 +94,8 @@ def _data(step: int, B: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randint(0, MODEL["num_classes"], (B,), generator=g)
 
 
-def _contender(rank: int, world: int, c: dict[str, Any], balances: dict[int, list[int]]) -> tuple[Callable[[int], None], Any, Any]:
+def _contender(rank: int, world: int, c: dict[str, Any],
+               balances: dict[int, list[int]]) -> tuple[Callable[[int], None], Any, Any]:
     """Build one contender on this rank: (training step of step index t, its parameters, its optimizer)."""
     import torch.nn.functional as F
 
@@ -166,8 +167,8 @@ def _bench_rank(rank: int, world: int, contenders: list[dict[str, Any]], balance
     """Every contender in these two processes, one training step each per cycle, in a rotating order."""
     import torch.distributed as dist
 
-    from gems.memory import persistent_bytes, step_peak_bytes
     from gems.bootstrap import keep_host_memory
+    from gems.memory import persistent_bytes, step_peak_bytes
 
     if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= world:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})
@@ -194,9 +195,8 @@ def _bench_rank(rank: int, world: int, contenders: list[dict[str, Any]], balance
 
 
 def _balance(size: int) -> list[int]:
-    from gems.pipeline.partition import balance_by_cost, layer_times
-
     from gems.bootstrap import keep_host_memory
+    from gems.pipeline.partition import balance_by_cost, layer_times
 
     keep_host_memory()
     torch.set_num_threads(1)

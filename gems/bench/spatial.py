@@ -88,11 +88,11 @@ def bench_rank(rank: int, world: int, size: int, steps: int, warmup: int, mode: 
     import torch
     import torch.distributed as dist
 
-    from gems.memory import MemoryMeter, persistent_bytes, step_peak_bytes
     from gems.bootstrap import keep_host_memory
     from gems.data.synthetic import sample_input
-    from gems.models import build_model
     from gems.layers import batch_context
+    from gems.memory import MemoryMeter, persistent_bytes, step_peak_bytes
+    from gems.models import build_model
     from gems.replication import GradientReducer
     from gems.spatial import SpatialContext, apply_spatial
 

@@ -126,10 +126,10 @@ class HDF5Samples:
                         for k, d in (("full", f.get("full")), ("unitPar", f.get("unitPar")))}
         except OSError as e:  # not HDF5, truncated, unreadable
             raise bad(layout, f"an unreadable file ({type(e).__name__}: {e})") from None
-        for k, m in meta.items():
-            if m is None:
-                raise bad(layout, f"no `{k}` dataset")
-        (shape, dtype), (pshape, pdtype) = meta["full"], meta["unitPar"]
+        full, par = meta["full"], meta["unitPar"]
+        if full is None or par is None:
+            raise bad(layout, f"no `{'full' if full is None else 'unitPar'}` dataset")
+        (shape, dtype), (pshape, pdtype) = full, par
         shape = tuple(int(n) for n in shape or ())  # shape None: an empty (null) dataspace
         if dtype.kind not in "iuf":
             raise bad("`full` of integer or float counts (int16 in the ExaLearn layout)", f"`full` of dtype {dtype}")

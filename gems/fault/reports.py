@@ -88,7 +88,7 @@ def report_exception(job_dir: Path | str, rank: int, exc: BaseException) -> Path
 
 
 def read_reports(job_dir: Path | str) -> list[dict[str, Any]]:
-    out = []
+    out: list[dict[str, Any]] = []
     d = reports_dir(job_dir)
     if not d.is_dir():
         return out

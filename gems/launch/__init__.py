@@ -16,7 +16,7 @@ def cancel_on_signals() -> Iterator[None]:
     def raise_cancelled(signum: int, frame: Any) -> None:
         raise Cancelled(signum)
 
-    old: dict[int, Any] = {}
+    old: dict[signal.Signals, Any] = {}
     try:
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             old[sig] = signal.signal(sig, raise_cancelled)

@@ -74,7 +74,6 @@ def launch(cfg: DictConfig, on_progress: Callable[[str], None] | None = None) ->
     ``fault.max_restarts`` times. SIGINT, SIGTERM or SIGHUP end the ranks, write
     a cancelled record and raise :class:`Cancelled`.
     """
-    from gems.checkpoint import PREEMPTED_EXIT
     from gems.config import to_yaml
 
     world = mesh_from_config(cfg).size

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import re
 import shlex
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -121,7 +121,7 @@ def prepare(cfg: DictConfig) -> DictConfig:
     """A copy of ``cfg`` with a run id and an absolute ``results.dir`` (ranks may start elsewhere)."""
     from gems.results import record as rec
 
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[assignment]  # a mapping
     if not cfg.get("run_id"):
         cfg.run_id = rec.new_run_id(rec.default_name(cfg))
     cfg.results.dir = str(Path(cfg.results.dir).resolve())
@@ -183,7 +183,8 @@ def _refusal(cfg: DictConfig, message: str) -> ConfigError:
     if "feature" in low or "constraint" in low:
         return ConfigError("cluster.constraint", c.constraint, f"a node feature of this cluster (sbatch: {message})")
     if "gres" in low or "gpu" in low:
-        return ConfigError("cluster.gpus_per_node", c.gpus_per_node, f"GPUs the nodes have, 0 where they have none (sbatch: {message})")
+        return ConfigError("cluster.gpus_per_node", c.gpus_per_node,
+                           f"GPUs the nodes have, 0 where they have none (sbatch: {message})")
     if "time limit" in low:
         return ConfigError("cluster.time_min", c.time_min, f"a time within the partition's limit (sbatch: {message})")
     if "node configuration is not available" in low or "node count" in low:
@@ -213,7 +214,8 @@ def preflight(cfg: DictConfig, partitions: Sequence[str] | None = None) -> None:
     try:
         out = _run(["sbatch", "--test-only"], timeout=45, stdin=text)
     except subprocess.TimeoutExpired:
-        raise ConfigError("cluster", cfg.cluster.name, f"a Slurm controller that answers (sbatch timed out); {START_HINT}") from None
+        raise ConfigError("cluster", cfg.cluster.name,
+                          f"a Slurm controller that answers (sbatch timed out); {START_HINT}") from None
     if out.returncode != 0:
         msg = _first_line(out.stderr or out.stdout)
         if "contact" in msg.lower() or "connection" in msg.lower():

@@ -93,20 +93,23 @@ def build_model(m: Any) -> ModelSpec:
 
         fn = getattr(cf, name)
         kw = dict(width=float(m.get("width", 1.0)), dropout=float(m.get("dropout", 0.2 if name == "cosmoflow" else 0.5)))
-        allowed = "a power of two >= 32 (the paper uses 128, 256, 512)" if name == "cosmoflow" else "a power of two >= 32 (MLPerf uses 128)"
+        allowed = ("a power of two >= 32 (the paper uses 128, 256, 512)" if name == "cosmoflow"
+                   else "a power of two >= 32 (MLPerf uses 128)")
         seq = _sized(name, allowed, fn, int(m.size), **kw)
         return ModelSpec(seq, name, (4, *[int(m.size)] * 3), 4, "mse", "vector", _first_flatten(seq))
     if name == "unet3d":
         try:
             from gems.models.unet3d import build_unet3d
         except ImportError:
-            raise ConfigError("model", name, "one of cosmoflow, cosmoflow_mlperf, resnet, custom (unet3d is not built yet)") from None
+            raise ConfigError("model", name,
+                              "one of cosmoflow, cosmoflow_mlperf, resnet, custom (unet3d is not built yet)") from None
         return build_unet3d(m)
     if name == "resnet":
         try:
             from gems.models.resnet import build_resnet
         except ImportError:
-            raise ConfigError("model", name, "one of cosmoflow, cosmoflow_mlperf, unet3d, custom (resnet is not built yet)") from None
+            raise ConfigError("model", name,
+                              "one of cosmoflow, cosmoflow_mlperf, unet3d, custom (resnet is not built yet)") from None
         return build_resnet(m)
     if name == "custom":
         return _build_custom(m)
@@ -116,7 +119,8 @@ def build_model(m: Any) -> ModelSpec:
 def _build_custom(m: Any) -> ModelSpec:
     target = m.get("_target_")
     if not target or "." not in str(target):
-        raise ConfigError("model._target_", target, "a dotted path to a callable returning nn.Sequential, e.g. mypkg.models.make_net")
+        raise ConfigError("model._target_", target,
+                          "a dotted path to a callable returning nn.Sequential, e.g. mypkg.models.make_net")
     mod_name, _, attr = str(target).rpartition(".")
     try:
         fn = getattr(importlib.import_module(mod_name), attr)

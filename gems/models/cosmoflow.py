@@ -22,9 +22,8 @@ import math
 import torch
 from torch import nn
 
-from gems.spatial.registry import register_pointwise
-
 from gems.layers import SampleDropout
+from gems.spatial.registry import register_pointwise
 
 
 @register_pointwise  # the spatial converter cuts it (gems/spatial/registry.py)

@@ -22,9 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from gems.spatial.registry import register_container
-
 from gems.errors import ConfigError
+from gems.spatial.registry import register_container
 
 if TYPE_CHECKING:
     from gems.models import ModelSpec

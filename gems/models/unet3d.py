@@ -20,14 +20,16 @@ carry the stash across).
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from gems.errors import ConfigError
 from gems.spatial.registry import register_pointwise
 
-from gems.errors import ConfigError
+if TYPE_CHECKING:
+    from gems.models import ModelSpec
 
 
 class SkipStore:
@@ -125,7 +127,7 @@ def unet3d(in_channels: int = 1, num_classes: int = 3, width: float = 1.0, norm:
     return nn.Sequential(*layers)
 
 
-def build_unet3d(m: Any) -> "ModelSpec":  # noqa: F821 - imported lazily to avoid a cycle
+def build_unet3d(m: Any) -> ModelSpec:
     """``model=unet3d``: keys size, width, in_channels, num_classes, norm (batch | none)."""
     from gems.models import ModelSpec
 

@@ -21,8 +21,16 @@ from torch import nn
 
 from gems.errors import ConfigError
 from gems.mesh import Mesh
-from gems.pipeline.partition import (balance_by_comm, balance_by_memory, balance_by_time, boundary_shapes,
-                                     check_balance, check_comm_cut, resolve_balance_by, split)
+from gems.pipeline.partition import (
+    balance_by_comm,
+    balance_by_memory,
+    balance_by_time,
+    boundary_shapes,
+    check_balance,
+    check_comm_cut,
+    resolve_balance_by,
+    split,
+)
 from gems.pipeline.runtime import LossFn, PipelineRunner
 from gems.pipeline.schedules import SCHEDULES, Action, Schedule, make_schedule
 
@@ -122,7 +130,7 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
     peers = mesh.pipeline_ranks(coord.replica, coord.spatial)
     held = {i: parts[i] for i in sched.partitions_of(coord.pipeline)}
     group = mesh.group("pipeline") if D > 1 else None
-    if D > 1 and "pipeline_ranks" not in mesh.groups:
+    if D > 1 and not mesh.groups.built:
         raise RuntimeError(f"apply_pipeline: call mesh.build_groups(rank, groups={sched.holder_groups()}) first")
     return PipelineRunner(held, sched, coord.pipeline, peers, group, batch_size, loss_fn, checkpoint, shapes, lookahead,
                           balance=bal)

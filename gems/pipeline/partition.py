@@ -32,9 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -180,7 +179,8 @@ def _shape_neutral(fn: object) -> bool:
     return bool(getattr(getattr(fn, "func", fn), "shape_neutral", False))
 
 
-def trace_shapes(layers: Sequence[nn.Module], sample: tuple[int, ...], dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+def trace_shapes(layers: Sequence[nn.Module], sample: tuple[int, ...],
+                 dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Output (shape, dtype) of every layer for an input of shape ``sample`` (batch included), on fake tensors.
 
     Layers run in eval mode (shapes are the same; BatchNorm buffers and dropout are left alone).
@@ -245,7 +245,7 @@ def nbytes(shape: Sequence[int], dtype: torch.dtype) -> float:
     return float(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
 
 
-def layer_costs(seq: Sequence[nn.Module], acts: Sequence[float]) -> list[float]:
+def layer_costs(seq: Iterable[nn.Module], acts: Sequence[float]) -> list[float]:
     """:func:`layer_memory` from the bytes of each layer's output activation."""
     return [float(3 * sum(p.numel() * p.element_size() for p in layer.parameters()) + a)
             for layer, a in zip(seq, acts)]

@@ -106,6 +106,7 @@ class PipelineRunner:
                     self._shape[(direction, s)] = (tuple(shapes[s - 1][0]), shapes[s - 1][1])
         self.stats = Stats()  # the caller may read and reset it (time breakdown of records)
         self._finite: list[tuple[int, torch.Tensor | bool]] = []  # (position, all finite?) of the last step
+        self._sends: list[tuple[Any, torch.Tensor]] = []  # isends of the step in flight, with their buffers
         self._step_parity = 0
         # what each peer sends this rank, in the order it sends it: receives are posted in that order,
         # as NCCL matches point-to-point messages by issue order (gloo and MPI would also match by tag)
@@ -337,7 +338,7 @@ class PipelineRunner:
         self._finite = []
         self._live: dict[tuple[int, int, int], _Live] = {}
         self._recvs: dict[tuple[int, int, int, int], tuple[Any, torch.Tensor]] = {}
-        self._sends: list[tuple[Any, torch.Tensor]] = []
+        self._sends = []
         self._next = {}
         last = self.schedule.stages - 1
         for index, a in enumerate(self.actions):

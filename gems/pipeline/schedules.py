@@ -469,7 +469,8 @@ def simulate(sched: Schedule, f_cost: int = F_COST, b_cost: int = B_COST) -> dic
     for r, order in enumerate(sched.actions):
         for a in order:
             if sched.rank_of(a.replica, a.stage) != r:
-                raise AssertionError(f"{sched.name}: {a} on rank {r}, but its stage lives on rank {sched.rank_of(a.replica, a.stage)}")
+                raise AssertionError(f"{sched.name}: {a} on rank {r}, but its stage lives on rank "
+                                     f"{sched.rank_of(a.replica, a.stage)}")
     R = sched.ranks
     end: dict[Action, int] = {}
     span: dict[Action, tuple[int, int]] = {}

@@ -20,8 +20,15 @@ from gems.errors import ConfigError
 from gems.layers import SampleDropout
 from gems.spatial import layers as L
 from gems.spatial.context import SpatialContext
-from gems.spatial.registry import (CONTAINER, POINTWISE, CannotCut, register_container, register_layer,
-                                   register_pointwise, rule_for)
+from gems.spatial.registry import (
+    CONTAINER,
+    POINTWISE,
+    CannotCut,
+    register_container,
+    register_layer,
+    register_pointwise,
+    rule_for,
+)
 
 POINTWISE_TYPES: tuple[type, ...] = (
     nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,

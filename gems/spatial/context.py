@@ -57,12 +57,14 @@ class SpatialContext:
         self.grid = tuple(int(g) for g in grid)
         self.overlap = overlap
         if len(self.parts) != len(self.dims):
-            raise ConfigError("parallel.spatial_dims", list(self.dims), f"one dim per entry of parallel.spatial={list(self.parts)}")
+            raise ConfigError("parallel.spatial_dims", list(self.dims),
+                              f"one dim per entry of parallel.spatial={list(self.parts)}")
         if len(set(self.dims)) != len(self.dims) or any(d < 0 for d in self.dims):
             raise ConfigError("parallel.spatial_dims", list(self.dims), "distinct non-negative dims, e.g. [0] or [0,1]")
         if any(p < 1 for p in self.parts):
             raise ConfigError("parallel.spatial", list(self.parts), "positive integers, e.g. 2 or [2,2]")
-        if len(self.ranks) != self.size or len(self.grid) != len(self.parts) or not all(0 <= g < p for g, p in zip(self.grid, self.parts)):
+        if (len(self.ranks) != self.size or len(self.grid) != len(self.parts)
+                or not all(0 <= g < p for g, p in zip(self.grid, self.parts))):
             raise ValueError(f"SpatialContext: {len(self.ranks)} ranks and grid {self.grid} do not fit parts {self.parts}")
         self.index = ravel(self.grid, self.parts)
         #: seconds spent exchanging halos (packing, waiting, backward), by layer label
@@ -117,7 +119,8 @@ class SpatialContext:
         bad = [d for d in self.dims if d >= ndim]
         if bad:
             raise ConfigError("parallel.spatial_dims", list(self.dims),
-                              f"spatial dims of this {ndim}-D model, each in 0..{ndim - 1} (0 = {'depth' if ndim == 3 else 'height'})")
+                              f"spatial dims of this {ndim}-D model, each in 0..{ndim - 1} "
+                              f"(0 = {'depth' if ndim == 3 else 'height'})")
 
     def check_shape(self, spatial_shape: Sequence[int]) -> None:
         """A ConfigError when the sample cannot be cut as asked."""

@@ -154,7 +154,7 @@ class Assemble(torch.autograd.Function):
     received pieces; backward returns the halo gradients to their owners."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, info: tuple[SpatialContext, Plan, tuple[Box, ...], str],
+    def forward(ctx: Any, x: torch.Tensor, info: tuple[Any, ...],  # (sctx, plan, targets, label, fill, tag)
                 *recvd: torch.Tensor) -> tuple[torch.Tensor, ...]:
         _, p, targets, _, fill, _ = info
         n, c = x.shape[:2]

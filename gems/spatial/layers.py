@@ -50,8 +50,19 @@ from torch import nn
 from gems.layers import bf16_conv3d_needs_fp32, conv3d_in_fp32
 from gems.spatial import halo
 from gems.spatial.context import GSHAPE, SpatialContext
-from gems.spatial.geometry import (Box, Resample, Transposed, Window, boundary_slabs, clip, intersect, is_empty,
-                                   local_index, nest, shape_of)
+from gems.spatial.geometry import (
+    Box,
+    Resample,
+    Transposed,
+    Window,
+    boundary_slabs,
+    clip,
+    intersect,
+    is_empty,
+    local_index,
+    nest,
+    shape_of,
+)
 
 
 class _Zeros(torch.autograd.Function):
@@ -531,7 +542,8 @@ class SpatialNorm(SpatialLayer):
         super().__init__(sctx, label)
         self._adopt(norm, ("weight", "bias"), ("running_mean", "running_var", "num_batches_tracked")
                     if not isinstance(norm, nn.GroupNorm) else ())
-        self.kind = "group" if isinstance(norm, nn.GroupNorm) else ("instance" if isinstance(norm, nn.modules.instancenorm._InstanceNorm) else "batch")
+        instance = isinstance(norm, nn.modules.instancenorm._InstanceNorm)
+        self.kind = "group" if isinstance(norm, nn.GroupNorm) else ("instance" if instance else "batch")
         self.eps = norm.eps
         self.momentum = getattr(norm, "momentum", None)
         self.track = bool(getattr(norm, "track_running_stats", False))
