@@ -67,6 +67,8 @@ class ParallelConf:
     schedule: str = key("lp", "pipeline schedule (the names registered in gems/pipeline/schedules.py)",
                         choices=lambda: tuple(__import__("gems.pipeline.schedules", fromlist=["x"]).registered()))
     virtual_stages: Optional[int] = key(None, "stages per rank of an interleaved schedule (default 2 there)", ge=1)
+    split_backward: bool = key(False, "split each backward into input and weight gradients, the weight gradients "
+                                      "filling the bubbles (1f1b, gpipe, mast, master; zbh1 always does)")
     micro_batches: int = key(1, "micro-batches per replica pass", ge=1)
     gems_replicas: Optional[int] = key(None, "eta for master (default 2); mast is always 2", ge=1)
     balance: Optional[list] = key(None, "layers per partition; automatic when absent")

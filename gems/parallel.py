@@ -45,6 +45,7 @@ class ParallelSettings:
     micro_batches: int
     gems_replicas: int | None
     virtual_stages: int | None
+    split_backward: bool
     balance: tuple[int, ...] | None  # parallel.balance, when given (validated against the model later)
     balance_by: str  # memory | time | comm: the rule that cuts when no balance is given (auto resolved)
     balance_by_given: str  # as configured (auto | memory | time | comm)
@@ -127,15 +128,16 @@ def resolve(cfg: Any, batch: int | None = None) -> ParallelSettings:
     eta = None if p.get("gems_replicas") is None else int(p.gems_replicas)
     v = None if p.get("virtual_stages") is None else int(p.virtual_stages)
     m = int(p.micro_batches)
-    sched = make_schedule(name, D, m, eta, v) if (name != "lp" or D > 1) else None
+    split = bool(p.get("split_backward", False))
+    sched = make_schedule(name, D, m, eta, v, split) if (name != "lp" or D > 1) else None
     if sched is None:  # lp on one rank: the options of schedules that run nothing must still be sane
-        make_schedule(name, D, m, eta, v)
+        make_schedule(name, D, m, eta, v, split)
     by_given = str(p.get("balance_by", "auto"))
     if by_given == "comm":
         check_comm_cut(D)
     balance = tuple(int(b) for b in p.balance) if p.get("balance") else None
     settings = ParallelSettings(mesh, name, sched, int(batch if batch is not None else cfg.train.batch_size), m, eta, v,
-                                balance, "memory", by_given, bool(p.get("checkpoint", False)))
+                                split, balance, "memory", by_given, bool(p.get("checkpoint", False)))
     settings = replace(settings, balance_by=resolve_balance_by(settings))
     settings.check_batch()
     return settings
@@ -151,7 +153,7 @@ def resolve_balance_by(s: ParallelSettings) -> str:
 def balance_rule(by: str, schedule: str, D: int) -> str:
     """:func:`resolve_balance_by` for a schedule name and pipeline size alone (one micro-batch, no model)."""
     sched = make_schedule(schedule, D, D if schedule == "interleaved1f1b" else 1) if (schedule != "lp" or D > 1) else None
-    s = ParallelSettings(Mesh(pipeline=D), schedule, sched, 1, 1, None, None, None, "memory", by, False)
+    s = ParallelSettings(Mesh(pipeline=D), schedule, sched, 1, 1, None, None, False, None, "memory", by, False)
     return resolve_balance_by(s)
 
 

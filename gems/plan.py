@@ -694,9 +694,12 @@ def _in_flight(schedule: Any, d: int, limit_actions: int = 4096) -> list[tuple[s
         if a.kind == "F":
             live[a.stage] = live.get(a.stage, 0) + 1
             steps.append(("F", a.stage, dict(live)))
-        else:
-            steps.append(("B", a.stage, dict(live)))
+        elif a.kind == "W":  # a split backward's second half: the micro-batch is freed after it
             live[a.stage] -= 1
+        else:  # B, or the input-gradient half I of a split one: the backward's working set
+            steps.append(("B", a.stage, dict(live)))
+            if a.kind == "B":
+                live[a.stage] -= 1
     return steps
 
 

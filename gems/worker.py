@@ -162,6 +162,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
             seq, mesh, rank, loss_fn=lambda out, y, n: loss_fn(out, y), batch_size=local_batch,
             schedule=p.schedule, micro_batches=int(p.micro_batches),
             gems_replicas=settings.gems_replicas, virtual_stages=settings.virtual_stages,
+            split_backward=settings.split_backward,
             balance=balance, balance_by=settings.balance_by_given,
             checkpoint=settings.checkpoint, sample_shape=None if ctx is not None else tuple(spec.input_shape),
         )

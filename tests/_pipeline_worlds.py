@@ -100,6 +100,7 @@ class _Direct(_Rank):
         self.runner = apply_pipeline(
             spec.module, self.mesh, rank, loss_fn=make_loss(_kind(spec), B), batch_size=B // R,
             schedule=c["schedule"], micro_batches=c["m"], gems_replicas=c.get("eta"), virtual_stages=c.get("v"),
+            split_backward=c.get("split", False),
             checkpoint=c.get("checkpoint", False), sample_shape=spec.input_shape if c.get("trace", True) else None,
             balance=c.get("balance"), balance_by=c.get("balance_by", "memory"))
         self.held = dict(self.runner.partitions)
@@ -128,7 +129,8 @@ class _Worker(_Rank):
         cfg = OmegaConf.create({
             "parallel": dict(replicas=c["R"], pipeline=c["D"], spatial=c["S"], spatial_dims=list(c["spatial_dims"]),
                              schedule=c["schedule"], micro_batches=c["m"], gems_replicas=c.get("eta"),
-                             virtual_stages=c.get("v"), balance=c.get("balance"),
+                             virtual_stages=c.get("v"), split_backward=c.get("split", False),
+                             balance=c.get("balance"),
                              balance_by=c.get("balance_by", "memory"), checkpoint=c.get("checkpoint", False),
                              bn_stats="global", overlap=c.get("overlap")),
             "train": dict(batch_size=c["B"], seed=SEED, precision="fp32"),
@@ -139,7 +141,7 @@ class _Worker(_Rank):
         self.mesh = mesh_from_config(cfg, world)
         self.mesh.build_groups(rank, mirrored=is_mirrored(c["schedule"]))
         self.par = parallelize(spec, self.mesh, w, cfg)
-        sched = make_schedule(c["schedule"], c["D"], c["m"], c.get("eta"), c.get("v"))
+        sched = make_schedule(c["schedule"], c["D"], c["m"], c.get("eta"), c.get("v"), c.get("split", False))
         held = sched.partitions_of(self.mesh.coord(rank).pipeline)
         assert len(held) == len(self.par.modules), (held, len(self.par.modules))
         self.held = dict(zip(held, self.par.modules))
@@ -180,7 +182,7 @@ def _run_case(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
                       for i, part in me.held.items()}
         if opt is not None:
             opt.step()
-    sched = make_schedule(c["schedule"], c["D"], c["m"], c.get("eta"), c.get("v"))
+    sched = make_schedule(c["schedule"], c["D"], c["m"], c.get("eta"), c.get("v"), c.get("split", False))
     forwards = {i: sum(a.kind == "F" and a.stage == i for a in sched.actions[me.mesh.coord(rank).pipeline])
                 for i in me.held}
     return {"rank": rank, "losses": losses, "grads0": grads0, "balance": me.balance, "index": index,

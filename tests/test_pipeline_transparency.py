@@ -30,11 +30,11 @@ from gems.testing import run_world
 def case(model: str, schedule: str, D: int, m: int = 1, eta: int | None = None, R: int = 1, S: int = 1,
          B: int = 8, checkpoint: bool = False, trace: bool = True, steps: int = 3, balance_by: str = "memory",
          via: str = "pipeline", spatial_dims: tuple[int, ...] = (0,), bucket_mb: float = 4.0,
-         balance: list[int] | None = None, v: int | None = None) -> dict[str, Any]:
+         balance: list[int] | None = None, v: int | None = None, split: bool = False) -> dict[str, Any]:
     assert S == 1 or via == "worker", "spatial parts are composed by the worker"
     return dict(model=model, schedule=schedule, D=D, R=R, S=S, m=m, eta=eta, B=B, checkpoint=checkpoint,
                 trace=trace, steps=steps, balance_by=balance_by, via=via, spatial_dims=spatial_dims,
-                bucket_mb=bucket_mb, balance=balance, v=v)
+                bucket_mb=bucket_mb, balance=balance, v=v, split=split)
 
 
 WORLD2 = [  # D = 2
@@ -56,6 +56,11 @@ WORLD2 = [  # D = 2
     case("cosmoflow", "interleaved1f1b", 2, m=2, v=2),
     case("resnet_bn", "interleaved1f1b", 2, m=4, v=3, checkpoint=True, steps=2),
     case("resnet_gn", "interleaved1f1b", 2, m=2, v=2, via="worker", trace=False, steps=2),
+    # the backward split into input and weight gradients (zero bubble; inside GEMS too)
+    case("cosmoflow", "zbh1", 2, m=4),
+    case("cosmoflow", "mast", 2, split=True),
+    case("resnet_bn", "master", 2, m=2, eta=2, split=True, checkpoint=True, steps=2),
+    case("resnet_gn", "zbh1", 2, m=2, via="worker", steps=2),
 ]
 WORLD3 = [  # odd D: the middle rank holds one partition for both directions
     case("cosmoflow", "mast", 3, B=6),
@@ -80,6 +85,8 @@ WORLD4 = [  # D = 4, R = 2 x D = 2 (GEMS-Hybrid), D = 2 x S = 2 (spatial parts i
     case("resnet_gn", "master", 2, m=2, eta=2, S=2, steps=2, via="worker", spatial_dims=(1,)),
     case("cosmoflow", "interleaved1f1b", 4, m=4, v=2, steps=2),
     case("cosmoflow", "interleaved1f1b", 2, m=2, v=2, S=2, steps=2, via="worker"),
+    case("cosmoflow", "zbh1", 4, m=4, steps=2),
+    case("cosmoflow", "mast", 2, S=2, split=True, steps=2, via="worker"),  # spatial layers: weights in I
 ]
 WORLD8 = [  # R = 2 x D = 2 x S = 2 and R = 2 x D = 4
     case("cosmoflow", "mast", 2, R=2, S=2, steps=2, via="worker"),

@@ -222,3 +222,33 @@ def test_interleaved_options_are_checked():
 
 def test_interleaved_docstring_table_is_what_the_generator_produces():
     assert _doc_tables(S.interleaved_1f1b)[0] == draw(S.interleaved_1f1b(2, 2, 2))
+
+
+# ---- the backward split into input and weight gradients ------------------------------------------------------
+@pytest.mark.parametrize("name,D,m,eta", [("1f1b", 2, 4, None), ("1f1b", 4, 8, None), ("gpipe", 3, 3, None),
+                                          ("mast", 2, 1, None), ("mast", 4, 2, None), ("master", 2, 1, 4),
+                                          ("master", 3, 2, 2)])
+def test_split_backward_schedules_are_complete_and_fill_bubbles_at_the_same_memory(name, D, m, eta):
+    whole = make_schedule(name, D, m, eta)
+    split = make_schedule(name, D, m, eta, split_backward=True)
+    assert split.split and not whole.split
+    span = simulate(split)
+    S.check_messages(split)
+    kinds = {a.kind for o in split.actions for a in o}
+    assert kinds == {"F", "I", "W"}
+    for a, (start, _) in span.items():  # a W after its own I, an I after the I of the stage after
+        for dep in S.needs(a, split.stages):
+            assert span[dep][1] <= start
+    # the same work in the same memory bound, and never a larger bubble
+    assert all(S.in_flight(split, r) <= S.in_flight(whole, r) for r in range(D)) or name == "gpipe"
+    assert S.bubble_fraction(split) <= S.bubble_fraction(whole) + 1e-9
+
+
+def test_zero_bubble_shrinks_1f1b_bubble_and_its_docstring_table_is_drawn():
+    for D, m in ((2, 4), (3, 4), (4, 8)):
+        assert S.bubble_fraction(S.zero_bubble_h1(D, m)) < S.bubble_fraction(S.one_f_one_b(D, m))
+        assert S.in_flight(S.zero_bubble_h1(D, m), 0) == S.in_flight(S.one_f_one_b(D, m), 0)
+    assert _doc_tables(S.zero_bubble_h1)[0] == draw(S.zero_bubble_h1(3, 4))
+    with pytest.raises(ConfigError) as e:
+        make_schedule("lp", 2, split_backward=True)
+    assert e.value.key == "parallel.split_backward" and "zbh1" in str(e.value)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 import traceback
@@ -24,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# what torch.distributed, gloo, NCCL and the store say when a *peer* failed or stalled
-_ECHOES = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
-           "socket timeout", "timed out", "timeout", "nccl communicator was aborted", "remote process exited",
-           "watchdog caught collective operation", "distbackenderror", "distnetworkerror",
-           "diststoreerror", "failed to recv", "failed to send", "peer", "was aborted", "stops: ")
+# what torch.distributed, gloo, NCCL and the store say when a *peer* failed or stalled (whole words)
+_ECHOES = re.compile(r"\b(connection closed by peer|connection reset by peer|broken pipe|connection refused|"
+                     r"socket timeout|timed out|timeout|nccl communicator was aborted|remote process exited|"
+                     r"watchdog caught collective operation|distbackenderror|distnetworkerror|diststoreerror|"
+                     r"failed to recv|failed to send|remote peer|was aborted|stops:)")
 
 
 @dataclass
@@ -55,8 +56,7 @@ def is_echo(exc: BaseException) -> bool:
             return True
     except ImportError:  # pragma: no cover - torch is a dependency
         pass
-    text = f"{type(exc).__name__}: {exc}".lower()
-    return any(s in text for s in _ECHOES)
+    return _ECHOES.search(f"{type(exc).__name__}: {exc}".lower()) is not None
 
 
 def one_line(exc: BaseException) -> str:

@@ -68,7 +68,8 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
                    schedule: str = "mast", micro_batches: int = 1, gems_replicas: int | None = None,
                    balance: Sequence[int] | None = None, balance_by: str = "auto", checkpoint: bool = False,
                    sample_shape: Sequence[int] | None = None, dtype: torch.dtype = torch.float32,
-                   lookahead: int = 2, virtual_stages: int | None = None) -> PipelineRunner:
+                   lookahead: int = 2, virtual_stages: int | None = None,
+                   split_backward: bool = False) -> PipelineRunner:
     """Partition ``seq`` over the pipeline axis of ``mesh`` and return this rank's runner.
 
     * ``batch_size``: samples of one step for this pipeline line, i.e.
@@ -91,13 +92,15 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
     * ``checkpoint``: recompute each partition's activations in its backward.
     * ``virtual_stages``: stages per rank, for interleaved schedules (the model
       is cut into ``virtual_stages x D`` partitions).
+    * ``split_backward``: each backward as an input-gradient and a weight-gradient
+      action, the weight gradients filling the bubbles (:mod:`gems.pipeline.deferred`).
 
     The mesh's groups must exist (``mesh.build_groups(rank, groups=schedule.holder_groups())``)
     when ``mesh.pipeline > 1``.
     """
     D = mesh.pipeline
     n_layers = len(seq)
-    sched = make_schedule(schedule, D, micro_batches, gems_replicas, virtual_stages)
+    sched = make_schedule(schedule, D, micro_batches, gems_replicas, virtual_stages, split_backward)
     chunk = check_batch(batch_size, sched, mesh.replicas)
     S, balance_by = sched.stages, resolve_balance_by(balance_by, sched)
     if S > n_layers:

@@ -30,6 +30,7 @@ recomputation so running statistics are updated once.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -41,6 +42,7 @@ from torch import nn
 from gems.fault import all_finite
 from gems.fault.progress import mark, waiting
 from gems.layers import batch_context
+from gems.pipeline.deferred import WeightGrads, deferring, make_deferrable
 from gems.pipeline.schedules import ACT as _ACT
 from gems.pipeline.schedules import GRAD as _GRAD
 from gems.pipeline.schedules import Action, Schedule, receives, sends
@@ -107,6 +109,10 @@ class PipelineRunner:
         self.stats = Stats()  # the caller may read and reset it (time breakdown of records)
         self._finite: list[tuple[int, torch.Tensor | bool]] = []  # (position, all finite?) of the last step
         self._sends: list[tuple[Any, torch.Tensor]] = []  # isends of the step in flight, with their buffers
+        self._weights = WeightGrads()  # what the I actions of a split schedule leave for their W
+        if schedule.split:
+            for part in self.partitions.values():
+                make_deferrable(part)
         self._step_parity = 0
         # what each peer sends this rank, in the order it sends it: receives are posted in that order,
         # as NCCL matches point-to-point messages by issue order (gloo and MPI would also match by tag)
@@ -298,10 +304,14 @@ class PipelineRunner:
             self._send_activation(a, y)
 
     def _backward(self, a: Action, grad: torch.Tensor | None, target: Any) -> None:
+        """A backward (``B``), or the input-gradient half of a split one (``I``: the deferrable layers queue
+        their weight gradients for the ``W``, :mod:`gems.pipeline.deferred`)."""
         part = self.partitions[a.stage]
         live = self._live.pop((a.replica, a.micro_batch, a.stage))
         x = live.x
-        with batch_context(self._seed, self._step, self._ids[self.chunk_slice(a.replica, a.micro_batch)]):
+        key = (a.replica, a.micro_batch, a.stage)
+        defer = deferring(self._weights, key) if a.kind == "I" else contextlib.nullcontext()
+        with batch_context(self._seed, self._step, self._ids[self.chunk_slice(a.replica, a.micro_batch)]), defer:
             if self.checkpoint:
                 saved = [b.detach().clone() for b in part.buffers()]
                 x = x.detach()
@@ -349,7 +359,10 @@ class PipelineRunner:
             target = targets[sl] if a.stage == last and targets is not None else None
             t0 = time.perf_counter()
             mark("forward" if a.kind == "F" else "backward")
-            if a.kind == "F":
+            if a.kind == "W":  # the weight gradients an I left behind (a split schedule)
+                self._weights.run((a.replica, a.micro_batch, a.stage))
+                self.stats.backward_s += time.perf_counter() - t0
+            elif a.kind == "F":
                 if a.stage == 0:
                     if inputs is None:
                         raise ValueError("this rank runs a first stage: step() needs the inputs")
@@ -364,6 +377,7 @@ class PipelineRunner:
                 self.stats.backward_s += time.perf_counter() - t0
             self._reap_sends()
         self._reap_sends(wait=True)
-        assert not self._recvs and not self._live, "schedule left messages or activations behind"
+        assert not self._recvs and not self._live and not self._weights.pending, \
+            "schedule left messages, activations or weight gradients behind"
         self._step_parity ^= 1
         return self._loss_sum

@@ -4,9 +4,11 @@ A schedule is decided before any process exists, so it can be drawn, checked
 and unit-tested here; :mod:`gems.pipeline.runtime` only executes it. Every
 schedule of gems is one list of :class:`Action` per rank plus its *placement*:
 
-* ``kind`` ``"F"`` (forward) or ``"B"`` (backward); ``stage`` the partition
-  index (0 is the model's first layers); ``micro_batch`` the micro-batch inside
-  the pass;
+* ``kind`` ``"F"`` (forward) or ``"B"`` (backward); a schedule with a *split*
+  backward has ``"I"`` (the input gradient, which the stage before waits for)
+  and ``"W"`` (the weight gradient, which nothing waits for, so it can fill a
+  bubble) instead of ``"B"``; ``stage`` the partition index (0 is the model's
+  first layers); ``micro_batch`` the micro-batch inside the pass;
 * ``replica`` the replica *pass* (0 .. eta-1);
 * ``placement[p % len(placement)][stage]`` is the rank that runs ``stage`` for
   pass ``p``. A plain pipeline has one row, stage ``s`` on rank ``s``; GEMS
@@ -72,7 +74,7 @@ ACT, GRAD = 0, 1  # what crosses a cut: an activation (down) or its gradient (up
 class Action:
     """One forward or backward of one micro-batch of one replica pass on one stage."""
 
-    kind: str  # "F" | "B"
+    kind: str  # "F" | "B", or "I" and "W" for a split backward
     replica: int
     micro_batch: int
     stage: int
@@ -99,6 +101,7 @@ class Schedule:
     mirrored: bool
     actions: tuple[tuple[Action, ...], ...]
     placement: tuple[tuple[int, ...], ...] = field(default=())
+    split: bool = False  # backward split into I (input gradient) and W (weight gradient) actions
 
     def __post_init__(self) -> None:
         if not self.placement:
@@ -147,12 +150,15 @@ class DeadlockError(RuntimeError):
 # ---- the one rule of what waits for what ------------------------------------------------------------------
 def needs(a: Action, stages: int) -> list[Action]:
     """The actions whose results ``a`` waits for: a forward the forward of the stage before; a backward
-    its own forward and the backward of the stage after."""
+    (``B``, or the input gradient ``I`` of a split one) its own forward and the same backward of the
+    stage after; a weight gradient ``W`` the input gradient of its own stage (what it reuses)."""
     if a.kind == "F":
         return [Action("F", a.replica, a.micro_batch, a.stage - 1)] if a.stage > 0 else []
+    if a.kind == "W":
+        return [Action("I", a.replica, a.micro_batch, a.stage)]
     out = [Action("F", a.replica, a.micro_batch, a.stage)]
     if a.stage < stages - 1:
-        out.append(Action("B", a.replica, a.micro_batch, a.stage + 1))
+        out.append(Action(a.kind, a.replica, a.micro_batch, a.stage + 1))
     return out
 
 
@@ -160,7 +166,7 @@ def sends(a: Action, stages: int) -> tuple[int, int] | None:
     """(ACT or GRAD, the stage it goes to) of what ``a`` produces for another stage, or None."""
     if a.kind == "F" and a.stage < stages - 1:
         return ACT, a.stage + 1
-    if a.kind == "B" and a.stage > 0:
+    if a.kind in ("B", "I") and a.stage > 0:
         return GRAD, a.stage - 1
     return None
 
@@ -170,9 +176,17 @@ def receives(a: Action, stages: int) -> tuple[int, int] | None:
     :func:`sends` sends from the action :func:`needs` names."""
     if a.kind == "F" and a.stage > 0:
         return ACT, a.stage
-    if a.kind == "B" and a.stage < stages - 1:
+    if a.kind in ("B", "I") and a.stage < stages - 1:
         return GRAD, a.stage
     return None
+
+
+#: ticks of each kind of action in the unit-cost model (a backward is twice a forward; split: one and one)
+COST = {"F": 1, "B": 2, "I": 1, "W": 1}
+
+
+def backward_kinds(split: bool) -> tuple[str, ...]:
+    return ("I", "W") if split else ("B",)
 
 
 # ---- the registry ---------------------------------------------------------------------------------------------
@@ -181,21 +195,26 @@ class ScheduleKind:
     """A registered schedule: how to build it and which options it takes."""
 
     name: str
-    build: Callable[[int, int, int, int], Schedule]  # (ranks, micro-batches, passes, virtual stages)
+    build: Callable[[int, int, int, int, bool], Schedule]  # (ranks, micro-batches, passes, virtual stages, split)
     passes: str = "one"  # "one" | "two" (mast) | "eta" (master: parallel.gems_replicas, default 2)
     min_ranks: int = 1
     virtual: bool = False  # takes parallel.virtual_stages
     about: str = ""
+    split: str = "no"  # "no" | "optional" (parallel.split_backward) | "always"
 
 
 _REGISTRY: dict[str, ScheduleKind] = {}
 
 
-def register(name: str, *, passes: str = "one", min_ranks: int = 1, virtual: bool = False,
-             about: str = "") -> Callable[[Callable[[int, int, int, int], Schedule]], Callable[[int, int, int, int], Schedule]]:
-    """Register a schedule builder under ``name`` (the value of ``parallel.schedule``)."""
-    def deco(fn: Callable[[int, int, int, int], Schedule]) -> Callable[[int, int, int, int], Schedule]:
-        _REGISTRY[name] = ScheduleKind(name, fn, passes, min_ranks, virtual, about)
+Builder = Callable[[int, int, int, int, bool], Schedule]
+
+
+def register(name: str, *, passes: str = "one", min_ranks: int = 1, virtual: bool = False, split: str = "no",
+             about: str = "") -> Callable[[Builder], Builder]:
+    """Register a schedule builder ``(ranks, micro_batches, passes, virtual_stages, split) -> Schedule`` under
+    ``name`` (the value of ``parallel.schedule``)."""
+    def deco(fn: Builder) -> Builder:
+        _REGISTRY[name] = ScheduleKind(name, fn, passes, min_ranks, virtual, about, split)
         return fn
     return deco
 
@@ -206,14 +225,20 @@ def registered() -> dict[str, ScheduleKind]:
 
 # ---- the generator ---------------------------------------------------------------------------------------
 def _generate(name: str, D: int, passes: int, m: int, mirrored: bool, prefer: str,
-              limit: Callable[[int], int]) -> Schedule:
-    """List scheduling with unit costs; ``limit(stage)`` bounds the micro-batches in flight per direction."""
+              limit: Callable[[int], int], split: bool = False) -> Schedule:
+    """List scheduling with unit costs; ``limit(stage)`` bounds the micro-batches in flight per direction.
+
+    With ``split`` the backward is an ``I`` (what the stage before waits for) and a ``W`` that nothing
+    waits for: it runs only when no ``I`` or ``F`` can, so weight gradients fill the bubbles, and a
+    micro-batch stays in flight (its activations kept) until its ``W``.
+    """
     shape = Schedule(name, D, passes, m, mirrored, tuple(() for _ in range(D)))
+    kinds = ("F", *backward_kinds(split))
     todo: list[set[Action]] = [set() for _ in range(D)]
     for p in range(passes):
         for i in range(m):
             for s in range(D):
-                todo[shape.rank_of(p, s)] |= {Action("F", p, i, s), Action("B", p, i, s)}
+                todo[shape.rank_of(p, s)] |= {Action(k, p, i, s) for k in kinds}
     done_at: dict[Action, int] = {}
     busy_until = [0] * D
     inflight = [[0] * len(shape.placement) for _ in range(D)]  # per rank, per direction
@@ -244,15 +269,18 @@ def _generate(name: str, D: int, passes: int, m: int, mirrored: bool, prefer: st
                     if any(b.kind == "F" and shape.direction(b.replica) == direction
                            and (b.replica, b.micro_batch) < (a.replica, a.micro_batch) for b in todo[r]):
                         continue
-                first = (a.kind != prefer)
-                cands.append((first, rt, a.replica, a.micro_batch, a))
+                rank = 2 if a.kind == "W" else (0 if (a.kind == "F") == (prefer == "F") else 1)
+                cands.append((rank, rt, a.replica, a.micro_batch, a))
             if not cands:
                 continue
             a = min(cands)[-1]
             todo[r].discard(a)
             orders[r].append(a)
-            inflight[r][shape.direction(a.replica)] += 1 if a.kind == "F" else -1
-            busy_until[r] = t + (F_COST if a.kind == "F" else B_COST)
+            if a.kind == "F":
+                inflight[r][shape.direction(a.replica)] += 1
+            elif a.kind in ("B", "W"):
+                inflight[r][shape.direction(a.replica)] -= 1
+            busy_until[r] = t + COST[a.kind]
             done_at[a] = busy_until[r]
             progressed = True
         if not progressed:
@@ -260,11 +288,11 @@ def _generate(name: str, D: int, passes: int, m: int, mirrored: bool, prefer: st
             if not future:
                 raise DeadlockError(f"{name}: no rank can progress at tick {t}")  # pragma: no cover - a generator bug
             t = min(future)
-    return Schedule(name, D, passes, m, mirrored, tuple(tuple(o) for o in orders))
+    return Schedule(name, D, passes, m, mirrored, tuple(tuple(o) for o in orders), split=split)
 
 
 @register("lp", about="layer parallelism: one micro-batch in the pipeline at a time")
-def _lp(D: int, m: int, passes: int, v: int) -> Schedule:
+def _lp(D: int, m: int, passes: int, v: int, split: bool) -> Schedule:
     return lp(D, m)
 
 
@@ -282,12 +310,12 @@ def lp(D: int, m: int = 1) -> Schedule:
     return _generate("lp", D, 1, m, False, "B", lambda s: 1)
 
 
-@register("gpipe", about="GPipe: all forwards, then all backwards")
-def _gpipe(D: int, m: int, passes: int, v: int) -> Schedule:
-    return gpipe(D, m)
+@register("gpipe", split="optional", about="GPipe: all forwards, then all backwards")
+def _gpipe(D: int, m: int, passes: int, v: int, split: bool) -> Schedule:
+    return gpipe(D, m, split)
 
 
-def gpipe(D: int, m: int) -> Schedule:
+def gpipe(D: int, m: int, split: bool = False) -> Schedule:
     """GPipe: all forwards of the step's micro-batches, then all backwards.
 
     ``gpipe(2, 3)``::
@@ -296,15 +324,15 @@ def gpipe(D: int, m: int) -> Schedule:
         rank0  FA0s0 FA1s0 FA2s0 .     .     .     BA0s0 .     BA1s0 .     BA2s0 .
         rank1  .     FA0s1 FA1s1 FA2s1 BA0s1 .     BA1s1 .     BA2s1 .     .     .
     """
-    return _generate("gpipe", D, 1, m, False, "F", lambda s: m)
+    return _generate("gpipe", D, 1, m, False, "F", lambda s: m, split)
 
 
-@register("1f1b", about="1F1B (PipeDream-flush): stage s keeps at most D - s micro-batches")
-def _1f1b(D: int, m: int, passes: int, v: int) -> Schedule:
-    return one_f_one_b(D, m)
+@register("1f1b", split="optional", about="1F1B (PipeDream-flush): stage s keeps at most D - s micro-batches")
+def _1f1b(D: int, m: int, passes: int, v: int, split: bool) -> Schedule:
+    return one_f_one_b(D, m, split)
 
 
-def one_f_one_b(D: int, m: int) -> Schedule:
+def one_f_one_b(D: int, m: int, split: bool = False) -> Schedule:
     """1F1B (PipeDream-flush): stage ``s`` keeps at most ``D - s`` micro-batches.
 
     ``one_f_one_b(3, 4)``::
@@ -314,15 +342,16 @@ def one_f_one_b(D: int, m: int) -> Schedule:
         rank1  .     FA0s1 FA1s1 .     .     BA0s1 .     FA2s1 BA1s1 .     FA3s1 BA2s1 .     .     BA3s1 .     .     .
         rank2  .     .     FA0s2 BA0s2 .     FA1s2 BA1s2 .     FA2s2 BA2s2 .     FA3s2 BA3s2 .     .     .     .     .
     """
-    return _generate("1f1b", D, 1, m, False, "B", lambda s: min(D - s, m))
+    return _generate("zbh1" if split else "1f1b", D, 1, m, False, "B", lambda s: min(D - s, m), split)
 
 
-@register("mast", passes="two", min_ranks=2, about="GEMS-MAST: a mirrored replica flows up while A flows down")
-def _mast(D: int, m: int, passes: int, v: int) -> Schedule:
-    return mast(D, m)
+@register("mast", passes="two", min_ranks=2, split="optional",
+          about="GEMS-MAST: a mirrored replica flows up while A flows down")
+def _mast(D: int, m: int, passes: int, v: int, split: bool) -> Schedule:
+    return mast(D, m, split)
 
 
-def mast(D: int, m: int = 1) -> Schedule:
+def mast(D: int, m: int = 1, split: bool = False) -> Schedule:
     """GEMS-MAST: replica A flows down the ranks while its mirror B flows up.
 
     Rank ``r`` holds partition ``r`` of A and ``D-1-r`` of B; B's work fills the
@@ -335,15 +364,16 @@ def mast(D: int, m: int = 1) -> Schedule:
         rank2  .     FB0s1 FA0s2 .     .     .     BA0s2 .     BB0s1 .     .     .
         rank3  FB0s0 .     .     FA0s3 BA0s3 .     .     .     .     .     BB0s0 .
     """
-    return _generate("mast", D, 2, m, True, "B", lambda s: min(D - s, m))
+    return _generate("mast", D, 2, m, True, "B", lambda s: min(D - s, m), split)
 
 
-@register("master", passes="eta", min_ranks=2, about="GEMS-MASTER: eta replica passes per step in MAST's memory")
-def _master(D: int, m: int, passes: int, v: int) -> Schedule:
-    return master(D, passes, m)
+@register("master", passes="eta", min_ranks=2, split="optional",
+          about="GEMS-MASTER: eta replica passes per step in MAST's memory")
+def _master(D: int, m: int, passes: int, v: int, split: bool) -> Schedule:
+    return master(D, passes, m, split)
 
 
-def master(D: int, eta: int, m: int = 1) -> Schedule:
+def master(D: int, eta: int, m: int = 1, split: bool = False) -> Schedule:
     """GEMS-MASTER: ``eta`` replica passes per step, alternating down and up, on MAST's ranks and memory.
 
     Pass ``p`` runs down when even, up when odd. With ``m = 1`` a direction
@@ -360,12 +390,12 @@ def master(D: int, eta: int, m: int = 1) -> Schedule:
     """
     if eta < 1:
         raise ConfigError("parallel.gems_replicas", eta, "a positive integer (replica passes per step)")
-    return _generate("master", D, eta, m, True, "B", lambda s: min(D - s, m))
+    return _generate("master", D, eta, m, True, "B", lambda s: min(D - s, m), split)
 
 
 @register("interleaved1f1b", min_ranks=2, virtual=True,
           about="interleaved 1F1B: v stages per rank (parallel.virtual_stages), a smaller bubble")
-def _interleaved(D: int, m: int, passes: int, v: int) -> Schedule:
+def _interleaved(D: int, m: int, passes: int, v: int, split: bool) -> Schedule:
     return interleaved_1f1b(D, v, m)
 
 
@@ -415,12 +445,37 @@ def interleaved_1f1b(D: int, v: int, m: int) -> Schedule:
     return Schedule("interleaved1f1b", S, 1, m, False, tuple(orders), placement)
 
 
+@register("zbh1", split="always", about="zero bubble (ZB-H1): 1F1B with the backward split, weight gradients "
+                                      "in the bubbles")
+def _zbh1(D: int, m: int, passes: int, v: int, split: bool) -> Schedule:
+    return zero_bubble_h1(D, m)
+
+
+def zero_bubble_h1(D: int, m: int) -> Schedule:
+    """Zero bubble in the spirit of ZB-H1 (Qi et al., ICLR 2024): 1F1B's order and memory bound with each
+    backward split into its input gradient ``I`` (what the stage before waits for) and its weight
+    gradient ``W`` (what nothing waits for). The list scheduler runs a ``W`` only when no forward or
+    input gradient can run, so weight gradients fill what would be bubbles; a micro-batch counts as in
+    flight until its ``W`` (1F1B's memory). With a forward, an input and a weight gradient of one tick
+    each, 1F1B's bubble of 3 x 4 ticks at D = 3, m = 4 (1/3 of the step) shrinks to 1/4 here.
+    ``zero_bubble_h1(3, 4)``::
+
+        tick   0     1     2     3     4     5     6     7     8     9     10    11    12    13    14    15
+        rank0  FA0s0 FA1s0 FA2s0 .     .     IA0s0 WA0s0 FA3s0 IA1s0 WA1s0 .     IA2s0 WA2s0 .     IA3s0 WA3s0
+        rank1  .     FA0s1 FA1s1 .     IA0s1 WA0s1 FA2s1 IA1s1 WA1s1 FA3s1 IA2s1 WA2s1 .     IA3s1 WA3s1 .
+        rank2  .     .     FA0s2 IA0s2 WA0s2 FA1s2 IA1s2 WA1s2 FA2s2 IA2s2 WA2s2 FA3s2 IA3s2 WA3s2 .     .
+
+    (``I`` and ``W``: the input and weight halves of a backward)
+    """
+    return one_f_one_b(D, m, split=True)
+
+
 #: the names ``parallel.schedule`` takes (registration order)
 SCHEDULES = tuple(_REGISTRY)
 
 
 def make_schedule(name: str, D: int, micro_batches: int = 1, gems_replicas: int | None = None,
-                  virtual_stages: int | None = None) -> Schedule:
+                  virtual_stages: int | None = None, split_backward: bool = False) -> Schedule:
     """The schedule named by ``parallel.schedule``, validated against what its registration says it takes."""
     kind = _REGISTRY.get(name)
     if kind is None:
@@ -442,9 +497,12 @@ def make_schedule(name: str, D: int, micro_batches: int = 1, gems_replicas: int 
         takes = ", ".join(k for k, v in _REGISTRY.items() if v.virtual)
         raise ConfigError("parallel.virtual_stages", virtual_stages, f"1 (or unset) for schedule={name}; "
                           f"{takes} take(s) several stages per rank")
+    if split_backward and kind.split == "no":
+        takes = ", ".join(k for k, v in _REGISTRY.items() if v.split != "no")
+        raise ConfigError("parallel.split_backward", True, f"false for schedule={name}; {takes} split the backward")
     passes = {"one": 1, "two": 2}.get(kind.passes, 2 if gems_replicas is None else int(gems_replicas))
     v = int(virtual_stages) if virtual_stages is not None else (2 if kind.virtual else 1)
-    return kind.build(D, micro_batches, passes, v)
+    return kind.build(D, micro_batches, passes, v, kind.split == "always" or bool(split_backward))
 
 
 # ---- checking and drawing ----------------------------------------------------------------------------------
@@ -459,7 +517,7 @@ def simulate(sched: Schedule, f_cost: int = F_COST, b_cost: int = B_COST) -> dic
     the rank that holds that stage for that pass.
     """
     S = sched.stages
-    expected = {Action(k, p, i, s) for k in "FB" for p in range(sched.replicas)
+    expected = {Action(k, p, i, s) for k in ("F", *backward_kinds(sched.split)) for p in range(sched.replicas)
                 for i in range(sched.micro_batches) for s in range(S)}
     seen: list[Action] = [a for order in sched.actions for a in order]
     if len(seen) != len(set(seen)) or set(seen) != expected:
@@ -485,7 +543,7 @@ def simulate(sched: Schedule, f_cost: int = F_COST, b_cost: int = B_COST) -> dic
                 if any(n not in end for n in need):
                     break
                 start = max([clock[r]] + [end[n] for n in need])
-                end[a] = start + (f_cost if a.kind == "F" else b_cost)
+                end[a] = start + (f_cost if a.kind == "F" else b_cost if a.kind == "B" else b_cost // 2)
                 span[a] = (start, end[a])
                 clock[r] = end[a]
                 pos[r] += 1
@@ -532,7 +590,10 @@ def in_flight(sched: Schedule, rank: int) -> list[int]:
     peak = [0] * len(sched.placement)
     for a in sched.actions[rank]:
         d = sched.direction(a.replica)
-        cur[d] += 1 if a.kind == "F" else -1
+        if a.kind == "F":
+            cur[d] += 1
+        elif a.kind in ("B", "W"):
+            cur[d] -= 1
         peak[d] = max(peak[d], cur[d])
     return peak
 

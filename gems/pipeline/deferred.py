@@ -1,0 +1,206 @@
+"""The backward split in two: input gradients now, weight gradients later (zero-bubble schedules).
+
+A split schedule runs each backward as an ``I`` action (the gradient the stage
+before waits for) and a ``W`` action (the weight gradients, which nothing waits
+for, run when the rank would otherwise idle). The convolutions and linear
+layers of a partition are made *deferrable* (:func:`make_deferrable`: the same
+module, parameters and state dict; only its class changes): while an ``I``
+runs inside :func:`deferring`, their backward computes the input gradient and
+queues what the weight gradient needs (the layer's input and its output's
+gradient, which autograd would have freed) under the action's key; ``W`` runs
+the queue (:meth:`WeightGrads.run`), accumulating into ``.grad`` through
+autograd, so post-accumulate hooks (the gradient sum's buckets) fire as for any
+backward. Outside :func:`deferring` the same layers compute both gradients at
+once, so nothing changes for other schedules. Layers with cheap weight
+gradients (norms) and gems' spatial layers keep computing theirs in ``I``:
+exact all the same, only less work moves into the bubbles.
+
+Mixed precision: a deferrable layer under autocast casts its input, weight and
+bias to the autocast dtype itself, as autocast would, and returns gradients in
+the dtypes it was given.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Key = tuple[int, int, int]  # (pass, micro-batch, stage)
+
+_ACTIVE: list[tuple["WeightGrads", Key]] = []  # the I running now (one per process: autograd may use threads)
+
+
+class WeightGrads:
+    """The weight-gradient work an ``I`` left for its ``W``, per (pass, micro-batch, stage)."""
+
+    def __init__(self) -> None:
+        self.pending: dict[Key, list[Callable[[], None]]] = {}
+
+    def run(self, key: Key) -> int:
+        """Do the weight gradients queued under ``key``; returns how many layers."""
+        work = self.pending.pop(key, [])
+        for fn in reversed(work):  # the order the backward met them in: last layer first
+            fn()
+        return len(work)
+
+    def clear(self) -> None:
+        self.pending.clear()
+
+
+@contextlib.contextmanager
+def deferring(store: WeightGrads, key: Key) -> Iterator[None]:
+    """While inside, deferrable layers queue their weight gradients in ``store`` under ``key``."""
+    store.pending.setdefault(key, [])
+    _ACTIVE.append((store, key))
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def _accumulate(params: list[torch.Tensor | None], grads: list[torch.Tensor | None]) -> None:
+    pairs = [(p, g.to(p.dtype)) for p, g in zip(params, grads)
+             if p is not None and g is not None and p.requires_grad]
+    if pairs:
+        torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
+
+
+def _queue_or_run(weight_grad: Callable[[], None]) -> None:
+    """Queue the weight gradients for the running I's W, or (a backward outside a split schedule's I, say
+    the user's own) accumulate them now."""
+    if _ACTIVE:
+        store, key = _ACTIVE[-1]
+        store.pending[key].append(weight_grad)
+    else:
+        weight_grad()
+
+
+class _Conv(torch.autograd.Function):
+    """The parameters come in detached: autograd must not reach their accumulators in the I (it would run
+    their post-accumulate hooks, and the gradient sum would start on gradients that are not there yet);
+    the weight gradients are accumulated through autograd when the W runs."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, conv: Any, anchor: Any) -> torch.Tensor:
+        w, b = conv.weight.detach(), None if conv.bias is None else conv.bias.detach()
+        dt = _autocast_dtype(x.device.type)
+        xc, wc, bc = (x, w, b) if dt is None else (x.to(dt), w.to(dt), None if b is None else b.to(dt))
+        with torch.autocast(x.device.type, enabled=False):
+            y = conv._op(xc, wc, bc)
+        ctx.save_for_backward(xc, wc)
+        ctx.conv, ctx.xdtype = conv, x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:
+        xc, wc = ctx.saved_tensors
+        conv = ctx.conv
+        gx = conv._backward(gy, xc, wc, (True, False, False))[0].to(ctx.xdtype) if ctx.needs_input_grad[0] else None
+        w, b = conv.weight, conv.bias
+        mask = (False, w.requires_grad, b is not None and b.requires_grad)
+        if mask[1] or mask[2]:
+            def weight_grad() -> None:
+                _, gw, gb = conv._backward(gy, xc, wc, mask)
+                _accumulate([w, b], [gw, gb])
+
+            _queue_or_run(weight_grad)
+        return gx, None, None
+
+
+def _anchor(x: torch.Tensor, m: nn.Module) -> torch.Tensor | None:
+    """A leaf that requires a gradient, for a layer whose input does not (the first layer of a model): the
+    layer's output must still be part of the graph, or its backward (and weight gradient) never runs."""
+    if x.requires_grad or not any(p.requires_grad for p in m.parameters(recurse=False)):
+        return None
+    return torch.zeros((), device=x.device, requires_grad=True)
+
+
+class _DeferrableConv:
+    """Mixin of the deferrable convolutions (forward through :class:`_Conv`)."""
+
+    def _op(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return self._conv_forward(x, w, b)  # type: ignore[attr-defined]
+
+    def _backward(self, gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                  mask: tuple[bool, bool, bool]) -> tuple[Any, Any, Any]:
+        m: Any = self
+        pad = list(m.padding) if not isinstance(m.padding, str) else _same_padding(m)
+        return torch.ops.aten.convolution_backward(gy, x, w, [w.shape[0]], list(m.stride), pad, list(m.dilation),
+                                                   False, [0] * (w.dim() - 2), m.groups, list(mask))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m: Any = self
+        if m.padding_mode != "zeros" or isinstance(m.padding, str) and m.padding == "same" and _uneven_same(m):
+            base: Any = type(self).__mro__[2]
+            return base.forward(self, x)  # the layer's own path (exact, not deferred)
+        return _Conv.apply(x, self, _anchor(x, m))
+
+
+def _same_padding(m: Any) -> list[int]:
+    if m.padding == "valid":
+        return [0] * (m.weight.dim() - 2)
+    return [d * (k - 1) // 2 for d, k in zip(m.dilation, m.kernel_size)]
+
+
+def _uneven_same(m: Any) -> bool:
+    return any((d * (k - 1)) % 2 for d, k in zip(m.dilation, m.kernel_size))
+
+
+class _Linear(torch.autograd.Function):
+    """As :class:`_Conv`, for ``nn.Linear``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, lin: nn.Linear, anchor: Any) -> torch.Tensor:
+        w, b = lin.weight.detach(), None if lin.bias is None else lin.bias.detach()
+        dt = _autocast_dtype(x.device.type)
+        xc, wc, bc = (x, w, b) if dt is None else (x.to(dt), w.to(dt), None if b is None else b.to(dt))
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.linear(xc, wc, bc)
+        ctx.save_for_backward(xc, wc)
+        ctx.lin, ctx.xdtype = lin, x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:
+        xc, wc = ctx.saved_tensors
+        gx = (gy @ wc).to(ctx.xdtype) if ctx.needs_input_grad[0] else None
+        w, b = ctx.lin.weight, ctx.lin.bias
+        want_w, want_b = w.requires_grad, b is not None and b.requires_grad
+        if want_w or want_b:
+            def weight_grad() -> None:
+                g2, x2 = gy.reshape(-1, gy.shape[-1]), xc.reshape(-1, xc.shape[-1])
+                _accumulate([w, b], [g2.t() @ x2 if want_w else None, g2.sum(0) if want_b else None])
+
+            _queue_or_run(weight_grad)
+        return gx, None, None
+
+
+class _DeferrableLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Linear.apply(x, self, _anchor(x, self))
+
+
+_SWAP: dict[type, type] = {}
+for _base in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
+    _SWAP[_base] = type(f"Deferrable{_base.__name__}", (_DeferrableConv, _base), {})
+_SWAP[nn.Linear] = _DeferrableLinear
+
+
+def make_deferrable(module: nn.Module) -> int:
+    """Make ``module``'s convolutions (Conv1d/2d/3d) and linear layers deferrable (exact types only: subclasses
+    with their own forward, transposed convolutions, gems' spatial layers are left alone, computing their
+    weight gradients in ``I``); returns how many. The same objects, parameters and state dict."""
+    n = 0
+    for m in module.modules():
+        cls = _SWAP.get(type(m))
+        if cls is not None:
+            m.__class__ = cls
+            n += 1
+    return n
