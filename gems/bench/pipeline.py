@@ -67,6 +67,14 @@ def _contenders() -> list[dict[str, Any]]:
             dict(label=f"torch Schedule1F1B (m={m})", kind="torch", schedule="1f1b", m=m, B=B),
             dict(label=f"torch ScheduleGPipe (m={m})", kind="torch", schedule="gpipe", m=m, B=B),
         ]
+    # interleaved stages and the split backward (zero bubble), gems against torch on 4 micro-batches of MICRO
+    out += [
+        dict(label="gems interleaved1f1b (v=2, m=4)", kind="gems", schedule="interleaved1f1b", m=4, v=2, B=16),
+        dict(label="torch ScheduleInterleaved1F1B (v=2, m=4)", kind="torch", schedule="interleaved", m=4, v=2, B=16),
+        dict(label="gems zbh1 (m=4)", kind="gems", schedule="zbh1", m=4, B=16),
+        dict(label="gems master (eta=4), split backward", kind="gems", schedule="master", m=1, eta=4, split=True, B=16),
+        dict(label="torch ScheduleInterleavedZeroBubble (v=2, m=4)", kind="torch", schedule="izb", m=4, v=2, B=16),
+    ]
     big = f" ({LARGE}^2)"
     out += [
         dict(label="gems lp" + big, kind="gems", schedule="lp", m=1, B=16, size=LARGE),
@@ -95,7 +103,7 @@ def _data(step: int, B: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _contender(rank: int, world: int, c: dict[str, Any],
-               balances: dict[int, list[int]]) -> tuple[Callable[[int], None], Any, Any]:
+               balances: dict[Any, list[int]]) -> tuple[Callable[[int], None], Any, Any]:
     """Build one contender on this rank: (training step of step index t, its parameters, its optimizer)."""
     import torch.nn.functional as F
 
@@ -107,7 +115,8 @@ def _contender(rank: int, world: int, c: dict[str, Any],
     seq = _model()
     batch = c["B"]
     size = c.get("size", MODEL["size"])
-    balance = balances[size]
+    stages = 2 * int(c.get("v") or 1)
+    balance = balances[size] if stages == 2 else balances[(size, stages)]
     if c.get("cut") == "comm":
         from gems.pipeline.partition import balance_by_comm
 
@@ -123,19 +132,35 @@ def _contender(rank: int, world: int, c: dict[str, Any],
         mesh.build_groups(rank, mirrored=is_mirrored(c["schedule"]))
         runner = apply_pipeline(seq, mesh, rank, loss_fn=lambda o, t, n: F.cross_entropy(o, t, reduction="sum") / batch,
                                 batch_size=batch, schedule=c["schedule"], micro_batches=c["m"],
-                                gems_replicas=c.get("eta"), balance=balance,
-                                sample_shape=(MODEL["in_channels"], size, size))
+                                gems_replicas=c.get("eta"), balance=balance, virtual_stages=c.get("v"),
+                                split_backward=c.get("split", False), sample_shape=(MODEL["in_channels"], size, size))
         params = runner.parameters()
         # the mirrored copies' gradients are summed as `gems run` sums them: bucketed, overlapped with the backward
         reducer = GradientReducer(params, mesh.group("grad") if is_mirrored(c["schedule"]) else None,
                                   CommConf().bucket_mb)
-        backwards = Counter(a.stage for a in runner.actions if a.kind == "B")
+        backwards = Counter(a.stage for a in runner.actions if a.kind in ("B", "W"))
         count = {id(q): backwards[s] for s, part in runner.partitions.items() for q in part.parameters()}
 
         def step(t: int, x: torch.Tensor, y: torch.Tensor) -> None:
             reducer.start_step(expected=lambda q: count[id(q)])
             runner.step(x, y, list(range(t * batch, (t + 1) * batch)), 0, t)
             reducer.finish()
+    elif c["schedule"] in ("interleaved", "izb"):  # torch's looped schedules: stages rank and rank + 2
+        from torch.distributed.pipelining import (PipelineStage, ScheduleInterleaved1F1B,
+                                                  ScheduleInterleavedZeroBubble)
+
+        parts = split(seq, balance)
+        mine = [s for s in range(stages) if s % 2 == rank]
+        pstages = [PipelineStage(parts[s], s, stages, torch.device("cpu")) for s in mine]
+        icls: Any = ScheduleInterleaved1F1B if c["schedule"] == "interleaved" else ScheduleInterleavedZeroBubble
+        isched = icls(pstages, n_microbatches=c["m"], loss_fn=lambda o, t: F.cross_entropy(o, t))
+        params = [p for s in mine for p in parts[s].parameters()]
+
+        def step(t: int, x: torch.Tensor, y: torch.Tensor) -> None:
+            if rank == 0:  # stage 0 reads the input; the last stage (3) is rank 1's
+                isched.step(x)
+            else:
+                isched.step(target=y, losses=[])
     else:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -162,7 +187,7 @@ def _contender(rank: int, world: int, c: dict[str, Any],
     return train_step, params, opt
 
 
-def _bench_rank(rank: int, world: int, contenders: list[dict[str, Any]], balances: dict[int, list[int]], cycles: int,
+def _bench_rank(rank: int, world: int, contenders: list[dict[str, Any]], balances: dict[Any, list[int]], cycles: int,
                 warmup: int) -> dict[str, Any]:
     """Every contender in these two processes, one training step each per cycle, in a rotating order."""
     import torch.distributed as dist
@@ -194,16 +219,20 @@ def _bench_rank(rank: int, world: int, contenders: list[dict[str, Any]], balance
             "param_bytes": [sum(p.numel() * p.element_size() for p in params) for _, params, _ in built]}
 
 
-def _balance(size: int) -> list[int]:
+def _layer_times(size: int) -> list[float]:
     from gems.bootstrap import keep_host_memory
-    from gems.pipeline.partition import balance_by_cost, layer_times
+    from gems.pipeline.partition import layer_times
 
     keep_host_memory()
     torch.set_num_threads(1)
     seq = _model()
-    times = [min(a, b) for a, b in zip(*(layer_times(seq, (MICRO, MODEL["in_channels"], size, size))
-                                         for _ in range(2)))]
-    return balance_by_cost(times, 2)
+    return [min(a, b) for a, b in zip(*(layer_times(seq, (MICRO, MODEL["in_channels"], size, size)) for _ in range(2)))]
+
+
+def _balance(size: int, parts: int = 2) -> list[int]:
+    from gems.pipeline.partition import balance_by_cost
+
+    return balance_by_cost(_layer_times(size), parts)
 
 
 def bench_pipeline(out_dir: str | os.PathLike[str] = "results/bench", cycles: int = 30, warmup: int = 3) -> str:
@@ -218,7 +247,8 @@ def bench_pipeline(out_dir: str | os.PathLike[str] = "results/bench", cycles: in
     from gems.testing import run_world
 
     load_before = os.getloadavg()[0]
-    balances = {size: _balance(size) for size in (MODEL["size"], LARGE)}
+    balances: dict[Any, list[int]] = {size: _balance(size) for size in (MODEL["size"], LARGE)}
+    balances[(MODEL["size"], 4)] = _balance(MODEL["size"], 4)  # the interleaved rows: v = 2 stages per rank
     balance = balances[MODEL["size"]]
     res = run_world(_bench_rank, 2, CONTENDERS, balances, cycles, warmup, timeout=1800)
     load_after = os.getloadavg()[0]
@@ -274,6 +304,19 @@ def bench_pipeline(out_dir: str | os.PathLike[str] = "results/bench", cycles: in
                        f"({paired(f'gems master (eta={m})', f'torch ScheduleGPipe (m={m})')}) (goal >= 1.2x; the bubble bound is "
                        f"{ideal:.2f}x); gems 1f1b over torch Schedule1F1B "
                        f"{by[f'gems 1f1b (m={m})'] / by[f'torch Schedule1F1B (m={m})']:.2f}x (same schedule: runtime overhead)")
+    def vs(a: str, b: str) -> str:
+        return f"**{by[a] / by[b]:.2f}x** ({paired(a, b)})"
+
+    summary += [
+        f"- interleaved stages, v = 2 per rank, 4 micro-batches of {MICRO}: gems interleaved1f1b over torch "
+        f"ScheduleInterleaved1F1B {vs('gems interleaved1f1b (v=2, m=4)', 'torch ScheduleInterleaved1F1B (v=2, m=4)')}; "
+        f"over gems 1f1b on 2 stages {vs('gems interleaved1f1b (v=2, m=4)', 'gems 1f1b (m=4)')} (the bubble it saves "
+        "against the messages it adds)",
+        f"- zero bubble, 4 micro-batches of {MICRO}: gems zbh1 over gems 1f1b {vs('gems zbh1 (m=4)', 'gems 1f1b (m=4)')}; "
+        f"over torch ScheduleInterleavedZeroBubble (v = 2, on 4 stages) "
+        f"{vs('gems zbh1 (m=4)', 'torch ScheduleInterleavedZeroBubble (v=2, m=4)')}; master (eta=4) with the split "
+        f"backward over master (eta=4) {vs('gems master (eta=4), split backward', 'gems master (eta=4)')}",
+    ]
     env = (f"{platform.machine()}, {os.cpu_count()} cores, load average {load_before:.1f} before and {load_after:.1f} "
            f"after (other work on the machine slows the concurrent schedules most); Python {platform.python_version()}, "
            f"torch {torch.__version__}, gloo, 2 ranks x 1 thread, each rank pinned to its own core when there are two")
