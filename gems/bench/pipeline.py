@@ -146,8 +146,7 @@ def _contender(rank: int, world: int, c: dict[str, Any],
             runner.step(x, y, list(range(t * batch, (t + 1) * batch)), 0, t)
             reducer.finish()
     elif c["schedule"] in ("interleaved", "izb"):  # torch's looped schedules: stages rank and rank + 2
-        from torch.distributed.pipelining import (PipelineStage, ScheduleInterleaved1F1B,
-                                                  ScheduleInterleavedZeroBubble)
+        from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
 
         parts = split(seq, balance)
         mine = [s for s in range(stages) if s % 2 == rank]
