@@ -28,7 +28,8 @@ commands:
   bench NAME             side-by-side benchmark: overhead, spatial, pipeline
 
 overrides: key=value (train.steps=10), group=option (model=unet3d cluster=local_slurm),
-           +experiment=NAME (see conf/experiment/). Keys: see conf/ and gems/config.py.
+           +experiment=NAME (see conf/experiment/). `gems run --help` lists every key with its default
+           and meaning; `gems run [OVERRIDES] --cfg job` prints the composed configuration.
 """
 
 
@@ -45,7 +46,26 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if "-h" in rest or "--help" in rest:
-        print(USAGE)
+        if cmd in ("run", "sweep", "plan", "render"):
+            from gems.config import help_text
+
+            print(help_text(cmd))
+        else:
+            print(USAGE)
+        return 0
+    if cmd in ("run", "sweep", "plan", "render") and "--cfg" in rest:  # as Hydra users expect: the composed job
+        i = rest.index("--cfg")
+        what = rest[i + 1] if i + 1 < len(rest) else "job"
+        if what != "job":
+            _err(f"--cfg={what}: expected --cfg job")
+            return 2
+        from gems.config import compose, to_yaml
+
+        try:
+            print(to_yaml(compose([a for a in rest[:i] + rest[i + 2:]], check=False)), end="")
+        except ConfigError as e:
+            _err(str(e))
+            return 2
         return 0
     commands: dict[str, Callable[[list[str]], int]] = {
         "run": cmd_run, "sweep": cmd_sweep, "results": cmd_results, "render": cmd_render,

@@ -340,11 +340,51 @@ def _omegaconf_error(e: BaseException) -> ConfigError:
     key = getattr(e, "full_key", None) or "config"
     msg = str(e).splitlines()[0]
     if "not in struct" in msg or "Missing key" in msg or "Key '" in msg:
-        return ConfigError(key, "?", "a key that exists in the schema (gems/config.py); new keys take a + prefix")
+        near = nearest_key(str(key))
+        hint = f"{near}, the nearest key" if near else "a key that exists in the schema (gems/config.py)"
+        return ConfigError(key, "?", f"{hint} (`gems run --help` lists them; new keys take a + prefix)")
     m = re.search(r"Value '(.*)' of type '(\w+)' could not be converted to (\w+)", msg)
     if m:
         return ConfigError(key, m.group(1), f"a value of type {m.group(3).lower()}")
     return ConfigError(key, "?", msg)
+
+
+def nearest_key(name: str) -> str | None:
+    """The schema key closest to a misspelt ``name`` (``train.stepz`` -> ``train.steps``), if one is close."""
+    import difflib
+
+    keys = list(schema_keys())
+    got = difflib.get_close_matches(name, keys, n=1, cutoff=0.6)
+    if not got and "." in name:  # a right key in the wrong section, or a section misspelt
+        leaf = name.rsplit(".", 1)[1]
+        got = difflib.get_close_matches(leaf, [k.rsplit(".", 1)[1] for k in keys], n=1, cutoff=0.75)
+        got = [next(k for k in keys if k.endswith("." + got[0]))] if got else []
+    return got[0] if got else None
+
+
+def help_text(command: str) -> str:
+    """The keys every command takes, with their defaults and meaning, from the schemas."""
+    import dataclasses
+
+    lines = [f"gems {command} [OVERRIDES]: key=value, group=option, +experiment=NAME", "",
+             "groups: " + ", ".join(f"{g}=[{'|'.join(_group_options(g))}]" for g in GROUP_SCHEMAS if _group_options(g)),
+             ""]
+    for sec, cls in SECTIONS.items():
+        lines.append(f"{sec}:")
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                default = f.default_factory()  # type: ignore[misc]
+            else:
+                default = "(required)"
+            allowed = choices_of(f"{sec}.{f.name}")
+            extra = f" [{' | '.join(allowed)}]" if allowed else (f" [{_bounds_text(meta)}]" if _bounds_text(meta) else "")
+            lines.append(f"  {sec}.{f.name}={default}{extra}  {meta.get('help', '')}".rstrip())
+        lines.append("")
+    lines.append("`gems COMMAND [OVERRIDES] --cfg job` prints the composed configuration.")
+    return "\n".join(lines)
 
 
 def validate(cfg: DictConfig, relations: bool = True) -> None:
