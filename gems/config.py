@@ -207,7 +207,7 @@ def choices_of(name: str) -> tuple[str, ...] | None:
     return tuple(got()) if callable(got) else got
 
 
-def _bounds_text(meta: dict[str, Any]) -> str:
+def _bounds_text(meta: Any) -> str:
     parts = []
     if meta.get("ge") is not None:
         parts.append(f">= {meta['ge']:g}")
