@@ -20,8 +20,12 @@ commands:
   run [OVERRIDES]        one training job (default: small CosmoFlow on this machine)
   sweep [OVERRIDES]      one job per combination of comma-separated values (a=1,2 b=x,y),
                          or the sweep of +experiment=NAME; then the table and plot
+  sweep ... --detach     on Slurm: submit every point, write the manifest, return at once
+  status [SWEEP]         each point's state (done, failed and why, pending, running)
+  cancel SWEEP           cancel the points of a study that have not finished
   results [DIR]          aggregate records under DIR (default results/) into table.md,
-                         table.csv and scaling.png per sweep
+                         table.csv and scaling.png per study, beside the records
+  results --compare A B  two studies side by side, matched by world size, with ratios
   render [OVERRIDES]     print the sbatch script this configuration would submit
   plan [OVERRIDES]       memory plan per rank without starting the world
   data synth [OVERRIDES] write a synthetic HDF5 dataset (data.path, data.num_samples)
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     commands: dict[str, Callable[[list[str]], int]] = {
         "run": cmd_run, "sweep": cmd_sweep, "results": cmd_results, "render": cmd_render,
-        "plan": cmd_plan, "data": cmd_data, "bench": cmd_bench,
+        "plan": cmd_plan, "data": cmd_data, "bench": cmd_bench, "status": cmd_status, "cancel": cmd_cancel,
     }
     if cmd not in commands:
         _err(f"command={cmd}: expected one of {', '.join(commands)}")
@@ -196,7 +200,7 @@ def print_rows(records: list[dict[str, Any]]) -> None:
     t = Table(show_header=True, header_style="bold")
     for c in cols:
         t.add_column(c)
-    for row in rows_for(records):
+    for row in rows_for(records, sweep=False):
         t.add_row(*[f"{row[c]:.4g}" if isinstance(row[c], float) else str(row[c]) for c in cols])
     Console(width=None if sys.stdout.isatty() else 200).print(t)
 
@@ -248,70 +252,145 @@ def expand_sweep(overrides: list[str]) -> tuple[list[list[str]], dict[str, Any]]
         if o.is_sweep_override():
             axes.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
     combos = [base + list(c) for c in itertools.product(*axes)] if axes else [base]
-    meta = {"experiment": next((o.value() for o in parsed if o.get_key_element() in ("+experiment", "experiment")), None)}
+    meta = {"experiment": next((o.value() for o in parsed if o.get_key_element() in ("+experiment", "experiment")), None),
+            "base": base}
     return combos, meta
 
 
-def cmd_sweep(overrides: list[str]) -> int:
-    from omegaconf import open_dict
+def cmd_sweep(args: list[str]) -> int:
+    """Every point of a study (gems/study.py): checked first, the done ones skipped, run here or submitted."""
+    from gems import study
+    from gems.errors import Cancelled
 
-    from gems.config import compose
-    from gems.results.table import aggregate
-
-    combos, meta = expand_sweep(overrides)
-    cfgs = []
-    sweep_name = None
-    for combo in combos:  # compose and validate every job before any runs
-        cfg = compose(combo)
-        if sweep_name is None:
-            sweep_name = cfg.results.get("sweep") or (f"{meta['experiment']}" if meta["experiment"] else None) \
-                or f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
-        with open_dict(cfg):
-            cfg.results.sweep = sweep_name
-            cfg.results.dir = str(Path(cfg.results.dir) / sweep_name)
-        cfgs.append(_prepare(cfg))
-    print(f"sweep {sweep_name}: {len(cfgs)} job(s)", flush=True)
-    records = []
-    if cfgs[0].cluster.launcher == "slurm":
+    detach = "--detach" in args
+    combos, meta = expand_sweep([a for a in args if a != "--detach"])
+    plan = study.plan(combos, meta["base"], meta["experiment"], detach)
+    print(study.describe(plan), flush=True)
+    results_dir = str(plan.folder.parent)
+    to_run = plan.to_run
+    records: list[dict[str, Any]] = []
+    study.save(plan)  # the manifest before the first job: a study interrupted now is still found
+    if to_run and to_run[0].cfg.cluster.launcher == "slurm":
         from gems.launch import slurm
 
-        records = slurm.launch_all(cfgs)
+        runs = slurm.submit_all([q.cfg for q in to_run])
+        study.save(plan, {(q.point, q.repeat): {"job_id": r.job_id, "job_dir": str(r.job_dir), "run_id": r.run_id}
+                          for q, r in zip(to_run, runs)})
+        shares = _shared_cores_note(to_run)
+        if shares:
+            print(f"gems: note: {shares}", file=sys.stderr, flush=True)
+        if plan.detach:
+            print(f"submitted {len(runs)} job(s) ({', '.join(r.job_id for r in runs)}); "
+                  + study.follow_text(plan.sweep, results_dir), flush=True)
+            return 0
+        try:
+            outcomes = slurm.wait(runs, on_cancel="leave")
+        except Cancelled as c:
+            c.detail = f"{c.detail}; {study.follow_text(plan.sweep, results_dir)}"
+            raise
+        records = [slurm.record_of(r, o) for r, o in zip(runs, outcomes)]
     else:
-        for i, cfg in enumerate(cfgs):
-            print(f"[{i + 1}/{len(cfgs)}] {cfg.run_id}", flush=True)
-            records.append(launch_one(cfg))
-    print_rows(records)
-    root = Path(cfgs[0].results.dir).parent
-    out = aggregate(root, only_sweep=sweep_name)
-    for folder in out.values():
-        print(f"table: {folder / 'table.md'}\nplot: {folder / 'scaling.png'}")
-    failed = [r for r in records if r.get("status") != "ok"]
+        for i, q in enumerate(to_run):
+            print(f"[{i + 1}/{len(to_run)}] {q.cfg.run_id} ({q.point}{f', repeat {q.repeat}' if q.repeat else ''})",
+                  flush=True)
+            records.append(launch_one(q.cfg))
+    if records:
+        print_rows(records)
+    return _collect(plan.folder, only=plan.sweep, ran=records)
+
+
+def _shared_cores_note(points: list[Any]) -> str:
+    """On the Slurm test cluster every point runs at once on the same host's cores: say so."""
+    cfg = points[0].cfg
+    if cfg.cluster.name != "local_slurm" or len(points) < 2:
+        return ""
+    return ("the points of this study run at once on the test cluster, whose nodes share this host's cores: "
+            "their timings measure contention, not scaling (run the points one by one for timings)")
+
+
+def _collect(root: Path, only: str | None = None, ran: list[dict[str, Any]] | None = None) -> int:
+    """Write and print the tables of ``root``; exit 1 when a run failed or a reference was missed."""
+    from gems.results.table import markdown, write_studies
+
+    studies, skipped = write_studies(root, only_sweep=only)
+    for path, why in skipped[:5]:
+        print(f"gems: warning: skipped {path}: {why}", file=sys.stderr)
+    if len(skipped) > 5:
+        print(f"gems: warning: skipped {len(skipped) - 5} more unreadable record(s)", file=sys.stderr)
+    bad_refs = []
+    for s in studies:
+        if ran is None:
+            print(markdown(s.rows, s.title))
+        print(f"table: {s.folder / 'table.md'}" + (f"\nplot: {s.folder / 'scaling.png'}" if s.sweep else ""))
+        bad_refs += s.failed_references()
+    failed = [r for r in (ran or []) if r.get("status") != "ok"]
     if failed:
-        _err(f"{len(failed)} of {len(records)} job(s) failed: " + "; ".join(f"{r['run_id']}: {r.get('error')}" for r in failed))
-        return 1
-    return 0
+        _err(f"{len(failed)} of {len(ran or [])} job(s) failed: " +
+             "; ".join(f"{r['run_id']}: {r.get('error')}" for r in failed))
+    if bad_refs:
+        _err(f"{len(bad_refs)} point(s) missed their reference: " + "; ".join(bad_refs))
+    return 1 if failed or bad_refs else 0
 
 
 # ---------------------------------------------------------------------------- results, render, plan, data, bench
 def cmd_results(args: list[str]) -> int:
+    """``gems results [DIR]`` (tables beside the records) or ``gems results --compare A B`` (two studies)."""
     from gems.errors import ConfigError
     from gems.paths import readable_dir, writable_dir
-    from gems.results.table import aggregate, load_records, markdown, rows_for
 
+    if args and args[0] == "--compare":
+        if len(args) != 3:
+            raise ConfigError("results --compare", " ".join(args[1:]), "two studies: `gems results --compare A B` "
+                              "(sweep folders, or sweep names under results/)")
+        from gems.results.compare import compare
+
+        return compare(args[1], args[2])
     if len(args) > 1:
         raise ConfigError("results", " ".join(args), "at most one folder: `gems results [DIR]`")
     if args and ("=" in args[0] or args[0].startswith("-")):
         raise ConfigError("results", args[0], "a folder of records, e.g. `gems results results/` (no overrides)")
     root = readable_dir("results DIR", args[0] if args else "results", "a folder holding gems records")
     writable_dir("results DIR", root, "a folder gems can write the tables into")
-    out = aggregate(root)
-    by_sweep: dict[str, list[dict[str, Any]]] = {}
-    for r in load_records(root):
-        by_sweep.setdefault(r.get("sweep") or "runs", []).append(r)
-    for sweep, folder in out.items():
-        print(markdown(rows_for(by_sweep[sweep]), sweep))
-        print(f"written: {folder / 'table.md'}, {folder / 'table.csv'}, {folder / 'scaling.png'}\n")
+    return _collect(root)
+
+
+def cmd_status(args: list[str]) -> int:
+    """``gems status [SWEEP] [results.dir=DIR]``: each point's state."""
+    from gems import study
+
+    name, results_dir = _study_args("status", args)
+    for folder in study.find(name, results_dir):
+        study.print_status(folder)
     return 0
+
+
+def cmd_cancel(args: list[str]) -> int:
+    """``gems cancel SWEEP [results.dir=DIR]``: cancel the jobs of the study that have not finished."""
+    from gems import study
+    from gems.errors import ConfigError
+
+    name, results_dir = _study_args("cancel", args)
+    if not name:
+        raise ConfigError("cancel", "", "a sweep: `gems cancel SWEEP` (see `gems status`)")
+    (folder,) = study.find(name, results_dir)
+    ids = study.cancel(folder)
+    print(f"cancelled Slurm job(s) {', '.join(ids)} of {folder.name}" if ids
+          else f"{folder.name}: no job left to cancel")
+    return 0
+
+
+def _study_args(cmd: str, args: list[str]) -> tuple[str | None, str]:
+    from gems.errors import ConfigError
+
+    name, results_dir = None, "results"
+    for a in args:
+        if a.startswith("results.dir="):
+            results_dir = a.split("=", 1)[1]
+        elif "=" in a or a.startswith("-") or name is not None:
+            raise ConfigError(cmd, a, f"`gems {cmd} [SWEEP] [results.dir=DIR]`")
+        else:
+            name = a
+    return name, results_dir
 
 
 def cmd_render(overrides: list[str]) -> int:

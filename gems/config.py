@@ -141,7 +141,16 @@ class ResultsConf:
     dir: str = key("results", "where records go")
     name: Optional[str] = key(None, "run name (default: derived from model and mesh)")
     sweep: Optional[str] = key(None, "sweep this run belongs to")
-    scaling: str = key("weak", "how `gems results` computes efficiency", choices=("weak", "strong"))
+    scaling: str = key("auto", "how `gems results` computes efficiency: weak (the batch grows with the world), strong "
+                               "(a fixed batch), or auto (inferred from the points)", choices=("auto", "weak", "strong"))
+    repeats: int = key(1, "runs of each point of a sweep (the table gives medians and their spread)", ge=1)
+    rerun: str = key("failed", "running a sweep again: re-run its failed and missing points, all of them, or none "
+                               "(only the missing ones)", choices=("failed", "all", "none"))
+    reference: dict = key(help="expected figures per world size (or *): {throughput|efficiency|step_time: [low, "
+                               "high]}; `gems results` marks each point and exits 1 when one fails", factory=dict)
+    detach: bool = key(False, "Slurm sweeps: submit every point, write the manifest and return at once")
+    point: Optional[str] = key(None, "set by gems sweep: the point of the sweep this run is")
+    repeat: int = key(0, "set by gems sweep: which repeat of its point this run is", ge=0)
 
 
 @dataclass

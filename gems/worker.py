@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import socket
 import statistics
 import sys
 import time
@@ -500,12 +501,14 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
     if world.size > 1:
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank ends
         gathered: list[Any] = [None] * world.size
-        dist.all_gather_object(gathered, (world.hostname, peak, tensor_peak))
+        dist.all_gather_object(gathered, (world.hostname, peak, tensor_peak, socket.gethostname()))
         hosts = [g[0] for g in gathered]
         peaks = [int(g[1]) for g in gathered]
         tensor_peaks = [g[2] for g in gathered]
+        machines = [g[3] for g in gathered]
     else:
         tensor_peaks = [tensor_peak]
+        machines = [socket.gethostname()]
     step_times = times.tolist()
     # samples per step: the whole global batch (every replica line trains B/R; eta replicas included)
     samples = par.samples_per_step * R
@@ -513,6 +516,7 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
         cfg, world, mesh, losses=losses, step_times=step_times, global_batch=samples,
         breakdown=breakdown, peaks=peaks, hosts=hosts, wall_s=time.time() - t_start, restarts=restarts,
         tensor_peaks=tensor_peaks if all(t is not None for t in tensor_peaks) else None, balance=par.balance,
+        machines=machines,
     )
     record["host_memory"] = host_memory.summary
     if par.notes:

@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,7 @@ def git_commit() -> str | None:
         return None
 
 
-def env_info(world: Any = None, hosts: list[str] | None = None) -> dict[str, Any]:
+def env_info(world: Any = None, hosts: list[str] | None = None, machines: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     gpu = None
@@ -95,6 +96,10 @@ def env_info(world: Any = None, hosts: list[str] | None = None) -> dict[str, Any
         "hostnames": sorted(set(hosts or [platform.node()])),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
         "launcher": None if world is None else world.source,
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        # the most ranks on one physical machine (several slurmd "nodes" of one host share its cores)
+        "ranks_sharing_cpus": max(Counter(machines).values()) if machines else None,
         "git_commit": git_commit(),
     }
 
@@ -102,7 +107,7 @@ def env_info(world: Any = None, hosts: list[str] | None = None) -> dict[str, Any
 def build_record(cfg: Any, world: Any, mesh: Any, *, losses: list[float], step_times: list[float],
                  global_batch: int, breakdown: dict[str, float], peaks: list[int], hosts: list[str],
                  wall_s: float, restarts: int = 0, tensor_peaks: list[int] | None = None,
-                 balance: list[int] | None = None) -> dict[str, Any]:
+                 balance: list[int] | None = None, machines: list[str] | None = None) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     median = statistics.median(step_times) if step_times else float("nan")
@@ -111,6 +116,8 @@ def build_record(cfg: Any, world: Any, mesh: Any, *, losses: list[float], step_t
         "run_id": cfg.run_id,
         "name": default_name(cfg),
         "sweep": cfg.results.get("sweep"),
+        "point": cfg.results.get("point"),
+        "repeat": int(cfg.results.get("repeat") or 0),
         "status": "ok",
         "config": OmegaConf.to_container(cfg, resolve=True),
         "world_size": world.size,
@@ -133,7 +140,7 @@ def build_record(cfg: Any, world: Any, mesh: Any, *, losses: list[float], step_t
         "loss": [float(x) for x in losses],
         "restarts": restarts,
         "wall_s": wall_s,
-        "env": env_info(world, hosts),
+        "env": env_info(world, hosts, machines),
     }
 
 
@@ -149,7 +156,7 @@ def failed_record(cfg: Any, error: str, world_size: int | None = None, hosts: li
     mesh = mesh_from_config(cfg)
     return {
         "schema": SCHEMA, "run_id": cfg.run_id, "name": default_name(cfg), "sweep": cfg.results.get("sweep"),
-        "status": "failed", "error": error, "failure": failure or {"kind": "exit"},
+        "point": cfg.results.get("point"), "repeat": int(cfg.results.get("repeat") or 0), "status": "failed", "error": error, "failure": failure or {"kind": "exit"},
         "config": OmegaConf.to_container(cfg, resolve=True),
         "world_size": world_size or mesh.size, "nodes": len(set(hosts or [])) or int(cfg.cluster.nodes),
         "mesh": {"replicas": mesh.replicas, "pipeline": mesh.pipeline, "spatial": mesh.spatial,

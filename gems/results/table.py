@@ -1,11 +1,30 @@
-"""``gems results``: records -> ``table.md``, ``table.csv`` and ``scaling.png`` per sweep.
+"""``gems results``: records -> ``table.md``, ``table.csv`` and a plot per study.
 
-Records are grouped by their ``sweep`` field (single runs form the group
-``runs``). Within a sweep the rows are sorted by world size and compared
-with the smallest world of that sweep (p0): speedup is the throughput ratio;
-weak-scaling efficiency is T(p0)/T(p) of the median step times, strong
-scaling efficiency is p0*T(p0) / (p*T(p)). Failed runs stay in the table
-with their error, so a sweep's holes are visible.
+Records are grouped by the folder that holds them and their ``sweep`` (so two
+studies of one name in different folders, a local and a Slurm one, stay apart;
+tables are written beside the records, never into new folders). Single runs
+(no sweep) get a plain table: no speedup or efficiency across unrelated runs.
+
+Within a sweep every *point* (one combination of the sweep's values) is one
+row: its repeats (``results.repeats``) give the median throughput and step time
+and their spread (min-max); a point re-run with ``results.rerun=all`` keeps its
+newest record per repeat. Points that have not finished (from the sweep's
+manifest) are listed as pending, running or lost. A failed or diverged point
+has no throughput, speedup or efficiency.
+
+Scaling: ``results.scaling=auto`` infers it from the points: the global batch
+growing with the world is weak scaling (efficiency T(p0)/T(p) of median step
+times), a fixed batch is strong scaling (p0 T(p0) / (p T(p))); anything else has
+no efficiency. Speedup and efficiency compare like with like only: one model,
+and within one *series* (the points that differ in world size alone); p0 is the
+series' smallest world. A sweep whose points all have one world size is a
+comparison: it is plotted as labelled bars. Points whose ranks outnumber their
+node's cores or GPUs are marked oversubscribed (their timings measure
+contention, not scaling).
+
+References (``results.reference``) bound a point's throughput, efficiency or
+step time: each point is marked pass or fail, and :func:`aggregate` reports
+the failures (``gems results`` exits 1).
 """
 from __future__ import annotations
 
@@ -13,6 +32,8 @@ import csv
 import io
 import json
 import math
+import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,22 +41,45 @@ from gems.errors import ConfigError
 
 COLUMNS = ("name", "status", "world", "nodes", "mesh", "schedule", "batch", "samples/s", "samples/s/gpu",
            "speedup", "efficiency", "step_s", "compute_s", "halo_s", "pipe_comm_s", "allreduce_s", "wait_s",
-           "data_s", "peak_mem_MiB", "tensor_mem_MiB", "final_loss")
+           "data_s", "peak_mem_MiB", "tensor_mem_MiB", "final_loss", "n", "samples/s_min", "samples/s_max",
+           "reference", "note")
+#: what a reference may bound
+REFERENCE_KEYS = {"throughput": "samples/s", "efficiency": "efficiency", "step_time": "step_s"}
+#: the keys that make a point and are not part of the point's identity
+_RUN_KEYS = ("run_id",)
+
+
+@dataclass
+class Loaded:
+    records: list[dict[str, Any]]
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, why)
 
 
 def load_records(root: Path) -> list[dict[str, Any]]:
-    out = []
+    return load(root).records
+
+
+def load(root: Path) -> Loaded:
+    """Every gems record under ``root`` (job folders excluded), and what could not be read."""
+    out: list[dict[str, Any]] = []
+    skipped: list[tuple[str, str]] = []
     for p in sorted(root.rglob("*.json")):
-        if ".jobs" in p.parts or p.name.startswith("."):
+        if ".jobs" in p.parts or p.name.startswith(".") or p.name in ("sweep.json",):
             continue
         try:
             r = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError):
+        except OSError as e:
+            skipped.append((str(p), e.strerror or str(e)))
+            continue
+        except json.JSONDecodeError as e:
+            skipped.append((str(p), f"not JSON ({e.msg})"))
             continue
         if isinstance(r, dict) and str(r.get("schema", "")).startswith("gems.record/"):
             r["_path"] = str(p)
             out.append(r)
-    return out
+        elif isinstance(r, dict) and "status" in r and "run_id" in r:
+            skipped.append((str(p), f"schema {r.get('schema')!r} is not gems.record/*"))
+    return Loaded(out, skipped)
 
 
 def _mesh(r: dict[str, Any]) -> str:
@@ -48,43 +92,186 @@ def measured(r: dict[str, Any]) -> bool:
     return r.get("status") == "ok" and not r.get("diverged")
 
 
-def rows_for(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    recs = sorted(records, key=lambda r: (r.get("world_size") or 0, r.get("run_id") or ""))
-    ok = [r for r in recs if measured(r)]
-    base = ok[0] if ok else None
-    rows = []
-    for r in recs:
-        row: dict[str, Any] = {c: "" for c in COLUMNS}
-        status = "diverged" if r.get("status") == "ok" and r.get("diverged") else r.get("status")
-        row.update(name=r.get("name"), status=status, world=r.get("world_size"), nodes=r.get("nodes"),
-                   mesh=_mesh(r), schedule=r.get("schedule"), batch=r.get("global_batch"))
-        if measured(r) and base is not None:
-            p, p0 = r["world_size"], base["world_size"]
-            t, t0 = r["step_time_s"]["median"], base["step_time_s"]["median"]
-            thr = r["throughput_samples_per_s"]
-            scaling = ((r.get("config") or {}).get("results") or {}).get("scaling", "weak")
-            eff = (t0 / t) if scaling == "weak" else (p0 * t0) / (p * t)
-            bd = r.get("time_breakdown_s") or {}
-            loss = r.get("loss") or [math.nan]
-            row.update({
-                "samples/s": thr, "samples/s/gpu": thr / p, "speedup": thr / base["throughput_samples_per_s"],
-                "efficiency": eff, "step_s": t, "compute_s": bd.get("compute"), "halo_s": bd.get("halo"),
-                "pipe_comm_s": bd.get("pipeline_comm"), "allreduce_s": bd.get("allreduce"),
-                "wait_s": bd.get("bubble_or_wait"), "data_s": bd.get("data"),
-                "peak_mem_MiB": r["peak_memory_bytes"]["max"] / 2**20,
-                # CPU records: the tensor memory a GPU would count (peak_mem_MiB is RSS growth there)
-                "tensor_mem_MiB": (r["peak_memory_bytes"]["tensor_max"] / 2**20
-                                   if "tensor_max" in r["peak_memory_bytes"] else None),
-                "final_loss": loss[-1],
-                "_scaling": scaling,
-            })
-        elif r.get("diverged"):
-            steps = r.get("nonfinite_steps") or []
-            row["final_loss"] = f"non-finite loss at step(s) {', '.join(str(x) for x in steps[:5])}"
-        else:
-            row["final_loss"] = (r.get("error") or "")[:80]
-        rows.append(row)
-    return rows
+def _status(r: dict[str, Any]) -> str:
+    return "diverged" if r.get("status") == "ok" and r.get("diverged") else str(r.get("status"))
+
+
+def point_of(r: dict[str, Any]) -> str:
+    """The sweep point a record belongs to (its combination of the sweep's values)."""
+    if r.get("point"):
+        return str(r["point"])
+    return f"{r.get('name')}|b{r.get('global_batch')}"
+
+
+def oversubscribed(r: dict[str, Any]) -> bool:
+    """Ranks per node beyond the node's GPUs (GPU ranks) or CPUs (CPU ranks x threads), where the record says."""
+    env, world, nodes = r.get("env") or {}, r.get("world_size") or 0, max(1, r.get("nodes") or 1)
+    per_node = world / nodes
+    if env.get("device") == "cuda" and env.get("gpus"):
+        return per_node > int(env["gpus"])
+    if env.get("device") == "cpu" and env.get("cpus"):
+        threads = int(((r.get("config") or {}).get("train") or {}).get("threads") or 1)
+        shared = int(env.get("ranks_sharing_cpus") or per_node)
+        return shared * max(1, threads) > int(env["cpus"])
+    return False
+
+
+def scaling_mode(points: list[dict[str, Any]], asked: str) -> str | None:
+    """weak, strong or None (no efficiency): ``asked`` unless auto, else from how the batch follows the world."""
+    if asked in ("weak", "strong"):
+        return asked
+    pairs = {(p["world"], p["batch"]) for p in points if p["world"]}
+    if len({w for w, _ in pairs}) < 2:
+        return None
+    if len({b for _, b in pairs}) == 1:
+        return "strong"
+    if len({b / w for w, b in pairs}) == 1:
+        return "weak"
+    return None
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else math.nan
+
+
+def _series_key(r: dict[str, Any]) -> tuple[Any, ...]:
+    """What a point is besides its world: model, schedule, micro-batches, precision... (not R, D, S, batch)."""
+    c = r.get("config") or {}
+    p = c.get("parallel") or {}
+    m = c.get("model") or {}
+    t = c.get("train") or {}
+    return (m.get("name"), m.get("size"), m.get("depth"), m.get("width"), r.get("schedule"), p.get("micro_batches"),
+            p.get("gems_replicas"), p.get("virtual_stages"), p.get("split_backward"), p.get("checkpoint"),
+            t.get("precision"), (r.get("env") or {}).get("device"))
+
+
+def rows_for(records: list[dict[str, Any]], sweep: bool = True, scaling: str = "auto",
+             reference: dict[str, Any] | None = None, unfinished: list[dict[str, Any]] | None = None
+             ) -> list[dict[str, Any]]:
+    """The table rows of one study (``sweep``) or of single runs (no speedup or efficiency)."""
+    if not sweep:
+        return [_row_of([r]) for r in sorted(records, key=lambda r: r.get("run_id") or "")]
+    # the newest record per (point, repeat): a re-run point replaces what it re-ran
+    newest: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in sorted(records, key=lambda r: (r.get("run_id") or "")):
+        newest[(point_of(r), int(r.get("repeat") or 0))] = r
+    by_point: dict[str, list[dict[str, Any]]] = {}
+    for (pt, _), r in sorted(newest.items()):
+        by_point.setdefault(pt, []).append(r)
+    rows = [_row_of(rs) for rs in by_point.values()]
+    groups = [(rs, row) for rs, row in zip(by_point.values(), rows)]
+    measured_pts = [row for rs, row in groups if row["_ok"]]
+    models = {(row["_model"]) for row in measured_pts}
+    mode = scaling_mode([{"world": row["world"], "batch": row["batch"]} for row in measured_pts], scaling) \
+        if len(models) == 1 else None
+    # speedup and efficiency within each series, against its smallest world
+    series: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for rs, row in groups:
+        series.setdefault(_series_key(rs[0]), []).append(row)
+    for rows_s in series.values():
+        ok = sorted((row for row in rows_s if row["_ok"]), key=lambda row: row["world"])
+        if not ok or len(models) != 1:
+            continue
+        base = ok[0]
+        for row in ok:
+            row["speedup"] = row["samples/s"] / base["samples/s"] if base["samples/s"] else math.nan
+            if mode == "weak":
+                row["efficiency"] = base["step_s"] / row["step_s"]
+            elif mode == "strong":
+                row["efficiency"] = base["world"] * base["step_s"] / (row["world"] * row["step_s"])
+            row["_scaling"] = mode
+    if reference:
+        for row in rows:
+            row["reference"] = check_reference(row, reference)
+    out = sorted(rows, key=lambda row: (row["world"] or 0, str(row["_label"])))
+    for u in unfinished or []:
+        row = {c: "" for c in COLUMNS}
+        row.update(name=u.get("name", ""), status=u.get("state", "pending"), world=u.get("world", ""),
+                   mesh=u.get("mesh", ""), schedule=u.get("schedule", ""), batch=u.get("batch", ""),
+                   note=u.get("why", ""), _ok=False, _label=u.get("label", ""), _model=None, _over=False,
+                   _spread=None, _scaling=None)
+        out.append(row)
+    return out
+
+
+def _row_of(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One point from its records (its repeats)."""
+    r = rs[-1]
+    row: dict[str, Any] = {c: "" for c in COLUMNS}
+    ok = [x for x in rs if measured(x)]
+    statuses = {_status(x) for x in rs}
+    status = "ok" if ok and statuses == {"ok"} else ("diverged" if "diverged" in statuses else
+                                                      "failed" if "failed" in statuses else _status(r))
+    row.update(name=r.get("name"), status=status, world=r.get("world_size"), nodes=r.get("nodes"), mesh=_mesh(r),
+               schedule=r.get("schedule"), batch=r.get("global_batch"), n=len(rs))
+    row["_ok"], row["_model"] = bool(ok) and status == "ok", ((r.get("config") or {}).get("model") or {}).get("name")
+    row["_label"], row["_scaling"], row["_spread"] = r.get("point") or r.get("name"), None, None
+    row["_over"] = any(oversubscribed(x) for x in rs)
+    if row["_ok"]:
+        thr = [float(x["throughput_samples_per_s"]) for x in ok]
+        steps = [float(x["step_time_s"]["median"]) for x in ok]
+        p = int(r.get("world_size") or 1)
+        bd = {k: _median([float((x.get("time_breakdown_s") or {}).get(k) or 0.0) for x in ok])
+              for k in ("compute", "halo", "pipeline_comm", "allreduce", "bubble_or_wait", "data")}
+        mem = [x["peak_memory_bytes"] for x in ok]
+        loss = [((x.get("loss") or [math.nan])[-1]) for x in ok]
+        row.update({
+            "samples/s": _median(thr), "samples/s/gpu": _median(thr) / p, "step_s": _median(steps),
+            "compute_s": bd["compute"], "halo_s": bd["halo"], "pipe_comm_s": bd["pipeline_comm"],
+            "allreduce_s": bd["allreduce"], "wait_s": bd["bubble_or_wait"], "data_s": bd["data"],
+            "peak_mem_MiB": max(m["max"] for m in mem) / 2**20,
+            "tensor_mem_MiB": (max(m["tensor_max"] for m in mem) / 2**20 if all("tensor_max" in m for m in mem)
+                               else None),
+            "final_loss": loss[-1], "samples/s_min": min(thr), "samples/s_max": max(thr),
+        })
+        row["_spread"] = (min(thr), max(thr))
+    elif status == "diverged":
+        steps_nf = [s for x in rs for s in (x.get("nonfinite_steps") or [])]
+        row["final_loss"] = f"non-finite loss at step(s) {', '.join(str(s) for s in sorted(set(steps_nf))[:5])}"
+    else:
+        row["final_loss"] = (next((x.get("error") for x in rs if x.get("error")), "") or "")[:80]
+    if row["_over"]:
+        row["note"] = "oversubscribed: ranks share cores"
+    return row
+
+
+def check_reference(row: dict[str, Any], reference: dict[str, Any]) -> str:
+    """``pass``, ``fail (...)`` or empty: the point against its reference (by world size, else ``"*"``)."""
+    ref = reference.get(str(row["world"]), reference.get("*"))
+    if not ref:
+        return ""
+    if not row["_ok"]:
+        return f"fail ({row['status']})"
+    for what, bounds in ref.items():
+        col = REFERENCE_KEYS.get(what)
+        if col is None:
+            raise ConfigError(f"results.reference.{what}", bounds, "bounds on " + ", ".join(REFERENCE_KEYS))
+        val = row.get(col)
+        if val in ("", None) or (isinstance(val, float) and math.isnan(val)):
+            return f"fail (no {what})"
+        lo, hi = (list(bounds) + [None, None])[:2]
+        if lo is not None and val < float(lo):
+            return f"fail ({what} {val:.4g} < {lo})"
+        if hi is not None and val > float(hi):
+            return f"fail ({what} {val:.4g} > {hi})"
+    return "pass"
+
+
+def check_reference_spec(reference: Any) -> None:
+    """ConfigError for a reference that names no metric gems has, or bounds that are not two numbers."""
+    if not reference:
+        return
+    if not isinstance(reference, dict):
+        raise ConfigError("results.reference", reference, "a mapping: world size (or *) -> {metric: [low, high]}")
+    for where, ref in reference.items():
+        if not isinstance(ref, dict):
+            raise ConfigError(f"results.reference.{where}", ref, "{throughput|efficiency|step_time: [low, high]}")
+        for what, bounds in ref.items():
+            if what not in REFERENCE_KEYS:
+                raise ConfigError(f"results.reference.{where}.{what}", bounds, "bounds on one of " + ", ".join(REFERENCE_KEYS))
+            if not isinstance(bounds, (list, tuple)) or len(bounds) != 2 or not all(
+                    b is None or isinstance(b, (int, float)) for b in bounds):
+                raise ConfigError(f"results.reference.{where}.{what}", bounds, "[low, high] (null for no bound)")
 
 
 def _fmt(v: Any) -> str:
@@ -114,57 +301,120 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
             w.writerow([row[c] if not isinstance(row[c], float) else repr(row[c]) for c in COLUMNS])
 
 
-def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+def plot(rows: list[dict[str, Any]], path: Path, title: str, compare: list[tuple[str, list[dict[str, Any]]]] | None = None
+         ) -> None:
+    """Throughput (with its spread over repeats) and efficiency against the world; labelled bars when every
+    point has the same world (a comparison, not a scaling curve). ``compare``: more studies on the same axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in rows if r["status"] == "ok"]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    if ok:
-        ws = [r["world"] for r in ok]
-        thr = [r["samples/s"] for r in ok]
-        a1.plot(ws, thr, "o-", label="measured")
-        scaling = ok[0].get("_scaling", "weak")
-        ideal = [thr[0] * w / ws[0] for w in ws]
-        a1.plot(ws, ideal, "k--", alpha=0.5, label="ideal")
-        a1.set_xscale("log", base=2)
-        a1.set_xlabel("GPUs / ranks")
+    studies = [(title, rows)] + list(compare or [])
+    ok_all = [r for _, rs in studies for r in rs if r.get("_ok")]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    worlds = {r["world"] for r in ok_all}
+    if ok_all and len(worlds) == 1:  # a comparison at one world size: labelled bars
+        labels = [f"{name}: {r['_label']}" if compare else str(r["_label"]) for name, rs in studies for r in rs if r["_ok"]]
+        vals = [r["samples/s"] for _, rs in studies for r in rs if r["_ok"]]
+        errs = [[r["samples/s"] - r["_spread"][0] for _, rs in studies for r in rs if r["_ok"]],
+                [r["_spread"][1] - r["samples/s"] for _, rs in studies for r in rs if r["_ok"]]]
+        xs = range(len(vals))
+        a1.bar(xs, vals, yerr=errs, capsize=3, color="tab:blue")
+        a1.set_xticks(list(xs), labels, rotation=30, ha="right", fontsize=8)
         a1.set_ylabel("samples/s")
-        a1.legend()
-        a2.plot(ws, [r["efficiency"] for r in ok], "o-")
+        a1.set_title(f"{next(iter(worlds))} ranks each")
+        a2.axis("off")
+    elif ok_all:
+        for name, rs in studies:
+            ok = sorted((r for r in rs if r["_ok"]), key=lambda r: r["world"])
+            if not ok:
+                continue
+            ws = [r["world"] for r in ok]
+            thr = [r["samples/s"] for r in ok]
+            err = [[t - r["_spread"][0] for t, r in zip(thr, ok)], [r["_spread"][1] - t for t, r in zip(thr, ok)]]
+            line = a1.errorbar(ws, thr, yerr=err, fmt="o-", capsize=3, label=name if compare else "measured")
+            over = [(w, t) for w, t, r in zip(ws, thr, ok) if r["_over"]]
+            if over:
+                a1.plot(*zip(*over), "o", mfc="white", color=line[0].get_color(),
+                        label="oversubscribed (not a scaling result)")
+            if not compare and thr:
+                a1.plot(ws, [thr[0] * w / ws[0] for w in ws], "k--", alpha=0.5, label="ideal")
+            eff = [(r["world"], r["efficiency"]) for r in ok if isinstance(r.get("efficiency"), float)]
+            if eff:
+                a2.plot(*zip(*eff), "o-", label=name)
+        for ax in (a1, a2):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("GPUs / ranks")
+        a1.set_ylabel("samples/s")
+        a1.legend(fontsize=8)
+        modes = {str(r["_scaling"]) for r in ok_all if r.get("_scaling")}
         a2.axhline(1.0, color="k", ls="--", alpha=0.5)
-        a2.set_xscale("log", base=2)
-        a2.set_ylim(0, max(1.1, max(r["efficiency"] for r in ok) * 1.1))
-        a2.set_xlabel("GPUs / ranks")
-        a2.set_ylabel(f"{scaling} scaling efficiency")
-    fig.suptitle(title)
+        a2.set_ylabel(f"{'/'.join(sorted(modes)) or 'no'} scaling efficiency")
+        a2.set_ylim(0, 1.15)
+        if compare:
+            a2.legend(fontsize=8)
+    fig.suptitle(title if not compare else " vs ".join(n for n, _ in studies))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
+@dataclass
+class Study:
+    """One table: the records of a sweep in one folder, or the single runs of a folder."""
+
+    folder: Path
+    sweep: str | None
+    records: list[dict[str, Any]]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def title(self) -> str:
+        return self.sweep or "runs"
+
+    def failed_references(self) -> list[str]:
+        return [f"{self.title}: {r['name']}: {r['reference']}" for r in self.rows if str(r["reference"]).startswith("fail")]
+
+
+def studies(root: Path | str) -> tuple[list[Study], list[tuple[str, str]]]:
+    """The studies under ``root`` (grouped by folder and sweep) and the files that could not be read."""
+    from gems.results.manifest import unfinished_points
+
+    root = Path(root)
+    got = load(root)
+    groups: dict[tuple[str, str | None], list[dict[str, Any]]] = {}
+    for r in got.records:
+        groups.setdefault((str(Path(r["_path"]).parent), r.get("sweep")), []).append(r)
+    out = []
+    for (folder, sweep), recs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
+        cfg_res = ((recs[-1].get("config") or {}).get("results") or {})
+        unfinished = unfinished_points(Path(folder), recs) if sweep else []
+        rows = rows_for(recs, sweep=sweep is not None, scaling=str(cfg_res.get("scaling") or "auto"),
+                        reference=cfg_res.get("reference") or None, unfinished=unfinished)
+        out.append(Study(Path(folder), sweep, recs, rows))
+    return out, got.skipped
+
+
 def aggregate(root: Path | str, only_sweep: str | None = None) -> dict[str, Path]:
-    """Write the tables and plots for every sweep under ``root``; returns sweep -> folder."""
+    """Write the tables and plots of every study under ``root`` beside its records; returns title -> folder."""
+    return {s.title: s.folder for s in write_studies(root, only_sweep)[0]}
+
+
+def write_studies(root: Path | str, only_sweep: str | None = None) -> tuple[list[Study], list[tuple[str, str]]]:
     root = Path(root)
     if not root.is_dir():
         raise ConfigError("results.dir", str(root), "a folder holding gems records (run `gems run` first)")
-    records = load_records(root)
-    if not records:
+    found, skipped = studies(root)
+    if not found:
         raise ConfigError("results.dir", str(root), "a folder holding gems records (*.json with schema gems.record/1)")
-    sweeps: dict[str, list[dict[str, Any]]] = {}
-    for r in records:
-        sweeps.setdefault(r.get("sweep") or "runs", []).append(r)
-    out = {}
-    for sweep, recs in sorted(sweeps.items()):
-        if only_sweep and sweep != only_sweep:
+    out = []
+    for s in found:
+        if only_sweep and s.sweep != only_sweep:
             continue
-        folder = root / sweep
-        folder.mkdir(parents=True, exist_ok=True)
-        rows = rows_for(recs)
-        (folder / "table.md").write_text(markdown(rows, sweep))
-        write_csv(rows, folder / "table.csv")
-        plot(rows, folder / "scaling.png", sweep)
-        out[sweep] = folder
-    return out
+        (s.folder / "table.md").write_text(markdown(s.rows, s.title))
+        write_csv(s.rows, s.folder / "table.csv")
+        if s.sweep is not None:
+            plot(s.rows, s.folder / "scaling.png", s.title)
+        out.append(s)
+    return out, skipped
