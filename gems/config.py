@@ -123,7 +123,9 @@ class ClusterConf:
     srun_args: list = key(help='extra srun arguments, e.g. ["--mpi=pmi2"]', factory=list)
     additional: dict = key(help="any other sbatch option, by its sbatch name", factory=dict)
     python: Optional[str] = key(None, "interpreter on the compute nodes (default: this one)")
-    poll_s: float = key(1.0, "how often the launcher checks the job (seconds)", gt=0)
+    poll_s: float = key(1.0, "how often the launcher checks its jobs at first (seconds; it backs off to 5x that, "
+                             "at most 5 min, while nothing changes)", gt=0)
+    arrays: bool = key(True, "the points of a sweep that ask for the same resources go to Slurm as one job array")
     timeout_min: Optional[float] = key(None, "give up waiting after this long (default: time_min + 5)", gt=0)
 
 

@@ -208,8 +208,12 @@ def status_rows(folder: Path) -> list[dict[str, Any]]:
             why = (r.get("error") or "").splitlines()[0][:100] if state == "failed" else ""
         elif p.get("job_id"):
             state = states.get(str(p["job_id"]), "pending")
-            why = "the job ended without a record" if state not in ("pending", "running") else ""
-            state = state if state in ("pending", "running") else "failed"
+            if state == "cancelled":
+                why = "cancelled (gems cancel, scancel or the launcher)"
+            elif state not in ("pending", "running"):
+                state, why = "failed", f"the job ended ({state}) without a record"
+            else:
+                why = ""
         else:
             state, why = "not submitted", ""
         rows.append({"point": p["point"], "repeat": key[1], "run_id": p.get("run_id", ""), "job": p.get("job_id") or "",

@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -314,24 +315,43 @@ def submit_all(cfgs: Sequence[DictConfig], job_dirs: Sequence[Path | str] | None
         for c in prepared:
             preflight(c, partitions)
     fn = fn or _default_fn()
-    runs: list[SlurmRun] = []
+    runs: list[SlurmRun | None] = [None] * len(prepared)
     from gems.results.record import private_dir
 
     for c, d in zip(prepared, dirs):
         private_dir(d)
-        text = to_yaml(c)
-        (d / "config.yaml").write_text(text)
-        ex = make_executor(c, d)
+        (d / "config.yaml").write_text(to_yaml(c))
+    # jobs of one shape (the same sbatch request) go out as one job array: one sbatch call, one queue entry
+    groups: dict[str, list[int]] = {}
+    for i, c in enumerate(prepared):
+        key = repr(sorted((k, str(v)) for k, v in sbatch_parameters(c).items() if k != "job_name"))
+        groups.setdefault(key if job_dirs is None and c.cluster.get("arrays", True) else f"{i}", []).append(i)
+    for members in groups.values():
+        first = prepared[members[0]]
+        if len(members) == 1:
+            folder = dirs[members[0]]
+        else:
+            folder = private_dir(Path(first.results.dir).resolve() / ".jobs" / f"array-{uuid.uuid4().hex[:8]}")
+        ex = make_executor(first, folder)
+        if len(members) > 1:
+            ex.update_parameters(job_name=str(first.results.get("sweep") or "gems"))
         try:
-            job = ex.submit(fn, text)
+            if len(members) == 1:
+                jobs = [ex.submit(fn, to_yaml(first))]
+            else:
+                with ex.batch():
+                    pending = [ex.submit(fn, to_yaml(prepared[i])) for i in members]
+                jobs = list(pending)
         except Exception as e:  # sbatch refused after preflight, or the controller went away
             msg = _first_line(str(e))
-            if runs:
-                raise RuntimeError(f"sbatch failed after {len(runs)} job(s) were submitted "
-                                   f"({', '.join(r.job_id for r in runs)}): {msg}") from e
-            raise _refusal(c, msg) from None
-        runs.append(SlurmRun(c, job, d, time.time(), _timeout_s(c)))
-    return runs
+            done = [r for r in runs if r is not None]
+            if done:
+                raise RuntimeError(f"sbatch failed after {len(done)} job(s) were submitted "
+                                   f"({', '.join(r.job_id for r in done)}): {msg}") from e
+            raise _refusal(first, msg) from None
+        for i, job in zip(members, jobs):
+            runs[i] = SlurmRun(prepared[i], job, folder, time.time(), _timeout_s(prepared[i]))
+    return [r for r in runs if r is not None]
 
 
 # ----------------------------------------------------------------------------- watching
@@ -341,7 +361,7 @@ def _squeue(job_ids: Iterable[str]) -> dict[str, tuple[str, str]] | None:
     if not ids:
         return {}
     try:
-        out = _run(["squeue", "-h", "--states=all", "-j", ",".join(ids), "-o", "%i|%T|%r|%N"], timeout=30)
+        out = _run(["squeue", "-h", "-r", "--states=all", "-j", ",".join(ids), "-o", "%i|%T|%r|%N"], timeout=30)
     except subprocess.TimeoutExpired:
         return None
     if out.returncode != 0:
@@ -470,12 +490,15 @@ def _task_list(spec: str) -> list[int]:
 
 
 def _cause(run: SlurmRun) -> tuple[str, dict[str, Any]] | None:
-    """The cause from the ranks' failure reports (the first rank that failed on its own), if any wrote one."""
+    """The cause from the ranks' failure reports (the first rank that failed on its own), if any wrote one.
+    They are in the run's own folder (``{results.dir}/.jobs/{run_id}``), also when a job array shares one
+    submitit folder."""
     from gems.fault.reports import explain, read_reports
 
-    if not read_reports(run.job_dir):
+    own = default_job_dir(run.cfg)
+    if not read_reports(own):
         return None
-    return explain(run.job_dir, _srun_exits(run), "task")
+    return explain(own, _srun_exits(run), "task")
 
 
 def _error_of(run: SlurmRun, state: str) -> str | None:
@@ -615,6 +638,7 @@ def wait(runs: SlurmRun | Sequence[SlurmRun], progress: bool = True, poll_s: flo
         live_ctx.start()
     try:
         with cancel_on_signals():
+            interval, seen = step, None
             while True:
                 poll(runs, finished)
                 if live_ctx is not None and live_ctx.console.is_terminal:
@@ -623,7 +647,11 @@ def wait(runs: SlurmRun | Sequence[SlurmRun], progress: bool = True, poll_s: flo
                     on_update(runs, finished)
                 if len(finished) == len(runs):
                     break
-                time.sleep(step)
+                # one squeue a poll for all jobs; while nothing changes, ask less and less often
+                now = (len(finished), tuple(r.state for r in runs))
+                interval = step if now != seen else min(interval * 1.5, max(step, min(5 * step, 300.0)))
+                seen = now
+                time.sleep(interval)
     except Cancelled as c:
         left = [r for r in runs if r.job_id not in finished]
         ids = ", ".join(r.job_id for r in left)

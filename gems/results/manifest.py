@@ -82,14 +82,14 @@ def job_states(job_ids: list[str]) -> dict[str, str]:
     if not ids or shutil.which("squeue") is None:
         return {}
     try:
-        out = subprocess.run(["squeue", "-h", "--states=all", "-j", ",".join(ids), "-o", "%i|%T"],
+        out = subprocess.run(["squeue", "-h", "-r", "--states=all", "-j", ",".join(ids), "-o", "%i|%T"],
                              capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return {}
     got: dict[str, str] = {}
     for line in out.stdout.splitlines():
         jid, _, state = line.strip().partition("|")
-        got[jid.split("_")[0] if jid.split("_")[0] in ids else jid] = _word(state)
+        got[jid] = _word(state)
     missing = [j for j in ids if j not in got]
     if missing and shutil.which("sacct"):
         try:
