@@ -309,7 +309,8 @@ def _shared_cores_note(points: list[Any]) -> str:
 
 
 def _collect(root: Path, only: str | None = None, ran: list[dict[str, Any]] | None = None) -> int:
-    """Write and print the tables of ``root``; exit 1 when a run failed or a reference was missed."""
+    """Write and print the tables of ``root``; exit 1 when a reference was missed, or (a sweep, ``ran`` given)
+    when a run failed or a point of the study is failed (also one results.rerun=none left alone)."""
     from gems.results.table import markdown, write_studies
 
     studies, skipped = write_studies(root, only_sweep=only)
@@ -327,9 +328,14 @@ def _collect(root: Path, only: str | None = None, ran: list[dict[str, Any]] | No
     if failed:
         _err(f"{len(failed)} of {len(ran or [])} job(s) failed: " +
              "; ".join(f"{r['run_id']}: {r.get('error')}" for r in failed))
+    holes = [f"{row['name']} ({row['status']})" for s in studies for row in s.rows
+             if ran is not None and s.sweep is not None and row["status"] in ("failed", "diverged")] if not failed else []
+    if holes:
+        _err(f"the study has {len(holes)} failed point(s) that were not run again: {', '.join(holes)} "
+             "(results.rerun=failed runs them)")
     if bad_refs:
         _err(f"{len(bad_refs)} point(s) missed their reference: " + "; ".join(bad_refs))
-    return 1 if failed or bad_refs else 0
+    return 1 if failed or holes or bad_refs else 0
 
 
 # ---------------------------------------------------------------------------- results, render, plan, data, bench

@@ -40,7 +40,7 @@ class ModelConf:
     in_channels: int = key(4, "input channels", ge=1)
     norm: str = key("batch", "normalisation of resnet and unet3d", choices=("batch", "group", "none"))
     _target_: Optional[str] = key(None, "custom: dotted path of a callable returning nn.Sequential")
-    kwargs: dict = key(help="custom: arguments of that callable", factory=dict)
+    kwargs: Any = key(None, "custom: arguments of that callable, e.g. {n:8} (a mapping)")
     input_shape: Optional[list] = key(None, "custom: [C, *spatial] of one sample")
     num_outputs: int = key(4, "outputs per sample (vector targets)", ge=1)
     loss: str = key("mse", "the loss", choices=("mse", "cross_entropy"))
@@ -121,7 +121,7 @@ class ClusterConf:
                                     "and the job is requeued", gt=0)
     setup: list = key(help="shell lines run before the ranks start", factory=list)
     srun_args: list = key(help='extra srun arguments, e.g. ["--mpi=pmi2"]', factory=list)
-    additional: dict = key(help="any other sbatch option, by its sbatch name", factory=dict)
+    additional: Any = key(None, "any other sbatch option, by its sbatch name, e.g. {gres:'gpu:4'} (a mapping)")
     python: Optional[str] = key(None, "interpreter on the compute nodes (default: this one)")
     poll_s: float = key(1.0, "how often the launcher checks its jobs at first (seconds; it backs off to 5x that, "
                              "at most 5 min, while nothing changes)", gt=0)
@@ -148,8 +148,8 @@ class ResultsConf:
     repeats: int = key(1, "runs of each point of a sweep (the table gives medians and their spread)", ge=1)
     rerun: str = key("failed", "running a sweep again: re-run its failed and missing points, all of them, or none "
                                "(only the missing ones)", choices=("failed", "all", "none"))
-    reference: dict = key(help="expected figures per world size (or *): {throughput|efficiency|step_time: [low, "
-                               "high]}; `gems results` marks each point and exits 1 when one fails", factory=dict)
+    reference: Any = key(None, "expected figures per world size (or all): {WORLD: {throughput|efficiency|step_time: "
+                               "[low, high]}}; `gems results` marks each point and exits 1 when one fails")
     detach: bool = key(False, "Slurm sweeps: submit every point, write the manifest and return at once")
     point: Optional[str] = key(None, "set by gems sweep: the point of the sweep this run is")
     repeat: int = key(0, "set by gems sweep: which repeat of its point this run is", ge=0)

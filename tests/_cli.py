@@ -20,5 +20,8 @@ def records(folder: str) -> list[dict]:
         if "/.jobs/" in p:
             continue
         with open(p) as f:
-            out.append(json.load(f))
+            r = json.load(f)
+        if str(r.get("schema", "")).startswith("gems.record/"):  # not the sweep manifests beside them
+            r["_path"] = p
+            out.append(r)
     return out

@@ -236,8 +236,10 @@ def _row_of(rs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def check_reference(row: dict[str, Any], reference: dict[str, Any]) -> str:
-    """``pass``, ``fail (...)`` or empty: the point against its reference (by world size, else ``"*"``)."""
-    ref = reference.get(str(row["world"]), reference.get("*"))
+    """``pass``, ``fail (...)`` or empty: the point against its reference (``all`` points' bounds, and its
+    world size's, which win where both bound one metric)."""
+    by = {str(k): v for k, v in reference.items()}
+    ref = {**(by.get("all") or by.get("*") or {}), **(by.get(str(row["world"])) or {})}  # the world's own bounds win
     if not ref:
         return ""
     if not row["_ok"]:
@@ -261,9 +263,15 @@ def check_reference_spec(reference: Any) -> None:
     """ConfigError for a reference that names no metric gems has, or bounds that are not two numbers."""
     if not reference:
         return
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(reference):
+        reference = OmegaConf.to_container(reference, resolve=True)
     if not isinstance(reference, dict):
-        raise ConfigError("results.reference", reference, "a mapping: world size (or *) -> {metric: [low, high]}")
+        raise ConfigError("results.reference", reference, "a mapping: world size (or all) -> {metric: [low, high]}")
     for where, ref in reference.items():
+        if not (str(where).isdigit() or str(where) in ("all", "*")):
+            raise ConfigError(f"results.reference.{where}", ref, "a world size (e.g. 4) or all, for every point")
         if not isinstance(ref, dict):
             raise ConfigError(f"results.reference.{where}", ref, "{throughput|efficiency|step_time: [low, high]}")
         for what, bounds in ref.items():
