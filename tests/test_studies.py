@@ -203,7 +203,7 @@ def test_an_interrupted_sweep_leaves_its_jobs_running_and_recoverable_and_cancel
     out = _run(["cancel", "int", f"results.dir={tmp_path}"], env)
     assert out.returncode == 0 and "cancelled Slurm job(s)" in out.stdout, out.stdout
     final = _until_done(tmp_path, "int", env, limit=60)
-    assert final.count("cancelled") == 2, final
+    assert final.count("│ cancelled │") == 2, final
     # picked up again: the cancelled points are run once more (two sbatch calls, one per shape)
     again = _run(["sweep", f"results.dir={tmp_path}", "results.sweep=int", "cluster=local_slurm", *TINY,
                   "parallel.replicas=1,2", "train.batch_size=2"], env)
