@@ -97,6 +97,8 @@ class TrainConf:
                                    "preempted or near the time limit)", ge=0)
     on_nonfinite: str = key("stop", "a NaN or Inf global loss stops the run (stop) or is recorded (warn)",
                             choices=("stop", "warn"))
+    profile: bool = key(False, "one torch.profiler chrome trace per rank of the first measured step, in the run's "
+                               "folder (profile/rank<k>.json); that step is left out of the timings")
 
 
 @dataclass

@@ -445,7 +445,10 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
         y = y.to(world.device, non_blocking=True) if y is not None else None
         t_data = time.perf_counter() - t0
         timers.reset()
-        if step == warm - 1 and world.device.type == "cpu":
+        profiling = bool(cfg.train.get("profile")) and step == warm and steps - warm > 1
+        if profiling:
+            loss, stop = _profiled(cfg, world, lambda: context.step(x, y, ids, step))
+        elif step == warm - 1 and world.device.type == "cpu":
             # the last warm-up step, profiled: the tensor memory a GPU would count (gems/memory.py)
             held = persistent_bytes(par.params, opt, [b for m in par.modules for b in m.buffers()] +
                                     [t for t in (x, y) if t is not None])  # the batch: read before the step
@@ -474,7 +477,7 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
                   flush=True)
         t = timers.snapshot()
         extra = par.stats()  # read every step, so warm-up time is not carried into measured steps
-        if step >= warm:
+        if step >= warm and not profiling:  # the profiled step is slower: left out of the timings
             step_times.append(dt)
             breakdown["data"] += t_data
             breakdown["allreduce"] += par.reducer.wait_s
@@ -559,6 +562,20 @@ class HostMemory:
             print(f"gems: train.host_memory=auto: freed host memory is released (glibc's defaults): {self.ranks} "
                   f"rank(s) x {peak / 2**30:.2f} GiB x {KEEP_GROWTH} would not fit in "
                   f"{(self.budget or 0) / 2**30:.1f} GiB", file=sys.stderr, flush=True)
+
+
+def _profiled(cfg: DictConfig, world: World, fn: Callable[[], tuple[float, bool]]) -> tuple[float, bool]:
+    """``train.profile``: run one step under torch.profiler and write this rank's chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if world.device.type == "cuda" else [])
+    with profile(activities=acts, record_shapes=True) as prof:
+        out = fn()
+        _sync(world.device)
+    d = rec.job_dir(cfg) / "profile"
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    prof.export_chrome_trace(str(d / f"rank{world.rank}.json"))
+    return out
 
 
 class _StepContext:
@@ -709,6 +726,7 @@ def run_rank(cfg_yaml: str) -> dict[str, Any] | None:
         if world.rank == 0:
             progress.mark("record")
             rec.write_record(rec.record_path(cfg), record)
+            rec.write_steps(rec.record_path(cfg), record)
             return record
         return None
     except NonFiniteLoss:

@@ -345,3 +345,22 @@ def test_the_time_limit_checkpoints_requeues_and_resumes_to_identical_losses(tmp
     assert ref.returncode == 0, ref.stderr[-2000:]
     (f,) = records(str(tmp_path / "ref"))
     assert r["loss"] == f["loss"]
+
+
+@pytest.mark.slurm
+@slurm
+def test_ending_an_attached_run_on_slurm_cancels_its_job_and_says_which(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, "-m", "gems.cli", "run", f"results.dir={tmp_path}", "cluster=local_slurm",
+                          *SMALL, "parallel.replicas=2", "train.steps=100", "fault.step_delay_s=0.5"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    _wait_for(lambda: any(tmp_path.glob(".jobs/*/*_0_log.out")), timeout=120)
+    job = next(tmp_path.glob(".jobs/*/*_submission.sh")).name.split("_")[0]
+    time.sleep(2)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM and f"cancelled Slurm job(s) {job}" in err, err
+    (r,) = records(str(tmp_path))
+    assert r["failure"]["kind"] == "cancelled" and r["env"]["slurm_job_id"] == job
+    _wait_for(lambda: subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True,
+                                     text=True).stdout.strip() in ("", "CANCELLED", "COMPLETED"), timeout=60)

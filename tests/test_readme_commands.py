@@ -18,6 +18,7 @@ from _cli import records
 
 ROOT = Path(__file__).resolve().parents[1]
 FEWER = ["train.steps=1", "train.warmup_steps=0"]
+WALK = "walkthrough"
 
 #: command as documented -> extra overrides for the test (fewer steps), or a reason it does not run here
 COMMANDS: dict[str, list[str] | str] = {
@@ -43,6 +44,14 @@ COMMANDS: dict[str, list[str] | str] = {
     "jobs/replication_weak.sh cluster=local_slurm": FEWER,
     "ACCOUNT=m1234 jobs/cosmoflow512_weak.sh cluster=perlmutter": "submits to NERSC Perlmutter",
     "gems plan model=cosmoflow model.size=512 cluster.gpu_memory_gb=40 train.batch_size=1": [],
+    # the studies walkthrough: one after the other in one folder (test_the_studies_walkthrough_runs_in_order)
+    "gems sweep +experiment=replication_weak cluster=local_slurm --detach": WALK,
+    "gems status replication_weak": WALK,
+    "gems results results/replication_weak": WALK,
+    "gems sweep +experiment=replication_weak cluster=local_slurm results.sweep=replication_weak_sgd "
+    "train.optimizer=sgd": WALK,
+    "gems results --compare results/replication_weak results/replication_weak_sgd": WALK,
+    "gems cancel replication_weak": WALK,
     "gems plan model=cosmoflow model.size=512 parallel.spatial=8 cluster=perlmutter cluster.account=x": [],
     "gems plan model=resnet model.depth=1001 model.size=512 parallel.pipeline=4 parallel.schedule=mast": [],
 }
@@ -70,6 +79,31 @@ def test_every_documented_command_is_listed_here():
 
 
 RUN = [c for c, how in COMMANDS.items() if isinstance(how, list)]
+WALKTHROUGH = [c for c, how in COMMANDS.items() if how == WALK]
+
+
+@pytest.mark.slurm
+@pytest.mark.skipif(shutil.which("sinfo") is None, reason="no Slurm test cluster")
+def test_the_studies_walkthrough_runs_in_order(tmp_path):
+    import time
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for cmd in WALKTHROUGH:
+        words = shlex.split(cmd)
+        extra = FEWER if words[1] == "sweep" else []
+        out = subprocess.run([sys.executable, "-m", "gems.cli", *words[1:], *extra], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, f"{cmd}\n{out.stderr[-3000:]}\n{out.stdout[-1500:]}"
+        if "--detach" in words:  # wait for the detached study, as a user would with gems status
+            t0 = time.monotonic()
+            while True:
+                st = subprocess.run([sys.executable, "-m", "gems.cli", "status", "replication_weak"], cwd=tmp_path,
+                                    env=env, capture_output=True, text=True, timeout=120)
+                if "pending" not in st.stdout and "running" not in st.stdout:
+                    break
+                assert time.monotonic() - t0 < 300, st.stdout
+                time.sleep(3)
+    assert (tmp_path / "results" / "replication_weak" / "compare-replication_weak-vs-replication_weak_sgd.md").exists()
 
 
 def _marks(cmd: str) -> list:

@@ -209,3 +209,19 @@ def test_an_interrupted_sweep_leaves_its_jobs_running_and_recoverable_and_cancel
                   "parallel.replicas=1,2", "train.batch_size=2"], env)
     assert again.returncode == 0 and "2 to run" in again.stdout, again.stdout + again.stderr[-1000:]
     assert _calls(log) == 4
+
+
+def test_steps_csv_beside_the_record_and_a_chrome_trace_per_rank(tmp_path):
+    out = gems("run", f"results.dir={tmp_path}", *TINY, "train.steps=4", "parallel.replicas=2", "train.batch_size=2",
+               "train.profile=true", timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (r,) = records(str(tmp_path))
+    csv_path = Path(r["_path"]).with_suffix(".steps.csv")
+    lines = csv_path.read_text().splitlines()
+    assert lines[0] == "step,loss,step_time_s,warmup" and len(lines) == 1 + 4
+    assert [float(ln.split(",")[1]) for ln in lines[1:]] == r["loss"]
+    # the profiled step (the first measured one) is left out of the timings
+    assert len(r["step_time_s"]["all"]) == 2
+    for rank in (0, 1):
+        trace = json.loads((tmp_path / ".jobs" / r["run_id"] / "profile" / f"rank{rank}.json").read_text())
+        assert trace["traceEvents"] and any("conv3d" in str(e.get("name", "")).lower() for e in trace["traceEvents"])

@@ -37,7 +37,7 @@ def _key(row: dict[str, Any], by_mesh: bool) -> Any:
 
 
 def compare(a_arg: str, b_arg: str) -> int:
-    from gems.results.table import markdown, plot
+    from gems.results.table import plot
 
     a, b = _study(a_arg), _study(b_arg)
     ra = [r for r in a.rows if r.get("_ok")]
@@ -47,14 +47,15 @@ def compare(a_arg: str, b_arg: str) -> int:
     ib = {_key(r, by_mesh): r for r in rb}
     keys = sorted(set(ia) | set(ib), key=lambda k: (str(type(k)), k))
     cols = ["mesh" if by_mesh else "world", f"{a.title} samples/s", f"{b.title} samples/s", "ratio (B/A)",
-            f"{a.title} efficiency", f"{b.title} efficiency"]
+            f"{a.title} efficiency", f"{b.title} efficiency", "note"]
     lines = []
     for k in keys:
         x, y = ia.get(k), ib.get(k)
         thr_a = x["samples/s"] if x else math.nan
         thr_b = y["samples/s"] if y else math.nan
         lines.append([k, thr_a, thr_b, thr_b / thr_a if x and y and thr_a else math.nan,
-                      x.get("efficiency", "") if x else "", y.get("efficiency", "") if y else ""])
+                      x.get("efficiency", "") if x else "", y.get("efficiency", "") if y else "",
+                      "oversubscribed: ranks share cores" if any(r and r.get("_over") for r in (x, y)) else ""])
     name = f"compare-{a.title}-vs-{b.title}"
     fmt = (lambda v: f"{v:.4g}" if isinstance(v, float) and not math.isnan(v) else ("" if isinstance(v, float) else str(v)))
     md = [f"### {a.title} (A: {a.folder}) vs {b.title} (B: {b.folder})", "",
@@ -69,5 +70,4 @@ def compare(a_arg: str, b_arg: str) -> int:
     plot(a.rows, a.folder / f"{name}.png", a.title, compare=[(b.title, b.rows)])
     print(text)
     print(f"table: {a.folder / (name + '.md')}\nplot: {a.folder / (name + '.png')}")
-    _ = markdown  # the studies' own tables are `gems results`'s
     return 0

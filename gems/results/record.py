@@ -189,6 +189,36 @@ def write_record(path: Path | str, record: dict[str, Any]) -> Path:
     return path
 
 
+def write_steps(record_file: Path | str, record: dict[str, Any]) -> Path | None:
+    """The per-step losses and step times as CSV beside the record (``<run_id>.steps.csv``), and as
+    TensorBoard scalars in the run's folder (``tb/``) where ``tensorboard`` is installed."""
+    import csv
+
+    path = Path(record_file).with_suffix(".steps.csv")
+    warm = int(record.get("warmup_steps") or 0)
+    times = (record.get("step_time_s") or {}).get("all") or []
+    try:
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["step", "loss", "step_time_s", "warmup"])
+            for i, loss in enumerate(record.get("loss") or []):
+                t = times[i - warm] if i >= warm and i - warm < len(times) else ""
+                w.writerow([i, repr(float(loss)), t if t == "" else repr(float(t)), int(i < warm)])
+    except OSError:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+    except ImportError:
+        return path
+    tb = SummaryWriter(log_dir=str(Path(record_file).parent / ".jobs" / str(record.get("run_id")) / "tb"))
+    for i, loss in enumerate(record.get("loss") or []):
+        tb.add_scalar("loss", float(loss), i)
+        if i >= warm and i - warm < len(times):
+            tb.add_scalar("step_time_s", float(times[i - warm]), i)
+    tb.close()
+    return path
+
+
 def read_record(path: Path | str) -> dict[str, Any]:
     with open(path) as f:
         return json.load(f)

@@ -341,16 +341,21 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, compare: list[tuple
             ws = [r["world"] for r in ok]
             thr = [r["samples/s"] for r in ok]
             err = [[t - r["_spread"][0] for t, r in zip(thr, ok)], [r["_spread"][1] - t for t, r in zip(thr, ok)]]
-            line = a1.errorbar(ws, thr, yerr=err, fmt="o-", capsize=3, label=name if compare else "measured")
-            over = [(w, t) for w, t, r in zip(ws, thr, ok) if r["_over"]]
-            if over:
-                a1.plot(*zip(*over), "o", mfc="white", color=line[0].get_color(),
-                        label="oversubscribed (not a scaling result)")
+            line = a1.errorbar(ws, thr, yerr=err, fmt="-", capsize=3, label=name if compare else "measured")
+            color = line[0].get_color()
+            for hollow in (False, True):
+                pts = [(w, t) for w, t, r in zip(ws, thr, ok) if bool(r["_over"]) == hollow]
+                if pts:
+                    said = any(h.get_label().startswith("oversubscribed") for h in a1.get_lines())
+                    a1.plot(*zip(*pts), "o", color=color, mfc="white" if hollow else color, zorder=3,
+                            label="oversubscribed (not a scaling result)" if hollow and not said else "_")
             if not compare and thr:
                 a1.plot(ws, [thr[0] * w / ws[0] for w in ws], "k--", alpha=0.5, label="ideal")
-            eff = [(r["world"], r["efficiency"]) for r in ok if isinstance(r.get("efficiency"), float)]
+            eff = [(r["world"], r["efficiency"], r["_over"]) for r in ok if isinstance(r.get("efficiency"), float)]
             if eff:
-                a2.plot(*zip(*eff), "o-", label=name)
+                a2.plot([e[0] for e in eff], [e[1] for e in eff], "-", color=color, label=name)
+                a2.scatter([e[0] for e in eff], [e[1] for e in eff], color=color, zorder=3,
+                           facecolors=["white" if e[2] else color for e in eff])
         for ax in (a1, a2):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("GPUs / ranks")
