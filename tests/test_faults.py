@@ -135,10 +135,13 @@ def test_on_nonfinite_warn_keeps_going_and_results_show_no_throughput(tmp_path):
     assert r["status"] == "ok" and r["diverged"] is True and r["nonfinite_steps"][0] == 1
     res = gems("results", str(tmp_path))
     assert res.returncode == 0, res.stderr
-    row = next(ln for ln in (tmp_path / "w" / "table.md").read_text().splitlines() if ln.startswith("| cosmoflow"))
+    # the table of study w, beside its record, where `gems results` says it wrote it
+    table = Path(next(ln for ln in res.stdout.splitlines() if ln.startswith("table: "))[len("table: "):])
+    assert table.parent == tmp_path, res.stdout
+    row = next(ln for ln in table.read_text().splitlines() if ln.startswith("| cosmoflow"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1] == "diverged"
-    header = [c.strip() for c in (tmp_path / "w" / "table.md").read_text().splitlines()[2].strip("|").split("|")]
+    header = [c.strip() for c in table.read_text().splitlines()[2].strip("|").split("|")]
     for col in ("samples/s", "samples/s/gpu", "speedup", "efficiency"):
         assert cells[header.index(col)] == "", (col, row)
 
