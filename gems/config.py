@@ -113,6 +113,15 @@ class ClusterConf:
     cpus_per_node: Optional[int] = key(None, "CPUs of a node, for placing ranks on CPU nodes (null: unknown, one "
                                             "node unless cluster.nodes says otherwise)", ge=1)
     gpu_memory_gb: float = key(0.0, "memory of one GPU (gems plan)", ge=0)
+    gpu: Optional[str] = key(None, "the GPU model, for gems plan's step-time prediction (a100-40gb, a100-64gb, "
+                                   "a100-80gb, h100, h200, gh200, mi250x-gcd, v100-16gb, v100-32gb; null: CPU "
+                                   "ranks, measured on the spot)")
+    intra_node_GBps: Optional[float] = key(None, "bandwidth per rank and direction between ranks of one node "
+                                                 "(GB/s, gems plan)", gt=0)
+    intra_node_latency_us: Optional[float] = key(None, "latency of a message within a node (us, gems plan)", ge=0)
+    inter_node_GBps: Optional[float] = key(None, "bandwidth per rank and direction between nodes (GB/s, gems "
+                                                 "plan)", gt=0)
+    inter_node_latency_us: Optional[float] = key(None, "latency of a message between nodes (us, gems plan)", ge=0)
     mem_gb: Optional[float] = key(None, "memory per node to ask for", gt=0)
     partition: Optional[str] = key(None, "Slurm partition")
     account: Optional[str] = key(None, "Slurm account")
@@ -162,6 +171,10 @@ class PlanConf:
     format: str = key("table", "gems plan's output", choices=("table", "json"))
     reserve_gb: float = key(1.0, "per rank, set aside for the CUDA context, allocator and workspaces (CPU: at "
                                  "most 0.5)", ge=0)
+    predict: bool = key(True, "predict the step time and throughput too (needs cluster.gpu on GPUs, and the "
+                              "preset's link figures for more than one rank)")
+    efficiency: Any = key(None, "fractions of a GPU's peak kernels reach, per op class: {conv: 0.5, matmul: 0.6, "
+                                "memory: 0.6} (the defaults)")
 
 
 @dataclass

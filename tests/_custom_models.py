@@ -89,3 +89,9 @@ def registered_own(n: int = 8) -> nn.Sequential:
 def dense_own() -> nn.Sequential:
     """A dense (per-cell classes) net with a layer gems does not know: it cannot be gathered mid-way."""
     return nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), Normalize(), nn.Conv3d(2, 2, 1))
+
+
+def tiny_cnn(n: int = 16) -> nn.Sequential:
+    """One 2D convolution and a linear head on [3, n, n] inputs (gems plan's FLOP count is checked on it)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * n * n, 4))

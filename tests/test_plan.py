@@ -184,7 +184,9 @@ def test_bf16_activations_are_smaller_on_gpu_targets():
 def test_json_and_table_from_the_cli_at_a_large_world():
     out = gems("plan", "model=resnet", "model.depth=110", "model.size=512", "cluster=slurm", "cluster.nodes=256",
                "cluster.tasks_per_node=4", "parallel.replicas=256", "parallel.pipeline=4", "parallel.schedule=mast",
-               "train.batch_size=512", "cluster.gpu_memory_gb=80", "plan.format=json")
+               "train.batch_size=512", "cluster.gpu_memory_gb=80", "plan.format=json", "cluster.gpu=h100",
+               "cluster.intra_node_GBps=300", "cluster.intra_node_latency_us=3", "cluster.inter_node_GBps=25",
+               "cluster.inter_node_latency_us=8")
     assert out.returncode == 0, out.stderr
     obj = json.loads(out.stdout)
     assert obj["schema"] == "gems.plan/1" and obj["world_size"] == 1024 and obj["fits"] in (True, False)
@@ -192,6 +194,13 @@ def test_json_and_table_from_the_cli_at_a_large_world():
     assert set(obj["positions"][0]["bytes"]) == {"parameters", "gradients", "optimizer", "activations", "halo",
                                                    "communication", "total"}
     assert obj["verdict"].startswith(("fits:", "does not fit:"))
+    assert len(obj["peak_memory_bytes"]["per_rank"]) == 1024 and \
+        max(obj["peak_memory_bytes"]["per_rank"]) == obj["peak_memory_bytes"]["max"] == obj["peak"]["bytes"]
+    pred = obj["predicted_step_time_s"]
+    assert set(pred["breakdown"]) == {"compute", "halo", "pipeline_comm", "allreduce", "bubble_or_wait", "data"}
+    assert pred["total"] == pytest.approx(sum(pred["breakdown"].values()))
+    assert obj["predicted_throughput_samples_per_s"] == pytest.approx(512 / pred["total"])
+    assert pred["breakdown"]["allreduce"] > 0  # 256 replicas over nodes
     out = gems("plan", *SMALL, "parallel.spatial=2")
     assert out.returncode == 0, out.stderr
     assert "d=0,s=0" in out.stdout and "total GiB" in out.stdout and "fits: peak" in out.stdout
@@ -228,9 +237,9 @@ def test_the_layer_memo_plans_exactly_what_tracing_every_layer_plans(extra, monk
     # ResNet-110's 36 blocks are a handful of kinds; the planner traces each kind once and replays the
     # rest (spatial blocks with their halo and gather logs and global shapes). The plan must be the one
     # a trace of every layer gives, and the same on every call.
-    from gems import plan as P
     from gems.models import resnet
     from gems.pipeline import partition as Q
+    from gems.plan import memory as P
 
     runs = [0]
     real = resnet.PreActBottleneck.forward

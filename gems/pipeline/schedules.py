@@ -58,7 +58,7 @@ pattern) and :func:`draw` prints the clock table each docstring shows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from gems.errors import ConfigError
 
@@ -506,8 +506,13 @@ def make_schedule(name: str, D: int, micro_batches: int = 1, gems_replicas: int 
 
 
 # ---- checking and drawing ----------------------------------------------------------------------------------
-def simulate(sched: Schedule, f_cost: int = F_COST, b_cost: int = B_COST) -> dict[Action, tuple[int, int]]:
+def simulate(sched: Schedule, f_cost: int = F_COST, b_cost: int = B_COST, cost: Callable[[Action], float] | None = None,
+             transfer: Callable[[Action], float] | None = None) -> dict[Action, tuple[Any, Any]]:
     """Run the per-rank orders as the runtime would; return each action's (start, end) tick.
+
+    ``cost`` (seconds of an action) and ``transfer`` (seconds for what an action :func:`sends` to reach
+    another rank) replace the unit costs: the performance model (:mod:`gems.plan.timing`) runs the same
+    orders with measured or predicted times.
 
     Each rank executes its list in order; an action starts once what it
     :func:`needs` has run, whichever rank ran it. Sends never block (the
@@ -530,10 +535,10 @@ def simulate(sched: Schedule, f_cost: int = F_COST, b_cost: int = B_COST) -> dic
                 raise AssertionError(f"{sched.name}: {a} on rank {r}, but its stage lives on rank "
                                      f"{sched.rank_of(a.replica, a.stage)}")
     R = sched.ranks
-    end: dict[Action, int] = {}
-    span: dict[Action, tuple[int, int]] = {}
+    end: dict[Action, Any] = {}  # ticks (int) under unit costs, seconds (float) with ``cost``
+    span: dict[Action, tuple[Any, Any]] = {}
     pos = [0] * R
-    clock = [0] * R
+    clock: list[Any] = [0] * R
     while any(pos[r] < len(sched.actions[r]) for r in range(R)):
         moved = False
         for r in range(R):
@@ -542,8 +547,13 @@ def simulate(sched: Schedule, f_cost: int = F_COST, b_cost: int = B_COST) -> dic
                 need = needs(a, S)
                 if any(n not in end for n in need):
                     break
-                start = max([clock[r]] + [end[n] for n in need])
-                end[a] = start + (f_cost if a.kind == "F" else b_cost if a.kind == "B" else b_cost // 2)
+                ready = [end[n] + (transfer(n) if transfer is not None and sched.rank_of(n.replica, n.stage) != r else 0)
+                         for n in need]
+                start = max([clock[r]] + ready)
+                if cost is not None:
+                    end[a] = start + cost(a)
+                else:
+                    end[a] = start + (f_cost if a.kind == "F" else b_cost if a.kind == "B" else b_cost // 2)
                 span[a] = (start, end[a])
                 clock[r] = end[a]
                 pos[r] += 1

@@ -176,6 +176,7 @@ class MemoryPlan:
     verdict: str
     seconds: float
     notes: list[str]
+    prediction: Any = None  # gems.plan.timing.Prediction, or None when not predicted
 
     @property
     def worst(self) -> Position:
@@ -267,6 +268,7 @@ def _spatial_stand_in(parts: Sequence[int], dims: Sequence[int], grid: Sequence[
             part = x.shape[0] * x.shape[1] * math.prod(big) * x.element_size()
             full = x.shape[0] * x.shape[1] * math.prod(gshape) * x.element_size()
             sctx.comm_log.append((sctx.layer[0], sctx.size * part + full))
+            sctx.times.append((sctx.layer[0], "gather", full, sctx.size - 1))
             ctx.shape = x.shape
             return x.new_empty((x.shape[0], x.shape[1], *gshape))
 
@@ -276,12 +278,13 @@ def _spatial_stand_in(parts: Sequence[int], dims: Sequence[int], grid: Sequence[
 
     class _AllReduce(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        def forward(ctx: Any, x: torch.Tensor, sctx: Any) -> torch.Tensor:
+            sctx.times.append((sctx.layer[0], "allreduce", x.numel() * x.element_size(), 1))
             return x.detach().clone()
 
         @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            return g.clone()
+        def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+            return g.clone(), None
 
     class StandIn(SpatialContext):
         def __init__(self) -> None:
@@ -290,6 +293,9 @@ def _spatial_stand_in(parts: Sequence[int], dims: Sequence[int], grid: Sequence[
             self.layer = [0]  # index of the top-level layer running now
             self.comm_log: list[tuple[int, int]] = []  # (layer, bytes) of gather buffers
             self.halo_log: list[tuple[int, int]] = []  # (layer, bytes) of halo send + receive buffers
+            # (layer, "halo" | "allreduce" | "gather", bytes sent (gather: the whole tensor), messages): for the
+            # time model
+            self.times: list[tuple[int, str, int, int]] = []
             self._last: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
         def mark(self, x: torch.Tensor, gshape: Sequence[int]) -> torch.Tensor:
@@ -321,7 +327,7 @@ def _spatial_stand_in(parts: Sequence[int], dims: Sequence[int], grid: Sequence[
             return _Gather.apply(x, self, self.global_shape(x))
 
         def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-            return x if self.size == 1 else _AllReduce.apply(x)
+            return x if self.size == 1 else _AllReduce.apply(x, self)
 
     return StandIn()
 
@@ -336,6 +342,7 @@ def _no_halo_traffic(sctx: Any) -> Iterator[None]:
     def fake(_ctx: Any, send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, torch.Tensor]]) -> list[Any]:
         nbytes = sum(t.numel() * t.element_size() for _, t in [*send, *recv])
         sctx.halo_log.append((sctx.layer[0], nbytes))
+        sctx.times.append((sctx.layer[0], "halo", sum(t.numel() * t.element_size() for _, t in send), len(send)))
         return []
 
     halo._exchange = fake
@@ -416,6 +423,8 @@ class _Trace:
     halo: dict[int, int]  # layer -> largest halo exchange (send + receive bytes)
     gather: dict[int, int]  # layer -> gather buffers
     target_bytes: int
+    ops: dict[int, Any] = field(default_factory=dict)  # layer -> its ops' FLOPs and bytes (gems.plan.cost)
+    comm: list[tuple[int, str, int, int]] = field(default_factory=list)  # the spatial messages (StandIn.times)
 
     def stage(self, a: int, e: int, last: bool) -> tuple[int, int, int, int]:
         """(saved bytes kept by layers [a, e) incl. its input and output, input bytes, working set, output bytes).
@@ -509,6 +518,7 @@ def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[i
 
     from gems.layers import batch_context
     from gems.pipeline.partition import _structure
+    from gems.plan.cost import OpCounter
     from gems.spatial.context import GSHAPE
 
     saved: dict[int, tuple[int, set[int]]] = {}
@@ -540,8 +550,9 @@ def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[i
         if sctx is not None:
             sctx.mark(x, gshape)
         halo_ctx = _no_halo_traffic(sctx) if sctx is not None else contextlib.nullcontext()
+        counter = OpCounter(cur)
         with halo_ctx, _real_geometry(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                batch_context(0, 0, range(batch)), amp():
+                batch_context(0, 0, range(batch)), amp(), counter:
             known = {in_key} | {_key(t)[0] for d in fake for t in d.values()}
             hold = [x]  # every layer's input and output stays alive: a freed storage's address (its key) is reused
             fresh = [0]  # replayed new storages get keys -1, -2, ...: no real storage has a negative address
@@ -555,15 +566,18 @@ def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[i
                 mkey = None if st is None else (memo, st, tuple(x.shape), x.dtype, x.requires_grad, spatial_in)
                 kx = _key(x)[0]
                 if mkey is not None and mkey in _LAYER_MEMO:
-                    shape, dtype, grad, entries, spatial_out = _LAYER_MEMO[mkey]
+                    shape, dtype, grad, entries, spatial_out, ops = _LAYER_MEMO[mkey]
                     y = torch.empty(shape, dtype=dtype, requires_grad=grad)
                     x = y.clone() if grad else y  # not a leaf: a next in-place layer may write it
+                    counter.layers.pop(i, None)  # the clone above is not the layer's
+                    counter.add(i, ops)
                     if sctx is not None:
-                        gs, sctx._last, halos, gathers = spatial_out
+                        gs, sctx._last, halos, gathers, times = spatial_out
                         if gs is not None:
                             setattr(x, GSHAPE, gs)
                         sctx.halo_log += [(i, nb) for nb in halos]
                         sctx.comm_log += [(i, nb) for nb in gathers]
+                        sctx.times += [(i, *e) for e in times]
                     ky = _key(x)[0]
                     for kind, nb in entries:
                         if kind == "new":
@@ -574,7 +588,7 @@ def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[i
                         saved.setdefault(k, (nb, set()))[1].add(i)
                 else:
                     before = set(saved)
-                    logs = (len(sctx.halo_log), len(sctx.comm_log)) if sctx is not None else (0, 0)
+                    logs = (len(sctx.halo_log), len(sctx.comm_log), len(sctx.times)) if sctx is not None else (0, 0, 0)
                     x = torch.func.functional_call(layer, d, (x,)) if d else layer(x)
                     if not isinstance(x, torch.Tensor):
                         raise ConfigError("model", type(layer).__name__, "layers that return one tensor (a flat nn.Sequential)")
@@ -599,12 +613,15 @@ def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[i
                     if sctx is not None:
                         spatial_out = (getattr(x, GSHAPE, None), sctx._last,
                                        tuple(nb for j, nb in sctx.halo_log[logs[0]:] if j == i),
-                                       tuple(nb for j, nb in sctx.comm_log[logs[1]:] if j == i))
+                                       tuple(nb for j, nb in sctx.comm_log[logs[1]:] if j == i),
+                                       tuple(e[1:] for e in sctx.times[logs[2]:] if e[0] == i))
                         if len(spatial_out[2]) != len(sctx.halo_log) - logs[0] or \
-                                len(spatial_out[3]) != len(sctx.comm_log) - logs[1]:
+                                len(spatial_out[3]) != len(sctx.comm_log) - logs[1] or \
+                                len(spatial_out[4]) != len(sctx.times) - logs[2]:
                             mkey = None  # logged under another layer's index: not the layer alone
                     if mkey is not None and len(_LAYER_MEMO) < _LAYER_MEMO_MAX:
-                        _LAYER_MEMO[mkey] = (tuple(x.shape), x.dtype, x.requires_grad, tuple(entries), spatial_out)
+                        _LAYER_MEMO[mkey] = (tuple(x.shape), x.dtype, x.requires_grad, tuple(entries), spatial_out,
+                                             counter.take(i))
                 hold.append(x)
                 out_keys.append(_key(x)[0])
                 out_bytes.append(x.numel() * x.element_size())
@@ -614,14 +631,18 @@ def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[i
         del loss, x, hold
     halo: dict[int, int] = {}
     gather: dict[int, int] = {}
+    comm: list[tuple[int, str, int, int]] = []
     if sctx is not None:
         for i, nb in sctx.halo_log:
             halo[i] = max(halo.get(i, 0), nb)
         for i, nb in sctx.comm_log:
             gather[i] = gather.get(i, 0) + nb
+        comm = list(sctx.times)
         sctx.halo_log.clear()
         sctx.comm_log.clear()
-    return _Trace(batch, in_key, in_bytes, out_keys, out_bytes, saved, halo, gather, batch * target)
+        sctx.times.clear()
+    return _Trace(batch, in_key, in_bytes, out_keys, out_bytes, saved, halo, gather, batch * target,
+                  {i: counter.take(i) for i in counter.layers}, comm)
 
 
 # ============================================================================ per-stage memory (affine in the micro-batch)
@@ -1099,6 +1120,9 @@ def make_plan(cfg: Any, suggest: bool = True, quick: bool = False) -> MemoryPlan
             suggestion = _suggest(cfg, st)
             verdict += f"; try {suggestion}" if suggestion else "; no single change of checkpoint, micro-batches, " \
                                                                 "precision, spatial parts or pipeline found to fit"
+    prediction = None
+    if not quick and bool(cfg.plan.get("predict", True)):
+        prediction = _predict(cfg, pl, prof, st.batch, dev, world)
     bits = f"max global batch that fits: {max_batch}"
     if st.schedule == "master" and min_eta is not None:
         bits += f"; gems_replicas >= {min_eta} fits train.batch_size={st.batch}"
@@ -1112,7 +1136,37 @@ def make_plan(cfg: Any, suggest: bool = True, quick: bool = False) -> MemoryPlan
         precision=st.precision, optimizer=str(cfg.train.optimizer), global_batch=st.batch, micro_batch=chunk,
         balance=list(bal), device=dev, positions=positions, fits=fits, max_global_batch=max_batch,
         max_micro_batch=max_chunk, min_gems_replicas=min_eta, suggestion=suggestion, verdict=verdict,
-        seconds=round(time.perf_counter() - t0, 3), notes=pl.notes)
+        seconds=round(time.perf_counter() - t0, 3), notes=pl.notes, prediction=prediction)
+
+
+def _placement(cfg: Any, world: int) -> tuple[int, int]:
+    """(nodes, ranks per node) of the job as it would be placed."""
+    c = cfg.cluster
+    if c.launcher == "local" and c.name == "local":
+        return 1, world
+    nodes = int(c.nodes or 1)
+    return nodes, int(c.tasks_per_node or math.ceil(world / nodes))
+
+
+def _predict(cfg: Any, pl: _Planner, prof: Any, batch: int, dev: dict[str, Any], world: int) -> Any:
+    """The step-time prediction (:mod:`gems.plan.timing`), or None with a note when the device has no figures."""
+    from gems.plan.devices import cpu_rates, efficiency, gpu_rates
+    from gems.plan.timing import predict
+
+    c = cfg.cluster
+    eff = efficiency(cfg.plan.get("efficiency"))
+    if dev["kind"] == "gpu":
+        name = c.get("gpu")
+        if not name:
+            pl.notes.append("no step-time prediction: set cluster.gpu to the GPU model (e.g. cluster.gpu=a100-40gb)")
+            return None
+        rates = gpu_rates(str(name), pl.st.precision, eff)
+    else:
+        rates = cpu_rates(int(c.get("cpus_per_task") or 1))
+    nodes, tpn = _placement(cfg, world)
+    if prof is None:
+        prof = pl.profile(max(1, pl.chunk_of(batch)))
+    return predict(pl, prof, batch, rates, c, nodes, tpn)
 
 
 def _fits(cfg: Any, overrides: dict[str, Any]) -> bool:
@@ -1188,7 +1242,18 @@ def to_json(plan: MemoryPlan) -> dict[str, Any]:
         "fits": plan.fits, "max_global_batch": plan.max_global_batch, "max_micro_batch": plan.max_micro_batch,
         "min_gems_replicas": plan.min_gems_replicas, "suggestion": plan.suggestion, "verdict": plan.verdict,
         "seconds": plan.seconds, "notes": plan.notes,
+        "peak_memory_bytes": {"max": plan.worst.bytes.total, "per_rank": per_rank(plan)},
+        "predicted_step_time_s": plan.prediction.as_json() if plan.prediction is not None else None,
+        "predicted_throughput_samples_per_s": plan.prediction.throughput if plan.prediction is not None else None,
     }
+
+
+def per_rank(plan: MemoryPlan) -> list[int]:
+    """Peak bytes of every rank of the world, in rank order (rank = (r D + d) S + s; replicas are alike)."""
+    m = plan.mesh
+    D, S = m["pipeline"], m["spatial"]
+    by = {(p.pipeline, s): p.bytes.total for p in plan.positions for s in p.spatial}
+    return [by[(d, s)] for _ in range(m["replicas"]) for d in range(D) for s in range(S)]
 
 
 def render_table(plan: MemoryPlan, width: int = 120) -> str:
@@ -1226,6 +1291,13 @@ def render_table(plan: MemoryPlan, width: int = 120) -> str:
     for n in plan.notes:
         con.print(f"note: {n}")
     con.print(plan.verdict, soft_wrap=True)
+    pr = plan.prediction
+    if pr is not None:
+        terms = ", ".join(f"{k} {v:.3g}" for k, v in pr.breakdown.items() if v > 0)
+        con.print(f"predicted step: {pr.step_s:.3g} s ({terms}; set by {pr.position}) = {pr.throughput:.3g} "
+                  f"samples/s", soft_wrap=True)
+        for a in pr.assumptions:
+            con.print(f"  assumed: {a}", soft_wrap=True)
     return buf.getvalue()
 
 

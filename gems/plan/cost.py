@@ -1,0 +1,98 @@
+"""What each layer of the planner's trace computes: FLOPs and bytes per op, counted on the same fake-tensor
+forward that measures memory (:func:`gems.plan.memory._trace`).
+
+Ops fall in three classes: ``conv`` (convolutions, with a signature of channels, kernel, stride, groups and
+transposition that CPU ranks time on the spot), ``matmul`` and ``memory`` (everything else that moves data:
+norms, activations, pooling, adds, copies; its bytes read and written). Views and allocations are free.
+FLOPs come from torch's own formulas (``torch.utils.flop_counter``), so a convolution counts as the
+multiply-adds its output needs.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+__all__ = ["OpCounter", "LayerOps", "scaled"]
+
+#: (op class, signature) -> [flops, bytes, ops] of one layer at one micro-batch
+LayerOps = dict[tuple[str, tuple], list[float]]
+
+_CONV = {"convolution", "_convolution", "convolution_overrideable", "cudnn_convolution", "_slow_conv2d_forward"}
+_MATMUL = {"mm", "addmm", "bmm", "baddbmm"}
+_FREE = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "detach", "lift_fresh",
+         "alias"}
+
+
+def _bytes(xs: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_flatten(xs)[0] if isinstance(t, torch.Tensor))
+
+
+def _signature(name: str, args: tuple) -> tuple:
+    if name in _CONV:
+        x, w = args[0], args[1]
+        transposed = bool(args[6]) if len(args) > 6 else False
+        groups = int(args[8]) if len(args) > 8 else 1
+        stride = tuple(int(s) for s in args[3]) if len(args) > 3 else (1,) * (x.dim() - 2)
+        cin = int(x.shape[1])
+        cout = int(w.shape[1]) * groups if transposed else int(w.shape[0])
+        return ("conv", x.dim() - 2, cin, cout, tuple(int(k) for k in w.shape[2:]), stride, groups, transposed)
+    a, b = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
+    return ("matmul", int(a.shape[-1]), int(b.shape[-1]))
+
+
+class OpCounter(TorchDispatchMode):
+    """Accumulates every op's FLOPs and bytes under the layer ``cur[0]`` says is running."""
+
+    def __init__(self, cur: list[int]) -> None:
+        super().__init__()
+        self.cur = cur
+        self.layers: dict[int, LayerOps] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if name in _FREE or getattr(func, "is_view", False) or func.namespace == "prim" or \
+                not any(isinstance(t, torch.Tensor) for t in tree_flatten(out)[0]):
+            return out  # views, allocations, and queries (a tensor's device, size ...) move no data
+        if name in _CONV or name in _MATMUL:
+            cls = "conv" if name in _CONV else "matmul"
+            sig = _signature(name, args)
+            flops = float(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+        else:
+            cls, sig, flops = "memory", (), 0.0
+        nbytes = _bytes(args) + _bytes(out)
+        acc = self.layers.setdefault(self.cur[0], {}).setdefault((cls, sig), [0.0, 0.0, 0.0])
+        acc[0] += flops
+        acc[1] += nbytes
+        acc[2] += 1
+        return out
+
+    def take(self, layer: int) -> LayerOps:
+        """The counts of ``layer`` so far (a copy)."""
+        return {k: list(v) for k, v in self.layers.get(layer, {}).items()}
+
+    def add(self, layer: int, ops: LayerOps) -> None:
+        mine = self.layers.setdefault(layer, {})
+        for k, v in ops.items():
+            acc = mine.setdefault(k, [0.0, 0.0, 0.0])
+            for j in range(3):
+                acc[j] += v[j]
+
+
+def scaled(a: LayerOps, b: LayerOps, ba: int, bb: int, batch: int) -> LayerOps:
+    """The counts at micro-batch ``batch`` on the line through the counts at ``ba`` and ``bb`` (FLOPs and bytes
+    grow with the batch; the number of ops does not)."""
+    out: LayerOps = {}
+    for k in set(a) | set(b):
+        va, vb = a.get(k, [0.0, 0.0, 0.0]), b.get(k, [0.0, 0.0, 0.0])
+        if ba == bb:
+            out[k] = [va[0] * batch / ba, va[1] * batch / ba, va[2]]
+            continue
+        t = (batch - ba) / (bb - ba)
+        out[k] = [max(0.0, va[j] + t * (vb[j] - va[j])) for j in (0, 1)] + [max(va[2], vb[2])]
+    return out

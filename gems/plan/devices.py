@@ -1,0 +1,247 @@
+"""The rates the performance model runs on: named GPUs from their vendors' data sheets, CPU ranks measured
+on the spot, and the links of a cluster preset.
+
+GPU figures are per device (per GCD for the MI250X), dense (no structured sparsity), in TFLOP/s and GB/s:
+
+=============  =====  ======  ======  ======  ======  ========================================================
+name           GiB    fp32    tf32    bf16    fp16    memory GB/s, source
+=============  =====  ======  ======  ======  ======  ========================================================
+v100-16gb      16     15.7    -       -       125     900: NVIDIA Tesla V100 data sheet (SXM2)
+v100-32gb      32     15.7    -       -       125     900: same
+a100-40gb      40     19.5    156     312     312     1555: NVIDIA A100 data sheet (SXM4 40 GB)
+a100-64gb      64     19.5    156     312     312     1638: Leonardo's custom A100 SXM 64 GB (CINECA's Leonardo
+                                                      user guide: 4 x A100 64 GB HBM2e per node)
+a100-80gb      80     19.5    156     312     312     2039: NVIDIA A100 data sheet (SXM4 80 GB)
+h100           80     67      494.5   989.5   989.5   3350: NVIDIA H100 data sheet (SXM5)
+h200           141    67      494.5   989.5   989.5   4800: NVIDIA H200 data sheet (SXM)
+gh200          96     67      494.5   989.5   989.5   4000: NVIDIA GH200 Grace Hopper data sheet (96 GB HBM3)
+mi250x-gcd     64     47.9    -       191.5   191.5   1638: AMD Instinct MI250X data sheet (383 TFLOP/s bf16,
+                                                      95.7 TFLOP/s fp32 matrix and 3.2 TB/s for the 2 GCDs)
+=============  =====  ======  ======  ======  ======  ========================================================
+
+PyTorch runs fp32 convolutions in TF32 by default on Ampere and later (``torch.backends.cudnn.allow_tf32``)
+and fp32 matmuls in fp32 (``torch.backends.cuda.matmul.allow_tf32`` is off), so an fp32 convolution is timed
+at the tf32 rate where there is one. What a kernel reaches of the peak is an efficiency per op class
+(``plan.efficiency``: conv, matmul, memory; calibrated by ``gems bench plan``).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gems.errors import ConfigError
+
+__all__ = ["GPUS", "Rates", "Link", "gpu_rates", "cpu_rates", "links", "DEFAULT_EFFICIENCY", "efficiency"]
+
+
+@dataclass(frozen=True)
+class GPU:
+    memory_gib: float
+    fp32: float  # TFLOP/s
+    tf32: float | None
+    bf16: float | None
+    fp16: float | None
+    bandwidth: float  # GB/s
+
+
+GPUS: dict[str, GPU] = {
+    "v100-16gb": GPU(16, 15.7, None, None, 125.0, 900.0),
+    "v100-32gb": GPU(32, 15.7, None, None, 125.0, 900.0),
+    "a100-40gb": GPU(40, 19.5, 156.0, 312.0, 312.0, 1555.0),
+    "a100-64gb": GPU(64, 19.5, 156.0, 312.0, 312.0, 1638.0),
+    "a100-80gb": GPU(80, 19.5, 156.0, 312.0, 312.0, 2039.0),
+    "h100": GPU(80, 67.0, 494.5, 989.5, 989.5, 3350.0),
+    "h200": GPU(141, 67.0, 494.5, 989.5, 989.5, 4800.0),
+    "gh200": GPU(96, 67.0, 494.5, 989.5, 989.5, 4000.0),
+    "mi250x-gcd": GPU(64, 47.9, None, 191.5, 191.5, 1638.0),
+}
+
+#: what kernels reach of a GPU's peak, per op class (convolutions, matmuls, memory-bound ops)
+DEFAULT_EFFICIENCY = {"conv": 0.5, "matmul": 0.6, "memory": 0.6}
+#: per op: the launch and framework overhead of one kernel on a GPU (seconds)
+GPU_OP_OVERHEAD_S = 6e-6
+
+
+@dataclass
+class Rates:
+    """How fast one rank computes: ``time(op class, signature, flops, bytes, backward)`` in seconds."""
+
+    kind: str  # "gpu" | "cpu"
+    name: str
+    flops: dict[str, float]  # op class -> FLOP/s reached (GPU: peak x efficiency)
+    bandwidth: float  # bytes/s reached by memory-bound ops
+    op_overhead_s: float
+    measured: dict[tuple, tuple[float, float]] | None = None  # CPU: conv signature -> (forward, backward) FLOP/s
+    about: str = ""
+    threads: int = 1  # CPU: the rank's threads, for measuring
+
+    def time(self, cls: str, sig: tuple, flops: float, nbytes: float, backward: bool) -> float:
+        """One op's time: the larger of its compute and memory times (a roofline), plus its overhead;
+        a backward is the input and weight gradients: twice the forward's FLOPs and bytes."""
+        k = 2.0 if backward else 1.0
+        if cls in ("conv", "matmul") and self.measured is not None:
+            return k * flops / self.measured_rate(sig, backward) + k * self.op_overhead_s
+        compute = flops / self.flops[cls] if cls in ("conv", "matmul") else 0.0
+        return k * max(compute, nbytes / self.bandwidth) + k * self.op_overhead_s
+
+    def measured_rate(self, sig: tuple, backward: bool) -> float:
+        """CPU: the FLOP/s of this convolution or matmul signature, measured the first time it is asked for
+        with the rank's threads."""
+        assert self.measured is not None
+        if sig not in self.measured:
+            before = torch.get_num_threads()
+            torch.set_num_threads(max(1, self.threads))
+            try:
+                self.measured[sig] = _measure_op(sig)
+            finally:
+                torch.set_num_threads(before)
+        fwd, bwd = self.measured[sig]
+        return bwd if backward else fwd
+
+
+def efficiency(cfg_eff: Any) -> dict[str, float]:
+    """``plan.efficiency`` over the defaults; bad keys or values exit 2."""
+    out = dict(DEFAULT_EFFICIENCY)
+    if cfg_eff is None:
+        return out
+    items = dict(cfg_eff) if hasattr(cfg_eff, "items") else None
+    if items is None:
+        raise ConfigError("plan.efficiency", cfg_eff, "a mapping such as {conv: 0.5, matmul: 0.6, memory: 0.6}")
+    for k, v in items.items():
+        if k not in out:
+            raise ConfigError(f"plan.efficiency.{k}", v, f"one of {sorted(out)}")
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            f = -1.0
+        if not 0 < f <= 1:
+            raise ConfigError(f"plan.efficiency.{k}", v, "a fraction of the peak in (0, 1]")
+        out[k] = f
+    return out
+
+
+def gpu_rates(name: str, precision: str, eff: dict[str, float]) -> Rates:
+    """A named GPU's rates at ``precision`` (``cluster.gpu``)."""
+    g = GPUS.get(name)
+    if g is None:
+        raise ConfigError("cluster.gpu", name, f"one of {', '.join(GPUS)} (the figures gems plan has)")
+    if precision == "fp32":
+        conv, mm = g.tf32 or g.fp32, g.fp32
+    else:
+        peak = g.bf16 if precision == "bf16" else g.fp16
+        if peak is None:
+            raise ConfigError("train.precision", precision, f"fp32 or fp16 on {name} (it has no {precision} units)")
+        conv = mm = peak
+    tf = 1e12
+    return Rates("gpu", name, {"conv": conv * tf * eff["conv"], "matmul": mm * tf * eff["matmul"]},
+                 g.bandwidth * 1e9 * eff["memory"], GPU_OP_OVERHEAD_S,
+                 about=f"{name}: {conv:g} TFLOP/s for convolutions, {mm:g} for matmuls at {precision}, "
+                       f"{g.bandwidth:g} GB/s; efficiency {eff}")
+
+
+# ---- CPU ranks: measured here --------------------------------------------------------------------------------
+_CPU: dict[tuple, Rates] = {}
+
+
+def _timed(fn: Any, min_s: float = 0.02, reps: int = 3) -> float:
+    fn()  # warm up (oneDNN picks and caches its kernel)
+    best = math.inf
+    for _ in range(reps):
+        n, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            dt = time.perf_counter() - t0
+            if dt >= min_s:
+                break
+        best = min(best, dt / n)
+    return best
+
+
+def _measure_op(sig: tuple) -> tuple[float, float]:
+    """FLOP/s of the forward and of the backward of one convolution or matmul signature, on a small input of
+    its channels and kernel (what the rank's threads reach on this machine)."""
+    kind = sig[0]
+    if kind == "matmul":
+        _, k, n = sig
+        a = torch.randn(256, k, requires_grad=True)
+        w = torch.randn(k, n, requires_grad=True)
+        flops = 2.0 * 256 * k * n
+        fwd = _timed(lambda: a @ w)
+        out = a @ w
+        g = torch.ones_like(out)
+        both = _timed(lambda: torch.autograd.grad(a @ w, (a, w), g))
+        return flops / fwd, 2 * flops / max(both - fwd, 1e-9)
+    _, nd, cin, cout, kernel, stride, groups, transposed = sig
+    side = {1: 256, 2: 24, 3: 12}[nd]
+    side = max(side, max(kernel) * 2)
+    x = torch.randn(2, cin, *([side] * nd), requires_grad=True)
+    conv = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[nd - 1] if transposed else \
+        (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
+    w = torch.randn(*((cin, cout // groups) if transposed else (cout, cin // groups)), *kernel, requires_grad=True)
+    out = conv(x, w, None, stride, groups=groups) if not transposed else conv(x, w, None, stride, groups=groups)
+    per_out = 2.0 * (cin // groups) * math.prod(kernel)
+    flops = per_out * out.numel() if not transposed else 2.0 * (cout // groups) * math.prod(kernel) * x.numel()
+    fwd = _timed(lambda: conv(x, w, None, stride, groups=groups))
+    g = torch.ones_like(out)
+    both = _timed(lambda: torch.autograd.grad(conv(x, w, None, stride, groups=groups), (x, w), g))
+    return flops / fwd, 2 * flops / max(both - fwd, 1e-9)
+
+
+def cpu_rates(threads: int) -> Rates:
+    """This machine's rates for a rank of ``threads`` threads: memory bandwidth and op overhead measured now,
+    convolutions and matmuls per signature when the model first needs them (tens of milliseconds each)."""
+    key = (threads,)
+    if key in _CPU:
+        return _CPU[key]
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        n = 8 * 2**20 // 4  # 8 MiB: past most caches of one core
+        a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
+        t = _timed(lambda: torch.add(a, b, out=c))
+        bw = 3 * n * 4 / t
+        small = torch.randn(8)
+        over = _timed(lambda: torch.relu(small), min_s=0.005)
+    finally:
+        torch.set_num_threads(before)
+    r = Rates("cpu", f"this machine's CPU, {threads} thread(s) a rank", {"conv": 1e10, "matmul": 1e10}, bw, over,
+              measured={}, about=f"CPU measured here: {bw / 1e9:.1f} GB/s, {over * 1e6:.1f} us per op, "
+                                 f"convolutions timed per shape ({threads} thread(s) a rank)", threads=threads)
+    _CPU[key] = r
+    return r
+
+
+# ---- links ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Link:
+    """One rank's share of a link: bandwidth per direction (bytes/s) and the latency of a message (s)."""
+
+    bandwidth: float
+    latency: float
+    name: str
+
+    def message(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+def links(cluster: Any, nodes: int) -> tuple[Link, Link | None]:
+    """(within a node, between nodes) from the preset's ``intra_node_*`` and ``inter_node_*`` keys; between
+    nodes is None for a one-node job; a missing figure the job needs exits 2 naming its key."""
+    def need(k: str) -> float:
+        v = cluster.get(k)
+        if v is None:
+            raise ConfigError(f"cluster.{k}", None, f"the {k.replace('_', ' ')} figure of the {cluster.name} preset "
+                                                    "(from its interconnect's data sheet), e.g. cluster."
+                                                    f"{k}={25 if 'GBps' in k else 5}")
+        return float(v)
+
+    intra = Link(need("intra_node_GBps") * 1e9, need("intra_node_latency_us") * 1e-6, "intra-node")
+    if nodes <= 1:
+        return intra, None
+    return intra, Link(need("inter_node_GBps") * 1e9, need("inter_node_latency_us") * 1e-6, "inter-node")

@@ -1,0 +1,291 @@
+"""How fast a job will run: the predicted step time of an R x D x S job, broken down as a record's
+``time_breakdown_s`` is (compute, halo, pipeline_comm, allreduce, bubble_or_wait, data), and its throughput.
+
+The model, term by term:
+
+* **compute**: every op of every layer (counted on the planner's fake trace, :mod:`gems.plan.cost`) at its
+  roofline on the rank's device (:mod:`gems.plan.devices`): a named GPU's data-sheet rates times an
+  efficiency per op class, or this machine's CPU measured on the spot; a backward costs twice its forward
+  (input and weight gradients); the optimizer's update is memory-bound over the rank's parameters.
+* **halo**: the spatial messages the real exchange plan sends at each layer (sizes logged by the stand-in
+  context), forward and backward, each ``latency + bytes / bandwidth`` on the link it crosses; with
+  ``parallel.overlap`` (GPU) a layer's exchange hides behind its interior compute. The global BatchNorm
+  all-reduces and the gather before the head are counted here too.
+* **pipeline_comm and bubble_or_wait**: the rank's real action list (:func:`gems.pipeline.make_schedule`)
+  is simulated with these action times (:func:`gems.pipeline.schedules.simulate`): without transfers the
+  idle time is the bubble; what transfers add to the step is pipeline_comm.
+* **allreduce**: a ring all-reduce of the rank's gradients over its gradient group (replicas, spatial parts
+  and mirrored holders), ``2 (p-1)/p * bytes / bandwidth + 2 (p-1) * latency`` per bucket, over the slowest
+  link the ring crosses; buckets start during the last backward, so only what outlasts it is exposed.
+* **data**: the rank's input batch made or read once per step.
+
+Every term is a pure function of the trace, the schedule and the rate tables, so it is tested against
+hand-computed values; ``gems bench plan`` holds it against measured steps.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from gems.plan.cost import LayerOps, scaled
+from gems.plan.devices import Link, Rates
+
+__all__ = ["TERMS", "Prediction", "message", "ring_allreduce", "all_gather", "spatial_comm", "layer_time",
+           "pipeline_times", "predict"]
+
+TERMS = ("compute", "halo", "pipeline_comm", "allreduce", "bubble_or_wait", "data")
+
+
+# ---- the formulas ----------------------------------------------------------------------------------------------
+def message(nbytes: float, link: Link) -> float:
+    """One message: latency plus bytes over bandwidth."""
+    return link.latency + nbytes / link.bandwidth
+
+
+def ring_allreduce(nbytes: float, p: int, link: Link, buckets: int = 1) -> float:
+    """A ring all-reduce of ``nbytes`` over ``p`` ranks in ``buckets`` pieces: each rank sends and receives
+    ``2 (p-1)/p`` of the data, in ``2 (p-1)`` steps per piece."""
+    if p <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (p - 1) / p * nbytes / link.bandwidth + 2 * (p - 1) * link.latency * max(1, buckets)
+
+
+def all_gather(full_bytes: float, p: int, link: Link) -> float:
+    """A ring all-gather of a tensor of ``full_bytes`` in ``p`` equal parts."""
+    if p <= 1:
+        return 0.0
+    return (p - 1) / p * full_bytes / link.bandwidth + (p - 1) * link.latency
+
+
+def spatial_comm(entries: Sequence[tuple[str, float, int]], parts: int, link: Link) -> float:
+    """The seconds of one layer's spatial messages in one direction: ``(kind, bytes, messages)`` as the
+    stand-in context logs them (halo: the bytes this part sends to its neighbours, concurrently, sharing
+    the rank's link; allreduce: a small all-reduce over the parts; gather: the whole tensor)."""
+    t = 0.0
+    for kind, nbytes, msgs in entries:
+        if kind == "halo":
+            t += (link.latency if msgs else 0.0) + nbytes / link.bandwidth
+        elif kind == "allreduce":
+            t += ring_allreduce(nbytes, parts, link)
+        else:
+            t += all_gather(nbytes, parts, link)
+    return t
+
+
+def layer_time(ops: LayerOps, rates: Rates, backward: bool) -> float:
+    """Seconds of one layer's ops (forward, or backward at twice the work)."""
+    t = 0.0
+    for (cls, sig), (flops, nbytes, n) in ops.items():
+        if n <= 0:
+            continue
+        per = rates.time(cls, sig, flops / n, nbytes / n, backward)
+        t += n * per
+    return t
+
+
+def pipeline_times(sched: Any, cost: Callable[[Any], float], transfer: Callable[[Any], float]
+                   ) -> tuple[list[float], list[float], list[float]]:
+    """Per pipeline rank: (end of its last action, end without any transfer time, its busy seconds), from
+    simulating the schedule's real per-rank orders."""
+    from gems.pipeline.schedules import simulate
+
+    with_comm = simulate(sched, cost=cost, transfer=transfer)
+    without = simulate(sched, cost=cost, transfer=lambda a: 0.0)
+    R = sched.ranks
+    end = [0.0] * R
+    end0 = [0.0] * R
+    busy = [0.0] * R
+    for a, (s, e) in with_comm.items():
+        r = sched.rank_of(a.replica, a.stage)
+        end[r] = max(end[r], e)
+        busy[r] += e - s
+    for a, (_, e) in without.items():
+        r = sched.rank_of(a.replica, a.stage)
+        end0[r] = max(end0[r], e)
+    return end, end0, busy
+
+
+# ---- the prediction ------------------------------------------------------------------------------------------
+@dataclass
+class Prediction:
+    step_s: float
+    breakdown: dict[str, float]
+    throughput: float  # samples/s
+    position: str  # the mesh position that sets the step time
+    per_position: list[dict[str, Any]] = field(default_factory=list)
+    assumptions: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"total": self.step_s, "breakdown": dict(self.breakdown), "position": self.position,
+                "per_position": self.per_position, "assumptions": list(self.assumptions)}
+
+
+@dataclass
+class _StageTime:
+    fwd: float  # compute seconds of one forward of one micro-batch
+    bwd: float
+    comm_fwd: float  # exposed spatial messages
+    comm_bwd: float
+
+
+def _stage_times(ops1: dict[int, LayerOps], ops2: dict[int, LayerOps], b1: int, b2: int, chunk: int,
+                 comm1: list[tuple[int, str, int, int]], comm2: list[tuple[int, str, int, int]],
+                 a: int, e: int, last: bool, n_layers: int, rates: Rates, parts: int, link: Link | None,
+                 overlap: bool) -> _StageTime:
+    fwd = bwd = cf = cb = 0.0
+    layers = list(range(a, e)) + ([n_layers] if last else [])  # the loss with the last stage
+    for j in layers:
+        ops = scaled(ops1.get(j, {}), ops2.get(j, {}), b1, b2, chunk)
+        tf, tb = layer_time(ops, rates, False), layer_time(ops, rates, True)
+        fwd, bwd = fwd + tf, bwd + tb
+        if link is None:
+            continue
+        e1 = [(k, nb, m) for i, k, nb, m in comm1 if i == j]
+        e2 = [(k, nb, m) for i, k, nb, m in comm2 if i == j]
+        ents = [(k, _at(n1, n2, b1, b2, chunk), m) for (k, n1, m), (_, n2, _) in zip(e1, e2)]
+        halo = spatial_comm([x for x in ents if x[0] == "halo"], parts, link)
+        rest = spatial_comm([x for x in ents if x[0] != "halo"], parts, link)
+        if overlap:  # the exchange runs while the interior is computed
+            cf += max(0.0, halo - tf) + rest
+            cb += max(0.0, halo - tb) + rest
+        else:
+            cf += halo + rest
+            cb += halo + rest
+    return _StageTime(fwd, bwd, cf, cb)
+
+
+def _at(v1: float, v2: float, b1: int, b2: int, b: int) -> float:
+    if b1 == b2:
+        return v1 * b / b1
+    return max(0.0, v1 + (v2 - v1) * (b - b1) / (b2 - b1))
+
+
+def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: int, tasks_per_node: int) -> Prediction:
+    """The step time of the planned job (``pl``: the memory planner with its traces; ``prof``: its balance
+    and per-class stages at this batch)."""
+    from gems.plan.devices import links
+
+    st = pl.st
+    mesh = st.mesh
+    world = mesh.size
+    intra, inter = links(cluster, nodes) if world > 1 else (None, None)
+    tpn = max(1, tasks_per_node)
+
+    def link_of(ranks: Sequence[int]) -> Link | None:
+        if intra is None:
+            return None
+        return intra if len({r // tpn for r in ranks}) <= 1 else (inter or intra)
+
+    bal, classes = prof
+    chunk = pl.chunk_of(batch)
+    D = mesh.pipeline
+    S = mesh.spatial
+    overlap = bool(st.overlap if st.overlap is not None else st.gpu)
+    sched = pl.sched() if pl.pipelined else None
+    n_stages = len(bal)
+    bounds = []
+    start = 0
+    for n in bal:
+        bounds.append((start, start + n))
+        start += n
+    spatial_link = link_of(mesh.spatial_ranks(0, 0)) if S > 1 else None
+    # per stage: the slowest spatial class (the parts of a sample meet at every exchange)
+    per_stage: list[_StageTime] = []
+    for p, (a, e) in enumerate(bounds):
+        best: _StageTime | None = None
+        for members, _local, _stages, _tb in classes:
+            t1, t2 = pl._traced(members[0], 1), pl._traced(members[0], 2)
+            n_layers = len(t1.out_bytes) - 1
+            stt = _stage_times(t1.ops, t2.ops, t1.batch, t2.batch, chunk, t1.comm, t2.comm, a, e,
+                               p == n_stages - 1, n_layers, rates, S, spatial_link, overlap)
+            if best is None or stt.fwd + stt.bwd + stt.comm_fwd + stt.comm_bwd > \
+                    best.fwd + best.bwd + best.comm_fwd + best.comm_bwd:
+                best = stt
+        assert best is not None
+        per_stage.append(best)
+    stage_out = [classes[0][2][p].out.at(chunk) for p in range(n_stages)]
+    stage_in = [classes[0][2][p].inp.at(chunk) for p in range(n_stages)]
+
+    # the schedule
+    if sched is not None:
+        split = sched.split
+
+        def cost(act: Any) -> float:
+            t = per_stage[act.stage]
+            if act.kind == "F":
+                return t.fwd + t.comm_fwd
+            if act.kind == "B":
+                return t.bwd + t.comm_bwd
+            return (t.bwd + t.comm_bwd) / 2  # I or W: half of the backward each
+
+        def transfer(act: Any) -> float:
+            nxt = act.stage + 1 if act.kind == "F" else act.stage - 1
+            r0, r1 = sched.rank_of(act.replica, act.stage), sched.rank_of(act.replica, nxt)
+            lk = link_of([mesh.rank_of(0, r0, 0), mesh.rank_of(0, r1, 0)])
+            if lk is None:
+                return 0.0
+            return message(stage_out[act.stage] if act.kind == "F" else stage_in[act.stage], lk)
+
+        end, end0, _busy = pipeline_times(sched, cost, transfer)
+        actions = sched.actions
+        ranks = range(sched.ranks)
+    else:
+        split = False
+        t = per_stage[0]
+        end = end0 = [t.fwd + t.bwd + t.comm_fwd + t.comm_bwd]
+        actions = None
+        ranks = range(1)
+    step_end = max(end)  # every rank waits for the slowest at the step's sync
+
+    per_position = []
+    worst: dict[str, float] | None = None
+    worst_label = ""
+    for d in ranks:
+        held = sched.partitions_of(d) if sched is not None else [0]
+        if actions is not None:
+            comp = sum((per_stage[a.stage].fwd if a.kind == "F" else per_stage[a.stage].bwd * (0.5 if split else 1.0))
+                       for a in actions[d])
+            spat = sum((per_stage[a.stage].comm_fwd if a.kind == "F" else
+                        per_stage[a.stage].comm_bwd * (0.5 if split else 1.0)) for a in actions[d])
+            last_b = [a for a in actions[d] if a.kind in ("B", "W")]
+            window = sum(cost(a) for a in last_b[-len(held):]) if last_b else 0.0
+        else:
+            comp, spat = per_stage[0].fwd + per_stage[0].bwd, per_stage[0].comm_fwd + per_stage[0].comm_bwd
+            window = per_stage[0].bwd
+        # gradients: a ring over the replicas, spatial parts and mirrored holders of these partitions
+        params = sum(classes[0][2][p].params for p in held)
+        holders = next((g for g in sched.holder_groups() if d in g), (d,)) if sched is not None else (0,)
+        group = [mesh.rank_of(r, h, s) for r in range(mesh.replicas) for h in holders for s in range(S)]
+        glink = link_of(group)
+        ar_s = 0.0
+        if glink is not None and len(group) > 1:
+            bucket = max(1.0, st.bucket_mb * 2**20)
+            nb = max(1, math.ceil(params / bucket))
+            full = ring_allreduce(params, len(group), glink, nb)
+            ar_s = max(full - window, full / nb)
+        # the optimizer's update: memory-bound over parameters, gradients and state
+        # (SGD: read parameter and gradient, write parameter; momentum and Adam read and write their state too)
+        per_param = {0: 3, 1: 5, 2: 7}.get(st.optimizer_factor, 7)
+        opt_s = per_param * params / rates.bandwidth + 10 * len(held) * rates.op_overhead_s
+        # the rank's input batch (first stage), made or read and copied once a step
+        in_bytes = 4 * math.prod(classes[0][1]) * chunk * pl.chunks if 0 in held else 0
+        data_s = 2 * in_bytes / rates.bandwidth
+        bubble = max(0.0, end0[d] - comp - spat) + (step_end - end[d])
+        pcomm = max(0.0, end[d] - end0[d])
+        terms = {"compute": comp + opt_s, "halo": spat, "pipeline_comm": pcomm, "allreduce": ar_s,
+                 "bubble_or_wait": bubble, "data": data_s}
+        total = sum(terms.values())
+        label = f"pipeline {d}" if D > 1 else "every rank"
+        per_position.append({"pipeline": d, "total": total, "breakdown": terms})
+        if worst is None or total > sum(worst.values()):
+            worst, worst_label = terms, label
+    assert worst is not None
+    step = sum(worst.values())
+    assumptions = [rates.about]
+    if intra is not None:
+        assumptions.append(f"links: {intra.bandwidth / 1e9:g} GB/s and {intra.latency * 1e6:g} us within a node"
+                           + (f", {inter.bandwidth / 1e9:g} GB/s and {inter.latency * 1e6:g} us between nodes"
+                              if inter is not None else ""))
+    assumptions.append("halo exchanges overlap interior compute" if overlap else "halo exchanges do not overlap compute")
+    return Prediction(step, worst, batch / step if step > 0 else math.inf, worst_label, per_position, assumptions)

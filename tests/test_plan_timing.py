@@ -1,0 +1,159 @@
+"""gems plan's performance model: each term against hand-computed values, the FLOPs it counts on the trace
+against the formula, the schedule's simulated bubble against the textbook one, and its bad input."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from _cli import gems
+
+from gems.config import compose
+from gems.errors import ConfigError
+from gems.pipeline.schedules import make_schedule
+from gems.plan import make_plan, to_json
+from gems.plan.devices import GPUS, Link, Rates, gpu_rates
+from gems.plan.timing import TERMS, all_gather, layer_time, message, pipeline_times, ring_allreduce, spatial_comm
+
+LINK = Link(bandwidth=10e9, latency=5e-6, name="test")
+
+
+def test_a_message_and_a_halo_exchange_of_known_size():
+    assert message(1e6, LINK) == pytest.approx(5e-6 + 1e-4)
+    # a 64^3 volume cut in two along depth, 16 channels, fp32, halo of 1 plane: each part sends one
+    # 16 x 64 x 64 plane (262144 bytes) to its one neighbour
+    plane = 16 * 64 * 64 * 4
+    assert spatial_comm([("halo", plane, 1)], 2, LINK) == pytest.approx(5e-6 + plane / 10e9)
+    # a middle part sends to two neighbours at once over its one link: one latency, both planes' bytes
+    assert spatial_comm([("halo", 2 * plane, 2)], 3, LINK) == pytest.approx(5e-6 + 2 * plane / 10e9)
+    assert spatial_comm([], 2, LINK) == 0.0
+
+
+def test_a_ring_all_reduce_and_all_gather():
+    n = 100e6
+    # p = 4: each rank sends 2 (p-1)/p of the data, in 2 (p-1) latency-bound steps
+    assert ring_allreduce(n, 4, LINK) == pytest.approx(2 * 3 / 4 * n / 10e9 + 6 * 5e-6)
+    assert ring_allreduce(n, 4, LINK, buckets=25) == pytest.approx(2 * 3 / 4 * n / 10e9 + 25 * 6 * 5e-6)
+    assert ring_allreduce(n, 1, LINK) == 0.0
+    assert all_gather(n, 8, LINK) == pytest.approx(7 / 8 * n / 10e9 + 7 * 5e-6)
+
+
+def test_the_simulated_1f1b_bubble_is_the_textbook_one():
+    # unit forward, backward twice that, no transfers: D = 4, m = 8 takes (m + D - 1) x 3 and every rank
+    # idles (D - 1) x 3 of it, the bubble fraction (D - 1) / (m + D - 1)
+    D, m = 4, 8
+    sched = make_schedule("1f1b", D, m)
+    end, end0, busy = pipeline_times(sched, lambda a: 1.0 if a.kind == "F" else 2.0, lambda a: 0.0)
+    assert max(end) == max(end0) == pytest.approx((m + D - 1) * 3)
+    assert busy == [pytest.approx(3 * m)] * D
+    assert 1 - busy[0] / max(end) == pytest.approx((D - 1) / (m + D - 1))
+
+
+def test_transfers_lengthen_the_step_by_the_messages_on_its_critical_path():
+    # D = 2, one micro-batch: F0 (1), activation (0.5), F1 (1), B1 (2), gradient (0.5), B0 (2): 7 against 6
+    sched = make_schedule("1f1b", 2, 1)
+    end, end0, busy = pipeline_times(sched, lambda a: 1.0 if a.kind == "F" else 2.0, lambda a: 0.5)
+    assert max(end) == pytest.approx(7.0) and max(end0) == pytest.approx(6.0)
+    assert busy == [pytest.approx(3.0), pytest.approx(3.0)]
+
+
+def test_mast_fills_the_bubble_lp_leaves():
+    cost = lambda a: 1.0 if a.kind == "F" else 2.0  # noqa: E731
+    lp_end, _, _ = pipeline_times(make_schedule("lp", 2, 1), cost, lambda a: 0.0)
+    mast_end, _, mast_busy = pipeline_times(make_schedule("mast", 2, 1), cost, lambda a: 0.0)
+    # lp: one sample through 2 stages, 6 ticks for 1 pass; mast: two passes (mirrored) in 6 ticks, no idle
+    assert max(lp_end) == pytest.approx(6.0)
+    assert max(mast_end) == pytest.approx(6.0) and mast_busy == [pytest.approx(6.0)] * 2
+
+
+def test_a_layer_on_a_named_gpu_is_its_roofline():
+    r = gpu_rates("a100-40gb", "fp32", {"conv": 0.5, "matmul": 0.6, "memory": 0.6})
+    # fp32 convolutions run in TF32 (156 TFLOP/s) at half the peak; memory-bound ops at 60% of 1555 GB/s
+    conv = {("conv", ("conv", 2, 64, 64, (3, 3), (1, 1), 1, False)): [1e12, 1e6, 1]}
+    assert layer_time(conv, r, False) == pytest.approx(1e12 / (156e12 * 0.5) + r.op_overhead_s)
+    assert layer_time(conv, r, True) == pytest.approx(2 * (1e12 / (156e12 * 0.5) + r.op_overhead_s))
+    relu = {("memory", ()): [0.0, 8e9, 2]}
+    assert layer_time(relu, r, False) == pytest.approx(2 * (4e9 / (1555e9 * 0.6) + r.op_overhead_s))
+    bf16 = gpu_rates("h100", "bf16", {"conv": 1.0, "matmul": 1.0, "memory": 1.0})
+    assert bf16.flops["conv"] == pytest.approx(989.5e12)
+    with pytest.raises(ConfigError) as e:
+        gpu_rates("v100-16gb", "bf16", {"conv": 1.0, "matmul": 1.0, "memory": 1.0})
+    assert e.value.key == "train.precision"
+    assert set(GPUS) >= {"v100-16gb", "a100-40gb", "a100-80gb", "h100", "h200", "mi250x-gcd", "gh200"}
+
+
+def test_the_trace_counts_a_convolutions_flops_by_the_formula():
+    from gems.plan.memory import _Planner, _setup
+
+    cfg = compose(["model=custom", "model._target_=_custom_models.tiny_cnn", "model.input_shape=[3,16,16]",
+                   "model.num_outputs=4", "train.batch_size=2"])
+    pl = _Planner(_setup(cfg))
+    t1, t2 = pl._traced(0, 1), pl._traced(0, 2)
+    layers, _, _ = pl._layers(0)
+    conv = next(i for i, m in enumerate(layers) if isinstance(m, torch.nn.Conv2d))
+    c = layers[conv]
+    for t in (t1, t2):
+        (flops, _nbytes, n), = [v for (cls, _), v in t.ops[conv].items() if cls == "conv"]
+        out_hw = 16 * 16  # padding keeps the size
+        assert flops == 2 * t.batch * c.out_channels * out_hw * c.in_channels * c.kernel_size[0] * c.kernel_size[1]
+        assert n == 1
+
+
+def test_plan_predicts_a_step_with_every_term_and_the_json_fields():
+    cfg = compose(["model=cosmoflow", "model.size=32", "model.width=0.25", "train.batch_size=4", "parallel.replicas=2",
+                   "parallel.spatial=2"])
+    plan = make_plan(cfg, suggest=False)
+    pr = plan.prediction
+    assert pr is not None and set(pr.breakdown) == set(TERMS)
+    assert pr.breakdown["compute"] > 0 and pr.breakdown["halo"] > 0 and pr.breakdown["allreduce"] > 0
+    assert pr.step_s == pytest.approx(sum(pr.breakdown.values()))
+    obj = json.loads(json.dumps(to_json(plan)))
+    assert obj["predicted_throughput_samples_per_s"] == pytest.approx(4 / obj["predicted_step_time_s"]["total"])
+    assert len(obj["peak_memory_bytes"]["per_rank"]) == 4
+
+
+def test_more_spatial_parts_predict_less_compute_per_rank_on_a_gpu():
+    base = ["model=cosmoflow", "model.size=256", "train.batch_size=1", "cluster=perlmutter", "cluster.account=x"]
+    one = make_plan(compose(base), suggest=False).prediction
+    four = make_plan(compose(base + ["parallel.spatial=4"]), suggest=False).prediction
+    # a quarter of the volume per rank; the small deep layers cost their kernel launches whatever the cut
+    assert four.breakdown["compute"] < 0.7 * one.breakdown["compute"]
+    assert four.breakdown["halo"] > 0 and one.breakdown["halo"] == 0
+
+
+def test_bad_input_for_the_prediction_exits_2_with_one_line(tmp_path):
+    cases = [
+        (["cluster.gpu_memory_gb=40", "cluster.gpu=a100-13gb"], "cluster.gpu"),
+        (["cluster=slurm", "cluster.nodes=1", "cluster.tasks_per_node=2", "parallel.replicas=2"],
+         "cluster.intra_node_GBps"),
+        (["plan.efficiency={conv: 2}"], "plan.efficiency.conv"),
+        (["plan.efficiency={tensor: 0.5}"], "plan.efficiency.tensor"),
+    ]
+    for extra, key in cases:
+        out = gems("plan", "model=cosmoflow", "model.size=32", "model.width=0.25", "train.batch_size=2", *extra,
+                   cwd=str(tmp_path))
+        assert out.returncode == 2, (extra, out.stderr[-1500:])
+        assert key in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    # a configuration that does not fit is an answer, not an error
+    out = gems("plan", "model=cosmoflow", "model.size=512", "cluster.gpu_memory_gb=16", "cluster.gpu=v100-16gb",
+               "train.batch_size=8", "plan.format=json", cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    obj = json.loads(out.stdout)
+    assert obj["fits"] is False and obj["predicted_step_time_s"]["total"] > 0
+
+
+def test_without_a_gpu_model_the_plan_says_how_to_get_a_prediction():
+    plan = make_plan(compose(["model=cosmoflow", "model.size=32", "model.width=0.25", "cluster.gpu_memory_gb=40",
+                              "train.batch_size=2"]), suggest=False)
+    assert plan.prediction is None and any("cluster.gpu" in n for n in plan.notes)
+
+
+def test_cpu_rates_are_measured_here():
+    from gems.plan.devices import cpu_rates
+
+    r = cpu_rates(1)
+    assert isinstance(r, Rates) and r.kind == "cpu" and r.bandwidth > 1e8
+    sig = ("conv", 2, 8, 8, (3, 3), (1, 1), 1, False)
+    fwd, bwd = r.measured_rate(sig, False), r.measured_rate(sig, True)
+    assert 1e7 < fwd < 1e13 and 1e7 < bwd < 1e13
