@@ -29,7 +29,7 @@ commands:
   render [OVERRIDES]     print the sbatch script this configuration would submit
   plan [OVERRIDES]       memory plan per rank without starting the world
   data synth [OVERRIDES] write a synthetic HDF5 dataset (data.path, data.num_samples)
-  bench NAME             side-by-side benchmark: overhead, spatial, pipeline
+  bench NAME             side-by-side benchmark: overhead, spatial, pipeline, plan
 
 overrides: key=value (train.steps=10), group=option (model=unet3d cluster=local_slurm),
            +experiment=NAME (see conf/experiment/). `gems run --help` lists every key with its default
@@ -421,6 +421,11 @@ def cmd_plan(overrides: list[str]) -> int:
                           "run, sweep, results, render, data synth or bench (the memory planner is not built yet)") from None
     from gems.config import compose
 
+    combos, meta = expand_sweep(overrides)
+    if len(combos) > 1 or meta["experiment"]:  # a study: every point predicted, one table and plot
+        from gems.plan.curves import predict_study
+
+        return predict_study(combos, meta["experiment"])
     return int(plan_main(compose(overrides)) or 0)
 
 
@@ -441,6 +446,7 @@ BENCHES = {
     "overhead": ("gems.bench.overhead", "bench_overhead"),
     "spatial": ("gems.bench.spatial", "bench_spatial"),
     "pipeline": ("gems.bench.pipeline", "bench_pipeline"),
+    "plan": ("gems.bench.plan", "bench_plan"),
 }
 
 

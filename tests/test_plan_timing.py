@@ -153,7 +153,14 @@ def test_cpu_rates_are_measured_here():
     from gems.plan.devices import cpu_rates
 
     r = cpu_rates(1)
-    assert isinstance(r, Rates) and r.kind == "cpu" and r.bandwidth > 1e8
-    sig = ("conv", 2, 8, 8, (3, 3), (1, 1), 1, False)
+    assert isinstance(r, Rates) and r.kind == "cpu" and 0 < r.op_overhead_s < 1e-3
+    sig = ("conv", 2, 8, 8, (3, 3), (1, 1), 1, False, (1, 1), 2, (32, 32))
     fwd, bwd = r.measured_rate(sig, False), r.measured_rate(sig, True)
-    assert 1e7 < fwd < 1e13 and 1e7 < bwd < 1e13
+    assert 1e7 < fwd < 1e13 and 1e7 < bwd < 1e13  # FLOP/s
+    for kind in ("elementwise", "pool", "norm"):
+        assert 1e7 < r.measured_rate(("memory", kind), False) < 1e12  # bytes/s
+    # a convolution's time is its FLOPs at the measured rate plus its overhead; the first layer's backward
+    # (no input gradient) half of a full one
+    t = layer_time({("conv", sig): [1e9, 0.0, 1]}, r, True)
+    assert t == pytest.approx(1e9 / bwd + 2 * r.op_overhead_s)
+    assert layer_time({("conv", sig): [1e9, 0.0, 1]}, r, True, first=True) == pytest.approx(t / 2)

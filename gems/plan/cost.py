@@ -31,17 +31,35 @@ def _bytes(xs: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tree_flatten(xs)[0] if isinstance(t, torch.Tensor))
 
 
+#: the spatial extent (per dim) up to which CPU ranks time a convolution at its real size; larger ones are
+#: timed on this extent (their rate no longer depends on it)
+MEASURE_EXTENT = {1: 65536, 2: 256, 3: 64}
+
+
 def _signature(name: str, args: tuple) -> tuple:
     if name in _CONV:
         x, w = args[0], args[1]
         transposed = bool(args[6]) if len(args) > 6 else False
         groups = int(args[8]) if len(args) > 8 else 1
-        stride = tuple(int(s) for s in args[3]) if len(args) > 3 else (1,) * (x.dim() - 2)
+        nd = x.dim() - 2
+        stride = tuple(int(s) for s in args[3]) if len(args) > 3 else (1,) * nd
+        padding = tuple(int(s) for s in args[4]) if len(args) > 4 else (0,) * nd
         cin = int(x.shape[1])
         cout = int(w.shape[1]) * groups if transposed else int(w.shape[0])
-        return ("conv", x.dim() - 2, cin, cout, tuple(int(k) for k in w.shape[2:]), stride, groups, transposed)
+        extent = tuple(min(int(v), MEASURE_EXTENT[nd]) for v in x.shape[2:])
+        return ("conv", nd, cin, cout, tuple(int(k) for k in w.shape[2:]), stride, groups, transposed, padding,
+                min(int(x.shape[0]), 2), extent)
     a, b = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
     return ("matmul", int(a.shape[-1]), int(b.shape[-1]))
+
+
+def memory_group(name: str) -> str:
+    """The kind of memory-bound op, for CPU ranks that time each kind: pool, norm or elementwise."""
+    if "pool" in name:
+        return "pool"
+    if "norm" in name:
+        return "norm"
+    return "elementwise"
 
 
 class OpCounter(TorchDispatchMode):
@@ -64,7 +82,7 @@ class OpCounter(TorchDispatchMode):
             sig = _signature(name, args)
             flops = float(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
         else:
-            cls, sig, flops = "memory", (), 0.0
+            cls, sig, flops = "memory", ("memory", memory_group(name)), 0.0
         nbytes = _bytes(args) + _bytes(out)
         acc = self.layers.setdefault(self.cur[0], {}).setdefault((cls, sig), [0.0, 0.0, 0.0])
         acc[0] += flops

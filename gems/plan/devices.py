@@ -79,19 +79,28 @@ class Rates:
     measured: dict[tuple, tuple[float, float]] | None = None  # CPU: conv signature -> (forward, backward) FLOP/s
     about: str = ""
     threads: int = 1  # CPU: the rank's threads, for measuring
+    share: float = 1.0  # ranks that take turns on one core's worth of compute (oversubscribed CPU nodes)
 
     def time(self, cls: str, sig: tuple, flops: float, nbytes: float, backward: bool) -> float:
-        """One op's time: the larger of its compute and memory times (a roofline), plus its overhead;
-        a backward is the input and weight gradients: twice the forward's FLOPs and bytes."""
+        """One op's time. Measured rates (CPU) give forward and backward directly (a backward rate is the
+        forward's work over the backward's time); data-sheet rates (GPU) give a roofline, the larger of
+        compute and memory time, with a backward costing twice its forward (input and weight gradients)."""
+        if self.measured is not None:
+            work = flops if cls in ("conv", "matmul") else nbytes
+            return self.share * (work / self.measured_rate(sig, backward) + self.op_overhead_s * (2 if backward else 1))
         k = 2.0 if backward else 1.0
-        if cls in ("conv", "matmul") and self.measured is not None:
-            return k * flops / self.measured_rate(sig, backward) + k * self.op_overhead_s
         compute = flops / self.flops[cls] if cls in ("conv", "matmul") else 0.0
-        return k * max(compute, nbytes / self.bandwidth) + k * self.op_overhead_s
+        return self.share * k * (max(compute, nbytes / self.bandwidth) + self.op_overhead_s)
+
+    def shared(self, share: float) -> Rates:
+        """These rates when ``share`` ranks' threads take turns on each core (measurements stay shared)."""
+        from dataclasses import replace
+
+        return replace(self, share=share, about=self.about + f"; {share:.3g} ranks' threads per core (oversubscribed)")
 
     def measured_rate(self, sig: tuple, backward: bool) -> float:
-        """CPU: the FLOP/s of this convolution or matmul signature, measured the first time it is asked for
-        with the rank's threads."""
+        """CPU: the rate of this signature (FLOP/s of a convolution or matmul, bytes/s of a kind of memory-bound
+        op), measured the first time it is asked for, with the rank's threads."""
         assert self.measured is not None
         if sig not in self.measured:
             before = torch.get_num_threads()
@@ -148,7 +157,7 @@ def gpu_rates(name: str, precision: str, eff: dict[str, float]) -> Rates:
 _CPU: dict[tuple, Rates] = {}
 
 
-def _timed(fn: Any, min_s: float = 0.02, reps: int = 3) -> float:
+def _timed(fn: Any, min_s: float = 0.01, reps: int = 2) -> float:
     fn()  # warm up (oneDNN picks and caches its kernel)
     best = math.inf
     for _ in range(reps):
@@ -163,56 +172,79 @@ def _timed(fn: Any, min_s: float = 0.02, reps: int = 3) -> float:
     return best
 
 
+def _fwd_bwd(f: Any, inputs: list[torch.Tensor]) -> tuple[float, float]:
+    """Seconds of ``f(*inputs)`` and of its backward (to every input that needs a gradient)."""
+    fwd = _timed(lambda: f(*inputs))
+    out = f(*inputs)
+    g = torch.ones_like(out)
+    need = [t for t in inputs if t.requires_grad]
+    bwd = _timed(lambda: torch.autograd.grad(out, need, g, retain_graph=True))
+    return fwd, bwd
+
+
+#: the memory-bound kinds CPU ranks time (gems.plan.cost.memory_group), on 4 Mi elements: past the caches
+_MEMORY_OPS: dict[str, Any] = {
+    "elementwise": lambda x: F.leaky_relu(x, 0.01),
+    "pool": lambda x: F.avg_pool3d(x, 2),
+    "norm": lambda x: F.batch_norm(x, None, None, training=True),
+}
+
+
 def _measure_op(sig: tuple) -> tuple[float, float]:
-    """FLOP/s of the forward and of the backward of one convolution or matmul signature, on a small input of
-    its channels and kernel (what the rank's threads reach on this machine)."""
+    """(forward rate, backward rate) of one signature on this machine: FLOP/s for a convolution or matmul
+    (timed at its own channels, kernel and, up to gems.plan.cost.MEASURE_EXTENT, its own extent), bytes/s
+    for a kind of memory-bound op; a backward rate is the forward's work over the backward's seconds."""
     kind = sig[0]
+    if kind == "memory":
+        x = torch.randn(2, 16, 32, 64, 64, requires_grad=True)
+        f = _MEMORY_OPS[sig[1]]
+        nbytes = 4.0 * (x.numel() + f(x).numel())
+        fwd, bwd = _fwd_bwd(f, [x])
+        return nbytes / fwd, nbytes / bwd
     if kind == "matmul":
         _, k, n = sig
         a = torch.randn(256, k, requires_grad=True)
         w = torch.randn(k, n, requires_grad=True)
         flops = 2.0 * 256 * k * n
-        fwd = _timed(lambda: a @ w)
-        out = a @ w
-        g = torch.ones_like(out)
-        both = _timed(lambda: torch.autograd.grad(a @ w, (a, w), g))
-        return flops / fwd, 2 * flops / max(both - fwd, 1e-9)
-    _, nd, cin, cout, kernel, stride, groups, transposed = sig
-    side = {1: 256, 2: 24, 3: 12}[nd]
-    side = max(side, max(kernel) * 2)
-    x = torch.randn(2, cin, *([side] * nd), requires_grad=True)
-    conv = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[nd - 1] if transposed else \
-        (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
-    w = torch.randn(*((cin, cout // groups) if transposed else (cout, cin // groups)), *kernel, requires_grad=True)
-    out = conv(x, w, None, stride, groups=groups) if not transposed else conv(x, w, None, stride, groups=groups)
-    per_out = 2.0 * (cin // groups) * math.prod(kernel)
-    flops = per_out * out.numel() if not transposed else 2.0 * (cout // groups) * math.prod(kernel) * x.numel()
-    fwd = _timed(lambda: conv(x, w, None, stride, groups=groups))
-    g = torch.ones_like(out)
-    both = _timed(lambda: torch.autograd.grad(conv(x, w, None, stride, groups=groups), (x, w), g))
-    return flops / fwd, 2 * flops / max(both - fwd, 1e-9)
+        fwd, bwd = _fwd_bwd(lambda a, w: a @ w, [a, w])
+        return flops / fwd, flops / bwd
+    _, nd, cin, cout, kernel, stride, groups, transposed, padding, batch, extent = sig
+    size = [max(e, k) for e, k in zip(extent, kernel)]
+    x = torch.randn(batch, cin, *size, requires_grad=True)
+    if transposed:
+        conv = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[nd - 1]
+        w = torch.randn(cin, cout // groups, *kernel, requires_grad=True)
+        flops = 2.0 * (cout // groups) * math.prod(kernel) * x.numel()
+        fwd, bwd = _fwd_bwd(lambda x, w: conv(x, w, None, stride, 0, 0, groups), [x, w])
+        return flops / fwd, flops / bwd
+    # through the spatial layers' kernel choice: at a reduced extent torch's heuristic can pick its slow
+    # reference kernel where the full-size convolution gets oneDNN (gems.spatial.layers.conv_nd)
+    from gems.spatial.layers import conv_nd
+
+    w = torch.randn(cout, cin // groups, *kernel, requires_grad=True)
+    ones = [1] * nd
+    out = conv_nd(x, w, None, stride, padding, ones, groups)
+    flops = 2.0 * (cin // groups) * math.prod(kernel) * out.numel()
+    fwd, bwd = _fwd_bwd(lambda x, w: conv_nd(x, w, None, stride, padding, ones, groups), [x, w])
+    return flops / fwd, flops / bwd
 
 
 def cpu_rates(threads: int) -> Rates:
-    """This machine's rates for a rank of ``threads`` threads: memory bandwidth and op overhead measured now,
-    convolutions and matmuls per signature when the model first needs them (tens of milliseconds each)."""
+    """This machine's rates for a rank of ``threads`` threads: the per-op overhead measured now; each
+    convolution shape and kind of memory-bound op when the model first needs it (tens of milliseconds each)."""
     key = (threads,)
     if key in _CPU:
         return _CPU[key]
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
-        n = 8 * 2**20 // 4  # 8 MiB: past most caches of one core
-        a, b, c = torch.randn(n), torch.randn(n), torch.empty(n)
-        t = _timed(lambda: torch.add(a, b, out=c))
-        bw = 3 * n * 4 / t
         small = torch.randn(8)
         over = _timed(lambda: torch.relu(small), min_s=0.005)
     finally:
         torch.set_num_threads(before)
-    r = Rates("cpu", f"this machine's CPU, {threads} thread(s) a rank", {"conv": 1e10, "matmul": 1e10}, bw, over,
-              measured={}, about=f"CPU measured here: {bw / 1e9:.1f} GB/s, {over * 1e6:.1f} us per op, "
-                                 f"convolutions timed per shape ({threads} thread(s) a rank)", threads=threads)
+    r = Rates("cpu", f"this machine's CPU, {threads} thread(s) a rank", {"conv": 1e10, "matmul": 1e10}, 1e10, over,
+              measured={}, about=f"CPU measured here per convolution shape and kind of op, {over * 1e6:.1f} us per "
+                                 f"op ({threads} thread(s) a rank)", threads=threads)
     _CPU[key] = r
     return r
 

@@ -1161,9 +1161,14 @@ def _predict(cfg: Any, pl: _Planner, prof: Any, batch: int, dev: dict[str, Any],
             pl.notes.append("no step-time prediction: set cluster.gpu to the GPU model (e.g. cluster.gpu=a100-40gb)")
             return None
         rates = gpu_rates(str(name), pl.st.precision, eff)
-    else:
-        rates = cpu_rates(int(c.get("cpus_per_task") or 1))
     nodes, tpn = _placement(cfg, world)
+    if dev["kind"] != "gpu":
+        threads = int(cfg.train.get("threads") or c.get("cpus_per_task") or 1)
+        rates = cpu_rates(threads)
+        cores = int(c.get("cpus_per_node") or 0) if not (c.launcher == "local" and c.name == "local") else 0
+        cores = cores or (os.cpu_count() or 1)
+        if tpn * threads > cores:
+            rates = rates.shared(tpn * threads / cores)
     if prof is None:
         prof = pl.profile(max(1, pl.chunk_of(batch)))
     return predict(pl, prof, batch, rates, c, nodes, tpn)

@@ -232,6 +232,10 @@ def _row_of(rs: list[dict[str, Any]]) -> dict[str, Any]:
         row["final_loss"] = (next((x.get("error") for x in rs if x.get("error")), "") or "")[:80]
     if row["_over"]:
         row["note"] = "oversubscribed: ranks share cores"
+    if r.get("predicted"):
+        fits = (r.get("peak_memory_bytes") or {}).get("fits")
+        row["note"] = "predicted by gems plan" + ("" if fits is not False else "; does not fit")
+        row["final_loss"] = ""
     return row
 
 

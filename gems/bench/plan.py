@@ -1,0 +1,154 @@
+"""``gems bench plan``: gems plan's predictions against what the same configurations measure here.
+
+For each configuration that fits this machine (CosmoFlow 64^3 and 128^3 at S = 1, 2; ResNet-v2 under lp,
+1f1b and mast at D = 2; a replicated run), the planner predicts the step time, its breakdown and the peak
+tensor memory per rank; then ``gems run`` trains it (real processes over gloo, one thread a rank) and its
+record gives the median step time, its breakdown and the tensor memory per rank a GPU would count. The
+links are measured first (a gloo ping-pong between two processes: latency and bandwidth) and given to the
+planner as the preset's figures, as a user calibrating a cluster would. Goals: step time within 25%, peak
+tensor memory within 10%, both directions.
+
+The runs take turns on a shared 2-core machine: each configuration runs once, after the previous one ended;
+a rerun moves the measured figures by a few percent. Rerun with ``python -m gems.bench.plan [OUT_DIR]``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from gems.bench.common import env_block, md_table
+
+COMMAND = "gems bench plan   (or: python -m gems.bench.plan [OUT_DIR])"
+
+STEPS = ["train.steps=6", "train.warmup_steps=2"]
+RESNET = ["model=resnet", "model.depth=29", "model.width=0.5", "model.size=64", "model.norm=group"]
+CONFIGS: list[tuple[str, list[str]]] = [
+    ("CosmoFlow 64^3, S=1", ["model=cosmoflow", "model.size=64", "train.batch_size=2"]),
+    ("CosmoFlow 64^3, S=2", ["model=cosmoflow", "model.size=64", "train.batch_size=2", "parallel.spatial=2"]),
+    ("CosmoFlow 128^3, S=1", ["model=cosmoflow", "model.size=128", "train.batch_size=1"]),
+    ("CosmoFlow 128^3, S=2", ["model=cosmoflow", "model.size=128", "train.batch_size=1", "parallel.spatial=2"]),
+    ("CosmoFlow 64^3, R=2", ["model=cosmoflow", "model.size=64", "train.batch_size=4", "parallel.replicas=2"]),
+    ("ResNet-v2-29 64^2, lp D=2", RESNET + ["train.batch_size=16", "parallel.pipeline=2", "parallel.schedule=lp"]),
+    ("ResNet-v2-29 64^2, 1f1b D=2 m=4", RESNET + ["train.batch_size=16", "parallel.pipeline=2",
+                                                 "parallel.schedule=1f1b", "parallel.micro_batches=4"]),
+    ("ResNet-v2-29 64^2, mast D=2", RESNET + ["train.batch_size=16", "parallel.pipeline=2", "parallel.schedule=mast"]),
+]
+
+
+def _pingpong(rank: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    res = {}
+    for name, n, reps in (("small", 2, 400), ("large", 4 * 2**20 // 4, 20)):
+        t = torch.zeros(n)
+        for _ in range(3):  # warm up the connection
+            (dist.send if rank == 0 else dist.recv)(t, 1 - rank)
+            (dist.recv if rank == 0 else dist.send)(t, 1 - rank)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            if rank == 0:
+                dist.send(t, 1)
+                dist.recv(t, 1)
+            else:
+                dist.recv(t, 0)
+                dist.send(t, 0)
+        res[name] = ((time.perf_counter() - t0) / reps / 2, n * 4)  # one way
+    if rank == 0:
+        Path(out).write_text(json.dumps(res))
+    dist.destroy_process_group()
+
+
+def measure_link() -> tuple[float, float]:
+    """(bandwidth in GB/s, latency in us) of one message between two gloo processes on this machine."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "link.json")
+        mp.start_processes(_pingpong, args=(port, out), nprocs=2, start_method="spawn")
+        res = json.loads(Path(out).read_text())
+    lat = res["small"][0]
+    t_big, n_big = res["large"]
+    return n_big / max(t_big - lat, 1e-9) / 1e9, lat * 1e6
+
+
+def _predict(overrides: list[str]) -> dict[str, Any]:
+    from gems.config import compose
+    from gems.plan import make_plan
+
+    plan = make_plan(compose(overrides), suggest=False)
+    pr = plan.prediction
+    return {"step": pr.step_s, "breakdown": pr.breakdown, "tensor": plan.worst.bytes.total}
+
+
+def _measure(overrides: list[str], results: Path) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    out = subprocess.run([sys.executable, "-m", "gems.cli", "run", f"results.dir={results}", *overrides],
+                         capture_output=True, text=True, env=env, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"gems run {' '.join(overrides)} failed: {out.stderr[-1500:]}")
+    rec = json.loads(max(results.glob("*.json"), key=lambda p: p.stat().st_mtime).read_text())
+    mem = rec["peak_memory_bytes"]
+    return {"step": rec["step_time_s"]["median"], "breakdown": rec["time_breakdown_s"],
+            "tensor": mem.get("tensor_max") or mem["max"]}
+
+
+def bench_plan(out_dir: Path | str = "results/bench") -> str:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bw, lat = measure_link()
+    link = [f"cluster.intra_node_GBps={bw:.3g}", f"cluster.intra_node_latency_us={lat:.3g}"]
+    rows, detail = [], []
+    step_ok = mem_ok = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (label, ov) in enumerate(CONFIGS):
+            overrides = [*ov, *STEPS, *link]
+            pred = _predict(overrides)
+            meas = _measure(overrides, Path(tmp) / f"c{i}")
+            r_step = pred["step"] / meas["step"]
+            r_mem = pred["tensor"] / meas["tensor"]
+            step_ok += abs(r_step - 1) <= 0.25
+            mem_ok += abs(r_mem - 1) <= 0.10
+            rows.append([label, pred["step"], meas["step"], r_step, "yes" if abs(r_step - 1) <= 0.25 else "no",
+                         pred["tensor"] / 2**20, meas["tensor"] / 2**20, r_mem,
+                         "yes" if abs(r_mem - 1) <= 0.10 else "no"])
+            terms = ("compute", "halo", "pipeline_comm", "allreduce", "bubble_or_wait", "data")
+            detail.append([label] + [f"{pred['breakdown'][k]:.3g} / {meas['breakdown'].get(k, 0.0):.3g}" for k in terms])
+            print(f"{label}: predicted {pred['step']:.3g} s, measured {meas['step']:.3g} s; tensor memory "
+                  f"{pred['tensor'] / 2**20:.0f} / {meas['tensor'] / 2**20:.0f} MiB", flush=True)
+    n = len(CONFIGS)
+    text = ["# gems bench plan", "",
+            f"gems plan's predictions against `gems run` on this machine ({n} configurations, {STEPS[0]}, "
+            f"{STEPS[1]}, one thread a rank). Links measured first by a gloo ping-pong: {bw:.3g} GB/s, "
+            f"{lat:.3g} us a message (given to the planner as `cluster.intra_node_GBps`, "
+            "`cluster.intra_node_latency_us`).", "",
+            md_table(["configuration", "predicted step (s)", "measured step (s)", "predicted / measured",
+                      "within 25%", "predicted peak tensor MiB", "measured peak tensor MiB", "predicted / measured",
+                      "within 10%"], rows),
+            f"Step time within 25%: {step_ok} of {n}; peak tensor memory within 10%: {mem_ok} of {n}.", "",
+            "Breakdown, predicted / measured (seconds per step; a measured record counts pipeline waits as "
+            "bubble_or_wait and the rest of the step as compute):", "",
+            md_table(["configuration", "compute", "halo", "pipeline_comm", "allreduce", "bubble_or_wait", "data"],
+                     detail),
+            env_block(COMMAND)]
+    table = "\n".join(text)
+    (out_dir / "plan.md").write_text(table)
+    return table
+
+
+if __name__ == "__main__":
+    print(bench_plan(sys.argv[1] if len(sys.argv) > 1 else "results/bench"))

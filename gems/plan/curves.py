@@ -1,0 +1,80 @@
+"""``gems plan +experiment=NAME`` (or any sweep syntax): every point of a study predicted before it runs.
+
+Each point is planned as ``gems plan`` plans one configuration; its prediction becomes a record marked
+``predicted`` in ``<results.dir>/<sweep>-predicted/``, and the table and plot are the ones ``gems results``
+writes for measured studies (speedup, scaling efficiency, the breakdown per point), so the curve is seen
+before a node is asked for, and ``gems results --compare results/<sweep> results/<sweep>-predicted`` puts
+the measured study beside it.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["predict_study", "predicted_record"]
+
+
+def predicted_record(cfg: Any, plan: Any, sweep: str, point: str) -> dict[str, Any]:
+    """A record of what the plan predicts for ``cfg``: the fields ``gems results`` reads, ``predicted: true``."""
+    from omegaconf import OmegaConf
+
+    from gems.results.record import SCHEMA, default_name, new_run_id
+
+    pr = plan.prediction
+    step = pr.step_s
+    name = default_name(cfg)
+    c = cfg.cluster
+    return {
+        "schema": SCHEMA, "run_id": new_run_id(name), "name": name, "sweep": sweep, "point": point, "repeat": 0,
+        "status": "ok", "predicted": True, "config": OmegaConf.to_container(cfg, resolve=True),
+        "world_size": plan.world_size, "nodes": int(c.nodes or 1), "mesh": plan.mesh, "schedule": plan.schedule,
+        "global_batch": plan.global_batch, "steps": 0, "warmup_steps": 0,
+        "throughput_samples_per_s": pr.throughput,
+        "step_time_s": {"median": step, "min": step, "max": step, "all": [step]},
+        "time_breakdown_s": dict(pr.breakdown),
+        "peak_memory_bytes": {"max": plan.worst.bytes.total, "tensor_max": plan.worst.bytes.total,
+                              "kind": "planned", "fits": plan.fits},
+        "loss": [], "restarts": 0,
+        "env": {"predicted_by": "gems plan", "assumptions": pr.assumptions,
+                "device": "cuda" if plan.device.get("kind") == "gpu" else "cpu", "device_name": plan.device.get("name")},
+    }
+
+
+def predict_study(combos: list[list[str]], experiment: str | None) -> int:
+    from omegaconf import open_dict
+
+    from gems.config import compose
+    from gems.errors import ConfigError
+    from gems.paths import writable_dir
+    from gems.plan.memory import make_plan
+    from gems.results.table import write_studies
+    from gems.study import point_name
+
+    base = [o for o in combos[0] if all(o in c for c in combos)]
+    first = compose(combos[0])
+    sweep = (first.results.get("sweep") or experiment or "sweep") + "-predicted"
+    folder = Path(first.results.dir) / sweep
+    cfgs, plans = [], []
+    for combo in combos:  # every point planned before anything is written
+        cfg = compose(combo)
+        with open_dict(cfg):
+            cfg.results.sweep = sweep
+        plan = make_plan(cfg, suggest=False)
+        if plan.prediction is None:
+            raise ConfigError("cluster.gpu", None, "the GPU model of the cluster (e.g. cluster.gpu=a100-40gb): a "
+                              "study's curve needs a prediction at every point")
+        cfgs.append(cfg)
+        plans.append(plan)
+        print(f"{point_name(combo, base)}: {plan.world_size} ranks, predicted {plan.prediction.step_s:.3g} s a step, "
+              f"{plan.prediction.throughput:.4g} samples/s; {plan.verdict}", flush=True)
+    writable_dir("results.dir", str(folder), "a folder for the predicted study")
+    folder.mkdir(parents=True, exist_ok=True)
+    for combo, cfg, plan in zip(combos, cfgs, plans):
+        rec = predicted_record(cfg, plan, sweep, point_name(combo, base))
+        (folder / f"{rec['run_id']}.json").write_text(json.dumps(rec, indent=1))
+        time.sleep(0.001)  # run ids are time-ordered
+    write_studies(folder, sweep)
+    print(f"table: {folder / 'table.md'}\nplot: {folder / 'scaling.png'}")
+    return 0
