@@ -99,6 +99,8 @@ class Parallel:
     #: where this rank first saw a non-finite value in the last step: 0 its input, 1 + s the output of
     #: partition s; None when all was finite (read only after a non-finite loss: it may synchronise a GPU)
     first_nonfinite: Callable[[], int | None] = field(default=lambda: None)
+    #: wait for this rank's messages still in flight (a profiled step ends with none: see drain_sends)
+    quiesce: Callable[[], None] = field(default=lambda: None)
 
 
 def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
@@ -147,6 +149,10 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
         ctx.halo_seconds.clear()
         return out
 
+    def quiesce() -> None:
+        if ctx is not None:
+            ctx.drain_sends()
+
     seq = seq.to(device)
     if device.type == "cuda" and spec.spatial_ndim in (2, 3):
         seq = seq.to(memory_format=torch.channels_last if spec.spatial_ndim == 2  # type: ignore[call-overload]
@@ -191,7 +197,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
         return Parallel(pipe_step, params, list(runner.modules), reducer, slices,
                         runner.needs_inputs, runner.needs_targets, runner.samples_per_step, pipe_stats,
                         balance=list(runner.balance), first_nonfinite=runner.first_nonfinite,
-                        notes=[gather_note] if gather_note else [])
+                        notes=[gather_note] if gather_note else [], quiesce=quiesce)
 
     # no pipeline: one forward and backward of the whole (spatial) model
     params = list(seq.parameters())
@@ -227,7 +233,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
         return next((pos for pos, ok in sorted(finite.items()) if not bool(ok)), None)
 
     return Parallel(plain_step, params, [seq], reducer, slices, True, True, local_batch, halo_stats,
-                    first_nonfinite=first_bad, notes=[gather_note] if gather_note else [])
+                    first_nonfinite=first_bad, notes=[gather_note] if gather_note else [], quiesce=quiesce)
 
 
 def preflight(cfg: DictConfig) -> None:
@@ -447,13 +453,13 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
         timers.reset()
         profiling = bool(cfg.train.get("profile")) and step == warm and steps - warm > 1
         if profiling:
-            loss, stop = _profiled(cfg, world, lambda: context.step(x, y, ids, step))
+            loss, stop = _profiled(cfg, world, lambda: context.step(x, y, ids, step, quiesce=True))
         elif step == warm - 1 and world.device.type == "cpu":
             # the last warm-up step, profiled: the tensor memory a GPU would count (gems/memory.py)
             held = persistent_bytes(par.params, opt, [b for m in par.modules for b in m.buffers()] +
                                     [t for t in (x, y) if t is not None])  # the batch: read before the step
             box: list[tuple[float, bool]] = []
-            tensor_peak = held + step_peak_bytes(lambda: box.append(context.step(x, y, ids, step)))
+            tensor_peak = held + step_peak_bytes(lambda: box.append(context.step(x, y, ids, step, quiesce=True)))
             loss, stop = box[0]
         else:
             loss, stop = context.step(x, y, ids, step)
@@ -587,9 +593,13 @@ class _StepContext:
         self.cfg, self.world, self.mesh, self.par, self.opt, self.B, self.R = cfg, world, mesh, par, opt, B, R
         self.stop_on_nonfinite = str(cfg.train.get("on_nonfinite", "stop")) == "stop"
 
-    def step(self, x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int) -> tuple[float, bool]:
-        """(the global loss of the step, whether any rank asked to stop for a checkpoint)."""
+    def step(self, x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int,
+             quiesce: bool = False) -> tuple[float, bool]:
+        """(the global loss of the step, whether any rank asked to stop for a checkpoint); ``quiesce``: the
+        step ends with none of this rank's messages in flight (a step run under the profiler)."""
         local = self.par.step(x, y, ids, step)
+        if quiesce:
+            self.par.quiesce()
         with progress.waiting("step sync"):
             loss, stop = _step_sync(local, ckpt.stop_requested(), self.world)
         if math.isfinite(loss) or not self.stop_on_nonfinite:

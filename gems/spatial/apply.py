@@ -66,6 +66,7 @@ class _Converter:
     def __init__(self, sctx: SpatialContext, bn_stats: str, nd: int) -> None:
         self.sctx, self.bn_stats, self.nd = sctx, bn_stats, nd
         self.trunk_ends = False  # set by a layer whose output is whole on every part (a global pooling)
+        self.index = 0  # the top-level layer being converted (what model.spatial_end counts)
 
     def __call__(self, m: nn.Module, label: str) -> nn.Module:
         new = self.convert(m, label)
@@ -145,7 +146,7 @@ def _global_pool(kind: Any) -> Any:
 
 
 def _needs_whole(m: Any, c: _Converter, label: str) -> nn.Module:
-    raise CannotCut("model.spatial_end at or before it (it needs the whole sample)")
+    raise CannotCut(f"model.spatial_end <= {c.index} (the layer needs the whole sample)")
 
 
 for _t, _rule in [
@@ -219,6 +220,7 @@ def gather_point(seq: nn.Sequential, spatial_end: int | None, parts: Any, dims: 
     conv = _Converter(sctx, bn_stats, nd)
     names = list(seq._modules.keys())
     for i, m in enumerate(layers[:end]):
+        conv.index = i
         try:
             conv(m, f"{names[i]}:{type(m).__name__}")
         except CannotCut as e:
@@ -258,6 +260,7 @@ def apply_spatial(seq: nn.Sequential, ctx: SpatialContext, spatial_end: int | No
     names = list(seq._modules.keys())
     out: list[nn.Module] = []
     for i, m in enumerate(layers[:end]):
+        conv.index = i
         try:
             out.append(conv(m, f"{names[i]}:{type(m).__name__}"))
         except CannotCut as e:  # callers that want the automatic gather ask gather_point first

@@ -74,6 +74,17 @@ class SpatialContext:
         self.sends_in_flight: list[tuple[list[Any], list[torch.Tensor]]] = []
         self._tags = 0
 
+    def drain_sends(self) -> None:
+        """Wait for the forward halo sends still in flight and let their buffers go. Called by the next
+        exchange, and by the worker before a step it profiles ends: a message still in flight when the
+        profiler stops (its buffer allocated under the profiler, freed after it) corrupted the heap of
+        gloo ranks when memory was profiled."""
+        with waiting("halo"):
+            for works, _ in self.sends_in_flight:
+                for w in works:
+                    w.wait()
+        self.sends_in_flight.clear()
+
     def new_tag(self) -> int:
         """A message tag for a new spatial layer: the same on every rank, because
         every rank builds the same layers in the same order (0 is the untagged one)."""

@@ -249,7 +249,7 @@ class Exchange(Pending):
         nr = len(self.plan.recvs)
         _wait(self.works[:nr])  # _exchange posts the receives first
         if nr or not self.works:
-            _drain_sends(self.sctx)
+            self.sctx.drain_sends()
         if self.works[nr:]:
             self.sctx.sends_in_flight.append((self.works[nr:], self.sent))
         self.works, self.sent = [], []
@@ -260,7 +260,7 @@ class Exchange(Pending):
         """Send the gradients of the received halos (zeros when ``None``) and receive those of the sent cells."""
         if self.bwd_recvs is not None:
             return
-        _drain_sends(self.sctx)
+        self.sctx.drain_sends()
         t0 = time.perf_counter()
         n, c, dtype, device = self.meta
         p = self.plan
@@ -291,13 +291,6 @@ def _wait(works: Any) -> None:
     with waiting("halo"):
         for w in works:
             w.wait()
-
-
-def _drain_sends(sctx: SpatialContext) -> None:
-    """Wait for the forward sends still in flight (and let their buffers go)."""
-    for works, _ in sctx.sends_in_flight:
-        _wait(works)
-    sctx.sends_in_flight.clear()
 
 
 def _after_backward(sctx: SpatialContext, label: str, works: list[Any], keep: list[torch.Tensor]) -> None:
