@@ -13,7 +13,17 @@ from gems.errors import ConfigError
 from gems.pipeline.schedules import make_schedule
 from gems.plan import make_plan, to_json
 from gems.plan.devices import GPUS, Link, Rates, gpu_rates
-from gems.plan.timing import TERMS, all_gather, layer_time, message, pipeline_times, ring_allreduce, spatial_comm
+from gems.plan.timing import (
+    TERMS,
+    all_gather,
+    allreduce,
+    layer_time,
+    message,
+    pipeline_times,
+    ring_allreduce,
+    spatial_comm,
+    tree_allreduce,
+)
 
 LINK = Link(bandwidth=10e9, latency=5e-6, name="test")
 
@@ -35,6 +45,10 @@ def test_a_ring_all_reduce_and_all_gather():
     assert ring_allreduce(n, 4, LINK) == pytest.approx(2 * 3 / 4 * n / 10e9 + 6 * 5e-6)
     assert ring_allreduce(n, 4, LINK, buckets=25) == pytest.approx(2 * 3 / 4 * n / 10e9 + 25 * 6 * 5e-6)
     assert ring_allreduce(n, 1, LINK) == 0.0
+    # the tree: 2 bytes a rank whatever p, 2 log2(p) latencies a piece; the model takes the faster
+    assert tree_allreduce(n, 512, LINK, buckets=9) == pytest.approx(2 * n / 10e9 + 9 * 2 * 9 * 5e-6)
+    assert allreduce(n, 4, LINK) == ring_allreduce(n, 4, LINK)  # few ranks: the ring moves less
+    assert allreduce(4e6, 512, LINK, 9) == tree_allreduce(4e6, 512, LINK, 9) < ring_allreduce(4e6, 512, LINK, 9)
     assert all_gather(n, 8, LINK) == pytest.approx(7 / 8 * n / 10e9 + 7 * 5e-6)
 
 

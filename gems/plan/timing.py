@@ -14,9 +14,11 @@ The model, term by term:
 * **pipeline_comm and bubble_or_wait**: the rank's real action list (:func:`gems.pipeline.make_schedule`)
   is simulated with these action times (:func:`gems.pipeline.schedules.simulate`): without transfers the
   idle time is the bubble; what transfers add to the step is pipeline_comm.
-* **allreduce**: a ring all-reduce of the rank's gradients over its gradient group (replicas, spatial parts
-  and mirrored holders), ``2 (p-1)/p * bytes / bandwidth + 2 (p-1) * latency`` per bucket, over the slowest
-  link the ring crosses; buckets start during the last backward, so only what outlasts it is exposed.
+* **allreduce**: an all-reduce of the rank's gradients over its gradient group (replicas, spatial parts
+  and mirrored holders), in ``comm.bucket_mb`` buckets, over the slowest link the group crosses: the
+  faster of a ring (``2 (p-1)/p * bytes / bandwidth + 2 (p-1) * latency`` per bucket) and a tree
+  (``2 bytes / bandwidth + 2 ceil(log2 p) * latency`` per bucket), as NCCL chooses; buckets start during
+  the last backward, so only what outlasts it is exposed.
 * **data**: the rank's input batch made or read once per step.
 
 Every term is a pure function of the trace, the schedule and the rate tables, so it is tested against
@@ -31,8 +33,8 @@ from typing import Any, Callable, Sequence
 from gems.plan.cost import LayerOps, scaled
 from gems.plan.devices import Link, Rates
 
-__all__ = ["TERMS", "Prediction", "message", "ring_allreduce", "all_gather", "spatial_comm", "layer_time",
-           "pipeline_times", "predict"]
+__all__ = ["TERMS", "Prediction", "message", "ring_allreduce", "tree_allreduce", "allreduce", "all_gather",
+           "spatial_comm", "layer_time", "pipeline_times", "predict"]
 
 TERMS = ("compute", "halo", "pipeline_comm", "allreduce", "bubble_or_wait", "data")
 
@@ -51,6 +53,20 @@ def ring_allreduce(nbytes: float, p: int, link: Link, buckets: int = 1) -> float
     return 2 * (p - 1) / p * nbytes / link.bandwidth + 2 * (p - 1) * link.latency * max(1, buckets)
 
 
+def tree_allreduce(nbytes: float, p: int, link: Link, buckets: int = 1) -> float:
+    """A (double binary) tree all-reduce: the data reduced up a tree and broadcast down it, pipelined, so
+    each rank moves about ``2 bytes`` whatever ``p``, in ``2 ceil(log2 p)`` steps per piece."""
+    if p <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * nbytes / link.bandwidth + 2 * math.ceil(math.log2(p)) * link.latency * max(1, buckets)
+
+
+def allreduce(nbytes: float, p: int, link: Link, buckets: int = 1) -> float:
+    """The faster of a ring and a tree all-reduce, as NCCL picks between them by size and rank count
+    (the ring's latency grows with ``p``, the tree's with ``log2 p``; gloo and MPI have both kinds too)."""
+    return min(ring_allreduce(nbytes, p, link, buckets), tree_allreduce(nbytes, p, link, buckets))
+
+
 def all_gather(full_bytes: float, p: int, link: Link) -> float:
     """A ring all-gather of a tensor of ``full_bytes`` in ``p`` equal parts."""
     if p <= 1:
@@ -67,7 +83,7 @@ def spatial_comm(entries: Sequence[tuple[str, float, int]], parts: int, link: Li
         if kind == "halo":
             t += (link.latency if msgs else 0.0) + nbytes / link.bandwidth
         elif kind == "allreduce":
-            t += ring_allreduce(nbytes, parts, link)
+            t += allreduce(nbytes, parts, link)
         else:
             t += all_gather(nbytes, parts, link)
     return t
@@ -263,7 +279,7 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
         if glink is not None and len(group) > 1:
             bucket = max(1.0, st.bucket_mb * 2**20)
             nb = max(1, math.ceil(params / bucket))
-            full = ring_allreduce(params, len(group), glink, nb)
+            full = allreduce(params, len(group), glink, nb)
             ar_s = max(full - window, full / nb)
         # the optimizer's update: memory-bound over parameters, gradients and state
         # (SGD: read parameter and gradient, write parameter; momentum and Adam read and write their state too)
