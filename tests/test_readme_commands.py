@@ -54,6 +54,7 @@ COMMANDS: dict[str, list[str] | str] = {
     "gems cancel replication_weak": WALK,
     "gems plan model=cosmoflow model.size=512 parallel.spatial=8 cluster=perlmutter cluster.account=x": [],
     "gems plan model=resnet model.depth=1001 model.size=512 parallel.pipeline=4 parallel.schedule=mast": [],
+    "gems plan +experiment=cosmoflow512_weak cluster=perlmutter cluster.account=x": [],
 }
 
 #: commands that need the Slurm test cluster
