@@ -165,6 +165,34 @@ def test_max_batch_is_the_largest_that_fits():
     assert not over.fits and "does not fit" in over.verdict
 
 
+def test_cpu_verdict_counts_what_the_host_memory_policy_keeps():
+    """On CPU ranks kept freed memory is resident: train.host_memory=keep must fit at KEEP_GROWTH x the tensor
+    peak, auto keeps only where that fits (the runtime's own rule) and otherwise releases, so a configuration
+    the planner says fits is not killed for the memory its policy keeps."""
+    from gems.bootstrap import KEEP_GROWTH
+
+    base = ["model=cosmoflow", "model.size=64", "model.width=0.5", "train.batch_size=8", "plan.predict=false",
+            "plan.reserve_gb=0"]
+    peak = make_plan(compose(base + ["train.host_memory=release"]), suggest=False).worst.bytes.total
+    roomy = f"cluster.mem_gb={2 * KEEP_GROWTH * peak / GiB}"  # room for kept memory
+    tight = f"cluster.mem_gb={1.2 * peak / GiB}"  # the tensor peak fits, kept memory would not
+    keep_tight = make_plan(compose(base + [tight, "train.host_memory=keep"]), suggest=False)
+    assert not keep_tight.fits and "train.host_memory=keep keeps freed memory" in keep_tight.verdict
+    assert keep_tight.device["host_memory"] == {"policy": "keep", "keeps_freed_memory": True,
+                                                "resident_factor": KEEP_GROWTH}
+    for policy in ("release", "auto"):
+        plan = make_plan(compose(base + [tight, f"train.host_memory={policy}"]), suggest=False)
+        assert plan.fits and plan.worst.bytes.total == peak
+        assert plan.device["host_memory"]["keeps_freed_memory"] is False
+    assert "auto will release" in make_plan(compose(base + [tight]), suggest=False).verdict
+    auto_roomy = make_plan(compose(base + [roomy]), suggest=False)
+    assert auto_roomy.fits and auto_roomy.device["host_memory"]["keeps_freed_memory"] is True
+    # the batch search under keep stops where the kept memory stops fitting
+    keep_roomy = make_plan(compose(base + [roomy, "train.host_memory=keep"]))
+    release_roomy = make_plan(compose(base + [roomy, "train.host_memory=release"]))
+    assert keep_roomy.max_global_batch < release_roomy.max_global_batch
+
+
 def test_does_not_fit_suggests_a_change_that_fits():
     base = ["model=cosmoflow", "model.size=512", "cluster.gpu_memory_gb=40", "train.batch_size=2"]
     plan = make_plan(compose(base))

@@ -89,6 +89,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gems.bootstrap import KEEP_GROWTH, keeps_host_memory_within
 from gems.errors import ConfigError
 from gems.pipeline.schedules import receives
 from gems.replication import IN_PLACE_BYTES
@@ -1095,13 +1096,21 @@ def make_plan(cfg: Any, suggest: bool = True, quick: bool = False) -> MemoryPlan
     usable = dev["memory_bytes"] - dev["reserve_bytes"]
     dev["usable_bytes"] = int(usable)
     chunk = pl.chunk_of(st.batch)
+    # CPU ranks: what train.host_memory costs in resident memory over the tensor peak (kept freed memory)
+    policy = str(cfg.train.get("host_memory", "auto")) if dev["kind"] == "cpu" else None
+    growth = KEEP_GROWTH if policy == "keep" else 1.0
     if quick:
         max_chunk, prof = -1, None
     else:
-        max_chunk, prof = _max_chunk(pl, usable, chunk)
+        max_chunk, prof = _max_chunk(pl, usable / growth, chunk)
     bal, positions = pl.positions(st.batch, prof)
     worst = max(positions, key=lambda p: p.bytes.total)
-    fits = worst.bytes.total <= usable
+    if policy == "auto":  # the runtime's rule on the planned peak: keep only where the node has room for it
+        growth = KEEP_GROWTH if keeps_host_memory_within(worst.bytes.total, dev["memory_bytes"], 1) else 1.0
+    if policy is not None:
+        dev["host_memory"] = {"policy": policy, "keeps_freed_memory": growth > 1.0, "resident_factor": growth}
+    resident = growth * worst.bytes.total
+    fits = resident <= usable
     max_batch = max_chunk * st.replicas * pl.chunks
     min_eta = None
     if st.schedule == "master":
@@ -1111,6 +1120,11 @@ def make_plan(cfg: Any, suggest: bool = True, quick: bool = False) -> MemoryPlan
                 min_eta = eta
                 break
     where = f"rank position {worst.label}"
+    if growth > 1.0:  # kept freed memory: the resident size is what the node must hold
+        where += (f" (resident {_fmt(resident)}: train.host_memory={policy} keeps freed memory, "
+                  f"{KEEP_GROWTH} x the tensor peak; train.host_memory=release needs {_fmt(worst.bytes.total)})")
+    elif policy == "auto":
+        where += " (train.host_memory=auto will release freed memory: keeping it would not fit)"
     suggestion = None
     if fits:
         verdict = f"fits: peak {_fmt(worst.bytes.total)} of {_fmt(dev['memory_bytes'])} on {where}"
