@@ -83,7 +83,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -330,27 +330,23 @@ def _spatial_stand_in(parts: Sequence[int], dims: Sequence[int], grid: Sequence[
         def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
             return x if self.size == 1 else _AllReduce.apply(x, self)
 
+        def exchange(self, send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, torch.Tensor]],
+                     tag: int = 0) -> list[Any]:
+            # no messages: a log of their sizes (the buffers are still made by the real halo code)
+            self.halo_log.append((self.layer[0], sum(t.numel() * t.element_size() for _, t in [*send, *recv])))
+            self.times.append((self.layer[0], "halo", sum(t.numel() * t.element_size() for _, t in send), len(send)))
+            return []
+
+        def avg_pool(self, nd: int) -> Callable[..., torch.Tensor]:
+            return _meta_safe_pool(super().avg_pool(nd))
+
+        def index_math(self) -> contextlib.AbstractContextManager[Any]:
+            # index arithmetic that reads values (upsampling sources) runs on real tensors: tiny, shapes only
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            return unset_fake_temporarily()
+
     return StandIn()
-
-
-@contextlib.contextmanager
-def _no_halo_traffic(sctx: Any) -> Iterator[None]:
-    """Replace the halo messages by a log of their sizes (buffers are still made by the real code)."""
-    from gems.spatial import halo
-
-    real = halo._exchange
-
-    def fake(_ctx: Any, send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, torch.Tensor]]) -> list[Any]:
-        nbytes = sum(t.numel() * t.element_size() for _, t in [*send, *recv])
-        sctx.halo_log.append((sctx.layer[0], nbytes))
-        sctx.times.append((sctx.layer[0], "halo", sum(t.numel() * t.element_size() for _, t in send), len(send)))
-        return []
-
-    halo._exchange = fake
-    try:
-        yield
-    finally:
-        halo._exchange = real
 
 
 def _meta_safe_pool(fn: Any) -> Any:
@@ -373,36 +369,6 @@ def _meta_safe_pool(fn: Any) -> Any:
         return y[(slice(None), slice(None), *(slice(0, o) for o in outs))]
 
     return call
-
-
-@contextlib.contextmanager
-def _real_geometry() -> Iterator[None]:
-    """Index arithmetic of the spatial layers that reads values (pool divisors, upsampling sources) runs on
-    real tensors: it is tiny and depends on shapes only."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    from gems.spatial import geometry
-    from gems.spatial import layers as L
-
-    saved: dict[tuple[Any, str], Any] = {}
-    for cls, name in ((geometry.Resample, "sources"), (geometry.Resample, "need")):
-        real = cls.__dict__[name]
-        saved[(cls, name)] = real
-
-        def wrapped(*a: Any, _real: Any = real, **k: Any) -> Any:
-            with unset_fake_temporarily():
-                return _real(*a, **k)
-
-        setattr(cls, name, wrapped)
-    pools = dict(L._AVGP)
-    for nd, fn in pools.items():
-        L._AVGP[nd] = _meta_safe_pool(fn)
-    try:
-        yield
-    finally:
-        for (cls, name), real in saved.items():
-            setattr(cls, name, real)
-        L._AVGP.update(pools)
 
 
 # ============================================================================ the trace
@@ -550,9 +516,8 @@ def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[i
         in_key, in_bytes = _key(x)
         if sctx is not None:
             sctx.mark(x, gshape)
-        halo_ctx = _no_halo_traffic(sctx) if sctx is not None else contextlib.nullcontext()
         counter = OpCounter(cur)
-        with halo_ctx, _real_geometry(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                 batch_context(0, 0, range(batch)), amp(), counter:
             known = {in_key} | {_key(t)[0] for d in fake for t in d.values()}
             hold = [x]  # every layer's input and output stays alive: a freed storage's address (its key) is reused

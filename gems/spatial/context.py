@@ -16,9 +16,10 @@ rank's slice (docs/design.md).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from gems.mesh import ravel, unravel
 from gems.spatial.geometry import Box, shape_of, split_bounds
 
 GSHAPE = "_gems_gshape"  # attribute carrying an activation's global spatial shape
+_AVG_POOL: dict[int, Callable[..., torch.Tensor]] = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 
 
 class SpatialContext:
@@ -73,6 +75,25 @@ class SpatialContext:
         #: forward halo sends not yet known complete, with their buffers (gems.spatial.halo.Exchange)
         self.sends_in_flight: list[tuple[list[Any], list[torch.Tensor]]] = []
         self._tags = 0
+
+    # ---- what the halo code and the layers ask of the context (a shape-only stand-in, such as the
+    # planner's, overrides these three instead of patching the modules that call them) ----------------
+    def exchange(self, send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, torch.Tensor]],
+                 tag: int = 0) -> list[Any]:
+        """Post this part's halo messages, receives first, then sends (global ranks of the peers; ``tag``
+        keeps the messages of different layers apart); the works to wait for, in that order."""
+        ops = [dist.P2POp(dist.irecv, t, peer, group=self.group, tag=tag) for peer, t in recv]
+        ops += [dist.P2POp(dist.isend, t, peer, group=self.group, tag=tag) for peer, t in send]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    def avg_pool(self, nd: int) -> Callable[..., torch.Tensor]:
+        """The average-pooling function the spatial pooling layers call for ``nd`` spatial dims."""
+        return _AVG_POOL[nd]
+
+    def index_math(self) -> contextlib.AbstractContextManager[Any]:
+        """Where layers compute index tensors from shapes (upsampling sources): nothing to do here; a
+        stand-in tracing on fake tensors computes them on real ones."""
+        return contextlib.nullcontext()
 
     def drain_sends(self) -> None:
         """Wait for the forward halo sends still in flight and let their buffers go. Called by the next

@@ -36,13 +36,11 @@ the two nodes may post and wait at different times without mismatching.
 """
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from gems.fault.progress import waiting
@@ -85,26 +83,6 @@ def _region(x: torch.Tensor, box: Box, holder: Box) -> torch.Tensor:
     return x[local_index(box, holder)]
 
 
-_TAG = threading.local()  # the tag of the messages being posted (0 unless a tagged exchange sets it)
-
-
-def _exchange(sctx: SpatialContext, send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, torch.Tensor]]) -> list[Any]:
-    tag = getattr(_TAG, "value", 0)
-    ops = [dist.P2POp(dist.irecv, t, peer, group=sctx.group, tag=tag) for peer, t in recv]
-    ops += [dist.P2POp(dist.isend, t, peer, group=sctx.group, tag=tag) for peer, t in send]
-    return dist.batch_isend_irecv(ops) if ops else []
-
-
-def _tagged_exchange(sctx: SpatialContext, send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, torch.Tensor]],
-                     tag: int) -> list[Any]:
-    """:func:`_exchange` with message tag ``tag`` (the signature of ``_exchange`` stays the planner's)."""
-    _TAG.value = tag
-    try:
-        return _exchange(sctx, send, recv)
-    finally:
-        _TAG.value = 0
-
-
 class Pending:
     """Halo messages in flight for one layer's forward (posted from detached data)."""
 
@@ -128,7 +106,7 @@ class Pending:
         n, c = x.shape[:2]
         self.bufs = [x.new_empty((n, c, *shape_of(box))) for _, box in self.plan.recvs]
         self.sent = [_region(x, box, self.plan.own).contiguous() for _, box in self.plan.sends]
-        self.works = _tagged_exchange(self.sctx, [(peer, t) for (peer, _), t in zip(self.plan.sends, self.sent)],
+        self.works = self.sctx.exchange([(peer, t) for (peer, _), t in zip(self.plan.sends, self.sent)],
                                       [(peer, t) for (peer, _), t in zip(self.plan.recvs, self.bufs)], self.tag)
 
     def wait(self) -> list[torch.Tensor]:
@@ -187,7 +165,7 @@ class Assemble(torch.autograd.Function):
                 if not is_empty(r):
                     dst[local_index(r, holder)] += g[local_index(r, tgt)]
         back = [torch.empty((n, c, *shape_of(box)), dtype=gx.dtype, device=gx.device) for _, box in p.sends]
-        works = _tagged_exchange(sctx, [(peer, gb) for (peer, _), gb in zip(p.recvs, gbufs)],
+        works = sctx.exchange([(peer, gb) for (peer, _), gb in zip(p.recvs, gbufs)],
                                  [(peer, b) for (peer, _), b in zip(p.sends, back)], tag + 1)
         _wait(works[:len(p.sends)])  # the receives; the sends are waited for when the backward ends
         _after_backward(sctx, label, works[len(p.sends):], gbufs)
@@ -247,7 +225,7 @@ class Exchange(Pending):
             return super().wait()
         t0 = time.perf_counter()
         nr = len(self.plan.recvs)
-        _wait(self.works[:nr])  # _exchange posts the receives first
+        _wait(self.works[:nr])  # exchange posts the receives first
         if nr or not self.works:
             self.sctx.drain_sends()
         if self.works[nr:]:
@@ -267,9 +245,9 @@ class Exchange(Pending):
         if gbufs is None:
             gbufs = [torch.zeros((n, c, *shape_of(box)), dtype=dtype, device=device) for _, box in p.recvs]
         self.gsent = [torch.empty((n, c, *shape_of(box)), dtype=dtype, device=device) for _, box in p.sends]
-        works = _tagged_exchange(self.sctx, [(peer, g) for (peer, _), g in zip(p.recvs, gbufs)],
+        works = self.sctx.exchange([(peer, g) for (peer, _), g in zip(p.recvs, gbufs)],
                                  [(peer, g) for (peer, _), g in zip(p.sends, self.gsent)], self.tag + 1)
-        self.bwd_recvs = works[:len(p.sends)]  # _exchange posts the receives first
+        self.bwd_recvs = works[:len(p.sends)]  # exchange posts the receives first
         _after_backward(self.sctx, self.label, works[len(p.sends):], gbufs)
         self.sctx.halo_seconds[self.label] += time.perf_counter() - t0
 

@@ -318,9 +318,10 @@ def conv_nd(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stride: Se
     out = y.permute(inv)
     # a fresh tensor either way: the no-copy route adds its halo corrections into it in place
     return out.contiguous() if not out.is_contiguous() else out.clone()
+
+
 _CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 _MAXP = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
-_AVGP = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 
 
 class SpatialConv(_WindowLayer):
@@ -415,14 +416,14 @@ class SpatialAvgPool(_WindowLayer):
         if self.nd == 1:
             y = F.avg_pool1d(xp, self.k, self.s, pads, False, self.include_pad)
             return y * (self.k[0] / self.divisor) if self.divisor else y
-        return _AVGP[self.nd](xp, self.k, self.s, pads, False, self.include_pad, self.divisor)
+        return self.sctx.avg_pool(self.nd)(xp, self.k, self.s, pads, False, self.include_pad, self.divisor)
 
     def _op(self, xp: torch.Tensor, box: Box, gin: tuple[int, ...]) -> torch.Tensor:
         # the op counts explicit (cut-dim) padding as cells; torch's rule may not: rescale per cut dim
         if self.nd == 1:
             y = F.avg_pool1d(xp, self.k, self.s, self._pad, self.ceil, self.include_pad)
             return y * (self.k[0] / self.divisor) if self.divisor else y
-        y = _AVGP[self.nd](xp, self.k, self.s, self._pad, self.ceil, self.include_pad, self.divisor)
+        y = self.sctx.avg_pool(self.nd)(xp, self.k, self.s, self._pad, self.ceil, self.include_pad, self.divisor)
         if self.divisor:
             return y
         fix = None
@@ -508,10 +509,11 @@ class SpatialUpsample(SpatialLayer):
             maps = self._maps(len(gin))
             gout = tuple(m.out_size(n) for m, n in zip(maps, gin))
             outs = sctx.boxes(gout)
-            needs = [tuple(m.need(a, b, n) for m, (a, b), n in zip(maps, b, gin)) if not is_empty(b)
-                     else tuple((0, 0) for _ in b) for b in outs]
             box = outs[sctx.index]
-            src = [m.sources(a, b, n) for m, (a, b), n in zip(maps, box, gin)] if not is_empty(box) else []
+            with sctx.index_math():
+                needs = [tuple(m.need(a, b, n) for m, (a, b), n in zip(maps, b, gin)) if not is_empty(b)
+                         else tuple((0, 0) for _ in b) for b in outs]
+                src = [m.sources(a, b, n) for m, (a, b), n in zip(maps, box, gin)] if not is_empty(box) else []
             cache[gin] = (gout, box, halo.plan(sctx, gin, needs), src)
         gout, box, p, src = cache[gin]
         (y,) = halo.windows(sctx, x, p, [p.need], self.label, tag=self.tag)
