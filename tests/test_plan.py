@@ -268,6 +268,7 @@ def test_the_layer_memo_plans_exactly_what_tracing_every_layer_plans(extra, monk
     from gems.models import resnet
     from gems.pipeline import partition as Q
     from gems.plan import memory as P
+    from gems.plan import trace as T
 
     runs = [0]
     real = resnet.PreActBottleneck.forward
@@ -278,18 +279,18 @@ def test_the_layer_memo_plans_exactly_what_tracing_every_layer_plans(extra, monk
 
     monkeypatch.setattr(resnet.PreActBottleneck, "forward", counted)
     cfg = ["model=resnet", "model.depth=110", "model.width=0.25", "model.size=32", "train.batch_size=8", *extra]
-    keep = P._LAYER_MEMO_MAX, Q._SHAPE_MEMO_MAX
+    keep = T._LAYER_MEMO_MAX, Q._SHAPE_MEMO_MAX
     plans, blocks = [], []
     try:
         for on in (False, True, True):
-            P._CACHE.clear(), P._LAYER_MEMO.clear(), Q._SHAPE_MEMO.clear()
-            P._LAYER_MEMO_MAX, Q._SHAPE_MEMO_MAX = keep if on else (0, 0)
+            P._CACHE.clear(), T._LAYER_MEMO.clear(), Q._SHAPE_MEMO.clear()
+            T._LAYER_MEMO_MAX, Q._SHAPE_MEMO_MAX = keep if on else (0, 0)
             runs[0] = 0
             d = to_json(make_plan(compose(cfg)))
             d.pop("seconds", None)
             plans.append(json.dumps(d, sort_keys=True, default=str))
             blocks.append(runs[0])
     finally:
-        P._LAYER_MEMO_MAX, Q._SHAPE_MEMO_MAX = keep
+        T._LAYER_MEMO_MAX, Q._SHAPE_MEMO_MAX = keep
     assert plans[1] == plans[0] and plans[2] == plans[0]
     assert blocks[1] * 3 < blocks[0], blocks  # most blocks replayed, not run

@@ -1,0 +1,98 @@
+"""The plan's outputs: the JSON object (schema ``gems.plan/1``, keys in :mod:`gems.plan.memory`), the table
+with its verdict and predicted step, and ``gems plan``'s entry point.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gems.errors import ConfigError
+from gems.plan.memory import SCHEMA, GiB, MemoryPlan, make_plan
+
+
+# ============================================================================ output
+def to_json(plan: MemoryPlan) -> dict[str, Any]:
+    """The plan as one JSON-ready object (keys in the module docstring)."""
+    return {
+        "schema": SCHEMA, "model": plan.model, "input_shape": plan.input_shape, "world_size": plan.world_size,
+        "mesh": plan.mesh, "schedule": plan.schedule, "micro_batches": plan.micro_batches,
+        "gems_replicas": plan.gems_replicas, "checkpoint": plan.checkpoint, "precision": plan.precision,
+        "optimizer": plan.optimizer, "global_batch": plan.global_batch, "micro_batch": plan.micro_batch,
+        "balance": plan.balance, "device": plan.device,
+        "positions": [{"pipeline": p.pipeline, "spatial": p.spatial, "grid": p.grid, "partitions": p.partitions,
+                       "local_input_shape": p.local_input_shape, "in_flight": {str(k): v for k, v in p.in_flight.items()},
+                       "bytes": p.bytes.as_dict(), "activations_detail": p.activations_detail} for p in plan.positions],
+        "peak": {"bytes": plan.worst.bytes.total, "pipeline": plan.worst.pipeline, "spatial": plan.worst.spatial},
+        "fits": plan.fits, "max_global_batch": plan.max_global_batch, "max_micro_batch": plan.max_micro_batch,
+        "min_gems_replicas": plan.min_gems_replicas, "suggestion": plan.suggestion, "verdict": plan.verdict,
+        "seconds": plan.seconds, "notes": plan.notes,
+        "peak_memory_bytes": {"max": plan.worst.bytes.total, "per_rank": per_rank(plan)},
+        "predicted_step_time_s": plan.prediction.as_json() if plan.prediction is not None else None,
+        "predicted_throughput_samples_per_s": plan.prediction.throughput if plan.prediction is not None else None,
+    }
+
+
+def per_rank(plan: MemoryPlan) -> list[int]:
+    """Peak bytes of every rank of the world, in rank order (rank = (r D + d) S + s; replicas are alike)."""
+    m = plan.mesh
+    D, S = m["pipeline"], m["spatial"]
+    by = {(p.pipeline, s): p.bytes.total for p in plan.positions for s in p.spatial}
+    return [by[(d, s)] for _ in range(m["replicas"]) for d in range(D) for s in range(S)]
+
+
+def render_table(plan: MemoryPlan, width: int = 120) -> str:
+    """A readable table: one row per distinct position, the breakdown in GiB, then the verdict."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    m = plan.mesh
+    title = (f"gems plan: {plan.model} {plan.input_shape}, R{m['replicas']} x D{m['pipeline']} x S{m['spatial']} "
+             f"= {plan.world_size} ranks, {plan.schedule} m={plan.micro_batches}"
+             + (f" eta={plan.gems_replicas}" if plan.schedule == "master" else "")
+             + f", batch {plan.global_batch} (micro-batch {plan.micro_batch}), {plan.precision}, {plan.optimizer}"
+             + (", checkpoint" if plan.checkpoint else ""))
+    t = Table(title=title, title_justify="left")
+    for col in ("position", "partitions", "local input", "in flight", "params", "grads", "optim", "activ", "halo",
+                "comm", "total GiB"):
+        t.add_column(col, justify="left" if col in ("position", "partitions", "local input", "in flight") else "right")
+    worst = plan.worst
+    for p in plan.positions:
+        b = p.bytes
+        g = lambda v: f"{v / GiB:.2f}"  # noqa: E731
+        mark = " *" if p is worst else ""
+        t.add_row(p.label + mark, ",".join(map(str, p.partitions)), "x".join(map(str, p.local_input_shape)),
+                  " ".join(f"{k}:{v}" for k, v in sorted(p.in_flight.items())) or "-",
+                  g(b.parameters), g(b.gradients), g(b.optimizer), g(b.activations), g(b.halo), g(b.communication),
+                  g(b.total))
+    buf = io.StringIO()
+    con = Console(file=buf, width=width, force_terminal=False, color_system=None)
+    con.print(t)
+    dev = plan.device
+    con.print(f"device: {dev['name']}: {dev['memory_bytes'] / GiB:.1f} GiB, {dev['reserve_bytes'] / GiB:.1f} GiB reserved "
+              f"(plan.reserve_gb); balance {plan.balance}; planned in {plan.seconds:.2f} s")
+    for n in plan.notes:
+        con.print(f"note: {n}")
+    con.print(plan.verdict, soft_wrap=True)
+    pr = plan.prediction
+    if pr is not None:
+        terms = ", ".join(f"{k} {v:.3g}" for k, v in pr.breakdown.items() if v > 0)
+        con.print(f"predicted step: {pr.step_s:.3g} s ({terms}; set by {pr.position}) = {pr.throughput:.3g} "
+                  f"samples/s", soft_wrap=True)
+        for a in pr.assumptions:
+            con.print(f"  assumed: {a}", soft_wrap=True)
+    return buf.getvalue()
+
+
+def plan_main(cfg: Any) -> int:
+    """``gems plan``: print the plan as ``plan.format`` says; 0 whether or not it fits (bad input raises ConfigError)."""
+    fmt = str(cfg.plan.get("format", "table"))
+    if fmt not in ("table", "json"):
+        raise ConfigError("plan.format", fmt, "table or json")
+    plan = make_plan(cfg)
+    if fmt == "json":
+        print(json.dumps(to_json(plan)))
+    else:
+        print(render_table(plan), end="")
+    return 0

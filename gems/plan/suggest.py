@@ -1,0 +1,66 @@
+"""The smallest change that makes a plan fit: same ranks first (checkpointing, bf16, micro-batches), then
+more spatial parts or pipeline stages, each tried with a quick plan.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from gems.errors import ConfigError
+from gems.plan.memory import _Setup, make_plan
+
+
+def _fits(cfg: Any, overrides: dict[str, Any]) -> bool:
+    from omegaconf import OmegaConf, open_dict
+
+    c = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    OmegaConf.set_struct(c, False)
+    with open_dict(c):
+        for k, v in overrides.items():
+            OmegaConf.update(c, k, v, merge=False)
+        if c.cluster.launcher == "slurm" or c.cluster.name != "local":  # more ranks: placed like any run
+            from gems.config import place
+            from gems.mesh import mesh_from_config
+
+            c.cluster.nodes = c.cluster.tasks_per_node = None
+            c.cluster.nodes, c.cluster.tasks_per_node = place(c.cluster, mesh_from_config(c).size)
+    try:
+        return make_plan(c, suggest=False, quick=True).fits
+    except ConfigError:
+        return False
+
+
+def _suggest(cfg: Any, st: _Setup) -> str | None:
+    """The smallest change that fits, tried in order: same ranks first, then more ranks."""
+    cands: list[tuple[str, dict[str, Any]]] = []
+    if not st.checkpoint:
+        cands.append(("parallel.checkpoint=true", {"parallel.checkpoint": True}))
+    if st.precision == "fp32":
+        cands.append(("train.precision=bf16", {"train.precision": "bf16"}))
+    if st.schedule != "lp" or st.mesh.pipeline > 1:
+        line = st.batch // st.replicas // st.eta
+        for m in range(st.m + 1, line + 1):
+            if line % m == 0 and st.schedule != "gpipe":
+                cands.append((f"parallel.micro_batches={m}", {"parallel.micro_batches": m}))
+                break
+    # more spatial parts along the cut dims
+    parts = list(st.mesh.parts)
+    extent = [st.spec.input_shape[1 + d] for d in st.mesh.spatial_dims] if st.spec.spatial_ndim else []
+    for mult in (2, 4, 8, 16):
+        k = min(range(len(parts)), key=lambda i: parts[i])
+        new = list(parts)
+        new[k] *= mult
+        if extent and new[k] > extent[k]:
+            break
+        val = new[0] if len(new) == 1 else new
+        txt = f"parallel.spatial={val if len(new) == 1 else '[' + ','.join(map(str, new)) + ']'}"
+        cands.append((txt, {"parallel.spatial": val}))
+        cands.append((txt + " parallel.checkpoint=true", {"parallel.spatial": val, "parallel.checkpoint": True}))
+    n_layers = len(st.spec.module)
+    if st.mesh.pipeline * 2 <= n_layers:
+        sched = st.schedule if st.schedule != "lp" else "1f1b"
+        cands.append((f"parallel.pipeline={st.mesh.pipeline * 2} parallel.schedule={sched}",
+                      {"parallel.pipeline": st.mesh.pipeline * 2, "parallel.schedule": sched, "parallel.balance": None}))
+    for text, ov in cands:
+        if _fits(cfg, ov):
+            return text
+    return None

@@ -1,0 +1,442 @@
+"""The planner's trace: the real (spatial) model run layer by layer on fake tensors at a rank's local shapes,
+with a shape-only stand-in for its spatial context and CUDA autocast's casting rules on GPU targets;
+what autograd saves, per layer (:mod:`gems.plan.memory` adds it up, :mod:`gems.plan.cost` counts its ops).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gems.errors import ConfigError
+
+# ============================================================================ precision
+_LOW_OPS: set[Any] = {
+    torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d,
+    F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.bmm, torch.addmm,
+    torch.baddbmm, torch.addbmm, torch.prelu, F.prelu, torch.einsum,
+}
+_FP32_OPS: set[Any] = {
+    torch.exp, torch.log, torch.log1p, torch.expm1, torch.pow, torch.Tensor.pow, torch.rsqrt, torch.reciprocal,
+    F.softplus, F.layer_norm, F.group_norm, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.nll_loss, F.cross_entropy,
+    F.binary_cross_entropy_with_logits, F.kl_div, torch.cdist, torch.logsumexp,
+}
+_FP32_OUT_OPS: set[Any] = {  # CUDA autocast runs these with dtype=float32 (no copy of the input)
+    torch.sum, torch.Tensor.sum, torch.prod, torch.Tensor.prod, torch.cumsum, torch.Tensor.cumsum,
+    torch.softmax, torch.Tensor.softmax, F.softmax, torch.log_softmax, torch.Tensor.log_softmax, F.log_softmax,
+}
+
+
+class _CudaAutocast(torch.overrides.TorchFunctionMode):
+    """CUDA autocast's casting rules on CPU (fake) tensors: a GPU plan on a machine without a GPU.
+
+    ``torch.autocast("cuda")`` is disabled where CUDA is absent and CPU autocast
+    follows other lists (``avg_pool3d``, for one, runs in fp32 on CPU only), so
+    the ops that matter for CNNs are cast here as CUDA would: convolutions and
+    matmuls in the low dtype (leaf weights cast once and cached, as autocast
+    does), reductions, softmax, norms and losses in fp32, everything else in
+    the dtype of its inputs.
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.cache: dict[int, torch.Tensor] = {}
+
+    def _cast(self, v: Any, dtype: torch.dtype) -> Any:
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != dtype and v.dtype != torch.float64:
+            if v.is_leaf and v.requires_grad and dtype == self.dtype:
+                key = id(v)
+                if key not in self.cache:
+                    self.cache[key] = v.to(dtype)
+                return self.cache[key]
+            return v.to(dtype)
+        if isinstance(v, (list, tuple)):
+            return type(v)(self._cast(a, dtype) for a in v)
+        return v
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func in _LOW_OPS:
+            args = tuple(self._cast(a, self.dtype) for a in args)
+            kwargs = {k: self._cast(v, self.dtype) for k, v in kwargs.items()}
+        elif func in _FP32_OPS:
+            args = tuple(self._cast(a, torch.float32) for a in args)
+            kwargs = {k: self._cast(v, torch.float32) for k, v in kwargs.items()}
+        elif func in _FP32_OUT_OPS and args and isinstance(args[0], torch.Tensor) \
+                and args[0].dtype in (torch.float16, torch.bfloat16) and kwargs.get("dtype") is None:
+            kwargs["dtype"] = torch.float32
+        return func(*args, **kwargs)
+
+
+def _precision(precision: str, gpu: bool) -> Callable[[], Any]:
+    """A factory of the context that applies ``train.precision`` as the target device would."""
+    if precision == "fp32":
+        return contextlib.nullcontext
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    if gpu:
+        return lambda: _CudaAutocast(dtype)
+    if precision == "fp16":
+        raise ConfigError("train.precision", precision, "fp32 or bf16 on CPU (fp16 needs a GPU: set cluster.gpu_memory_gb)")
+    return lambda: torch.autocast("cpu", dtype=dtype)
+
+
+# ============================================================================ the spatial stand-in
+def _spatial_stand_in(parts: Sequence[int], dims: Sequence[int], grid: Sequence[int], overlap: bool | None) -> Any:
+    """A SpatialContext for one part whose collectives only make tensors of the right shapes."""
+    from gems.spatial.context import GSHAPE, SpatialContext
+    from gems.spatial.geometry import split_bounds
+
+    class _Gather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, sctx: Any, gshape: tuple[int, ...]) -> torch.Tensor:
+            boxes = sctx.boxes(gshape)
+            big = [max(b[j][1] - b[j][0] for b in boxes) for j in range(len(gshape))]
+            part = x.shape[0] * x.shape[1] * math.prod(big) * x.element_size()
+            full = x.shape[0] * x.shape[1] * math.prod(gshape) * x.element_size()
+            sctx.comm_log.append((sctx.layer[0], sctx.size * part + full))
+            sctx.times.append((sctx.layer[0], "gather", full, sctx.size - 1))
+            ctx.shape = x.shape
+            return x.new_empty((x.shape[0], x.shape[1], *gshape))
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+            return g.new_empty(ctx.shape), None, None
+
+    class _AllReduce(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, sctx: Any) -> torch.Tensor:
+            sctx.times.append((sctx.layer[0], "allreduce", x.numel() * x.element_size(), 1))
+            return x.detach().clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+            return g.clone(), None
+
+    class StandIn(SpatialContext):
+        def __init__(self) -> None:
+            n = math.prod(parts)
+            super().__init__(None, list(range(n)), parts, dims, grid, overlap)
+            self.layer = [0]  # index of the top-level layer running now
+            self.comm_log: list[tuple[int, int]] = []  # (layer, bytes) of gather buffers
+            self.halo_log: list[tuple[int, int]] = []  # (layer, bytes) of halo send + receive buffers
+            # (layer, "halo" | "allreduce" | "gather", bytes sent (gather: the whole tensor), messages): for the
+            # time model
+            self.times: list[tuple[int, str, int, int]] = []
+            self._last: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+
+        def mark(self, x: torch.Tensor, gshape: Sequence[int]) -> torch.Tensor:
+            out = super().mark(x, gshape)
+            self._last = (tuple(int(v) for v in x.shape[2:]), tuple(int(v) for v in gshape))
+            return out
+
+        def global_shape(self, x: torch.Tensor) -> tuple[int, ...]:
+            g = getattr(x, GSHAPE, None)
+            if g is not None and len(g) == x.dim() - 2:
+                return tuple(g)
+            # untagged (a residual block's sum): the all-reduce of sizes, inferred from the last tagged activation
+            local = [int(v) for v in x.shape[2:]]
+            ref_l, ref_g = self._last if self._last is not None and len(self._last[0]) == len(local) else (local, local)
+            out = list(local)
+            for k, (d, p) in enumerate(zip(self.dims, self.parts)):
+                est = ref_g[d] * local[d] / ref_l[d] if ref_l[d] else ref_g[d]
+                lo = max(0, local[d] * p - p)
+                cands = [n for n in range(lo, local[d] * p + p + 1)
+                         if split_bounds(n, p)[self.grid[k]][1] - split_bounds(n, p)[self.grid[k]][0] == local[d]]
+                out[d] = min(cands, key=lambda n: abs(n - est)) if cands else int(round(est))
+            g = tuple(out)
+            self.mark(x, g)
+            return g
+
+        def gather(self, x: torch.Tensor) -> torch.Tensor:
+            if self.size == 1:
+                return x
+            return _Gather.apply(x, self, self.global_shape(x))
+
+        def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+            return x if self.size == 1 else _AllReduce.apply(x, self)
+
+        def exchange(self, send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, torch.Tensor]],
+                     tag: int = 0) -> list[Any]:
+            # no messages: a log of their sizes (the buffers are still made by the real halo code)
+            self.halo_log.append((self.layer[0], sum(t.numel() * t.element_size() for _, t in [*send, *recv])))
+            self.times.append((self.layer[0], "halo", sum(t.numel() * t.element_size() for _, t in send), len(send)))
+            return []
+
+        def avg_pool(self, nd: int) -> Callable[..., torch.Tensor]:
+            return _meta_safe_pool(super().avg_pool(nd))
+
+        def index_math(self) -> contextlib.AbstractContextManager[Any]:
+            # index arithmetic that reads values (upsampling sources) runs on real tensors: tiny, shapes only
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            return unset_fake_temporarily()
+
+    return StandIn()
+
+
+def _meta_safe_pool(fn: Any) -> Any:
+    """Wrap ``F.avg_poolNd(x, kernel, stride, padding, ...)`` so that inputs smaller than the kernel (a thin
+    halo window deep in the trunk, padded by the op) pass the meta kernel, which checks the unpadded size
+    where the CPU and CUDA ones do not: the input is padded up to the kernel and the output cropped to the
+    real op's size (same memory within a few cells)."""
+    def call(x: torch.Tensor, k: Any, s: Any, pads: Any, *rest: Any) -> torch.Tensor:
+        nd = x.dim() - 2
+        ks, ss, ps = (v if isinstance(v, (tuple, list)) else (v,) * nd for v in (k, s, pads))
+        sizes = [int(v) for v in x.shape[2:]]
+        small = [max(0, int(ks[j]) - sizes[j]) for j in range(nd)]
+        if not any(small) or nd == 1:
+            return fn(x, k, s, pads, *rest)
+        outs = [(sizes[j] + 2 * int(ps[j]) - int(ks[j])) // int(ss[j]) + 1 for j in range(nd)]
+        grow: list[int] = []
+        for j in reversed(range(nd)):
+            grow += [0, small[j]]
+        y = fn(F.pad(x, grow), k, s, pads, *rest)
+        return y[(slice(None), slice(None), *(slice(0, o) for o in outs))]
+
+    return call
+
+
+# ============================================================================ the trace
+def _key(t: torch.Tensor) -> tuple[int, int]:
+    st = t.untyped_storage()
+    return st._cdata, st.nbytes()
+
+
+@dataclass
+class _Trace:
+    """One training-mode forward of the whole (spatial) model at one micro-batch, on fake tensors."""
+
+    batch: int
+    in_key: int
+    in_bytes: int
+    out_keys: list[int]  # storage of each layer's output
+    out_bytes: list[int]  # bytes of each layer's output (the last: the loss pseudo-layer's output)
+    saved: dict[int, tuple[int, set[int]]]  # storage -> (bytes, layers that saved it); parameters left out
+    halo: dict[int, int]  # layer -> largest halo exchange (send + receive bytes)
+    gather: dict[int, int]  # layer -> gather buffers
+    target_bytes: int
+    ops: dict[int, Any] = field(default_factory=dict)  # layer -> its ops' FLOPs and bytes (gems.plan.cost)
+    comm: list[tuple[int, str, int, int]] = field(default_factory=list)  # the spatial messages (StandIn.times)
+
+    def stage(self, a: int, e: int, last: bool) -> tuple[int, int, int, int]:
+        """(saved bytes kept by layers [a, e) incl. its input and output, input bytes, working set, output bytes).
+
+        The working set is what the backward needs on top of the whole saved set at its worst layer: the
+        backward of layer ``j`` holds its output and input gradients while the storages saved only by layers
+        after ``j`` are already freed, so the peak is ``max_j(alive_j + grads_j)``, reported as its excess
+        over the saved set (the large gradients of a CNN's first layers come when little is still saved).
+        The first partition's input is a view of the input batch (counted once, as the batch), and needs no gradient.
+        """
+        keys: dict[int, int] = {}
+        first: dict[int, int] = {}  # storage -> the first layer of [a, e) that saved it: freed after its backward
+        for k, (nb, layers) in self.saved.items():
+            mine = [i for i in layers if a <= i < e]
+            if mine or (last and len(self.out_bytes) - 1 in layers):
+                keys[k] = nb
+                first[k] = min(mine) if mine else e - 1
+        if a == 0:  # a view of the line's input batch, which is counted as such
+            keys.pop(self.in_key, None)
+            in_b = 0
+        else:
+            in_b = self.out_bytes[a - 1]
+            keys[self.out_keys[a - 1]] = in_b
+            first[self.out_keys[a - 1]] = a - 1  # the partition's input lives through its backward
+        out_b = self.out_bytes[e - 1]
+        if not last:
+            keys[self.out_keys[e - 1]] = out_b
+            first[self.out_keys[e - 1]] = a - 1
+        total = sum(keys.values())
+        ins = [in_b] + self.out_bytes[a:e - 1]
+        peak = 0
+        for j, (i, o) in zip(range(a, e), zip(ins, self.out_bytes[a:e])):
+            alive = sum(nb for k, nb in keys.items() if first[k] <= j)
+            peak = max(peak, alive + i + o)
+        return total, in_b, max(0, peak - total), out_b
+
+
+def saved_bytes(fn: Callable[[], Any], exclude: Sequence[torch.Tensor] = ()) -> int:
+    """Bytes of the distinct storages autograd saves while ``fn()`` runs (real or fake tensors).
+
+    ``exclude``: tensors (e.g. parameters) whose storages are not counted.
+    The measure the planner uses, exposed for checking it against real runs.
+    """
+    skip = {_key(t)[0] for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        k, nb = _key(t)
+        if k not in skip:
+            seen[k] = nb
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return sum(seen.values())
+
+
+def _loss(spec: Any, out: torch.Tensor, local_spatial: Sequence[int]) -> tuple[torch.Tensor, int]:
+    """The training loss on ``out`` with a fake target; returns (loss, target bytes per sample)."""
+    b = out.shape[0]
+    if spec.target == "dense":
+        spatial = [int(v) for v in out.shape[2:]]
+        if spec.loss == "cross_entropy":
+            y = torch.empty((b, *spatial), dtype=torch.int64)
+            return F.cross_entropy(out.float(), y, reduction="sum"), 8 * math.prod(spatial)
+        y = torch.empty(out.shape, dtype=torch.float32)
+        return F.mse_loss(out.float(), y, reduction="sum"), 4 * math.prod(out.shape[1:])
+    if spec.loss == "cross_entropy":
+        return F.cross_entropy(out.float(), torch.empty((b,), dtype=torch.int64), reduction="sum"), 8
+    y = torch.empty(out.shape, dtype=torch.float32)
+    return F.mse_loss(out.float(), y, reduction="sum"), 4 * math.prod(out.shape[1:])
+
+
+# What one layer saves for its backward, by the structure of the layer and its input (see _trace's
+# ``memo``): deep networks repeat a few kinds of block hundreds of times (ResNet-1001: 333 blocks).
+_LAYER_MEMO: dict[tuple, tuple] = {}
+_LAYER_MEMO_MAX = 100_000
+
+
+def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[int], gshape: Sequence[int],
+           sctx: Any, amp: Callable[[], Any], memo: Any = None) -> _Trace:
+    """``memo``: a key for what ``amp`` does (e.g. the precision and the device kind). With it, a serial
+    layer whose structure (:func:`gems.pipeline.partition._structure`) and input (shape, dtype, whether it
+    needs a gradient) were traced before is not run again: its output and the storages it saves (its
+    input, its output, or new ones, with their bytes) are replayed, and for spatial layers also the
+    global shape of the output, the halo and gather buffers it logs and the stand-in's shape state. A
+    layer that saves a storage an earlier layer made (a shared weight's cast) or returns its input's
+    storage is always run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from gems.layers import batch_context
+    from gems.pipeline.partition import _structure
+    from gems.plan.cost import OpCounter
+    from gems.spatial.context import GSHAPE
+
+    saved: dict[int, tuple[int, set[int]]] = {}
+    cur = [0]
+    out_keys: list[int] = []
+    out_bytes: list[int] = []
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake: list[dict[str, torch.Tensor]] = []
+        params: set[int] = set()
+        for layer in layers:
+            d: dict[str, torch.Tensor] = {}
+            for name, p in layer.named_parameters():
+                f = torch.empty(p.shape, dtype=p.dtype).requires_grad_(p.requires_grad)
+                d[name] = f
+                params.add(_key(f)[0])
+            for name, b in layer.named_buffers():
+                if b is not None:
+                    d[name] = torch.empty(b.shape, dtype=b.dtype)
+            fake.append(d)
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            k, nb = _key(t)
+            if k not in params:
+                saved.setdefault(k, (nb, set()))[1].add(cur[0])
+            return t
+
+        x = torch.empty((batch, *local), dtype=torch.float32)
+        in_key, in_bytes = _key(x)
+        if sctx is not None:
+            sctx.mark(x, gshape)
+        counter = OpCounter(cur)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                batch_context(0, 0, range(batch)), amp(), counter:
+            known = {in_key} | {_key(t)[0] for d in fake for t in d.values()}
+            hold = [x]  # every layer's input and output stays alive: a freed storage's address (its key) is reused
+            fresh = [0]  # replayed new storages get keys -1, -2, ...: no real storage has a negative address
+            for i, (layer, d) in enumerate(zip(layers, fake)):
+                cur[0] = i
+                if sctx is not None:
+                    sctx.layer[0] = i
+                st = _structure(layer) if memo is not None else None
+                # a spatial layer also depends on its input's global shape and the stand-in's last tagged one
+                spatial_in = (getattr(x, GSHAPE, None), sctx._last) if sctx is not None else None
+                mkey = None if st is None else (memo, st, tuple(x.shape), x.dtype, x.requires_grad, spatial_in)
+                kx = _key(x)[0]
+                if mkey is not None and mkey in _LAYER_MEMO:
+                    shape, dtype, grad, entries, spatial_out, ops = _LAYER_MEMO[mkey]
+                    y = torch.empty(shape, dtype=dtype, requires_grad=grad)
+                    x = y.clone() if grad else y  # not a leaf: a next in-place layer may write it
+                    counter.layers.pop(i, None)  # the clone above is not the layer's
+                    counter.add(i, ops)
+                    if sctx is not None:
+                        gs, sctx._last, halos, gathers, times = spatial_out
+                        if gs is not None:
+                            setattr(x, GSHAPE, gs)
+                        sctx.halo_log += [(i, nb) for nb in halos]
+                        sctx.comm_log += [(i, nb) for nb in gathers]
+                        sctx.times += [(i, *e) for e in times]
+                    ky = _key(x)[0]
+                    for kind, nb in entries:
+                        if kind == "new":
+                            fresh[0] -= 1
+                            k = fresh[0]
+                        else:
+                            k = kx if kind == "in" else ky
+                        saved.setdefault(k, (nb, set()))[1].add(i)
+                else:
+                    before = set(saved)
+                    logs = (len(sctx.halo_log), len(sctx.comm_log), len(sctx.times)) if sctx is not None else (0, 0, 0)
+                    x = torch.func.functional_call(layer, d, (x,)) if d else layer(x)
+                    if not isinstance(x, torch.Tensor):
+                        raise ConfigError("model", type(layer).__name__, "layers that return one tensor (a flat nn.Sequential)")
+                    ky = _key(x)[0]
+                    mine = [(k, nb) for k, (nb, ls) in saved.items() if i in ls]
+                    own = {_key(t)[0] for t in d.values()}  # this layer's buffers (BatchNorm's running stats)
+                    entries = []
+                    for k, nb in mine:
+                        if k == kx:
+                            entries.append(("in", nb))
+                        elif k == ky:
+                            entries.append(("out", nb))
+                        elif k in own and k not in before:
+                            entries.append(("new", nb))
+                        elif k in before or k in known or k in out_keys:
+                            mkey = None  # an earlier layer's storage: the layer is not alone
+                        else:
+                            entries.append(("new", nb))
+                    if ky == kx:
+                        mkey = None
+                    spatial_out = None
+                    if sctx is not None:
+                        spatial_out = (getattr(x, GSHAPE, None), sctx._last,
+                                       tuple(nb for j, nb in sctx.halo_log[logs[0]:] if j == i),
+                                       tuple(nb for j, nb in sctx.comm_log[logs[1]:] if j == i),
+                                       tuple(e[1:] for e in sctx.times[logs[2]:] if e[0] == i))
+                        if len(spatial_out[2]) != len(sctx.halo_log) - logs[0] or \
+                                len(spatial_out[3]) != len(sctx.comm_log) - logs[1] or \
+                                len(spatial_out[4]) != len(sctx.times) - logs[2]:
+                            mkey = None  # logged under another layer's index: not the layer alone
+                    if mkey is not None and len(_LAYER_MEMO) < _LAYER_MEMO_MAX:
+                        _LAYER_MEMO[mkey] = (tuple(x.shape), x.dtype, x.requires_grad, tuple(entries), spatial_out,
+                                             counter.take(i))
+                hold.append(x)
+                out_keys.append(_key(x)[0])
+                out_bytes.append(x.numel() * x.element_size())
+            cur[0] = len(layers)
+            loss, target = _loss(spec, x, local[1:])
+            out_bytes.append(loss.numel() * loss.element_size())
+        del loss, x, hold
+    halo: dict[int, int] = {}
+    gather: dict[int, int] = {}
+    comm: list[tuple[int, str, int, int]] = []
+    if sctx is not None:
+        for i, nb in sctx.halo_log:
+            halo[i] = max(halo.get(i, 0), nb)
+        for i, nb in sctx.comm_log:
+            gather[i] = gather.get(i, 0) + nb
+        comm = list(sctx.times)
+        sctx.halo_log.clear()
+        sctx.comm_log.clear()
+        sctx.times.clear()
+    return _Trace(batch, in_key, in_bytes, out_keys, out_bytes, saved, halo, gather, batch * target,
+                  {i: counter.take(i) for i in counter.layers}, comm)
