@@ -175,6 +175,9 @@ class PlanConf:
                               "preset's link figures for more than one rank)")
     efficiency: Any = key(None, "fractions of a GPU's peak kernels reach, per op class: {conv: 0.5, matmul: 0.6, "
                                 "memory: 0.6} (the defaults)")
+    dry_run: bool = key(False, "instead of planning, run one step of the real code for rank plan.dry_run_rank "
+                               "of the full world, alone, over torch's fake process group on fake tensors")
+    dry_run_rank: int = key(0, "the rank the dry run plays", ge=0)
 
 
 @dataclass

@@ -40,6 +40,7 @@ from gems.bootstrap import (
     node_memory_bytes,
     ranks_on_this_node,
 )
+from gems.dryrun import scalar
 from gems.errors import ConfigError, RunError
 from gems.fault import all_finite, inject, progress, reports
 from gems.fault.watchdog import Watchdog
@@ -153,7 +154,8 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
         if ctx is not None:
             ctx.drain_sends()
 
-    seq = seq.to(device)
+    if any(t.device != device for t in [*seq.parameters(), *seq.buffers()]):  # (fake parameters cannot be moved)
+        seq = seq.to(device)
     if device.type == "cuda" and spec.spatial_ndim in (2, 3):
         seq = seq.to(memory_format=torch.channels_last if spec.spatial_ndim == 2  # type: ignore[call-overload]
                      else torch.channels_last_3d)
@@ -171,7 +173,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
             gems_replicas=settings.gems_replicas, virtual_stages=settings.virtual_stages,
             split_backward=settings.split_backward,
             balance=balance, balance_by=settings.balance_by_given,
-            checkpoint=settings.checkpoint, sample_shape=None if ctx is not None else tuple(spec.input_shape),
+            checkpoint=settings.checkpoint, sample_shape=_pipeline_sample(spec, ctx, slices),
         )
         params = list(runner.parameters())
         reducer = _reducer(params, mesh, world, cfg)
@@ -227,13 +229,26 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
             progress.mark("backward")
             loss.backward()
         reducer.finish()
-        return float(loss.detach())
+        return scalar(loss.detach())
 
     def first_bad() -> int | None:
         return next((pos for pos, ok in sorted(finite.items()) if not bool(ok)), None)
 
     return Parallel(plain_step, params, [seq], reducer, slices, True, True, local_batch, halo_stats,
                     first_nonfinite=first_bad, notes=[gather_note] if gather_note else [], quiesce=quiesce)
+
+
+def _pipeline_sample(spec: ModelSpec, ctx: Any, slices: tuple[slice, ...] | None) -> tuple[int, ...] | None:
+    """The sample shape the pipeline traces its cut shapes with: none for spatial partitions, which talk to
+    other ranks while they run, except over a process group that moves no data (the dry run, gems.dryrun),
+    where this rank's part is traced with the input's global shape known."""
+    if ctx is None:
+        return tuple(spec.input_shape)
+    if not ctx.shapes_only() or slices is None:
+        return None
+    local = tuple(s.stop - s.start for s in slices)
+    ctx.last_mark = (local, tuple(spec.input_shape[1:]))
+    return (spec.input_shape[0], *local)
 
 
 def preflight(cfg: DictConfig) -> None:

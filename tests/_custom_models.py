@@ -95,3 +95,26 @@ def tiny_cnn(n: int = 16) -> nn.Sequential:
     """One 2D convolution and a linear head on [3, n, n] inputs (gems plan's FLOP count is checked on it)."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * n * n, 4))
+
+
+class RefusesPartOf(nn.Module):
+    """A registered cell-wise layer that refuses a part of ``size`` rows: only the rank holding such a part
+    fails, so the serial check before launch passes and the dry run of that rank finds it."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[2] == self.size:
+            raise ValueError(f"the user's layer refuses a part of {self.size} rows")
+        return x
+
+
+def refuses_part(size: int = 4, n: int = 9) -> nn.Sequential:
+    from gems.spatial import register_pointwise
+
+    register_pointwise(RefusesPartOf)
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), RefusesPartOf(size), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(2, 3))

@@ -74,6 +74,11 @@ CASES = [
     (["plan", "model=nope"], "model=nope"),
     (["plan", "plan.format=xml"], "plan.format=xml"),
     (["plan", "plan.reserve_gb=-1"], "plan.reserve_gb=-1"),
+    (["plan", "plan.dry_run=true", "plan.dry_run_rank=4"], "plan.dry_run_rank=4"),
+    (["plan", "plan.dry_run_rank=-1"], "plan.dry_run_rank=-1"),
+    (["plan", "cluster.gpu=v100-64gb", "cluster.gpu_memory_gb=64"], "cluster.gpu=v100-64gb"),
+    (["plan", "cluster=slurm", "cluster.account=x", "cluster.gpu=h100", "cluster.gpu_memory_gb=80",
+      "parallel.replicas=2", "train.batch_size=4"], "cluster.intra_node_GBps"),
     # ---- render
     (["render", "cluster=juwels_booster"], "cluster.account=<project>"),
     (["render", "cluster=local_slurm", "results.dir=/proc/gems-render"], "results.dir=/proc/gems-render"),

@@ -55,6 +55,8 @@ COMMANDS: dict[str, list[str] | str] = {
     "gems plan model=cosmoflow model.size=512 parallel.spatial=8 cluster=perlmutter cluster.account=x": [],
     "gems plan model=resnet model.depth=1001 model.size=512 parallel.pipeline=4 parallel.schedule=mast": [],
     "gems plan +experiment=cosmoflow512_weak cluster=perlmutter cluster.account=x": [],
+    "gems plan model=cosmoflow model.size=512 parallel.spatial=4 parallel.replicas=512 train.batch_size=512 "
+    "cluster=perlmutter cluster.account=x plan.dry_run=true plan.dry_run_rank=1234": [],
 }
 
 #: commands that need the Slurm test cluster

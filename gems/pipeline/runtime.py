@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gems.dryrun import scalar
 from gems.fault import all_finite
 from gems.fault.progress import mark, waiting
 from gems.layers import batch_context
@@ -287,7 +288,7 @@ class PipelineRunner:
                     y = part(x)
                     live = _Live(x)
                     if last:
-                        self._loss_sum += float(self.loss_fn(y, target, self.chunk))
+                        self._loss_sum += scalar(self.loss_fn(y, target, self.chunk))
             else:
                 if a.stage > 0 and x.is_floating_point():
                     x.requires_grad_(True)
@@ -295,7 +296,7 @@ class PipelineRunner:
                 live = _Live(x)
                 if last:
                     live.loss = self.loss_fn(y, target, self.chunk)
-                    self._loss_sum += float(live.loss.detach())
+                    self._loss_sum += scalar(live.loss.detach())
                 else:
                     live.y = y
         self._finite.append((1 + a.stage, all_finite(y)))

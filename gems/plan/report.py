@@ -4,6 +4,7 @@ with its verdict and predicted step, and ``gems plan``'s entry point.
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 from gems.errors import ConfigError
@@ -90,9 +91,45 @@ def plan_main(cfg: Any) -> int:
     fmt = str(cfg.plan.get("format", "table"))
     if fmt not in ("table", "json"):
         raise ConfigError("plan.format", fmt, "table or json")
+    if bool(cfg.plan.get("dry_run", False)):
+        return _dry_run_main(cfg, fmt)
     plan = make_plan(cfg)
     if fmt == "json":
         print(json.dumps(to_json(plan)))
     else:
         print(render_table(plan), end="")
+    return 0
+
+
+def _dry_run_main(cfg: Any, fmt: str) -> int:
+    """``plan.dry_run=true``: one rank's real step at full size (:mod:`gems.dryrun`); 1 when the real code
+    fails there, with the rank and the error."""
+    import traceback
+
+    from gems.dryrun import dry_run
+
+    try:
+        out = dry_run(cfg)
+    except ConfigError:
+        raise
+    except Exception as e:  # the finding itself: what would have failed on the cluster
+        where = f"rank {cfg.plan.get('dry_run_rank', 0)}"
+        if fmt == "json":
+            print(json.dumps({"dry_run": "failed", "rank": int(cfg.plan.get("dry_run_rank", 0)),
+                              "error": f"{type(e).__name__}: {e}"}))
+        print(f"gems plan: dry run of {where} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        traceback.print_exc(file=sys.stderr)
+        return 1
+    if fmt == "json":
+        print(json.dumps({"dry_run": "ok", **out}))
+        return 0
+    c = out["coord"]
+    print(f"dry run: rank {out['rank']} of {out['world_size']} (replica {c['replica']}, pipeline {c['pipeline']}, "
+          f"spatial {c['spatial']} at {c['spatial_grid']}) ran one step of the real code over torch's fake process "
+          f"group in {out['seconds']:.2f} s")
+    groups = ", ".join(f"{axis} {g['size']}" for axis, g in out["groups"].items() if g["size"] > 1) or "none"
+    print(f"  its groups (ranks): {groups}; partitions {out['partitions']}; {out['parameters']} parameters; "
+          f"input part {out['input_part']}")
+    for note in out["notes"]:
+        print(f"  note: {note}")
     return 0

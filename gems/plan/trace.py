@@ -89,8 +89,7 @@ def _precision(precision: str, gpu: bool) -> Callable[[], Any]:
 # ============================================================================ the spatial stand-in
 def _spatial_stand_in(parts: Sequence[int], dims: Sequence[int], grid: Sequence[int], overlap: bool | None) -> Any:
     """A SpatialContext for one part whose collectives only make tensors of the right shapes."""
-    from gems.spatial.context import GSHAPE, SpatialContext
-    from gems.spatial.geometry import split_bounds
+    from gems.spatial.context import SpatialContext
 
     class _Gather(torch.autograd.Function):
         @staticmethod
@@ -128,30 +127,9 @@ def _spatial_stand_in(parts: Sequence[int], dims: Sequence[int], grid: Sequence[
             # (layer, "halo" | "allreduce" | "gather", bytes sent (gather: the whole tensor), messages): for the
             # time model
             self.times: list[tuple[int, str, int, int]] = []
-            self._last: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
-        def mark(self, x: torch.Tensor, gshape: Sequence[int]) -> torch.Tensor:
-            out = super().mark(x, gshape)
-            self._last = (tuple(int(v) for v in x.shape[2:]), tuple(int(v) for v in gshape))
-            return out
-
-        def global_shape(self, x: torch.Tensor) -> tuple[int, ...]:
-            g = getattr(x, GSHAPE, None)
-            if g is not None and len(g) == x.dim() - 2:
-                return tuple(g)
-            # untagged (a residual block's sum): the all-reduce of sizes, inferred from the last tagged activation
-            local = [int(v) for v in x.shape[2:]]
-            ref_l, ref_g = self._last if self._last is not None and len(self._last[0]) == len(local) else (local, local)
-            out = list(local)
-            for k, (d, p) in enumerate(zip(self.dims, self.parts)):
-                est = ref_g[d] * local[d] / ref_l[d] if ref_l[d] else ref_g[d]
-                lo = max(0, local[d] * p - p)
-                cands = [n for n in range(lo, local[d] * p + p + 1)
-                         if split_bounds(n, p)[self.grid[k]][1] - split_bounds(n, p)[self.grid[k]][0] == local[d]]
-                out[d] = min(cands, key=lambda n: abs(n - est)) if cands else int(round(est))
-            g = tuple(out)
-            self.mark(x, g)
-            return g
+        def shapes_only(self) -> bool:
+            return True
 
         def gather(self, x: torch.Tensor) -> torch.Tensor:
             if self.size == 1:
@@ -359,7 +337,7 @@ def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[i
                     sctx.layer[0] = i
                 st = _structure(layer) if memo is not None else None
                 # a spatial layer also depends on its input's global shape and the stand-in's last tagged one
-                spatial_in = (getattr(x, GSHAPE, None), sctx._last) if sctx is not None else None
+                spatial_in = (getattr(x, GSHAPE, None), sctx.last_mark) if sctx is not None else None
                 mkey = None if st is None else (memo, st, tuple(x.shape), x.dtype, x.requires_grad, spatial_in)
                 kx = _key(x)[0]
                 if mkey is not None and mkey in _LAYER_MEMO:
@@ -369,7 +347,7 @@ def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[i
                     counter.layers.pop(i, None)  # the clone above is not the layer's
                     counter.add(i, ops)
                     if sctx is not None:
-                        gs, sctx._last, halos, gathers, times = spatial_out
+                        gs, sctx.last_mark, halos, gathers, times = spatial_out
                         if gs is not None:
                             setattr(x, GSHAPE, gs)
                         sctx.halo_log += [(i, nb) for nb in halos]
@@ -408,7 +386,7 @@ def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[i
                         mkey = None
                     spatial_out = None
                     if sctx is not None:
-                        spatial_out = (getattr(x, GSHAPE, None), sctx._last,
+                        spatial_out = (getattr(x, GSHAPE, None), sctx.last_mark,
                                        tuple(nb for j, nb in sctx.halo_log[logs[0]:] if j == i),
                                        tuple(nb for j, nb in sctx.comm_log[logs[1]:] if j == i),
                                        tuple(e[1:] for e in sctx.times[logs[2]:] if e[0] == i))

@@ -34,6 +34,12 @@ GSHAPE = "_gems_gshape"  # attribute carrying an activation's global spatial sha
 _AVG_POOL: dict[int, Callable[..., torch.Tensor]] = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 
 
+def _is_fake(x: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
+
+
 class SpatialContext:
     """The spatial parts of one sample and this rank's place among them.
 
@@ -74,6 +80,8 @@ class SpatialContext:
         self._comm_streams: dict[Any, Any] = {}
         #: forward halo sends not yet known complete, with their buffers (gems.spatial.halo.Exchange)
         self.sends_in_flight: list[tuple[list[Any], list[torch.Tensor]]] = []
+        #: (local, global) spatial shape of the last activation tagged (what untagged fake parts are read by)
+        self.last_mark: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self._tags = 0
 
     # ---- what the halo code and the layers ask of the context (a shape-only stand-in, such as the
@@ -172,7 +180,32 @@ class SpatialContext:
     def mark(self, x: torch.Tensor, gshape: Sequence[int]) -> torch.Tensor:
         """Tag ``x`` (this rank's part) with the global spatial shape of the activation."""
         setattr(x, GSHAPE, tuple(int(n) for n in gshape))
+        self.last_mark = (tuple(int(v) for v in x.shape[2:]), tuple(int(n) for n in gshape))
         return x
+
+    def shapes_only(self) -> bool:
+        """Whether this context moves no data: torch's fake process group (the dry run, gems.dryrun); the
+        planner's shape-only stand-in says so too. Untagged fake parts then have their global shape inferred
+        instead of summed over the parts."""
+        return dist.is_initialized() and dist.get_backend(self.group) == "fake"
+
+    def infer_global_shape(self, x: torch.Tensor) -> tuple[int, ...]:
+        """The global shape of an untagged part ``x`` without a collective, for fake tensors (the planner's
+        trace, the dry run: shapes without values): along each cut dim, the extent nearest the last tagged
+        activation's ratio for which this rank's part of the split has ``x``'s local size."""
+        local = [int(v) for v in x.shape[2:]]
+        last = self.last_mark
+        ref_l, ref_g = last if last is not None and len(last[0]) == len(local) else (local, local)
+        out = list(local)
+        for k, (d, p) in enumerate(zip(self.dims, self.parts)):
+            est = ref_g[d] * local[d] / ref_l[d] if ref_l[d] else ref_g[d]
+            lo = max(0, local[d] * p - p)
+            cands = [n for n in range(lo, local[d] * p + p + 1)
+                     if split_bounds(n, p)[self.grid[k]][1] - split_bounds(n, p)[self.grid[k]][0] == local[d]]
+            out[d] = min(cands, key=lambda n: abs(n - est)) if cands else int(round(est))
+        g = tuple(out)
+        self.mark(x, g)
+        return g
 
     def global_shape(self, x: torch.Tensor) -> tuple[int, ...]:
         """The global spatial shape of the activation whose part is ``x``.
@@ -186,6 +219,8 @@ class SpatialContext:
             return tuple(g)
         nd = x.dim() - 2
         self.check_ndim(nd)
+        if _is_fake(x) and self.shapes_only():
+            return self.infer_global_shape(x)
         if self.size == 1:
             g = tuple(int(n) for n in x.shape[2:])
         else:

@@ -1,0 +1,87 @@
+"""``gems plan plan.dry_run=true``: one rank of the full-size world runs the real code for one step, alone.
+
+The real mesh and process groups of one chosen rank (``plan.dry_run_rank``) of the configured world (1024,
+2048 ranks ...) are built over torch's fake process group (``init_process_group("fake")``: collectives and
+messages complete at once and move no data), the real strategies (spatial conversion, pipeline partitions
+and schedule, gradient reducer) are applied to the real model on fake tensors (shapes, no memory), and one
+training step of that rank's schedule runs: its actions, halo exchanges, pipeline sends and receives and
+gradient all-reduces, with the optimizer step. Mesh, group, partition and schedule errors that only appear
+at full size surface here, in seconds, before a job queues. Values are not computed: the loss is 0.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["scalar", "dry_run"]
+
+
+def scalar(t: torch.Tensor) -> float:
+    """``float(t)``; 0.0 for a fake tensor (the dry run computes shapes, not values)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(t, FakeTensor):
+        return 0.0
+    return float(t)
+
+
+def dry_run(cfg: Any) -> dict[str, Any]:
+    """One step of rank ``plan.dry_run_rank`` of the configured world over the fake process group; what it
+    built and ran. Raises what the real code raises (mesh, groups, partitions, schedule)."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from gems import worker
+    from gems.bootstrap import World
+    from gems.data.synthetic import SyntheticData
+    from gems.errors import ConfigError
+    from gems.mesh import mesh_from_config
+    from gems.models import build_model
+    from gems.parallel import resolve
+
+    t0 = time.perf_counter()
+    mesh = mesh_from_config(cfg)
+    size = mesh.size
+    rank = int(cfg.plan.get("dry_run_rank", 0))
+    if not 0 <= rank < size:
+        raise ConfigError("plan.dry_run_rank", rank, f"a rank of the {size}-rank world: 0..{size - 1}")
+    if dist.is_initialized():
+        raise RuntimeError("gems plan plan.dry_run=true runs in a process without a process group")
+    settings = resolve(cfg)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
+    try:
+        mesh.build_groups(rank, groups=settings.holder_groups)
+        coord = mesh.coord(rank)
+        tpn = int(cfg.cluster.get("tasks_per_node") or cfg.cluster.get("gpus_per_node") or 1)
+        world = World(rank=rank, size=size, local_rank=rank % max(1, tpn), master_addr="fake", master_port=0,
+                      source="single", device=torch.device("cpu"), backend="fake", grad_comm="torch")
+        B = int(cfg.train.batch_size)
+        torch.manual_seed(int(cfg.train.seed))
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            spec = build_model(cfg.model)
+            par = worker.parallelize(spec, mesh, world, cfg, settings)
+            opt = worker.make_optimizer(cfg, par.params)
+            ids = worker.replica_indices(0, B, mesh.replicas, coord.replica)
+            data = SyntheticData(spec, int(cfg.train.seed), max(B, int(cfg.data.num_samples)))
+            x, y = data.batch(ids, par.input_slices, want_input=par.needs_input, want_target=par.needs_target)
+            par.step(x, y, ids, 0)
+            par.quiesce()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        groups = {axis: mesh.ranks(axis) for axis in ("spatial", "pipeline", "replica", "grad")}
+        return {
+            "world_size": size, "rank": rank,
+            "coord": {"replica": coord.replica, "pipeline": coord.pipeline, "spatial": coord.spatial,
+                      "spatial_grid": list(coord.spatial_grid)},
+            "groups": {axis: {"size": len(r), "first_ranks": r[:4]} for axis, r in groups.items()},
+            "partitions": list(par.balance) if par.balance else None,
+            "parameters": int(sum(p.numel() for p in par.params)),
+            "input_part": None if x is None else list(x.shape),
+            "notes": list(par.notes),
+            "seconds": time.perf_counter() - t0,
+        }
+    finally:
+        dist.destroy_process_group()
