@@ -33,7 +33,7 @@ def _bytes(xs: Any) -> int:
 
 #: the spatial extent (per dim) up to which CPU ranks time a convolution at its real size; larger ones are
 #: timed on this extent (their rate no longer depends on it)
-MEASURE_EXTENT = {1: 65536, 2: 256, 3: 64}
+MEASURE_EXTENT = {1: 65536, 2: 256, 3: 128}
 
 
 def _signature(name: str, args: tuple) -> tuple:
