@@ -178,3 +178,24 @@ def test_cpu_rates_are_measured_here():
     t = layer_time({("conv", sig): [1e9, 0.0, 1]}, r, True)
     assert t == pytest.approx(1e9 / bwd + 2 * r.op_overhead_s)
     assert layer_time({("conv", sig): [1e9, 0.0, 1]}, r, True, first=True) == pytest.approx(t / 2)
+
+
+def test_a_study_is_predicted_point_by_point_into_the_table_gems_results_writes(tmp_path):
+    """gems plan +experiment=NAME: every point planned as gems plan plans it alone, written as records that
+    gems results reads (table, plot, efficiency), marked predicted; planning it again replaces the prediction."""
+    from _cli import records
+
+    args = ["plan", "+experiment=cosmoflow512_weak", "cluster=perlmutter", "cluster.account=x"]
+    for _ in range(2):
+        out = gems(*args, cwd=str(tmp_path), timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+    folder = tmp_path / "results" / "cosmoflow512_weak-predicted"
+    recs = sorted(records(str(folder)), key=lambda r: r["world_size"])
+    assert [r["world_size"] for r in recs] == [4 * r for r in (1, 2, 4, 8, 16, 32, 64)]  # once each
+    table = (folder / "table.md").read_text()
+    assert table.count("predicted by gems plan") == 7 and (folder / "scaling.png").exists()
+    cfg = compose(["+experiment=cosmoflow512_weak", "cluster=perlmutter", "cluster.account=x", "parallel.replicas=16"])
+    alone = to_json(make_plan(cfg, suggest=False))
+    r16 = next(r for r in recs if r["world_size"] == 64)
+    assert r16["step_time_s"]["median"] == pytest.approx(alone["predicted_step_time_s"]["total"])
+    assert r16["throughput_samples_per_s"] == pytest.approx(alone["predicted_throughput_samples_per_s"])

@@ -71,6 +71,12 @@ def predict_study(combos: list[list[str]], experiment: str | None) -> int:
               f"{plan.prediction.throughput:.4g} samples/s; {plan.verdict}", flush=True)
     writable_dir("results.dir", str(folder), "a folder for the predicted study")
     folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("*.json"):  # the study's previous prediction: replaced, not repeated
+        try:
+            if json.loads(old.read_text()).get("env", {}).get("predicted_by") == "gems plan":
+                old.unlink()
+        except (OSError, ValueError):
+            continue
     for combo, cfg, plan in zip(combos, cfgs, plans):
         rec = predicted_record(cfg, plan, sweep, point_name(combo, base))
         (folder / f"{rec['run_id']}.json").write_text(json.dumps(rec, indent=1))
