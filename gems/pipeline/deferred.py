@@ -65,6 +65,13 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
+def _detached_operands(x: torch.Tensor, layer: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``x`` and the layer's weight and bias, detached, cast as autocast would cast them for the op."""
+    w, b = layer.weight.detach(), None if layer.bias is None else layer.bias.detach()
+    dt = _autocast_dtype(x.device.type)
+    return (x, w, b) if dt is None else (x.to(dt), w.to(dt), None if b is None else b.to(dt))
+
+
 def _accumulate(params: list[torch.Tensor | None], grads: list[torch.Tensor | None]) -> None:
     pairs = [(p, g.to(p.dtype)) for p, g in zip(params, grads)
              if p is not None and g is not None and p.requires_grad]
@@ -89,9 +96,7 @@ class _Conv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, conv: Any, anchor: Any) -> torch.Tensor:
-        w, b = conv.weight.detach(), None if conv.bias is None else conv.bias.detach()
-        dt = _autocast_dtype(x.device.type)
-        xc, wc, bc = (x, w, b) if dt is None else (x.to(dt), w.to(dt), None if b is None else b.to(dt))
+        xc, wc, bc = _detached_operands(x, conv)
         with torch.autocast(x.device.type, enabled=False):
             y = conv._op(xc, wc, bc)
         ctx.save_for_backward(xc, wc)
@@ -158,9 +163,7 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, lin: nn.Linear, anchor: Any) -> torch.Tensor:
-        w, b = lin.weight.detach(), None if lin.bias is None else lin.bias.detach()
-        dt = _autocast_dtype(x.device.type)
-        xc, wc, bc = (x, w, b) if dt is None else (x.to(dt), w.to(dt), None if b is None else b.to(dt))
+        xc, wc, bc = _detached_operands(x, lin)
         with torch.autocast(x.device.type, enabled=False):
             y = F.linear(xc, wc, bc)
         ctx.save_for_backward(xc, wc)

@@ -103,12 +103,7 @@ class Rates:
         op), measured the first time it is asked for, with the rank's threads."""
         assert self.measured is not None
         if sig not in self.measured:
-            before = torch.get_num_threads()
-            torch.set_num_threads(max(1, self.threads))
-            try:
-                self.measured[sig] = _measure_op(sig)
-            finally:
-                torch.set_num_threads(before)
+            self.measured[sig] = _with_threads(self.threads, lambda: _measure_op(sig))
         fwd, bwd = self.measured[sig]
         return bwd if backward else fwd
 
@@ -155,6 +150,16 @@ def gpu_rates(name: str, precision: str, eff: dict[str, float]) -> Rates:
 
 # ---- CPU ranks: measured here --------------------------------------------------------------------------------
 _CPU: dict[tuple, Rates] = {}
+
+
+def _with_threads(threads: int, fn: Any) -> Any:
+    """``fn()`` with torch using ``threads`` threads (a rank's), as before afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
 
 
 def _timed(fn: Any, min_s: float = 0.01, reps: int = 2) -> float:
@@ -235,13 +240,8 @@ def cpu_rates(threads: int) -> Rates:
     key = (threads,)
     if key in _CPU:
         return _CPU[key]
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads))
-    try:
-        small = torch.randn(8)
-        over = _timed(lambda: torch.relu(small), min_s=0.005)
-    finally:
-        torch.set_num_threads(before)
+    small = torch.randn(8)
+    over = _with_threads(threads, lambda: _timed(lambda: torch.relu(small), min_s=0.005))
     r = Rates("cpu", f"this machine's CPU, {threads} thread(s) a rank", {"conv": 1e10, "matmul": 1e10}, 1e10, over,
               measured={}, about=f"CPU measured here per convolution shape and kind of op, {over * 1e6:.1f} us per "
                                  f"op ({threads} thread(s) a rank)", threads=threads)
