@@ -84,10 +84,10 @@ def test_a_layer_on_a_named_gpu_is_its_roofline():
     r = gpu_rates("a100-40gb", "fp32", {"conv": 0.5, "matmul": 0.6, "memory": 0.6})
     # fp32 convolutions run in TF32 (156 TFLOP/s) at half the peak; memory-bound ops at 60% of 1555 GB/s
     conv = {("conv", ("conv", 2, 64, 64, (3, 3), (1, 1), 1, False)): [1e12, 1e6, 1]}
-    assert layer_time(conv, r, False) == pytest.approx(1e12 / (156e12 * 0.5) + r.op_overhead_s)
-    assert layer_time(conv, r, True) == pytest.approx(2 * (1e12 / (156e12 * 0.5) + r.op_overhead_s))
+    assert layer_time(conv, r, False, 8) == pytest.approx(1e12 / (156e12 * 0.5) + r.op_overhead_s)
+    assert layer_time(conv, r, True, 8) == pytest.approx(2 * (1e12 / (156e12 * 0.5) + r.op_overhead_s))
     relu = {("memory", ()): [0.0, 8e9, 2]}
-    assert layer_time(relu, r, False) == pytest.approx(2 * (4e9 / (1555e9 * 0.6) + r.op_overhead_s))
+    assert layer_time(relu, r, False, 8) == pytest.approx(2 * (4e9 / (1555e9 * 0.6) + r.op_overhead_s))
     bf16 = gpu_rates("h100", "bf16", {"conv": 1.0, "matmul": 1.0, "memory": 1.0})
     assert bf16.flops["conv"] == pytest.approx(989.5e12)
     with pytest.raises(ConfigError) as e:
@@ -111,6 +111,24 @@ def test_the_trace_counts_a_convolutions_flops_by_the_formula():
         out_hw = 16 * 16  # padding keeps the size
         assert flops == 2 * t.batch * c.out_channels * out_hw * c.in_channels * c.kernel_size[0] * c.kernel_size[1]
         assert n == 1
+
+
+@pytest.mark.parametrize("model", [["model=resnet", "model.depth=11", "model.width=0.25", "model.size=32"],
+                                   ["model=cosmoflow", "model.size=32", "model.width=0.25"]])
+def test_the_counts_of_any_micro_batch_are_the_line_through_the_traced_ones(model):
+    """The prediction traces batches 1 and 2 and scales every op's counts to the micro-batch: the same ops
+    (one key each, whatever the batch) with the FLOPs and bytes a trace at that batch counts."""
+    from gems.plan.cost import scaled
+    from gems.plan.memory import _Planner, _setup
+
+    pl = _Planner(_setup(compose([*model, "train.batch_size=4"])))
+    t1, t2, t4 = pl._traced(0, 1), pl._traced(0, 2), pl._traced(0, 4)
+    assert set(t4.ops) == set(t1.ops) and any(cls == "conv" for ops in t4.ops.values() for cls, _ in ops)
+    for j, ops in t4.ops.items():
+        line = scaled(t1.ops[j], t2.ops[j], 1, 2, 4)
+        assert set(line) == set(ops), j
+        for k, (flops, nbytes, n) in ops.items():
+            assert line[k] == pytest.approx([flops, nbytes, n], rel=1e-9), (j, k)
 
 
 def test_plan_predicts_a_step_with_every_term_and_the_json_fields():
@@ -168,16 +186,19 @@ def test_cpu_rates_are_measured_here():
 
     r = cpu_rates(1)
     assert isinstance(r, Rates) and r.kind == "cpu" and 0 < r.op_overhead_s < 1e-3
-    sig = ("conv", 2, 8, 8, (3, 3), (1, 1), 1, False, (1, 1), 2, (32, 32))
-    fwd, bwd = r.measured_rate(sig, False), r.measured_rate(sig, True)
+    sig = ("conv", 2, 8, 8, (3, 3), (1, 1), 1, False, (1, 1), (32, 32))
+    fwd, bwd = r.measured_rate((*sig, 2), False), r.measured_rate((*sig, 2), True)
     assert 1e7 < fwd < 1e13 and 1e7 < bwd < 1e13  # FLOP/s
-    for kind in ("elementwise", "pool", "norm"):
+    for kind in ("elementwise", "pool", "batch_norm", "group_norm", "layer_norm"):
         assert 1e7 < r.measured_rate(("memory", kind), False) < 1e12  # bytes/s
-    # a convolution's time is its FLOPs at the measured rate plus its overhead; the first layer's backward
-    # (no input gradient) half of a full one
-    t = layer_time({("conv", sig): [1e9, 0.0, 1]}, r, True)
+    # a convolution's time is its FLOPs at the rate measured at its micro-batch, plus its overhead; the first
+    # layer's backward (no input gradient) half of a full one
+    t = layer_time({("conv", sig): [1e9, 0.0, 1]}, r, True, 2)
     assert t == pytest.approx(1e9 / bwd + 2 * r.op_overhead_s)
-    assert layer_time({("conv", sig): [1e9, 0.0, 1]}, r, True, first=True) == pytest.approx(t / 2)
+    assert layer_time({("conv", sig): [1e9, 0.0, 1]}, r, True, 2, first=True) == pytest.approx(t / 2)
+    assert (*sig, 2) in r.measured and (*sig, 16) not in r.measured
+    layer_time({("conv", sig): [1e9, 0.0, 1]}, r, False, 16)
+    assert (*sig, 16) in r.measured  # timed at the batch it runs at
 
 
 def test_a_study_is_predicted_point_by_point_into_the_table_gems_results_writes(tmp_path):

@@ -47,19 +47,23 @@ def _signature(name: str, args: tuple) -> tuple:
         cin = int(x.shape[1])
         cout = int(w.shape[1]) * groups if transposed else int(w.shape[0])
         extent = tuple(min(int(v), MEASURE_EXTENT[nd]) for v in x.shape[2:])
+        # no batch: the counts traced at two batches meet on one key and interpolate to any micro-batch (CPU
+        # ranks time the convolution at the micro-batch it runs at: Rates.time)
         return ("conv", nd, cin, cout, tuple(int(k) for k in w.shape[2:]), stride, groups, transposed, padding,
-                min(int(x.shape[0]), 2), extent)
+                extent)
     a, b = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
     return ("matmul", int(a.shape[-1]), int(b.shape[-1]))
 
 
+#: the normalisations CPU ranks time as their own kinds (their kernels differ several-fold in speed per byte)
+NORMS = ("batch_norm", "group_norm", "layer_norm")
+
+
 def memory_group(name: str) -> str:
-    """The kind of memory-bound op, for CPU ranks that time each kind: pool, norm or elementwise."""
+    """The kind of memory-bound op, for CPU ranks that time each kind: pool, one of NORMS or elementwise."""
     if "pool" in name:
         return "pool"
-    if "norm" in name:
-        return "norm"
-    return "elementwise"
+    return next((k for k in NORMS if k in name), "elementwise")
 
 
 class OpCounter(TorchDispatchMode):
@@ -103,8 +107,8 @@ class OpCounter(TorchDispatchMode):
 
 
 def scaled(a: LayerOps, b: LayerOps, ba: int, bb: int, batch: int) -> LayerOps:
-    """The counts at micro-batch ``batch`` on the line through the counts at ``ba`` and ``bb`` (FLOPs and bytes
-    grow with the batch; the number of ops does not)."""
+    """The counts at micro-batch ``batch`` on the line through the counts at ``ba`` and ``bb`` (FLOPs, bytes and
+    the number of ops: a layer may run some ops once a sample, as SampleDropout draws each sample's mask)."""
     out: LayerOps = {}
     for k in set(a) | set(b):
         va, vb = a.get(k, [0.0, 0.0, 0.0]), b.get(k, [0.0, 0.0, 0.0])
@@ -112,5 +116,5 @@ def scaled(a: LayerOps, b: LayerOps, ba: int, bb: int, batch: int) -> LayerOps:
             out[k] = [va[0] * batch / ba, va[1] * batch / ba, va[2]]
             continue
         t = (batch - ba) / (bb - ba)
-        out[k] = [max(0.0, va[j] + t * (vb[j] - va[j])) for j in (0, 1)] + [max(va[2], vb[2])]
+        out[k] = [max(0.0, va[j] + t * (vb[j] - va[j])) for j in (0, 1, 2)]
     return out

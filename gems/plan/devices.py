@@ -81,12 +81,15 @@ class Rates:
     threads: int = 1  # CPU: the rank's threads, for measuring
     share: float = 1.0  # ranks that take turns on one core's worth of compute (oversubscribed CPU nodes)
 
-    def time(self, cls: str, sig: tuple, flops: float, nbytes: float, backward: bool) -> float:
-        """One op's time. Measured rates (CPU) give forward and backward directly (a backward rate is the
-        forward's work over the backward's time); data-sheet rates (GPU) give a roofline, the larger of
-        compute and memory time, with a backward costing twice its forward (input and weight gradients)."""
+    def time(self, cls: str, sig: tuple, flops: float, nbytes: float, backward: bool, batch: int = 1) -> float:
+        """One op's time at micro-batch ``batch``. Measured rates (CPU) give forward and backward directly (a
+        backward rate is the forward's work over the backward's time; a convolution is timed at its batch);
+        data-sheet rates (GPU) give a roofline, the larger of compute and memory time, with a backward costing
+        twice its forward (input and weight gradients)."""
         if self.measured is not None:
             work = flops if cls in ("conv", "matmul") else nbytes
+            if cls == "conv":
+                sig = (*sig, _measure_batch(sig, batch))
             return self.share * (work / self.measured_rate(sig, backward) + self.op_overhead_s * (2 if backward else 1))
         k = 2.0 if backward else 1.0
         compute = flops / self.flops[cls] if cls in ("conv", "matmul") else 0.0
@@ -187,12 +190,26 @@ def _fwd_bwd(f: Any, inputs: list[torch.Tensor]) -> tuple[float, float]:
     return fwd, bwd
 
 
-#: the memory-bound kinds CPU ranks time (gems.plan.cost.memory_group), on 4 Mi elements: past the caches
+#: the memory-bound kinds CPU ranks time (gems.plan.cost.memory_group), on 4 Mi elements of 16 channels (past
+#: the caches), with the affine weights a model's normalisation layers have: f(x, channel weight, channel bias)
 _MEMORY_OPS: dict[str, Any] = {
-    "elementwise": lambda x: F.leaky_relu(x, 0.01),
-    "pool": lambda x: F.avg_pool3d(x, 2),
-    "norm": lambda x: F.batch_norm(x, None, None, training=True),
+    "elementwise": lambda x, w, b: F.leaky_relu(x, 0.01),
+    "pool": lambda x, w, b: F.avg_pool3d(x, 2),
+    "batch_norm": lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
+    "group_norm": lambda x, w, b: F.group_norm(x, 8, w, b),
+    "layer_norm": lambda x, w, b: F.layer_norm(x.view(-1, 16), (16,), w, b),
 }
+
+
+#: the most input elements a convolution is timed on (its batch is cut to stay within it): 32 MiB of fp32
+MEASURE_ELEMENTS = 2**23
+
+
+def _measure_batch(sig: tuple, batch: int) -> int:
+    """The batch a convolution of signature ``sig`` (gems.plan.cost) is timed at for micro-batch ``batch``: its
+    own, or fewer samples where that many would pass MEASURE_ELEMENTS (the rate no longer depends on it)."""
+    cin, extent = sig[2], sig[-1]
+    return max(1, min(int(batch), MEASURE_ELEMENTS // max(1, cin * math.prod(extent))))
 
 
 def _measure_op(sig: tuple) -> tuple[float, float]:
@@ -203,8 +220,9 @@ def _measure_op(sig: tuple) -> tuple[float, float]:
     if kind == "memory":
         x = torch.randn(2, 16, 32, 64, 64, requires_grad=True)
         f = _MEMORY_OPS[sig[1]]
-        nbytes = 4.0 * (x.numel() + f(x).numel())
-        fwd, bwd = _fwd_bwd(f, [x])
+        inputs = [x, *(torch.randn(16, requires_grad=sig[1].endswith("_norm")) for _ in range(2))]
+        nbytes = 4.0 * (x.numel() + f(*inputs).numel())
+        fwd, bwd = _fwd_bwd(f, inputs)
         return nbytes / fwd, nbytes / bwd
     if kind == "matmul":
         _, k, n = sig
@@ -213,7 +231,7 @@ def _measure_op(sig: tuple) -> tuple[float, float]:
         flops = 2.0 * 256 * k * n
         fwd, bwd = _fwd_bwd(lambda a, w: a @ w, [a, w])
         return flops / fwd, flops / bwd
-    _, nd, cin, cout, kernel, stride, groups, transposed, padding, batch, extent = sig
+    _, nd, cin, cout, kernel, stride, groups, transposed, padding, extent, batch = sig
     size = [max(e, k) for e, k in zip(extent, kernel)]
     x = torch.randn(batch, cin, *size, requires_grad=True)
     if transposed:

@@ -89,14 +89,14 @@ def spatial_comm(entries: Sequence[tuple[str, float, int]], parts: int, link: Li
     return t
 
 
-def layer_time(ops: LayerOps, rates: Rates, backward: bool, first: bool = False) -> float:
-    """Seconds of one layer's ops, forward or backward. ``first``: the model's first layer, whose input
-    needs no gradient, so its convolutions' backward computes the weight gradient only (half)."""
+def layer_time(ops: LayerOps, rates: Rates, backward: bool, batch: int, first: bool = False) -> float:
+    """Seconds of one layer's ops at micro-batch ``batch``, forward or backward. ``first``: the model's first
+    layer, whose input needs no gradient, so its convolutions' backward computes the weight gradient only (half)."""
     t = 0.0
     for (cls, sig), (flops, nbytes, n) in ops.items():
         if n <= 0:
             continue
-        per = rates.time(cls, sig, flops / n, nbytes / n, backward)
+        per = rates.time(cls, sig, flops / n, nbytes / n, backward, batch)
         t += n * per * (0.5 if backward and first and cls in ("conv", "matmul") else 1.0)
     return t
 
@@ -154,7 +154,7 @@ def _stage_times(ops1: dict[int, LayerOps], ops2: dict[int, LayerOps], b1: int, 
     layers = list(range(a, e)) + ([n_layers] if last else [])  # the loss with the last stage
     for j in layers:
         ops = scaled(ops1.get(j, {}), ops2.get(j, {}), b1, b2, chunk)
-        tf, tb = layer_time(ops, rates, False), layer_time(ops, rates, True, first=j == 0)
+        tf, tb = layer_time(ops, rates, False, chunk), layer_time(ops, rates, True, chunk, first=j == 0)
         fwd, bwd = fwd + tf, bwd + tb
         if link is None:
             continue
