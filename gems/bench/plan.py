@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gems.bench.common import env_block, md_table
+from gems.plan.devices import _CPU
 
 COMMAND = "gems bench plan   (or: python -m gems.bench.plan [OUT_DIR])"
 
@@ -174,6 +175,7 @@ def bench_plan(out_dir: Path | str = "results/bench") -> str:
     with tempfile.TemporaryDirectory() as tmp:
         for i, (label, ov) in enumerate(CONFIGS):
             overrides = [*ov, *STEPS, *link]
+            _CPU.clear()  # this machine's rates timed anew just before the run they predict (side by side)
             pred = _predict(overrides)
             meas = _measure(overrides, Path(tmp) / f"c{i}")
             r_step = pred["step"] / meas["step"]

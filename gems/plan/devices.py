@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gems.bootstrap import keep_host_memory
 from gems.errors import ConfigError
 
 __all__ = ["GPUS", "Rates", "Link", "gpu_rates", "cpu_rates", "links", "DEFAULT_EFFICIENCY", "efficiency"]
@@ -79,6 +80,7 @@ class Rates:
     measured: dict[tuple, tuple[float, float]] | None = None  # CPU: conv signature -> (forward, backward) FLOP/s
     about: str = ""
     threads: int = 1  # CPU: the rank's threads, for measuring
+    in_step: float = 1.0  # CPU: how much longer ops take inside a training step than timed alone (cpu_rates)
     share: float = 1.0  # ranks that take turns on one core's worth of compute (oversubscribed CPU nodes)
 
     def time(self, cls: str, sig: tuple, flops: float, nbytes: float, backward: bool, batch: int = 1) -> float:
@@ -90,7 +92,10 @@ class Rates:
             work = flops if cls in ("conv", "matmul") else nbytes
             if cls == "conv":
                 sig = (*sig, _measure_batch(sig, batch))
-            return self.share * (work / self.measured_rate(sig, backward) + self.op_overhead_s * (2 if backward else 1))
+            elif cls == "memory":
+                sig = (*sig, _memory_elements(nbytes))
+            alone = work / self.measured_rate(sig, backward) + self.op_overhead_s * (2 if backward else 1)
+            return self.share * self.in_step * alone
         k = 2.0 if backward else 1.0
         compute = flops / self.flops[cls] if cls in ("conv", "matmul") else 0.0
         return self.share * k * (max(compute, nbytes / self.bandwidth) + self.op_overhead_s)
@@ -106,6 +111,7 @@ class Rates:
         op), measured the first time it is asked for, with the rank's threads."""
         assert self.measured is not None
         if sig not in self.measured:
+            keep_host_memory()  # as a training step reuses its memory (see cpu_rates)
             self.measured[sig] = _with_threads(self.threads, lambda: _measure_op(sig))
         fwd, bwd = self.measured[sig]
         return bwd if backward else fwd
@@ -165,7 +171,8 @@ def _with_threads(threads: int, fn: Any) -> Any:
         torch.set_num_threads(before)
 
 
-def _timed(fn: Any, min_s: float = 0.01, reps: int = 2) -> float:
+def _timed(fn: Any, min_s: float = 0.02, reps: int = 3) -> float:
+    """The best of ``reps`` averages over at least ``min_s`` each (a shared machine only ever slows a call)."""
     fn()  # warm up (oneDNN picks and caches its kernel)
     best = math.inf
     for _ in range(reps):
@@ -190,8 +197,9 @@ def _fwd_bwd(f: Any, inputs: list[torch.Tensor]) -> tuple[float, float]:
     return fwd, bwd
 
 
-#: the memory-bound kinds CPU ranks time (gems.plan.cost.memory_group), on 4 Mi elements of 16 channels (past
-#: the caches), with the affine weights a model's normalisation layers have: f(x, channel weight, channel bias)
+#: the memory-bound kinds CPU ranks time (gems.plan.cost.memory_group), on about as many elements as the op
+#: moves (in the caches or past them: 2-3x apart) in 16 channels, with the affine weights a model's
+#: normalisation layers have: f(x, channel weight, channel bias)
 _MEMORY_OPS: dict[str, Any] = {
     "elementwise": lambda x, w, b: F.leaky_relu(x, 0.01),
     "pool": lambda x, w, b: F.avg_pool3d(x, 2),
@@ -203,6 +211,12 @@ _MEMORY_OPS: dict[str, Any] = {
 
 #: the most input elements a convolution is timed on (its batch is cut to stay within it): 32 MiB of fp32
 MEASURE_ELEMENTS = 2**23
+
+
+def _memory_elements(nbytes: float) -> int:
+    """The elements a memory-bound op of ``nbytes`` (read and written) is timed on: a power of two near its
+    fp32 operand's size, from 16 Ki (below, the per-op overhead dominates) to 4 Mi (past every cache)."""
+    return 2 ** min(22, max(14, round(math.log2(max(nbytes, 1.0) / 8))))
 
 
 def _measure_batch(sig: tuple, batch: int) -> int:
@@ -218,7 +232,7 @@ def _measure_op(sig: tuple) -> tuple[float, float]:
     for a kind of memory-bound op; a backward rate is the forward's work over the backward's seconds."""
     kind = sig[0]
     if kind == "memory":
-        x = torch.randn(2, 16, 32, 64, 64, requires_grad=True)
+        x = torch.randn(1, 16, 4, 4, sig[2] // 256, requires_grad=True)
         f = _MEMORY_OPS[sig[1]]
         inputs = [x, *(torch.randn(16, requires_grad=sig[1].endswith("_norm")) for _ in range(2))]
         nbytes = 4.0 * (x.numel() + f(*inputs).numel())
@@ -254,17 +268,62 @@ def _measure_op(sig: tuple) -> tuple[float, float]:
 
 def cpu_rates(threads: int) -> Rates:
     """This machine's rates for a rank of ``threads`` threads: the per-op overhead measured now; each
-    convolution shape and kind of memory-bound op when the model first needs it (tens of milliseconds each)."""
+    convolution shape and kind of memory-bound op when the model first needs it (tens of milliseconds each).
+
+    Ops are timed with freed host memory kept in the process (:func:`gems.bootstrap.keep_host_memory`, from
+    the first measurement on), as a training step reuses the memory of the one before: timed with glibc's
+    defaults, an op whose output is past its mmap threshold faults each output page in anew, which on this
+    project's VM made a 1x1 convolution 8x slower than inside a step (a run under ``train.host_memory=keep``
+    or ``auto`` reuses it; one that gives memory back also pays those faults for tensors past glibc's 32 MiB
+    limit, which the prediction does not count)."""
     key = (threads,)
     if key in _CPU:
         return _CPU[key]
     small = torch.randn(8)
     over = _with_threads(threads, lambda: _timed(lambda: torch.relu(small), min_s=0.005))
     r = Rates("cpu", f"this machine's CPU, {threads} thread(s) a rank", {"conv": 1e10, "matmul": 1e10}, 1e10, over,
-              measured={}, about=f"CPU measured here per convolution shape and kind of op, {over * 1e6:.1f} us per "
-                                 f"op ({threads} thread(s) a rank)", threads=threads)
+              measured={}, threads=threads)
+    r.in_step = _with_threads(threads, lambda: _in_step_factor(r))
+    r.about = (f"CPU measured here per convolution shape and kind of op, {over * 1e6:.1f} us per op ({threads} "
+               f"thread(s) a rank, freed host memory reused as a step reuses it); ops inside a step take "
+               f"{r.in_step:.2f}x their time alone (a reference convolution block, measured now)")
     _CPU[key] = r
     return r
+
+
+def _reference_block() -> torch.nn.Sequential:
+    """The block :func:`_in_step_factor` trains: convolutions, normalisations and activations of a small CNN."""
+    nn = torch.nn
+    return nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU(),
+                         nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.LeakyReLU(0.1),
+                         nn.Conv2d(16, 32, 1, stride=2), nn.GroupNorm(8, 32), nn.ReLU(),
+                         nn.Conv2d(32, 32, 3, padding=1), nn.ReLU())
+
+
+def _in_step_factor(rates: Rates) -> float:
+    """How much longer a forward and backward take than the sum of their ops timed alone (the rates' own
+    measurements): inside a step the autograd engine runs between ops, caches hold other tensors and
+    layouts are converted, which no op timed alone sees (1.2-1.5x on this project's VM). Measured on
+    :func:`_reference_block` at a batch of 8 and 64^2 pixels, counted by the planner's own op counter; kept
+    within [0.5, 3] so a disturbed measurement cannot dominate a prediction."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from gems.plan.cost import OpCounter
+
+    block, batch = _reference_block(), 8
+    x = torch.randn(batch, 8, 64, 64)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = _reference_block()
+        counter = OpCounter([0])
+        with counter:
+            fake(torch.empty(batch, 8, 64, 64))
+    ops = counter.take(0)
+    from gems.plan.timing import layer_time
+
+    alone = layer_time(ops, rates, False, batch) + layer_time(ops, rates, True, batch, first=True)
+    keep_host_memory()
+    real = _timed(lambda: block(x).sum().backward(), min_s=0.05, reps=3)
+    return min(3.0, max(0.5, real / alone))
 
 
 # ---- links ------------------------------------------------------------------------------------------------------
