@@ -8,8 +8,9 @@ links are measured first (a gloo ping-pong between two processes: latency and ba
 planner as the preset's figures, as a user calibrating a cluster would. Goals: step time within 25%, peak
 tensor memory within 10%, both directions.
 
-The runs take turns on a shared 2-core machine: each configuration runs once, after the previous one ended;
-a rerun moves the measured figures by a few percent. Rerun with ``python -m gems.bench.plan [OUT_DIR]``.
+The runs take turns on a shared 2-core machine: each configuration is predicted (its CPU rates timed anew)
+and then runs, after the previous one ended; this project's VM drifts by 20-30% between runs of one
+configuration, and a rerun moves the ratios by about that much. Rerun with ``python -m gems.bench.plan [OUT_DIR]``.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gems.bench.common import env_block, md_table
-from gems.plan.devices import _CPU
+from gems.plan.devices import forget_cpu_rates
 
 COMMAND = "gems bench plan   (or: python -m gems.bench.plan [OUT_DIR])"
 
@@ -175,7 +176,7 @@ def bench_plan(out_dir: Path | str = "results/bench") -> str:
     with tempfile.TemporaryDirectory() as tmp:
         for i, (label, ov) in enumerate(CONFIGS):
             overrides = [*ov, *STEPS, *link]
-            _CPU.clear()  # this machine's rates timed anew just before the run they predict (side by side)
+            forget_cpu_rates()  # this machine's rates timed anew just before the run they predict (side by side)
             pred = _predict(overrides)
             meas = _measure(overrides, Path(tmp) / f"c{i}")
             r_step = pred["step"] / meas["step"]

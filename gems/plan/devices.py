@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from gems.bootstrap import keep_host_memory
 from gems.errors import ConfigError
 
-__all__ = ["GPUS", "Rates", "Link", "gpu_rates", "cpu_rates", "links", "DEFAULT_EFFICIENCY", "efficiency"]
+__all__ = ["GPUS", "Rates", "Link", "gpu_rates", "cpu_rates", "forget_cpu_rates", "links", "DEFAULT_EFFICIENCY",
+           "efficiency"]
 
 
 @dataclass(frozen=True)
@@ -291,6 +292,11 @@ def cpu_rates(threads: int) -> Rates:
     return r
 
 
+def forget_cpu_rates() -> None:
+    """Time this machine anew at the next :func:`cpu_rates` (a benchmark times them beside each run)."""
+    _CPU.clear()
+
+
 def _reference_block() -> torch.nn.Sequential:
     """The block :func:`_in_step_factor` trains: convolutions, normalisations and activations of a small CNN."""
     nn = torch.nn
@@ -303,12 +309,13 @@ def _reference_block() -> torch.nn.Sequential:
 def _in_step_factor(rates: Rates) -> float:
     """How much longer a forward and backward take than the sum of their ops timed alone (the rates' own
     measurements): inside a step the autograd engine runs between ops, caches hold other tensors and
-    layouts are converted, which no op timed alone sees (1.2-1.5x on this project's VM). Measured on
+    layouts are converted, which no op timed alone sees (1.5x and more on this project's VM). Measured on
     :func:`_reference_block` at a batch of 8 and 64^2 pixels, counted by the planner's own op counter; kept
     within [0.5, 3] so a disturbed measurement cannot dominate a prediction."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from gems.plan.cost import OpCounter
+    from gems.plan.timing import layer_time
 
     block, batch = _reference_block(), 8
     x = torch.randn(batch, 8, 64, 64)
@@ -318,8 +325,6 @@ def _in_step_factor(rates: Rates) -> float:
         with counter:
             fake(torch.empty(batch, 8, 64, 64))
     ops = counter.take(0)
-    from gems.plan.timing import layer_time
-
     alone = layer_time(ops, rates, False, batch) + layer_time(ops, rates, True, batch, first=True)
     keep_host_memory()
     real = _timed(lambda: block(x).sum().backward(), min_s=0.05, reps=3)
