@@ -112,7 +112,6 @@ class Rates:
         op), measured the first time it is asked for, with the rank's threads."""
         assert self.measured is not None
         if sig not in self.measured:
-            keep_host_memory()  # as a training step reuses its memory (see cpu_rates)
             self.measured[sig] = _with_threads(self.threads, lambda: _measure_op(sig))
         fwd, bwd = self.measured[sig]
         return bwd if backward else fwd
@@ -280,6 +279,7 @@ def cpu_rates(threads: int) -> Rates:
     key = (threads,)
     if key in _CPU:
         return _CPU[key]
+    keep_host_memory()  # from now on, as a training step reuses its memory (the docstring's why)
     small = torch.randn(8)
     over = _with_threads(threads, lambda: _timed(lambda: torch.relu(small), min_s=0.005))
     r = Rates("cpu", f"this machine's CPU, {threads} thread(s) a rank", {"conv": 1e10, "matmul": 1e10}, 1e10, over,
@@ -326,7 +326,6 @@ def _in_step_factor(rates: Rates) -> float:
             fake(torch.empty(batch, 8, 64, 64))
     ops = counter.take(0)
     alone = layer_time(ops, rates, False, batch) + layer_time(ops, rates, True, batch, first=True)
-    keep_host_memory()
     real = _timed(lambda: block(x).sum().backward(), min_s=0.05, reps=3)
     return min(3.0, max(0.5, real / alone))
 
