@@ -294,3 +294,36 @@ def test_the_layer_memo_plans_exactly_what_tracing_every_layer_plans(extra, monk
         T._LAYER_MEMO_MAX, Q._SHAPE_MEMO_MAX = keep
     assert plans[1] == plans[0] and plans[2] == plans[0]
     assert blocks[1] * 3 < blocks[0], blocks  # most blocks replayed, not run
+
+
+def test_conv_workspace_is_measured_at_1_2_4_and_drawn_on_lines_between_and_beyond(monkeypatch):
+    """The batches conv_workspace measures and how it fills in the rest (the measurement itself is checked
+    against real runs in test_memory_record)."""
+    import gems.plan.devices as dv
+
+    asked = []
+
+    def fake(sig, input_grad):
+        asked.append(sig[-1])
+        return {1: 900, 2: 100, 4: 300}[sig[-1]]
+
+    monkeypatch.setattr(dv, "_backward_workspace", fake)
+    monkeypatch.setattr(dv, "_WORKSPACE", {})
+    small = ("conv", 3, 8, 8, (3, 3, 3), (1, 1, 1), 1, False, (1, 1, 1), (4, 4, 4))
+    got = {b: dv.conv_workspace(small, b, True) for b in (1, 2, 3, 4, 8)}
+    # exact where measured (1 may run another kernel than 2 and 4), on the line between, rising beyond
+    assert got == {1: 900, 2: 100, 3: 200, 4: 300, 8: 700}
+    assert sorted(set(asked)) == [1, 2, 4]
+    # where 4 samples would pass MEASURE_ELEMENTS, the last two measured (1 and 2) give the line, never falling
+    big = ("conv", 3, 8, 8, (3, 3, 3), (1, 1, 1), 1, False, (1, 1, 1), (64, 64, 64 + 1))
+    assert 2 * 8 * 64 * 64 * 65 <= dv.MEASURE_ELEMENTS < 4 * 8 * 64 * 64 * 65
+    asked.clear()
+    assert dv.conv_workspace(big, 6, True) == 100 and sorted(set(asked)) == [1, 2]
+
+
+def test_gpu_targets_add_no_cpu_workspace_and_cpu_targets_do():
+    cpu = make_plan(compose(SMALL + ["plan.predict=false"]), suggest=False)
+    gpu = make_plan(compose(SMALL + ["plan.predict=false", "cluster.gpu_memory_gb=16"]), suggest=False)
+    assert cpu.worst.activations_detail["workspace"] > 0
+    assert gpu.worst.activations_detail["workspace"] == 0  # cuDNN's is in plan.reserve_gb
+    assert cpu.worst.bytes.activations > gpu.worst.bytes.activations

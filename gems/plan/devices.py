@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from gems.bootstrap import keep_host_memory
 from gems.errors import ConfigError
 
-__all__ = ["GPUS", "Rates", "Link", "gpu_rates", "cpu_rates", "forget_cpu_rates", "links", "DEFAULT_EFFICIENCY",
-           "efficiency"]
+__all__ = ["GPUS", "Rates", "Link", "gpu_rates", "cpu_rates", "forget_cpu_rates", "conv_workspace", "links",
+           "DEFAULT_EFFICIENCY", "efficiency"]
 
 
 @dataclass(frozen=True)
@@ -245,15 +245,23 @@ def _measure_op(sig: tuple) -> tuple[float, float]:
         flops = 2.0 * 256 * k * n
         fwd, bwd = _fwd_bwd(lambda a, w: a @ w, [a, w])
         return flops / fwd, flops / bwd
+    f, inputs, flops = _conv_case(sig)
+    fwd, bwd = _fwd_bwd(f, inputs)
+    return flops / fwd, flops / bwd
+
+
+def _conv_case(sig: tuple, input_grad: bool = True) -> tuple[Any, list[torch.Tensor], float]:
+    """(f, inputs, FLOPs of one call) of the convolution of signature ``sig`` (gems.plan.cost, with the batch it
+    is measured at appended), on random tensors: what its rate and its backward's workspace are measured on.
+    ``input_grad``: whether its input needs a gradient (a model's first layer does not)."""
     _, nd, cin, cout, kernel, stride, groups, transposed, padding, extent, batch = sig
     size = [max(e, k) for e, k in zip(extent, kernel)]
-    x = torch.randn(batch, cin, *size, requires_grad=True)
+    x = torch.randn(batch, cin, *size, requires_grad=input_grad)
     if transposed:
         conv = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[nd - 1]
         w = torch.randn(cin, cout // groups, *kernel, requires_grad=True)
         flops = 2.0 * (cout // groups) * math.prod(kernel) * x.numel()
-        fwd, bwd = _fwd_bwd(lambda x, w: conv(x, w, None, stride, 0, 0, groups), [x, w])
-        return flops / fwd, flops / bwd
+        return (lambda x, w: conv(x, w, None, stride, 0, 0, groups)), [x, w], flops
     # through the spatial layers' kernel choice: at a reduced extent torch's heuristic can pick its slow
     # reference kernel where the full-size convolution gets oneDNN (gems.spatial.layers.conv_nd)
     from gems.spatial.layers import conv_nd
@@ -262,8 +270,66 @@ def _measure_op(sig: tuple) -> tuple[float, float]:
     ones = [1] * nd
     out = conv_nd(x, w, None, stride, padding, ones, groups)
     flops = 2.0 * (cin // groups) * math.prod(kernel) * out.numel()
-    fwd, bwd = _fwd_bwd(lambda x, w: conv_nd(x, w, None, stride, padding, ones, groups), [x, w])
-    return flops / fwd, flops / bwd
+    return (lambda x, w: conv_nd(x, w, None, stride, padding, ones, groups)), [x, w], flops
+
+
+_WORKSPACE: dict[tuple, int] = {}
+
+
+def conv_workspace(sig: tuple, batch: int, input_grad: bool, threads: int = 1) -> int:
+    """Bytes a CPU convolution's backward allocates for itself at micro-batch ``batch``: its peak over the
+    gradients it returns (oneDNN's scratchpad and weight-gradient buffers in its own layout: about 4x the
+    weights for a 256-channel 3^3 convolution, whatever the extent and batch; torch's reference kernel, which
+    it picks for one small sample: the unfolded input, 27x the input for a 3^3 one). A GPU's counterpart,
+    cuDNN's workspace, is in ``plan.reserve_gb``.
+
+    Measured on random tensors from the CPU allocator's events (:func:`gems.memory.step_peak_bytes`, as a
+    run's record counts tensor memory), once per signature and input gradient at batches 1, 2 and 4 (those
+    within MEASURE_ELEMENTS input elements): exact there, on the line between them at 3, and beyond the
+    last on the line through the last two, never decreasing."""
+    per_sample = sig[2] * math.prod(sig[-1])
+    points = [q for q in (1, 2, 4) if q == 1 or q * per_sample <= MEASURE_ELEMENTS]
+
+    def at(q: int) -> int:
+        key = (sig, q, input_grad, threads)
+        if key not in _WORKSPACE:
+            _WORKSPACE[key] = _with_threads(threads, lambda: _backward_workspace((*sig, q), input_grad))
+        return _WORKSPACE[key]
+
+    batch = max(1, int(batch))
+    if batch in points:
+        return at(batch)
+    if len(points) == 1:
+        return at(1) * batch
+    lo, hi = (2, 4) if batch < points[-1] else (points[-2], points[-1])
+    slope = (at(hi) - at(lo)) / (hi - lo)
+    if batch > hi:
+        slope = max(0.0, slope)
+    return int(round(at(hi) + slope * (batch - hi)))
+
+
+def _backward_workspace(sig: tuple, input_grad: bool) -> int:
+    import os
+    import sys
+
+    from gems.memory import step_peak_bytes
+
+    f, inputs, _ = _conv_case(sig, input_grad)
+    need = [t for t in inputs if t.requires_grad]
+    out = f(*inputs)
+    g = torch.ones_like(out)
+    torch.autograd.grad(out, need, g, retain_graph=True)  # oneDNN picks and caches its kernel
+    # the profiler's start and stop lines on stderr are not the planner's output
+    sys.stderr.flush()
+    err = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            peak = step_peak_bytes(lambda: torch.autograd.grad(out, need, g, retain_graph=True))
+    finally:
+        os.dup2(err, 2)
+        os.close(err)
+    return max(0, peak - sum(t.numel() * t.element_size() for t in need))
 
 
 def cpu_rates(threads: int) -> Rates:
@@ -295,6 +361,7 @@ def cpu_rates(threads: int) -> Rates:
 def forget_cpu_rates() -> None:
     """Time this machine anew at the next :func:`cpu_rates` (a benchmark times them beside each run)."""
     _CPU.clear()
+    _WORKSPACE.clear()
 
 
 def _reference_block() -> torch.nn.Sequential:

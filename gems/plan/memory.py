@@ -37,8 +37,17 @@ How the estimate is made:
   two mirrored partitions (2x parameters). ``checkpoint=true`` keeps only
   partition inputs and recomputes one partition at a time in its backward.
   The peak adds the backward working set (the output and input gradients
-  of one layer) at the layer where saved tensors plus that working set are
-  largest: storages saved only by later layers are freed by then.
+  of one layer, and on CPU ranks the workspace its convolutions' backward
+  allocates for itself) at the layer where saved tensors plus that working
+  set are largest: storages saved only by later layers are freed by then.
+* **CPU workspace.** oneDNN's backward of a convolution allocates a
+  scratchpad and weight-gradient buffers of its own (about 4x the weights of
+  a 256-channel 3^3 convolution, whatever its extent: a quarter of a
+  CosmoFlow 32^3 rank's tensors); torch's reference kernel, which it picks
+  for one small sample, unfolds the input (27x it for a 3^3 kernel). CPU
+  ranks measure it per convolution on the spot
+  (:func:`gems.plan.devices.conv_workspace`); GPU ranks keep cuDNN's
+  workspace in ``plan.reserve_gb``.
 * **Other terms**: parameters (fp32), gradients (fp32), optimizer state
   (Adam 2x parameters, SGD with momentum 1x); halo buffers (the largest layer's
   received and packed slabs, from the real exchange plan of the cut); comm
@@ -55,7 +64,8 @@ How the estimate is made:
   library workspaces (on CPU the interpreter).
 
 What is approximate: the allocator's fragmentation and cuDNN workspaces (in
-``plan.reserve_gb``), forward-time temporaries of a single op, the CUDA
+``plan.reserve_gb``), forward-time temporaries of a single op, the CPU
+workspace of a bf16 convolution (measured in fp32), the CUDA
 autocast rules beyond the ops CNNs use, ``balance_by=time`` (planned with the
 memory balance), and spatial position classes (parts whose slabs have the same
 sizes at every layer and the same neighbours are traced once).
@@ -70,7 +80,8 @@ reserve_bytes, usable_bytes}``, ``positions`` (one per distinct position:
 local_input_shape, in_flight`` (micro-batches alive at the peak per
 partition), ``bytes {parameters, gradients, optimizer, activations, halo,
 communication, total}``, ``activations_detail {saved, working, batch,
-constant}``), ``peak {bytes, pipeline, spatial}``, ``fits``,
+constant, workspace}`` (``workspace``: the part of ``working`` that is the
+CPU convolution workspace)), ``peak {bytes, pipeline, spatial}``, ``fits``,
 ``max_global_batch``, ``max_micro_batch``, ``min_gems_replicas`` (master:
 the fewest passes that fit ``train.batch_size``), ``suggestion``, ``verdict``,
 ``seconds``, ``notes``.
@@ -213,6 +224,23 @@ class _Stage:
     params: int
     copied: int = 0  # gradient bytes the reducer sums through a flattened copy (parameters under 1 MiB)
     ckpt_layers: list[tuple[int, int]] = field(default_factory=list)  # checkpoint_sequential segments (plain path)
+    layer_work: list[_Affine] = field(default_factory=list)  # per layer: its backward's excess over ``saved``
+    layer_convs: list[tuple[bool, list[tuple]]] = field(default_factory=list)  # per layer: (input grad, convs)
+
+    def working(self, chunk: int, workspace: Any = None) -> tuple[int, int]:
+        """(the backward's working set at micro-batch ``chunk``, the part of it that is its ops' own workspace).
+
+        ``workspace(signature, batch, input_grad)``: the bytes a convolution's backward allocates for itself
+        (CPU ranks: :func:`gems.plan.devices.conv_workspace`); it is added at each layer, so the worst layer
+        is the one where the saved set, the gradients and the workspace together are largest."""
+        if workspace is None or not any(convs for _, convs in self.layer_convs):
+            return self.work.at(chunk), 0
+        best, ws_at = 0, 0
+        for w, (grad, convs) in zip(self.layer_work, self.layer_convs):
+            ws = max((workspace(sig, chunk, grad) for sig in convs), default=0)
+            if w.at(chunk) + ws > best:
+                best, ws_at = w.at(chunk) + ws, ws
+        return best, ws_at
 
 
 def _stages(t1: _Trace, t2: _Trace, bal: Sequence[int], layers: Sequence[nn.Module]) -> list[_Stage]:
@@ -226,8 +254,9 @@ def _stages(t1: _Trace, t2: _Trace, bal: Sequence[int], layers: Sequence[nn.Modu
     D = len(bal)
     for i, n in enumerate(bal):
         a, e = start, start + n
-        s1, i1, w1, o1 = t1.stage(a, e, i == D - 1)
-        s2, i2, w2, o2 = t2.stage(a, e, i == D - 1)
+        s1, i1, lw1, o1 = t1._stage(a, e, i == D - 1)
+        s2, i2, lw2, o2 = t2._stage(a, e, i == D - 1)
+        w1, w2 = max([0, *lw1]), max([0, *lw2])
         sv = _affine(s1, s2)
         const = _Affine(max(0.0, sv.c), 0.0)
         per = _Affine(min(sv.c, 0.0), sv.k)
@@ -236,8 +265,11 @@ def _stages(t1: _Trace, t2: _Trace, bal: Sequence[int], layers: Sequence[nn.Modu
         g1 = sum(v for j, v in t1.gather.items() if a <= j < e)
         g2 = sum(v for j, v in t2.gather.items() if a <= j < e)
         sizes = [p.numel() * p.element_size() for layer in layers[a:e] for p in layer.parameters()]
+        convs = [(t1.in_grad[j], list(dict.fromkeys(sig for (cls, sig) in [*t1.ops.get(j, {}), *t2.ops.get(j, {})]
+                                                    if cls == "conv"))) for j in range(a, e)]
         out.append(_Stage(per, const, _affine(i1, i2), _affine(w1, w2), _affine(o1, o2), _affine(h1, h2),
-                          _affine(g1, g2), sum(sizes), sum(b for b in sizes if b < IN_PLACE_BYTES)))
+                          _affine(g1, g2), sum(sizes), sum(b for b in sizes if b < IN_PLACE_BYTES),
+                          layer_work=[_affine(x1, x2) for x1, x2 in zip(lw1, lw2)], layer_convs=convs))
         start = e
     return out
 
@@ -290,6 +322,7 @@ class _Setup:
     balance: list[int] | None
     balance_by: str
     settings: Any  # gems.parallel.ParallelSettings: the schedule, pipelined, holder groups, stages
+    threads: int = 1  # a rank's CPU threads (gems.plan.memory.rank_threads)
     notes: list[str] = field(default_factory=list)  # e.g. where the spatial trunk really ends
 
 
@@ -333,6 +366,13 @@ class _Planner:
         self.amp = _precision(st.precision, st.gpu)
         self.notes: list[str] = list(st.notes)
         self._ckpt: dict[int, list[tuple[tuple[int, int, int, int], tuple[int, int, int, int]]]] = {}
+        # CPU ranks: a convolution's backward allocates a workspace of its own, measured here (on a GPU,
+        # cuDNN's is in plan.reserve_gb)
+        self.workspace: Any = None
+        if not st.gpu:
+            from gems.plan.devices import conv_workspace
+
+            self.workspace = lambda sig, batch, grad: conv_workspace(sig, batch, grad, st.threads)
 
     # ---- structure ------------------------------------------------------------------
     def sched(self) -> Any:
@@ -479,18 +519,19 @@ class _Planner:
         grads = params
         optim = st.optimizer_factor * params
         # activations: walk the schedule
-        peak, extra_at, at = 0, 0, flights[0][2] if flights else {}
+        peak, extra_at, at, ws = 0, 0, flights[0][2] if flights else {}, 0
         if not self.pipelined:
             s0 = stages[0]
+            work, ws = s0.working(chunk, self.workspace)
             if st.checkpoint:
                 segs = self._ckpt[id(s0)]
                 b1, b2 = self._ckpt_batches
                 keep = sum(_line(a[1], b[1], b1, b2).at(chunk) for a, b in segs[:-1])  # segment inputs
                 last = _line(segs[-1][0][0], segs[-1][1][0], b1, b2).at(chunk)
                 recompute = max(_line(a[0], b[0], b1, b2).at(chunk) for a, b in segs)
-                peak, extra_at = keep + max(last, recompute) + s0.work.at(chunk), s0.work.at(chunk)
+                peak, extra_at = keep + max(last, recompute) + work, work
             else:
-                peak, extra_at = s0.saved.at(chunk) + s0.work.at(chunk), s0.work.at(chunk)
+                peak, extra_at = s0.saved.at(chunk) + work, work
             at = {0: 1}
             const = s0.const.at(chunk)
         else:
@@ -500,12 +541,14 @@ class _Planner:
                 for q, n in live.items():
                     per = stages[q].inp.at(chunk) if st.checkpoint else stages[q].saved.at(chunk)
                     keep += n * per
+                w = 0
                 if kind == "B" or not st.checkpoint:
-                    extra = stages[p].work.at(chunk) + (stages[p].saved.at(chunk) if st.checkpoint else 0)
+                    work, w = stages[p].working(chunk, self.workspace)
+                    extra = work + (stages[p].saved.at(chunk) if st.checkpoint else 0)
                 else:
                     extra = stages[p].out.at(chunk)
                 if keep + extra > peak:
-                    peak, extra_at, at = keep + extra, extra, dict(live)
+                    peak, extra_at, at, ws = keep + extra, extra, dict(live), w
         first = 0 in held
         last_stage = (st.settings.stages - 1) in held if self.pipelined else True
         line = chunk * self.chunks  # the samples of the line this rank reads per step
@@ -525,7 +568,7 @@ class _Planner:
         bd = Breakdown(params, grads, optim, int(acts), int(halo), int(comm))
         return Position(d, members, list(mesh.grid_of(members[0])), held, local, {int(k): int(v) for k, v in at.items()}, bd,
                         {"saved": int(peak - extra_at), "working": int(extra_at),
-                         "batch": int(batch_bytes), "constant": int(const)})
+                         "batch": int(batch_bytes), "constant": int(const), "workspace": int(ws)})
 
     def positions(self, batch: int, profile: Any = None) -> tuple[list[int], list[Position]]:
         st = self.st
@@ -579,7 +622,12 @@ def _setup(cfg: Any) -> _Setup:
     return _Setup(spec, model_key, mesh, sched, int(p.micro_batches), eta, bool(p.checkpoint), str(cfg.train.precision), gpu,
                   int(cfg.train.batch_size), mesh.replicas, factor, float(cfg.comm.bucket_mb), p.get("overlap"),
                   str(p.get("bn_stats", "global")), list(p.balance) if p.get("balance") else None,
-                  settings.balance_by, settings, [gather_note] if gather_note else [])
+                  settings.balance_by, settings, rank_threads(cfg), [gather_note] if gather_note else [])
+
+
+def rank_threads(cfg: Any) -> int:
+    """A CPU rank's threads: ``train.threads``, else the preset's ``cpus_per_task``, else 1."""
+    return int(cfg.train.get("threads") or cfg.cluster.get("cpus_per_task") or 1)
 
 
 def _max_chunk(pl: _Planner, usable: int, chunk0: int) -> tuple[int, Any]:
@@ -714,7 +762,7 @@ def _predict(cfg: Any, pl: _Planner, prof: Any, batch: int, dev: dict[str, Any],
         rates = gpu_rates(str(name), pl.st.precision, eff)
     nodes, tpn = _placement(cfg, world)
     if dev["kind"] != "gpu":
-        threads = int(cfg.train.get("threads") or c.get("cpus_per_task") or 1)
+        threads = rank_threads(cfg)
         rates = cpu_rates(threads)
         cores = int(c.get("cpus_per_node") or 0) if not (c.launcher == "local" and c.name == "local") else 0
         cores = cores or (os.cpu_count() or 1)

@@ -201,6 +201,7 @@ class _Trace:
     target_bytes: int
     ops: dict[int, Any] = field(default_factory=dict)  # layer -> its ops' FLOPs and bytes (gems.plan.cost)
     comm: list[tuple[int, str, int, int]] = field(default_factory=list)  # the spatial messages (StandIn.times)
+    in_grad: list[bool] = field(default_factory=list)  # whether each layer's input needs a gradient
 
     def stage(self, a: int, e: int, last: bool) -> tuple[int, int, int, int]:
         """(saved bytes kept by layers [a, e) incl. its input and output, input bytes, working set, output bytes).
@@ -211,6 +212,15 @@ class _Trace:
         over the saved set (the large gradients of a CNN's first layers come when little is still saved).
         The first partition's input is a view of the input batch (counted once, as the batch), and needs no gradient.
         """
+        total, in_b, layer_work, out_b = self._stage(a, e, last)
+        return total, in_b, max(0, max(layer_work)) if layer_work else 0, out_b
+
+    def layer_work(self, a: int, e: int, last: bool) -> list[int]:
+        """Per layer ``j`` of [a, e): what its backward holds on top of the stage's saved set (alive_j + grads_j,
+        less that set; :meth:`stage`'s working set is the largest), before any workspace of its own ops."""
+        return self._stage(a, e, last)[2]
+
+    def _stage(self, a: int, e: int, last: bool) -> tuple[int, int, list[int], int]:
         keys: dict[int, int] = {}
         first: dict[int, int] = {}  # storage -> the first layer of [a, e) that saved it: freed after its backward
         for k, (nb, layers) in self.saved.items():
@@ -231,11 +241,11 @@ class _Trace:
             first[self.out_keys[e - 1]] = a - 1
         total = sum(keys.values())
         ins = [in_b] + self.out_bytes[a:e - 1]
-        peak = 0
+        work = []
         for j, (i, o) in zip(range(a, e), zip(ins, self.out_bytes[a:e])):
             alive = sum(nb for k, nb in keys.items() if first[k] <= j)
-            peak = max(peak, alive + i + o)
-        return total, in_b, max(0, peak - total), out_b
+            work.append(alive + i + o - total)
+        return total, in_b, work, out_b
 
 
 def saved_bytes(fn: Callable[[], Any], exclude: Sequence[torch.Tensor] = ()) -> int:
@@ -301,6 +311,7 @@ def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[i
     cur = [0]
     out_keys: list[int] = []
     out_bytes: list[int] = []
+    in_grad: list[bool] = []
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake: list[dict[str, torch.Tensor]] = []
         params: set[int] = set()
@@ -333,6 +344,7 @@ def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[i
             fresh = [0]  # replayed new storages get keys -1, -2, ...: no real storage has a negative address
             for i, (layer, d) in enumerate(zip(layers, fake)):
                 cur[0] = i
+                in_grad.append(bool(x.requires_grad))
                 if sctx is not None:
                     sctx.layer[0] = i
                 st = _structure(layer) if memo is not None else None
@@ -417,4 +429,4 @@ def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[i
         sctx.comm_log.clear()
         sctx.times.clear()
     return _Trace(batch, in_key, in_bytes, out_keys, out_bytes, saved, halo, gather, batch * target,
-                  {i: counter.take(i) for i in counter.layers}, comm)
+                  {i: counter.take(i) for i in counter.layers}, comm, in_grad)
