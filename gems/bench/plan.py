@@ -122,9 +122,50 @@ def _pingpong(rank: int, port: int, out: str) -> None:
                 dist.recv(t, 0)
                 dist.send(t, 0)
         res[name] = ((time.perf_counter() - t0) / reps / 2, n * 4)  # one way
+    res["late"] = [_delivery(rank, late) for late in (False, True)]
+    if rank == 1:  # the receiver knows the delivery times
+        Path(out + ".late").write_text(json.dumps(res["late"]))
     if rank == 0:
         Path(out).write_text(json.dumps(res))
     dist.destroy_process_group()
+
+
+SENDER_COMPUTES_S = 0.1  # how long the sender of _delivery's message computes on after posting it
+
+
+def _delivery(rank: int, late: bool, reps: int = 7) -> float:
+    """Seconds from rank 0 posting a small message to rank 1 having it, while rank 0 computes on for
+    SENDER_COMPUTES_S (as a rank does after posting its halo sends); rank 1 posts its receive at once, or
+    ``late`` (after computing a third of that). The median over ``reps``; clocks are this machine's."""
+    import torch
+    import torch.distributed as dist
+
+    conv = torch.nn.Conv3d(8, 8, 3, padding=1)
+    x = torch.randn(1, 8, 16, 16, 16)
+
+    def compute(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        with torch.no_grad():
+            while time.perf_counter() < end:
+                conv(x)
+
+    t, stamp, got = torch.zeros(256), torch.zeros(1, dtype=torch.float64), []
+    for _ in range(reps):
+        dist.barrier()
+        if rank == 0:
+            stamp[0] = time.perf_counter()
+            work = dist.isend(t, 1)
+            compute(SENDER_COMPUTES_S)
+            work.wait()
+            dist.send(stamp, 1)
+        else:
+            if late:
+                compute(SENDER_COMPUTES_S / 3)
+            dist.recv(t, 0)
+            arrived = time.perf_counter()
+            dist.recv(stamp, 0)
+            got.append(arrived - float(stamp[0]))
+    return sorted(got)[reps // 2] if got else 0.0
 
 
 def measure_link() -> tuple[float, float]:
@@ -140,9 +181,15 @@ def measure_link() -> tuple[float, float]:
         out = os.path.join(d, "link.json")
         mp.start_processes(_pingpong, args=(port, out), nprocs=2, start_method="spawn")
         res = json.loads(Path(out).read_text())
+        global DELIVERY
+        DELIVERY = tuple(json.loads(Path(out + ".late").read_text()))
     lat = res["small"][0]
     t_big, n_big = res["large"]
     return n_big / max(t_big - lat, 1e-9) / 1e9, lat * 1e6
+
+
+#: (receive posted first, receive posted late) delivery seconds of the last measure_link (see _delivery)
+DELIVERY: tuple[float, ...] = ()
 
 
 def _predict(overrides: list[str]) -> dict[str, Any]:
@@ -195,7 +242,11 @@ def bench_plan(out_dir: Path | str = "results/bench") -> str:
             f"gems plan's predictions against `gems run` on this machine ({n} configurations, {STEPS[0]}, "
             f"{STEPS[1]}, one thread a rank). Links measured first by a gloo ping-pong: {bw:.3g} GB/s, "
             f"{lat:.3g} us a message (given to the planner as `cluster.intra_node_GBps`, "
-            "`cluster.intra_node_latency_us`).", "",
+            "`cluster.intra_node_latency_us`). While the sender computes on for "
+            f"{SENDER_COMPUTES_S * 1e3:.0f} ms after posting a small message, it arrives after "
+            f"{DELIVERY[0] * 1e3:.2f} ms when the receive was posted first, and after {DELIVERY[1] * 1e3:.0f} ms "
+            f"when the receive is posted {SENDER_COMPUTES_S / 3 * 1e3:.0f} ms late (the model counts latency + "
+            "bytes / bandwidth: not the wait for a neighbour that is late, nor the sender's delay).", "",
             md_table(["configuration", "predicted step (s)", "measured step (s)", "predicted / measured",
                       "within 25%", "predicted peak tensor MiB", "measured peak tensor MiB", "predicted / measured",
                       "within 10%"], rows),
