@@ -222,3 +222,33 @@ def test_a_study_is_predicted_point_by_point_into_the_table_gems_results_writes(
     r16 = next(r for r in recs if r["world_size"] == 64)
     assert r16["step_time_s"]["median"] == pytest.approx(alone["predicted_step_time_s"]["total"])
     assert r16["throughput_samples_per_s"] == pytest.approx(alone["predicted_throughput_samples_per_s"])
+
+
+def test_spatial_parts_meet_at_every_layer_so_a_stage_is_the_sum_of_its_slowest_layers():
+    """An uneven cut (32 planes in 3 parts: 11, 11, 10, then 6, 5, 5 ...) makes a different part the slowest at
+    different layers; the parts meet at each layer's exchange, so the stage takes the sum over layers of the
+    slowest part there, which is more than the slowest part's own sum."""
+    from gems.plan.devices import efficiency
+    from gems.plan.memory import _Planner, _setup
+    from gems.plan.timing import _meet, _stage_times
+
+    cfg = compose(["model=cosmoflow", "model.size=32", "parallel.spatial=3", "train.batch_size=1",
+                   "cluster.gpu_memory_gb=80"])
+    pl = _Planner(_setup(cfg))
+    _, classes = pl.profile(1)
+    assert len(classes) == 3
+    rates = gpu_rates("a100-40gb", "fp32", efficiency(None))
+    parts = []
+    for members, *_ in classes:
+        t1, t2 = pl._traced(members[0], 1), pl._traced(members[0], 2)
+        n = len(t1.out_bytes) - 1
+        parts.append(_stage_times(t1.ops, t2.ops, 1, 2, 1, t1.comm, t2.comm, 0, n, True, n, rates, 3, LINK, False))
+    met = _meet(parts)
+    layers = list(zip(*(p.layers for p in parts)))
+    assert met.fwd == pytest.approx(sum(max(x[0] for x in layer) for layer in layers))
+    assert met.bwd == pytest.approx(sum(max(x[1] for x in layer) for layer in layers))
+    assert met.fwd + met.comm_fwd == pytest.approx(sum(max(x[0] + x[2] for x in layer) for layer in layers))
+    slowest_sum = max(p.fwd + p.bwd + p.comm_fwd + p.comm_bwd for p in parts)
+    assert met.fwd + met.bwd + met.comm_fwd + met.comm_bwd > 1.01 * slowest_sum
+    # one part alone is its own time
+    assert _meet(parts[:1]) is parts[0]

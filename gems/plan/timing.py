@@ -10,7 +10,10 @@ The model, term by term:
 * **halo**: the spatial messages the real exchange plan sends at each layer (sizes logged by the stand-in
   context), forward and backward, each ``latency + bytes / bandwidth`` on the link it crosses; with
   ``parallel.overlap`` (GPU) a layer's exchange hides behind its interior compute. The global BatchNorm
-  all-reduces and the gather before the head are counted here too.
+  all-reduces and the gather before the head are counted here too. The parts of a sample meet at every
+  layer's exchange, so each layer takes its slowest part's time (for uneven cuts the others wait, which
+  counts as halo). Not modelled: the waits that come from noise between ranks at these rendezvous, and
+  gloo's delay in sending a message whose receive is posted late (``gems bench plan`` measures it).
 * **pipeline_comm and bubble_or_wait**: the rank's real action list (:func:`gems.pipeline.make_schedule`)
   is simulated with these action times (:func:`gems.pipeline.schedules.simulate`): without transfers the
   idle time is the bubble; what transfers add to the step is pipeline_comm.
@@ -144,32 +147,49 @@ class _StageTime:
     bwd: float
     comm_fwd: float  # exposed spatial messages
     comm_bwd: float
+    layers: list[tuple[float, float, float, float]] = field(default_factory=list)  # (fwd, bwd, comm_fwd, comm_bwd)
+
+
+def _meet(parts: Sequence[_StageTime]) -> _StageTime:
+    """One stage's time when its spatial parts (position classes) meet at every layer's exchange: each layer
+    takes as long as its slowest part there (a part that is faster waits for its neighbours, which a
+    record counts as halo time), so the stage is the sum over layers of the slowest, not the slowest sum
+    (they differ for uneven cuts, where parts are largest at different layers)."""
+    if len(parts) == 1:
+        return parts[0]
+    fwd = bwd = cf = cb = 0.0
+    for layer in zip(*(p.layers for p in parts)):
+        f = max(x[0] for x in layer)
+        b = max(x[1] for x in layer)
+        fwd, bwd = fwd + f, bwd + b
+        cf += max(x[0] + x[2] for x in layer) - f
+        cb += max(x[1] + x[3] for x in layer) - b
+    return _StageTime(fwd, bwd, cf, cb)
 
 
 def _stage_times(ops1: dict[int, LayerOps], ops2: dict[int, LayerOps], b1: int, b2: int, chunk: int,
                  comm1: list[tuple[int, str, int, int]], comm2: list[tuple[int, str, int, int]],
                  a: int, e: int, last: bool, n_layers: int, rates: Rates, parts: int, link: Link | None,
                  overlap: bool) -> _StageTime:
-    fwd = bwd = cf = cb = 0.0
+    per: list[tuple[float, float, float, float]] = []
     layers = list(range(a, e)) + ([n_layers] if last else [])  # the loss with the last stage
     for j in layers:
         ops = scaled(ops1.get(j, {}), ops2.get(j, {}), b1, b2, chunk)
         tf, tb = layer_time(ops, rates, False, chunk), layer_time(ops, rates, True, chunk, first=j == 0)
-        fwd, bwd = fwd + tf, bwd + tb
-        if link is None:
-            continue
-        e1 = [(k, nb, m) for i, k, nb, m in comm1 if i == j]
-        e2 = [(k, nb, m) for i, k, nb, m in comm2 if i == j]
-        ents = [(k, _at(n1, n2, b1, b2, chunk), m) for (k, n1, m), (_, n2, _) in zip(e1, e2)]
-        halo = spatial_comm([x for x in ents if x[0] == "halo"], parts, link)
-        rest = spatial_comm([x for x in ents if x[0] != "halo"], parts, link)
-        if overlap:  # the exchange runs while the interior is computed
-            cf += max(0.0, halo - tf) + rest
-            cb += max(0.0, halo - tb) + rest
-        else:
-            cf += halo + rest
-            cb += halo + rest
-    return _StageTime(fwd, bwd, cf, cb)
+        cf = cb = 0.0
+        if link is not None:
+            e1 = [(k, nb, m) for i, k, nb, m in comm1 if i == j]
+            e2 = [(k, nb, m) for i, k, nb, m in comm2 if i == j]
+            ents = [(k, _at(n1, n2, b1, b2, chunk), m) for (k, n1, m), (_, n2, _) in zip(e1, e2)]
+            halo = spatial_comm([x for x in ents if x[0] == "halo"], parts, link)
+            rest = spatial_comm([x for x in ents if x[0] != "halo"], parts, link)
+            if overlap:  # the exchange runs while the interior is computed
+                cf, cb = max(0.0, halo - tf) + rest, max(0.0, halo - tb) + rest
+            else:
+                cf, cb = halo + rest, halo + rest
+        per.append((tf, tb, cf, cb))
+    return _StageTime(sum(x[0] for x in per), sum(x[1] for x in per), sum(x[2] for x in per),
+                      sum(x[3] for x in per), per)
 
 
 def _at(v1: float, v2: float, b1: int, b2: int, b: int) -> float:
@@ -207,20 +227,16 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
         bounds.append((start, start + n))
         start += n
     spatial_link = link_of(mesh.spatial_ranks(0, 0)) if S > 1 else None
-    # per stage: the slowest spatial class (the parts of a sample meet at every exchange)
+    # per stage: its spatial parts meet at every layer's exchange (_meet)
     per_stage: list[_StageTime] = []
     for p, (a, e) in enumerate(bounds):
-        best: _StageTime | None = None
+        parts = []
         for members, _local, _stages, _tb in classes:
             t1, t2 = pl._traced(members[0], 1), pl._traced(members[0], 2)
             n_layers = len(t1.out_bytes) - 1
-            stt = _stage_times(t1.ops, t2.ops, t1.batch, t2.batch, chunk, t1.comm, t2.comm, a, e,
-                               p == n_stages - 1, n_layers, rates, S, spatial_link, overlap)
-            if best is None or stt.fwd + stt.bwd + stt.comm_fwd + stt.comm_bwd > \
-                    best.fwd + best.bwd + best.comm_fwd + best.comm_bwd:
-                best = stt
-        assert best is not None
-        per_stage.append(best)
+            parts.append(_stage_times(t1.ops, t2.ops, t1.batch, t2.batch, chunk, t1.comm, t2.comm, a, e,
+                                      p == n_stages - 1, n_layers, rates, S, spatial_link, overlap))
+        per_stage.append(_meet(parts))
     stage_out = [classes[0][2][p].out.at(chunk) for p in range(n_stages)]
     stage_in = [classes[0][2][p].inp.at(chunk) for p in range(n_stages)]
 
