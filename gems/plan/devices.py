@@ -285,9 +285,9 @@ def conv_workspace(sig: tuple, batch: int, input_grad: bool, threads: int = 1) -
 
     Measured on random tensors from the CPU allocator's events (:func:`gems.memory.step_peak_bytes`, as a
     run's record counts tensor memory), once per signature and input gradient at batches 1, 2 and 4 (those
-    within MEASURE_ELEMENTS input elements): exact there, on the line between them at 3, and beyond the
-    last on the line through the last two, never decreasing."""
-    per_sample = sig[2] * math.prod(sig[-1])
+    within MEASURE_ELEMENTS elements of input or output): exact there, on the line between them at 3, and
+    beyond the last on the line through the last two, never decreasing."""
+    per_sample = max(sig[2], sig[3]) * math.prod(sig[-1])  # the larger of its input and (stride 1) output
     points = [q for q in (1, 2, 4) if q == 1 or q * per_sample <= MEASURE_ELEMENTS]
 
     def at(q: int) -> int:
