@@ -378,7 +378,13 @@ def _in_step_factor(rates: Rates) -> float:
     measurements): inside a step the autograd engine runs between ops, caches hold other tensors and
     layouts are converted, which no op timed alone sees (1.5x and more on this project's VM). Measured on
     :func:`_reference_block` at a batch of 8 and 64^2 pixels, counted by the planner's own op counter; kept
-    within [0.5, 3] so a disturbed measurement cannot dominate a prediction."""
+    within [0.5, 3] so a disturbed measurement cannot dominate a prediction.
+
+    Known to be off: the block's ops are counted as one first layer, so every convolution's backward in it
+    is halved (only the first one's input needs no gradient) and the factor comes out about 1.3x larger
+    than the ops' own slowdown. ``gems bench plan`` is calibrated with it as it is: counted right, CosmoFlow
+    came to 0.89-0.95 of measured but the ResNet pipelines to 0.5-0.66, whose many small ops cost more in a
+    step than this factor alone says; both are to be fixed together."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from gems.plan.cost import OpCounter
