@@ -254,8 +254,8 @@ def _stages(t1: _Trace, t2: _Trace, bal: Sequence[int], layers: Sequence[nn.Modu
     D = len(bal)
     for i, n in enumerate(bal):
         a, e = start, start + n
-        s1, i1, lw1, o1 = t1._stage(a, e, i == D - 1)
-        s2, i2, lw2, o2 = t2._stage(a, e, i == D - 1)
+        s1, i1, lw1, o1 = t1.stage_by_layer(a, e, i == D - 1)
+        s2, i2, lw2, o2 = t2.stage_by_layer(a, e, i == D - 1)
         w1, w2 = max([0, *lw1]), max([0, *lw2])
         sv = _affine(s1, s2)
         const = _Affine(max(0.0, sv.c), 0.0)

@@ -212,15 +212,13 @@ class _Trace:
         over the saved set (the large gradients of a CNN's first layers come when little is still saved).
         The first partition's input is a view of the input batch (counted once, as the batch), and needs no gradient.
         """
-        total, in_b, layer_work, out_b = self._stage(a, e, last)
+        total, in_b, layer_work, out_b = self.stage_by_layer(a, e, last)
         return total, in_b, max(0, max(layer_work)) if layer_work else 0, out_b
 
-    def layer_work(self, a: int, e: int, last: bool) -> list[int]:
-        """Per layer ``j`` of [a, e): what its backward holds on top of the stage's saved set (alive_j + grads_j,
-        less that set; :meth:`stage`'s working set is the largest), before any workspace of its own ops."""
-        return self._stage(a, e, last)[2]
-
-    def _stage(self, a: int, e: int, last: bool) -> tuple[int, int, list[int], int]:
+    def stage_by_layer(self, a: int, e: int, last: bool) -> tuple[int, int, list[int], int]:
+        """:meth:`stage` with the working set of each layer ``j`` of [a, e) instead of the largest: what its
+        backward holds on top of the stage's saved set (alive_j + grads_j, less that set), before any
+        workspace of its own ops (which the planner adds per layer on CPU ranks)."""
         keys: dict[int, int] = {}
         first: dict[int, int] = {}  # storage -> the first layer of [a, e) that saved it: freed after its backward
         for k, (nb, layers) in self.saved.items():
