@@ -168,8 +168,10 @@ def _delivery(rank: int, late: bool, reps: int = 7) -> float:
     return sorted(got)[reps // 2] if got else 0.0
 
 
-def measure_link() -> tuple[float, float]:
-    """(bandwidth in GB/s, latency in us) of one message between two gloo processes on this machine."""
+def measure_link() -> tuple[float, float, tuple[float, float]]:
+    """(bandwidth in GB/s, latency in us) of one message between two gloo processes on this machine, and the
+    seconds a small message takes to arrive while its sender computes on (:func:`_delivery`): with its receive
+    posted first, and posted late."""
     import socket
 
     import torch.multiprocessing as mp
@@ -181,15 +183,10 @@ def measure_link() -> tuple[float, float]:
         out = os.path.join(d, "link.json")
         mp.start_processes(_pingpong, args=(port, out), nprocs=2, start_method="spawn")
         res = json.loads(Path(out).read_text())
-        global DELIVERY
-        DELIVERY = tuple(json.loads(Path(out + ".late").read_text()))
+        first, late = json.loads(Path(out + ".late").read_text())
     lat = res["small"][0]
     t_big, n_big = res["large"]
-    return n_big / max(t_big - lat, 1e-9) / 1e9, lat * 1e6
-
-
-#: (receive posted first, receive posted late) delivery seconds of the last measure_link (see _delivery)
-DELIVERY: tuple[float, ...] = ()
+    return n_big / max(t_big - lat, 1e-9) / 1e9, lat * 1e6, (first, late)
 
 
 def _predict(overrides: list[str]) -> dict[str, Any]:
@@ -216,7 +213,7 @@ def _measure(overrides: list[str], results: Path) -> dict[str, Any]:
 def bench_plan(out_dir: Path | str = "results/bench") -> str:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    bw, lat = measure_link()
+    bw, lat, delivery = measure_link()
     link = [f"cluster.intra_node_GBps={bw:.3g}", f"cluster.intra_node_latency_us={lat:.3g}"]
     rows, detail = [], []
     step_ok = mem_ok = 0
@@ -244,7 +241,7 @@ def bench_plan(out_dir: Path | str = "results/bench") -> str:
             f"{lat:.3g} us a message (given to the planner as `cluster.intra_node_GBps`, "
             "`cluster.intra_node_latency_us`). While the sender computes on for "
             f"{SENDER_COMPUTES_S * 1e3:.0f} ms after posting a small message, it arrives after "
-            f"{DELIVERY[0] * 1e3:.2f} ms when the receive was posted first, and after {DELIVERY[1] * 1e3:.0f} ms "
+            f"{delivery[0] * 1e3:.2f} ms when the receive was posted first, and after {delivery[1] * 1e3:.0f} ms "
             f"when the receive is posted {SENDER_COMPUTES_S / 3 * 1e3:.0f} ms late (the model counts latency + "
             "bytes / bandwidth: not the wait for a neighbour that is late, nor the sender's delay).", "",
             md_table(["configuration", "predicted step (s)", "measured step (s)", "predicted / measured",

@@ -27,6 +27,8 @@ at the tf32 rate where there is one. What a kernel reaches of the peak is an eff
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -309,9 +311,6 @@ def conv_workspace(sig: tuple, batch: int, input_grad: bool, threads: int = 1) -
 
 
 def _backward_workspace(sig: tuple, input_grad: bool) -> int:
-    import os
-    import sys
-
     from gems.memory import step_peak_bytes
 
     f, inputs, _ = _conv_case(sig, input_grad)

@@ -213,7 +213,7 @@ class _Trace:
         The first partition's input is a view of the input batch (counted once, as the batch), and needs no gradient.
         """
         total, in_b, layer_work, out_b = self.stage_by_layer(a, e, last)
-        return total, in_b, max(0, max(layer_work)) if layer_work else 0, out_b
+        return total, in_b, max([0, *layer_work]), out_b
 
     def stage_by_layer(self, a: int, e: int, last: bool) -> tuple[int, int, list[int], int]:
         """:meth:`stage` with the working set of each layer ``j`` of [a, e) instead of the largest: what its
