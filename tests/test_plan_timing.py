@@ -71,6 +71,82 @@ def test_transfers_lengthen_the_step_by_the_messages_on_its_critical_path():
     assert busy == [pytest.approx(3.0), pytest.approx(3.0)]
 
 
+def test_a_rank_starts_its_actions_once_its_data_is_made():
+    # lp D = 2, one micro-batch, F 1 and B 2: rank 0 makes its input for 1.5 before F0, rank 1 its targets
+    # for 0.25 (hidden: it waits for F0 anyway), so the whole step starts 1.5 later
+    sched = make_schedule("lp", 2, 1)
+    cost = lambda a: 1.0 if a.kind == "F" else 2.0  # noqa: E731
+    end, end0, busy = pipeline_times(sched, cost, lambda a: 0.0, [1.5, 0.25])
+    assert max(end) == max(end0) == pytest.approx(1.5 + 6.0)
+    assert busy == [pytest.approx(3.0), pytest.approx(3.0)]
+    # rank 1's targets take longer than rank 0's input and first forward: rank 1 starts late by the difference
+    end, _, _ = pipeline_times(sched, cost, lambda a: 0.0, [0.5, 4.0])
+    assert max(end) == pytest.approx(4.0 + 5.0)
+
+
+def test_the_data_term_is_the_generators_time_and_a_first_stage_delays_the_ranks_after_it(monkeypatch):
+    import gems.plan.devices as devices
+
+    base = ["model=resnet", "model.depth=11", "model.width=0.25", "model.size=32", "model.norm=group",
+            "train.batch_size=8", "parallel.pipeline=2", "parallel.schedule=lp"]
+    asked: list[tuple] = []
+
+    def per_sample(spec, part, inp, tgt, threads=1):
+        asked.append((tuple(part), inp, tgt))
+        return (0.01 if inp else 0.0) + (0.001 if tgt else 0.0)
+
+    monkeypatch.setattr(devices, "synthetic_seconds", per_sample)
+    pr = make_plan(compose(base), suggest=False).prediction
+    ranks = {p["pipeline"]: p["breakdown"] for p in pr.per_position}
+    assert ranks[0]["data"] == pytest.approx(8 * 0.01)  # the first stage makes the inputs of all 8 samples
+    assert ranks[1]["data"] == pytest.approx(8 * 0.001)  # the last one their targets
+    assert ((3, 32, 32), True, False) in asked and ((3, 32, 32), False, True) in asked
+    monkeypatch.setattr(devices, "synthetic_seconds", lambda spec, part, inp, tgt, threads=1: 0.0)
+    free = make_plan(compose(base), suggest=False).prediction
+    # the last stage waits for the first's forward, which starts once its data is made: the step is longer
+    # by the first stage's data (rank 1's targets are made while it waits)
+    assert pr.step_s - free.step_s == pytest.approx(8 * 0.01, rel=1e-6)
+    assert pr.step_s == pytest.approx(sum(pr.breakdown.values()))
+    # files (data=hdf5): read from the page cache and copied, at the rank's memory bandwidth
+    files = make_plan(compose(base + ["data=hdf5", "data.path=/staged"]), suggest=False).prediction
+    rates = devices.cpu_rates(1)
+    assert {p["pipeline"]: p["breakdown"]["data"] for p in files.per_position}[0] == pytest.approx(
+        2 * 4 * 3 * 32 * 32 * 8 / rates.bandwidth)
+
+
+def test_synthetic_data_is_timed_on_the_generator_scaled_by_its_planes(monkeypatch):
+    from types import SimpleNamespace
+
+    import gems.plan.devices as devices
+    from gems.data.synthetic import SyntheticData
+
+    spec = SimpleNamespace(input_shape=(4, 64, 256, 256), target="vector", num_outputs=4, loss="mse")
+    made: list[tuple] = []
+    real = SyntheticData.batch
+
+    def batch(self, indices, slices=None, want_input=True, want_target=True):
+        x, y = real(self, indices, slices, want_input, want_target)
+        made.append((tuple(x.shape) if x is not None else None, y is not None))
+        return x, y
+
+    monkeypatch.setattr(SyntheticData, "batch", batch)
+    monkeypatch.setattr(devices, "_timed", lambda fn: (fn(), 0.02)[1])  # one real call, a known time
+    devices.forget_cpu_rates()
+    # a plane is 4 x 256 x 256 elements: 16 planes stay within DATA_ELEMENTS, so 16 of a part's 64 are made
+    # (the real generator, a new sample) and the time scaled by 64 / 16
+    assert devices.DATA_ELEMENTS // (4 * 256 * 256) == 16
+    assert devices.synthetic_seconds(spec, [4, 64, 256, 128], True, False) == pytest.approx(0.02 * 4)
+    assert made == [((1, 4, 16, 256, 128), False)]
+    # a part thinner than that is made whole; targets alone, and nothing when the rank needs neither
+    assert devices.synthetic_seconds(spec, [4, 8, 256, 256], True, True) == pytest.approx(0.02)
+    assert made[-1] == ((1, 4, 8, 256, 256), True)
+    assert devices.synthetic_seconds(spec, [4, 8, 256, 256], False, True) == pytest.approx(0.02)
+    assert made[-1] == (None, True)
+    assert devices.synthetic_seconds(spec, [4, 8, 256, 256], False, False) == 0.0
+    assert len(made) == 3
+    devices.forget_cpu_rates()
+
+
 def test_mast_fills_the_bubble_lp_leaves():
     cost = lambda a: 1.0 if a.kind == "F" else 2.0  # noqa: E731
     lp_end, _, _ = pipeline_times(make_schedule("lp", 2, 1), cost, lambda a: 0.0)
@@ -208,7 +284,9 @@ def test_a_study_is_predicted_point_by_point_into_the_table_gems_results_writes(
     gems results reads (table, plot, efficiency), marked predicted; planning it again replaces the prediction."""
     from _cli import records
 
-    args = ["plan", "+experiment=cosmoflow512_weak", "cluster=perlmutter", "cluster.account=x"]
+    # files, not synthetic samples: their generation is timed on the spot, so two plans would differ by its noise
+    files = ["data=hdf5", "data.path=/staged"]
+    args = ["plan", "+experiment=cosmoflow512_weak", "cluster=perlmutter", "cluster.account=x", *files]
     for _ in range(2):
         out = gems(*args, cwd=str(tmp_path), timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
@@ -217,7 +295,8 @@ def test_a_study_is_predicted_point_by_point_into_the_table_gems_results_writes(
     assert [r["world_size"] for r in recs] == [4 * r for r in (1, 2, 4, 8, 16, 32, 64)]  # once each
     table = (folder / "table.md").read_text()
     assert table.count("predicted by gems plan") == 7 and (folder / "scaling.png").exists()
-    cfg = compose(["+experiment=cosmoflow512_weak", "cluster=perlmutter", "cluster.account=x", "parallel.replicas=16"])
+    cfg = compose(["+experiment=cosmoflow512_weak", "cluster=perlmutter", "cluster.account=x", *files,
+                   "parallel.replicas=16"])
     alone = to_json(make_plan(cfg, suggest=False))
     r16 = next(r for r in recs if r["world_size"] == 64)
     assert r16["step_time_s"]["median"] == pytest.approx(alone["predicted_step_time_s"]["total"])

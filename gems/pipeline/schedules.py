@@ -58,7 +58,7 @@ pattern) and :func:`draw` prints the clock table each docstring shows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from gems.errors import ConfigError
 
@@ -507,12 +507,14 @@ def make_schedule(name: str, D: int, micro_batches: int = 1, gems_replicas: int 
 
 # ---- checking and drawing ----------------------------------------------------------------------------------
 def simulate(sched: Schedule, f_cost: int = F_COST, b_cost: int = B_COST, cost: Callable[[Action], float] | None = None,
-             transfer: Callable[[Action], float] | None = None) -> dict[Action, tuple[Any, Any]]:
+             transfer: Callable[[Action], float] | None = None, start: Sequence[float] | None = None
+             ) -> dict[Action, tuple[Any, Any]]:
     """Run the per-rank orders as the runtime would; return each action's (start, end) tick.
 
     ``cost`` (seconds of an action) and ``transfer`` (seconds for what an action :func:`sends` to reach
     another rank) replace the unit costs: the performance model (:mod:`gems.plan.timing`) runs the same
-    orders with measured or predicted times.
+    orders with measured or predicted times; ``start`` (seconds, per rank) is when each rank can begin (its
+    data made).
 
     Each rank executes its list in order; an action starts once what it
     :func:`needs` has run, whichever rank ran it. Sends never block (the
@@ -538,7 +540,7 @@ def simulate(sched: Schedule, f_cost: int = F_COST, b_cost: int = B_COST, cost: 
     end: dict[Action, Any] = {}  # ticks (int) under unit costs, seconds (float) with ``cost``
     span: dict[Action, tuple[Any, Any]] = {}
     pos = [0] * R
-    clock: list[Any] = [0] * R
+    clock: list[Any] = list(start) if start is not None else [0] * R
     while any(pos[r] < len(sched.actions[r]) for r in range(R)):
         moved = False
         for r in range(R):
@@ -549,12 +551,12 @@ def simulate(sched: Schedule, f_cost: int = F_COST, b_cost: int = B_COST, cost: 
                     break
                 ready = [end[n] + (transfer(n) if transfer is not None and sched.rank_of(n.replica, n.stage) != r else 0)
                          for n in need]
-                start = max([clock[r]] + ready)
+                begin = max([clock[r]] + ready)
                 if cost is not None:
-                    end[a] = start + cost(a)
+                    end[a] = begin + cost(a)
                 else:
-                    end[a] = start + (f_cost if a.kind == "F" else b_cost if a.kind == "B" else b_cost // 2)
-                span[a] = (start, end[a])
+                    end[a] = begin + (f_cost if a.kind == "F" else b_cost if a.kind == "B" else b_cost // 2)
+                span[a] = (begin, end[a])
                 clock[r] = end[a]
                 pos[r] += 1
                 moved = True

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from gems.bootstrap import keep_host_memory
 from gems.errors import ConfigError
 
-__all__ = ["GPUS", "Rates", "Link", "gpu_rates", "cpu_rates", "forget_cpu_rates", "conv_workspace", "links",
-           "DEFAULT_EFFICIENCY", "efficiency"]
+__all__ = ["GPUS", "Rates", "Link", "gpu_rates", "cpu_rates", "forget_cpu_rates", "conv_workspace",
+           "synthetic_seconds", "links", "DEFAULT_EFFICIENCY", "efficiency"]
 
 
 @dataclass(frozen=True)
@@ -331,6 +331,37 @@ def _backward_workspace(sig: tuple, input_grad: bool) -> int:
     return max(0, peak - sum(t.numel() * t.element_size() for t in need))
 
 
+#: the most input elements :func:`synthetic_seconds` generates to time a part (whole planes: at least one)
+DATA_ELEMENTS = 2**22
+_DATA: dict[tuple, float] = {}
+
+
+def synthetic_seconds(spec: Any, part: list[int], want_input: bool, want_target: bool, threads: int = 1) -> float:
+    """Seconds to make one sample of synthetic data (:mod:`gems.data.synthetic`) for a rank whose spatial part
+    has the extents ``part`` = (C, *spatial): its input part (``want_input``) and target (``want_target``),
+    as :meth:`SyntheticData.batch` makes them at every step, on the host (GPU ranks generate there too).
+
+    Timed here with the real generator, which makes each plane along spatial dim 0 whole from its own seeded
+    generator (so a cut along the other dims saves nothing): on as many of the part's planes as stay within
+    DATA_ELEMENTS, scaled to all of them. Memoised per shape."""
+    key = (tuple(spec.input_shape), spec.target, tuple(part), want_input, want_target, threads)
+    if not (want_input or want_target):
+        return 0.0
+    if key not in _DATA:
+        from gems.data.synthetic import SyntheticData
+
+        plane = max(1, math.prod(spec.input_shape) // max(1, spec.input_shape[1]))
+        planes = max(1, int(part[1]))
+        timed = max(1, min(planes, DATA_ELEMENTS // plane))
+        slices = [slice(0, timed), *[slice(0, int(n)) for n in part[2:]]]
+        data = SyntheticData(spec, 0, 1 << 20)
+        idx = iter(range(1 << 20))  # a new sample each call, as a step draws new ones
+        t = _with_threads(threads, lambda: _timed(
+            lambda: data.batch([next(idx)], slices, want_input=want_input, want_target=want_target)))
+        _DATA[key] = t * planes / timed
+    return _DATA[key]
+
+
 def cpu_rates(threads: int) -> Rates:
     """This machine's rates for a rank of ``threads`` threads: the per-op overhead measured now; each
     convolution shape and kind of memory-bound op when the model first needs it (tens of milliseconds each).
@@ -361,6 +392,7 @@ def forget_cpu_rates() -> None:
     """Time this machine anew at the next :func:`cpu_rates` (a benchmark times them beside each run)."""
     _CPU.clear()
     _WORKSPACE.clear()
+    _DATA.clear()
 
 
 def _reference_block() -> torch.nn.Sequential:

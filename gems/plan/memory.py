@@ -749,7 +749,7 @@ def _placement(cfg: Any, world: int) -> tuple[int, int]:
 
 def _predict(cfg: Any, pl: _Planner, prof: Any, batch: int, dev: dict[str, Any], world: int) -> Any:
     """The step-time prediction (:mod:`gems.plan.timing`), or None with a note when the device has no figures."""
-    from gems.plan.devices import cpu_rates, efficiency, gpu_rates
+    from gems.plan.devices import cpu_rates, efficiency, gpu_rates, synthetic_seconds
     from gems.plan.timing import predict
 
     c = cfg.cluster
@@ -770,7 +770,17 @@ def _predict(cfg: Any, pl: _Planner, prof: Any, batch: int, dev: dict[str, Any],
             rates = rates.shared(tpn * threads / cores)
     if prof is None:
         prof = pl.profile(max(1, pl.chunk_of(batch)))
-    return predict(pl, prof, batch, rates, c, nodes, tpn)
+    data, made = None, "data read from the page cache and copied"
+    if str(cfg.data.name) == "synthetic":  # made on the host, GPU ranks too: this machine's CPU stands for it
+        share, threads = rates.share, rank_threads(cfg)
+
+        def data(part: Any, n: int, inp: bool, tgt: bool) -> float:
+            return share * n * synthetic_seconds(pl.st.spec, list(part), inp, tgt, threads)
+
+        made = f"synthetic samples generated on the host as fast as here ({threads} thread(s))"
+    pred = predict(pl, prof, batch, rates, c, nodes, tpn, data)
+    pred.assumptions.append(made)
+    return pred
 
 
 

@@ -22,7 +22,11 @@ The model, term by term:
   faster of a ring (``2 (p-1)/p * bytes / bandwidth + 2 (p-1) * latency`` per bucket) and a tree
   (``2 bytes / bandwidth + 2 ceil(log2 p) * latency`` per bucket), as NCCL chooses; buckets start during
   the last backward, so only what outlasts it is exposed.
-* **data**: the rank's input batch made or read once per step.
+* **data**: each rank makes its data at the start of a step, before its first action (inputs where it runs
+  a first stage, targets where it runs a last one, for its spatial part): synthetic samples as long as the
+  real generator takes here (:func:`gems.plan.devices.synthetic_seconds`; GPU ranks generate on the host
+  too), files (``data=hdf5``) read from the page cache and copied (:func:`copied`). The simulated
+  schedule starts each rank once its data is made, so a first stage's data delays the ranks after it.
 
 Every term is a pure function of the trace, the schedule and the rate tables, so it is tested against
 hand-computed values; ``gems bench plan`` holds it against measured steps.
@@ -37,7 +41,7 @@ from gems.plan.cost import LayerOps, scaled
 from gems.plan.devices import Link, Rates
 
 __all__ = ["TERMS", "Prediction", "message", "ring_allreduce", "tree_allreduce", "allreduce", "all_gather",
-           "spatial_comm", "layer_time", "pipeline_times", "predict"]
+           "spatial_comm", "layer_time", "pipeline_times", "copied", "predict"]
 
 TERMS = ("compute", "halo", "pipeline_comm", "allreduce", "bubble_or_wait", "data")
 
@@ -104,14 +108,14 @@ def layer_time(ops: LayerOps, rates: Rates, backward: bool, batch: int, first: b
     return t
 
 
-def pipeline_times(sched: Any, cost: Callable[[Any], float], transfer: Callable[[Any], float]
-                   ) -> tuple[list[float], list[float], list[float]]:
+def pipeline_times(sched: Any, cost: Callable[[Any], float], transfer: Callable[[Any], float],
+                   start: Sequence[float] | None = None) -> tuple[list[float], list[float], list[float]]:
     """Per pipeline rank: (end of its last action, end without any transfer time, its busy seconds), from
-    simulating the schedule's real per-rank orders."""
+    simulating the schedule's real per-rank orders; rank ``r`` starts at ``start[r]`` (its data made)."""
     from gems.pipeline.schedules import simulate
 
-    with_comm = simulate(sched, cost=cost, transfer=transfer)
-    without = simulate(sched, cost=cost, transfer=lambda a: 0.0)
+    with_comm = simulate(sched, cost=cost, transfer=transfer, start=start)
+    without = simulate(sched, cost=cost, transfer=lambda a: 0.0, start=start)
     R = sched.ranks
     end = [0.0] * R
     end0 = [0.0] * R
@@ -198,9 +202,22 @@ def _at(v1: float, v2: float, b1: int, b2: int, b: int) -> float:
     return max(0.0, v1 + (v2 - v1) * (b - b1) / (b2 - b1))
 
 
-def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: int, tasks_per_node: int) -> Prediction:
+#: ``data(part, samples, input, target)``: seconds for a rank to make ``samples`` samples of its data at step start,
+#: the input of its spatial part of extents ``part`` = (C, *spatial) and/or the targets
+DataTime = Callable[[Sequence[int], int, bool, bool], float]
+
+
+def copied(rates: Rates) -> DataTime:
+    """Data read from memory and copied once (``data=hdf5``, from the page cache): each input byte read and
+    written at the rank's memory bandwidth; targets are small."""
+    return lambda part, samples, inp, tgt: 2 * 4 * math.prod(part) * samples / rates.bandwidth if inp else 0.0
+
+
+def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: int, tasks_per_node: int,
+            data: DataTime | None = None) -> Prediction:
     """The step time of the planned job (``pl``: the memory planner with its traces; ``prof``: its balance
-    and per-class stages at this batch)."""
+    and per-class stages at this batch; ``data``: how long a rank takes to make its data, :func:`copied`
+    by default)."""
     from gems.plan.devices import links
 
     st = pl.st
@@ -240,6 +257,17 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
     stage_out = [classes[0][2][p].out.at(chunk) for p in range(n_stages)]
     stage_in = [classes[0][2][p].inp.at(chunk) for p in range(n_stages)]
 
+    # the data: made at the start of the step by every rank that runs a first stage (inputs) or a last stage
+    # (targets), before its first action: the B / R samples of its replica line, for its spatial part
+    data = data or copied(rates)
+    n_ranks = sched.ranks if sched is not None else 1
+    samples = chunk * pl.chunks
+    data_s = []
+    for d in range(n_ranks):
+        held = sched.partitions_of(d) if sched is not None else [0]
+        inp, tgt = 0 in held, n_stages - 1 in held
+        data_s.append(max(data(cls[1], samples, inp, tgt) for cls in classes))
+
     # the schedule
     if sched is not None:
         split = sched.split
@@ -260,13 +288,13 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
                 return 0.0
             return message(stage_out[act.stage] if act.kind == "F" else stage_in[act.stage], lk)
 
-        end, end0, _busy = pipeline_times(sched, cost, transfer)
+        end, end0, _busy = pipeline_times(sched, cost, transfer, data_s)
         actions = sched.actions
         ranks = range(sched.ranks)
     else:
         split = False
         t = per_stage[0]
-        end = end0 = [t.fwd + t.bwd + t.comm_fwd + t.comm_bwd]
+        end = end0 = [data_s[0] + t.fwd + t.bwd + t.comm_fwd + t.comm_bwd]
         actions = None
         ranks = range(1)
     step_end = max(end)  # every rank waits for the slowest at the step's sync
@@ -301,13 +329,10 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
         # (SGD: read parameter and gradient, write parameter; momentum and Adam read and write their state too)
         per_param = {0: 3, 1: 5, 2: 7}.get(st.optimizer_factor, 7)
         opt_s = per_param * params / rates.bandwidth + 10 * len(held) * rates.op_overhead_s
-        # the rank's input batch (first stage), made or read and copied once a step
-        in_bytes = 4 * math.prod(classes[0][1]) * chunk * pl.chunks if 0 in held else 0
-        data_s = 2 * in_bytes / rates.bandwidth
-        bubble = max(0.0, end0[d] - comp - spat) + (step_end - end[d])
+        bubble = max(0.0, end0[d] - data_s[d] - comp - spat) + (step_end - end[d])
         pcomm = max(0.0, end[d] - end0[d])
         terms = {"compute": comp + opt_s, "halo": spat, "pipeline_comm": pcomm, "allreduce": ar_s,
-                 "bubble_or_wait": bubble, "data": data_s}
+                 "bubble_or_wait": bubble, "data": data_s[d]}
         total = sum(terms.values())
         label = f"pipeline {d}" if D > 1 else "every rank"
         per_position.append({"pipeline": d, "total": total, "breakdown": terms})
