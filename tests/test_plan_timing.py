@@ -279,6 +279,21 @@ def test_cpu_rates_are_measured_here():
     assert (*sig, 16) in r.measured  # timed at the batch it runs at
 
 
+def test_the_reference_block_is_counted_layer_by_layer_as_a_model_is():
+    # the in-step factor divides the block trained for real by its ops timed alone; at rates where only a
+    # convolution's FLOPs cost (1 PFLOP/s, memory free, no overhead) "alone" is the four convolutions'
+    # forwards, their backwards at twice that, except the first layer's, which computes no input gradient
+    from gems.plan.devices import REFERENCE_BATCH, reference_alone
+
+    rates = Rates("gpu", "test", {"conv": 1e15, "matmul": 1e15}, 1e30, 0.0)
+    n = REFERENCE_BATCH
+    flops = [2 * n * 16 * 64 * 64 * 8 * 9, 2 * n * 16 * 64 * 64 * 16 * 9, 2 * n * 32 * 32 * 32 * 16,
+             2 * n * 32 * 32 * 32 * 32 * 9]
+    fwd = sum(flops) / 1e15
+    bwd = (flops[0] + 2 * sum(flops[1:])) / 1e15
+    assert reference_alone(rates) == pytest.approx(fwd + bwd, rel=1e-9)
+
+
 def test_a_study_is_predicted_point_by_point_into_the_table_gems_results_writes(tmp_path):
     """gems plan +experiment=NAME: every point planned as gems plan plans it alone, written as records that
     gems results reads (table, plot, efficiency), marked predicted; planning it again replaces the prediction."""

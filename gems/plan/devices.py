@@ -407,31 +407,38 @@ def _reference_block() -> torch.nn.Sequential:
 def _in_step_factor(rates: Rates) -> float:
     """How much longer a forward and backward take than the sum of their ops timed alone (the rates' own
     measurements): inside a step the autograd engine runs between ops, caches hold other tensors and
-    layouts are converted, which no op timed alone sees (1.5x and more on this project's VM). Measured on
-    :func:`_reference_block` at a batch of 8 and 64^2 pixels, counted by the planner's own op counter; kept
-    within [0.5, 3] so a disturbed measurement cannot dominate a prediction.
+    layouts are converted, which no op timed alone sees. Measured on :func:`_reference_block` at a batch of 8
+    and 64^2 pixels, its ops counted by the planner's own op counter layer by layer, as a model's are (the
+    first layer's backward computes no input gradient); kept within [0.5, 3] so a disturbed measurement
+    cannot dominate a prediction."""
+    block, x = _reference_block(), torch.randn(REFERENCE_BATCH, 8, 64, 64)
+    real = _timed(lambda: block(x).sum().backward(), min_s=0.05, reps=3)
+    return min(3.0, max(0.5, real / reference_alone(rates)))
 
-    Known to be off: the block's ops are counted as one first layer, so every convolution's backward in it
-    is halved (only the first one's input needs no gradient) and the factor comes out about 1.3x larger
-    than the ops' own slowdown. ``gems bench plan`` is calibrated with it as it is: counted right, CosmoFlow
-    came to 0.89-0.95 of measured but the ResNet pipelines to 0.5-0.66, whose many small ops cost more in a
-    step than this factor alone says; both are to be fixed together."""
+
+REFERENCE_BATCH = 8
+
+
+def reference_alone(rates: Rates) -> float:
+    """Seconds the forward and backward of :func:`_reference_block`'s ops take at these rates, timed alone: its
+    ops counted on a fake run, layer by layer as the planner counts a model's (the first layer's backward
+    computes no input gradient: only its convolution's backward is halved)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from gems.plan.cost import OpCounter
     from gems.plan.timing import layer_time
 
-    block, batch = _reference_block(), 8
-    x = torch.randn(batch, 8, 64, 64)
+    cur = [0]
+    counter = OpCounter(cur)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        fake = _reference_block()
-        counter = OpCounter([0])
+        h = torch.empty(REFERENCE_BATCH, 8, 64, 64)
+        block = _reference_block()
         with counter:
-            fake(torch.empty(batch, 8, 64, 64))
-    ops = counter.take(0)
-    alone = layer_time(ops, rates, False, batch) + layer_time(ops, rates, True, batch, first=True)
-    real = _timed(lambda: block(x).sum().backward(), min_s=0.05, reps=3)
-    return min(3.0, max(0.5, real / alone))
+            for i, layer in enumerate(block):
+                cur[0] = i
+                h = layer(h)
+    return sum(layer_time(counter.take(i), rates, False, REFERENCE_BATCH) +
+               layer_time(counter.take(i), rates, True, REFERENCE_BATCH, first=i == 0) for i in range(len(block)))
 
 
 # ---- links ------------------------------------------------------------------------------------------------------
