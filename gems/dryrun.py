@@ -39,7 +39,6 @@ def dry_run(cfg: Any) -> dict[str, Any]:
     from gems.data.synthetic import SyntheticData
     from gems.errors import ConfigError
     from gems.mesh import mesh_from_config
-    from gems.models import build_model
     from gems.parallel import resolve
 
     t0 = time.perf_counter()
@@ -54,19 +53,15 @@ def dry_run(cfg: Any) -> dict[str, Any]:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
     try:
         mesh.build_groups(rank, groups=settings.holder_groups)
-        coord = mesh.coord(rank)
         tpn = int(cfg.cluster.get("tasks_per_node") or cfg.cluster.get("gpus_per_node") or 1)
         world = World(rank=rank, size=size, local_rank=rank % max(1, tpn), master_addr="fake", master_port=0,
                       source="single", device=torch.device("cpu"), backend="fake", grad_comm="torch")
         B = int(cfg.train.batch_size)
-        torch.manual_seed(int(cfg.train.seed))
         with FakeTensorMode(allow_non_fake_inputs=True):
-            spec = build_model(cfg.model)
-            par = worker.parallelize(spec, mesh, world, cfg, settings)
-            opt = worker.make_optimizer(cfg, par.params)
-            ids = worker.replica_indices(0, B, mesh.replicas, coord.replica)
+            coord, spec, par, opt = worker.set_up_rank(cfg, world, mesh, settings)
+            # synthetic samples of the configured shapes: the dry run reads no files
             data = SyntheticData(spec, int(cfg.train.seed), max(B, int(cfg.data.num_samples)))
-            x, y = data.batch(ids, par.input_slices, want_input=par.needs_input, want_target=par.needs_target)
+            ids, x, y = worker.step_batch(data, par, 0, B, mesh.replicas, coord.replica)
             par.step(x, y, ids, 0)
             par.quiesce()
             opt.step()

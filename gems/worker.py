@@ -46,7 +46,7 @@ from gems.fault import all_finite, inject, progress, reports
 from gems.fault.watchdog import Watchdog
 from gems.layers import batch_context, guard_bf16_conv3d
 from gems.memory import MemoryMeter, persistent_bytes, step_peak_bytes
-from gems.mesh import Mesh, mesh_from_config
+from gems.mesh import Coord, Mesh, mesh_from_config
 from gems.models import ModelSpec, build_model, check_shapes
 from gems.parallel import ParallelSettings, resolve, spatial_model, spatial_stage_balance
 from gems.replication import GradientReducer, mpi_group
@@ -376,6 +376,26 @@ def replica_indices(step: int, batch: int, replicas: int, replica: int) -> list[
     return list(range(start, start + share))
 
 
+def set_up_rank(cfg: DictConfig, world: World, mesh: Mesh, settings: ParallelSettings
+                ) -> tuple[Coord, ModelSpec, Parallel, torch.optim.Optimizer]:
+    """What a rank builds before its first step, once its groups exist: (its mesh coordinate, the model, its
+    parallel step, its optimizer). A run and ``gems plan plan.dry_run=true`` both build it here."""
+    coord = mesh.coord(world.rank)
+    torch.manual_seed(int(cfg.train.seed))
+    spec = build_model(cfg.model)  # same seed everywhere: every copy starts from the same weights
+    par = parallelize(spec, mesh, world, cfg, settings)
+    return coord, spec, par, make_optimizer(cfg, par.params)
+
+
+def step_batch(data: Any, par: Parallel, step: int, batch: int, replicas: int, replica: int
+               ) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+    """(sample indices, input, target) of ``step`` on a rank: its replica's samples, its spatial part of the
+    inputs where it runs a first stage, the targets where it runs a last one."""
+    ids = replica_indices(step, batch, replicas, replica)
+    x, y = data.batch(ids, par.input_slices, want_input=par.needs_input, want_target=par.needs_target)
+    return ids, x, y
+
+
 # ---------------------------------------------------------------------------- the run
 class NonFiniteLoss(RunError):
     """The global loss of a step was NaN or Inf and ``train.on_nonfinite=stop``: every rank stops at that step."""
@@ -415,14 +435,10 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
         mesh.build_groups(world.rank, groups=settings.holder_groups, timeout=world.timeout)
     else:
         mesh.groups.grad_ranks = [0]
-    coord = mesh.coord(world.rank)
-    torch.manual_seed(int(cfg.train.seed))
-    spec = build_model(cfg.model)  # same seed everywhere: every copy starts from the same weights
     meter = MemoryMeter(world.device)
     meter.reset()
     tensor_peak: int | None = None  # CPU ranks: measured on the last warm-up step
-    par = parallelize(spec, mesh, world, cfg, settings)
-    opt = make_optimizer(cfg, par.params)
+    coord, spec, par, opt = set_up_rank(cfg, world, mesh, settings)
     data = make_data(cfg, spec, par.input_slices)
     inject.arm(cfg, world.rank, par.modules)
     B, R = int(cfg.train.batch_size), mesh.replicas
@@ -459,8 +475,7 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
             _preempt(cfg, world, step, par, opt, history, wd, "fault injection: preempting the job")
         _sync(world.device)
         t0 = time.perf_counter()
-        ids = replica_indices(step, B, R, coord.replica)
-        x, y = data.batch(ids, par.input_slices, want_input=par.needs_input, want_target=par.needs_target)
+        ids, x, y = step_batch(data, par, step, B, R, coord.replica)
         x = inject.poison(cfg, world.rank, step, x)
         x = x.to(world.device, non_blocking=True) if x is not None else None
         y = y.to(world.device, non_blocking=True) if y is not None else None
