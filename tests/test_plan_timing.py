@@ -114,6 +114,26 @@ def test_the_data_term_is_the_generators_time_and_a_first_stage_delays_the_ranks
         2 * 4 * 3 * 32 * 32 * 8 / rates.bandwidth)
 
 
+def test_where_every_core_computes_the_whole_gradient_all_reduce_counts():
+    # CosmoFlow replicated over 2 CPU ranks, 1 GB/s and 500 us a message: on a node of 2 cores both compute,
+    # so gloo's all-reduce takes its time from them (the whole ring, in 256 KiB buckets, counts); on 8 cores it
+    # runs beside the backward and only what outlasts it is exposed
+    from gems.models import build_model
+    from gems.plan.timing import allreduce
+
+    base = ["model=cosmoflow", "model.size=32", "model.width=0.25", "train.batch_size=4", "parallel.replicas=2",
+            "cluster=local_slurm", "cluster.intra_node_GBps=1", "cluster.intra_node_latency_us=500",
+            "cluster.nodes=1", "cluster.tasks_per_node=2", "comm.bucket_mb=0.25"]
+    cfg = compose(base)
+    grads = sum(p.numel() * 4 for p in build_model(cfg.model).module.parameters())
+    full = allreduce(grads, 2, Link(bandwidth=1e9, latency=500e-6, name="test"), -(-grads // 2**18))
+    busy = make_plan(cfg, suggest=False).prediction
+    assert busy.breakdown["allreduce"] == pytest.approx(full, rel=1e-6)
+    assert "every core of a node computes" in " ".join(busy.assumptions)
+    spare = make_plan(compose(base + ["cluster.cpus_per_node=8"]), suggest=False).prediction
+    assert spare.breakdown["allreduce"] < 0.5 * full
+
+
 def test_synthetic_data_is_timed_on_the_generator_scaled_by_its_planes(monkeypatch):
     from types import SimpleNamespace
 

@@ -4,7 +4,8 @@ For each configuration that fits this machine (CosmoFlow 64^3 and 128^3 at S = 1
 1f1b and mast at D = 2; a replicated run), the planner predicts the step time, its breakdown and the peak
 tensor memory per rank; then ``gems run`` trains it (real processes over gloo, one thread a rank) and its
 record gives the median step time, its breakdown and the tensor memory per rank a GPU would count. The
-links are measured first (a gloo ping-pong between two processes: latency and bandwidth) and given to the
+links are measured first (two gloo processes exchanging messages both ways at once, as a halo exchange and
+a ring all-reduce's steps do: latency and bandwidth per direction) and given to the
 planner as the preset's figures, as a user calibrating a cluster would. Goals: step time within 25%, peak
 tensor memory within 10%, both directions.
 
@@ -28,7 +29,7 @@ from gems.plan.devices import forget_cpu_rates
 
 COMMAND = "gems bench plan   (or: python -m gems.bench.plan [OUT_DIR])"
 
-STEPS = ["train.steps=6", "train.warmup_steps=2"]
+STEPS = ["train.steps=10", "train.warmup_steps=2"]
 RESNET = ["model=resnet", "model.depth=29", "model.width=0.5", "model.size=64", "model.norm=group"]
 CONFIGS: list[tuple[str, list[str]]] = [
     ("CosmoFlow 64^3, S=1", ["model=cosmoflow", "model.size=64", "train.batch_size=2"]),
@@ -103,28 +104,28 @@ def published() -> str:
                       md_table(["study", "published", "predicted by gems plan", "assumed"], rows)])
 
 
-def _pingpong(rank: int, port: int, out: str) -> None:
+def _links(rank: int, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     res = {}
+    peer = 1 - rank
     for name, n, reps in (("small", 2, 400), ("large", 4 * 2**20 // 4, 20)):
-        t = torch.zeros(n)
+        t, got = torch.zeros(n), torch.empty(n)
+
+        def exchange() -> None:  # both ways at once, as a halo exchange and each step of a ring all-reduce
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, got, peer), dist.P2POp(dist.isend, t, peer)]):
+                w.wait()
+
         for _ in range(3):  # warm up the connection
-            (dist.send if rank == 0 else dist.recv)(t, 1 - rank)
-            (dist.recv if rank == 0 else dist.send)(t, 1 - rank)
+            exchange()
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(reps):
-            if rank == 0:
-                dist.send(t, 1)
-                dist.recv(t, 1)
-            else:
-                dist.recv(t, 0)
-                dist.send(t, 0)
-        res[name] = ((time.perf_counter() - t0) / reps / 2, n * 4)  # one way
+            exchange()
+        res[name] = ((time.perf_counter() - t0) / reps, n * 4)
     res["late"] = [_delivery(rank, late) for late in (False, True)]
     if rank == 1:  # the receiver knows the delivery times
         Path(out + ".late").write_text(json.dumps(res["late"]))
@@ -172,9 +173,11 @@ def _delivery(rank: int, late: bool, reps: int = 7) -> float:
 
 
 def measure_link() -> tuple[float, float, tuple[float, float]]:
-    """(bandwidth in GB/s, latency in us) of one message between two gloo processes on this machine, and the
-    seconds a small message takes to arrive while its sender computes on (:func:`_delivery`): with its receive
-    posted first, and posted late."""
+    """(bandwidth per direction in GB/s, latency in us) of the link between two gloo processes on this machine,
+    measured as the runtime uses it: messages exchanged both ways at once (a halo exchange, a step of a ring
+    all-reduce; on this project's VM that halves the bandwidth and triples the latency of a one-way
+    ping-pong, whose figures under-predicted an all-reduce 2x); and the seconds a small message takes to
+    arrive while its sender computes on (:func:`_delivery`): with its receive posted first, and posted late."""
     import socket
 
     import torch.multiprocessing as mp
@@ -184,7 +187,7 @@ def measure_link() -> tuple[float, float, tuple[float, float]]:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "link.json")
-        mp.start_processes(_pingpong, args=(port, out), nprocs=2, start_method="spawn")
+        mp.start_processes(_links, args=(port, out), nprocs=2, start_method="spawn")
         res = json.loads(Path(out).read_text())
         first, late = json.loads(Path(out + ".late").read_text())
     lat = res["small"][0]
@@ -240,8 +243,9 @@ def bench_plan(out_dir: Path | str = "results/bench") -> str:
     n = len(CONFIGS)
     text = ["# gems bench plan", "",
             f"gems plan's predictions against `gems run` on this machine ({n} configurations, {STEPS[0]}, "
-            f"{STEPS[1]}, one thread a rank). Links measured first by a gloo ping-pong: {bw:.3g} GB/s, "
-            f"{lat:.3g} us a message (given to the planner as `cluster.intra_node_GBps`, "
+            f"{STEPS[1]}, one thread a rank). Links measured first by two gloo processes exchanging messages both "
+            f"ways at once: {bw:.3g} GB/s a direction, {lat:.3g} us a message (given to the planner as "
+            "`cluster.intra_node_GBps`, "
             "`cluster.intra_node_latency_us`). While the sender computes on for "
             f"{SENDER_COMPUTES_S * 1e3:.0f} ms after posting a small message, it arrives after "
             f"{delivery[0] * 1e3:.2f} ms when the receive was posted first, and after {delivery[1] * 1e3:.0f} ms "

@@ -85,6 +85,10 @@ class Rates:
     threads: int = 1  # CPU: the rank's threads, for measuring
     in_step: float = 1.0  # CPU: how much longer ops take inside a training step than timed alone (cpu_rates)
     share: float = 1.0  # ranks that take turns on one core's worth of compute (oversubscribed CPU nodes)
+    #: whether communication runs on resources of its own beside the compute (GPUs: copy engines, NCCL's
+    #: kernels; CPU ranks only where the node has cores no rank computes on: else gloo's copies and sums
+    #: take their time from the compute, and nothing is hidden behind it)
+    spare: bool = True
 
     def time(self, cls: str, sig: tuple, flops: float, nbytes: float, backward: bool, batch: int = 1) -> float:
         """One op's time at micro-batch ``batch``. Measured rates (CPU) give forward and backward directly (a

@@ -91,7 +91,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -768,6 +768,10 @@ def _predict(cfg: Any, pl: _Planner, prof: Any, batch: int, dev: dict[str, Any],
         cores = cores or (os.cpu_count() or 1)
         if tpn * threads > cores:
             rates = rates.shared(tpn * threads / cores)
+        if tpn * threads >= cores and world > 1:
+            rates = replace(rates, spare=False, about=rates.about + "; every core of a node computes, so gloo's "
+                            "transfers take their time from the compute (the gradient all-reduce is not hidden "
+                            "behind the backward)")
     if prof is None:
         prof = pl.profile(max(1, pl.chunk_of(batch)))
     data, made = None, "data read from the page cache and copied"

@@ -21,7 +21,9 @@ The model, term by term:
   and mirrored holders), in ``comm.bucket_mb`` buckets, over the slowest link the group crosses: the
   faster of a ring (``2 (p-1)/p * bytes / bandwidth + 2 (p-1) * latency`` per bucket) and a tree
   (``2 bytes / bandwidth + 2 ceil(log2 p) * latency`` per bucket), as NCCL chooses; buckets start during
-  the last backward, so only what outlasts it is exposed.
+  the last backward, so only what outlasts it is exposed, where communication has resources of its own
+  (GPUs; CPU nodes with cores no rank computes on): where every core computes, gloo's copies and sums take
+  their time from the compute and the whole all-reduce counts.
 * **data**: each rank makes its data at the start of a step, before its first action (inputs where it runs
   a first stage, targets where it runs a last one, for its spatial part): synthetic samples as long as the
   real generator takes here (:func:`gems.plan.devices.synthetic_seconds`; GPU ranks generate on the host
@@ -324,7 +326,7 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
             bucket = max(1.0, st.bucket_mb * 2**20)
             nb = max(1, math.ceil(params / bucket))
             full = allreduce(params, len(group), glink, nb)
-            ar_s = max(full - window, full / nb)
+            ar_s = max(full - window, full / nb) if rates.spare else full
         # the optimizer's update: memory-bound over parameters, gradients and state
         # (SGD: read parameter and gradient, write parameter; momentum and Adam read and write their state too)
         per_param = {0: 3, 1: 5, 2: 7}.get(st.optimizer_factor, 7)
