@@ -408,6 +408,10 @@ def _reference_block() -> torch.nn.Sequential:
                          nn.Conv2d(32, 32, 3, padding=1), nn.ReLU())
 
 
+#: the batch :func:`_reference_block` is trained at (of 8 channels, 64^2 pixels)
+REFERENCE_BATCH = 8
+
+
 def _in_step_factor(rates: Rates) -> float:
     """How much longer a forward and backward take than the sum of their ops timed alone (the rates' own
     measurements): inside a step the autograd engine runs between ops, caches hold other tensors and
@@ -418,9 +422,6 @@ def _in_step_factor(rates: Rates) -> float:
     block, x = _reference_block(), torch.randn(REFERENCE_BATCH, 8, 64, 64)
     real = _timed(lambda: block(x).sum().backward(), min_s=0.05, reps=3)
     return min(3.0, max(0.5, real / reference_alone(rates)))
-
-
-REFERENCE_BATCH = 8
 
 
 def reference_alone(rates: Rates) -> float:
