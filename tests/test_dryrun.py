@@ -59,6 +59,12 @@ def test_the_rank_where_the_real_code_fails_is_named():
     from gems.worker import preflight
 
     preflight(compose(base))
+    # gems plan itself traces every distinct part: it names the layer, the part and the error in one line
+    out = gems("plan", *base, timeout=300)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-800:]
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "gems: error: layer 1 (RefusesPartOf) on spatial part 1 of 2 raised on its input of shape")
+    assert "ValueError: the user's layer refuses a part of 4 rows" in out.stderr
 
 
 def test_a_rank_outside_the_world_is_bad_input():

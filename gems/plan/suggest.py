@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gems.errors import ConfigError
+from gems.errors import ConfigError, RunError
 from gems.plan.memory import _Setup, make_plan
 
 
@@ -25,7 +25,7 @@ def _fits(cfg: Any, overrides: dict[str, Any]) -> bool:
             c.cluster.nodes, c.cluster.tasks_per_node = place(c.cluster, mesh_from_config(c).size)
     try:
         return make_plan(c, suggest=False, quick=True).fits
-    except ConfigError:
+    except (ConfigError, RunError):  # a change the model cannot take (a part its layers refuse) is no suggestion
         return False
 
 

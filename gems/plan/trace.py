@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gems.errors import ConfigError
+from gems.errors import ConfigError, RunError
 
 # ============================================================================ precision
 _LOW_OPS: set[Any] = {
@@ -374,7 +374,16 @@ def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[i
                 else:
                     before = set(saved)
                     logs = (len(sctx.halo_log), len(sctx.comm_log), len(sctx.times)) if sctx is not None else (0, 0, 0)
-                    x = torch.func.functional_call(layer, d, (x,)) if d else layer(x)
+                    try:
+                        x = torch.func.functional_call(layer, d, (x,)) if d else layer(x)
+                    except (ConfigError, RunError):
+                        raise
+                    except Exception as e:  # the model (a user's layer, often) on this part: the ranks would too
+                        where = f" on spatial part {sctx.index} of {sctx.size}" if sctx is not None else ""
+                        name = type(getattr(layer, "inner", layer)).__name__  # a spatial wrapper's own layer
+                        raise RunError(f"layer {i} ({name}){where} raised on its input of shape "
+                                       f"{list(x.shape)}: {type(e).__name__}: {e} (gems run would fail the same "
+                                       "way on the ranks that run it)") from e
                     if not isinstance(x, torch.Tensor):
                         raise ConfigError("model", type(layer).__name__, "layers that return one tensor (a flat nn.Sequential)")
                     ky = _key(x)[0]
