@@ -175,9 +175,9 @@ def _delivery(rank: int, late: bool, reps: int = 7) -> float:
 def measure_link() -> tuple[float, float, tuple[float, float]]:
     """(bandwidth per direction in GB/s, latency in us) of the link between two gloo processes on this machine,
     measured as the runtime uses it: messages exchanged both ways at once (a halo exchange, a step of a ring
-    all-reduce; on this project's VM that halves the bandwidth and triples the latency of a one-way
-    ping-pong, whose figures under-predicted an all-reduce 2x); and the seconds a small message takes to
-    arrive while its sender computes on (:func:`_delivery`): with its receive posted first, and posted late."""
+    all-reduce; a one-way ping-pong reads a faster link than those get on this project's VM); and the
+    seconds a small message takes to arrive while its sender computes on (:func:`_delivery`): with its
+    receive posted first, and posted late."""
     import socket
 
     import torch.multiprocessing as mp
