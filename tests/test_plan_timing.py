@@ -299,6 +299,20 @@ def test_cpu_rates_are_measured_here():
     assert (*sig, 16) in r.measured  # timed at the batch it runs at
 
 
+def test_a_padded_part_thinner_than_its_kernel_is_timed_at_its_own_extent():
+    # CosmoFlow's 256-channel layers at S = 2 run on 1x2x2 parts with a 3^3 kernel and padding 1: timed on a
+    # 3^3 input they did 27 outputs' work where the part has 4, at several times the real rate
+    from gems.plan.devices import _conv_case
+
+    sig = ("conv", 3, 8, 8, (3, 3, 3), (1, 1, 1), 1, False, (1, 1, 1), (1, 2, 2), 2)
+    f, (x, w), flops = _conv_case(sig)
+    assert tuple(x.shape) == (2, 8, 1, 2, 2)
+    assert f(x, w).shape == (2, 8, 1, 2, 2) and flops == 2 * 8 * 27 * (2 * 8 * 1 * 2 * 2)
+    # unpadded along a dim, the input is as large as the kernel needs there, and no larger
+    _, (x, _), flops = _conv_case((*sig[:8], (0, 1, 1), (1, 2, 2), 2))
+    assert tuple(x.shape) == (2, 8, 3, 2, 2) and flops == 2 * 8 * 27 * (2 * 8 * 1 * 2 * 2)
+
+
 def test_the_reference_block_is_counted_layer_by_layer_as_a_model_is():
     # the in-step factor divides the block trained for real by its ops timed alone; at rates where only a
     # convolution's FLOPs cost (1 PFLOP/s, memory free, no overhead) "alone" is the four convolutions'
