@@ -299,6 +299,26 @@ def test_cpu_rates_are_measured_here():
     assert (*sig, 16) in r.measured  # timed at the batch it runs at
 
 
+def test_a_pool_is_counted_and_timed_with_its_kernel_and_stride():
+    from gems.plan.cost import OpCounter
+    from gems.plan.devices import cpu_rates
+
+    cur = [0]
+    x3, x2 = torch.randn(1, 2, 8, 8, 8), torch.randn(1, 2, 8, 8)
+    with OpCounter(cur) as oc:
+        torch.nn.AvgPool3d(3, stride=2, padding=1)(x3)
+        cur[0] = 1
+        torch.nn.MaxPool2d(2)(x2)
+    assert list(oc.take(0)) == [("memory", ("memory", "pool", "avg", 3, (3, 3, 3), (2, 2, 2), (1, 1, 1)))]
+    assert list(oc.take(1)) == [("memory", ("memory", "pool", "max", 2, (2, 2), (2, 2), (0, 0)))]
+    # timed as it runs: a 3^3 window read at every cell costs several times per byte what 2^3 windows
+    # side by side do (CosmoFlow's pools were timed as the latter)
+    r = cpu_rates(1)
+    wide = r.measured_rate(("memory", "pool", "avg", 3, (3, 3, 3), (1, 1, 1), (1, 1, 1), 2**18), False)
+    tiled = r.measured_rate(("memory", "pool", "avg", 3, (2, 2, 2), (2, 2, 2), (0, 0, 0), 2**18), False)
+    assert wide < tiled / 2
+
+
 def test_a_padded_part_thinner_than_its_kernel_is_timed_at_its_own_extent():
     # CosmoFlow's 256-channel layers at S = 2 run on 1x2x2 parts with a 3^3 kernel and padding 1: timed on a
     # 3^3 input they did 27 outputs' work where the part has 4, at several times the real rate

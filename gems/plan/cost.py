@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["OpCounter", "LayerOps", "scaled"]
+__all__ = ["OpCounter", "LayerOps", "scaled", "memory_signature"]
 
 #: (op class, signature) -> [flops, bytes, ops] of one layer at one micro-batch
 LayerOps = dict[tuple[str, tuple], list[float]]
@@ -66,6 +66,27 @@ def memory_group(name: str) -> str:
     return next((k for k in NORMS if k in name), "elementwise")
 
 
+def _ints(v: Any, nd: int) -> tuple[int, ...]:
+    v = [int(q) for q in v] if isinstance(v, (list, tuple)) else [int(v)]
+    return tuple(v * nd if len(v) == 1 else v)
+
+
+def memory_signature(name: str, args: tuple) -> tuple:
+    """The signature a memory-bound op is timed by: its kind, and for an average or max pool its kernel,
+    stride and padding too (a pool reads each input cell about kernel^d / stride^d times: CosmoFlow's 3^3
+    stride-2 pools take 3-4x the time per byte of a 2^3 one)."""
+    group = memory_group(name)
+    base = name.removesuffix("_with_indices")
+    if group != "pool" or base not in ("avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d",
+                                       "max_pool3d") or len(args) < 2:
+        return ("memory", group)
+    nd = int(base[-2])
+    kernel = _ints(args[1], nd)
+    stride = _ints(args[2], nd) if len(args) > 2 and args[2] not in ([], ()) else kernel
+    padding = _ints(args[3], nd) if len(args) > 3 else (0,) * nd
+    return ("memory", "pool", base[:3], nd, kernel, stride, padding)
+
+
 class OpCounter(TorchDispatchMode):
     """Accumulates every op's FLOPs and bytes under the layer ``cur[0]`` says is running."""
 
@@ -86,7 +107,7 @@ class OpCounter(TorchDispatchMode):
             sig = _signature(name, args)
             flops = float(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
         else:
-            cls, sig, flops = "memory", ("memory", memory_group(name)), 0.0
+            cls, sig, flops = "memory", memory_signature(name, args), 0.0
         nbytes = _bytes(args) + _bytes(out)
         acc = self.layers.setdefault(self.cur[0], {}).setdefault((cls, sig), [0.0, 0.0, 0.0])
         acc[0] += flops

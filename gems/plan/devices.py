@@ -232,16 +232,29 @@ def _measure_batch(sig: tuple, batch: int) -> int:
     return max(1, min(int(batch), MEASURE_ELEMENTS // max(1, cin * math.prod(extent))))
 
 
+def _cube(elements: int, nd: int) -> list[int]:
+    """``nd`` extents of about equal powers of two whose product is ``elements`` (a power of two)."""
+    side = 2 ** max(2, round(math.log2(max(elements, 1)) / nd))
+    return [side] * (nd - 1) + [max(1, elements // side ** (nd - 1))]
+
+
 def _measure_op(sig: tuple) -> tuple[float, float]:
     """(forward rate, backward rate) of one signature on this machine: FLOP/s for a convolution or matmul
     (timed at its own channels, kernel and, up to gems.plan.cost.MEASURE_EXTENT, its own extent), bytes/s
     for a kind of memory-bound op; a backward rate is the forward's work over the backward's seconds."""
     kind = sig[0]
     if kind == "memory":
-        x = torch.randn(1, 16, 4, 4, sig[2] // 256, requires_grad=True)
-        f = _MEMORY_OPS[sig[1]]
-        inputs = [x, *(torch.randn(16, requires_grad=sig[1].endswith("_norm")) for _ in range(2))]
-        nbytes = 4.0 * (x.numel() + f(*inputs).numel())
+        f: Any
+        if len(sig) > 3:  # a pool of known kernel, stride and padding (gems.plan.cost.memory_signature)
+            _, _, pool, nd, kernel, stride, padding, elements = sig
+            op = getattr(F, f"{pool}_pool{nd}d")
+            inputs = [torch.randn(1, 16, *_cube(elements // 16, nd), requires_grad=True)]
+            f = lambda x: op(x, kernel, stride, padding)  # noqa: E731
+        else:
+            f = _MEMORY_OPS[sig[1]]
+            inputs = [torch.randn(1, 16, 4, 4, sig[2] // 256, requires_grad=True),
+                      *(torch.randn(16, requires_grad=sig[1].endswith("_norm")) for _ in range(2))]
+        nbytes = 4.0 * (inputs[0].numel() + f(*inputs).numel())
         fwd, bwd = _fwd_bwd(f, inputs)
         return nbytes / fwd, nbytes / bwd
     if kind == "matmul":
