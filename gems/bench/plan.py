@@ -9,9 +9,10 @@ a ring all-reduce's steps do: latency and bandwidth per direction) and given to 
 planner as the preset's figures, as a user calibrating a cluster would. Goals: step time within 25%, peak
 tensor memory within 10%, both directions.
 
-The runs take turns on a shared 2-core machine: each configuration is predicted (its CPU rates timed anew)
-and then runs, after the previous one ended; this project's VM drifts by 20-30% between runs of one
-configuration, and a rerun moves the ratios by about that much. Rerun with ``python -m gems.bench.plan [OUT_DIR]``.
+The runs take turns on a shared 2-core machine: each configuration is planned with its CPU rates timed anew
+just before its run and again just after it, and the prediction is the mean of the two (this project's VM
+drifts by 20-30% over minutes: rates timed on one side of a run alone moved a prediction by up to 40%);
+a rerun still moves the ratios by 10-20%. Rerun with ``python -m gems.bench.plan [OUT_DIR]``.
 """
 from __future__ import annotations
 
@@ -204,6 +205,12 @@ def _predict(overrides: list[str]) -> dict[str, Any]:
     return {"step": pr.step_s, "breakdown": pr.breakdown, "tensor": plan.worst.bytes.total}
 
 
+def _mean(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two predictions of one configuration averaged (the tensor memory does not depend on the rates)."""
+    return {"step": (a["step"] + b["step"]) / 2, "tensor": a["tensor"],
+            "breakdown": {k: (a["breakdown"][k] + b["breakdown"][k]) / 2 for k in a["breakdown"]}}
+
+
 def _measure(overrides: list[str], results: Path) -> dict[str, Any]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     out = subprocess.run([sys.executable, "-m", "gems.cli", "run", f"results.dir={results}", *overrides],
@@ -226,9 +233,13 @@ def bench_plan(out_dir: Path | str = "results/bench") -> str:
     with tempfile.TemporaryDirectory() as tmp:
         for i, (label, ov) in enumerate(CONFIGS):
             overrides = [*ov, *STEPS, *link]
-            forget_cpu_rates()  # this machine's rates timed anew just before the run they predict (side by side)
-            pred = _predict(overrides)
+            # this machine's rates timed anew just before and just after the run they predict (side by side:
+            # the VM's speed drifts by 20-30% over minutes), the prediction the mean of the two plans
+            forget_cpu_rates()
+            before = _predict(overrides)
             meas = _measure(overrides, Path(tmp) / f"c{i}")
+            forget_cpu_rates()
+            pred = _mean(before, _predict(overrides))
             r_step = pred["step"] / meas["step"]
             r_mem = pred["tensor"] / meas["tensor"]
             step_ok += abs(r_step - 1) <= 0.25
@@ -243,7 +254,8 @@ def bench_plan(out_dir: Path | str = "results/bench") -> str:
     n = len(CONFIGS)
     text = ["# gems bench plan", "",
             f"gems plan's predictions against `gems run` on this machine ({n} configurations, {STEPS[0]}, "
-            f"{STEPS[1]}, one thread a rank). Links measured first by two gloo processes exchanging messages both "
+            f"{STEPS[1]}, one thread a rank; each prediction the mean of two plans, with this machine's rates "
+            "timed just before and just after the run). Links measured first by two gloo processes exchanging messages both "
             f"ways at once: {bw:.3g} GB/s a direction, {lat:.3g} us a message (given to the planner as "
             "`cluster.intra_node_GBps`, "
             "`cluster.intra_node_latency_us`). While the sender computes on for "
