@@ -122,6 +122,10 @@ class ClusterConf:
     inter_node_GBps: Optional[float] = key(None, "bandwidth per rank and direction between nodes (GB/s, gems "
                                                  "plan)", gt=0)
     inter_node_latency_us: Optional[float] = key(None, "latency of a message between nodes (us, gems plan)", ge=0)
+    jitter: Optional[float] = key(None, "how much a rank's compute time varies from rank to rank: its standard "
+                                        "deviation over one second of compute, in seconds (growing as the square "
+                                        "root of the time), for gems plan's waits where ranks meet; null: none",
+                                  ge=0)
     mem_gb: Optional[float] = key(None, "memory per node to ask for", gt=0)
     partition: Optional[str] = key(None, "Slurm partition")
     account: Optional[str] = key(None, "Slurm account")

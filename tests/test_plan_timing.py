@@ -123,7 +123,7 @@ def test_where_every_core_computes_the_whole_gradient_all_reduce_counts():
 
     base = ["model=cosmoflow", "model.size=32", "model.width=0.25", "train.batch_size=4", "parallel.replicas=2",
             "cluster=local_slurm", "cluster.intra_node_GBps=1", "cluster.intra_node_latency_us=500",
-            "cluster.nodes=1", "cluster.tasks_per_node=2", "comm.bucket_mb=0.25"]
+            "cluster.nodes=1", "cluster.tasks_per_node=2", "comm.bucket_mb=0.25", "cluster.jitter=0"]
     cfg = compose(base)
     grads = sum(p.numel() * 4 for p in build_model(cfg.model).module.parameters())
     full = allreduce(grads, 2, Link(bandwidth=1e9, latency=500e-6, name="test"), -(-grads // 2**18))
@@ -132,6 +132,48 @@ def test_where_every_core_computes_the_whole_gradient_all_reduce_counts():
     assert "every core of a node computes" in " ".join(busy.assumptions)
     spare = make_plan(compose(base + ["cluster.cpus_per_node=8"]), suggest=False).prediction
     assert spare.breakdown["allreduce"] < 0.5 * full
+
+
+def test_ranks_that_meet_wait_for_the_slowests_noise():
+    import math
+
+    from gems.plan.timing import _with_waits, expected_max, rendezvous_wait
+
+    # the expected largest of p standard normals: 1/sqrt(pi) for two, 3/(2 sqrt(pi)) for three
+    assert expected_max(1) == 0.0
+    assert expected_max(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-9)
+    assert expected_max(3) == pytest.approx(3 / (2 * math.sqrt(math.pi)), rel=1e-9)
+    assert expected_max(4) < expected_max(1024) < 3.3
+    assert rendezvous_wait(2, 0.04, 0.05) == pytest.approx(0.05 * 0.2 / math.sqrt(math.pi))
+    # the parts of a stage meet at the layers that exchange (1 and 3 here), after the compute since they last
+    # met: forward 0+1 then 2+3, backward (in reverse) 3 then 2+1; layer 0's backward ends the stage unmet
+    per = [(1.0, 2.0, 0.0, 0.0), (3.0, 4.0, 0.5, 0.5), (5.0, 6.0, 0.0, 0.0), (7.0, 8.0, 0.5, 0.5)]
+    j, e = 0.01, expected_max(2)
+    got = _with_waits(per, [False, True, False, True], 2, j)
+    assert [x[:2] for x in got] == [x[:2] for x in per]
+    assert [x[2] for x in got] == pytest.approx([0.0, 0.5 + e * j * math.sqrt(4), 0.0, 0.5 + e * j * math.sqrt(12)])
+    assert [x[3] for x in got] == pytest.approx([0.0, 0.5 + e * j * math.sqrt(10), 0.0, 0.5 + e * j * math.sqrt(8)])
+
+
+def test_jitter_adds_waits_at_exchanges_and_where_replicas_meet():
+    # on GPUs (rates from data sheets: the same compute every plan) the waits are linear in cluster.jitter;
+    # replicas meet once a step, after the same compute per rank at R = 2 and 4: the waits are e_2 : e_4
+    from gems.plan.timing import expected_max
+
+    gpu = ["cluster=perlmutter", "cluster.account=x", "model=cosmoflow", "model.size=128"]
+
+    def pred(*extra: str) -> object:
+        return make_plan(compose([*gpu, *extra]), suggest=False).prediction
+
+    s2 = ["train.batch_size=1", "parallel.spatial=2"]
+    h0, h1, h2 = (pred(*s2, f"cluster.jitter={j}").breakdown["halo"] for j in (0, 0.01, 0.02))
+    assert h1 > h0 and h2 - h0 == pytest.approx(2 * (h1 - h0), rel=1e-9)
+    waits = []
+    for r in (2, 4):
+        rep = [f"train.batch_size={r}", f"parallel.replicas={r}"]
+        waits.append(pred(*rep, "cluster.jitter=0.01").breakdown["allreduce"] - pred(*rep).breakdown["allreduce"])
+    assert waits[0] > 0 and waits[1] / waits[0] == pytest.approx(expected_max(4) / expected_max(2), rel=1e-6)
+    assert "cluster.jitter" in " ".join(pred(*s2, "cluster.jitter=0.01").assumptions)
 
 
 def test_synthetic_data_is_timed_on_the_generator_scaled_by_its_planes(monkeypatch):

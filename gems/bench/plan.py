@@ -128,11 +128,47 @@ def _links(rank: int, port: int, out: str) -> None:
             exchange()
         res[name] = ((time.perf_counter() - t0) / reps, n * 4)
     res["late"] = [_delivery(rank, late) for late in (False, True)]
+    res["jitter"] = _jitter(rank)
     if rank == 1:  # the receiver knows the delivery times
         Path(out + ".late").write_text(json.dumps(res["late"]))
     if rank == 0:
         Path(out).write_text(json.dumps(res))
     dist.destroy_process_group()
+
+
+#: the segments of compute _jitter times between two ranks' meetings (convolutions of 16^3: about 1 ms each here)
+JITTER_SEGMENTS = (16, 64)
+
+
+def _jitter(rank: int, reps: int = 40) -> float:
+    """How much the same compute varies between two ranks computing at once: both run the same number of
+    convolutions, meet (a small all-reduce) and again, ``reps`` times for each segment length; from the
+    differences of their times, the standard deviation of one rank's time over one second of compute
+    (``cluster.jitter``: it grows as the square root of the time; the mean over the segment lengths)."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    conv = torch.nn.Conv3d(8, 8, 3, padding=1)
+    x = torch.randn(1, 8, 16, 16, 16)
+    z = torch.zeros(1)
+    est = []
+    for n in JITTER_SEGMENTS:
+        mine = []
+        with torch.no_grad():
+            for _ in range(reps + 2):
+                dist.all_reduce(z)
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    conv(x)
+                mine.append(time.perf_counter() - t0)
+        both = [torch.tensor(mine[2:], dtype=torch.float64) for _ in range(2)]
+        dist.all_gather(both, torch.tensor(mine[2:], dtype=torch.float64))
+        diff = (both[0] - both[1]).tolist()
+        mean = float(torch.cat(both).mean())
+        est.append(statistics.stdev(diff) / 2 ** 0.5 / mean ** 0.5)
+    return sum(est) / len(est)
 
 
 SENDER_COMPUTES_S = 0.1  # how long the sender of _delivery's message computes on after posting it
@@ -173,12 +209,12 @@ def _delivery(rank: int, late: bool, reps: int = 7) -> float:
     return sorted(got)[reps // 2] if got else 0.0
 
 
-def measure_link() -> tuple[float, float, tuple[float, float]]:
+def measure_link() -> tuple[float, float, tuple[float, float], float]:
     """(bandwidth per direction in GB/s, latency in us) of the link between two gloo processes on this machine,
     measured as the runtime uses it: messages exchanged both ways at once (a halo exchange, a step of a ring
     all-reduce; a one-way ping-pong reads a faster link than those get on this project's VM); and the
     seconds a small message takes to arrive while its sender computes on (:func:`_delivery`): with its
-    receive posted first, and posted late."""
+    receive posted first, and posted late; and how much two ranks' compute varies (:func:`_jitter`)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -193,7 +229,7 @@ def measure_link() -> tuple[float, float, tuple[float, float]]:
         first, late = json.loads(Path(out + ".late").read_text())
     lat = res["small"][0]
     t_big, n_big = res["large"]
-    return n_big / max(t_big - lat, 1e-9) / 1e9, lat * 1e6, (first, late)
+    return n_big / max(t_big - lat, 1e-9) / 1e9, lat * 1e6, (first, late), res["jitter"]
 
 
 def _predict(overrides: list[str]) -> dict[str, Any]:
@@ -226,8 +262,9 @@ def _measure(overrides: list[str], results: Path) -> dict[str, Any]:
 def bench_plan(out_dir: Path | str = "results/bench") -> str:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    bw, lat, delivery = measure_link()
-    link = [f"cluster.intra_node_GBps={bw:.3g}", f"cluster.intra_node_latency_us={lat:.3g}"]
+    bw, lat, delivery, jitter = measure_link()
+    link = [f"cluster.intra_node_GBps={bw:.3g}", f"cluster.intra_node_latency_us={lat:.3g}",
+            f"cluster.jitter={jitter:.3g}"]
     rows, detail = [], []
     step_ok = mem_ok = 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -258,7 +295,9 @@ def bench_plan(out_dir: Path | str = "results/bench") -> str:
             "timed just before and just after the run). Links measured first by two gloo processes exchanging messages both "
             f"ways at once: {bw:.3g} GB/s a direction, {lat:.3g} us a message (given to the planner as "
             "`cluster.intra_node_GBps`, "
-            "`cluster.intra_node_latency_us`). While the sender computes on for "
+            "`cluster.intra_node_latency_us`); two processes computing the same convolutions between meetings "
+            f"differ by {jitter * 1e3:.3g} ms (standard deviation of one's time over a second of compute, given as "
+            "`cluster.jitter`: the planner's waits where ranks meet). While the sender computes on for "
             f"{SENDER_COMPUTES_S * 1e3:.0f} ms after posting a small message, it arrives after "
             f"{delivery[0] * 1e3:.2f} ms when the receive was posted first, and after {delivery[1] * 1e3:.0f} ms "
             f"when the receive is posted {SENDER_COMPUTES_S / 3 * 1e3:.0f} ms late (the model counts latency + "

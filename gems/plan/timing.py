@@ -12,8 +12,15 @@ The model, term by term:
   ``parallel.overlap`` (GPU) a layer's exchange hides behind its interior compute. The global BatchNorm
   all-reduces and the gather before the head are counted here too. The parts of a sample meet at every
   layer's exchange, so each layer takes its slowest part's time (for uneven cuts the others wait, which
-  counts as halo). Not modelled: the waits that come from noise between ranks at these rendezvous, and
-  gloo's delay in sending a message whose receive is posted late (``gems bench plan`` measures it).
+  counts as halo), and each rendezvous costs the wait for the slowest part's noise (below). Not
+  modelled: gloo's delay in sending a message whose receive is posted late (``gems bench plan`` measures it).
+* **waits where ranks meet**: a rank's compute time varies from rank to rank by ``cluster.jitter *
+  sqrt(seconds)`` (standard deviation; independent noise adds up as a random walk), so where ``p`` ranks
+  meet after ``T`` seconds of compute each, each waits on average for the slowest:
+  ``E[max of p standard normals] * jitter * sqrt(T)`` (:func:`rendezvous_wait`). The parts of a sample meet
+  at every exchange (counted as halo), a pipeline transfer's receiver meets its sender (pipeline_comm),
+  replicas meet at the gradient all-reduce once a step (allreduce): the last grows with the number of
+  replicas, as weak scaling loses efficiency at scale. Unset (the GPU presets), no waits.
 * **pipeline_comm and bubble_or_wait**: the rank's real action list (:func:`gems.pipeline.make_schedule`)
   is simulated with these action times (:func:`gems.pipeline.schedules.simulate`): without transfers the
   idle time is the bubble; what transfers add to the step is pipeline_comm.
@@ -35,7 +42,9 @@ hand-computed values; ``gems bench plan`` holds it against measured steps.
 """
 from __future__ import annotations
 
+import functools
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -43,7 +52,7 @@ from gems.plan.cost import LayerOps, scaled
 from gems.plan.devices import Link, Rates
 
 __all__ = ["TERMS", "Prediction", "message", "ring_allreduce", "tree_allreduce", "allreduce", "all_gather",
-           "spatial_comm", "layer_time", "pipeline_times", "copied", "predict"]
+           "expected_max", "rendezvous_wait", "spatial_comm", "layer_time", "pipeline_times", "copied", "predict"]
 
 TERMS = ("compute", "halo", "pipeline_comm", "allreduce", "bubble_or_wait", "data")
 
@@ -81,6 +90,25 @@ def all_gather(full_bytes: float, p: int, link: Link) -> float:
     if p <= 1:
         return 0.0
     return (p - 1) / p * full_bytes / link.bandwidth + (p - 1) * link.latency
+
+
+@functools.lru_cache(maxsize=None)
+def expected_max(p: int) -> float:
+    """The expected largest of ``p`` independent standard normal draws (0 for one, 0.564 for two, 1.03 for
+    four, 3.24 for 1024), by quadrature of ``x p phi(x) Phi(x)^(p-1)``."""
+    if p <= 1:
+        return 0.0
+    nd = statistics.NormalDist()
+    n, lo, hi = 4000, -9.0, 9.0
+    h = (hi - lo) / n
+    return sum((lo + i * h) * p * nd.pdf(lo + i * h) * nd.cdf(lo + i * h) ** (p - 1) for i in range(n + 1)) * h
+
+
+def rendezvous_wait(p: int, seconds: float, jitter: float) -> float:
+    """What a rank waits, on average, where ``p`` ranks meet after ``seconds`` of compute each, when each
+    rank's time varies independently by ``jitter * sqrt(seconds)`` (standard deviation; ``cluster.jitter``):
+    the expected slowest of the ``p`` minus the mean."""
+    return expected_max(p) * jitter * math.sqrt(max(0.0, seconds))
 
 
 def spatial_comm(entries: Sequence[tuple[str, float, int]], parts: int, link: Link) -> float:
@@ -176,8 +204,9 @@ def _meet(parts: Sequence[_StageTime]) -> _StageTime:
 def _stage_times(ops1: dict[int, LayerOps], ops2: dict[int, LayerOps], b1: int, b2: int, chunk: int,
                  comm1: list[tuple[int, str, int, int]], comm2: list[tuple[int, str, int, int]],
                  a: int, e: int, last: bool, n_layers: int, rates: Rates, parts: int, link: Link | None,
-                 overlap: bool) -> _StageTime:
+                 overlap: bool, jitter: float = 0.0) -> _StageTime:
     per: list[tuple[float, float, float, float]] = []
+    meets: list[bool] = []  # whether the parts meet at the layer's exchange
     layers = list(range(a, e)) + ([n_layers] if last else [])  # the loss with the last stage
     for j in layers:
         ops = scaled(ops1.get(j, {}), ops2.get(j, {}), b1, b2, chunk)
@@ -194,8 +223,32 @@ def _stage_times(ops1: dict[int, LayerOps], ops2: dict[int, LayerOps], b1: int, 
             else:
                 cf, cb = halo + rest, halo + rest
         per.append((tf, tb, cf, cb))
+        meets.append(link is not None and any(i == j for i, *_ in comm1))
+    if jitter > 0 and any(meets):  # each exchange waits for the slowest part's noise since the last one
+        per = _with_waits(per, meets, parts, jitter)
     return _StageTime(sum(x[0] for x in per), sum(x[1] for x in per), sum(x[2] for x in per),
                       sum(x[3] for x in per), per)
+
+
+def _with_waits(per: list[tuple[float, float, float, float]], meets: list[bool], parts: int,
+                jitter: float) -> list[tuple[float, float, float, float]]:
+    """Each layer's (fwd, bwd, comm_fwd, comm_bwd) with the rendezvous waits of its exchanges added: the
+    parts meet at every layer that exchanges, after the compute since their last meeting (the layers
+    before it, this one included, forward in order and backward in reverse)."""
+    out = [list(x) for x in per]
+    since = 0.0
+    for k, x in enumerate(per):
+        since += x[0]
+        if meets[k]:
+            out[k][2] += rendezvous_wait(parts, since, jitter)
+            since = 0.0
+    since = 0.0
+    for k in reversed(range(len(per))):
+        since += per[k][1]
+        if meets[k]:
+            out[k][3] += rendezvous_wait(parts, since, jitter)
+            since = 0.0
+    return [(x[0], x[1], x[2], x[3]) for x in out]
 
 
 def _at(v1: float, v2: float, b1: int, b2: int, b: int) -> float:
@@ -246,6 +299,7 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
         bounds.append((start, start + n))
         start += n
     spatial_link = link_of(mesh.spatial_ranks(0, 0)) if S > 1 else None
+    jitter = float(cluster.get("jitter") or 0.0) if world > 1 else 0.0
     # per stage: its spatial parts meet at every layer's exchange (_meet)
     per_stage: list[_StageTime] = []
     for p, (a, e) in enumerate(bounds):
@@ -254,7 +308,7 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
             t1, t2 = pl._traced(members[0], 1), pl._traced(members[0], 2)
             n_layers = len(t1.out_bytes) - 1
             parts.append(_stage_times(t1.ops, t2.ops, t1.batch, t2.batch, chunk, t1.comm, t2.comm, a, e,
-                                      p == n_stages - 1, n_layers, rates, S, spatial_link, overlap))
+                                      p == n_stages - 1, n_layers, rates, S, spatial_link, overlap, jitter))
         per_stage.append(_meet(parts))
     stage_out = [classes[0][2][p].out.at(chunk) for p in range(n_stages)]
     stage_in = [classes[0][2][p].inp.at(chunk) for p in range(n_stages)]
@@ -288,7 +342,9 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
             lk = link_of([mesh.rank_of(0, r0, 0), mesh.rank_of(0, r1, 0)])
             if lk is None:
                 return 0.0
-            return message(stage_out[act.stage] if act.kind == "F" else stage_in[act.stage], lk)
+            # the receiver meets the sender: it waits for the noise of the sender's action too
+            return message(stage_out[act.stage] if act.kind == "F" else stage_in[act.stage], lk) + \
+                rendezvous_wait(2, cost(act), jitter)
 
         end, end0, _busy = pipeline_times(sched, cost, transfer, data_s)
         actions = sched.actions
@@ -327,6 +383,9 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
             nb = max(1, math.ceil(params / bucket))
             full = allreduce(params, len(group), glink, nb)
             ar_s = max(full - window, full / nb) if rates.spare else full
+            # the replicas meet here after a step's compute each (within a replica, its ranks met at every
+            # exchange and transfer): the slowest replica's noise is waited for
+            ar_s += rendezvous_wait(mesh.replicas, comp, jitter)
         # the optimizer's update: memory-bound over parameters, gradients and state
         # (SGD: read parameter and gradient, write parameter; momentum and Adam read and write their state too)
         per_param = {0: 3, 1: 5, 2: 7}.get(st.optimizer_factor, 7)
@@ -348,4 +407,9 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
                            + (f", {inter.bandwidth / 1e9:g} GB/s and {inter.latency * 1e6:g} us between nodes"
                               if inter is not None else ""))
     assumptions.append("halo exchanges overlap interior compute" if overlap else "halo exchanges do not overlap compute")
+    if world > 1:
+        assumptions.append(f"ranks' compute varies by {jitter * 1e3:.3g} ms (standard deviation) over a second of "
+                           "it (cluster.jitter), so where ranks meet they wait for the slowest" if jitter else
+                           "no rank-to-rank jitter (cluster.jitter unset): ranks meet without waiting for each "
+                           "other's noise")
     return Prediction(step, worst, batch / step if step > 0 else math.inf, worst_label, per_position, assumptions)
