@@ -341,6 +341,33 @@ def test_cpu_rates_are_measured_here():
     assert (*sig, 16) in r.measured  # timed at the batch it runs at
 
 
+def test_ranks_that_compute_at_once_are_timed_at_once():
+    import threading
+
+    from gems.plan.devices import _crowded
+
+    meet, lock, seen = threading.Barrier(3, timeout=30), threading.Lock(), []
+
+    def measure() -> tuple[float, float]:
+        meet.wait()  # raises unless all three run at the same time
+        with lock:
+            seen.append(threading.get_ident())
+            n = len(seen)
+        return float(n), 2.0
+
+    assert _crowded(3, measure) == (2.0, 2.0) and len(set(seen)) == 3  # the mean over the three
+    # a node's ranks compute at once, except a pipeline's stages where its schedule has them take turns:
+    # lp's stages one at a time, mast's and 1F1B's at once (its steady state), spatial parts at once
+    resnet = ["model=resnet", "model.depth=29", "model.width=0.5", "model.size=32", "model.norm=group",
+              "train.batch_size=8", "parallel.pipeline=2"]
+    for extra, crowd in ((["parallel.schedule=lp"], False), (["parallel.schedule=mast"], True),
+                         (["parallel.schedule=1f1b", "parallel.micro_batches=4"], True),
+                         (["model=cosmoflow", "model.size=32", "parallel.pipeline=1", "parallel.spatial=2",
+                           "train.batch_size=2"], True)):
+        about = make_plan(compose([*resnet, *extra]), suggest=False).prediction.assumptions[0]
+        assert ("2 ranks computing at once" in about) == crowd, (extra, about)
+
+
 def test_a_pool_is_counted_and_timed_with_its_kernel_and_stride():
     from gems.plan.cost import OpCounter
     from gems.plan.devices import cpu_rates

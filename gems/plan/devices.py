@@ -83,6 +83,7 @@ class Rates:
     measured: dict[tuple, tuple[float, float]] | None = None  # CPU: conv signature -> (forward, backward) FLOP/s
     about: str = ""
     threads: int = 1  # CPU: the rank's threads, for measuring
+    crowd: int = 1  # CPU: ranks of a node that compute at once: ops are timed that many at a time (_crowded)
     in_step: float = 1.0  # CPU: how much longer ops take inside a training step than timed alone (cpu_rates)
     share: float = 1.0  # ranks that take turns on one core's worth of compute (oversubscribed CPU nodes)
     #: whether communication runs on resources of its own beside the compute (GPUs: copy engines, NCCL's
@@ -118,7 +119,7 @@ class Rates:
         op), measured the first time it is asked for, with the rank's threads."""
         assert self.measured is not None
         if sig not in self.measured:
-            self.measured[sig] = _with_threads(self.threads, lambda: _measure_op(sig))
+            self.measured[sig] = _with_threads(self.threads, lambda: _crowded(self.crowd, lambda: _measure_op(sig)))
         fwd, bwd = self.measured[sig]
         return bwd if backward else fwd
 
@@ -175,6 +176,33 @@ def _with_threads(threads: int, fn: Any) -> Any:
         return fn()
     finally:
         torch.set_num_threads(before)
+
+
+def _crowded(k: int, fn: Any) -> Any:
+    """``fn()`` (a measurement returning a tuple of rates, or one time) run by ``k`` threads at once, each
+    on tensors of its own, as ``k`` ranks of a node compute at once: they share its memory bandwidth and
+    caches (two ranks of CosmoFlow 64^3 on this project's VM each ran 1.3x slower than one alone). The mean
+    over the threads; ``k = 1``: ``fn()``."""
+    if k <= 1:
+        return fn()
+    import threading
+
+    start = threading.Barrier(k)
+    out: list[Any] = [None] * k
+
+    def run(i: int) -> None:
+        start.wait()
+        out[i] = fn()
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(1, k)]
+    for w in workers:
+        w.start()
+    run(0)
+    for w in workers:
+        w.join()
+    if isinstance(out[0], tuple):
+        return tuple(sum(o[j] for o in out) / k for j in range(len(out[0])))
+    return sum(out) / k
 
 
 def _timed(fn: Any, min_s: float = 0.02, reps: int = 3) -> float:
@@ -382,9 +410,11 @@ def synthetic_seconds(spec: Any, part: list[int], want_input: bool, want_target:
     return _DATA[key]
 
 
-def cpu_rates(threads: int) -> Rates:
-    """This machine's rates for a rank of ``threads`` threads: the per-op overhead measured now; each
-    convolution shape and kind of memory-bound op when the model first needs it (tens of milliseconds each).
+def cpu_rates(threads: int, crowd: int = 1) -> Rates:
+    """This machine's rates for a rank of ``threads`` threads, ``crowd`` ranks of a node computing at once
+    (ops and the reference block timed that many at a time: :func:`_crowded`): the per-op overhead measured
+    now; each convolution shape and kind of memory-bound op when the model first needs it (tens of
+    milliseconds each).
 
     Ops are timed with freed host memory kept in the process (:func:`gems.bootstrap.keep_host_memory`, from
     the first measurement on), as a training step reuses the memory of the one before: timed with glibc's
@@ -392,17 +422,19 @@ def cpu_rates(threads: int) -> Rates:
     project's VM made a 1x1 convolution 8x slower than inside a step (a run under ``train.host_memory=keep``
     or ``auto`` reuses it; one that gives memory back also pays those faults for tensors past glibc's 32 MiB
     limit, which the prediction does not count)."""
-    key = (threads,)
+    crowd = max(1, crowd)
+    key = (threads, crowd)
     if key in _CPU:
         return _CPU[key]
     keep_host_memory()  # from now on, as a training step reuses its memory (the docstring's why)
     small = torch.randn(8)
     over = _with_threads(threads, lambda: _timed(lambda: torch.relu(small), min_s=0.005))
     r = Rates("cpu", f"this machine's CPU, {threads} thread(s) a rank", {"conv": 1e10, "matmul": 1e10}, 1e10, over,
-              measured={}, threads=threads)
+              measured={}, threads=threads, crowd=crowd)
     r.in_step = _with_threads(threads, lambda: _in_step_factor(r))
     r.about = (f"CPU measured here per convolution shape and kind of op, {over * 1e6:.1f} us per op ({threads} "
-               f"thread(s) a rank, freed host memory reused as a step reuses it); ops inside a step take "
+               f"thread(s) a rank, freed host memory reused as a step reuses it"
+               + (f", {crowd} ranks computing at once" if crowd > 1 else "") + "); ops inside a step take "
                f"{r.in_step:.2f}x their time alone (a reference convolution block, measured now)")
     _CPU[key] = r
     return r
@@ -435,9 +467,11 @@ def _in_step_factor(rates: Rates) -> float:
     and 64^2 pixels, its ops counted by the planner's own op counter layer by layer, as a model's are (the
     first layer's backward computes no input gradient); kept within [0.5, 3] so a disturbed measurement
     cannot dominate a prediction."""
-    block, x = _reference_block(), torch.randn(REFERENCE_BATCH, 8, 64, 64)
-    real = _timed(lambda: block(x).sum().backward(), min_s=0.05, reps=3)
-    return min(3.0, max(0.5, real / reference_alone(rates)))
+    def real() -> float:
+        block, x = _reference_block(), torch.randn(REFERENCE_BATCH, 8, 64, 64)
+        return _timed(lambda: block(x).sum().backward(), min_s=0.05, reps=3)
+
+    return min(3.0, max(0.5, _crowded(rates.crowd, real) / reference_alone(rates)))
 
 
 def reference_alone(rates: Rates) -> float:

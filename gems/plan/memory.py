@@ -747,6 +747,23 @@ def _placement(cfg: Any, world: int) -> tuple[int, int]:
     return nodes, int(c.tasks_per_node or math.ceil(world / nodes))
 
 
+def computing_at_once(pl: _Planner, tasks_per_node: int) -> int:
+    """How many of a node's ``tasks_per_node`` ranks compute at the same time, on average: all of them, but
+    the stages of a pipeline line compute at once only as much as its schedule lets them (lp's take turns;
+    1F1B's overlap in the steady state), from the schedule simulated with unit action times (its busy time
+    over its span, summed over the line's ranks)."""
+    if not pl.pipelined:
+        return max(1, tasks_per_node)
+    from gems.pipeline.schedules import simulate
+
+    sched = pl.sched()
+    spans = simulate(sched, cost=lambda a: 2.0 if a.kind == "B" else 1.0, transfer=lambda a: 0.0)
+    busy = sum(e - b for b, e in spans.values())
+    span = max(e for _, e in spans.values()) - min(b for b, _ in spans.values())
+    per_line = busy / span if span > 0 else 1.0  # of the line's sched.ranks ranks, how many are busy at a time
+    return max(1, round(tasks_per_node * per_line / sched.ranks))
+
+
 def _predict(cfg: Any, pl: _Planner, prof: Any, batch: int, dev: dict[str, Any], world: int) -> Any:
     """The step-time prediction (:mod:`gems.plan.timing`), or None with a note when the device has no figures."""
     from gems.plan.devices import cpu_rates, efficiency, gpu_rates, synthetic_seconds
@@ -763,9 +780,9 @@ def _predict(cfg: Any, pl: _Planner, prof: Any, batch: int, dev: dict[str, Any],
     nodes, tpn = _placement(cfg, world)
     if dev["kind"] != "gpu":
         threads = rank_threads(cfg)
-        rates = cpu_rates(threads)
         cores = int(c.get("cpus_per_node") or 0) if not (c.launcher == "local" and c.name == "local") else 0
         cores = cores or (os.cpu_count() or 1)
+        rates = cpu_rates(threads, min(max(1, cores // threads), computing_at_once(pl, tpn)))
         if tpn * threads > cores:
             rates = rates.shared(tpn * threads / cores)
         if tpn * threads >= cores and world > 1:
