@@ -422,7 +422,9 @@ def cpu_rates(threads: int, crowd: int = 1) -> Rates:
     project's VM made a 1x1 convolution 8x slower than inside a step (a run under ``train.host_memory=keep``
     or ``auto`` reuses it; one that gives memory back also pays those faults for tensors past glibc's 32 MiB
     limit, which the prediction does not count)."""
-    crowd = max(1, crowd)
+    # ranks of several threads each are timed alone: one process has one intra-op pool, so threads standing
+    # for such ranks would share it rather than each have their own cores
+    crowd = max(1, crowd) if threads <= 1 else 1
     key = (threads, crowd)
     if key in _CPU:
         return _CPU[key]
