@@ -177,8 +177,9 @@ def _jitter(rank: int, reps: int = 40) -> float:
                 for _ in range(n):
                     conv(x)
                 mine.append(time.perf_counter() - t0)
-        both = [torch.tensor(mine[2:], dtype=torch.float64) for _ in range(2)]
-        dist.all_gather(both, torch.tensor(mine[2:], dtype=torch.float64))
+        times = torch.tensor(mine[2:], dtype=torch.float64)  # the first two warm up
+        both = [torch.empty_like(times) for _ in range(2)]
+        dist.all_gather(both, times)
         diff = (both[0] - both[1]).tolist()
         mean = float(torch.cat(both).mean())
         est.append(statistics.stdev(diff) / 2 ** 0.5 / mean ** 0.5)

@@ -206,14 +206,16 @@ def _stage_times(ops1: dict[int, LayerOps], ops2: dict[int, LayerOps], b1: int, 
                  a: int, e: int, last: bool, n_layers: int, rates: Rates, parts: int, link: Link | None,
                  overlap: bool, jitter: float = 0.0) -> _StageTime:
     per: list[tuple[float, float, float, float]] = []
-    meets: list[bool] = []  # whether the parts meet at the layer's exchange
+    meets: list[bool] = []
     layers = list(range(a, e)) + ([n_layers] if last else [])  # the loss with the last stage
     for j in layers:
         ops = scaled(ops1.get(j, {}), ops2.get(j, {}), b1, b2, chunk)
         tf, tb = layer_time(ops, rates, False, chunk), layer_time(ops, rates, True, chunk, first=j == 0)
         cf = cb = 0.0
+        met = False  # whether the parts meet at the layer's exchange
         if link is not None:
             e1 = [(k, nb, m) for i, k, nb, m in comm1 if i == j]
+            met = bool(e1)
             e2 = [(k, nb, m) for i, k, nb, m in comm2 if i == j]
             ents = [(k, _at(n1, n2, b1, b2, chunk), m) for (k, n1, m), (_, n2, _) in zip(e1, e2)]
             halo = spatial_comm([x for x in ents if x[0] == "halo"], parts, link)
@@ -223,7 +225,7 @@ def _stage_times(ops1: dict[int, LayerOps], ops2: dict[int, LayerOps], b1: int, 
             else:
                 cf, cb = halo + rest, halo + rest
         per.append((tf, tb, cf, cb))
-        meets.append(link is not None and any(i == j for i, *_ in comm1))
+        meets.append(met)
     if jitter > 0 and any(meets):  # each exchange waits for the slowest part's noise since the last one
         per = _with_waits(per, meets, parts, jitter)
     return _StageTime(sum(x[0] for x in per), sum(x[1] for x in per), sum(x[2] for x in per),
