@@ -4,7 +4,8 @@ A rank can be started by four launchers, and each leaves different traces:
 
 * ``mpirun``/``mpiexec``/``srun --mpi=pmi2`` with ``comm.backend=mpi``: mpi4py's
   COMM_WORLD gives rank and size; rank 0 picks a free port and broadcasts
-  its host and port, so no environment is needed at all.
+  it with its ``MASTER_ADDR`` (its host name where none is set), so no
+  environment is needed at all and every rank takes rank 0's address.
 * Slurm (``srun``, also under submitit): ``SLURM_PROCID``, ``SLURM_NTASKS``,
   ``SLURM_LOCALID``; the rendezvous host is the first node of
   ``SLURM_JOB_NODELIST`` and the port is derived from the job id, so every
@@ -97,7 +98,9 @@ def discover(comm_backend: str = "auto") -> tuple[int, int, int, str, int, str, 
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         local_rank = local.Get_rank()
         local.Free()
-        addr_port = (socket.gethostname(), _free_port()) if rank == 0 else None
+        # rank 0 hosts the store: its MASTER_ADDR (a site's, e.g. an InfiniBand name) wins over its host
+        # name, and every rank takes rank 0's choice, so all agree even where their environments differ
+        addr_port = (env.get("MASTER_ADDR") or socket.gethostname(), _free_port()) if rank == 0 else None
         addr, port = comm.bcast(addr_port, root=0)
         # rank 0 leaves MPI for the TCPStore next; without asynchronous progress (MPICH's OFI
         # tcp provider) its bcast may still sit in its send queue, and rank 1 would wait
@@ -141,7 +144,8 @@ def init_world(cfg: Any) -> World:
     timeout = datetime.timedelta(seconds=collective_timeout_s(cfg))
     if size > 1 and not dist.is_initialized():
         # env:// honours a MASTER_ADDR the site set (e.g. an InfiniBand hostname) and torchrun's
-        # agent-hosted store; Slurm and MPI ranks fill in what they derived or were told
+        # agent-hosted store; Slurm and MPI ranks fill in what they derived or were told. MPI ranks
+        # take rank 0's broadcast, which already is the site's MASTER_ADDR where rank 0 had one
         if source == "mpi":
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
         else:
