@@ -173,7 +173,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
             gems_replicas=settings.gems_replicas, virtual_stages=settings.virtual_stages,
             split_backward=settings.split_backward,
             balance=balance, balance_by=settings.balance_by_given,
-            checkpoint=settings.checkpoint, sample_shape=_pipeline_sample(spec, ctx, slices),
+            checkpoint=settings.checkpoint, sample_shape=_pipeline_sample(spec, ctx, slices), device=device,
         )
         params = list(runner.parameters())
         reducer = _reducer(params, mesh, world, cfg)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
+from gems.commlog import Recorder
 from gems.mesh import Mesh
 from gems.models import ModelSpec, build_model
 from gems.models.layers import batch_context
@@ -161,27 +162,31 @@ def _run_case(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     shape, kind = tuple(spec.input_shape), _kind(spec)
     param_index = {id(p): k for k, p in enumerate(spec.module.parameters())}
     buffer_index = {id(b): k for k, b in enumerate(spec.module.buffers())}
-    me: _Rank = (_Worker if c["via"] == "worker" else _Direct)(rank, world, c, spec)
+    recorder = Recorder(device=torch.device("cpu"))  # what this rank issues, in order (replayed under NCCL's rules)
+    with recorder:
+        me: _Rank = (_Worker if c["via"] == "worker" else _Direct)(rank, world, c, spec)
     R, B = c["R"], c["B"]
     opt = torch.optim.SGD(me.params, lr=LR) if me.params else None
     r = me.mesh.coord(rank).replica
     share = slice(r * B // R, (r + 1) * B // R)
     index = {i: [param_index[id(p)] for p in part.parameters()] for i, part in me.held.items()}
-    losses, grads0 = [], {}
-    for t in range(c["steps"]):
-        x, y, ids = batch(t, B, shape, kind)
-        x, y = x[share], y[share]
-        if me.slices is not None:  # this rank's part of every sample, as the data reader hands it over
-            x = x[(slice(None), slice(None), *me.slices)].contiguous()
-        local = me.step(x if me.needs_inputs else None, y if me.needs_targets else None, ids[share], t)
-        total = torch.tensor([local], dtype=torch.float64)
-        dist.all_reduce(total)
-        losses.append(total.item())
-        if t == 0:
-            grads0 = {i: [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in part.parameters()]
-                      for i, part in me.held.items()}
-        if opt is not None:
-            opt.step()
+    losses: list[float] = []
+    grads0: dict[int, list[torch.Tensor]] = {}
+    with recorder:
+        for t in range(c["steps"]):
+            x, y, ids = batch(t, B, shape, kind)
+            x, y = x[share], y[share]
+            if me.slices is not None:  # this rank's part of every sample, as the data reader hands it over
+                x = x[(slice(None), slice(None), *me.slices)].contiguous()
+            local = me.step(x if me.needs_inputs else None, y if me.needs_targets else None, ids[share], t)
+            total = torch.tensor([local], dtype=torch.float64)
+            dist.all_reduce(total)
+            losses.append(total.item())
+            if t == 0:
+                grads0 = {i: [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in part.parameters()]
+                          for i, part in me.held.items()}
+            if opt is not None:
+                opt.step()
     sched = make_schedule(c["schedule"], c["D"], c["m"], c.get("eta"), c.get("v"), c.get("split", False))
     forwards = {i: sum(a.kind == "F" and a.stage == i for a in sched.actions[me.mesh.coord(rank).pipeline])
                 for i in me.held}
@@ -191,7 +196,7 @@ def _run_case(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
                         for i, part in me.held.items()},
             "tracked": {i: [int(b) for n, b in part.named_buffers() if n.endswith("num_batches_tracked")]
                         for i, part in me.held.items()},
-            "forwards": forwards, "samples_per_step": me.samples_per_step}
+            "forwards": forwards, "samples_per_step": me.samples_per_step, "comm": recorder.events}
 
 
 def serial_case(c: dict[str, Any]) -> dict[str, Any]:

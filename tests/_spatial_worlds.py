@@ -381,9 +381,22 @@ def _from_mesh(rank: int, world: int) -> list[str]:
     return run_case(build, shape, sctx, opts)
 
 
-def cases_world(rank: int, world: int, which: str, only: list[str] | None = None) -> dict[str, str]:
+COMM = "comm log"  # the key under which cases_world returns what the rank issued (gems.commlog)
+
+
+def cases_world(rank: int, world: int, which: str, only: list[str] | None = None) -> dict[str, Any]:
     """Run every case of ``which`` ("layers", "models": 4 ranks; "cubes": 8 ranks); return failures
-    of this rank by case."""
+    of this rank by case, and under :data:`COMM` every message and collective it issued, in order."""
+    from gems.commlog import Recorder
+
+    recorder = Recorder(device=torch.device("cpu"))
+    with recorder:
+        out: dict[str, Any] = _cases_world(rank, world, which, only)
+    out[COMM] = recorder.events
+    return out
+
+
+def _cases_world(rank: int, world: int, which: str, only: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(1)
     cases = {"layers": LAYER_CASES, "cubes": CUBE_CASES}.get(which) or model_cases()
     groups = make_groups(world)

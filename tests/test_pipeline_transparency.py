@@ -24,7 +24,9 @@ import pytest
 import torch
 from _pipeline_worlds import pipeline_cases, serial_case
 
+from gems.commlog import OrderError, replay
 from gems.pipeline import make_schedule
+from gems.pipeline.schedules import registered
 from gems.testing import run_world
 
 
@@ -62,6 +64,8 @@ WORLD2 = [  # D = 2
     case("cosmoflow", "mast", 2, split=True),
     case("resnet_bn", "master", 2, m=2, eta=2, split=True, checkpoint=True, steps=2),
     case("resnet_gn", "zbh1", 2, m=2, via="worker", steps=2),
+    case("cosmoflow", "gpipe", 2, m=2, split=True, steps=2),
+    case("resnet_gn", "1f1b", 2, m=2, split=True, steps=2),
 ]
 WORLD3 = [  # odd D: the middle rank holds one partition for both directions
     case("cosmoflow", "mast", 3, B=6),
@@ -151,7 +155,33 @@ def check(results: list[list[dict[str, Any]]], cases: list[dict[str, Any]]) -> N
                 assert all(torch.equal(a, b) for a, b in zip(sets[0], other)), f"{label}: copies of part {i} differ"
 
 
+def check_nccl_order(results: list[list[dict[str, Any]]], cases: list[dict[str, Any]]) -> None:
+    """What every rank issued (set-up, steps, gradient sums), replayed under NCCL's rules (gems.commlog): the
+    orders must complete with sends that never block and with sends that wait for their receive, and match
+    message for message by order."""
+    for ci, c in enumerate(cases):
+        logs = {r: results[r][ci]["comm"] for r in range(len(results))}
+        for strict in (False, True):
+            try:
+                ran = replay(logs, strict_sends=strict)
+            except OrderError as e:
+                raise AssertionError(f"{label_of(c)} (strict sends: {strict}): {e}") from None
+            assert ran["messages"] > 0 or c["D"] == 1, label_of(c)
+
+
+def test_cases_cover_every_registered_schedule() -> None:
+    """The worlds below run (and replay) every schedule of the registry, split variants included."""
+    cases = WORLD2 + WORLD3 + WORLD4 + WORLD8
+    for name, kind in registered().items():
+        assert any(c["schedule"] == name for c in cases), f"no case runs {name}"
+        if kind.split == "optional":
+            assert any(c["schedule"] == name and c["split"] for c in cases), f"no case runs {name} split"
+    assert any(c["S"] > 1 and c["D"] > 1 for c in cases) and any(c["R"] > 1 and c["S"] > 1 for c in cases)
+
+
 @pytest.mark.parametrize("world,cases", [(2, WORLD2), (3, WORLD3), (4, WORLD4), (8, WORLD8)],
                          ids=["D2", "D3", "D4-R2xD2-D2xS2", "R2xD2xS2-R2xD4"])
 def test_every_schedule_matches_serial(world: int, cases: list[dict[str, Any]]) -> None:
-    check(run_world(pipeline_cases, world, cases, timeout=300), cases)
+    results = run_world(pipeline_cases, world, cases, timeout=300)
+    check(results, cases)
+    check_nccl_order(results, cases)

@@ -3,9 +3,10 @@ equal serial: outputs, input gradients, summed parameter gradients, BatchNorm
 running statistics, with dropout drawn per sample (training mode). The paper's
 sizes (128^3 to 512^3) are checked on fake tensors: their shapes, not their values."""
 import pytest
-from _spatial_worlds import EXTRA_CASES, case_names, cases_world, model_cases
+from _spatial_worlds import COMM, EXTRA_CASES, case_names, cases_world, model_cases
 from torch import nn
 
+from gems.commlog import replay
 from gems.pipeline.partition import boundary_shapes
 from gems.testing import run_world
 
@@ -13,9 +14,12 @@ from gems.testing import run_world
 @pytest.fixture(scope="module")
 def failures():
     out = {}
-    for per_rank in run_world(cases_world, 4, "models", timeout=300):
+    logs = {}
+    for rank, per_rank in enumerate(run_world(cases_world, 4, "models", timeout=300)):
+        logs[rank] = per_rank.pop(COMM)
         for case, text in per_rank.items():
             out[case] = out.get(case, "") + text + "\n"
+    out[COMM] = logs
     return out
 
 
@@ -51,3 +55,10 @@ def test_cosmoflow_paper_sizes_flatten_to_2048(size, pools):
     trunk, flat = boundary_shapes([seq[:end], seq[end:end + 1], seq[end + 1:]], (1, 4, size, size, size))
     assert trunk[0] == (1, 256, 2, 2, 2) and flat[0] == (1, 2048)
     assert seq[end + 1].in_features == 2048
+
+
+def test_model_orders_complete_under_nccl(failures):
+    """CosmoFlow and the U-Net, every cut, replayed under NCCL's rules (gems.commlog)."""
+    for strict in (False, True):
+        ran = replay(failures[COMM], strict_sends=strict)
+        assert ran["messages"] > 100, ran

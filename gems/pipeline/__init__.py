@@ -69,7 +69,7 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
                    balance: Sequence[int] | None = None, balance_by: str = "auto", checkpoint: bool = False,
                    sample_shape: Sequence[int] | None = None, dtype: torch.dtype = torch.float32,
                    lookahead: int = 2, virtual_stages: int | None = None,
-                   split_backward: bool = False) -> PipelineRunner:
+                   split_backward: bool = False, device: torch.device | None = None) -> PipelineRunner:
     """Partition ``seq`` over the pipeline axis of ``mesh`` and return this rank's runner.
 
     * ``batch_size``: samples of one step for this pipeline line, i.e.
@@ -94,6 +94,8 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
       is cut into ``virtual_stages x D`` partitions).
     * ``split_backward``: each backward as an input-gradient and a weight-gradient
       action, the weight gradients filling the bubbles (:mod:`gems.pipeline.deferred`).
+    * ``device``: the rank's device, where every buffer it receives into lives (default: that of its
+      first parameter, else the CPU).
 
     The mesh's groups must exist (``mesh.build_groups(rank, groups=schedule.holder_groups())``)
     when ``mesh.pipeline > 1``.
@@ -132,8 +134,10 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
     coord = mesh.coord(rank)
     peers = mesh.pipeline_ranks(coord.replica, coord.spatial)
     held = {i: parts[i] for i in sched.partitions_of(coord.pipeline)}
-    group = mesh.group("pipeline") if D > 1 else None
     if D > 1 and not mesh.groups.built:
         raise RuntimeError(f"apply_pipeline: call mesh.build_groups(rank, groups={sched.holder_groups()}) first")
-    return PipelineRunner(held, sched, coord.pipeline, peers, group, batch_size, loss_fn, checkpoint, shapes, lookahead,
-                          balance=bal)
+    runner = PipelineRunner(held, sched, coord.pipeline, peers, mesh.groups.links, batch_size, loss_fn, checkpoint,
+                            shapes, lookahead, balance=bal, device=device)
+    if D > 1:
+        runner.connect()
+    return runner

@@ -2,10 +2,27 @@
 
 The schedule says what this pipeline rank does, in order; this module does it:
 runs the forward or backward of its partition on the right chunk of the batch,
-sends activations down and gradients up with non-blocking ``isend`` and posts
-the matching ``irecv`` a few actions ahead, so transfers overlap compute.
-Since sends never block and every order came out of a valid execution
-(:func:`~gems.pipeline.schedules.simulate` checks it), no rank can deadlock.
+sends activations down and gradients up right after the action that makes
+them, and posts the matching receives a few actions ahead, so transfers
+overlap compute. Since sends never block and every order came out of a valid
+execution (:func:`~gems.pipeline.schedules.simulate` checks it), no rank can
+deadlock.
+
+The message order is one NCCL completes (docs/design.md, "Rules of the GPU
+path"; :mod:`gems.commlog` replays it). NCCL runs the operations of a
+communicator in issue order on one stream, a receive holding the stream until
+its send arrives, and matches the messages of a pair by order, not by tag. So
+each directed link (sending rank -> receiving rank,
+:meth:`~gems.pipeline.schedules.Schedule.links`) has a two-rank process group
+of its own (``mesh.groups.links``), every message goes out as a batch of one on
+its link's group (``batch_isend_irecv``: the group's own communicator, not a
+pair communicator torch would make on the side), and a rank posts the receives
+of each link in the order the sender sends them. A receive posted early then
+holds only later receives of the same link, never a send, and the prefetch is
+safe under NCCL as it is under gloo. The links are connected once, in one
+global order, before the first step (:meth:`PipelineRunner.connect`): NCCL
+starts a communicator when both ranks first use it, and a first use from
+inside a step could wait on a rank that waits on something else.
 
 Batch split (deterministic, the same on every rank and for the serial
 reference): a line's share of ``n`` samples is cut into ``eta x m`` contiguous
@@ -14,8 +31,8 @@ pass ``p``. So ``mast`` gives the first half to replica A and the second to B;
 ``master`` gives eta equal chunks alternating A, B, A, ...; ``lp``/``gpipe``/
 ``1f1b`` have one pass cut into ``m`` micro-batches.
 
-Messages are matched by tag: (step parity, activation | gradient | shape
-header, pass, micro-batch, stage). The activation shape crossing each cut is
+Messages also carry a tag (step parity, activation | gradient | shape header,
+pass, micro-batch, stage), which gloo and MPI check. The activation shape crossing each cut is
 known in advance when the partitions could be traced on fake tensors
 (:func:`~gems.pipeline.partition.boundary_shapes`); otherwise the first
 activation a sender sends into a stage is preceded by a small shape header
@@ -54,6 +71,7 @@ LossFn = Callable[[torch.Tensor, Any, int], torch.Tensor]
 _HEADER = 2
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool]
 _HEADER_LEN = 10  # ndim, dtype code, up to 8 dims
+_CONNECT_TAG = 1 << 20  # the one message each way that starts a link (PipelineRunner.connect)
 
 
 @dataclass
@@ -84,13 +102,17 @@ class PipelineRunner:
     """
 
     def __init__(self, partitions: dict[int, nn.Sequential], schedule: Schedule, position: int, peers: Sequence[int],
-                 group: Any, batch_size: int, loss_fn: LossFn, checkpoint: bool = False,
+                 links: dict[tuple[int, int], Any], batch_size: int, loss_fn: LossFn, checkpoint: bool = False,
                  shapes: Sequence[tuple[tuple[int, ...], torch.dtype]] | None = None, lookahead: int = 2,
-                 balance: Sequence[int] | None = None) -> None:
+                 balance: Sequence[int] | None = None, device: torch.device | None = None) -> None:
         self.schedule = schedule
         self.position = position
         self.peers = list(peers)
-        self.group = group
+        self.links = dict(links)  # (sending, receiving) position -> the link's process group
+        missing = [ln for ln in schedule.links() if position in ln and ln not in self.links]
+        if missing and schedule.ranks > 1:
+            raise RuntimeError(f"PipelineRunner: no process group for the links {missing} of {schedule.name}: "
+                               f"build them with mesh.build_groups(rank, links=schedule.links())")
         self.batch_size = batch_size
         self.loss_fn = loss_fn
         self.checkpoint = checkpoint
@@ -127,8 +149,11 @@ class PipelineRunner:
                     self._src_index[msg[1]] = (src, len(queue))
                     queue.append(msg[1])
         self._next: dict[int, int] = {}
+        # every buffer this rank receives into lives on its device, parameters or not (a partition of pooling
+        # layers holds none): NCCL takes device tensors only
         params = [p for m in self.modules for p in m.parameters()]
-        self.device = params[0].device if params else torch.device("cpu")
+        self.device = device if device is not None else (params[0].device if params else torch.device("cpu"))
+        self._loss_total: torch.Tensor | float = 0.0
 
     # ---- what the caller needs to know -------------------------------------------------------------------
     @property
@@ -170,17 +195,39 @@ class PipelineRunner:
         parity = 0 if kind == _HEADER else self._step_parity
         return (((parity * 3 + kind) * s.replicas + replica) * s.micro_batches + micro_batch) * s.stages + stage
 
-    def _peer(self, replica: int, stage: int) -> int:
-        return self.peers[self.schedule.rank_of(replica, stage)]
+    def _link(self, src: int, dst: int) -> Any:
+        """The process group of the directed link from pipeline position ``src`` to ``dst``."""
+        return self.links[(src, dst)]
 
     def _isend(self, t: torch.Tensor, dst: int, tag: int) -> None:
-        self._sends.append((dist.isend(t, dst, group=self.group, tag=tag), t))
+        """Send ``t`` to pipeline position ``dst`` on its link, as a batch of one (the link group's communicator)."""
+        op = dist.P2POp(dist.isend, t, self.peers[dst], group=self._link(self.position, dst), tag=tag)
+        self._sends.append((dist.batch_isend_irecv([op])[0], t))
+
+    def _irecv(self, buf: torch.Tensor, src: int, tag: int) -> Any:
+        op = dist.P2POp(dist.irecv, buf, self.peers[src], group=self._link(src, self.position), tag=tag)
+        return dist.batch_isend_irecv([op])[0]
+
+    def connect(self) -> None:
+        """Start every link of this rank before the first step: one small message each way, the links taken in
+        one order on every rank (by their lower, then higher position, then direction), each waited for.
+        Pairwise meetings in one global order cannot deadlock; NCCL's lazy start of a communicator inside a
+        step could (it blocks both ranks until both use it)."""
+        mine = [ln for ln in self.schedule.links() if self.position in ln]
+        for src, dst in sorted(mine, key=lambda ln: (min(ln), max(ln), ln[0] > ln[1])):
+            t = torch.zeros(1, device=self.device)
+            if src == self.position:
+                op = dist.P2POp(dist.isend, t, self.peers[dst], group=self._link(src, dst), tag=_CONNECT_TAG)
+            else:
+                op = dist.P2POp(dist.irecv, t, self.peers[src], group=self._link(src, dst), tag=_CONNECT_TAG)
+            for w in dist.batch_isend_irecv([op]):
+                w.wait()
 
     def _send_activation(self, a: Action, y: torch.Tensor) -> None:
         direction = self.schedule.direction(a.replica)
         key = (direction, a.stage + 1)
         y = y.detach().contiguous()
-        dst = self._peer(a.replica, a.stage + 1)
+        dst = self.schedule.rank_of(a.replica, a.stage + 1)
         if key not in self._shape:  # the receiver cannot know it either: tell it once
             fields = [y.dim(), _DTYPES.index(y.dtype), *y.shape]
             head = torch.tensor(fields + [0] * (_HEADER_LEN - len(fields)), dtype=torch.int64, device=y.device)
@@ -192,7 +239,7 @@ class PipelineRunner:
                                f"the receiver expects {shape}")
         if y.dtype != dtype:  # e.g. bf16 under autocast where the cut was traced in fp32: send what is expected
             y = y.to(dtype)
-        self._isend(y, dst, self._tag(_ACT, a.replica, a.micro_batch, a.stage + 1))
+        self._isend(y, self.schedule.rank_of(a.replica, a.stage + 1), self._tag(_ACT, a.replica, a.micro_batch, a.stage + 1))
 
     def _message(self, a: Action) -> tuple[int, tuple[int, int, int, int]] | None:
         """(destination position, key) of what an action sends, if anything (:func:`schedules.sends`)."""
@@ -217,8 +264,9 @@ class PipelineRunner:
         assert kind == _ACT, "a gradient's shape is known from the forward that sent the activation"
         direction = self.schedule.direction(replica)
         head = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
-        dist.recv(head, self.peers[src], group=self.group, tag=self._tag(_HEADER, direction, 0, stage))
-        head = head.cpu()
+        with waiting("pipeline transfer"):
+            self._irecv(head, src, self._tag(_HEADER, direction, 0, stage)).wait()
+        head = head.cpu()  # the first step only, and only for partitions that could not be traced
         ndim = int(head[0])
         self._shape[(direction, stage)] = (tuple(int(v) for v in head[2:2 + ndim]), _DTYPES[int(head[1])])
 
@@ -243,7 +291,7 @@ class PipelineRunner:
                 assert shape is not None
             kind, replica, mb, stage = k
             buf = torch.empty(shape[0], dtype=shape[1], device=self.device)
-            work = dist.irecv(buf, self.peers[src], group=self.group, tag=self._tag(kind, replica, mb, stage))
+            work = self._irecv(buf, src, self._tag(kind, replica, mb, stage))
             self._recvs[k] = (work, buf)
             self._next[src] = self._next.get(src, 0) + 1
         return True
@@ -288,7 +336,7 @@ class PipelineRunner:
                     y = part(x)
                     live = _Live(x)
                     if last:
-                        self._loss_sum += scalar(self.loss_fn(y, target, self.chunk))
+                        self._loss_total = self._loss_total + self.loss_fn(y, target, self.chunk).detach()
             else:
                 if a.stage > 0 and x.is_floating_point():
                     x.requires_grad_(True)
@@ -296,7 +344,8 @@ class PipelineRunner:
                 live = _Live(x)
                 if last:
                     live.loss = self.loss_fn(y, target, self.chunk)
-                    self._loss_sum += scalar(live.loss.detach())
+                    # summed on the device: one host read at the end of the step, not one per micro-batch
+                    self._loss_total = self._loss_total + live.loss.detach()
                 else:
                     live.y = y
         self._finite.append((1 + a.stage, all_finite(y)))
@@ -331,7 +380,8 @@ class PipelineRunner:
                         b.copy_(v)
         if a.stage > 0:
             g = x.grad if x.grad is not None else torch.zeros_like(x)
-            self._isend(g, self._peer(a.replica, a.stage - 1), self._tag(_GRAD, a.replica, a.micro_batch, a.stage - 1))
+            self._isend(g, self.schedule.rank_of(a.replica, a.stage - 1),
+                        self._tag(_GRAD, a.replica, a.micro_batch, a.stage - 1))
 
     def step(self, inputs: torch.Tensor | None, targets: Any, sample_ids: Sequence[int], seed: int, step: int) -> float:
         """Forward and backward of one step's share of this line; returns the weighted losses computed here.
@@ -345,7 +395,7 @@ class PipelineRunner:
         if len(sample_ids) != self.batch_size:
             raise ValueError(f"step() got {len(sample_ids)} sample ids; this line trains on {self.batch_size} per step")
         self._seed, self._step, self._ids = seed, step, list(sample_ids)
-        self._loss_sum = 0.0
+        self._loss_total = 0.0
         self._finite = []
         self._live: dict[tuple[int, int, int], _Live] = {}
         self._recvs: dict[tuple[int, int, int, int], tuple[Any, torch.Tensor]] = {}
@@ -381,4 +431,5 @@ class PipelineRunner:
         assert not self._recvs and not self._live and not self._weights.pending, \
             "schedule left messages, activations or weight gradients behind"
         self._step_parity ^= 1
-        return self._loss_sum
+        total = self._loss_total
+        return scalar(total) if isinstance(total, torch.Tensor) else float(total)

@@ -137,6 +137,19 @@ class Schedule:
             groups.append(holders)
         return sorted(tuple(sorted(g)) for g in groups)
 
+    def links(self) -> list[tuple[int, int]]:
+        """(sending rank, receiving rank) of every message the schedule sends, sorted: the directed links of its
+        ranks. The runtime sends each link's messages on a process group of its own (NCCL runs a group's
+        operations in issue order on one stream, so a receive held on one link must not hold another link's
+        sends: :mod:`gems.pipeline.runtime`)."""
+        out = set()
+        for order in self.actions:
+            for a in order:
+                got = sends(a, self.stages)
+                if got is not None:
+                    out.add((self.rank_of(a.replica, a.stage), self.rank_of(a.replica, got[1])))
+        return sorted(out)
+
     @property
     def chunks(self) -> int:
         """How many pieces one step's batch is cut into (passes x micro-batches)."""

@@ -1,0 +1,415 @@
+"""What a rank hands to torch.distributed, logged in issue order, and replayed as NCCL would run it.
+
+Every gems test runs over gloo, and gloo forgives what NCCL does not: a gloo
+receive is a passive buffer that any later send with the same tag fills, so a
+rank may post receives far ahead of its own sends. Under NCCL each message and
+collective is a kernel on the stream of its communicator, run in the order the
+rank issued it, and a receive holds that stream until its peer's send arrives;
+messages between two ranks match by order (NCCL has no tags), and collectives
+take device tensors only. An order that completes over gloo can hang at step 0
+under NCCL. This module makes that visible without a GPU:
+
+* :class:`Recorder` wraps torch.distributed's point-to-point and collective
+  functions in this process and logs every call in issue order: what it is,
+  the peer, the communicator it runs on, its bytes, dtype and device, the batch
+  it was issued in, and every ``wait()`` the host makes on its work. A run logs
+  each rank to ``DIR/rank<N>.jsonl`` when ``GEMS_COMM_LOG=DIR`` is set
+  (:func:`install_from_env`, called by the worker), or a test holds a recorder
+  around the code it checks.
+* :func:`replay` runs the logged orders of all ranks together under NCCL's
+  rules and raises :class:`OrderError` naming the stuck ranks and what each
+  waits for, or a mismatch (sizes or dtypes of the k-th message of a pair,
+  collectives issued in different orders, a message nobody receives).
+
+The rules :func:`replay` applies (docs/design.md, "Rules of the GPU path"):
+
+1. A communicator has one stream per rank; what a rank issues on it runs in
+   issue order. torch's ProcessGroupNCCL runs collectives and batched
+   point-to-point (``batch_isend_irecv``) on the group's communicator, and a
+   lone ``isend``/``irecv`` on a communicator of its own for the pair of ranks
+   (per group). Communicators start when every member first uses them (lazy
+   initialisation).
+2. The k-th send from rank a to rank b on a communicator meets the k-th receive
+   on b from a there; their bytes and dtypes must agree.
+3. A receive holds its stream until the matching send has started; a send
+   completes once it starts (the most lenient choice; ``strict_sends=True``
+   also makes it wait for its receive, as NCCL does for messages larger than its
+   buffers). The operations of one batch start together, and the batch ends when
+   all of them have.
+4. A collective completes when every member of the communicator has reached it
+   on that communicator's stream; members must issue the same collectives in the
+   same order.
+5. The host blocks where it called ``wait()`` (as gloo does; NCCL's ``wait`` only
+   orders streams, so this only adds waits: an order that passes here also
+   passes without them).
+
+The recorder also checks the device of every tensor a call gets against the
+rank's device (``device=``): NCCL takes device tensors only. On CPU ranks every
+tensor is on the CPU, so that check only bites on GPU ranks or fake-GPU dry
+runs; the static check in tests/test_comm_rules.py covers the CPU machines.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+__all__ = ["Recorder", "replay", "OrderError", "load", "install_from_env", "COLLECTIVES"]
+
+#: the collectives the recorder logs (object collectives log the tensor collectives they are made of)
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "all_to_all_single", "reduce", "gather", "scatter", "barrier", "all_reduce_coalesced")
+_P2P = ("isend", "irecv", "send", "recv")
+
+
+class OrderError(AssertionError):
+    """The logged orders would hang or mismatch under NCCL's rules (the message says where)."""
+
+
+# ---- recording ------------------------------------------------------------------------------------------------
+def _comm_of(group: Any) -> tuple[str, tuple[int, ...]]:
+    """(name, global ranks) of a process group (None: the default group)."""
+    g = group if group is not None else c10d._get_default_group()
+    ranks = tuple(dist.get_process_group_ranks(g))
+    return str(getattr(g, "group_name", ranks)), ranks
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    return []
+
+
+class _Work:
+    """A work handle that logs the host's ``wait()`` on it (everything else passes through)."""
+
+    def __init__(self, work: Any, ids: list[int], rec: "Recorder") -> None:
+        self._work, self._ids, self._rec = work, ids, rec
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._rec._event({"e": "wait", "ids": self._ids})
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+@dataclass
+class Recorder:
+    """Log this process's torch.distributed calls (see the module docstring); a context manager.
+
+    ``device``: the rank's device; a tensor on another device is a violation (``violations``), raised at
+    once with ``strict_device=True``. ``sink``: a file to append each event to as JSON (a hung run still
+    leaves its log), else the events stay in ``events``.
+    """
+
+    device: torch.device | None = None
+    strict_device: bool = False
+    sink: Path | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)
+    _ids: Iterator[int] = field(default_factory=itertools.count)
+    _batches: Iterator[int] = field(default_factory=itertools.count)
+    _batch: int | None = None
+    _batch_ids: list[int] = field(default_factory=list)
+    _saved: list[tuple[Any, str, Any]] = field(default_factory=list)
+    _file: Any = None
+
+    # -- install and remove ------------------------------------------------------------------------------------
+    def __enter__(self) -> "Recorder":
+        if self.sink is not None:
+            self.sink.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.sink, "a", buffering=1)
+            self._event({"e": "rank", "rank": dist.get_rank() if dist.is_initialized() else 0,
+                         "device": None if self.device is None else str(self.device)})
+        wrappers: dict[str, Callable[..., Any]] = {"batch_isend_irecv": self._batch_isend_irecv}
+        for name in _P2P:
+            wrappers[name] = self._p2p(name, getattr(c10d, name))
+        for name in COLLECTIVES:
+            if hasattr(c10d, name):
+                wrappers[name] = self._collective(name, getattr(c10d, name))
+        for name, fn in wrappers.items():
+            for mod in (c10d, dist):
+                if hasattr(mod, name):
+                    self._saved.append((mod, name, getattr(mod, name)))
+                    setattr(mod, name, fn)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for mod, name, fn in reversed(self._saved):
+            setattr(mod, name, fn)
+        self._saved.clear()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    # -- events ------------------------------------------------------------------------------------------------
+    def _event(self, ev: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(ev) + "\n")
+        else:
+            self.events.append(ev)
+
+    def _check(self, fn: str, tensors: list[torch.Tensor]) -> str:
+        devs = sorted({str(t.device) for t in tensors})
+        if self.device is not None:
+            bad = [d for d in devs if torch.device(d) != self.device and not d.startswith("meta")]
+            if bad:
+                msg = f"{fn} got a tensor on {bad[0]}; this rank's device is {self.device}"
+                self.violations.append(msg)
+                if self.strict_device:
+                    raise OrderError(msg)
+        return ",".join(devs)
+
+    def _post(self, kind: str, fn: str, group: Any, tensors: list[torch.Tensor], peer: int | None) -> int:
+        name, ranks = _comm_of(group)
+        me = dist.get_rank()
+        if kind == "coll" or self._batch is not None:
+            comm = f"g:{name}"  # the group's communicator (collectives and batched point-to-point)
+        else:
+            assert peer is not None
+            comm = f"p:{name}:{min(me, peer)}-{max(me, peer)}"  # the pair's own communicator
+            ranks = (min(me, peer), max(me, peer))
+        i = next(self._ids)
+        if self._batch is not None:
+            self._batch_ids.append(i)
+        self._event({"e": "post", "id": i, "kind": kind, "fn": fn, "comm": comm, "ranks": list(ranks), "peer": peer,
+                     "batch": self._batch, "bytes": sum(t.numel() * t.element_size() for t in tensors),
+                     "dtype": ",".join(sorted({str(t.dtype).replace("torch.", "") for t in tensors})),
+                     "device": self._check(fn, tensors)})
+        return i
+
+    def _p2p(self, name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+        send = name in ("isend", "send")
+
+        def wrapper(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group", args[1] if len(args) > 1 else None)
+            peer = kwargs.get("dst" if send else "src", args[0] if args else None)
+            local = kwargs.get("group_dst" if send else "group_src")
+            if peer is None and local is not None:
+                peer = dist.get_global_rank(group if group is not None else c10d._get_default_group(), local)
+            i = self._post("send" if send else "recv", name, group, [tensor], None if peer is None else int(peer))
+            out = orig(tensor, *args, **kwargs)
+            if name in ("send", "recv"):  # blocking
+                self._event({"e": "wait", "ids": [i]})
+                return out
+            return out if self._batch is not None else _Work(out, [i], self)
+
+        wrapper.__name__ = name
+        return wrapper
+
+    def _batch_isend_irecv(self, ops: list[Any]) -> list[Any]:
+        """One batch: its operations start together and, under NCCL, one work covers them all, so a wait on
+        any of them waits for the whole batch."""
+        orig = next(fn for mod, name, fn in self._saved if mod is c10d and name == "batch_isend_irecv")
+        self._batch, self._batch_ids = next(self._batches), []
+        try:
+            works = orig(ops)
+            ids = list(self._batch_ids)
+        finally:
+            self._batch = None
+        return [_Work(w, ids, self) for w in works]
+
+    def _collective(self, name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group")
+            if group is None:
+                group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+            i = self._post("coll", name, group, _tensors(list(args) + list(kwargs.values())), None)
+            out = orig(*args, **kwargs)
+            if out is None or not kwargs.get("async_op", False):
+                self._event({"e": "wait", "ids": [i]})
+                return out
+            return _Work(out, [i], self)
+
+        wrapper.__name__ = name
+        return wrapper
+
+
+def install_from_env(rank: int, device: torch.device | None) -> contextlib.AbstractContextManager[Any]:
+    """The recorder of ``GEMS_COMM_LOG=DIR`` for this rank (``DIR/rank<N>.jsonl``), or a no-op without it."""
+    where = os.environ.get("GEMS_COMM_LOG")
+    if not where:
+        return contextlib.nullcontext()
+    return Recorder(device=device, sink=Path(where) / f"rank{rank}.jsonl")
+
+
+def load(folder: str | Path) -> dict[int, list[dict[str, Any]]]:
+    """The logs a run wrote with ``GEMS_COMM_LOG=folder``, by rank."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted(Path(folder).glob("rank*.jsonl")):
+        events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rank = next((e["rank"] for e in events if e.get("e") == "rank"), int(path.stem[4:]))
+        out[int(rank)] = events
+    return out
+
+
+# ---- replaying ------------------------------------------------------------------------------------------------
+@dataclass
+class _Op:
+    rank: int
+    id: int
+    kind: str  # send | recv | coll
+    fn: str
+    comm: str
+    ranks: tuple[int, ...]
+    peer: int | None
+    nbytes: int
+    dtype: str
+    seq: int = 0  # the k of "k-th message of this pair on this communicator", or of this collective
+    started: bool = False
+    done: bool = False
+
+    def __str__(self) -> str:
+        what = f"{self.fn} {'to' if self.kind == 'send' else 'from'} rank {self.peer}" if self.kind != "coll" \
+            else f"{self.fn} #{self.seq} over ranks {list(self.ranks)}"
+        return f"{what} ({self.nbytes} bytes, {self.comm})"
+
+
+def replay(logs: dict[int, list[dict[str, Any]]], strict_sends: bool = False) -> dict[str, int]:
+    """Run the logged orders under NCCL's rules (module docstring); raise :class:`OrderError` where they
+    hang or mismatch, else return counts of what ran (``ops``, ``messages``, ``collectives``)."""
+    ops: dict[tuple[int, int], _Op] = {}
+    host = {r: 0 for r in logs}
+    streams: dict[tuple[int, str], deque[list[_Op]]] = {}
+    last_batch: dict[tuple[int, str], Any] = {}
+    counters: dict[tuple[Any, ...], int] = {}
+    sends: dict[tuple[str, int, int, int], _Op] = {}
+    recvs: dict[tuple[str, int, int, int], _Op] = {}
+    colls: dict[tuple[str, int, int], _Op] = {}
+    first_use: dict[tuple[str, int], _Op] = {}
+
+    def post(r: int, ev: dict[str, Any]) -> None:
+        op = _Op(r, int(ev["id"]), ev["kind"], ev["fn"], ev["comm"], tuple(ev["ranks"]), ev.get("peer"),
+                 int(ev["bytes"]), str(ev.get("dtype", "")))
+        if op.kind == "coll":
+            key: tuple[Any, ...] = ("c", op.comm, r)
+        else:
+            assert op.peer is not None, f"rank {r}: {op.fn} from any source cannot be replayed"
+            src, dst = (r, op.peer) if op.kind == "send" else (op.peer, r)
+            key = (op.kind, op.comm, src, dst)
+        op.seq = counters.get(key, 0)
+        counters[key] = op.seq + 1
+        if op.kind == "coll":
+            colls[(op.comm, r, op.seq)] = op
+        elif op.kind == "send":
+            sends[(op.comm, r, op.peer, op.seq)] = op  # type: ignore[index]
+        else:
+            recvs[(op.comm, op.peer, r, op.seq)] = op  # type: ignore[index]
+        first_use.setdefault((op.comm, r), op)
+        ops[(r, op.id)] = op
+        q = streams.setdefault((r, op.comm), deque())
+        b = ev.get("batch")
+        if b is not None and q and last_batch.get((r, op.comm)) == b:
+            q[-1].append(op)
+        else:
+            q.append([op])
+        last_batch[(r, op.comm)] = b
+
+    def comm_started(op: _Op) -> bool:
+        """Lazy initialisation: every member has issued something on the communicator."""
+        return all((op.comm, m) in first_use for m in op.ranks)
+
+    def match_of(op: _Op) -> _Op | None:
+        if op.kind == "send":
+            return recvs.get((op.comm, op.rank, op.peer, op.seq))  # type: ignore[arg-type]
+        return sends.get((op.comm, op.peer, op.rank, op.seq))  # type: ignore[arg-type]
+
+    def advance_hosts() -> bool:
+        moved = False
+        for r, events in logs.items():
+            while host[r] < len(events):
+                ev = events[host[r]]
+                if ev["e"] == "post":
+                    post(r, ev)
+                elif ev["e"] == "wait":
+                    if not all(ops[(r, int(i))].done for i in ev["ids"] if (r, int(i)) in ops):
+                        break
+                host[r] += 1
+                moved = True
+        return moved
+
+    def advance_streams() -> bool:
+        moved = False
+        for q in streams.values():
+            while q:
+                head = q[0]
+                for op in head:
+                    if not op.started and comm_started(op):
+                        op.started = True
+                        moved = True
+                for op in head:
+                    if op.done or not op.started:
+                        continue
+                    if op.kind == "coll":
+                        peers = [colls.get((op.comm, m, op.seq)) for m in op.ranks]
+                        if all(p is not None and p.started for p in peers):
+                            fns = {p.fn for p in peers if p is not None}
+                            if len(fns) > 1:
+                                raise OrderError(f"collective #{op.seq} on {op.comm}: ranks issued different "
+                                                 f"collectives ({', '.join(sorted(fns))})")
+                            for p in peers:
+                                assert p is not None
+                                p.done = True
+                            moved = True
+                        continue
+                    other = match_of(op)
+                    if other is None or not other.started:
+                        if op.kind == "send" and not strict_sends:
+                            op.done = moved = True
+                        continue
+                    if (other.nbytes, other.dtype) != (op.nbytes, op.dtype):
+                        s, rv = (op, other) if op.kind == "send" else (other, op)
+                        raise OrderError(f"message #{s.seq} from rank {s.rank} to rank {rv.rank} on {s.comm}: sent "
+                                         f"{s.nbytes} bytes of {s.dtype}, received into {rv.nbytes} bytes of "
+                                         f"{rv.dtype} (NCCL matches messages by order, not by tag)")
+                    op.done = moved = True
+                    if strict_sends or other.kind == "send":
+                        other.done = True
+                if all(op.done for op in head):
+                    q.popleft()
+                    moved = True
+                else:
+                    break
+        return moved
+
+    while advance_hosts() | advance_streams():
+        pass
+    stuck = {r: events[host[r]] for r, events in logs.items() if host[r] < len(events)}
+    pending = {k: q for k, q in streams.items() if q}
+    if stuck or pending:
+        lines = []
+        for r in sorted(logs):
+            if r in stuck:
+                ev = stuck[r]
+                waits = [str(ops[(r, int(i))]) for i in ev.get("ids", []) if (r, int(i)) in ops
+                         and not ops[(r, int(i))].done]
+                lines.append(f"rank {r} waits (host) for {'; '.join(waits[:2]) or ev}")
+            for (rr, comm), q in sorted(pending.items()):
+                if rr == r:
+                    lines.append(f"rank {r} stream {comm} is held by {q[0][0]}"
+                                 + (f" and {len(q[0]) - 1} more in its batch" if len(q[0]) > 1 else "")
+                                 + (f", with {sum(len(g) for g in q) - len(q[0])} behind it" if len(q) > 1 else ""))
+        raise OrderError("under NCCL's rules these orders hang:\n  " + "\n  ".join(lines))
+    unmatched = [op for op in ops.values() if op.kind == "send" and match_of(op) is None]
+    if unmatched:
+        raise OrderError(f"{len(unmatched)} message(s) nobody receives, the first {unmatched[0]} from rank "
+                         f"{unmatched[0].rank}: under NCCL it would be matched with a later receive")
+    return {"ops": len(ops), "messages": sum(op.kind == "send" for op in ops.values()),
+            "collectives": sum(op.kind == "coll" for op in ops.values())}
+
+
+def records(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The post events of a log (what was issued), in order."""
+    return [e for e in events if e.get("e") == "post"]
