@@ -119,14 +119,52 @@ def discover(comm_backend: str = "auto") -> tuple[int, int, int, str, int, str, 
 
 
 def pick_device(train_device: str, local_rank: int) -> torch.device:
+    """This rank's device: GPU ``local_rank`` of those it sees (a launcher that binds one GPU to each task,
+    ``srun --gpus-per-task=1``, leaves it one: it takes that one), else the CPU. Whether two ranks of a node
+    ended up on one GPU is checked across the ranks (:func:`check_devices`)."""
     if train_device == "cuda" or (train_device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("train.device", "cuda", "auto or cpu (no CUDA device is visible on this node)")
         n = torch.cuda.device_count()
-        dev = torch.device("cuda", local_rank % n)
+        dev = torch.device("cuda", local_rank if local_rank < n else local_rank % n)
         torch.cuda.set_device(dev)
         return dev
     return torch.device("cpu")
+
+
+def device_id(device: torch.device, host: str) -> str:
+    """The node and the GPU (by UUID) a rank runs on, or "" for CPU ranks."""
+    if device.type != "cuda":
+        return ""
+    props = torch.cuda.get_device_properties(device)
+    return f"{host}/{getattr(props, 'uuid', device.index)}"
+
+
+def check_devices(store: Any, rank: int, size: int, device: torch.device, gpu: str) -> None:
+    """Every rank of a job on one kind of device, and never two ranks on one GPU: a ConfigError on every rank
+    otherwise, before the process group starts (mixed ranks would start gloo on some and NCCL on others and
+    hang; NCCL refuses two ranks on one GPU with "Duplicate GPU detected" deep in the first collective).
+
+    Agreed through the rendezvous store with O(1) requests a rank (counters, not a read of every rank's
+    entry): how many ranks arrived, how many run on a GPU, how many share this rank's GPU."""
+    store.add("gems/devices/cuda", 1 if device.type == "cuda" else 0)
+    if gpu:
+        store.add(f"gems/devices/gpu/{gpu}", 1)
+    if store.add("gems/devices/arrived", 1) == size:
+        store.set("gems/devices/all", "1")
+    store.wait(["gems/devices/all"])
+    on_gpu = store.add("gems/devices/cuda", 0)
+    if 0 < on_gpu < size:
+        raise ConfigError("train.device", "auto", f"cuda or cpu for the whole job: {on_gpu} of its {size} ranks see a "
+                          "GPU and the others none (gloo and NCCL cannot mix); check the nodes' GPUs and "
+                          "CUDA_VISIBLE_DEVICES")
+    if gpu:
+        sharing = store.add(f"gems/devices/gpu/{gpu}", 0)
+        if sharing > 1:
+            node, uuid = gpu.split("/", 1)
+            raise ConfigError("cluster.tasks_per_node", ranks_on_this_node(),
+                              f"at most one rank per GPU: {sharing} ranks share GPU {uuid} on {node} (NCCL refuses "
+                              "two ranks on one GPU; give each task its own GPU or run fewer tasks per node)")
 
 
 def init_world(cfg: Any) -> World:
@@ -138,7 +176,11 @@ def init_world(cfg: Any) -> World:
     device = pick_device(cfg.train.device, local_rank)
     if backend_cfg == "nccl" and device.type != "cuda":
         raise ConfigError("comm.backend", "nccl", "gloo or auto on CPU nodes (nccl needs GPUs)")
-    backend = "nccl" if device.type == "cuda" and backend_cfg in ("auto", "nccl", "mpi") else "gloo"
+    if backend_cfg == "gloo" and device.type == "cuda":
+        raise ConfigError("comm.backend", "gloo", "nccl, mpi or auto on GPU ranks (gloo has no CUDA point-to-point "
+                          "messages or all-gather)")
+    backend = backend_for(device)
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     from gems.fault.watchdog import collective_timeout_s
 
     timeout = datetime.timedelta(seconds=collective_timeout_s(cfg))
@@ -157,10 +199,57 @@ def init_world(cfg: Any) -> World:
         kw: dict[str, Any] = {}
         if backend == "nccl":
             kw["device_id"] = device
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size, timeout=timeout, **kw)
+        # the rendezvous env:// makes, taken here: the ranks check their devices on its store first
+        store, rank, size = next(dist.rendezvous("env://", rank, size, timeout=timeout))
+        store.set_timeout(timeout)
+        check_devices(store, rank, size, device, device_id(device, host))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, **kw)
     return World(rank, size, local_rank, addr, port, source, device, backend,
-                 "mpi" if backend_cfg == "mpi" else "torch", mpi_comm,
-                 os.environ.get("SLURMD_NODENAME") or socket.gethostname(), timeout)
+                 "mpi" if backend_cfg == "mpi" else "torch", mpi_comm, host, timeout)
+
+
+def backend_for(device: torch.device) -> str:
+    """The torch.distributed backend of a rank on ``device``: NCCL on GPUs (``comm.backend=mpi`` too: MPI then
+    sums the gradients, NCCL carries the rest), gloo on CPUs. Every group of a job has this one backend, so
+    every tensor a collective gets lives on the rank's device (docs/design.md)."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def job_device(cfg: Any) -> str:
+    """``cuda`` or ``cpu``: what the ranks of the job will run on, as the launching machine can tell before
+    anything starts (Slurm: ``cluster.gpus_per_node``; the local launcher: this machine's GPUs)."""
+    want, c = str(cfg.train.device), cfg.cluster
+    if c.launcher == "slurm":
+        has, where = int(c.get("gpus_per_node") or 0) > 0, f"cluster.gpus_per_node={c.get('gpus_per_node')}"
+    else:
+        has, where = torch.cuda.is_available(), "no GPU on this machine"
+    if want == "cuda" and not has:
+        raise ConfigError("train.device", "cuda", f"cpu or auto ({where})")
+    return "cpu" if want == "cpu" or not has else "cuda"
+
+
+def check_launch(cfg: Any, world: int) -> str:
+    """The device/backend combinations refused before launch (exit 2), for ``world`` ranks; returns the job's
+    device. gloo on GPU ranks (no CUDA point-to-point or all-gather), NCCL on CPU ranks, more ranks on a
+    node than it has GPUs."""
+    dev, backend, c = job_device(cfg), str(cfg.comm.backend), cfg.cluster
+    if dev == "cuda" and backend == "gloo":
+        raise ConfigError("comm.backend", "gloo", "nccl, mpi or auto on GPU ranks (gloo has no CUDA point-to-point "
+                          "messages or all-gather: halos and pipeline transfers would fail)")
+    if dev == "cpu" and backend == "nccl":
+        raise ConfigError("comm.backend", "nccl", "gloo, mpi or auto on CPU ranks (NCCL needs a GPU per rank"
+                          + (")" if c.launcher == "slurm" else "; this machine has none)"))
+    if dev == "cuda":
+        if c.launcher == "slurm":
+            per_node, gpus = int(c.tasks_per_node or world), int(c.gpus_per_node)
+            key, val = "cluster.tasks_per_node", per_node
+        else:
+            per_node, gpus = world, torch.cuda.device_count()
+            key, val = "parallel", f"{world} ranks"
+        if per_node > gpus:
+            raise ConfigError(key, val, f"at most {gpus} ranks per node, one per GPU (NCCL refuses two ranks on one "
+                              "GPU); more nodes, or fewer ranks")
+    return dev
 
 
 def keep_host_memory() -> bool:

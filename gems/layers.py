@@ -5,7 +5,9 @@ every mesh draws the same dropout masks as the serial run.
 
 Plain ``nn.Dropout`` draws from each rank's RNG, so a run on 4 ranks and a run
 on 1 would train different networks. ``SampleDropout`` draws sample ``i``'s
-mask at step ``t`` from a generator seeded with ``(seed, t, i)``. The runtime
+mask at step ``t`` from a generator seeded with ``(seed, t, i)``, on the
+activation's device (CPU runs and GPU runs draw different masks; every mesh of
+one kind of device draws the same). The runtime
 that calls the model says which samples are in the batch with
 :func:`batch_context`; pipeline runtimes set it again around the backward of a
 micro-batch, so recomputation draws the same masks.
@@ -58,10 +60,10 @@ class SampleDropout(nn.Module):
         if len(info.sample_ids) != x.shape[0]:
             raise RuntimeError(f"batch_context names {len(info.sample_ids)} samples, the batch has {x.shape[0]}")
         masks = []
-        for i in info.sample_ids:
-            g = torch.Generator().manual_seed((info.seed * 1_000_003 + info.step) * 1_000_033 + i)
-            masks.append(torch.rand(x.shape[1:], generator=g) >= self.p)
-        mask = torch.stack(masks).to(device=x.device, dtype=x.dtype)
+        for i in info.sample_ids:  # drawn on x's device: its generator (CUDA's is Philox), no host copy
+            g = torch.Generator(device=x.device).manual_seed((info.seed * 1_000_003 + info.step) * 1_000_033 + i)
+            masks.append(torch.rand(x.shape[1:], generator=g, device=x.device) >= self.p)
+        mask = torch.stack(masks).to(dtype=x.dtype)
         return x * mask / (1.0 - self.p)
 
     def extra_repr(self) -> str:

@@ -34,6 +34,7 @@ from gems import timers
 from gems.bootstrap import (
     KEEP_GROWTH,
     World,
+    check_launch,
     init_world,
     keep_host_memory,
     keeps_host_memory_within,
@@ -269,12 +270,9 @@ def preflight(cfg: DictConfig) -> None:
     seq = spec.module
     if cfg.data.name == "hdf5":  # a file that does not match the model is named before launch
         make_data(cfg, spec).samples.check_all(int(cfg.train.steps) * int(cfg.train.batch_size), spec.num_outputs)
-    if cfg.train.precision == "fp16":
-        on_cpu = cfg.train.device == "cpu" or (
-            cfg.cluster.launcher == "local" and not torch.cuda.is_available() and cfg.train.device == "auto") or (
-            cfg.cluster.launcher == "slurm" and not cfg.cluster.gpus_per_node)
-        if on_cpu:
-            raise ConfigError("train.precision", "fp16", "fp32 or bf16 on CPU ranks (fp16 needs GPUs)")
+    device = check_launch(cfg, mesh.size)  # gloo on GPUs, NCCL on CPUs, more ranks on a node than GPUs
+    if cfg.train.precision == "fp16" and device == "cpu":
+        raise ConfigError("train.precision", "fp16", "fp32 or bf16 on CPU ranks (fp16 needs GPUs)")
     if mesh.spatial_enabled:
         from gems.spatial import SpatialContext, apply_spatial
 
@@ -536,7 +534,7 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
     peak = meter.peak()
     hosts = [world.hostname]
     peaks = [peak]
-    times = torch.tensor(step_times, dtype=torch.float64)
+    times = torch.tensor(step_times, dtype=torch.float64, device=world.device)  # NCCL takes device tensors only
     if world.size > 1:
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank ends
         gathered: list[Any] = [None] * world.size
@@ -659,8 +657,7 @@ def _step_sync(local_loss: float, stop: bool, world: World) -> tuple[float, bool
         return float(local_loss), bool(stop)
     import torch.distributed as dist
 
-    t = torch.tensor([local_loss, 1.0 if stop else 0.0], dtype=torch.float64,
-                     device=world.device if world.backend == "nccl" else "cpu")
+    t = torch.tensor([local_loss, 1.0 if stop else 0.0], dtype=torch.float64, device=world.device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     total, stops = t.tolist()
     return total, stops > 0
@@ -675,7 +672,7 @@ def _locate_nonfinite(par: Parallel, world: World, mesh: Mesh, step: int, B: int
     if world.size > 1:
         import torch.distributed as dist
 
-        t = torch.tensor([key], dtype=torch.float64, device=world.device if world.backend == "nccl" else "cpu")
+        t = torch.tensor([key], dtype=torch.float64, device=world.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         key = float(t.item())
     if not math.isfinite(key):

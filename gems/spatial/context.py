@@ -232,17 +232,12 @@ class SpatialContext:
                         v[j] = int(x.shape[2 + j])
                 elif self.index == 0:
                     v[j] = int(x.shape[2 + j])
-            t = torch.tensor(v, dtype=torch.int64, device=self._coll_device(x))
+            t = torch.tensor(v, dtype=torch.int64, device=x.device)
             with waiting("spatial collective"):
                 dist.all_reduce(t, group=self.group)
             g = tuple(int(n) for n in t.tolist())
         self.mark(x, g)
         return g
-
-    def _coll_device(self, x: torch.Tensor) -> torch.device:
-        if x.is_cuda and dist.get_backend(self.group) != "gloo":
-            return x.device
-        return torch.device("cpu")
 
     def overlaps(self, x: torch.Tensor) -> bool:
         """Whether layers compute their interior while halos of ``x`` travel."""
@@ -287,11 +282,8 @@ class SpatialContext:
     def _reduce(self, x: torch.Tensor, op: Any) -> torch.Tensor:
         y = x.detach().clone().contiguous()
         if self.size > 1:
-            dev = self._coll_device(y)
-            z = y.to(dev)
             with waiting("spatial collective"):
-                dist.all_reduce(z, op=op, group=self.group)
-            y = z.to(y.device)
+                dist.all_reduce(y, op=op, group=self.group)  # on the rank's device: its group's backend takes it
         return y
 
 

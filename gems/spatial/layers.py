@@ -426,16 +426,26 @@ class SpatialAvgPool(_WindowLayer):
         y = self.sctx.avg_pool(self.nd)(xp, self.k, self.s, self._pad, self.ceil, self.include_pad, self.divisor)
         if self.divisor:
             return y
-        fix = None
-        for j, (m, (a, b), n) in enumerate(zip(self.maps, box, gin)):
-            if self.native[j] is not None:
-                continue
-            c = m.avg_count(a, b, n, self.include_pad)
-            if (c == self.k[j]).all():
-                continue
-            f = torch.from_numpy(self.k[j] / c).view(-1, *([1] * (self.nd - 1 - j)))
-            fix = f if fix is None else fix * f
-        return y if fix is None else y * fix.to(y.dtype)
+        fix = self._fix(box, gin, y)
+        return y if fix is None else y * fix
+
+    def _fix(self, box: Box, gin: tuple[int, ...], y: torch.Tensor) -> torch.Tensor | None:
+        """The per-cut-dim rescaling of this part's outputs, made once per (part, input shape, device, dtype)
+        and kept on the output's device (no host tensor meets a device one, no copy in each forward)."""
+        cache = self.__dict__.setdefault("_fixes", {})
+        key = (box, gin, y.device, y.dtype)
+        if key not in cache:
+            fix = None
+            for j, (m, (a, b), n) in enumerate(zip(self.maps, box, gin)):
+                if self.native[j] is not None:
+                    continue
+                c = m.avg_count(a, b, n, self.include_pad)
+                if (c == self.k[j]).all():
+                    continue
+                f = torch.from_numpy(self.k[j] / c).view(-1, *([1] * (self.nd - 1 - j)))
+                fix = f if fix is None else fix * f
+            cache[key] = None if fix is None else fix.to(device=y.device, dtype=y.dtype)
+        return cache[key]
 
     def extra_repr(self) -> str:
         return f"{self.label}, maps={self.maps}"
@@ -519,12 +529,17 @@ class SpatialUpsample(SpatialLayer):
         (y,) = halo.windows(sctx, x, p, [p.need], self.label, tag=self.tag)
         if is_empty(box):
             return sctx.mark(zeros_out((x.shape[0], x.shape[1], *shape_of(box)), y), gout)
-        for j, ((i0, i1, lam), (lo, _)) in enumerate(zip(src, p.need)):
-            i0, i1 = i0.to(y.device) - lo, i1.to(y.device) - lo
+        # the source indices and weights on the output's device, copied there once (not in every forward)
+        placed = self.__dict__.setdefault("_placed", {})
+        key = (gin, y.device, y.dtype)
+        if key not in placed:
+            placed[key] = [(i0.to(y.device) - lo, i1.to(y.device) - lo,
+                            lam.to(device=y.device, dtype=y.dtype).view(-1, *([1] * (len(gin) - 1 - j))))
+                           for j, ((i0, i1, lam), (lo, _)) in enumerate(zip(src, p.need))]
+        for j, (i0, i1, w) in enumerate(placed[key]):
             if self.mode != "linear":
                 y = y.index_select(2 + j, i0)
                 continue
-            w = lam.to(device=y.device, dtype=y.dtype).view(-1, *([1] * (len(gin) - 1 - j)))
             y = y.index_select(2 + j, i0) * (1 - w) + y.index_select(2 + j, i1) * w
         return sctx.mark(y, gout)
 
@@ -637,10 +652,12 @@ class SpatialSampleDropout(SpatialLayer):
         mode = self.inner.training
         self.inner.train(True)
         try:
-            scale = self.inner(torch.ones((x.shape[0], x.shape[1], *gin), dtype=x.dtype))
+            # the whole sample's masks, drawn on the device as the serial run draws them (SampleDropout), then
+            # this part's slice: the same values on every cut
+            scale = self.inner(torch.ones((x.shape[0], x.shape[1], *gin), dtype=x.dtype, device=x.device))
         finally:
             self.inner.train(mode)
-        part = scale[local_index(self.sctx.box(gin), tuple((0, n) for n in gin))].to(x.device)
+        part = scale[local_index(self.sctx.box(gin), tuple((0, n) for n in gin))]
         return self.sctx.mark(x * part, gin)
 
 

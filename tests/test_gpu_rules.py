@@ -1,0 +1,88 @@
+"""Device rules a CPU machine can check for GPU ranks (docs/design.md, "Rules of the GPU path").
+
+Every rank of a job on one kind of device, never two ranks on one GPU: agreed through the rendezvous store
+before any process group starts (gems.bootstrap.check_devices), here over a real TCPStore with one thread
+per rank, each claiming the device a GPU node would give it. What cannot be checked without GPUs: that
+``torch.cuda.get_device_properties(...).uuid`` tells GPUs apart (CUDA documents it as unique per device).
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gems.bootstrap import check_devices
+from gems.errors import ConfigError
+from gems.testing import free_port
+
+
+def _agree(devices: list[tuple[str, str]]) -> list[Any]:
+    """Run check_devices on one thread per rank over a real TCPStore; each rank's outcome (None or error)."""
+    size, port = len(devices), free_port()
+    master = dist.TCPStore("127.0.0.1", port, size, True, timeout=datetime.timedelta(seconds=20),
+                           wait_for_workers=False)
+    out: list[Any] = [None] * size
+
+    def rank(r: int) -> None:
+        store = master if r == 0 else dist.TCPStore("127.0.0.1", port, size, False,
+                                                    timeout=datetime.timedelta(seconds=20))
+        kind, gpu = devices[r]
+        try:
+            check_devices(store, r, size, torch.device(kind), gpu)
+        except ConfigError as e:
+            out[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_one_gpu_each_passes() -> None:
+    assert _agree([("cuda", "n1/GPU-a"), ("cuda", "n1/GPU-b"), ("cuda", "n2/GPU-a")]) == [None] * 3
+    assert _agree([("cpu", ""), ("cpu", "")]) == [None, None]
+
+
+def test_ranks_without_a_gpu_among_gpu_ranks_stop_every_rank() -> None:
+    out = _agree([("cuda", "n1/GPU-a"), ("cpu", ""), ("cuda", "n1/GPU-b")])
+    assert all(isinstance(e, ConfigError) and e.key == "train.device" and "2 of its 3 ranks" in str(e) for e in out), out
+
+
+def test_two_ranks_on_one_gpu_are_named() -> None:
+    out = _agree([("cuda", "n1/GPU-a"), ("cuda", "n1/GPU-a"), ("cuda", "n1/GPU-c")])
+    assert isinstance(out[0], ConfigError) and isinstance(out[1], ConfigError) and out[2] is None, out
+    assert out[0].key == "cluster.tasks_per_node" and "GPU-a on n1" in str(out[0])
+
+
+def test_a_pipeline_rank_without_parameters_receives_on_its_device() -> None:
+    """A partition of pooling layers holds no parameters: its receive buffers go on the rank's device, not
+    on the CPU (the runtime took the device from the first parameter)."""
+    from gems.pipeline.runtime import PipelineRunner
+    from gems.pipeline.schedules import make_schedule
+
+    sched = make_schedule("lp", 2)
+    runner = PipelineRunner({1: nn.Sequential(nn.AvgPool2d(2))}, sched, 1, [0, 1], {(0, 1): None, (1, 0): None},
+                            batch_size=2, loss_fn=lambda y, t, n: y.sum(), device=torch.device("meta"))
+    assert runner.device == torch.device("meta") and not runner.parameters()
+
+
+@pytest.mark.parametrize("cut", [2, 3])
+def test_avg_pool_correction_lives_on_the_output_device(cut: int) -> None:
+    """A padded average pool cut in parts rescales its edge outputs by a correction made once on the output's
+    device (it was a host tensor multiplied into a device tensor in every forward)."""
+    from gems.spatial.context import SpatialContext
+    from gems.spatial.layers import SpatialAvgPool
+
+    sctx = SpatialContext(None, list(range(cut)), (cut,), (0,), (0,))
+    layer = SpatialAvgPool(nn.AvgPool2d(3, 2, 1, count_include_pad=False), sctx, "pool", 2)
+    y = torch.ones(1, 2, 4, 8, device="meta")
+    fix = layer._fix(((0, 5), (0, 8)), (9, 16), y)
+    assert fix is not None and fix.device == y.device
+    assert layer._fix(((0, 5), (0, 8)), (9, 16), y) is fix  # made once
