@@ -89,6 +89,10 @@ class TrainConf:
     momentum: float = key(0.9, "sgd momentum", ge=0, lt=1)
     seed: int = key(0, "seed of weights, data and dropout", ge=0)
     precision: str = key("fp32", "compute precision", choices=("fp32", "bf16", "fp16"))
+    loss_scaling: str = key("auto", "dynamic loss scaling (torch.amp.GradScaler, the skip agreed over every rank; "
+                                    "auto: fp16 only)", choices=("auto", "dynamic", "off"))
+    loss_scale_init: float = key(65536.0, "the first loss scale (a power of two keeps fp32 exact)", gt=0)
+    loss_scale_growth_interval: int = key(2000, "clean steps before the loss scale doubles", ge=1)
     device: str = key("auto", "where ranks compute", choices=("auto", "cpu", "cuda"))
     threads: int = key(1, "torch threads per rank on CPU (0: torch's default)", ge=0)
     host_memory: str = key("auto", "freed host memory stays in the process (auto: on CPU ranks)",
@@ -112,7 +116,10 @@ class ClusterConf:
     cpus_per_task: int = key(1, "CPUs per rank", ge=1)
     cpus_per_node: Optional[int] = key(None, "CPUs of a node, for placing ranks on CPU nodes (null: unknown, one "
                                             "node unless cluster.nodes says otherwise)", ge=1)
-    gpu_memory_gb: float = key(0.0, "memory of one GPU (gems plan)", ge=0)
+    gpu_memory_gb: float = key(0.0, "memory of one GPU as its data sheet gives it, e.g. 40 for an A100 40GB (gems "
+                                    "plan). For HBM GPUs that figure is binary, GiB not 10^9 bytes; the planner "
+                                    "counts what CUDA reports for it: cluster.gpu's measured total when it names a "
+                                    "GPU of this size, else this many GiB less 1.5% for the driver", ge=0)
     gpu: Optional[str] = key(None, "the GPU model, for gems plan's step-time prediction (a100-40gb, a100-64gb, "
                                    "a100-80gb, h100, h200, gh200, mi250x-gcd, v100-16gb, v100-32gb; null: CPU "
                                    "ranks, measured on the spot)")
@@ -173,8 +180,11 @@ class ResultsConf:
 @dataclass
 class PlanConf:
     format: str = key("table", "gems plan's output", choices=("table", "json"))
-    reserve_gb: float = key(1.0, "per rank, set aside for the CUDA context, allocator and workspaces (CPU: at "
-                                 "most 0.5)", ge=0)
+    reserve_gb: Optional[float] = key(None, "GiB (2^30 bytes) per rank set aside beside the planned tensors, "
+                                            "replacing the modelled reserve (null: on GPUs the CUDA context, "
+                                            "cuBLAS workspaces, NCCL buffers per communicator and 10% of the "
+                                            "peak for fragmentation; on CPUs 0.5 GiB, and at most 0.5 when set)",
+                                      ge=0)
     predict: bool = key(True, "predict the step time and throughput too (needs cluster.gpu on GPUs, and the "
                               "preset's link figures for more than one rank)")
     efficiency: Any = key(None, "fractions of a GPU's peak kernels reach, per op class: {conv: 0.5, matmul: 0.6, "

@@ -20,7 +20,6 @@ import statistics
 import sys
 import time
 import traceback
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -50,6 +49,7 @@ from gems.memory import MemoryMeter, persistent_bytes, step_peak_bytes
 from gems.mesh import Coord, Mesh, mesh_from_config
 from gems.models import ModelSpec, build_model, check_shapes
 from gems.parallel import ParallelSettings, resolve, spatial_model, spatial_stage_balance
+from gems.precision import LossScaler, autocast, scaling_enabled
 from gems.replication import GradientReducer, mpi_group
 from gems.results import record as rec
 
@@ -103,6 +103,8 @@ class Parallel:
     first_nonfinite: Callable[[], int | None] = field(default=lambda: None)
     #: wait for this rank's messages still in flight (a profiled step ends with none: see drain_sends)
     quiesce: Callable[[], None] = field(default=lambda: None)
+    #: fp16's loss scaling (gems.precision): the loss the backward starts from, the optimizer step after the sum
+    scaler: LossScaler = field(default_factory=lambda: LossScaler(torch.device("cpu"), False))
 
 
 def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
@@ -160,7 +162,10 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
     if device.type == "cuda" and spec.spatial_ndim in (2, 3):
         seq = seq.to(memory_format=torch.channels_last if spec.spatial_ndim == 2  # type: ignore[call-overload]
                      else torch.channels_last_3d)
-    amp = _autocast(cfg.train.precision, device)
+    amp = autocast(cfg.train.precision, device)
+    t = cfg.train
+    scaler = LossScaler(device, scaling_enabled(str(t.precision), str(t.get("loss_scaling", "auto"))),
+                        float(t.get("loss_scale_init", 2.0**16)), int(t.get("loss_scale_growth_interval", 2000)))
 
     # 2. pipeline
     if pipelined:
@@ -176,6 +181,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
             balance=balance, balance_by=settings.balance_by_given,
             checkpoint=settings.checkpoint, sample_shape=_pipeline_sample(spec, ctx, slices), device=device,
         )
+        runner.scale_loss = scaler.scale
         params = list(runner.parameters())
         reducer = _reducer(params, mesh, world, cfg)
         # a parameter is final after the last backward of its partition on this rank
@@ -200,7 +206,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
         return Parallel(pipe_step, params, list(runner.modules), reducer, slices,
                         runner.needs_inputs, runner.needs_targets, runner.samples_per_step, pipe_stats,
                         balance=list(runner.balance), first_nonfinite=runner.first_nonfinite,
-                        notes=[gather_note] if gather_note else [], quiesce=quiesce)
+                        notes=[gather_note] if gather_note else [], quiesce=quiesce, scaler=scaler)
 
     # no pipeline: one forward and backward of the whole (spatial) model
     params = list(seq.parameters())
@@ -228,7 +234,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
             finite[1] = all_finite(out)
             loss = loss_fn(out, y)
             progress.mark("backward")
-            loss.backward()
+            scaler.scale(loss).backward()
         reducer.finish()
         return scalar(loss.detach())
 
@@ -236,7 +242,8 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
         return next((pos for pos, ok in sorted(finite.items()) if not bool(ok)), None)
 
     return Parallel(plain_step, params, [seq], reducer, slices, True, True, local_batch, halo_stats,
-                    first_nonfinite=first_bad, notes=[gather_note] if gather_note else [], quiesce=quiesce)
+                    first_nonfinite=first_bad, notes=[gather_note] if gather_note else [], quiesce=quiesce,
+                    scaler=scaler)
 
 
 def _pipeline_sample(spec: ModelSpec, ctx: Any, slices: tuple[slice, ...] | None) -> tuple[int, ...] | None:
@@ -270,9 +277,7 @@ def preflight(cfg: DictConfig) -> None:
     seq = spec.module
     if cfg.data.name == "hdf5":  # a file that does not match the model is named before launch
         make_data(cfg, spec).samples.check_all(int(cfg.train.steps) * int(cfg.train.batch_size), spec.num_outputs)
-    device = check_launch(cfg, mesh.size)  # gloo on GPUs, NCCL on CPUs, more ranks on a node than GPUs
-    if cfg.train.precision == "fp16" and device == "cpu":
-        raise ConfigError("train.precision", "fp16", "fp32 or bf16 on CPU ranks (fp16 needs GPUs)")
+    check_launch(cfg, mesh.size)  # gloo on GPUs, NCCL on CPUs, more ranks on a node than GPUs
     if mesh.spatial_enabled:
         from gems.spatial import SpatialContext, apply_spatial
 
@@ -287,15 +292,6 @@ def preflight(cfg: DictConfig) -> None:
             print(f"gems: note: {note}", file=sys.stderr, flush=True)
         seq = apply_spatial(copy.deepcopy(spec.module), ctx, spec.spatial_end, bn_stats=p.bn_stats)
     resolve(cfg).check_layers(len(seq))  # the schedule, the batch over passes and micro-batches, the balance
-
-
-def _autocast(precision: str, device: torch.device) -> Any:
-    if precision == "fp32":
-        return nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    if precision == "fp16" and device.type != "cuda":
-        raise ConfigError("train.precision", precision, "fp32 or bf16 on CPU (fp16 needs a GPU)")
-    return torch.autocast(device.type, dtype=dtype)
 
 
 def _reducer(params: list[nn.Parameter], mesh: Mesh, world: World, cfg: DictConfig) -> GradientReducer:
@@ -458,6 +454,8 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
         start, history = got
         history.setdefault("nonfinite_steps", [])
         restarts = max(restarts, 1)
+        if "loss_scale" in history:  # fp16: the scale and the steps skipped so far, as if never stopped
+            par.scaler.load_state_dict(history["loss_scale"])
     if wd is not None:
         wd.warm_until = max(warm, start + 1)  # warm-up and the first step after a (re)start: the long allowance
     losses: list[float] = history["losses"]
@@ -492,6 +490,8 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
         else:
             loss, stop = context.step(x, y, ids, step)
         host_memory.after_step(world.rank)
+        if par.scaler.enabled:
+            history["loss_scale"] = par.scaler.state_dict()  # saved with every checkpoint
         if buffers:
             with progress.waiting("gradient sum"):
                 _average_buffers(buffers, mesh)
@@ -558,6 +558,8 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
     record["host_memory"] = host_memory.summary
     if par.notes:
         record["notes"] = list(par.notes)
+    if par.scaler.enabled:
+        record["loss_scale"] = par.scaler.summary()
     if nonfinite:
         record["diverged"] = True
         record["nonfinite_steps"] = list(nonfinite)
@@ -632,7 +634,7 @@ class _StepContext:
             loss, stop = _step_sync(local, ckpt.stop_requested(), self.world)
         if math.isfinite(loss) or not self.stop_on_nonfinite:
             progress.mark("optimizer")
-            self.opt.step()
+            self.par.scaler.step(self.opt, step)  # fp16: unscaled after the sum; skipped where any rank overflowed
             self.opt.zero_grad(set_to_none=True)
         return loss, stop
 

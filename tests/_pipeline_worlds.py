@@ -134,7 +134,8 @@ class _Worker(_Rank):
                              balance=c.get("balance"),
                              balance_by=c.get("balance_by", "memory"), checkpoint=c.get("checkpoint", False),
                              bn_stats="global", overlap=c.get("overlap")),
-            "train": dict(batch_size=c["B"], seed=SEED, precision="fp32"),
+            "train": dict(batch_size=c["B"], seed=SEED, precision="fp32",
+                          loss_scaling="dynamic" if c.get("loss_scaling") else "off"),
             "comm": dict(bucket_mb=c.get("bucket_mb", 4.0)),
         })
         w = World(rank=rank, size=world, local_rank=rank, master_addr="127.0.0.1", master_port=0, source="single",
@@ -182,10 +183,13 @@ def _run_case(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
             total = torch.tensor([local], dtype=torch.float64)
             dist.all_reduce(total)
             losses.append(total.item())
+            scaled = c.get("loss_scaling") and isinstance(me, _Worker)
+            if scaled and opt is not None:  # fp16's route: unscale after the sum, agree on overflow, step
+                assert me.par.scaler.enabled and me.par.scaler.step(opt, t)
             if t == 0:
                 grads0 = {i: [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in part.parameters()]
                           for i, part in me.held.items()}
-            if opt is not None:
+            if opt is not None and not scaled:
                 opt.step()
     sched = make_schedule(c["schedule"], c["D"], c["m"], c.get("eta"), c.get("v"), c.get("split", False))
     forwards = {i: sum(a.kind == "F" and a.stage == i for a in sched.actions[me.mesh.coord(rank).pipeline])

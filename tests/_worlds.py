@@ -13,3 +13,38 @@ def fail_on_one(rank, world):
         raise ValueError("boom on rank 1")
     dist.barrier()
     return rank
+
+
+def loss_scaling(rank, world, scaling, overflow_at):
+    """Two replicas of a small convolutional model, gradients summed by gems' reducer, stepped through
+    gems.precision.LossScaler; rank 1's input is huge at step ``overflow_at`` (its scaled gradients overflow).
+    Returns the per-step global losses, whether each step was taken, the scales and the final parameters."""
+    from torch import nn
+
+    from gems.precision import LossScaler
+    from gems.replication import GradientReducer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    reducer = GradientReducer(list(model.parameters()), dist.group.WORLD, bucket_mb=0.001)
+    scaler = LossScaler(torch.device("cpu"), scaling, init_scale=2.0**10, growth_interval=2)
+    out = {"losses": [], "stepped": [], "scales": []}
+    for step in range(5):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(2, 2, 6, 6, generator=g), torch.randn(2, 3, generator=g)
+        if step == overflow_at and rank == 1:
+            x = x * 3e35
+        reducer.start_step()
+        loss = ((model(x) - y) ** 2).mean() / world
+        scaler.scale(loss).backward()
+        reducer.finish()
+        total = torch.tensor([loss.item()], dtype=torch.float64)
+        dist.all_reduce(total)
+        out["losses"].append(total.item())
+        out["stepped"].append(scaler.step(opt, step))
+        opt.zero_grad(set_to_none=True)
+        out["scales"].append(scaler.value)
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    out["skipped"] = scaler.summary()["skipped_steps"]
+    return out

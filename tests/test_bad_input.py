@@ -18,13 +18,12 @@ CUSTOM = ["model=custom", "model._target_=_custom_models.plain"]
 
 CASES = [
     # ---- run: devices and backends refused before launch (issue 24): NCCL on CPU ranks, gloo on GPU ranks,
-    # more ranks on a node than GPUs, fp16 without GPUs
+    # more ranks on a node than GPUs
     (["run", "comm=nccl"], "comm.backend=nccl"),
     (["run", "train.device=cuda"], "train.device=cuda"),
     (["run", "cluster=perlmutter", "cluster.account=x", "comm=gloo"], "comm.backend=gloo"),
     (["run", "cluster=perlmutter", "cluster.account=x", "parallel.replicas=8", "train.batch_size=8",
       "cluster.tasks_per_node=8"], "cluster.tasks_per_node=8"),
-    (["run", "train.precision=fp16"], "train.precision=fp16"),
     # ---- run: choices, ranges, relations
     (["run", "model=nope"], "model=nope"),
     (["run", "parallel.replicas=3"], "train.batch_size=4"),

@@ -33,11 +33,13 @@ from gems.testing import run_world
 def case(model: str, schedule: str, D: int, m: int = 1, eta: int | None = None, R: int = 1, S: int = 1,
          B: int = 8, checkpoint: bool = False, trace: bool = True, steps: int = 3, balance_by: str = "memory",
          via: str = "pipeline", spatial_dims: tuple[int, ...] = (0,), bucket_mb: float = 4.0,
-         balance: list[int] | None = None, v: int | None = None, split: bool = False) -> dict[str, Any]:
+         balance: list[int] | None = None, v: int | None = None, split: bool = False,
+         loss_scaling: bool = False) -> dict[str, Any]:
     assert S == 1 or via == "worker", "spatial parts are composed by the worker"
+    assert not loss_scaling or via == "worker", "loss scaling is the worker's (gems.precision)"
     return dict(model=model, schedule=schedule, D=D, R=R, S=S, m=m, eta=eta, B=B, checkpoint=checkpoint,
                 trace=trace, steps=steps, balance_by=balance_by, via=via, spatial_dims=spatial_dims,
-                bucket_mb=bucket_mb, balance=balance, v=v, split=split)
+                bucket_mb=bucket_mb, balance=balance, v=v, split=split, loss_scaling=loss_scaling)
 
 
 WORLD2 = [  # D = 2
@@ -66,6 +68,9 @@ WORLD2 = [  # D = 2
     case("resnet_gn", "zbh1", 2, m=2, via="worker", steps=2),
     case("cosmoflow", "gpipe", 2, m=2, split=True, steps=2),
     case("resnet_gn", "1f1b", 2, m=2, split=True, steps=2),
+    # fp16's loss scaling in fp32 (a power of two: exact): the last stage scales, every rank unscales after the sum
+    case("cosmoflow", "mast", 2, m=2, via="worker", loss_scaling=True, steps=2),
+    case("resnet_bn", "1f1b", 2, m=2, checkpoint=True, via="worker", loss_scaling=True, steps=2),
 ]
 WORLD3 = [  # odd D: the middle rank holds one partition for both directions
     case("cosmoflow", "mast", 3, B=6),

@@ -154,6 +154,8 @@ class PipelineRunner:
         params = [p for m in self.modules for p in m.parameters()]
         self.device = device if device is not None else (params[0].device if params else torch.device("cpu"))
         self._loss_total: torch.Tensor | float = 0.0
+        #: the loss the backward starts from (fp16's loss scaling multiplies it: gems.precision)
+        self.scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
 
     # ---- what the caller needs to know -------------------------------------------------------------------
     @property
@@ -368,9 +370,9 @@ class PipelineRunner:
                 if a.stage > 0 and x.is_floating_point():
                     x.requires_grad_(True)
                 y = part(x)
-                out = self.loss_fn(y, target, self.chunk) if grad is None else y
+                out = self.scale_loss(self.loss_fn(y, target, self.chunk)) if grad is None else y
             else:
-                out = live.loss if grad is None else live.y
+                out = self.scale_loss(live.loss) if grad is None and live.loss is not None else live.y
             assert out is not None
             if out.requires_grad:
                 torch.autograd.backward(out, grad)

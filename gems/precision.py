@@ -1,0 +1,120 @@
+"""Mixed precision on a rank: the autocast region and fp16's loss scaling.
+
+bf16 keeps fp32's exponent range, so it trains as fp32 does. fp16 does not: its
+smallest subnormal is 6e-8 and gems normalises the loss per cell (docs/design.md),
+so a dense model's output gradients at 128^3 are 0.1 / (128^3 x 8) ~ 6e-9, zero
+in fp16, and large ones overflow past 65504. ``train.precision=fp16`` therefore
+scales the loss (``train.loss_scaling``, auto: on for fp16 only) with
+``torch.amp.GradScaler``'s dynamic rule: the loss is multiplied by the scale
+before the backward (the last pipeline stage scales the micro-batch losses it
+computes), the gradients are summed over their ``grad`` group while scaled
+(gems.replication), then unscaled. A step whose gradients hold an Inf or NaN on
+any rank is skipped on every rank (one all-reduce of a flag over the world, since
+each pipeline position sees other gradients and the serial run would skip the
+step as a whole) and the scale halves; after ``train.loss_scale_growth_interval``
+clean steps it doubles. Every rank applies the same rule to the same flags, so
+the scale is the same everywhere. The record counts the skipped steps.
+
+Scaling by a power of two is exact in floating point, so an fp32 run with
+``train.loss_scaling=dynamic`` trains exactly as one without it: how the tests
+check the mechanics against the serial run on CPU ranks.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+__all__ = ["autocast", "LossScaler", "scaling_enabled"]
+
+
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """The autocast region of a forward: none for fp32, else ``torch.autocast`` to bf16 or fp16 (CPU ranks run
+    fp16 too, slowly: for checks; GPUs are what it is for)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
+def scaling_enabled(precision: str, loss_scaling: str) -> bool:
+    """``train.loss_scaling``: auto scales fp16 only; dynamic always; off never."""
+    return loss_scaling == "dynamic" or (loss_scaling == "auto" and precision == "fp16")
+
+
+class LossScaler:
+    """Dynamic loss scaling with ``torch.amp.GradScaler``, the skip decided over every rank.
+
+    ``scale(loss)`` before the backward; after the gradient sum, ``step(optimizer)`` unscales, agrees on
+    overflow with every rank, steps or skips, and moves the scale. Disabled: ``scale`` is the identity and
+    ``step`` only steps.
+    """
+
+    def __init__(self, device: torch.device, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 2000,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5) -> None:
+        self.enabled = enabled
+        self.device = device
+        self.growth_interval, self.growth, self.backoff = int(growth_interval), growth_factor, backoff_factor
+        self.value = float(init_scale)
+        self.clean = 0  # steps since the scale last moved
+        self.skipped: list[int] = []
+        self._scaler = torch.amp.GradScaler(device.type, init_scale=init_scale, growth_factor=growth_factor,
+                                            backoff_factor=backoff_factor, growth_interval=growth_interval,
+                                            enabled=enabled)
+        if enabled:  # GradScaler makes its scale tensor on the first scale(); unscale_ needs it
+            self._scaler.scale(torch.zeros((), device=device))
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss the backward starts from."""
+        return loss * self.value if self.enabled else loss
+
+    def step(self, optimizer: Any, step: int, group: Any = None) -> bool:
+        """Unscale this rank's (summed) gradients, agree on overflow over ``group`` (None: the world, when a
+        process group exists), then step the optimizer unless some rank overflowed; True when it stepped."""
+        if not self.enabled:
+            optimizer.step()
+            return True
+        import torch.distributed as dist
+
+        holds = any(p.grad is not None for g in optimizer.param_groups for p in g["params"])
+        if holds:
+            self._scaler.unscale_(optimizer)
+            found = self._found(optimizer)
+            flag = torch.stack([v.to(self.device) for v in found.values()]).amax().reshape(1)
+        else:  # a partition without parameters still takes part in the decision
+            flag = torch.zeros(1, device=self.device)
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        overflow = bool(flag.item() > 0)
+        if holds:
+            for v in found.values():  # what GradScaler.step reads: the world's verdict, not this rank's
+                v.copy_(flag.reshape(()).to(v.device))
+            self._scaler.step(optimizer)
+        if overflow:
+            self.value *= self.backoff
+            self.clean = 0
+            self.skipped.append(int(step))
+        else:
+            self.clean += 1
+            if self.clean == self.growth_interval:
+                self.value *= self.growth
+                self.clean = 0
+        self._scaler.update(self.value)  # the same rule on every rank: the scales stay equal
+        return not overflow
+
+    def _found(self, optimizer: Any) -> dict[Any, torch.Tensor]:
+        """GradScaler's per-device overflow flags of ``optimizer`` after ``unscale_`` (the one private field
+        read here; a test fails loudly if torch renames it)."""
+        return self._scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self.value, "clean": self.clean, "skipped": list(self.skipped)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value, self.clean, self.skipped = float(state["scale"]), int(state["clean"]), list(state["skipped"])
+        if self.enabled:
+            self._scaler.update(self.value)
+
+    def summary(self) -> dict[str, Any]:
+        """What the record keeps: the scale at the end and the steps skipped for Inf/NaN gradients."""
+        return {"final_scale": self.value, "skipped_steps": list(self.skipped)}
