@@ -242,7 +242,7 @@ def check_launch(cfg: Any, world: int) -> str:
     if dev == "cuda":
         if c.launcher == "slurm":
             per_node, gpus = int(c.tasks_per_node or world), int(c.gpus_per_node)
-            key, val = "cluster.tasks_per_node", per_node
+            key, val = "cluster.tasks_per_node", str(per_node)
         else:
             per_node, gpus = world, torch.cuda.device_count()
             key, val = "parallel", f"{world} ranks"
