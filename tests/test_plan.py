@@ -325,5 +325,5 @@ def test_gpu_targets_add_no_cpu_workspace_and_cpu_targets_do():
     cpu = make_plan(compose(SMALL + ["plan.predict=false"]), suggest=False)
     gpu = make_plan(compose(SMALL + ["plan.predict=false", "cluster.gpu_memory_gb=16"]), suggest=False)
     assert cpu.worst.activations_detail["workspace"] > 0
-    assert gpu.worst.activations_detail["workspace"] == 0  # cuDNN's is in plan.reserve_gb
+    assert gpu.worst.activations_detail["workspace"] == 0  # cuDNN's takes what the caching allocator has free
     assert cpu.worst.bytes.activations > gpu.worst.bytes.activations

@@ -1,10 +1,11 @@
 """The rates the performance model runs on: named GPUs from their vendors' data sheets, CPU ranks measured
 on the spot, and the links of a cluster preset.
 
-GPU figures are per device (per GCD for the MI250X), dense (no structured sparsity), in TFLOP/s and GB/s:
+GPU figures are per device (per GCD for the MI250X), dense (no structured sparsity), in TFLOP/s and GB/s
+(10^9 bytes/s, as data sheets give bandwidths):
 
 =============  =====  ======  ======  ======  ======  ========================================================
-name           GiB    fp32    tf32    bf16    fp16    memory GB/s, source
+name           GB     fp32    tf32    bf16    fp16    memory GB/s, source
 =============  =====  ======  ======  ======  ======  ========================================================
 v100-16gb      16     15.7    -       -       125     900: NVIDIA Tesla V100 data sheet (SXM2)
 v100-32gb      32     15.7    -       -       125     900: same
@@ -19,6 +20,14 @@ mi250x-gcd     64     47.9    -       191.5   191.5   1638: AMD Instinct MI250X 
                                                       95.7 TFLOP/s fp32 matrix and 3.2 TB/s for the 2 GCDs)
 =============  =====  ======  ======  ======  ======  ========================================================
 
+GB: the memory figure the data sheet prints ("40 GB"). For HBM parts it is a binary size: an A100 "40 GB"
+has 40 GiB = 40960 MiB (nvidia-smi's total), an H100 "80 GB" 81559 MiB. What a process can allocate in is
+less: the total the CUDA (ROCm) runtime reports, ``cudaGetDeviceProperties().totalGlobalMem`` =
+``torch.cuda.get_device_properties().total_memory``, which leaves out what the driver keeps. The planner
+counts that total (:data:`GPUS` ``.memory_bytes``, :func:`gpu_memory_bytes`); the sources are at
+:data:`GPUS`. The reserve the planner sets aside in it is modelled from its parts below
+(:func:`gpu_reserve`).
+
 PyTorch runs fp32 convolutions in TF32 by default on Ampere and later (``torch.backends.cudnn.allow_tf32``)
 and fp32 matmuls in fp32 (``torch.backends.cuda.matmul.allow_tf32`` is off), so an fp32 convolution is timed
 at the tf32 rate where there is one. What a kernel reaches of the peak is an efficiency per op class
@@ -31,7 +40,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -40,12 +49,14 @@ from gems.bootstrap import keep_host_memory
 from gems.errors import ConfigError
 
 __all__ = ["GPUS", "Rates", "Link", "gpu_rates", "cpu_rates", "forget_cpu_rates", "conv_workspace",
-           "synthetic_seconds", "links", "DEFAULT_EFFICIENCY", "efficiency"]
+           "synthetic_seconds", "links", "DEFAULT_EFFICIENCY", "efficiency", "gpu_memory_bytes", "Communicator",
+           "rank_communicators", "gpu_reserve", "Reserve"]
 
 
 @dataclass(frozen=True)
 class GPU:
-    memory_gib: float
+    nominal_gb: float  # the data sheet's memory figure ("40 GB"); for HBM parts that many GiB of HBM
+    memory_bytes: int  # the total CUDA/ROCm reports (torch total_memory): what the process allocates in
     fp32: float  # TFLOP/s
     tf32: float | None
     bf16: float | None
@@ -53,16 +64,44 @@ class GPU:
     bandwidth: float  # GB/s
 
 
+MiB = 2**20
+#: what the driver keeps of an HBM GPU's memory, as a fraction, where no total reported by CUDA was found:
+#: the largest seen among the GPUs below, an A100 40 GB's (40 GiB against the 42298834944 bytes deviceQuery
+#: reports, 1.5%). The others keep 0.02% (MI250X GCD) to 1.4% (V100 16 GB) of their nominal GiB.
+DRIVER_KEEPS = 1 - 42298834944 / (40 * 2**30)
+
+# The totals CUDA (ROCm) reports, ``totalGlobalMem`` (torch's ``total_memory``; torch prints it in MiB and
+# calls them "MB"). They move by a few MiB with the driver version.
+# - v100-16gb: 16160 MiB: torch's _CudaDeviceProperties of a Tesla V100-SXM2-16GB (torch 1.7-1.8 logs in
+#   public repositories, e.g. "Using torch 1.8.0+cu101 _CudaDeviceProperties(..., total_memory=16160MB)"),
+#   the same as nvidia-smi's total in logs of that time (which then already left out what the driver keeps).
+# - v100-32gb: 32480 MiB, nvidia-smi on Tesla V100-PCIE-32GB with driver 410 (quoted in
+#   blog.cachecha.com/csdn/kunhe0512/126265050); V100-SXM2-32GB logs show 32510 MiB: the smaller is taken.
+# - a100-40gb: 42298834944 bytes (40339 MiB), deviceQuery of an A100-SXM4-40GB, driver 535 (CUDA 12.2), in
+#   github.com/bottlerocket-os/bottlerocket/pull/3873; PaddlePaddle's docs show 40536 MiB from an older
+#   driver; nvidia-smi's total is 40960 MiB (thundergolfer.com/blog/nvidia-gpu-memory-capacity, Modal).
+# - a100-64gb: none found: 64 GiB less DRIVER_KEEPS.
+# - a100-80gb: 81251 MiB, deviceQuery of an A100-SXM4-80GB quoted in a public text found by search; nvidia-smi:
+#   81920 MiB (Modal, above).
+# - h100: 81089 MiB, torch 2.7 / CUDA 12.8 / NCCL 2.26.2 on an "NVIDIA H100 80GB HBM3" (the environment
+#   line of the all_reduce benchmark of Stas Bekman's ML Engineering, as quoted in a public post; other
+#   runs: 81082, 81090); nvidia-smi: 81559 MiB (Modal, above).
+# - h200: 143156 MiB, torch's _CudaDeviceProperties of an "NVIDIA H200" in a public Modal example; nvidia-smi:
+#   143771 MiB (Modal, above).
+# - gh200: 102005473280 bytes (97280 MiB), deviceQuery of an "NVIDIA GH200 480GB" (CUDA 12.4, driver 12.2)
+#   in a public log, whose nvidia-smi shows 97871 MiB.
+# - mi250x-gcd: 68702699520 bytes (65520 MiB), rocminfo's pool of a gfx90a GCD, 67092480 KB, in
+#   github.com/ROCm/rocm_smi_lib/issues/160.
 GPUS: dict[str, GPU] = {
-    "v100-16gb": GPU(16, 15.7, None, None, 125.0, 900.0),
-    "v100-32gb": GPU(32, 15.7, None, None, 125.0, 900.0),
-    "a100-40gb": GPU(40, 19.5, 156.0, 312.0, 312.0, 1555.0),
-    "a100-64gb": GPU(64, 19.5, 156.0, 312.0, 312.0, 1638.0),
-    "a100-80gb": GPU(80, 19.5, 156.0, 312.0, 312.0, 2039.0),
-    "h100": GPU(80, 67.0, 494.5, 989.5, 989.5, 3350.0),
-    "h200": GPU(141, 67.0, 494.5, 989.5, 989.5, 4800.0),
-    "gh200": GPU(96, 67.0, 494.5, 989.5, 989.5, 4000.0),
-    "mi250x-gcd": GPU(64, 47.9, None, 191.5, 191.5, 1638.0),
+    "v100-16gb": GPU(16, 16160 * MiB, 15.7, None, None, 125.0, 900.0),
+    "v100-32gb": GPU(32, 32480 * MiB, 15.7, None, None, 125.0, 900.0),
+    "a100-40gb": GPU(40, 42298834944, 19.5, 156.0, 312.0, 312.0, 1555.0),
+    "a100-64gb": GPU(64, int(64 * 2**30 * (1 - DRIVER_KEEPS)), 19.5, 156.0, 312.0, 312.0, 1638.0),
+    "a100-80gb": GPU(80, 81251 * MiB, 19.5, 156.0, 312.0, 312.0, 2039.0),
+    "h100": GPU(80, 81089 * MiB, 67.0, 494.5, 989.5, 989.5, 3350.0),
+    "h200": GPU(141, 143156 * MiB, 67.0, 494.5, 989.5, 989.5, 4800.0),
+    "gh200": GPU(96, 102005473280, 67.0, 494.5, 989.5, 989.5, 4000.0),
+    "mi250x-gcd": GPU(64, 68702699520, 47.9, None, 191.5, 191.5, 1638.0),
 }
 
 #: what kernels reach of a GPU's peak, per op class (convolutions, matmuls, memory-bound ops)
@@ -331,7 +370,7 @@ def conv_workspace(sig: tuple, batch: int, input_grad: bool, threads: int = 1) -
     gradients it returns (oneDNN's scratchpad and weight-gradient buffers in its own layout: about 4x the
     weights for a 256-channel 3^3 convolution, whatever the extent and batch; torch's reference kernel, which
     it picks for one small sample: the unfolded input, 27x the input for a 3^3 one). A GPU's counterpart,
-    cuDNN's workspace, is in ``plan.reserve_gb``.
+    cuDNN's workspace, takes what the caching allocator has free (:data:`CUDNN_WORKSPACE_BYTES`).
 
     Measured on random tensors from the CPU allocator's events (:func:`gems.memory.step_peak_bytes`, as a
     run's record counts tensor memory), once per signature and input gradient at batches 1, 2 and 4 (those
@@ -526,3 +565,227 @@ def links(cluster: Any, nodes: int) -> tuple[Link, Link | None]:
     if nodes <= 1:
         return intra, None
     return intra, Link(need("inter_node_GBps") * 1e9, need("inter_node_latency_us") * 1e-6, "inter-node")
+
+
+# ---- GPU memory: the device's total and the reserve set aside in it -------------------------------------------
+GiB = 2**30
+
+
+def gpu_memory_bytes(nominal_gb: float, gpu: str | None) -> tuple[int, str]:
+    """(bytes a process allocates in, where that figure comes from) for a GPU whose data sheet says
+    ``nominal_gb`` "GB" (``cluster.gpu_memory_gb``): the total CUDA reports for ``cluster.gpu`` when it names a
+    GPU of that nominal size (:data:`GPUS`), else ``nominal_gb`` GiB (HBM comes in binary sizes: the "GB" of
+    a data sheet is a GiB here) less what a driver keeps (:data:`DRIVER_KEEPS`)."""
+    g = GPUS.get(str(gpu)) if gpu else None
+    if g is not None and float(g.nominal_gb) == float(nominal_gb):
+        return g.memory_bytes, f"{gpu}'s total as CUDA reports it"
+    return (int(nominal_gb * GiB * (1 - DRIVER_KEEPS)),
+            f"{nominal_gb:g} GiB less the {100 * DRIVER_KEEPS:.1f}% a driver keeps")
+
+
+# The reserve: what a GPU rank's process holds beside the tensors the plan counts, from its parts. Each part is
+# per rank and in bytes; gpu_reserve adds them up.
+
+#: (a) The CUDA context: the driver's state, the kernels of torch, cuDNN and cuBLAS it loads, the handles.
+#: torch sets CUDA_MODULE_LOADING=LAZY unless the user did (github.com/pytorch/pytorch/pull/86509, since
+#: 1.13), so kernels load as they are first used. Measured with lazy loading: 287047680 bytes after one tensor
+#: (that pull request; 666632192 eager), "~300MB" and "around 400MB if CUDA >= 11.7 is used and lazy module
+#: loading enabled" (torch's ptrblck in pytorch/pytorch#107667 and #109888), 426 MiB on an RTX 6000 Ada with
+#: torch 2.10 / CUDA 13.0 (unslothai/unsloth-zoo#1053); before CUDA 11.7 (every kernel loaded) over 1000 MB.
+#: No figure per GPU generation was found; a training step also loads cuDNN's and cuBLAS's kernels for its
+#: shapes, so the largest measured figure is rounded up to 512 MiB for every GPU (an assumption: no GPU here).
+CUDA_CONTEXT_BYTES = 512 * MiB
+
+#: (b) cuBLAS's workspace, per (handle, stream), when CUBLAS_WORKSPACE_CONFIG is unset: torch's default is
+#: ":4096:8" (32 MiB) on sm90 GPUs (Hopper) and ":4096:2:16:8" (8 MiB + 128 KiB) on the others
+#: (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize); cuBLASLt shares it
+#: (TORCH_CUBLASLT_UNIFIED_WORKSPACE, on by default), while torch's ROCm builds give hipBLASLt 76 MiB of its
+#: own (parseCUDABlasLtWorkspaceSize, same file). It comes from the caching allocator, outside the tensors the
+#: plan counts.
+CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8
+CUBLAS_WORKSPACE_SM90_BYTES = 4096 * 1024 * 8
+HIPBLASLT_WORKSPACE_BYTES = 76 * MiB
+#: handles a rank's matmuls run on: cuBLAS handles are per thread (CublasHandlePool.cpp's thread-local pool),
+#: and a step runs its forward on the main thread and its backward on autograd's thread for the device
+BLAS_HANDLES = 2
+SM90 = frozenset({"h100", "h200", "gh200"})
+ROCM = frozenset({"mi250x-gcd"})
+ARM_HOSTS = frozenset({"gh200"})  # Grace: NCCL's SIMPLE buffer is 1 MiB on Arm hosts (below)
+
+#: cuDNN's convolution workspace is not reserved: torch offers cuDNN only the algorithms whose workspace fits
+#: the largest free block the caching allocator holds (aten/src/ATen/native/cudnn/Conv_v7.cpp
+#: getMaxWorkspaceSize and Conv_v8.cpp get_available_workspace, both from CUDACachingAllocator::cacheInfo), and
+#: tries the next algorithm when allocating one fails. It lives in the allocator's free blocks (the
+#: fragmentation term) and costs speed, not fit; the activation model counts no GPU workspace either
+#: (``activations_detail.workspace`` is the CPU convolution workspace only), so nothing is counted twice.
+CUDNN_WORKSPACE_BYTES = 0
+
+#: (c) The caching allocator's fragmentation, as a fraction of the rank's tensor peak: an assumption (no GPU run
+#: of gems measured reserved against allocated memory). The allocator rounds requests above 1 MiB up to
+#: 2 MiB, serves 1-10 MiB ones from 20 MiB segments and keeps freed blocks cached
+#: (c10/cuda/CUDACachingAllocator.cpp: kRoundLarge, kLargeBuffer, kMinLargeAlloc); cuDNN's workspaces go in
+#: the gaps.
+FRAGMENTATION = 0.10
+
+#: (d) NCCL's buffers. Per communicator, every channel connects to its peers, and each connection holds one
+#: buffer per protocol: SIMPLE, NCCL_BUFFSIZE, 4 MiB by default (NCCL's environment-variable documentation,
+#: docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-buffsize; src/init.cc computeBuffSizes:
+#: DEFAULT_BUFFSIZE 1 << 22, DEFAULT_BUFFSIZE_ARM 1 << 20 on Arm hosts); LL128,
+#: NCCL_LL128_ELEMS_PER_THREAD x NCCL_LL128_MAX_NTHREADS x NCCL_STEPS x 8 = 120 x 640 x 8 x 8 bytes; LL,
+#: NCCL_LL_LINES_PER_THREAD x NCCL_LL_MAX_NTHREADS x NCCL_STEPS x sizeof(ncclLLFifoLine) = 8 x 512 x 8 x 16
+#: bytes (src/include/device.h). "The memory usage is linearly tied to the number of channels", "Ring uses a
+#: limited amount of memory as it only has 2 connections regardless of the scale", and more communicators
+#: use more memory unless split with shared resources (NCCL's sjeaugey in NVIDIA/nccl#864, quoted in #986;
+#: that issue measured about 1.6 GB for one communicator with an all-reduce, 6 GB for three).
+NCCL_BUFFSIZE = 4 * MiB
+NCCL_BUFFSIZE_ARM = 1 * MiB
+NCCL_LL128_BUFFSIZE = 120 * 640 * 8 * 8
+NCCL_LL_BUFFSIZE = 8 * 512 * 8 * 16
+#: channels per communicator: NCCL picks them from the topology, up to MAXCHANNELS = 64 (src/include/device.h;
+#: NCCL_MIN_NCHANNELS / NCCL_MAX_NCHANNELS bound them) and prints them with NCCL_DEBUG=INFO ("N coll
+#: channels"): 24-32 in logs of 8-GPU NVLink/NVSwitch nodes, 2-8 between nodes with a NIC or two
+#: (NVIDIA/nccl#687: 2; #1189: 8). Assumed: 16, between the two (a rank's groups span 4-GPU nodes or nodes).
+NCCL_CHANNELS = 16
+#: connections a channel of a collective communicator holds: a ring's two, from the previous rank and to the
+#: next (trees, which NCCL picks for small messages, add up to three more: left out). A pipeline link's
+#: communicator carries messages one way, one connection a channel (its point-to-point channels to the peer,
+#: "p2p channels per peer" in NCCL_DEBUG=INFO's log, taken as many as NCCL_CHANNELS).
+NCCL_CONNECTIONS = 2
+NCCL_LINK_CONNECTIONS = 1
+#: NCCL connects a communicator's peers when an operation first needs them, not when it is created
+#: (NCCL_RUNTIME_CONNECT, on by default since NCCL 2.22, listed in the environment-variable documentation
+#: above; torch 2.7 ships NCCL 2.26.2), so a communicator the rank joins but never uses holds no buffers
+#: (TensorRT-LLM sets NCCL_RUNTIME_CONNECT=0 "for accurate KV cache size estimation" for that reason). With an
+#: older NCCL, or NCCL_RUNTIME_CONNECT=0, the idle ones hold buffers too: plan.reserve_gb then.
+
+
+def nccl_communicator_bytes(arm_host: bool = False, connections: int = NCCL_CONNECTIONS,
+                            channels: int = NCCL_CHANNELS) -> int:
+    """Bytes of NCCL buffers one communicator a rank uses holds on its GPU: channels x connections x the three
+    protocols' buffers."""
+    simple = NCCL_BUFFSIZE_ARM if arm_host else NCCL_BUFFSIZE
+    return channels * connections * (simple + NCCL_LL128_BUFFSIZE + NCCL_LL_BUFFSIZE)
+
+
+@dataclass(frozen=True)
+class Communicator:
+    """One NCCL communicator a rank joins: what it is for, its ranks, whether gems runs anything on it."""
+
+    name: str
+    size: int
+    used: bool
+    why: str = ""
+    connections: int = NCCL_CONNECTIONS  # a channel's connections (a ring's two; a one-way pipeline link's one)
+
+
+def rank_communicators(replicas: int, pipeline: int, spatial: int, grad_size: int,
+                       links: Sequence[tuple[int, int]] = (),
+                       used_links: Sequence[tuple[int, int]] = ()) -> list[Communicator]:
+    """The NCCL communicators a rank joins (:meth:`gems.mesh.Mesh.build_groups`), each only where it has more
+    than one rank. gems binds each rank's device when it creates the world (``device_id``, gems.bootstrap), so
+    torch creates every group's communicator at once, split from the world's, for the ranks in it
+    (torch.distributed.distributed_c10d: ``eager_connect_single_device``, ``split_from``): the world, the
+    spatial, pipeline and replica groups, the gradient group, and one two-rank group per directed pipeline
+    link. ``links``: the (sending, receiving) pipeline positions of the link groups this rank is in (the
+    worker builds :func:`gems.mesh.ring_links`); ``used_links``: those its schedule sends on
+    (:meth:`gems.pipeline.schedules.Schedule.links`). Every pipeline message goes out as a batch of one on its
+    link's group, so on that group's own communicator (gems.pipeline.runtime; torch's ProcessGroupNCCL gives a
+    batched point-to-point operation the group's communicator, a single one a pair communicator of its own:
+    torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, pointToPoint); the halo exchange batches its operations
+    on the spatial group's."""
+    world = replicas * pipeline * spatial
+    out = [
+        Communicator("world", world, True, "the step-time all-reduce and the record's all-gather (gems.worker)"),
+        Communicator("spatial", spatial, True, "halo exchanges, the spatial all-reduces and the gather"),
+        Communicator("pipeline", pipeline, False, "created, but the stages' messages go over the link groups"),
+        Communicator("replica", replicas, False, "created, but gradients are summed over the gradient group"),
+        Communicator("grad", grad_size, True, "the gradient all-reduce (gems.replication)"),
+    ]
+    out = [c for c in out if c.size > 1]
+    used = set(used_links)
+    out += [Communicator(f"link d{a}->d{b}", 2, (a, b) in used,
+                         "pipeline messages" if (a, b) in used else "created, but the schedule sends nothing on it",
+                         NCCL_LINK_CONNECTIONS)
+            for a, b in sorted(set(links)) if a != b]
+    return out
+
+
+@dataclass
+class Reserve:
+    """The reserve of a GPU rank, from its parts (bytes), or ``plan.reserve_gb`` when set."""
+
+    source: str  # "modelled" or "plan.reserve_gb"
+    cuda_context: int = 0
+    cublas_workspace: int = 0
+    cudnn_workspace: int = 0
+    nccl: int = 0
+    fragmentation: int = 0  # FRAGMENTATION x the tensor peak (set once the peak is known)
+    fragmentation_fraction: float = 0.0
+    override: int = 0  # plan.reserve_gb, which replaces the parts
+    communicators: list[Communicator] | None = None
+    arm_host: bool = False  # NCCL's SIMPLE buffer is NCCL_BUFFSIZE_ARM
+    pipeline_position: int = 0  # where the communicators were counted (the position whose buffers are largest)
+
+    @property
+    def fixed(self) -> int:
+        """The parts that do not grow with the tensors."""
+        return self.override + self.cuda_context + self.cublas_workspace + self.cudnn_workspace + self.nccl
+
+    @property
+    def total(self) -> int:
+        return self.fixed + self.fragmentation
+
+    def parts(self) -> dict[str, int]:
+        if self.source != "modelled":
+            return {"plan.reserve_gb": self.override}
+        return {"cuda_context": self.cuda_context, "cublas_workspace": self.cublas_workspace,
+                "cudnn_workspace": self.cudnn_workspace, "nccl": self.nccl, "fragmentation": self.fragmentation}
+
+    def communicator_bytes(self, c: Communicator) -> int:
+        """NCCL buffers of one of this rank's communicators: none unless gems runs something on it."""
+        return nccl_communicator_bytes(self.arm_host, c.connections) if c.used else 0
+
+    def with_peak(self, peak: int) -> Reserve:
+        """The reserve once the tensor peak is known (its fragmentation part)."""
+        self.fragmentation = int(math.ceil(self.fragmentation_fraction * peak))
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"source": self.source, "bytes": self.total, "parts": self.parts()}
+        if self.source == "modelled":
+            comms = self.communicators or []
+            out.update({
+                "fragmentation_fraction": self.fragmentation_fraction,
+                "pipeline_position": self.pipeline_position,
+                "communicators": [{"name": c.name, "size": c.size, "used": c.used, "why": c.why,
+                                   "connections": c.connections, "bytes": self.communicator_bytes(c)}
+                                  for c in comms],
+                "assumed": {"nccl_channels": NCCL_CHANNELS, "nccl_connections_per_channel": NCCL_CONNECTIONS,
+                            "nccl_link_connections_per_channel": NCCL_LINK_CONNECTIONS,
+                            "cuda_context_bytes": CUDA_CONTEXT_BYTES, "blas_handles": BLAS_HANDLES},
+            })
+        return out
+
+
+def blas_workspace_bytes(gpu: str | None, sm90: bool | None = None, rocm: bool | None = None) -> int:
+    """cuBLAS (and hipBLASLt) workspaces of one rank: BLAS_HANDLES x torch's default for the GPU."""
+    sm90 = (gpu in SM90) if sm90 is None else sm90
+    rocm = (gpu in ROCM) if rocm is None else rocm
+    per = (CUBLAS_WORKSPACE_SM90_BYTES if sm90 else CUBLAS_WORKSPACE_BYTES) + (HIPBLASLT_WORKSPACE_BYTES if rocm else 0)
+    return BLAS_HANDLES * per
+
+
+def gpu_reserve(communicators_by_position: dict[int, list[Communicator]], gpu: str | None = None,
+                override_gib: float | None = None, sm90: bool | None = None, rocm: bool | None = None) -> Reserve:
+    """A GPU rank's reserve: ``plan.reserve_gb`` GiB when set (``override_gib``), else the CUDA context, the BLAS
+    workspaces, NCCL's buffers of the communicators the rank uses (at the pipeline position that uses the
+    most) and a fragmentation part, FRAGMENTATION x the tensor peak (filled in by :meth:`Reserve.with_peak`)."""
+    if override_gib is not None:
+        return Reserve("plan.reserve_gb", override=int(float(override_gib) * GiB))
+    r = Reserve("modelled", cuda_context=CUDA_CONTEXT_BYTES, cublas_workspace=blas_workspace_bytes(gpu, sm90, rocm),
+                cudnn_workspace=CUDNN_WORKSPACE_BYTES, fragmentation_fraction=FRAGMENTATION, arm_host=gpu in ARM_HOSTS)
+    nccl = {d: sum(r.communicator_bytes(c) for c in comms) for d, comms in communicators_by_position.items()}
+    if nccl:
+        r.pipeline_position = max(nccl, key=lambda d: (nccl[d], -d))
+        r.communicators, r.nccl = communicators_by_position[r.pipeline_position], nccl[r.pipeline_position]
+    return r

@@ -46,8 +46,9 @@ How the estimate is made:
   CosmoFlow 32^3 rank's tensors); torch's reference kernel, which it picks
   for one small sample, unfolds the input (27x it for a 3^3 kernel). CPU
   ranks measure it per convolution on the spot
-  (:func:`gems.plan.devices.conv_workspace`); GPU ranks keep cuDNN's
-  workspace in ``plan.reserve_gb``.
+  (:func:`gems.plan.devices.conv_workspace`); on GPU ranks cuDNN's
+  workspace takes what the caching allocator has free (the reserve's
+  fragmentation part, :data:`gems.plan.devices.CUDNN_WORKSPACE_BYTES`).
 * **Other terms**: parameters (fp32), gradients (fp32), optimizer state
   (Adam 2x parameters, SGD with momentum 1x); halo buffers (the largest layer's
   received and packed slabs, from the real exchange plan of the cut); comm
@@ -58,24 +59,46 @@ How the estimate is made:
   rank receives fewer messages a step) plus a gradient in flight; the
   spatial gather's all-gather buffers); the input (and target) batch of the
   replica line on ranks that run the first (last) stage.
-* **Device**: ``cluster.gpu_memory_gb`` GiB (or the local GPU's memory with
-  ``train.device=cuda``), else this machine's RAM shared by the ranks of a
-  node; ``plan.reserve_gb`` is set aside for the CUDA context, allocator and
-  library workspaces (on CPU the interpreter).
+* **Device**: a GPU's memory is the total CUDA reports for it
+  (``torch.cuda.get_device_properties().total_memory``): ``cluster.gpu_memory_gb``
+  is the data sheet's figure ("40 GB"), which for HBM is a binary size (an
+  A100 40 GB has 40 GiB, of which CUDA reports 40339 MiB), so the planner
+  takes ``cluster.gpu``'s measured total when it names a GPU of that size, else
+  that many GiB less what a driver keeps
+  (:func:`gems.plan.devices.gpu_memory_bytes`); with ``train.device=cuda`` the
+  local GPU's total; else this machine's RAM shared by the ranks of a node.
+* **Reserve**: what a GPU rank holds beside the tensors counted above, from
+  its parts (:func:`gems.plan.devices.gpu_reserve`, sources there): the CUDA
+  context, cuBLAS's workspaces, NCCL's buffers for each communicator the rank
+  uses (the world, spatial and gradient groups and the two-rank group of
+  each directed pipeline link the schedule sends on, each where it has more
+  than one rank; the pipeline and replica groups and unused links are
+  created but idle) and the caching allocator's fragmentation, a
+  fraction of the tensor peak; ``plan.reserve_gb`` (GiB), when set, replaces
+  them all. CPU ranks set aside ``plan.reserve_gb`` GiB, at most 0.5, for the
+  interpreter.
 
-What is approximate: the allocator's fragmentation and cuDNN workspaces (in
-``plan.reserve_gb``), forward-time temporaries of a single op, the CPU
-workspace of a bf16 convolution (measured in fp32), the CUDA
-autocast rules beyond the ops CNNs use, ``balance_by=time`` (planned with the
-memory balance), and spatial position classes (parts whose slabs have the same
-sizes at every layer and the same neighbours are traced once).
+What is approximate: the reserve's parts (the CUDA context and NCCL's channel
+count are assumed, the fragmentation fraction is not measured), forward-time
+temporaries of a single op, the CPU workspace of a bf16 convolution (measured
+in fp32), the CUDA autocast rules beyond the ops CNNs use, ``balance_by=time``
+(planned with the memory balance), and spatial position classes (parts whose
+slabs have the same sizes at every layer and the same neighbours are traced
+once).
 
 ``plan.format=json`` prints one object; its keys (schema ``gems.plan/1``):
 ``schema, model, input_shape, world_size, mesh {replicas, pipeline, spatial,
 parts, spatial_dims}, schedule, micro_batches, gems_replicas, checkpoint,
 precision, optimizer, global_batch, micro_batch`` (samples per chunk),
 ``balance`` (layers per partition), ``device {kind, name, memory_bytes,
-reserve_bytes, usable_bytes}``, ``positions`` (one per distinct position:
+memory_source, reserve_bytes, usable_bytes, reserve}`` (GPU: and ``nominal_gb``,
+the data sheet's figure; ``reserve {source, bytes, parts}``: ``source``
+"modelled" with ``parts {cuda_context, cublas_workspace, cudnn_workspace,
+nccl, fragmentation}`` summing to ``bytes`` and ``fragmentation_fraction,
+pipeline_position, communicators [{name, size, used, why, connections,
+bytes}], assumed``, or "plan.reserve_gb"; CPU: "cpu default" or
+"plan.reserve_gb"; with ``train.device=cuda`` also ``sm90, rocm``, which
+set cuBLAS's workspace), ``positions`` (one per distinct position:
 ``pipeline, spatial`` (the indices s that share it), ``grid, partitions,
 local_input_shape, in_flight`` (micro-batches alive at the peak per
 partition), ``bytes {parameters, gradients, optimizer, activations, halo,
@@ -99,7 +122,9 @@ from torch import nn
 
 from gems.bootstrap import KEEP_GROWTH, keeps_host_memory_within
 from gems.errors import ConfigError
+from gems.mesh import ring_links
 from gems.pipeline.schedules import receives
+from gems.plan.devices import gpu_memory_bytes, gpu_reserve, rank_communicators
 from gems.plan.trace import _precision, _spatial_stand_in, _Trace, _trace
 from gems.replication import IN_PLACE_BYTES
 
@@ -327,24 +352,58 @@ class _Setup:
 
 
 def _device(cfg: Any, world: int) -> dict[str, Any]:
+    """The device a rank runs on: its memory in bytes (``memory_bytes``) and, on CPU ranks, the reserve; a GPU
+    rank's reserve is modelled once the mesh is known (:func:`_gpu_reserve`)."""
     c = cfg.cluster
-    reserve = float(cfg.plan.get("reserve_gb", 1.0)) * GiB
-    gb = float(c.get("gpu_memory_gb") or 0.0)
-    if gb > 0:
-        return {"kind": "gpu", "name": f"{c.name} GPU ({gb:g} GiB)", "memory_bytes": int(gb * GiB), "reserve_bytes": int(reserve)}
+    override = cfg.plan.get("reserve_gb")
+    nominal = float(c.get("gpu_memory_gb") or 0.0)
+    if nominal > 0:
+        gpu = c.get("gpu")
+        total, source = gpu_memory_bytes(nominal, gpu)
+        label = f"{gpu} " if gpu else ""
+        return {"kind": "gpu", "name": f"{c.name} GPU {label}(data sheet: {nominal:g} GB)", "nominal_gb": nominal,
+                "memory_bytes": int(total), "memory_source": source}
     if cfg.train.device == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError("cluster.gpu_memory_gb", gb, "the GPU memory in GiB (e.g. 80) when planning train.device=cuda "
-                              "on a machine without a GPU")
+            raise ConfigError("cluster.gpu_memory_gb", nominal, "the GPU memory its data sheet gives, in GB (e.g. 80) "
+                              "when planning train.device=cuda on a machine without a GPU")
         props = torch.cuda.get_device_properties(0)
-        return {"kind": "gpu", "name": props.name, "memory_bytes": int(props.total_memory), "reserve_bytes": int(reserve)}
+        return {"kind": "gpu", "name": props.name, "memory_bytes": int(props.total_memory),
+                "memory_source": "this machine's GPU 0 as CUDA reports it",
+                "sm90": (props.major, props.minor) == (9, 0), "rocm": torch.version.hip is not None}
     per_node = world if c.name == "local" and c.launcher == "local" else int(c.tasks_per_node or 1)
     if c.get("mem_gb"):
-        ram = float(c.mem_gb) * GiB
+        ram, source = float(c.mem_gb) * GiB, f"cluster.mem_gb={float(c.mem_gb):g} GiB a node"
     else:
-        ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        ram, source = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "this machine's RAM"
+    # CPU ranks: the interpreter's and allocator's share, plan.reserve_gb GiB (1 unless set) but at most 0.5
+    reserve = int(min(float(override if override is not None else 1.0) * GiB, 0.5 * GiB))
     return {"kind": "cpu", "name": f"RAM / {per_node} rank(s) per node", "memory_bytes": int(ram / max(1, per_node)),
-            "reserve_bytes": int(min(reserve, 0.5 * GiB))}
+            "memory_source": f"{source} / {per_node} rank(s) per node", "reserve_bytes": reserve,
+            "reserve": {"source": "plan.reserve_gb" if override is not None else "cpu default", "bytes": reserve,
+                        "parts": {"interpreter_and_allocator": reserve}}}
+
+
+def _gpu_reserve(cfg: Any, pl: _Planner, dev: dict[str, Any]) -> Any:
+    """A GPU rank's reserve (:func:`gems.plan.devices.gpu_reserve`): ``plan.reserve_gb`` when set, else its parts,
+    with NCCL's communicators counted for every pipeline position from the mesh and the schedule."""
+    st, mesh = pl.st, pl.st.mesh
+    override = cfg.plan.get("reserve_gb")
+    sched = pl.sched() if pl.pipelined else None
+    used = set(sched.links()) if sched is not None else set()
+    # the link groups the worker builds (Mesh.build_groups' default), and any the schedule sends on beside them
+    links: dict[int, list[tuple[int, int]]] = {}
+    for ln in sorted(set(ring_links(mesh.pipeline)) | used):
+        for d in set(ln):
+            links.setdefault(d, []).append(ln)
+    by_position = {}
+    for d in range(mesh.pipeline):
+        holders = next((len(g) for g in st.settings.holder_groups if d in g), 1)
+        mine = links.get(d, [])
+        by_position[d] = rank_communicators(mesh.replicas, mesh.pipeline, mesh.spatial,
+                                            st.replicas * mesh.spatial * holders, mine, [ln for ln in mine if ln in used])
+    return gpu_reserve(by_position, cfg.cluster.get("gpu"), None if override is None else float(override),
+                       dev.get("sm90"), dev.get("rocm"))
 
 
 def _world(cfg: Any) -> int | None:
@@ -367,7 +426,7 @@ class _Planner:
         self.notes: list[str] = list(st.notes)
         self._ckpt: dict[int, list[tuple[tuple[int, int, int, int], tuple[int, int, int, int]]]] = {}
         # CPU ranks: a convolution's backward allocates a workspace of its own, measured here (on a GPU,
-        # cuDNN's is in plan.reserve_gb)
+        # cuDNN's takes what the caching allocator has free: gems.plan.devices.CUDNN_WORKSPACE_BYTES)
         self.workspace: Any = None
         if not st.gpu:
             from gems.plan.devices import conv_workspace
@@ -676,18 +735,28 @@ def make_plan(cfg: Any, suggest: bool = True, quick: bool = False) -> MemoryPlan
     pl.check_batch(st.batch)
     world = mesh.size
     dev = _device(cfg, world)
-    usable = dev["memory_bytes"] - dev["reserve_bytes"]
-    dev["usable_bytes"] = int(usable)
+    reserve = _gpu_reserve(cfg, pl, dev) if dev["kind"] == "gpu" else None
+    if reserve is not None:  # the fixed parts now; fragmentation, a fraction of the peak, once it is known
+        usable = dev["memory_bytes"] - reserve.fixed
+        frag = reserve.fragmentation_fraction
+    else:
+        usable, frag = dev["memory_bytes"] - dev["reserve_bytes"], 0.0
     chunk = pl.chunk_of(st.batch)
     # CPU ranks: what train.host_memory costs in resident memory over the tensor peak (kept freed memory)
     policy = str(cfg.train.get("host_memory", "auto")) if dev["kind"] == "cpu" else None
     growth = KEEP_GROWTH if policy == "keep" else 1.0
     if quick:
         max_chunk, prof = -1, None
-    else:
-        max_chunk, prof = _max_chunk(pl, usable / growth, chunk)
+    else:  # GPU ranks: the peak and its fragmentation, (1 + frag) x the peak, within what the fixed parts leave
+        max_chunk, prof = _max_chunk(pl, usable / growth / (1.0 + frag), chunk)
     bal, positions = pl.positions(st.batch, prof)
     worst = max(positions, key=lambda p: p.bytes.total)
+    if reserve is not None:
+        reserve.with_peak(worst.bytes.total)
+        dev["reserve_bytes"] = int(reserve.total)
+        dev["reserve"] = reserve.as_dict()
+        usable = dev["memory_bytes"] - reserve.total
+    dev["usable_bytes"] = int(usable)
     if policy == "auto":  # the runtime's rule on the planned peak: keep only where the node has room for it
         growth = KEEP_GROWTH if keeps_host_memory_within(worst.bytes.total, dev["memory_bytes"], 1) else 1.0
     if policy is not None:

@@ -71,8 +71,9 @@ def render_table(plan: MemoryPlan, width: int = 120) -> str:
     con = Console(file=buf, width=width, force_terminal=False, color_system=None)
     con.print(t)
     dev = plan.device
-    con.print(f"device: {dev['name']}: {dev['memory_bytes'] / GiB:.1f} GiB, {dev['reserve_bytes'] / GiB:.1f} GiB reserved "
-              f"(plan.reserve_gb); balance {plan.balance}; planned in {plan.seconds:.2f} s")
+    con.print(f"device: {dev['name']}: {dev['memory_bytes'] / GiB:.2f} GiB ({dev.get('memory_source', '')}); "
+              f"balance {plan.balance}; planned in {plan.seconds:.2f} s", soft_wrap=True)
+    con.print(reserve_line(dev), soft_wrap=True)
     for n in plan.notes:
         con.print(f"note: {n}")
     con.print(plan.verdict, soft_wrap=True)
@@ -84,6 +85,30 @@ def render_table(plan: MemoryPlan, width: int = 120) -> str:
         for a in pr.assumptions:
             con.print(f"  assumed: {a}", soft_wrap=True)
     return buf.getvalue()
+
+
+def reserve_line(dev: dict[str, Any]) -> str:
+    """The reserve a rank sets aside beside its planned tensors, part by part (GiB, 2^30 bytes)."""
+    r = dev.get("reserve") or {"source": "plan.reserve_gb", "bytes": dev["reserve_bytes"]}
+    g = lambda v: f"{v / GiB:.2f}"  # noqa: E731
+    usable = f"; usable {g(dev['usable_bytes'])} GiB" if "usable_bytes" in dev else ""
+    if r["source"] != "modelled":
+        why = "CPU ranks: the interpreter and allocator, " if dev["kind"] == "cpu" else ""
+        bound = ", at most 0.5" if dev["kind"] == "cpu" else ""
+        return f"reserve: {g(r['bytes'])} GiB a rank ({why}plan.reserve_gb{bound}){usable}"
+    p = r["parts"]
+    comms = r["communicators"]
+    used = [c for c in comms if c["used"]]
+    idle = [c for c in comms if not c["used"]]
+    where = f" at d={r['pipeline_position']}" if any(c["name"].startswith("link") for c in comms) else ""
+    nccl = (f"NCCL {g(p['nccl'])} ({len(used)} communicator(s){where} with buffers: "
+            + ", ".join(f"{c['name']} of {c['size']} {g(c['bytes'])}" for c in used)
+            + ("; created but idle: " + ", ".join(f"{c['name']} of {c['size']}" for c in idle) if idle else "") + ")"
+            if comms else "NCCL 0 (one rank: no communicator)")
+    return (f"reserve: {g(r['bytes'])} GiB a rank, modelled: CUDA context {g(p['cuda_context'])} + cuBLAS workspaces "
+            f"{g(p['cublas_workspace'])} + {nccl} + fragmentation {g(p['fragmentation'])} "
+            f"({100 * r['fragmentation_fraction']:g}% of the peak; cuDNN's workspace goes in the allocator's free "
+            f"blocks){usable}; plan.reserve_gb=<GiB> replaces it")
 
 
 def plan_main(cfg: Any) -> int:
