@@ -20,6 +20,11 @@ holds extra memory only for the small gradients.
 Two transports: torch.distributed (gloo, nccl) and MPI through mpi4py
 (``comm.backend=mpi``; host buffers, or device buffers where the MPI library
 is CUDA-aware). PyTorch wheels carry no MPI backend, so this path is gems' own.
+MPI reads buffers from the host's side, so a GPU gradient is handed over only
+once the kernels that make it have run (an event on the producing stream),
+and without CUDA-aware MPI it is copied to pinned host memory on a side
+stream; the hooks poll those events and launch the sums in bucket order, so
+the backward is never drained for them (:class:`_Staged`).
 DDP would do the torch path for plain replication, but not the MPI path, the
 mirrored partitions or the multi-pass schedules; one reducer keeps them equal.
 """
@@ -71,6 +76,56 @@ class _Bucket:
         self.parts: list[tuple[torch.Tensor, list[nn.Parameter], bool, Any, Any]] = []
 
 
+class _Staged:
+    """One MPI sum on its way to MPI. A CPU tensor is ready at once. A GPU tensor is made by kernels the host
+    has only queued: with CUDA-aware MPI an event recorded on the producing stream must complete before MPI
+    reads the device buffer (handing it over at once raced the backward); without, the copy to pinned host
+    memory runs on a side stream (not inside the hook, which would drain the GPU) and its event says when
+    the host buffer holds the gradient. ``ready(block=False)`` only polls the event."""
+
+    def __init__(self, bucket: "_Bucket", index: int, t: torch.Tensor, cuda_aware: bool) -> None:
+        self.bucket, self.index, self.t, self.host, self.event = bucket, index, t, None, None
+        if not t.is_cuda:
+            return
+        producer = torch.cuda.current_stream(t.device)
+        if cuda_aware:
+            self.event = torch.cuda.Event()
+            self.event.record(producer)
+            return
+        side = _side_stream(t.device)
+        side.wait_stream(producer)
+        with torch.cuda.stream(side):
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(side)
+        t.record_stream(side)
+
+    def ready(self, block: bool) -> bool:
+        if self.event is None:
+            return True
+        if block:
+            self.event.synchronize()
+            return True
+        return bool(self.event.query())
+
+    def buffer(self) -> Any:
+        """What MPI sums in place: the host copy, the CPU tensor's memory, or the device tensor (CUDA-aware)."""
+        if self.host is not None:
+            return self.host.numpy()
+        return self.t if self.t.is_cuda else self.t.numpy()
+
+
+_SIDE: dict[Any, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    """The stream that copies gradients to the host for MPI, one per device."""
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device=device)
+    return _SIDE[device]
+
+
 class GradientReducer:
     """Sum the gradients of ``params`` over a group, overlapped with backward.
 
@@ -101,6 +156,7 @@ class GradientReducer:
         self._expected: dict[int, int] = {}
         self._count: dict[int, int] = {}
         self._next = 0  # next bucket to launch
+        self._staged: list[_Staged] = []  # MPI sums waiting for their data, in launch order
         self._armed = False
         self.wait_s = 0.0
         self._hooks = []
@@ -116,12 +172,15 @@ class GradientReducer:
         self._count = {id(p): 0 for p in self.params}
         self._expected = {id(p): (expected(p) if callable(expected) else expected) for p in self.params}
         self._next = 0
+        self._staged = []
         self._armed = True
         self.wait_s = 0.0
 
     def _on_grad(self, p: nn.Parameter) -> None:
         if not self._armed:
             return
+        if self._staged:
+            self._launch_staged(block=False)  # sums whose data the GPU has made since
         k = id(p)
         self._count[k] += 1
         if self._count[k] == self._expected[k]:
@@ -150,18 +209,31 @@ class GradientReducer:
             grads = [_grad(p) for p in small]
             flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
             tensors.append((flat, small, True))
+        if self.is_mpi:
+            # MPI reads the buffer from the host's side: staged (gems.replication._Staged) and launched in
+            # bucket order once the GPU has produced it, without blocking the backward
+            b.parts = [(t, ps, copy, None, None) for t, ps, copy in tensors]
+            self._staged += [_Staged(b, i, t, self.group.cuda_aware) for i, (t, _, _) in enumerate(tensors)]
+            self._launch_staged(block=False)
+            return
         b.parts = [(t, ps, copy, *self._start(t)) for t, ps, copy in tensors]
 
-    def _start(self, t: torch.Tensor) -> tuple[Any, Any]:
-        """Start the sum of ``t`` in place over the group: (handle, host copy or None)."""
-        if self.is_mpi:
-            from mpi4py import MPI
+    def _launch_staged(self, block: bool) -> None:
+        """Hand the staged MPI sums whose data is ready to MPI, in staging order (every rank launches the
+        same sums in the same order); ``block``: wait for each in turn (the end of the step)."""
+        from mpi4py import MPI
 
-            if t.is_cuda and not self.group.cuda_aware:
-                host = t.cpu()
-                return self.group.comm.Iallreduce(MPI.IN_PLACE, host.numpy(), op=MPI.SUM), host
-            buf = t.numpy() if not t.is_cuda else t
-            return self.group.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM), None
+        while self._staged:
+            st = self._staged[0]
+            if not st.ready(block):
+                return
+            self._staged.pop(0)
+            t, ps, copy, _, _ = st.bucket.parts[st.index]
+            handle = self.group.comm.Iallreduce(MPI.IN_PLACE, st.buffer(), op=MPI.SUM)
+            st.bucket.parts[st.index] = (t, ps, copy, handle, st.host)
+
+    def _start(self, t: torch.Tensor) -> tuple[Any, Any]:
+        """Start the sum of ``t`` in place over the torch.distributed group: (handle, None)."""
         import torch.distributed as dist
 
         return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True), None
@@ -182,11 +254,13 @@ class GradientReducer:
         while self._next < len(self.buckets):  # parameters that got no (or fewer) gradients this step
             self._launch(self.buckets[self._next])
             self._next += 1
+        if self.is_mpi:
+            self._launch_staged(block=True)
         for b in self.buckets:
             for t, ps, copy, handle, host in b.parts:
                 handle.Wait() if self.is_mpi else handle.wait()
                 if host is not None:
-                    t.copy_(host)
+                    t.copy_(host, non_blocking=True)  # pinned host -> device, ordered on the current stream
                 if copy:
                     off = 0
                     for p in ps:

@@ -93,3 +93,69 @@ def test_reducer_sums_over_ranks_after_the_last_accumulation(bucket_mb, hidden):
     for rank in range(3):
         for g, p in zip(grads[rank], net.parameters()):
             torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-5)  # summation order differs
+
+
+class _FakeComm:
+    """Stands in for an mpi4py communicator: records what the reducer hands to Iallreduce, in order."""
+
+    def __init__(self) -> None:
+        self.launched: list[int] = []
+
+    def Iallreduce(self, send, buf, op=None):  # noqa: N802 (mpi4py's name)
+        self.launched.append(int(buf.size))
+
+        class _Handle:
+            def Wait(self):  # noqa: N802
+                return None
+        return _Handle()
+
+
+class _Event:
+    """A CUDA event stand-in: complete only once the test says so (the GPU has not run the kernels yet)."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_mpi_sums_wait_for_their_data_and_launch_in_bucket_order(monkeypatch):
+    """The MPI path hands a bucket over only once the kernels that make its gradient have run (an event; here
+    a stand-in, as no GPU is at hand), never blocks the backward to wait for one, launches in bucket order
+    on every rank, and waits for the rest at the end of the step. What only a GPU shows: that the event is
+    recorded on the stream that made the gradient and the side stream's host copy (gems.replication._Staged)."""
+    from mpi4py import MPI  # noqa: F401  (the reducer imports it for MPI.IN_PLACE)
+
+    from gems import replication
+
+    events: list[_Event] = []
+    real_init = replication._Staged.__init__
+
+    def staged(self, bucket, index, t, cuda_aware):
+        real_init(self, bucket, index, t, cuda_aware)
+        self.event = _Event()
+        events.append(self.event)
+
+    monkeypatch.setattr(replication._Staged, "__init__", staged)
+    group = replication._MPIGroup.__new__(replication._MPIGroup)
+    group.comm, group.cuda_aware = _FakeComm(), True
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+                              torch.nn.Linear(16, 4))
+    # buckets of >= 104 bytes, last layer first: (bias, weight) of each Linear, flattened: 68, 272, 144 values
+    red = replication.GradientReducer(net.parameters(), group, bucket_mb=0.0001)
+    red.start_step()
+    net(torch.randn(3, 8)).pow(2).sum().backward()
+    assert len(events) == 3 and group.comm.launched == [], "nothing goes to MPI before its data exists"
+    events[1].done = True  # the second bucket's kernels ran first: it still waits for the first
+    red._launch_staged(block=False)
+    assert group.comm.launched == []
+    events[0].done = True
+    red._launch_staged(block=False)
+    assert group.comm.launched == [68, 272]  # in bucket order
+    red.finish()  # the end of the step waits for the rest, in order
+    assert group.comm.launched == [68, 272, 144] and all(e.done for e in events)
