@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from gems import checkpoint as ckpt
-from gems import timers
+from gems import commlog, timers
 from gems.bootstrap import (
     KEEP_GROWTH,
     World,
@@ -180,6 +180,7 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
             split_backward=settings.split_backward,
             balance=balance, balance_by=settings.balance_by_given,
             checkpoint=settings.checkpoint, sample_shape=_pipeline_sample(spec, ctx, slices), device=device,
+            amp=lambda: autocast(cfg.train.precision, device),
         )
         runner.scale_loss = scaler.scale
         params = list(runner.parameters())
@@ -759,7 +760,8 @@ def run_rank(cfg_yaml: str) -> dict[str, Any] | None:
                                                                 restarts=ckpt.restart_count()))
 
         wd = start_watchdog(cfg, world, on_stall)
-        record = train(cfg, world, wd)
+        with commlog.install_from_env(world.rank, world.device):  # GEMS_COMM_LOG=DIR: every message, in order
+            record = train(cfg, world, wd)
         if wd is not None:
             wd.stop()
         if world.rank == 0:

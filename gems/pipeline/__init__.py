@@ -14,7 +14,7 @@ after the optimizer step.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -69,7 +69,8 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
                    balance: Sequence[int] | None = None, balance_by: str = "auto", checkpoint: bool = False,
                    sample_shape: Sequence[int] | None = None, dtype: torch.dtype = torch.float32,
                    lookahead: int = 2, virtual_stages: int | None = None,
-                   split_backward: bool = False, device: torch.device | None = None) -> PipelineRunner:
+                   split_backward: bool = False, device: torch.device | None = None,
+                   amp: Callable[[], Any] | None = None) -> PipelineRunner:
     """Partition ``seq`` over the pipeline axis of ``mesh`` and return this rank's runner.
 
     * ``batch_size``: samples of one step for this pipeline line, i.e.
@@ -96,6 +97,8 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
       action, the weight gradients filling the bubbles (:mod:`gems.pipeline.deferred`).
     * ``device``: the rank's device, where every buffer it receives into lives (default: that of its
       first parameter, else the CPU).
+    * ``amp``: the autocast region the step runs in (:func:`gems.precision.autocast`): the cut shapes are
+      traced in it, so activations cross at the dtype they are made in (bf16: half of fp32's bytes).
 
     The mesh's groups must exist (``mesh.build_groups(rank, groups=schedule.holder_groups())``)
     when ``mesh.pipeline > 1``.
@@ -128,7 +131,7 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
     shapes = None
     if sample is not None and S > 1:
         try:
-            shapes = boundary_shapes(parts, sample, dtype)
+            shapes = boundary_shapes(parts, sample, dtype, amp)
         except Exception:  # a partition that cannot be traced (it communicates, or returns a non-tensor)
             shapes = None
     coord = mesh.coord(rank)

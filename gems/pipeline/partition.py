@@ -30,6 +30,7 @@ layers after it on the full activation, and the parameters whole everywhere.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -180,31 +181,37 @@ def _shape_neutral(fn: object) -> bool:
 
 
 def trace_shapes(layers: Sequence[nn.Module], sample: tuple[int, ...],
-                 dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+                 dtype: torch.dtype, amp: Callable[[], Any] | None = None) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Output (shape, dtype) of every layer for an input of shape ``sample`` (batch included), on fake tensors.
 
     Layers run in eval mode (shapes are the same; BatchNorm buffers and dropout are left alone).
     A layer whose structure and input were seen before is not run again (:func:`_structure`).
+    ``amp``: the autocast region the run computes in (:func:`gems.precision.autocast`), so the dtypes are
+    the run's (bf16 activations cross a cut at bf16's bytes); the input lives on the layers' device.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    device = next((p.device for layer in layers for p in layer.parameters()), torch.device("cpu"))
+    region = amp() if amp is not None else contextlib.nullcontext()
 
     modes = [(m, m.training) for layer in layers for m in layer.modules()]
     for m, _ in modes:
         m.training = False
     out = []
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad(), region:
+            amp_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
             shape, dt = tuple(int(v) for v in sample), dtype
             x = None
             for layer in layers:
                 st = _structure(layer)
-                memo = None if st is None else (st, shape, dt)
+                memo = None if st is None else (st, shape, dt, device.type, amp_dtype)
                 if memo is not None and memo in _SHAPE_MEMO:
                     shape, dt = _SHAPE_MEMO[memo]
                     x = None
                 else:
                     if x is None:
-                        x = torch.empty(shape, dtype=dt)
+                        x = torch.empty(shape, dtype=dt, device=device)
                     x = layer(x)
                     if not isinstance(x, torch.Tensor):
                         raise TypeError(f"{type(layer).__name__} returned {type(x).__name__}; pipeline cuts carry one tensor")
@@ -219,8 +226,10 @@ def trace_shapes(layers: Sequence[nn.Module], sample: tuple[int, ...],
 
 
 def boundary_shapes(parts: Sequence[nn.Sequential], sample: tuple[int, ...],
-                    dtype: torch.dtype = torch.float32) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Shape and dtype of the activation leaving each partition but the last, for input ``sample`` (batch first).
+                    dtype: torch.dtype = torch.float32,
+                    amp: Callable[[], Any] | None = None) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of the activation leaving each partition but the last, for input ``sample`` (batch first),
+    computed under ``amp`` (the run's autocast region, :func:`trace_shapes`).
 
     Runs on fake tensors: no memory for the activations, no communication
     (so partitions whose layers talk to other ranks, such as spatial layers,
@@ -229,7 +238,7 @@ def boundary_shapes(parts: Sequence[nn.Sequential], sample: tuple[int, ...],
     shapes = []
     x_shape, x_dtype = tuple(sample), dtype
     for part in parts[:-1]:
-        last = trace_shapes(list(part), x_shape, x_dtype)[-1]
+        last = trace_shapes(list(part), x_shape, x_dtype, amp)[-1]
         shapes.append(last)
         x_shape, x_dtype = last
     return shapes
