@@ -102,15 +102,15 @@ class PipelineRunner:
     """
 
     def __init__(self, partitions: dict[int, nn.Sequential], schedule: Schedule, position: int, peers: Sequence[int],
-                 links: dict[tuple[int, int], Any], batch_size: int, loss_fn: LossFn, checkpoint: bool = False,
+                 links: dict[tuple[int, int], Any] | None, batch_size: int, loss_fn: LossFn, checkpoint: bool = False,
                  shapes: Sequence[tuple[tuple[int, ...], torch.dtype]] | None = None, lookahead: int = 2,
                  balance: Sequence[int] | None = None, device: torch.device | None = None) -> None:
         self.schedule = schedule
         self.position = position
         self.peers = list(peers)
-        self.links = dict(links)  # (sending, receiving) position -> the link's process group
+        self.links = dict(links or {})  # (sending, receiving) position -> the link's process group
         missing = [ln for ln in schedule.links() if position in ln and ln not in self.links]
-        if missing and schedule.ranks > 1:
+        if missing and links is not None:  # (None: a runner asked only about its roles, which sends nothing)
             raise RuntimeError(f"PipelineRunner: no process group for the links {missing} of {schedule.name}: "
                                f"build them with mesh.build_groups(rank, links=schedule.links())")
         self.batch_size = batch_size
