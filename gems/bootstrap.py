@@ -194,8 +194,10 @@ def init_world(cfg: Any) -> World:
             os.environ.setdefault("MASTER_ADDR", addr)
             os.environ.setdefault("MASTER_PORT", str(port))
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(size)
-        # NCCL: a collective that times out tears the process group down (it raises) instead of hanging
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        # NCCL: a collective that fails or times out aborts its communicators and raises in the rank's next
+        # wait (2, CleanUpOnly), so the rank writes its failure report (gems.fault.reports) and the record
+        # names it; 3 (torch's default) and 1 kill the process from NCCL's watchdog thread, leaving no report
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         kw: dict[str, Any] = {}
         if backend == "nccl":
             kw["device_id"] = device

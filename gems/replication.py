@@ -31,12 +31,12 @@ mirrored partitions or the multi-pass schedules; one reducer keeps them equal.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
+from gems import timers
 from gems.fault.progress import waiting
 
 
@@ -243,11 +243,13 @@ class GradientReducer:
         if not self.enabled:
             self._armed = False
             return 0.0
-        t0 = time.perf_counter()
+        device = self.params[0].device if self.params else None
+        t0 = timers.now(device)  # on GPUs the compute stream's stall, read at the step's end (gems.timers)
         with waiting("gradient sum"):
             self._wait_all()
         self._armed = False
-        self.wait_s = time.perf_counter() - t0
+        self.wait_s = 0.0
+        timers.add_since(self.__dict__, "wait_s", t0)
         return self.wait_s
 
     def _wait_all(self) -> None:

@@ -1,19 +1,59 @@
-"""Per-step time accounting shared by the strategies (halo, pipeline_comm, bubble_or_wait).
+"""Per-step time accounting shared by the strategies (halo, pipeline transfers, gradient sums).
 
-Strategies add the seconds they spend waiting on communication with
-``timers.add(name, seconds)`` or ``with timers.timed(name):``; the worker
-reads and resets the counters once per step and puts them in the record's
-``time_breakdown_s``. On GPU the times are host-side waits (after the event
-or handle completes), which is what a rank loses to communication.
+A wait is measured on the clock of the device it holds up. On CPU ranks that is
+the host's clock: gloo's ``wait()`` blocks the host, so the host's seconds are
+what the rank loses. On GPU ranks NCCL's ``wait()`` returns at once and only
+makes the compute stream wait for the communication stream, so host seconds
+would measure how long it takes to *launch* the wait, and ``compute`` would
+absorb every transfer. There the span is a pair of CUDA events recorded on the
+current stream around the wait: the stream's stall, the same quantity the CPU
+measures and the planner predicts. Events are read once a step, after the
+worker's device synchronisation (:func:`settle`), never in the step.
+
+``t0 = now(device)`` starts a span; ``add_since(into, key, t0)`` adds its seconds to
+``into[key]`` (now on the host, or at :func:`settle` for events).
+``add(name, seconds)`` / ``timed(name)`` / :func:`snapshot` keep named per-step
+totals that the worker reads and resets every step.
 """
 from __future__ import annotations
 
 import contextlib
 import time
 from collections import defaultdict
-from typing import Iterator
+from typing import Any, Iterator, MutableMapping
+
+import torch
 
 _T: dict[str, float] = defaultdict(float)
+_PENDING: list[tuple[MutableMapping[str, float], str, Any, Any]] = []  # (into, key, start event, end event)
+
+
+def now(device: torch.device | None) -> Any:
+    """The start of a span on ``device``'s clock: the host's time, or an event on the current CUDA stream."""
+    if device is not None and device.type == "cuda":
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+    return time.perf_counter()
+
+
+def add_since(into: MutableMapping[str, float], key: str, start: Any) -> None:
+    """Add the seconds since ``start`` (:func:`now`) to ``into[key]``: at once on the host's clock; at
+    :func:`settle` for a CUDA event (an end event is recorded on the current stream now)."""
+    if isinstance(start, float):
+        into[key] = into.get(key, 0.0) + time.perf_counter() - start
+        return
+    end = torch.cuda.Event(enable_timing=True)
+    end.record()
+    _PENDING.append((into, key, start, end))
+
+
+def settle() -> None:
+    """Read the spans measured by CUDA events into their totals (after the step's device synchronisation)."""
+    for into, key, start, end in _PENDING:
+        end.synchronize()
+        into[key] = into.get(key, 0.0) + start.elapsed_time(end) / 1000.0
+    _PENDING.clear()
 
 
 def add(name: str, seconds: float) -> None:

@@ -498,6 +498,7 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
                 _average_buffers(buffers, mesh)
         _sync(world.device)
         dt = time.perf_counter() - t0
+        timers.settle()  # on GPUs the communication waits were CUDA events: read them now (gems.timers)
         losses.append(loss)
         finite = math.isfinite(loss)
         if not finite:
@@ -734,8 +735,11 @@ def _preempt(cfg: DictConfig, world: World, step: int, par: Parallel, opt: torch
 
 
 def _sync(device: torch.device) -> None:
+    """Wait for the GPU's queue (the step's kernels and NCCL's communication): a hang on the GPU shows as this
+    wait in a stall report, not as whatever the host last marked."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        with progress.waiting("gpu queue"):
+            torch.cuda.synchronize(device)
 
 
 def run_rank(cfg_yaml: str) -> dict[str, Any] | None:

@@ -22,7 +22,9 @@ from typing import Iterator
 PHASES = ("setup", "data", "forward", "backward", "halo", "spatial collective", "pipeline transfer",
           "gradient sum", "optimizer", "step sync", "checkpoint", "record")
 #: phases in which a rank waits for its peers: a rank stuck here is waiting for the cause, not the cause
-WAITS = frozenset({"halo", "spatial collective", "pipeline transfer", "gradient sum", "step sync"})
+WAITS = frozenset({"halo", "spatial collective", "pipeline transfer", "gradient sum", "step sync",
+                   # a GPU rank's host waits for its GPU's queue, which holds NCCL's communication with peers
+                   "gpu queue"})
 #: phases that get the long (warm-up) allowance at any step: building, saving, gathering the record
 SLOW = frozenset({"setup", "checkpoint", "record"})
 

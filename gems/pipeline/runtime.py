@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gems import timers
 from gems.dryrun import scalar
 from gems.fault import all_finite
 from gems.fault.progress import mark, waiting
@@ -299,12 +300,12 @@ class PipelineRunner:
         return True
 
     def _receive(self, key: tuple[int, int, int, int]) -> torch.Tensor:
-        t0 = time.perf_counter()
+        t0 = timers.now(self.device)  # on GPUs the compute stream's stall (gems.timers), not the host's launch
         with waiting("pipeline transfer"):
             self._post(key, block=True)
             work, buf = self._recvs.pop(key)
             work.wait()
-        self.stats.wait_s += time.perf_counter() - t0
+        timers.add_since(self.stats.__dict__, "wait_s", t0)
         return buf
 
     def _prefetch(self, index: int) -> None:

@@ -36,13 +36,13 @@ the two nodes may post and wait at different times without mismatching.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from gems import timers
 from gems.fault.progress import waiting
 from gems.spatial.context import SpatialContext
 from gems.spatial.geometry import Box, intersect, is_empty, local_index, shape_of
@@ -87,7 +87,7 @@ class Pending:
     """Halo messages in flight for one layer's forward (posted from detached data)."""
 
     def __init__(self, sctx: SpatialContext, x: torch.Tensor, p: Plan, label: str, tag: int = 0) -> None:
-        t0 = time.perf_counter()
+        t0 = timers.now(x.device)
         self.sctx, self.plan, self.label, self.tag = sctx, p, label, tag
         self.stream = None
         x = x.detach()
@@ -100,7 +100,7 @@ class Pending:
             x.record_stream(self.stream)
         else:
             self._post(x)
-        sctx.halo_seconds[label] += time.perf_counter() - t0
+        timers.add_since(sctx.halo_seconds, label, t0)
 
     def _post(self, x: torch.Tensor) -> None:
         n, c = x.shape[:2]
@@ -111,7 +111,7 @@ class Pending:
 
     def wait(self) -> list[torch.Tensor]:
         """The received pieces, usable on the current stream."""
-        t0 = time.perf_counter()
+        t0 = timers.now(self.stream.device if self.stream is not None else None)
         if self.stream is not None:
             with torch.cuda.stream(self.stream):
                 _wait(self.works)
@@ -123,7 +123,7 @@ class Pending:
             _wait(self.works)
         self.works = []
         self.sent = []
-        self.sctx.halo_seconds[self.label] += time.perf_counter() - t0
+        timers.add_since(self.sctx.halo_seconds, self.label, t0)
         return self.bufs
 
 
@@ -152,7 +152,7 @@ class Assemble(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         sctx, p, targets, label, _, tag = ctx.info
-        t_start = time.perf_counter()
+        t_start = timers.now(ctx.xdevice)
         n, c = ctx.xshape[:2]
         kw: dict[str, Any] = dict(dtype=ctx.xdtype, device=ctx.xdevice)
         gx = torch.zeros(ctx.xshape, **kw)
@@ -171,7 +171,7 @@ class Assemble(torch.autograd.Function):
         _after_backward(sctx, label, works[len(p.sends):], gbufs)
         for (_, box), b in zip(p.sends, back):
             gx[local_index(box, p.own)] += b
-        sctx.halo_seconds[label] += time.perf_counter() - t_start
+        timers.add_since(sctx.halo_seconds, label, t_start)
         return (gx, None, *([None] * len(p.recvs)))
 
 
@@ -223,7 +223,7 @@ class Exchange(Pending):
         neighbours have posted the matching receives."""
         if self.stream is not None:
             return super().wait()
-        t0 = time.perf_counter()
+        t0 = timers.now(None)  # the host's own wait (the CUDA route is Pending.wait's)
         nr = len(self.plan.recvs)
         _wait(self.works[:nr])  # exchange posts the receives first
         if nr or not self.works:
@@ -231,7 +231,7 @@ class Exchange(Pending):
         if self.works[nr:]:
             self.sctx.sends_in_flight.append((self.works[nr:], self.sent))
         self.works, self.sent = [], []
-        self.sctx.halo_seconds[self.label] += time.perf_counter() - t0
+        timers.add_since(self.sctx.halo_seconds, self.label, t0)
         return self.bufs
 
     def post_backward(self, gbufs: list[torch.Tensor] | None) -> None:
@@ -239,8 +239,8 @@ class Exchange(Pending):
         if self.bwd_recvs is not None:
             return
         self.sctx.drain_sends()
-        t0 = time.perf_counter()
         n, c, dtype, device = self.meta
+        t0 = timers.now(device)
         p = self.plan
         if gbufs is None:
             gbufs = [torch.zeros((n, c, *shape_of(box)), dtype=dtype, device=device) for _, box in p.recvs]
@@ -249,18 +249,18 @@ class Exchange(Pending):
                                  [(peer, g) for (peer, _), g in zip(p.sends, self.gsent)], self.tag + 1)
         self.bwd_recvs = works[:len(p.sends)]  # exchange posts the receives first
         _after_backward(self.sctx, self.label, works[len(p.sends):], gbufs)
-        self.sctx.halo_seconds[self.label] += time.perf_counter() - t0
+        timers.add_since(self.sctx.halo_seconds, self.label, t0)
 
     def finish_backward(self, g: torch.Tensor | None) -> torch.Tensor | None:
         """Wait for the gradients of the sent cells; add them into ``g`` (the part's gradient) in place."""
         self.post_backward(None)
-        t0 = time.perf_counter()
+        t0 = timers.now(self.meta[3])
         _wait(self.bwd_recvs or [])
         if g is not None:
             for (_, box), gs in zip(self.plan.sends, self.gsent):
                 g[local_index(box, self.plan.own)] += gs
         self.gsent, self.bwd_recvs = [], []
-        self.sctx.halo_seconds[self.label] += time.perf_counter() - t0
+        timers.add_since(self.sctx.halo_seconds, self.label, t0)
         return g
 
 
@@ -277,10 +277,10 @@ def _after_backward(sctx: SpatialContext, label: str, works: list[Any], keep: li
         return
 
     def finish() -> None:
-        t0 = time.perf_counter()
+        t0 = timers.now(keep[0].device if keep else None)
         _wait(works)
         keep.clear()
-        sctx.halo_seconds[label] += time.perf_counter() - t0
+        timers.add_since(sctx.halo_seconds, label, t0)
 
     try:
         torch.autograd.Variable._execution_engine.queue_callback(finish)
