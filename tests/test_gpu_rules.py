@@ -86,3 +86,22 @@ def test_avg_pool_correction_lives_on_the_output_device(cut: int) -> None:
     fix = layer._fix(((0, 5), (0, 8)), (9, 16), y)
     assert fix is not None and fix.device == y.device
     assert layer._fix(((0, 5), (0, 8)), (9, 16), y) is fix  # made once
+
+
+def test_a_pipeline_step_reads_its_loss_on_the_host_once(monkeypatch) -> None:
+    """The micro-batch losses are summed on the device and read once a step (a host read per micro-batch
+    stalled a GPU's queue once per micro-batch)."""
+    import gems.pipeline.runtime as rt
+    from gems.pipeline.schedules import make_schedule
+
+    reads: list[float] = []
+    real = rt.scalar
+    monkeypatch.setattr(rt, "scalar", lambda t: reads.append(real(t)) or reads[-1])
+    torch.manual_seed(0)
+    sched = make_schedule("gpipe", 1, micro_batches=4)
+    part = nn.Sequential(nn.Linear(3, 2))
+    runner = rt.PipelineRunner({0: part}, sched, 0, [0], {}, batch_size=8,
+                               loss_fn=lambda y, t, n: ((y - t) ** 2).sum() / 8)
+    x, y = torch.randn(8, 3), torch.randn(8, 2)
+    loss = runner.step(x, y, list(range(8)), seed=0, step=0)
+    assert len(reads) == 1 and abs(loss - float(((part(x) - y) ** 2).sum() / 8)) < 1e-5
