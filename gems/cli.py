@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         if cmd in ("run", "sweep", "plan", "render"):
             from gems.config import help_text
 
-            print(help_text(cmd))
+            print(help_text(cmd, [a for a in rest if a not in ("-h", "--help")]))
         else:
             print(USAGE)
         return 0
@@ -71,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
             _err(str(e))
             return 2
         return 0
+    if cmd in ("run", "sweep", "plan", "render"):
+        try:
+            _one_value_per_key(rest)
+        except ConfigError as e:
+            _err(str(e))
+            return 2
     commands: dict[str, Callable[[list[str]], int]] = {
         "run": cmd_run, "sweep": cmd_sweep, "results": cmd_results, "render": cmd_render,
         "plan": cmd_plan, "data": cmd_data, "bench": cmd_bench, "status": cmd_status, "cancel": cmd_cancel,
@@ -102,6 +108,22 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def _one_value_per_key(overrides: list[str]) -> None:
+    """A key given twice (``cluster=a cluster=b``) is bad input: Hydra would take the last one silently."""
+    from gems.errors import ConfigError
+
+    seen: dict[str, str] = {}
+    for o in overrides:
+        if "=" not in o or o.startswith("-"):
+            continue
+        key, val = o.split("=", 1)
+        key = key.lstrip("+~")
+        if key in seen:
+            raise ConfigError(key, f"{seen[key]} and {val}", f"one value (the command line gives {key} twice; for "
+                              f"several, gems sweep takes {key}={seen[key]},{val})")
+        seen[key] = val
+
+
 # ---------------------------------------------------------------------------- run
 def _prepare(cfg: Any) -> Any:
     """Fill in the run id and check everything the run needs (the model, the mesh, the files it reads and
@@ -128,6 +150,10 @@ def _prepare(cfg: Any) -> Any:
     from gems.worker import preflight
 
     preflight(cfg)  # model, spatial cut and schedule: bad input fails here, before launching
+    if cfg.train.get("check_fit", True):
+        from gems.plan.fit import check_fit
+
+        check_fit(cfg)  # memory: a point the planner says cannot fit is bad input (gems/plan/fit.py)
     writable_dir("results.dir", cfg.results.dir, "a folder for the run's records")
     return cfg
 
@@ -196,11 +222,13 @@ def print_rows(records: list[dict[str, Any]]) -> None:
     from gems.results.table import rows_for
 
     cols = ("name", "status", "world", "mesh", "schedule", "batch", "samples/s", "samples/s/gpu", "step_s",
-            "peak_mem_MiB", "final_loss")
+            "peak_mem_MiB", "final_loss", "note")
     t = Table(show_header=True, header_style="bold")
     for c in cols:
         t.add_column(c)
     for row in rows_for(records, sweep=False):
+        if row.get("error"):  # a failed run says why where the notes go, not in the loss's column
+            row["note"] = f"{row['note']}; {row['error']}" if row["note"] else row["error"]
         t.add_row(*[f"{row[c]:.4g}" if isinstance(row[c], float) else str(row[c]) for c in cols])
     Console(width=None if sys.stdout.isatty() else 200).print(t)
 
@@ -217,6 +245,8 @@ def cmd_run(overrides: list[str]) -> int:
     if record.get("status") != "ok":
         _err(f"run {cfg.run_id} failed: {record.get('error')}")
         return 1
+    for note in record.get("notes") or []:  # what the run decided or measured thinly (the record keeps them too)
+        print(f"gems: note: {note}", file=sys.stderr, flush=True)
     if record.get("diverged"):
         steps = ", ".join(str(s) for s in record.get("nonfinite_steps", [])[:8])
         print(f"gems: warning: run {cfg.run_id} diverged (non-finite loss at step {steps}; train.on_nonfinite=warn): "
@@ -400,14 +430,23 @@ def _study_args(cmd: str, args: list[str]) -> tuple[str | None, str]:
 
 
 def cmd_render(overrides: list[str]) -> int:
+    """The sbatch script of a run; of every point when the overrides or the experiment sweep (one each, named)."""
     from gems.config import compose
-
-    cfg = _prepare(compose(overrides))
     from gems.launch.render import write_job
+    from gems.study import point_name
 
-    script = write_job(cfg)
-    print(script.read_text(), end="")
-    print(f"# written: {script} (submit it with: sbatch {script})", file=sys.stderr)
+    combos, meta = expand_sweep(overrides)
+    cfgs = [_prepare(compose(c)) for c in combos]  # every point checked before any script is written
+    if len(cfgs) == 1:
+        script = write_job(cfgs[0])
+        print(script.read_text(), end="")
+        print(f"# written: {script} (submit it with: sbatch {script})", file=sys.stderr)
+        return 0
+    print(f"# {len(cfgs)} points{' of ' + meta['experiment'] if meta['experiment'] else ''}: one script each "
+          "(gems sweep submits them all and collects the study)", file=sys.stderr)
+    for combo, cfg in zip(combos, cfgs):
+        script = write_job(cfg)
+        print(f"{point_name(combo, meta['base'])}: {script}")
     return 0
 
 

@@ -89,6 +89,8 @@ class TrainConf:
     momentum: float = key(0.9, "sgd momentum", ge=0, lt=1)
     seed: int = key(0, "seed of weights, data and dropout", ge=0)
     precision: str = key("fp32", "compute precision", choices=("fp32", "bf16", "fp16"))
+    check_fit: bool = key(True, "plan the run's memory before launching it (gems plan's quick path) and refuse "
+                               "one that does not fit, exit 2")
     loss_scaling: str = key("auto", "dynamic loss scaling (torch.amp.GradScaler, the skip agreed over every rank; "
                                     "auto: fp16 only)", choices=("auto", "dynamic", "off"))
     loss_scale_init: float = key(65536.0, "the first loss scale (a power of two keeps fp32 exact)", gt=0)
@@ -405,18 +407,28 @@ def nearest_key(name: str) -> str | None:
     return got[0] if got else None
 
 
-def help_text(command: str) -> str:
-    """The keys every command takes, with their defaults and meaning, from the schemas."""
+def help_text(command: str, overrides: list[str] | tuple[str, ...] = ()) -> str:
+    """The keys every command takes, with the value a run with ``overrides`` would use (the composed defaults:
+    ``model=resnet --help`` shows resnet's), its bounds and meaning from the schemas."""
     import dataclasses
 
+    try:
+        composed: DictConfig | None = compose(list(overrides), check=False)
+    except ConfigError:
+        composed = None
     lines = [f"gems {command} [OVERRIDES]: key=value, group=option, +experiment=NAME", "",
+             "values: what this command would use" + (f" with {' '.join(overrides)}" if overrides else "")
+             + ("" if composed is not None else " (the overrides do not compose: the schemas' defaults)"), "",
              "groups: " + ", ".join(f"{g}=[{'|'.join(_group_options(g))}]" for g in GROUP_SCHEMAS if _group_options(g)),
              ""]
     for sec, cls in SECTIONS.items():
         lines.append(f"{sec}:")
         for f in dataclasses.fields(cls):
             meta = f.metadata
-            if f.default is not dataclasses.MISSING:
+            if composed is not None and OmegaConf.select(composed, f"{sec}.{f.name}", default="<none>") != "<none>":
+                value = OmegaConf.select(composed, f"{sec}.{f.name}")
+                default = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+            elif f.default is not dataclasses.MISSING:
                 default = f.default
             elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
                 default = f.default_factory()  # type: ignore[misc]

@@ -132,6 +132,10 @@ def resolve(cfg: Any, batch: int | None = None) -> ParallelSettings:
     sched = make_schedule(name, D, m, eta, v, split) if (name != "lp" or D > 1) else None
     if sched is None:  # lp on one rank: the options of schedules that run nothing must still be sane
         make_schedule(name, D, m, eta, v, split)
+        if m != 1:  # nothing would split the batch: a record saying m=8 would claim what did not run
+            raise ConfigError("parallel.micro_batches", m, "1 with schedule=lp on one pipeline rank (nothing splits "
+                              "the batch there; schedule=gpipe or 1f1b at parallel.pipeline=1 accumulates "
+                              "micro-batches)")
     by_given = str(p.get("balance_by", "auto"))
     if by_given == "comm":
         check_comm_cut(D)

@@ -49,6 +49,7 @@ from gems.memory import MemoryMeter, persistent_bytes, step_peak_bytes
 from gems.mesh import Coord, Mesh, mesh_from_config
 from gems.models import ModelSpec, build_model, check_shapes
 from gems.parallel import ParallelSettings, resolve, spatial_model, spatial_stage_balance
+from gems.pipeline.runtime import split_waits
 from gems.precision import LossScaler, autocast, scaling_enabled
 from gems.replication import GradientReducer, mpi_group
 from gems.results import record as rec
@@ -105,6 +106,8 @@ class Parallel:
     quiesce: Callable[[], None] = field(default=lambda: None)
     #: fp16's loss scaling (gems.precision): the loss the backward starts from, the optimizer step after the sum
     scaler: LossScaler = field(default_factory=lambda: LossScaler(torch.device("cpu"), False))
+    #: when the pipeline sent and waited for each message (gems.pipeline.runtime.Transfers); None without one
+    transfers: Any = None
 
 
 def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
@@ -207,7 +210,8 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
         return Parallel(pipe_step, params, list(runner.modules), reducer, slices,
                         runner.needs_inputs, runner.needs_targets, runner.samples_per_step, pipe_stats,
                         balance=list(runner.balance), first_nonfinite=runner.first_nonfinite,
-                        notes=[gather_note] if gather_note else [], quiesce=quiesce, scaler=scaler)
+                        notes=[gather_note] if gather_note else [], quiesce=quiesce, scaler=scaler,
+                        transfers=runner.transfers)
 
     # no pipeline: one forward and backward of the whole (spatial) model
     params = list(seq.parameters())
@@ -432,12 +436,17 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
         mesh.groups.grad_ranks = [0]
     meter = MemoryMeter(world.device)
     meter.reset()
-    tensor_peak: int | None = None  # CPU ranks: measured on the last warm-up step
+    tensor_peak: int | None = None  # CPU ranks: the largest over the steps profiled for it
     coord, spec, par, opt = set_up_rank(cfg, world, mesh, settings)
     data = make_data(cfg, spec, par.input_slices)
     inject.arm(cfg, world.rank, par.modules)
     B, R = int(cfg.train.batch_size), mesh.replicas
     steps, warm = int(cfg.train.steps), int(cfg.train.warmup_steps)
+    # CPU ranks count tensor memory under the profiler (gems/memory.py) on every step before measure_from, which
+    # includes a step after the first optimizer step (the optimizer's state exists from then on): with fewer
+    # than two warm-up steps the first step after them is profiled too and left out of the timings (the
+    # profiler slows a step). GPU ranks read torch.cuda's peak over the whole run.
+    measure_from = max(warm, min(2, steps - 1)) if world.device.type == "cpu" else warm
     ckpt_every = int(cfg.train.get("checkpoint_every") or 0)
     on_nonfinite = str(cfg.train.get("on_nonfinite", "stop"))
     # running statistics (BatchNorm) of the copies of a parameter's module see different samples
@@ -445,7 +454,8 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
 
     # resume after a preemption, a time limit or a requeue (gems/checkpoint.py)
     restarts = ckpt.restart_count()
-    history: dict[str, Any] = {"losses": [], "step_times": [], "nonfinite_steps": [],
+    history: dict[str, Any] = {"losses": [], "step_times": [], "nonfinite_steps": [], "every_step_time": [],
+                               "tensor_peaks": [],
                                "breakdown": {k: 0.0 for k in ("compute", "pipeline_comm", "halo", "allreduce",
                                                                 "bubble_or_wait", "data")}}
     start = 0
@@ -454,16 +464,23 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
     if got is not None:
         start, history = got
         history.setdefault("nonfinite_steps", [])
+        history.setdefault("every_step_time", [])
+        history.setdefault("tensor_peaks", [])
         restarts = max(restarts, 1)
         if "loss_scale" in history:  # fp16: the scale and the steps skipped so far, as if never stopped
             par.scaler.load_state_dict(history["loss_scale"])
     if wd is not None:
-        wd.warm_until = max(warm, start + 1)  # warm-up and the first step after a (re)start: the long allowance
+        wd.warm_until = max(measure_from, start + 1)  # warm-up, profiled steps, the first after a (re)start
     losses: list[float] = history["losses"]
     step_times: list[float] = history["step_times"]
     breakdown: dict[str, float] = history["breakdown"]
     nonfinite: list[int] = history["nonfinite_steps"]
+    every_time: list[float] = history["every_step_time"]  # every step's time, warm-up and profiled ones included
+    tensor_peaks_seen: list[int] = history["tensor_peaks"]
     context = _StepContext(cfg, world, mesh, par, opt, B, R)
+    # (a resumed run splits the pipeline waits of the steps after its restart only: the rest stay bubble_or_wait)
+    run_sent: dict[tuple[int, ...], float] = {}
+    run_received: dict[tuple[int, ...], tuple[float, float]] = {}
     timers.reset()
     for step in range(start, steps):
         progress.mark("data", step)
@@ -478,15 +495,16 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
         y = y.to(world.device, non_blocking=True) if y is not None else None
         t_data = time.perf_counter() - t0
         timers.reset()
-        profiling = bool(cfg.train.get("profile")) and step == warm and steps - warm > 1
+        profiling = bool(cfg.train.get("profile")) and step == measure_from and steps - measure_from > 1
         if profiling:
             loss, stop = _profiled(cfg, world, lambda: context.step(x, y, ids, step, quiesce=True))
-        elif step == warm - 1 and world.device.type == "cpu":
-            # the last warm-up step, profiled: the tensor memory a GPU would count (gems/memory.py)
+        elif step < measure_from and world.device.type == "cpu":
+            # profiled for the tensor memory a GPU would count (gems/memory.py); the largest over these steps
             held = persistent_bytes(par.params, opt, [b for m in par.modules for b in m.buffers()] +
                                     [t for t in (x, y) if t is not None])  # the batch: read before the step
             box: list[tuple[float, bool]] = []
-            tensor_peak = held + step_peak_bytes(lambda: box.append(context.step(x, y, ids, step, quiesce=True)))
+            tensor_peaks_seen.append(held + step_peak_bytes(
+                lambda: box.append(context.step(x, y, ids, step, quiesce=True))))
             loss, stop = box[0]
         else:
             loss, stop = context.step(x, y, ids, step)
@@ -509,11 +527,18 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
                 print(f"gems: warning: the loss of step {step} is {loss} (train.on_nonfinite=warn: training goes on; "
                       f"the record says so)", file=sys.stderr, flush=True)
         if world.rank == 0:
-            print(f"gems: step {step + 1}/{steps} {dt:.3f} s loss {loss:.6g}{' (warm-up)' if step < warm else ''}",
-                  flush=True)
+            what = " (warm-up)" if step < warm else " (profiled for tensor memory)" if step < measure_from else ""
+            print(f"gems: step {step + 1}/{steps} {dt:.3f} s loss {loss:.6g}{what}", flush=True)
         t = timers.snapshot()
         extra = par.stats()  # read every step, so warm-up time is not carried into measured steps
-        if step >= warm and not profiling:  # the profiled step is slower: left out of the timings
+        if par.transfers is not None:  # the measured steps' message times, split against the senders' at the end
+            if step >= measure_from and not profiling:
+                run_sent.update(par.transfers.sent)
+                run_received.update(par.transfers.received)
+            par.transfers.sent.clear()
+            par.transfers.received.clear()
+        every_time.append(dt)
+        if step >= measure_from and not profiling:  # profiled steps are slower: left out of the timings
             step_times.append(dt)
             breakdown["data"] += t_data
             breakdown["allreduce"] += par.reducer.wait_s
@@ -527,6 +552,7 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
             ckpt.save(cfg, world.rank, step + 1, par.modules, opt, history)
     progress.mark("record")
     measured = len(step_times)
+    tensor_peak = max(tensor_peaks_seen) if tensor_peaks_seen else None
     for k in breakdown:
         breakdown[k] /= max(1, measured)
     median = statistics.median(step_times)
@@ -540,7 +566,14 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
     if world.size > 1:
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank ends
         gathered: list[Any] = [None] * world.size
-        dist.all_gather_object(gathered, (world.hostname, peak, tensor_peak, socket.gethostname()))
+        dist.all_gather_object(gathered, (world.hostname, peak, tensor_peak, socket.gethostname(), run_sent))
+        if run_received:  # rank 0's waits for messages against when their senders sent them (the planner's split)
+            everyone: dict[tuple[int, ...], float] = {}
+            for g in gathered:
+                everyone.update(g[4])
+            transfer, _ = split_waits(run_received, everyone)
+            breakdown["pipeline_comm"] += transfer / max(1, measured)
+            breakdown["bubble_or_wait"] = max(0.0, breakdown["bubble_or_wait"] - transfer / max(1, measured))
         hosts = [g[0] for g in gathered]
         peaks = [int(g[1]) for g in gathered]
         tensor_peaks = [g[2] for g in gathered]
@@ -558,8 +591,23 @@ def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str
         machines=machines,
     )
     record["host_memory"] = host_memory.summary
-    if par.notes:
-        record["notes"] = list(par.notes)
+    record["step_time_s"]["every"] = every_time  # every step's time, warm-up and profiled steps included
+    record["step_time_s"]["measured_from"] = measure_from
+    if tensor_peaks_seen:
+        record["peak_memory_bytes"]["tensor_steps"] = list(range(min(measure_from, len(tensor_peaks_seen))))
+    notes = list(par.notes)
+    if measure_from > warm:
+        notes.append(f"step(s) {warm}-{measure_from - 1} were profiled for tensor memory (after the first optimizer "
+                     "step, so the optimizer's state counts) and left out of the timings; train.warmup_steps>=2 "
+                     "makes them warm-up steps")
+    if measured < 3:
+        notes.append(f"the throughput rests on {measured} measured step(s) (train.steps - train.warmup_steps"
+                     f"{' - the profiled ones' if measure_from > warm else ''}): one step's time is one sample of a "
+                     "noisy machine; 3 or more give a median worth comparing")
+        if world.rank == 0:
+            print(f"gems: warning: {notes[-1]}", file=sys.stderr, flush=True)
+    if notes:
+        record["notes"] = notes
     if par.scaler.enabled:
         record["loss_scale"] = par.scaler.summary()
     if nonfinite:

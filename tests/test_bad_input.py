@@ -40,6 +40,7 @@ CASES = [
     (["run", "train.seed=-1"], "train.seed=-1"),
     (["run", "train.threads=-2"], "train.threads=-2"),
     (["run", "train.precision=fp8"], "train.precision=fp8"),
+    (["run", "parallel.micro_batches=8"], "parallel.micro_batches=8"),  # lp on one rank: nothing would use it
     (["run", "train.on_nonfinite=ignore"], "train.on_nonfinite=ignore"),
     (["run", "train.stepz=3"], "train.stepz"),
     (["run", "model.dropout=1"], "model.dropout=1"),

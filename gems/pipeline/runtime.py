@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -82,6 +82,31 @@ class _Live:
     x: torch.Tensor
     y: torch.Tensor | None = None  # None when checkpointing or on the last stage
     loss: torch.Tensor | None = None
+
+
+@dataclass
+class Transfers:
+    """When this rank sent each message and waited for each it received (the host's wall clock, ``time.time()``:
+    one clock for every process of a node, NTP's across nodes), keyed by ``(step, kind, pass, micro-batch,
+    receiving stage)``. Set against each other by :func:`split_waits`."""
+
+    sent: dict[tuple[int, ...], float] = field(default_factory=dict)
+    received: dict[tuple[int, ...], tuple[float, float]] = field(default_factory=dict)
+
+
+def split_waits(received: dict[tuple[int, ...], tuple[float, float]], sent: dict[tuple[int, ...], float]
+                ) -> tuple[float, float]:
+    """(transfer, bubble) seconds of a rank's waits for messages, as the planner splits them: a wait runs from
+    when the rank asks for the message to when it has it; the part before the sender sent it is the bubble
+    (the sender was not done), the rest is the transfer (``pipeline_comm``). A message whose send time is
+    unknown counts as bubble."""
+    transfer = bubble = 0.0
+    for key, (start, end) in received.items():
+        t_sent = sent.get(key)
+        moving = max(0.0, end - max(start, t_sent)) if t_sent is not None else 0.0
+        transfer += moving
+        bubble += max(0.0, end - start - moving)
+    return transfer, bubble
 
 
 @dataclass
@@ -131,6 +156,7 @@ class PipelineRunner:
                 for direction in range(len(schedule.placement)):
                     self._shape[(direction, s)] = (tuple(shapes[s - 1][0]), shapes[s - 1][1])
         self.stats = Stats()  # the caller may read and reset it (time breakdown of records)
+        self.transfers = Transfers()  # when each message was sent and waited for (the caller takes them)
         self._finite: list[tuple[int, torch.Tensor | bool]] = []  # (position, all finite?) of the last step
         self._sends: list[tuple[Any, torch.Tensor]] = []  # isends of the step in flight, with their buffers
         self._weights = WeightGrads()  # what the I actions of a split schedule leave for their W
@@ -242,6 +268,7 @@ class PipelineRunner:
                                f"the receiver expects {shape}")
         if y.dtype != dtype:  # e.g. bf16 under autocast where the cut was traced in fp32: send what is expected
             y = y.to(dtype)
+        self._note_sent((_ACT, a.replica, a.micro_batch, a.stage + 1))
         self._isend(y, self.schedule.rank_of(a.replica, a.stage + 1), self._tag(_ACT, a.replica, a.micro_batch, a.stage + 1))
 
     def _message(self, a: Action) -> tuple[int, tuple[int, int, int, int]] | None:
@@ -301,12 +328,19 @@ class PipelineRunner:
 
     def _receive(self, key: tuple[int, int, int, int]) -> torch.Tensor:
         t0 = timers.now(self.device)  # on GPUs the compute stream's stall (gems.timers), not the host's launch
+        w0 = time.time()
         with waiting("pipeline transfer"):
             self._post(key, block=True)
             work, buf = self._recvs.pop(key)
             work.wait()
         timers.add_since(self.stats.__dict__, "wait_s", t0)
+        if self.device.type == "cpu":  # (on GPUs the host's clock sees launches, not transfers)
+            self.transfers.received[(self._step, *key)] = (w0, time.time())
         return buf
+
+    def _note_sent(self, key: tuple[int, int, int, int]) -> None:
+        if self.device.type == "cpu":
+            self.transfers.sent[(self._step, *key)] = time.time()
 
     def _prefetch(self, index: int) -> None:
         """Post receives for the next ``lookahead`` actions that need one."""
@@ -383,6 +417,7 @@ class PipelineRunner:
                         b.copy_(v)
         if a.stage > 0:
             g = x.grad if x.grad is not None else torch.zeros_like(x)
+            self._note_sent((_GRAD, a.replica, a.micro_batch, a.stage - 1))
             self._isend(g, self.schedule.rank_of(a.replica, a.stage - 1),
                         self._tag(_GRAD, a.replica, a.micro_batch, a.stage - 1))
 

@@ -9,6 +9,7 @@ the measured study beside it.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,24 @@ def predicted_record(cfg: Any, plan: Any, sweep: str, point: str) -> dict[str, A
     }
 
 
+#: data above this share of a predicted step is warned about: the study would measure the data path
+DATA_WARN = 0.2
+
+
+def data_share(prediction: Any) -> float:
+    """The share of a predicted step that making or reading the samples takes."""
+    return float(prediction.breakdown.get("data", 0.0)) / prediction.step_s if prediction.step_s > 0 else 0.0
+
+
+def data_warning(cfg: Any, share: float) -> str:
+    """What to say when data is more than :data:`DATA_WARN` of a predicted step, and what to change."""
+    kind = cfg.data.name if cfg is not None else "synthetic"
+    fix = ("staged files (data=hdf5 data.path=...) or on-device synthetic samples" if kind == "synthetic"
+           else "faster storage, or files staged to node-local storage")
+    return (f"data is {100 * share:.0f}% of the predicted step (more than {100 * DATA_WARN:.0f}%): the run would "
+            f"measure the data path, not the model; try {fix}")
+
+
 def predict_study(combos: list[list[str]], experiment: str | None) -> int:
     from omegaconf import open_dict
 
@@ -67,8 +86,16 @@ def predict_study(combos: list[list[str]], experiment: str | None) -> int:
                               "study's curve needs a prediction at every point")
         cfgs.append(cfg)
         plans.append(plan)
-        print(f"{point_name(combo, base)}: {plan.world_size} ranks, predicted {plan.prediction.step_s:.3g} s a step, "
-              f"{plan.prediction.throughput:.4g} samples/s; {plan.verdict}", flush=True)
+        pr = plan.prediction
+        print(f"{point_name(combo, base)}: {plan.world_size} ranks, predicted {pr.step_s:.3g} s a step, "
+              f"{pr.throughput:.4g} samples/s; {plan.verdict}", flush=True)
+        share = data_share(pr)
+        if share > DATA_WARN:
+            print(f"gems: warning: {point_name(combo, base)}: {data_warning(cfg, share)}", file=sys.stderr, flush=True)
+    seen: list[str] = []  # the assumptions behind every figure, once for the study
+    for plan in plans:
+        seen += [a for a in plan.prediction.assumptions if a not in seen]
+    print("predicted by gems plan, not measured; assumed:" + "".join(f"\n  {a}" for a in seen), flush=True)
     writable_dir("results.dir", str(folder), "a folder for the predicted study")
     folder.mkdir(parents=True, exist_ok=True)
     for old in folder.glob("*.json"):  # the study's previous prediction: replaced, not repeated

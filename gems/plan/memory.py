@@ -120,7 +120,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from gems.bootstrap import KEEP_GROWTH, keeps_host_memory_within
+from gems.bootstrap import KEEP_GROWTH, keeps_host_memory_within, node_memory_bytes
 from gems.errors import ConfigError
 from gems.mesh import ring_links
 from gems.pipeline.schedules import receives
@@ -351,7 +351,7 @@ class _Setup:
     notes: list[str] = field(default_factory=list)  # e.g. where the spatial trunk really ends
 
 
-def _device(cfg: Any, world: int) -> dict[str, Any]:
+def _device(cfg: Any, world: int, available: bool = False) -> dict[str, Any]:
     """The device a rank runs on: its memory in bytes (``memory_bytes``) and, on CPU ranks, the reserve; a GPU
     rank's reserve is modelled once the mesh is known (:func:`_gpu_reserve`)."""
     c = cfg.cluster
@@ -372,8 +372,11 @@ def _device(cfg: Any, world: int) -> dict[str, Any]:
                 "memory_source": "this machine's GPU 0 as CUDA reports it",
                 "sm90": (props.major, props.minor) == (9, 0), "rocm": torch.version.hip is not None}
     per_node = world if c.name == "local" and c.launcher == "local" else int(c.tasks_per_node or 1)
+    free = node_memory_bytes() if available and c.launcher == "local" else None
     if c.get("mem_gb"):
         ram, source = float(c.mem_gb) * GiB, f"cluster.mem_gb={float(c.mem_gb):g} GiB a node"
+    elif free is not None:
+        ram, source = float(free), "this machine's available memory now"
     else:
         ram, source = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "this machine's RAM"
     # CPU ranks: the interpreter's and allocator's share, plan.reserve_gb GiB (1 unless set) but at most 0.5
@@ -717,11 +720,13 @@ def _fmt(b: float) -> str:
     return f"{b / GiB:.1f} GiB"
 
 
-def make_plan(cfg: Any, suggest: bool = True, quick: bool = False) -> MemoryPlan:
+def make_plan(cfg: Any, suggest: bool = True, quick: bool = False, available: bool = False) -> MemoryPlan:
     """The memory plan of the composed configuration ``cfg`` (no process group, no allocation).
 
     ``suggest``: when it does not fit, search the smallest change that does.
     ``quick``: only whether the configured batch fits (one trace of the middle spatial part; no batch search).
+    ``available``: CPU ranks of the local launcher get the memory this machine has free now, not all its RAM
+    (the check before a run: other processes hold the rest).
     """
     t0 = time.perf_counter()
     st = _setup(cfg)
@@ -734,7 +739,7 @@ def make_plan(cfg: Any, suggest: bool = True, quick: bool = False) -> MemoryPlan
                                   f"dims of this {st.spec.spatial_ndim}-D model, each in 0..{st.spec.spatial_ndim - 1}")
     pl.check_batch(st.batch)
     world = mesh.size
-    dev = _device(cfg, world)
+    dev = _device(cfg, world, available)
     reserve = _gpu_reserve(cfg, pl, dev) if dev["kind"] == "gpu" else None
     if reserve is not None:  # the fixed parts now; fragmentation, a fraction of the peak, once it is known
         usable = dev["memory_bytes"] - reserve.fixed
@@ -791,10 +796,11 @@ def make_plan(cfg: Any, suggest: bool = True, quick: bool = False) -> MemoryPlan
     prediction = None
     if not quick and bool(cfg.plan.get("predict", True)):
         prediction = _predict(cfg, pl, prof, st.batch, dev, world)
-    bits = f"max global batch that fits: {max_batch}"
-    if st.schedule == "master" and min_eta is not None:
-        bits += f"; gems_replicas >= {min_eta} fits train.batch_size={st.batch}"
-    verdict += f" ({bits})"
+    if not quick:  # (the quick path searches no batch: there is no maximum to give)
+        bits = f"max global batch that fits: {max_batch}"
+        if st.schedule == "master" and min_eta is not None:
+            bits += f"; gems_replicas >= {min_eta} fits train.batch_size={st.batch}"
+        verdict += f" ({bits})"
     return MemoryPlan(
         model=st.spec.name + (f"{st.spec.input_shape[1]}" if st.spec.name.startswith("cosmoflow") else ""),
         input_shape=list(st.spec.input_shape), world_size=world,

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from gems.errors import ConfigError
+from gems.plan.curves import DATA_WARN, data_share, data_warning
 from gems.plan.memory import SCHEMA, GiB, MemoryPlan, make_plan
 
 
@@ -41,7 +42,7 @@ def per_rank(plan: MemoryPlan) -> list[int]:
     return [by[(d, s)] for _ in range(m["replicas"]) for d in range(D) for s in range(S)]
 
 
-def render_table(plan: MemoryPlan, width: int = 120) -> str:
+def render_table(plan: MemoryPlan, width: int = 120, cfg: Any = None) -> str:
     """A readable table: one row per distinct position, the breakdown in GiB, then the verdict."""
     import io
 
@@ -84,6 +85,8 @@ def render_table(plan: MemoryPlan, width: int = 120) -> str:
                   f"samples/s", soft_wrap=True)
         for a in pr.assumptions:
             con.print(f"  assumed: {a}", soft_wrap=True)
+        if data_share(pr) > DATA_WARN:
+            con.print(f"warning: {data_warning(cfg, data_share(pr))}", soft_wrap=True)
     return buf.getvalue()
 
 
@@ -122,7 +125,7 @@ def plan_main(cfg: Any) -> int:
     if fmt == "json":
         print(json.dumps(to_json(plan)))
     else:
-        print(render_table(plan), end="")
+        print(render_table(plan, cfg=cfg), end="")
     return 0
 
 

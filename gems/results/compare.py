@@ -14,6 +14,9 @@ from typing import Any
 
 from gems.errors import ConfigError
 
+#: the step and its terms (time_breakdown_s) as the table names them
+TERM_COLUMNS = ("step_s", "compute_s", "halo_s", "pipe_comm_s", "allreduce_s", "wait_s", "data_s")
+
 
 def _study(arg: str) -> Any:
     from gems.results.table import studies
@@ -46,16 +49,22 @@ def compare(a_arg: str, b_arg: str) -> int:
     ia = {_key(r, by_mesh): r for r in ra}
     ib = {_key(r, by_mesh): r for r in rb}
     keys = sorted(set(ia) | set(ib), key=lambda k: (str(type(k)), k))
+    # the step and each of its terms, A beside B: a predicted study (gems plan +experiment=NAME) against the
+    # measured one compares term by term, as the planner and the runtime define them alike (README)
+    terms = [t for t in TERM_COLUMNS if any(isinstance(r.get(t), float) for r in ra + rb)]
     cols = ["mesh" if by_mesh else "world", f"{a.title} samples/s", f"{b.title} samples/s", "ratio (B/A)",
-            f"{a.title} efficiency", f"{b.title} efficiency", "note"]
+            f"{a.title} efficiency", f"{b.title} efficiency"]
+    cols += [f"{s.title} {t}" for t in terms for s in (a, b)] + ["note"]
     lines = []
     for k in keys:
         x, y = ia.get(k), ib.get(k)
         thr_a = x["samples/s"] if x else math.nan
         thr_b = y["samples/s"] if y else math.nan
-        lines.append([k, thr_a, thr_b, thr_b / thr_a if x and y and thr_a else math.nan,
-                      x.get("efficiency", "") if x else "", y.get("efficiency", "") if y else "",
-                      "oversubscribed: ranks share cores" if any(r and r.get("_over") for r in (x, y)) else ""])
+        line = [k, thr_a, thr_b, thr_b / thr_a if x and y and thr_a else math.nan,
+                x.get("efficiency", "") if x else "", y.get("efficiency", "") if y else ""]
+        line += [r.get(t, math.nan) if r else math.nan for t in terms for r in (x, y)]
+        line.append("oversubscribed: ranks share cores" if any(r and r.get("_over") for r in (x, y)) else "")
+        lines.append(line)
     name = f"compare-{a.title}-vs-{b.title}"
     fmt = (lambda v: f"{v:.4g}" if isinstance(v, float) and not math.isnan(v) else ("" if isinstance(v, float) else str(v)))
     md = [f"### {a.title} (A: {a.folder}) vs {b.title} (B: {b.folder})", "",

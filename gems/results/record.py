@@ -196,14 +196,20 @@ def write_steps(record_file: Path | str, record: dict[str, Any]) -> Path | None:
 
     path = Path(record_file).with_suffix(".steps.csv")
     warm = int(record.get("warmup_steps") or 0)
-    times = (record.get("step_time_s") or {}).get("all") or []
+    st = record.get("step_time_s") or {}
+    times = st.get("all") or []
+    every = st.get("every")  # every step's time (records before it kept the measured ones only)
+    start = int(st.get("measured_from", warm))
     try:
         with open(path, "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["step", "loss", "step_time_s", "warmup"])
+            w.writerow(["step", "loss", "step_time_s", "warmup", "measured"])
             for i, loss in enumerate(record.get("loss") or []):
-                t = times[i - warm] if i >= warm and i - warm < len(times) else ""
-                w.writerow([i, repr(float(loss)), t if t == "" else repr(float(t)), int(i < warm)])
+                if every is not None and i < len(every):
+                    t: Any = every[i]
+                else:
+                    t = times[i - start] if i >= start and i - start < len(times) else ""
+                w.writerow([i, repr(float(loss)), t if t == "" else repr(float(t)), int(i < warm), int(i >= start)])
     except OSError:
         return None
     try:
@@ -213,8 +219,10 @@ def write_steps(record_file: Path | str, record: dict[str, Any]) -> Path | None:
     tb = SummaryWriter(log_dir=str(Path(record_file).parent / ".jobs" / str(record.get("run_id")) / "tb"))
     for i, loss in enumerate(record.get("loss") or []):
         tb.add_scalar("loss", float(loss), i)
-        if i >= warm and i - warm < len(times):
-            tb.add_scalar("step_time_s", float(times[i - warm]), i)
+        if every is not None and i < len(every):
+            tb.add_scalar("step_time_s", float(every[i]), i)
+        elif i >= start and i - start < len(times):
+            tb.add_scalar("step_time_s", float(times[i - start]), i)
     tb.close()
     return path
 

@@ -42,7 +42,11 @@ from gems.errors import ConfigError
 COLUMNS = ("name", "status", "world", "nodes", "mesh", "schedule", "batch", "samples/s", "samples/s/gpu",
            "speedup", "efficiency", "step_s", "compute_s", "halo_s", "pipe_comm_s", "allreduce_s", "wait_s",
            "data_s", "peak_mem_MiB", "tensor_mem_MiB", "final_loss", "n", "samples/s_min", "samples/s_max",
-           "reference", "note")
+           "reference", "note", "error")
+#: an efficiency above this is flagged: super-linear scaling usually means a slow baseline, not a fast point
+SUPERLINEAR = 1.05
+#: fewer measured steps than this and a throughput is flagged (one step's time is one sample of a noisy machine)
+FEW_STEPS = 3
 #: what a reference may bound
 REFERENCE_KEYS = {"throughput": "samples/s", "efficiency": "efficiency", "step_time": "step_s"}
 #: the keys that make a point and are not part of the point's identity
@@ -180,6 +184,10 @@ def rows_for(records: list[dict[str, Any]], sweep: bool = True, scaling: str = "
             elif mode == "strong":
                 row["efficiency"] = base["world"] * base["step_s"] / (row["world"] * row["step_s"])
             row["_scaling"] = mode
+            eff = row["efficiency"]
+            if isinstance(eff, float) and eff > SUPERLINEAR:
+                _note(row, f"super-linear (efficiency {eff:.2f} > {SUPERLINEAR}): check the baseline's step times "
+                           f"({base['name']}, {base['step_s']:.3g} s)")
     if reference:
         for row in rows:
             row["reference"] = check_reference(row, reference)
@@ -228,15 +236,29 @@ def _row_of(rs: list[dict[str, Any]]) -> dict[str, Any]:
     elif status == "diverged":
         steps_nf = [s for x in rs for s in (x.get("nonfinite_steps") or [])]
         row["final_loss"] = f"non-finite loss at step(s) {', '.join(str(s) for s in sorted(set(steps_nf))[:5])}"
-    else:
-        row["final_loss"] = (next((x.get("error") for x in rs if x.get("error")), "") or "")[:80]
+    else:  # a failed point's error goes in its own column, not in the loss's
+        row["error"] = (next((x.get("error") for x in rs if x.get("error")), "") or "")[:120]
+    row["_predicted"] = bool(r.get("predicted"))
     if row["_over"]:
-        row["note"] = "oversubscribed: ranks share cores"
-    if r.get("predicted"):
+        _note(row, "oversubscribed: ranks share cores")
+    if row["_predicted"]:
         fits = (r.get("peak_memory_bytes") or {}).get("fits")
-        row["note"] = "predicted by gems plan" + ("" if fits is not False else "; does not fit")
+        _note(row, "predicted by gems plan, not measured" + ("" if fits is not False else "; does not fit"))
         row["final_loss"] = ""
+    elif row["_ok"]:
+        few = min(measured_steps(x) for x in ok)
+        if few < FEW_STEPS:
+            _note(row, f"the throughput rests on {few} measured step(s)")
     return row
+
+
+def measured_steps(r: dict[str, Any]) -> int:
+    """How many steps a record's throughput rests on (the median of their times)."""
+    return len((r.get("step_time_s") or {}).get("all") or [])
+
+
+def _note(row: dict[str, Any], text: str) -> None:
+    row["note"] = f"{row['note']}; {text}" if row.get("note") else text
 
 
 def check_reference(row: dict[str, Any], reference: dict[str, Any]) -> str:
@@ -298,6 +320,8 @@ def markdown(rows: list[dict[str, Any]], title: str = "") -> str:
     buf = io.StringIO()
     if title:
         buf.write(f"### {title}\n\n")
+    if rows and all(r.get("_predicted") for r in rows if r.get("status")):
+        buf.write("Predicted by `gems plan`, not measured: every figure below is the planner's.\n\n")
     buf.write("| " + " | ".join(COLUMNS) + " |\n")
     buf.write("|" + "|".join("---" for _ in COLUMNS) + "|\n")
     for row in rows:
@@ -345,7 +369,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, compare: list[tuple
             ws = [r["world"] for r in ok]
             thr = [r["samples/s"] for r in ok]
             err = [[t - r["_spread"][0] for t, r in zip(thr, ok)], [r["_spread"][1] - t for t, r in zip(thr, ok)]]
-            line = a1.errorbar(ws, thr, yerr=err, fmt="-", capsize=3, label=name if compare else "measured")
+            what = "predicted by gems plan" if all(r.get("_predicted") for r in ok) else "measured"
+            line = a1.errorbar(ws, thr, yerr=err, fmt="-", capsize=3, label=f"{name} ({what})" if compare else what)
             color = line[0].get_color()
             for hollow in (False, True):
                 pts = [(w, t) for w, t, r in zip(ws, thr, ok) if bool(r["_over"]) == hollow]
@@ -360,18 +385,30 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, compare: list[tuple
                 a2.plot([e[0] for e in eff], [e[1] for e in eff], "-", color=color, label=name)
                 a2.scatter([e[0] for e in eff], [e[1] for e in eff], color=color, zorder=3,
                            facecolors=["white" if e[2] else color for e in eff])
+                sup = [e for e in eff if e[1] > SUPERLINEAR]
+                if sup:  # super-linear: a slow baseline more often than a fast point
+                    a2.scatter([e[0] for e in sup], [e[1] for e in sup], marker="x", s=80, color="tab:red", zorder=4,
+                               label=f"super-linear (> {SUPERLINEAR}): check the baseline")
+                    for w, e, _ in sup:
+                        a2.annotate(f"{e:.2f}", (w, min(e, 1.4)), textcoords="offset points", xytext=(4, 4),
+                                    fontsize=7, color="tab:red")
         for ax in (a1, a2):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("GPUs / ranks")
-        a1.set_ylabel("samples/s")
+        a1.set_yscale("log")  # against a log world axis: ideal scaling is a straight line
+        a1.set_ylabel("samples/s (log)")
         a1.legend(fontsize=8)
         modes = {str(r["_scaling"]) for r in ok_all if r.get("_scaling")}
         a2.axhline(1.0, color="k", ls="--", alpha=0.5)
         a2.set_ylabel(f"{'/'.join(sorted(modes)) or 'no'} scaling efficiency")
-        a2.set_ylim(0, 1.15)
-        if compare:
+        top = max([1.15] + [min(1.5, float(r["efficiency"]) + 0.1) for r in ok_all
+                            if isinstance(r.get("efficiency"), float)])
+        a2.set_ylim(0, top)
+        if compare or any(isinstance(r.get("efficiency"), float) and r["efficiency"] > SUPERLINEAR for r in ok_all):
             a2.legend(fontsize=8)
-    fig.suptitle(title if not compare else " vs ".join(n for n, _ in studies))
+    predicted = ok_all and all(r.get("_predicted") for r in ok_all)
+    head = title if not compare else " vs ".join(n for n, _ in studies)
+    fig.suptitle(head + (" (predicted by gems plan, not measured)" if predicted else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
