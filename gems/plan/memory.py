@@ -720,18 +720,23 @@ def _fmt(b: float) -> str:
     return f"{b / GiB:.1f} GiB"
 
 
-def make_plan(cfg: Any, suggest: bool = True, quick: bool = False, available: bool = False) -> MemoryPlan:
+def make_plan(cfg: Any, suggest: bool = True, quick: bool = False, available: bool = False,
+              workspace: bool = True) -> MemoryPlan:
     """The memory plan of the composed configuration ``cfg`` (no process group, no allocation).
 
     ``suggest``: when it does not fit, search the smallest change that does.
     ``quick``: only whether the configured batch fits (one trace of the middle spatial part; no batch search).
     ``available``: CPU ranks of the local launcher get the memory this machine has free now, not all its RAM
     (the check before a run: other processes hold the rest).
+    ``workspace``: CPU ranks count their convolutions' backward workspaces (measured: seconds per new shape;
+    without them the plan is a lower bound, what the check before a run tries first: gems.plan.fit).
     """
     t0 = time.perf_counter()
     st = _setup(cfg)
     mesh = st.mesh
     pl = _Planner(st, quick)
+    if not workspace:
+        pl.workspace = None
     if st.spec.spatial_ndim > 0:
         for d in mesh.spatial_dims:
             if d >= st.spec.spatial_ndim:
