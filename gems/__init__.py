@@ -1,7 +1,7 @@
 """gems: train CNNs on samples too large for one GPU.
 
 Three strategies on one R x D x S mesh, each in its own place, composed in
-``gems.worker.parallelize``:
+``gems.rank.compose.parallelize``:
 
 * spatial parallelism (``gems.spatial``): each sample cut in space over S
   ranks, halos exchanged by autograd functions, I/O partitioned the same way;

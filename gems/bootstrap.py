@@ -79,9 +79,10 @@ def port_from_job(job_id: str) -> int:
     return 20000 + digits % 20000
 
 
-def _free_port() -> int:
+def free_port(host: str = "") -> int:
+    """A TCP port free on ``host`` now (all interfaces by default), for a rendezvous this process picks."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -100,7 +101,7 @@ def discover(comm_backend: str = "auto") -> tuple[int, int, int, str, int, str, 
         local.Free()
         # rank 0 hosts the store: its MASTER_ADDR (a site's, e.g. an InfiniBand name) wins over its host
         # name, and every rank takes rank 0's choice, so all agree even where their environments differ
-        addr_port = (env.get("MASTER_ADDR") or socket.gethostname(), _free_port()) if rank == 0 else None
+        addr_port = (env.get("MASTER_ADDR") or socket.gethostname(), free_port()) if rank == 0 else None
         addr, port = comm.bcast(addr_port, root=0)
         # rank 0 leaves MPI for the TCPStore next; without asynchronous progress (MPICH's OFI
         # tcp provider) its bcast may still sit in its send queue, and rank 1 would wait
@@ -222,7 +223,7 @@ def job_device(cfg: Any) -> str:
     anything starts (Slurm: ``cluster.gpus_per_node``; the local launcher: this machine's GPUs)."""
     want, c = str(cfg.train.device), cfg.cluster
     if c.launcher == "slurm":
-        has, where = int(c.get("gpus_per_node") or 0) > 0, f"cluster.gpus_per_node={c.get('gpus_per_node')}"
+        has, where = int(c.gpus_per_node or 0) > 0, f"cluster.gpus_per_node={c.gpus_per_node}"
     else:
         has, where = torch.cuda.is_available(), "no GPU on this machine"
     if want == "cuda" and not has:

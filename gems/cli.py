@@ -41,6 +41,37 @@ def _err(msg: str) -> None:
     print(f"gems: error: {msg}", file=sys.stderr, flush=True)
 
 
+#: the commands that take a configuration (Hydra overrides)
+CONFIGURED = ("run", "sweep", "plan", "render")
+
+
+def _print_help(cmd: str, rest: list[str]) -> None:
+    if cmd in CONFIGURED:
+        from gems.config import help_text
+
+        print(help_text(cmd, [a for a in rest if a not in ("-h", "--help")]))
+    else:
+        print(USAGE)
+
+
+def _print_job(rest: list[str]) -> int:
+    """``--cfg job``: the composed configuration, as Hydra prints it."""
+    from gems.config import compose, to_yaml
+    from gems.errors import ConfigError
+
+    i = rest.index("--cfg")
+    what = rest[i + 1] if i + 1 < len(rest) else "job"
+    if what != "job":
+        _err(f"--cfg={what}: expected --cfg job")
+        return 2
+    try:
+        print(to_yaml(compose([a for a in rest[:i] + rest[i + 2:]], check=False)), end="")
+    except ConfigError as e:
+        _err(str(e))
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from gems.errors import Cancelled, ConfigError, RunError
 
@@ -50,30 +81,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if "-h" in rest or "--help" in rest:
-        if cmd in ("run", "sweep", "plan", "render"):
-            from gems.config import help_text
-
-            print(help_text(cmd, [a for a in rest if a not in ("-h", "--help")]))
-        else:
-            print(USAGE)
+        _print_help(cmd, rest)
         return 0
-    if cmd in ("run", "sweep", "plan", "render") and "--cfg" in rest:  # as Hydra users expect: the composed job
-        i = rest.index("--cfg")
-        what = rest[i + 1] if i + 1 < len(rest) else "job"
-        if what != "job":
-            _err(f"--cfg={what}: expected --cfg job")
-            return 2
-        from gems.config import compose, to_yaml
+    if cmd in CONFIGURED and "--cfg" in rest:  # as Hydra users expect: the composed job
+        return _print_job(rest)
+    if cmd in CONFIGURED:
+        try:
+            from gems.prepare import one_value_per_key
 
-        try:
-            print(to_yaml(compose([a for a in rest[:i] + rest[i + 2:]], check=False)), end="")
-        except ConfigError as e:
-            _err(str(e))
-            return 2
-        return 0
-    if cmd in ("run", "sweep", "plan", "render"):
-        try:
-            _one_value_per_key(rest)
+            one_value_per_key(rest)
         except ConfigError as e:
             _err(str(e))
             return 2
@@ -108,56 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _one_value_per_key(overrides: list[str]) -> None:
-    """A key given twice (``cluster=a cluster=b``) is bad input: Hydra would take the last one silently."""
-    from gems.errors import ConfigError
-
-    seen: dict[str, str] = {}
-    for o in overrides:
-        if "=" not in o or o.startswith("-"):
-            continue
-        key, val = o.split("=", 1)
-        key = key.lstrip("+~")
-        if key in seen:
-            raise ConfigError(key, f"{seen[key]} and {val}", f"one value (the command line gives {key} twice; for "
-                              f"several, gems sweep takes {key}={seen[key]},{val})")
-        seen[key] = val
-
-
 # ---------------------------------------------------------------------------- run
-def _prepare(cfg: Any) -> Any:
-    """Fill in the run id and check everything the run needs (the model, the mesh, the files it reads and
-    the folders it writes), so that bad input stops here with exit 2, before anything is written."""
-    from omegaconf import open_dict
-
-    from gems import checkpoint as ckpt
-    from gems.errors import ConfigError
-    from gems.paths import readable_dir, writable_dir
-    from gems.results.record import default_name, new_run_id, record_path
-
-    given = cfg.get("run_id")
-    with open_dict(cfg):
-        if not given:
-            cfg.run_id = new_run_id(default_name(cfg))
-    if cfg.data.name == "hdf5":
-        readable_dir("data.path", cfg.data.path, "a folder of .h5 samples (write one with `gems data synth data.path=...`)")
-    if given:  # a run id of the user's: resume its checkpoint, never replace its record
-        if record_path(cfg).exists():
-            raise ConfigError("run_id", given, f"a new run id (the record {record_path(cfg)} exists, and records "
-                              "are never replaced)")
-        if ckpt.has_checkpoint(cfg):
-            ckpt.check_fingerprint(cfg)
-    from gems.worker import preflight
-
-    preflight(cfg)  # model, spatial cut and schedule: bad input fails here, before launching
-    if cfg.train.get("check_fit", True):
-        from gems.plan.fit import check_fit
-
-        check_fit(cfg)  # memory: a point the planner says cannot fit is bad input (gems/plan/fit.py)
-    writable_dir("results.dir", cfg.results.dir, "a folder for the run's records")
-    return cfg
-
-
 def launch_one(cfg: Any, quiet: bool = False) -> dict[str, Any]:
     if cfg.cluster.launcher == "slurm":
         from gems.launch import slurm
@@ -235,8 +202,9 @@ def print_rows(records: list[dict[str, Any]]) -> None:
 
 def cmd_run(overrides: list[str]) -> int:
     from gems.config import compose
+    from gems.prepare import prepare
 
-    cfg = _prepare(compose(overrides))
+    cfg = prepare(compose(overrides))
     record = launch_one(cfg)
     print_rows([record])
     from gems.results.record import record_path
@@ -433,10 +401,12 @@ def cmd_render(overrides: list[str]) -> int:
     """The sbatch script of a run; of every point when the overrides or the experiment sweep (one each, named)."""
     from gems.config import compose
     from gems.launch.render import write_job
-    from gems.study import point_name
+    from gems.results.manifest import point_name
 
     combos, meta = expand_sweep(overrides)
-    cfgs = [_prepare(compose(c)) for c in combos]  # every point checked before any script is written
+    from gems.prepare import prepare
+
+    cfgs = [prepare(compose(c)) for c in combos]  # every point checked before any script is written
     if len(cfgs) == 1:
         script = write_job(cfgs[0])
         print(script.read_text(), end="")

@@ -277,20 +277,26 @@ class _Op:
         return f"{what} ({self.nbytes} bytes, {self.comm})"
 
 
-def replay(logs: dict[int, list[dict[str, Any]]], strict_sends: bool = False) -> dict[str, int]:
-    """Run the logged orders under NCCL's rules (module docstring); raise :class:`OrderError` where they
-    hang or mismatch, else return counts of what ran (``ops``, ``messages``, ``collectives``)."""
-    ops: dict[tuple[int, int], _Op] = {}
-    host = {r: 0 for r in logs}
-    streams: dict[tuple[int, str], deque[list[_Op]]] = {}
-    last_batch: dict[tuple[int, str], Any] = {}
-    counters: dict[tuple[Any, ...], int] = {}
-    sends: dict[tuple[str, int, int, int], _Op] = {}
-    recvs: dict[tuple[str, int, int, int], _Op] = {}
-    colls: dict[tuple[str, int, int], _Op] = {}
-    first_use: dict[tuple[str, int], _Op] = {}
+class _Replay:
+    """The state of one replay: every rank's host position in its log, each (rank, communicator) stream's queue
+    of batches, and the operations matched by order (see :func:`replay`)."""
 
-    def post(r: int, ev: dict[str, Any]) -> None:
+    def __init__(self, logs: dict[int, list[dict[str, Any]]], strict_sends: bool) -> None:
+        self.logs, self.strict = logs, strict_sends
+        self.ops: dict[tuple[int, int], _Op] = {}
+        self.host = {r: 0 for r in logs}
+        self.streams: dict[tuple[int, str], deque[list[_Op]]] = {}
+        self.last_batch: dict[tuple[int, str], Any] = {}
+        self.counters: dict[tuple[Any, ...], int] = {}
+        self.sends: dict[tuple[str, int, int, int], _Op] = {}
+        self.recvs: dict[tuple[str, int, int, int], _Op] = {}
+        self.colls: dict[tuple[str, int, int], _Op] = {}
+        self.first_use: dict[tuple[str, int], _Op] = {}
+
+    # ---- issuing ----------------------------------------------------------------------------------------------
+    def post(self, r: int, ev: dict[str, Any]) -> None:
+        """Rank ``r``'s host issues an operation: it joins the stream of its communicator (with the rest of its
+        batch) and gets its place in the order its pair (or its communicator's collectives) match by."""
         op = _Op(r, int(ev["id"]), ev["kind"], ev["fn"], ev["comm"], tuple(ev["ranks"]), ev.get("peer"),
                  int(ev["bytes"]), str(ev.get("dtype", "")))
         if op.kind == "coll":
@@ -299,115 +305,136 @@ def replay(logs: dict[int, list[dict[str, Any]]], strict_sends: bool = False) ->
             assert op.peer is not None, f"rank {r}: {op.fn} from any source cannot be replayed"
             src, dst = (r, op.peer) if op.kind == "send" else (op.peer, r)
             key = (op.kind, op.comm, src, dst)
-        op.seq = counters.get(key, 0)
-        counters[key] = op.seq + 1
+        op.seq = self.counters.get(key, 0)
+        self.counters[key] = op.seq + 1
         if op.kind == "coll":
-            colls[(op.comm, r, op.seq)] = op
+            self.colls[(op.comm, r, op.seq)] = op
         elif op.kind == "send":
-            sends[(op.comm, r, op.peer, op.seq)] = op  # type: ignore[index]
+            self.sends[(op.comm, r, op.peer, op.seq)] = op  # type: ignore[index]
         else:
-            recvs[(op.comm, op.peer, r, op.seq)] = op  # type: ignore[index]
-        first_use.setdefault((op.comm, r), op)
-        ops[(r, op.id)] = op
-        q = streams.setdefault((r, op.comm), deque())
+            self.recvs[(op.comm, op.peer, r, op.seq)] = op  # type: ignore[index]
+        self.first_use.setdefault((op.comm, r), op)
+        self.ops[(r, op.id)] = op
+        q = self.streams.setdefault((r, op.comm), deque())
         b = ev.get("batch")
-        if b is not None and q and last_batch.get((r, op.comm)) == b:
+        if b is not None and q and self.last_batch.get((r, op.comm)) == b:
             q[-1].append(op)
         else:
             q.append([op])
-        last_batch[(r, op.comm)] = b
+        self.last_batch[(r, op.comm)] = b
 
-    def comm_started(op: _Op) -> bool:
-        """Lazy initialisation: every member has issued something on the communicator."""
-        return all((op.comm, m) in first_use for m in op.ranks)
-
-    def match_of(op: _Op) -> _Op | None:
-        if op.kind == "send":
-            return recvs.get((op.comm, op.rank, op.peer, op.seq))  # type: ignore[arg-type]
-        return sends.get((op.comm, op.peer, op.rank, op.seq))  # type: ignore[arg-type]
-
-    def advance_hosts() -> bool:
+    def advance_hosts(self) -> bool:
+        """Every host issues what it can: up to its next wait for an operation not done yet."""
         moved = False
-        for r, events in logs.items():
-            while host[r] < len(events):
-                ev = events[host[r]]
+        for r, events in self.logs.items():
+            while self.host[r] < len(events):
+                ev = events[self.host[r]]
                 if ev["e"] == "post":
-                    post(r, ev)
-                elif ev["e"] == "wait":
-                    if not all(ops[(r, int(i))].done for i in ev["ids"] if (r, int(i)) in ops):
-                        break
-                host[r] += 1
+                    self.post(r, ev)
+                elif ev["e"] == "wait" and not all(self.ops[(r, int(i))].done for i in ev["ids"]
+                                                   if (r, int(i)) in self.ops):
+                    break
+                self.host[r] += 1
                 moved = True
         return moved
 
-    def advance_streams() -> bool:
+    # ---- running ----------------------------------------------------------------------------------------------
+    def started(self, op: _Op) -> bool:
+        """Lazy initialisation: an operation starts once every member has issued something on its communicator."""
+        return all((op.comm, m) in self.first_use for m in op.ranks)
+
+    def match_of(self, op: _Op) -> _Op | None:
+        if op.kind == "send":
+            return self.recvs.get((op.comm, op.rank, op.peer, op.seq))  # type: ignore[arg-type]
+        return self.sends.get((op.comm, op.peer, op.rank, op.seq))  # type: ignore[arg-type]
+
+    def complete_collective(self, op: _Op) -> bool:
+        peers = [self.colls.get((op.comm, m, op.seq)) for m in op.ranks]
+        if not all(p is not None and p.started for p in peers):
+            return False
+        fns = {p.fn for p in peers if p is not None}
+        if len(fns) > 1:
+            raise OrderError(f"collective #{op.seq} on {op.comm}: ranks issued different collectives "
+                             f"({', '.join(sorted(fns))})")
+        for p in peers:
+            assert p is not None
+            p.done = True
+        return True
+
+    def complete_message(self, op: _Op) -> bool:
+        other = self.match_of(op)
+        if other is None or not other.started:
+            if op.kind == "send" and not self.strict:  # a lenient send completes once it starts
+                op.done = True
+                return True
+            return False
+        if (other.nbytes, other.dtype) != (op.nbytes, op.dtype):
+            s, rv = (op, other) if op.kind == "send" else (other, op)
+            raise OrderError(f"message #{s.seq} from rank {s.rank} to rank {rv.rank} on {s.comm}: sent {s.nbytes} "
+                             f"bytes of {s.dtype}, received into {rv.nbytes} bytes of {rv.dtype} (NCCL matches "
+                             "messages by order, not by tag)")
+        op.done = True
+        if self.strict or other.kind == "send":
+            other.done = True
+        return True
+
+    def advance_streams(self) -> bool:
+        """Every stream runs its head batch: its operations start, and complete as their peers allow."""
         moved = False
-        for q in streams.values():
+        for q in self.streams.values():
             while q:
                 head = q[0]
                 for op in head:
-                    if not op.started and comm_started(op):
-                        op.started = True
-                        moved = True
+                    if not op.started and self.started(op):
+                        op.started = moved = True
                 for op in head:
-                    if op.done or not op.started:
-                        continue
-                    if op.kind == "coll":
-                        peers = [colls.get((op.comm, m, op.seq)) for m in op.ranks]
-                        if all(p is not None and p.started for p in peers):
-                            fns = {p.fn for p in peers if p is not None}
-                            if len(fns) > 1:
-                                raise OrderError(f"collective #{op.seq} on {op.comm}: ranks issued different "
-                                                 f"collectives ({', '.join(sorted(fns))})")
-                            for p in peers:
-                                assert p is not None
-                                p.done = True
-                            moved = True
-                        continue
-                    other = match_of(op)
-                    if other is None or not other.started:
-                        if op.kind == "send" and not strict_sends:
-                            op.done = moved = True
-                        continue
-                    if (other.nbytes, other.dtype) != (op.nbytes, op.dtype):
-                        s, rv = (op, other) if op.kind == "send" else (other, op)
-                        raise OrderError(f"message #{s.seq} from rank {s.rank} to rank {rv.rank} on {s.comm}: sent "
-                                         f"{s.nbytes} bytes of {s.dtype}, received into {rv.nbytes} bytes of "
-                                         f"{rv.dtype} (NCCL matches messages by order, not by tag)")
-                    op.done = moved = True
-                    if strict_sends or other.kind == "send":
-                        other.done = True
-                if all(op.done for op in head):
-                    q.popleft()
-                    moved = True
-                else:
+                    if not op.done and op.started:
+                        done = self.complete_collective(op) if op.kind == "coll" else self.complete_message(op)
+                        moved = moved or done
+                if not all(op.done for op in head):
                     break
+                q.popleft()
+                moved = True
         return moved
 
-    while advance_hosts() | advance_streams():
-        pass
-    stuck = {r: events[host[r]] for r, events in logs.items() if host[r] < len(events)}
-    pending = {k: q for k, q in streams.items() if q}
-    if stuck or pending:
+    # ---- the verdict -------------------------------------------------------------------------------------------
+    def stuck(self) -> str | None:
+        """Where the orders hang, rank by rank, or None when every host and stream ran to the end."""
+        waiting = {r: events[self.host[r]] for r, events in self.logs.items() if self.host[r] < len(events)}
+        pending = {k: q for k, q in self.streams.items() if q}
+        if not waiting and not pending:
+            return None
         lines = []
-        for r in sorted(logs):
-            if r in stuck:
-                ev = stuck[r]
-                waits = [str(ops[(r, int(i))]) for i in ev.get("ids", []) if (r, int(i)) in ops
-                         and not ops[(r, int(i))].done]
-                lines.append(f"rank {r} waits (host) for {'; '.join(waits[:2]) or ev}")
+        for r in sorted(self.logs):
+            if r in waiting:
+                ev = waiting[r]
+                ops = [self.ops[(r, int(i))] for i in ev.get("ids", []) if (r, int(i)) in self.ops]
+                names = [str(op) for op in ops if not op.done]
+                lines.append(f"rank {r} waits (host) for {'; '.join(names[:2]) or ev}")
             for (rr, comm), q in sorted(pending.items()):
                 if rr == r:
                     lines.append(f"rank {r} stream {comm} is held by {q[0][0]}"
                                  + (f" and {len(q[0]) - 1} more in its batch" if len(q[0]) > 1 else "")
                                  + (f", with {sum(len(g) for g in q) - len(q[0])} behind it" if len(q) > 1 else ""))
-        raise OrderError("under NCCL's rules these orders hang:\n  " + "\n  ".join(lines))
-    unmatched = [op for op in ops.values() if op.kind == "send" and match_of(op) is None]
+        return "under NCCL's rules these orders hang:\n  " + "\n  ".join(lines)
+
+
+def replay(logs: dict[int, list[dict[str, Any]]], strict_sends: bool = False) -> dict[str, int]:
+    """Run the logged orders under NCCL's rules (module docstring); raise :class:`OrderError` where they
+    hang or mismatch, else return counts of what ran (``ops``, ``messages``, ``collectives``)."""
+    run = _Replay(logs, strict_sends)
+    while run.advance_hosts() | run.advance_streams():
+        pass
+    hang = run.stuck()
+    if hang:
+        raise OrderError(hang)
+    unmatched = [op for op in run.ops.values() if op.kind == "send" and run.match_of(op) is None]
     if unmatched:
         raise OrderError(f"{len(unmatched)} message(s) nobody receives, the first {unmatched[0]} from rank "
                          f"{unmatched[0].rank}: under NCCL it would be matched with a later receive")
-    return {"ops": len(ops), "messages": sum(op.kind == "send" for op in ops.values()),
-            "collectives": sum(op.kind == "coll" for op in ops.values())}
+    ops = run.ops.values()
+    return {"ops": len(run.ops), "messages": sum(op.kind == "send" for op in ops),
+            "collectives": sum(op.kind == "coll" for op in ops)}
 
 
 def records(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -442,9 +442,24 @@ def help_text(command: str, overrides: list[str] | tuple[str, ...] = ()) -> str:
     return "\n".join(lines)
 
 
+def typed(cfg: Any) -> DictConfig:
+    """``cfg`` (a mapping, a DictConfig, the YAML a launcher wrote) as the typed settings everything below an entry
+    point reads: merged onto the schemas (:class:`GemsConf`), so every key has its type and its one default
+    (written once, in the dataclasses above), and a misspelt or mistyped key fails here, naming itself. The
+    worker, the planner and the dry run take their configuration through this once; nothing below them reads a
+    key with a fallback of its own."""
+    base = OmegaConf.structured(GemsConf)
+    try:
+        out = OmegaConf.merge(base, cfg)
+    except Exception as e:  # a key the schemas do not have, or a value of the wrong type
+        raise _omegaconf_error(e) from None
+    assert isinstance(out, DictConfig)
+    return out
+
+
 def validate(cfg: DictConfig, relations: bool = True) -> None:
     """Every key against its schema's choices and bounds, then (``relations``) the checks that relate keys
-    to each other (none needs the world or the model: those are :func:`gems.worker.preflight`'s)."""
+    to each other (none needs the world or the model: those are :func:`gems.prepare.preflight`'s)."""
     for name in schema_keys():
         check_key(name, OmegaConf.select(cfg, name, default=None))
     if not relations:

@@ -15,16 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["scalar", "dry_run"]
-
-
-def scalar(t: torch.Tensor) -> float:
-    """``float(t)``; 0.0 for a fake tensor (the dry run computes shapes, not values)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    if isinstance(t, FakeTensor):
-        return 0.0
-    return float(t)
+__all__ = ["dry_run"]
 
 
 def dry_run(cfg: Any) -> dict[str, Any]:
@@ -34,17 +25,20 @@ def dry_run(cfg: Any) -> dict[str, Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from gems import worker
     from gems.bootstrap import World
+    from gems.config import typed
     from gems.data.synthetic import SyntheticData
     from gems.errors import ConfigError
     from gems.mesh import mesh_from_config
     from gems.parallel import resolve
+    from gems.rank.compose import set_up_rank
+    from gems.rank.data import step_batch
 
     t0 = time.perf_counter()
+    cfg = typed(cfg)
     mesh = mesh_from_config(cfg)
     size = mesh.size
-    rank = int(cfg.plan.get("dry_run_rank", 0))
+    rank = int(cfg.plan.dry_run_rank)
     if not 0 <= rank < size:
         raise ConfigError("plan.dry_run_rank", rank, f"a rank of the {size}-rank world: 0..{size - 1}")
     if dist.is_initialized():
@@ -53,15 +47,15 @@ def dry_run(cfg: Any) -> dict[str, Any]:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=size)
     try:
         mesh.build_groups(rank, groups=settings.holder_groups)
-        tpn = int(cfg.cluster.get("tasks_per_node") or cfg.cluster.get("gpus_per_node") or 1)
+        tpn = int(cfg.cluster.tasks_per_node or cfg.cluster.gpus_per_node or 1)
         world = World(rank=rank, size=size, local_rank=rank % max(1, tpn), master_addr="fake", master_port=0,
                       source="single", device=torch.device("cpu"), backend="fake", grad_comm="torch")
         B = int(cfg.train.batch_size)
         with FakeTensorMode(allow_non_fake_inputs=True):
-            coord, spec, par, opt = worker.set_up_rank(cfg, world, mesh, settings)
+            coord, spec, par, opt = set_up_rank(cfg, world, mesh, settings)
             # synthetic samples of the configured shapes: the dry run reads no files
             data = SyntheticData(spec, int(cfg.train.seed), max(B, int(cfg.data.num_samples)))
-            ids, x, y = worker.step_batch(data, par, 0, B, mesh.replicas, coord.replica)
+            ids, x, y = step_batch(data, par, 0, B, mesh.replicas, coord.replica)
             par.step(x, y, ids, 0)
             par.quiesce()
             opt.step()

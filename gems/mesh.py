@@ -269,7 +269,7 @@ def mesh_from_config(cfg: Any, world_size: int | None = None) -> Mesh:
     p = cfg.parallel
     spatial = p.spatial
     parts = [spatial] if isinstance(spatial, int) else list(spatial)
-    dims = p.get("spatial_dims", None)
+    dims = p.spatial_dims
     if dims is None:
         dims = list(range(len(parts)))
     dims = list(dims)

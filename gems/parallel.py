@@ -30,7 +30,7 @@ from gems.pipeline.partition import (
     smallest_crossing,
     trace_shapes,
 )
-from gems.pipeline.schedules import Schedule, make_schedule
+from gems.pipeline.schedules import Schedule, make_schedule, registered
 
 #: why a balance is what it is
 BALANCE_SOURCES = ("given", "memory", "time", "comm", "count", "whole")
@@ -72,7 +72,7 @@ class ParallelSettings:
     @property
     def mirrored(self) -> bool:
         """Whether some partition has copies on two pipeline ranks (GEMS mast/master)."""
-        return any(len(g) > 1 for g in self.holder_groups)
+        return self.schedule is not None and self.schedule.holds_copies
 
     @property
     def line_batch(self) -> int:
@@ -125,10 +125,10 @@ def resolve(cfg: Any, batch: int | None = None) -> ParallelSettings:
     mesh = mesh_from_config(cfg)
     name = str(p.schedule)
     D = mesh.pipeline
-    eta = None if p.get("gems_replicas") is None else int(p.gems_replicas)
-    v = None if p.get("virtual_stages") is None else int(p.virtual_stages)
+    eta = None if p.gems_replicas is None else int(p.gems_replicas)
+    v = None if p.virtual_stages is None else int(p.virtual_stages)
     m = int(p.micro_batches)
-    split = bool(p.get("split_backward", False))
+    split = bool(p.split_backward)
     sched = make_schedule(name, D, m, eta, v, split) if (name != "lp" or D > 1) else None
     if sched is None:  # lp on one rank: the options of schedules that run nothing must still be sane
         make_schedule(name, D, m, eta, v, split)
@@ -136,12 +136,12 @@ def resolve(cfg: Any, batch: int | None = None) -> ParallelSettings:
             raise ConfigError("parallel.micro_batches", m, "1 with schedule=lp on one pipeline rank (nothing splits "
                               "the batch there; schedule=gpipe or 1f1b at parallel.pipeline=1 accumulates "
                               "micro-batches)")
-    by_given = str(p.get("balance_by", "auto"))
+    by_given = str(p.balance_by)
     if by_given == "comm":
         check_comm_cut(D)
-    balance = tuple(int(b) for b in p.balance) if p.get("balance") else None
+    balance = tuple(int(b) for b in p.balance) if p.balance else None
     settings = ParallelSettings(mesh, name, sched, int(batch if batch is not None else cfg.train.batch_size), m, eta, v,
-                                split, balance, "memory", by_given, bool(p.get("checkpoint", False)))
+                                split, balance, "memory", by_given, bool(p.checkpoint))
     settings = replace(settings, balance_by=resolve_balance_by(settings))
     settings.check_batch()
     return settings
@@ -156,7 +156,8 @@ def resolve_balance_by(s: ParallelSettings) -> str:
 
 def balance_rule(by: str, schedule: str, D: int) -> str:
     """:func:`resolve_balance_by` for a schedule name and pipeline size alone (one micro-batch, no model)."""
-    sched = make_schedule(schedule, D, D if schedule == "interleaved1f1b" else 1) if (schedule != "lp" or D > 1) else None
+    kind = registered()[schedule]
+    sched = make_schedule(schedule, D, D if kind.virtual else 1) if (schedule != "lp" or D > 1) else None
     s = ParallelSettings(Mesh(pipeline=D), schedule, sched, 1, 1, None, None, False, None, "memory", by, False)
     return resolve_balance_by(s)
 

@@ -40,7 +40,7 @@ from gems import timers
 from gems.fault.progress import waiting
 
 
-class _MPIGroup:
+class MPIGroup:
     """A sub-communicator of COMM_WORLD over ``ranks`` (collective: every rank calls it)."""
 
     def __init__(self, world_comm: Any, ranks: list[int]) -> None:
@@ -50,13 +50,13 @@ class _MPIGroup:
         self.cuda_aware = os.environ.get("GEMS_MPI_CUDA_AWARE", "0") == "1"
 
 
-def mpi_group(world_comm: Any, mesh: Any, rank: int) -> _MPIGroup:
+def mpi_group(world_comm: Any, mesh: Any, rank: int) -> MPIGroup:
     """Build the MPI gradient communicator matching ``mesh.ranks('grad')``.
 
     Every rank calls this once with its own grad ranks; ranks sharing a group
     share its smallest rank as colour.
     """
-    return _MPIGroup(world_comm, mesh.ranks("grad") or [rank])
+    return MPIGroup(world_comm, mesh.ranks("grad") or [rank])
 
 
 def _grad(p: nn.Parameter) -> torch.Tensor:
@@ -130,7 +130,7 @@ class GradientReducer:
     """Sum the gradients of ``params`` over a group, overlapped with backward.
 
     ``params`` must be listed in the same order on every rank of the group.
-    ``group`` is a torch.distributed group, or an ``_MPIGroup`` from
+    ``group`` is a torch.distributed group, or an ``MPIGroup`` from
     :func:`mpi_group`, or None for a group of one (then nothing happens).
     """
 
@@ -138,7 +138,7 @@ class GradientReducer:
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.enabled = group is not None
-        self.is_mpi = isinstance(group, _MPIGroup)
+        self.is_mpi = isinstance(group, MPIGroup)
         cap = max(1, int(bucket_mb * 2**20))
         # buckets in reverse registration order: roughly the order gradients arrive
         self.buckets: list[_Bucket] = []

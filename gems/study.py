@@ -29,6 +29,7 @@ from typing import Any
 
 from gems.errors import ConfigError
 from gems.results import manifest
+from gems.results.manifest import point_name
 
 
 @dataclass
@@ -54,18 +55,12 @@ class Plan:
         return [p for p in self.points if p.action == "run"]
 
 
-def point_name(combo: list[str], base: list[str]) -> str:
-    """The swept values of a combination (what differs from the fixed overrides), in a stable order."""
-    swept = [o for o in combo if o not in base]
-    return " ".join(sorted(swept)) or "(single point)"
-
-
 def plan(combos: list[list[str]], base: list[str], experiment: str | None, detach: bool = False) -> Plan:
     """Compose and check every point (nothing is written), then decide which to run from what the folder holds."""
     from omegaconf import OmegaConf, open_dict
 
-    from gems.cli import _prepare
     from gems.config import compose
+    from gems.prepare import prepare
     from gems.results.record import default_name, new_run_id
     from gems.results.table import check_reference_spec, load, measured, point_of
 
@@ -97,7 +92,7 @@ def plan(combos: list[list[str]], base: list[str], experiment: str | None, detac
                 with open_dict(cfg):
                     cfg.results.sweep, cfg.results.point = sweep, name
                     cfg.results.dir = str(folder)
-                checked = cfg = _prepare(cfg)  # every point is checked before any runs
+                checked = cfg = prepare(cfg)  # every point is checked before any runs
             else:  # another repeat of a checked point: its own run id
                 cfg = OmegaConf.create(OmegaConf.to_container(checked, resolve=True))  # type: ignore[assignment]
                 cfg.run_id = new_run_id(default_name(cfg))

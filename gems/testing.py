@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+from gems.bootstrap import free_port as bootstrap_free_port
+
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now (:func:`gems.bootstrap.free_port`)."""
+    return bootstrap_free_port("127.0.0.1")
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:

@@ -7,7 +7,7 @@ D (pipeline), R (replicas), S (spatial parts), m (micro-batches), eta
 * ``"pipeline"``: the rank calls ``apply_pipeline`` itself and sums the
   gradients over the mesh's ``grad`` group with one ``all_reduce`` each;
 * ``"worker"``: the rank composes the strategies exactly as ``gems run`` does,
-  through :func:`gems.worker.parallelize` (spatial parts inside the pipeline
+  through :func:`gems.rank.compose.parallelize` (spatial parts inside the pipeline
   partitions, then the pipeline, then the real
   :class:`gems.replication.GradientReducer` summing over the ``grad`` group,
   hooks and buckets included). Spatial cases (S > 1) need this route.
@@ -120,14 +120,15 @@ class _Direct(_Rank):
 
 
 class _Worker(_Rank):
-    """Composed by ``gems.worker.parallelize`` from a configuration, as on every rank of ``gems run``."""
+    """Composed by ``gems.rank.compose.parallelize`` from a configuration, as on every rank of ``gems run``."""
 
     def __init__(self, rank: int, world: int, c: dict[str, Any], spec: ModelSpec) -> None:
         from gems.bootstrap import World
+        from gems.config import typed
         from gems.mesh import mesh_from_config
-        from gems.worker import parallelize
+        from gems.rank.compose import parallelize
 
-        cfg = OmegaConf.create({
+        cfg = typed({
             "parallel": dict(replicas=c["R"], pipeline=c["D"], spatial=c["S"], spatial_dims=list(c["spatial_dims"]),
                              schedule=c["schedule"], micro_batches=c["m"], gems_replicas=c.get("eta"),
                              virtual_stages=c.get("v"), split_backward=c.get("split", False),

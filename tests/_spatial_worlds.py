@@ -382,6 +382,7 @@ def _from_mesh(rank: int, world: int) -> list[str]:
 
 
 COMM = "comm log"  # the key under which cases_world returns what the rank issued (gems.commlog)
+RAN = "cases run"  # the key under which cases_world returns the cases this rank ran (a case no rank ran fails)
 
 
 def cases_world(rank: int, world: int, which: str, only: list[str] | None = None) -> dict[str, Any]:
@@ -390,13 +391,15 @@ def cases_world(rank: int, world: int, which: str, only: list[str] | None = None
     from gems.commlog import Recorder
 
     recorder = Recorder(device=torch.device("cpu"))
+    ran: list[str] = []
     with recorder:
-        out: dict[str, Any] = _cases_world(rank, world, which, only)
+        out: dict[str, Any] = _cases_world(rank, world, which, only, ran)
     out[COMM] = recorder.events
+    out[RAN] = ran
     return out
 
 
-def _cases_world(rank: int, world: int, which: str, only: list[str] | None = None) -> dict[str, Any]:
+def _cases_world(rank: int, world: int, which: str, only: list[str] | None, ran: list[str]) -> dict[str, Any]:
     torch.set_num_threads(1)
     cases = {"layers": LAYER_CASES, "cubes": CUBE_CASES}.get(which) or model_cases()
     groups = make_groups(world)
@@ -404,6 +407,8 @@ def _cases_world(rank: int, world: int, which: str, only: list[str] | None = Non
     extra = _bn_local(rank, groups) if which == "layers" else _from_mesh(rank, world) if which == "models" else []
     if extra:
         out[EXTRA_CASES[which][0]] = f"rank {rank}: " + "\n".join(extra)
+    if which in EXTRA_CASES:
+        ran.extend(EXTRA_CASES[which])
     for name, (build, shape, lays, opts) in cases.items():
         for lay in lays:
             if only is not None and f"{name}[{lay}]" not in only and name not in only:
@@ -413,6 +418,7 @@ def _cases_world(rank: int, world: int, which: str, only: list[str] | None = Non
                 dist.barrier()
             if sctx is None:
                 continue
+            ran.append(f"{name}[{lay}]")
             try:
                 bad = run_case(build, shape, sctx, opts)
             except Exception as e:  # the group is out of step now: stop here, naming the case

@@ -56,7 +56,7 @@ def test_the_rank_where_the_real_code_fails_is_named():
         assert f"dry run of rank {r} failed: ValueError: the user's layer refuses a part of 4 rows" in ok[r].stderr
     # the same model passes the check gems run makes before launch (a trace of the whole sample): only the
     # ranks holding such a part find it
-    from gems.worker import preflight
+    from gems.prepare import preflight
 
     preflight(compose(base))
     # gems plan itself traces every distinct part: it names the layer, the part and the error in one line

@@ -8,7 +8,7 @@ after the sum over the ``grad`` group, the parameters' updates over the run
 must equal the serial ones, and all copies of a partition (mirrored ranks, replicas, spatial
 parts) must be bit-identical.
 
-Cases ``via="worker"`` are composed by ``gems.worker.parallelize`` as ``gems
+Cases ``via="worker"`` are composed by ``gems.rank.compose.parallelize`` as ``gems
 run`` composes them: spatial parts inside the pipeline partitions (S > 1),
 gradients summed by the real ``GradientReducer`` (bucketed, hook-driven).
 Recomputation (``checkpoint``) must run every BatchNorm forward once per chunk
@@ -102,6 +102,17 @@ WORLD8 = [  # R = 2 x D = 2 x S = 2 and R = 2 x D = 4
     case("cosmoflow", "mast", 2, R=2, S=2, steps=2, via="worker"),
     case("resnet_gn", "master", 4, m=2, eta=2, R=2, B=16, steps=2, via="worker"),
 ]
+
+
+def _registry_cases() -> list[dict[str, Any]]:
+    """One D = 2 case for every registered schedule the lists above do not run: a new registration runs against
+    the serial model (and is replayed under NCCL's rules) with no change to this file."""
+    listed = {c["schedule"] for c in WORLD2 + WORLD3 + WORLD4 + WORLD8}
+    return [case("cosmoflow", name, 2, m=2, eta=2 if kind.passes == "eta" else None, v=2 if kind.virtual else None,
+                 steps=2) for name, kind in registered().items() if name not in listed]
+
+
+WORLD2 = WORLD2 + _registry_cases()
 
 
 def label_of(c: dict[str, Any]) -> str:

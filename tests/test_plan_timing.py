@@ -235,11 +235,11 @@ def test_a_layer_on_a_named_gpu_is_its_roofline():
 
 
 def test_the_trace_counts_a_convolutions_flops_by_the_formula():
-    from gems.plan.memory import _Planner, _setup
+    from gems.plan.memory import Planner, setup
 
     cfg = compose(["model=custom", "model._target_=_custom_models.tiny_cnn", "model.input_shape=[3,16,16]",
                    "model.num_outputs=4", "train.batch_size=2"])
-    pl = _Planner(_setup(cfg))
+    pl = Planner(setup(cfg))
     t1, t2 = pl._traced(0, 1), pl._traced(0, 2)
     layers, _, _ = pl._layers(0)
     conv = next(i for i, m in enumerate(layers) if isinstance(m, torch.nn.Conv2d))
@@ -257,9 +257,9 @@ def test_the_counts_of_any_micro_batch_are_the_line_through_the_traced_ones(mode
     """The prediction traces batches 1 and 2 and scales every op's counts to the micro-batch: the same ops
     (one key each, whatever the batch) with the FLOPs and bytes a trace at that batch counts."""
     from gems.plan.cost import scaled
-    from gems.plan.memory import _Planner, _setup
+    from gems.plan.memory import Planner, setup
 
-    pl = _Planner(_setup(compose([*model, "train.batch_size=4"])))
+    pl = Planner(setup(compose([*model, "train.batch_size=4"])))
     t1, t2, t4 = pl._traced(0, 1), pl._traced(0, 2), pl._traced(0, 4)
     assert set(t4.ops) == set(t1.ops) and any(cls == "conv" for ops in t4.ops.values() for cls, _ in ops)
     for j, ops in t4.ops.items():
@@ -446,12 +446,12 @@ def test_spatial_parts_meet_at_every_layer_so_a_stage_is_the_sum_of_its_slowest_
     different layers; the parts meet at each layer's exchange, so the stage takes the sum over layers of the
     slowest part there, which is more than the slowest part's own sum."""
     from gems.plan.devices import efficiency
-    from gems.plan.memory import _Planner, _setup
+    from gems.plan.memory import Planner, setup
     from gems.plan.timing import _meet, _stage_times
 
     cfg = compose(["model=cosmoflow", "model.size=32", "parallel.spatial=3", "train.batch_size=1",
                    "cluster.gpu_memory_gb=80"])
-    pl = _Planner(_setup(cfg))
+    pl = Planner(setup(cfg))
     _, classes = pl.profile(1)
     assert len(classes) == 3
     rates = gpu_rates("a100-40gb", "fp32", efficiency(None))

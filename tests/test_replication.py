@@ -141,7 +141,7 @@ def test_mpi_sums_wait_for_their_data_and_launch_in_bucket_order(monkeypatch):
         events.append(self.event)
 
     monkeypatch.setattr(replication._Staged, "__init__", staged)
-    group = replication._MPIGroup.__new__(replication._MPIGroup)
+    group = replication.MPIGroup.__new__(replication.MPIGroup)
     group.comm, group.cuda_aware = _FakeComm(), True
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),

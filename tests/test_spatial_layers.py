@@ -4,7 +4,7 @@ overlap on, off and the CPU default. One 4-rank gloo world runs all cases; each
 case is reported on its own. An 8-rank world cuts 3D inputs into 2x2x2 cubes,
 where every part exchanges halos with all 7 others (faces, edges, the corner)."""
 import pytest
-from _spatial_worlds import COMM, CUBE_CASES, EXTRA_CASES, LAYER_CASES, case_names, cases_world
+from _spatial_worlds import COMM, CUBE_CASES, EXTRA_CASES, LAYER_CASES, RAN, case_names, cases_world
 
 from gems.commlog import replay
 from gems.testing import run_world
@@ -15,6 +15,7 @@ def _collect(which, world):
     logs = {}
     for rank, per_rank in enumerate(run_world(cases_world, world, which, timeout=300)):
         logs[rank] = per_rank.pop(COMM)
+        out.setdefault(RAN, set()).update(per_rank.pop(RAN))
         for case, text in per_rank.items():
             out[case] = out.get(case, "") + text + "\n"
     out[COMM] = logs
@@ -33,11 +34,13 @@ def cube_failures():
 
 @pytest.mark.parametrize("case", case_names(LAYER_CASES) + EXTRA_CASES["layers"])
 def test_layer_matches_serial(failures, case):
+    assert case in failures[RAN], f"{case} ran on no rank"
     assert case not in failures, failures.get(case)
 
 
 @pytest.mark.parametrize("case", case_names(CUBE_CASES))
 def test_cube_layer_matches_serial(cube_failures, case):
+    assert case in cube_failures[RAN], f"{case} ran on no rank"
     assert case not in cube_failures, cube_failures.get(case)
 
 

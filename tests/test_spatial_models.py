@@ -3,7 +3,7 @@ equal serial: outputs, input gradients, summed parameter gradients, BatchNorm
 running statistics, with dropout drawn per sample (training mode). The paper's
 sizes (128^3 to 512^3) are checked on fake tensors: their shapes, not their values."""
 import pytest
-from _spatial_worlds import COMM, EXTRA_CASES, case_names, cases_world, model_cases
+from _spatial_worlds import COMM, EXTRA_CASES, RAN, case_names, cases_world, model_cases
 from torch import nn
 
 from gems.commlog import replay
@@ -17,6 +17,7 @@ def failures():
     logs = {}
     for rank, per_rank in enumerate(run_world(cases_world, 4, "models", timeout=300)):
         logs[rank] = per_rank.pop(COMM)
+        out.setdefault(RAN, set()).update(per_rank.pop(RAN))
         for case, text in per_rank.items():
             out[case] = out.get(case, "") + text + "\n"
     out[COMM] = logs
@@ -25,6 +26,7 @@ def failures():
 
 @pytest.mark.parametrize("case", case_names(model_cases()) + EXTRA_CASES["models"])
 def test_model_matches_serial(failures, case):
+    assert case in failures[RAN], f"{case} ran on no rank"
     assert case not in failures, failures.get(case)
 
 

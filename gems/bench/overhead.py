@@ -1,6 +1,6 @@
 """``gems bench overhead``: what gems costs over a plain PyTorch loop, and what replication costs.
 
-1. One rank: the gems worker's training loop (``gems.worker.train``, world of
+1. One rank: the gems worker's training loop (``gems.rank.loop.train``, world of
    one) against a hand-written PyTorch loop over the same model, the same
    synthetic batches and the same optimizer, alternated in rounds so that
    both see the same machine noise. Goal: gems throughput >= 0.97x plain.
@@ -37,7 +37,7 @@ def gems_loop(per_rank_batch: int) -> float:
     from omegaconf import open_dict
 
     from gems.bootstrap import World
-    from gems.worker import train
+    from gems.rank.loop import train
 
     cfg = _cfg([f"train.batch_size={per_rank_batch}"])
     with open_dict(cfg):

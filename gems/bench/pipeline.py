@@ -138,7 +138,7 @@ def _contender(rank: int, world: int, c: dict[str, Any],
         # the mirrored copies' gradients are summed as `gems run` sums them: bucketed, overlapped with the backward
         reducer = GradientReducer(params, mesh.group("grad") if is_mirrored(c["schedule"]) else None,
                                   CommConf().bucket_mb)
-        backwards = Counter(a.stage for a in runner.actions if a.kind in ("B", "W"))
+        backwards = Counter(a.stage for a in runner.actions if a.kind.finishes_gradients)
         count = {id(q): backwards[s] for s, part in runner.partitions.items() for q in part.parameters()}
 
         def step(t: int, x: torch.Tensor, y: torch.Tensor) -> None:

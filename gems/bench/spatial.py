@@ -130,9 +130,9 @@ def bench_rank(rank: int, world: int, size: int, steps: int, warmup: int, mode: 
     if group is not None and grad_comm == "mpi":  # comm.backend=mpi: the gradient sum through mpi4py
         from mpi4py import MPI
 
-        from gems.replication import _MPIGroup
+        from gems.replication import MPIGroup
 
-        group = _MPIGroup(MPI.COMM_WORLD, list(range(world)))
+        group = MPIGroup(MPI.COMM_WORLD, list(range(world)))
     reducer = GradientReducer(params, group, bucket_mb)
     times: list[float] = []
     grad_sum: list[float] = []

@@ -54,7 +54,7 @@ def collective_timeout_s(cfg: Any) -> float:
     """torch.distributed's timeout (gloo's collectives, NCCL's watchdog): ``comm.timeout_s``, else long
     enough that the watchdog names a stall first (the warm-up allowance plus the stall timeout), and finite,
     so that a stuck collective raises where no watchdog runs."""
-    explicit = cfg.comm.get("timeout_s")
+    explicit = cfg.comm.timeout_s
     if explicit is not None:
         return float(explicit)
     f = cfg.get("fault") or {}

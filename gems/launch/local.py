@@ -28,12 +28,12 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig
 
+from gems.bootstrap import free_port
 from gems.errors import Cancelled, ConfigError
 from gems.fault.reports import Exit, explain
 from gems.launch import cancel_on_signals
 from gems.mesh import mesh_from_config
 from gems.results import record as rec
-from gems.testing import free_port
 
 GRACE_S = 5.0  # after the first failure, how long the other ranks get to end (and report) by themselves
 

@@ -39,9 +39,9 @@ __all__ = ["apply_pipeline", "PipelineRunner", "Schedule", "Action", "make_sched
 
 
 def is_mirrored(schedule: str, D: int = 2) -> bool:
-    """Whether the schedule puts copies of a partition on two pipeline ranks (from its placement)."""
+    """Whether the schedule puts copies of a partition on two pipeline ranks (:attr:`Schedule.holds_copies`)."""
     try:
-        return any(len(g) > 1 for g in make_schedule(schedule, max(2, D)).holder_groups())
+        return make_schedule(schedule, max(2, D)).holds_copies
     except ConfigError:
         return False
 
@@ -53,7 +53,7 @@ def check_batch(batch_size: int, sched: Schedule, replicas: int = 1) -> int:
     if n < 1:
         raise ConfigError("train.batch_size", n * replicas, "a positive multiple of parallel.replicas")
     if n % sched.replicas:
-        if sched.name == "master":
+        if sched.kind.passes == "eta":  # the passes are parallel.gems_replicas's (master)
             raise ConfigError("parallel.gems_replicas", sched.replicas, f"a divisor of {where}")
         raise ConfigError("train.batch_size", n * replicas, f"a multiple of {sched.replicas * replicas} "
                           f"({sched.name} gives each of its {sched.replicas} replica passes an equal share of a line's batch)")

@@ -134,7 +134,7 @@ def _plain(v: object, depth: int = 0) -> object:
         items = tuple(_plain(getattr(v, f.name), depth + 1) for f in dataclasses.fields(v))
         return _NO if any(e is _NO for e in items) else (type(v).__qualname__, items)
     if depth < 4 and isinstance(v, nn.Module):
-        st = _structure(v)
+        st = structure(v)
         return _NO if st is None else ("module", st)
     return _NO
 
@@ -143,7 +143,7 @@ def _plain(v: object, depth: int = 0) -> object:
 _LABELS = ("label", "tag")
 
 
-def _structure(layer: nn.Module) -> tuple | None:
+def structure(layer: nn.Module) -> tuple | None:
     """A key equal for layers that map equal input shapes to equal output shapes: per submodule its
     class, its plain attributes (:func:`_plain`), and the shapes and dtypes of its parameters and
     buffers. Any other attribute is compared by identity. None (never memoised) for a module with
@@ -185,7 +185,7 @@ def trace_shapes(layers: Sequence[nn.Module], sample: tuple[int, ...],
     """Output (shape, dtype) of every layer for an input of shape ``sample`` (batch included), on fake tensors.
 
     Layers run in eval mode (shapes are the same; BatchNorm buffers and dropout are left alone).
-    A layer whose structure and input were seen before is not run again (:func:`_structure`).
+    A layer whose structure and input were seen before is not run again (:func:`structure`).
     ``amp``: the autocast region the run computes in (:func:`gems.precision.autocast`), so the dtypes are
     the run's (bf16 activations cross a cut at bf16's bytes); the input lives on the layers' device.
     """
@@ -204,7 +204,7 @@ def trace_shapes(layers: Sequence[nn.Module], sample: tuple[int, ...],
             shape, dt = tuple(int(v) for v in sample), dtype
             x = None
             for layer in layers:
-                st = _structure(layer)
+                st = structure(layer)
                 memo = None if st is None else (st, shape, dt, device.type, amp_dtype)
                 if memo is not None and memo in _SHAPE_MEMO:
                     shape, dt = _SHAPE_MEMO[memo]
@@ -268,8 +268,7 @@ def resolve_balance_by(by: str, sched: Any) -> str:
     not fit one device run. ``sched``: the :class:`~gems.pipeline.schedules.Schedule` (None: no pipeline)."""
     if by != "auto":
         return by
-    mirrored = sched is not None and any(len(g) > 1 for g in sched.holder_groups())
-    return "comm" if sched is not None and sched.ranks == 2 and sched.stages == 2 and mirrored else "memory"
+    return "comm" if sched is not None and sched.ranks == 2 and sched.stages == 2 and sched.holds_copies else "memory"
 
 
 def check_comm_cut(D: int) -> None:

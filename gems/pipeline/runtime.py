@@ -57,14 +57,14 @@ import torch.distributed as dist
 from torch import nn
 
 from gems import timers
-from gems.dryrun import scalar
+from gems.fake import scalar
 from gems.fault import all_finite
 from gems.fault.progress import mark, waiting
 from gems.layers import batch_context
 from gems.pipeline.deferred import WeightGrads, deferring, make_deferrable
 from gems.pipeline.schedules import ACT as _ACT
 from gems.pipeline.schedules import GRAD as _GRAD
-from gems.pipeline.schedules import Action, Schedule, receives, sends
+from gems.pipeline.schedules import Action, Kind, Schedule, receives, sends
 
 __all__ = ["PipelineRunner", "LossFn", "Stats"]
 
@@ -397,7 +397,7 @@ class PipelineRunner:
         live = self._live.pop((a.replica, a.micro_batch, a.stage))
         x = live.x
         key = (a.replica, a.micro_batch, a.stage)
-        defer = deferring(self._weights, key) if a.kind == "I" else contextlib.nullcontext()
+        defer = deferring(self._weights, key) if a.kind is Kind.I else contextlib.nullcontext()
         with batch_context(self._seed, self._step, self._ids[self.chunk_slice(a.replica, a.micro_batch)]), defer:
             if self.checkpoint:
                 saved = [b.detach().clone() for b in part.buffers()]
@@ -447,11 +447,11 @@ class PipelineRunner:
             sl = self.chunk_slice(a.replica, a.micro_batch)
             target = targets[sl] if a.stage == last and targets is not None else None
             t0 = time.perf_counter()
-            mark("forward" if a.kind == "F" else "backward")
-            if a.kind == "W":  # the weight gradients an I left behind (a split schedule)
+            mark("forward" if a.kind.forward else "backward")
+            if a.kind is Kind.W:  # the weight gradients an I left behind (a split schedule)
                 self._weights.run((a.replica, a.micro_batch, a.stage))
                 self.stats.backward_s += time.perf_counter() - t0
-            elif a.kind == "F":
+            elif a.kind.forward:
                 if a.stage == 0:
                     if inputs is None:
                         raise ValueError("this rank runs a first stage: step() needs the inputs")

@@ -3,16 +3,21 @@ and throughput), at any world size, in one process.
 
 - :mod:`gems.plan.trace`: the real (spatial) model run on fake tensors at a rank's local shapes, with a
   shape-only stand-in for its spatial context: what autograd saves, per layer;
+- :mod:`gems.plan.schema`: what a plan is (per mesh position) and its JSON keys;
 - :mod:`gems.plan.memory`: the memory per mesh position from that trace, the largest batch that fits;
 - :mod:`gems.plan.suggest`: the smallest change that fits;
+- :mod:`gems.plan.predict`: the step-time prediction of a plan (rates, placement, data);
+- :mod:`gems.plan.make`: ``make_plan``, the three composed in one place;
+- :mod:`gems.plan.fit`: the check before a run launches;
 - :mod:`gems.plan.report`: the table, the JSON object and ``gems plan``'s entry point;
 - :mod:`gems.plan.cost`: the FLOPs and bytes of every op of that trace;
 - :mod:`gems.plan.devices`: named GPUs' rates, CPU rates measured on the spot, the links of a preset;
 - :mod:`gems.plan.timing`: the step time from those, with the schedule's real action lists simulated;
 - :mod:`gems.plan.curves`: every point of a study predicted (``gems plan +experiment=NAME``).
 """
-from gems.plan.memory import SCHEMA, Breakdown, GiB, MemoryPlan, Position, make_plan
+from gems.plan.make import make_plan
 from gems.plan.report import plan_main, render_table, to_json
+from gems.plan.schema import SCHEMA, Breakdown, GiB, MemoryPlan, Position
 from gems.plan.trace import saved_bytes
 
 __all__ = ["Breakdown", "Position", "MemoryPlan", "make_plan", "plan_main", "render_table", "to_json", "saved_bytes",

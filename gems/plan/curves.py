@@ -43,33 +43,16 @@ def predicted_record(cfg: Any, plan: Any, sweep: str, point: str) -> dict[str, A
     }
 
 
-#: data above this share of a predicted step is warned about: the study would measure the data path
-DATA_WARN = 0.2
-
-
-def data_share(prediction: Any) -> float:
-    """The share of a predicted step that making or reading the samples takes."""
-    return float(prediction.breakdown.get("data", 0.0)) / prediction.step_s if prediction.step_s > 0 else 0.0
-
-
-def data_warning(cfg: Any, share: float) -> str:
-    """What to say when data is more than :data:`DATA_WARN` of a predicted step, and what to change."""
-    kind = cfg.data.name if cfg is not None else "synthetic"
-    fix = ("staged files (data=hdf5 data.path=...) or on-device synthetic samples" if kind == "synthetic"
-           else "faster storage, or files staged to node-local storage")
-    return (f"data is {100 * share:.0f}% of the predicted step (more than {100 * DATA_WARN:.0f}%): the run would "
-            f"measure the data path, not the model; try {fix}")
-
-
 def predict_study(combos: list[list[str]], experiment: str | None) -> int:
     from omegaconf import open_dict
 
     from gems.config import compose
     from gems.errors import ConfigError
     from gems.paths import writable_dir
-    from gems.plan.memory import make_plan
+    from gems.plan.make import make_plan
+    from gems.plan.timing import DATA_WARN, data_share, data_warning
+    from gems.results.manifest import point_name
     from gems.results.table import write_studies
-    from gems.study import point_name
 
     base = [o for o in combos[0] if all(o in c for c in combos)]
     first = compose(combos[0])

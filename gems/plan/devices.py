@@ -130,6 +130,18 @@ class Rates:
     #: take their time from the compute, and nothing is hidden behind it)
     spare: bool = True
 
+    def layer_time(self, ops: Any, backward: bool, batch: int, first: bool = False) -> float:
+        """Seconds of one layer's ops (``gems.plan.cost.LayerOps``) at micro-batch ``batch``, forward or backward.
+        ``first``: the model's first layer, whose input needs no gradient, so its convolutions' backward computes
+        the weight gradient only (half)."""
+        t = 0.0
+        for (cls, sig), (flops, nbytes, n) in ops.items():
+            if n <= 0:
+                continue
+            per = self.time(cls, sig, flops / n, nbytes / n, backward, batch)
+            t += n * per * (0.5 if backward and first and cls in ("conv", "matmul") else 1.0)
+        return t
+
     def time(self, cls: str, sig: tuple, flops: float, nbytes: float, backward: bool, batch: int = 1) -> float:
         """One op's time at micro-batch ``batch``. Measured rates (CPU) give forward and backward directly (a
         backward rate is the forward's work over the backward's time; a convolution is timed at its batch);
@@ -522,7 +534,6 @@ def reference_alone(rates: Rates) -> float:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from gems.plan.cost import OpCounter
-    from gems.plan.timing import layer_time
 
     cur = [0]
     counter = OpCounter(cur)
@@ -533,8 +544,8 @@ def reference_alone(rates: Rates) -> float:
             for i, layer in enumerate(block):
                 cur[0] = i
                 h = layer(h)
-    return sum(layer_time(counter.take(i), rates, False, REFERENCE_BATCH) +
-               layer_time(counter.take(i), rates, True, REFERENCE_BATCH, first=i == 0) for i in range(len(block)))
+    return sum(rates.layer_time(counter.take(i), False, REFERENCE_BATCH) +
+               rates.layer_time(counter.take(i), True, REFERENCE_BATCH, first=i == 0) for i in range(len(block)))
 
 
 # ---- links ------------------------------------------------------------------------------------------------------

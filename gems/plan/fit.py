@@ -27,7 +27,7 @@ MARGIN = 1.5
 
 def check_fit(cfg: Any) -> float:
     """Seconds the check took; a ConfigError naming ``train.check_fit`` with the verdict when ``cfg`` does not fit."""
-    from gems.plan.memory import make_plan
+    from gems.plan.make import make_plan
 
     t0 = time.perf_counter()
     plan = make_plan(cfg, suggest=False, quick=True, available=True, workspace=False)

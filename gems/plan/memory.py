@@ -86,35 +86,15 @@ in fp32), the CUDA autocast rules beyond the ops CNNs use, ``balance_by=time``
 slabs have the same sizes at every layer and the same neighbours are traced
 once).
 
-``plan.format=json`` prints one object; its keys (schema ``gems.plan/1``):
-``schema, model, input_shape, world_size, mesh {replicas, pipeline, spatial,
-parts, spatial_dims}, schedule, micro_batches, gems_replicas, checkpoint,
-precision, optimizer, global_batch, micro_batch`` (samples per chunk),
-``balance`` (layers per partition), ``device {kind, name, memory_bytes,
-memory_source, reserve_bytes, usable_bytes, reserve}`` (GPU: and ``nominal_gb``,
-the data sheet's figure; ``reserve {source, bytes, parts}``: ``source``
-"modelled" with ``parts {cuda_context, cublas_workspace, cudnn_workspace,
-nccl, fragmentation}`` summing to ``bytes`` and ``fragmentation_fraction,
-pipeline_position, communicators [{name, size, used, why, connections,
-bytes}], assumed``, or "plan.reserve_gb"; CPU: "cpu default" or
-"plan.reserve_gb"; with ``train.device=cuda`` also ``sm90, rocm``, which
-set cuBLAS's workspace), ``positions`` (one per distinct position:
-``pipeline, spatial`` (the indices s that share it), ``grid, partitions,
-local_input_shape, in_flight`` (micro-batches alive at the peak per
-partition), ``bytes {parameters, gradients, optimizer, activations, halo,
-communication, total}``, ``activations_detail {saved, working, batch,
-constant, workspace}`` (``workspace``: the part of ``working`` that is the
-CPU convolution workspace)), ``peak {bytes, pipeline, spatial}``, ``fits``,
-``max_global_batch``, ``max_micro_batch``, ``min_gems_replicas`` (master:
-the fewest passes that fit ``train.batch_size``), ``suggestion``, ``verdict``,
-``seconds``, ``notes``.
+The plan's output types and JSON keys are in :mod:`gems.plan.schema`; the suggestion and the step-time
+prediction are added by :func:`gems.plan.make.make_plan`.
 """
 from __future__ import annotations
 
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -125,96 +105,14 @@ from gems.errors import ConfigError
 from gems.mesh import ring_links
 from gems.pipeline.schedules import receives
 from gems.plan.devices import gpu_memory_bytes, gpu_reserve, rank_communicators
-from gems.plan.trace import _precision, _spatial_stand_in, _Trace, _trace
+from gems.plan.schema import SCHEMA, Breakdown, GiB, MemoryPlan, Position
+from gems.plan.trace import Trace, precision_context, spatial_stand_in, trace_layers
 from gems.replication import IN_PLACE_BYTES
 
-__all__ = ["Breakdown", "Position", "MemoryPlan", "make_plan", "SCHEMA", "GiB"]
+__all__ = ["Breakdown", "Position", "MemoryPlan", "plan_memory", "Planner", "Setup", "setup", "SCHEMA", "GiB"]
 
-SCHEMA = "gems.plan/1"
-GiB = float(2**30)
 _CACHE: dict[tuple, Any] = {}  # built models, spatial layer lists and traces of this process, by what they depend on
 LOOKAHEAD = 2  # receives the pipeline runtime posts ahead (gems.pipeline.apply_pipeline's default)
-
-
-# ============================================================================ results
-@dataclass
-class Breakdown:
-    """Bytes of one rank by what holds them."""
-
-    parameters: int = 0
-    gradients: int = 0
-    optimizer: int = 0
-    activations: int = 0
-    halo: int = 0
-    communication: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.halo + self.communication
-
-    def as_dict(self) -> dict[str, int]:
-        d = asdict(self)
-        d["total"] = self.total
-        return d
-
-
-@dataclass
-class Position:
-    """One distinct mesh position: pipeline position ``pipeline`` and the spatial indices that share its memory."""
-
-    pipeline: int
-    spatial: list[int]
-    grid: list[int]
-    partitions: list[int]
-    local_input_shape: list[int]
-    in_flight: dict[int, int]
-    bytes: Breakdown
-    activations_detail: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def label(self) -> str:
-        s = self.spatial
-        if len(s) == 1:
-            ss = str(s[0])
-        elif s == list(range(s[0], s[-1] + 1)):
-            ss = f"{s[0]}-{s[-1]}"
-        else:
-            ss = ",".join(map(str, s[:4])) + (",..." if len(s) > 4 else "")
-        return f"d={self.pipeline},s={ss}"
-
-
-@dataclass
-class MemoryPlan:
-    """What ``gems plan`` prints (:func:`to_json` is its JSON form)."""
-
-    model: str
-    input_shape: list[int]
-    world_size: int
-    mesh: dict[str, Any]
-    schedule: str
-    micro_batches: int
-    gems_replicas: int
-    checkpoint: bool
-    precision: str
-    optimizer: str
-    global_batch: int
-    micro_batch: int
-    balance: list[int]
-    device: dict[str, Any]
-    positions: list[Position]
-    fits: bool
-    max_global_batch: int
-    max_micro_batch: int
-    min_gems_replicas: int | None
-    suggestion: str | None
-    verdict: str
-    seconds: float
-    notes: list[str]
-    prediction: Any = None  # gems.plan.timing.Prediction, or None when not predicted
-
-    @property
-    def worst(self) -> Position:
-        return max(self.positions, key=lambda p: p.bytes.total)
 
 
 # ============================================================================ per-stage memory (affine in the micro-batch)
@@ -268,7 +166,7 @@ class _Stage:
         return best, ws_at
 
 
-def _stages(t1: _Trace, t2: _Trace, bal: Sequence[int], layers: Sequence[nn.Module]) -> list[_Stage]:
+def _stages(t1: Trace, t2: Trace, bal: Sequence[int], layers: Sequence[nn.Module]) -> list[_Stage]:
     out = []
     b1, b2 = t1.batch, t2.batch
 
@@ -300,35 +198,28 @@ def _stages(t1: _Trace, t2: _Trace, bal: Sequence[int], layers: Sequence[nn.Modu
 
 
 # ============================================================================ schedules
-def _in_flight(schedule: Any, d: int, limit_actions: int = 4096) -> list[tuple[str, int, dict[int, int]]]:
-    """For each action of rank ``d``: (kind, partition, micro-batches alive per partition after it starts)."""
-    steps: list[tuple[str, int, dict[int, int]]] = []
+def _in_flight(schedule: Any, d: int) -> list[tuple[str, int, dict[int, int]]]:
+    """The distinct states of rank ``d``'s action list that can set its peak: (F for a forward, B for the
+    backward's working set, the partition, micro-batches alive per partition then), walked with what each kind
+    of action does (:class:`gems.pipeline.schedules.Kind`): whatever the schedule, no name is asked. A long
+    schedule's steady state repeats itself, so the distinct states stay few."""
+    steps: dict[tuple[str, int, tuple[tuple[int, int], ...]], None] = {}
     live: dict[int, int] = {}
     for a in schedule.actions[d]:
-        if a.kind == "F":
+        if a.kind.forward:
             live[a.stage] = live.get(a.stage, 0) + 1
-            steps.append(("F", a.stage, dict(live)))
-        elif a.kind == "W":  # a split backward's second half: the micro-batch is freed after it
-            live[a.stage] -= 1
-        else:  # B, or the input-gradient half I of a split one: the backward's working set
-            steps.append(("B", a.stage, dict(live)))
-            if a.kind == "B":
+            steps[("F", a.stage, tuple(sorted(live.items())))] = None
+        else:
+            if a.kind.input_gradient:  # the backward's working set is live while it runs
+                steps[("B", a.stage, tuple(sorted(live.items())))] = None
+            if a.kind.frees:
                 live[a.stage] -= 1
-    return steps
-
-
-def _formula_flight(name: str, D: int, m: int, held: Sequence[int]) -> list[tuple[str, int, dict[int, int]]]:
-    """The peak in-flight counts of a rank holding partitions ``held`` when the schedule is too long to walk
-    (very large D x m)."""
-    cnt = {}
-    for p in held:
-        cnt[p] = m if name == "gpipe" else (1 if name == "lp" else min(m, D - p))
-    return [("B", p, dict(cnt)) for p in held]
+    return [(k, p, dict(alive)) for k, p, alive in steps]
 
 
 # ============================================================================ the plan
 @dataclass
-class _Setup:
+class Setup:
     spec: Any
     model_key: str
     mesh: Any
@@ -350,15 +241,22 @@ class _Setup:
     threads: int = 1  # a rank's CPU threads (gems.plan.memory.rank_threads)
     notes: list[str] = field(default_factory=list)  # e.g. where the spatial trunk really ends
 
+    @property
+    def kind(self) -> Any:
+        """The schedule's registration (gems.pipeline.schedules.ScheduleKind): what it takes, asked by capability."""
+        from gems.pipeline.schedules import registered
+
+        return registered()[self.schedule]
+
 
 def _device(cfg: Any, world: int, available: bool = False) -> dict[str, Any]:
     """The device a rank runs on: its memory in bytes (``memory_bytes``) and, on CPU ranks, the reserve; a GPU
     rank's reserve is modelled once the mesh is known (:func:`_gpu_reserve`)."""
     c = cfg.cluster
-    override = cfg.plan.get("reserve_gb")
-    nominal = float(c.get("gpu_memory_gb") or 0.0)
+    override = cfg.plan.reserve_gb
+    nominal = float(c.gpu_memory_gb or 0.0)
     if nominal > 0:
-        gpu = c.get("gpu")
+        gpu = c.gpu
         total, source = gpu_memory_bytes(nominal, gpu)
         label = f"{gpu} " if gpu else ""
         return {"kind": "gpu", "name": f"{c.name} GPU {label}(data sheet: {nominal:g} GB)", "nominal_gb": nominal,
@@ -373,7 +271,7 @@ def _device(cfg: Any, world: int, available: bool = False) -> dict[str, Any]:
                 "sm90": (props.major, props.minor) == (9, 0), "rocm": torch.version.hip is not None}
     per_node = world if c.name == "local" and c.launcher == "local" else int(c.tasks_per_node or 1)
     free = node_memory_bytes() if available and c.launcher == "local" else None
-    if c.get("mem_gb"):
+    if c.mem_gb:
         ram, source = float(c.mem_gb) * GiB, f"cluster.mem_gb={float(c.mem_gb):g} GiB a node"
     elif free is not None:
         ram, source = float(free), "this machine's available memory now"
@@ -387,11 +285,11 @@ def _device(cfg: Any, world: int, available: bool = False) -> dict[str, Any]:
                         "parts": {"interpreter_and_allocator": reserve}}}
 
 
-def _gpu_reserve(cfg: Any, pl: _Planner, dev: dict[str, Any]) -> Any:
+def _gpu_reserve(cfg: Any, pl: Planner, dev: dict[str, Any]) -> Any:
     """A GPU rank's reserve (:func:`gems.plan.devices.gpu_reserve`): ``plan.reserve_gb`` when set, else its parts,
     with NCCL's communicators counted for every pipeline position from the mesh and the schedule."""
     st, mesh = pl.st, pl.st.mesh
-    override = cfg.plan.get("reserve_gb")
+    override = cfg.plan.reserve_gb
     sched = pl.sched() if pl.pipelined else None
     used = set(sched.links()) if sched is not None else set()
     # the link groups the worker builds (Mesh.build_groups' default), and any the schedule sends on beside them
@@ -405,7 +303,7 @@ def _gpu_reserve(cfg: Any, pl: _Planner, dev: dict[str, Any]) -> Any:
         mine = links.get(d, [])
         by_position[d] = rank_communicators(mesh.replicas, mesh.pipeline, mesh.spatial,
                                             st.replicas * mesh.spatial * holders, mine, [ln for ln in mine if ln in used])
-    return gpu_reserve(by_position, cfg.cluster.get("gpu"), None if override is None else float(override),
+    return gpu_reserve(by_position, cfg.cluster.gpu, None if override is None else float(override),
                        dev.get("sm90"), dev.get("rocm"))
 
 
@@ -418,14 +316,14 @@ def _world(cfg: Any) -> int | None:
     return None
 
 
-class _Planner:
+class Planner:
     """Traces (cached per spatial class and micro-batch) and the memory arithmetic on top."""
 
-    def __init__(self, st: _Setup, quick: bool = False) -> None:
+    def __init__(self, st: Setup, quick: bool = False) -> None:
         self.st = st
         self.quick = quick
         self._ckpt_batches = (1, 2)
-        self.amp = _precision(st.precision, st.gpu)
+        self.amp = precision_context(st.precision, st.gpu)
         self.notes: list[str] = list(st.notes)
         self._ckpt: dict[int, list[tuple[tuple[int, int, int, int], tuple[int, int, int, int]]]] = {}
         # CPU ranks: a convolution's backward allocates a workspace of its own, measured here (on a GPU,
@@ -487,7 +385,7 @@ class _Planner:
             return list(spec.module), None, list(spec.input_shape)
         from gems.spatial import apply_spatial
 
-        sctx = _spatial_stand_in(mesh.parts, mesh.spatial_dims, mesh.grid_of(s),
+        sctx = spatial_stand_in(mesh.parts, mesh.spatial_dims, mesh.grid_of(s),
                                  self.st.overlap if self.st.overlap is not None else self.st.gpu)
         sl = sctx.local_slices(spec.input_shape[1:])
         local = [spec.input_shape[0], *[len(range(*x.indices(n))) for x, n in zip(sl, spec.input_shape[1:])]]
@@ -530,12 +428,12 @@ class _Planner:
             _CACHE[key] = self.layers_for(s)
         return _CACHE[key]
 
-    def _traced(self, s: int, batch: int) -> _Trace:
+    def _traced(self, s: int, batch: int) -> Trace:
         key = ("trace", self.st.model_key, self.st.mesh.parts, self.st.mesh.spatial_dims, s, self.st.overlap,
                self.st.gpu, self.st.bn_stats, self.st.precision, batch)
         if key not in _CACHE:
             layers, sctx, local = self._layers(s)
-            _CACHE[key] = _trace(self.st.spec, layers, batch, local, self.st.spec.input_shape[1:], sctx, self.amp,
+            _CACHE[key] = trace_layers(self.st.spec, layers, batch, local, self.st.spec.input_shape[1:], sctx, self.amp,
                                  memo=(self.st.precision, self.st.gpu))
         return _CACHE[key]
 
@@ -644,10 +542,7 @@ class _Planner:
             if sched is not None:
                 held = sched.partitions_of(d)
                 recvs = sum(1 for a in sched.actions[d] if receives(a, sched.stages) is not None)
-                if len(sched.actions[d]) <= 4096:
-                    flights = _in_flight(sched, d)
-                else:
-                    flights = _formula_flight(st.schedule, D, st.m, held)
+                flights = _in_flight(sched, d)
             else:
                 held, flights = [0], []
             for members, local, stages, target_b in classes:
@@ -655,7 +550,7 @@ class _Planner:
         return bal, out
 
 
-def _setup(cfg: Any) -> _Setup:
+def setup(cfg: Any) -> Setup:
     from omegaconf import OmegaConf
 
     from gems.mesh import mesh_from_config
@@ -673,26 +568,26 @@ def _setup(cfg: Any) -> _Setup:
     spec = _CACHE[("model", model_key)]
     from gems.parallel import spatial_model
 
-    spec, gather_note = spatial_model(spec, mesh, str(p.get("bn_stats", "global")))
+    spec, gather_note = spatial_model(spec, mesh, str(p.bn_stats))
     sched = str(p.schedule)
     eta = settings.schedule.replicas if settings.schedule is not None else 1
     opt = str(cfg.train.optimizer)
     factor = 2 if opt == "adam" else (1 if float(cfg.train.momentum) > 0 else 0)
-    gpu = float(cfg.cluster.get("gpu_memory_gb") or 0.0) > 0 or cfg.train.device == "cuda"
+    gpu = float(cfg.cluster.gpu_memory_gb or 0.0) > 0 or cfg.train.device == "cuda"
     if mesh.spatial > 1:
         from gems.spatial.context import SpatialContext  # noqa: F401 - fails early when spatial is unavailable
-    return _Setup(spec, model_key, mesh, sched, int(p.micro_batches), eta, bool(p.checkpoint), str(cfg.train.precision), gpu,
-                  int(cfg.train.batch_size), mesh.replicas, factor, float(cfg.comm.bucket_mb), p.get("overlap"),
-                  str(p.get("bn_stats", "global")), list(p.balance) if p.get("balance") else None,
+    return Setup(spec, model_key, mesh, sched, int(p.micro_batches), eta, bool(p.checkpoint), str(cfg.train.precision), gpu,
+                  int(cfg.train.batch_size), mesh.replicas, factor, float(cfg.comm.bucket_mb), p.overlap,
+                  str(p.bn_stats), list(p.balance) if p.balance else None,
                   settings.balance_by, settings, rank_threads(cfg), [gather_note] if gather_note else [])
 
 
 def rank_threads(cfg: Any) -> int:
     """A CPU rank's threads: ``train.threads``, else the preset's ``cpus_per_task``, else 1."""
-    return int(cfg.train.get("threads") or cfg.cluster.get("cpus_per_task") or 1)
+    return int(cfg.train.threads or cfg.cluster.cpus_per_task or 1)
 
 
-def _max_chunk(pl: _Planner, usable: int, chunk0: int) -> tuple[int, Any]:
+def _max_chunk(pl: Planner, usable: int, chunk0: int) -> tuple[int, Any]:
     """The largest micro-batch (samples per chunk) whose plan fits ``usable`` bytes, with the profile reused."""
     prof = pl.profile(max(1, chunk0))
 
@@ -720,11 +615,12 @@ def _fmt(b: float) -> str:
     return f"{b / GiB:.1f} GiB"
 
 
-def make_plan(cfg: Any, suggest: bool = True, quick: bool = False, available: bool = False,
-              workspace: bool = True) -> MemoryPlan:
-    """The memory plan of the composed configuration ``cfg`` (no process group, no allocation).
+def plan_memory(cfg: Any, quick: bool = False, available: bool = False,
+                workspace: bool = True) -> tuple[MemoryPlan, Planner, Any]:
+    """The memory plan of the composed configuration ``cfg`` (no process group, no allocation), with the planner
+    and the profile it measured (what the step-time prediction reuses, :mod:`gems.plan.predict`). No
+    suggestion and no prediction: :func:`gems.plan.make.make_plan` adds them.
 
-    ``suggest``: when it does not fit, search the smallest change that does.
     ``quick``: only whether the configured batch fits (one trace of the middle spatial part; no batch search).
     ``available``: CPU ranks of the local launcher get the memory this machine has free now, not all its RAM
     (the check before a run: other processes hold the rest).
@@ -732,9 +628,9 @@ def make_plan(cfg: Any, suggest: bool = True, quick: bool = False, available: bo
     without them the plan is a lower bound, what the check before a run tries first: gems.plan.fit).
     """
     t0 = time.perf_counter()
-    st = _setup(cfg)
+    st = setup(cfg)
     mesh = st.mesh
-    pl = _Planner(st, quick)
+    pl = Planner(st, quick)
     if not workspace:
         pl.workspace = None
     if st.spec.spatial_ndim > 0:
@@ -753,7 +649,7 @@ def make_plan(cfg: Any, suggest: bool = True, quick: bool = False, available: bo
         usable, frag = dev["memory_bytes"] - dev["reserve_bytes"], 0.0
     chunk = pl.chunk_of(st.batch)
     # CPU ranks: what train.host_memory costs in resident memory over the tensor peak (kept freed memory)
-    policy = str(cfg.train.get("host_memory", "auto")) if dev["kind"] == "cpu" else None
+    policy = str(cfg.train.host_memory) if dev["kind"] == "cpu" else None
     growth = KEEP_GROWTH if policy == "keep" else 1.0
     if quick:
         max_chunk, prof = -1, None
@@ -775,7 +671,7 @@ def make_plan(cfg: Any, suggest: bool = True, quick: bool = False, available: bo
     fits = resident <= usable
     max_batch = max_chunk * st.replicas * pl.chunks
     min_eta = None
-    if st.schedule == "master":
+    if st.kind.passes == "eta":  # master: the fewest passes that fit the batch
         line = st.batch // st.replicas
         for eta in range(1, line + 1):
             if line % (eta * st.m) == 0 and max_chunk >= line // (eta * st.m):
@@ -787,26 +683,9 @@ def make_plan(cfg: Any, suggest: bool = True, quick: bool = False, available: bo
                   f"{KEEP_GROWTH} x the tensor peak; train.host_memory=release needs {_fmt(worst.bytes.total)})")
     elif policy == "auto":
         where += " (train.host_memory=auto will release freed memory: keeping it would not fit)"
-    suggestion = None
-    if fits:
-        verdict = f"fits: peak {_fmt(worst.bytes.total)} of {_fmt(dev['memory_bytes'])} on {where}"
-    else:
-        verdict = f"does not fit: peak {_fmt(worst.bytes.total)} of {_fmt(dev['memory_bytes'])} on {where}"
-        if suggest:
-            from gems.plan.suggest import _suggest  # it plans candidates with make_plan
-
-            suggestion = _suggest(cfg, st)
-            verdict += f"; try {suggestion}" if suggestion else "; no single change of checkpoint, micro-batches, " \
-                                                                "precision, spatial parts or pipeline found to fit"
-    prediction = None
-    if not quick and bool(cfg.plan.get("predict", True)):
-        prediction = _predict(cfg, pl, prof, st.batch, dev, world)
-    if not quick:  # (the quick path searches no batch: there is no maximum to give)
-        bits = f"max global batch that fits: {max_batch}"
-        if st.schedule == "master" and min_eta is not None:
-            bits += f"; gems_replicas >= {min_eta} fits train.batch_size={st.batch}"
-        verdict += f" ({bits})"
-    return MemoryPlan(
+    verdict = (f"{'fits' if fits else 'does not fit'}: peak {_fmt(worst.bytes.total)} of {_fmt(dev['memory_bytes'])} "
+               f"on {where}")
+    plan = MemoryPlan(
         model=st.spec.name + (f"{st.spec.input_shape[1]}" if st.spec.name.startswith("cosmoflow") else ""),
         input_shape=list(st.spec.input_shape), world_size=world,
         mesh={"replicas": mesh.replicas, "pipeline": mesh.pipeline, "spatial": mesh.spatial, "parts": list(mesh.parts),
@@ -814,74 +693,6 @@ def make_plan(cfg: Any, suggest: bool = True, quick: bool = False, available: bo
         schedule=st.schedule, micro_batches=st.m, gems_replicas=st.eta, checkpoint=st.checkpoint,
         precision=st.precision, optimizer=str(cfg.train.optimizer), global_batch=st.batch, micro_batch=chunk,
         balance=list(bal), device=dev, positions=positions, fits=fits, max_global_batch=max_batch,
-        max_micro_batch=max_chunk, min_gems_replicas=min_eta, suggestion=suggestion, verdict=verdict,
-        seconds=round(time.perf_counter() - t0, 3), notes=pl.notes, prediction=prediction)
-
-
-def _placement(cfg: Any, world: int) -> tuple[int, int]:
-    """(nodes, ranks per node) of the job as it would be placed."""
-    c = cfg.cluster
-    if c.launcher == "local" and c.name == "local":
-        return 1, world
-    nodes = int(c.nodes or 1)
-    return nodes, int(c.tasks_per_node or math.ceil(world / nodes))
-
-
-def computing_at_once(pl: _Planner, tasks_per_node: int) -> int:
-    """How many of a node's ``tasks_per_node`` ranks compute at the same time, on average: all of them, but
-    the stages of a pipeline line compute at once only as much as its schedule lets them (lp's take turns;
-    1F1B's overlap in the steady state), from the schedule simulated with unit action times (its busy time
-    over its span, summed over the line's ranks)."""
-    if not pl.pipelined:
-        return max(1, tasks_per_node)
-    from gems.pipeline.schedules import simulate
-
-    sched = pl.sched()
-    spans = simulate(sched, cost=lambda a: 2.0 if a.kind == "B" else 1.0, transfer=lambda a: 0.0)
-    busy = sum(e - b for b, e in spans.values())
-    span = max(e for _, e in spans.values()) - min(b for b, _ in spans.values())
-    per_line = busy / span if span > 0 else 1.0  # of the line's sched.ranks ranks, how many are busy at a time
-    return max(1, round(tasks_per_node * per_line / sched.ranks))
-
-
-def _predict(cfg: Any, pl: _Planner, prof: Any, batch: int, dev: dict[str, Any], world: int) -> Any:
-    """The step-time prediction (:mod:`gems.plan.timing`), or None with a note when the device has no figures."""
-    from gems.plan.devices import cpu_rates, efficiency, gpu_rates, synthetic_seconds
-    from gems.plan.timing import predict
-
-    c = cfg.cluster
-    eff = efficiency(cfg.plan.get("efficiency"))
-    if dev["kind"] == "gpu":
-        name = c.get("gpu")
-        if not name:
-            pl.notes.append("no step-time prediction: set cluster.gpu to the GPU model (e.g. cluster.gpu=a100-40gb)")
-            return None
-        rates = gpu_rates(str(name), pl.st.precision, eff)
-    nodes, tpn = _placement(cfg, world)
-    if dev["kind"] != "gpu":
-        threads = rank_threads(cfg)
-        cores = int(c.get("cpus_per_node") or 0) if not (c.launcher == "local" and c.name == "local") else 0
-        cores = cores or (os.cpu_count() or 1)
-        rates = cpu_rates(threads, min(max(1, cores // threads), computing_at_once(pl, tpn)))
-        if tpn * threads > cores:
-            rates = rates.shared(tpn * threads / cores)
-        if tpn * threads >= cores and world > 1:
-            rates = replace(rates, spare=False, about=rates.about + "; every core of a node computes, so gloo's "
-                            "transfers take their time from the compute (the gradient all-reduce is not hidden "
-                            "behind the backward)")
-    if prof is None:
-        prof = pl.profile(max(1, pl.chunk_of(batch)))
-    data, made = None, "data read from the page cache and copied"
-    if str(cfg.data.name) == "synthetic":  # made on the host, GPU ranks too: this machine's CPU stands for it
-        share, threads = rates.share, rank_threads(cfg)
-
-        def data(part: Any, n: int, inp: bool, tgt: bool) -> float:
-            return share * n * synthetic_seconds(pl.st.spec, list(part), inp, tgt, threads)
-
-        made = f"synthetic samples generated on the host as fast as here ({threads} thread(s))"
-    pred = predict(pl, prof, batch, rates, c, nodes, tpn, data)
-    pred.assumptions.append(made)
-    return pred
-
-
-
+        max_micro_batch=max_chunk, min_gems_replicas=min_eta, suggestion=None, verdict=verdict,
+        seconds=round(time.perf_counter() - t0, 3), notes=pl.notes, prediction=None)
+    return plan, pl, prof

@@ -8,8 +8,10 @@ import sys
 from typing import Any
 
 from gems.errors import ConfigError
-from gems.plan.curves import DATA_WARN, data_share, data_warning
-from gems.plan.memory import SCHEMA, GiB, MemoryPlan, make_plan
+from gems.pipeline.schedules import registered
+from gems.plan.make import make_plan
+from gems.plan.schema import SCHEMA, GiB, MemoryPlan
+from gems.plan.timing import DATA_WARN, data_share, data_warning
 
 
 # ============================================================================ output
@@ -52,7 +54,7 @@ def render_table(plan: MemoryPlan, width: int = 120, cfg: Any = None) -> str:
     m = plan.mesh
     title = (f"gems plan: {plan.model} {plan.input_shape}, R{m['replicas']} x D{m['pipeline']} x S{m['spatial']} "
              f"= {plan.world_size} ranks, {plan.schedule} m={plan.micro_batches}"
-             + (f" eta={plan.gems_replicas}" if plan.schedule == "master" else "")
+             + (f" eta={plan.gems_replicas}" if registered()[plan.schedule].passes == "eta" else "")
              + f", batch {plan.global_batch} (micro-batch {plan.micro_batch}), {plan.precision}, {plan.optimizer}"
              + (", checkpoint" if plan.checkpoint else ""))
     t = Table(title=title, title_justify="left")
@@ -116,10 +118,10 @@ def reserve_line(dev: dict[str, Any]) -> str:
 
 def plan_main(cfg: Any) -> int:
     """``gems plan``: print the plan as ``plan.format`` says; 0 whether or not it fits (bad input raises ConfigError)."""
-    fmt = str(cfg.plan.get("format", "table"))
+    fmt = str(cfg.plan.format)
     if fmt not in ("table", "json"):
         raise ConfigError("plan.format", fmt, "table or json")
-    if bool(cfg.plan.get("dry_run", False)):
+    if bool(cfg.plan.dry_run):
         return _dry_run_main(cfg, fmt)
     plan = make_plan(cfg)
     if fmt == "json":
@@ -141,9 +143,9 @@ def _dry_run_main(cfg: Any, fmt: str) -> int:
     except ConfigError:
         raise
     except Exception as e:  # the finding itself: what would have failed on the cluster
-        where = f"rank {cfg.plan.get('dry_run_rank', 0)}"
+        where = f"rank {cfg.plan.dry_run_rank}"
         if fmt == "json":
-            print(json.dumps({"dry_run": "failed", "rank": int(cfg.plan.get("dry_run_rank", 0)),
+            print(json.dumps({"dry_run": "failed", "rank": int(cfg.plan.dry_run_rank),
                               "error": f"{type(e).__name__}: {e}"}))
         print(f"gems plan: dry run of {where} failed: {type(e).__name__}: {e}", file=sys.stderr)
         traceback.print_exc(file=sys.stderr)

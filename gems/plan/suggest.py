@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from gems.config import typed
 from gems.errors import ConfigError, RunError
-from gems.plan.memory import _Setup, make_plan
+from gems.plan.memory import Setup, plan_memory
 
 
 def _fits(cfg: Any, overrides: dict[str, Any]) -> bool:
@@ -24,22 +25,22 @@ def _fits(cfg: Any, overrides: dict[str, Any]) -> bool:
             c.cluster.nodes = c.cluster.tasks_per_node = None
             c.cluster.nodes, c.cluster.tasks_per_node = place(c.cluster, mesh_from_config(c).size)
     try:
-        return make_plan(c, suggest=False, quick=True).fits
+        return plan_memory(typed(c), quick=True)[0].fits
     except (ConfigError, RunError):  # a change the model cannot take (a part its layers refuse) is no suggestion
         return False
 
 
-def _suggest(cfg: Any, st: _Setup) -> str | None:
+def suggest_change(cfg: Any, st: Setup) -> str | None:
     """The smallest change that fits, tried in order: same ranks first, then more ranks."""
     cands: list[tuple[str, dict[str, Any]]] = []
     if not st.checkpoint:
         cands.append(("parallel.checkpoint=true", {"parallel.checkpoint": True}))
     if st.precision == "fp32":
         cands.append(("train.precision=bf16", {"train.precision": "bf16"}))
-    if st.schedule != "lp" or st.mesh.pipeline > 1:
+    if st.settings.pipelined and not st.kind.keeps_all_in_flight:  # more micro-batches: smaller ones in flight
         line = st.batch // st.replicas // st.eta
         for m in range(st.m + 1, line + 1):
-            if line % m == 0 and st.schedule != "gpipe":
+            if line % m == 0:
                 cands.append((f"parallel.micro_batches={m}", {"parallel.micro_batches": m}))
                 break
     # more spatial parts along the cut dims
@@ -57,7 +58,7 @@ def _suggest(cfg: Any, st: _Setup) -> str | None:
         cands.append((txt + " parallel.checkpoint=true", {"parallel.spatial": val, "parallel.checkpoint": True}))
     n_layers = len(st.spec.module)
     if st.mesh.pipeline * 2 <= n_layers:
-        sched = st.schedule if st.schedule != "lp" else "1f1b"
+        sched = st.schedule if st.kind.overlaps else "1f1b"  # (lp's stages take turns: no overlap to keep)
         cands.append((f"parallel.pipeline={st.mesh.pipeline * 2} parallel.schedule={sched}",
                       {"parallel.pipeline": st.mesh.pipeline * 2, "parallel.schedule": sched, "parallel.balance": None}))
     for text, ov in cands:

@@ -57,6 +57,24 @@ __all__ = ["TERMS", "Prediction", "message", "ring_allreduce", "tree_allreduce",
 TERMS = ("compute", "halo", "pipeline_comm", "allreduce", "bubble_or_wait", "data")
 
 
+#: data above this share of a predicted step is warned about: the study would measure the data path
+DATA_WARN = 0.2
+
+
+def data_share(prediction: Any) -> float:
+    """The share of a predicted step that making or reading the samples takes."""
+    return float(prediction.breakdown.get("data", 0.0)) / prediction.step_s if prediction.step_s > 0 else 0.0
+
+
+def data_warning(cfg: Any, share: float) -> str:
+    """What to say when data is more than :data:`DATA_WARN` of a predicted step, and what to change."""
+    kind = cfg.data.name if cfg is not None else "synthetic"
+    fix = ("staged files (data=hdf5 data.path=...) or on-device synthetic samples" if kind == "synthetic"
+           else "faster storage, or files staged to node-local storage")
+    return (f"data is {100 * share:.0f}% of the predicted step (more than {100 * DATA_WARN:.0f}%): the run would "
+            f"measure the data path, not the model; try {fix}")
+
+
 # ---- the formulas ----------------------------------------------------------------------------------------------
 def message(nbytes: float, link: Link) -> float:
     """One message: latency plus bytes over bandwidth."""
@@ -127,15 +145,8 @@ def spatial_comm(entries: Sequence[tuple[str, float, int]], parts: int, link: Li
 
 
 def layer_time(ops: LayerOps, rates: Rates, backward: bool, batch: int, first: bool = False) -> float:
-    """Seconds of one layer's ops at micro-batch ``batch``, forward or backward. ``first``: the model's first
-    layer, whose input needs no gradient, so its convolutions' backward computes the weight gradient only (half)."""
-    t = 0.0
-    for (cls, sig), (flops, nbytes, n) in ops.items():
-        if n <= 0:
-            continue
-        per = rates.time(cls, sig, flops / n, nbytes / n, backward, batch)
-        t += n * per * (0.5 if backward and first and cls in ("conv", "matmul") else 1.0)
-    return t
+    """Seconds of one layer's ops at micro-batch ``batch``, forward or backward (:meth:`Rates.layer_time`)."""
+    return rates.layer_time(ops, backward, batch, first)
 
 
 def pipeline_times(sched: Any, cost: Callable[[Any], float], transfer: Callable[[Any], float],
@@ -301,7 +312,7 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
         bounds.append((start, start + n))
         start += n
     spatial_link = link_of(mesh.spatial_ranks(0, 0)) if S > 1 else None
-    jitter = float(cluster.get("jitter") or 0.0) if world > 1 else 0.0
+    jitter = float(cluster.jitter or 0.0) if world > 1 else 0.0
     # per stage: its spatial parts meet at every layer's exchange (_meet)
     per_stage: list[_StageTime] = []
     for p, (a, e) in enumerate(bounds):
@@ -328,31 +339,27 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
 
     # the schedule
     if sched is not None:
-        split = sched.split
 
         def cost(act: Any) -> float:
             t = per_stage[act.stage]
-            if act.kind == "F":
+            if act.kind.forward:
                 return t.fwd + t.comm_fwd
-            if act.kind == "B":
-                return t.bwd + t.comm_bwd
-            return (t.bwd + t.comm_bwd) / 2  # I or W: half of the backward each
+            return (t.bwd + t.comm_bwd) * act.kind.backward_share  # B all of it, I or W half each
 
         def transfer(act: Any) -> float:
-            nxt = act.stage + 1 if act.kind == "F" else act.stage - 1
+            nxt = act.stage + 1 if act.kind.forward else act.stage - 1
             r0, r1 = sched.rank_of(act.replica, act.stage), sched.rank_of(act.replica, nxt)
             lk = link_of([mesh.rank_of(0, r0, 0), mesh.rank_of(0, r1, 0)])
             if lk is None:
                 return 0.0
             # the receiver meets the sender: it waits for the noise of the sender's action too
-            return message(stage_out[act.stage] if act.kind == "F" else stage_in[act.stage], lk) + \
+            return message(stage_out[act.stage] if act.kind.forward else stage_in[act.stage], lk) + \
                 rendezvous_wait(2, cost(act), jitter)
 
         end, end0, _busy = pipeline_times(sched, cost, transfer, data_s)
         actions = sched.actions
         ranks = range(sched.ranks)
     else:
-        split = False
         t = per_stage[0]
         end = end0 = [data_s[0] + t.fwd + t.bwd + t.comm_fwd + t.comm_bwd]
         actions = None
@@ -365,11 +372,11 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
     for d in ranks:
         held = sched.partitions_of(d) if sched is not None else [0]
         if actions is not None:
-            comp = sum((per_stage[a.stage].fwd if a.kind == "F" else per_stage[a.stage].bwd * (0.5 if split else 1.0))
+            comp = sum((per_stage[a.stage].fwd if a.kind.forward else per_stage[a.stage].bwd * a.kind.backward_share)
                        for a in actions[d])
-            spat = sum((per_stage[a.stage].comm_fwd if a.kind == "F" else
-                        per_stage[a.stage].comm_bwd * (0.5 if split else 1.0)) for a in actions[d])
-            last_b = [a for a in actions[d] if a.kind in ("B", "W")]
+            spat = sum((per_stage[a.stage].comm_fwd if a.kind.forward else
+                        per_stage[a.stage].comm_bwd * a.kind.backward_share) for a in actions[d])
+            last_b = [a for a in actions[d] if a.kind.frees]
             window = sum(cost(a) for a in last_b[-len(held):]) if last_b else 0.0
         else:
             comp, spat = per_stage[0].fwd + per_stage[0].bwd, per_stage[0].comm_fwd + per_stage[0].comm_bwd
@@ -378,16 +385,8 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
         params = sum(classes[0][2][p].params for p in held)
         holders = next((g for g in sched.holder_groups() if d in g), (d,)) if sched is not None else (0,)
         group = [mesh.rank_of(r, h, s) for r in range(mesh.replicas) for h in holders for s in range(S)]
-        glink = link_of(group)
-        ar_s = 0.0
-        if glink is not None and len(group) > 1:
-            bucket = max(1.0, st.bucket_mb * 2**20)
-            nb = max(1, math.ceil(params / bucket))
-            full = allreduce(params, len(group), glink, nb)
-            ar_s = max(full - window, full / nb) if rates.spare else full
-            # the replicas meet here after a step's compute each (within a replica, its ranks met at every
-            # exchange and transfer): the slowest replica's noise is waited for
-            ar_s += rendezvous_wait(mesh.replicas, comp, jitter)
+        ar_s = _gradient_sum(params, len(group), link_of(group), st.bucket_mb, window, rates.spare, mesh.replicas,
+                             comp, jitter)
         # the optimizer's update: memory-bound over parameters, gradients and state
         # (SGD: read parameter and gradient, write parameter; momentum and Adam read and write their state too)
         per_param = {0: 3, 1: 5, 2: 7}.get(st.optimizer_factor, 7)
@@ -403,15 +402,35 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
             worst, worst_label = terms, label
     assert worst is not None
     step = sum(worst.values())
-    assumptions = [rates.about]
+    return Prediction(step, worst, batch / step if step > 0 else math.inf, worst_label, per_position,
+                      _assumptions(rates, intra, inter, overlap, world, jitter))
+
+
+def _gradient_sum(params: float, p: int, link: Link | None, bucket_mb: float, window: float, spare: bool,
+                  replicas: int, compute: float, jitter: float) -> float:
+    """Seconds of a rank's gradient sum over its ``p`` holders: buckets of ``bucket_mb`` over ``link``, hidden
+    behind the last backward's ``window`` where communication has resources of its own (``spare``), plus the
+    wait for the slowest replica (the replicas meet here after a step's compute each; within a replica its
+    ranks met at every exchange and transfer)."""
+    if link is None or p <= 1:
+        return 0.0
+    nb = max(1, math.ceil(params / max(1.0, bucket_mb * 2**20)))
+    full = allreduce(params, p, link, nb)
+    return (max(full - window, full / nb) if spare else full) + rendezvous_wait(replicas, compute, jitter)
+
+
+def _assumptions(rates: Rates, intra: Link | None, inter: Link | None, overlap: bool, world: int,
+                 jitter: float) -> list[str]:
+    """What a prediction assumes, in words (its rates, links, halo overlap and jitter)."""
+    out = [rates.about]
     if intra is not None:
-        assumptions.append(f"links: {intra.bandwidth / 1e9:g} GB/s and {intra.latency * 1e6:g} us within a node"
-                           + (f", {inter.bandwidth / 1e9:g} GB/s and {inter.latency * 1e6:g} us between nodes"
-                              if inter is not None else ""))
-    assumptions.append("halo exchanges overlap interior compute" if overlap else "halo exchanges do not overlap compute")
+        out.append(f"links: {intra.bandwidth / 1e9:g} GB/s and {intra.latency * 1e6:g} us within a node"
+                   + (f", {inter.bandwidth / 1e9:g} GB/s and {inter.latency * 1e6:g} us between nodes"
+                      if inter is not None else ""))
+    out.append("halo exchanges overlap interior compute" if overlap else "halo exchanges do not overlap compute")
     if world > 1:
-        assumptions.append(f"ranks' compute varies by {jitter * 1e3:.3g} ms (standard deviation) over a second of "
-                           "it (cluster.jitter), so where ranks meet they wait for the slowest" if jitter else
-                           "no rank-to-rank jitter (cluster.jitter unset): ranks meet without waiting for each "
-                           "other's noise")
-    return Prediction(step, worst, batch / step if step > 0 else math.inf, worst_label, per_position, assumptions)
+        out.append(f"ranks' compute varies by {jitter * 1e3:.3g} ms (standard deviation) over a second of "
+                   "it (cluster.jitter), so where ranks meet they wait for the slowest" if jitter else
+                   "no rank-to-rank jitter (cluster.jitter unset): ranks meet without waiting for each "
+                   "other's noise")
+    return out

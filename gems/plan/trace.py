@@ -74,7 +74,7 @@ class _CudaAutocast(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _precision(precision: str, gpu: bool) -> Callable[[], Any]:
+def precision_context(precision: str, gpu: bool) -> Callable[[], Any]:
     """A factory of the context that applies ``train.precision`` as the target device would."""
     if precision == "fp32":
         return contextlib.nullcontext
@@ -85,7 +85,7 @@ def _precision(precision: str, gpu: bool) -> Callable[[], Any]:
 
 
 # ============================================================================ the spatial stand-in
-def _spatial_stand_in(parts: Sequence[int], dims: Sequence[int], grid: Sequence[int], overlap: bool | None) -> Any:
+def spatial_stand_in(parts: Sequence[int], dims: Sequence[int], grid: Sequence[int], overlap: bool | None) -> Any:
     """A SpatialContext for one part whose collectives only make tensors of the right shapes."""
     from gems.spatial.context import SpatialContext
 
@@ -185,7 +185,7 @@ def _key(t: torch.Tensor) -> tuple[int, int]:
 
 
 @dataclass
-class _Trace:
+class Trace:
     """One training-mode forward of the whole (spatial) model at one micro-batch, on fake tensors."""
 
     batch: int
@@ -281,16 +281,16 @@ def _loss(spec: Any, out: torch.Tensor, local_spatial: Sequence[int]) -> tuple[t
     return F.mse_loss(out.float(), y, reduction="sum"), 4 * math.prod(out.shape[1:])
 
 
-# What one layer saves for its backward, by the structure of the layer and its input (see _trace's
+# What one layer saves for its backward, by the structure of the layer and its input (see trace_layers's
 # ``memo``): deep networks repeat a few kinds of block hundreds of times (ResNet-1001: 333 blocks).
 _LAYER_MEMO: dict[tuple, tuple] = {}
 _LAYER_MEMO_MAX = 100_000
 
 
-def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[int], gshape: Sequence[int],
-           sctx: Any, amp: Callable[[], Any], memo: Any = None) -> _Trace:
+def trace_layers(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[int], gshape: Sequence[int],
+                 sctx: Any, amp: Callable[[], Any], memo: Any = None) -> Trace:
     """``memo``: a key for what ``amp`` does (e.g. the precision and the device kind). With it, a serial
-    layer whose structure (:func:`gems.pipeline.partition._structure`) and input (shape, dtype, whether it
+    layer whose structure (:func:`gems.pipeline.partition.structure`) and input (shape, dtype, whether it
     needs a gradient) were traced before is not run again: its output and the storages it saves (its
     input, its output, or new ones, with their bytes) are replayed, and for spatial layers also the
     global shape of the output, the halo and gather buffers it logs and the stand-in's shape state. A
@@ -299,139 +299,194 @@ def _trace(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequence[i
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from gems.layers import batch_context
-    from gems.pipeline.partition import _structure
-    from gems.plan.cost import OpCounter
-    from gems.spatial.context import GSHAPE
 
-    saved: dict[int, tuple[int, set[int]]] = {}
-    cur = [0]
-    out_keys: list[int] = []
-    out_bytes: list[int] = []
-    in_grad: list[bool] = []
+    tr = _Tracer(sctx, memo)
     with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = tr.fake_parameters(layers)
+        x = torch.empty((batch, *local), dtype=torch.float32)
+        in_key, in_bytes = _key(x)
+        if sctx is not None:
+            sctx.mark(x, gshape)
+        with torch.autograd.graph.saved_tensors_hooks(tr.pack, lambda t: t), \
+                batch_context(0, 0, range(batch)), amp(), tr.counter:
+            tr.known = {in_key} | {_key(t)[0] for d in fake for t in d.values()}
+            hold = [x]  # every layer's input and output stays alive: a freed storage's address (its key) is reused
+            for i, (layer, d) in enumerate(zip(layers, fake)):
+                x = tr.layer(i, layer, d, x)
+                hold.append(x)
+                tr.out_keys.append(_key(x)[0])
+                tr.out_bytes.append(x.numel() * x.element_size())
+            tr.cur[0] = len(layers)
+            loss, target = _loss(spec, x, local[1:])
+            tr.out_bytes.append(loss.numel() * loss.element_size())
+        del loss, x, hold
+    halo, gather, comm = _spatial_logs(sctx)
+    counter = tr.counter
+    return Trace(batch, in_key, in_bytes, tr.out_keys, tr.out_bytes, tr.saved, halo, gather, batch * target,
+                 {i: counter.take(i) for i in counter.layers}, comm, tr.in_grad)
+
+
+class _Tracer:
+    """What :func:`trace_layers` gathers while the layers run on fake tensors: the storages autograd saves and
+    which layers save them, every layer's output, and the layers it replays from :data:`_LAYER_MEMO`."""
+
+    def __init__(self, sctx: Any, memo: Any) -> None:
+        from gems.plan.cost import OpCounter
+
+        self.sctx, self.memo = sctx, memo
+        self.saved: dict[int, tuple[int, set[int]]] = {}
+        self.cur = [0]
+        self.out_keys: list[int] = []
+        self.out_bytes: list[int] = []
+        self.in_grad: list[bool] = []
+        self.params: set[int] = set()
+        self.known: set[int] = set()
+        self.fresh = 0  # replayed new storages get keys -1, -2, ...: no real storage has a negative address
+        self.counter = OpCounter(self.cur)
+
+    def fake_parameters(self, layers: Sequence[nn.Module]) -> list[dict[str, torch.Tensor]]:
+        """Fake stand-ins of every layer's parameters and buffers (what the layers are called with)."""
         fake: list[dict[str, torch.Tensor]] = []
-        params: set[int] = set()
         for layer in layers:
             d: dict[str, torch.Tensor] = {}
             for name, p in layer.named_parameters():
                 f = torch.empty(p.shape, dtype=p.dtype).requires_grad_(p.requires_grad)
                 d[name] = f
-                params.add(_key(f)[0])
+                self.params.add(_key(f)[0])
             for name, b in layer.named_buffers():
                 if b is not None:
                     d[name] = torch.empty(b.shape, dtype=b.dtype)
             fake.append(d)
+        return fake
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            k, nb = _key(t)
-            if k not in params:
-                saved.setdefault(k, (nb, set()))[1].add(cur[0])
-            return t
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        k, nb = _key(t)
+        if k not in self.params:
+            self.saved.setdefault(k, (nb, set()))[1].add(self.cur[0])
+        return t
 
-        x = torch.empty((batch, *local), dtype=torch.float32)
-        in_key, in_bytes = _key(x)
+    def layer(self, i: int, layer: nn.Module, d: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """Layer ``i`` on ``x``: replayed when a layer like it on an input like this was traced before, else run."""
+        from gems.pipeline.partition import structure
+        from gems.spatial.context import GSHAPE
+
+        sctx = self.sctx
+        self.cur[0] = i
+        self.in_grad.append(bool(x.requires_grad))
         if sctx is not None:
-            sctx.mark(x, gshape)
-        counter = OpCounter(cur)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                batch_context(0, 0, range(batch)), amp(), counter:
-            known = {in_key} | {_key(t)[0] for d in fake for t in d.values()}
-            hold = [x]  # every layer's input and output stays alive: a freed storage's address (its key) is reused
-            fresh = [0]  # replayed new storages get keys -1, -2, ...: no real storage has a negative address
-            for i, (layer, d) in enumerate(zip(layers, fake)):
-                cur[0] = i
-                in_grad.append(bool(x.requires_grad))
-                if sctx is not None:
-                    sctx.layer[0] = i
-                st = _structure(layer) if memo is not None else None
-                # a spatial layer also depends on its input's global shape and the stand-in's last tagged one
-                spatial_in = (getattr(x, GSHAPE, None), sctx.last_mark) if sctx is not None else None
-                mkey = None if st is None else (memo, st, tuple(x.shape), x.dtype, x.requires_grad, spatial_in)
-                kx = _key(x)[0]
-                if mkey is not None and mkey in _LAYER_MEMO:
-                    shape, dtype, grad, entries, spatial_out, ops = _LAYER_MEMO[mkey]
-                    y = torch.empty(shape, dtype=dtype, requires_grad=grad)
-                    x = y.clone() if grad else y  # not a leaf: a next in-place layer may write it
-                    counter.layers.pop(i, None)  # the clone above is not the layer's
-                    counter.add(i, ops)
-                    if sctx is not None:
-                        gs, sctx.last_mark, halos, gathers, times = spatial_out
-                        if gs is not None:
-                            setattr(x, GSHAPE, gs)
-                        sctx.halo_log += [(i, nb) for nb in halos]
-                        sctx.comm_log += [(i, nb) for nb in gathers]
-                        sctx.times += [(i, *e) for e in times]
-                    ky = _key(x)[0]
-                    for kind, nb in entries:
-                        if kind == "new":
-                            fresh[0] -= 1
-                            k = fresh[0]
-                        else:
-                            k = kx if kind == "in" else ky
-                        saved.setdefault(k, (nb, set()))[1].add(i)
-                else:
-                    before = set(saved)
-                    logs = (len(sctx.halo_log), len(sctx.comm_log), len(sctx.times)) if sctx is not None else (0, 0, 0)
-                    try:
-                        x = torch.func.functional_call(layer, d, (x,)) if d else layer(x)
-                    except (ConfigError, RunError):
-                        raise
-                    except Exception as e:  # the model (a user's layer, often) on this part: the ranks would too
-                        where = f" on spatial part {sctx.index} of {sctx.size}" if sctx is not None else ""
-                        name = type(getattr(layer, "inner", layer)).__name__  # a spatial wrapper's own layer
-                        raise RunError(f"layer {i} ({name}){where} raised on its input of shape "
-                                       f"{list(x.shape)}: {type(e).__name__}: {e} (gems run would fail the same "
-                                       "way on the ranks that run it)") from e
-                    if not isinstance(x, torch.Tensor):
-                        raise ConfigError("model", type(layer).__name__, "layers that return one tensor (a flat nn.Sequential)")
-                    ky = _key(x)[0]
-                    mine = [(k, nb) for k, (nb, ls) in saved.items() if i in ls]
-                    own = {_key(t)[0] for t in d.values()}  # this layer's buffers (BatchNorm's running stats)
-                    entries = []
-                    for k, nb in mine:
-                        if k == kx:
-                            entries.append(("in", nb))
-                        elif k == ky:
-                            entries.append(("out", nb))
-                        elif k in own and k not in before:
-                            entries.append(("new", nb))
-                        elif k in before or k in known or k in out_keys:
-                            mkey = None  # an earlier layer's storage: the layer is not alone
-                        else:
-                            entries.append(("new", nb))
-                    if ky == kx:
-                        mkey = None
-                    spatial_out = None
-                    if sctx is not None:
-                        spatial_out = (getattr(x, GSHAPE, None), sctx.last_mark,
-                                       tuple(nb for j, nb in sctx.halo_log[logs[0]:] if j == i),
-                                       tuple(nb for j, nb in sctx.comm_log[logs[1]:] if j == i),
-                                       tuple(e[1:] for e in sctx.times[logs[2]:] if e[0] == i))
-                        if len(spatial_out[2]) != len(sctx.halo_log) - logs[0] or \
-                                len(spatial_out[3]) != len(sctx.comm_log) - logs[1] or \
-                                len(spatial_out[4]) != len(sctx.times) - logs[2]:
-                            mkey = None  # logged under another layer's index: not the layer alone
-                    if mkey is not None and len(_LAYER_MEMO) < _LAYER_MEMO_MAX:
-                        _LAYER_MEMO[mkey] = (tuple(x.shape), x.dtype, x.requires_grad, tuple(entries), spatial_out,
-                                             counter.take(i))
-                hold.append(x)
-                out_keys.append(_key(x)[0])
-                out_bytes.append(x.numel() * x.element_size())
-            cur[0] = len(layers)
-            loss, target = _loss(spec, x, local[1:])
-            out_bytes.append(loss.numel() * loss.element_size())
-        del loss, x, hold
+            sctx.layer[0] = i
+        st = structure(layer) if self.memo is not None else None
+        # a spatial layer also depends on its input's global shape and the stand-in's last tagged one
+        spatial_in = (getattr(x, GSHAPE, None), sctx.last_mark) if sctx is not None else None
+        mkey = None if st is None else (self.memo, st, tuple(x.shape), x.dtype, x.requires_grad, spatial_in)
+        if mkey is not None and mkey in _LAYER_MEMO:
+            return self.replay(i, x, _LAYER_MEMO[mkey])
+        return self.run(i, layer, d, x, mkey)
+
+    def replay(self, i: int, x: torch.Tensor, memo: tuple) -> torch.Tensor:
+        from gems.spatial.context import GSHAPE
+
+        shape, dtype, grad, entries, spatial_out, ops = memo
+        kx = _key(x)[0]
+        y = torch.empty(shape, dtype=dtype, requires_grad=grad)
+        x = y.clone() if grad else y  # not a leaf: a next in-place layer may write it
+        self.counter.layers.pop(i, None)  # the clone above is not the layer's
+        self.counter.add(i, ops)
+        sctx = self.sctx
+        if sctx is not None:
+            gs, sctx.last_mark, halos, gathers, times = spatial_out
+            if gs is not None:
+                setattr(x, GSHAPE, gs)
+            sctx.halo_log += [(i, nb) for nb in halos]
+            sctx.comm_log += [(i, nb) for nb in gathers]
+            sctx.times += [(i, *e) for e in times]
+        ky = _key(x)[0]
+        for kind, nb in entries:
+            if kind == "new":
+                self.fresh -= 1
+                k = self.fresh
+            else:
+                k = kx if kind == "in" else ky
+            self.saved.setdefault(k, (nb, set()))[1].add(i)
+        return x
+
+    def run(self, i: int, layer: nn.Module, d: dict[str, torch.Tensor], x: torch.Tensor, mkey: Any) -> torch.Tensor:
+        sctx = self.sctx
+        kx = _key(x)[0]
+        before = set(self.saved)
+        logs = (len(sctx.halo_log), len(sctx.comm_log), len(sctx.times)) if sctx is not None else (0, 0, 0)
+        try:
+            x = torch.func.functional_call(layer, d, (x,)) if d else layer(x)
+        except (ConfigError, RunError):
+            raise
+        except Exception as e:  # the model (a user's layer, often) on this part: the ranks would too
+            where = f" on spatial part {sctx.index} of {sctx.size}" if sctx is not None else ""
+            name = type(getattr(layer, "inner", layer)).__name__  # a spatial wrapper's own layer
+            raise RunError(f"layer {i} ({name}){where} raised on its input of shape {list(x.shape)}: "
+                           f"{type(e).__name__}: {e} (gems run would fail the same way on the ranks that run it)") from e
+        if not isinstance(x, torch.Tensor):
+            raise ConfigError("model", type(layer).__name__, "layers that return one tensor (a flat nn.Sequential)")
+        ky = _key(x)[0]
+        entries, alone = self.entries(i, kx, ky, before, {_key(t)[0] for t in d.values()})
+        spatial_out = self.spatial_out(i, x, logs)
+        if spatial_out is None and sctx is not None:
+            alone = False  # logged under another layer's index: not the layer alone
+        if mkey is not None and alone and ky != kx and len(_LAYER_MEMO) < _LAYER_MEMO_MAX:
+            _LAYER_MEMO[mkey] = (tuple(x.shape), x.dtype, x.requires_grad, tuple(entries), spatial_out,
+                                 self.counter.take(i))
+        return x
+
+    def entries(self, i: int, kx: int, ky: int, before: set[int], own: set[int]) -> tuple[list[tuple[str, int]], bool]:
+        """What layer ``i`` saved, as its input, its output or new storages (a replay's recipe), and whether it
+        saved only those (not an earlier layer's storage: then it is not the layer alone and is not kept).
+        ``own``: its buffers (BatchNorm's running statistics)."""
+        entries, alone = [], True
+        for k, (nb, ls) in self.saved.items():
+            if i not in ls:
+                continue
+            if k == kx:
+                entries.append(("in", nb))
+            elif k == ky:
+                entries.append(("out", nb))
+            elif k in own and k not in before:
+                entries.append(("new", nb))
+            elif k in before or k in self.known or k in self.out_keys:
+                alone = False
+            else:
+                entries.append(("new", nb))
+        return entries, alone
+
+    def spatial_out(self, i: int, x: torch.Tensor, logs: tuple[int, int, int]) -> tuple | None:
+        """A spatial layer's output state for a replay (its global shape, the stand-in's, the buffers it logged);
+        None where something was logged under another layer's index."""
+        from gems.spatial.context import GSHAPE
+
+        sctx = self.sctx
+        if sctx is None:
+            return None
+        out = (getattr(x, GSHAPE, None), sctx.last_mark,
+               tuple(nb for j, nb in sctx.halo_log[logs[0]:] if j == i),
+               tuple(nb for j, nb in sctx.comm_log[logs[1]:] if j == i),
+               tuple(e[1:] for e in sctx.times[logs[2]:] if e[0] == i))
+        if len(out[2]) != len(sctx.halo_log) - logs[0] or len(out[3]) != len(sctx.comm_log) - logs[1] or \
+                len(out[4]) != len(sctx.times) - logs[2]:
+            return None
+        return out
+
+
+def _spatial_logs(sctx: Any) -> tuple[dict[int, int], dict[int, int], list[tuple[int, str, int, int]]]:
+    """Per layer, the largest halo buffer and the gathered bytes the stand-in logged, and its timed messages;
+    the logs are emptied for the next trace."""
     halo: dict[int, int] = {}
     gather: dict[int, int] = {}
-    comm: list[tuple[int, str, int, int]] = []
-    if sctx is not None:
-        for i, nb in sctx.halo_log:
-            halo[i] = max(halo.get(i, 0), nb)
-        for i, nb in sctx.comm_log:
-            gather[i] = gather.get(i, 0) + nb
-        comm = list(sctx.times)
-        sctx.halo_log.clear()
-        sctx.comm_log.clear()
-        sctx.times.clear()
-    return _Trace(batch, in_key, in_bytes, out_keys, out_bytes, saved, halo, gather, batch * target,
-                  {i: counter.take(i) for i in counter.layers}, comm, in_grad)
+    if sctx is None:
+        return halo, gather, []
+    for i, nb in sctx.halo_log:
+        halo[i] = max(halo.get(i, 0), nb)
+    for i, nb in sctx.comm_log:
+        gather[i] = gather.get(i, 0) + nb
+    comm = list(sctx.times)
+    sctx.halo_log.clear()
+    sctx.comm_log.clear()
+    sctx.times.clear()
+    return halo, gather, comm

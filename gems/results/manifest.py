@@ -115,3 +115,9 @@ def _word(state: str) -> str:
     if s == "COMPLETED":
         return "ended"
     return s.lower() or "lost"
+
+
+def point_name(combo: list[str], base: list[str]) -> str:
+    """The swept values of a combination (what differs from the fixed overrides), in a stable order."""
+    swept = [o for o in combo if o not in base]
+    return " ".join(sorted(swept)) or "(single point)"

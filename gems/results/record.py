@@ -34,11 +34,11 @@ def new_run_id(name: str) -> str:
 
 
 def default_name(cfg: Any) -> str:
-    if cfg.results.get("name"):
+    if cfg.results.name:
         return str(cfg.results.name)
     p = cfg.parallel
     sp = p.spatial if isinstance(p.spatial, int) else "x".join(str(s) for s in p.spatial)
-    size = cfg.model.get("size")
+    size = cfg.model.size
     model = f"{cfg.model.name}{size}" if size and cfg.model.name != "custom" else cfg.model.name
     return f"{model}-R{p.replicas}D{p.pipeline}S{sp}-{p.schedule}"
 
@@ -50,7 +50,7 @@ def record_path(cfg: Any) -> Path:
 def job_dir(cfg: Any) -> Path:
     """A run's own folder: its resolved configuration, rank logs, failure reports and checkpoints
     (``{results.dir}/.jobs/{run_id}``; every launcher and the worker use this one place)."""
-    return Path(cfg.results.dir) / ".jobs" / str(cfg.get("run_id") or "gems")
+    return Path(cfg.results.dir) / ".jobs" / str(cfg.run_id or "gems")
 
 
 def make_job_dir(cfg: Any) -> Path:
@@ -115,9 +115,9 @@ def build_record(cfg: Any, world: Any, mesh: Any, *, losses: list[float], step_t
         "schema": SCHEMA,
         "run_id": cfg.run_id,
         "name": default_name(cfg),
-        "sweep": cfg.results.get("sweep"),
-        "point": cfg.results.get("point"),
-        "repeat": int(cfg.results.get("repeat") or 0),
+        "sweep": cfg.results.sweep,
+        "point": cfg.results.point,
+        "repeat": int(cfg.results.repeat or 0),
         "status": "ok",
         "config": OmegaConf.to_container(cfg, resolve=True),
         "world_size": world.size,
@@ -155,8 +155,8 @@ def failed_record(cfg: Any, error: str, world_size: int | None = None, hosts: li
 
     mesh = mesh_from_config(cfg)
     return {
-        "schema": SCHEMA, "run_id": cfg.run_id, "name": default_name(cfg), "sweep": cfg.results.get("sweep"),
-        "point": cfg.results.get("point"), "repeat": int(cfg.results.get("repeat") or 0), "status": "failed", "error": error, "failure": failure or {"kind": "exit"},
+        "schema": SCHEMA, "run_id": cfg.run_id, "name": default_name(cfg), "sweep": cfg.results.sweep,
+        "point": cfg.results.point, "repeat": int(cfg.results.repeat or 0), "status": "failed", "error": error, "failure": failure or {"kind": "exit"},
         "config": OmegaConf.to_container(cfg, resolve=True),
         "world_size": world_size or mesh.size, "nodes": len(set(hosts or [])) or int(cfg.cluster.nodes),
         "mesh": {"replicas": mesh.replicas, "pipeline": mesh.pipeline, "spatial": mesh.spatial,

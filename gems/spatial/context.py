@@ -26,18 +26,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from gems.errors import ConfigError
+from gems.fake import is_fake
 from gems.fault.progress import waiting
 from gems.mesh import ravel, unravel
 from gems.spatial.geometry import Box, shape_of, split_bounds
 
 GSHAPE = "_gems_gshape"  # attribute carrying an activation's global spatial shape
 _AVG_POOL: dict[int, Callable[..., torch.Tensor]] = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
-
-
-def _is_fake(x: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(x, FakeTensor)
 
 
 class SpatialContext:
@@ -219,7 +214,7 @@ class SpatialContext:
             return tuple(g)
         nd = x.dim() - 2
         self.check_ndim(nd)
-        if _is_fake(x) and self.shapes_only():
+        if is_fake(x) and self.shapes_only():
             return self.infer_global_shape(x)
         if self.size == 1:
             g = tuple(int(n) for n in x.shape[2:])

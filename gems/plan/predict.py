@@ -1,0 +1,77 @@
+"""The step-time prediction of a plan: the device's rates (a named GPU's data sheet, or this machine's CPU
+timed on the spot), the job's placement, the synthetic data's cost, then :func:`gems.plan.timing.predict` on
+the planner's profile."""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import replace
+from typing import Any
+
+from gems.pipeline.schedules import simulate
+from gems.plan.devices import cpu_rates, efficiency, gpu_rates, synthetic_seconds
+from gems.plan.memory import Planner, rank_threads
+from gems.plan.timing import Prediction, predict
+
+__all__ = ["predict_step", "computing_at_once", "placement"]
+
+
+def placement(cfg: Any, world: int) -> tuple[int, int]:
+    """(nodes, ranks per node) of the job as it would be placed."""
+    c = cfg.cluster
+    if c.launcher == "local" and c.name == "local":
+        return 1, world
+    nodes = int(c.nodes or 1)
+    return nodes, int(c.tasks_per_node or math.ceil(world / nodes))
+
+
+def computing_at_once(pl: Planner, tasks_per_node: int) -> int:
+    """How many of a node's ``tasks_per_node`` ranks compute at the same time, on average: all of them, but
+    the stages of a pipeline line compute at once only as much as its schedule lets them (lp's take turns;
+    1F1B's overlap in the steady state), from the schedule simulated with unit action times (its busy time
+    over its span, summed over the line's ranks)."""
+    if not pl.pipelined:
+        return max(1, tasks_per_node)
+    sched = pl.sched()
+    spans = simulate(sched, cost=lambda a: float(a.kind.unit_cost), transfer=lambda a: 0.0)
+    busy = sum(e - b for b, e in spans.values())
+    span = max(e for _, e in spans.values()) - min(b for b, _ in spans.values())
+    per_line = busy / span if span > 0 else 1.0  # of the line's sched.ranks ranks, how many are busy at a time
+    return max(1, round(tasks_per_node * per_line / sched.ranks))
+
+
+def predict_step(cfg: Any, pl: Planner, prof: Any, batch: int, dev: dict[str, Any], world: int) -> Prediction | None:
+    """The step-time prediction (:mod:`gems.plan.timing`), or None with a note when the device has no figures."""
+    c = cfg.cluster
+    eff = efficiency(cfg.plan.efficiency)
+    if dev["kind"] == "gpu":
+        name = c.gpu
+        if not name:
+            pl.notes.append("no step-time prediction: set cluster.gpu to the GPU model (e.g. cluster.gpu=a100-40gb)")
+            return None
+        rates = gpu_rates(str(name), pl.st.precision, eff)
+    nodes, tpn = placement(cfg, world)
+    if dev["kind"] != "gpu":
+        threads = rank_threads(cfg)
+        cores = int(c.cpus_per_node or 0) if not (c.launcher == "local" and c.name == "local") else 0
+        cores = cores or (os.cpu_count() or 1)
+        rates = cpu_rates(threads, min(max(1, cores // threads), computing_at_once(pl, tpn)))
+        if tpn * threads > cores:
+            rates = rates.shared(tpn * threads / cores)
+        if tpn * threads >= cores and world > 1:
+            rates = replace(rates, spare=False, about=rates.about + "; every core of a node computes, so gloo's "
+                            "transfers take their time from the compute (the gradient all-reduce is not hidden "
+                            "behind the backward)")
+    if prof is None:
+        prof = pl.profile(max(1, pl.chunk_of(batch)))
+    data, made = None, "data read from the page cache and copied"
+    if str(cfg.data.name) == "synthetic":  # made on the host, GPU ranks too: this machine's CPU stands for it
+        share, threads = rates.share, rank_threads(cfg)
+
+        def data(part: Any, n: int, inp: bool, tgt: bool) -> float:
+            return share * n * synthetic_seconds(pl.st.spec, list(part), inp, tgt, threads)
+
+        made = f"synthetic samples generated on the host as fast as here ({threads} thread(s))"
+    pred = predict(pl, prof, batch, rates, c, nodes, tpn, data)
+    pred.assumptions.append(made)
+    return pred

@@ -1,0 +1,97 @@
+"""What runs before anything is launched, for every command that launches (gems run, sweep, render): the run id,
+the files it reads and folders it writes, and every check that needs the model but not the world, so that bad
+input stops with exit 2 before a job is written or queued (not on every rank of a 1024-GPU job).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from omegaconf import DictConfig, open_dict
+
+from gems import checkpoint as ckpt
+from gems.bootstrap import check_launch
+from gems.errors import ConfigError
+from gems.mesh import mesh_from_config
+from gems.models import build_model, check_shapes
+from gems.parallel import resolve, spatial_model
+from gems.paths import readable_dir, writable_dir
+from gems.plan.fit import check_fit
+from gems.rank.data import make_data
+from gems.results.record import default_name, new_run_id, record_path
+
+__all__ = ["prepare", "preflight", "one_value_per_key"]
+
+
+def one_value_per_key(overrides: list[str]) -> None:
+    """A key given twice (``cluster=a cluster=b``) is bad input: Hydra would take the last one silently."""
+
+    seen: dict[str, str] = {}
+    for o in overrides:
+        if "=" not in o or o.startswith("-"):
+            continue
+        key, val = o.split("=", 1)
+        key = key.lstrip("+~")
+        if key in seen:
+            raise ConfigError(key, f"{seen[key]} and {val}", f"one value (the command line gives {key} twice; for "
+                              f"several, gems sweep takes {key}={seen[key]},{val})")
+        seen[key] = val
+
+
+def prepare(cfg: Any) -> Any:
+    """Fill in the run id and check everything the run needs (the model, the mesh, the files it reads and
+    the folders it writes), so that bad input stops here with exit 2, before anything is written."""
+    given = cfg.get("run_id")
+    with open_dict(cfg):
+        if not given:
+            cfg.run_id = new_run_id(default_name(cfg))
+    if cfg.data.name == "hdf5":
+        readable_dir("data.path", cfg.data.path, "a folder of .h5 samples (write one with `gems data synth data.path=...`)")
+    if given:  # a run id of the user's: resume its checkpoint, never replace its record
+        if record_path(cfg).exists():
+            raise ConfigError("run_id", given, f"a new run id (the record {record_path(cfg)} exists, and records "
+                              "are never replaced)")
+        if ckpt.has_checkpoint(cfg):
+            ckpt.check_fingerprint(cfg)
+    preflight(cfg)  # model, spatial cut and schedule: bad input fails here, before launching
+    if cfg.train.check_fit:
+        check_fit(cfg)  # memory: a point the planner says cannot fit is bad input (gems/plan/fit.py)
+    writable_dir("results.dir", cfg.results.dir, "a folder for the run's records")
+    return cfg
+
+
+def preflight(cfg: DictConfig) -> None:
+    """Every check that needs the model but not the world, run by the CLI before launching.
+
+    A mesh the model cannot take (too many parts, a missing dim, a layer gems
+    cannot partition, a schedule the batch or the layers do not divide) is bad
+    input: it must stop with exit 2 before anything is submitted, not fail on
+    every rank of a 1024-GPU job.
+    """
+    import copy
+
+    mesh = mesh_from_config(cfg)
+    spec = build_model(cfg.model)
+    if spec.name == "custom":  # the built-in models fit their declared input by construction
+        check_shapes(spec)
+    p = cfg.parallel
+    seq = spec.module
+    if cfg.data.name == "hdf5":  # a file that does not match the model is named before launch
+        make_data(cfg, spec).samples.check_all(int(cfg.train.steps) * int(cfg.train.batch_size), spec.num_outputs)
+    check_launch(cfg, mesh.size)  # gloo on GPUs, NCCL on CPUs, more ranks on a node than GPUs
+    if mesh.spatial_enabled:
+        from gems.spatial import SpatialContext, apply_spatial
+
+        for d in mesh.spatial_dims:
+            if d >= spec.spatial_ndim:
+                raise ConfigError("parallel.spatial_dims", list(mesh.spatial_dims),
+                                  f"dims below {spec.spatial_ndim}: {spec.name} has {spec.spatial_ndim} spatial dims")
+        ctx = SpatialContext(None, list(range(mesh.spatial)), mesh.parts, mesh.spatial_dims, (0,) * len(mesh.parts))
+        ctx.local_slices(spec.input_shape[1:])
+        spec, note = spatial_model(spec, mesh, p.bn_stats)
+        if note:
+            print(f"gems: note: {note}", file=sys.stderr, flush=True)
+        seq = apply_spatial(copy.deepcopy(spec.module), ctx, spec.spatial_end, bn_stats=p.bn_stats)
+    resolve(cfg).check_layers(len(seq))  # the schedule, the batch over passes and micro-batches, the balance
+
+

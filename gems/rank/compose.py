@@ -1,0 +1,242 @@
+"""The strategies composed for one rank, in one place and one order (docs/design.md): spatial parts inside each
+layer, then pipeline partitions over the layers, then the gradient sum over every copy of each parameter.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from gems.bootstrap import (
+    World,
+)
+from gems.fake import scalar
+from gems.fault import all_finite, progress
+from gems.layers import batch_context, guard_bf16_conv3d
+from gems.mesh import Coord, Mesh
+from gems.models import ModelSpec, build_model
+from gems.parallel import ParallelSettings, resolve, spatial_model, spatial_stage_balance
+from gems.precision import LossScaler, autocast, scaling_enabled
+from gems.rank.loss import make_loss_fn
+from gems.rank.optim import make_optimizer
+from gems.replication import GradientReducer, mpi_group
+
+
+# ---------------------------------------------------------------------------- composition
+@dataclass
+class Parallel:
+    """What one rank trains: a forward/backward step function and its parameters."""
+
+    step: Callable[[torch.Tensor | None, torch.Tensor | None, list[int], int], float]
+    params: list[nn.Parameter]
+    modules: list[nn.Module]
+    reducer: GradientReducer
+    input_slices: tuple[slice, ...] | None  # this rank's spatial part of a sample
+    needs_input: bool
+    needs_target: bool
+    samples_per_step: int  # samples this rank's replica line trains per step
+    stats: Callable[[], dict[str, float]] = field(default=lambda: {})
+    balance: list[int] | None = None  # layers per pipeline partition (None without a pipeline)
+    notes: list[str] = field(default_factory=list)  # what the composition decided on its own (the record says)
+    #: where this rank first saw a non-finite value in the last step: 0 its input, 1 + s the output of
+    #: partition s; None when all was finite (read only after a non-finite loss: it may synchronise a GPU)
+    first_nonfinite: Callable[[], int | None] = field(default=lambda: None)
+    #: wait for this rank's messages still in flight (a profiled step ends with none: see drain_sends)
+    quiesce: Callable[[], None] = field(default=lambda: None)
+    #: fp16's loss scaling (gems.precision): the loss the backward starts from, the optimizer step after the sum
+    scaler: LossScaler = field(default_factory=lambda: LossScaler(torch.device("cpu"), False))
+    #: when the pipeline sent and waited for each message (gems.pipeline.runtime.Transfers); None without one
+    transfers: Any = None
+
+
+def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
+                settings: ParallelSettings | None = None) -> Parallel:
+    """Compose the strategies for this rank, in this order:
+
+    1. spatial: each layer works on this rank's part of the sample (S > 1);
+    2. pipeline: the layers are split into the schedule's partitions and it
+       runs them (D > 1, or a schedule other than lp);
+    3. replication: gradients are summed over every rank that holds a copy.
+
+    ``settings`` (:func:`gems.parallel.resolve`) says how; resolved from ``cfg`` when not given.
+    """
+    c = _Composition(spec, mesh, world, cfg, settings or resolve(cfg))
+    c.spatial()  # 1.
+    c.place()
+    return c.pipelined() if c.settings.pipelined else c.whole()  # 2., then 3. inside each
+
+
+class _Composition:
+    """The state :func:`parallelize` builds up, one strategy after the other."""
+
+    def __init__(self, spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig, settings: ParallelSettings) -> None:
+        self.mesh, self.world, self.cfg, self.settings = mesh, world, cfg, settings
+        self.spec, gather_note = spatial_model(spec, mesh, cfg.parallel.bn_stats)
+        self.notes = [gather_note] if gather_note else []
+        self.loss_fn = make_loss_fn(self.spec, mesh, int(cfg.train.batch_size))
+        self.seq: nn.Sequential = self.spec.module
+        self.ctx: Any = None
+        self.slices: tuple[slice, ...] | None = None
+        self.balance = list(settings.balance) if settings.balance else None
+        t, device = cfg.train, world.device
+        if device.type == "cpu" and t.precision == "bf16":
+            guard_bf16_conv3d(self.seq)  # torch's bf16 Conv3d weight gradient on CPU is wrong for inputs 2 cells deep
+        self.scaler = LossScaler(device, scaling_enabled(str(t.precision), str(t.loss_scaling)),
+                                 float(t.loss_scale_init), int(t.loss_scale_growth_interval))
+
+    def amp(self) -> Any:
+        return autocast(self.cfg.train.precision, self.world.device)
+
+    def spatial(self) -> None:
+        """1. Each layer on this rank's part of the sample (S > 1): the spatial layers replace the serial ones."""
+        if not self.mesh.spatial_enabled:
+            return
+        from gems.spatial import SpatialContext, apply_spatial
+
+        p, st = self.cfg.parallel, self.settings
+        self.ctx = SpatialContext.from_mesh(self.mesh, self.world.rank, p.overlap)
+        self.slices = tuple(self.ctx.local_slices(self.spec.input_shape[1:]))
+        if st.pipelined and self.balance is None and st.stages > 1:  # balanced on the serial layers, as ranks run them
+            self.balance = spatial_stage_balance(st, self.spec, self.world.device)
+        self.seq = apply_spatial(self.seq, self.ctx, self.spec.spatial_end, bn_stats=p.bn_stats)
+
+    def place(self) -> None:
+        """The model on the rank's device (channels-last for convolutions on GPUs)."""
+        device, seq = self.world.device, self.seq
+        if any(t.device != device for t in [*seq.parameters(), *seq.buffers()]):  # (fake parameters cannot be moved)
+            seq = seq.to(device)
+        if device.type == "cuda" and self.spec.spatial_ndim in (2, 3):
+            seq = seq.to(memory_format=torch.channels_last if self.spec.spatial_ndim == 2  # type: ignore[call-overload]
+                         else torch.channels_last_3d)
+        self.seq = seq
+
+    def halo_stats(self) -> dict[str, float]:
+        if self.ctx is None:
+            return {}
+        out = {"halo": float(sum(self.ctx.halo_seconds.values()))}
+        self.ctx.halo_seconds.clear()
+        return out
+
+    def quiesce(self) -> None:
+        if self.ctx is not None:
+            self.ctx.drain_sends()
+
+    def mark(self, x: torch.Tensor | None) -> None:
+        if self.ctx is not None and x is not None:
+            self.ctx.mark(x, self.spec.input_shape[1:])
+
+    def pipelined(self) -> Parallel:
+        """2. The layers in the schedule's partitions, run by the schedule; 3. the gradient sum."""
+        from gems.pipeline import apply_pipeline
+
+        st, cfg, device, seed = self.settings, self.cfg, self.world.device, int(self.cfg.train.seed)
+        loss_fn = self.loss_fn
+        runner = apply_pipeline(
+            self.seq, self.mesh, self.world.rank, loss_fn=lambda out, y, n: loss_fn(out, y),
+            batch_size=st.line_batch, schedule=st.schedule_name, micro_batches=st.micro_batches,
+            gems_replicas=st.gems_replicas, virtual_stages=st.virtual_stages, split_backward=st.split_backward,
+            balance=self.balance, balance_by=st.balance_by_given, checkpoint=st.checkpoint,
+            sample_shape=_pipeline_sample(self.spec, self.ctx, self.slices), device=device, amp=self.amp)
+        runner.scale_loss = self.scaler.scale
+        params = list(runner.parameters())
+        reducer = _reducer(params, self.mesh, self.world, cfg)
+        # a parameter is final after the last backward of its partition on this rank
+        backwards = Counter(a.stage for a in runner.actions if a.kind.finishes_gradients)
+        count = {id(q): backwards[s] for s, part in runner.partitions.items() for q in part.parameters()}
+
+        def pipe_step(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int) -> float:
+            self.mark(x)
+            reducer.start_step(expected=lambda q: count[id(q)])
+            with self.amp():
+                loss = runner.step(x, y, ids, seed, step)
+            reducer.finish()
+            return float(loss)
+
+        def pipe_stats() -> dict[str, float]:
+            s = runner.stats
+            out = {"bubble_or_wait": s.wait_s, **self.halo_stats()}
+            s.forward_s = s.backward_s = s.wait_s = 0.0
+            return out
+
+        return Parallel(pipe_step, params, list(runner.modules), reducer, self.slices,
+                        runner.needs_inputs, runner.needs_targets, runner.samples_per_step, pipe_stats,
+                        balance=list(runner.balance), first_nonfinite=runner.first_nonfinite,
+                        notes=self.notes, quiesce=self.quiesce, scaler=self.scaler, transfers=runner.transfers)
+
+    def whole(self) -> Parallel:
+        """No pipeline: one forward and backward of the whole (spatial) model; 3. the gradient sum."""
+        seq, seed, loss_fn, scaler = self.seq, int(self.cfg.train.seed), self.loss_fn, self.scaler
+        params = list(seq.parameters())
+        reducer = _reducer(params, self.mesh, self.world, self.cfg)
+        if self.settings.checkpoint:
+            from torch.utils.checkpoint import checkpoint_sequential
+
+            def forward(x: torch.Tensor) -> torch.Tensor:
+                return checkpoint_sequential(seq, max(1, len(seq) // 2), x, use_reentrant=False)
+        else:
+            forward = seq
+        finite: dict[int, torch.Tensor | bool] = {}  # position -> all finite? (a device flag: no synchronisation)
+
+        def plain_step(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int) -> float:
+            assert x is not None and y is not None
+            self.mark(x)
+            reducer.start_step()
+            finite[0] = all_finite(x)
+            progress.mark("forward")
+            with batch_context(seed, step, ids):
+                with self.amp():
+                    out = forward(x)
+                finite[1] = all_finite(out)
+                loss = loss_fn(out, y)
+                progress.mark("backward")
+                scaler.scale(loss).backward()
+            reducer.finish()
+            return scalar(loss.detach())
+
+        def first_bad() -> int | None:
+            return next((pos for pos, ok in sorted(finite.items()) if not bool(ok)), None)
+
+        return Parallel(plain_step, params, [seq], reducer, self.slices, True, True, self.settings.line_batch,
+                        self.halo_stats, first_nonfinite=first_bad, notes=self.notes, quiesce=self.quiesce,
+                        scaler=scaler)
+
+
+def _pipeline_sample(spec: ModelSpec, ctx: Any, slices: tuple[slice, ...] | None) -> tuple[int, ...] | None:
+    """The sample shape the pipeline traces its cut shapes with: none for spatial partitions, which talk to
+    other ranks while they run, except over a process group that moves no data (the dry run, gems.dryrun),
+    where this rank's part is traced with the input's global shape known."""
+    if ctx is None:
+        return tuple(spec.input_shape)
+    if not ctx.shapes_only() or slices is None:
+        return None
+    local = tuple(s.stop - s.start for s in slices)
+    ctx.last_mark = (local, tuple(spec.input_shape[1:]))
+    return (spec.input_shape[0], *local)
+
+
+
+def _reducer(params: list[nn.Parameter], mesh: Mesh, world: World, cfg: DictConfig) -> GradientReducer:
+    bucket = float(cfg.comm.bucket_mb)
+    if world.grad_comm == "mpi":
+        group: Any = mpi_group(world.mpi_comm, mesh, world.rank) if len(mesh.ranks("grad")) > 1 else None
+    else:
+        group = mesh.group("grad")
+    return GradientReducer(params, group, bucket)
+
+
+
+def set_up_rank(cfg: DictConfig, world: World, mesh: Mesh, settings: ParallelSettings
+                ) -> tuple[Coord, ModelSpec, Parallel, torch.optim.Optimizer]:
+    """What a rank builds before its first step, once its groups exist: (its mesh coordinate, the model, its
+    parallel step, its optimizer). A run and ``gems plan plan.dry_run=true`` both build it here."""
+    coord = mesh.coord(world.rank)
+    torch.manual_seed(int(cfg.train.seed))
+    spec = build_model(cfg.model)  # same seed everywhere: every copy starts from the same weights
+    par = parallelize(spec, mesh, world, cfg, settings)
+    return coord, spec, par, make_optimizer(cfg, par.params)
+
+

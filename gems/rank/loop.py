@@ -1,0 +1,481 @@
+"""The training loop of a rank: warm-up, measured and profiled steps, the step's sync, non-finite losses,
+preemption and checkpoints, and the record rank 0 writes.
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+from omegaconf import DictConfig
+
+from gems import checkpoint as ckpt
+from gems import timers
+from gems.bootstrap import (
+    KEEP_GROWTH,
+    World,
+    keep_host_memory,
+    keeps_host_memory_within,
+    node_memory_bytes,
+    ranks_on_this_node,
+)
+from gems.errors import RunError
+from gems.fault import inject, progress, reports
+from gems.fault.watchdog import Watchdog
+from gems.memory import MemoryMeter, persistent_bytes, step_peak_bytes
+from gems.mesh import Mesh, mesh_from_config
+from gems.parallel import resolve
+from gems.pipeline.runtime import split_waits
+from gems.rank.compose import Parallel, set_up_rank
+from gems.rank.data import make_data, replica_indices, step_batch
+from gems.results import record as rec
+
+
+# ---------------------------------------------------------------------------- the run
+class NonFiniteLoss(RunError):
+    """The global loss of a step was NaN or Inf and ``train.on_nonfinite=stop``: every rank stops at that step."""
+
+
+def start_watchdog(cfg: DictConfig, world: World, on_stall: Callable[[str, dict[str, Any]], None]) -> Watchdog | None:
+    """This rank's heartbeat thread (``fault.stall_timeout_s``; null switches stall detection off)."""
+    f = cfg.fault
+    if f.get("stall_timeout_s") is None:
+        return None
+    jd = rec.job_dir(cfg)
+
+    def report(message: str, failure: dict[str, Any]) -> None:
+        reports.write_report(jd, world.rank, message, echo=world.rank not in failure.get("ranks", []),
+                             kind=failure.get("kind", "stall"), blame=failure.get("blame"))
+
+    launcher = os.environ.get("GEMS_LAUNCHER_PID")
+    return Watchdog(world.rank, world.size, stall_s=float(f.stall_timeout_s), warmup_s=float(f.warmup_timeout_s),
+                    addr=os.environ.get("MASTER_ADDR", world.master_addr),
+                    port=int(os.environ.get("MASTER_PORT", world.master_port)),
+                    on_stall=on_stall if world.rank == 0 else None, on_report=report,
+                    launcher_pid=int(launcher) if launcher else None).start()
+
+
+BREAKDOWN = ("compute", "pipeline_comm", "halo", "allreduce", "bubble_or_wait", "data")
+
+
+def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str, Any]:
+    """Train on this rank; returns the record (complete on rank 0)."""
+    return Run(cfg, world, wd).run()
+
+
+class Run:
+    """One rank's training run: its set-up (mesh, groups, the composed model, data, a checkpoint to resume
+    from), every step, and the record.
+
+    Steps before ``measure_from`` are left out of the timings: the warm-up steps and, on CPU ranks, the steps
+    profiled for tensor memory, which include one after the first optimizer step (the optimizer's state exists
+    from then on: with fewer than two warm-up steps the first step after them is profiled too). GPU ranks read
+    torch.cuda's peak over the whole run.
+    """
+
+    def __init__(self, cfg: DictConfig, world: World, wd: Watchdog | None) -> None:
+        self.cfg, self.world, self.wd = cfg, world, wd
+        self.t_start = time.time()
+        progress.mark("setup")
+        t = cfg.train
+        self.host_memory = HostMemory(str(t.host_memory), world.device)
+        if t.threads and world.device.type == "cpu":
+            torch.set_num_threads(int(t.threads))
+        self.mesh = mesh = mesh_from_config(cfg, world.size)
+        settings = resolve(cfg)
+        if world.size > 1:
+            mesh.build_groups(world.rank, groups=settings.holder_groups, timeout=world.timeout)
+        else:
+            mesh.groups.grad_ranks = [0]
+        self.meter = MemoryMeter(world.device)
+        self.meter.reset()
+        self.coord, spec, self.par, self.opt = set_up_rank(cfg, world, mesh, settings)
+        self.data = make_data(cfg, spec, self.par.input_slices)
+        inject.arm(cfg, world.rank, self.par.modules)
+        self.B, self.R = int(t.batch_size), mesh.replicas
+        self.steps, self.warm = int(t.steps), int(t.warmup_steps)
+        self.measure_from = max(self.warm, min(2, self.steps - 1)) if world.device.type == "cpu" else self.warm
+        self.ckpt_every = int(t.checkpoint_every or 0)
+        # running statistics (BatchNorm) of the copies of a parameter's module see different samples
+        par = self.par
+        self.buffers = [b for m in par.modules for b in m.buffers() if b.is_floating_point()] \
+            if mesh.group("grad") else []
+        self.resume()
+        self.context = _StepContext(cfg, world, mesh, par, self.opt, self.B, self.R)
+        # (a resumed run splits the pipeline waits of the steps after its restart only: the rest stay bubble_or_wait)
+        self.run_sent: dict[tuple[int, ...], float] = {}
+        self.run_received: dict[tuple[int, ...], tuple[float, float]] = {}
+
+    def resume(self) -> None:
+        """After a preemption, a time limit or a requeue (gems/checkpoint.py): the step to start from and the
+        history so far (losses, times, the fp16 loss scale)."""
+        self.restarts = ckpt.restart_count()
+        self.history: dict[str, Any] = {"losses": [], "step_times": [], "nonfinite_steps": [], "every_step_time": [],
+                                        "tensor_peaks": [], "breakdown": {k: 0.0 for k in BREAKDOWN}}
+        self.start = 0
+        progress.mark("checkpoint")
+        got = ckpt.load(self.cfg, self.world.rank, self.par.modules, self.opt)
+        if got is not None:
+            self.start, self.history = got
+            for key in ("nonfinite_steps", "every_step_time", "tensor_peaks"):
+                self.history.setdefault(key, [])
+            self.restarts = max(self.restarts, 1)
+            if "loss_scale" in self.history:  # fp16: the scale and the steps skipped so far, as if never stopped
+                self.par.scaler.load_state_dict(self.history["loss_scale"])
+        if self.wd is not None:
+            self.wd.warm_until = max(self.measure_from, self.start + 1)  # warm-up, profiled, first after a restart
+
+    # ---- the steps ---------------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        timers.reset()
+        for step in range(self.start, self.steps):
+            self.one_step(step)
+        progress.mark("record")
+        return self.record()
+
+    def one_step(self, step: int) -> None:
+        cfg, world, par, h = self.cfg, self.world, self.par, self.history
+        progress.mark("data", step)
+        inject.before_step(cfg, world.rank, step)
+        if cfg.fault.preempt_at_step == step and self.restarts == 0:
+            _preempt(cfg, world, step, par, self.opt, h, self.wd, "fault injection: preempting the job")
+        _sync(world.device)
+        t0 = time.perf_counter()
+        ids, x, y = self.batch(step)
+        t_data = time.perf_counter() - t0
+        timers.reset()
+        profiling = bool(cfg.train.profile) and step == self.measure_from and self.steps - self.measure_from > 1
+        loss, stop = self.compute(step, ids, x, y, profiling)
+        self.host_memory.after_step(world.rank)
+        if par.scaler.enabled:
+            h["loss_scale"] = par.scaler.state_dict()  # saved with every checkpoint
+        if self.buffers:
+            with progress.waiting("gradient sum"):
+                _average_buffers(self.buffers, self.mesh)
+        _sync(world.device)
+        dt = time.perf_counter() - t0
+        timers.settle()  # on GPUs the communication waits were CUDA events: read them now (gems.timers)
+        self.check_loss(step, loss)
+        if world.rank == 0:
+            what = " (warm-up)" if step < self.warm else " (profiled for tensor memory)" if step < self.measure_from else ""
+            print(f"gems: step {step + 1}/{self.steps} {dt:.3f} s loss {loss:.6g}{what}", flush=True)
+        self.account(step, dt, t_data, measured=step >= self.measure_from and not profiling)
+        if stop and step + 1 < self.steps:  # Slurm's signal before the time limit (or a preemption notice)
+            _preempt(cfg, world, step + 1, par, self.opt, h, self.wd,
+                     "the time limit is near: checkpointing and requeueing")
+        if self.ckpt_every and (step + 1) % self.ckpt_every == 0 and step + 1 < self.steps and not h["nonfinite_steps"]:
+            progress.mark("checkpoint")  # a diverged run keeps its last good checkpoint
+            ckpt.save(cfg, world.rank, step + 1, par.modules, self.opt, h)
+
+    def batch(self, step: int) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+        """The step's sample ids, this rank's input part and targets, on its device."""
+        ids, x, y = step_batch(self.data, self.par, step, self.B, self.R, self.coord.replica)
+        x = inject.poison(self.cfg, self.world.rank, step, x)
+        dev = self.world.device
+        return ids, (x.to(dev, non_blocking=True) if x is not None else None), \
+            (y.to(dev, non_blocking=True) if y is not None else None)
+
+    def compute(self, step: int, ids: list[int], x: Any, y: Any, profiling: bool) -> tuple[float, bool]:
+        """The step's forward, backward, sync and update: under the profiler (``train.profile``), profiled for
+        tensor memory (CPU ranks, before ``measure_from``), or plain."""
+        context, par = self.context, self.par
+        if profiling:
+            return _profiled(self.cfg, self.world, lambda: context.step(x, y, ids, step, quiesce=True))
+        if step < self.measure_from and self.world.device.type == "cpu":
+            # the tensor memory a GPU would count (gems/memory.py); the largest over these steps
+            held = persistent_bytes(par.params, self.opt, [b for m in par.modules for b in m.buffers()] +
+                                    [t for t in (x, y) if t is not None])  # the batch: read before the step
+            box: list[tuple[float, bool]] = []
+            self.history["tensor_peaks"].append(held + step_peak_bytes(
+                lambda: box.append(context.step(x, y, ids, step, quiesce=True))))
+            return box[0]
+        return context.step(x, y, ids, step)
+
+    def check_loss(self, step: int, loss: float) -> None:
+        """Keep the step's global loss; a non-finite one stops every rank or is warned about (train.on_nonfinite)."""
+        self.history["losses"].append(loss)
+        if math.isfinite(loss):
+            return
+        self.history["nonfinite_steps"].append(step)
+        if str(self.cfg.train.on_nonfinite) == "stop":
+            self.context.stop_nonfinite(step, loss, self.history["losses"], self.restarts)
+        elif self.world.rank == 0:
+            print(f"gems: warning: the loss of step {step} is {loss} (train.on_nonfinite=warn: training goes on; "
+                  f"the record says so)", file=sys.stderr, flush=True)
+
+    def account(self, step: int, dt: float, t_data: float, measured: bool) -> None:
+        """The step's time and its terms (only measured steps count; every step's time is kept)."""
+        par, h = self.par, self.history
+        t = timers.snapshot()
+        extra = par.stats()  # read every step, so warm-up time is not carried into measured steps
+        if par.transfers is not None:  # the measured steps' message times, split against the senders' at the end
+            if measured:
+                self.run_sent.update(par.transfers.sent)
+                self.run_received.update(par.transfers.received)
+            par.transfers.sent.clear()
+            par.transfers.received.clear()
+        h["every_step_time"].append(dt)
+        if not measured:
+            return
+        h["step_times"].append(dt)
+        bd = h["breakdown"]
+        bd["data"] += t_data
+        bd["allreduce"] += par.reducer.wait_s
+        for k in ("halo", "pipeline_comm", "bubble_or_wait"):
+            bd[k] += t.get(k, 0.0) + extra.get(k, 0.0)
+
+    # ---- the record --------------------------------------------------------------------------------------------
+    def record(self) -> dict[str, Any]:
+        """The run's record (complete on rank 0): step times and terms, memory and hosts of every rank."""
+        h, world, par = self.history, self.world, self.par
+        step_times, breakdown = h["step_times"], h["breakdown"]
+        measured = len(step_times)
+        seen = h["tensor_peaks"]
+        tensor_peak = max(seen) if seen else None
+        for k in breakdown:
+            breakdown[k] /= max(1, measured)
+        median = statistics.median(step_times)
+        breakdown["compute"] = max(0.0, median - sum(v for k, v in breakdown.items() if k != "compute"))
+        peaks, hosts, tensor_peaks, machines, times = self.gather(tensor_peak, measured)
+        record = rec.build_record(
+            self.cfg, world, self.mesh, losses=h["losses"], step_times=times,
+            global_batch=par.samples_per_step * self.R,  # the whole global batch (every replica line trains B/R)
+            breakdown=breakdown, peaks=peaks, hosts=hosts, wall_s=time.time() - self.t_start, restarts=self.restarts,
+            tensor_peaks=tensor_peaks if all(t is not None for t in tensor_peaks) else None, balance=par.balance,
+            machines=machines,
+        )
+        record["host_memory"] = self.host_memory.summary
+        record["step_time_s"]["every"] = h["every_step_time"]  # every step's time, warm-up and profiled ones too
+        record["step_time_s"]["measured_from"] = self.measure_from
+        if seen:
+            record["peak_memory_bytes"]["tensor_steps"] = list(range(min(self.measure_from, len(seen))))
+        notes = list(par.notes) + self.notes(measured)
+        if notes:
+            record["notes"] = notes
+        if par.scaler.enabled:
+            record["loss_scale"] = par.scaler.summary()
+        if h["nonfinite_steps"]:
+            record["diverged"] = True
+            record["nonfinite_steps"] = list(h["nonfinite_steps"])
+        return record
+
+    def gather(self, tensor_peak: int | None, measured: int) -> tuple[list[int], list[str], list[Any], list[str],
+                                                                         list[float]]:
+        """Every rank's peak memory, host and tensor peak, the step times as the slowest rank took them, and
+        rank 0's pipeline waits split against every rank's send times (the planner's pipeline_comm)."""
+        import torch.distributed as dist
+
+        world, bd = self.world, self.history["breakdown"]
+        peak = self.meter.peak()
+        times = torch.tensor(self.history["step_times"], dtype=torch.float64, device=world.device)  # NCCL: on device
+        if world.size == 1:
+            return [peak], [world.hostname], [tensor_peak], [socket.gethostname()], times.tolist()
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank ends
+        gathered: list[Any] = [None] * world.size
+        dist.all_gather_object(gathered, (world.hostname, peak, tensor_peak, socket.gethostname(), self.run_sent))
+        if self.run_received:
+            everyone: dict[tuple[int, ...], float] = {}
+            for g in gathered:
+                everyone.update(g[4])
+            transfer, _ = split_waits(self.run_received, everyone)
+            bd["pipeline_comm"] += transfer / max(1, measured)
+            bd["bubble_or_wait"] = max(0.0, bd["bubble_or_wait"] - transfer / max(1, measured))
+        return ([int(g[1]) for g in gathered], [g[0] for g in gathered], [g[2] for g in gathered],
+                [g[3] for g in gathered], times.tolist())
+
+    def notes(self, measured: int) -> list[str]:
+        """What the record should say about how its figures were measured."""
+        out = []
+        warm, start = self.warm, self.measure_from
+        if start > warm:
+            out.append(f"step(s) {warm}-{start - 1} were profiled for tensor memory (after the first optimizer "
+                       "step, so the optimizer's state counts) and left out of the timings; train.warmup_steps>=2 "
+                       "makes them warm-up steps")
+        if measured < 3:
+            out.append(f"the throughput rests on {measured} measured step(s) (train.steps - train.warmup_steps"
+                       f"{' - the profiled ones' if start > warm else ''}): one step's time is one sample of a "
+                       "noisy machine; 3 or more give a median worth comparing")
+            if self.world.rank == 0:
+                print(f"gems: warning: {out[-1]}", file=sys.stderr, flush=True)
+        return out
+
+
+class HostMemory:
+    """``train.host_memory`` on this rank. ``keep`` keeps freed host memory in the process from the start
+    (faster CPU steps, more resident memory: :func:`gems.bootstrap.keep_host_memory`); ``release`` never;
+    ``auto`` on CPU ranks runs the first step with glibc's defaults, measures its peak, and keeps freed
+    memory from then on only if every rank of the node still fits in its memory at what keeping costs
+    (:func:`gems.bootstrap.keeps_host_memory_within`): a run that fits without kept memory is never
+    killed for it."""
+
+    def __init__(self, policy: str, device: torch.device) -> None:
+        self.policy = policy if device.type == "cpu" or policy == "keep" else "release"
+        self.budget = node_memory_bytes()
+        self.ranks = ranks_on_this_node()
+        self.decided = self.policy != "auto"
+        self.summary: dict[str, Any] = {"policy": self.policy, "kept": self.policy == "keep"}
+        if self.policy == "keep":
+            keep_host_memory()
+
+    def after_step(self, rank: int) -> None:
+        if self.decided:
+            return
+        import resource
+
+        self.decided = True
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        kept = keeps_host_memory_within(peak, self.budget, self.ranks)
+        if kept:
+            keep_host_memory()
+        self.summary.update(kept=kept, first_step_peak_rss=peak, node_budget=self.budget, ranks_on_node=self.ranks)
+        if not kept and rank == 0:
+            print(f"gems: train.host_memory=auto: freed host memory is released (glibc's defaults): {self.ranks} "
+                  f"rank(s) x {peak / 2**30:.2f} GiB x {KEEP_GROWTH} would not fit in "
+                  f"{(self.budget or 0) / 2**30:.1f} GiB", file=sys.stderr, flush=True)
+
+
+def _profiled(cfg: DictConfig, world: World, fn: Callable[[], tuple[float, bool]]) -> tuple[float, bool]:
+    """``train.profile``: run one step under torch.profiler and write this rank's chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if world.device.type == "cuda" else [])
+    with profile(activities=acts, record_shapes=True) as prof:
+        out = fn()
+        _sync(world.device)
+    d = rec.job_dir(cfg) / "profile"
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    prof.export_chrome_trace(str(d / f"rank{world.rank}.json"))
+    return out
+
+
+class _StepContext:
+    """One training step on this rank: the strategies' forward and backward, the step's sync over every
+    rank (the global loss, a stop request), then the optimizer, unless the loss is not finite."""
+
+    def __init__(self, cfg: DictConfig, world: World, mesh: Mesh, par: Parallel, opt: torch.optim.Optimizer,
+                 B: int, R: int) -> None:
+        self.cfg, self.world, self.mesh, self.par, self.opt, self.B, self.R = cfg, world, mesh, par, opt, B, R
+        self.stop_on_nonfinite = str(cfg.train.on_nonfinite) == "stop"
+
+    def step(self, x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int,
+             quiesce: bool = False) -> tuple[float, bool]:
+        """(the global loss of the step, whether any rank asked to stop for a checkpoint); ``quiesce``: the
+        step ends with none of this rank's messages in flight (a step run under the profiler)."""
+        local = self.par.step(x, y, ids, step)
+        if quiesce:
+            self.par.quiesce()
+        with progress.waiting("step sync"):
+            loss, stop = _step_sync(local, ckpt.stop_requested(), self.world)
+        if math.isfinite(loss) or not self.stop_on_nonfinite:
+            progress.mark("optimizer")
+            self.par.scaler.step(self.opt, step)  # fp16: unscaled after the sum; skipped where any rank overflowed
+            self.opt.zero_grad(set_to_none=True)
+        return loss, stop
+
+    def stop_nonfinite(self, step: int, loss: float, losses: list[float], restarts: int) -> None:
+        """Every rank is here at the same step: find where the first non-finite value appeared, have rank 0
+        write the failed record, and stop."""
+        where, failure = _locate_nonfinite(self.par, self.world, self.mesh, step, self.B, self.R)
+        msg = (f"the loss of step {step} is {loss} (train.on_nonfinite=stop); the first non-finite value was in "
+               f"{where}")
+        if self.world.rank == 0:
+            failure.update(kind="nonfinite", step=step, loss=str(loss))
+            record = rec.failed_record(self.cfg, msg, failure=failure, losses=losses, restarts=restarts)
+            record["nonfinite_steps"] = [step]
+            write_once(rec.record_path(self.cfg), record)
+        raise NonFiniteLoss(msg)
+
+
+def _step_sync(local_loss: float, stop: bool, world: World) -> tuple[float, bool]:
+    """The global loss of the step (the weighted local losses summed over every rank, docs/design.md) and
+    whether any rank was asked to stop; one small all-reduce, the same result on every rank."""
+    if world.size == 1:
+        return float(local_loss), bool(stop)
+    import torch.distributed as dist
+
+    t = torch.tensor([local_loss, 1.0 if stop else 0.0], dtype=torch.float64, device=world.device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    total, stops = t.tolist()
+    return total, stops > 0
+
+
+def _locate_nonfinite(par: Parallel, world: World, mesh: Mesh, step: int, B: int, R: int) -> tuple[str, dict[str, Any]]:
+    """Where the first non-finite value of this step appeared: the earliest position (input, then the
+    output of each pipeline partition, then the loss) and, there, the lowest rank. A collective."""
+    D = max(1, mesh.pipeline)
+    pos = par.first_nonfinite()
+    key = float("inf") if pos is None else float(pos * world.size + world.rank)
+    if world.size > 1:
+        import torch.distributed as dist
+
+        t = torch.tensor([key], dtype=torch.float64, device=world.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        key = float(t.item())
+    if not math.isfinite(key):
+        return "the loss itself (every input and partition output was finite)", {"where": "loss"}
+    pos, rank = divmod(int(key), world.size)
+    c = mesh.coord(rank)
+    if pos == 0:
+        ids = replica_indices(step, B, R, c.replica)
+        part = f", spatial part {c.spatial}" if mesh.spatial > 1 else ""
+        return (f"the input of rank {rank} (samples {ids[0]}-{ids[-1]}{part})",
+                {"where": "input", "rank": rank, "samples": [ids[0], ids[-1]]})
+    if pos <= D:
+        s = pos - 1
+        what = f"the output of pipeline partition {s}" if D > 1 else "the model's output"
+        return f"{what} on rank {rank}", {"where": "output", "rank": rank, "partition": s}
+    return f"the loss computed on rank {rank}", {"where": "loss", "rank": rank}
+
+
+def write_once(path: Any, record: dict[str, Any]) -> None:
+    try:
+        rec.write_record(path, record)
+    except FileExistsError:  # a record is never replaced
+        pass
+
+
+def _average_buffers(buffers: list[torch.Tensor], mesh: Mesh) -> None:
+    """Average floating buffers over the ``grad`` group, so every copy keeps the same running
+    statistics (replicas and mirrored GEMS partitions see different samples)."""
+    import torch.distributed as dist
+
+    flat = torch.cat([b.reshape(-1).float() for b in buffers])
+    dist.all_reduce(flat, group=mesh.group("grad"))
+    flat /= len(mesh.ranks("grad"))
+    off = 0
+    for b in buffers:
+        b.copy_(flat[off:off + b.numel()].view_as(b))
+        off += b.numel()
+
+
+def _preempt(cfg: DictConfig, world: World, step: int, par: Parallel, opt: torch.optim.Optimizer,
+             history: dict[str, Any], wd: Watchdog | None, why: str) -> None:
+    """Save before ``step``, then stop as a preempted job does; Slurm or the local launcher resumes it."""
+    progress.mark("checkpoint")
+    ckpt.save(cfg, world.rank, step, par.modules, opt, history)
+    if world.rank == 0:
+        print(f"gems: {why} (checkpoint before step {step})", file=sys.stderr, flush=True)
+    if wd is not None:
+        wd.stop()  # waiting to be ended is no stall
+    if world.source == "slurm" or os.environ.get("SLURM_JOB_ID"):
+        if world.rank == 0 and not ckpt.request_requeue():
+            raise RuntimeError("`scontrol requeue` failed: the checkpoint is saved, but the job was not requeued")
+        time.sleep(600)  # Slurm ends every task of a requeued job; this never returns in practice
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(ckpt.PREEMPTED_EXIT)
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the GPU's queue (the step's kernels and NCCL's communication): a hang on the GPU shows as this
+    wait in a stall report, not as whatever the host last marked."""
+    if device.type == "cuda":
+        with progress.waiting("gpu queue"):
+            torch.cuda.synchronize(device)
+
+
