@@ -137,7 +137,9 @@ def launch_one(cfg: Any, quiet: bool = False) -> dict[str, Any]:
     from rich.console import Console
 
     console = Console(stderr=True)
-    steps = StepProgress(int(cfg.train.steps))
+    from gems.prepare import run_steps
+
+    steps = StepProgress(run_steps(cfg))
     if not console.is_terminal:  # a log or a pipe: a plain line now and then, so a long run is never silent
         return local.launch(cfg, on_progress=lambda s: steps.line(s, lambda t: print(f"gems: {cfg.run_id}: {t}",
                                                                                       file=sys.stderr, flush=True)))

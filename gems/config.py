@@ -54,8 +54,14 @@ class DataConf:
     name: str = key("synthetic", "synthetic (a function of train.seed) or hdf5 (data.path)",
                     choices=("synthetic", "hdf5"))
     path: Optional[str] = key(None, "hdf5: a folder of one-file-per-sample .h5 files")
-    num_samples: int = key(64, "synthetic: size of the dataset (indices wrap around)", ge=1)
+    num_samples: int = key(64, "synthetic: size of the training set (without train.epochs indices wrap around)", ge=1)
     int16: bool = key(True, "hdf5 files hold int16 counts; log(x+1) is applied when read")
+    prefetch: int = key(2, "steps of samples a background reader prepares ahead of the step (0: read in the step)",
+                        ge=0)
+    shuffle: bool = key(True, "with train.epochs: each epoch walks the training set in an order drawn from "
+                              "(train.seed, epoch), the same on every rank")
+    val_path: Optional[str] = key(None, "hdf5: a folder of validation samples in the training set's layout")
+    val_samples: int = key(0, "synthetic: held-out validation samples (indices after the training set's)", ge=0)
 
 
 @dataclass
@@ -82,11 +88,31 @@ class ParallelConf:
 @dataclass
 class TrainConf:
     batch_size: int = key(4, "global batch of one optimizer step, all replicas together", ge=1)
-    steps: int = key(6, "optimizer steps", ge=1)
-    warmup_steps: int = key(2, "steps left out of the throughput (fewer than train.steps)", ge=0)
-    lr: float = key(1e-3, "learning rate", gt=0)
+    steps: Optional[int] = key(None, "optimizer steps (null: train.epochs' worth, or 6 without epochs)", ge=1)
+    epochs: Optional[int] = key(None, "passes over the training set, the last partial batch of each dropped "
+                                      "(instead of train.steps)", ge=1)
+    warmup_steps: int = key(2, "steps left out of the throughput (fewer than the run's steps)", ge=0)
+    lr: float = key(1e-3, "learning rate (at train.lr_base_batch with train.lr_scaling=linear)", gt=0)
     optimizer: str = key("adam", "the optimizer", choices=("sgd", "adam"))
     momentum: float = key(0.9, "sgd momentum", ge=0, lt=1)
+    weight_decay: float = key(0.0, "L2 weight decay of the optimizer", ge=0)
+    lr_schedule: str = key("constant", "the learning rate over the run: constant, step (train.lr_decay_boundaries "
+                                       "and _factors) or cosine (to 0 at the end); after train.lr_warmup",
+                           choices=("constant", "step", "cosine"))
+    lr_warmup: float = key(0.0, "epochs (with train.epochs) or steps of linear warm-up from 0", ge=0)
+    lr_decay_boundaries: Optional[list] = key(None, "step schedule: where the rate drops (epochs with "
+                                                    "train.epochs, else steps), e.g. [32, 64]")
+    lr_decay_factors: Optional[list] = key(None, "step schedule: the rate from each boundary on, as a multiple "
+                                                 "of train.lr, e.g. [0.25, 0.125]")
+    lr_scaling: str = key("none", "linear: train.lr x train.batch_size / train.lr_base_batch",
+                          choices=("none", "linear"))
+    lr_base_batch: int = key(64, "the global batch train.lr is given for (train.lr_scaling=linear)", ge=1)
+    eval_every: Optional[int] = key(None, "steps between evaluations on the validation set (0: only at the end; "
+                                          "null: once an epoch with train.epochs, else only at the end)", ge=0)
+    target_mae: Optional[float] = key(None, "stop at the first evaluation whose train.target_metric reaches this "
+                                            "(time to target, as MLPerf counts it)", gt=0)
+    target_metric: str = key("mae", "what train.target_mae is compared with: the validation mae (<=), loss (<=) "
+                                    "or accuracy (>=)", choices=("mae", "loss", "accuracy"))
     seed: int = key(0, "seed of weights, data and dropout", ge=0)
     precision: str = key("fp32", "compute precision", choices=("fp32", "bf16", "fp16"))
     check_fit: bool = key(True, "plan the run's memory before launching it (gems plan's quick path) and refuse "
@@ -464,8 +490,12 @@ def validate(cfg: DictConfig, relations: bool = True) -> None:
         check_key(name, OmegaConf.select(cfg, name, default=None))
     if not relations:
         return
-    if cfg.train.warmup_steps >= cfg.train.steps:
-        raise ConfigError("train.warmup_steps", cfg.train.warmup_steps, f"0 <= warmup < train.steps={cfg.train.steps}")
+    t = cfg.train
+    if t.steps is not None and t.epochs is not None:
+        raise ConfigError("train.steps", t.steps, f"null with train.epochs={t.epochs} (the epochs set the steps)")
+    if t.steps is not None and t.warmup_steps >= t.steps:
+        raise ConfigError("train.warmup_steps", t.warmup_steps, f"0 <= warmup < train.steps={t.steps}")
+    check_lr_schedule(t)
     sp = cfg.parallel.spatial
     if isinstance(sp, int) or (OmegaConf.is_list(sp) and all(isinstance(x, int) for x in sp) and len(sp) > 0):
         pass
@@ -497,6 +527,24 @@ def validate(cfg: DictConfig, relations: bool = True) -> None:
         check_comm_cut(int(cfg.parallel.pipeline))
     if cfg.data.name == "hdf5" and not cfg.data.path:
         raise ConfigError("data.path", cfg.data.path, "a folder of .h5 sample files (write one with `gems data synth`)")
+
+
+def check_lr_schedule(t: Any) -> None:
+    """The learning-rate keys fit the schedule they name, and a target needs something to evaluate on."""
+    b, f = t.lr_decay_boundaries, t.lr_decay_factors
+    if t.lr_schedule == "step":
+        if not b or not f or len(b) != len(f):
+            raise ConfigError("train.lr_decay_boundaries", list(b) if b else b, "as many boundaries as "
+                              "train.lr_decay_factors (both given) for train.lr_schedule=step, e.g. [32, 64] and "
+                              "[0.25, 0.125]")
+        if any(float(x) <= 0 for x in b) or list(b) != sorted(b):
+            raise ConfigError("train.lr_decay_boundaries", list(b), "increasing positive epochs or steps")
+        if any(float(x) <= 0 for x in f):
+            raise ConfigError("train.lr_decay_factors", list(f), "positive multiples of train.lr")
+    elif b or f:
+        key = "train.lr_decay_boundaries" if b else "train.lr_decay_factors"
+        raise ConfigError(key, list(b or f), f"null with train.lr_schedule={t.lr_schedule} (only step decays "
+                          "at boundaries)")
 
 
 def place(cluster: Any, world: int, mesh_text: str = "") -> tuple[int, int]:

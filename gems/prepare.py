@@ -17,10 +17,10 @@ from gems.models import build_model, check_shapes
 from gems.parallel import resolve, spatial_model
 from gems.paths import readable_dir, writable_dir
 from gems.plan.fit import check_fit
-from gems.rank.data import make_data
+from gems.rank.data import Sampler, dataset_size, make_data
 from gems.results.record import default_name, new_run_id, record_path
 
-__all__ = ["prepare", "preflight", "one_value_per_key"]
+__all__ = ["prepare", "preflight", "one_value_per_key", "run_steps", "check_data"]
 
 
 def one_value_per_key(overrides: list[str]) -> None:
@@ -76,8 +76,7 @@ def preflight(cfg: DictConfig) -> None:
         check_shapes(spec)
     p = cfg.parallel
     seq = spec.module
-    if cfg.data.name == "hdf5":  # a file that does not match the model is named before launch
-        make_data(cfg, spec).samples.check_all(int(cfg.train.steps) * int(cfg.train.batch_size), spec.num_outputs)
+    check_data(cfg, spec)
     check_launch(cfg, mesh.size)  # gloo on GPUs, NCCL on CPUs, more ranks on a node than GPUs
     if mesh.spatial_enabled:
         from gems.spatial import SpatialContext, apply_spatial
@@ -95,3 +94,37 @@ def preflight(cfg: DictConfig) -> None:
     resolve(cfg).check_layers(len(seq))  # the schedule, the batch over passes and micro-batches, the balance
 
 
+def run_steps(cfg: DictConfig) -> int:
+    """The optimizer steps the run will take (train.steps, or train.epochs of the training set)."""
+    t = cfg.train
+    return Sampler(dataset_size(cfg), int(t.batch_size), int(t.seed), t.epochs, t.steps).total
+
+
+def check_data(cfg: DictConfig, spec: Any) -> None:
+    """The training and validation sets against the model and each other, and what the run asks of them: a file
+    that does not match is named, a target needs a validation set and a metric the model reports, the warm-up
+    is shorter than the run, an epoch holds a batch."""
+    t, d = cfg.train, cfg.data
+    steps = run_steps(cfg)  # (a batch larger than the training set with train.epochs is refused here)
+    if t.warmup_steps >= steps:
+        raise ConfigError("train.warmup_steps", t.warmup_steps, f"fewer than the run's {steps} steps")
+    if d.name == "hdf5":  # a file that does not match the model is named before launch
+        make_data(cfg, spec).samples.check_all(steps * int(t.batch_size), spec.num_outputs)
+        if d.val_path is not None:
+            readable_dir("data.val_path", d.val_path, "a folder of .h5 validation samples in the training set's layout")
+            make_data(cfg, spec, validation=True).samples.check_all(None, spec.num_outputs)
+    elif d.val_path is not None:
+        raise ConfigError("data.val_path", d.val_path, "null with data=synthetic (data.val_samples holds samples out)")
+    val = make_data(cfg, spec, validation=True)
+    if val is not None and len(val) < int(t.batch_size):
+        key, value = ("data.val_samples", d.val_samples) if d.name == "synthetic" else ("data.val_path", d.val_path)
+        raise ConfigError(key, value, f"at least train.batch_size={t.batch_size} validation samples (evaluation "
+                          "runs in batches of the training batch)")
+    if t.target_mae is not None:
+        if val is None:
+            raise ConfigError("train.target_mae", t.target_mae, "null, or a validation set to evaluate on "
+                              "(data.val_path for hdf5, data.val_samples for synthetic data)")
+        reports = {"mae", "loss"} if spec.loss == "mse" else {"accuracy", "loss"}
+        if t.target_metric not in reports:
+            raise ConfigError("train.target_metric", t.target_metric,
+                              f"{' or '.join(sorted(reports))} ({spec.name} is trained with {spec.loss})")

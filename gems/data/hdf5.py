@@ -88,12 +88,12 @@ class HDF5Samples:
     """
 
     def __init__(self, path: str | os.PathLike, expected_shape: Sequence[int] | None = None, ctx: Any = None,
-                 slices: Sequence[slice] | None = None, log1p: bool = True) -> None:
+                 slices: Sequence[slice] | None = None, log1p: bool = True, key: str = "data.path") -> None:
         p = Path(path)
-        self.path, self.is_dir = str(path), p.is_dir()
+        self.path, self.is_dir, self.key = str(path), p.is_dir(), key  # key: the setting that names the folder
         self.files = sorted(p.glob("*.h5")) if self.is_dir else ([p] if p.is_file() else [])
         if not self.files:
-            raise ConfigError("data.path", str(path), "a directory of .h5 sample files (`gems data synth` writes one)")
+            raise ConfigError(key, str(path), "a directory of .h5 sample files (`gems data synth` writes one)")
         self.expected = tuple(int(n) for n in expected_shape) if expected_shape is not None else None
         self.shape = self._check(0)
         self.log1p = log1p
@@ -117,7 +117,7 @@ class HDF5Samples:
 
         def bad(expected: str, found: str) -> ConfigError:
             where = f"{file.name} (file {index + 1} of {len(self.files)})" if self.is_dir else "the file"
-            return ConfigError("data.path", self.path, f"{expected}; {where} has {_oneline(found)}")
+            return ConfigError(self.key, self.path, f"{expected}; {where} has {_oneline(found)}")
 
         layout = "HDF5 sample files, each with a `full` dataset (C, *spatial) of counts and a `unitPar` target vector"
         try:

@@ -49,19 +49,24 @@ def sample_target(seed: int, index: int, kind: str, num_outputs: int, loss: str,
 
 
 class SyntheticData:
-    """The dataset of ``num_samples`` synthetic samples for a model spec."""
+    """The dataset of ``num_samples`` synthetic samples for a model spec; ``offset``: the index of its first
+    sample (a held-out validation set is ``offset=`` the training set's size: samples no step trains on)."""
 
-    def __init__(self, spec: object, seed: int, num_samples: int) -> None:
+    def __init__(self, spec: object, seed: int, num_samples: int, offset: int = 0) -> None:
         self.spec = spec
         self.seed = seed
         self.num_samples = num_samples
+        self.offset = offset
+
+    def __len__(self) -> int:
+        return self.num_samples
 
     def batch(self, indices: Sequence[int], slices: Sequence[slice] | None = None,
               want_input: bool = True, want_target: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         spec = self.spec
         xs, ys = [], []
         for i in indices:
-            j = i % self.num_samples
+            j = self.offset + i % self.num_samples
             if want_input:
                 xs.append(sample_input(self.seed, j, spec.input_shape, slices))  # type: ignore[attr-defined]
             if want_target:

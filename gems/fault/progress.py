@@ -26,7 +26,7 @@ WAITS = frozenset({"halo", "spatial collective", "pipeline transfer", "gradient 
                    # a GPU rank's host waits for its GPU's queue, which holds NCCL's communication with peers
                    "gpu queue"})
 #: phases that get the long (warm-up) allowance at any step: building, saving, gathering the record
-SLOW = frozenset({"setup", "checkpoint", "record"})
+SLOW = frozenset({"setup", "checkpoint", "record", "evaluate"})
 
 
 class Progress:

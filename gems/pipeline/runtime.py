@@ -166,16 +166,11 @@ class PipelineRunner:
         self._step_parity = 0
         # what each peer sends this rank, in the order it sends it: receives are posted in that order,
         # as NCCL matches point-to-point messages by issue order (gloo and MPI would also match by tag)
-        self._inbox: dict[int, list[tuple[int, int, int, int]]] = {}
-        self._src_index: dict[tuple[int, int, int, int], tuple[int, int]] = {}
-        for src, order in enumerate(schedule.actions):
-            for a in order:
-                msg = self._message(a)
-                if msg is not None and msg[0] == position:
-                    queue = self._inbox.setdefault(src, [])
-                    self._src_index[msg[1]] = (src, len(queue))
-                    queue.append(msg[1])
+        self._inbox, self._src_index = self._inboxes(schedule.actions)
         self._next: dict[int, int] = {}
+        #: evaluation (forward only): the metric summed over the last stage's chunks, else None (training)
+        self._metric: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
+        self._metric_total: torch.Tensor | None = None
         # every buffer this rank receives into lives on its device, parameters or not (a partition of pooling
         # layers holds none): NCCL takes device tensors only
         params = [p for m in self.modules for p in m.parameters()]
@@ -183,6 +178,21 @@ class PipelineRunner:
         self._loss_total: torch.Tensor | float = 0.0
         #: the loss the backward starts from (fp16's loss scaling multiplies it: gems.precision)
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
+
+    def _inboxes(self, actions: Sequence[Sequence[Action]]) -> tuple[dict[int, list[tuple[int, int, int, int]]],
+                                                                   dict[tuple[int, int, int, int], tuple[int, int]]]:
+        """What each peer sends this rank under ``actions``, in the order it sends it (receives are posted in that
+        order, as NCCL matches point-to-point messages by issue order), and where each message stands there."""
+        inbox: dict[int, list[tuple[int, int, int, int]]] = {}
+        index: dict[tuple[int, int, int, int], tuple[int, int]] = {}
+        for src, order in enumerate(actions):
+            for a in order:
+                msg = self._message(a)
+                if msg is not None and msg[0] == self.position:
+                    queue = inbox.setdefault(src, [])
+                    index[msg[1]] = (src, len(queue))
+                    queue.append(msg[1])
+        return inbox, index
 
     # ---- what the caller needs to know -------------------------------------------------------------------
     @property
@@ -342,10 +352,10 @@ class PipelineRunner:
         if self.device.type == "cpu":
             self.transfers.sent[(self._step, *key)] = time.time()
 
-    def _prefetch(self, index: int) -> None:
+    def _prefetch(self, actions: Sequence[Action], index: int) -> None:
         """Post receives for the next ``lookahead`` actions that need one."""
         posted = 0
-        for a in self.actions[index:]:
+        for a in actions[index:]:
             key = self._recv_key(a)
             if key is None:
                 continue
@@ -365,6 +375,14 @@ class PipelineRunner:
     def _forward(self, a: Action, x: torch.Tensor, target: Any) -> None:
         part = self.partitions[a.stage]
         last = a.stage == self.schedule.stages - 1
+        if self._metric is not None:  # evaluation: forward only, nothing kept for a backward
+            y = part(x)
+            if last:
+                m = self._metric(y, target)
+                self._metric_total = m if self._metric_total is None else self._metric_total + m
+            else:
+                self._send_activation(a, y)
+            return
         if a.stage == 0:
             self._finite.append((0, all_finite(x)))
         with batch_context(self._seed, self._step, self._ids[self.chunk_slice(a.replica, a.micro_batch)]):
@@ -432,6 +450,36 @@ class PipelineRunner:
         """
         if len(sample_ids) != self.batch_size:
             raise ValueError(f"step() got {len(sample_ids)} sample ids; this line trains on {self.batch_size} per step")
+        self._run(self.actions, inputs, targets, sample_ids, seed, step)
+        total = self._loss_total
+        return scalar(total) if isinstance(total, torch.Tensor) else float(total)
+
+    def evaluate(self, inputs: torch.Tensor | None, targets: Any, sample_ids: Sequence[int],
+                 metric: Callable[[torch.Tensor, Any], torch.Tensor]) -> torch.Tensor | None:
+        """A forward of one batch of the line's share, without gradients, in evaluation mode: the schedule's
+        forward actions in their order (a subsequence of a deadlock-free order, the activations on the same
+        links); returns the sum of ``metric(output, target)`` over the last-stage chunks this rank ran (None
+        where it runs no last stage)."""
+        fwd = [tuple(a for a in order if a.kind.forward) for order in self.schedule.actions]
+        saved = self._inbox, self._src_index
+        self._inbox, self._src_index = self._inboxes(fwd)
+        self._metric, self._metric_total = metric, None
+        modes = [(m, m.training) for m in self.modules.modules()]
+        try:
+            for m, _ in modes:
+                m.training = False
+            with torch.no_grad():
+                self._run(fwd[self.position], inputs, targets, sample_ids, 0, -1)
+        finally:
+            for m, mode in modes:
+                m.training = mode
+            self._inbox, self._src_index = saved
+            self._metric = None
+        return self._metric_total
+
+    def _run(self, actions: Sequence[Action], inputs: torch.Tensor | None, targets: Any, sample_ids: Sequence[int],
+             seed: int, step: int) -> None:
+        """Run ``actions`` in order, each with the message it needs received first and what it makes sent after."""
         self._seed, self._step, self._ids = seed, step, list(sample_ids)
         self._loss_total = 0.0
         self._finite = []
@@ -440,8 +488,8 @@ class PipelineRunner:
         self._sends = []
         self._next = {}
         last = self.schedule.stages - 1
-        for index, a in enumerate(self.actions):
-            self._prefetch(index)
+        for index, a in enumerate(actions):
+            self._prefetch(actions, index)
             key = self._recv_key(a)
             received = self._receive(key) if key is not None else None
             sl = self.chunk_slice(a.replica, a.micro_batch)
@@ -469,5 +517,3 @@ class PipelineRunner:
         assert not self._recvs and not self._live and not self._weights.pending, \
             "schedule left messages, activations or weight gradients behind"
         self._step_parity ^= 1
-        total = self._loss_total
-        return scalar(total) if isinstance(total, torch.Tensor) else float(total)

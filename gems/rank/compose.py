@@ -21,7 +21,7 @@ from gems.mesh import Coord, Mesh
 from gems.models import ModelSpec, build_model
 from gems.parallel import ParallelSettings, resolve, spatial_model, spatial_stage_balance
 from gems.precision import LossScaler, autocast, scaling_enabled
-from gems.rank.loss import make_loss_fn
+from gems.rank.loss import Metric, make_loss_fn
 from gems.rank.optim import make_optimizer
 from gems.replication import GradientReducer, mpi_group
 
@@ -51,6 +51,11 @@ class Parallel:
     scaler: LossScaler = field(default_factory=lambda: LossScaler(torch.device("cpu"), False))
     #: when the pipeline sent and waited for each message (gems.pipeline.runtime.Transfers); None without one
     transfers: Any = None
+    #: a forward of one batch without gradients, in evaluation mode: this rank's metric sums (gems.rank.loss.Metric)
+    #: over the outputs it computed, or None where it computes none
+    evaluate: Callable[[torch.Tensor | None, torch.Tensor | None, list[int]], torch.Tensor | None] = \
+        field(default=lambda x, y, ids: None)
+    metric: Any = None  # the Metric whose sums evaluate returns
 
 
 def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
@@ -87,6 +92,9 @@ class _Composition:
             guard_bf16_conv3d(self.seq)  # torch's bf16 Conv3d weight gradient on CPU is wrong for inputs 2 cells deep
         self.scaler = LossScaler(device, scaling_enabled(str(t.precision), str(t.loss_scaling)),
                                  float(t.loss_scale_init), int(t.loss_scale_growth_interval))
+        # a whole-sample output computed by every spatial part (the trunk gathered before the head) counts once
+        gathered = mesh.spatial_enabled and self.spec.spatial_end is not None
+        self.metric = Metric(self.spec, mesh, counts=not gathered or mesh.coord(world.rank).spatial == 0)
 
     def amp(self) -> Any:
         return autocast(self.cfg.train.precision, self.world.device)
@@ -162,10 +170,16 @@ class _Composition:
             s.forward_s = s.backward_s = s.wait_s = 0.0
             return out
 
+        def pipe_eval(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int]) -> torch.Tensor | None:
+            self.mark(x)
+            with self.amp():
+                return runner.evaluate(x, y, ids, self.metric)
+
         return Parallel(pipe_step, params, list(runner.modules), reducer, self.slices,
                         runner.needs_inputs, runner.needs_targets, runner.samples_per_step, pipe_stats,
                         balance=list(runner.balance), first_nonfinite=runner.first_nonfinite,
-                        notes=self.notes, quiesce=self.quiesce, scaler=self.scaler, transfers=runner.transfers)
+                        notes=self.notes, quiesce=self.quiesce, scaler=self.scaler, transfers=runner.transfers,
+                        evaluate=pipe_eval, metric=self.metric)
 
     def whole(self) -> Parallel:
         """No pipeline: one forward and backward of the whole (spatial) model; 3. the gradient sum."""
@@ -200,9 +214,23 @@ class _Composition:
         def first_bad() -> int | None:
             return next((pos for pos, ok in sorted(finite.items()) if not bool(ok)), None)
 
+        def plain_eval(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int]) -> torch.Tensor | None:
+            assert x is not None and y is not None
+            self.mark(x)
+            modes = [(m, m.training) for m in seq.modules()]
+            try:
+                for m, _ in modes:
+                    m.training = False
+                with torch.no_grad(), self.amp():
+                    out = seq(x)
+                return self.metric(out, y)
+            finally:
+                for m, mode in modes:
+                    m.training = mode
+
         return Parallel(plain_step, params, [seq], reducer, self.slices, True, True, self.settings.line_batch,
                         self.halo_stats, first_nonfinite=first_bad, notes=self.notes, quiesce=self.quiesce,
-                        scaler=scaler)
+                        scaler=scaler, evaluate=plain_eval, metric=self.metric)
 
 
 def _pipeline_sample(spec: ModelSpec, ctx: Any, slices: tuple[slice, ...] | None) -> tuple[int, ...] | None:

@@ -1,9 +1,24 @@
-"""What a rank reads each step: its replica's samples of the step, its spatial part of the inputs where it runs
-a first stage, the targets where it runs a last one (synthetic samples or HDF5 hyperslabs).
+"""What a rank reads each step, and when: the training set walked in steps or epochs, its replica's share of
+each step's batch, its spatial part of the inputs where it runs a first stage, the targets where it runs a last
+one (synthetic samples or HDF5 hyperslabs), read ahead of the step by a background reader.
+
+* **Which samples** (:class:`Sampler`): without ``train.epochs`` step ``t`` trains on the global samples
+  ``t B .. (t+1) B - 1`` (wrapping around the set, as a throughput run needs); with it each epoch walks the set
+  once in an order drawn from ``(train.seed, epoch)`` (``data.shuffle``), the same on every rank, in batches of
+  ``B``, its last partial batch dropped. Replica ``r`` takes the ``r``-th contiguous share of the batch
+  (docs/design.md). The order is a pure function of the step, so a resumed run continues mid-epoch exactly.
+* **When** (:class:`Prefetcher`): a thread reads (or generates) the next ``data.prefetch`` steps' samples while
+  the current step computes, in a bounded queue; the step waits only for what is not ready yet (the record's
+  ``time_breakdown_s.data``: the exposed time; ``data_reader_s``: the reader's own). On GPU ranks the reader
+  pins host memory and copies on a side stream, and the step's stream waits for the copy's event (CUDA only:
+  not run here). What a step computes does not change: losses are bit-identical with and without it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from omegaconf import DictConfig
@@ -11,22 +26,43 @@ from omegaconf import DictConfig
 from gems.errors import ConfigError
 from gems.models import ModelSpec
 
-# ---------------------------------------------------------------------------- data
 if TYPE_CHECKING:
     from gems.rank.compose import Parallel
 
+#: optimizer steps of a run that names neither ``train.steps`` nor ``train.epochs``
+DEFAULT_STEPS = 6
 
-def make_data(cfg: DictConfig, spec: ModelSpec, slices: tuple[slice, ...] | None = None) -> Any:
-    if cfg.data.name == "hdf5":
+
+# ---------------------------------------------------------------------------- the sets
+def make_data(cfg: DictConfig, spec: ModelSpec, slices: tuple[slice, ...] | None = None,
+              validation: bool = False) -> Any:
+    """The training set (or, ``validation``, the validation set; None where there is none) as this rank reads it."""
+    d = cfg.data
+    if d.name == "hdf5":
         from gems.data.hdf5 import HDF5Samples
 
         if spec.target != "vector":
             raise ConfigError("data", "hdf5",
                               f"synthetic for {spec.name} (the ExaLearn files carry one target vector per sample)")
-        return _HDF5Batches(HDF5Samples(cfg.data.path, spec.input_shape, slices=slices))
+        path = d.val_path if validation else d.path
+        key = "data.val_path" if validation else "data.path"
+        return None if path is None else _HDF5Batches(HDF5Samples(path, spec.input_shape, slices=slices, key=key))
     from gems.data.synthetic import SyntheticData
 
-    return SyntheticData(spec, int(cfg.train.seed), int(cfg.data.num_samples))
+    if validation:  # held out: the indices after the training set's, which no step trains on
+        n = int(d.val_samples)
+        return SyntheticData(spec, int(cfg.train.seed), n, offset=int(d.num_samples)) if n else None
+    return SyntheticData(spec, int(cfg.train.seed), int(d.num_samples))
+
+
+def dataset_size(cfg: DictConfig) -> int:
+    """Samples in the training set, without reading them (HDF5: the files in data.path)."""
+    if cfg.data.name == "hdf5":
+        from pathlib import Path
+
+        p = Path(str(cfg.data.path))
+        return len(list(p.glob("*.h5"))) if p.is_dir() else int(p.is_file())
+    return int(cfg.data.num_samples)
 
 
 class _HDF5Batches:
@@ -34,6 +70,9 @@ class _HDF5Batches:
 
     def __init__(self, samples: Any) -> None:
         self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
 
     def batch(self, indices: list[int], slices: Any = None, want_input: bool = True,
               want_target: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -45,20 +84,141 @@ class _HDF5Batches:
         return x, (y if want_target else None)
 
 
+# ---------------------------------------------------------------------------- which samples
+class Sampler:
+    """The global sample indices of each step (module docstring)."""
+
+    def __init__(self, num_samples: int, batch: int, seed: int, epochs: int | None = None,
+                 steps: int | None = None, shuffle: bool = True) -> None:
+        self.n, self.batch, self.seed, self.epochs, self.shuffle = int(num_samples), int(batch), int(seed), epochs, shuffle
+        if epochs is not None and self.n < self.batch:
+            raise ConfigError("train.batch_size", batch, f"at most the {self.n} samples of the training set "
+                              "(train.epochs walks it in whole batches)")
+        self.steps_per_epoch = self.n // self.batch
+        self.total = epochs * self.steps_per_epoch if epochs is not None else (DEFAULT_STEPS if steps is None else steps)
+        self._orders: dict[int, list[int]] = {}
+
+    def epoch_of(self, step: int) -> float:
+        """The (fractional) epoch a step is in: its epoch plus the share of that epoch done before it."""
+        per = self.steps_per_epoch if self.epochs is not None else max(1, self.n // self.batch)
+        return step / per
+
+    def order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            if self.shuffle:
+                g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 7 + 5)
+                self._orders = {epoch: torch.randperm(self.n, generator=g).tolist()}
+            else:
+                self._orders = {epoch: list(range(self.n))}
+        return self._orders[epoch]
+
+    def indices(self, step: int) -> list[int]:
+        """The step's global batch, in the order its replicas share it."""
+        if self.epochs is None:  # a throughput run: consecutive indices (the dataset wraps them)
+            return list(range(step * self.batch, (step + 1) * self.batch))
+        epoch, k = divmod(step, self.steps_per_epoch)
+        return self.order(epoch)[k * self.batch:(k + 1) * self.batch]
+
+    def replica_indices(self, step: int, replicas: int, replica: int) -> list[int]:
+        """Replica ``replica``'s contiguous share of the step's batch."""
+        return share(self.indices(step), replicas, replica)
+
+
+def share(ids: Sequence[int], replicas: int, replica: int) -> list[int]:
+    """The ``replica``-th contiguous share of a batch's sample ids."""
+    n = len(ids) // replicas
+    return list(ids[replica * n:(replica + 1) * n])
+
+
 def replica_indices(step: int, batch: int, replicas: int, replica: int) -> list[int]:
-    """Global sample indices of replica ``replica`` at ``step`` (contiguous shares of the step's batch)."""
-    share = batch // replicas
-    start = step * batch + replica * share
-    return list(range(start, start + share))
+    """Global sample indices of replica ``replica`` at ``step`` of a run without epochs."""
+    return Sampler(batch, batch, 0).replica_indices(step, replicas, replica)
 
 
-
-def step_batch(data: Any, par: Parallel, step: int, batch: int, replicas: int, replica: int
-               ) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+def step_batch(data: Any, par: Parallel, step: int, batch: int, replicas: int, replica: int,
+               sampler: Sampler | None = None) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
     """(sample indices, input, target) of ``step`` on a rank: its replica's samples, its spatial part of the
     inputs where it runs a first stage, the targets where it runs a last one."""
-    ids = replica_indices(step, batch, replicas, replica)
+    ids = (sampler.replica_indices(step, replicas, replica) if sampler is not None
+           else replica_indices(step, batch, replicas, replica))
     x, y = data.batch(ids, par.input_slices, want_input=par.needs_input, want_target=par.needs_target)
     return ids, x, y
 
 
+# ---------------------------------------------------------------------------- when
+Batch = tuple[list[int], Any, Any]
+
+
+class Prefetcher:
+    """Reads the batches of ``steps`` ahead on a thread, ``depth`` of them at most (module docstring); ``fetch``
+    makes one step's (ids, input, target) on the host. ``depth`` 0 reads in the caller's thread."""
+
+    def __init__(self, fetch: Callable[[int], Batch], steps: Sequence[int], depth: int, device: torch.device) -> None:
+        self.fetch, self.steps, self.depth, self.device = fetch, list(steps), int(depth), device
+        self.reader_s = 0.0  # seconds the reader spent making batches (all steps)
+        self._q: queue.Queue[tuple[int, Any]] = queue.Queue(maxsize=max(1, self.depth))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._side: Any = None
+        if self.depth > 0 and self.steps:
+            if device.type == "cuda":
+                self._side = torch.cuda.Stream(device=device)
+            self._thread = threading.Thread(target=self._run, name="gems-prefetch", daemon=True)
+            self._thread.start()
+
+    def _make(self, step: int) -> tuple[Batch, Any]:
+        t0 = time.perf_counter()
+        ids, x, y = self.fetch(step)
+        event = None
+        if self._side is not None:  # pinned host memory, copied on the side stream; the step waits for its event
+            with torch.cuda.stream(self._side):
+                x = x.pin_memory().to(self.device, non_blocking=True) if x is not None else None
+                y = y.pin_memory().to(self.device, non_blocking=True) if y is not None else None
+                event = torch.cuda.Event()
+                event.record(self._side)
+        self.reader_s += time.perf_counter() - t0
+        return (ids, x, y), event
+
+    def _run(self) -> None:
+        for step in self.steps:
+            if self._stop.is_set():
+                return
+            try:
+                item: Any = self._make(step)
+            except BaseException as e:  # handed to the step that needs it, raised there
+                item = e
+            while not self._stop.is_set():
+                try:
+                    self._q.put((step, item), timeout=0.2)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
+
+    def get(self, step: int) -> tuple[Batch, float]:
+        """Step ``step``'s batch on the rank's device, and the seconds the caller waited for it."""
+        t0 = time.perf_counter()
+        if self._thread is None:
+            (ids, x, y), _ = self._make(step)
+        else:
+            got, item = self._q.get()
+            if isinstance(item, BaseException):
+                raise item
+            assert got == step, f"the reader made step {got}, the run is at step {step}"
+            (ids, x, y), event = item
+            if event is not None:
+                stream = torch.cuda.current_stream(self.device)
+                stream.wait_event(event)
+                for t in (x, y):
+                    if t is not None:
+                        t.record_stream(stream)
+        if self._side is None:
+            x = x.to(self.device, non_blocking=True) if x is not None else None
+            y = y.to(self.device, non_blocking=True) if y is not None else None
+        return (ids, x, y), time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

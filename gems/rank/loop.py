@@ -24,7 +24,7 @@ from gems.bootstrap import (
     node_memory_bytes,
     ranks_on_this_node,
 )
-from gems.errors import RunError
+from gems.errors import ConfigError, RunError
 from gems.fault import inject, progress, reports
 from gems.fault.watchdog import Watchdog
 from gems.memory import MemoryMeter, persistent_bytes, step_peak_bytes
@@ -32,7 +32,8 @@ from gems.mesh import Mesh, mesh_from_config
 from gems.parallel import resolve
 from gems.pipeline.runtime import split_waits
 from gems.rank.compose import Parallel, set_up_rank
-from gems.rank.data import make_data, replica_indices, step_batch
+from gems.rank.data import Prefetcher, Sampler, make_data, replica_indices, share, step_batch
+from gems.rank.optim import LearningRate
 from gems.results import record as rec
 
 
@@ -98,8 +99,15 @@ class Run:
         self.data = make_data(cfg, spec, self.par.input_slices)
         inject.arm(cfg, world.rank, self.par.modules)
         self.B, self.R = int(t.batch_size), mesh.replicas
-        self.steps, self.warm = int(t.steps), int(t.warmup_steps)
+        self.sampler = Sampler(len(self.data), self.B, int(t.seed), t.epochs, t.steps, bool(cfg.data.shuffle))
+        self.steps, self.warm = self.sampler.total, int(t.warmup_steps)
+        if self.warm >= self.steps:
+            raise ConfigError("train.warmup_steps", self.warm, f"fewer than the run's {self.steps} steps")
         self.measure_from = max(self.warm, min(2, self.steps - 1)) if world.device.type == "cpu" else self.warm
+        self.lr = LearningRate(t, self.sampler.steps_per_epoch if t.epochs is not None else 1, self.steps)
+        self.val = make_data(cfg, spec, self.par.input_slices, validation=True)
+        every = t.eval_every if t.eval_every is not None else (self.sampler.steps_per_epoch if t.epochs else 0)
+        self.eval_every = int(every)
         self.ckpt_every = int(t.checkpoint_every or 0)
         # running statistics (BatchNorm) of the copies of a parameter's module see different samples
         par = self.par
@@ -116,14 +124,17 @@ class Run:
         history so far (losses, times, the fp16 loss scale)."""
         self.restarts = ckpt.restart_count()
         self.history: dict[str, Any] = {"losses": [], "step_times": [], "nonfinite_steps": [], "every_step_time": [],
-                                        "tensor_peaks": [], "breakdown": {k: 0.0 for k in BREAKDOWN}}
+                                        "tensor_peaks": [], "breakdown": {k: 0.0 for k in BREAKDOWN}, "lrs": [],
+                                        "validation": [], "elapsed_s": 0.0, "reader_s": 0.0}
         self.start = 0
         progress.mark("checkpoint")
         got = ckpt.load(self.cfg, self.world.rank, self.par.modules, self.opt)
         if got is not None:
             self.start, self.history = got
-            for key in ("nonfinite_steps", "every_step_time", "tensor_peaks"):
+            for key in ("nonfinite_steps", "every_step_time", "tensor_peaks", "lrs", "validation"):
                 self.history.setdefault(key, [])
+            self.history.setdefault("elapsed_s", 0.0)
+            self.history.setdefault("reader_s", 0.0)
             self.restarts = max(self.restarts, 1)
             if "loss_scale" in self.history:  # fp16: the scale and the steps skipped so far, as if never stopped
                 self.par.scaler.load_state_dict(self.history["loss_scale"])
@@ -133,12 +144,29 @@ class Run:
     # ---- the steps ---------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         timers.reset()
-        for step in range(self.start, self.steps):
-            self.one_step(step)
+        self.t_begin = time.time()  # time to target counts from the first training step (MLPerf's run start)
+        self.prefetch = Prefetcher(self.fetch, range(self.start, self.steps), int(self.cfg.data.prefetch),
+                                   self.world.device)
+        try:
+            for step in range(self.start, self.steps):
+                if self.one_step(step):
+                    break  # the target reached: every rank evaluated the same figures
+        finally:
+            self.prefetch.close()
+            self.history["reader_s"] += self.prefetch.reader_s
         progress.mark("record")
         return self.record()
 
-    def one_step(self, step: int) -> None:
+    def elapsed(self) -> float:
+        """Seconds of training since the first step, evaluations included, across restarts."""
+        return float(self.history["elapsed_s"]) + time.time() - self.t_begin
+
+    def fetch(self, step: int) -> tuple[list[int], Any, Any]:
+        """Step ``step``'s sample ids, this rank's input part and targets, on the host (the reader's work)."""
+        return step_batch(self.data, self.par, step, self.B, self.R, self.coord.replica, self.sampler)
+
+    def one_step(self, step: int) -> bool:
+        """The step; True when an evaluation after it reached the run's target."""
         cfg, world, par, h = self.cfg, self.world, self.par, self.history
         progress.mark("data", step)
         inject.before_step(cfg, world.rank, step)
@@ -146,8 +174,9 @@ class Run:
             _preempt(cfg, world, step, par, self.opt, h, self.wd, "fault injection: preempting the job")
         _sync(world.device)
         t0 = time.perf_counter()
-        ids, x, y = self.batch(step)
-        t_data = time.perf_counter() - t0
+        (ids, x, y), t_data = self.prefetch.get(step)  # t_data: what the step waited for (the exposed data time)
+        x = inject.poison(cfg, world.rank, step, x)
+        h["lrs"].append(self.lr.apply(self.opt, step))
         timers.reset()
         profiling = bool(cfg.train.profile) and step == self.measure_from and self.steps - self.measure_from > 1
         loss, stop = self.compute(step, ids, x, y, profiling)
@@ -168,17 +197,62 @@ class Run:
         if stop and step + 1 < self.steps:  # Slurm's signal before the time limit (or a preemption notice)
             _preempt(cfg, world, step + 1, par, self.opt, h, self.wd,
                      "the time limit is near: checkpointing and requeueing")
+        reached = self.evaluate(step) if self.evaluation_due(step) else False
         if self.ckpt_every and (step + 1) % self.ckpt_every == 0 and step + 1 < self.steps and not h["nonfinite_steps"]:
             progress.mark("checkpoint")  # a diverged run keeps its last good checkpoint
+            h["elapsed_s"], self.t_begin = self.elapsed(), time.time()
             ckpt.save(cfg, world.rank, step + 1, par.modules, self.opt, h)
+        return reached
 
-    def batch(self, step: int) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
-        """The step's sample ids, this rank's input part and targets, on its device."""
-        ids, x, y = step_batch(self.data, self.par, step, self.B, self.R, self.coord.replica)
-        x = inject.poison(self.cfg, self.world.rank, step, x)
-        dev = self.world.device
-        return ids, (x.to(dev, non_blocking=True) if x is not None else None), \
-            (y.to(dev, non_blocking=True) if y is not None else None)
+    # ---- evaluation --------------------------------------------------------------------------------------------
+    def evaluation_due(self, step: int) -> bool:
+        """After every ``train.eval_every`` steps (with epochs: once an epoch by default) and after the last."""
+        if self.val is None:
+            return False
+        done = step + 1
+        return done == self.steps or (self.eval_every > 0 and done % self.eval_every == 0)
+
+    def evaluate(self, step: int) -> bool:
+        """Forward only over the validation set on this mesh, the replicas sharing its batches, the metric summed
+        over every rank (gems.rank.loss.Metric); kept in the record, out of the step times. True when the run's
+        target is reached."""
+        import torch.distributed as dist
+
+        progress.mark("evaluate", step)
+        t0 = time.perf_counter()
+        par, B, dev = self.par, self.B, self.world.device
+        total = torch.zeros(par.metric.size, dtype=torch.float64, device=dev)
+        for k in range(len(self.val) // B):  # whole batches of the training batch (a partial last one is left out)
+            ids = share(list(range(k * B, (k + 1) * B)), self.R, self.coord.replica)
+            x, y = self.val.batch(ids, par.input_slices, want_input=par.needs_input, want_target=par.needs_target)
+            got = par.evaluate(x.to(dev) if x is not None else None, y.to(dev) if y is not None else None, ids)
+            if got is not None:
+                total += got
+        if self.world.size > 1:
+            dist.all_reduce(total)
+        figures = par.metric.report(total)
+        entry = {"step": step + 1, "epoch": round(self.sampler.epoch_of(step + 1), 6), **figures,
+                 "seconds": time.perf_counter() - t0}
+        self.history["validation"].append(entry)
+        if self.world.rank == 0:
+            shown = ", ".join(f"{k} {v:.4g}" for k, v in figures.items() if isinstance(v, float))
+            print(f"gems: validation after step {step + 1}: {shown}", flush=True)
+        return self.target_reached(entry)
+
+    def target_reached(self, entry: dict[str, Any]) -> bool:
+        """Whether an evaluation reached ``train.target_mae`` (on ``train.target_metric``); the first that does
+        records the time to it (from the first step, evaluations included, as MLPerf counts it)."""
+        t = self.cfg.train
+        if t.target_mae is None or self.history.get("target"):
+            return False
+        value = entry.get(t.target_metric)
+        if value is None:
+            return False
+        if value >= float(t.target_mae) if t.target_metric == "accuracy" else value <= float(t.target_mae):
+            self.history["target"] = {"step": entry["step"], "epoch": entry["epoch"], "value": value,
+                                      "time_to_target_s": self.elapsed()}
+            return True
+        return False
 
     def compute(self, step: int, ids: list[int], x: Any, y: Any, profiling: bool) -> tuple[float, bool]:
         """The step's forward, backward, sync and update: under the profiler (``train.profile``), profiled for
@@ -239,7 +313,7 @@ class Run:
         tensor_peak = max(seen) if seen else None
         for k in breakdown:
             breakdown[k] /= max(1, measured)
-        median = statistics.median(step_times)
+        median = statistics.median(step_times) if step_times else 0.0  # (a run that met its target at once)
         breakdown["compute"] = max(0.0, median - sum(v for k, v in breakdown.items() if k != "compute"))
         peaks, hosts, tensor_peaks, machines, times = self.gather(tensor_peak, measured)
         record = rec.build_record(
@@ -262,7 +336,24 @@ class Run:
         if h["nonfinite_steps"]:
             record["diverged"] = True
             record["nonfinite_steps"] = list(h["nonfinite_steps"])
+        record.update(self.training_figures())
         return record
+
+    def training_figures(self) -> dict[str, Any]:
+        """What the record keeps of training to a result: the learning rate of every step, the evaluations, the
+        reader's own time, and the target (reached or not, and when)."""
+        h, t = self.history, self.cfg.train
+        ran = max(1, len(h["losses"]))
+        out: dict[str, Any] = {"lr": list(h["lrs"]), "validation": list(h["validation"]),
+                               "data_reader_s": float(h["reader_s"]) / ran, "steps_planned": self.steps,
+                               "epochs": t.epochs, "steps_per_epoch": self.sampler.steps_per_epoch}
+        if t.target_mae is not None:
+            hit = h.get("target")
+            out["target"] = {"metric": t.target_metric, "value": float(t.target_mae), "reached": bool(hit),
+                             **(hit or {})}
+            out["time_to_target_s"] = hit["time_to_target_s"] if hit else None
+            out["epochs_to_target"] = hit["epoch"] if hit else None
+        return out
 
     def gather(self, tensor_peak: int | None, measured: int) -> tuple[list[int], list[str], list[Any], list[str],
                                                                          list[float]]:

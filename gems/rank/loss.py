@@ -40,3 +40,50 @@ def make_loss_fn(spec: ModelSpec, mesh: Mesh, global_batch: int) -> Callable[[to
     return vector
 
 
+
+
+# ---------------------------------------------------------------------------- evaluation metrics
+class Metric:
+    """What an evaluation sums on each rank and reports once summed over the world (:meth:`report`).
+
+    A rank's sums cover the outputs it computed: a whole sample's vector output once per sample (with the
+    spatial parts gathered before the head, only part 0 counts it: every part computes the same head), a dense
+    output's cells on the part that holds them. Summed over every rank they are the serial sums, so the figures
+    equal one process evaluating the same model on the same set, to float rounding.
+
+    The vector is ``[loss sum, count, (vector mse) |error| sum per target ... | (classification) correct]``:
+    the loss is the training loss's per-sample (per-cell for dense outputs) mean; ``mae`` the mean absolute
+    error over samples and targets, ``mae_per_target`` per target; ``accuracy`` the share of correct classes.
+    """
+
+    def __init__(self, spec: ModelSpec, mesh: Mesh, counts: bool) -> None:
+        self.spec, self.counts = spec, counts  # counts: whether this rank's outputs count (see above)
+        self.classes = spec.loss == "cross_entropy"
+        self.size = 2 + (1 if self.classes else int(spec.num_outputs))
+
+    def __call__(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = out.float()
+        if not self.counts:
+            return torch.zeros(self.size, dtype=torch.float64, device=out.device)
+        if self.classes:
+            loss = F.cross_entropy(out, y, reduction="sum")
+            extra = [(out.argmax(dim=1) == y).sum()]
+            count = y.numel()
+        else:
+            err = out - y.float()
+            loss = (err ** 2).mean(dim=1).sum() if self.spec.target != "dense" else (err ** 2).sum() / out.shape[1]
+            extra = list(err.abs().sum(dim=0)) if self.spec.target != "dense" else [err.abs().sum()]
+            count = y.shape[0] if self.spec.target != "dense" else y[:, 0].numel()
+        vec = [loss, torch.tensor(float(count), device=out.device), *extra]
+        return torch.stack([v.double() for v in vec])
+
+    def report(self, total: torch.Tensor) -> dict[str, float | list[float]]:
+        """The figures of a summed vector: ``loss``, and ``mae`` with ``mae_per_target`` or ``accuracy``."""
+        v = [float(x) for x in total.tolist()]
+        loss, n = v[0], max(v[1], 1.0)
+        if self.classes:
+            return {"loss": loss / n, "accuracy": v[2] / n, "samples": int(n)}
+        per = [e / n for e in v[2:]]
+        if self.spec.target == "dense":
+            return {"loss": loss / n, "mae": per[0] / max(1, int(self.spec.num_outputs)), "cells": int(n)}
+        return {"loss": loss / n, "mae": sum(per) / len(per), "mae_per_target": per, "samples": int(n)}

@@ -1,7 +1,9 @@
-"""The optimizer of a rank's parameter copies (and of a rank that holds none).
+"""The optimizer of a rank's parameter copies (and of a rank that holds none), and the learning rate of each
+step (:class:`LearningRate`: every rank sets the same rate at the same step, so the copies stay equal).
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -35,7 +37,44 @@ def make_optimizer(cfg: DictConfig, params: list[nn.Parameter]) -> torch.optim.O
     if not params:  # a partition without parameters is legitimate (time balance may give a rank pooling only)
         return _NoParameters()  # type: ignore[return-value]
     if t.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=float(t.lr), momentum=float(t.momentum))
-    return torch.optim.Adam(params, lr=float(t.lr))
+        return torch.optim.SGD(params, lr=float(t.lr), momentum=float(t.momentum), weight_decay=float(t.weight_decay))
+    return torch.optim.Adam(params, lr=float(t.lr), weight_decay=float(t.weight_decay))
+
+
+class LearningRate:
+    """The learning rate of each step: ``train.lr`` (times ``train.batch_size / train.lr_base_batch`` with
+    ``train.lr_scaling=linear``), rising linearly from 0 over ``train.lr_warmup`` (epochs with ``train.epochs``,
+    else steps), then ``constant``, ``step`` (``train.lr_decay_factors[i]`` times it from
+    ``train.lr_decay_boundaries[i]`` on) or ``cosine`` (down to 0 at the run's last step). MLPerf HPC's
+    CosmoFlow recipe: SGD, momentum 0.9, 0.001 at batch 64 scaled linearly, 4 warm-up epochs, 0.25 from epoch 32
+    and 0.125 from epoch 64 (``model=cosmoflow_mlperf`` ships it)."""
+
+    def __init__(self, t: Any, steps_per_unit: int, total_steps: int) -> None:
+        self.base = float(t.lr) * (int(t.batch_size) / int(t.lr_base_batch) if t.lr_scaling == "linear" else 1.0)
+        self.schedule, self.total = str(t.lr_schedule), int(total_steps)
+        self.warmup = float(t.lr_warmup) * steps_per_unit
+        self.boundaries = [float(b) * steps_per_unit for b in (t.lr_decay_boundaries or [])]
+        self.factors = [float(f) for f in (t.lr_decay_factors or [])]
+
+    def at(self, step: int) -> float:
+        if step < self.warmup:
+            return self.base * (step + 1) / self.warmup
+        if self.schedule == "step":
+            factor = 1.0
+            for b, f in zip(self.boundaries, self.factors):
+                if step >= b:
+                    factor = f
+            return self.base * factor
+        if self.schedule == "cosine":
+            span = max(1.0, self.total - self.warmup)
+            return self.base * 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - self.warmup) / span)))
+        return self.base
+
+    def apply(self, optimizer: Any, step: int) -> float:
+        """Set the rate of ``step`` on every parameter group; returns it."""
+        lr = self.at(step)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        return lr
 
 

@@ -200,16 +200,22 @@ def write_steps(record_file: Path | str, record: dict[str, Any]) -> Path | None:
     times = st.get("all") or []
     every = st.get("every")  # every step's time (records before it kept the measured ones only)
     start = int(st.get("measured_from", warm))
+    lrs = record.get("lr") or []
+    val = {int(v["step"]) - 1: v for v in record.get("validation") or []}  # evaluated after that step
     try:
         with open(path, "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["step", "loss", "step_time_s", "warmup", "measured"])
+            w.writerow(["step", "loss", "step_time_s", "warmup", "measured", "lr", "val_loss", "val_mae",
+                        "val_accuracy"])
             for i, loss in enumerate(record.get("loss") or []):
                 if every is not None and i < len(every):
                     t: Any = every[i]
                 else:
                     t = times[i - start] if i >= start and i - start < len(times) else ""
-                w.writerow([i, repr(float(loss)), t if t == "" else repr(float(t)), int(i < warm), int(i >= start)])
+                v = val.get(i, {})
+                w.writerow([i, repr(float(loss)), t if t == "" else repr(float(t)), int(i < warm), int(i >= start),
+                            repr(float(lrs[i])) if i < len(lrs) else "",
+                            *(repr(float(v[k])) if k in v else "" for k in ("loss", "mae", "accuracy"))])
     except OSError:
         return None
     try:
@@ -217,8 +223,14 @@ def write_steps(record_file: Path | str, record: dict[str, Any]) -> Path | None:
     except ImportError:
         return path
     tb = SummaryWriter(log_dir=str(Path(record_file).parent / ".jobs" / str(record.get("run_id")) / "tb"))
+    for v in record.get("validation") or []:
+        for k in ("loss", "mae", "accuracy"):
+            if k in v:
+                tb.add_scalar(f"validation/{k}", float(v[k]), int(v["step"]))
     for i, loss in enumerate(record.get("loss") or []):
         tb.add_scalar("loss", float(loss), i)
+        if i < len(lrs):
+            tb.add_scalar("lr", float(lrs[i]), i)
         if every is not None and i < len(every):
             tb.add_scalar("step_time_s", float(every[i]), i)
         elif i >= start and i - start < len(times):

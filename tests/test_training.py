@@ -1,0 +1,136 @@
+"""Training to a result (issue 21): epochs walked in a shuffled order the same on every mesh, a reader ahead of
+the step that changes no loss, learning-rate schedules, validation on every mesh equal to one process, a target
+that stops the run with its time, and the bad input around them."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _cli import gems, records
+
+from gems.rank.data import Sampler
+from gems.rank.optim import LearningRate
+
+TINY = ["model.size=32", "model.width=0.25", "data.num_samples=8", "train.batch_size=4", "train.warmup_steps=1"]
+
+
+# ---- which samples, and the learning rate: pure functions ---------------------------------------------------------
+def test_each_epoch_walks_the_set_once_in_an_order_of_its_own() -> None:
+    s = Sampler(10, 4, seed=3, epochs=3)
+    assert s.steps_per_epoch == 2 and s.total == 6  # the last partial batch (2 samples) dropped
+    epochs = [[i for k in range(2) for i in s.indices(e * 2 + k)] for e in range(3)]
+    assert all(len(set(e)) == 8 and set(e) <= set(range(10)) for e in epochs)
+    assert epochs[0] != epochs[1] != epochs[2]
+    again = Sampler(10, 4, seed=3, epochs=3)
+    assert [again.indices(t) for t in (5, 0, 3)] == [s.indices(t) for t in (5, 0, 3)]  # any step, in any order
+    assert Sampler(10, 4, seed=4, epochs=3).indices(0) != s.indices(0)
+    whole = s.indices(4)
+    assert s.replica_indices(4, 2, 0) + s.replica_indices(4, 2, 1) == whole  # replicas share it, in order
+    assert Sampler(10, 4, seed=3, epochs=1, shuffle=False).indices(1) == [4, 5, 6, 7]
+
+
+def test_learning_rate_schedules() -> None:
+    class T:
+        lr, batch_size, lr_base_batch, lr_scaling = 0.001, 256, 64, "linear"
+        lr_schedule, lr_warmup, lr_decay_boundaries, lr_decay_factors = "step", 4, [32, 64], [0.25, 0.125]
+
+    lr = LearningRate(T, steps_per_unit=10, total_steps=1000)  # the MLPerf recipe at batch 256, 10 steps an epoch
+    assert lr.at(0) == pytest.approx(0.004 / 40) and lr.at(39) == pytest.approx(0.004)
+    assert lr.at(319) == pytest.approx(0.004) and lr.at(320) == pytest.approx(0.001) and lr.at(700) == pytest.approx(0.0005)
+    T.lr_schedule, T.lr_warmup, T.lr_scaling = "cosine", 0, "none"
+    lr = LearningRate(T, 1, 100)
+    assert lr.at(0) == pytest.approx(0.001) and lr.at(50) == pytest.approx(0.0005) and lr.at(100) == pytest.approx(0.0)
+
+
+# ---- through gems run --------------------------------------------------------------------------------------------
+def _with(*args: str) -> list[str]:
+    """TINY with ``args``, a key given in both taken from ``args`` (a key twice on the command line is bad input)."""
+    keys = {a.split("=", 1)[0] for a in args}
+    return [a for a in TINY if a.split("=", 1)[0] not in keys] + list(args)
+
+
+def _run(tmp: Path, *args: str) -> dict:
+    r = gems("run", *_with(*args), f"results.dir={tmp}", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (rec,) = records(str(tmp))
+    return rec
+
+
+@pytest.fixture(scope="module")
+def serial(tmp_path_factory) -> dict:
+    return _run(tmp_path_factory.mktemp("serial"), "train.epochs=2", "data.val_samples=4", "train.eval_every=1")
+
+
+@pytest.mark.parametrize("mesh", [["parallel.spatial=2"], ["parallel.pipeline=2", "parallel.schedule=mast"],
+                                  ["parallel.replicas=2"]], ids=["S=2", "mast D=2", "R=2"])
+def test_validation_on_every_mesh_equals_one_process(tmp_path: Path, serial: dict, mesh: list[str]) -> None:
+    rec = _run(tmp_path, "train.epochs=2", "data.val_samples=4", "train.eval_every=1", *mesh)
+    np.testing.assert_allclose(rec["loss"], serial["loss"], rtol=1e-5)
+    assert [v["step"] for v in rec["validation"]] == [v["step"] for v in serial["validation"]] == [1, 2, 3, 4]
+    for got, want in zip(rec["validation"], serial["validation"]):
+        assert got["samples"] == want["samples"] == 4
+        for k in ("loss", "mae"):
+            assert got[k] == pytest.approx(want[k], rel=1e-5), (k, got, want)
+        np.testing.assert_allclose(got["mae_per_target"], want["mae_per_target"], rtol=1e-5)
+    assert serial["validation"][0]["mae"] != serial["validation"][-1]["mae"]  # the model changed between them
+
+
+def test_the_reader_ahead_changes_no_loss(tmp_path: Path, serial: dict) -> None:
+    off = _run(tmp_path, "train.epochs=2", "data.val_samples=4", "train.eval_every=1", "data.prefetch=0")
+    assert off["loss"] == serial["loss"]  # bit for bit
+    assert serial["data_reader_s"] > 0 and off["time_breakdown_s"]["data"] > 0
+
+
+def test_a_run_resumed_mid_epoch_trains_like_one_that_was_not(tmp_path: Path) -> None:
+    args = ["train.epochs=3", "data.num_samples=12", "parallel.replicas=2", "train.lr_schedule=cosine"]
+    whole = _run(tmp_path / "whole", *args)
+    cut = _run(tmp_path / "cut", *args, "fault.preempt_at_step=4")  # step 4 of 9: inside the second epoch
+    assert cut["restarts"] == 1 and cut["loss"] == whole["loss"] and cut["lr"] == whole["lr"]
+    assert whole["steps"] == 9 and whole["lr"][0] > whole["lr"][-1]
+
+
+def test_a_target_stops_the_run_and_records_the_time_to_it(tmp_path: Path) -> None:
+    hit = _run(tmp_path / "hit", "train.epochs=4", "data.val_samples=4", "train.target_mae=10")
+    assert hit["target"]["reached"] and hit["epochs_to_target"] == 1.0 and hit["steps"] == 2 < hit["steps_planned"]
+    assert 0 < hit["time_to_target_s"] < hit["wall_s"] + 1
+    miss = _run(tmp_path / "miss", "train.epochs=2", "data.val_samples=4", "train.target_mae=0.0001")
+    assert miss["status"] == "ok" and miss["target"]["reached"] is False and miss["time_to_target_s"] is None
+    assert miss["steps"] == miss["steps_planned"] == 4 and len(miss["validation"]) == 2
+
+
+def test_the_steps_csv_has_the_learning_rate_and_the_evaluations(serial: dict) -> None:
+    import csv
+
+    rows = list(csv.DictReader(open(Path(serial["_path"]).with_suffix(".steps.csv"))))
+    assert [float(r["lr"]) for r in rows] == pytest.approx(serial["lr"])
+    assert [r["val_mae"] != "" for r in rows] == [True] * 4
+    assert float(rows[-1]["val_mae"]) == pytest.approx(serial["validation"][-1]["mae"])
+
+
+@pytest.mark.parametrize("args,key", [
+    (["train.epochs=2", "train.steps=4"], "train.steps=4"),
+    (["train.target_mae=0.1"], "train.target_mae=0.1"),
+    (["data.val_samples=2"], "data.val_samples=2"),
+    (["data.val_samples=4", "train.target_mae=0.1", "train.target_metric=accuracy"], "train.target_metric=accuracy"),
+    (["train.lr_schedule=step"], "train.lr_decay_boundaries"),
+    (["train.lr_schedule=step", "train.lr_decay_boundaries=[2,1]", "train.lr_decay_factors=[0.5,0.1]"],
+     "train.lr_decay_boundaries=[2,1]"),
+    (["train.lr_decay_factors=[0.5]"], "train.lr_decay_factors=[0.5]"),
+    (["train.epochs=1", "train.batch_size=16"], "train.batch_size=16"),
+    (["train.epochs=1", "train.warmup_steps=2"], "train.warmup_steps=2"),
+])
+def test_bad_input_around_training_to_a_result(tmp_path: Path, args: list[str], key: str) -> None:
+    r = gems("run", *_with(*args), f"results.dir={tmp_path}")
+    assert r.returncode == 2 and r.stderr.startswith(f"gems: error: {key}"), r.stderr
+    assert "Traceback" not in r.stderr and not list(tmp_path.rglob("*.json"))
+
+
+def test_a_validation_folder_unlike_the_training_set_is_named(tmp_path: Path) -> None:
+    from gems.data.synth import write_synthetic
+
+    write_synthetic(tmp_path / "train", 4, (4, 32, 32, 32), seed=1)
+    write_synthetic(tmp_path / "val", 4, (4, 16, 16, 16), seed=2)
+    r = gems("run", *_with("data=hdf5"), f"data.path={tmp_path / 'train'}", f"data.val_path={tmp_path / 'val'}",
+             f"results.dir={tmp_path / 'out'}")
+    assert r.returncode == 2 and r.stderr.startswith("gems: error: data.val_path="), r.stderr
