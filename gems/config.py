@@ -62,6 +62,9 @@ class DataConf:
                               "(train.seed, epoch), the same on every rank")
     val_path: Optional[str] = key(None, "hdf5: a folder of validation samples in the training set's layout")
     val_samples: int = key(0, "synthetic: held-out validation samples (indices after the training set's)", ge=0)
+    stage: str = key("none", "hdf5: copy the files once at job start to node-local storage (node), split over "
+                             "the node's ranks, and read them there; removed at the end", choices=("none", "node"))
+    stage_dir: Optional[str] = key(None, "where data.stage=node copies to (null: the job's $TMPDIR, else /dev/shm)")
 
 
 @dataclass

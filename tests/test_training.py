@@ -134,3 +134,19 @@ def test_a_validation_folder_unlike_the_training_set_is_named(tmp_path: Path) ->
     r = gems("run", *_with("data=hdf5"), f"data.path={tmp_path / 'train'}", f"data.val_path={tmp_path / 'val'}",
              f"results.dir={tmp_path / 'out'}")
     assert r.returncode == 2 and r.stderr.startswith("gems: error: data.val_path="), r.stderr
+
+
+def test_files_staged_to_node_local_storage_train_the_same_and_are_removed(tmp_path: Path) -> None:
+    from gems.data.synth import write_synthetic
+
+    write_synthetic(tmp_path / "train", 8, (4, 32, 32, 32), seed=1)
+    write_synthetic(tmp_path / "val", 4, (4, 32, 32, 32), seed=2)
+    args = ["data=hdf5", f"data.path={tmp_path / 'train'}", f"data.val_path={tmp_path / 'val'}", "train.epochs=1",
+            "parallel.replicas=2"]
+    plain = _run(tmp_path / "plain", *args)
+    local = tmp_path / "node-local"
+    staged = _run(tmp_path / "staged", *args, "data.stage=node", f"data.stage_dir={local}")
+    assert staged["loss"] == plain["loss"] and staged["validation"] == [
+        {**v, "seconds": s["seconds"]} for v, s in zip(plain["validation"], staged["validation"])]
+    assert any("12 files" in n and "copied to" in n for n in staged["notes"]), staged["notes"]
+    assert local.is_dir() and not list(local.iterdir())  # removed at the end

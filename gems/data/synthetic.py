@@ -4,7 +4,8 @@ Every mesh must see the same global batch, so a sample cannot depend on the
 rank that draws it. A sample is generated plane by plane along spatial dim 0
 (depth in 3D, height in 2D), each plane from its own seeded generator, so a
 rank that holds a slab of planes generates only those planes: a spatial part
-of a 512^3 sample costs its share, not the whole sample.
+of a 512^3 sample costs its share, not the whole sample. GPU ranks draw on
+their GPU (``device``), so the host's generator never sets a GPU step's pace.
 """
 from __future__ import annotations
 
@@ -13,20 +14,27 @@ from typing import Sequence
 import torch
 
 
-def _gen(seed: int, index: int, plane: int) -> torch.Generator:
-    return torch.Generator().manual_seed(((seed * 1_000_003 + index) * 100_003 + plane + 7) & 0x7FFF_FFFF_FFFF)
+def _gen(seed: int, index: int, plane: int, device: torch.device | None = None) -> torch.Generator:
+    g = torch.Generator(device=device) if device is not None else torch.Generator()
+    return g.manual_seed(((seed * 1_000_003 + index) * 100_003 + plane + 7) & 0x7FFF_FFFF_FFFF)
 
 
-def sample_input(seed: int, index: int, shape: Sequence[int], slices: Sequence[slice] | None = None) -> torch.Tensor:
-    """Input of ``index`` with ``shape`` = (C, *spatial); ``slices`` picks a part of the spatial dims."""
+def sample_input(seed: int, index: int, shape: Sequence[int], slices: Sequence[slice] | None = None,
+                 device: torch.device | None = None) -> torch.Tensor:
+    """Input of ``index`` with ``shape`` = (C, *spatial); ``slices`` picks a part of the spatial dims.
+
+    ``device``: where the planes are drawn, with that device's generator seeded per (seed, sample, plane): on a
+    GPU its counter-based Philox generator, so a GPU rank makes its part on the GPU, never on the host, and any
+    cut of any mesh gets the same values on the same kind of device (CPU and GPU draw different numbers)."""
     c, *spatial = [int(s) for s in shape]
     sl = list(slices) if slices is not None else [slice(0, n) for n in spatial]
     sl += [slice(0, n) for n in spatial[len(sl):]]
     rest = [c, *spatial[1:]]
     planes = range(*sl[0].indices(spatial[0]))
+    dev = device if device is not None and device.type != "cpu" else None
     out = []
     for d in planes:
-        plane = torch.randn(rest, generator=_gen(seed, index, d))
+        plane = torch.randn(rest, generator=_gen(seed, index, d, dev), device=dev)
         out.append(plane[(slice(None), *sl[1:])])
     return torch.stack(out, dim=1)
 
@@ -52,11 +60,13 @@ class SyntheticData:
     """The dataset of ``num_samples`` synthetic samples for a model spec; ``offset``: the index of its first
     sample (a held-out validation set is ``offset=`` the training set's size: samples no step trains on)."""
 
-    def __init__(self, spec: object, seed: int, num_samples: int, offset: int = 0) -> None:
+    def __init__(self, spec: object, seed: int, num_samples: int, offset: int = 0,
+                 device: torch.device | None = None) -> None:
         self.spec = spec
         self.seed = seed
         self.num_samples = num_samples
         self.offset = offset
+        self.device = device  # where the inputs are drawn (sample_input): a GPU rank's own GPU
 
     def __len__(self) -> int:
         return self.num_samples
@@ -68,7 +78,7 @@ class SyntheticData:
         for i in indices:
             j = self.offset + i % self.num_samples
             if want_input:
-                xs.append(sample_input(self.seed, j, spec.input_shape, slices))  # type: ignore[attr-defined]
+                xs.append(sample_input(self.seed, j, spec.input_shape, slices, self.device))  # type: ignore[attr-defined]
             if want_target:
                 ys.append(sample_target(self.seed, j, spec.target, spec.num_outputs, spec.loss,  # type: ignore[attr-defined]
                                         spec.input_shape[1:], slices if spec.target == "dense" else None))  # type: ignore[attr-defined]

@@ -65,13 +65,27 @@ def predict_step(cfg: Any, pl: Planner, prof: Any, batch: int, dev: dict[str, An
     if prof is None:
         prof = pl.profile(max(1, pl.chunk_of(batch)))
     data, made = None, "data read from the page cache and copied"
-    if str(cfg.data.name) == "synthetic":  # made on the host, GPU ranks too: this machine's CPU stands for it
+    if str(cfg.data.name) == "synthetic" and dev["kind"] == "gpu":
+        data, made = gpu_synthetic(rates), "synthetic samples drawn on the GPU (memory-bound, a kernel per plane)"
+    elif str(cfg.data.name) == "synthetic":  # made on the host: this machine's CPU, timed
         share, threads = rates.share, rank_threads(cfg)
 
         def data(part: Any, n: int, inp: bool, tgt: bool) -> float:
             return share * n * synthetic_seconds(pl.st.spec, list(part), inp, tgt, threads)
 
         made = f"synthetic samples generated on the host as fast as here ({threads} thread(s))"
-    pred = predict(pl, prof, batch, rates, c, nodes, tpn, data)
+    pred = predict(pl, prof, batch, rates, c, nodes, tpn, data, int(cfg.data.prefetch))
     pred.assumptions.append(made)
     return pred
+
+
+def gpu_synthetic(rates: Any) -> Any:
+    """Seconds a GPU rank takes to draw ``n`` samples of its ``part`` (C, *spatial) on its GPU
+    (:func:`gems.data.synthetic.sample_input`): a normal sample is written once and its uniform sources read
+    once (memory-bound at the device's bandwidth), and each plane is a kernel of its own."""
+    def data(part: Any, n: int, inp: bool, tgt: bool) -> float:
+        if not inp:
+            return 0.0
+        elements = n * math.prod(int(v) for v in part)
+        return 2 * 4 * elements / rates.bandwidth + n * int(part[1]) * rates.op_overhead_s
+    return data

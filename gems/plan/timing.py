@@ -282,10 +282,11 @@ def copied(rates: Rates) -> DataTime:
 
 
 def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: int, tasks_per_node: int,
-            data: DataTime | None = None) -> Prediction:
+            data: DataTime | None = None, prefetch: int = 0) -> Prediction:
     """The step time of the planned job (``pl``: the memory planner with its traces; ``prof``: its balance
     and per-class stages at this batch; ``data``: how long a rank takes to make its data, :func:`copied`
-    by default)."""
+    by default; ``prefetch``: the steps a reader makes ahead (``data.prefetch``): where communication and
+    compute leave room (``rates.spare``), only what outlasts the step before is exposed)."""
     from gems.plan.devices import links
 
     st = pl.st
@@ -306,23 +307,9 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
     overlap = bool(st.overlap if st.overlap is not None else st.gpu)
     sched = pl.sched() if pl.pipelined else None
     n_stages = len(bal)
-    bounds = []
-    start = 0
-    for n in bal:
-        bounds.append((start, start + n))
-        start += n
     spatial_link = link_of(mesh.spatial_ranks(0, 0)) if S > 1 else None
     jitter = float(cluster.jitter or 0.0) if world > 1 else 0.0
-    # per stage: its spatial parts meet at every layer's exchange (_meet)
-    per_stage: list[_StageTime] = []
-    for p, (a, e) in enumerate(bounds):
-        parts = []
-        for members, _local, _stages, _tb in classes:
-            t1, t2 = pl._traced(members[0], 1), pl._traced(members[0], 2)
-            n_layers = len(t1.out_bytes) - 1
-            parts.append(_stage_times(t1.ops, t2.ops, t1.batch, t2.batch, chunk, t1.comm, t2.comm, a, e,
-                                      p == n_stages - 1, n_layers, rates, S, spatial_link, overlap, jitter))
-        per_stage.append(_meet(parts))
+    per_stage = _stage_list(pl, classes, bal, chunk, rates, S, spatial_link, overlap, jitter)
     stage_out = [classes[0][2][p].out.at(chunk) for p in range(n_stages)]
     stage_in = [classes[0][2][p].inp.at(chunk) for p in range(n_stages)]
 
@@ -356,12 +343,16 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
             return message(stage_out[act.stage] if act.kind.forward else stage_in[act.stage], lk) + \
                 rendezvous_wait(2, cost(act), jitter)
 
+        if prefetch > 0 and rates.spare:
+            data_s = _exposed(data_s, max(pipeline_times(sched, cost, transfer, None)[0]))
         end, end0, _busy = pipeline_times(sched, cost, transfer, data_s)
         actions = sched.actions
         ranks = range(sched.ranks)
     else:
         t = per_stage[0]
-        end = end0 = [data_s[0] + t.fwd + t.bwd + t.comm_fwd + t.comm_bwd]
+        work = t.fwd + t.bwd + t.comm_fwd + t.comm_bwd
+        data_s = _exposed(data_s, work) if prefetch > 0 and rates.spare else data_s
+        end = end0 = [data_s[0] + work]
         actions = None
         ranks = range(1)
     step_end = max(end)  # every rank waits for the slowest at the step's sync
@@ -403,7 +394,31 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
     assert worst is not None
     step = sum(worst.values())
     return Prediction(step, worst, batch / step if step > 0 else math.inf, worst_label, per_position,
-                      _assumptions(rates, intra, inter, overlap, world, jitter))
+                      _assumptions(rates, intra, inter, overlap, world, jitter, prefetch))
+
+
+def _stage_list(pl: Any, classes: Any, bal: Sequence[int], chunk: int, rates: Rates, S: int,
+                spatial_link: Link | None, overlap: bool, jitter: float) -> list[_StageTime]:
+    """Each stage's times: its layers (``bal``: layers per stage) at micro-batch ``chunk`` on every spatial
+    class, the classes meeting at every layer's exchange (:func:`_meet`)."""
+    out: list[_StageTime] = []
+    start = 0
+    for p, n in enumerate(bal):
+        a, e = start, start + n
+        start = e
+        parts = []
+        for members, _local, _stages, _tb in classes:
+            t1, t2 = pl._traced(members[0], 1), pl._traced(members[0], 2)
+            n_layers = len(t1.out_bytes) - 1
+            parts.append(_stage_times(t1.ops, t2.ops, t1.batch, t2.batch, chunk, t1.comm, t2.comm, a, e,
+                                      p == len(bal) - 1, n_layers, rates, S, spatial_link, overlap, jitter))
+        out.append(_meet(parts))
+    return out
+
+
+def _exposed(data_s: list[float], step: float) -> list[float]:
+    """What a reader that makes each step's data during the step before leaves the step to wait for."""
+    return [max(0.0, v - step) for v in data_s]
 
 
 def _gradient_sum(params: float, p: int, link: Link | None, bucket_mb: float, window: float, spare: bool,
@@ -420,8 +435,8 @@ def _gradient_sum(params: float, p: int, link: Link | None, bucket_mb: float, wi
 
 
 def _assumptions(rates: Rates, intra: Link | None, inter: Link | None, overlap: bool, world: int,
-                 jitter: float) -> list[str]:
-    """What a prediction assumes, in words (its rates, links, halo overlap and jitter)."""
+                 jitter: float, prefetch: int) -> list[str]:
+    """What a prediction assumes, in words (its rates, links, halo overlap, jitter and the reader ahead)."""
     out = [rates.about]
     if intra is not None:
         out.append(f"links: {intra.bandwidth / 1e9:g} GB/s and {intra.latency * 1e6:g} us within a node"
@@ -433,4 +448,7 @@ def _assumptions(rates: Rates, intra: Link | None, inter: Link | None, overlap: 
                    "it (cluster.jitter), so where ranks meet they wait for the slowest" if jitter else
                    "no rank-to-rank jitter (cluster.jitter unset): ranks meet without waiting for each "
                    "other's noise")
+    out.append(f"data read {prefetch} step(s) ahead (data.prefetch): " + (
+        "only what outlasts the step before waits" if rates.spare else "every core computes, so the reader's "
+        "time is the step's") if prefetch > 0 else "data read in the step (data.prefetch=0)")
     return out

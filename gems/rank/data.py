@@ -15,9 +15,11 @@ one (synthetic samples or HDF5 hyperslabs), read ahead of the step by a backgrou
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -35,8 +37,10 @@ DEFAULT_STEPS = 6
 
 # ---------------------------------------------------------------------------- the sets
 def make_data(cfg: DictConfig, spec: ModelSpec, slices: tuple[slice, ...] | None = None,
-              validation: bool = False) -> Any:
-    """The training set (or, ``validation``, the validation set; None where there is none) as this rank reads it."""
+              validation: bool = False, device: torch.device | None = None, staged: Staged | None = None) -> Any:
+    """The training set (or, ``validation``, the validation set; None where there is none) as this rank reads it;
+    synthetic inputs are drawn on ``device`` (a GPU rank's GPU: gems.data.synthetic.sample_input); ``staged``:
+    read from the node-local copies (:func:`stage`)."""
     d = cfg.data
     if d.name == "hdf5":
         from gems.data.hdf5 import HDF5Samples
@@ -45,14 +49,16 @@ def make_data(cfg: DictConfig, spec: ModelSpec, slices: tuple[slice, ...] | None
             raise ConfigError("data", "hdf5",
                               f"synthetic for {spec.name} (the ExaLearn files carry one target vector per sample)")
         path = d.val_path if validation else d.path
+        if staged is not None and path is not None:
+            path = str(staged.val if validation else staged.train)
         key = "data.val_path" if validation else "data.path"
         return None if path is None else _HDF5Batches(HDF5Samples(path, spec.input_shape, slices=slices, key=key))
     from gems.data.synthetic import SyntheticData
 
     if validation:  # held out: the indices after the training set's, which no step trains on
         n = int(d.val_samples)
-        return SyntheticData(spec, int(cfg.train.seed), n, offset=int(d.num_samples)) if n else None
-    return SyntheticData(spec, int(cfg.train.seed), int(d.num_samples))
+        return SyntheticData(spec, int(cfg.train.seed), n, offset=int(d.num_samples), device=device) if n else None
+    return SyntheticData(spec, int(cfg.train.seed), int(d.num_samples), device=device)
 
 
 def dataset_size(cfg: DictConfig) -> int:
@@ -82,6 +88,62 @@ class _HDF5Batches:
             return None, torch.stack([read_target(self.samples.files[i % len(self.samples)]) for i in indices])
         x, y = self.samples.batch(indices)
         return x, (y if want_target else None)
+
+
+# ---------------------------------------------------------------------------- staging
+class Staged:
+    """The node-local copies of a job's files (``data.stage=node``): ``train`` and ``val`` folders under ``root``."""
+
+    def __init__(self, root: Path, files: int, nbytes: int, seconds: float) -> None:
+        self.root, self.train, self.val = root, root / "train", root / "val"
+        self.files, self.nbytes, self.seconds = files, nbytes, seconds
+
+    def note(self) -> str:
+        return (f"data.stage=node: {self.files} files ({self.nbytes / 2**30:.2f} GiB) copied to {self.root} in "
+                f"{self.seconds:.1f} s, once at the start")
+
+
+def stage(cfg: DictConfig, world: Any, run_id: str, barrier: Callable[[], None]) -> Staged | None:
+    """``data.stage=node``: copy the files the job reads (the training set, and the validation set) to node-local
+    storage once, at job start, split over the node's ranks (each copies every k-th file, k its ranks on the node;
+    every node holds all of them, as any rank may read any sample over the epochs), with a progress line; every
+    rank waits for the copies (``barrier``) before reading. The copies are removed by :meth:`unstage`."""
+    import shutil
+
+    from gems.bootstrap import ranks_on_this_node
+
+    d = cfg.data
+    if d.stage != "node" or d.name != "hdf5":
+        return None
+    base = Path(str(d.stage_dir or os.environ.get("TMPDIR") or "/dev/shm"))
+    root = base / f"gems-stage-{run_id}"
+    per_node, me = max(1, ranks_on_this_node()), world.local_rank
+    jobs = [(Path(str(src)), root / kind) for kind, src in (("train", d.path), ("val", d.val_path)) if src]
+    files = [(f, dst) for src, dst in jobs for f in sorted(src.glob("*.h5") if src.is_dir() else [src])]
+    t0, done, nbytes = time.perf_counter(), 0, sum(f.stat().st_size for f, _ in files)
+    for i, (f, dst) in enumerate(files):
+        if i % per_node != me:
+            continue
+        dst.mkdir(parents=True, exist_ok=True)
+        tmp = dst / f".{f.name}.part"
+        shutil.copyfile(f, tmp)
+        tmp.rename(dst / f.name)  # a reader never sees half a file
+        done += 1
+        if me == 0 and world.rank == 0 and (done % max(1, len(files) // (10 * per_node)) == 0):
+            print(f"gems: staging to {root}: {done * per_node}/{len(files)} files", flush=True)
+    barrier()
+    return Staged(root, len(files), nbytes, time.perf_counter() - t0)
+
+
+def unstage(staged: Staged | None, world: Any, barrier: Callable[[], None]) -> None:
+    """Remove the node-local copies once every rank is done reading them (one rank per node)."""
+    import shutil
+
+    if staged is None:
+        return
+    barrier()
+    if world.local_rank == 0:
+        shutil.rmtree(staged.root, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------- which samples
@@ -168,12 +230,14 @@ class Prefetcher:
 
     def _make(self, step: int) -> tuple[Batch, Any]:
         t0 = time.perf_counter()
-        ids, x, y = self.fetch(step)
         event = None
-        if self._side is not None:  # pinned host memory, copied on the side stream; the step waits for its event
+        if self._side is None:
+            ids, x, y = self.fetch(step)
+        else:  # on the side stream: samples drawn on the GPU there, or host ones pinned and copied; the step waits
             with torch.cuda.stream(self._side):
-                x = x.pin_memory().to(self.device, non_blocking=True) if x is not None else None
-                y = y.pin_memory().to(self.device, non_blocking=True) if y is not None else None
+                ids, x, y = self.fetch(step)
+                x, y = (t if t is None or t.is_cuda else t.pin_memory().to(self.device, non_blocking=True)
+                        for t in (x, y))
                 event = torch.cuda.Event()
                 event.record(self._side)
         self.reader_s += time.perf_counter() - t0

@@ -32,7 +32,7 @@ from gems.mesh import Mesh, mesh_from_config
 from gems.parallel import resolve
 from gems.pipeline.runtime import split_waits
 from gems.rank.compose import Parallel, set_up_rank
-from gems.rank.data import Prefetcher, Sampler, make_data, replica_indices, share, step_batch
+from gems.rank.data import Prefetcher, Sampler, make_data, replica_indices, share, stage, step_batch, unstage
 from gems.rank.optim import LearningRate
 from gems.results import record as rec
 
@@ -96,7 +96,9 @@ class Run:
         self.meter = MemoryMeter(world.device)
         self.meter.reset()
         self.coord, spec, self.par, self.opt = set_up_rank(cfg, world, mesh, settings)
-        self.data = make_data(cfg, spec, self.par.input_slices)
+        gpu = world.device if world.device.type == "cuda" else None  # synthetic samples drawn on the rank's GPU
+        self.staged = stage(cfg, world, str(cfg.run_id or "run"), self.barrier)  # data.stage=node: copied once
+        self.data = make_data(cfg, spec, self.par.input_slices, device=gpu, staged=self.staged)
         inject.arm(cfg, world.rank, self.par.modules)
         self.B, self.R = int(t.batch_size), mesh.replicas
         self.sampler = Sampler(len(self.data), self.B, int(t.seed), t.epochs, t.steps, bool(cfg.data.shuffle))
@@ -105,7 +107,7 @@ class Run:
             raise ConfigError("train.warmup_steps", self.warm, f"fewer than the run's {self.steps} steps")
         self.measure_from = max(self.warm, min(2, self.steps - 1)) if world.device.type == "cpu" else self.warm
         self.lr = LearningRate(t, self.sampler.steps_per_epoch if t.epochs is not None else 1, self.steps)
-        self.val = make_data(cfg, spec, self.par.input_slices, validation=True)
+        self.val = make_data(cfg, spec, self.par.input_slices, validation=True, device=gpu, staged=self.staged)
         every = t.eval_every if t.eval_every is not None else (self.sampler.steps_per_epoch if t.epochs else 0)
         self.eval_every = int(every)
         self.ckpt_every = int(t.checkpoint_every or 0)
@@ -155,7 +157,16 @@ class Run:
             self.prefetch.close()
             self.history["reader_s"] += self.prefetch.reader_s
         progress.mark("record")
-        return self.record()
+        record = self.record()
+        unstage(self.staged, self.world, self.barrier)
+        return record
+
+    def barrier(self) -> None:
+        """Every rank of the job here (a one-rank job: nothing to wait for)."""
+        import torch.distributed as dist
+
+        if self.world.size > 1:
+            dist.barrier()
 
     def elapsed(self) -> float:
         """Seconds of training since the first step, evaluations included, across restarts."""
@@ -328,7 +339,7 @@ class Run:
         record["step_time_s"]["measured_from"] = self.measure_from
         if seen:
             record["peak_memory_bytes"]["tensor_steps"] = list(range(min(self.measure_from, len(seen))))
-        notes = list(par.notes) + self.notes(measured)
+        notes = list(par.notes) + self.notes(measured) + ([self.staged.note()] if self.staged else [])
         if notes:
             record["notes"] = notes
         if par.scaler.enabled:
