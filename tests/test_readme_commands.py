@@ -1,8 +1,9 @@
-"""Every command the README and jobs/README.md show runs here as written (with one step), so a
-documented example can never be the broken one; the ones that need another machine say why.
+"""Every command the README, jobs/README.md and the pages under docs/ show runs here as written (with
+one step), so a documented example can never be the broken one; the ones that need another machine say why.
 
-The commands are read from the documents themselves (fenced ``bash`` blocks and indented code
-lines): a command added to the docs without a line in COMMANDS fails the first test."""
+The commands are read from the documents themselves (README.md, jobs/README.md and every docs/*.md, in
+sorted order; fenced ``bash`` blocks and indented code lines): a command added to any of them without a
+line in COMMANDS fails the first test, and so does a line in COMMANDS that no document shows any more."""
 from __future__ import annotations
 
 import os
@@ -63,10 +64,14 @@ COMMANDS: dict[str, list[str] | str] = {
 SLURM = ("cluster=local_slurm",)
 
 
+#: the documents whose commands are listed in COMMANDS
+DOCS = [ROOT / "README.md", ROOT / "jobs" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
 def documented() -> list[str]:
     out: list[str] = []
-    for doc in ("README.md", "jobs/README.md"):
-        text = (ROOT / doc).read_text()
+    for doc in DOCS:
+        text = doc.read_text()
         lines = [ln for block in re.findall(r"```bash\n(.*?)```", text, re.S) for ln in block.splitlines()]
         lines += [ln for ln in text.splitlines() if ln.startswith("    ") and not ln.startswith("     ")]
         for ln in lines:
