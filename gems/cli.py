@@ -29,7 +29,7 @@ commands:
   render [OVERRIDES]     print the sbatch script this configuration would submit
   plan [OVERRIDES]       memory plan per rank without starting the world
   data synth [OVERRIDES] write a synthetic HDF5 dataset (data.path, data.num_samples)
-  bench NAME             side-by-side benchmark: overhead, spatial, pipeline, plan
+  bench NAME             side-by-side benchmark: overhead, spatial, pipeline, plan, data
 
 overrides: key=value (train.steps=10), group=option (model=unet3d cluster=local_slurm),
            +experiment=NAME (see conf/experiment/). `gems run --help` lists every key with its default
@@ -190,8 +190,13 @@ def print_rows(records: list[dict[str, Any]]) -> None:
 
     from gems.results.table import rows_for
 
-    cols = ("name", "status", "world", "mesh", "schedule", "batch", "samples/s", "samples/s/gpu", "step_s",
-            "peak_mem_MiB", "final_loss", "note")
+    cols: tuple[str, ...] = ("name", "status", "world", "mesh", "schedule", "batch", "samples/s", "samples/s/gpu",
+                             "step_s", "peak_mem_MiB", "final_loss")
+    if any(r.get("validation") for r in records):
+        cols += ("val_mae",)
+    if any(r.get("target") for r in records):
+        cols += ("time_to_target_s", "target_reached")
+    cols += ("note",)
     t = Table(show_header=True, header_style="bold")
     for c in cols:
         t.add_column(c)
@@ -458,6 +463,7 @@ BENCHES = {
     "spatial": ("gems.bench.spatial", "bench_spatial"),
     "pipeline": ("gems.bench.pipeline", "bench_pipeline"),
     "plan": ("gems.bench.plan", "bench_plan"),
+    "data": ("gems.bench.data", "bench_data"),
 }
 
 

@@ -49,10 +49,25 @@ def test_bench_modules_answer_help_and_reject_options_without_running():
     import subprocess
     import sys
 
-    for name in ("overhead", "spatial", "pipeline"):
+    for name in ("overhead", "spatial", "pipeline", "data"):
         ok = subprocess.run([sys.executable, "-m", f"gems.bench.{name}", "--help"], capture_output=True, text=True,
                             timeout=60)
         assert ok.returncode == 0 and f"gems.bench.{name} [OUT_DIR]" in ok.stdout
         bad = subprocess.run([sys.executable, "-m", f"gems.bench.{name}", "--steps=3"], capture_output=True, text=True,
                              timeout=60)
         assert bad.returncode == 2 and "--steps=3" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_bench_data_writes_its_table_with_every_contender(tmp_path):
+    """A small `gems bench data` (32^3, S=1): the table and its environment written, both data kinds measured
+    with every contender (the times themselves are the benchmark's business, not a test's)."""
+    from gems.bench.data import bench_data
+
+    text = bench_data(tmp_path, sizes=(32,), spatials=(1,), rounds=1)
+    assert (tmp_path / "data.md").read_text() == text
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| 32^3")]
+    assert [r[2].strip() for r in rows] == ["synthetic", "hdf5"]
+    for r in rows:
+        reader, bound, off_step, off_exposed, on_step = (float(r[i]) for i in (3, 4, 5, 6, 7))
+        assert min(reader, bound, off_step, off_exposed, on_step) > 0
+    assert "To reproduce: `gems bench data`" in text

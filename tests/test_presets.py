@@ -125,10 +125,18 @@ def test_init_world_under_mpi_keeps_the_site_master_addr(monkeypatch: pytest.Mon
     _fake_mpi(monkeypatch, _FakeComm(rank=0, size=2))
     seen: dict[str, str] = {}
 
+    def fake_rendezvous(url: str, rank: int, size: int, **kw: object):  # env:// reads the environment here
+        seen.update(addr=os.environ["MASTER_ADDR"], port=os.environ["MASTER_PORT"])
+        yield dist.HashStore(), rank, size
+
     def fake_init(backend: str, **kw: object) -> None:
-        seen.update(addr=os.environ["MASTER_ADDR"], port=os.environ["MASTER_PORT"], backend=backend)
+        seen.update(backend=backend)
+
+    import gems.bootstrap
 
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "rendezvous", fake_rendezvous)
+    monkeypatch.setattr(gems.bootstrap, "check_devices", lambda *a, **k: None)  # the other rank is not there
     monkeypatch.setattr(dist, "init_process_group", fake_init)
     world = init_world(compose(["comm.backend=mpi", "train.device=cpu"]))
     assert seen["addr"] == "jwb0038i" == world.master_addr

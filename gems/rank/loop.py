@@ -35,6 +35,7 @@ from gems.rank.compose import Parallel, set_up_rank
 from gems.rank.data import Prefetcher, Sampler, make_data, replica_indices, share, stage, step_batch, unstage
 from gems.rank.optim import LearningRate
 from gems.results import record as rec
+from gems.results.mlperf import MLPerfLog
 
 
 # ---------------------------------------------------------------------------- the run
@@ -88,6 +89,8 @@ class Run:
         if t.threads and world.device.type == "cpu":
             torch.set_num_threads(int(t.threads))
         self.mesh = mesh = mesh_from_config(cfg, world.size)
+        self.mlperf = MLPerfLog(cfg, world.rank)  # a run with a target: MLPerf HPC's log, from init start
+        self.mlperf.init_start(_device_name(world.device), world.size)
         settings = resolve(cfg)
         if world.size > 1:
             mesh.build_groups(world.rank, groups=settings.holder_groups, timeout=world.timeout)
@@ -97,7 +100,10 @@ class Run:
         self.meter.reset()
         self.coord, spec, self.par, self.opt = set_up_rank(cfg, world, mesh, settings)
         gpu = world.device if world.device.type == "cuda" else None  # synthetic samples drawn on the rank's GPU
+        staging = cfg.data.stage == "node"
+        self.mlperf.staging(start=True, when=staging)
         self.staged = stage(cfg, world, str(cfg.run_id or "run"), self.barrier)  # data.stage=node: copied once
+        self.mlperf.staging(start=False, when=staging)
         self.data = make_data(cfg, spec, self.par.input_slices, device=gpu, staged=self.staged)
         inject.arm(cfg, world.rank, self.par.modules)
         self.B, self.R = int(t.batch_size), mesh.replicas
@@ -120,6 +126,7 @@ class Run:
         # (a resumed run splits the pipeline waits of the steps after its restart only: the rest stay bubble_or_wait)
         self.run_sent: dict[tuple[int, ...], float] = {}
         self.run_received: dict[tuple[int, ...], tuple[float, float]] = {}
+        self.mlperf.init_stop(self.B, self.lr.base, len(self.data), len(self.val) if self.val is not None else 0)
 
     def resume(self) -> None:
         """After a preemption, a time limit or a requeue (gems/checkpoint.py): the step to start from and the
@@ -149,11 +156,14 @@ class Run:
         self.t_begin = time.time()  # time to target counts from the first training step (MLPerf's run start)
         self.prefetch = Prefetcher(self.fetch, range(self.start, self.steps), int(self.cfg.data.prefetch),
                                    self.world.device)
+        self.mlperf.run_start()
         try:
             for step in range(self.start, self.steps):
                 if self.one_step(step):
                     break  # the target reached: every rank evaluated the same figures
+            self.mlperf.run_stop(reached=bool(self.history.get("target")))
         finally:
+            self.mlperf.pause()  # stopped to be requeued, or failed: the next job appends
             self.prefetch.close()
             self.history["reader_s"] += self.prefetch.reader_s
         progress.mark("record")
@@ -180,6 +190,9 @@ class Run:
         """The step; True when an evaluation after it reached the run's target."""
         cfg, world, par, h = self.cfg, self.world, self.par, self.history
         progress.mark("data", step)
+        spe = self.sampler.steps_per_epoch
+        if step % spe == 0:
+            self.mlperf.epoch(start=True, epoch=step // spe)
         inject.before_step(cfg, world.rank, step)
         if cfg.fault.preempt_at_step == step and self.restarts == 0:
             _preempt(cfg, world, step, par, self.opt, h, self.wd, "fault injection: preempting the job")
@@ -208,6 +221,8 @@ class Run:
         if stop and step + 1 < self.steps:  # Slurm's signal before the time limit (or a preemption notice)
             _preempt(cfg, world, step + 1, par, self.opt, h, self.wd,
                      "the time limit is near: checkpointing and requeueing")
+        if (step + 1) % spe == 0:
+            self.mlperf.epoch(start=False, epoch=step // spe)
         reached = self.evaluate(step) if self.evaluation_due(step) else False
         if self.ckpt_every and (step + 1) % self.ckpt_every == 0 and step + 1 < self.steps and not h["nonfinite_steps"]:
             progress.mark("checkpoint")  # a diverged run keeps its last good checkpoint
@@ -230,6 +245,8 @@ class Run:
         import torch.distributed as dist
 
         progress.mark("evaluate", step)
+        epochs_done = self.sampler.epoch_of(step + 1)
+        self.mlperf.evaluation(epochs_done, None, start=True)
         t0 = time.perf_counter()
         par, B, dev = self.par, self.B, self.world.device
         total = torch.zeros(par.metric.size, dtype=torch.float64, device=dev)
@@ -245,6 +262,7 @@ class Run:
         entry = {"step": step + 1, "epoch": round(self.sampler.epoch_of(step + 1), 6), **figures,
                  "seconds": time.perf_counter() - t0}
         self.history["validation"].append(entry)
+        self.mlperf.evaluation(epochs_done, figures.get(str(self.cfg.train.target_metric)), start=False)
         if self.world.rank == 0:
             shown = ", ".join(f"{k} {v:.4g}" for k, v in figures.items() if isinstance(v, float))
             print(f"gems: validation after step {step + 1}: {shown}", flush=True)
@@ -571,6 +589,10 @@ def _preempt(cfg: DictConfig, world: World, step: int, par: Parallel, opt: torch
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(ckpt.PREEMPTED_EXIT)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def _sync(device: torch.device) -> None:

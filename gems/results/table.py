@@ -41,8 +41,8 @@ from gems.errors import ConfigError
 
 COLUMNS = ("name", "status", "world", "nodes", "mesh", "schedule", "batch", "samples/s", "samples/s/gpu",
            "speedup", "efficiency", "step_s", "compute_s", "halo_s", "pipe_comm_s", "allreduce_s", "wait_s",
-           "data_s", "peak_mem_MiB", "tensor_mem_MiB", "final_loss", "n", "samples/s_min", "samples/s_max",
-           "reference", "note", "error")
+           "data_s", "peak_mem_MiB", "tensor_mem_MiB", "final_loss", "val_mae", "time_to_target_s", "ttt_min_s",
+           "ttt_max_s", "target_reached", "n", "samples/s_min", "samples/s_max", "reference", "note", "error")
 #: an efficiency above this is flagged: super-linear scaling usually means a slow baseline, not a fast point
 SUPERLINEAR = 1.05
 #: fewer measured steps than this and a throughput is flagged (one step's time is one sample of a noisy machine)
@@ -233,6 +233,7 @@ def _row_of(rs: list[dict[str, Any]]) -> dict[str, Any]:
             "final_loss": loss[-1], "samples/s_min": min(thr), "samples/s_max": max(thr),
         })
         row["_spread"] = (min(thr), max(thr))
+        row.update(_training(ok))
     elif status == "diverged":
         steps_nf = [s for x in rs for s in (x.get("nonfinite_steps") or [])]
         row["final_loss"] = f"non-finite loss at step(s) {', '.join(str(s) for s in sorted(set(steps_nf))[:5])}"
@@ -250,6 +251,31 @@ def _row_of(rs: list[dict[str, Any]]) -> dict[str, Any]:
         if few < FEW_STEPS:
             _note(row, f"the throughput rests on {few} measured step(s)")
     return row
+
+
+def time_to_target(seconds: list[float]) -> float:
+    """MLPerf HPC's figure over a point's repeats: with 3 or more, the fastest and the slowest are dropped and the
+    rest averaged (an "olympic" mean); with fewer, the mean."""
+    xs = sorted(seconds)
+    if len(xs) >= 3:
+        xs = xs[1:-1]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def _training(ok: list[dict[str, Any]]) -> dict[str, Any]:
+    """A point's training figures over its repeats: the last validation error, and with a target, how many
+    repeats reached it and their time to it (MLPerf HPC's mean, and the spread)."""
+    out: dict[str, Any] = {}
+    maes = [float(v[-1]["mae"]) for x in ok if (v := x.get("validation")) and "mae" in v[-1]]
+    if maes:
+        out["val_mae"] = _median(maes)
+    targeted = [x for x in ok if x.get("target")]
+    if targeted:
+        hit = [float(x["time_to_target_s"]) for x in targeted if x["target"].get("reached")]
+        out["target_reached"] = f"{len(hit)}/{len(targeted)}"
+        if hit:
+            out.update(time_to_target_s=time_to_target(hit), ttt_min_s=min(hit), ttt_max_s=max(hit))
+    return out
 
 
 def measured_steps(r: dict[str, Any]) -> int:
