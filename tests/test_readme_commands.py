@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FEWER = ["train.steps=1", "train.warmup_steps=0"]
 WALK = "walkthrough"
 
-#: command as documented -> extra overrides for the test (fewer steps), or a reason it does not run here
+#: command as documented -> overrides for the test (fewer steps; a key the command names takes the test's value), or
+#: a reason it does not run here
 COMMANDS: dict[str, list[str] | str] = {
     "bash scripts/setup.sh && gems run": [],  # the set-up is CI's first step: the test runs `gems run`
     "bash scripts/test.sh": "this test suite itself",
@@ -33,8 +34,13 @@ COMMANDS: dict[str, list[str] | str] = {
     "gems run parallel.replicas=2 parallel.pipeline=2 parallel.spatial=2 parallel.schedule=mast train.batch_size=8": FEWER,
     "gems run model=unet3d model.size=64 parallel.spatial=4": FEWER,
     "gems run model=resnet model.depth=110 model.size=512 parallel.pipeline=4 parallel.schedule=mast": FEWER,
-    "gems data synth data.path=/scratch/cosmo data.num_samples=64 model.size=128": [],
+    "gems data synth data.path=/scratch/cosmo data.num_samples=64 model.size=128": ["data.num_samples=8"],
     "gems run model=cosmoflow data=hdf5 data.path=/scratch/cosmo parallel.spatial=4": FEWER,
+    "gems data synth data.path=/scratch/cosmo/val data.num_samples=16 model.size=128 train.seed=1":
+        ["data.num_samples=4"],
+    # one epoch of the 8 samples the test writes instead of 128 epochs of 64, the evaluation on 4
+    "gems run model=cosmoflow_mlperf data=hdf5 data.path=/scratch/cosmo data.val_path=/scratch/cosmo/val "
+    "train.epochs=128 train.target_mae=0.124": ["train.epochs=1"],
     "gems run comm=mpi parallel.replicas=2": FEWER,
     "gems sweep +experiment=replication_weak": FEWER,
     "gems run cluster=local_slurm cluster.nodes=2 parallel.replicas=4": FEWER,
@@ -141,7 +147,9 @@ def _run(tmp_path: Path, cmd: str, extra: list[str]) -> None:
     else:  # a study script: it calls `gems` on PATH
         argv = ["bash", str(ROOT / words[0]), *words[1:]]
         env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    out = subprocess.run(argv + list(extra), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    keys = {e.split("=", 1)[0] for e in extra}
+    argv = [a for a in argv if a.split("=", 1)[0] not in keys] + list(extra)  # the test's value of a key
+    out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, f"{cmd}\n{out.stderr[-3000:]}\n{out.stdout[-1500:]}"
     if words[0] in ("jobs/replication_weak.sh",) or words[1] in ("run", "sweep"):
         recs = records(str(tmp_path / "results"))
