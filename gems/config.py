@@ -5,6 +5,9 @@ Schemas are registered in Hydra's ConfigStore as ``base_<group>`` and each
 YAML file in ``conf/<group>/`` lists its schema first in its defaults, so a
 misspelt key or a value of the wrong type fails at composition with the key
 named. ``conf/config.yaml`` holds only the defaults list.
+
+Why one file of this length: it is the schema, one dataclass per group with each key's default, bounds and help
+line: the one place a default is written.
 """
 from __future__ import annotations
 

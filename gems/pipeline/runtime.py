@@ -44,6 +44,9 @@ so ``SampleDropout`` draws the serial masks. With ``checkpoint=True`` a
 partition keeps only its input between forward and backward and runs the
 forward again in the backward; BatchNorm buffers are restored after the
 recomputation so running statistics are updated once.
+
+Why one file of this length: one executor for every schedule, with the bookkeeping of its messages (batches per
+link) and their timing; split, one state machine would be read in pieces.
 """
 from __future__ import annotations
 

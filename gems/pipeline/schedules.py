@@ -54,6 +54,10 @@ generalisation (at most ``D + 1`` micro-batches of activations per rank).
 :func:`simulate` re-checks any schedule (every forward before its backward,
 stage order, each action exactly once, no deadlock under the point-to-point
 pattern) and :func:`draw` prints the clock table each docstring shows.
+
+Why one file of this length: it is the registry, every schedule's builder (one short function each) beside the
+types they share and the simulator that checks them, so that a new schedule is one registration here plus its
+test.
 """
 from __future__ import annotations
 

@@ -32,6 +32,9 @@ PyTorch runs fp32 convolutions in TF32 by default on Ampere and later (``torch.b
 and fp32 matmuls in fp32 (``torch.backends.cuda.matmul.allow_tf32`` is off), so an fp32 convolution is timed
 at the tf32 rate where there is one. What a kernel reaches of the peak is an efficiency per op class
 (``plan.efficiency``: conv, matmul, memory; calibrated by ``gems bench plan``).
+
+Why one file of this length: it is a catalogue, the devices' table and each cluster preset's links one entry
+each, with the CPU measured beside them; split, one table would live in several places.
 """
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """The planner's trace: the real (spatial) model run layer by layer on fake tensors at a rank's local shapes,
 with a shape-only stand-in for its spatial context and CUDA autocast's casting rules on GPU targets;
 what autograd saves, per layer (:mod:`gems.plan.memory` adds it up, :mod:`gems.plan.cost` counts its ops).
+
+Why one file of this length: the fake-tensor trace and the shape-only spatial stand-in it needs are one
+mechanism; the memory and cost models that read it live apart.
 """
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """The training loop of a rank: warm-up, measured and profiled steps, the step's sync, non-finite losses,
 preemption and checkpoints, and the record rank 0 writes.
+
+Why one file of this length: :class:`Run` is one rank's run end to end (set-up, step, evaluation, target,
+record), and its parts read one state; composition, data, loss and optimizer live beside it in gems/rank/.
 """
 from __future__ import annotations
 

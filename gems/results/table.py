@@ -25,6 +25,8 @@ contention, not scaling).
 References (``results.reference``) bound a point's throughput, efficiency or
 step time: each point is marked pass or fail, and :func:`aggregate` reports
 the failures (``gems results`` exits 1).
+
+Why one file of this length: the rows of a study, and the markdown, CSV and plot made from them, are one output.
 """
 from __future__ import annotations
 
