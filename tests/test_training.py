@@ -229,3 +229,27 @@ def test_time_to_target_over_repeats_is_mlperfs_mean_without_the_fastest_and_slo
     assert float(row["ttt_min_s"]) == pytest.approx(times[0], rel=1e-3)
     assert float(row["ttt_max_s"]) == pytest.approx(times[2], rel=1e-3)
     assert float(row["val_mae"]) == pytest.approx(sorted(r["validation"][-1]["mae"] for r in recs)[1], rel=1e-3)
+
+
+def test_hdf5_epochs_validation_folder_and_step_schedule_on_a_cut_mesh_equal_one_process(tmp_path: Path) -> None:
+    """The issue's run, small: HDF5 files, epochs, a validation folder, the step schedule with warm-up, a target;
+    with each sample cut over S=2 ranks (each reads its hyperslab) and cut into a mast pipeline, every loss,
+    learning rate and validation figure equals one process's."""
+    from gems.data.synth import write_synthetic
+
+    write_synthetic(tmp_path / "train", 8, (4, 32, 32, 32), seed=1)
+    write_synthetic(tmp_path / "val", 4, (4, 32, 32, 32), seed=2)
+    args = ["data=hdf5", f"data.path={tmp_path / 'train'}", f"data.val_path={tmp_path / 'val'}", "train.epochs=3",
+            "train.optimizer=sgd", "train.lr_schedule=step", "train.lr_warmup=1", "train.lr_decay_boundaries=[2]",
+            "train.lr_decay_factors=[0.5]", "train.target_mae=0.001"]
+    one = _run(tmp_path / "one", *args)
+    assert len(one["validation"]) == 3 and one["target"]["reached"] is False and one["steps"] == 6
+    assert one["lr"][0] < one["lr"][1] == one["lr"][3] > one["lr"][4] == one["lr"][5]  # warm-up, then x0.5
+    for mesh in (["parallel.spatial=2"], ["parallel.pipeline=2", "parallel.schedule=mast"]):
+        got = _run(tmp_path / mesh[0].replace("=", ""), *args, *mesh)
+        np.testing.assert_allclose(got["loss"], one["loss"], rtol=1e-5)
+        assert got["lr"] == one["lr"]
+        for g, w in zip(got["validation"], one["validation"]):
+            assert g["epoch"] == w["epoch"] and g["samples"] == w["samples"] == 4
+            np.testing.assert_allclose([g["loss"], g["mae"], *g["mae_per_target"]],
+                                       [w["loss"], w["mae"], *w["mae_per_target"]], rtol=1e-5)
