@@ -83,7 +83,7 @@ def _autocast_bf16_cpu() -> bool:
 
 def bf16_conv3d_needs_fp32(x: torch.Tensor, first: int = 0) -> bool:
     """Whether a 3D convolution of ``x`` on CPU would run in bf16 on an input 2 cells deep, when spatial
-    dim ``first`` of ``x`` is put first (as :func:`gems.spatial.layers.conv_nd` may permute)."""
+    dim ``first`` of ``x`` is put first (as :func:`gems.spatial.conv_backend.conv_nd` may permute)."""
     return (x.device.type == "cpu" and x.dim() == 5 and x.shape[2 + first] == 2
             and (x.dtype == torch.bfloat16 or (x.is_floating_point() and _autocast_bf16_cpu())))
 

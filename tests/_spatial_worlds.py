@@ -337,11 +337,11 @@ def _route_check(spatial: nn.Module, route: str) -> list[str]:
     """Every convolution and pool of this rank that exchanges halos took ``route`` ("linear": the
     no-copy route of gems.spatial.halo, "window": assembled windows), so the case tests what it says."""
     from gems.spatial.geometry import is_empty
-    from gems.spatial.layers import _WindowLayer
+    from gems.spatial.layers.window import WindowLayer
 
     took = []
     for m in spatial.modules():
-        if isinstance(m, _WindowLayer):
+        if isinstance(m, WindowLayer):
             for _, p, box, _, _, r in m.__dict__.get("_plans", {}).values():
                 if not p.quiet and not is_empty(box):
                     took.append((m.label, "window" if r is None else "linear"))

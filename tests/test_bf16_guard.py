@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from gems.models.layers import guard_bf16_conv3d
-from gems.spatial.layers import conv_nd
+from gems.spatial.conv_backend import conv_nd
 
 
 def _grads(forward, conv, x0, reps=5):

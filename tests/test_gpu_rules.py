@@ -78,7 +78,7 @@ def test_avg_pool_correction_lives_on_the_output_device(cut: int) -> None:
     """A padded average pool cut in parts rescales its edge outputs by a correction made once on the output's
     device (it was a host tensor multiplied into a device tensor in every forward)."""
     from gems.spatial.context import SpatialContext
-    from gems.spatial.layers import SpatialAvgPool
+    from gems.spatial.layers.pool import SpatialAvgPool
 
     sctx = SpatialContext(None, list(range(cut)), (cut,), (0,), (0,))
     layer = SpatialAvgPool(nn.AvgPool2d(3, 2, 1, count_include_pad=False), sctx, "pool", 2)

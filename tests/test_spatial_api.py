@@ -155,14 +155,14 @@ def test_unet3d_spec():
 def test_conv_nd_avoids_the_slow_kernel_and_stays_exact():
     """A depth-halved slab that torch sends to its slow reference kernel goes to oneDNN through
     a permutation of the spatial dims, with the same values and gradients."""
-    from gems.spatial.layers import _perm_for, conv_nd
+    from gems.spatial.conv_backend import conv_nd, perm_for
 
     torch.manual_seed(0)
     x = torch.randn(1, 32, 16, 32, 32, requires_grad=True)
     w = torch.randn(8, 32, 3, 3, 3, requires_grad=True)
     b = torch.randn(8, requires_grad=True)
     assert "Slow" in str(torch._C._select_conv_backend(x, w, b, [1] * 3, [0, 1, 1], [1] * 3, False, [0] * 3, 1, None))
-    assert _perm_for(x, w, b, (1, 1, 1), (0, 1, 1), (1, 1, 1), 1) is not None
+    assert perm_for(x, w, b, (1, 1, 1), (0, 1, 1), (1, 1, 1), 1) is not None
     y = conv_nd(x, w, b, (1, 1, 1), (0, 1, 1), (1, 1, 1), 1)
     gy = torch.randn_like(y)
     got = torch.autograd.grad(y, (x, w, b), gy)

@@ -20,7 +20,7 @@ overlapped with the backward), as ``gems run`` does.
 128 planes, the part plus its one halo plane) in two concurrent processes
 with no halo exchange, i.e. what two ranks could at best do. ``plain`` uses
 torch's convolutions as they are; ``conv fix`` routes them through
-:func:`gems.spatial.layers.conv_nd`, which avoids torch's slow reference
+:func:`gems.spatial.conv_backend.conv_nd`, which avoids torch's slow reference
 kernel for slab shapes (see there); ``+ gradient sum`` adds the weight
 gradient sum over the two processes, which any spatial scheme needs. Rerun with
 ``python -m gems.bench.spatial [OUT_DIR]``.
@@ -68,7 +68,7 @@ def _fixed_convs(model: Any) -> Any:
     import torch
     from torch import nn
 
-    from gems.spatial.layers import conv_nd
+    from gems.spatial.conv_backend import conv_nd
 
     class FixedConv(nn.Module):
         def __init__(self, conv: nn.Conv3d) -> None:

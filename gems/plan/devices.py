@@ -367,8 +367,8 @@ def _conv_case(sig: tuple, input_grad: bool = True) -> tuple[Any, list[torch.Ten
         flops = 2.0 * (cout // groups) * math.prod(kernel) * x.numel()
         return (lambda x, w: conv(x, w, None, stride, 0, 0, groups)), [x, w], flops
     # through the spatial layers' kernel choice: at a reduced extent torch's heuristic can pick its slow
-    # reference kernel where the full-size convolution gets oneDNN (gems.spatial.layers.conv_nd)
-    from gems.spatial.layers import conv_nd
+    # reference kernel where the full-size convolution gets oneDNN (gems.spatial.conv_backend.conv_nd)
+    from gems.spatial.conv_backend import conv_nd
 
     w = torch.randn(cout, cin // groups, *kernel, requires_grad=True)
     ones = [1] * nd

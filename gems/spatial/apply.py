@@ -18,8 +18,15 @@ from torch import nn
 
 from gems.errors import ConfigError
 from gems.layers import SampleDropout
-from gems.spatial import layers as L
-from gems.spatial.context import SpatialContext
+from gems.spatial.context import GSHAPE, SpatialContext
+from gems.spatial.layers.base import SpatialLayer, tag_output
+from gems.spatial.layers.conv import SpatialConv
+from gems.spatial.layers.gather import SpatialGather
+from gems.spatial.layers.norm import SpatialNorm
+from gems.spatial.layers.pointwise import SpatialPointwise, SpatialPReLU, SpatialSampleDropout
+from gems.spatial.layers.pool import SpatialAvgPool, SpatialGlobalAvgPool, SpatialGlobalMaxPool, SpatialMaxPool
+from gems.spatial.layers.transpose import SpatialConvTranspose
+from gems.spatial.layers.upsample import SpatialUpsample
 from gems.spatial.registry import (
     CONTAINER,
     POINTWISE,
@@ -82,7 +89,7 @@ class _Converter:
         if rule == POINTWISE:
             if list(m.parameters(recurse=False)):
                 raise CannotCut("a pointwise layer without parameters")
-            return L.SpatialPointwise(m, self.sctx, label)
+            return SpatialPointwise(m, self.sctx, label)
         if rule == CONTAINER:
             return self.container(m, label)
         assert callable(rule)
@@ -94,7 +101,7 @@ class _Converter:
         new.__dict__ = {k: (copy.copy(v) if isinstance(v, dict) else v) for k, v in m.__dict__.items()}
         for name, child in m.named_children():
             new._modules[name] = self(child, f"{label}.{name}")
-        new.register_forward_hook(functools.partial(L.tag_output, self.sctx, {}))
+        new.register_forward_hook(functools.partial(tag_output, self.sctx, {}))
         return new
 
 
@@ -102,35 +109,35 @@ class _Converter:
 def _conv(m: Any, c: _Converter, label: str) -> nn.Module:
     if m.padding_mode != "zeros":
         raise CannotCut("padding_mode='zeros' (the only padding the halo exchange reproduces)")
-    return L.SpatialConv(m, c.sctx, label)
+    return SpatialConv(m, c.sctx, label)
 
 
 def _max_pool(m: Any, c: _Converter, label: str) -> nn.Module:
     if m.return_indices:
         raise CannotCut("return_indices=False")
-    return L.SpatialMaxPool(m, c.sctx, label, _ndim_of(m) or c.nd)
+    return SpatialMaxPool(m, c.sctx, label, _ndim_of(m) or c.nd)
 
 
 def _batch_norm(m: Any, c: _Converter, label: str) -> nn.Module:
-    return L.SpatialNorm(m, c.sctx, label) if c.bn_stats == "global" else _LocalNorm(m, c.sctx, label)
+    return SpatialNorm(m, c.sctx, label) if c.bn_stats == "global" else _LocalNorm(m, c.sctx, label)
 
 
 def _instance_norm(m: Any, c: _Converter, label: str) -> nn.Module:
     if m.track_running_stats:
         raise CannotCut("InstanceNorm with track_running_stats=False")
-    return L.SpatialNorm(m, c.sctx, label)
+    return SpatialNorm(m, c.sctx, label)
 
 
 def _upsample(m: Any, c: _Converter, label: str) -> nn.Module:
     if m.mode not in ("nearest", "nearest-exact", "linear", "bilinear", "trilinear"):
         raise CannotCut("Upsample mode nearest, nearest-exact, linear, bilinear or trilinear")
-    return L.SpatialUpsample(m, c.sctx, label)
+    return SpatialUpsample(m, c.sctx, label)
 
 
 def _softmax(m: Any, c: _Converter, label: str) -> nn.Module:
     if m.dim != 1:
         raise CannotCut("Softmax/LogSoftmax over the channels (dim=1)")
-    return L.SpatialPointwise(m, c.sctx, label)
+    return SpatialPointwise(m, c.sctx, label)
 
 
 def _global_pool(kind: Any) -> Any:
@@ -150,20 +157,20 @@ def _needs_whole(m: Any, c: _Converter, label: str) -> nn.Module:
 
 
 for _t, _rule in [
-    (nn.modules.conv._ConvTransposeNd, lambda m, c, label: L.SpatialConvTranspose(m, c.sctx, label)),
+    (nn.modules.conv._ConvTransposeNd, lambda m, c, label: SpatialConvTranspose(m, c.sctx, label)),
     (nn.modules.conv._ConvNd, _conv),
     (nn.modules.pooling._MaxPoolNd, _max_pool),
-    (nn.modules.pooling._AvgPoolNd, lambda m, c, label: L.SpatialAvgPool(m, c.sctx, label, _ndim_of(m) or c.nd)),
-    (nn.modules.pooling._AdaptiveAvgPoolNd, _global_pool(L.SpatialGlobalAvgPool)),
-    (nn.modules.pooling._AdaptiveMaxPoolNd, _global_pool(L.SpatialGlobalMaxPool)),
+    (nn.modules.pooling._AvgPoolNd, lambda m, c, label: SpatialAvgPool(m, c.sctx, label, _ndim_of(m) or c.nd)),
+    (nn.modules.pooling._AdaptiveAvgPoolNd, _global_pool(SpatialGlobalAvgPool)),
+    (nn.modules.pooling._AdaptiveMaxPoolNd, _global_pool(SpatialGlobalMaxPool)),
     (nn.modules.batchnorm._BatchNorm, _batch_norm),
-    (nn.GroupNorm, lambda m, c, label: L.SpatialNorm(m, c.sctx, label)),
+    (nn.GroupNorm, lambda m, c, label: SpatialNorm(m, c.sctx, label)),
     (nn.modules.instancenorm._InstanceNorm, _instance_norm),
     (nn.Upsample, _upsample),
-    (nn.PReLU, lambda m, c, label: L.SpatialPReLU(m, c.sctx, label)),
+    (nn.PReLU, lambda m, c, label: SpatialPReLU(m, c.sctx, label)),
     (nn.Softmax, _softmax),
     (nn.LogSoftmax, _softmax),
-    (SampleDropout, lambda m, c, label: L.SpatialSampleDropout(m, c.sctx, label)),
+    (SampleDropout, lambda m, c, label: SpatialSampleDropout(m, c.sctx, label)),
     (nn.Flatten, _needs_whole),
     (nn.Linear, _needs_whole),
 ]:
@@ -172,7 +179,7 @@ for _t in POINTWISE_TYPES:
     register_pointwise(_t)
 
 
-class _LocalNorm(L.SpatialLayer):
+class _LocalNorm(SpatialLayer):
     """BatchNorm with per-part statistics (``bn_stats="local"``): the serial layer on the part."""
 
     def __init__(self, norm: nn.Module, sctx: SpatialContext, label: str) -> None:
@@ -183,7 +190,7 @@ class _LocalNorm(L.SpatialLayer):
     def forward(self, x: Any) -> Any:
         import torch.nn.functional as F
 
-        g = getattr(x, L.GSHAPE, None)
+        g = getattr(x, GSHAPE, None)
         f = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
@@ -267,7 +274,7 @@ def apply_spatial(seq: nn.Sequential, ctx: SpatialContext, spatial_end: int | No
             raise ConfigError("model", f"layer {i} {_describe(m)}", (e.why + "; or " if e.why else "")
                               + f"a layer gems can partition: {SUPPORTED}") from None
     if spatial_end is not None:
-        out.append(L.SpatialGather(ctx, "gather", whole=conv.trunk_ends))
+        out.append(SpatialGather(ctx, "gather", whole=conv.trunk_ends))
         out += layers[end:]
     spatial = nn.Sequential(*out)
     spatial.training = seq.training
