@@ -95,13 +95,20 @@ def test_the_data_term_is_the_generators_time_and_a_first_stage_delays_the_ranks
         asked.append((tuple(part), inp, tgt))
         return (0.01 if inp else 0.0) + (0.001 if tgt else 0.0)
 
-    monkeypatch.setattr(devices, "synthetic_seconds", per_sample)
+    import gems.plan.predict as predict  # the planner's prediction looks the generator's time up there
+
+    monkeypatch.setattr(predict, "synthetic_seconds", per_sample)
+    # data.prefetch=2 (the default), but this machine's every core computes: the reader takes the step's time
+    ahead = make_plan(compose(base), suggest=False).prediction
+    assert {p["pipeline"]: p["breakdown"]["data"] for p in ahead.per_position} == pytest.approx({0: 0.08, 1: 0.008})
+    assert any("every core computes, so the reader's time is the step's" in a for a in ahead.assumptions)
+    base = base + ["data.prefetch=0"]  # read in the step: the same here
     pr = make_plan(compose(base), suggest=False).prediction
     ranks = {p["pipeline"]: p["breakdown"] for p in pr.per_position}
     assert ranks[0]["data"] == pytest.approx(8 * 0.01)  # the first stage makes the inputs of all 8 samples
     assert ranks[1]["data"] == pytest.approx(8 * 0.001)  # the last one their targets
     assert ((3, 32, 32), True, False) in asked and ((3, 32, 32), False, True) in asked
-    monkeypatch.setattr(devices, "synthetic_seconds", lambda spec, part, inp, tgt, threads=1: 0.0)
+    monkeypatch.setattr(predict, "synthetic_seconds", lambda spec, part, inp, tgt, threads=1: 0.0)
     free = make_plan(compose(base), suggest=False).prediction
     # the last stage waits for the first's forward, which starts once its data is made: the step is longer
     # by the first stage's data (rank 1's targets are made while it waits)
@@ -112,6 +119,17 @@ def test_the_data_term_is_the_generators_time_and_a_first_stage_delays_the_ranks
     rates = devices.cpu_rates(1)
     assert {p["pipeline"]: p["breakdown"]["data"] for p in files.per_position}[0] == pytest.approx(
         2 * 4 * 3 * 32 * 32 * 8 / rates.bandwidth)
+
+
+def test_a_reader_ahead_hides_the_data_behind_a_gpu_step_and_the_plan_says_when_it_cannot():
+    base = ["model=cosmoflow", "model.size=128", "train.batch_size=8", "cluster=perlmutter", "cluster.account=x",
+            "data=hdf5", "data.path=/staged"]
+    inline = make_plan(compose(base + ["data.prefetch=0"]), suggest=False).prediction
+    ahead = make_plan(compose(base), suggest=False).prediction
+    read = inline.breakdown["data"]
+    assert read > 0 and ahead.breakdown["data"] == pytest.approx(max(0.0, read - (inline.step_s - read)), abs=1e-9)
+    assert ahead.step_s == pytest.approx(inline.step_s - read + ahead.breakdown["data"])
+    assert any("data read 2 step(s) ahead" in a for a in ahead.assumptions)
 
 
 def test_where_every_core_computes_the_whole_gradient_all_reduce_counts():
