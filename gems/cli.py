@@ -126,14 +126,11 @@ def main(argv: list[str] | None = None) -> int:
 
 # ---------------------------------------------------------------------------- run
 def launch_one(cfg: Any, quiet: bool = False) -> dict[str, Any]:
-    if cfg.cluster.launcher == "slurm":
-        from gems.launch import slurm
+    from gems.launch.base import launcher_for
 
-        return slurm.launch(cfg)
-    from gems.launch import local
-
-    if quiet:
-        return local.launch(cfg)
+    launcher = launcher_for(cfg)
+    if quiet or launcher.shows_progress:
+        return launcher.launch(cfg)
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -141,11 +138,11 @@ def launch_one(cfg: Any, quiet: bool = False) -> dict[str, Any]:
 
     steps = StepProgress(run_steps(cfg))
     if not console.is_terminal:  # a log or a pipe: a plain line now and then, so a long run is never silent
-        return local.launch(cfg, on_progress=lambda s: steps.line(s, lambda t: print(f"gems: {cfg.run_id}: {t}",
-                                                                                      file=sys.stderr, flush=True)))
+        return launcher.launch(cfg, on_progress=lambda s: steps.line(
+            s, lambda t: print(f"gems: {cfg.run_id}: {t}", file=sys.stderr, flush=True)))
     with console.status(f"[bold]{cfg.run_id}[/]: starting") as status:
-        return local.launch(cfg, on_progress=lambda s: steps.line(s, lambda t: status.update(f"[bold]{cfg.run_id}[/]: {t}"),
-                                                                  every_s=0.0))
+        return launcher.launch(cfg, on_progress=lambda s: steps.line(
+            s, lambda t: status.update(f"[bold]{cfg.run_id}[/]: {t}"), every_s=0.0))
 
 
 class StepProgress:
@@ -276,7 +273,7 @@ def cmd_sweep(args: list[str]) -> int:
     records: list[dict[str, Any]] = []
     study.save(plan)  # the manifest before the first job: a study interrupted now is still found
     if to_run and to_run[0].cfg.cluster.launcher == "slurm":
-        from gems.launch import slurm
+        from gems.launch import slurm, watch
 
         runs = slurm.submit_all([q.cfg for q in to_run])
         study.save(plan, {(q.point, q.repeat): {"job_id": r.job_id, "job_dir": str(r.job_dir), "run_id": r.run_id}
@@ -289,7 +286,7 @@ def cmd_sweep(args: list[str]) -> int:
                   + study.follow_text(plan.sweep, results_dir), flush=True)
             return 0
         try:
-            outcomes = slurm.wait(runs, on_cancel="leave")
+            outcomes = watch.wait(runs, on_cancel="leave")
         except Cancelled as c:
             c.detail = f"{c.detail}; {study.follow_text(plan.sweep, results_dir)}"
             raise

@@ -14,8 +14,8 @@ import pytest
 
 from gems.config import compose
 from gems.errors import ConfigError
+from gems.launch.options import python_command, sbatch_parameters
 from gems.launch.render import render, sbatch_options, srun_command
-from gems.launch.slurm import python_command, sbatch_parameters
 
 GOLDEN = Path(__file__).parent / "golden"
 JOB_DIR = "/scratch/gems/.jobs/golden"

@@ -24,7 +24,7 @@ import _slurm_ranks as ranks  # noqa: E402
 
 from gems.config import compose  # noqa: E402
 from gems.errors import ConfigError  # noqa: E402
-from gems.launch import slurm  # noqa: E402
+from gems.launch import options, slurm, watch  # noqa: E402
 
 
 def _cfg(tmp_path: Path, *extra: str):
@@ -38,7 +38,7 @@ def _jobs_in_queue() -> set[str]:
 
 def test_two_nodes_four_ranks_allreduce(tmp_path: Path) -> None:
     run = slurm.submit(_cfg(tmp_path), fn=ranks.allreduce_rank)
-    [out] = slurm.wait(run, progress=False)
+    [out] = watch.wait(run, progress=False)
     assert out.ok, out.error
     assert out.state == "COMPLETED"
     assert sorted(r["rank"] for r in out.results) == [0, 1, 2, 3]
@@ -50,7 +50,7 @@ def test_two_nodes_four_ranks_allreduce(tmp_path: Path) -> None:
 def test_dead_rank_is_reported_failed_in_bounded_time(tmp_path: Path) -> None:
     t0 = time.time()
     run = slurm.submit(_cfg(tmp_path), fn=ranks.die_on_rank1)
-    [out] = slurm.wait(run, progress=False)
+    [out] = watch.wait(run, progress=False)
     assert not out.ok
     assert time.time() - t0 < 120
     assert out.state == "FAILED"
@@ -61,7 +61,7 @@ def test_dead_rank_is_reported_failed_in_bounded_time(tmp_path: Path) -> None:
 def test_timeout_cancels_and_reports(tmp_path: Path) -> None:
     t0 = time.time()
     run = slurm.submit(_cfg(tmp_path, "cluster.timeout_min=0.15"), fn=ranks.sleep_forever)
-    [out] = slurm.wait(run, progress=False)
+    [out] = watch.wait(run, progress=False)
     assert not out.ok and out.state == "TIMEOUT"
     assert "cluster.timeout_min" in (out.error or "")
     assert time.time() - t0 < 90
@@ -75,7 +75,7 @@ def test_sweep_of_two_jobs_waits_for_both(tmp_path: Path) -> None:
     cfgs = [_cfg(tmp_path / "a"), _cfg(tmp_path / "b")]
     runs = slurm.submit_all(cfgs, fn=ranks.allreduce_rank)
     assert len({r.job_id for r in runs}) == 2
-    outs = slurm.wait(runs, progress=True)
+    outs = watch.wait(runs, progress=True)
     assert [o.job_id for o in outs] == [r.job_id for r in runs]
     assert all(o.ok for o in outs), [o.error for o in outs]
 
@@ -127,7 +127,7 @@ def test_rendered_script_runs_when_submitted_by_hand(tmp_path: Path) -> None:
     from gems.launch.render import write_job
     from gems.results import record as rec
 
-    cfg = slurm.prepare(_cfg(tmp_path, f"cluster.python={sys.executable}"))
+    cfg = options.prepare(_cfg(tmp_path, f"cluster.python={sys.executable}"))
     script = write_job(cfg)
     out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60,
                          cwd=tmp_path)

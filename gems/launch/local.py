@@ -246,6 +246,15 @@ class _Watch:
                 pass
 
 
+class LocalLauncher:
+    """:class:`~gems.launch.base.Launcher` on this machine: rank 0's step lines go to ``on_progress``."""
+
+    shows_progress = False
+
+    def launch(self, cfg: DictConfig, on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+        return launch(cfg, on_progress=on_progress)
+
+
 def _progress_line(log: Path) -> str:
     try:
         with open(log, "rb") as f:

@@ -3,7 +3,7 @@
 Why it exists: on many clusters users want (or must) see and submit the batch script
 themselves. The script is rendered from a Jinja2 template in ``sbatch_templates/`` with the
 same #SBATCH options, setup lines and srun line that gems' submitit launcher uses
-(both come from :func:`gems.launch.slurm.sbatch_parameters`), so a hand-submitted job
+(both come from :func:`gems.launch.options.sbatch_parameters`), so a hand-submitted job
 and a ``gems run cluster=...`` job ask Slurm for the same resources. The only difference
 is the command: ``python -m gems.worker --config <resolved.yaml>`` instead of submitit's
 pickle runner. ``tests/test_render.py`` keeps the two in step.
@@ -20,8 +20,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from gems.config import to_yaml
 from gems.errors import ConfigError
-from gems.launch.slurm import python_command, sbatch_parameters
+from gems.launch.options import default_job_dir, job_name, prepare, python_command, sbatch_parameters
+from gems.results.record import private_dir
 
 # submitit's sbatch parameters that are not #SBATCH options
 _NOT_SBATCH = ("setup", "srun_args", "additional_parameters", "teardown", "signal_delay_s",
@@ -76,8 +78,6 @@ def render(cfg: DictConfig, job_dir: str | Path | None = None, config_path: str 
     """
     import jinja2
 
-    from gems.launch.slurm import default_job_dir
-
     jd = Path(job_dir) if job_dir is not None else default_job_dir(cfg)
     cp = Path(config_path) if config_path is not None else jd / "config.yaml"
     c = cfg.cluster
@@ -96,12 +96,7 @@ def render(cfg: DictConfig, job_dir: str | Path | None = None, config_path: str 
 
 def write_job(cfg: DictConfig, job_dir: str | Path | None = None) -> Path:
     """Write ``config.yaml`` and ``<job name>.sbatch`` into the job folder; return the script's path."""
-    from gems.config import to_yaml
-    from gems.launch.slurm import default_job_dir, job_name, prepare
-
     cfg = prepare(cfg)
-    from gems.results.record import private_dir
-
     jd = Path(job_dir).resolve() if job_dir is not None else default_job_dir(cfg)
     cp = jd / "config.yaml"
     text = render(cfg, jd, cp)  # first: a value the script cannot take is bad input, and nothing is written

@@ -1,0 +1,34 @@
+"""The launcher interface: a configuration's job run to its end, on this machine or on Slurm.
+
+A :class:`Launcher` (as submitit's executors, local and Slurm behind one interface) runs one job and
+returns its results record; :func:`launcher_for` picks :class:`~gems.launch.local.LocalLauncher` or
+:class:`~gems.launch.slurm.SlurmLauncher` from ``cluster.launcher``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+from omegaconf import DictConfig
+
+from gems.launch.local import LocalLauncher
+from gems.launch.slurm import SlurmLauncher
+
+
+class Launcher(Protocol):
+    """Runs one configuration's job to its end."""
+
+    @property
+    def shows_progress(self) -> bool:
+        """True when the launcher draws its own progress (Slurm's live table of jobs); False when it passes
+        rank 0's step lines to ``on_progress`` for the caller to show."""
+
+    def launch(self, cfg: DictConfig, on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """Run ``cfg``'s job and return its record (status ok or failed); never hangs, never leaves ranks behind."""
+
+
+def launcher_for(cfg: DictConfig) -> Launcher:
+    """The launcher ``cluster.launcher`` names: ``slurm``, else ranks as local processes."""
+    return SlurmLauncher() if cfg.cluster.launcher == "slurm" else LocalLauncher()
+
+
+__all__ = ["Launcher", "launcher_for"]

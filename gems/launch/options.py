@@ -1,0 +1,99 @@
+"""The Slurm options of a job, from the typed ``cfg.cluster``: submitit's ``SlurmExecutor`` parameters
+under sbatch's own names (:func:`sbatch_parameters`), the interpreter on the compute nodes, and where a
+job keeps its files.
+
+One place builds them, so the submitit launcher (:mod:`gems.launch.slurm`), the check before submitting
+(:mod:`gems.launch.admission`) and a hand-submitted script (:mod:`gems.launch.render`) ask Slurm for the
+same thing.
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
+
+from gems.errors import ConfigError
+from gems.results import record as rec
+
+_WHAT = {"account": "your project/budget account", "partition": "a partition (sinfo -s)",
+         "qos": "a QOS (sacctmgr show qos)", "constraint": "a node feature (sinfo -o %f)"}
+
+
+def _cluster_value(cfg: DictConfig, key: str) -> Any:
+    """``cluster.<key>``; a placeholder (``???`` or ``<...>`` in a preset) is a ConfigError."""
+    try:
+        val = OmegaConf.select(cfg, f"cluster.{key}", throw_on_missing=True)
+    except MissingMandatoryValue:
+        val = "???"
+    if isinstance(val, str) and (val == "???" or (val.startswith("<") and val.endswith(">"))):
+        raise ConfigError(f"cluster.{key}", val, f"{_WHAT.get(key, 'a value')}: add cluster.{key}=NAME")
+    return val
+
+
+def _mem(gb: float) -> str:
+    return f"{int(gb)}GB" if float(gb) == int(gb) else f"{int(float(gb) * 1024)}MB"
+
+
+def job_name(cfg: DictConfig) -> str:
+    return str(cfg.get("run_id") or cfg.results.get("name") or "gems")
+
+
+def python_command(cfg: DictConfig) -> str:
+    """The interpreter on the compute nodes: ``cluster.python``, else this one."""
+    py = _cluster_value(cfg, "python")
+    return str(py) if py else shlex.quote(sys.executable)
+
+
+def sbatch_parameters(cfg: DictConfig) -> dict[str, Any]:
+    """submitit ``SlurmExecutor`` parameters (sbatch names) for ``cfg.cluster``."""
+    c = cfg.cluster
+    params: dict[str, Any] = {
+        "job_name": job_name(cfg),
+        "time": int(c.time_min),
+        "nodes": int(c.nodes),
+        "ntasks_per_node": int(c.tasks_per_node),
+        "cpus_per_task": int(c.cpus_per_task),
+        "wckey": "gems",
+        # SIGUSR2 this long before the time limit: every rank checkpoints and the job is requeued
+        "signal_delay_s": int(c.get("signal_margin_s", 120)),
+    }
+    additional = OmegaConf.to_container(c.additional, resolve=True) if c.additional else {}
+    # sites that count GPUs as a generic resource (--gres=gpu:4) get that instead of --gpus-per-node
+    if int(c.gpus_per_node or 0) > 0 and "gres" not in additional:  # type: ignore[operator]
+        params["gpus_per_node"] = int(c.gpus_per_node)
+    if c.mem_gb is not None:
+        params["mem"] = _mem(c.mem_gb)
+    for key in ("partition", "account", "qos", "constraint"):
+        val = _cluster_value(cfg, key)
+        if val not in (None, ""):
+            params[key] = str(val)
+    setup = [str(s) for s in (c.setup or [])]
+    if setup:
+        params["setup"] = setup
+    srun_args = [str(a) for a in (c.srun_args or [])]
+    if srun_args:
+        params["srun_args"] = srun_args
+    if additional:
+        params["additional_parameters"] = {str(k): v for k, v in additional.items()}  # type: ignore[union-attr]
+    return params
+
+
+def default_job_dir(cfg: DictConfig) -> Path:
+    """Where submitit keeps a run's pickles and logs: ``{results.dir}/.jobs/{run_id}``."""
+    return Path(cfg.results.dir).resolve() / ".jobs" / str(cfg.run_id or "gems")
+
+
+def prepare(cfg: DictConfig) -> DictConfig:
+    """A copy of ``cfg`` with a run id and an absolute ``results.dir`` (ranks may start elsewhere)."""
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[assignment]  # a mapping
+    if not cfg.get("run_id"):
+        cfg.run_id = rec.new_run_id(rec.default_name(cfg))
+    cfg.results.dir = str(Path(cfg.results.dir).resolve())
+    return cfg
+
+
+__all__ = ["job_name", "python_command", "sbatch_parameters", "default_job_dir", "prepare"]

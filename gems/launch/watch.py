@@ -1,0 +1,251 @@
+"""Watching Slurm jobs until each has ended, ok or failed, and the live view of them.
+
+A job on a cluster can die in ways no Python code in it sees (a rank killed, a node lost, a time
+limit), and many sites (and the test cluster here) run without accounting, so ``sacct`` cannot say
+what happened and submitit alone would wait forever for a result that never comes. The
+:class:`Watcher` takes a job's state from ``squeue --states=all`` (one query for every job not yet
+finished; Slurm keeps finished jobs for ``MinJobAge``), then ``sacct`` where it works, then submitit's
+own per-task result files, and keeps the jobs that ended in a cache that is never asked about again.
+A job that leaves the queue without a result, or that runs past ``cluster.timeout_min``, is reported
+failed (:mod:`gems.launch.diagnose` says why). :class:`LiveView` draws the watcher's jobs as a rich
+table; :func:`wait` runs the two until every job has ended.
+"""
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+from gems.errors import Cancelled
+from gems.launch import cancel_on_signals
+from gems.launch.diagnose import error_of, outcome, stderr_tail
+from gems.launch.jobs import FINAL_STATES, Outcome, SlurmRun, slurm_command, task_outcomes
+from gems.results import record as rec
+
+
+def _squeue(job_ids: Iterable[str]) -> dict[str, tuple[str, str]] | None:
+    """{job id: (state, reason or nodes)} for jobs Slurm still knows; None when squeue fails."""
+    ids = sorted(set(job_ids))
+    if not ids:
+        return {}
+    try:
+        out = slurm_command(["squeue", "-h", "-r", "--states=all", "-j", ",".join(ids), "-o", "%i|%T|%r|%N"],
+                            timeout=30)
+    except subprocess.TimeoutExpired:
+        return None
+    if out.returncode != 0:
+        if "invalid job id" in (out.stderr + out.stdout).lower():
+            return {}
+        return None
+    info: dict[str, tuple[str, str]] = {}
+    for line in out.stdout.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) == 4 and parts[0] in ids:
+            jid, state, reason, nodes = parts
+            info[jid] = (state.split()[0], nodes if state == "RUNNING" and nodes else reason)
+    return info
+
+
+def _sacct_state(job_id: str) -> str | None:
+    """The job's final state from accounting, where the site has it."""
+    if shutil.which("sacct") is None:
+        return None
+    try:
+        out = slurm_command(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], timeout=30)
+    except subprocess.TimeoutExpired:
+        return None
+    lines = [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
+    if out.returncode != 0 or not lines:
+        return None
+    return lines[0].split()[0]
+
+
+def _cancel(run: SlurmRun) -> None:
+    try:
+        slurm_command(["scancel", run.job_id], timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+
+
+class Watcher:
+    """What Slurm says of a set of jobs. Each :meth:`poll` asks once for every job not yet finished and
+    moves the ones that ended into :attr:`finished` (by job id), a cache that is never asked about again."""
+
+    def __init__(self, runs: Sequence[SlurmRun], error_grace_s: float = 30.0) -> None:
+        self.runs = list(runs)
+        self.finished: dict[str, Outcome] = {}
+        self.error_grace_s = error_grace_s
+
+    @property
+    def unfinished(self) -> list[SlurmRun]:
+        return [r for r in self.runs if r.job_id not in self.finished]
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == len(self.runs)
+
+    def outcomes(self) -> list[Outcome]:
+        """Every job's outcome, in the order of :attr:`runs` (once :attr:`done`)."""
+        return [self.finished[r.job_id] for r in self.runs]
+
+    def poll(self) -> None:
+        """One look at every unfinished job; puts the ones that ended into :attr:`finished`."""
+        live = self.unfinished
+        if not live:
+            return
+        info = _squeue(r.job_id for r in live)
+        now = time.time()
+        for run in live:
+            if info is not None and run.job_id in info:
+                run.seen = True
+                run.state, run.detail = info[run.job_id]
+                if run.state == "RUNNING":
+                    run.ran = True
+                if run.state == "PENDING" and run.detail == "BeginTime" and run.ran:
+                    # gems requeued it (a preemption, the time limit near): Slurm holds a requeued job back for
+                    # two minutes; the job's own checkpoint makes an immediate restart safe
+                    slurm_command(["scontrol", "update", f"JobId={run.job_id}", "StartTime=now"], timeout=30)
+            elif info is not None and (run.seen or now - run.submitted_at > 60):
+                # Slurm no longer knows it (purged after MinJobAge, or never listed): ask accounting, else files
+                acct = _sacct_state(run.job_id)
+                run.state = acct if acct else "GONE"
+            self._settle(run, now)
+
+    def _settle(self, run: SlurmRun, now: float) -> None:
+        """Put ``run`` into :attr:`finished` if it ended, failed while its peers run on, or ran out of time."""
+        results = task_outcomes(run)
+        if run.state in FINAL_STATES or run.state == "GONE":
+            run.ended_at = run.ended_at or now
+            # results may land a moment after Slurm says the job ended (shared filesystems)
+            if run.state == "COMPLETED" and any(r is None for r in results) and now - run.ended_at < 15:
+                return
+            state = "COMPLETED" if run.state == "GONE" and all(r is not None for r in results) else run.state
+            self.finished[run.job_id] = outcome(run, state, error_of(run, state))
+            return
+        if any(r is not None and r[0] == "error" for r in results):
+            # a task raised while its peers still run (they may wait forever on it): give them a grace period
+            run.error_seen_at = run.error_seen_at or now
+            if now - run.error_seen_at > self.error_grace_s:
+                _cancel(run)
+                run.ended_at = now
+                self.finished[run.job_id] = outcome(run, "FAILED", error_of(run, "FAILED"))
+                return
+        if now - run.submitted_at > run.timeout_s:
+            _cancel(run)
+            run.ended_at = now
+            _, tail = stderr_tail(run)
+            minutes = run.timeout_s / 60
+            msg = (f"gave up after {minutes:g} min in state {run.state} (cluster.timeout_min; "
+                   f"the job was cancelled)" + (f"\n{tail}" if tail else ""))
+            self.finished[run.job_id] = outcome(run, "TIMEOUT", msg)
+
+
+def table(runs: Sequence[SlurmRun], finished: dict[str, Outcome]) -> Any:
+    """The jobs as a rich table: run, job, state, nodes or pending reason (the error when failed), time."""
+    from rich.table import Table
+
+    t = Table(title=f"gems: {len(finished)}/{len(runs)} Slurm job(s) done", title_justify="left")
+    for col in ("run", "job", "state", "nodes / reason", "time"):
+        t.add_column(col)
+    now = time.time()
+    for r in runs:
+        out = finished.get(r.job_id)
+        if out is not None:
+            state = "[green]done[/]" if out.ok else f"[red]{out.state.lower()}[/]"
+            detail = "" if out.ok else (out.error or "").splitlines()[0][:70]
+            elapsed = out.elapsed_s
+        else:
+            state, detail, elapsed = r.state.lower(), r.detail, now - r.submitted_at
+        t.add_row(r.run_id, r.job_id, state, detail, f"{elapsed:.0f}s")
+    return t
+
+
+class LiveView:
+    """A watcher's :func:`table` on stderr: redrawn after each poll on a terminal, drawn once at the end elsewhere."""
+
+    def __init__(self, watcher: Watcher) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        self.watcher = watcher
+        console = Console(stderr=True)
+        self.live = Live(self._table(), console=console, refresh_per_second=4, transient=False,
+                         auto_refresh=console.is_terminal)
+        self.live.start()
+
+    def _table(self) -> Any:
+        return table(self.watcher.runs, self.watcher.finished)
+
+    def refresh(self) -> None:
+        if self.live.console.is_terminal:
+            self.live.update(self._table())
+
+    def close(self) -> None:
+        self.live.update(self._table())
+        self.live.stop()
+
+
+def _record_cancelled(run: SlurmRun, signum: int) -> None:
+    """Cancel a job the launcher gives up on (it received ``signum``) and write its cancelled record."""
+    _cancel(run)
+    error = f"slurm job {run.job_id}: cancelled: the launcher received {signal.Signals(signum).name}"
+    record = rec.failed_record(run.cfg, error, failure={"kind": "cancelled", "signal": signum,
+                                                        "slurm_job_id": run.job_id})
+    record["env"]["slurm_job_id"] = run.job_id
+    try:
+        rec.write_record(run.record_path, record)
+    except FileExistsError:
+        pass
+
+
+def wait(runs: SlurmRun | Sequence[SlurmRun], progress: bool = True, poll_s: float | None = None,
+         on_update: Callable[[Sequence[SlurmRun], dict[str, Outcome]], None] | None = None,
+         on_cancel: str = "cancel") -> list[Outcome]:
+    """Wait until every job has ended (ok or failed); outcomes in the order of ``runs``.
+
+    Never waits forever: each job ends at the latest ``cluster.timeout_min`` after submission
+    (default ``cluster.time_min + 5``), when it is cancelled and reported failed. SIGINT, SIGTERM or
+    SIGHUP raise :class:`~gems.errors.Cancelled`: with ``on_cancel="cancel"`` the jobs still queued or
+    running are cancelled first and recorded so; with ``"leave"`` they go on (a detached study).
+    """
+    runs = [runs] if isinstance(runs, SlurmRun) else list(runs)
+    if not runs:
+        return []
+    step = float(poll_s if poll_s is not None else min(float(r.cfg.cluster.get("poll_s") or 1.0) for r in runs))
+    watcher = Watcher(runs)
+    view = LiveView(watcher) if progress else None
+    try:
+        with cancel_on_signals():
+            interval, seen = step, None
+            while True:
+                watcher.poll()
+                if view is not None:
+                    view.refresh()
+                if on_update is not None:
+                    on_update(runs, watcher.finished)
+                if watcher.done:
+                    break
+                # one squeue a poll for all jobs; while nothing changes, ask less and less often
+                now = (len(watcher.finished), tuple(r.state for r in runs))
+                interval = step if now != seen else min(interval * 1.5, max(step, min(5 * step, 300.0)))
+                seen = now
+                time.sleep(interval)
+    except Cancelled as c:
+        left = watcher.unfinished
+        ids = ", ".join(r.job_id for r in left)
+        if on_cancel == "cancel":
+            for r in left:
+                _record_cancelled(r, c.signum)
+            c.detail = f"cancelled Slurm job(s) {ids}" if left else "every job had ended"
+        else:
+            c.detail = f"Slurm job(s) {ids} go on" if left else "every job had ended"
+        raise
+    finally:
+        if view is not None:
+            view.close()
+    return watcher.outcomes()
+
+
+__all__ = ["Watcher", "LiveView", "table", "wait"]
