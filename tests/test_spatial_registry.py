@@ -40,7 +40,7 @@ def serial(tmp_path_factory):
     ("_custom_models.own_layer", "[1,8,8,8]", ["parallel.spatial=2"], "layer 1 Normalize()"),
     ("_custom_models.registered_own", "[1,8,8,8]", ["parallel.spatial=2"], None),
     ("_custom_models.resnet_head_2d", "[1,8,8]", ["parallel.spatial=2", "parallel.pipeline=2",
-                                                  "parallel.schedule=mast", "train.batch_size=4"], None),
+                                                  "parallel.schedule=mast"], None),
 ])
 def test_models_with_global_pooling_or_uncut_layers_train_like_serial(tmp_path, serial, target, shape, par, note):
     base = [*COMMON, f"model._target_={target}", f"model.input_shape={shape}"]
@@ -49,8 +49,8 @@ def test_models_with_global_pooling_or_uncut_layers_train_like_serial(tmp_path, 
     assert out.returncode == 0, out.stderr[-2000:]
     (r,) = records(str(tmp_path))
     torch.testing.assert_close(torch.tensor(r["loss"]), torch.tensor(ref), rtol=1e-5, atol=1e-7)
-    if note is None:
-        assert not r.get("notes"), r.get("notes")
+    if note is None:  # nothing gathered early (other notes, such as on the few measured steps, may be there)
+        assert not any("gathered before it" in n for n in r.get("notes") or []), r.get("notes")
     else:
         assert any(note in n and "gathered before it" in n for n in r["notes"]), r.get("notes")
         assert note in out.stderr  # said before launch too

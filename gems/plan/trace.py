@@ -140,6 +140,12 @@ def spatial_stand_in(parts: Sequence[int], dims: Sequence[int], grid: Sequence[i
         def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
             return x if self.size == 1 else _AllReduce.apply(x, self)
 
+        def reduce(self, x: torch.Tensor, op: Any) -> torch.Tensor:
+            # the maxima and minima of global max pooling, and its gradient's sum: logged, not sent
+            if self.size > 1:
+                self.times.append((self.layer[0], "allreduce", x.numel() * x.element_size(), 1))
+            return x.detach().clone().contiguous()
+
         def exchange(self, send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, torch.Tensor]],
                      tag: int = 0) -> list[Any]:
             # no messages: a log of their sizes (the buffers are still made by the real halo code)

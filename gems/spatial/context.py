@@ -264,17 +264,18 @@ class SpatialContext:
 
     def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         """The element-wise maximum over the parts (no gradient: callers route it themselves)."""
-        return self._reduce(x, dist.ReduceOp.MAX)
+        return self.reduce(x, dist.ReduceOp.MAX)
 
     def all_reduce_min(self, x: torch.Tensor) -> torch.Tensor:
         """The element-wise minimum over the parts (no gradient)."""
-        return self._reduce(x, dist.ReduceOp.MIN)
+        return self.reduce(x, dist.ReduceOp.MIN)
 
     def all_reduce_sum_grad(self, g: torch.Tensor) -> torch.Tensor:
         """The sum over the parts of a gradient (inside a backward: not differentiable)."""
-        return self._reduce(g, dist.ReduceOp.SUM)
+        return self.reduce(g, dist.ReduceOp.SUM)
 
-    def _reduce(self, x: torch.Tensor, op: Any) -> torch.Tensor:
+    def reduce(self, x: torch.Tensor, op: Any) -> torch.Tensor:
+        """``x`` reduced with ``op`` over the parts, as a new tensor (no gradient)."""
         y = x.detach().clone().contiguous()
         if self.size > 1:
             with waiting("spatial collective"):
