@@ -25,3 +25,10 @@ def records(folder: str) -> list[dict]:
             r["_path"] = p
             out.append(r)
     return out
+
+
+def merged(*overrides: str) -> list[str]:
+    """``overrides`` with one value per key, the last one given (a key twice on gems's command line is bad input):
+    for a test's base settings followed by what the test changes."""
+    last = {o.split("=", 1)[0]: i for i, o in enumerate(overrides)}
+    return [o for i, o in enumerate(overrides) if last[o.split("=", 1)[0]] == i]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _cli import gems, records
+from _cli import gems, merged, records
 
 from gems.fault.progress import WAITS
 from gems.fault.reports import Exit, explain, write_report
@@ -224,7 +224,7 @@ def test_a_killed_launcher_leaves_no_rank_and_the_run_resumes_from_its_checkpoin
     _wait_for(lambda: not _alive_workers(job), timeout=15)
     assert not records(str(tmp_path))
     args = ["run", f"results.dir={tmp_path}", f"run_id={job}", *SMALL, "parallel.replicas=2", "train.steps=12"]
-    bad = gems(*args[:-1], "train.steps=12", "train.batch_size=8")
+    bad = gems(*merged(*args, "train.batch_size=8"))
     assert bad.returncode == 2 and "train.batch_size=8" in bad.stderr and "expected 4" in bad.stderr, bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
     again = gems(*args, timeout=240)
@@ -338,7 +338,7 @@ def test_the_time_limit_checkpoints_requeues_and_resumes_to_identical_losses(tmp
     30 s and 90 s into the job): the first run gets SIGUSR2, every rank saves, the job is requeued and
     resumes. 100 steps of at least a second each cannot finish before the latest the signal comes, on
     any machine (70 did once, on a slower one whose signal came late)."""
-    common = [*SMALL, "parallel.replicas=2", "train.steps=100", "train.batch_size=2"]
+    common = merged(*SMALL, "parallel.replicas=2", "train.steps=100", "train.batch_size=2")
     out = gems("run", f"results.dir={tmp_path}/slurm", "cluster=local_slurm", "cluster.nodes=2", *common,
                "cluster.time_min=2", "cluster.signal_margin_s=30", "fault.step_delay_s=1", timeout=500)
     assert out.returncode == 0, out.stderr[-3000:]

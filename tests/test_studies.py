@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _cli import gems, records
+from _cli import gems, merged, records
 
 TINY = ["model.size=32", "model.width=0.25", "train.steps=3", "train.warmup_steps=1"]
 
@@ -66,8 +66,8 @@ def test_scaling_is_inferred_and_single_runs_get_no_speedup(tmp_path):
     want = float(r1["step_s"]) / (2 * float(r2["step_s"]))
     assert abs(eff - want) < 1e-3 * want and eff < 1.0  # strong: p0 T(p0) / (p T(p)), never above 1 here
     single = gems("run", f"results.dir={tmp_path}/single", *TINY)
-    other = gems("run", f"results.dir={tmp_path}/single", *TINY, "model.width=0.5", "parallel.replicas=2",
-                 "train.batch_size=2")
+    other = gems("run", f"results.dir={tmp_path}/single", *merged(*TINY, "model.width=0.5", "parallel.replicas=2",
+                                                                  "train.batch_size=2"))
     assert single.returncode == other.returncode == 0
     res = gems("results", f"{tmp_path}/single")
     assert res.returncode == 0, res.stderr
@@ -187,7 +187,7 @@ def test_a_detached_sweep_returns_at_once_and_is_followed_to_its_table(tmp_path,
 def test_an_interrupted_sweep_leaves_its_jobs_running_and_recoverable_and_cancel_ends_them(tmp_path):
     env, log = _shim(tmp_path)
     p = subprocess.Popen([sys.executable, "-m", "gems.cli", "sweep", f"results.dir={tmp_path}", "results.sweep=int",
-                          "cluster=local_slurm", *TINY, "train.steps=40", "fault.step_delay_s=0.5",
+                          "cluster=local_slurm", *merged(*TINY, "train.steps=40"), "fault.step_delay_s=0.5",
                           "parallel.replicas=1,2", "train.batch_size=2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env=env)
     t0 = time.monotonic()
@@ -212,15 +212,18 @@ def test_an_interrupted_sweep_leaves_its_jobs_running_and_recoverable_and_cancel
 
 
 def test_steps_csv_beside_the_record_and_a_chrome_trace_per_rank(tmp_path):
-    out = gems("run", f"results.dir={tmp_path}", *TINY, "train.steps=4", "parallel.replicas=2", "train.batch_size=2",
-               "train.profile=true", timeout=300)
+    out = gems("run", f"results.dir={tmp_path}", *merged(*TINY, "train.steps=5"), "parallel.replicas=2",
+               "train.batch_size=2", "train.profile=true", timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     (r,) = records(str(tmp_path))
     csv_path = Path(r["_path"]).with_suffix(".steps.csv")
     lines = csv_path.read_text().splitlines()
-    assert lines[0] == "step,loss,step_time_s,warmup" and len(lines) == 1 + 4
-    assert [float(ln.split(",")[1]) for ln in lines[1:]] == r["loss"]
-    # the profiled step (the first measured one) is left out of the timings
+    assert lines[0] == "step,loss,step_time_s,warmup,measured,lr,val_loss,val_mae,val_accuracy" and len(lines) == 1 + 5
+    rows = [ln.split(",") for ln in lines[1:]]
+    assert [float(row[1]) for row in rows] == r["loss"] and [float(row[5]) for row in rows] == r["lr"]
+    # warm-up, profiled for tensor memory, traced (train.profile), then the measured ones
+    assert [row[4] for row in rows] == ["0", "0", "0", "1", "1"]
+    # the traced step (the first after the tensor-memory profile) is left out of the timings
     assert len(r["step_time_s"]["all"]) == 2
     for rank in (0, 1):
         trace = json.loads((tmp_path / ".jobs" / r["run_id"] / "profile" / f"rank{rank}.json").read_text())

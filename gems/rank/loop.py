@@ -357,7 +357,8 @@ class Run:
         )
         record["host_memory"] = self.host_memory.summary
         record["step_time_s"]["every"] = h["every_step_time"]  # every step's time, warm-up and profiled ones too
-        record["step_time_s"]["measured_from"] = self.measure_from
+        traced = bool(self.cfg.train.profile) and self.steps - self.measure_from > 1  # its trace step is left out too
+        record["step_time_s"]["measured_from"] = self.measure_from + int(traced)
         if seen:
             record["peak_memory_bytes"]["tensor_steps"] = list(range(min(self.measure_from, len(seen))))
         notes = list(par.notes) + self.notes(measured) + ([self.staged.note()] if self.staged else [])
