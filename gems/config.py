@@ -20,6 +20,9 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from gems.errors import ConfigError
 
+#: optimizer steps of a run that names neither ``train.steps`` nor ``train.epochs``
+DEFAULT_STEPS = 6
+
 
 def key(default: Any = MISSING, help: str = "", *, choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None,
         ge: float | None = None, gt: float | None = None, lt: float | None = None, factory: Any = None) -> Any:
@@ -94,7 +97,7 @@ class ParallelConf:
 @dataclass
 class TrainConf:
     batch_size: int = key(4, "global batch of one optimizer step, all replicas together", ge=1)
-    steps: Optional[int] = key(None, "optimizer steps (null: train.epochs' worth, or 6 without epochs)", ge=1)
+    steps: Optional[int] = key(None, f"optimizer steps (null: train.epochs' worth, or {DEFAULT_STEPS} without epochs)", ge=1)
     epochs: Optional[int] = key(None, "passes over the training set, the last partial batch of each dropped "
                                       "(instead of train.steps)", ge=1)
     warmup_steps: int = key(2, "steps left out of the throughput (fewer than the run's steps)", ge=0)
@@ -499,8 +502,9 @@ def validate(cfg: DictConfig, relations: bool = True) -> None:
     t = cfg.train
     if t.steps is not None and t.epochs is not None:
         raise ConfigError("train.steps", t.steps, f"null with train.epochs={t.epochs} (the epochs set the steps)")
-    if t.steps is not None and t.warmup_steps >= t.steps:
-        raise ConfigError("train.warmup_steps", t.warmup_steps, f"0 <= warmup < train.steps={t.steps}")
+    steps = t.steps if t.steps is not None else (None if t.epochs is not None else DEFAULT_STEPS)
+    if steps is not None and t.warmup_steps >= steps:  # (with epochs the steps are known with the data set)
+        raise ConfigError("train.warmup_steps", t.warmup_steps, f"0 <= warmup < train.steps={steps}")
     check_lr_schedule(t)
     sp = cfg.parallel.spatial
     if isinstance(sp, int) or (OmegaConf.is_list(sp) and all(isinstance(x, int) for x in sp) and len(sp) > 0):

@@ -25,14 +25,13 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from omegaconf import DictConfig
 
+from gems.config import DEFAULT_STEPS
 from gems.errors import ConfigError
 from gems.models import ModelSpec
 
 if TYPE_CHECKING:
     from gems.rank.compose import Parallel
 
-#: optimizer steps of a run that names neither ``train.steps`` nor ``train.epochs``
-DEFAULT_STEPS = 6
 
 
 # ---------------------------------------------------------------------------- the sets
