@@ -8,7 +8,7 @@ with global BatchNorm, ResNet partitioned over a pipeline.
 """
 import pytest
 import torch
-from _cli import gems, records
+from _cli import gems, merged, records
 
 COSMO = ["model.size=32", "model.width=0.5", "train.steps=3", "train.warmup_steps=1"]
 
@@ -105,7 +105,7 @@ def test_hdf5_partitioned_input_trains_like_serial(tmp_path):
     par = losses(tmp_path / "s2", *base, "parallel.spatial=2", "parallel.replicas=2")
     torch.testing.assert_close(torch.tensor(par["loss"]), torch.tensor(ref["loss"]), rtol=2e-5, atol=1e-6)
     # files that do not match the model are named before anything starts
-    bad = gems("run", f"results.dir={tmp_path}/bad", *COSMO, "model.size=64", "data=hdf5", f"data.path={data}")
+    bad = gems("run", f"results.dir={tmp_path}/bad", *merged(*COSMO, "model.size=64"), "data=hdf5", f"data.path={data}")
     assert bad.returncode == 2 and "sample_" in bad.stderr and "[4, 32, 32, 32]" in bad.stderr, bad.stderr
     assert not (tmp_path / "bad").exists()
     # synth refuses to overwrite what is there

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import pytest
-from _cli import gems, records
+from _cli import gems, merged, records
 
 RUN = ["model.size=64", "model.width=0.5", "train.steps=3", "train.warmup_steps=1"]
 
 
 def _record(tmp, *args):
-    out = gems("run", f"results.dir={tmp}", *RUN, *args, timeout=300)
+    out = gems("run", f"results.dir={tmp}", *merged(*RUN, *args), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     (r,) = records(str(tmp))
     return r["peak_memory_bytes"]
@@ -32,7 +32,7 @@ def test_no_warmup_step_no_tensor_memory(tmp_path):
 def _planned(*args):
     import json
 
-    out = gems("plan", "plan.format=json", *RUN, *args, timeout=300)
+    out = gems("plan", "plan.format=json", *merged(*RUN, *args), timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)
 
