@@ -7,11 +7,15 @@ from _cli import gems, merged, records
 RUN = ["model.size=64", "model.width=0.5", "train.steps=3", "train.warmup_steps=1"]
 
 
-def _record(tmp, *args):
+def _full(tmp, *args):
     out = gems("run", f"results.dir={tmp}", *merged(*RUN, *args), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     (r,) = records(str(tmp))
-    return r["peak_memory_bytes"]
+    return r
+
+
+def _record(tmp, *args):
+    return _full(tmp, *args)["peak_memory_bytes"]
 
 
 def test_cpu_records_carry_tensor_memory_that_halves_with_two_parts(tmp_path):
@@ -23,10 +27,24 @@ def test_cpu_records_carry_tensor_memory_that_halves_with_two_parts(tmp_path):
     assert 0.4 * one["tensor_max"] < two["tensor_max"] < 0.75 * one["tensor_max"], (one, two)
 
 
-def test_no_warmup_step_no_tensor_memory(tmp_path):
-    # the tensor memory is measured on the last warm-up step (profiled), never on a timed one
-    got = _record(tmp_path, "train.warmup_steps=0")
-    assert "tensor_max" not in got and got["max"] > 0
+def test_without_warmup_steps_the_first_two_steps_are_profiled_and_left_out_of_the_timings(tmp_path):
+    # the tensor memory is measured on steps that are not timed: with no warm-up steps 0 and 1 (the second after
+    # the first optimizer step, so the optimizer's state counts), and the measured steps start at 2
+    rec = _full(tmp_path / "w0", "train.warmup_steps=0")
+    mem, st = rec["peak_memory_bytes"], rec["step_time_s"]
+    assert mem["tensor_max"] > 0 and mem["tensor_steps"] == [0, 1] and mem["max"] > 0
+    assert st["measured_from"] == 2 and len(st["all"]) == 1
+    assert any("profiled for tensor memory (after the first optimizer step" in n for n in rec["notes"]), rec["notes"]
+    # the same peak as a run whose warm-up steps are the profiled ones (Adam's state included in both)
+    warm = _record(tmp_path / "w2", "train.warmup_steps=2")
+    assert abs(warm["tensor_max"] - mem["tensor_max"]) < 0.03 * warm["tensor_max"], (warm, mem)
+
+
+def test_a_two_step_run_says_its_tensor_memory_leaves_the_optimizer_state_out(tmp_path):
+    rec = _full(tmp_path, "train.steps=2", "train.warmup_steps=0")
+    assert rec["peak_memory_bytes"]["tensor_steps"] == [0]
+    assert any("before the optimizer's state exists" in n for n in rec["notes"]), rec["notes"]
+    assert not any("after the first optimizer step" in n for n in rec["notes"]), rec["notes"]
 
 
 def _planned(*args):

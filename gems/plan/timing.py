@@ -69,8 +69,10 @@ def data_share(prediction: Any) -> float:
 def data_warning(cfg: Any, share: float) -> str:
     """What to say when data is more than :data:`DATA_WARN` of a predicted step, and what to change."""
     kind = cfg.data.name if cfg is not None else "synthetic"
-    fix = ("staged files (data=hdf5 data.path=...) or on-device synthetic samples" if kind == "synthetic"
-           else "faster storage, or files staged to node-local storage")
+    ahead = "a reader ahead of the step (data.prefetch=2, the default)"
+    fix = (f"{ahead}, GPU ranks (synthetic samples are drawn on the GPU), or staged files (data=hdf5 data.path=...)"
+           if kind == "synthetic" else f"{ahead}, files staged to node-local storage (data.stage=node), or faster "
+           "storage")
     return (f"data is {100 * share:.0f}% of the predicted step (more than {100 * DATA_WARN:.0f}%): the run would "
             f"measure the data path, not the model; try {fix}")
 

@@ -417,9 +417,12 @@ class Run:
         out = []
         warm, start = self.warm, self.measure_from
         if start > warm:
-            out.append(f"step(s) {warm}-{start - 1} were profiled for tensor memory (after the first optimizer "
-                       "step, so the optimizer's state counts) and left out of the timings; train.warmup_steps>=2 "
-                       "makes them warm-up steps")
+            after = " (after the first optimizer step, so the optimizer's state counts)" if start >= 2 else ""
+            out.append(f"step(s) {warm}-{start - 1} were profiled for tensor memory{after} and left out of the "
+                       "timings; train.warmup_steps>=2 makes them warm-up steps")
+        if self.world.device.type == "cpu" and 0 < start < 2:
+            out.append("the tensor memory was measured on step 0 only, before the optimizer's state exists: it "
+                       "leaves that state out; train.steps>=3 profiles a step after the first update too")
         if measured < 3:
             out.append(f"the throughput rests on {measured} measured step(s) (train.steps - train.warmup_steps"
                        f"{' - the profiled ones' if start > warm else ''}): one step's time is one sample of a "
