@@ -48,6 +48,10 @@ def test_rendered_script_holds_the_network_settings(name: str) -> None:
     assert not missing, f"{name}: the rendered sbatch script lacks {missing}"
     if name == "frontier":  # the plugin's module needs rocm loaded before it
         assert lines.index("module load PrgEnv-gnu rocm") < lines.index("module load rccl-net-plugin")
+    # each setting names its source in a comment just above it, in the script a user submits
+    first = min(lines.index(w) for w in NETWORK[name] if not w.startswith("#SBATCH"))
+    above = [ln for ln in lines[:first] if ln.startswith("# ")]
+    assert above and any("Source:" in ln or "docs." in ln for ln in above[-8:]), (name, above[-8:])
 
 
 class _FakeComm:
