@@ -57,3 +57,17 @@ def test_fp16_trains_on_two_replicas(tmp_path) -> None:
     (rec,) = records(str(tmp_path))
     assert rec["status"] == "ok" and all(math.isfinite(v) for v in rec["loss"]), rec["loss"]
     assert rec["loss_scale"]["final_scale"] > 0 and isinstance(rec["loss_scale"]["skipped_steps"], list)
+
+
+def test_steps_whose_scaled_gradients_overflow_are_skipped_and_counted_in_the_record(tmp_path) -> None:
+    """A first loss scale too large for this model's fp16 gradients (2^20; 2^16 is not): the first steps' gradients overflow, every rank skips them
+    (their updates are dropped), the scale halves each time, and the record lists the skipped steps."""
+    r = gems("run", "model=resnet", "model.depth=11", "model.size=16", "model.width=0.25", "parallel.replicas=2",
+             "train.precision=fp16", "train.steps=8", "train.warmup_steps=1", "train.loss_scale_init=1048576",
+             "train.optimizer=sgd", f"results.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    (rec,) = records(str(tmp_path))
+    skipped = rec["loss_scale"]["skipped_steps"]
+    assert skipped and skipped == list(range(len(skipped))) and len(skipped) < 8, rec["loss_scale"]
+    assert rec["loss_scale"]["final_scale"] == 2.0 ** (20 - len(skipped))
+    assert all(math.isfinite(v) for v in rec["loss"])  # the losses themselves stay finite: no run is stopped
