@@ -124,7 +124,8 @@ def test_init_world_under_mpi_keeps_the_site_master_addr(monkeypatch: pytest.Mon
 
     # init_world writes os.environ (RANK, MASTER_PORT...): a copy keeps that from the other tests
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
-                                        if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE")})
+                                        if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE",
+                                                     "TORCH_NCCL_ASYNC_ERROR_HANDLING")})
     monkeypatch.setenv("MASTER_ADDR", "jwb0038i")
     _fake_mpi(monkeypatch, _FakeComm(rank=0, size=2))
     seen: dict[str, str] = {}
@@ -134,7 +135,7 @@ def test_init_world_under_mpi_keeps_the_site_master_addr(monkeypatch: pytest.Mon
         yield dist.HashStore(), rank, size
 
     def fake_init(backend: str, **kw: object) -> None:
-        seen.update(backend=backend)
+        seen.update(backend=backend, nccl_errors=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", ""))
 
     import gems.bootstrap
 
@@ -145,3 +146,6 @@ def test_init_world_under_mpi_keeps_the_site_master_addr(monkeypatch: pytest.Mon
     world = init_world(compose(["comm.backend=mpi", "train.device=cpu"]))
     assert seen["addr"] == "jwb0038i" == world.master_addr
     assert seen["port"] == str(world.master_port) and world.source == "mpi" and seen["backend"] == "gloo"
+    # NCCL's failures raise in the rank (2: CleanUpOnly) so that it writes its failure report; torch's default (3)
+    # would kill the process from NCCL's watchdog without one (docs/design.md, "Rules of the GPU path")
+    assert seen["nccl_errors"] == "2"
