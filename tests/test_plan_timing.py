@@ -132,6 +132,19 @@ def test_a_reader_ahead_hides_the_data_behind_a_gpu_step_and_the_plan_says_when_
     assert any("data read 2 step(s) ahead" in a for a in ahead.assumptions)
 
 
+def test_synthetic_samples_drawn_on_the_gpu_take_the_gpus_time_whatever_the_reader():
+    """On GPU ranks the synthetic generator runs on the rank's own GPU: a reader ahead cannot hide it behind that
+    GPU's compute. The shipped weak-scaling study on Perlmutter then shows data as a few percent of the step:
+    neither the 98% of the host generator nor a free 0%."""
+    base = ["model=cosmoflow", "model.size=512", "parallel.spatial=4", "cluster=perlmutter", "cluster.account=x"]
+    ahead = make_plan(compose(base), suggest=False).prediction
+    inline = make_plan(compose(base + ["data.prefetch=0"]), suggest=False).prediction
+    assert ahead.breakdown["data"] == pytest.approx(inline.breakdown["data"]) and ahead.breakdown["data"] > 0
+    assert 0.01 < ahead.breakdown["data"] / ahead.step_s < 0.1, ahead.breakdown
+    assert any("made on the rank's device" in a for a in ahead.assumptions)
+    assert not any("step(s) ahead" in a for a in ahead.assumptions)
+
+
 def test_where_every_core_computes_the_whole_gradient_all_reduce_counts():
     # CosmoFlow replicated over 2 CPU ranks, 1 GB/s and 500 us a message: on a node of 2 cores both compute,
     # so gloo's all-reduce takes its time from them (the whole ring, in 256 KiB buckets, counts); on 8 cores it
@@ -487,3 +500,22 @@ def test_spatial_parts_meet_at_every_layer_so_a_stage_is_the_sum_of_its_slowest_
     assert met.fwd + met.bwd + met.comm_fwd + met.comm_bwd > 1.01 * slowest_sum
     # one part alone is its own time
     assert _meet(parts[:1]) is parts[0]
+
+
+def test_staging_is_counted_once_per_job_from_the_files_there_are(tmp_path):
+    """data.stage=node: every node copies the data set's files once (its ranks' network together), a figure of its
+    own beside the step, not part of it."""
+    from gems.data.synth import write_synthetic
+
+    write_synthetic(tmp_path / "train", 3, (4, 32, 32, 32))
+    write_synthetic(tmp_path / "val", 1, (4, 32, 32, 32), seed=1)
+    nbytes = sum(p.stat().st_size for p in tmp_path.glob("*/*.h5"))
+    base = ["model=cosmoflow", "model.size=32", "cluster=perlmutter", "cluster.account=x", "data=hdf5",
+            f"data.path={tmp_path / 'train'}", f"data.val_path={tmp_path / 'val'}", "parallel.replicas=4"]
+    staged = make_plan(compose(base + ["data.stage=node"]), suggest=False).prediction
+    plain = make_plan(compose(base), suggest=False).prediction
+    c = compose(base).cluster
+    assert staged.staging_s == pytest.approx(nbytes / (c.inter_node_GBps * 1e9 * 4) + 4 * c.inter_node_latency_us * 1e-6)
+    assert plain.staging_s == 0 and staged.step_s == pytest.approx(plain.step_s)
+    assert any("once per job" in a for a in staged.assumptions)
+    assert staged.as_json()["staging_once_s"] == staged.staging_s

@@ -11,7 +11,7 @@ from typing import Any
 from gems.pipeline.schedules import simulate
 from gems.plan.devices import cpu_rates, efficiency, gpu_rates, synthetic_seconds
 from gems.plan.memory import Planner, rank_threads
-from gems.plan.timing import Prediction, predict
+from gems.plan.timing import Prediction, predict, staging
 
 __all__ = ["predict_step", "computing_at_once", "placement"]
 
@@ -64,9 +64,10 @@ def predict_step(cfg: Any, pl: Planner, prof: Any, batch: int, dev: dict[str, An
                             "behind the backward)")
     if prof is None:
         prof = pl.profile(max(1, pl.chunk_of(batch)))
-    data, made = None, "data read from the page cache and copied"
+    data, made, on_device = None, "data read from the page cache and copied", False
     if str(cfg.data.name) == "synthetic" and dev["kind"] == "gpu":
-        data, made = gpu_synthetic(rates), "synthetic samples drawn on the GPU (memory-bound, a kernel per plane)"
+        data, made, on_device = gpu_synthetic(rates), ("synthetic samples drawn on the GPU (memory-bound, a kernel "
+                                                       "per plane; the GPU's own time, not hidden by the reader)"), True
     elif str(cfg.data.name) == "synthetic":  # made on the host: this machine's CPU, timed
         share, threads = rates.share, rank_threads(cfg)
 
@@ -74,9 +75,35 @@ def predict_step(cfg: Any, pl: Planner, prof: Any, batch: int, dev: dict[str, An
             return share * n * synthetic_seconds(pl.st.spec, list(part), inp, tgt, threads)
 
         made = f"synthetic samples generated on the host as fast as here ({threads} thread(s))"
-    pred = predict(pl, prof, batch, rates, c, nodes, tpn, data, int(cfg.data.prefetch))
+    pred = predict(pl, prof, batch, rates, c, nodes, tpn, data, int(cfg.data.prefetch), on_device)
     pred.assumptions.append(made)
+    if cfg.data.name == "hdf5" and cfg.data.stage == "node":
+        from gems.errors import ConfigError
+        from gems.plan.devices import links
+
+        try:  # the files come over the network, whatever the job's size
+            network = links(c, 2)[1]
+        except ConfigError:  # a preset without between-node figures
+            network = None
+        files, nbytes = data_set_files(cfg)
+        pred.staging_s, said = staging(nbytes, tpn, network, files)
+        pred.assumptions.append(said)
     return pred
+
+
+def data_set_files(cfg: Any) -> tuple[int, int]:
+    """(files, bytes) of the training and validation folders as they are here (0, 0 where they are not)."""
+    from pathlib import Path
+
+    files, nbytes = 0, 0
+    for path in (cfg.data.path, cfg.data.val_path):
+        p = Path(str(path)) if path else None
+        if p is None or not p.exists():
+            continue
+        found = sorted(p.glob("*.h5")) if p.is_dir() else [p]
+        files += len(found)
+        nbytes += sum(f.stat().st_size for f in found)
+    return files, nbytes
 
 
 def gpu_synthetic(rates: Any) -> Any:

@@ -85,6 +85,9 @@ def render_table(plan: MemoryPlan, width: int = 120, cfg: Any = None) -> str:
         terms = ", ".join(f"{k} {v:.3g}" for k, v in pr.breakdown.items() if v > 0)
         con.print(f"predicted step: {pr.step_s:.3g} s ({terms}; set by {pr.position}) = {pr.throughput:.3g} "
                   f"samples/s", soft_wrap=True)
+        if pr.staging_s > 0:
+            con.print(f"staging to node-local storage (data.stage=node): {pr.staging_s:.3g} s once per job",
+                      soft_wrap=True)
         for a in pr.assumptions:
             con.print(f"  assumed: {a}", soft_wrap=True)
         if data_share(pr) > DATA_WARN:

@@ -182,10 +182,12 @@ class Prediction:
     position: str  # the mesh position that sets the step time
     per_position: list[dict[str, Any]] = field(default_factory=list)
     assumptions: list[str] = field(default_factory=list)
+    staging_s: float = 0.0  # data.stage=node: the copy to node-local storage, once per job (not a step's)
 
     def as_json(self) -> dict[str, Any]:
         return {"total": self.step_s, "breakdown": dict(self.breakdown), "position": self.position,
-                "per_position": self.per_position, "assumptions": list(self.assumptions)}
+                "per_position": self.per_position, "assumptions": list(self.assumptions),
+                "staging_once_s": self.staging_s}
 
 
 @dataclass
@@ -284,11 +286,13 @@ def copied(rates: Rates) -> DataTime:
 
 
 def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: int, tasks_per_node: int,
-            data: DataTime | None = None, prefetch: int = 0) -> Prediction:
+            data: DataTime | None = None, prefetch: int = 0, data_on_device: bool = False) -> Prediction:
     """The step time of the planned job (``pl``: the memory planner with its traces; ``prof``: its balance
     and per-class stages at this batch; ``data``: how long a rank takes to make its data, :func:`copied`
     by default; ``prefetch``: the steps a reader makes ahead (``data.prefetch``): where communication and
-    compute leave room (``rates.spare``), only what outlasts the step before is exposed)."""
+    compute leave room (``rates.spare``), only what outlasts the step before is exposed. Data made on the
+    rank's own device (``data_on_device``: synthetic samples drawn on a GPU) takes that device's time whatever
+    the reader: it is never hidden)."""
     from gems.plan.devices import links
 
     st = pl.st
@@ -345,7 +349,7 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
             return message(stage_out[act.stage] if act.kind.forward else stage_in[act.stage], lk) + \
                 rendezvous_wait(2, cost(act), jitter)
 
-        if prefetch > 0 and rates.spare:
+        if prefetch > 0 and rates.spare and not data_on_device:
             data_s = _exposed(data_s, max(pipeline_times(sched, cost, transfer, None)[0]))
         end, end0, _busy = pipeline_times(sched, cost, transfer, data_s)
         actions = sched.actions
@@ -353,7 +357,7 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
     else:
         t = per_stage[0]
         work = t.fwd + t.bwd + t.comm_fwd + t.comm_bwd
-        data_s = _exposed(data_s, work) if prefetch > 0 and rates.spare else data_s
+        data_s = _exposed(data_s, work) if prefetch > 0 and rates.spare and not data_on_device else data_s
         end = end0 = [data_s[0] + work]
         actions = None
         ranks = range(1)
@@ -396,7 +400,7 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
     assert worst is not None
     step = sum(worst.values())
     return Prediction(step, worst, batch / step if step > 0 else math.inf, worst_label, per_position,
-                      _assumptions(rates, intra, inter, overlap, world, jitter, prefetch))
+                      _assumptions(rates, intra, inter, overlap, world, jitter, prefetch, data_on_device))
 
 
 def _stage_list(pl: Any, classes: Any, bal: Sequence[int], chunk: int, rates: Rates, S: int,
@@ -418,6 +422,19 @@ def _stage_list(pl: Any, classes: Any, bal: Sequence[int], chunk: int, rates: Ra
     return out
 
 
+def staging(nbytes: float, tasks_per_node: int, link: Link | None, files: int) -> tuple[float, str]:
+    """``data.stage=node``: every node copies all ``nbytes`` of the data set once, its ranks sharing the files,
+    at most as fast as the node's ranks can take from the network together (``link``: the between-node figure of
+    one rank; a shared filesystem may be slower). Seconds once per job, and what that assumes."""
+    if link is None or nbytes <= 0:
+        return 0.0, "data.stage=node: the copy's time is not predicted (no between-node link figures, or no files)"
+    rate = link.bandwidth * max(1, tasks_per_node)
+    seconds = nbytes / rate + files * link.latency
+    return seconds, (f"data.stage=node: {files} files, {nbytes / 2**30:.3g} GiB copied to every node once at job "
+                     f"start at {rate / 1e9:g} GB/s a node (its ranks' network; a slower filesystem makes it "
+                     f"longer): {seconds:.3g} s once per job, not per step")
+
+
 def _exposed(data_s: list[float], step: float) -> list[float]:
     """What a reader that makes each step's data during the step before leaves the step to wait for."""
     return [max(0.0, v - step) for v in data_s]
@@ -437,7 +454,7 @@ def _gradient_sum(params: float, p: int, link: Link | None, bucket_mb: float, wi
 
 
 def _assumptions(rates: Rates, intra: Link | None, inter: Link | None, overlap: bool, world: int,
-                 jitter: float, prefetch: int) -> list[str]:
+                 jitter: float, prefetch: int, data_on_device: bool = False) -> list[str]:
     """What a prediction assumes, in words (its rates, links, halo overlap, jitter and the reader ahead)."""
     out = [rates.about]
     if intra is not None:
@@ -450,7 +467,12 @@ def _assumptions(rates: Rates, intra: Link | None, inter: Link | None, overlap: 
                    "it (cluster.jitter), so where ranks meet they wait for the slowest" if jitter else
                    "no rank-to-rank jitter (cluster.jitter unset): ranks meet without waiting for each "
                    "other's noise")
-    out.append(f"data read {prefetch} step(s) ahead (data.prefetch): " + (
-        "only what outlasts the step before waits" if rates.spare else "every core computes, so the reader's "
-        "time is the step's") if prefetch > 0 else "data read in the step (data.prefetch=0)")
+    if data_on_device:
+        out.append("data made on the rank's device: its time is the step's, with or without a reader ahead")
+    elif prefetch > 0:
+        out.append(f"data read {prefetch} step(s) ahead (data.prefetch): " + (
+            "only what outlasts the step before waits" if rates.spare else "every core computes, so the reader's "
+            "time is the step's"))
+    else:
+        out.append("data read in the step (data.prefetch=0)")
     return out
