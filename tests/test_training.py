@@ -90,6 +90,16 @@ def test_a_run_resumed_mid_epoch_trains_like_one_that_was_not(tmp_path: Path) ->
     assert whole["steps"] == 9 and whole["lr"][0] > whole["lr"][-1]
 
 
+def test_the_time_to_target_of_a_preempted_run_counts_the_steps_before_it_stopped(tmp_path: Path) -> None:
+    # 6 steps of at least 1 s each (fault.step_delay_s), preempted before step 3 and resumed: the first evaluation
+    # (at the end) reaches the target after all six, and so does the time to it
+    got = _run(tmp_path, "train.epochs=3", "data.num_samples=8", "data.val_samples=4", "train.eval_every=0",
+               "train.target_mae=10", "fault.step_delay_s=1", "fault.preempt_at_step=3")
+    assert got["restarts"] == 1 and got["target"]["reached"] and got["steps"] == 6
+    assert got["time_to_target_s"] >= 6.0, got["time_to_target_s"]
+    assert got["data_reader_s"] > 0
+
+
 def test_a_target_stops_the_run_and_records_the_time_to_it(tmp_path: Path) -> None:
     hit = _run(tmp_path / "hit", "train.epochs=4", "data.val_samples=4", "train.target_mae=10")
     assert hit["target"]["reached"] and hit["epochs_to_target"] == 1.0 and hit["steps"] == 2 < hit["steps_planned"]

@@ -185,6 +185,14 @@ class Run:
         """Seconds of training since the first step, evaluations included, across restarts."""
         return float(self.history["elapsed_s"]) + time.time() - self.t_begin
 
+    def settle_history(self) -> None:
+        """Before the history is saved (a checkpoint, a preemption): the training time and the reader's time so far
+        move into it, so that a resumed run counts them as if it had not stopped."""
+        h = self.history
+        h["elapsed_s"], self.t_begin = self.elapsed(), time.time()
+        h["reader_s"] += self.prefetch.reader_s
+        self.prefetch.reader_s = 0.0
+
     def fetch(self, step: int) -> tuple[list[int], Any, Any]:
         """Step ``step``'s sample ids, this rank's input part and targets, on the host (the reader's work)."""
         return step_batch(self.data, self.par, step, self.B, self.R, self.coord.replica, self.sampler)
@@ -198,6 +206,7 @@ class Run:
             self.mlperf.epoch(start=True, epoch=step // spe)
         inject.before_step(cfg, world.rank, step)
         if cfg.fault.preempt_at_step == step and self.restarts == 0:
+            self.settle_history()
             _preempt(cfg, world, step, par, self.opt, h, self.wd, "fault injection: preempting the job")
         _sync(world.device)
         t0 = time.perf_counter()
@@ -222,6 +231,7 @@ class Run:
             print(f"gems: step {step + 1}/{self.steps} {dt:.3f} s loss {loss:.6g}{what}", flush=True)
         self.account(step, dt, t_data, measured=step >= self.measure_from and not profiling)
         if stop and step + 1 < self.steps:  # Slurm's signal before the time limit (or a preemption notice)
+            self.settle_history()
             _preempt(cfg, world, step + 1, par, self.opt, h, self.wd,
                      "the time limit is near: checkpointing and requeueing")
         if (step + 1) % spe == 0:
@@ -229,7 +239,7 @@ class Run:
         reached = self.evaluate(step) if self.evaluation_due(step) else False
         if self.ckpt_every and (step + 1) % self.ckpt_every == 0 and step + 1 < self.steps and not h["nonfinite_steps"]:
             progress.mark("checkpoint")  # a diverged run keeps its last good checkpoint
-            h["elapsed_s"], self.t_begin = self.elapsed(), time.time()
+            self.settle_history()
             ckpt.save(cfg, world.rank, step + 1, par.modules, self.opt, h)
         return reached
 
