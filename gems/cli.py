@@ -28,7 +28,8 @@ commands:
   results --compare A B  two studies side by side, matched by world size, with ratios
   render [OVERRIDES]     print the sbatch script this configuration would submit
   plan [OVERRIDES]       memory plan per rank without starting the world
-  data synth [OVERRIDES] write a synthetic HDF5 dataset (data.path, data.num_samples)
+  data synth [OVERRIDES] write a synthetic HDF5 dataset (data.path, data.num_samples; data.kind=cosmology:
+                         universes, data.path and data.val_path)
   bench NAME             side-by-side benchmark: overhead, spatial, pipeline, plan, data
 
 overrides: key=value (train.steps=10), group=option (model=unet3d cluster=local_slurm),
@@ -451,7 +452,13 @@ def cmd_data(args: list[str]) -> int:
     from gems.data.synth import synth_main
 
     overrides = args[1:] if any(a.startswith("data=") for a in args[1:]) else ["data=hdf5", *args[1:]]
-    synth_main(compose(overrides, check=False))  # a dataset needs no mesh
+    cfg = compose(overrides, check=False)  # a dataset needs no mesh
+    if cfg.data.kind == "cosmology":
+        from gems.data.universes import synth_universes
+
+        synth_universes(cfg)
+    else:
+        synth_main(cfg)
     return 0
 
 

@@ -71,6 +71,23 @@ class DataConf:
     stage: str = key("none", "hdf5: copy the files once at job start to node-local storage (node), split over "
                              "the node's ranks, and read them there; removed at the end", choices=("none", "node"))
     stage_dir: Optional[str] = key(None, "where data.stage=node copies to (null: the job's $TMPDIR, else /dev/shm)")
+    crop: Optional[int] = key(None, "hdf5: the edge of the samples cut from each file, as hyperslabs (the paper "
+                                    "cut 512^3 universes into 128^3 crops); null: the model's input size. Files "
+                                    "larger than a sample are cut into crops of the model's size", ge=1)
+    kind: str = key("lognormal", "gems data synth: lognormal (a quick stand-in, a field a sample) or cosmology "
+                                 "(universes moved by the Zel'dovich approximation from colossus's power "
+                                 "spectrum: docs/science.md)", choices=("lognormal", "cosmology"))
+    universes: int = key(64, "cosmology: training universes, written to data.path", ge=1)
+    val_universes: int = key(16, "cosmology: validation universes (other universes), written to data.val_path",
+                             ge=0)
+    box_cells: int = key(128, "cosmology: cells along a universe's edge", ge=8)
+    box_mpc: float = key(512.0, "cosmology: a universe's side in Mpc/h", gt=0)
+    mean_count: float = key(8.0, "cosmology: the mean int16 count of a cell", gt=0)
+    redshifts: Optional[list] = key(None, "cosmology: the redshift of each channel (null: 3, 1.5, 0.5, 0, as "
+                                          "CosmoFlow's data)")
+    param_ranges: Any = key(None, "cosmology: {Omega_m: [lo, hi], sigma_8: [..], n_s: [..], H_0: [..]} "
+                                  "(null: the CosmoFlow data set's: 0.25-0.35, 0.78-0.95, 0.9-1.0, 60-80)")
+    workers: int = key(0, "gems data synth: processes writing (0: this machine's cores)", ge=0)
 
 
 @dataclass
@@ -120,6 +137,9 @@ class TrainConf:
                                           "null: once an epoch with train.epochs, else only at the end)", ge=0)
     target_mae: Optional[float] = key(None, "stop at the first evaluation whose train.target_metric reaches this "
                                             "(time to target, as MLPerf counts it)", gt=0)
+    eval_average_crops: bool = key(False, "validation also averages the predictions of each file's crops "
+                                          "(data.crop) and reports that error (mae_avg_crops): the fair "
+                                          "baseline for small crops")
     target_metric: str = key("mae", "what train.target_mae is compared with: the validation mae (<=), loss (<=) "
                                     "or accuracy (>=)", choices=("mae", "loss", "accuracy"))
     seed: int = key(0, "seed of weights, data and dropout", ge=0)
@@ -323,6 +343,9 @@ def register_schemas() -> None:
     OmegaConf.register_new_resolver("mul", lambda a, b: int(a) * int(b), replace=True)
     # nodes for a world: ${ceildiv:${mul:${parallel.replicas},${parallel.spatial}},${cluster.gpus_per_node}}
     OmegaConf.register_new_resolver("ceildiv", lambda a, b: -(-int(a) // max(1, int(b))), replace=True)
+    # a batch of the same voxels at every crop edge: ${pow:${div:128,${data.crop}},3}
+    OmegaConf.register_new_resolver("div", lambda a, b: int(a) // max(1, int(b)), replace=True)
+    OmegaConf.register_new_resolver("pow", lambda a, b: int(a) ** int(b), replace=True)
 
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=GemsConf)

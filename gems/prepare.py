@@ -115,6 +115,10 @@ def check_data(cfg: DictConfig, spec: Any) -> None:
             make_data(cfg, spec, validation=True).samples.check_all(None, spec.num_outputs)
     elif d.val_path is not None:
         raise ConfigError("data.val_path", d.val_path, "null with data=synthetic (data.val_samples holds samples out)")
+    if t.eval_average_crops and (d.name != "hdf5" or d.val_path is None or spec.target != "vector"
+                                 or spec.loss != "mse"):
+        raise ConfigError("train.eval_average_crops", True, "false, or data=hdf5 with a validation folder "
+                          "(data.val_path) whose files are cut into crops, for a model of vector targets")
     val = make_data(cfg, spec, validation=True)
     if val is not None and len(val) < int(t.batch_size):
         key, value = ("data.val_samples", d.val_samples) if d.name == "synthetic" else ("data.val_path", d.val_path)

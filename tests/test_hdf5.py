@@ -227,3 +227,33 @@ def test_check_all_reads_headers_only_and_only_the_files_the_run_reads(tmp_path)
     took = time.perf_counter() - t0
     print(f"checked 1000 files in {took:.2f} s")
     assert took < 10.0, took  # ~0.2 s on an idle core; generous for a loaded machine
+
+
+def test_files_larger_than_a_sample_are_cut_into_crops_each_read_as_its_own_hyperslab(tmp_path):
+    files = write_synthetic(tmp_path / "u", 2, (4, 16, 16, 16), seed=4)
+    ds = HDF5Samples(tmp_path / "u", (4, 8, 8, 8))
+    assert len(ds) == 16 and ds.crops == 8 and ds.grid == (2, 2, 2)
+    assert ds.locate(9) == (1, (0, 0, 8)) and ds.locate(14) == (1, (8, 8, 0)) and ds.group(9) == 1
+    full, target = read_sample(files[1])
+    x, y = ds[9]
+    torch.testing.assert_close(x, full[:, 0:8, 0:8, 8:16], rtol=0, atol=0)
+    torch.testing.assert_close(y, target) and torch.testing.assert_close(ds.target(9), target)
+    # under spatial parallelism a rank reads its part of its crop only: the second of two depth slabs
+    part = HDF5Samples(tmp_path / "u", (4, 8, 8, 8), _ctx((2,), (0,), 1))
+    torch.testing.assert_close(part[14][0], full[:, 12:16, 8:16, 0:8], rtol=0, atol=0)
+    counted = CountingFile(files[1])
+    with h5py.File(counted, "r") as f:
+        whole = f["full"].size * 2
+    counted.close()
+    crop_bytes = CountingFile(files[1])
+    read_sample(crop_bytes, (slice(12, 16), slice(8, 16), slice(0, 8)))
+    assert crop_bytes.nbytes < whole / 8  # the hyperslab's bytes and HDF5's metadata, not the universe
+    crop_bytes.close()
+
+
+def test_a_crop_that_does_not_fit_the_model_or_the_files_is_named(tmp_path):
+    write_synthetic(tmp_path / "u", 1, (4, 16, 16, 16), seed=4)
+    with pytest.raises(ConfigError, match=r"^data.crop=4: expected the model's input edge \(8x8x8"):
+        HDF5Samples(tmp_path / "u", (4, 8, 8, 8), crop=4)
+    with pytest.raises(ConfigError, match=r"data.path=.*whole multiple of it .*has \[4, 16, 16, 16\]"):
+        HDF5Samples(tmp_path / "u", (4, 6, 6, 6))

@@ -263,3 +263,35 @@ def test_hdf5_epochs_validation_folder_and_step_schedule_on_a_cut_mesh_equal_one
             assert g["epoch"] == w["epoch"] and g["samples"] == w["samples"] == 4
             np.testing.assert_allclose([g["loss"], g["mae"], *g["mae_per_target"]],
                                        [w["loss"], w["mae"], *w["mae_per_target"]], rtol=1e-5)
+
+
+def test_crops_of_universes_train_and_validate_alike_on_every_mesh(tmp_path: Path) -> None:
+    """Universes of 64^3 cut into 32^3 crops (each a hyperslab): training and the crop-averaged validation of
+    every mesh equal one process, and averaging a universe's crops changes the error."""
+    from gems.data.cosmology import Universes
+    from gems.data.universes import VAL_BASE, write_universe
+
+    u = Universes(cells=64, box_mpc=256.0)
+    for i in range(4):
+        write_universe(u, tmp_path / "train", i)
+    for i in range(2):
+        write_universe(u, tmp_path / "val", VAL_BASE + i)
+    args = ["model=cosmoflow", "data=hdf5", f"data.path={tmp_path / 'train'}", f"data.val_path={tmp_path / 'val'}",
+            "data.crop=32", "train.epochs=1", "train.batch_size=8", "train.eval_every=2",
+            "train.eval_average_crops=true", "train.lr=0.01"]
+    one = _run(tmp_path / "one", *args)
+    assert one["steps"] == 4 and [v["step"] for v in one["validation"]] == [2, 4]
+    last = one["validation"][-1]
+    assert last["samples"] == 16 and last["groups"] == 2 and last["mae_avg_crops"] != pytest.approx(last["mae"])
+    for mesh in (["parallel.spatial=2"], ["parallel.replicas=2"], ["parallel.pipeline=2", "parallel.schedule=mast"]):
+        got = _run(tmp_path / "_".join(mesh).replace("=", ""), *args, *mesh)
+        np.testing.assert_allclose(got["loss"], one["loss"], rtol=1e-5)
+        for g, w in zip(got["validation"], one["validation"]):
+            np.testing.assert_allclose([g["mae"], g["mae_avg_crops"], *g["mae_avg_crops_per_target"]],
+                                       [w["mae"], w["mae_avg_crops"], *w["mae_avg_crops_per_target"]], rtol=1e-5,
+                                       atol=1e-5)  # float32 outputs summed in another order
+
+
+def test_averaging_crops_needs_files_cut_into_crops(tmp_path: Path) -> None:
+    r = gems("run", *_with("train.eval_average_crops=true", "data.val_samples=4"), f"results.dir={tmp_path}")
+    assert r.returncode == 2 and r.stderr.startswith("gems: error: train.eval_average_crops=True"), r.stderr

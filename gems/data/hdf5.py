@@ -80,22 +80,32 @@ def _sel_shape(shape: Sequence[int], sel: Sequence[slice]) -> tuple[int, ...]:
 class HDF5Samples:
     """The samples under ``path`` (a directory of ``*.h5``, sorted by name, or one file).
 
-    ``expected_shape`` (C, *spatial) is the model's input; a file that does not
-    match is a :class:`ConfigError` naming it. The first file is checked here,
-    every other one when it is first read; :meth:`check_all` checks them all
-    up front (the CLI's pre-launch check). With ``ctx`` each item is this
-    rank's part (its hyperslab of every sample); ``slices`` picks a part by hand.
+    ``expected_shape`` (C, *spatial) is the model's input. A file of that shape is one sample; a file larger by
+    a whole multiple in every spatial dim (a universe) is cut into crops of that shape, each a sample read as
+    its own hyperslab (sample ``i`` is crop ``i % k`` of file ``i // k``, the crops in row-major order), so under
+    spatial parallelism a rank still reads only its part of its crop. ``crop`` (``data.crop``) states the crop
+    edge; it must be the model's. A file that does not match is a :class:`ConfigError` naming it: the first
+    here, every other when it is first read; :meth:`check_all` checks them all up front (the CLI's pre-launch
+    check). With ``ctx`` each item is this rank's part; ``slices`` picks a part by hand.
     """
 
     def __init__(self, path: str | os.PathLike, expected_shape: Sequence[int] | None = None, ctx: Any = None,
-                 slices: Sequence[slice] | None = None, log1p: bool = True, key: str = "data.path") -> None:
+                 slices: Sequence[slice] | None = None, log1p: bool = True, key: str = "data.path",
+                 crop: int | None = None) -> None:
         p = Path(path)
         self.path, self.is_dir, self.key = str(path), p.is_dir(), key  # key: the setting that names the folder
         self.files = sorted(p.glob("*.h5")) if self.is_dir else ([p] if p.is_file() else [])
         if not self.files:
             raise ConfigError(key, str(path), "a directory of .h5 sample files (`gems data synth` writes one)")
         self.expected = tuple(int(n) for n in expected_shape) if expected_shape is not None else None
-        self.shape = self._check(0)
+        if crop is not None and self.expected is not None and any(int(crop) != n for n in self.expected[1:]):
+            raise ConfigError("data.crop", crop, f"the model's input edge ({'x'.join(map(str, self.expected[1:]))}: "
+                              "a crop is one sample), or null for it")
+        self.file_shape: tuple[int, ...] | None = None
+        self.file_shape = self._check(0)
+        self.shape = self.expected if self.expected is not None else self.file_shape  # one sample's (C, *spatial)
+        self.grid = tuple(f // s for f, s in zip(self.file_shape[1:], self.shape[1:]))  # crops per spatial dim
+        self.crops = math.prod(self.grid)
         self.log1p = log1p
         self.slices = tuple(slices) if slices is not None else (ctx.local_slices(self.shape[1:]) if ctx is not None else None)
         self._checked = {0}
@@ -105,7 +115,7 @@ class HDF5Samples:
         in order: the first bad one is a :class:`ConfigError` naming it. Only headers are read
         (the datasets' shapes and dtypes), never the samples; ``target_size``: the length
         ``unitPar`` must have (the model's outputs)."""
-        n = len(self.files) if count is None else min(len(self.files), max(0, int(count)))
+        n = len(self.files) if count is None else min(len(self.files), -(-max(0, int(count)) // self.crops))
         for i in range(n):
             self._check(i, target_size)
         self._checked.update(range(n))
@@ -133,8 +143,11 @@ class HDF5Samples:
         shape = tuple(int(n) for n in shape or ())  # shape None: an empty (null) dataspace
         if dtype.kind not in "iuf":
             raise bad("`full` of integer or float counts (int16 in the ExaLearn layout)", f"`full` of dtype {dtype}")
-        if self.expected is not None and shape != self.expected:
-            raise bad(f"`full` shaped {list(self.expected)} (C, *spatial) to match the model", str(list(shape)))
+        if self.file_shape is not None and shape != self.file_shape:  # every file as the first
+            raise bad(f"`full` shaped {list(self.file_shape)} as the first file", str(list(shape)))
+        if self.expected is not None and not _holds_crops(shape, self.expected):
+            raise bad(f"`full` shaped {list(self.expected)} (C, *spatial) to match the model, or a whole multiple "
+                      "of it in every spatial dim (cut into crops of the model's size)", str(list(shape)))
         size = 0 if pshape is None else math.prod(pshape)
         if pdtype.kind not in "iuf" or size == 0 or (target_size is not None and size != int(target_size)):
             want = f"{int(target_size)} numbers" if target_size is not None else "numbers"
@@ -143,19 +156,55 @@ class HDF5Samples:
         return shape
 
     def __len__(self) -> int:
-        return len(self.files)
+        return len(self.files) * self.crops
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        i = index % len(self.files)
+    def locate(self, index: int) -> tuple[int, tuple[int, ...]]:
+        """(file, the crop's origin per spatial dim) of sample ``index``."""
+        i = index % len(self)
+        file, crop = divmod(i, self.crops)
+        origin, rest = [], crop
+        for n, edge in zip(reversed(self.grid), reversed(self.shape[1:])):
+            rest, k = divmod(rest, n)
+            origin.append(k * edge)
+        return file, tuple(reversed(origin))
+
+    def group(self, index: int) -> int:
+        """The file (universe) sample ``index`` is cut from: validation averages a file's crops."""
+        return self.locate(index)[0]
+
+    def _file(self, i: int) -> Path:
         if i not in self._checked:
             self._check(i)
             self._checked.add(i)
-        return read_sample(self.files[i], self.slices, self.log1p)
+        return self.files[i]
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        file, origin = self.locate(index)
+        parts = self.slices if self.slices is not None else tuple(slice(0, n) for n in self.shape[1:])
+        if self.crops > 1:
+            parts = tuple(slice(o + s.start, o + s.stop) for o, s in zip(origin, _full_slices(parts, self.shape[1:])))
+        return read_sample(self._file(file), parts if (self.crops > 1 or self.slices is not None) else None, self.log1p)
+
+    def target(self, index: int) -> torch.Tensor:
+        """Only the target of sample ``index`` (a rank that computes the loss but reads no input)."""
+        return read_target(self._file(self.locate(index)[0]))
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Stacked parts ``(N, C, *part)`` and targets ``(N, 4)`` of the samples ``indices``."""
         items = [self[i] for i in indices]
         return torch.stack([x for x, _ in items]), torch.stack([t for _, t in items])
+
+
+def _holds_crops(shape: Sequence[int], sample: Sequence[int]) -> bool:
+    """A file of ``shape`` is samples of ``sample``'s shape: the same channels, and whole multiples of it."""
+    return (len(shape) == len(sample) and shape[0] == sample[0]
+            and all(f >= s > 0 and f % s == 0 for f, s in zip(shape[1:], sample[1:])))
+
+
+def _full_slices(parts: Sequence[slice], spatial: Sequence[int]) -> tuple[slice, ...]:
+    """``parts`` with explicit bounds, one per spatial dim."""
+    full = list(parts) + [slice(None)] * (len(spatial) - len(parts))
+    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(full, spatial))
 
 
 def _oneline(text: str) -> str:

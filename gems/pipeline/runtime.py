@@ -172,7 +172,7 @@ class PipelineRunner:
         self._inbox, self._src_index = self._inboxes(schedule.actions)
         self._next: dict[int, int] = {}
         #: evaluation (forward only): the metric summed over the last stage's chunks, else None (training)
-        self._metric: Callable[[torch.Tensor, Any], torch.Tensor] | None = None
+        self._metric: Callable[[torch.Tensor, Any, Sequence[int]], torch.Tensor] | None = None
         self._metric_total: torch.Tensor | None = None
         # every buffer this rank receives into lives on its device, parameters or not (a partition of pooling
         # layers holds none): NCCL takes device tensors only
@@ -381,7 +381,7 @@ class PipelineRunner:
         if self._metric is not None:  # evaluation: forward only, nothing kept for a backward
             y = part(x)
             if last:
-                m = self._metric(y, target)
+                m = self._metric(y, target, self._ids[self.chunk_slice(a.replica, a.micro_batch)])
                 self._metric_total = m if self._metric_total is None else self._metric_total + m
             else:
                 self._send_activation(a, y)
@@ -458,10 +458,10 @@ class PipelineRunner:
         return scalar(total) if isinstance(total, torch.Tensor) else float(total)
 
     def evaluate(self, inputs: torch.Tensor | None, targets: Any, sample_ids: Sequence[int],
-                 metric: Callable[[torch.Tensor, Any], torch.Tensor]) -> torch.Tensor | None:
+                 metric: Callable[[torch.Tensor, Any, Sequence[int]], torch.Tensor]) -> torch.Tensor | None:
         """A forward of one batch of the line's share, without gradients, in evaluation mode: the schedule's
         forward actions in their order (a subsequence of a deadlock-free order, the activations on the same
-        links); returns the sum of ``metric(output, target)`` over the last-stage chunks this rank ran (None
+        links); returns the sum of ``metric(output, target, sample ids)`` over the last-stage chunks this rank ran (None
         where it runs no last stage)."""
         fwd = [tuple(a for a in order if a.kind.forward) for order in self.schedule.actions]
         saved = self._inbox, self._src_index

@@ -223,7 +223,7 @@ class _Composition:
                     m.training = False
                 with torch.no_grad(), self.amp():
                     out = seq(x)
-                return self.metric(out, y)
+                return self.metric(out, y, ids)
             finally:
                 for m, mode in modes:
                     m.training = mode

@@ -51,7 +51,8 @@ def make_data(cfg: DictConfig, spec: ModelSpec, slices: tuple[slice, ...] | None
         if staged is not None and path is not None:
             path = str(staged.val if validation else staged.train)
         key = "data.val_path" if validation else "data.path"
-        return None if path is None else _HDF5Batches(HDF5Samples(path, spec.input_shape, slices=slices, key=key))
+        return None if path is None else _HDF5Batches(HDF5Samples(path, spec.input_shape, slices=slices, key=key,
+                                                                  crop=d.crop))
     from gems.data.synthetic import SyntheticData
 
     if validation:  # held out: the indices after the training set's, which no step trains on
@@ -60,13 +61,15 @@ def make_data(cfg: DictConfig, spec: ModelSpec, slices: tuple[slice, ...] | None
     return SyntheticData(spec, int(cfg.train.seed), int(d.num_samples), device=device)
 
 
-def dataset_size(cfg: DictConfig) -> int:
-    """Samples in the training set, without reading them (HDF5: the files in data.path)."""
+def dataset_size(cfg: DictConfig, spec: ModelSpec | None = None) -> int:
+    """Samples in the training set, without reading them (HDF5: the crops of the files in data.path, from the
+    first file's header)."""
     if cfg.data.name == "hdf5":
-        from pathlib import Path
+        if spec is None:
+            from gems.models import build_model
 
-        p = Path(str(cfg.data.path))
-        return len(list(p.glob("*.h5"))) if p.is_dir() else int(p.is_file())
+            spec = build_model(cfg.model)
+        return len(make_data(cfg, spec))
     return int(cfg.data.num_samples)
 
 
@@ -82,9 +85,7 @@ class _HDF5Batches:
     def batch(self, indices: list[int], slices: Any = None, want_input: bool = True,
               want_target: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if not want_input:
-            from gems.data.hdf5 import read_target
-
-            return None, torch.stack([read_target(self.samples.files[i % len(self.samples)]) for i in indices])
+            return None, torch.stack([self.samples.target(i) for i in indices])
         x, y = self.samples.batch(indices)
         return x, (y if want_target else None)
 

@@ -117,6 +117,8 @@ class Run:
         self.measure_from = max(self.warm, min(2, self.steps - 1)) if world.device.type == "cpu" else self.warm
         self.lr = LearningRate(t, self.sampler.steps_per_epoch if t.epochs is not None else 1, self.steps)
         self.val = make_data(cfg, spec, self.par.input_slices, validation=True, device=gpu, staged=self.staged)
+        if t.eval_average_crops and self.val is not None:  # each file's crops averaged too (prepare checks hdf5)
+            self.par.metric.group_by(self.val.samples.group, len(self.val.samples.files))
         every = t.eval_every if t.eval_every is not None else (self.sampler.steps_per_epoch if t.epochs else 0)
         self.eval_every = int(every)
         self.ckpt_every = int(t.checkpoint_every or 0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -54,14 +54,31 @@ class Metric:
     The vector is ``[loss sum, count, (vector mse) |error| sum per target ... | (classification) correct]``:
     the loss is the training loss's per-sample (per-cell for dense outputs) mean; ``mae`` the mean absolute
     error over samples and targets, ``mae_per_target`` per target; ``accuracy`` the share of correct classes.
+
+    :meth:`group_by` (``train.eval_average_crops``) adds, per group of samples (the crops of one file), the sums
+    of their predictions and targets and their count: ``mae_avg_crops`` is the error of the groups' mean
+    predictions, the fair baseline for small crops of larger universes.
     """
 
     def __init__(self, spec: ModelSpec, mesh: Mesh, counts: bool) -> None:
         self.spec, self.counts = spec, counts  # counts: whether this rank's outputs count (see above)
         self.classes = spec.loss == "cross_entropy"
-        self.size = 2 + (1 if self.classes else int(spec.num_outputs))
+        self.base = 2 + (1 if self.classes else int(spec.num_outputs))
+        self.group_of: Callable[[int], int] | None = None
+        self.groups = 0
 
-    def __call__(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    @property
+    def size(self) -> int:
+        return self.base + self.groups * (2 * int(self.spec.num_outputs) + 1)
+
+    def group_by(self, group_of: Callable[[int], int], groups: int) -> None:
+        """Also sum the predictions per group: sample ``i`` (its index in the evaluated set) is in group
+        ``group_of(i)`` of ``groups`` (vector targets only)."""
+        if self.classes or self.spec.target != "vector":
+            raise ValueError("crop averages are for vector targets")
+        self.group_of, self.groups = group_of, int(groups)
+
+    def __call__(self, out: torch.Tensor, y: torch.Tensor, ids: Sequence[int] = ()) -> torch.Tensor:
         out = out.float()
         if not self.counts:
             return torch.zeros(self.size, dtype=torch.float64, device=out.device)
@@ -74,16 +91,34 @@ class Metric:
             loss = (err ** 2).mean(dim=1).sum() if self.spec.target != "dense" else (err ** 2).sum() / out.shape[1]
             extra = list(err.abs().sum(dim=0)) if self.spec.target != "dense" else [err.abs().sum()]
             count = y.shape[0] if self.spec.target != "dense" else y[:, 0].numel()
-        vec = [loss, torch.tensor(float(count), device=out.device), *extra]
-        return torch.stack([v.double() for v in vec])
+        vec = torch.stack([v.double() for v in [loss, torch.tensor(float(count), device=out.device), *extra]])
+        if not self.groups:
+            return vec
+        if self.group_of is None or len(ids) != out.shape[0]:
+            raise ValueError(f"crop averages need each sample's index ({len(ids)} for {out.shape[0]} outputs)")
+        per = torch.zeros((self.groups, 2 * out.shape[1] + 1), dtype=torch.float64, device=out.device)
+        rows = torch.cat([out.double(), y.double(), torch.ones((out.shape[0], 1), dtype=torch.float64,
+                                                                 device=out.device)], dim=1)
+        per.index_add_(0, torch.tensor([self.group_of(int(i)) for i in ids], device=out.device), rows)
+        return torch.cat([vec, per.reshape(-1)])
 
-    def report(self, total: torch.Tensor) -> dict[str, float | list[float]]:
-        """The figures of a summed vector: ``loss``, and ``mae`` with ``mae_per_target`` or ``accuracy``."""
-        v = [float(x) for x in total.tolist()]
+    def report(self, total: torch.Tensor) -> dict[str, Any]:
+        """The figures of a summed vector: ``loss``, and ``mae`` with ``mae_per_target`` or ``accuracy``; with
+        groups ``mae_avg_crops`` and ``mae_avg_crops_per_target`` too."""
+        v = [float(x) for x in total[:self.base].tolist()]
         loss, n = v[0], max(v[1], 1.0)
         if self.classes:
             return {"loss": loss / n, "accuracy": v[2] / n, "samples": int(n)}
         per = [e / n for e in v[2:]]
         if self.spec.target == "dense":
             return {"loss": loss / n, "mae": per[0] / max(1, int(self.spec.num_outputs)), "cells": int(n)}
-        return {"loss": loss / n, "mae": sum(per) / len(per), "mae_per_target": per, "samples": int(n)}
+        out: dict[str, Any] = {"loss": loss / n, "mae": sum(per) / len(per), "mae_per_target": per, "samples": int(n)}
+        if self.groups:
+            t = int(self.spec.num_outputs)
+            g = total[self.base:].reshape(self.groups, 2 * t + 1).double()
+            seen = g[:, -1] > 0
+            err = (g[seen, :t] / g[seen, -1:] - g[seen, t:2 * t] / g[seen, -1:]).abs().mean(dim=0)
+            out["mae_avg_crops_per_target"] = [float(e) for e in err]
+            out["mae_avg_crops"] = float(err.mean())
+            out["groups"] = int(seen.sum())
+        return out

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from gems.errors import ConfigError
+from gems.results import accuracy
 
 COLUMNS = ("name", "status", "world", "nodes", "mesh", "schedule", "batch", "samples/s", "samples/s/gpu",
            "speedup", "efficiency", "step_s", "compute_s", "halo_s", "pipe_comm_s", "allreduce_s", "wait_s",
@@ -498,5 +499,6 @@ def write_studies(root: Path | str, only_sweep: str | None = None) -> tuple[list
         write_csv(s.rows, s.folder / "table.csv")
         if s.sweep is not None:
             plot(s.rows, s.folder / "scaling.png", s.title)
+            accuracy.write(s.records, s.folder, s.title)  # a study of accuracy against sample size
         out.append(s)
     return out, skipped

@@ -1,0 +1,303 @@
+"""``gems data synth data.kind=cosmology``: write a data set of universes (:mod:`gems.data.cosmology`) in the
+ExaLearn layout, training and validation sets split by universe, in parallel, resumable.
+
+Universes ``0 .. data.universes - 1`` go to ``data.path`` and ``data.val_universes`` others (:data:`VAL_BASE`
+on, so they do not change with the training set's size) to ``data.val_path``, one file each
+(``universe_00012.h5``, written to a temporary name and renamed, so a file
+either is whole or is not there). A universe is a pure function of ``(train.seed, index)``, so a file already
+written with the same settings is skipped and a stopped run picks up where it stopped; a file written with
+other settings, or a foreign ``.h5`` in the folder, is bad input (nothing is overwritten).
+
+Work is spread over ``data.workers`` processes on this machine (one universe a process), or over the tasks of
+one Slurm job (``cluster=...``: ``cluster.nodes`` x ``cluster.tasks_per_node`` tasks, each writing every
+k-th universe). Where there are fewer universes than processes (a few 512^3 ones), the processes share each
+universe instead, by slabs of its particles (:func:`gems.data.cosmology.make_universe`).
+"""
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from gems.data.cosmology import PARAMETERS, RANGES, REDSHIFTS, Universes, make_universe, memory_bytes
+from gems.errors import ConfigError
+
+NAME = "universe_{:05d}.h5"
+#: validation universe j is universe VAL_BASE + j: the same universes whatever the training set's size
+VAL_BASE = 1 << 20
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to write: the universes' shared settings, the two folders and their index ranges, the processes."""
+
+    universes: Universes
+    train: Path
+    val: Path
+    n_train: int
+    n_val: int
+    workers: int
+
+    def targets(self) -> list[tuple[Path, int]]:
+        """Every (folder, universe index) of the data set, training first."""
+        return [(self.train, i) for i in range(self.n_train)] + [(self.val, VAL_BASE + i) for i in range(self.n_val)]
+
+
+def ranges_of(value: Any) -> tuple[tuple[float, float], ...]:
+    """``data.param_ranges`` (a mapping of :data:`PARAMETERS` to [low, high]; null: :data:`RANGES`), checked."""
+    if value is None:
+        return tuple(RANGES.values())
+    got = dict(value) if hasattr(value, "items") else None
+    if got is None or set(got) - set(PARAMETERS):
+        unknown = sorted(set(got) - set(PARAMETERS)) if got is not None else value
+        raise ConfigError("data.param_ranges", unknown, "a mapping of " + ", ".join(PARAMETERS) + " to [low, high]")
+    out = []
+    for name in PARAMETERS:
+        pair = got.get(name, RANGES[name])
+        try:
+            lo, hi = (float(x) for x in pair)
+        except (TypeError, ValueError):
+            raise ConfigError(f"data.param_ranges.{name}", pair, "two numbers [low, high]") from None
+        if not lo < hi:
+            raise ConfigError(f"data.param_ranges.{name}", [lo, hi], "[low, high] with low < high")
+        if name != "n_s" and lo <= 0:
+            raise ConfigError(f"data.param_ranges.{name}", [lo, hi], "positive values")
+        if name == "Omega_m" and not (lo > 0.049 and hi < 1.0):  # more matter than baryons, less than all
+            raise ConfigError(f"data.param_ranges.{name}", [lo, hi], "values between Omega_b = 0.049 and 1 (flat)")
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def plan_of(cfg: Any) -> Plan:
+    """The data set ``cfg`` asks for, every key checked (bad input: a ConfigError naming it)."""
+    from gems.paths import writable_dir
+
+    d = cfg.data
+    for key in ("path", "val_path"):
+        if d.get(key) in (None, "", "???"):
+            raise ConfigError(f"data.{key}", d.get(key), "a folder for the " + ("training" if key == "path" else
+                              "validation") + " universes (they are split by universe: data.path and "
+                              "data.val_path, e.g. data.path=/scratch/cosmo/train data.val_path=/scratch/cosmo/val)")
+    train, val = Path(str(d.path)).absolute(), Path(str(d.val_path)).absolute()
+    if train == val:
+        raise ConfigError("data.val_path", d.val_path, "a folder other than data.path (validation universes are "
+                          "never training ones)")
+    if int(d.val_universes) < 1:
+        raise ConfigError("data.val_universes", d.val_universes, "at least 1 universe for the validation set "
+                          "(universes are split by universe, never by crop)")
+    redshifts = tuple(float(z) for z in (d.redshifts if d.redshifts is not None else REDSHIFTS))
+    channels = int(cfg.model.in_channels)
+    if len(redshifts) != channels or any(z < 0 for z in redshifts):
+        raise ConfigError("data.redshifts", list(redshifts), f"{channels} redshifts >= 0, one per input channel "
+                          "(model.in_channels)")
+    cells = int(d.box_cells)
+    if cells % 2:
+        raise ConfigError("data.box_cells", cells, "an even number of cells (e.g. 128 or 512)")
+    workers = int(d.workers) or (os.cpu_count() or 1)
+    total = int(d.universes) + int(d.val_universes)
+    need = needed_memory(cells, channels, workers, total)
+    from gems.bootstrap import node_memory_bytes
+
+    avail = node_memory_bytes() if cfg.cluster.launcher != "slurm" else None
+    if avail is not None and need > avail:
+        raise ConfigError("data.box_cells", cells, f"universes that fit this machine's {avail / 2**30:.1f} GiB of "
+                          f"free memory ({need / 2**30:.1f} GiB with data.workers={workers}; fewer workers, or a "
+                          "Slurm job on a larger node)")
+    for key, path in (("data.path", train), ("data.val_path", val)):
+        writable_dir(key, path, "a folder gems can create or write the universes into")
+    u = Universes(cells=cells, box_mpc=float(d.box_mpc), redshifts=redshifts, mean_count=float(d.mean_count),
+                  ranges=ranges_of(d.param_ranges), seed=int(cfg.train.seed))
+    return Plan(u, train, val, int(d.universes), int(d.val_universes), workers)
+
+
+def needed_memory(cells: int, channels: int, workers: int, universes: int) -> int:
+    """Host memory the writing takes: a universe a process, or one universe split over the processes where
+    there are fewer universes than processes (:func:`gems.data.cosmology.memory_bytes`)."""
+    if universes >= workers:
+        return workers * memory_bytes(cells, channels)
+    return memory_bytes(cells, channels, parts=workers)
+
+
+def _settings_of(path: Path) -> dict[str, Any] | None:
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in f.attrs.items()}
+    except OSError:
+        return None
+
+
+def to_write(plan: Plan) -> list[tuple[Path, int]]:
+    """The (folder, index) pairs not written yet; a file that is in the way is bad input (named)."""
+    want = {k: v for k, v in plan.universes.attrs().items()}
+    ours = {folder: {NAME.format(i % VAL_BASE) for f, i in plan.targets() if f == folder} for folder in (plan.train, plan.val)}
+    left = []
+    for folder, names in ours.items():
+        key = "data.path" if folder == plan.train else "data.val_path"
+        if folder.is_dir():
+            foreign = sorted(p.name for p in folder.glob("*.h5") if p.name not in names)
+            if foreign:
+                raise ConfigError(key, str(folder), f"a folder of this data set's universes only (it holds {len(foreign)} "
+                                  f"other .h5 file(s), e.g. {foreign[0]}; nothing was overwritten)")
+    for folder, index in plan.targets():
+        path = folder / NAME.format(index % VAL_BASE)
+        if not path.exists():
+            left.append((folder, index))
+            continue
+        got = _settings_of(path)
+        if got is None or any(_differs(got.get(k), v) for k, v in want.items()) or got.get("index") != index:
+            key = "data.path" if folder == plan.train else "data.val_path"
+            raise ConfigError(key, str(folder), f"a new folder or one written with these settings ({path.name} was "
+                              "written with other ones, or is not a universe: nothing was overwritten)")
+    return left
+
+
+def _differs(a: Any, b: Any) -> bool:
+    return not np.allclose(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)) \
+        if a is not None and np.shape(a) == np.shape(b) else True
+
+
+def write_universe(u: Universes, folder: Path, index: int,
+                   map_slabs: Callable[..., Any] | None = None, parts: int = 1) -> float:
+    """Make universe ``index`` and write it to ``folder`` (atomically); its seconds."""
+    import h5py
+
+    t0 = time.perf_counter()
+    counts, unit, physical = make_universe(u, index, map_slabs, parts)
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / NAME.format(index % VAL_BASE)
+    tmp = folder / f".{final.name}.tmp"
+    with h5py.File(tmp, "w") as f:
+        f.create_dataset("full", data=counts)
+        f.create_dataset("unitPar", data=unit)
+        f.attrs.update({**u.attrs(), "index": index, "generator": "gems.data.cosmology (Zel'dovich, colossus)"})
+        for name, value in physical.items():
+            f.attrs[name] = value
+    os.replace(tmp, final)
+    return time.perf_counter() - t0
+
+
+def _init_worker() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _write_one(args: tuple[Universes, Path, int]) -> float:
+    return write_universe(*args)
+
+
+class _Progress:
+    """One line every few seconds (and one for the last universe), with what is left."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.t0, self.shown = total, 0, time.perf_counter(), 0.0
+
+    def step(self, n: int = 1) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if now - self.shown < 3.0 and self.done < self.total:
+            return
+        self.shown = now
+        el = now - self.t0
+        left = el / self.done * (self.total - self.done) if self.done else 0.0
+        print(f"gems data synth: {self.done}/{self.total} universes written ({el:.0f} s"
+              + (f", about {left:.0f} s left" if self.done < self.total else "") + ")", flush=True)
+
+
+def synth_universes(cfg: Any) -> int:
+    """``gems data synth data.kind=cosmology``: writes what is missing; the number of universes written."""
+    plan = plan_of(cfg)
+    left = to_write(plan)
+    u = plan.universes
+    total = plan.n_train + plan.n_val
+    need = needed_memory(u.cells, len(u.redshifts), plan.workers, len(left) or 1)
+    print(f"gems data synth: {total} universes of {len(u.redshifts)} x {u.cells}^3 cells ({u.box_mpc:g} Mpc/h a "
+          f"side, z = {', '.join(f'{z:g}' for z in u.redshifts)}): {plan.n_train} to {plan.train}, {plan.n_val} to "
+          f"{plan.val}; {total - len(left)} already there; {memory_bytes(u.cells, len(u.redshifts)) / 2**30:.2f} GiB "
+          f"a universe, {need / 2**30:.2f} GiB with {plan.workers} process(es)", flush=True)
+    if not left:
+        return 0
+    if cfg.cluster.launcher == "slurm":
+        return _on_slurm(cfg, plan, left)
+    progress = _Progress(len(left))
+    t0 = time.perf_counter()
+    if plan.workers == 1:
+        for folder, index in left:
+            write_universe(u, folder, index)
+            progress.step()
+    else:
+        with ProcessPoolExecutor(plan.workers, mp_context=get_context("spawn"), initializer=_init_worker) as pool:
+            if len(left) >= plan.workers:  # one universe a process
+                for _ in pool.map(_write_one, [(u, f, i) for f, i in left]):
+                    progress.step()
+            else:  # fewer universes than processes: each universe's deposit split over all of them
+                import torch
+
+                torch.set_num_threads(plan.workers)  # the Fourier transforms, here
+                for folder, index in left:
+                    write_universe(u, folder, index, lambda fn, jobs: list(pool.map(_call, [(fn, j) for j in jobs])),
+                                   parts=plan.workers)
+                    progress.step()
+    el = time.perf_counter() - t0
+    print(f"gems data synth: wrote {len(left)} universes in {el:.1f} s ({el / len(left):.2f} s each on "
+          f"{plan.workers} process(es))", flush=True)
+    return len(left)
+
+
+def _call(args: tuple[Callable[..., Any], tuple[Any, ...]]) -> Any:
+    fn, a = args
+    return fn(*a)
+
+
+# ---------------------------------------------------------------------------- as a Slurm job
+def task(cfg_yaml: str) -> int:
+    """One Slurm task of the writing job: every k-th missing universe (k the job's tasks)."""
+    import submitit
+    from omegaconf import OmegaConf
+
+    _init_worker()
+    cfg = OmegaConf.create(cfg_yaml)
+    env = submitit.JobEnvironment()
+    plan = plan_of(cfg)
+    mine = to_write(plan)[env.global_rank::env.num_tasks]
+    for folder, index in mine:
+        write_universe(plan.universes, folder, index)
+    return len(mine)
+
+
+def _on_slurm(cfg: Any, plan: Plan, left: list[tuple[Path, int]]) -> int:
+    from omegaconf import open_dict
+
+    from gems.launch.slurm import submit
+    from gems.launch.watch import wait
+
+    with open_dict(cfg):
+        cfg.cluster.nodes = int(cfg.cluster.nodes or 1)
+        cfg.cluster.tasks_per_node = int(cfg.cluster.tasks_per_node or 1)
+        cfg.results.name = "synth"
+    run = submit(cfg, fn=task)
+    tasks = int(cfg.cluster.nodes) * int(cfg.cluster.tasks_per_node)
+    print(f"gems data synth: Slurm job {run.job_id}: {len(left)} universes over {tasks} task(s)", flush=True)
+    progress = _Progress(len(left))
+
+    def count(*_: Any) -> None:
+        now = len(left) - len(to_write(plan))
+        if now > progress.done:
+            progress.step(now - progress.done)
+
+    (out,) = wait(run, progress=False, on_update=count)
+    if out.state != "COMPLETED":
+        from gems.errors import RunError
+
+        raise RunError(f"the data job {run.job_id} ended {out.state}: {out.error or 'no message'} (the universes "
+                       "written so far are kept; run the same command again to write the rest)")
+    count()
+    return len(left)
