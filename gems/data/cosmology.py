@@ -10,9 +10,9 @@ One universe, a pure function of ``(seed, index)`` (:func:`make_universe`):
 
 1. its parameters ``(Omega_m, sigma_8, n_s, H_0)`` drawn uniformly from :data:`RANGES` (the ranges of the
    CosmoFlow data set; ``data.param_ranges`` changes them), stored as ``unitPar`` normalised to [-1, 1];
-2. the linear matter power spectrum P(k) at z = 0 from colossus (a maintained cosmology library): Eisenstein
-   and Hu's transfer function without wiggles' approximation errors of a few percent (colossus's default,
-   ``eisenstein98``), normalised to the universe's sigma_8, flat LCDM with Omega_b = 0.049;
+2. the linear matter power spectrum P(k) at z = 0 from colossus (a maintained cosmology library): its default
+   transfer function, Eisenstein and Hu (1998), a fit good to a few percent against a Boltzmann code,
+   normalised to the universe's sigma_8; flat LCDM with Omega_b = 0.049;
 3. a Gaussian field of that spectrum in a periodic box of side ``data.box_mpc`` (Mpc/h) on
    ``data.box_cells``^3 cells: unit white noise drawn plane by plane (each plane seeded by
    ``(seed, index, plane)``), Fourier transformed and scaled by sqrt(P(k) / V_cell);
