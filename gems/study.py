@@ -92,7 +92,13 @@ def plan(combos: list[list[str]], base: list[str], experiment: str | None, detac
                 with open_dict(cfg):
                     cfg.results.sweep, cfg.results.point = sweep, name
                     cfg.results.dir = str(folder)
-                checked = cfg = prepare(cfg)  # every point is checked before any runs
+                try:
+                    checked = cfg = prepare(cfg)  # every point is checked before any runs
+                except ConfigError as e:  # which point of the sweep, where there are several
+                    if len(combos) > 1:
+                        raise ConfigError(e.key, e.value, f"{e.expected} [point {name} of {len(combos)}; nothing "
+                                          "was submitted]") from None
+                    raise
             else:  # another repeat of a checked point: its own run id
                 cfg = OmegaConf.create(OmegaConf.to_container(checked, resolve=True))  # type: ignore[assignment]
                 cfg.run_id = new_run_id(default_name(cfg))

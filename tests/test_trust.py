@@ -162,3 +162,21 @@ def test_render_of_a_study_writes_every_point(tmp_path: Path) -> None:
 def test_a_key_given_twice_is_bad_input(args: list[str], key: str) -> None:
     r = gems(*args)
     assert r.returncode == 2 and r.stderr.startswith(f"gems: error: {key}="), r.stderr
+
+
+def test_a_sweep_names_the_point_that_cannot_fit_and_submits_nothing(tmp_path: Path) -> None:
+    r = gems("sweep", "model.size=32,512", "model=cosmoflow", "cluster.mem_gb=4", f"results.dir={tmp_path}")
+    assert r.returncode == 2, r.stderr[-2000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("gems: error: train.check_fit=true") and "[point model.size=512 of 2" in line, line
+    assert not list(tmp_path.rglob("*.json")), "no point ran"
+
+
+def test_the_shipped_gpu_studies_fit_their_presets() -> None:
+    """Each GPU study as shipped passes the check before launch on the preset its comment names (the ResNet-1001
+    study did not at D = 4: 75 GiB a GPU)."""
+    from gems.config import compose
+    from gems.plan.fit import check_fit
+
+    for exp, preset in (("gems_resnet1001", "juwels_booster"), ("cosmoflow512_weak", "perlmutter")):
+        check_fit(compose([f"+experiment={exp}", f"cluster={preset}", "cluster.account=x"]))
