@@ -18,7 +18,7 @@ from torch import nn
 
 from gems.bootstrap import check_devices
 from gems.errors import ConfigError
-from gems.testing import free_port
+from gems.launch.world import free_port
 
 
 def _agree(devices: list[tuple[str, str]]) -> list[Any]:

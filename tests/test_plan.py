@@ -99,7 +99,7 @@ def _spatial_rank(rank: int, world: int) -> int:
 
 
 def test_spatial_plan_matches_a_real_two_part_run():
-    from gems.testing import run_world
+    from gems.launch.world import run_world
 
     real = run_world(_spatial_rank, 2, timeout=120)
     plan = make_plan(compose(SMALL + ["parallel.spatial=2"]))

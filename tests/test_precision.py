@@ -13,7 +13,7 @@ from _cli import gems, records
 from _worlds import loss_scaling
 
 from gems.precision import LossScaler
-from gems.testing import run_world
+from gems.launch.world import run_world
 
 
 def test_scaling_is_exact_without_overflow() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from _cli import gems, records
 
-from gems.testing import run_world
+from gems.launch.world import run_world
 
 SMALL = ["model.size=32", "model.width=0.5", "train.batch_size=4", "train.steps=4", "train.warmup_steps=1"]
 

@@ -7,7 +7,7 @@ import pytest
 from _spatial_worlds import COMM, CUBE_CASES, EXTRA_CASES, LAYER_CASES, RAN, case_names, cases_world
 
 from gems.commlog import replay
-from gems.testing import run_world
+from gems.launch.world import run_world
 
 
 def _collect(which, world):

@@ -8,7 +8,7 @@ from torch import nn
 
 from gems.commlog import replay
 from gems.pipeline.partition import boundary_shapes
-from gems.testing import run_world
+from gems.launch.world import run_world
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ def _cfg(size: int, spatial: int, data: str, path: str | None, contender: str) -
 
 def bench_rank(rank: int, world_size: int, size: int, spatial: int, data: str, path: str | None,
                contender: str) -> dict[str, float]:
-    """One run on this rank of a gloo world (gems.testing.run_world); rank 0's figures."""
+    """One run on this rank of a gloo world (gems.launch.world.run_world); rank 0's figures."""
     import torch
 
     from gems.bootstrap import World
@@ -86,7 +86,7 @@ def _files(root: Path, size: int) -> str:
 
 def bench_data(out_dir: Path, sizes: tuple[int, ...] = (64, 128), spatials: tuple[int, ...] = (1, 2),
                rounds: int = 2) -> str:
-    from gems.testing import run_world
+    from gems.launch.world import run_world
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="gems-bench-data-") as tmp:

@@ -243,7 +243,7 @@ def bench_pipeline(out_dir: str | os.PathLike[str] = "results/bench", cycles: in
     alike; a contender's step time is its median over the cycles, and each
     goal ratio is also given as the median of the ratios within a cycle.
     """
-    from gems.testing import run_world
+    from gems.launch.world import run_world
 
     load_before = os.getloadavg()[0]
     balances: dict[Any, list[int]] = {size: _balance(size) for size in (MODEL["size"], LARGE)}

@@ -235,7 +235,7 @@ def bench_spatial(out_dir: str | os.PathLike = "results/bench", size: int = 128,
     import torch
 
     from gems.bench.common import cpu_name
-    from gems.testing import run_world
+    from gems.launch.world import run_world
 
     load_before = os.getloadavg()
     results: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in RUNS}

@@ -1,7 +1,7 @@
 import pytest
 from _worlds import allreduce_rank, fail_on_one
 
-from gems.testing import run_world
+from gems.launch.world import run_world
 
 
 def test_run_world_allreduce():

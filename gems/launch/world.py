@@ -1,4 +1,4 @@
-"""Run a function on every rank of a real gloo world on this machine.
+"""Run a function on every rank of a real gloo world on this machine (the benchmarks and the tests use it).
 
 Transparency tests compare a parallel run against the serial one; they need
 real processes and a real process group, not mocks. ``run_world(fn, n)``
