@@ -25,9 +25,9 @@ import torch
 from _pipeline_worlds import pipeline_cases, serial_case
 
 from gems.commlog import OrderError, replay
+from gems.launch.world import run_world
 from gems.pipeline import make_schedule
 from gems.pipeline.schedules import registered
-from gems.launch.world import run_world
 
 
 def case(model: str, schedule: str, D: int, m: int = 1, eta: int | None = None, R: int = 1, S: int = 1,

@@ -12,8 +12,8 @@ import torch
 from _cli import gems, records
 from _worlds import loss_scaling
 
-from gems.precision import LossScaler
 from gems.launch.world import run_world
+from gems.precision import LossScaler
 
 
 def test_scaling_is_exact_without_overflow() -> None:
@@ -60,8 +60,9 @@ def test_fp16_trains_on_two_replicas(tmp_path) -> None:
 
 
 def test_steps_whose_scaled_gradients_overflow_are_skipped_and_counted_in_the_record(tmp_path) -> None:
-    """A first loss scale too large for this model's fp16 gradients (2^20; 2^16 is not): the first steps' gradients overflow, every rank skips them
-    (their updates are dropped), the scale halves each time, and the record lists the skipped steps."""
+    """A first loss scale too large for this model's fp16 gradients (2^20; 2^16 is not): the first steps'
+    gradients overflow, every rank skips them (their updates are dropped), the scale halves each time, and the
+    record lists the skipped steps."""
     r = gems("run", "model=resnet", "model.depth=11", "model.size=16", "model.width=0.25", "parallel.replicas=2",
              "train.precision=fp16", "train.steps=8", "train.warmup_steps=1", "train.loss_scale_init=1048576",
              "train.optimizer=sgd", f"results.dir={tmp_path}")

@@ -7,8 +7,8 @@ from _spatial_worlds import COMM, EXTRA_CASES, RAN, case_names, cases_world, mod
 from torch import nn
 
 from gems.commlog import replay
-from gems.pipeline.partition import boundary_shapes
 from gems.launch.world import run_world
+from gems.pipeline.partition import boundary_shapes
 
 
 @pytest.fixture(scope="module")
