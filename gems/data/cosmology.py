@@ -73,7 +73,7 @@ def parameters(u: Universes, index: int) -> tuple[np.ndarray, np.ndarray]:
     return lo + (unit + 1.0) / 2.0 * (hi - lo), unit.astype(np.float32)
 
 
-def cosmology(physical: Sequence[float]) -> Any:
+def cosmology(physical: Sequence[float] | np.ndarray) -> Any:
     """The colossus cosmology of ``(Omega_m, sigma_8, n_s, H_0)``: flat LCDM, Omega_b = :data:`OMEGA_B`, nothing
     written to colossus's cache (one cosmology a universe)."""
     from colossus.cosmology import cosmology as cc
