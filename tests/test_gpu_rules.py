@@ -61,6 +61,22 @@ def test_two_ranks_on_one_gpu_are_named() -> None:
     assert out[0].key == "cluster.tasks_per_node" and "GPU-a on n1" in str(out[0])
 
 
+def test_the_local_launcher_refuses_more_ranks_than_this_machines_gpus(monkeypatch) -> None:
+    """A machine with one GPU (a stand-in for torch.cuda: this one has none) and a 2-rank job: refused before
+    launch, exit 2 naming the ranks (NCCL would fail with "Duplicate GPU detected" on the two ranks of one GPU);
+    one rank passes and runs on the GPU."""
+    from gems.bootstrap import check_launch
+    from gems.config import compose
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"^parallel='2 ranks': expected at most 1 ranks per node, one per GPU"):
+        check_launch(compose(["parallel.replicas=2"]), 2)
+    assert check_launch(compose([]), 1) == "cuda"
+    with pytest.raises(ConfigError, match=r"^comm.backend=gloo"):  # gloo has no CUDA point-to-point messages
+        check_launch(compose(["comm=gloo"]), 1)
+
+
 def test_a_pipeline_rank_without_parameters_receives_on_its_device() -> None:
     """A partition of pooling layers holds no parameters: its receive buffers go on the rank's device, not
     on the CPU (the runtime took the device from the first parameter)."""
@@ -86,6 +102,24 @@ def test_avg_pool_correction_lives_on_the_output_device(cut: int) -> None:
     fix = layer._fix(((0, 5), (0, 8)), (9, 16), y)
     assert fix is not None and fix.device == y.device
     assert layer._fix(((0, 5), (0, 8)), (9, 16), y) is fix  # made once
+
+
+def test_upsample_indices_and_weights_live_on_the_output_device_made_once() -> None:
+    """A cut linear upsample gathers its sources by index: indices and weights are placed on the output's
+    device once (a device the host cannot compute on, meta, stands for a GPU: a host tensor meeting it fails)."""
+    from gems.spatial import apply_spatial
+    from gems.spatial.context import SpatialContext
+
+    sctx = SpatialContext(None, [0], (1,), (0,), (0,))
+    (layer,) = apply_spatial(nn.Sequential(nn.Upsample(scale_factor=2, mode="linear")), sctx, None)
+    x = torch.ones(1, 2, 8, device="meta")
+    assert layer(x).shape == (1, 2, 16)
+    placed = layer.__dict__["_placed"]
+    assert list(placed) == [((8,), torch.device("meta"), torch.float32)]
+    assert all(t.device.type == "meta" for entry in placed.values() for trio in entry for t in trio)
+    first = placed[((8,), torch.device("meta"), torch.float32)]
+    layer(x)
+    assert layer.__dict__["_placed"][((8,), torch.device("meta"), torch.float32)] is first  # not in every forward
 
 
 def test_a_pipeline_step_reads_its_loss_on_the_host_once(monkeypatch) -> None:
