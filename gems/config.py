@@ -44,7 +44,8 @@ class ModelConf:
     depth: int = key(110, "resnet depth, 9n+2 (110, 1001)", ge=11)
     num_classes: int = key(3, "unet3d / resnet classes", ge=1)
     in_channels: int = key(4, "input channels", ge=1)
-    norm: str = key("batch", "normalisation of resnet and unet3d", choices=("batch", "group", "none"))
+    norm: str = key("batch", "normalisation after each convolution of resnet, unet3d and cosmoflow (cosmoflow's "
+                             "presets: none, as the paper's model)", choices=("batch", "group", "none"))
     _target_: Optional[str] = key(None, "custom: dotted path of a callable returning nn.Sequential")
     kwargs: Any = key(None, "custom: arguments of that callable, e.g. {n:8} (a mapping)")
     input_shape: Optional[list] = key(None, "custom: [C, *spatial] of one sample")

@@ -182,6 +182,7 @@ def model_cases() -> dict[str, tuple[Callable[[], nn.Sequential], tuple[int, ...
         return build_model(Node(kw))
 
     cf = dict(name="cosmoflow", size=32, width=0.125, dropout=0.2)
+    cfbn = dict(cf, norm="batch")  # model.norm=batch: BatchNorm after each convolution, global statistics
     ml = dict(name="cosmoflow_mlperf", size=32, width=0.0625, dropout=0.5)
     un = dict(name="unet3d", size=16, width=0.0625, in_channels=1, num_classes=3, norm="batch")
     cf256 = dict(name="cosmoflow", size=256, width=0.125, dropout=0.2)
@@ -197,6 +198,10 @@ def model_cases() -> dict[str, tuple[Callable[[], nn.Sequential], tuple[int, ...
     return {  # models are built inside the case, after the seed: the same on every rank
         "cosmoflow": (lambda: spec(**cf).module, (2, 4, 32, 32, 32), ("S2d0", "S4d0", "S22", "S3d2"),
                       {"spatial_end": spec(**cf).spatial_end}),
+        # BatchNorm of 2-channel layers divides by small batch deviations: the serial float32 gradients of conv2
+        # are themselves 5.7e-6 from float64's (of 0.38 at most), so two float32 runs differ by about twice that
+        "cosmoflow_bn": (lambda: spec(**cfbn).module, (2, 4, 32, 32, 32), ("S2d0", "S22"),
+                         {"spatial_end": spec(**cfbn).spatial_end, "grad_noise": 4.0}),
         "cosmoflow_mlperf": (lambda: spec(**ml).module, (2, 4, 32, 32, 32), ("S2d0", "S22d12", "S4d1"),
                              {"spatial_end": spec(**ml).spatial_end}),
         # S4d0: the bottom levels (4^3, 2^3) leave parts of one cell and empty parts
@@ -319,7 +324,7 @@ def run_case(build: Callable[[], nn.Sequential], shape: tuple[int, ...], sctx: S
             continue
         gsum = p_sp.grad.clone()
         dist.all_reduce(gsum, group=sctx.group)
-        bad.append(_close(f"grad {name}", gsum, p_ser.grad, gscale))
+        bad.append(_close(f"grad {name}", gsum, p_ser.grad, gscale * opts.get("grad_noise", 1.0)))
     for (name, b_ser), b_sp in zip(serial.named_buffers(), model.buffers()):
         if b_ser.is_floating_point():
             bad.append(_close(f"buffer {name}", b_sp, b_ser))

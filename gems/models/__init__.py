@@ -92,7 +92,10 @@ def build_model(m: Any) -> ModelSpec:
         from gems.models import cosmoflow as cf
 
         fn = getattr(cf, name)
-        kw = dict(width=float(m.get("width", 1.0)), dropout=float(m.get("dropout", 0.2 if name == "cosmoflow" else 0.5)))
+        kw: dict[str, Any] = dict(width=float(m.get("width", 1.0)),
+                                  dropout=float(m.get("dropout", 0.2 if name == "cosmoflow" else 0.5)))
+        if name == "cosmoflow":
+            kw["norm"] = str(m.get("norm", "none"))
         allowed = ("a power of two >= 32 (the paper uses 128, 256, 512)" if name == "cosmoflow"
                    else "a power of two >= 32 (MLPerf uses 128)")
         seq = _sized(name, allowed, fn, int(m.size), **kw)

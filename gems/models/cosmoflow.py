@@ -6,7 +6,8 @@ Paper variant (LBANN): 4 x N^3 input, N in {128, 256, 512}; Conv3d k=3 with
 (placed right after the first, where the activation is largest) so that the
 flattened size is 2048 at every N; dense 2048 -> 256 -> 4 with dropout; MSE.
 Smaller N (32, 64: tests and the embedded default) keep the same layers,
-minus pools that would see fewer than 3 cells, with a smaller flattened size. ``width`` scales every channel count.
+minus pools that would see fewer than 3 cells, with a smaller flattened size. ``width`` scales every channel count;
+``norm`` (``model.norm``; the paper's model has none) adds a BatchNorm or GroupNorm after each convolution.
 
 MLPerf HPC variant: 4 x 128^3; five Conv3d k=3 'same' with 32..512 channels,
 each LeakyReLU + MaxPool3d(2); dense -> 128 -> 64 -> 4, dropout 0.5, tanh x 1.2.
@@ -45,8 +46,18 @@ def _ch(c: int, width: float) -> int:
     return max(1, int(round(c * width)))
 
 
+def _norm(kind: str, channels: int) -> list[nn.Module]:
+    """After each convolution: nothing (the paper's model), BatchNorm (global statistics over a sample's spatial
+    parts) or GroupNorm."""
+    if kind == "batch":
+        return [nn.BatchNorm3d(channels)]
+    if kind == "group":
+        return [nn.GroupNorm(next(g for g in (8, 4, 2, 1) if channels % g == 0), channels)]
+    return []
+
+
 def cosmoflow(size: int = 128, width: float = 1.0, dropout: float = 0.2, slope: float = 0.3,
-              in_channels: int = 4, num_outputs: int = 4) -> nn.Sequential:
+              in_channels: int = 4, num_outputs: int = 4, norm: str = "none") -> nn.Sequential:
     if size < 32 or size & (size - 1):
         raise ValueError("size")
     extra_pools = max(0, int(math.log2(size // 128))) if size >= 128 else 0
@@ -55,7 +66,8 @@ def cosmoflow(size: int = 128, width: float = 1.0, dropout: float = 0.2, slope: 
     c_in, n = in_channels, size
     for i, c in enumerate(chans):
         stride = 2 if i == 3 else 1
-        layers += [nn.Conv3d(c_in, _ch(c, width), 3, stride=stride, padding=1), nn.LeakyReLU(slope)]
+        layers += [nn.Conv3d(c_in, _ch(c, width), 3, stride=stride, padding=1, bias=norm == "none"),
+                   *_norm(norm, _ch(c, width)), nn.LeakyReLU(slope)]
         c_in = _ch(c, width)
         n = (n + 2 - 3) // stride + 1
         if i < 5:
