@@ -441,7 +441,8 @@ _DATA: dict[tuple, float] = {}
 def synthetic_seconds(spec: Any, part: list[int], want_input: bool, want_target: bool, threads: int = 1) -> float:
     """Seconds to make one sample of synthetic data (:mod:`gems.data.synthetic`) for a rank whose spatial part
     has the extents ``part`` = (C, *spatial): its input part (``want_input``) and target (``want_target``),
-    as :meth:`SyntheticData.batch` makes them at every step, on the host (GPU ranks generate there too).
+    as :meth:`SyntheticData.batch` makes them at every step, on the host (CPU ranks; GPU ranks draw on their GPU:
+    :func:`gems.plan.predict.gpu_synthetic`).
 
     Timed here with the real generator, which makes each plane along spatial dim 0 whole from its own seeded
     generator (so a cut along the other dims saves nothing): on as many of the part's planes as stay within
