@@ -295,3 +295,19 @@ def test_crops_of_universes_train_and_validate_alike_on_every_mesh(tmp_path: Pat
 def test_averaging_crops_needs_files_cut_into_crops(tmp_path: Path) -> None:
     r = gems("run", *_with("train.eval_average_crops=true", "data.val_samples=4"), f"results.dir={tmp_path}")
     assert r.returncode == 2 and r.stderr.startswith("gems: error: train.eval_average_crops=True"), r.stderr
+
+
+def test_classification_accuracy_on_a_cut_mesh_equals_one_process(tmp_path: Path) -> None:
+    """A classifier (ResNet-v2, cross-entropy) evaluated on the validation set: loss and accuracy of each
+    evaluation equal one process's with each image cut over S = 2 ranks and with the model cut over D = 2."""
+    args = ["model=resnet", "model.depth=11", "model.size=16", "model.width=0.25", "train.epochs=2",
+            "data.num_samples=8", "data.val_samples=8", "train.eval_every=1", "train.lr=0.01"]
+    one = _run(tmp_path / "one", *args)
+    assert [set(v) >= {"loss", "accuracy"} for v in one["validation"]] == [True] * 4
+    assert all(0 <= v["accuracy"] <= 1 and v["samples"] == 8 for v in one["validation"])
+    assert len({v["loss"] for v in one["validation"]}) > 1  # the model changed between evaluations
+    for mesh in (["parallel.spatial=2"], ["parallel.pipeline=2"]):
+        got = _run(tmp_path / mesh[0].replace("=", ""), *args, *mesh)
+        np.testing.assert_allclose(got["loss"], one["loss"], rtol=1e-5)
+        for g, w in zip(got["validation"], one["validation"]):
+            assert g["accuracy"] == w["accuracy"] and g["loss"] == pytest.approx(w["loss"], rel=1e-5)
