@@ -459,6 +459,9 @@ def test_a_study_is_predicted_point_by_point_into_the_table_gems_results_writes(
     for _ in range(2):
         out = gems(*args, cwd=str(tmp_path), timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
+    # the assumptions behind every point, said once for the study (not once a point)
+    said = [ln.strip() for ln in out.stdout.splitlines() if ln.startswith("  ")]
+    assert said and len(said) == len(set(said)) and any("a100-40gb" in a for a in said), out.stdout
     folder = tmp_path / "results" / "cosmoflow512_weak-predicted"
     recs = sorted(records(str(folder)), key=lambda r: r["world_size"])
     assert [r["world_size"] for r in recs] == [4 * r for r in (1, 2, 4, 8, 16, 32, 64)]  # once each

@@ -102,6 +102,10 @@ def test_compare_puts_two_studies_side_by_side(tmp_path):
     text = (tmp_path / "a" / "compare-a-vs-b.md").read_text()
     rows = [ln for ln in text.splitlines() if ln.startswith("| 1") or ln.startswith("| 2")]
     assert len(rows) == 2 and "ratio (B/A)" in text
+    # the step and its terms, A beside B: what a predicted study is compared with term by term
+    header = text.splitlines()[2]
+    for term in ("step_s", "compute_s", "allreduce_s", "data_s"):
+        assert f"| a {term} | b {term} |" in header, header
     assert (tmp_path / "a" / "compare-a-vs-b.png").stat().st_size > 1000
     bad = gems("results", "--compare", str(tmp_path / "a"), "nope")
     assert bad.returncode == 2 and "nope" in bad.stderr
