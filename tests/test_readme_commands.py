@@ -64,6 +64,16 @@ COMMANDS: dict[str, list[str] | str] = {
     "gems plan model=cosmoflow model.size=512 parallel.spatial=8 cluster=perlmutter cluster.account=x": [],
     "gems plan model=resnet model.depth=1001 model.size=512 parallel.pipeline=4 parallel.schedule=mast": [],
     "gems plan +experiment=cosmoflow512_weak cluster=perlmutter cluster.account=x": [],
+    # the sample-size study (docs/science.md): the universes at the smallest size, the study's taste as documented
+    "gems data synth data.kind=cosmology data.path=data/cosmology/train data.val_path=data/cosmology/val "
+    "data.universes=256 data.val_universes=32": ["data.universes=2", "data.val_universes=1", "data.box_cells=32"],
+    "jobs/cosmoflow_sample_size.sh": "the study itself, about an hour here: its result is committed in "
+                                     "results/cosmoflow_sample_size",
+    "UNIVERSES=8 VAL_UNIVERSES=2 jobs/cosmoflow_sample_size.sh data.crop=32 train.epochs=1 "
+    "results.sweep=sample_size_taste": [],
+    "gems sweep +experiment=cosmoflow_sample_size cluster=perlmutter cluster.account=m1234 "
+    "data.path=/pscratch/cosmoUniverse/train data.val_path=/pscratch/cosmoUniverse/val data.box_cells=512 "
+    "data.crop=128,256,512 model.width=1 train.epochs=32": "submits to NERSC Perlmutter",
     "gems plan model=cosmoflow model.size=512 parallel.spatial=4 parallel.replicas=512 train.batch_size=512 "
     "cluster=perlmutter cluster.account=x plan.dry_run=true plan.dry_run_rank=1234": [],
 }
@@ -84,7 +94,7 @@ def documented() -> list[str]:
         lines += [ln for ln in text.splitlines() if ln.startswith("    ") and not ln.startswith("     ")]
         for ln in lines:
             cmd = ln.split("  #")[0].strip()
-            if cmd.startswith(("gems ", "jobs/", "ACCOUNT=", "bash scripts/")) or cmd == "gems run":
+            if re.match(r"([A-Z_]+=\S+ )*(gems |jobs/|bash scripts/)", cmd) or cmd == "gems run":
                 out.append(re.sub(r"\s+", " ", cmd))
     return list(dict.fromkeys(out))
 

@@ -7,7 +7,8 @@ Paper variant (LBANN): 4 x N^3 input, N in {128, 256, 512}; Conv3d k=3 with
 flattened size is 2048 at every N; dense 2048 -> 256 -> 4 with dropout; MSE.
 Smaller N (32, 64: tests and the embedded default) keep the same layers,
 minus pools that would see fewer than 3 cells, with a smaller flattened size. ``width`` scales every channel count;
-``norm`` (``model.norm``; the paper's model has none) adds a BatchNorm or GroupNorm after each convolution.
+``norm`` (``model.norm``; the paper's model has none) adds a BatchNorm or GroupNorm after each convolution (with
+BatchNorm, one without affine parameters on the input too).
 
 MLPerf HPC variant: 4 x 128^3; five Conv3d k=3 'same' with 32..512 channels,
 each LeakyReLU + MaxPool3d(2); dense -> 128 -> 64 -> 4, dropout 0.5, tanh x 1.2.
@@ -62,7 +63,10 @@ def cosmoflow(size: int = 128, width: float = 1.0, dropout: float = 0.2, slope: 
         raise ValueError("size")
     extra_pools = max(0, int(math.log2(size // 128))) if size >= 128 else 0
     chans = [16, 32, 64, 128, 256, 256, 256]
-    layers: list[nn.Module] = []
+    # with BatchNorm the input is normalised too, by the data's own running statistics (no affine part): log counts
+    # average about 2, and a first convolution on so large a mean moves its BatchNorm's running mean faster than
+    # it can follow, so the model evaluated far worse than it trained
+    layers: list[nn.Module] = [nn.BatchNorm3d(in_channels, affine=False)] if norm == "batch" else []
     c_in, n = in_channels, size
     for i, c in enumerate(chans):
         stride = 2 if i == 3 else 1

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The sample-size study (conf/experiment/cosmoflow_sample_size.yaml): write the universes, then train CosmoFlow on
+# crops of 32^3, 64^3 and 128^3 of them and tabulate the validation error against the crop's edge.
+#   jobs/cosmoflow_sample_size.sh                        # here (about an hour on 2 cores, the writing included)
+#   jobs/cosmoflow_sample_size.sh cluster=local_slurm    # each point a job on the Slurm test cluster
+#   DATA=/scratch/me/cosmo jobs/cosmoflow_sample_size.sh # where the universes go (default data/cosmology)
+# Extra arguments go to the sweep (a cluster, --detach, ...). The universes are written once: running the script
+# again skips them, and skips the points already done.
+set -euo pipefail
+DATA=$(realpath -m "${DATA:-data/cosmology}")
+UNIVERSES=${UNIVERSES:-256}
+VAL_UNIVERSES=${VAL_UNIVERSES:-32}
+gems data synth data.kind=cosmology data.path="$DATA/train" data.val_path="$DATA/val" \
+    data.universes="$UNIVERSES" data.val_universes="$VAL_UNIVERSES" data.box_cells=128 data.box_mpc=512
+gems sweep +experiment=cosmoflow_sample_size data.path="$DATA/train" data.val_path="$DATA/val" "$@"
