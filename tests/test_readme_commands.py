@@ -42,7 +42,7 @@ COMMANDS: dict[str, list[str] | str] = {
         ["data.num_samples=4"],
     # one epoch of the 8 samples the test writes instead of 128 epochs of 64, the evaluation on 4
     "gems run model=cosmoflow_mlperf data=hdf5 data.path=/scratch/cosmo data.val_path=/scratch/cosmo/val "
-    "train.epochs=128 train.target_mae=0.124": ["train.epochs=1"],
+    "train.epochs=128 train.target_mae=0.124": ["train.epochs=1", "train.warmup_steps=1"],
     "gems run comm=mpi parallel.replicas=2": FEWER,
     "gems sweep +experiment=replication_weak": FEWER,
     "gems run cluster=local_slurm cluster.nodes=2 parallel.replicas=4": FEWER,
