@@ -65,7 +65,7 @@ def check_batch(batch_size: int, sched: Schedule, replicas: int = 1) -> int:
 
 
 def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn, batch_size: int,
-                   schedule: str = "mast", micro_batches: int = 1, gems_replicas: int | None = None,
+                   schedule: Schedule | str = "mast", micro_batches: int = 1, gems_replicas: int | None = None,
                    balance: Sequence[int] | None = None, balance_by: str = "auto", checkpoint: bool = False,
                    sample_shape: Sequence[int] | None = None, dtype: torch.dtype = torch.float32,
                    lookahead: int = 2, virtual_stages: int | None = None,
@@ -73,6 +73,10 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
                    amp: Callable[[], Any] | None = None) -> PipelineRunner:
     """Partition ``seq`` over the pipeline axis of ``mesh`` and return this rank's runner.
 
+    * ``schedule``: the resolved :class:`Schedule` (``gems.parallel.resolve`` makes it once, and the worker hands
+      it over as it is), or a registered name, made here with ``micro_batches``, ``gems_replicas``,
+      ``virtual_stages`` and ``split_backward`` (the Python API's shorthand; those four are ignored with a
+      resolved schedule).
     * ``batch_size``: samples of one step for this pipeline line, i.e.
       ``train.batch_size / parallel.replicas`` (``runner.samples_per_step``).
     * ``loss_fn(output_chunk, target_chunk, chunk_size)`` returns the *weighted*
@@ -105,7 +109,8 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
     """
     D = mesh.pipeline
     n_layers = len(seq)
-    sched = make_schedule(schedule, D, micro_batches, gems_replicas, virtual_stages, split_backward)
+    sched = schedule if isinstance(schedule, Schedule) else \
+        make_schedule(schedule, D, micro_batches, gems_replicas, virtual_stages, split_backward)
     chunk = check_batch(batch_size, sched, mesh.replicas)
     S, balance_by = sched.stages, resolve_balance_by(balance_by, sched)
     if S > n_layers:

@@ -142,12 +142,12 @@ class _Composition:
         from gems.pipeline import apply_pipeline
 
         st, cfg, device, seed = self.settings, self.cfg, self.world.device, int(self.cfg.train.seed)
+        assert st.schedule is not None  # pipelined: resolve() made the schedule, once
         loss_fn = self.loss_fn
         runner = apply_pipeline(
             self.seq, self.mesh, self.world.rank, loss_fn=lambda out, y, n: loss_fn(out, y),
-            batch_size=st.line_batch, schedule=st.schedule_name, micro_batches=st.micro_batches,
-            gems_replicas=st.gems_replicas, virtual_stages=st.virtual_stages, split_backward=st.split_backward,
-            balance=self.balance, balance_by=st.balance_by_given, checkpoint=st.checkpoint,
+            batch_size=st.line_batch, schedule=st.schedule, balance=self.balance, balance_by=st.balance_by,
+            checkpoint=st.checkpoint,
             sample_shape=_pipeline_sample(self.spec, self.ctx, self.slices), device=device, amp=self.amp)
         runner.scale_loss = self.scaler.scale
         params = list(runner.parameters())
