@@ -72,6 +72,9 @@ class DataConf:
     stage: str = key("none", "hdf5: copy the files once at job start to node-local storage (node), split over "
                              "the node's ranks, and read them there; removed at the end", choices=("none", "node"))
     stage_dir: Optional[str] = key(None, "where data.stage=node copies to (null: the job's $TMPDIR, else /dev/shm)")
+    standardize: Optional[list] = key(None, "hdf5: [mean, std]: inputs become (log(1+counts) - mean) / std (null: "
+                                            "log(1+counts), as MLPerf's reference); gems data synth "
+                                            "data.kind=cosmology prints its universes' figures")
     crop: Optional[int] = key(None, "hdf5: the edge of the samples cut from each file, as hyperslabs (the paper "
                                     "cut 512^3 universes into 128^3 crops); null: the model's input size. Files "
                                     "larger than a sample are cut into crops of the model's size", ge=1)

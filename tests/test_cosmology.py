@@ -143,6 +143,13 @@ def test_synth_writes_train_and_val_universes_resumably(tmp_path: Path) -> None:
     u = cos.Universes(cells=32, box_mpc=128.0)
     counts, unit, _ = cos.make_universe(u, index)
     assert index == 1 and np.array_equal(full, counts) and np.array_equal(par, unit)  # a pure function of (seed, index)
+    # each file carries its log counts' figures; the summary pools them for data.standardize
+    logs = np.log1p(counts.astype(np.float64))
+    with h5py.File(train[1]) as f:
+        assert f.attrs["log1p_mean"] == pytest.approx(logs.mean(), rel=1e-5)
+    mean, std = (float(v) for v in out.stdout.split("data.standardize=[")[1].split("]")[0].split(","))
+    every = np.concatenate([np.log1p(h5py.File(p)["full"][()].astype(np.float64)).ravel() for p in train])
+    assert mean == pytest.approx(every.mean(), abs=1e-3) and std == pytest.approx(every.std(), abs=1e-3)
     # resumed: a missing universe is written, the others are kept as they are (not rewritten)
     train[2].unlink()
     kept = train[0].stat().st_mtime_ns

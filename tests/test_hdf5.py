@@ -257,3 +257,13 @@ def test_a_crop_that_does_not_fit_the_model_or_the_files_is_named(tmp_path):
         HDF5Samples(tmp_path / "u", (4, 8, 8, 8), crop=4)
     with pytest.raises(ConfigError, match=r"data.path=.*whole multiple of it .*has \[4, 16, 16, 16\]"):
         HDF5Samples(tmp_path / "u", (4, 6, 6, 6))
+
+
+def test_standardize_shifts_and_scales_the_log_counts(tmp_path):
+    files = write_synthetic(tmp_path / "s", 1, (4, 8, 8, 8), seed=2)
+    plain, _ = read_sample(files[0])
+    ds = HDF5Samples(tmp_path / "s", (4, 8, 8, 8), standardize=[1.5, 0.5])
+    torch.testing.assert_close(ds[0][0], (plain - 1.5) / 0.5)
+    for bad in ([1.0], [1.0, 0.0], ["a", "b"]):
+        with pytest.raises(ConfigError, match=r"^data.standardize="):
+            HDF5Samples(tmp_path / "s", (4, 8, 8, 8), standardize=bad)

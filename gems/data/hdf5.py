@@ -46,12 +46,13 @@ def sample_shape(source: Source) -> tuple[int, ...]:
         return tuple(int(n) for n in f["full"].shape)
 
 
-def read_sample(source: Source, slices: Sequence[slice] | None = None,
-                log1p: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def read_sample(source: Source, slices: Sequence[slice] | None = None, log1p: bool = True,
+                standardize: tuple[float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Read the part ``slices`` (one per spatial dim; None: all) of one sample.
 
     Returns ``(x, target)``: ``x`` float32 shaped (C, *part), ``log(x+1)`` of
-    the counts when ``log1p``; ``target`` the float32 ``unitPar`` vector.
+    the counts when ``log1p``, then ``(x - mean) / std`` with ``standardize``; ``target`` the float32 ``unitPar``
+    vector.
     """
     with _h5().File(source, "r") as f:
         ds = f["full"]
@@ -63,6 +64,9 @@ def read_sample(source: Source, slices: Sequence[slice] | None = None,
     x = torch.from_numpy(arr.astype(np.float32, copy=False))
     if log1p:
         x = torch.log1p(x)
+    if standardize is not None:
+        mean, std = standardize
+        x = (x - float(mean)) / float(std)
     return x, target
 
 
@@ -91,7 +95,7 @@ class HDF5Samples:
 
     def __init__(self, path: str | os.PathLike, expected_shape: Sequence[int] | None = None, ctx: Any = None,
                  slices: Sequence[slice] | None = None, log1p: bool = True, key: str = "data.path",
-                 crop: int | None = None) -> None:
+                 crop: int | None = None, standardize: Sequence[float] | None = None) -> None:
         p = Path(path)
         self.path, self.is_dir, self.key = str(path), p.is_dir(), key  # key: the setting that names the folder
         self.files = sorted(p.glob("*.h5")) if self.is_dir else ([p] if p.is_file() else [])
@@ -107,6 +111,7 @@ class HDF5Samples:
         self.grid = tuple(f // s for f, s in zip(self.file_shape[1:], self.shape[1:]))  # crops per spatial dim
         self.crops = math.prod(self.grid)
         self.log1p = log1p
+        self.standardize = _standardize(standardize)
         self.slices = tuple(slices) if slices is not None else (ctx.local_slices(self.shape[1:]) if ctx is not None else None)
         self._checked = {0}
 
@@ -183,7 +188,8 @@ class HDF5Samples:
         parts = self.slices if self.slices is not None else tuple(slice(0, n) for n in self.shape[1:])
         if self.crops > 1:
             parts = tuple(slice(o + s.start, o + s.stop) for o, s in zip(origin, _full_slices(parts, self.shape[1:])))
-        return read_sample(self._file(file), parts if (self.crops > 1 or self.slices is not None) else None, self.log1p)
+        return read_sample(self._file(file), parts if (self.crops > 1 or self.slices is not None) else None, self.log1p,
+                           self.standardize)
 
     def target(self, index: int) -> torch.Tensor:
         """Only the target of sample ``index`` (a rank that computes the loss but reads no input)."""
@@ -193,6 +199,19 @@ class HDF5Samples:
         """Stacked parts ``(N, C, *part)`` and targets ``(N, 4)`` of the samples ``indices``."""
         items = [self[i] for i in indices]
         return torch.stack([x for x, _ in items]), torch.stack([t for _, t in items])
+
+
+def _standardize(value: Sequence[float] | None) -> tuple[float, float] | None:
+    """``data.standardize``, checked: [mean, std] with std > 0, or None."""
+    if value is None:
+        return None
+    try:
+        mean, std = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise ConfigError("data.standardize", value, "[mean, std] of log(1+counts), or null") from None
+    if not std > 0:
+        raise ConfigError("data.standardize", [mean, std], "[mean, std] with std > 0")
+    return mean, std
 
 
 def _holds_crops(shape: Sequence[int], sample: Sequence[int]) -> bool:

@@ -177,11 +177,30 @@ def write_universe(u: Universes, folder: Path, index: int,
     with h5py.File(tmp, "w") as f:
         f.create_dataset("full", data=counts)
         f.create_dataset("unitPar", data=unit)
-        f.attrs.update({**u.attrs(), "index": index, "generator": "gems.data.cosmology (Zel'dovich, colossus)"})
+        logs = np.log1p(counts.astype(np.float32))
+        f.attrs.update({**u.attrs(), "index": index, "generator": "gems.data.cosmology (Zel'dovich, colossus)",
+                        "log1p_mean": float(logs.mean()), "log1p_std": float(logs.std())})
         for name, value in physical.items():
             f.attrs[name] = value
     os.replace(tmp, final)
     return time.perf_counter() - t0
+
+
+def log_counts(folder: Path) -> tuple[float, float] | None:
+    """(mean, std) of log(1+counts) over the universes in ``folder``, from each file's own figures (headers only):
+    what ``data.standardize`` takes."""
+    import h5py
+
+    got = []
+    for p in sorted(folder.glob("*.h5")):
+        with h5py.File(p, "r") as f:
+            if "log1p_mean" in f.attrs:
+                got.append((float(f.attrs["log1p_mean"]), float(f.attrs["log1p_std"])))
+    if not got:
+        return None
+    m = np.array(got)
+    mean = float(m[:, 0].mean())
+    return mean, float(np.sqrt((m[:, 1] ** 2 + m[:, 0] ** 2).mean() - mean ** 2))
 
 
 def _init_worker() -> None:
@@ -223,8 +242,17 @@ def synth_universes(cfg: Any) -> int:
           f"side, z = {', '.join(f'{z:g}' for z in u.redshifts)}): {plan.n_train} to {plan.train}, {plan.n_val} to "
           f"{plan.val}; {total - len(left)} already there; {memory_bytes(u.cells, len(u.redshifts)) / 2**30:.2f} GiB "
           f"a universe, {need / 2**30:.2f} GiB with {plan.workers} process(es)", flush=True)
-    if not left:
-        return 0
+    written = _write(cfg, plan, left) if left else 0
+    figures = log_counts(plan.train)
+    if figures is not None:
+        print(f"gems data synth: log(1+counts) of the training universes: mean {figures[0]:.3f}, std "
+              f"{figures[1]:.3f} (for data.standardize=[{figures[0]:.3f},{figures[1]:.3f}])", flush=True)
+    return written
+
+
+def _write(cfg: Any, plan: Plan, left: list[tuple[Path, int]]) -> int:
+    """Write the universes ``left``: here, in processes, or as a Slurm job."""
+    u = plan.universes
     if cfg.cluster.launcher == "slurm":
         return _on_slurm(cfg, plan, left)
     progress = _Progress(len(left))

@@ -52,7 +52,7 @@ def make_data(cfg: DictConfig, spec: ModelSpec, slices: tuple[slice, ...] | None
             path = str(staged.val if validation else staged.train)
         key = "data.val_path" if validation else "data.path"
         return None if path is None else _HDF5Batches(HDF5Samples(path, spec.input_shape, slices=slices, key=key,
-                                                                  crop=d.crop))
+                                                                  crop=d.crop, standardize=d.standardize))
     from gems.data.synthetic import SyntheticData
 
     if validation:  # held out: the indices after the training set's, which no step trains on
