@@ -136,16 +136,19 @@ def _settings_of(path: Path) -> dict[str, Any] | None:
 
 def to_write(plan: Plan) -> list[tuple[Path, int]]:
     """The (folder, index) pairs not written yet; a file that is in the way is bad input (named)."""
-    want = {k: v for k, v in plan.universes.attrs().items()}
+    want = plan.universes.attrs()
     ours = {folder: {NAME.format(i % VAL_BASE) for f, i in plan.targets() if f == folder} for folder in (plan.train, plan.val)}
     left = []
+
+    def key(folder: Path) -> str:
+        return "data.path" if folder == plan.train else "data.val_path"
+
     for folder, names in ours.items():
-        key = "data.path" if folder == plan.train else "data.val_path"
         if folder.is_dir():
             foreign = sorted(p.name for p in folder.glob("*.h5") if p.name not in names)
             if foreign:
-                raise ConfigError(key, str(folder), f"a folder of this data set's universes only (it holds {len(foreign)} "
-                                  f"other .h5 file(s), e.g. {foreign[0]}; nothing was overwritten)")
+                raise ConfigError(key(folder), str(folder), "a folder of this data set's universes only (it holds "
+                                  f"{len(foreign)} other .h5 file(s), e.g. {foreign[0]}; nothing was overwritten)")
     for folder, index in plan.targets():
         path = folder / NAME.format(index % VAL_BASE)
         if not path.exists():
@@ -153,8 +156,7 @@ def to_write(plan: Plan) -> list[tuple[Path, int]]:
             continue
         got = _settings_of(path)
         if got is None or any(_differs(got.get(k), v) for k, v in want.items()) or got.get("index") != index:
-            key = "data.path" if folder == plan.train else "data.val_path"
-            raise ConfigError(key, str(folder), f"a new folder or one written with these settings ({path.name} was "
+            raise ConfigError(key(folder), str(folder), f"a new folder or one written with these settings ({path.name} was "
                               "written with other ones, or is not a universe: nothing was overwritten)")
     return left
 
