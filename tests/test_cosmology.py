@@ -119,8 +119,11 @@ def test_memory_bound_covers_what_a_universe_takes(parts: int) -> None:
                 "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
         return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
-    grown, bound = peak(128) - peak(8), cos.memory_bytes(128, parts=parts)
-    assert bound / 3 <= grown <= bound, (grown, bound)
+    # measured twice: the bound must cover the smaller and not be far above the larger (a suite running beside
+    # it moves the peak either way; alone, the growth is 0.73-0.81 of the bound)
+    base, bound = peak(8), cos.memory_bytes(128, parts=parts)
+    grown = sorted(peak(128) - base for _ in range(2))
+    assert grown[0] <= bound and grown[1] >= bound / 3, (grown, bound)
     assert cos.memory_bytes(512, parts=16) < 32 * 2**30  # a 512^3 universe on one node (docs/science.md)
 
 
