@@ -29,6 +29,13 @@ def _rss_status(field_name: str) -> int:
     return 0
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (VmHWM, since its start or the last :meth:`MemoryMeter.reset`).
+    Not getrusage's ru_maxrss: Linux carries a parent's peak over through fork and exec, so a rank started by a
+    large launcher (or a test started by pytest) would report its parent's."""
+    return _rss_status("VmHWM")
+
+
 class MemoryMeter:
     """Peak memory of this rank: torch.cuda's peak on GPU, peak RSS growth on CPU."""
 
@@ -51,7 +58,7 @@ class MemoryMeter:
     def peak(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
-        return max(0, _rss_status("VmHWM") - self.base)
+        return max(0, peak_rss_bytes() - self.base)
 
 
 def tensor_bytes(tensors: Any) -> int:

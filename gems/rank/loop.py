@@ -30,7 +30,7 @@ from gems.bootstrap import (
 from gems.errors import ConfigError, RunError
 from gems.fault import inject, progress, reports
 from gems.fault.watchdog import Watchdog
-from gems.memory import MemoryMeter, persistent_bytes, step_peak_bytes
+from gems.memory import MemoryMeter, peak_rss_bytes, persistent_bytes, step_peak_bytes
 from gems.mesh import Mesh, mesh_from_config
 from gems.parallel import resolve
 from gems.pipeline.runtime import split_waits
@@ -464,10 +464,8 @@ class HostMemory:
     def after_step(self, rank: int) -> None:
         if self.decided:
             return
-        import resource
-
         self.decided = True
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = peak_rss_bytes()  # since the step loop began (the meter's reset): the model, the data and a step
         kept = keeps_host_memory_within(peak, self.budget, self.ranks)
         if kept:
             keep_host_memory()
