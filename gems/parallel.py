@@ -11,25 +11,13 @@ again. (In the spirit of torchtitan's ``ParallelDims``.)
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
-
-import torch
-from torch import nn
+from typing import Any
 
 from gems.errors import ConfigError
 from gems.mesh import Mesh, mesh_from_config
-from gems.pipeline.partition import (
-    balance_by_cost,
-    check_comm_cut,
-    layer_costs,
-    layer_times,
-    nbytes,
-    on_rank0,
-    smallest_crossing,
-    trace_shapes,
-)
+from gems.pipeline.balance import Cut, decide
+from gems.pipeline.partition import check_comm_cut
 from gems.pipeline.schedules import Schedule, make_schedule, registered
 
 #: why a balance is what it is
@@ -183,90 +171,13 @@ def spatial_model(spec: Any, mesh: Mesh, bn_stats: str = "global") -> tuple[Any,
     return dataclasses.replace(spec, spatial_end=end), note
 
 
-def spatial_stage_balance(s: ParallelSettings, spec: Any, device: Any = None) -> list[int]:
-    """The partitions of a pipeline made of spatial layers, balanced on the serial layers as every rank runs
-    them (:func:`spatial_balance`); the worker and the planner both call this."""
-    return spatial_balance(spec.module, s.stages, s.balance_by, (max(1, s.chunk), *spec.input_shape), s.mesh.parts,
-                           s.mesh.spatial_dims, spec.spatial_end, device=device)
-
-
-# ---- pipelines of spatial layers: balanced on the serial layers as each rank runs them -------------------
-def _reach(layer: nn.Module, d: int) -> int:
-    """Halo cells a window layer reads along spatial dim ``d`` beyond its part: (kernel - 1) x dilation."""
-    k, dil = getattr(layer, "kernel_size", None), getattr(layer, "dilation", 1)
-    if k is None:
-        return 0
-    k = k[d] if isinstance(k, (tuple, list)) else k
-    dil = dil[d] if isinstance(dil, (tuple, list)) else dil
-    return (int(k) - 1) * int(dil)
-
-
-def spatial_balance(serial: nn.Sequential, D: int, by: str, sample: tuple[int, ...], parts: Sequence[int],
-                    dims: Sequence[int], end: int | None, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str = "cpu") -> list[int]:
-    """The balance, by ``by`` (memory, time or comm), of the spatial version of ``serial``.
-
-    ``sample``: one micro-batch of the whole sample (batch first); ``parts``
-    cuts along spatial ``dims``; costs are taken on the largest part (every
-    rank balances on the same numbers, so the cuts agree); ``end``: the model's gather index (None: the
-    output stays partitioned). :func:`gems.spatial.apply_spatial` inserts the
-    gather before layer ``end``, so the returned balance counts one more layer
-    than ``serial`` has when ``end`` is set. Costs per layer as each rank pays
-    them: before the gather the activation bytes (memory), the crossing bytes
-    (comm) and the time on the part; the gather's output and everything after
-    it full size; parameters whole on every rank. ``"time"`` runs copies of
-    the layers on ``device`` (rank 0 measures, every rank gets its result).
-    """
-    layers = list(serial)
-    n = len(layers)
-    e = n if end is None else int(end)
-    from gems.spatial import split_bounds
-
-    outs = trace_shapes(layers, tuple(sample), dtype)
-    part = [int(v) for v in sample[2:]]
-    for k, d in zip(parts, dims):
-        lo, hi = split_bounds(part[d], int(k))[0]  # np.array_split: the first part is the largest
-        part[d] = hi - lo
-    share = math.prod(int(v) for v in part) / max(1, math.prod(sample[2:]))
-
-    # bytes of each layer's output as a rank holds it (leaving spatial layer i: the crossing)
-    crossing = [nbytes(*outs[i]) * (share if i < e else 1.0) for i in range(n)]
-    mem = layer_costs(layers, crossing)
-    if end is not None and 0 < e:  # the gather: the full activation of layer e - 1
-        full = crossing[e - 1] / share
-        mem.insert(e, full)
-        crossing.insert(e, full)
-    elif end is not None:  # gather of the input itself
-        full = nbytes(sample, dtype)
-        mem.insert(0, full)
-        crossing.insert(0, full)
-    if len(mem) < D:
-        raise ConfigError("parallel.pipeline", D, f"at most the model's {len(mem)} layers (gather included)")
-    if by == "memory":
-        return balance_by_cost(mem, D)
-    if by == "comm":
-        check_comm_cut(D)
-        return smallest_crossing(mem, crossing)
-    if by == "time":
-        def measure() -> list[int]:
-            import copy
-
-            # each layer on the input a rank holds: its part of the global input (the largest part) plus the
-            # halo its window reads, i.e. the part widened to the kernel's reach (capped at the whole extent)
-            ins = [tuple(sample)] + [shape for shape, _ in outs[:-1]]
-            local = []
-            for i, given in enumerate(ins):
-                shape = list(given)
-                if i < e:
-                    for k, d in zip(parts, dims):
-                        lo, hi = split_bounds(shape[2 + d], int(k))[0]
-                        shape[2 + d] = min(shape[2 + d], hi - lo + _reach(layers[i], d))
-                local.append(tuple(shape))
-            seq = copy.deepcopy(serial).to(device)
-            times = layer_times(seq, local[0], device=device, inputs=local)
-            if end is not None:
-                times.insert(e, 0.0)  # the gather: communication only
-            return balance_by_cost(times, D)
-
-        return on_rank0(measure)
-    raise ConfigError("parallel.balance_by", by, "memory, time or comm")
+def stage_balance(s: ParallelSettings, spec: Any, chunk: int | None = None, by: str | None = None,
+                  device: Any = None) -> list[int]:
+    """The layers of each pipeline partition of ``spec``'s model under these settings: the balance given, or
+    the one :func:`gems.pipeline.balance.decide` chooses by ``by`` (default: the resolved ``balance_by``) on
+    one micro-batch of ``chunk`` samples (default: the settings' own). A spatial mesh balances the serial
+    layers as every rank runs them. The worker and the planner both call this."""
+    cut = Cut(s.mesh.parts, s.mesh.spatial_dims, spec.spatial_end) if s.mesh.spatial > 1 else None
+    sample = (max(1, s.chunk if chunk is None else int(chunk)), *spec.input_shape)
+    return decide(spec.module, s.stages, s.balance_by if by is None else by, sample,
+                  given=s.balance if s.pipelined else None, cut=cut, device=device)

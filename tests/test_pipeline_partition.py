@@ -215,7 +215,7 @@ def _trunk_and_head(big_head: bool = False) -> tuple[nn.Sequential, int]:
 
 
 def test_spatial_balance_without_cuts_is_the_serial_balance():
-    from gems.parallel import spatial_balance
+    from gems.pipeline.balance import spatial_balance
     from gems.pipeline.partition import balance_by_comm
 
     seq, _ = _trunk_and_head()
@@ -228,7 +228,7 @@ def test_spatial_balance_without_cuts_is_the_serial_balance():
 def test_spatial_balance_weighs_the_trunk_by_the_part_and_counts_the_gather():
     """Before the gather a rank holds its part of each activation (the largest part: 3 of 5 planes at S=2, 2 of 5
     at S=3), the gather and the head hold the whole; parameters are whole everywhere."""
-    from gems.parallel import spatial_balance
+    from gems.pipeline.balance import spatial_balance
 
     seq, end = _trunk_and_head(big_head=True)
     sample = (1, 1, 5, 8, 8)

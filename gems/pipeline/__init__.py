@@ -21,16 +21,8 @@ from torch import nn
 
 from gems.errors import ConfigError
 from gems.mesh import Mesh
-from gems.pipeline.partition import (
-    balance_by_comm,
-    balance_by_memory,
-    balance_by_time,
-    boundary_shapes,
-    check_balance,
-    check_comm_cut,
-    resolve_balance_by,
-    split,
-)
+from gems.pipeline.balance import decide
+from gems.pipeline.partition import boundary_shapes, resolve_balance_by, split
 from gems.pipeline.runtime import LossFn, PipelineRunner
 from gems.pipeline.schedules import SCHEDULES, Action, Schedule, make_schedule
 
@@ -88,7 +80,7 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
       broadcast) or, at D = 2, ``"comm"`` (the cut with the smallest crossing
       activation: the fastest for ``mast``/``master``/``lp``, see
       :func:`~gems.pipeline.partition.balance_by_comm`) on one micro-batch of ``sample_shape``; without a
-      ``sample_shape`` the layers are split evenly by count.
+      ``sample_shape`` the layers are split evenly by count (:func:`gems.pipeline.balance.decide`).
     * ``sample_shape``: ``(C, *spatial)`` of the activation entering the first
       layer *on this rank* (local shape under spatial parallelism). When the
       partitions can be traced on fake tensors it gives the cut shapes in
@@ -117,21 +109,7 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
         raise ConfigError("parallel.pipeline" if S == D else "parallel.virtual_stages", D if S == D else S // D,
                           f"at most the model's {n_layers} layers in {S} partitions")
     sample = None if sample_shape is None else (chunk, *[int(v) for v in sample_shape])
-    if balance is not None:
-        bal = check_balance(balance, n_layers, S)
-    elif S == 1:
-        bal = [n_layers]
-    elif sample is None:
-        bal = [n_layers // S + (1 if i < n_layers % S else 0) for i in range(S)]
-    elif balance_by == "memory":
-        bal = balance_by_memory(seq, S, sample, dtype)
-    elif balance_by == "time":
-        bal = balance_by_time(seq, S, sample)
-    elif balance_by == "comm":
-        check_comm_cut(S)
-        bal = balance_by_comm(seq, sample, dtype)
-    else:
-        raise ConfigError("parallel.balance_by", balance_by, "auto, memory, time or comm")
+    bal = decide(seq, S, balance_by, sample, given=balance, dtype=dtype)  # the one place a balance is decided
     parts = split(seq, bal)
     shapes = None
     if sample is not None and S > 1:

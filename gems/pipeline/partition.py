@@ -23,7 +23,7 @@ The cut minimises the largest partition cost (contiguous linear partition,
 dynamic programming over prefix sums).
 
 Spatial partitions talk to other ranks, so they cannot be traced or timed on
-their own. :func:`gems.parallel.spatial_balance` balances the *serial* layers instead, as
+their own. :func:`gems.pipeline.balance.spatial_balance` balances the *serial* layers instead, as
 each rank runs them: the layers before the gather on the largest part of the
 sample (activation bytes and time scale with the part), the gather and the
 layers after it on the full activation, and the parameters whole everywhere.

@@ -106,11 +106,14 @@ from torch import nn
 from gems.bootstrap import KEEP_GROWTH, keeps_host_memory_within, node_memory_bytes
 from gems.errors import ConfigError
 from gems.mesh import ring_links
-from gems.pipeline.schedules import receives
+from gems.parallel import resolve, spatial_model, stage_balance
+from gems.pipeline.partition import check_balance, trace_shapes
+from gems.pipeline.schedules import receives, registered
 from gems.plan.devices import gpu_memory_bytes, gpu_reserve, rank_communicators
 from gems.plan.schema import SCHEMA, Breakdown, GiB, MemoryPlan, Position
 from gems.plan.trace import Trace, precision_context, spatial_stand_in, trace_layers
 from gems.replication import IN_PLACE_BYTES
+from gems.spatial.geometry import split_bounds
 
 __all__ = ["Breakdown", "Position", "MemoryPlan", "plan_memory", "Planner", "Setup", "setup", "SCHEMA", "GiB"]
 
@@ -247,7 +250,6 @@ class Setup:
     @property
     def kind(self) -> Any:
         """The schedule's registration (gems.pipeline.schedules.ScheduleKind): what it takes, asked by capability."""
-        from gems.pipeline.schedules import registered
 
         return registered()[self.schedule]
 
@@ -358,8 +360,6 @@ class Planner:
 
     def classes(self) -> list[list[int]]:
         """Spatial indices grouped by identical slab sizes at every layer and identical neighbours."""
-        from gems.pipeline.partition import trace_shapes as _fake_run
-        from gems.spatial.geometry import split_bounds
 
         mesh, spec = self.st.mesh, self.st.spec
         if mesh.spatial == 1:
@@ -367,7 +367,7 @@ class Planner:
         end = spec.spatial_end if spec.spatial_end is not None else len(spec.module)
         shapes = [tuple(spec.input_shape[1:])]
         try:
-            shapes += [s[2:] for s, _ in _fake_run(list(spec.module)[:end], (1, *spec.input_shape), torch.float32)]
+            shapes += [s[2:] for s, _ in trace_shapes(list(spec.module)[:end], (1, *spec.input_shape), torch.float32)]
         except Exception:  # a trunk that cannot run serially on fake tensors: key by the input only
             pass
         keys: dict[tuple, list[int]] = {}
@@ -397,8 +397,8 @@ class Planner:
         return list(seq), sctx, local
 
     def balance(self, n_layers: int, chunk: int) -> list[int]:
-        from gems.pipeline.partition import balance_by_memory, check_balance
-
+        """The balance the run would take (:func:`gems.parallel.stage_balance`, as the worker calls it), with
+        ``time`` planned as ``memory`` (it is measured when the run starts)."""
         st = self.st
         D = st.settings.stages  # partitions: more than the ranks for interleaved schedules
         if not self.pipelined or D == 1:
@@ -406,22 +406,11 @@ class Planner:
                 return check_balance(st.balance, n_layers, D)
             return [n_layers]
         st.settings.check_layers(n_layers)
-        if st.balance is not None:
-            return check_balance(st.balance, n_layers, D)
         by = st.balance_by
-        if by == "time":
+        if by == "time" and st.balance is None:
             self.notes.append("parallel.balance_by=time is measured at run time; planned with the memory balance")
             by = "memory"
-        if st.mesh.spatial > 1:  # as the runtime balances spatial partitions: the serial layers on the largest part
-            from gems.parallel import spatial_balance
-
-            return spatial_balance(st.spec.module, D, by, (max(1, chunk), *st.spec.input_shape), st.mesh.parts,
-                                   st.mesh.spatial_dims, st.spec.spatial_end)
-        if by == "comm" and D == 2:
-            from gems.pipeline.partition import balance_by_comm
-
-            return balance_by_comm(st.spec.module, (max(1, chunk), *st.spec.input_shape))
-        return balance_by_memory(st.spec.module, D, (max(1, chunk), *st.spec.input_shape))
+        return stage_balance(st.settings, st.spec, chunk, by)
 
     # ---- memory ---------------------------------------------------------------------
     def _layers(self, s: int) -> tuple[list[nn.Module], Any, list[int]]:
@@ -558,7 +547,6 @@ def setup(cfg: Any) -> Setup:
 
     from gems.mesh import mesh_from_config
     from gems.models import build_model
-    from gems.parallel import resolve
 
     p = cfg.parallel
     mesh = mesh_from_config(cfg, _world(cfg))
@@ -569,7 +557,6 @@ def setup(cfg: Any) -> Setup:
         spec.module.train()
         _CACHE[("model", model_key)] = spec
     spec = _CACHE[("model", model_key)]
-    from gems.parallel import spatial_model
 
     spec, gather_note = spatial_model(spec, mesh, str(p.bn_stats))
     sched = str(p.schedule)

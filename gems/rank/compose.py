@@ -19,7 +19,7 @@ from gems.fault import all_finite, progress
 from gems.layers import batch_context, guard_bf16_conv3d
 from gems.mesh import Coord, Mesh
 from gems.models import ModelSpec, build_model
-from gems.parallel import ParallelSettings, resolve, spatial_model, spatial_stage_balance
+from gems.parallel import ParallelSettings, resolve, spatial_model, stage_balance
 from gems.precision import LossScaler, autocast, scaling_enabled
 from gems.rank.loss import Metric, make_loss_fn
 from gems.rank.optim import make_optimizer
@@ -109,7 +109,7 @@ class _Composition:
         self.ctx = SpatialContext.from_mesh(self.mesh, self.world.rank, p.overlap)
         self.slices = tuple(self.ctx.local_slices(self.spec.input_shape[1:]))
         if st.pipelined and self.balance is None and st.stages > 1:  # balanced on the serial layers, as ranks run them
-            self.balance = spatial_stage_balance(st, self.spec, self.world.device)
+            self.balance = stage_balance(st, self.spec, device=self.world.device)
         self.seq = apply_spatial(self.seq, self.ctx, self.spec.spatial_end, bn_stats=p.bn_stats)
 
     def place(self) -> None:
