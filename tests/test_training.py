@@ -278,14 +278,14 @@ def test_crops_of_universes_train_and_validate_alike_on_every_mesh(tmp_path: Pat
         write_universe(u, tmp_path / "val", VAL_BASE + i)
     args = ["model=cosmoflow", "data=hdf5", f"data.path={tmp_path / 'train'}", f"data.val_path={tmp_path / 'val'}",
             "data.crop=32", "train.epochs=1", "train.batch_size=8", "train.eval_every=2",
-            "train.eval_average_crops=true", "train.lr=0.01"]
+            "train.eval_average_crops=true", "train.lr=0.003"]  # 0.01 diverges (loss 17 by step 4), and rounding with it
     one = _run(tmp_path / "one", *args)
     assert one["steps"] == 4 and [v["step"] for v in one["validation"]] == [2, 4]
     last = one["validation"][-1]
     assert last["samples"] == 16 and last["groups"] == 2 and last["mae_avg_crops"] != pytest.approx(last["mae"])
     for mesh in (["parallel.spatial=2"], ["parallel.replicas=2"], ["parallel.pipeline=2", "parallel.schedule=mast"]):
         got = _run(tmp_path / "_".join(mesh).replace("=", ""), *args, *mesh)
-        np.testing.assert_allclose(got["loss"], one["loss"], rtol=1e-5)
+        np.testing.assert_allclose(got["loss"], one["loss"], rtol=1e-5, err_msg=str(mesh))
         for g, w in zip(got["validation"], one["validation"]):
             np.testing.assert_allclose([g["mae"], g["mae_avg_crops"], *g["mae_avg_crops_per_target"]],
                                        [w["mae"], w["mae_avg_crops"], *w["mae_avg_crops_per_target"]], rtol=1e-5,
