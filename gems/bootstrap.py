@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from gems.config import section
 from gems.errors import ConfigError
 
 
@@ -184,7 +185,7 @@ def init_world(cfg: Any) -> World:
     host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     from gems.fault.watchdog import collective_timeout_s
 
-    timeout = datetime.timedelta(seconds=collective_timeout_s(cfg))
+    timeout = datetime.timedelta(seconds=collective_timeout_s(section(cfg, "comm"), section(cfg, "fault")))
     if size > 1 and not dist.is_initialized():
         # env:// honours a MASTER_ADDR the site set (e.g. an InfiniBand hostname) and torchrun's
         # agent-hosted store; Slurm and MPI ranks fill in what they derived or were told. MPI ranks

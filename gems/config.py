@@ -297,6 +297,16 @@ GROUP_SCHEMAS = {
 SECTIONS = {**GROUP_SCHEMAS, "results": ResultsConf, "plan": PlanConf, "fault": FaultConf}
 
 
+def section(cfg: Any, name: str) -> Any:
+    """Section ``name`` of ``cfg`` (a DictConfig or a mapping) as an instance of its schema's dataclass
+    (:data:`SECTIONS`): typed values, and the schema's default for a key the configuration leaves out. What a
+    module below an entry point takes instead of the whole configuration (``inject.arm(section(cfg, "fault"),
+    ...)``); no fallback default of its own."""
+    node = cfg.get(name) if hasattr(cfg, "get") else None
+    merged = OmegaConf.merge(OmegaConf.structured(SECTIONS[name]), node if node is not None else {})
+    return OmegaConf.to_object(merged)
+
+
 def schema_keys() -> dict[str, Any]:
     """``section.key`` -> the dataclass field (default, ``metadata``: help, choices, bounds)."""
     from dataclasses import fields

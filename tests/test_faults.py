@@ -304,12 +304,22 @@ def test_explain_prefers_the_rank_that_failed_on_its_own(tmp_path):
 
 
 def test_collective_timeouts_leave_room_for_the_watchdog():
+    """The collective timeout is comm.timeout_s, else the warm-up allowance plus the stall timeout; with stall
+    detection off (null) the schema's default stall allowance still bounds it. The sections arrive typed
+    (gems.config.section), whatever the configuration leaves out taking the schema's default."""
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.create({"comm": {"timeout_s": None}, "fault": {"stall_timeout_s": 60, "warmup_timeout_s": 600}})
-    assert collective_timeout_s(cfg) == 660
-    cfg.comm.timeout_s = 30
-    assert collective_timeout_s(cfg) == 30
+    from gems.config import FaultConf, section
+
+    def timeout(cfg: dict) -> float:
+        c = OmegaConf.create(cfg)
+        return collective_timeout_s(section(c, "comm"), section(c, "fault"))
+
+    assert isinstance(section(OmegaConf.create({}), "fault"), FaultConf)
+    assert timeout({"comm": {"timeout_s": None}, "fault": {"stall_timeout_s": 60, "warmup_timeout_s": 600}}) == 660
+    assert timeout({"comm": {"timeout_s": 30}}) == 30
+    assert timeout({"fault": {"stall_timeout_s": None, "warmup_timeout_s": 100}}) == 160
+    assert timeout({"fault": {"warmup_timeout_s": 100, "stall_timeout_s": 5}}) == 105
 
 
 # ---------------------------------------------------------------------------- Slurm

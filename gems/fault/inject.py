@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gems.config import FaultConf
 from gems.fault.progress import PROGRESS
 
 
@@ -27,12 +28,11 @@ def _say(text: str) -> None:
     print(f"gems: fault injection: {text}", file=sys.stderr, flush=True)
 
 
-def arm(cfg: Any, rank: int, modules: list[nn.Module]) -> None:
+def arm(f: FaultConf, rank: int, modules: list[nn.Module]) -> None:
     """Install what must sit inside the model: the stall of ``fault.stall_rank``."""
-    f = cfg.fault
-    if int(f.get("stall_rank", -1)) != rank or not modules:
+    if f.stall_rank != rank or not modules:
         return
-    at = int(f.at_step)
+    at = f.at_step
 
     def stall(module: nn.Module, args: Any) -> None:
         if PROGRESS.step == at:
@@ -43,19 +43,17 @@ def arm(cfg: Any, rank: int, modules: list[nn.Module]) -> None:
     modules[0].register_forward_pre_hook(stall)
 
 
-def before_step(cfg: Any, rank: int, step: int) -> None:
-    f = cfg.fault
-    if int(f.kill_rank) == rank and int(f.at_step) == step:
+def before_step(f: FaultConf, rank: int, step: int) -> None:
+    if f.kill_rank == rank and f.at_step == step:
         _say(f"killing rank {rank} at step {step}")
         os.kill(os.getpid(), signal.SIGKILL)
-    if float(f.get("step_delay_s") or 0) > 0:
-        time.sleep(float(f.step_delay_s))
+    if f.step_delay_s > 0:
+        time.sleep(f.step_delay_s)
 
 
-def poison(cfg: Any, rank: int, step: int, x: torch.Tensor | None) -> torch.Tensor | None:
+def poison(f: FaultConf, rank: int, step: int, x: torch.Tensor | None) -> torch.Tensor | None:
     """``fault.nan_rank``: this rank's input of ``fault.at_step`` becomes NaN."""
-    f = cfg.fault
-    if x is None or int(f.get("nan_rank", -1)) != rank or int(f.at_step) != step:
+    if x is None or f.nan_rank != rank or f.at_step != step:
         return x
     _say(f"rank {rank} reads NaN as its input of step {step}")
     return torch.full_like(x, float("nan")) if x.is_floating_point() else x

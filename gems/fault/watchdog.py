@@ -44,21 +44,22 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from gems.config import CommConf, FaultConf
 from gems.fault.progress import PROGRESS, SLOW, WAITS, Progress
 
 ABORT_KEY = "gems/abort"
 EXIT_STATUS = 1  # a rank that ends the job for a stall exits with this status
 
 
-def collective_timeout_s(cfg: Any) -> float:
+def collective_timeout_s(comm: CommConf, fault: FaultConf) -> float:
     """torch.distributed's timeout (gloo's collectives, NCCL's watchdog): ``comm.timeout_s``, else long
     enough that the watchdog names a stall first (the warm-up allowance plus the stall timeout), and finite,
     so that a stuck collective raises where no watchdog runs."""
-    explicit = cfg.comm.timeout_s
-    if explicit is not None:
-        return float(explicit)
-    f = cfg.get("fault") or {}
-    return float(f.get("warmup_timeout_s") or 600.0) + float(f.get("stall_timeout_s") or 60.0)
+    if comm.timeout_s is not None:
+        return float(comm.timeout_s)
+    # with stall detection off (null) the schema's default stall allowance still bounds a stuck collective
+    stall = fault.stall_timeout_s if fault.stall_timeout_s is not None else FaultConf().stall_timeout_s
+    return fault.warmup_timeout_s + float(stall or 0.0)
 
 
 def hb_key(rank: int) -> str:

@@ -29,6 +29,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig
 
 from gems.bootstrap import free_port
+from gems.config import section
 from gems.errors import Cancelled, ConfigError
 from gems.fault.reports import Exit, explain
 from gems.launch import cancel_on_signals
@@ -86,7 +87,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[str], None] | None = None) ->
     env["GEMS_LAUNCHER_PID"] = str(os.getpid())
     cmd = [sys.executable, "-m", "gems.worker", "--config", str(cfg_path)]
     deadline = time.monotonic() + 60 * float(cfg.cluster.get("timeout_min") or (cfg.cluster.time_min + 5))
-    max_restarts = int(cfg.fault.get("max_restarts", 3))
+    max_restarts = section(cfg, "fault").max_restarts
     path = rec.record_path(cfg)
     watch = _Watch([], [], on_progress)
     try:

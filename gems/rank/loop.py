@@ -27,6 +27,7 @@ from gems.bootstrap import (
     node_memory_bytes,
     ranks_on_this_node,
 )
+from gems.config import section
 from gems.errors import ConfigError, RunError
 from gems.fault import inject, progress, reports
 from gems.fault.watchdog import Watchdog
@@ -48,8 +49,8 @@ class NonFiniteLoss(RunError):
 
 def start_watchdog(cfg: DictConfig, world: World, on_stall: Callable[[str, dict[str, Any]], None]) -> Watchdog | None:
     """This rank's heartbeat thread (``fault.stall_timeout_s``; null switches stall detection off)."""
-    f = cfg.fault
-    if f.get("stall_timeout_s") is None:
+    f = section(cfg, "fault")
+    if f.stall_timeout_s is None:
         return None
     jd = rec.job_dir(cfg)
 
@@ -58,7 +59,7 @@ def start_watchdog(cfg: DictConfig, world: World, on_stall: Callable[[str, dict[
                              kind=failure.get("kind", "stall"), blame=failure.get("blame"))
 
     launcher = os.environ.get("GEMS_LAUNCHER_PID")
-    return Watchdog(world.rank, world.size, stall_s=float(f.stall_timeout_s), warmup_s=float(f.warmup_timeout_s),
+    return Watchdog(world.rank, world.size, stall_s=f.stall_timeout_s, warmup_s=f.warmup_timeout_s,
                     addr=os.environ.get("MASTER_ADDR", world.master_addr),
                     port=int(os.environ.get("MASTER_PORT", world.master_port)),
                     on_stall=on_stall if world.rank == 0 else None, on_report=report,
@@ -85,6 +86,7 @@ class Run:
 
     def __init__(self, cfg: DictConfig, world: World, wd: Watchdog | None) -> None:
         self.cfg, self.world, self.wd = cfg, world, wd
+        self.fault = section(cfg, "fault")  # the fault injections of every step, typed once
         self.t_start = time.time()
         progress.mark("setup")
         t = cfg.train
@@ -108,7 +110,7 @@ class Run:
         self.staged = stage(cfg, world, str(cfg.run_id or "run"), self.barrier)  # data.stage=node: copied once
         self.mlperf.staging(start=False, when=staging)
         self.data = make_data(cfg, spec, self.par.input_slices, device=gpu, staged=self.staged)
-        inject.arm(cfg, world.rank, self.par.modules)
+        inject.arm(self.fault, world.rank, self.par.modules)
         self.B, self.R = int(t.batch_size), mesh.replicas
         self.sampler = Sampler(len(self.data), self.B, int(t.seed), t.epochs, t.steps, bool(cfg.data.shuffle))
         self.steps, self.warm = self.sampler.total, int(t.warmup_steps)
@@ -206,14 +208,14 @@ class Run:
         spe = self.sampler.steps_per_epoch
         if step % spe == 0:
             self.mlperf.epoch(start=True, epoch=step // spe)
-        inject.before_step(cfg, world.rank, step)
-        if cfg.fault.preempt_at_step == step and self.restarts == 0:
+        inject.before_step(self.fault, world.rank, step)
+        if self.fault.preempt_at_step == step and self.restarts == 0:
             self.settle_history()
             _preempt(cfg, world, step, par, self.opt, h, self.wd, "fault injection: preempting the job")
         _sync(world.device)
         t0 = time.perf_counter()
         (ids, x, y), t_data = self.prefetch.get(step)  # t_data: what the step waited for (the exposed data time)
-        x = inject.poison(cfg, world.rank, step, x)
+        x = inject.poison(self.fault, world.rank, step, x)
         h["lrs"].append(self.lr.apply(self.opt, step))
         timers.reset()
         profiling = bool(cfg.train.profile) and step == self.measure_from and self.steps - self.measure_from > 1
