@@ -303,8 +303,15 @@ def section(cfg: Any, name: str) -> Any:
     module below an entry point takes instead of the whole configuration (``inject.arm(section(cfg, "fault"),
     ...)``); no fallback default of its own."""
     node = cfg.get(name) if hasattr(cfg, "get") else None
-    merged = OmegaConf.merge(OmegaConf.structured(SECTIONS[name]), node if node is not None else {})
-    return OmegaConf.to_object(merged)
+    try:
+        if isinstance(node, DictConfig):  # resolved where it sits: an interpolation may name another section
+            node = OmegaConf.to_container(node, resolve=True)
+        merged = OmegaConf.merge(OmegaConf.structured(SECTIONS[name]), node if node is not None else {})
+        return OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
+    except Exception as e:  # a key the schema does not have, a value of the wrong type, an interpolation
+        raise _omegaconf_error(e) from None
 
 
 def schema_keys() -> dict[str, Any]:

@@ -125,8 +125,8 @@ def resolve(cfg: Any, batch: int | None = None) -> ParallelSettings:
                               "the batch there; schedule=gpipe or 1f1b at parallel.pipeline=1 accumulates "
                               "micro-batches)")
     by_given = str(p.balance_by)
-    if by_given == "comm":
-        check_comm_cut(D)
+    if by_given == "comm":  # the partitions, not the ranks: an interleaved schedule cuts more than D
+        check_comm_cut(sched.stages if sched is not None else D, D)
     balance = tuple(int(b) for b in p.balance) if p.balance else None
     settings = ParallelSettings(mesh, name, sched, int(batch if batch is not None else cfg.train.batch_size), m, eta, v,
                                 split, balance, "memory", by_given, bool(p.checkpoint))

@@ -379,3 +379,17 @@ def test_ending_an_attached_run_on_slurm_cancels_its_job_and_says_which(tmp_path
     assert r["failure"]["kind"] == "cancelled" and r["env"]["slurm_job_id"] == job
     _wait_for(lambda: subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True,
                                      text=True).stdout.strip() in ("", "CANCELLED", "COMPLETED"), timeout=60)
+
+
+def test_a_typed_section_resolves_interpolations_and_names_a_bad_key():
+    """gems.config.section resolves an interpolation that names another section, and a key its schema does not
+    have is a ConfigError naming it (the launcher reads the fault section before anything resolves it)."""
+    from omegaconf import OmegaConf
+
+    from gems.config import section
+    from gems.errors import ConfigError
+
+    cfg = OmegaConf.create({"train": {"warmup_steps": 3}, "fault": {"at_step": "${train.warmup_steps}"}})
+    assert section(cfg, "fault").at_step == 3
+    with pytest.raises(ConfigError, match="fault.max_restart"):
+        section(OmegaConf.create({"fault": {"max_restart": 2}}), "fault")

@@ -467,7 +467,7 @@ class HostMemory:
         if self.decided:
             return
         self.decided = True
-        peak = peak_rss_bytes()  # since the step loop began (the meter's reset): the model, the data and a step
+        peak = peak_rss_bytes()  # since the meter's reset before the rank's set-up: the model, the data, a step
         kept = keeps_host_memory_within(peak, self.budget, self.ranks)
         if kept:
             keep_host_memory()
