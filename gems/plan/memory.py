@@ -107,7 +107,7 @@ from gems.bootstrap import KEEP_GROWTH, keeps_host_memory_within, node_memory_by
 from gems.errors import ConfigError
 from gems.mesh import ring_links
 from gems.parallel import resolve, spatial_model, stage_balance
-from gems.pipeline.partition import check_balance, trace_shapes
+from gems.pipeline.partition import trace_shapes
 from gems.pipeline.schedules import receives, registered
 from gems.plan.devices import gpu_memory_bytes, gpu_reserve, rank_communicators
 from gems.plan.schema import SCHEMA, Breakdown, GiB, MemoryPlan, Position
@@ -250,7 +250,6 @@ class Setup:
     @property
     def kind(self) -> Any:
         """The schedule's registration (gems.pipeline.schedules.ScheduleKind): what it takes, asked by capability."""
-
         return registered()[self.schedule]
 
 
@@ -360,7 +359,6 @@ class Planner:
 
     def classes(self) -> list[list[int]]:
         """Spatial indices grouped by identical slab sizes at every layer and identical neighbours."""
-
         mesh, spec = self.st.mesh, self.st.spec
         if mesh.spatial == 1:
             return [[0]]
@@ -400,12 +398,9 @@ class Planner:
         """The balance the run would take (:func:`gems.parallel.stage_balance`, as the worker calls it), with
         ``time`` planned as ``memory`` (it is measured when the run starts)."""
         st = self.st
-        D = st.settings.stages  # partitions: more than the ranks for interleaved schedules
-        if not self.pipelined or D == 1:
-            if st.balance is not None and self.pipelined:
-                return check_balance(st.balance, n_layers, D)
+        if not self.pipelined:
             return [n_layers]
-        st.settings.check_layers(n_layers)
+        st.settings.check_layers(n_layers)  # a given balance is checked against the layers there
         by = st.balance_by
         if by == "time" and st.balance is None:
             self.notes.append("parallel.balance_by=time is measured at run time; planned with the memory balance")
@@ -557,7 +552,6 @@ def setup(cfg: Any) -> Setup:
         spec.module.train()
         _CACHE[("model", model_key)] = spec
     spec = _CACHE[("model", model_key)]
-
     spec, gather_note = spatial_model(spec, mesh, str(p.bn_stats))
     sched = str(p.schedule)
     eta = settings.schedule.replicas if settings.schedule is not None else 1
