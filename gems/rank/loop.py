@@ -359,9 +359,14 @@ class Run:
         tensor_peak = max(seen) if seen else None
         for k in breakdown:
             breakdown[k] /= max(1, measured)
-        median = statistics.median(step_times) if step_times else 0.0  # (a run that met its target at once)
-        breakdown["compute"] = max(0.0, median - sum(v for k, v in breakdown.items() if k != "compute"))
-        peaks, hosts, tensor_peaks, machines, times = self.gather(tensor_peak, measured)
+        peaks, hosts, tensor_peaks, machines, times = self.gather(tensor_peak, measured)  # splits the waits too
+        # compute is what is left of this rank's median step after its measured terms; the record's step is the
+        # slowest rank's (a step ends when its slowest rank ends), and the time this rank waits beyond its own
+        # step for the slowest one is a wait: the terms sum to the recorded median
+        here = statistics.median(step_times) if step_times else 0.0  # (a run that met its target at once)
+        slowest = statistics.median(times) if times else 0.0
+        breakdown["compute"] = max(0.0, here - sum(v for k, v in breakdown.items() if k != "compute"))
+        breakdown["bubble_or_wait"] += max(0.0, slowest - sum(breakdown.values()))
         record = rec.build_record(
             self.cfg, world, self.mesh, losses=h["losses"], step_times=times,
             global_batch=par.samples_per_step * self.R,  # the whole global batch (every replica line trains B/R)
