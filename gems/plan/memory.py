@@ -111,6 +111,7 @@ from gems.pipeline.partition import trace_shapes
 from gems.pipeline.schedules import receives, registered
 from gems.plan.devices import gpu_memory_bytes, gpu_reserve, rank_communicators
 from gems.plan.schema import SCHEMA, Breakdown, GiB, MemoryPlan, Position
+from gems.plan.store import cached
 from gems.plan.trace import Trace, precision_context, spatial_stand_in, trace_layers
 from gems.replication import IN_PLACE_BYTES
 from gems.spatial.geometry import split_bounds
@@ -363,11 +364,15 @@ class Planner:
         if mesh.spatial == 1:
             return [[0]]
         end = spec.spatial_end if spec.spatial_end is not None else len(spec.module)
-        shapes = [tuple(spec.input_shape[1:])]
-        try:
-            shapes += [s[2:] for s, _ in trace_shapes(list(spec.module)[:end], (1, *spec.input_shape), torch.float32)]
-        except Exception:  # a trunk that cannot run serially on fake tensors: key by the input only
-            pass
+
+        def trunk() -> list[tuple[int, ...]]:
+            try:
+                return [s[2:] for s, _ in trace_shapes(list(spec.module)[:end], (1, *spec.input_shape), torch.float32)]
+            except Exception:  # a trunk that cannot run serially on fake tensors: key by the input only
+                return []
+
+        kept = ("trunk shapes", self.st.model_key, end)
+        shapes = [tuple(spec.input_shape[1:]), *(trunk() if spec.name == "custom" else cached(kept, trunk))]
         keys: dict[tuple, list[int]] = {}
         for s in range(mesh.spatial):
             g = mesh.grid_of(s)
@@ -405,7 +410,13 @@ class Planner:
         if by == "time" and st.balance is None:
             self.notes.append("parallel.balance_by=time is measured at run time; planned with the memory balance")
             by = "memory"
-        return stage_balance(st.settings, st.spec, chunk, by)
+        s = st.settings
+        if st.spec.name == "custom" or s.balance is not None:
+            return stage_balance(s, st.spec, chunk, by)
+        # a decided balance traces the model on fake tensors: kept on disk by what stage_balance reads
+        key = ("balance", st.model_key, s.stages, by, s.chunk if chunk is None else int(chunk), s.mesh.parts,
+               s.mesh.spatial_dims)
+        return cached(key, lambda: stage_balance(s, st.spec, chunk, by))
 
     # ---- memory ---------------------------------------------------------------------
     def _layers(self, s: int) -> tuple[list[nn.Module], Any, list[int]]:
@@ -419,9 +430,13 @@ class Planner:
         key = ("trace", self.st.model_key, self.st.mesh.parts, self.st.mesh.spatial_dims, s, self.st.overlap,
                self.st.gpu, self.st.bn_stats, self.st.precision, batch)
         if key not in _CACHE:
-            layers, sctx, local = self._layers(s)
-            _CACHE[key] = trace_layers(self.st.spec, layers, batch, local, self.st.spec.input_shape[1:], sctx, self.amp,
-                                 memo=(self.st.precision, self.st.gpu))
+            def make() -> Trace:
+                layers, sctx, local = self._layers(s)
+                return trace_layers(self.st.spec, layers, batch, local, self.st.spec.input_shape[1:], sctx, self.amp,
+                                    memo=(self.st.precision, self.st.gpu))
+
+            # kept on disk between processes (gems/plan/store.py), but a custom model's source is not digested
+            _CACHE[key] = make() if self.st.spec.name == "custom" else cached(key, make)
         return _CACHE[key]
 
     def profile(self, chunk: int) -> tuple[list[int], list[tuple[list[int], list[int], list[_Stage], int]]]:

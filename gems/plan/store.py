@@ -1,0 +1,89 @@
+"""The planner's traces kept on disk between processes, so that the check before every launch is quick.
+
+A trace (:func:`gems.plan.trace.trace_layers`) is a pure function of what the planner keys it by in this
+process (the model's settings, the spatial cut, the part, the micro-batch, the precision), of gems's own source
+and of torch's version. Tracing costs about a second even for a small model, most of it torch's fake-tensor
+machinery being imported, and every ``gems run``, every point of ``gems sweep`` and every repeat of a point plans
+before it launches (``train.check_fit``). The traces are therefore kept under ``$GEMS_CACHE_DIR`` (by default
+``$XDG_CACHE_HOME/gems`` or ``~/.cache/gems``), one small file per key, named by a digest of the key, the source
+of the ``gems`` package and torch's version: a changed gems or torch never reads an old trace.
+``GEMS_CACHE_DIR=`` (empty) turns it off.
+
+What it never holds: a custom model's trace (``model=custom`` names a function whose source gems does not
+digest), anything but traces (the machine's free memory and measured rates are read fresh each time). A file
+that cannot be read, written or unpickled is a miss: the trace is made again; a write is atomic (a temporary
+file renamed), so processes planning at once never read half a file.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pickle
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+__all__ = ["cache_dir", "source_digest", "cached"]
+
+T = TypeVar("T")
+
+
+def cache_dir() -> Path | None:
+    """Where the traces are kept, or None when ``GEMS_CACHE_DIR`` is set empty."""
+    given = os.environ.get("GEMS_CACHE_DIR")
+    if given is not None:
+        return Path(os.path.expanduser(given)) / "traces" if given.strip() else None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "gems" / "traces"
+
+
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+    """A digest of every Python file of the ``gems`` package and of torch's version (a few ms)."""
+    import torch
+
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256(torch.__version__.encode())
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _path(key: tuple[Any, ...]) -> Path | None:
+    where = cache_dir()
+    if where is None:
+        return None
+    digest = hashlib.sha256(repr((source_digest(), key)).encode()).hexdigest()
+    return where / digest[:2] / f"{digest}.pkl"
+
+
+def cached(key: tuple[Any, ...], make: Callable[[], T]) -> T:
+    """``make()``, read from the file of ``key`` when one is there, else made and written there."""
+    path = _path(key)
+    if path is not None and path.is_file():
+        try:
+            with open(path, "rb") as f:
+                stored_key, value = pickle.load(f)
+            if stored_key == key:  # (a digest collision, however unlikely, is a miss)
+                return value  # type: ignore[no-any-return]
+        except Exception:  # noqa: BLE001 - a truncated, foreign or old file: made again below
+            pass
+    value = make()
+    if path is not None:
+        _write(path, (key, value))
+    return value
+
+
+def _write(path: Path, item: Any) -> None:
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".part-", dir=path.parent)
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(item, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)
+    except Exception:  # noqa: BLE001 - a read-only or full home, or a value that does not pickle: not kept
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)

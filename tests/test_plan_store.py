@@ -1,0 +1,98 @@
+"""The planner's traces kept on disk between processes (gems/plan/store.py): a second process plans the same
+point from the file without tracing (torch's fake-tensor machinery is never imported) and to the same figures; a
+damaged file is a miss; ``GEMS_CACHE_DIR=`` keeps nothing; a custom model is never kept; a changed gems or torch
+reads no old file."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gems.plan import store
+
+POINT = ["model=resnet", "model.depth=11", "model.size=16", "model.width=0.25", "parallel.pipeline=2",
+         "parallel.spatial=2", "parallel.schedule=mast"]
+
+PLAN = """
+import json, sys
+from gems.config import compose
+from gems.plan.make import make_plan
+from dataclasses import asdict
+plan = asdict(make_plan(compose(sys.argv[1:]), suggest=False, quick=True, available=False, workspace=False))
+plan.pop("seconds", None)
+print(json.dumps({"plan": plan, "traced": "torch._dynamo" in sys.modules}, sort_keys=True, default=str))
+"""
+
+
+def plan_in_a_process(cache: str, *extra: str) -> dict:
+    env = dict(os.environ, GEMS_CACHE_DIR=cache)
+    r = subprocess.run([sys.executable, "-c", PLAN, *POINT, *extra], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def kept(cache: Path) -> list[Path]:
+    return sorted(p for p in cache.rglob("*.pkl"))
+
+
+def test_a_second_process_plans_from_the_kept_traces_to_the_same_figures(tmp_path: Path) -> None:
+    first = plan_in_a_process(str(tmp_path))
+    files = kept(tmp_path)
+    assert first["traced"] and len(files) >= 3, files  # the trunk's shapes, the balance, a part's trace
+    second = plan_in_a_process(str(tmp_path))
+    assert not second["traced"], "the second process traced again"
+    assert second["plan"] == first["plan"]
+    for f in files:  # damaged files are misses: traced again, the same plan, the files whole again
+        f.write_bytes(f.read_bytes()[:10])
+    third = plan_in_a_process(str(tmp_path))
+    assert third["traced"] and third["plan"] == first["plan"]
+    assert plan_in_a_process(str(tmp_path))["traced"] is False
+
+
+def test_an_empty_cache_dir_keeps_nothing(tmp_path: Path) -> None:
+    off = plan_in_a_process("")
+    assert off["traced"] and not list(tmp_path.rglob("*"))
+    assert plan_in_a_process("")["traced"]
+
+
+def test_the_key_holds_gems_source_and_torch_version(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("GEMS_CACHE_DIR", str(tmp_path))
+    made = []
+    assert store.cached(("k", 1), lambda: made.append(1) or "v") == "v" and made == [1]
+    assert store.cached(("k", 1), lambda: made.append(2) or "w") == "v" and made == [1]  # read back
+    monkeypatch.setattr(store, "source_digest", lambda: "another gems or torch")
+    assert store.cached(("k", 1), lambda: made.append(3) or "w") == "w" and made == [1, 3]
+    assert len(kept(tmp_path)) == 2
+
+
+def test_a_value_that_does_not_pickle_or_a_read_only_folder_is_not_kept(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GEMS_CACHE_DIR", str(tmp_path))
+    assert store.cached(("lambda",), lambda: (lambda: 1))() == 1
+    assert not list(tmp_path.rglob("*.pkl")) and not list(tmp_path.rglob(".part-*"))
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    monkeypatch.setenv("GEMS_CACHE_DIR", str(ro / "sub"))
+    try:
+        if os.access(ro, os.W_OK):  # root writes anywhere: a file where the folder should be instead
+            ro.chmod(0o700)
+            (ro / "sub").write_text("a file, not a folder")
+        assert store.cached(("k",), lambda: 7) == 7
+    finally:
+        ro.chmod(0o700)
+
+
+def test_a_custom_model_is_never_kept(tmp_path: Path) -> None:
+    env = dict(os.environ, GEMS_CACHE_DIR=str(tmp_path))
+    code = ("from gems.config import compose; from gems.plan.fit import check_fit; "
+            "check_fit(compose(['model=custom', 'model._target_=_custom_models.tiny_cnn', 'model.input_shape=[3,16,16]',"
+            " 'model.num_outputs=4', 'parallel.pipeline=2', 'parallel.micro_batches=2']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not kept(tmp_path)
