@@ -267,6 +267,8 @@ class FaultConf:
     at_step: int = key(1, "the step of kill_rank, stall_rank and nan_rank (from 0)", ge=0)
     step_delay_s: float = key(0.0, "every rank sleeps this long in each step's data phase (a stand-in for long "
                                    "steps, e.g. to meet a time limit in a test)", ge=0)
+    step_delay_once: bool = key(False, "fault.step_delay_s holds only until the job's first restart (the resumed "
+                                       "job runs at its own pace)")
     preempt_at_step: int = key(-1, "save and stop at this step once; the launcher resumes the job", ge=-1)
     max_restarts: int = key(3, "how often the local launcher resumes a preempted job", ge=0)
 

@@ -347,10 +347,12 @@ def test_the_time_limit_checkpoints_requeues_and_resumes_to_identical_losses(tmp
     """A 2-minute limit with the signal 30 s before it (Slurm sends it up to 30 s earlier still, so between
     30 s and 90 s into the job): the first run gets SIGUSR2, every rank saves, the job is requeued and
     resumes. 100 steps of at least a second each cannot finish before the latest the signal comes, on
-    any machine (70 did once, on a slower one whose signal came late)."""
+    any machine (70 did once, on a slower one whose signal came late); the resumed job runs the rest at its
+    own pace (fault.step_delay_once: the test took two minutes when every step of both jobs slept)."""
     common = merged(*SMALL, "parallel.replicas=2", "train.steps=100", "train.batch_size=2")
     out = gems("run", f"results.dir={tmp_path}/slurm", "cluster=local_slurm", "cluster.nodes=2", *common,
-               "cluster.time_min=2", "cluster.signal_margin_s=30", "fault.step_delay_s=1", timeout=500)
+               "cluster.time_min=2", "cluster.signal_margin_s=30", "fault.step_delay_s=1", "fault.step_delay_once=true",
+               timeout=500)
     assert out.returncode == 0, out.stderr[-3000:]
     (r,) = records(str(tmp_path / "slurm"))
     assert r["status"] == "ok" and r["restarts"] >= 1 and len(r["loss"]) == 100, r.get("error")

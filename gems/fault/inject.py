@@ -5,7 +5,8 @@ that step. ``fault.stall_rank``: the rank stops making progress in the
 forward of that step (it sleeps, as a hung kernel or read would), for the
 watchdog to find. ``fault.nan_rank``: the rank's input of that step becomes
 NaN, for the non-finite check to stop the run. ``fault.step_delay_s``: every
-step takes that much longer (a stand-in for long steps, to meet a time limit). ``fault.preempt_at_step`` is the
+step takes that much longer (a stand-in for long steps, to meet a time limit; with ``fault.step_delay_once``
+only until the job's first restart). ``fault.preempt_at_step`` is the
 worker's own (a checkpoint and a requeue, see :mod:`gems.checkpoint`).
 Steps count from 0, as the record's ``loss`` list does.
 """
@@ -43,11 +44,13 @@ def arm(f: FaultConf, rank: int, modules: list[nn.Module]) -> None:
     modules[0].register_forward_pre_hook(stall)
 
 
-def before_step(f: FaultConf, rank: int, step: int) -> None:
+def before_step(f: FaultConf, rank: int, step: int, restarts: int = 0) -> None:
+    """``fault.kill_rank`` at ``fault.at_step``, and ``fault.step_delay_s`` (before the first restart only, with
+    ``fault.step_delay_once``)."""
     if f.kill_rank == rank and f.at_step == step:
         _say(f"killing rank {rank} at step {step}")
         os.kill(os.getpid(), signal.SIGKILL)
-    if f.step_delay_s > 0:
+    if f.step_delay_s > 0 and not (f.step_delay_once and restarts > 0):
         time.sleep(f.step_delay_s)
 
 

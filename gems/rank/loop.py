@@ -208,7 +208,7 @@ class Run:
         spe = self.sampler.steps_per_epoch
         if step % spe == 0:
             self.mlperf.epoch(start=True, epoch=step // spe)
-        inject.before_step(self.fault, world.rank, step)
+        inject.before_step(self.fault, world.rank, step, self.restarts)
         if self.fault.preempt_at_step == step and self.restarts == 0:
             self.settle_history()
             _preempt(cfg, world, step, par, self.opt, h, self.wd, "fault injection: preempting the job")
