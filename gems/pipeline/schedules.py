@@ -617,6 +617,40 @@ def interleaved_zero_bubble(D: int, v: int, m: int) -> Schedule:
                      (tuple(s % D for s in range(S)),))
 
 
+@register("loopedbfs", min_ranks=2, virtual=True, in_flight="all",
+          about="looped breadth-first: v stages per rank (parallel.virtual_stages), every micro-batch through a "
+                "rank's stage before its next; no multiple-of-D rule")
+def _looped_bfs(D: int, m: int, passes: int, v: int, split: bool) -> Schedule:
+    return looped_bfs(D, v, m)
+
+
+def looped_bfs(D: int, v: int, m: int) -> Schedule:
+    """Looped breadth-first (Lamy-Poirier, "Breadth-First Pipeline Parallelism", MLSys 2023): interleaved 1F1B's
+    placement (the model in ``v x D`` stages, stage ``s`` on rank ``s mod D``), each rank running every
+    micro-batch through its first stage, then through its second, and so on; then the backwards, last stage
+    first. Its bubble is interleaved 1F1B's where ``m`` is a multiple of ``D`` (unit costs: 0.11 at ``D = 2,
+    m = 4``; GPipe's is 0.2) and it takes any ``m``; like GPipe it keeps every micro-batch's activations until
+    the backwards (``v m`` stage activations per rank against interleaved 1F1B's ``(D - r - 1) 2 + (v - 1) D +
+    1``), and a stage's weight gradients are complete as soon as its backwards are, the last stages' first
+    (the sum over replicas overlaps the rest). ``looped_bfs(2, 2, 2)``::
+
+        tick   0     1     2     3     4     5     6     7     8     9     10    11    12    13    14
+        rank0  FA0s0 FA1s0 FA0s2 FA1s2 .     .     .     BA0s2 .     BA1s2 .     BA0s0 .     BA1s0 .
+        rank1  .     FA0s1 FA1s1 FA0s3 FA1s3 BA0s3 .     BA1s3 .     BA0s1 .     BA1s1 .     .     .
+
+    (``s2`` and ``s3`` are the second stage of rank 0 and rank 1)
+    """
+    if v < 1:
+        raise ConfigError("parallel.virtual_stages", v, "a positive integer (stages per rank)")
+    S = v * D
+    orders = []
+    for r in range(D):
+        forwards = [Action(Kind.F, 0, i, c * D + r) for c in range(v) for i in range(m)]
+        backwards = [Action(Kind.B, 0, i, c * D + r) for c in reversed(range(v)) for i in range(m)]
+        orders.append(tuple(forwards + backwards))
+    return Schedule("loopedbfs", S, 1, m, False, tuple(orders), (tuple(s % D for s in range(S)),))
+
+
 #: the names ``parallel.schedule`` takes (registration order)
 SCHEDULES = tuple(_REGISTRY)
 
