@@ -211,6 +211,10 @@ class ClusterConf:
     arrays: bool = key(True, "the points of a sweep that ask for the same resources go to Slurm as one job array")
     timeout_min: Optional[float] = key(None, "give up waiting after this long (default: time_min + 5)", gt=0)
 
+    def wait_s(self) -> float:
+        """How long a launcher waits for a job before it ends it: ``timeout_min``, or the time limit and 5 minutes."""
+        return 60.0 * float(self.timeout_min if self.timeout_min is not None else self.time_min + 5)
+
 
 @dataclass
 class CommConf:

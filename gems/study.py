@@ -65,9 +65,9 @@ def plan(combos: list[list[str]], base: list[str], experiment: str | None, detac
     from gems.results.table import check_reference_spec, load, measured, point_of
 
     first = compose(combos[0])
-    sweep = first.results.get("sweep") or experiment or f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+    sweep = first.results.sweep or experiment or f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
     folder = Path(first.results.dir) / sweep
-    check_reference_spec(first.results.get("reference"))
+    check_reference_spec(first.results.reference)
     repeats = int(first.results.repeats)
     rerun = str(first.results.rerun)
     detach = detach or bool(first.results.detach)

@@ -86,7 +86,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[str], None] | None = None) ->
     env["PYTHONUNBUFFERED"] = "1"
     env["GEMS_LAUNCHER_PID"] = str(os.getpid())
     cmd = [sys.executable, "-m", "gems.worker", "--config", str(cfg_path)]
-    deadline = time.monotonic() + 60 * float(cfg.cluster.get("timeout_min") or (cfg.cluster.time_min + 5))
+    deadline = time.monotonic() + section(cfg, "cluster").wait_s()
     max_restarts = section(cfg, "fault").max_restarts
     path = rec.record_path(cfg)
     watch = _Watch([], [], on_progress)
@@ -110,8 +110,8 @@ def launch(cfg: DictConfig, on_progress: Callable[[str], None] | None = None) ->
     if path.exists():  # the ranks' own record: ok, or a failure they diagnosed (stall, non-finite loss)
         return rec.read_record(path)
     if watch.timed_out:
-        limit = cfg.cluster.get("timeout_min") or cfg.cluster.time_min + 5
-        error, failure = f"timed out after cluster.timeout_min={limit} min", {"kind": "timeout"}
+        limit = section(cfg, "cluster").wait_s() / 60
+        error, failure = f"timed out after cluster.timeout_min={limit:g} min", {"kind": "timeout"}
     else:
         who = "rank" if cfg.comm.backend != "mpi" else "MPI rank"
         error, failure = explain(jd, watch.exits, who)

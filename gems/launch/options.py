@@ -59,7 +59,7 @@ def sbatch_parameters(cfg: DictConfig) -> dict[str, Any]:
         "cpus_per_task": int(c.cpus_per_task),
         "wckey": "gems",
         # SIGUSR2 this long before the time limit: every rank checkpoints and the job is requeued
-        "signal_delay_s": int(c.get("signal_margin_s", 120)),
+        "signal_delay_s": int(c.signal_margin_s),
     }
     additional = OmegaConf.to_container(c.additional, resolve=True) if c.additional else {}
     # sites that count GPUs as a generic resource (--gres=gpu:4) get that instead of --gpus-per-node

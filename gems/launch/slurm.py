@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 from omegaconf import DictConfig
 
-from gems.config import to_yaml
+from gems.config import section, to_yaml
 from gems.launch.admission import check_reachable, preflight, refusal
 from gems.launch.jobs import Outcome, SlurmRun, first_line
 from gems.launch.options import default_job_dir, prepare, python_command, sbatch_parameters
@@ -36,11 +36,6 @@ def _default_fn() -> RankFn:
     from gems.worker import run_rank
 
     return run_rank
-
-
-def _timeout_s(cfg: DictConfig) -> float:
-    tmo = cfg.cluster.get("timeout_min")
-    return 60.0 * float(tmo if tmo is not None else int(cfg.cluster.time_min) + 5)
 
 
 def make_executor(cfg: DictConfig, job_dir: Path) -> Any:
@@ -80,7 +75,7 @@ def submit_all(cfgs: Sequence[DictConfig], job_dirs: Sequence[Path | str] | None
     groups: dict[str, list[int]] = {}
     for i, c in enumerate(prepared):
         key = repr(sorted((k, str(v)) for k, v in sbatch_parameters(c).items() if k != "job_name"))
-        groups.setdefault(key if job_dirs is None and c.cluster.get("arrays", True) else f"{i}", []).append(i)
+        groups.setdefault(key if job_dirs is None and section(c, "cluster").arrays else f"{i}", []).append(i)
     for members in groups.values():
         first = prepared[members[0]]
         if len(members) == 1:
@@ -89,7 +84,7 @@ def submit_all(cfgs: Sequence[DictConfig], job_dirs: Sequence[Path | str] | None
             folder = rec.private_dir(Path(first.results.dir).resolve() / ".jobs" / f"array-{uuid.uuid4().hex[:8]}")
         ex = make_executor(first, folder)
         if len(members) > 1:
-            ex.update_parameters(job_name=str(first.results.get("sweep") or "gems"))
+            ex.update_parameters(job_name=str(section(first, "results").sweep or "gems"))
         try:
             if len(members) == 1:
                 jobs = [ex.submit(fn, to_yaml(first))]
@@ -105,7 +100,7 @@ def submit_all(cfgs: Sequence[DictConfig], job_dirs: Sequence[Path | str] | None
                                    f"({', '.join(r.job_id for r in done)}): {msg}") from e
             raise refusal(first, msg) from None
         for i, job in zip(members, jobs):
-            runs[i] = SlurmRun(prepared[i], job, folder, time.time(), _timeout_s(prepared[i]))
+            runs[i] = SlurmRun(prepared[i], job, folder, time.time(), section(prepared[i], "cluster").wait_s())
     return [r for r in runs if r is not None]
 
 

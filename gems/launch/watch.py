@@ -18,6 +18,7 @@ import subprocess
 import time
 from typing import Any, Callable, Iterable, Sequence
 
+from gems.config import section
 from gems.errors import Cancelled
 from gems.launch import cancel_on_signals
 from gems.launch.diagnose import error_of, outcome, stderr_tail
@@ -213,7 +214,7 @@ def wait(runs: SlurmRun | Sequence[SlurmRun], progress: bool = True, poll_s: flo
     runs = [runs] if isinstance(runs, SlurmRun) else list(runs)
     if not runs:
         return []
-    step = float(poll_s if poll_s is not None else min(float(r.cfg.cluster.get("poll_s") or 1.0) for r in runs))
+    step = float(poll_s if poll_s is not None else min(section(r.cfg, "cluster").poll_s for r in runs))
     watcher = Watcher(runs)
     view = LiveView(watcher) if progress else None
     try:

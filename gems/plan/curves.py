@@ -56,7 +56,7 @@ def predict_study(combos: list[list[str]], experiment: str | None) -> int:
 
     base = [o for o in combos[0] if all(o in c for c in combos)]
     first = compose(combos[0])
-    sweep = (first.results.get("sweep") or experiment or "sweep") + "-predicted"
+    sweep = (first.results.sweep or experiment or "sweep") + "-predicted"
     folder = Path(first.results.dir) / sweep
     cfgs, plans = [], []
     for combo in combos:  # every point planned before anything is written
