@@ -449,13 +449,19 @@ def cmd_plan(overrides: list[str]) -> int:
 def cmd_data(args: list[str]) -> int:
     from gems.errors import ConfigError
 
-    if not args or args[0] != "synth":
-        raise ConfigError("data", args[0] if args else "", "`gems data synth data.path=DIR [data.num_samples=N] [model.size=N]`")
+    if not args or args[0] not in ("synth", "baseline"):
+        raise ConfigError("data", args[0] if args else "", "`gems data synth data.path=DIR [data.num_samples=N] "
+                          "[model.size=N]` or `gems data baseline data.path=DIR data.val_path=DIR results.dir=DIR`")
     from gems.config import compose
     from gems.data.synth import synth_main
 
     overrides = args[1:] if any(a.startswith("data=") for a in args[1:]) else ["data=hdf5", *args[1:]]
     cfg = compose(overrides, check=False)  # a dataset needs no mesh
+    if args[0] == "baseline":  # the power-spectrum reference of the sample-size study (gems/data/spectrum.py)
+        from gems.data.spectrum import write_baseline
+
+        write_baseline(cfg)
+        return 0
     if cfg.data.kind == "cosmology":
         from gems.data.universes import synth_universes
 

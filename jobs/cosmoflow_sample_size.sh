@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The sample-size study (conf/experiment/cosmoflow_sample_size.yaml): write the universes, then train CosmoFlow on
-# crops of 32^3, 64^3 and 128^3 of them and tabulate the validation error against the crop's edge.
+# crops of 32^3, 64^3 and 128^3 of them and tabulate the validation error against the crop's edge, beside a
+# power-spectrum ridge regression's (gems data baseline) on crops of every edge.
 #   jobs/cosmoflow_sample_size.sh                        # here (about an hour on 2 cores, the writing included)
 #   jobs/cosmoflow_sample_size.sh cluster=local_slurm    # each point a job on the Slurm test cluster
 #   DATA=/scratch/me/cosmo jobs/cosmoflow_sample_size.sh # where the universes go (default data/cosmology)
@@ -12,4 +13,8 @@ UNIVERSES=${UNIVERSES:-256}
 VAL_UNIVERSES=${VAL_UNIVERSES:-32}
 gems data synth data.kind=cosmology data.path="$DATA/train" data.val_path="$DATA/val" \
     data.universes="$UNIVERSES" data.val_universes="$VAL_UNIVERSES" data.box_cells=128 data.box_mpc=512
+# the power-spectrum reference (gems/data/spectrum.py), into the study's folder: gems results puts it beside the runs
+WHERE=(results.sweep=cosmoflow_sample_size)
+for a in "$@"; do case $a in results.dir=*) WHERE+=("$a");; results.sweep=*) WHERE[0]=$a;; esac; done
+gems data baseline data.path="$DATA/train" data.val_path="$DATA/val" "${WHERE[@]}"
 gems sweep +experiment=cosmoflow_sample_size data.path="$DATA/train" data.val_path="$DATA/val" "$@"

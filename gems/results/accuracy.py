@@ -6,7 +6,9 @@ One row per sample edge: the validation mean absolute error of the last evaluati
 targets, of single crops and (``train.eval_average_crops``) of each universe's crops averaged, with the median
 and spread over repeats. The plot sets them against the edge on log-log axes beside the V^-1/2 law (errors
 falling as the square root of the volume, as a Gaussian field's Fourier modes grow with it), drawn through the
-smallest edge's error: the line larger samples would follow if every extra mode were used.
+smallest edge's error: the line larger samples would follow if every extra mode were used. Where the study's
+folder holds ``baseline.json`` (``gems data baseline``, :mod:`gems.data.spectrum`), each row also carries the
+power-spectrum ridge regression's errors at its edge, and the plot draws them at every edge the baseline has.
 """
 from __future__ import annotations
 
@@ -88,11 +90,14 @@ def columns(rows_: list[dict[str, Any]]) -> list[str]:
     return keys
 
 
-def markdown(rows_: list[dict[str, Any]], title: str) -> str:
+def markdown(rows_: list[dict[str, Any]], title: str, baseline: bool = False) -> str:
     cols = columns(rows_)
+    ps = (" ps_ridge: a ridge regression on each crop's power spectrum, fitted on the same training universes "
+          "(`gems data baseline`, baseline.json): what a classical estimator reads from a sample of that edge."
+          if baseline else "")
     lines = [f"# {title}: validation error against sample edge", "",
              "Last evaluation of each run; mae: single crops; avg: each universe's crops averaged; medians over "
-             "repeats (min-max). Targets in [-1, 1]: predicting 0 scores about 0.5.", "",
+             "repeats (min-max). Targets in [-1, 1]: predicting 0 scores about 0.5." + ps, "",
              "| " + " | ".join(cols) + " |", "| " + " | ".join("---" for _ in cols) + " |"]
     lines += ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in rows_]
     return "\n".join(lines) + "\n"
@@ -107,9 +112,10 @@ def write_csv(rows_: list[dict[str, Any]], path: Path) -> None:
             w.writerow([(r[c][0] if isinstance(r.get(c), tuple) else _cell(r.get(c))) for c in cols])
 
 
-def plot(rows_: list[dict[str, Any]], path: Path, title: str) -> None:
+def plot(rows_: list[dict[str, Any]], path: Path, title: str, base: dict[int, dict[str, Any]] | None = None) -> None:
     """Error per target against the edge, log-log: single crops solid, crop averages dashed, the V^-1/2 law
-    dotted through the smallest edge's mean error."""
+    dotted through the smallest edge's mean error, and the power-spectrum baseline's mean error (every edge it
+    has) in gray."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,7 +123,8 @@ def plot(rows_: list[dict[str, Any]], path: Path, title: str) -> None:
 
     edges = [r["edge"] for r in rows_]
     fig, ax = plt.subplots(figsize=(7, 4.6))
-    names = [k[:-5] for k in columns(rows_) if k.endswith("_crop") and k != "mae_crop"]
+    names = [k[:-5] for k in columns(rows_) if k.endswith("_crop") and k != "mae_crop"
+             and not k.startswith("ps_ridge")]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, name in enumerate(names + ["mae"]):
         color = "k" if name == "mae" else colors[i % len(colors)]
@@ -132,10 +139,16 @@ def plot(rows_: list[dict[str, Any]], path: Path, title: str) -> None:
             ax.errorbar(xs, med, yerr=err, fmt=style, color=color, capsize=3, lw=2 if name == "mae" else 1,
                         mfc="white" if kind == "avg" else color,
                         label=f"{label} ({'single crop' if kind == 'crop' else 'crops averaged'})")
-    base = rows_[0].get("mae_crop")
-    if base:
-        ax.plot(edges, [base[0] * (edges[0] / e) ** 1.5 for e in edges], ":", color="gray",
+    first = rows_[0].get("mae_crop")
+    if first:
+        ax.plot(edges, [first[0] * (edges[0] / e) ** 1.5 for e in edges], ":", color="gray",
                 label="V^-1/2 from the smallest edge")
+    if base:
+        bx = sorted(base)
+        ax.plot(bx, [base[e]["mae"] for e in bx], "-^", color="gray", label="power-spectrum ridge (single crop)")
+        ax.plot(bx, [base[e]["mae_avg_crops"] for e in bx], "--^", color="gray", mfc="white",
+                label="power-spectrum ridge (crops averaged)")
+        edges = sorted(set(edges) | set(bx))
     ax.axhline(0.5, color="gray", lw=0.8, alpha=0.6)
     ax.annotate("predicting 0", (edges[0], 0.5), textcoords="offset points", xytext=(2, 3), fontsize=7, color="gray")
     ax.set_xscale("log", base=2)
@@ -150,15 +163,38 @@ def plot(rows_: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def read_baseline(folder: Path) -> dict[int, dict[str, Any]]:
+    """The power-spectrum baseline beside the study's records (``gems data baseline``, :mod:`gems.data.spectrum`)
+    by edge; empty when there is none or it cannot be read."""
+    import json
+
+    try:
+        got = json.loads((folder / "baseline.json").read_text())
+        return {int(e["edge"]): e for e in got["edges"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def with_baseline(rows_: list[dict[str, Any]], base: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row with the baseline's errors at its edge (single crops and crops averaged)."""
+    for r in rows_:
+        b = base.get(int(r["edge"]))
+        if b is not None:
+            for col, key in (("ps_ridge_mae_crop", "mae"), ("ps_ridge_mae_avg", "mae_avg_crops")):
+                r[col] = (float(b[key]),) * 3  # (one fit: no spread over repeats)
+    return rows_
+
+
 def write(records: list[dict[str, Any]], folder: Path, title: str) -> bool:
     """Write the three files beside the study's records when the study is one of accuracy against sample size."""
     if not applies(records):
         return False
-    got = rows(records)
-    (folder / "accuracy.md").write_text(markdown(got, title))
+    base = read_baseline(folder)
+    got = with_baseline(rows(records), base)
+    (folder / "accuracy.md").write_text(markdown(got, title, bool(base)))
     write_csv(got, folder / "accuracy.csv")
-    plot(got, folder / "accuracy.png", title)
+    plot(got, folder / "accuracy.png", title, base)
     return True
 
 
-__all__ = ["applies", "rows", "markdown", "write_csv", "plot", "write", "sample_edge"]
+__all__ = ["applies", "rows", "markdown", "write_csv", "plot", "write", "sample_edge", "read_baseline", "with_baseline"]

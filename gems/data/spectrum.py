@@ -1,0 +1,207 @@
+"""``gems data baseline``: how well a classical estimator reads the cosmological parameters from samples of each
+edge, the reference the sample-size study's network is held against.
+
+For every crop edge from the universes' box down to 16 cells (halving), each crop of every universe is reduced
+to its power spectrum: per redshift channel, the overdensity ``counts / mean - 1``, its Fourier modes, the mean
+``|delta_k|^2`` in shells of integer wavenumber 1 .. edge / 2 (log), and the log of the crop's mean count. A
+ridge regression from those features to the four targets (``unitPar``, in [-1, 1]) is fitted on the training
+universes' crops, its strength chosen by five-fold cross-validation with every universe's crops in one fold,
+and scored on the validation universes as the study scores the network: the mean absolute error of single
+crops, and of each universe's crops' predictions averaged.
+
+The power spectrum is what a Gaussian field's information is made of and the Zel'dovich universes
+(:mod:`gems.data.cosmology`) are close to Gaussian at these scales, so the baseline says how much of the targets
+a sample of that edge holds for a simple estimator: a network that scores worse than it has not learnt what the
+data can tell; the baseline's own fall with the edge is the volume effect the study is after. Written to
+``{results.dir}/{results.sweep}/baseline.json`` (the study's folder; ``{results.dir}`` without a sweep), where
+``gems results`` puts it beside the network's rows (:mod:`gems.results.accuracy`).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from gems.errors import ConfigError
+
+__all__ = ["spectrum_features", "crops", "edges_of", "fit_ridge", "baseline", "write_baseline", "ALPHAS",
+           "FOLDS", "MIN_EDGE"]
+
+#: the ridge strengths the cross-validation chooses from (on standardized features)
+ALPHAS = tuple(float(a) for a in np.logspace(-3, 4, 15))
+#: cross-validation folds, every universe's crops in one
+FOLDS = 5
+#: the smallest crop edge the baseline is computed for
+MIN_EDGE = 16
+
+
+@functools.lru_cache(maxsize=8)
+def _shells(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """For an rfftn of edge ``n``: each mode's shell (integer |k|, 0 for k = 0 and beyond n/2) and the modes per
+    shell 1 .. n/2."""
+    k = np.fft.fftfreq(n, 1.0 / n)
+    kz = np.fft.rfftfreq(n, 1.0 / n)
+    mag = np.sqrt(k[:, None, None] ** 2 + k[None, :, None] ** 2 + kz[None, None, :] ** 2)
+    shell = np.rint(mag).astype(np.int64)
+    shell[shell > n // 2] = 0
+    count = np.bincount(shell.ravel(), minlength=n // 2 + 1)[1:]
+    return shell, count
+
+
+def spectrum_features(x: np.ndarray) -> np.ndarray:
+    """``x`` (channels, n, n, n) of counts -> per channel the log of the mean count and the log power in shells
+    1 .. n/2 of its overdensity: ``channels * (n/2 + 1)`` features."""
+    c, n = x.shape[0], x.shape[1]
+    shell, count = _shells(n)
+    out = np.empty((c, n // 2 + 1), dtype=np.float64)
+    for i in range(c):
+        field = x[i].astype(np.float64)
+        mean = max(float(field.mean()), 1e-12)
+        power = np.abs(np.fft.rfftn(field / mean - 1.0)) ** 2 / n ** 3
+        sums = np.bincount(shell.ravel(), weights=power.ravel(), minlength=n // 2 + 1)[1:]
+        out[i, 0] = np.log(mean)
+        out[i, 1:] = np.log(np.maximum(sums / np.maximum(count, 1), 1e-30))
+    return out.ravel()
+
+
+def crops(x: np.ndarray, edge: int) -> Iterator[np.ndarray]:
+    """The crops of edge ``edge`` that tile ``x`` (channels, n, n, n), in C order (as ``data.crop`` reads them)."""
+    n = x.shape[1]
+    for i in range(0, n, edge):
+        for j in range(0, n, edge):
+            for k in range(0, n, edge):
+                yield x[:, i:i + edge, j:j + edge, k:k + edge]
+
+
+def edges_of(box: int) -> list[int]:
+    """The crop edges the baseline is computed for: the box, halved down to :data:`MIN_EDGE`."""
+    out, e = [], box
+    while e >= MIN_EDGE and box % e == 0:
+        out.append(e)
+        if e % 2:
+            break
+        e //= 2
+    return sorted(out)
+
+
+def _solve(x: np.ndarray, y: np.ndarray, alpha: float) -> np.ndarray:
+    """Ridge weights (with an unpenalised intercept, as the last row) of standardized ``x`` onto ``y``."""
+    xm, ym = x.mean(0), y.mean(0)
+    xc = x - xm
+    w = np.linalg.solve(xc.T @ xc + alpha * np.eye(x.shape[1]), xc.T @ (y - ym))
+    return np.vstack([w, ym - xm @ w])
+
+
+def _predict(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    return x @ w[:-1] + w[-1]
+
+
+def fit_ridge(x: np.ndarray, y: np.ndarray, groups: np.ndarray) -> dict[str, Any]:
+    """Standardize ``x``, choose the ridge strength by :data:`FOLDS`-fold cross-validation over ``groups``
+    (a universe's crops stay in one fold) on the mean absolute error, refit on all: the model's arrays."""
+    mu, sd = x.mean(0), x.std(0)
+    sd[sd == 0] = 1.0
+    z = (x - mu) / sd
+    uniq = np.unique(groups)
+    fold = {g: i % FOLDS for i, g in enumerate(uniq)}
+    f = np.array([fold[g] for g in groups])
+    scores = []
+    for a in ALPHAS:
+        err = []
+        for k in range(min(FOLDS, len(uniq))):
+            tr, te = f != k, f == k
+            if not tr.any() or not te.any():
+                continue
+            err.append(np.abs(_predict(_solve(z[tr], y[tr], a), z[te]) - y[te]).mean())
+        scores.append(float(np.mean(err)) if err else float("inf"))
+    alpha = ALPHAS[int(np.argmin(scores))]
+    return {"mu": mu, "sd": sd, "w": _solve(z, y, alpha), "alpha": alpha, "cv_mae": min(scores)}
+
+
+def _features_of(files: Sequence[Path], edges: Sequence[int]) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per edge: (features of every crop, its universe's targets, its universe's index in ``files``)."""
+    import h5py
+
+    got: dict[int, tuple[list[np.ndarray], list[np.ndarray], list[int]]] = {e: ([], [], []) for e in edges}
+    for u, path in enumerate(files):
+        with h5py.File(path, "r") as f:
+            x = np.asarray(f["full"][()])
+            y = np.asarray(f["unitPar"][()], dtype=np.float64).reshape(-1)
+        for e in edges:
+            feats, ys, us = got[e]
+            for c in crops(x, e):
+                feats.append(spectrum_features(c))
+                ys.append(y)
+                us.append(u)
+    return {e: (np.array(a), np.array(b), np.array(c)) for e, (a, b, c) in got.items()}
+
+
+def _files(key: str, folder: Any) -> list[Path]:
+    if folder is None or not Path(str(folder)).is_dir():
+        raise ConfigError(key, folder, "a folder of universes (write them with `gems data synth data.kind=cosmology`)")
+    files = sorted(Path(str(folder)).glob("*.h5"))
+    if len(files) < 2:
+        raise ConfigError(key, folder, "a folder of at least 2 universes (*.h5 with `full` and `unitPar`)")
+    return files
+
+
+def baseline(train: Sequence[Path], val: Sequence[Path]) -> dict[str, Any]:
+    """The baseline of every edge (:func:`edges_of` the universes' box): fitted on ``train``, scored on ``val``."""
+    import h5py
+
+    with h5py.File(train[0], "r") as f:
+        shape = tuple(int(n) for n in f["full"].shape)
+    if len(shape) != 4 or len(set(shape[1:])) != 1:
+        raise ConfigError("data.path", str(train[0].parent), "universes of cubes: `full` shaped (channels, n, n, n)")
+    edges = edges_of(shape[1])
+    tr, va = _features_of(train, edges), _features_of(val, edges)
+    out: dict[str, Any] = {"box": shape[1], "channels": shape[0], "train_universes": len(train),
+                           "val_universes": len(val), "edges": []}
+    for e in edges:
+        (x, y, g), (xv, yv, gv) = tr[e], va[e]
+        model = fit_ridge(x, y, g)
+        pred = _predict(model["w"], (xv - model["mu"]) / model["sd"])
+        per = np.abs(pred - yv).mean(0)
+        avg_pred = np.array([pred[gv == u].mean(0) for u in np.unique(gv)])
+        avg_true = np.array([yv[gv == u][0] for u in np.unique(gv)])
+        per_avg = np.abs(avg_pred - avg_true).mean(0)
+        out["edges"].append({"edge": e, "features": int(x.shape[1]), "train_crops": int(len(x)),
+                             "val_crops": int(len(xv)), "alpha": model["alpha"], "cv_mae": model["cv_mae"],
+                             "mae": float(per.mean()), "mae_per_target": [float(v) for v in per],
+                             "mae_avg_crops": float(per_avg.mean()),
+                             "mae_avg_crops_per_target": [float(v) for v in per_avg],
+                             "zero_mae": float(np.abs(yv).mean())})
+    return out
+
+
+def write_baseline(cfg: Any) -> Path:
+    """``gems data baseline``: compute the baseline of ``data.path`` against ``data.val_path``, print it, and write
+    ``{results.dir}/baseline.json`` (atomically)."""
+    from gems.paths import writable_dir
+
+    train, val = _files("data.path", cfg.data.path), _files("data.val_path", cfg.data.val_path)
+    folder = writable_dir("results.dir", cfg.results.dir, "a folder for baseline.json")
+    if cfg.results.sweep:  # the study's folder, where gems results reads it
+        folder = writable_dir("results.sweep", folder / str(cfg.results.sweep), "a folder for baseline.json")
+    got = {"schema": "gems.baseline/1", **baseline(train, val)}
+    got["data"] = {"path": str(Path(str(cfg.data.path)).resolve()), "val_path": str(Path(str(cfg.data.val_path)).resolve())}
+    print(f"power-spectrum ridge baseline: {got['train_universes']} training, {got['val_universes']} validation "
+          f"universes of {got['box']}^3", file=sys.stderr)
+    print("edge  crops(train/val)  mae(single crop)  mae(crops averaged)  predicting 0")
+    for r in got["edges"]:
+        print(f"{r['edge']:>4}  {r['train_crops']:>7}/{r['val_crops']:<7}  {r['mae']:.4f}            "
+              f"{r['mae_avg_crops']:.4f}               {r['zero_mae']:.4f}")
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".baseline-", dir=folder)
+    with os.fdopen(fd, "w") as f:
+        json.dump(got, f, indent=1)
+    path = folder / "baseline.json"
+    os.replace(tmp, path)
+    print(f"baseline: {path}")
+    return path

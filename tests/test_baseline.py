@@ -1,0 +1,83 @@
+"""The sample-size study's classical reference (gems/data/spectrum.py, `gems data baseline`): power-spectrum
+features measured right, a ridge regression that recovers what it can and chooses its strength by universe, and
+the command's table beside the network's in `gems results`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _cli import gems
+
+from gems.data import spectrum as ps
+from gems.results.table import write_studies
+
+
+def test_a_plane_wave_puts_its_power_in_its_own_shell_and_the_mean_is_read() -> None:
+    n = 32
+    i = np.arange(n)
+    wave = 5.0 * (1.0 + 0.5 * np.cos(2 * np.pi * 3 * i / n))[:, None, None] * np.ones((n, n, n))
+    flat = np.full((n, n, n), 2.0)
+    f = ps.spectrum_features(np.stack([wave, flat])).reshape(2, n // 2 + 1)
+    assert f[0, 0] == pytest.approx(np.log(5.0)) and f[1, 0] == pytest.approx(np.log(2.0))
+    assert int(np.argmax(f[0, 1:])) + 1 == 3  # shell |k| = 3
+    # |delta_k|^2 / n^3 of 0.5 cos along the first axis: modes k = (+-3, 0, 0), both in the rfft's half (it halves
+    # the last axis), each (0.25 n^3)^2 / n^3, averaged over shell 3's modes
+    _, count = ps._shells(n)
+    assert np.exp(f[0, 3]) == pytest.approx(2 * (0.25 * n ** 3) ** 2 / n ** 3 / count[2], rel=1e-9)
+    assert np.all(f[1, 1:] < -60)  # a flat field has no power
+
+
+def test_crops_tile_the_box_and_edges_halve_down_to_16() -> None:
+    x = np.arange(2 * 8 ** 3).reshape(2, 8, 8, 8)
+    got = list(ps.crops(x, 4))
+    assert len(got) == 8 and all(c.shape == (2, 4, 4, 4) for c in got)
+    assert sorted(int(v) for c in got for v in c.ravel()) == list(range(2 * 8 ** 3))
+    assert ps.edges_of(128) == [16, 32, 64, 128] and ps.edges_of(48) == [24, 48] and ps.edges_of(20) == [20]
+
+
+def test_the_ridge_recovers_a_linear_law_and_is_scored_by_universe() -> None:
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(6, 4))
+    groups = np.repeat(np.arange(40), 4)
+    x = rng.normal(size=(160, 6))
+    y = x @ w * 0.1
+    model = ps.fit_ridge(x, y + rng.normal(scale=0.001, size=y.shape), groups)
+    pred = ps._predict(model["w"], (x - model["mu"]) / model["sd"])
+    assert np.abs(pred - y).mean() < 0.005 and model["alpha"] <= ps.ALPHAS[4] and model["cv_mae"] < 0.005
+    noise = ps.fit_ridge(x, rng.normal(size=(160, 4)), groups)  # nothing to learn: the strongest ridge wins
+    assert noise["alpha"] >= ps.ALPHAS[-4]
+
+
+def test_the_command_writes_the_study_s_baseline_and_gems_results_sets_it_beside_the_runs(tmp_path: Path) -> None:
+    out = gems("data", "synth", "data.kind=cosmology", f"data.path={tmp_path / 'train'}",
+               f"data.val_path={tmp_path / 'val'}", "data.box_cells=32", "data.box_mpc=128", "data.universes=12",
+               "data.val_universes=3", "data.workers=2", timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = tmp_path / "results"
+    out = gems("data", "baseline", f"data.path={tmp_path / 'train'}", f"data.val_path={tmp_path / 'val'}",
+               f"results.dir={res}", "results.sweep=sizes", timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads((res / "sizes" / "baseline.json").read_text())
+    assert got["schema"] == "gems.baseline/1" and got["box"] == 32 and got["train_universes"] == 12
+    assert [e["edge"] for e in got["edges"]] == [16, 32]
+    small, whole = got["edges"]
+    assert (small["train_crops"], small["val_crops"], whole["train_crops"]) == (96, 24, 12)
+    assert small["features"] == 4 * 9 and whole["features"] == 4 * 17
+    assert all(0 < e["mae"] < 1 and len(e["mae_per_target"]) == 4 for e in got["edges"])
+    assert small["zero_mae"] == pytest.approx(whole["zero_mae"])  # the same validation targets
+    assert "baseline:" in out.stdout and " 16 " in out.stdout
+    # bad input: exit 2, one line naming the key, nothing written
+    bad = gems("data", "baseline", f"data.path={tmp_path / 'nowhere'}", f"data.val_path={tmp_path / 'val'}",
+               f"results.dir={tmp_path / 'other'}")
+    assert bad.returncode == 2 and "data.path" in bad.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "other").exists()
+    # gems results: the baseline's errors beside the network's rows at each edge
+    from test_accuracy import _rec
+
+    for r in (_rec(16, [0.4, 0.2, 0.5, 0.5], None), _rec(32, [0.3, 0.1, 0.5, 0.4], None)):
+        (res / "sizes" / f"{r['run_id']}.json").write_text(json.dumps(r))
+    write_studies(res)
+    text = (res / "sizes" / "accuracy.md").read_text()
+    assert "ps_ridge_mae_crop" in text and f"{small['mae']:.4f}" in text and f"{whole['mae_avg_crops']:.4f}" in text
