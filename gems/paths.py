@@ -10,9 +10,11 @@ read is checked to exist and be listable.
 """
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from gems.errors import ConfigError
 
@@ -57,3 +59,28 @@ def readable_dir(key: str, path: str | os.PathLike[str], what: str) -> Path:
     except OSError as e:
         raise ConfigError(key, str(path), f"{what} ({e.strerror or e})") from None
     return p
+
+
+def write_result_json(path: str | os.PathLike[str], obj: Any, *, replace: bool = True, **dump: Any) -> Path:
+    """Write ``obj`` as JSON to ``path`` atomically (a temporary file in the same folder, synced, then renamed:
+    a reader sees the old file or the whole new one), readable by all as the umask allows (a result: mkstemp
+    makes it owner-only). ``replace=False`` never replaces an existing file (FileExistsError)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=path.suffix, dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, **{"indent": 1, **dump})
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o644 & ~umask)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)  # fails if the file exists
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path

@@ -15,6 +15,6 @@ gems data synth data.kind=cosmology data.path="$DATA/train" data.val_path="$DATA
     data.universes="$UNIVERSES" data.val_universes="$VAL_UNIVERSES" data.box_cells=128 data.box_mpc=512
 # the power-spectrum reference (gems/data/spectrum.py), into the study's folder: gems results puts it beside the runs
 WHERE=(results.sweep=cosmoflow_sample_size)
-for a in "$@"; do case $a in results.dir=*) WHERE+=("$a");; results.sweep=*) WHERE[0]=$a;; esac; done
+for a in "$@"; do b=${a#+}; b=${b#+}; case $b in results.dir=*) WHERE+=("$b");; results.sweep=*) WHERE[0]=$b;; esac; done
 gems data baseline data.path="$DATA/train" data.val_path="$DATA/val" "${WHERE[@]}"
 gems sweep +experiment=cosmoflow_sample_size data.path="$DATA/train" data.val_path="$DATA/val" "$@"

@@ -68,6 +68,11 @@ def test_the_command_writes_the_study_s_baseline_and_gems_results_sets_it_beside
     assert all(0 < e["mae"] < 1 and len(e["mae_per_target"]) == 4 for e in got["edges"])
     assert small["zero_mae"] == pytest.approx(whole["zero_mae"])  # the same validation targets
     assert "baseline:" in out.stdout and " 16 " in out.stdout
+    written = (res / "sizes" / "baseline.json").stat().st_mtime_ns
+    again = gems("data", "baseline", f"data.path={tmp_path / 'train'}", f"data.val_path={tmp_path / 'val'}",
+                 f"results.dir={res}", "results.sweep=sizes", timeout=300)
+    assert again.returncode == 0 and "up to date" in again.stdout
+    assert (res / "sizes" / "baseline.json").stat().st_mtime_ns == written  # the same universes: not recomputed
     # bad input: exit 2, one line naming the key, nothing written
     bad = gems("data", "baseline", f"data.path={tmp_path / 'nowhere'}", f"data.val_path={tmp_path / 'val'}",
                f"results.dir={tmp_path / 'other'}")
@@ -81,3 +86,9 @@ def test_the_command_writes_the_study_s_baseline_and_gems_results_sets_it_beside
     write_studies(res)
     text = (res / "sizes" / "accuracy.md").read_text()
     assert "ps_ridge_mae_crop" in text and f"{small['mae']:.4f}" in text and f"{whole['mae_avg_crops']:.4f}" in text
+    # runs that read other universes: the baseline is left out, and a warning says why
+    for r in (_rec(16, [0.4, 0.2, 0.5, 0.5], None), _rec(32, [0.3, 0.1, 0.5, 0.4], None)):
+        r["config"]["data"]["path"] = str(tmp_path / "elsewhere")
+        (res / "sizes" / f"{r['run_id']}.json").write_text(json.dumps(r))
+    write_studies(res)
+    assert "ps_ridge" not in (res / "sizes" / "accuracy.md").read_text()

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,10 @@ print(json.dumps({"plan": plan, "traced": "torch._dynamo" in sys.modules}, sort_
 """
 
 
-def plan_in_a_process(cache: str, *extra: str) -> dict:
+def plan_in_a_process(cache: str, *extra: str, home: Path | None = None) -> dict:
     env = dict(os.environ, GEMS_CACHE_DIR=cache)
+    if home is not None:  # where the default folder would be
+        env.update(HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"))
     r = subprocess.run([sys.executable, "-c", PLAN, *POINT, *extra], capture_output=True, text=True, env=env,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -55,9 +58,27 @@ def test_a_second_process_plans_from_the_kept_traces_to_the_same_figures(tmp_pat
 
 
 def test_an_empty_cache_dir_keeps_nothing(tmp_path: Path) -> None:
-    off = plan_in_a_process("")
+    off = plan_in_a_process("", home=tmp_path)
     assert off["traced"] and not list(tmp_path.rglob("*"))
-    assert plan_in_a_process("")["traced"]
+    assert plan_in_a_process("", home=tmp_path)["traced"]
+    env = {k: v for k, v in os.environ.items() if k != "GEMS_CACHE_DIR"}  # unset: the default folder
+    env.update(HOME=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    r = subprocess.run([sys.executable, "-c", PLAN, *POINT], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert kept(tmp_path / "xdg" / "gems" / "traces")
+
+
+def test_the_folders_of_other_versions_go_when_a_new_one_starts(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GEMS_CACHE_DIR", str(tmp_path))
+    old, recent = tmp_path / "traces" / "old", tmp_path / "traces" / "recent"
+    for d in (old, recent):
+        d.mkdir(parents=True)
+        (d / "x.pkl").write_bytes(b"")
+    week = time.time() - store.STALE_S - 60
+    os.utime(old, (week, week))
+    assert store.cached(("k",), lambda: 1) == 1
+    assert not old.exists() and recent.exists() and len(kept(tmp_path)) == 2  # recent's and the new one
 
 
 def test_the_key_holds_gems_source_and_torch_version(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

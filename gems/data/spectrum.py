@@ -19,10 +19,9 @@ data can tell; the baseline's own fall with the edge is the volume effect the st
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -183,25 +182,38 @@ def baseline(train: Sequence[Path], val: Sequence[Path]) -> dict[str, Any]:
 def write_baseline(cfg: Any) -> Path:
     """``gems data baseline``: compute the baseline of ``data.path`` against ``data.val_path``, print it, and write
     ``{results.dir}/baseline.json`` (atomically)."""
-    from gems.paths import writable_dir
+    from gems.paths import writable_dir, write_result_json
 
     train, val = _files("data.path", cfg.data.path), _files("data.val_path", cfg.data.val_path)
     folder = writable_dir("results.dir", cfg.results.dir, "a folder for baseline.json")
     if cfg.results.sweep:  # the study's folder, where gems results reads it
         folder = writable_dir("results.sweep", folder / str(cfg.results.sweep), "a folder for baseline.json")
-    got = {"schema": "gems.baseline/1", **baseline(train, val)}
-    got["data"] = {"path": str(Path(str(cfg.data.path)).resolve()), "val_path": str(Path(str(cfg.data.val_path)).resolve())}
+    data = {"path": str(Path(str(cfg.data.path)).resolve()), "val_path": str(Path(str(cfg.data.val_path)).resolve()),
+            "files": _digest(train + val)}
+    path = folder / "baseline.json"
+    try:
+        if json.loads(path.read_text()).get("data") == data:
+            print(f"baseline: {path} is up to date (the same universes)")
+            return path
+    except (OSError, ValueError, AttributeError):
+        pass
+    got = {"schema": "gems.baseline/1", **baseline(train, val), "data": data}
     print(f"power-spectrum ridge baseline: {got['train_universes']} training, {got['val_universes']} validation "
           f"universes of {got['box']}^3", file=sys.stderr)
     print("edge  crops(train/val)  mae(single crop)  mae(crops averaged)  predicting 0")
     for r in got["edges"]:
         print(f"{r['edge']:>4}  {r['train_crops']:>7}/{r['val_crops']:<7}  {r['mae']:.4f}            "
               f"{r['mae_avg_crops']:.4f}               {r['zero_mae']:.4f}")
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".baseline-", dir=folder)
-    with os.fdopen(fd, "w") as f:
-        json.dump(got, f, indent=1)
-    path = folder / "baseline.json"
-    os.replace(tmp, path)
+    write_result_json(path, got)
     print(f"baseline: {path}")
     return path
+
+
+def _digest(files: Sequence[Path]) -> str:
+    """The universes as files: names, sizes and modification times (a rewritten universe is another)."""
+
+    h = hashlib.sha256()
+    for p in files:
+        st = p.stat()
+        h.update(f"{p.name} {st.st_size} {st.st_mtime_ns}\n".encode())
+    return h.hexdigest()

@@ -366,13 +366,14 @@ class Planner:
         end = spec.spatial_end if spec.spatial_end is not None else len(spec.module)
 
         def trunk() -> list[tuple[int, ...]]:
-            try:
-                return [s[2:] for s, _ in trace_shapes(list(spec.module)[:end], (1, *spec.input_shape), torch.float32)]
-            except Exception:  # a trunk that cannot run serially on fake tensors: key by the input only
-                return []
+            return [s[2:] for s, _ in trace_shapes(list(spec.module)[:end], (1, *spec.input_shape), torch.float32)]
 
         kept = ("trunk shapes", self.st.model_key, end)
-        shapes = [tuple(spec.input_shape[1:]), *(trunk() if spec.name == "custom" else cached(kept, trunk))]
+        shapes = [tuple(spec.input_shape[1:])]
+        try:
+            shapes += trunk() if spec.name == "custom" else cached(kept, trunk)
+        except Exception:  # a trunk that cannot run serially on fake tensors: key by the input only (not kept)
+            pass
         keys: dict[tuple, list[int]] = {}
         for s in range(mesh.spatial):
             g = mesh.grid_of(s)
@@ -415,7 +416,7 @@ class Planner:
             return stage_balance(s, st.spec, chunk, by)
         # a decided balance traces the model on fake tensors: kept on disk by what stage_balance reads
         key = ("balance", st.model_key, s.stages, by, s.chunk if chunk is None else int(chunk), s.mesh.parts,
-               s.mesh.spatial_dims)
+               s.mesh.spatial_dims, st.spec.spatial_end)
         return cached(key, lambda: stage_balance(s, st.spec, chunk, by))
 
     # ---- memory ---------------------------------------------------------------------

@@ -2,17 +2,20 @@
 
 A trace (:func:`gems.plan.trace.trace_layers`) is a pure function of what the planner keys it by in this
 process (the model's settings, the spatial cut, the part, the micro-batch, the precision), of gems's own source
-and of torch's version. Tracing costs about a second even for a small model, most of it torch's fake-tensor
+and of torch's version; so are the serial trunk's layer shapes and a decided pipeline balance, kept the same
+way. Tracing costs about a second even for a small model, most of it torch's fake-tensor
 machinery being imported, and every ``gems run``, every point of ``gems sweep`` and every repeat of a point plans
 before it launches (``train.check_fit``). The traces are therefore kept under ``$GEMS_CACHE_DIR`` (by default
-``$XDG_CACHE_HOME/gems`` or ``~/.cache/gems``), one small file per key, named by a digest of the key, the source
-of the ``gems`` package and torch's version: a changed gems or torch never reads an old trace.
-``GEMS_CACHE_DIR=`` (empty) turns it off.
+``$XDG_CACHE_HOME/gems`` or ``~/.cache/gems``), one small file per key, named by a digest of the key, in a folder
+named by a digest of the ``gems`` package's source and torch's version: a changed gems or torch never reads an old
+trace, and the folders of other versions untouched for a week are removed when a new one starts.
+``GEMS_CACHE_DIR=`` (empty) turns it off. The files are pickles, read back as code would be: the folder must be
+one only its user writes (the default is).
 
-What it never holds: a custom model's trace (``model=custom`` names a function whose source gems does not
-digest), anything but traces (the machine's free memory and measured rates are read fresh each time). A file
-that cannot be read, written or unpickled is a miss: the trace is made again; a write is atomic (a temporary
-file renamed), so processes planning at once never read half a file.
+What it never holds: a custom model's (``model=custom`` names a function whose source gems does not digest), a
+failure, the machine's free memory or measured rates (read fresh each time). A file that cannot be read, written
+or unpickled is a miss: the value is made again; a write is atomic (a temporary file renamed), so processes
+planning at once never read half a file.
 """
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ import functools
 import hashlib
 import os
 import pickle
+import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -51,29 +56,52 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
+#: a folder of another gems source or torch left untouched this long is removed (the key of every file in it
+#: names a source that is not this one: nothing reads it again unless that source comes back)
+STALE_S = 7 * 24 * 3600.0
+
+
 def _path(key: tuple[Any, ...]) -> Path | None:
     where = cache_dir()
     if where is None:
         return None
-    digest = hashlib.sha256(repr((source_digest(), key)).encode()).hexdigest()
-    return where / digest[:2] / f"{digest}.pkl"
+    digest = hashlib.sha256(repr(key).encode()).hexdigest()
+    return where / source_digest()[:16] / f"{digest}.pkl"
 
 
 def cached(key: tuple[Any, ...], make: Callable[[], T]) -> T:
-    """``make()``, read from the file of ``key`` when one is there, else made and written there."""
+    """``make()``, read from the file of ``key`` when one is there, else made and written there. ``make`` may
+    raise: nothing is kept then."""
     path = _path(key)
-    if path is not None and path.is_file():
+    if path is not None:
         try:
             with open(path, "rb") as f:
                 stored_key, value = pickle.load(f)
             if stored_key == key:  # (a digest collision, however unlikely, is a miss)
                 return value  # type: ignore[no-any-return]
-        except Exception:  # noqa: BLE001 - a truncated, foreign or old file: made again below
+        except Exception:  # noqa: BLE001 - no file, an unreadable folder, a truncated or foreign file: made again
             pass
     value = make()
     if path is not None:
+        fresh = not path.parent.exists()
         _write(path, (key, value))
+        if fresh:  # the first file of this source: the folders of others, untouched for a week, go
+            _prune(path.parent)
     return value
+
+
+def _prune(keep: Path) -> None:
+    now = time.time()
+    try:
+        others = list(keep.parent.iterdir())
+    except OSError:  # (the folder could not be made: nothing was kept)
+        return
+    for other in others:
+        try:
+            if other != keep and other.is_dir() and now - other.stat().st_mtime > STALE_S:
+                shutil.rmtree(other, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _write(path: Path, item: Any) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import csv
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 #: the targets' names where the records do not say them (CosmoFlow's 4 parameters)
 TARGETS = ("Omega_m", "sigma_8", "n_s", "H_0")
@@ -163,16 +163,26 @@ def plot(rows_: list[dict[str, Any]], path: Path, title: str, base: dict[int, di
     plt.close(fig)
 
 
-def read_baseline(folder: Path) -> dict[int, dict[str, Any]]:
+def read_baseline(folder: Path, records: Sequence[dict[str, Any]] = ()) -> dict[int, dict[str, Any]]:
     """The power-spectrum baseline beside the study's records (``gems data baseline``, :mod:`gems.data.spectrum`)
-    by edge; empty when there is none or it cannot be read."""
+    by edge; empty when there is none, it cannot be read, or it was computed on other universes than the
+    ``records`` read (a warning says so)."""
     import json
+    import sys
 
     try:
         got = json.loads((folder / "baseline.json").read_text())
-        return {int(e["edge"]): e for e in got["edges"]}
+        by_edge = {int(e["edge"]): e for e in got["edges"]}
+        used = (got.get("data") or {}).get("path")
     except (OSError, ValueError, KeyError, TypeError):
         return {}
+    read = {str(Path(str(p)).resolve()) for r in records
+            if (p := ((r.get("config") or {}).get("data") or {}).get("path")) is not None}
+    if used is not None and read and read != {str(Path(str(used)).resolve())}:
+        print(f"gems: warning: {folder / 'baseline.json'} was computed on {used}, the runs read "
+              f"{', '.join(sorted(read))}: left out of the accuracy table (rerun gems data baseline)", file=sys.stderr)
+        return {}
+    return by_edge
 
 
 def with_baseline(rows_: list[dict[str, Any]], base: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -189,7 +199,7 @@ def write(records: list[dict[str, Any]], folder: Path, title: str) -> bool:
     """Write the three files beside the study's records when the study is one of accuracy against sample size."""
     if not applies(records):
         return False
-    base = read_baseline(folder)
+    base = read_baseline(folder, records)
     got = with_baseline(rows(records), base)
     (folder / "accuracy.md").write_text(markdown(got, title, bool(base)))
     write_csv(got, folder / "accuracy.csv")

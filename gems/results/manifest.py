@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gems.errors import ConfigError
+from gems.paths import write_result_json
 
 SCHEMA = "gems.sweep/1"
 NAME = "sweep.json"
@@ -42,17 +43,7 @@ def read(folder: Path | str) -> dict[str, Any] | None:
 
 def write(folder: Path | str, manifest: dict[str, Any]) -> Path:
     """Write ``manifest`` into ``folder`` atomically (readable by all, like the records)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    manifest = dict(manifest, schema=SCHEMA, updated=time.time())
-    fd, tmp = tempfile.mkstemp(prefix=".sweep-", suffix=".json", dir=folder)
-    with os.fdopen(fd, "w") as f:
-        json.dump(manifest, f, indent=1)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o644 & ~umask)
-    os.replace(tmp, path_of(folder))
-    return path_of(folder)
+    return write_result_json(path_of(Path(folder)), dict(manifest, schema=SCHEMA, updated=time.time()))
 
 
 def unfinished_points(folder: Path, records: list[dict[str, Any]]) -> list[dict[str, Any]]:

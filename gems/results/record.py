@@ -19,6 +19,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from gems.paths import write_result_json
+
 SCHEMA = "gems.record/1"
 
 REQUIRED = (
@@ -171,22 +173,7 @@ def failed_record(cfg: Any, error: str, world_size: int | None = None, hosts: li
 
 def write_record(path: Path | str, record: dict[str, Any]) -> Path:
     """Write ``record`` to ``path`` atomically; never replace an existing record."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".record-", suffix=".json", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f, indent=1, allow_nan=True)
-            f.flush()
-            os.fsync(f.fileno())
-        # readable by all (a result), as the umask allows; mkstemp made it owner-only
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o644 & ~umask)
-        os.link(tmp, path)  # fails if a record already exists there
-    finally:
-        os.unlink(tmp)
-    return path
+    return write_result_json(path, record, replace=False, allow_nan=True)  # fails if a record already exists there
 
 
 def write_steps(record_file: Path | str, record: dict[str, Any]) -> Path | None:
