@@ -42,6 +42,13 @@ if [[ $# -eq 0 ]]; then  # the whole suite: the lint and type checks first (pypr
     "$PY" -m mypy || exit 1
     set -- tests   # arguments replace the default target, e.g. tests/test_render.py
 fi
+# two workers (GEMS_TEST_WORKERS; 0: one process): the suite waits on processes, sockets and Slurm for about
+# 40% of its time on one, so a second overlaps those waits (about 1.3x here); every test that submits to the Slurm
+# test cluster runs on one worker (tests/conftest.py)
+WORKERS=${GEMS_TEST_WORKERS:-2}
+if [[ "$WORKERS" != 0 ]] && "$PY" -c 'import xdist' 2>/dev/null; then
+    set -- -n "$WORKERS" --dist loadgroup "$@"
+fi
 "$PY" -m pytest -q -x --timeout=600 "$@"
 rc=$?
 if [[ $rc -eq 5 ]]; then

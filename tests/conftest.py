@@ -4,6 +4,7 @@ import shutil
 import sys
 import tempfile
 
+import pytest
 import torch
 
 # tests import helper modules from tests/ and run spawned ranks that must find them
@@ -14,3 +15,12 @@ torch.set_num_threads(1)
 if "GEMS_CACHE_DIR" not in os.environ:
     os.environ["GEMS_CACHE_DIR"] = tempfile.mkdtemp(prefix="gems-test-cache-")
     atexit.register(shutil.rmtree, os.environ["GEMS_CACHE_DIR"], True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """scripts/test.sh runs the suite on two workers (pytest-xdist, --dist loadgroup): every test that submits to
+    the Slurm test cluster runs on one of them, one at a time, as the queue, the cancels and the four nodes are
+    shared; the rest spread over both."""
+    for item in items:
+        if item.get_closest_marker("slurm") is not None:
+            item.add_marker(pytest.mark.xdist_group("slurm"))
