@@ -122,7 +122,7 @@ class TrainConf:
     epochs: Optional[int] = key(None, "passes over the training set, the last partial batch of each dropped "
                                       "(instead of train.steps)", ge=1)
     warmup_steps: int = key(2, "steps left out of the throughput (fewer than the run's steps)", ge=0)
-    lr: float = key(1e-3, "learning rate (at train.lr_base_batch with train.lr_scaling=linear)", gt=0)
+    lr: float = key(1e-3, "learning rate (at train.lr_base_batch with train.lr_scaling=linear or sqrt)", gt=0)
     optimizer: str = key("adam", "the optimizer", choices=("sgd", "adam"))
     momentum: float = key(0.9, "sgd momentum", ge=0, lt=1)
     weight_decay: float = key(0.0, "L2 weight decay of the optimizer", ge=0)
@@ -134,9 +134,9 @@ class TrainConf:
                                                     "train.epochs, else steps), e.g. [32, 64]")
     lr_decay_factors: Optional[list] = key(None, "step schedule: the rate from each boundary on, as a multiple "
                                                  "of train.lr, e.g. [0.25, 0.125]")
-    lr_scaling: str = key("none", "linear: train.lr x train.batch_size / train.lr_base_batch",
-                          choices=("none", "linear"))
-    lr_base_batch: int = key(64, "the global batch train.lr is given for (train.lr_scaling=linear)", ge=1)
+    lr_scaling: str = key("none", "linear: train.lr x train.batch_size / train.lr_base_batch; sqrt: x its square "
+                                  "root (Adam's rule of thumb)", choices=("none", "linear", "sqrt"))
+    lr_base_batch: int = key(64, "the global batch train.lr is given for (train.lr_scaling=linear or sqrt)", ge=1)
     eval_every: Optional[int] = key(None, "steps between evaluations on the validation set (0: only at the end; "
                                           "null: once an epoch with train.epochs, else only at the end)", ge=0)
     target_mae: Optional[float] = key(None, "stop at the first evaluation whose train.target_metric reaches this "

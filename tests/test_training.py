@@ -41,6 +41,10 @@ def test_learning_rate_schedules() -> None:
     T.lr_schedule, T.lr_warmup, T.lr_scaling = "cosine", 0, "none"
     lr = LearningRate(T, 1, 100)
     assert lr.at(0) == pytest.approx(0.001) and lr.at(50) == pytest.approx(0.0005) and lr.at(100) == pytest.approx(0.0)
+    T.lr_scaling = "sqrt"  # batch 256 at a base of 64: twice the rate (linear: four times)
+    assert LearningRate(T, 1, 100).at(0) == pytest.approx(0.002)
+    T.batch_size = 1  # one sample a step: an eighth
+    assert LearningRate(T, 1, 100).at(0) == pytest.approx(0.001 / 8)
 
 
 # ---- through gems run --------------------------------------------------------------------------------------------

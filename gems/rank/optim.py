@@ -43,14 +43,16 @@ def make_optimizer(cfg: DictConfig, params: list[nn.Parameter]) -> torch.optim.O
 
 class LearningRate:
     """The learning rate of each step: ``train.lr`` (times ``train.batch_size / train.lr_base_batch`` with
-    ``train.lr_scaling=linear``), rising linearly from 0 over ``train.lr_warmup`` (epochs with ``train.epochs``,
-    else steps), then ``constant``, ``step`` (``train.lr_decay_factors[i]`` times it from
-    ``train.lr_decay_boundaries[i]`` on) or ``cosine`` (down to 0 at the run's last step). MLPerf HPC's
+    ``train.lr_scaling=linear``, times its square root with ``sqrt``), rising linearly from 0 over
+    ``train.lr_warmup`` (epochs with ``train.epochs``, else steps), then ``constant``, ``step``
+    (``train.lr_decay_factors[i]`` times it from ``train.lr_decay_boundaries[i]`` on) or ``cosine`` (down to 0
+    at the run's last step). MLPerf HPC's
     CosmoFlow recipe: SGD, momentum 0.9, 0.001 at batch 64 scaled linearly, 4 warm-up epochs, 0.25 from epoch 32
     and 0.125 from epoch 64 (``model=cosmoflow_mlperf`` ships it)."""
 
     def __init__(self, t: Any, steps_per_unit: int, total_steps: int) -> None:
-        self.base = float(t.lr) * (int(t.batch_size) / int(t.lr_base_batch) if t.lr_scaling == "linear" else 1.0)
+        ratio = int(t.batch_size) / int(t.lr_base_batch)
+        self.base = float(t.lr) * {"linear": ratio, "sqrt": ratio ** 0.5}.get(str(t.lr_scaling), 1.0)
         self.schedule, self.total = str(t.lr_schedule), int(total_steps)
         self.warmup = float(t.lr_warmup) * steps_per_unit
         self.boundaries = [float(b) * steps_per_unit for b in (t.lr_decay_boundaries or [])]
