@@ -78,6 +78,24 @@ def test_the_command_writes_the_study_s_baseline_and_gems_results_sets_it_beside
                f"results.dir={tmp_path / 'other'}")
     assert bad.returncode == 2 and "data.path" in bad.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "other").exists()
+    import h5py
+
+    odd = tmp_path / "odd"  # validation universes of another box, then a foreign file among the training ones
+    odd.mkdir()
+    for i in range(2):
+        with h5py.File(odd / f"u{i}.h5", "w") as f:
+            f["full"], f["unitPar"] = np.ones((4, 16, 16, 16), dtype=np.int16), np.zeros(4, dtype=np.float32)
+    for args, key in (([f"data.path={tmp_path / 'train'}", f"data.val_path={odd}"], "data.val_path"),
+                      ([f"data.path={odd}", f"data.val_path={tmp_path / 'val'}"], "data.val_path")):
+        bad = gems("data", "baseline", *args, f"results.dir={tmp_path / 'other'}")
+        line = bad.stderr.strip().splitlines()[-1]
+        assert bad.returncode == 2 and line.startswith(f"gems: error: {key}="), line
+    (odd / "u1.h5").write_text("not HDF5")
+    bad = gems("data", "baseline", f"data.path={odd}", f"data.val_path={tmp_path / 'val'}",
+               f"results.dir={tmp_path / 'other'}")
+    line = bad.stderr.strip().splitlines()[-1]
+    assert bad.returncode == 2 and line.startswith("gems: error: data.path=") and "u1.h5" in line, line
+    assert not (tmp_path / "other").exists()
     # gems results: the baseline's errors beside the network's rows at each edge
     from test_accuracy import _rec
 

@@ -141,23 +141,28 @@ def _features_of(files: Sequence[Path], edges: Sequence[int]) -> dict[int, tuple
     return {e: (np.array(a), np.array(b), np.array(c)) for e, (a, b, c) in got.items()}
 
 
-def _files(key: str, folder: Any) -> list[Path]:
+def _files(key: str, folder: Any, shape: Sequence[int] | None = None) -> tuple[list[Path], tuple[int, ...]]:
+    """The universes of ``folder`` and their (C, n, n, n), every file's layout checked as a run checks it
+    (:meth:`gems.data.hdf5.HDF5Samples.check_all`: headers only; ``shape``: the one each file must have)."""
+    from gems.data.hdf5 import HDF5Samples
+
     if folder is None or not Path(str(folder)).is_dir():
         raise ConfigError(key, folder, "a folder of universes (write them with `gems data synth data.kind=cosmology`)")
-    files = sorted(Path(str(folder)).glob("*.h5"))
-    if len(files) < 2:
+    samples = HDF5Samples(str(folder), shape, key=key)
+    samples.check_all()
+    got = tuple(int(n) for n in samples.file_shape or ())
+    if shape is not None and got != tuple(shape):  # (a whole multiple of it passes the check: crops)
+        raise ConfigError(key, folder, f"universes shaped {list(shape)} as data.path's; these are {list(got)}")
+    if len(got) != 4 or len(set(got[1:])) != 1:
+        raise ConfigError(key, folder, f"universes of cubes: `full` shaped (channels, n, n, n), not {list(got)}")
+    if len(samples.files) < 2:
         raise ConfigError(key, folder, "a folder of at least 2 universes (*.h5 with `full` and `unitPar`)")
-    return files
+    return samples.files, got
 
 
-def baseline(train: Sequence[Path], val: Sequence[Path]) -> dict[str, Any]:
-    """The baseline of every edge (:func:`edges_of` the universes' box): fitted on ``train``, scored on ``val``."""
-    import h5py
-
-    with h5py.File(train[0], "r") as f:
-        shape = tuple(int(n) for n in f["full"].shape)
-    if len(shape) != 4 or len(set(shape[1:])) != 1:
-        raise ConfigError("data.path", str(train[0].parent), "universes of cubes: `full` shaped (channels, n, n, n)")
+def baseline(train: Sequence[Path], val: Sequence[Path], shape: Sequence[int]) -> dict[str, Any]:
+    """The baseline of every edge (:func:`edges_of` the universes' box ``shape``, (C, n, n, n) as :func:`_files`
+    checked): fitted on ``train``, scored on ``val``."""
     edges = edges_of(shape[1])
     tr, va = _features_of(train, edges), _features_of(val, edges)
     out: dict[str, Any] = {"box": shape[1], "channels": shape[0], "train_universes": len(train),
@@ -184,7 +189,8 @@ def write_baseline(cfg: Any) -> Path:
     ``{results.dir}/baseline.json`` (atomically)."""
     from gems.paths import writable_dir, write_result_json
 
-    train, val = _files("data.path", cfg.data.path), _files("data.val_path", cfg.data.val_path)
+    train, shape = _files("data.path", cfg.data.path)
+    val, _ = _files("data.val_path", cfg.data.val_path, shape)
     folder = writable_dir("results.dir", cfg.results.dir, "a folder for baseline.json")
     if cfg.results.sweep:  # the study's folder, where gems results reads it
         folder = writable_dir("results.sweep", folder / str(cfg.results.sweep), "a folder for baseline.json")
@@ -197,7 +203,7 @@ def write_baseline(cfg: Any) -> Path:
             return path
     except (OSError, ValueError, AttributeError):
         pass
-    got = {"schema": "gems.baseline/1", **baseline(train, val), "data": data}
+    got = {"schema": "gems.baseline/1", **baseline(train, val, shape), "data": data}
     print(f"power-spectrum ridge baseline: {got['train_universes']} training, {got['val_universes']} validation "
           f"universes of {got['box']}^3", file=sys.stderr)
     print("edge  crops(train/val)  mae(single crop)  mae(crops averaged)  predicting 0")
