@@ -509,6 +509,14 @@ def master(D: int, eta: int, m: int = 1, split: bool = False) -> Schedule:
     return _generate("master", D, eta, m, True, "B", lambda s: min(D - s, m), split)
 
 
+def looped(D: int, v: int) -> tuple[tuple[int, ...], ...]:
+    """The placement of the interleaved schedules: the model in ``v x D`` stages, stage ``s`` on rank ``s mod D``
+    (``v`` checked: ``parallel.virtual_stages``)."""
+    if v < 1:
+        raise ConfigError("parallel.virtual_stages", v, "a positive integer (stages per rank)")
+    return (tuple(s % D for s in range(v * D)),)
+
+
 @register("interleaved1f1b", min_ranks=2, virtual=True,
           about="interleaved 1F1B: v stages per rank (parallel.virtual_stages), a smaller bubble")
 def _interleaved(D: int, m: int, passes: int, v: int, split: bool) -> Schedule:
@@ -531,8 +539,7 @@ def interleaved_1f1b(D: int, v: int, m: int) -> Schedule:
 
     (``s2`` and ``s3`` are the second stage of rank 0 and rank 1; backward takes two ticks)
     """
-    if v < 1:
-        raise ConfigError("parallel.virtual_stages", v, "a positive integer (stages per rank)")
+    placement = looped(D, v)
     if m % D:
         raise ConfigError("parallel.micro_batches", m, f"a multiple of parallel.pipeline={D} (interleaved 1F1B "
                           "sends micro-batches through in groups of one per rank)")
@@ -557,7 +564,6 @@ def interleaved_1f1b(D: int, v: int, m: int) -> Schedule:
             order += [forward(warm + k, r), backward(k, r)]
         order += [backward(k, r) for k in range(total - warm, total)]
         orders.append(tuple(order))
-    placement = (tuple(s % D for s in range(S)),)
     return Schedule("interleaved1f1b", S, 1, m, False, tuple(orders), placement)
 
 
@@ -610,11 +616,9 @@ def interleaved_zero_bubble(D: int, v: int, m: int) -> Schedule:
 
     (``s2`` and ``s3`` are the second stage of rank 0 and rank 1)
     """
-    if v < 1:
-        raise ConfigError("parallel.virtual_stages", v, "a positive integer (stages per rank)")
+    placement = looped(D, v)
     S = v * D
-    return _generate("interleavedzb", D, 1, m, False, "F", lambda s: min(S - s, m), True,
-                     (tuple(s % D for s in range(S)),))
+    return _generate("interleavedzb", D, 1, m, False, "F", lambda s: min(S - s, m), True, placement)
 
 
 @register("loopedbfs", min_ranks=2, virtual=True, in_flight="all",
@@ -640,15 +644,13 @@ def looped_bfs(D: int, v: int, m: int) -> Schedule:
 
     (``s2`` and ``s3`` are the second stage of rank 0 and rank 1)
     """
-    if v < 1:
-        raise ConfigError("parallel.virtual_stages", v, "a positive integer (stages per rank)")
-    S = v * D
+    placement = looped(D, v)
     orders = []
     for r in range(D):
         forwards = [Action(Kind.F, 0, i, c * D + r) for c in range(v) for i in range(m)]
         backwards = [Action(Kind.B, 0, i, c * D + r) for c in reversed(range(v)) for i in range(m)]
         orders.append(tuple(forwards + backwards))
-    return Schedule("loopedbfs", S, 1, m, False, tuple(orders), (tuple(s % D for s in range(S)),))
+    return Schedule("loopedbfs", v * D, 1, m, False, tuple(orders), placement)
 
 
 #: the names ``parallel.schedule`` takes (registration order)
