@@ -40,12 +40,14 @@ class ModelConf:
     name: str = key(MISSING, "the model: cosmoflow, cosmoflow_mlperf, unet3d, resnet or custom")
     size: int = key(128, "the input's edge length", ge=1)
     width: float = key(1.0, "channel multiplier (1.0 = the published model)", gt=0)
-    dropout: float = key(0.2, "dropout probability", ge=0, lt=1)
+    dropout: float = key(0.2, "dropout probability of cosmoflow and cosmoflow_mlperf (whose preset gives MLPerf's 0.5)",
+                         ge=0, lt=1)
     depth: int = key(110, "resnet depth, 9n+2 (110, 1001)", ge=11)
     num_classes: int = key(3, "unet3d / resnet classes", ge=1)
     in_channels: int = key(4, "input channels", ge=1)
-    norm: str = key("batch", "normalisation after each convolution of resnet, unet3d and cosmoflow (cosmoflow's "
-                             "presets: none, as the paper's model)", choices=("batch", "group", "none"))
+    norm: Optional[str] = key(None, "normalisation after each convolution of resnet, unet3d and cosmoflow (null: "
+                                    "the model's own, none for cosmoflow as the paper's model, batch for resnet "
+                                    "and unet3d)", choices=("batch", "group", "none"))
     _target_: Optional[str] = key(None, "custom: dotted path of a callable returning nn.Sequential")
     kwargs: Any = key(None, "custom: arguments of that callable, e.g. {n:8} (a mapping)")
     input_shape: Optional[list] = key(None, "custom: [C, *spatial] of one sample")

@@ -11,6 +11,7 @@ from omegaconf import DictConfig, open_dict
 
 from gems import checkpoint as ckpt
 from gems.bootstrap import check_launch
+from gems.config import section
 from gems.errors import ConfigError
 from gems.mesh import mesh_from_config
 from gems.models import build_model, check_shapes
@@ -71,7 +72,7 @@ def preflight(cfg: DictConfig) -> None:
     import copy
 
     mesh = mesh_from_config(cfg)
-    spec = build_model(cfg.model)
+    spec = build_model(section(cfg, "model"))
     if spec.name == "custom":  # the built-in models fit their declared input by construction
         check_shapes(spec)
     p = cfg.parallel

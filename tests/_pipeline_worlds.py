@@ -29,10 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from torch import nn
 
 from gems.commlog import Recorder
+from gems.config import ModelConf
 from gems.mesh import Mesh
 from gems.models import ModelSpec, build_model
 from gems.models.layers import batch_context
@@ -50,7 +50,7 @@ def build(model: str) -> ModelSpec:
     else:
         node = dict(name="resnet", depth=20, size=16, in_channels=3, num_classes=5, width=0.25,
                     norm="batch" if model == "resnet_bn" else "group")
-    return build_model(OmegaConf.create(node))
+    return build_model(ModelConf(**node))
 
 
 def _kind(spec: ModelSpec) -> str:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gems.config import ModelConf
 from gems.models.layers import SampleDropout, batch_context
 from gems.spatial import SpatialContext, apply_spatial
 
@@ -176,10 +177,7 @@ def model_cases() -> dict[str, tuple[Callable[[], nn.Sequential], tuple[int, ...
     from gems.models import build_model
 
     def spec(**kw: Any) -> Any:
-        class Node(dict):
-            __getattr__ = dict.__getitem__
-
-        return build_model(Node(kw))
+        return build_model(ModelConf(**kw))
 
     cf = dict(name="cosmoflow", size=32, width=0.125, dropout=0.2)
     cfbn = dict(cf, norm="batch")  # model.norm=batch: BatchNorm after each convolution, global statistics

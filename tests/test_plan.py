@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from _cli import gems
 
-from gems.config import compose
+from gems.config import compose, section
 from gems.errors import ConfigError
 from gems.plan import GiB, make_plan, saved_bytes, to_json
 
@@ -66,7 +66,7 @@ def test_serial_plan_matches_the_real_saved_set_and_parameter_state():
     plan = make_plan(cfg)
     from gems.models import build_model
 
-    spec = build_model(cfg.model)
+    spec = build_model(section(cfg, "model"))
     spec.module.train()
     x = torch.randn(2, *spec.input_shape)
     from gems.models.layers import batch_context
@@ -88,7 +88,7 @@ def _spatial_rank(rank: int, world: int) -> int:
     from gems.spatial import SpatialContext, apply_spatial
 
     cfg = compose(SMALL + ["parallel.spatial=2"])
-    spec = build_model(cfg.model)
+    spec = build_model(section(cfg, "model"))
     torch.manual_seed(0)
     ctx = SpatialContext(None, [0, 1], [2], [0], [rank])
     seq = apply_spatial(spec.module, ctx, spec.spatial_end)
@@ -119,7 +119,7 @@ def test_mast_plan_holds_two_partitions_and_their_real_saved_sets():
     from gems.models.layers import batch_context
     from gems.pipeline.partition import split
 
-    spec = build_model(cfg.model)
+    spec = build_model(section(cfg, "model"))
     spec.module.train()
     parts = split(spec.module, plan.balance)
     chunk = plan.micro_batch

@@ -8,7 +8,7 @@ import pytest
 import torch
 from _cli import gems
 
-from gems.config import compose
+from gems.config import compose, section
 from gems.errors import ConfigError
 from gems.pipeline.schedules import make_schedule
 from gems.plan import make_plan, to_json
@@ -156,7 +156,7 @@ def test_where_every_core_computes_the_whole_gradient_all_reduce_counts():
             "cluster=local_slurm", "cluster.intra_node_GBps=1", "cluster.intra_node_latency_us=500",
             "cluster.nodes=1", "cluster.tasks_per_node=2", "comm.bucket_mb=0.25", "cluster.jitter=0"]
     cfg = compose(base)
-    grads = sum(p.numel() * 4 for p in build_model(cfg.model).module.parameters())
+    grads = sum(p.numel() * 4 for p in build_model(section(cfg, "model")).module.parameters())
     full = allreduce(grads, 2, Link(bandwidth=1e9, latency=500e-6, name="test"), -(-grads // 2**18))
     busy = make_plan(cfg, suggest=False).prediction
     assert busy.breakdown["allreduce"] == pytest.approx(full, rel=1e-6)

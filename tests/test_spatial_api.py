@@ -97,10 +97,9 @@ def test_boundary_slabs_and_nest_tile_the_output():
 
 
 def _node(**kw):
-    class Node(dict):
-        __getattr__ = dict.__getitem__
+    from gems.config import ModelConf
 
-    return Node(kw)
+    return ModelConf(**kw)
 
 
 def test_conversion_keeps_parameters_and_state_dict():

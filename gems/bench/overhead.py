@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from gems.bench.common import env_block, md_table, median, write
+from gems.config import section
 
 MODEL = ["model.size=64", "model.width=1.0"]
 
@@ -56,7 +57,7 @@ def plain_loop(per_rank_batch: int) -> float:
 
     cfg = _cfg([f"train.batch_size={per_rank_batch}"])
     torch.manual_seed(0)
-    spec = build_model(cfg.model)
+    spec = build_model(section(cfg, "model"))
     model = spec.module
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     data = SyntheticData(spec, 0, 64)

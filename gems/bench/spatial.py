@@ -57,11 +57,6 @@ RUNS: dict[str, tuple[int, str, str]] = {
 BASELINE = {"release": "S=1 (serial), host_memory=release", "keep": "S=1 (serial)"}
 
 
-class _Node(dict):
-    """A config node (attribute access) for build_model."""
-
-    __getattr__ = dict.__getitem__
-
 
 def _fixed_convs(model: Any) -> Any:
     """The serial model with every Conv3d computed through ``conv_nd`` (same parameters)."""
@@ -89,6 +84,7 @@ def bench_rank(rank: int, world: int, size: int, steps: int, warmup: int, mode: 
     import torch.distributed as dist
 
     from gems.bootstrap import keep_host_memory
+    from gems.config import ModelConf
     from gems.data.synthetic import sample_input
     from gems.layers import batch_context
     from gems.memory import MemoryMeter, persistent_bytes, step_peak_bytes
@@ -100,7 +96,7 @@ def bench_rank(rank: int, world: int, size: int, steps: int, warmup: int, mode: 
         keep_host_memory()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    spec = build_model(_Node(name="cosmoflow", size=size, width=1.0, dropout=0.2))
+    spec = build_model(ModelConf(name="cosmoflow", size=size, width=1.0, dropout=0.2))
     shape = spec.input_shape
     sctx = None
     model = spec.module

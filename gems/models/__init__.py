@@ -1,8 +1,8 @@
 """Model registry: every model is a flat ``nn.Sequential`` plus what gems must
 know about it (input and target shapes, loss, where the spatial trunk ends).
 
-``build_model(cfg.model)`` is the one entry point; ``model=custom`` imports any
-callable named by ``model._target_`` that returns an ``nn.Sequential``.
+``build_model(section(cfg, "model"))`` is the one entry point (it takes the typed section); ``model=custom``
+imports any callable named by ``model._target_`` that returns an ``nn.Sequential``.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from torch import nn
 
+from gems.config import ModelConf
 from gems.errors import ConfigError
 
 
@@ -85,17 +86,20 @@ def _sized(name: str, allowed: str, fn: Callable[..., nn.Sequential], size: int,
         raise ConfigError("model.size", size, allowed) from None
 
 
-def build_model(m: Any) -> ModelSpec:
-    """Build the model named by ``m.name`` from the ``model`` config node."""
+def build_model(m: ModelConf) -> ModelSpec:
+    """Build the model named by ``m.name`` from the typed ``model`` section (``section(cfg, "model")``): every
+    key has its one default there, and a key left null (``model.norm``) means the model's own, the default of
+    its builder in its module."""
+    if not isinstance(m, ModelConf):  # the raw DictConfig stays above the entry points (gems/config.py)
+        raise TypeError(f"build_model takes the typed model section (gems.config.section), not {type(m).__name__}")
     name = m.name
     if name in ("cosmoflow", "cosmoflow_mlperf"):
         from gems.models import cosmoflow as cf
 
         fn = getattr(cf, name)
-        kw: dict[str, Any] = dict(width=float(m.get("width", 1.0)),
-                                  dropout=float(m.get("dropout", 0.2 if name == "cosmoflow" else 0.5)))
-        if name == "cosmoflow":
-            kw["norm"] = str(m.get("norm", "none"))
+        kw: dict[str, Any] = dict(width=float(m.width), dropout=float(m.dropout))
+        if name == "cosmoflow" and m.norm is not None:
+            kw["norm"] = m.norm
         allowed = ("a power of two >= 32 (the paper uses 128, 256, 512)" if name == "cosmoflow"
                    else "a power of two >= 32 (MLPerf uses 128)")
         seq = _sized(name, allowed, fn, int(m.size), **kw)
@@ -119,8 +123,8 @@ def build_model(m: Any) -> ModelSpec:
     raise ConfigError("model", name, "one of cosmoflow, cosmoflow_mlperf, unet3d, resnet, custom")
 
 
-def _build_custom(m: Any) -> ModelSpec:
-    target = m.get("_target_")
+def _build_custom(m: ModelConf) -> ModelSpec:
+    target = m._target_
     if not target or "." not in str(target):
         raise ConfigError("model._target_", target,
                           "a dotted path to a callable returning nn.Sequential, e.g. mypkg.models.make_net")
@@ -129,19 +133,13 @@ def _build_custom(m: Any) -> ModelSpec:
         fn = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
         raise ConfigError("model._target_", target, f"an importable callable ({type(e).__name__}: {e})") from None
-    kwargs = dict(m.get("kwargs") or {})
+    kwargs = dict(m.kwargs or {})
     seq = fn(**kwargs)
     if not isinstance(seq, nn.Sequential):
         raise ConfigError("model._target_", target, f"a callable that returns nn.Sequential (it returned {type(seq).__name__})")
-    shape = m.get("input_shape")
+    shape = m.input_shape
     if not shape or len(shape) < 2:
         raise ConfigError("model.input_shape", shape, "[C, *spatial], e.g. [1, 32, 32]")
-    loss = m.get("loss", "mse")
-    if loss not in ("mse", "cross_entropy"):
-        raise ConfigError("model.loss", loss, "mse or cross_entropy")
-    target_kind = m.get("target", "vector")
-    if target_kind not in ("vector", "dense"):
-        raise ConfigError("model.target", target_kind, "vector or dense")
-    end = m.get("spatial_end")  # the config always has the key (null: gather before the first Flatten, if any)
-    return ModelSpec(seq, "custom", tuple(int(s) for s in shape), int(m.get("num_outputs", 1)), loss, target_kind,
+    end = m.spatial_end  # null: gather before the first Flatten, if any
+    return ModelSpec(seq, "custom", tuple(int(s) for s in shape), int(m.num_outputs), m.loss, m.target,
                      _first_flatten(seq) if end is None else int(end))

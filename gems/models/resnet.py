@@ -17,13 +17,17 @@ sample.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from gems.config import ModelConf
 from gems.errors import ConfigError
 from gems.spatial.registry import register_container
+
+#: ``model.norm`` when the configuration leaves it null
+DEFAULT_NORM = "batch"
 
 if TYPE_CHECKING:
     from gems.models import ModelSpec
@@ -71,7 +75,7 @@ class PreActBottleneck(nn.Module):
 
 
 def resnet_v2(depth: int = 110, in_channels: int = 3, num_classes: int = 10, width: float = 1.0,
-              norm: str = "batch") -> nn.Sequential:
+              norm: str = DEFAULT_NORM) -> nn.Sequential:
     """The flat sequence; ``depth`` must be 9n+2."""
     if depth < 11 or (depth - 2) % 9:
         raise ValueError("depth")
@@ -88,24 +92,22 @@ def resnet_v2(depth: int = 110, in_channels: int = 3, num_classes: int = 10, wid
     return nn.Sequential(*layers)
 
 
-def build_resnet(m: Any) -> ModelSpec:
-    """``model=resnet``: keys depth, size, in_channels, num_classes, width, norm (batch | group | none)."""
+def build_resnet(m: ModelConf) -> ModelSpec:
+    """``model=resnet``: keys depth, size, in_channels, num_classes, width, norm (batch | group | none; null:
+    batch)."""
     from gems.models import ModelSpec  # at call time: gems.models imports this module lazily too
 
-    def get(key: str, default: Any) -> Any:
-        return m.get(key, default) if hasattr(m, "get") else getattr(m, key, default)
-
-    depth = get("depth", 110)
+    depth = m.depth
     if not isinstance(depth, int) or depth < 11 or (depth - 2) % 9:
         raise ConfigError("model.depth", depth, "9n+2, e.g. 110 or 1001")
-    size = get("size", 512)
+    size = m.size
     if not isinstance(size, int) or size < 4:
         raise ConfigError("model.size", size, "an image edge of at least 4 pixels (GEMS uses 512 to 2048)")
-    norm = str(get("norm", "batch"))
+    norm = m.norm if m.norm is not None else DEFAULT_NORM
     if norm not in ("batch", "group", "none"):
         raise ConfigError("model.norm", norm, "batch, group or none")
-    in_channels, num_classes = int(get("in_channels", 3)), int(get("num_classes", 10))
-    seq = resnet_v2(depth, in_channels, num_classes, float(get("width", 1.0)), norm)
+    in_channels, num_classes = int(m.in_channels), int(m.num_classes)
+    seq = resnet_v2(depth, in_channels, num_classes, float(m.width), norm)
     pool = next(i for i, layer in enumerate(seq) if isinstance(layer, nn.AdaptiveAvgPool2d))
     return ModelSpec(seq, "resnet", (in_channels, size, size), num_classes, "cross_entropy", "vector", pool,
                      extra={"depth": depth, "blocks_per_stage": (depth - 2) // 9})

@@ -25,8 +25,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from gems.config import ModelConf
 from gems.errors import ConfigError
 from gems.spatial.registry import register_pointwise
+
+#: ``model.norm`` when the configuration leaves it null
+DEFAULT_NORM = "batch"
 
 if TYPE_CHECKING:
     from gems.models import ModelSpec
@@ -107,7 +111,7 @@ def _conv(c_in: int, c_out: int, norm: str) -> list[nn.Module]:
     return layers + [nn.ReLU()]
 
 
-def unet3d(in_channels: int = 1, num_classes: int = 3, width: float = 1.0, norm: str = "batch") -> nn.Sequential:
+def unet3d(in_channels: int = 1, num_classes: int = 3, width: float = 1.0, norm: str = DEFAULT_NORM) -> nn.Sequential:
     """The flat layer sequence (input edge: a multiple of 8)."""
     store = SkipStore()
     w = lambda c: _ch(c, width)  # noqa: E731
@@ -127,22 +131,19 @@ def unet3d(in_channels: int = 1, num_classes: int = 3, width: float = 1.0, norm:
     return nn.Sequential(*layers)
 
 
-def build_unet3d(m: Any) -> ModelSpec:
-    """``model=unet3d``: keys size, width, in_channels, num_classes, norm (batch | none)."""
+def build_unet3d(m: ModelConf) -> ModelSpec:
+    """``model=unet3d``: keys size, width, in_channels, num_classes, norm (batch | none; null: batch)."""
     from gems.models import ModelSpec
 
-    def get(key: str, default: Any) -> Any:
-        return m.get(key, default) if hasattr(m, "get") else getattr(m, key, default)
-
-    size = get("size", 64)
+    size = m.size
     if not isinstance(size, int) or size < 8 or size % 8:
         raise ConfigError("model.size", size, "a multiple of 8 (three 2x poolings), e.g. 64 or 128")
-    norm = str(get("norm", "batch"))
+    norm = m.norm if m.norm is not None else DEFAULT_NORM
     if norm not in ("batch", "none"):
         raise ConfigError("model.norm", norm, "batch or none")
-    width = float(get("width", 1.0))
+    width = float(m.width)
     if width <= 0:
         raise ConfigError("model.width", width, "a positive channel multiplier, e.g. 1.0 or 0.25")
-    in_channels, num_classes = int(get("in_channels", 1)), int(get("num_classes", 3))
+    in_channels, num_classes = int(m.in_channels), int(m.num_classes)
     seq = unet3d(in_channels, num_classes, width, norm)
     return ModelSpec(seq, "unet3d", (in_channels, size, size, size), num_classes, "cross_entropy", "dense", None)

@@ -104,6 +104,7 @@ import torch
 from torch import nn
 
 from gems.bootstrap import KEEP_GROWTH, keeps_host_memory_within, node_memory_bytes
+from gems.config import section
 from gems.errors import ConfigError
 from gems.mesh import ring_links
 from gems.parallel import resolve, spatial_model, stage_balance
@@ -564,7 +565,7 @@ def setup(cfg: Any) -> Setup:
     settings = resolve(cfg)
     model_key = OmegaConf.to_yaml(cfg.model, resolve=True)
     if ("model", model_key) not in _CACHE:
-        spec = build_model(cfg.model)
+        spec = build_model(section(cfg, "model"))
         spec.module.train()
         _CACHE[("model", model_key)] = spec
     spec = _CACHE[("model", model_key)]

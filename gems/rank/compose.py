@@ -14,6 +14,7 @@ from torch import nn
 from gems.bootstrap import (
     World,
 )
+from gems.config import section
 from gems.fake import scalar
 from gems.fault import all_finite, progress
 from gems.layers import batch_context, guard_bf16_conv3d
@@ -263,7 +264,7 @@ def set_up_rank(cfg: DictConfig, world: World, mesh: Mesh, settings: ParallelSet
     parallel step, its optimizer). A run and ``gems plan plan.dry_run=true`` both build it here."""
     coord = mesh.coord(world.rank)
     torch.manual_seed(int(cfg.train.seed))
-    spec = build_model(cfg.model)  # same seed everywhere: every copy starts from the same weights
+    spec = build_model(section(cfg, "model"))  # same seed everywhere: every copy starts from the same weights
     par = parallelize(spec, mesh, world, cfg, settings)
     return coord, spec, par, make_optimizer(cfg, par.params)
 

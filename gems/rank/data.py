@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from omegaconf import DictConfig
 
-from gems.config import DEFAULT_STEPS
+from gems.config import DEFAULT_STEPS, section
 from gems.errors import ConfigError
 from gems.models import ModelSpec
 
@@ -68,7 +68,7 @@ def dataset_size(cfg: DictConfig, spec: ModelSpec | None = None) -> int:
         if spec is None:
             from gems.models import build_model
 
-            spec = build_model(cfg.model)
+            spec = build_model(section(cfg, "model"))
         return len(make_data(cfg, spec))
     return int(cfg.data.num_samples)
 

@@ -96,7 +96,7 @@ class MLPerfLog:
                        metadata={"in_epochs": in_epochs, "schedule": str(t.lr_schedule)})
         self.log.event(key=c.OPT_LR_DECAY_FACTOR, value=[float(f) for f in (t.lr_decay_factors or [])])
         self.log.event(key=c.OPT_WEIGHT_DECAY, value=float(t.weight_decay))
-        dropout = float(self.cfg.model.dropout or 0.0)
+        dropout = float(self.cfg.model.dropout)
         self.log.event(key="dropout", value=dropout)
         self.log.end(key=c.INIT_STOP)
 
