@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from torch import nn
 
-from gems.config import ModelConf
+from gems.config import ModelConf, section
 from gems.errors import ConfigError
 
 
@@ -86,12 +86,12 @@ def _sized(name: str, allowed: str, fn: Callable[..., nn.Sequential], size: int,
         raise ConfigError("model.size", size, allowed) from None
 
 
-def build_model(m: ModelConf) -> ModelSpec:
-    """Build the model named by ``m.name`` from the typed ``model`` section (``section(cfg, "model")``): every
+def build_model(model: ModelConf | Mapping[str, Any]) -> ModelSpec:
+    """Build the model named by ``model.name`` from the typed ``model`` section (``section(cfg, "model")``): every
     key has its one default there, and a key left null (``model.norm``) means the model's own, the default of
-    its builder in its module."""
-    if not isinstance(m, ModelConf):  # the raw DictConfig stays above the entry points (gems/config.py)
-        raise TypeError(f"build_model takes the typed model section (gems.config.section), not {type(m).__name__}")
+    its builder in its module. A mapping or DictConfig (the Python API: ``build_model({"name": "cosmoflow",
+    "size": 32})``) is typed here, once, against the same schema."""
+    m: ModelConf = model if isinstance(model, ModelConf) else section({"model": model}, "model")
     name = m.name
     if name in ("cosmoflow", "cosmoflow_mlperf"):
         from gems.models import cosmoflow as cf
