@@ -140,6 +140,10 @@ def _build_custom(m: ModelConf) -> ModelSpec:
     shape = m.input_shape
     if not shape or len(shape) < 2:
         raise ConfigError("model.input_shape", shape, "[C, *spatial], e.g. [1, 32, 32]")
+    if m.loss not in ("mse", "cross_entropy"):  # the Python API's mapping is typed, not checked against choices
+        raise ConfigError("model.loss", m.loss, "mse or cross_entropy")
+    if m.target not in ("vector", "dense"):
+        raise ConfigError("model.target", m.target, "vector or dense")
     end = m.spatial_end  # null: gather before the first Flatten, if any
     return ModelSpec(seq, "custom", tuple(int(s) for s in shape), int(m.num_outputs), m.loss, m.target,
                      _first_flatten(seq) if end is None else int(end))
