@@ -57,7 +57,6 @@ RUNS: dict[str, tuple[int, str, str]] = {
 BASELINE = {"release": "S=1 (serial), host_memory=release", "keep": "S=1 (serial)"}
 
 
-
 def _fixed_convs(model: Any) -> Any:
     """The serial model with every Conv3d computed through ``conv_nd`` (same parameters)."""
     import torch
