@@ -80,6 +80,11 @@ class DataConf:
     crop: Optional[int] = key(None, "hdf5: the edge of the samples cut from each file, as hyperslabs (the paper "
                                     "cut 512^3 universes into 128^3 crops); null: the model's input size. Files "
                                     "larger than a sample are cut into crops of the model's size", ge=1)
+    augment: str = key("none", "hdf5, training set: each sample mirrored (flip: along any of its dims) or also its "
+                               "axes swapped (cube: the 48 symmetries of a 3D box), drawn from (train.seed, epoch, "
+                               "sample); the target is kept, so only for data whose statistics have those "
+                               "symmetries (a universe's do): gems.data.augment",
+                       choices=lambda: tuple(__import__("gems.data.augment", fromlist=["x"]).KINDS))
     kind: str = key("lognormal", "gems data synth: lognormal (a quick stand-in, a field a sample) or cosmology "
                                  "(universes moved by the Zel'dovich approximation from colossus's power "
                                  "spectrum: docs/science.md)", choices=("lognormal", "cosmology"))

@@ -250,6 +250,35 @@ def test_files_larger_than_a_sample_are_cut_into_crops_each_read_as_its_own_hype
     counted.close()
 
 
+def test_every_symmetry_of_a_crop_read_in_parts_is_the_part_of_the_transformed_crop(tmp_path):
+    """data.augment: the 48 symmetries of a 3D crop, each rank of an uneven 2-dim cut reading the hyperslab its
+    part comes from (mirrored, or another axis's range), equal the parts of the crop transformed whole."""
+    from gems.data import augment
+
+    files = write_synthetic(tmp_path / "u", 1, (4, 14, 14, 14), seed=6)
+    whole = HDF5Samples(tmp_path / "u", (4, 7, 7, 7), augment="cube")
+    assert whole.symmetries == 48 and augment.count("flip", 3) == 8 and augment.count("cube", 2) == 8
+    full, _ = read_sample(files[0])
+    crop = full[:, 7:14, 0:7, 7:14]  # sample 5: the crop at (7, 0, 7)
+    seen = set()
+    for k in range(48):
+        perm, flips = augment._parts(k, 3)
+        ref = crop.permute(0, *(1 + p for p in perm))
+        ref = torch.flip(ref, [1 + d for d in flips]) if flips else ref
+        seen.add(ref.numpy().tobytes())
+        torch.testing.assert_close(whole.__getitem__(5, k)[0], ref, rtol=0, atol=0)
+        for a, b in ((slice(0, 2), slice(0, 5)), (slice(2, 7), slice(5, 7))):  # an uneven cut over dims 0 and 1
+            part = HDF5Samples(tmp_path / "u", (4, 7, 7, 7), slices=(a, b, slice(0, 7)), augment="cube")
+            torch.testing.assert_close(part.__getitem__(5, k)[0], ref[:, a, b], rtol=0, atol=0)
+    assert len(seen) == 48  # 48 different samples from one crop
+    # the hyperslab a part comes from: the mirrored range along a flipped dim, another dim's range along a swap
+    whole, first_two = (slice(0, 7), slice(0, 7)), slice(0, 2)
+    assert augment.source_slices(1, (first_two, *whole), (7, 7, 7)) == (slice(5, 7), *whole)  # dim 0 flipped
+    assert augment.source_slices(8, (*whole, first_two), (7, 7, 7)) == (whole[0], first_two, whole[1])  # 1 <-> 2
+    with pytest.raises(ConfigError, match=r"^data.augment=cube: expected flip or none \(a sample of 8x4x4"):
+        HDF5Samples(write_synthetic(tmp_path / "flat", 1, (4, 8, 4, 4), seed=1)[0], augment="cube")
+
+
 def test_a_crop_that_does_not_fit_the_model_or_the_files_is_named(tmp_path):
     write_synthetic(tmp_path / "u", 1, (4, 16, 16, 16), seed=4)
     with pytest.raises(ConfigError, match=r"^data.crop=4: expected the model's input edge \(8x8x8"):

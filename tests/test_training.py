@@ -30,6 +30,20 @@ def test_each_epoch_walks_the_set_once_in_an_order_of_its_own() -> None:
     assert Sampler(10, 4, seed=3, epochs=1, shuffle=False).indices(1) == [4, 5, 6, 7]
 
 
+def test_each_sample_gets_a_symmetry_of_its_own_each_epoch() -> None:
+    """data.augment's draw: a pure function of (seed, epoch, sample), shared by the replicas' shares."""
+    s = Sampler(12, 4, seed=3, epochs=3, symmetries=48)
+    assert Sampler(12, 4, seed=3, epochs=3).symmetries_of(0, s.indices(0)) is None  # data.augment=none
+    per_epoch = [[k for t in range(e * 3, e * 3 + 3) for k in s.symmetries_of(t, s.indices(t))] for e in range(3)]
+    assert all(0 <= k < 48 for e in per_epoch for k in e) and per_epoch[0] != per_epoch[1] != per_epoch[2]
+    assert len({k for e in per_epoch for k in e}) > 12  # not one symmetry for all
+    again = Sampler(12, 4, seed=3, epochs=3, symmetries=48)
+    assert again.symmetries_of(7, s.indices(7)) == s.symmetries_of(7, s.indices(7))  # any step, in any order
+    ids = s.indices(4)
+    shares = [s.replica_indices(4, 2, r) for r in (0, 1)]
+    assert sum((s.symmetries_of(4, x) for x in shares), []) == s.symmetries_of(4, ids)  # each sample's own
+
+
 def test_learning_rate_schedules() -> None:
     class T:
         lr, batch_size, lr_base_batch, lr_scaling = 0.001, 256, 64, "linear"
@@ -133,6 +147,8 @@ def test_the_steps_csv_has_the_learning_rate_and_the_evaluations(serial: dict) -
     (["train.lr_decay_factors=[0.5]"], "train.lr_decay_factors=[0.5]"),
     (["train.epochs=1", "train.batch_size=16"], "train.batch_size=16"),
     (["train.epochs=1", "train.warmup_steps=2"], "train.warmup_steps=2"),
+    (["data.augment=cube"], "data.augment=cube"),  # synthetic samples are drawn, not read
+    (["data.augment=rotate"], "data.augment=rotate"),
 ])
 def test_bad_input_around_training_to_a_result(tmp_path: Path, args: list[str], key: str) -> None:
     r = gems("run", *_with(*args), f"results.dir={tmp_path}")
@@ -270,8 +286,10 @@ def test_hdf5_epochs_validation_folder_and_step_schedule_on_a_cut_mesh_equal_one
 
 
 def test_crops_of_universes_train_and_validate_alike_on_every_mesh(tmp_path: Path) -> None:
-    """Universes of 64^3 cut into 32^3 crops (each a hyperslab): training and the crop-averaged validation of
-    every mesh equal one process, and averaging a universe's crops changes the error."""
+    """Universes of 64^3 cut into 32^3 crops (each a hyperslab), each mirrored and its axes swapped
+    (data.augment=cube; a rank of a cut reads the hyperslab its part comes from): training and the crop-averaged
+    validation of every mesh equal one process, augmenting changes the training, and averaging a universe's
+    crops changes the error."""
     from gems.data.cosmology import Universes
     from gems.data.universes import VAL_BASE, write_universe
 
@@ -283,7 +301,10 @@ def test_crops_of_universes_train_and_validate_alike_on_every_mesh(tmp_path: Pat
     args = ["model=cosmoflow", "data=hdf5", f"data.path={tmp_path / 'train'}", f"data.val_path={tmp_path / 'val'}",
             "data.crop=32", "train.epochs=1", "train.batch_size=8", "train.eval_every=2",
             "train.eval_average_crops=true", "train.lr=0.003"]  # 0.01 diverges (loss 17 by step 4), and rounding with it
+    plain = _run(tmp_path / "plain", *args)
+    args.append("data.augment=cube")
     one = _run(tmp_path / "one", *args)
+    assert one["loss"][0] == pytest.approx(plain["loss"][0], rel=0.5) and one["loss"][1:] != plain["loss"][1:]
     assert one["steps"] == 4 and [v["step"] for v in one["validation"]] == [2, 4]
     last = one["validation"][-1]
     assert last["samples"] == 16 and last["groups"] == 2 and last["mae_avg_crops"] != pytest.approx(last["mae"])

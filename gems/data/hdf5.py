@@ -23,6 +23,7 @@ from typing import Any, BinaryIO, Sequence
 import numpy as np
 import torch
 
+from gems.data import augment as augmentation
 from gems.errors import ConfigError
 
 Source = str | os.PathLike | BinaryIO
@@ -95,7 +96,7 @@ class HDF5Samples:
 
     def __init__(self, path: str | os.PathLike, expected_shape: Sequence[int] | None = None, ctx: Any = None,
                  slices: Sequence[slice] | None = None, log1p: bool = True, key: str = "data.path",
-                 crop: int | None = None, standardize: Sequence[float] | None = None) -> None:
+                 crop: int | None = None, standardize: Sequence[float] | None = None, augment: str = "none") -> None:
         p = Path(path)
         self.path, self.is_dir, self.key = str(path), p.is_dir(), key  # key: the setting that names the folder
         self.files = sorted(p.glob("*.h5")) if self.is_dir else ([p] if p.is_file() else [])
@@ -114,6 +115,14 @@ class HDF5Samples:
         self.standardize = _standardize(standardize)
         self.slices = tuple(slices) if slices is not None else (ctx.local_slices(self.shape[1:]) if ctx is not None else None)
         self._checked = {0}
+        edges = self.shape[1:]
+        if augment not in augmentation.KINDS:
+            raise ConfigError("data.augment", augment, " | ".join(augmentation.KINDS))
+        if augment == "cube" and len(set(edges)) > 1:
+            raise ConfigError("data.augment", augment, f"flip or none (a sample of {'x'.join(map(str, edges))} is not "
+                                                       "a cube: swapping its axes changes its shape)")
+        self.augment = augment
+        self.symmetries = augmentation.count(augment, len(edges))  # data.augment draws among these
 
     def check_all(self, count: int | None = None, target_size: int | None = None) -> None:
         """Check the metadata of every file the first ``count`` samples read (all files when None),
@@ -183,21 +192,29 @@ class HDF5Samples:
             self._checked.add(i)
         return self.files[i]
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int, symmetry: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample ``index`` (this rank's part of it), transformed by the box's ``symmetry`` (gems.data.augment:
+        the part it comes from is the hyperslab read)."""
         file, origin = self.locate(index)
-        parts = self.slices if self.slices is not None else tuple(slice(0, n) for n in self.shape[1:])
+        edges = self.shape[1:]
+        parts = self.slices if self.slices is not None else tuple(slice(0, n) for n in edges)
+        if symmetry:
+            parts = augmentation.source_slices(symmetry, _full_slices(parts, edges), edges)
         if self.crops > 1:
-            parts = tuple(slice(o + s.start, o + s.stop) for o, s in zip(origin, _full_slices(parts, self.shape[1:])))
-        return read_sample(self._file(file), parts if (self.crops > 1 or self.slices is not None) else None, self.log1p,
-                           self.standardize)
+            parts = tuple(slice(o + s.start, o + s.stop) for o, s in zip(origin, _full_slices(parts, edges)))
+        whole = self.crops == 1 and self.slices is None  # the symmetry of a whole sample is read from all of it
+        x, y = read_sample(self._file(file), None if whole else parts, self.log1p, self.standardize)
+        return augmentation.apply(symmetry, x), y
 
     def target(self, index: int) -> torch.Tensor:
         """Only the target of sample ``index`` (a rank that computes the loss but reads no input)."""
         return read_target(self._file(self.locate(index)[0]))
 
-    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stacked parts ``(N, C, *part)`` and targets ``(N, 4)`` of the samples ``indices``."""
-        items = [self[i] for i in indices]
+    def batch(self, indices: Sequence[int], symmetries: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stacked parts ``(N, C, *part)`` and targets ``(N, 4)`` of the samples ``indices``, each transformed by
+        its symmetry in ``symmetries`` (None: none)."""
+        items = [self.__getitem__(i, 0 if symmetries is None else int(k))
+                 for i, k in zip(indices, symmetries if symmetries is not None else [0] * len(indices))]
         return torch.stack([x for x, _ in items]), torch.stack([t for _, t in items])
 
 

@@ -71,8 +71,12 @@ class SyntheticData:
     def __len__(self) -> int:
         return self.num_samples
 
-    def batch(self, indices: Sequence[int], slices: Sequence[slice] | None = None,
-              want_input: bool = True, want_target: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    symmetries = 1  # no augmentation (data.augment mirrors files, gems.data.augment)
+
+    def batch(self, indices: Sequence[int], slices: Sequence[slice] | None = None, want_input: bool = True,
+              want_target: bool = True, symmetries: Sequence[int] | None = None
+              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        assert symmetries is None, "synthetic samples are not augmented"
         spec = self.spec
         xs, ys = [], []
         for i in indices:

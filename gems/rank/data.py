@@ -52,7 +52,11 @@ def make_data(cfg: DictConfig, spec: ModelSpec, slices: tuple[slice, ...] | None
             path = str(staged.val if validation else staged.train)
         key = "data.val_path" if validation else "data.path"
         return None if path is None else _HDF5Batches(HDF5Samples(path, spec.input_shape, slices=slices, key=key,
-                                                                  crop=d.crop, standardize=d.standardize))
+                                                                  crop=d.crop, standardize=d.standardize,
+                                                                  augment="none" if validation else d.augment))
+    if d.augment != "none":
+        raise ConfigError("data.augment", d.augment, "none for synthetic data (its samples are drawn, not read: "
+                                                     "data=hdf5 reads files it can mirror)")
     from gems.data.synthetic import SyntheticData
 
     if validation:  # held out: the indices after the training set's, which no step trains on
@@ -82,11 +86,15 @@ class _HDF5Batches:
     def __len__(self) -> int:
         return len(self.samples)
 
-    def batch(self, indices: list[int], slices: Any = None, want_input: bool = True,
-              want_target: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    @property
+    def symmetries(self) -> int:
+        return int(self.samples.symmetries)
+
+    def batch(self, indices: list[int], slices: Any = None, want_input: bool = True, want_target: bool = True,
+              symmetries: Sequence[int] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if not want_input:
             return None, torch.stack([self.samples.target(i) for i in indices])
-        x, y = self.samples.batch(indices)
+        x, y = self.samples.batch(indices, symmetries)
         return x, (y if want_target else None)
 
 
@@ -151,8 +159,10 @@ class Sampler:
     """The global sample indices of each step (module docstring)."""
 
     def __init__(self, num_samples: int, batch: int, seed: int, epochs: int | None = None,
-                 steps: int | None = None, shuffle: bool = True) -> None:
+                 steps: int | None = None, shuffle: bool = True, symmetries: int = 1) -> None:
         self.n, self.batch, self.seed, self.epochs, self.shuffle = int(num_samples), int(batch), int(seed), epochs, shuffle
+        self.symmetries = int(symmetries)  # data.augment: each sample's symmetry drawn among these, per epoch
+        self._syms: dict[int, list[int] | None] = {}
         if epochs is not None and self.n < self.batch:
             raise ConfigError("train.batch_size", batch, f"at most the {self.n} samples of the training set "
                               "(train.epochs walks it in whole batches)")
@@ -185,6 +195,18 @@ class Sampler:
         """Replica ``replica``'s contiguous share of the step's batch."""
         return share(self.indices(step), replicas, replica)
 
+    def symmetries_of(self, step: int, ids: Sequence[int]) -> list[int] | None:
+        """The box symmetry (gems.data.augment) each sample of ``ids`` gets at ``step``: drawn per sample from
+        (seed, epoch), so a sample seen again in the same epoch (a run without epochs wraps) gets the same one;
+        None without data.augment."""
+        epoch = int(self.epoch_of(step))
+        if epoch not in self._syms:
+            from gems.data.augment import draw
+
+            self._syms = {epoch: draw(self.symmetries, self.seed, epoch, self.n)}
+        syms = self._syms[epoch]
+        return None if syms is None else [syms[i % self.n] for i in ids]
+
 
 def share(ids: Sequence[int], replicas: int, replica: int) -> list[int]:
     """The ``replica``-th contiguous share of a batch's sample ids."""
@@ -203,7 +225,9 @@ def step_batch(data: Any, par: Parallel, step: int, batch: int, replicas: int, r
     inputs where it runs a first stage, the targets where it runs a last one."""
     ids = (sampler.replica_indices(step, replicas, replica) if sampler is not None
            else replica_indices(step, batch, replicas, replica))
-    x, y = data.batch(ids, par.input_slices, want_input=par.needs_input, want_target=par.needs_target)
+    syms = sampler.symmetries_of(step, ids) if sampler is not None else None
+    x, y = data.batch(ids, par.input_slices, want_input=par.needs_input, want_target=par.needs_target,
+                      symmetries=syms)
     return ids, x, y
 
 

@@ -112,7 +112,8 @@ class Run:
         self.data = make_data(cfg, spec, self.par.input_slices, device=gpu, staged=self.staged)
         inject.arm(self.fault, world.rank, self.par.modules)
         self.B, self.R = int(t.batch_size), mesh.replicas
-        self.sampler = Sampler(len(self.data), self.B, int(t.seed), t.epochs, t.steps, bool(cfg.data.shuffle))
+        self.sampler = Sampler(len(self.data), self.B, int(t.seed), t.epochs, t.steps, bool(cfg.data.shuffle),
+                               symmetries=self.data.symmetries)
         self.steps, self.warm = self.sampler.total, int(t.warmup_steps)
         if self.warm >= self.steps:
             raise ConfigError("train.warmup_steps", self.warm, f"fewer than the run's {self.steps} steps")

@@ -1,0 +1,69 @@
+"""Augmentation by the symmetries of the sample's box, exact under spatial parallelism.
+
+The statistics of a universe do not change when it is mirrored or its axes are swapped, so each of the box's
+symmetries gives the network another sample with the same target (``data.augment``): ``flip`` mirrors along
+any subset of the spatial dims (2^d symmetries), ``cube`` also permutes them (d! 2^d: 48 for a 3D cube; the
+edges must be equal). Which one a sample gets is drawn from (train.seed, epoch, sample) by the sampler
+(:class:`gems.rank.data.Sampler`), the same on every rank, so a run on any mesh trains on the same
+transformed batch as one process.
+
+Symmetry ``k`` is ``permutations[k // 2^d]`` then flips by the bits of ``k % 2^d``: the transformed sample is
+``y = flip(x.permute(0, 1 + p[0], .., 1 + p[d-1]), dims with bit set)``. Under a spatial cut a rank holds a
+part of ``y``; :func:`source_slices` names the part of ``x`` it comes from (a mirrored range along a flipped
+dim, the permuted dim's range along a swapped one), which the reader reads as its hyperslab, and :func:`apply`
+turns that part into the rank's part of ``y``. Symmetry 0 is the identity.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Sequence
+
+import torch
+
+KINDS = ("none", "flip", "cube")
+
+
+def count(kind: str, ndim: int) -> int:
+    """How many symmetries ``kind`` draws from for ``ndim`` spatial dims (1: none)."""
+    if kind == "none":
+        return 1
+    return (math.factorial(ndim) if kind == "cube" else 1) * 2 ** ndim
+
+
+def _parts(k: int, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(permutation of the spatial dims, the dims flipped after it) of symmetry ``k``."""
+    perms = list(itertools.permutations(range(ndim)))
+    p, bits = divmod(int(k), 2 ** ndim)
+    if not 0 <= p < len(perms):
+        raise ValueError(f"symmetry {k} of a {ndim}D box: at most {len(perms) * 2 ** ndim - 1}")
+    return perms[p], tuple(d for d in range(ndim) if bits >> d & 1)
+
+
+def source_slices(k: int, slices: Sequence[slice], edges: Sequence[int]) -> tuple[slice, ...]:
+    """The part of the untransformed sample (edges ``edges``) that part ``slices`` (explicit bounds, one per
+    spatial dim) of the sample transformed by symmetry ``k`` comes from."""
+    perm, flips = _parts(k, len(edges))
+    out: list[slice] = [slice(0, 0)] * len(edges)
+    for d, s in enumerate(slices):
+        n = edges[perm[d]]
+        out[perm[d]] = slice(n - s.stop, n - s.start) if d in flips else slice(s.start, s.stop)
+    return tuple(out)
+
+
+def apply(k: int, part: torch.Tensor) -> torch.Tensor:
+    """The part read at :func:`source_slices` (C, *spatial), transformed by symmetry ``k``."""
+    if k == 0:
+        return part
+    perm, flips = _parts(k, part.dim() - 1)
+    y = part.permute(0, *(1 + p for p in perm))
+    return (torch.flip(y, [1 + d for d in flips]) if flips else y).contiguous()
+
+
+def draw(symmetries: int, seed: int, epoch: int, n: int) -> list[int] | None:
+    """Symmetry of each of ``n`` samples in ``epoch``, among ``symmetries`` (:func:`count`; None for 1): a pure
+    function of its arguments."""
+    if symmetries <= 1:
+        return None
+    g = torch.Generator().manual_seed((int(seed) * 1_000_003 + int(epoch)) * 7 + 3)
+    return torch.randint(0, int(symmetries), (int(n),), generator=g).tolist()
