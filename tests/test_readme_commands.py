@@ -71,7 +71,7 @@ COMMANDS: dict[str, list[str] | str] = {
     "data.universes=256 data.val_universes=32": ["data.universes=2", "data.val_universes=1", "data.box_cells=32"],
     "jobs/cosmoflow_sample_size.sh": "the study itself, about an hour here: its result is committed in "
                                      "results/cosmoflow_sample_size",
-    "UNIVERSES=8 VAL_UNIVERSES=2 jobs/cosmoflow_sample_size.sh data.crop=32 train.epochs=1 "
+    "UNIVERSES=8 VAL_UNIVERSES=4 jobs/cosmoflow_sample_size.sh data.crop=32 train.epochs=1 "
     "results.sweep=sample_size_taste": [],
     "gems run +experiment=cosmoflow_sample_size data.crop=64 model.norm=batch data.path=data/cosmology/train "
     "data.val_path=data/cosmology/val train.epochs=4 \"train.lr_decay_boundaries=[2.8,3.6]\"":
