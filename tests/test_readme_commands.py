@@ -73,10 +73,11 @@ COMMANDS: dict[str, list[str] | str] = {
                                      "results/cosmoflow_sample_size",
     "UNIVERSES=8 VAL_UNIVERSES=4 jobs/cosmoflow_sample_size.sh data.crop=32 train.epochs=1 "
     "results.sweep=sample_size_taste": [],
-    "gems run +experiment=cosmoflow_sample_size data.crop=64 model.norm=batch data.path=data/cosmology/train "
-    "data.val_path=data/cosmology/val train.epochs=4 \"train.lr_decay_boundaries=[2.8,3.6]\"":
-        "one point of the study with BatchNorm, about 17 minutes here, on the study's universes: its records are "
-        "committed in results/cosmoflow_batchnorm (the taste above runs the same experiment)",
+    "gems run +experiment=cosmoflow_sample_size data.crop=64 model.norm=batch data.augment=none "
+    "train.batch_size=8 train.epochs=4 \"train.lr_decay_boundaries=[2.8,3.6]\" data.path=data/cosmology/train "
+    "data.val_path=data/cosmology/val":
+        "one point of the study with another recipe, about 17 minutes here, on the study's universes: its records "
+        "are committed in results/cosmoflow_batchnorm (the taste above runs the same experiment)",
     "gems sweep +experiment=cosmoflow_sample_size cluster=perlmutter cluster.account=m1234 "
     "data.path=/pscratch/cosmoUniverse/train data.val_path=/pscratch/cosmoUniverse/val data.box_cells=512 "
     "data.crop=128,256,512 model.width=1 train.epochs=32": "submits to NERSC Perlmutter",
