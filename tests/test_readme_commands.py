@@ -80,7 +80,8 @@ COMMANDS: dict[str, list[str] | str] = {
         "are committed in results/cosmoflow_batchnorm (the taste above runs the same experiment)",
     "gems sweep +experiment=cosmoflow_sample_size cluster=perlmutter cluster.account=m1234 "
     "data.path=/pscratch/cosmoUniverse/train data.val_path=/pscratch/cosmoUniverse/val data.box_cells=512 "
-    "data.crop=128,256,512 model.width=1 train.epochs=32": "submits to NERSC Perlmutter",
+    "data.crop=128,256,512 model.width=1 train.epochs=32 \"train.lr_decay_boundaries=[22.4,28.8]\"":
+        "submits to NERSC Perlmutter",
     "gems plan model=cosmoflow model.size=512 parallel.spatial=4 parallel.replicas=512 train.batch_size=512 "
     "cluster=perlmutter cluster.account=x plan.dry_run=true plan.dry_run_rank=1234": [],
 }
