@@ -60,10 +60,9 @@ def apply(k: int, part: torch.Tensor) -> torch.Tensor:
     return (torch.flip(y, [1 + d for d in flips]) if flips else y).contiguous()
 
 
-def draw(symmetries: int, seed: int, epoch: int, n: int) -> list[int] | None:
-    """Symmetry of each of ``n`` samples in ``epoch``, among ``symmetries`` (:func:`count`; None for 1): a pure
-    function of its arguments."""
+def draw(symmetries: int, n: int, generator: torch.Generator) -> list[int] | None:
+    """Symmetry of each of ``n`` samples, among ``symmetries`` (:func:`count`; None for 1), drawn from
+    ``generator`` (the sampler seeds it from (train.seed, epoch))."""
     if symmetries <= 1:
         return None
-    g = torch.Generator().manual_seed((int(seed) * 1_000_003 + int(epoch)) * 7 + 3)
-    return torch.randint(0, int(symmetries), (int(n),), generator=g).tolist()
+    return torch.randint(0, int(symmetries), (int(n),), generator=generator).tolist()

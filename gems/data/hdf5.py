@@ -121,7 +121,6 @@ class HDF5Samples:
         if augment == "cube" and len(set(edges)) > 1:
             raise ConfigError("data.augment", augment, f"flip or none (a sample of {'x'.join(map(str, edges))} is not "
                                                        "a cube: swapping its axes changes its shape)")
-        self.augment = augment
         self.symmetries = augmentation.count(augment, len(edges))  # data.augment draws among these
 
     def check_all(self, count: int | None = None, target_size: int | None = None) -> None:
@@ -213,8 +212,8 @@ class HDF5Samples:
     def batch(self, indices: Sequence[int], symmetries: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Stacked parts ``(N, C, *part)`` and targets ``(N, 4)`` of the samples ``indices``, each transformed by
         its symmetry in ``symmetries`` (None: none)."""
-        items = [self.__getitem__(i, 0 if symmetries is None else int(k))
-                 for i, k in zip(indices, symmetries if symmetries is not None else [0] * len(indices))]
+        syms = symmetries if symmetries is not None else [0] * len(indices)
+        items = [self.__getitem__(i, int(k)) for i, k in zip(indices, syms)]
         return torch.stack([x for x, _ in items]), torch.stack([t for _, t in items])
 
 

@@ -175,11 +175,14 @@ class Sampler:
         per = self.steps_per_epoch if self.epochs is not None else max(1, self.n // self.batch)
         return step / per
 
+    def _generator(self, epoch: int, stream: int) -> torch.Generator:
+        """The random stream ``stream`` of ``epoch`` (5: the order, 3: the symmetries), from train.seed."""
+        return torch.Generator().manual_seed((self.seed * 1_000_003 + int(epoch)) * 7 + stream)
+
     def order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:
             if self.shuffle:
-                g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 7 + 5)
-                self._orders = {epoch: torch.randperm(self.n, generator=g).tolist()}
+                self._orders = {epoch: torch.randperm(self.n, generator=self._generator(epoch, 5)).tolist()}
             else:
                 self._orders = {epoch: list(range(self.n))}
         return self._orders[epoch]
@@ -203,7 +206,7 @@ class Sampler:
         if epoch not in self._syms:
             from gems.data.augment import draw
 
-            self._syms = {epoch: draw(self.symmetries, self.seed, epoch, self.n)}
+            self._syms = {epoch: draw(self.symmetries, self.n, self._generator(epoch, 3))}
         syms = self._syms[epoch]
         return None if syms is None else [syms[i % self.n] for i in ids]
 
