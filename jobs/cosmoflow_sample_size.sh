@@ -12,7 +12,7 @@ DATA=$(realpath -m "${DATA:-data/cosmology}")
 UNIVERSES=${UNIVERSES:-256}
 VAL_UNIVERSES=${VAL_UNIVERSES:-32}
 gems data synth data.kind=cosmology data.path="$DATA/train" data.val_path="$DATA/val" \
-    data.universes="$UNIVERSES" data.val_universes="$VAL_UNIVERSES" data.box_cells=128 data.box_mpc=512
+    data.universes="$UNIVERSES" data.val_universes="$VAL_UNIVERSES" data.box_cells=128 data.box_mpc=1024
 # the power-spectrum reference (gems/data/spectrum.py), into the study's folder: gems results puts it beside the runs
 WHERE=(results.sweep=cosmoflow_sample_size)
 for a in "$@"; do b=${a#+}; b=${b#+}; case $b in results.dir=*) WHERE+=("$b");; results.sweep=*) WHERE[0]=$b;; esac; done
