@@ -68,7 +68,7 @@ COMMANDS: dict[str, list[str] | str] = {
     "gems plan +experiment=cosmoflow512_weak cluster=perlmutter cluster.account=x": [],
     # the sample-size study (docs/science.md): the universes at the smallest size, the study's taste as documented
     "gems data synth data.kind=cosmology data.path=data/cosmology/train data.val_path=data/cosmology/val "
-    "data.universes=256 data.val_universes=32": ["data.universes=2", "data.val_universes=1", "data.box_cells=32"],
+    "data.universes=256 data.val_universes=32 data.box_cells=128 data.box_mpc=1024": ["data.universes=2", "data.val_universes=1", "data.box_cells=32"],
     "jobs/cosmoflow_sample_size.sh": "the study itself, about an hour here: its result is committed in "
                                      "results/cosmoflow_sample_size",
     "UNIVERSES=8 VAL_UNIVERSES=4 jobs/cosmoflow_sample_size.sh data.crop=32 train.epochs=1 "
@@ -80,7 +80,7 @@ COMMANDS: dict[str, list[str] | str] = {
         "are committed in results/cosmoflow_batchnorm (the taste above runs the same experiment)",
     "gems sweep +experiment=cosmoflow_sample_size cluster=perlmutter cluster.account=m1234 "
     "data.path=/pscratch/cosmoUniverse/train data.val_path=/pscratch/cosmoUniverse/val data.box_cells=512 "
-    "data.crop=128,256,512 model.width=1 train.epochs=32 \"train.lr_decay_boundaries=[22.4,28.8]\"":
+    "data.standardize=null data.crop=128,256,512 model.width=1 train.epochs=32 \"train.lr_decay_boundaries=[22.4,28.8]\"":
         "submits to NERSC Perlmutter",
     "gems plan model=cosmoflow model.size=512 parallel.spatial=4 parallel.replicas=512 train.batch_size=512 "
     "cluster=perlmutter cluster.account=x plan.dry_run=true plan.dry_run_rank=1234": [],
