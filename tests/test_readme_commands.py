@@ -78,6 +78,10 @@ COMMANDS: dict[str, list[str] | str] = {
     "data.val_path=data/cosmology/val":
         "one point of the study with another recipe, about 17 minutes here, on the study's universes: its records "
         "are committed in results/cosmoflow_batchnorm (the taste above runs the same experiment)",
+    "gems run +experiment=cosmoflow_sample_size data.crop=128 train.epochs=12 "
+    "\"train.lr_decay_boundaries=[8.4,10.8]\" data.path=data/cosmology/train data.val_path=data/cosmology/val":
+        "the 128^3 point for twice the study's epochs, about 27 minutes here: its record is committed in "
+        "results/cosmoflow_longer (the taste above runs the same experiment)",
     "gems sweep +experiment=cosmoflow_sample_size cluster=perlmutter cluster.account=m1234 "
     "data.path=/pscratch/cosmoUniverse/train data.val_path=/pscratch/cosmoUniverse/val data.box_cells=512 "
     "data.standardize=null data.crop=128,256,512 model.width=1 train.epochs=32 \"train.lr_decay_boundaries=[22.4,28.8]\"":
