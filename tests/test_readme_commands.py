@@ -68,7 +68,8 @@ COMMANDS: dict[str, list[str] | str] = {
     "gems plan +experiment=cosmoflow512_weak cluster=perlmutter cluster.account=x": [],
     # the sample-size study (docs/science.md): the universes at the smallest size, the study's taste as documented
     "gems data synth data.kind=cosmology data.path=data/cosmology/train data.val_path=data/cosmology/val "
-    "data.universes=256 data.val_universes=32 data.box_cells=128 data.box_mpc=1024": ["data.universes=2", "data.val_universes=1", "data.box_cells=32"],
+    "data.universes=256 data.val_universes=32 data.box_cells=128 data.box_mpc=1024":
+        ["data.universes=2", "data.val_universes=1", "data.box_cells=32"],
     "jobs/cosmoflow_sample_size.sh": "the study itself, about an hour here: its result is committed in "
                                      "results/cosmoflow_sample_size",
     "UNIVERSES=8 VAL_UNIVERSES=4 jobs/cosmoflow_sample_size.sh data.crop=32 train.epochs=1 "
