@@ -67,6 +67,22 @@ class Moments(nn.Module):
         return torch.cat([x, x * x], dim=1)
 
 
+class LogPower(nn.Module):
+    """After the moments' pool, flattened: the ``channels`` means as they are, the mean squares as their logarithms.
+    A power's logarithm is linear in what scales and tilts a spectrum (σ_8, n_s), and an evaluation whose
+    BatchNorm statistics differ from a batch's shifts it instead of multiplying it."""
+
+    def __init__(self, channels: int, eps: float = 1e-4) -> None:
+        super().__init__()
+        self.channels, self.eps = channels, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x[:, :self.channels], torch.log(x[:, self.channels:] + self.eps)], dim=1)
+
+    def extra_repr(self) -> str:
+        return f"channels={self.channels}, eps={self.eps}"
+
+
 #: the heads of :func:`cosmoflow` (``model.head``)
 HEADS = ("flatten", "moments")
 #: with the moments head the trunk stops pooling at this edge: the statistics need cells to average over
@@ -102,11 +118,13 @@ def cosmoflow(size: int = 128, width: float = 1.0, dropout: float = 0.2, slope: 
                     break  # torch pools need input >= kernel
                 layers.append(nn.AvgPool3d(3, stride=2, padding=1))
                 n = (n + 2 - 3) // 2 + 1
-    flat = c_in * n ** 3
     if head == "moments":
-        layers += [Moments(), nn.AdaptiveAvgPool3d(1)]
+        layers += [Moments(), nn.AdaptiveAvgPool3d(1), nn.Flatten(), LogPower(c_in)]
         flat = 2 * c_in
-    layers += [nn.Flatten(), nn.Linear(flat, _ch(256, width)), nn.LeakyReLU(slope), SampleDropout(dropout),
+    else:
+        layers.append(nn.Flatten())
+        flat = c_in * n ** 3
+    layers += [nn.Linear(flat, _ch(256, width)), nn.LeakyReLU(slope), SampleDropout(dropout),
                nn.Linear(_ch(256, width), num_outputs)]
     return _he_init(nn.Sequential(*layers), slope)
 
