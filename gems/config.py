@@ -48,8 +48,6 @@ class ModelConf:
     norm: Optional[str] = key(None, "normalisation after each convolution of resnet, unet3d and cosmoflow (null: "
                                     "the model's own, none for cosmoflow as the paper's model, batch for resnet "
                                     "and unet3d)", choices=("batch", "group", "none"))
-    head: str = key("flatten", "cosmoflow: flatten (the paper's) or moments (each channel's mean and mean square "
-                               "over the sample; docs/science.md)", choices=("flatten", "moments"))
     _target_: Optional[str] = key(None, "custom: dotted path of a callable returning nn.Sequential")
     kwargs: Any = key(None, "custom: arguments of that callable, e.g. {n:8} (a mapping)")
     input_shape: Optional[list] = key(None, "custom: [C, *spatial] of one sample")

@@ -181,7 +181,6 @@ def model_cases() -> dict[str, tuple[Callable[[], nn.Sequential], tuple[int, ...
 
     cf = dict(name="cosmoflow", size=32, width=0.125, dropout=0.2)
     cfbn = dict(cf, norm="batch")  # model.norm=batch: BatchNorm after each convolution, global statistics
-    cfmo = dict(cfbn, head="moments")  # model.head=moments: global means of features and squares, uneven parts
     ml = dict(name="cosmoflow_mlperf", size=32, width=0.0625, dropout=0.5)
     un = dict(name="unet3d", size=16, width=0.0625, in_channels=1, num_classes=3, norm="batch")
     cf256 = dict(name="cosmoflow", size=256, width=0.125, dropout=0.2)
@@ -201,8 +200,6 @@ def model_cases() -> dict[str, tuple[Callable[[], nn.Sequential], tuple[int, ...
         # are themselves 5.7e-6 from float64's (of 0.38 at most), so two float32 runs differ by about twice that
         "cosmoflow_bn": (lambda: spec(**cfbn).module, (2, 4, 32, 32, 32), ("S2d0", "S22"),
                          {"spatial_end": spec(**cfbn).spatial_end, "grad_noise": 4.0}),
-        "cosmoflow_moments": (lambda: spec(**cfmo).module, (2, 4, 32, 32, 32), ("S2d0", "S22", "S3d2"),
-                              {"spatial_end": spec(**cfmo).spatial_end, "grad_noise": 4.0}),
         "cosmoflow_mlperf": (lambda: spec(**ml).module, (2, 4, 32, 32, 32), ("S2d0", "S22d12", "S4d1"),
                              {"spatial_end": spec(**ml).spatial_end}),
         # S4d0: the bottom levels (4^3, 2^3) leave parts of one cell and empty parts

@@ -100,14 +100,10 @@ def build_model(model: ModelConf | Mapping[str, Any]) -> ModelSpec:
         kw: dict[str, Any] = dict(width=float(m.width), dropout=float(m.dropout))
         if name == "cosmoflow" and m.norm is not None:
             kw["norm"] = m.norm
-        if name == "cosmoflow":
-            kw["head"] = m.head
         allowed = ("a power of two >= 32 (the paper uses 128, 256, 512)" if name == "cosmoflow"
                    else "a power of two >= 32 (MLPerf uses 128)")
         seq = _sized(name, allowed, fn, int(m.size), **kw)
         return ModelSpec(seq, name, (4, *[int(m.size)] * 3), 4, "mse", "vector", _first_flatten(seq))
-    if m.head != "flatten":
-        raise ConfigError("model.head", m.head, f"flatten: {name} has no other head (moments is cosmoflow's)")
     if name == "unet3d":
         try:
             from gems.models.unet3d import build_unet3d

@@ -57,47 +57,10 @@ def _norm(kind: str, channels: int) -> list[nn.Module]:
     return []
 
 
-@register_pointwise
-class Moments(nn.Module):
-    """Each cell's features beside their squares (channels ``c`` -> ``2c``). A global average pool after it gives
-    every channel's mean and mean square over the whole sample: the power of the filter that channel learnt, the
-    statistic a power spectrum is made of, whatever the sample's edge."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x, x * x], dim=1)
-
-
-class LogPower(nn.Module):
-    """After the moments' pool, flattened: the ``channels`` means as they are, the mean squares as their logarithms.
-    A power's logarithm is linear in what scales and tilts a spectrum (σ_8, n_s), and an evaluation whose
-    BatchNorm statistics differ from a batch's shifts it instead of multiplying it."""
-
-    def __init__(self, channels: int, eps: float = 1e-4) -> None:
-        super().__init__()
-        self.channels, self.eps = channels, eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x[:, :self.channels], torch.log(x[:, self.channels:] + self.eps)], dim=1)
-
-    def extra_repr(self) -> str:
-        return f"channels={self.channels}, eps={self.eps}"
-
-
-#: the heads of :func:`cosmoflow` (``model.head``)
-HEADS = ("flatten", "moments")
-#: with the moments head the trunk stops pooling at this edge: the statistics need cells to average over
-MOMENTS_EDGE = 8
-
-
 def cosmoflow(size: int = 128, width: float = 1.0, dropout: float = 0.2, slope: float = 0.3,
-              in_channels: int = 4, num_outputs: int = 4, norm: str = "none", head: str = "flatten") -> nn.Sequential:
-    """The paper's CosmoFlow. ``head``: ``flatten`` (the paper's: the trunk's last activation, flattened, into the
-    dense layers) or ``moments`` (each channel's mean and mean square over the whole sample, from a trunk whose
-    pools stop at :data:`MOMENTS_EDGE` cells: translation-invariant, and the same size at every edge)."""
+              in_channels: int = 4, num_outputs: int = 4, norm: str = "none") -> nn.Sequential:
     if size < 32 or size & (size - 1):
         raise ValueError("size")
-    if head not in HEADS:
-        raise ValueError("head")
     extra_pools = max(0, int(math.log2(size // 128))) if size >= 128 else 0
     chans = [16, 32, 64, 128, 256, 256, 256]
     # with BatchNorm the input is normalised too, by the data's own running statistics (no affine part): log counts
@@ -114,17 +77,12 @@ def cosmoflow(size: int = 128, width: float = 1.0, dropout: float = 0.2, slope: 
         if i < 5:
             pools = 1 + (extra_pools if i == 0 else 0)
             for _ in range(pools):
-                if n < 3 or (head == "moments" and n <= MOMENTS_EDGE):  # n < 3: only below the paper's sizes,
-                    break  # torch pools need input >= kernel
+                if n < 3:  # only below the paper's sizes: torch pools need input >= kernel
+                    break
                 layers.append(nn.AvgPool3d(3, stride=2, padding=1))
                 n = (n + 2 - 3) // 2 + 1
-    if head == "moments":
-        layers += [Moments(), nn.AdaptiveAvgPool3d(1), nn.Flatten(), LogPower(c_in)]
-        flat = 2 * c_in
-    else:
-        layers.append(nn.Flatten())
-        flat = c_in * n ** 3
-    layers += [nn.Linear(flat, _ch(256, width)), nn.LeakyReLU(slope), SampleDropout(dropout),
+    flat = c_in * n ** 3
+    layers += [nn.Flatten(), nn.Linear(flat, _ch(256, width)), nn.LeakyReLU(slope), SampleDropout(dropout),
                nn.Linear(_ch(256, width), num_outputs)]
     return _he_init(nn.Sequential(*layers), slope)
 
