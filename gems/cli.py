@@ -138,26 +138,32 @@ def launch_one(cfg: Any, quiet: bool = False) -> dict[str, Any]:
     from rich.console import Console
 
     console = Console(stderr=True)
+    from gems.config import section
     from gems.prepare import run_steps
 
-    steps = StepProgress(run_steps(cfg))
+    steps = StepProgress(run_steps(cfg), section(cfg, "cluster"))
     if not console.is_terminal:  # a log or a pipe: a plain line now and then, so a long run is never silent
         return launcher.launch(cfg, on_progress=lambda s: steps.line(
             s, lambda t: print(f"gems: {cfg.run_id}: {t}", file=sys.stderr, flush=True)))
     with console.status(f"[bold]{cfg.run_id}[/]: starting") as status:
         return launcher.launch(cfg, on_progress=lambda s: steps.line(
-            s, lambda t: status.update(f"[bold]{cfg.run_id}[/]: {t}"), every_s=0.0))
+            s, lambda t: status.update(f"[bold]{cfg.run_id}[/]: {t}"), every_s=0.0,
+            warn=lambda t: console.print(f"gems: warning: {t}", markup=False, highlight=False)))
 
 
 class StepProgress:
     """Turns rank 0's step lines ("step 3/6 0.812 s loss 0.29") into progress with an estimate of the time
-    left; ``line`` passes a new text on at most every ``every_s`` seconds (a new step, or the first line)."""
+    left; ``line`` passes a new text on at most every ``every_s`` seconds (a new step, or the first line).
+    Given the ``cluster`` section, it warns once, as soon as five steps give a pace, when the run would end
+    after the launcher stops waiting for it (``cluster.wait_s``), and says what gives it room."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, cluster: Any = None) -> None:
         self.total, self.last, self.shown_at = total, "", 0.0
         self.times: list[float] = []
+        self.cluster, self.started, self.warned = cluster, time.monotonic(), False
 
-    def line(self, text: str, show: Callable[[str], None], every_s: float = 10.0) -> None:
+    def line(self, text: str, show: Callable[[str], None], every_s: float = 10.0,
+             warn: Callable[[str], None] | None = None) -> None:
         import re
 
         if text == self.last:
@@ -171,6 +177,14 @@ class StepProgress:
             recent = sorted(self.times[-5:])[len(self.times[-5:]) // 2]
             left = (total - done) * recent
             out = f"{text}; about {_duration(left)} left" if done < total else text
+            if self.cluster is not None and not self.warned and len(self.times) >= 5:
+                need = time.monotonic() - self.started + left
+                if need > self.cluster.wait_s():
+                    self.warned = True
+                    say = warn or (lambda t: print(f"gems: warning: {t}", file=sys.stderr, flush=True))
+                    say(f"at this pace the run takes about {_duration(need)}, longer than the "
+                        f"{_duration(self.cluster.wait_s())} the launcher waits ({self.cluster.wait_key()}): it "
+                        f"will be ended unfinished; {self.cluster.room_for(need)} gives it room")
         now = time.monotonic()
         if now - self.shown_at >= every_s or not m:
             self.shown_at = now

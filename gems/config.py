@@ -11,6 +11,7 @@ line: the one place a default is written.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,6 +222,19 @@ class ClusterConf:
     def wait_s(self) -> float:
         """How long a launcher waits for a job before it ends it: ``timeout_min``, or the time limit and 5 minutes."""
         return 60.0 * float(self.timeout_min if self.timeout_min is not None else self.time_min + 5)
+
+    def wait_key(self) -> str:
+        """The key that sets :meth:`wait_s`, as a user would change it."""
+        if self.timeout_min is not None:
+            return f"cluster.timeout_min={self.timeout_min:g}"
+        return f"cluster.time_min={self.time_min}, and 5 minutes"
+
+    def room_for(self, seconds: float) -> str:
+        """The override that lets a launcher wait ``seconds`` and a fifth more (whole minutes)."""
+        minutes = math.ceil(1.2 * seconds / 60)
+        if self.timeout_min is not None:
+            return f"cluster.timeout_min={minutes}"
+        return f"cluster.time_min={max(1, minutes - 5)}"
 
 
 @dataclass

@@ -383,6 +383,31 @@ def test_ending_an_attached_run_on_slurm_cancels_its_job_and_says_which(tmp_path
                                      text=True).stdout.strip() in ("", "CANCELLED", "COMPLETED"), timeout=60)
 
 
+def test_a_local_run_that_would_outlast_the_launchers_wait_is_told_so_early(tmp_path):
+    """The local launcher ends a run at cluster.timeout_min (default: cluster.time_min and 5 minutes). Five
+    steps in, the run's pace says it will not finish: a warning names the key and a value that gives it room,
+    and the record of the ended run names the key that ended it."""
+    r = gems("run", f"results.dir={tmp_path}", *SMALL, "train.steps=100", "fault.step_delay_s=1",
+             "cluster.timeout_min=0.3", timeout=120)
+    assert r.returncode != 0
+    warn = [ln for ln in r.stderr.splitlines() if ln.startswith("gems: warning: at this pace")]
+    assert len(warn) == 1 and "longer than the 18 s the launcher waits (cluster.timeout_min=0.3)" in warn[0], r.stderr
+    assert "cluster.timeout_min=3 gives it room" in warn[0], warn  # 100 steps of ~1 s, and a fifth more
+    (rec,) = records(str(tmp_path))
+    assert rec["failure"] == {"kind": "timeout"} and rec["error"].startswith(
+        "timed out after 0.3 min (cluster.timeout_min=0.3): the ranks were ended unfinished"), rec["error"]
+
+
+def test_the_wait_and_the_room_name_the_key_that_sets_them():
+    from gems.config import ClusterConf
+
+    assert ClusterConf(time_min=30).wait_s() == 35 * 60
+    assert ClusterConf(time_min=30).wait_key() == "cluster.time_min=30, and 5 minutes"
+    assert ClusterConf(time_min=30).room_for(38 * 60) == "cluster.time_min=41"  # 45.6 min of waiting, less 5
+    assert ClusterConf(time_min=30).room_for(30) == "cluster.time_min=1"
+    assert ClusterConf(timeout_min=2.5).room_for(300) == "cluster.timeout_min=6"
+
+
 def test_a_typed_section_resolves_interpolations_and_names_a_bad_key():
     """gems.config.section resolves an interpolation that names another section, and a key its schema does not
     have is a ConfigError naming it (the launcher reads the fault section before anything resolves it)."""

@@ -83,6 +83,13 @@ COMMANDS: dict[str, list[str] | str] = {
     "\"train.lr_decay_boundaries=[8.4,10.8]\" data.path=data/cosmology/train data.val_path=data/cosmology/val":
         "the 128^3 point for twice the study's epochs, about 27 minutes here: its record is committed in "
         "results/cosmoflow_longer (the taste above runs the same experiment)",
+    "gems data synth data.kind=cosmology data.path=data/cosmology1024/train data.val_path=data/cosmology1024/val "
+    "data.universes=1024 data.val_universes=32 data.box_cells=128 data.box_mpc=1024":
+        ["data.universes=2", "data.val_universes=1", "data.box_cells=32"],
+    "gems run +experiment=cosmoflow_sample_size data.crop=128 train.epochs=4 \"train.lr_decay_boundaries=[2.8,3.6]\" "
+    "cluster.time_min=60 data.path=data/cosmology1024/train data.val_path=data/cosmology1024/val":
+        "the 128^3 point on four times the universes, about 40 minutes here: its record is committed in "
+        "results/cosmoflow_more_universes (the taste above runs the same experiment)",
     "gems sweep +experiment=cosmoflow_sample_size cluster=perlmutter cluster.account=m1234 "
     "data.path=/pscratch/cosmoUniverse/train data.val_path=/pscratch/cosmoUniverse/val data.box_cells=512 "
     "data.standardize=null data.crop=128,256,512 model.width=1 train.epochs=32 \"train.lr_decay_boundaries=[22.4,28.8]\"":

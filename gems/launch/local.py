@@ -110,8 +110,10 @@ def launch(cfg: DictConfig, on_progress: Callable[[str], None] | None = None) ->
     if path.exists():  # the ranks' own record: ok, or a failure they diagnosed (stall, non-finite loss)
         return rec.read_record(path)
     if watch.timed_out:
-        limit = section(cfg, "cluster").wait_s() / 60
-        error, failure = f"timed out after cluster.timeout_min={limit:g} min", {"kind": "timeout"}
+        cl = section(cfg, "cluster")
+        error = (f"timed out after {cl.wait_s() / 60:g} min ({cl.wait_key()}): the ranks were ended unfinished "
+                 "(raise it for a longer run)")
+        failure = {"kind": "timeout"}
     else:
         who = "rank" if cfg.comm.backend != "mpi" else "MPI rank"
         error, failure = explain(jd, watch.exits, who)
