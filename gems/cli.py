@@ -161,6 +161,7 @@ class StepProgress:
         self.total, self.last, self.shown_at = total, "", 0.0
         self.times: list[float] = []
         self.cluster, self.started, self.warned = cluster, time.monotonic(), False
+        self.seen: tuple[float, int] | None = None  # (when, step) of the first step line
 
     def line(self, text: str, show: Callable[[str], None], every_s: float = 10.0,
              warn: Callable[[str], None] | None = None) -> None:
@@ -177,8 +178,11 @@ class StepProgress:
             recent = sorted(self.times[-5:])[len(self.times[-5:]) // 2]
             left = (total - done) * recent
             out = f"{text}; about {_duration(left)} left" if done < total else text
-            if self.cluster is not None and not self.warned and len(self.times) >= 5:
-                need = time.monotonic() - self.started + left
+            now = time.monotonic()
+            self.seen = self.seen or (now, done)  # the pace by the wall clock: evaluations and waits included
+            t0, done0 = self.seen
+            if self.cluster is not None and not self.warned and len(self.times) >= 5 and done - done0 >= 3:
+                need = now - self.started + (total - done) * (now - t0) / (done - done0)
                 if need > self.cluster.wait_s():
                     self.warned = True
                     say = warn or (lambda t: print(f"gems: warning: {t}", file=sys.stderr, flush=True))
