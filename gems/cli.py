@@ -171,14 +171,13 @@ class StepProgress:
             return
         self.last = text
         m = re.match(r"step (\d+)/(\d+) ([0-9.]+) s", text)
-        out = text
+        out, now = text, time.monotonic()
         if m:
             done, total, dt = int(m.group(1)), int(m.group(2)), float(m.group(3))
             self.times.append(dt)
             recent = sorted(self.times[-5:])[len(self.times[-5:]) // 2]
             left = (total - done) * recent
             out = f"{text}; about {_duration(left)} left" if done < total else text
-            now = time.monotonic()
             self.seen = self.seen or (now, done)  # the pace by the wall clock: evaluations and waits included
             t0, done0 = self.seen
             if self.cluster is not None and not self.warned and len(self.times) >= 5 and done - done0 >= 3:
@@ -189,7 +188,6 @@ class StepProgress:
                     say(f"at this pace the run takes about {_duration(need)}, longer than the "
                         f"{_duration(self.cluster.wait_s())} the launcher waits ({self.cluster.wait_key()}): it "
                         f"will be ended unfinished; {self.cluster.room_for(need)} gives it room")
-        now = time.monotonic()
         if now - self.shown_at >= every_s or not m:
             self.shown_at = now
             show(out)

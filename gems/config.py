@@ -174,6 +174,11 @@ class TrainConf:
                                "folder (profile/rank<k>.json); that step is left out of the timings")
 
 
+#: minutes a launcher waits past a job's time limit (cluster.time_min) before it ends the job, unless
+#: cluster.timeout_min sets the wait
+WAIT_GRACE_MIN = 5
+
+
 @dataclass
 class ClusterConf:
     name: str = key("local", "the cluster preset")
@@ -221,20 +226,20 @@ class ClusterConf:
 
     def wait_s(self) -> float:
         """How long a launcher waits for a job before it ends it: ``timeout_min``, or the time limit and 5 minutes."""
-        return 60.0 * float(self.timeout_min if self.timeout_min is not None else self.time_min + 5)
+        return 60.0 * float(self.timeout_min if self.timeout_min is not None else self.time_min + WAIT_GRACE_MIN)
 
     def wait_key(self) -> str:
         """The key that sets :meth:`wait_s`, as a user would change it."""
         if self.timeout_min is not None:
             return f"cluster.timeout_min={self.timeout_min:g}"
-        return f"cluster.time_min={self.time_min}, and 5 minutes"
+        return f"cluster.time_min={self.time_min}, and {WAIT_GRACE_MIN} minutes"
 
     def room_for(self, seconds: float) -> str:
         """The override that lets a launcher wait ``seconds`` and a fifth more (whole minutes)."""
         minutes = math.ceil(1.2 * seconds / 60)
         if self.timeout_min is not None:
             return f"cluster.timeout_min={minutes}"
-        return f"cluster.time_min={max(1, minutes - 5)}"
+        return f"cluster.time_min={max(1, minutes - WAIT_GRACE_MIN)}"
 
 
 @dataclass
