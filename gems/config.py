@@ -152,6 +152,10 @@ class TrainConf:
     eval_average_crops: bool = key(False, "validation also averages the predictions of each file's crops "
                                           "(data.crop) and reports that error (mae_avg_crops): the fair "
                                           "baseline for small crops")
+    bn_recalibrate: int = key(0, "before each evaluation, recompute BatchNorm's running statistics from this "
+                                 "many batches of the training set, in its order, with equal weights (0: keep "
+                                 "training's exponential averages, which at small batches follow the last few)",
+                              ge=0)
     target_metric: str = key("mae", "what train.target_mae is compared with: the validation mae (<=), loss (<=) "
                                     "or accuracy (>=)", choices=("mae", "loss", "accuracy"))
     seed: int = key(0, "seed of weights, data and dropout", ge=0)

@@ -70,6 +70,53 @@ class SampleDropout(nn.Module):
         return f"p={self.p}"
 
 
+# ---- evaluation modes and BatchNorm's running statistics ------------------------------------------------------
+
+def keeps_running_statistics(m: nn.Module) -> bool:
+    """A normalisation layer that evaluates with running statistics (torch's BatchNorm, InstanceNorm with
+    ``track_running_stats``, gems's SpatialNorm wrapping one): one rule for every runtime."""
+    return isinstance(getattr(m, "running_mean", None), torch.Tensor) and hasattr(m, "momentum")
+
+
+@contextlib.contextmanager
+def evaluation_mode(modules: Sequence[nn.Module], batch_statistics: bool = False) -> Iterator[None]:
+    """Every layer of ``modules`` in evaluation mode (dropout off, BatchNorm by its running statistics), each
+    layer's mode restored after. With ``batch_statistics`` the layers that keep running statistics stay in
+    training mode: they normalise by the batch's statistics and add them to their running ones
+    (:func:`recalibrating`)."""
+    modes = [(m, m.training) for root in modules for m in root.modules()]
+    try:
+        for m, _ in modes:
+            m.training = batch_statistics and keeps_running_statistics(m)
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+@contextlib.contextmanager
+def recalibrating(modules: Sequence[nn.Module]) -> Iterator[int]:
+    """Recompute the running statistics of every normalisation layer of ``modules`` from the forwards run inside
+    (with :func:`evaluation_mode` ``(batch_statistics=True)``): they start afresh and average the batches seen
+    with equal weights (momentum None) rather than training's exponential average, which at small batches
+    follows the last few batches and the weights of a few steps ago ("precise BatchNorm"). Yields how many
+    layers it recalibrates; their momentum is restored after."""
+    norms: list[Any] = [m for root in modules for m in root.modules() if keeps_running_statistics(m)]
+    saved = [m.momentum for m in norms]
+    with torch.no_grad():
+        for m in norms:
+            m.running_mean.zero_()
+            m.running_var.fill_(1.0)
+            if isinstance(getattr(m, "num_batches_tracked", None), torch.Tensor):
+                m.num_batches_tracked.zero_()
+            m.momentum = None
+    try:
+        yield len(norms)
+    finally:
+        for m, momentum in zip(norms, saved):
+            m.momentum = momentum
+
+
 # ---- a guard against a torch CPU bug in bf16 3D convolutions --------------------------------------------
 # torch 2.13's oneDNN kernel for the weight gradient of a bf16 Conv3d on CPU reads memory it never wrote when
 # the input is 2 cells deep (k3 p1 at any width and channel count): the gradient changes from run to run and

@@ -121,6 +121,14 @@ def check_data(cfg: DictConfig, spec: Any) -> None:
         raise ConfigError("train.eval_average_crops", True, "false, or data=hdf5 with a validation folder "
                           "(data.val_path) whose files are cut into crops, for a model of vector targets")
     val = make_data(cfg, spec, validation=True)
+    if t.bn_recalibrate:
+        batches = dataset_size(cfg, spec) // int(t.batch_size)
+        if val is None:
+            raise ConfigError("train.bn_recalibrate", t.bn_recalibrate, "0, or a validation set to evaluate on (it "
+                              "recalibrates before each evaluation)")
+        if t.bn_recalibrate > batches:
+            raise ConfigError("train.bn_recalibrate", t.bn_recalibrate, f"at most {batches}, the training set's "
+                              f"whole batches of train.batch_size={t.batch_size}")
     if val is not None and len(val) < int(t.batch_size):
         key, value = ("data.val_samples", d.val_samples) if d.name == "synthetic" else ("data.val_path", d.val_path)
         raise ConfigError(key, value, f"at least train.batch_size={t.batch_size} validation samples (evaluation "

@@ -317,6 +317,70 @@ def test_crops_of_universes_train_and_validate_alike_on_every_mesh(tmp_path: Pat
                                        atol=1e-5)  # float32 outputs summed in another order
 
 
+def test_recalibrating_batchnorm_averages_the_batches_with_equal_weights() -> None:
+    """gems.layers.recalibrating: the running statistics of every BatchNorm start afresh and become the plain mean
+    of the batches run inside (batch statistics, the rest of the model in evaluation mode); momentum comes back."""
+    import torch
+    from torch import nn
+
+    from gems.layers import evaluation_mode, recalibrating
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv3d(2, 3, 3, padding=1), nn.BatchNorm3d(3), nn.Dropout(0.5), nn.BatchNorm3d(3))
+    model.train()
+    model(torch.randn(4, 2, 6, 6, 6))  # training's exponential average: not the mean of what follows
+    batches = [torch.randn(2, 2, 6, 6, 6) * (1 + k) + k for k in range(3)]
+    with torch.no_grad():
+        conv = [model[0](b) for b in batches]
+    with recalibrating([model]) as n:
+        assert n == 2 and model[1].momentum is None
+        for b in batches:
+            with evaluation_mode([model], batch_statistics=True):
+                assert model[1].training and not model[2].training and not model[0].training
+                model(b)
+    assert model.training and model[1].momentum == model[3].momentum == 0.1
+    means = torch.stack([c.mean((0, 2, 3, 4)) for c in conv])
+    variances = torch.stack([c.var((0, 2, 3, 4)) for c in conv])  # unbiased, as BatchNorm keeps it
+    torch.testing.assert_close(model[1].running_mean, means.mean(0))
+    torch.testing.assert_close(model[1].running_var, variances.mean(0))
+    assert int(model[1].num_batches_tracked) == 3
+
+
+def test_batchnorm_recalibrated_before_each_evaluation_on_every_mesh(tmp_path: Path) -> None:
+    """train.bn_recalibrate: BatchNorm's running statistics recomputed from training batches before each
+    evaluation. Training is untouched (its BatchNorm normalises by the batch), the validation changes, and a
+    sample cut over S = 2 ranks (the parts share their statistics) or the model over D = 2 evaluates like one
+    process. (Replicas and GEMS's mirrored copies normalise by their share of the batch, in training as here:
+    docs/design.md.)"""
+    args = ["model=cosmoflow", "model.norm=batch", "train.epochs=2", "data.val_samples=4", "train.eval_every=2",
+            "train.lr=0.0003"]  # noise with random targets: a larger rate sends the loss to 50, and rounding with it
+    plain = _run(tmp_path / "plain", *args)
+    args.append("train.bn_recalibrate=2")
+    one = _run(tmp_path / "one", *args)
+    np.testing.assert_allclose(one["loss"], plain["loss"], rtol=1e-6)
+    assert [v["step"] for v in one["validation"]] == [2, 4]
+    for g, w in zip(one["validation"], plain["validation"]):
+        assert g["mae"] != pytest.approx(w["mae"], rel=1e-3)
+    for mesh in (["parallel.spatial=2"], ["parallel.pipeline=2"]):
+        got = _run(tmp_path / "_".join(mesh).replace("=", ""), *args, *mesh)
+        # (Adam's first steps divide gradients by their own size: BatchNorm's sums, taken over the parts in another
+        # order, leave 2e-5 in the loss after three steps)
+        np.testing.assert_allclose(got["loss"], one["loss"], rtol=1e-4, err_msg=str(mesh))
+        for g, w in zip(got["validation"], one["validation"]):
+            np.testing.assert_allclose([g["loss"], g["mae"], *g["mae_per_target"]],
+                                       [w["loss"], w["mae"], *w["mae_per_target"]], rtol=1e-4, err_msg=str(mesh))
+
+
+@pytest.mark.parametrize("args,says", [
+    (["train.bn_recalibrate=3", "data.val_samples=4"], "train.bn_recalibrate=3: expected at most 2"),
+    (["train.bn_recalibrate=1"], "train.bn_recalibrate=1: expected 0, or a validation set"),
+])
+def test_recalibration_needs_the_batches_and_an_evaluation(tmp_path: Path, args: list[str], says: str) -> None:
+    r = gems("run", *_with("model.norm=batch", "train.epochs=1", *args), f"results.dir={tmp_path}")
+    assert r.returncode == 2 and r.stderr.startswith("gems: error: " + says), r.stderr
+    assert not any(tmp_path.iterdir())
+
+
 def test_averaging_crops_needs_files_cut_into_crops(tmp_path: Path) -> None:
     r = gems("run", *_with("train.eval_average_crops=true", "data.val_samples=4"), f"results.dir={tmp_path}")
     assert r.returncode == 2 and r.stderr.startswith("gems: error: train.eval_average_crops=True"), r.stderr

@@ -63,7 +63,7 @@ from gems import timers
 from gems.fake import scalar
 from gems.fault import all_finite
 from gems.fault.progress import mark, waiting
-from gems.layers import batch_context
+from gems.layers import batch_context, evaluation_mode
 from gems.pipeline.deferred import WeightGrads, deferring, make_deferrable
 from gems.pipeline.schedules import ACT as _ACT
 from gems.pipeline.schedules import GRAD as _GRAD
@@ -458,24 +458,21 @@ class PipelineRunner:
         return scalar(total) if isinstance(total, torch.Tensor) else float(total)
 
     def evaluate(self, inputs: torch.Tensor | None, targets: Any, sample_ids: Sequence[int],
-                 metric: Callable[[torch.Tensor, Any, Sequence[int]], torch.Tensor]) -> torch.Tensor | None:
-        """A forward of one batch of the line's share, without gradients, in evaluation mode: the schedule's
-        forward actions in their order (a subsequence of a deadlock-free order, the activations on the same
-        links); returns the sum of ``metric(output, target, sample ids)`` over the last-stage chunks this rank ran (None
-        where it runs no last stage)."""
+                 metric: Callable[[torch.Tensor, Any, Sequence[int]], torch.Tensor],
+                 batch_statistics: bool = False) -> torch.Tensor | None:
+        """A forward of one batch of the line's share, without gradients, in evaluation mode (with
+        ``batch_statistics``, the normalisation layers in training mode: gems.layers.evaluation_mode): the
+        schedule's forward actions in their order (a subsequence of a deadlock-free order, the activations on the
+        same links); returns the sum of ``metric(output, target, sample ids)`` over the last-stage chunks this rank
+        ran (None where it runs no last stage)."""
         fwd = [tuple(a for a in order if a.kind.forward) for order in self.schedule.actions]
         saved = self._inbox, self._src_index
         self._inbox, self._src_index = self._inboxes(fwd)
         self._metric, self._metric_total = metric, None
-        modes = [(m, m.training) for m in self.modules.modules()]
         try:
-            for m, _ in modes:
-                m.training = False
-            with torch.no_grad():
+            with evaluation_mode([self.modules], batch_statistics), torch.no_grad():
                 self._run(fwd[self.position], inputs, targets, sample_ids, 0, -1)
         finally:
-            for m, mode in modes:
-                m.training = mode
             self._inbox, self._src_index = saved
             self._metric = None
         return self._metric_total

@@ -17,7 +17,7 @@ from gems.bootstrap import (
 from gems.config import section
 from gems.fake import scalar
 from gems.fault import all_finite, progress
-from gems.layers import batch_context, guard_bf16_conv3d
+from gems.layers import batch_context, evaluation_mode, guard_bf16_conv3d
 from gems.mesh import Coord, Mesh
 from gems.models import ModelSpec, build_model
 from gems.parallel import ParallelSettings, resolve, spatial_model, stage_balance
@@ -53,9 +53,9 @@ class Parallel:
     #: when the pipeline sent and waited for each message (gems.pipeline.runtime.Transfers); None without one
     transfers: Any = None
     #: a forward of one batch without gradients, in evaluation mode: this rank's metric sums (gems.rank.loss.Metric)
-    #: over the outputs it computed, or None where it computes none
-    evaluate: Callable[[torch.Tensor | None, torch.Tensor | None, list[int]], torch.Tensor | None] = \
-        field(default=lambda x, y, ids: None)
+    #: over the outputs it computed, or None where it computes none; ``batch_statistics=True`` (a fourth argument)
+    #: leaves the normalisation layers in training mode (gems.layers.evaluation_mode: BatchNorm recalibration)
+    evaluate: Callable[..., torch.Tensor | None] = field(default=lambda x, y, ids, batch_statistics=False: None)
     metric: Any = None  # the Metric whose sums evaluate returns
 
 
@@ -171,10 +171,11 @@ class _Composition:
             s.forward_s = s.backward_s = s.wait_s = 0.0
             return out
 
-        def pipe_eval(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int]) -> torch.Tensor | None:
+        def pipe_eval(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int],
+                      batch_statistics: bool = False) -> torch.Tensor | None:
             self.mark(x)
             with self.amp():
-                return runner.evaluate(x, y, ids, self.metric)
+                return runner.evaluate(x, y, ids, self.metric, batch_statistics)
 
         return Parallel(pipe_step, params, list(runner.modules), reducer, self.slices,
                         runner.needs_inputs, runner.needs_targets, runner.samples_per_step, pipe_stats,
@@ -215,19 +216,13 @@ class _Composition:
         def first_bad() -> int | None:
             return next((pos for pos, ok in sorted(finite.items()) if not bool(ok)), None)
 
-        def plain_eval(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int]) -> torch.Tensor | None:
+        def plain_eval(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int],
+                       batch_statistics: bool = False) -> torch.Tensor | None:
             assert x is not None and y is not None
             self.mark(x)
-            modes = [(m, m.training) for m in seq.modules()]
-            try:
-                for m, _ in modes:
-                    m.training = False
-                with torch.no_grad(), self.amp():
-                    out = seq(x)
-                return self.metric(out, y, ids)
-            finally:
-                for m, mode in modes:
-                    m.training = mode
+            with evaluation_mode([seq], batch_statistics), torch.no_grad(), self.amp():
+                out = seq(x)
+            return self.metric(out, y, ids)
 
         return Parallel(plain_step, params, [seq], reducer, self.slices, True, True, self.settings.line_batch,
                         self.halo_stats, first_nonfinite=first_bad, notes=self.notes, quiesce=self.quiesce,

@@ -31,6 +31,7 @@ from gems.config import section
 from gems.errors import ConfigError, RunError
 from gems.fault import inject, progress, reports
 from gems.fault.watchdog import Watchdog
+from gems.layers import recalibrating
 from gems.memory import MemoryMeter, peak_rss_bytes, persistent_bytes, step_peak_bytes
 from gems.mesh import Mesh, mesh_from_config
 from gems.parallel import resolve
@@ -266,6 +267,7 @@ class Run:
         epochs_done = self.sampler.epoch_of(step + 1)
         self.mlperf.evaluation(epochs_done, None, start=True)
         t0 = time.perf_counter()
+        self.recalibrate()
         par, B, dev = self.par, self.B, self.world.device
         total = torch.zeros(par.metric.size, dtype=torch.float64, device=dev)
         for k in range(len(self.val) // B):  # whole batches of the training batch (a partial last one is left out)
@@ -285,6 +287,24 @@ class Run:
             shown = ", ".join(f"{k} {v:.4g}" for k, v in figures.items() if isinstance(v, float))
             print(f"gems: validation after step {step + 1}: {shown}", flush=True)
         return self.target_reached(entry)
+
+    def recalibrate(self) -> None:
+        """``train.bn_recalibrate``: BatchNorm's running statistics recomputed from that many batches of the
+        training set in its order (gems.layers.recalibrating), forward only on this mesh as in training (spatial
+        parts share their statistics, pipeline micro-batches and replicas have their own, as their steps do),
+        then averaged over the copies of each layer like training's; part of the evaluation's time."""
+        n = int(self.cfg.train.bn_recalibrate)
+        if not n:
+            return
+        par, B, dev = self.par, self.B, self.world.device
+        with recalibrating(par.modules):
+            for k in range(n):
+                ids = share(list(range(k * B, (k + 1) * B)), self.R, self.coord.replica)
+                x, y = self.data.batch(ids, par.input_slices, want_input=par.needs_input, want_target=par.needs_target)
+                par.evaluate(x.to(dev) if x is not None else None, y.to(dev) if y is not None else None, ids,
+                             batch_statistics=True)
+        if self.buffers:
+            _average_buffers(self.buffers, self.mesh)
 
     def target_reached(self, entry: dict[str, Any]) -> bool:
         """Whether an evaluation reached ``train.target_mae`` (on ``train.target_metric``); the first that does
