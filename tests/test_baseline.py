@@ -50,6 +50,27 @@ def test_the_ridge_recovers_a_linear_law_and_is_scored_by_universe() -> None:
     assert noise["alpha"] >= ps.ALPHAS[-4]
 
 
+def test_the_information_table_finds_each_target_in_its_own_channel_and_scales() -> None:
+    """ps.information refits the ridge on one channel or all, and on bands of shells: a target that a channel's
+    smallest scale carries is read only where that shell is in, one the largest scale carries only from its
+    channel's first shell on."""
+    n, per = 16, 9  # shells 1..8 and the log mean, per channel
+    assert ps.bands_of(n) == [(1, 1), (1, 2), (1, 4), (1, 8), (5, 8)]
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(240, 2 * per))
+    y = np.stack([0.5 * x[:, per + 8], 0.5 * x[:, 1]], 1)  # channel 1's shell 8; channel 0's shell 1
+    rows = ps.information(x[:200], y[:200], x[200:], y[200:], 2, n)
+    assert [(r["channels"], tuple(r["shells"])) for r in rows[:6]] == [([0, 1], b) for b in ps.bands_of(n)] + \
+        [([0], (1, 1))]
+    err = {(tuple(r["channels"]), tuple(r["shells"])): r["mae_per_target"] for r in rows}
+    for band in ps.bands_of(n):
+        has8, has1 = band[1] == 8, band[0] == 1
+        assert (err[(0, 1), band][0] < 0.05) == has8 and (err[(1,), band][0] < 0.05) == has8
+        assert err[(0,), band][0] > 0.2  # channel 0 never holds target 0
+        assert (err[(0, 1), band][1] < 0.05) == has1 and (err[(0,), band][1] < 0.05) == has1
+        assert err[(1,), band][1] > 0.2
+
+
 def test_the_command_writes_the_study_s_baseline_and_gems_results_sets_it_beside_the_runs(tmp_path: Path) -> None:
     out = gems("data", "synth", "data.kind=cosmology", f"data.path={tmp_path / 'train'}",
                f"data.val_path={tmp_path / 'val'}", "data.box_cells=32", "data.box_mpc=128", "data.universes=12",
@@ -67,6 +88,11 @@ def test_the_command_writes_the_study_s_baseline_and_gems_results_sets_it_beside
     assert small["features"] == 4 * 9 and whole["features"] == 4 * 17
     assert all(0 < e["mae"] < 1 and len(e["mae_per_target"]) == 4 for e in got["edges"])
     assert small["zero_mae"] == pytest.approx(whole["zero_mae"])  # the same validation targets
+    info = got["information"]  # where in the whole box: every channel and each alone, five bands of shells
+    assert info["edge"] == 32 and len(info["rows"]) == 5 * 5
+    assert [r["shells"] for r in info["rows"][:5]] == [[1, 2], [1, 4], [1, 8], [1, 16], [9, 16]]
+    assert all(0 < r["mae"] < 1.5 and len(r["mae_per_target"]) == 4 for r in info["rows"])
+    assert "where the targets are" in out.stdout
     assert "baseline:" in out.stdout and " 16 " in out.stdout
     written = (res / "sizes" / "baseline.json").stat().st_mtime_ns
     again = gems("data", "baseline", f"data.path={tmp_path / 'train'}", f"data.val_path={tmp_path / 'val'}",

@@ -29,8 +29,8 @@ import numpy as np
 
 from gems.errors import ConfigError
 
-__all__ = ["spectrum_features", "crops", "edges_of", "fit_ridge", "baseline", "write_baseline", "ALPHAS",
-           "FOLDS", "MIN_EDGE"]
+__all__ = ["spectrum_features", "crops", "edges_of", "fit_ridge", "bands_of", "information", "baseline",
+           "write_baseline", "ALPHAS", "FOLDS", "MIN_EDGE"]
 
 #: the ridge strengths the cross-validation chooses from (on standardized features)
 ALPHAS = tuple(float(a) for a in np.logspace(-3, 4, 15))
@@ -160,6 +160,32 @@ def _files(key: str, folder: Any, shape: Sequence[int] | None = None) -> tuple[l
     return samples.files, got
 
 
+def bands_of(n: int) -> list[tuple[int, int]]:
+    """The wavenumber shells :func:`information` restricts the whole box's spectrum to: the largest scales up
+    to an eighth, a quarter and half of the Nyquist shell ``n/2``, all of them, and the smallest half alone."""
+    h = n // 2
+    return sorted({(1, max(1, h // 8)), (1, max(1, h // 4)), (1, max(1, h // 2)), (1, h), (h // 2 + 1, h)})
+
+
+def information(x: np.ndarray, y: np.ndarray, xv: np.ndarray, yv: np.ndarray, channels: int,
+                n: int) -> list[dict[str, Any]]:
+    """Where the targets are in a sample of edge ``n``: the ridge of :func:`fit_ridge` refitted on part of each
+    crop's spectrum (``x``, ``xv``: rows of :func:`spectrum_features`), every channel or one alone, each band
+    of shells of :func:`bands_of` (with the log mean counts of the channels used), scored on the validation
+    crops. A parameter whose error stays high until the smallest scales of one channel are in is read there
+    and nowhere else."""
+    per = n // 2 + 1
+    rows = []
+    for chans in [list(range(channels))] + ([[c] for c in range(channels)] if channels > 1 else []):
+        for lo, hi in bands_of(n):
+            cols = [c * per + k for c in chans for k in (0, *range(lo, hi + 1))]
+            model = fit_ridge(x[:, cols], y, np.arange(len(x)))
+            err = np.abs(_predict(model["w"], (xv[:, cols] - model["mu"]) / model["sd"]) - yv).mean(0)
+            rows.append({"channels": chans, "shells": [lo, hi], "mae": float(err.mean()),
+                         "mae_per_target": [float(v) for v in err]})
+    return rows
+
+
 def baseline(train: Sequence[Path], val: Sequence[Path], shape: Sequence[int]) -> dict[str, Any]:
     """The baseline of every edge (:func:`edges_of` the universes' box ``shape``, (C, n, n, n) as :func:`_files`
     checked): fitted on ``train``, scored on ``val``."""
@@ -181,6 +207,8 @@ def baseline(train: Sequence[Path], val: Sequence[Path], shape: Sequence[int]) -
                              "mae_avg_crops": float(per_avg.mean()),
                              "mae_avg_crops_per_target": [float(v) for v in per_avg],
                              "zero_mae": float(np.abs(yv).mean())})
+    (x, y, _), (xv, yv, _) = tr[edges[-1]], va[edges[-1]]  # the whole box: where in it each target is read
+    out["information"] = {"edge": edges[-1], "rows": information(x, y, xv, yv, shape[0], edges[-1])}
     return out
 
 
@@ -210,6 +238,14 @@ def write_baseline(cfg: Any) -> Path:
     for r in got["edges"]:
         print(f"{r['edge']:>4}  {r['train_crops']:>7}/{r['val_crops']:<7}  {r['mae']:.4f}            "
               f"{r['mae_avg_crops']:.4f}               {r['zero_mae']:.4f}")
+    info = got["information"]
+    print(f"where the targets are in a whole {info['edge']}^3 box (the ridge on part of its spectrum; mae per "
+          f"target, in the universes' parameter order):")
+    print("channels  shells   " + "  ".join(f"{'target ' + str(i):>8}" for i in range(len(got['edges'][0]['mae_per_target']))))
+    for r in info["rows"]:
+        chans = "all" if len(r["channels"]) > 1 else str(r["channels"][0])
+        print(f"{chans:>8}  {r['shells'][0]:>2}-{r['shells'][1]:<4} " +
+              "  ".join(f"{v:>8.3f}" for v in r["mae_per_target"]))
     write_result_json(path, got)
     print(f"baseline: {path}")
     return path
