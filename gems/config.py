@@ -156,6 +156,9 @@ class TrainConf:
                                  "many batches of the training set, in its order, with equal weights (0: keep "
                                  "training's exponential averages, which at small batches follow the last few)",
                               ge=0)
+    ema: float = key(0.0, "evaluate with an exponential moving average of the weights, this decay a step (0: the "
+                          "last step's weights; with BatchNorm, train.bn_recalibrate gives the average its own "
+                          "statistics)", ge=0, lt=1)
     target_metric: str = key("mae", "what train.target_mae is compared with: the validation mae (<=), loss (<=) "
                                     "or accuracy (>=)", choices=("mae", "loss", "accuracy"))
     seed: int = key(0, "seed of weights, data and dropout", ge=0)

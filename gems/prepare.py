@@ -13,6 +13,7 @@ from gems import checkpoint as ckpt
 from gems.bootstrap import check_launch
 from gems.config import section
 from gems.errors import ConfigError
+from gems.layers import keeps_running_statistics
 from gems.mesh import mesh_from_config
 from gems.models import build_model, check_shapes
 from gems.parallel import resolve, spatial_model
@@ -101,6 +102,27 @@ def run_steps(cfg: DictConfig) -> int:
     return Sampler(dataset_size(cfg), int(t.batch_size), int(t.seed), t.epochs, t.steps).total
 
 
+def _check_evaluated_weights(cfg: DictConfig, spec: Any, validates: bool) -> None:
+    """What the evaluations run with: ``train.bn_recalibrate`` (training batches to recompute BatchNorm's
+    statistics from) and ``train.ema`` (the averaged weights) need an evaluation, the one the batches, the other,
+    on a model with BatchNorm, the statistics of the average."""
+    t = cfg.train
+    if t.bn_recalibrate:
+        batches = dataset_size(cfg, spec) // int(t.batch_size)
+        if not validates:
+            raise ConfigError("train.bn_recalibrate", t.bn_recalibrate, "0, or a validation set to evaluate on (it "
+                              "recalibrates before each evaluation)")
+        if t.bn_recalibrate > batches:
+            raise ConfigError("train.bn_recalibrate", t.bn_recalibrate, f"at most {batches}, the training set's "
+                              f"whole batches of train.batch_size={t.batch_size}")
+    if t.ema:
+        if not validates:
+            raise ConfigError("train.ema", t.ema, "0, or a validation set to evaluate the averaged weights on")
+        if not t.bn_recalibrate and any(keeps_running_statistics(m) for m in spec.module.modules()):
+            raise ConfigError("train.ema", t.ema, "0, or train.bn_recalibrate > 0 too: the model's BatchNorm "
+                              "statistics follow the last steps' weights, not the average's")
+
+
 def check_data(cfg: DictConfig, spec: Any) -> None:
     """The training and validation sets against the model and each other, and what the run asks of them: a file
     that does not match is named, a target needs a validation set and a metric the model reports, the warm-up
@@ -121,14 +143,7 @@ def check_data(cfg: DictConfig, spec: Any) -> None:
         raise ConfigError("train.eval_average_crops", True, "false, or data=hdf5 with a validation folder "
                           "(data.val_path) whose files are cut into crops, for a model of vector targets")
     val = make_data(cfg, spec, validation=True)
-    if t.bn_recalibrate:
-        batches = dataset_size(cfg, spec) // int(t.batch_size)
-        if val is None:
-            raise ConfigError("train.bn_recalibrate", t.bn_recalibrate, "0, or a validation set to evaluate on (it "
-                              "recalibrates before each evaluation)")
-        if t.bn_recalibrate > batches:
-            raise ConfigError("train.bn_recalibrate", t.bn_recalibrate, f"at most {batches}, the training set's "
-                              f"whole batches of train.batch_size={t.batch_size}")
+    _check_evaluated_weights(cfg, spec, val is not None)
     if val is not None and len(val) < int(t.batch_size):
         key, value = ("data.val_samples", d.val_samples) if d.name == "synthetic" else ("data.val_path", d.val_path)
         raise ConfigError(key, value, f"at least train.batch_size={t.batch_size} validation samples (evaluation "

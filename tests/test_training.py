@@ -371,11 +371,69 @@ def test_batchnorm_recalibrated_before_each_evaluation_on_every_mesh(tmp_path: P
                                        [w["loss"], w["mae"], *w["mae_per_target"]], rtol=1e-4, err_msg=str(mesh))
 
 
+def test_the_weight_average_follows_the_steps_and_is_saved_with_the_optimizer() -> None:
+    """gems.rank.optim.WeightAverage: after each step the average moves toward the weights by 1 - decay (the first
+    steps' decay smaller), inside ``swapped`` the parameters hold it and get the training's back after, and the
+    optimizer's state_dict carries it (so a checkpoint does)."""
+    import torch
+
+    from gems.rank.optim import WeightAverage
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    avg = WeightAverage(0.5, opt, list(model.parameters()))
+    with avg.swapped():  # nothing averaged yet: the weights as they are
+        assert model.weight.detach().clone().equal(model.weight)
+    want = None
+    for step in range(4):
+        opt.zero_grad()
+        model(torch.randn(5, 3)).pow(2).sum().backward()
+        opt.step()
+        avg.update(step)
+        w = model.weight.detach().clone()
+        d = min(0.5, (1 + step) / (10 + step))  # 0.1, 0.18, 0.25, 0.31 for the first steps
+        want = w if want is None else d * want + (1 - d) * w
+    trained = model.weight.detach().clone()
+    with avg.swapped():
+        torch.testing.assert_close(model.weight.detach(), want)
+    assert model.weight.detach().equal(trained)
+    again = torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1)
+    again.load_state_dict(opt.state_dict())
+    torch.testing.assert_close(next(iter(again.state.values()))["ema"], want)
+
+
+def test_the_weight_average_evaluates_alike_on_every_mesh_and_after_a_resume(tmp_path: Path) -> None:
+    """train.ema: training is untouched, the evaluations use the average (with its own BatchNorm statistics,
+    train.bn_recalibrate), a sample cut over S = 2 ranks or the model over D = 2 evaluates like one process, and
+    a run preempted and resumed evaluates like one that was not (the average is in the checkpoint)."""
+    args = ["model=cosmoflow", "model.norm=batch", "train.epochs=3", "data.val_samples=4", "train.eval_every=2",
+            "train.lr=0.0003", "train.bn_recalibrate=2"]
+    plain = _run(tmp_path / "plain", *args)
+    args.append("train.ema=0.5")
+    one = _run(tmp_path / "one", *args)
+    np.testing.assert_allclose(one["loss"], plain["loss"], rtol=1e-6)
+    assert [v["step"] for v in one["validation"]] == [2, 4, 6]
+    for g, w in zip(one["validation"], plain["validation"]):
+        assert g["mae"] != pytest.approx(w["mae"], rel=1e-3)
+    cut = _run(tmp_path / "cut", *args, "fault.preempt_at_step=3")
+    assert cut["restarts"] == 1 and cut["loss"] == one["loss"]
+    assert [v["mae_per_target"] for v in cut["validation"]] == [v["mae_per_target"] for v in one["validation"]]
+    for mesh in (["parallel.spatial=2"], ["parallel.pipeline=2"]):
+        got = _run(tmp_path / "_".join(mesh).replace("=", ""), *args, *mesh)
+        np.testing.assert_allclose(got["loss"], one["loss"], rtol=1e-4, err_msg=str(mesh))
+        for g, w in zip(got["validation"], one["validation"]):
+            np.testing.assert_allclose([g["loss"], g["mae"], *g["mae_per_target"]],
+                                       [w["loss"], w["mae"], *w["mae_per_target"]], rtol=1e-4, err_msg=str(mesh))
+
+
 @pytest.mark.parametrize("args,says", [
     (["train.bn_recalibrate=3", "data.val_samples=4"], "train.bn_recalibrate=3: expected at most 2"),
     (["train.bn_recalibrate=1"], "train.bn_recalibrate=1: expected 0, or a validation set"),
+    (["train.ema=0.9"], "train.ema=0.9: expected 0, or a validation set"),
+    (["train.ema=0.9", "data.val_samples=4"], "train.ema=0.9: expected 0, or train.bn_recalibrate > 0 too"),
 ])
-def test_recalibration_needs_the_batches_and_an_evaluation(tmp_path: Path, args: list[str], says: str) -> None:
+def test_recalibration_and_the_weight_average_need_what_they_use(tmp_path: Path, args: list[str], says: str) -> None:
     r = gems("run", *_with("model.norm=batch", "train.epochs=1", *args), f"results.dir={tmp_path}")
     assert r.returncode == 2 and r.stderr.startswith("gems: error: " + says), r.stderr
     assert not any(tmp_path.iterdir())

@@ -6,6 +6,7 @@ record), and its parts read one state; composition, data, loss and optimizer liv
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -38,7 +39,7 @@ from gems.parallel import resolve
 from gems.pipeline.runtime import split_waits
 from gems.rank.compose import Parallel, set_up_rank
 from gems.rank.data import Prefetcher, Sampler, make_data, replica_indices, share, stage, step_batch, unstage
-from gems.rank.optim import LearningRate
+from gems.rank.optim import LearningRate, WeightAverage
 from gems.results import record as rec
 from gems.results.mlperf import MLPerfLog
 
@@ -130,6 +131,7 @@ class Run:
         par = self.par
         self.buffers = [b for m in par.modules for b in m.buffers() if b.is_floating_point()] \
             if mesh.group("grad") else []
+        self.ema = WeightAverage(float(t.ema), self.opt, par.params) if t.ema else None
         self.resume()
         self.context = _StepContext(cfg, world, mesh, par, self.opt, self.B, self.R)
         # (a resumed run splits the pipeline waits of the steps after its restart only: the rest stay bubble_or_wait)
@@ -222,6 +224,8 @@ class Run:
         timers.reset()
         profiling = bool(cfg.train.profile) and step == self.measure_from and self.steps - self.measure_from > 1
         loss, stop = self.compute(step, ids, x, y, profiling)
+        if self.ema is not None:
+            self.ema.update(step)
         self.host_memory.after_step(world.rank)
         if par.scaler.enabled:
             h["loss_scale"] = par.scaler.state_dict()  # saved with every checkpoint
@@ -267,15 +271,16 @@ class Run:
         epochs_done = self.sampler.epoch_of(step + 1)
         self.mlperf.evaluation(epochs_done, None, start=True)
         t0 = time.perf_counter()
-        self.recalibrate()
         par, B, dev = self.par, self.B, self.world.device
         total = torch.zeros(par.metric.size, dtype=torch.float64, device=dev)
-        for k in range(len(self.val) // B):  # whole batches of the training batch (a partial last one is left out)
-            ids = share(list(range(k * B, (k + 1) * B)), self.R, self.coord.replica)
-            x, y = self.val.batch(ids, par.input_slices, want_input=par.needs_input, want_target=par.needs_target)
-            got = par.evaluate(x.to(dev) if x is not None else None, y.to(dev) if y is not None else None, ids)
-            if got is not None:
-                total += got
+        with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():  # train.ema's weights
+            self.recalibrate()
+            for k in range(len(self.val) // B):  # whole batches of the training batch (a partial last one is left out)
+                ids = share(list(range(k * B, (k + 1) * B)), self.R, self.coord.replica)
+                x, y = self.val.batch(ids, par.input_slices, want_input=par.needs_input, want_target=par.needs_target)
+                got = par.evaluate(x.to(dev) if x is not None else None, y.to(dev) if y is not None else None, ids)
+                if got is not None:
+                    total += got
         if self.world.size > 1:
             dist.all_reduce(total)
         figures = par.metric.report(total)

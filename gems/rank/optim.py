@@ -3,8 +3,9 @@ step (:class:`LearningRate`: every rank sets the same rate at the same step, so 
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from omegaconf import DictConfig
@@ -80,3 +81,43 @@ class LearningRate:
         return lr
 
 
+
+
+class WeightAverage:
+    """``train.ema``: an exponential moving average of this rank's parameters after every optimizer step, which
+    the evaluations use instead of the last step's (Polyak averaging: with small batches the weights wander
+    about the minimum from step to step, and their average sits nearer it). The decay of step ``n`` is
+    ``min(train.ema, (1 + n) / (10 + n))``, so the first steps do not weigh the initial weights for long. The
+    average lives in the optimizer's state (``state[p]["ema"]``): a checkpoint saves it and a resumed run goes
+    on from it. Each rank averages the parameters it holds, every copy the same values, so every mesh averages
+    like one process."""
+
+    def __init__(self, decay: float, opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
+        self.decay, self.opt, self.params = float(decay), opt, list(params)
+
+    def update(self, step: int) -> None:
+        """After step ``step``'s optimizer step."""
+        d = min(self.decay, (1.0 + step) / (10.0 + step))
+        with torch.no_grad():
+            for p in self.params:
+                state = self.opt.state[p]
+                if "ema" not in state:
+                    state["ema"] = p.detach().clone()
+                else:
+                    state["ema"].lerp_(p.detach(), 1.0 - d)
+
+    @contextlib.contextmanager
+    def swapped(self) -> Iterator[None]:
+        """The averaged weights in the parameters inside (none yet: the parameters as they are), the training's
+        back after."""
+        held = [(p, self.opt.state[p]["ema"]) for p in self.params if "ema" in self.opt.state.get(p, {})]
+        saved = [p.detach().clone() for p, _ in held]
+        try:
+            with torch.no_grad():
+                for p, avg in held:
+                    p.copy_(avg)
+            yield
+        finally:
+            with torch.no_grad():
+                for (p, _), w in zip(held, saved):
+                    p.copy_(w)
