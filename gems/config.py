@@ -153,7 +153,8 @@ class TrainConf:
                                           "(data.crop) and reports that error (mae_avg_crops): the fair "
                                           "baseline for small crops")
     bn_recalibrate: int = key(0, "before each evaluation, recompute BatchNorm's running statistics from this "
-                                 "many batches of the training set, in its order, with equal weights (0: keep "
+                                 "many batches of the training set (all its whole batches if fewer), in its "
+                                 "order, with equal weights (0: keep "
                                  "training's exponential averages, which at small batches follow the last few)",
                               ge=0)
     ema: float = key(0.0, "evaluate with an exponential moving average of the weights, this decay a step (0: the "

@@ -104,17 +104,12 @@ def run_steps(cfg: DictConfig) -> int:
 
 def _check_evaluated_weights(cfg: DictConfig, spec: Any, validates: bool) -> None:
     """What the evaluations run with: ``train.bn_recalibrate`` (training batches to recompute BatchNorm's
-    statistics from) and ``train.ema`` (the averaged weights) need an evaluation, the one the batches, the other,
-    on a model with BatchNorm, the statistics of the average."""
+    statistics from) and ``train.ema`` (the averaged weights) need an evaluation, and the average, on a model with
+    BatchNorm, statistics of its own."""
     t = cfg.train
-    if t.bn_recalibrate:
-        batches = dataset_size(cfg, spec) // int(t.batch_size)
-        if not validates:
-            raise ConfigError("train.bn_recalibrate", t.bn_recalibrate, "0, or a validation set to evaluate on (it "
-                              "recalibrates before each evaluation)")
-        if t.bn_recalibrate > batches:
-            raise ConfigError("train.bn_recalibrate", t.bn_recalibrate, f"at most {batches}, the training set's "
-                              f"whole batches of train.batch_size={t.batch_size}")
+    if t.bn_recalibrate and not validates:
+        raise ConfigError("train.bn_recalibrate", t.bn_recalibrate, "0, or a validation set to evaluate on (it "
+                          "recalibrates before each evaluation)")
     if t.ema:
         if not validates:
             raise ConfigError("train.ema", t.ema, "0, or a validation set to evaluate the averaged weights on")

@@ -295,13 +295,14 @@ class Run:
 
     def recalibrate(self) -> None:
         """``train.bn_recalibrate``: BatchNorm's running statistics recomputed from that many batches of the
-        training set in its order (gems.layers.recalibrating), forward only on this mesh as in training (spatial
-        parts share their statistics, pipeline micro-batches and replicas have their own, as their steps do),
-        then averaged over the copies of each layer like training's; part of the evaluation's time."""
-        n = int(self.cfg.train.bn_recalibrate)
+        training set (all its whole batches if it holds fewer) in its order (gems.layers.recalibrating), forward
+        only on this mesh as in training (spatial parts share their statistics, pipeline micro-batches and
+        replicas have their own, as their steps do), then averaged over the copies of each layer like training's;
+        part of the evaluation's time."""
+        par, B, dev = self.par, self.B, self.world.device
+        n = min(int(self.cfg.train.bn_recalibrate), len(self.data) // B)
         if not n:
             return
-        par, B, dev = self.par, self.B, self.world.device
         with recalibrating(par.modules):
             for k in range(n):
                 ids = share(list(range(k * B, (k + 1) * B)), self.R, self.coord.replica)
