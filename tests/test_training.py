@@ -346,6 +346,18 @@ def test_recalibrating_batchnorm_averages_the_batches_with_equal_weights() -> No
     assert int(model[1].num_batches_tracked) == 3
 
 
+def _cut_in_two_evaluates_alike(tmp_path: Path, args: list[str], one: dict) -> None:
+    """A sample cut over S = 2 ranks and the model over D = 2 train and evaluate like ``one`` process."""
+    for mesh in (["parallel.spatial=2"], ["parallel.pipeline=2"]):
+        got = _run(tmp_path / "_".join(mesh).replace("=", ""), *args, *mesh)
+        # (Adam's first steps divide gradients by their own size: BatchNorm's sums, taken over the parts in another
+        # order, leave 2e-5 in the loss after three steps)
+        np.testing.assert_allclose(got["loss"], one["loss"], rtol=1e-4, err_msg=str(mesh))
+        for g, w in zip(got["validation"], one["validation"]):
+            np.testing.assert_allclose([g["loss"], g["mae"], *g["mae_per_target"]],
+                                       [w["loss"], w["mae"], *w["mae_per_target"]], rtol=1e-4, err_msg=str(mesh))
+
+
 def test_batchnorm_recalibrated_before_each_evaluation_on_every_mesh(tmp_path: Path) -> None:
     """train.bn_recalibrate: BatchNorm's running statistics recomputed from training batches before each
     evaluation. Training is untouched (its BatchNorm normalises by the batch), the validation changes, and a
@@ -363,14 +375,7 @@ def test_batchnorm_recalibrated_before_each_evaluation_on_every_mesh(tmp_path: P
         assert g["mae"] != pytest.approx(w["mae"], rel=1e-3)
     more = _run(tmp_path / "more", *args[:-1], "train.bn_recalibrate=5")  # the set holds 2 batches: all of them
     assert [v["mae_per_target"] for v in more["validation"]] == [v["mae_per_target"] for v in one["validation"]]
-    for mesh in (["parallel.spatial=2"], ["parallel.pipeline=2"]):
-        got = _run(tmp_path / "_".join(mesh).replace("=", ""), *args, *mesh)
-        # (Adam's first steps divide gradients by their own size: BatchNorm's sums, taken over the parts in another
-        # order, leave 2e-5 in the loss after three steps)
-        np.testing.assert_allclose(got["loss"], one["loss"], rtol=1e-4, err_msg=str(mesh))
-        for g, w in zip(got["validation"], one["validation"]):
-            np.testing.assert_allclose([g["loss"], g["mae"], *g["mae_per_target"]],
-                                       [w["loss"], w["mae"], *w["mae_per_target"]], rtol=1e-4, err_msg=str(mesh))
+    _cut_in_two_evaluates_alike(tmp_path, args, one)
 
 
 def test_the_weight_average_follows_the_steps_and_is_saved_with_the_optimizer() -> None:
@@ -421,12 +426,7 @@ def test_the_weight_average_evaluates_alike_on_every_mesh_and_after_a_resume(tmp
     cut = _run(tmp_path / "cut", *args, "fault.preempt_at_step=3")
     assert cut["restarts"] == 1 and cut["loss"] == one["loss"]
     assert [v["mae_per_target"] for v in cut["validation"]] == [v["mae_per_target"] for v in one["validation"]]
-    for mesh in (["parallel.spatial=2"], ["parallel.pipeline=2"]):
-        got = _run(tmp_path / "_".join(mesh).replace("=", ""), *args, *mesh)
-        np.testing.assert_allclose(got["loss"], one["loss"], rtol=1e-4, err_msg=str(mesh))
-        for g, w in zip(got["validation"], one["validation"]):
-            np.testing.assert_allclose([g["loss"], g["mae"], *g["mae_per_target"]],
-                                       [w["loss"], w["mae"], *w["mae_per_target"]], rtol=1e-4, err_msg=str(mesh))
+    _cut_in_two_evaluates_alike(tmp_path, args, one)
 
 
 @pytest.mark.parametrize("args,says", [
