@@ -59,7 +59,7 @@ def test_the_information_table_finds_each_target_in_its_own_channel_and_scales()
     rng = np.random.default_rng(1)
     x = rng.normal(size=(240, 2 * per))
     y = np.stack([0.5 * x[:, per + 8], 0.5 * x[:, 1]], 1)  # channel 1's shell 8; channel 0's shell 1
-    rows = ps.information(x[:200], y[:200], x[200:], y[200:], 2, n)
+    rows = ps.information(x[:200], y[:200], np.arange(200) // 2, x[200:], y[200:], 2, n)  # two rows a universe
     assert [(r["channels"], tuple(r["shells"])) for r in rows[:6]] == [([0, 1], b) for b in ps.bands_of(n)] + \
         [([0], (1, 1))]
     err = {(tuple(r["channels"]), tuple(r["shells"])): r["mae_per_target"] for r in rows}
@@ -136,3 +136,15 @@ def test_the_command_writes_the_study_s_baseline_and_gems_results_sets_it_beside
         (res / "sizes" / f"{r['run_id']}.json").write_text(json.dumps(r))
     write_studies(res)
     assert "ps_ridge" not in (res / "sizes" / "accuracy.md").read_text()
+
+
+def test_universes_too_small_for_any_crop_are_bad_input(tmp_path: Path) -> None:
+    out = gems("data", "synth", "data.kind=cosmology", f"data.path={tmp_path / 'train'}",
+               f"data.val_path={tmp_path / 'val'}", "data.box_cells=8", "data.box_mpc=64", "data.universes=3",
+               "data.val_universes=2", "data.workers=1", timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    bad = gems("data", "baseline", f"data.path={tmp_path / 'train'}", f"data.val_path={tmp_path / 'val'}",
+               f"results.dir={tmp_path / 'results'}", timeout=300)
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    assert bad.stderr.strip().splitlines()[-1].startswith("gems: error: data.path=") and "at least 16 cells" in bad.stderr
+    assert not (tmp_path / "results").exists()

@@ -167,10 +167,11 @@ def bands_of(n: int) -> list[tuple[int, int]]:
     return sorted({(1, max(1, h // 8)), (1, max(1, h // 4)), (1, max(1, h // 2)), (1, h), (h // 2 + 1, h)})
 
 
-def information(x: np.ndarray, y: np.ndarray, xv: np.ndarray, yv: np.ndarray, channels: int,
+def information(x: np.ndarray, y: np.ndarray, groups: np.ndarray, xv: np.ndarray, yv: np.ndarray, channels: int,
                 n: int) -> list[dict[str, Any]]:
     """Where the targets are in a sample of edge ``n``: the ridge of :func:`fit_ridge` refitted on part of each
-    crop's spectrum (``x``, ``xv``: rows of :func:`spectrum_features`), every channel or one alone, each band
+    crop's spectrum (``x``, ``xv``: rows of :func:`spectrum_features`; ``groups``: each training row's universe,
+    for the cross-validation), every channel or one alone, each band
     of shells of :func:`bands_of` (with the log mean counts of the channels used), scored on the validation
     crops. A parameter whose error stays high until the smallest scales of one channel are in is read there
     and nowhere else."""
@@ -179,7 +180,7 @@ def information(x: np.ndarray, y: np.ndarray, xv: np.ndarray, yv: np.ndarray, ch
     for chans in [list(range(channels))] + ([[c] for c in range(channels)] if channels > 1 else []):
         for lo, hi in bands_of(n):
             cols = [c * per + k for c in chans for k in (0, *range(lo, hi + 1))]
-            model = fit_ridge(x[:, cols], y, np.arange(len(x)))
+            model = fit_ridge(x[:, cols], y, groups)
             err = np.abs(_predict(model["w"], (xv[:, cols] - model["mu"]) / model["sd"]) - yv).mean(0)
             rows.append({"channels": chans, "shells": [lo, hi], "mae": float(err.mean()),
                          "mae_per_target": [float(v) for v in err]})
@@ -207,8 +208,8 @@ def baseline(train: Sequence[Path], val: Sequence[Path], shape: Sequence[int]) -
                              "mae_avg_crops": float(per_avg.mean()),
                              "mae_avg_crops_per_target": [float(v) for v in per_avg],
                              "zero_mae": float(np.abs(yv).mean())})
-    (x, y, _), (xv, yv, _) = tr[edges[-1]], va[edges[-1]]  # the whole box: where in it each target is read
-    out["information"] = {"edge": edges[-1], "rows": information(x, y, xv, yv, shape[0], edges[-1])}
+    (x, y, g), (xv, yv, _) = tr[edges[-1]], va[edges[-1]]  # the whole box: where in it each target is read
+    out["information"] = {"edge": edges[-1], "rows": information(x, y, g, xv, yv, shape[0], edges[-1])}
     return out
 
 
@@ -218,6 +219,9 @@ def write_baseline(cfg: Any) -> Path:
     from gems.paths import writable_dir, write_result_json
 
     train, shape = _files("data.path", cfg.data.path)
+    if not edges_of(shape[1]):
+        raise ConfigError("data.path", cfg.data.path, f"universes of at least {MIN_EDGE} cells a side (these are "
+                          f"{shape[1]})")
     val, _ = _files("data.val_path", cfg.data.val_path, shape)
     folder = writable_dir("results.dir", cfg.results.dir, "a folder for baseline.json")
     if cfg.results.sweep:  # the study's folder, where gems results reads it

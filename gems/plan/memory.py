@@ -574,6 +574,7 @@ def setup(cfg: Any) -> Setup:
     eta = settings.schedule.replicas if settings.schedule is not None else 1
     opt = str(cfg.train.optimizer)
     factor = 2 if opt == "adam" else (1 if float(cfg.train.momentum) > 0 else 0)
+    factor += 1 if float(cfg.train.ema) > 0 else 0  # train.ema keeps one more copy of the parameters
     gpu = float(cfg.cluster.gpu_memory_gb or 0.0) > 0 or cfg.train.device == "cuda"
     if mesh.spatial > 1:
         from gems.spatial.context import SpatialContext  # noqa: F401 - fails early when spatial is unavailable

@@ -131,8 +131,8 @@ class Run:
         par = self.par
         self.buffers = [b for m in par.modules for b in m.buffers() if b.is_floating_point()] \
             if mesh.group("grad") else []
-        self.ema = WeightAverage(float(t.ema), self.opt, par.params) if t.ema else None
         self.resume()
+        self.ema = WeightAverage(float(t.ema), par.params, self.history) if t.ema else None  # saved with the history
         self.context = _StepContext(cfg, world, mesh, par, self.opt, self.B, self.R)
         # (a resumed run splits the pipeline waits of the steps after its restart only: the rest stay bubble_or_wait)
         self.run_sent: dict[tuple[int, ...], float] = {}
@@ -336,6 +336,7 @@ class Run:
         if step < self.measure_from and self.world.device.type == "cpu":
             # the tensor memory a GPU would count (gems/memory.py); the largest over these steps
             held = persistent_bytes(par.params, self.opt, [b for m in par.modules for b in m.buffers()] +
+                                    (self.ema.average if self.ema is not None else []) +  # train.ema's copy
                                     [t for t in (x, y) if t is not None])  # the batch: read before the step
             box: list[tuple[float, bool]] = []
             self.history["tensor_peaks"].append(held + step_peak_bytes(

@@ -88,36 +88,39 @@ class WeightAverage:
     the evaluations use instead of the last step's (Polyak averaging: with small batches the weights wander
     about the minimum from step to step, and their average sits nearer it). The decay of step ``n`` is
     ``min(train.ema, (1 + n) / (10 + n))``, so the first steps do not weigh the initial weights for long. The
-    average lives in the optimizer's state (``state[p]["ema"]``): a checkpoint saves it and a resumed run goes
+    average is kept in ``store["weight_average"]`` (the run's history, which every checkpoint saves, as it saves
+    the fp16 loss scale; not the optimizer's state, where Adam takes any entry for its own), so a resumed run goes
     on from it. Each rank averages the parameters it holds, every copy the same values, so every mesh averages
     like one process."""
 
-    def __init__(self, decay: float, opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
-        self.decay, self.opt, self.params = float(decay), opt, list(params)
+    def __init__(self, decay: float, params: list[nn.Parameter], store: dict[str, Any]) -> None:
+        self.decay, self.params = float(decay), list(params)
+        saved = store.get("weight_average") or []
+        # a checkpoint is read onto the CPU: the average goes back to its parameter's device
+        self.average: list[torch.Tensor] = [a.to(p.device) for a, p in zip(saved, self.params)]
+        store["weight_average"] = self.average
 
     def update(self, step: int) -> None:
         """After step ``step``'s optimizer step."""
-        d = min(self.decay, (1.0 + step) / (10.0 + step))
         with torch.no_grad():
-            for p in self.params:
-                state = self.opt.state[p]
-                if "ema" not in state:
-                    state["ema"] = p.detach().clone()
-                else:
-                    state["ema"].lerp_(p.detach(), 1.0 - d)
+            if not self.average:
+                self.average.extend(p.detach().clone() for p in self.params)
+                return
+            d = min(self.decay, (1.0 + step) / (10.0 + step))
+            torch._foreach_lerp_(self.average, [p.detach() for p in self.params], 1.0 - d)
 
     @contextlib.contextmanager
     def swapped(self) -> Iterator[None]:
         """The averaged weights in the parameters inside (none yet: the parameters as they are), the training's
         back after."""
-        held = [(p, self.opt.state[p]["ema"]) for p in self.params if "ema" in self.opt.state.get(p, {})]
-        saved = [p.detach().clone() for p, _ in held]
+        if not self.average:
+            yield
+            return
+        saved = [p.detach().clone() for p in self.params]
         try:
             with torch.no_grad():
-                for p, avg in held:
-                    p.copy_(avg)
+                torch._foreach_copy_([p.detach() for p in self.params], self.average)
             yield
         finally:
             with torch.no_grad():
-                for (p, _), w in zip(held, saved):
-                    p.copy_(w)
+                torch._foreach_copy_([p.detach() for p in self.params], saved)
