@@ -2,7 +2,7 @@
 # The sample-size study (conf/experiment/cosmoflow_sample_size.yaml): write the universes, then train CosmoFlow on
 # crops of 32^3, 64^3 and 128^3 of them and tabulate the validation error against the crop's edge, beside a
 # power-spectrum ridge regression's (gems data baseline) on crops of every edge.
-#   jobs/cosmoflow_sample_size.sh                        # here (about an hour on 2 cores, the writing included)
+#   jobs/cosmoflow_sample_size.sh                        # here (about 51 minutes on 2 cores, the writing included)
 #   jobs/cosmoflow_sample_size.sh cluster=local_slurm    # each point a job on the Slurm test cluster
 #   DATA=/scratch/me/cosmo jobs/cosmoflow_sample_size.sh # where the universes go (default data/cosmology)
 # Extra arguments go to the sweep (a cluster, --detach, ...). The universes are written once: running the script
