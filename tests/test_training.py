@@ -375,6 +375,8 @@ def test_batchnorm_recalibrated_before_each_evaluation_on_every_mesh(tmp_path: P
         assert g["mae"] != pytest.approx(w["mae"], rel=1e-3)
     more = _run(tmp_path / "more", *args[:-1], "train.bn_recalibrate=5")  # the set holds 2 batches: all of them
     assert [v["mae_per_target"] for v in more["validation"]] == [v["mae_per_target"] for v in one["validation"]]
+    assert [v["bn_recalibrate_batches"] for v in more["validation"]] == [2, 2]  # the record says what was used
+    assert "bn_recalibrate_batches" not in plain["validation"][0]
     _cut_in_two_evaluates_alike(tmp_path, args, one)
 
 

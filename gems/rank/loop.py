@@ -274,7 +274,7 @@ class Run:
         par, B, dev = self.par, self.B, self.world.device
         total = torch.zeros(par.metric.size, dtype=torch.float64, device=dev)
         with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():  # train.ema's weights
-            self.recalibrate()
+            recalibrated = self.recalibrate()
             for k in range(len(self.val) // B):  # whole batches of the training batch (a partial last one is left out)
                 ids = share(list(range(k * B, (k + 1) * B)), self.R, self.coord.replica)
                 x, y = self.val.batch(ids, par.input_slices, want_input=par.needs_input, want_target=par.needs_target)
@@ -286,6 +286,8 @@ class Run:
         figures = par.metric.report(total)
         entry = {"step": step + 1, "epoch": round(self.sampler.epoch_of(step + 1), 6), **figures,
                  "seconds": time.perf_counter() - t0}
+        if self.cfg.train.bn_recalibrate:
+            entry["bn_recalibrate_batches"] = recalibrated  # what was used: the setting, or the set's whole batches
         self.history["validation"].append(entry)
         self.mlperf.evaluation(epochs_done, figures.get(str(self.cfg.train.target_metric)), start=False)
         if self.world.rank == 0:
@@ -293,16 +295,20 @@ class Run:
             print(f"gems: validation after step {step + 1}: {shown}", flush=True)
         return self.target_reached(entry)
 
-    def recalibrate(self) -> None:
+    def recalibrate(self) -> int:
         """``train.bn_recalibrate``: BatchNorm's running statistics recomputed from that many batches of the
-        training set (all its whole batches if it holds fewer) in its order (gems.layers.recalibrating), forward
-        only on this mesh as in training (spatial parts share their statistics, pipeline micro-batches and
-        replicas have their own, as their steps do), then averaged over the copies of each layer like training's;
-        part of the evaluation's time."""
+        training set (all its whole batches if it holds fewer; the number used is returned, and said once when
+        it is fewer) in its order (gems.layers.recalibrating), forward only on this mesh as in training (spatial
+        parts share their statistics, pipeline micro-batches and replicas have their own, as their steps do),
+        then averaged over the copies of each layer like training's; part of the evaluation's time."""
         par, B, dev = self.par, self.B, self.world.device
-        n = min(int(self.cfg.train.bn_recalibrate), len(self.data) // B)
+        asked = int(self.cfg.train.bn_recalibrate)
+        n = min(asked, len(self.data) // B)
+        if n < asked and self.world.rank == 0 and not self.history["validation"]:
+            print(f"gems: train.bn_recalibrate={asked}: the training set holds {n} whole batches of "
+                  f"{B}; recalibrating from those", flush=True)
         if not n:
-            return
+            return 0
         with recalibrating(par.modules):
             for k in range(n):
                 ids = share(list(range(k * B, (k + 1) * B)), self.R, self.coord.replica)
@@ -311,6 +317,7 @@ class Run:
                              batch_statistics=True)
         if self.buffers:
             _average_buffers(self.buffers, self.mesh)
+        return n
 
     def target_reached(self, entry: dict[str, Any]) -> bool:
         """Whether an evaluation reached ``train.target_mae`` (on ``train.target_metric``); the first that does
