@@ -3,7 +3,7 @@
 # crops of 32^3, 64^3 and 128^3 of them and tabulate the validation error against the crop's edge, beside a
 # power-spectrum ridge regression's (gems data baseline) on crops of every edge.
 #   jobs/cosmoflow_sample_size.sh                        # here (about 51 minutes on 2 cores, the writing included)
-#   jobs/cosmoflow_sample_size.sh cluster=local_slurm    # each point a job on the Slurm test cluster
+#   jobs/cosmoflow_sample_size.sh cluster=local_slurm    # the universes and each point a job on the Slurm test cluster
 #   DATA=/scratch/me/cosmo jobs/cosmoflow_sample_size.sh # where the universes go (default data/cosmology)
 # Extra arguments go to the sweep (a cluster, --detach, ...). The universes are written once: running the script
 # again skips them, and skips the points already done.
@@ -11,10 +11,12 @@ set -euo pipefail
 DATA=$(realpath -m "${DATA:-data/cosmology}")
 UNIVERSES=${UNIVERSES:-256}
 VAL_UNIVERSES=${VAL_UNIVERSES:-32}
+# the sweep's cluster (cluster=..., cluster.*=...) writes the universes too, as one Slurm job over its tasks
+WHERE=(results.sweep=cosmoflow_sample_size) ON=()
+for a in "$@"; do b=${a#+}; b=${b#+}; case $b in
+    results.dir=*) WHERE+=("$b");; results.sweep=*) WHERE[0]=$b;; cluster=*|cluster.*) ON+=("$a");; esac; done
 gems data synth data.kind=cosmology data.path="$DATA/train" data.val_path="$DATA/val" \
-    data.universes="$UNIVERSES" data.val_universes="$VAL_UNIVERSES" data.box_cells=128 data.box_mpc=1024
+    data.universes="$UNIVERSES" data.val_universes="$VAL_UNIVERSES" data.box_cells=128 data.box_mpc=1024 "${ON[@]}"
 # the power-spectrum reference (gems/data/spectrum.py), into the study's folder: gems results puts it beside the runs
-WHERE=(results.sweep=cosmoflow_sample_size)
-for a in "$@"; do b=${a#+}; b=${b#+}; case $b in results.dir=*) WHERE+=("$b");; results.sweep=*) WHERE[0]=$b;; esac; done
 gems data baseline data.path="$DATA/train" data.val_path="$DATA/val" "${WHERE[@]}"
 gems sweep +experiment=cosmoflow_sample_size data.path="$DATA/train" data.val_path="$DATA/val" "$@"
