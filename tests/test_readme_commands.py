@@ -74,6 +74,8 @@ COMMANDS: dict[str, list[str] | str] = {
                                      "results/cosmoflow_sample_size",
     "UNIVERSES=8 VAL_UNIVERSES=4 jobs/cosmoflow_sample_size.sh data.crop=32 train.epochs=1 "
     "results.sweep=sample_size_taste": [],
+    "UNIVERSES=8 VAL_UNIVERSES=4 jobs/cosmoflow_sample_size.sh cluster=local_slurm data.crop=32 train.epochs=1 "
+    "results.sweep=sample_size_taste": [],
     "gems run +experiment=cosmoflow_sample_size data.crop=64 model.norm=batch data.augment=none "
     "train.batch_size=8 train.epochs=4 \"train.lr_decay_boundaries=[2.8,3.6]\" data.path=data/cosmology/train "
     "data.val_path=data/cosmology/val":
@@ -160,7 +162,9 @@ def _marks(cmd: str) -> list:
 
 @pytest.mark.parametrize("cmd", [pytest.param(c, marks=_marks(c)) for c in RUN if "/scratch/cosmo" not in c])
 def test_the_documented_command_runs(tmp_path, cmd):
-    _run(tmp_path, cmd, COMMANDS[cmd])
+    out = _run(tmp_path, cmd, COMMANDS[cmd])
+    if cmd.startswith("UNIVERSES") and "cluster=local_slurm" in cmd:  # the study's cluster writes the universes too
+        assert "gems data synth: Slurm job" in out.stdout, out.stdout[-1500:]
 
 
 def test_the_documented_hdf5_commands_run_one_after_the_other(tmp_path):
@@ -168,7 +172,7 @@ def test_the_documented_hdf5_commands_run_one_after_the_other(tmp_path):
         _run(tmp_path, cmd.replace("/scratch/cosmo", str(tmp_path / "cosmo")), COMMANDS[cmd])
 
 
-def _run(tmp_path: Path, cmd: str, extra: list[str]) -> None:
+def _run(tmp_path: Path, cmd: str, extra: list[str]) -> subprocess.CompletedProcess[str]:
     words = shlex.split(cmd.split("&&")[-1])
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     while words and "=" in words[0] and not words[0].startswith(("gems", "jobs/")):
@@ -186,3 +190,4 @@ def _run(tmp_path: Path, cmd: str, extra: list[str]) -> None:
     if words[0] in ("jobs/replication_weak.sh",) or words[1] in ("run", "sweep"):
         recs = records(str(tmp_path / "results"))
         assert recs and all(r["status"] == "ok" for r in recs), [r.get("error") for r in recs]
+    return out
