@@ -31,9 +31,12 @@ def _cfg(tmp_path: Path, *extra: str):
     return compose(["cluster=local_slurm", "parallel.replicas=4", f"results.dir={tmp_path / 'results'}", *extra])
 
 
-def _jobs_in_queue() -> set[str]:
-    out = subprocess.run(["squeue", "-h", "--states=all", "-o", "%i"], capture_output=True, text=True, timeout=30)
-    return set(out.stdout.split())
+def _jobs_in_queue(under: Path) -> set[str]:
+    """The jobs Slurm knows of whose batch script lies under ``under`` (a test's results.dir: the
+    suite's other tests submit jobs of their own at the same time)."""
+    out = subprocess.run(["squeue", "-h", "--states=all", "-o", "%i|%o"], capture_output=True, text=True, timeout=30)
+    rows = [ln.split("|", 1) for ln in out.stdout.splitlines() if "|" in ln]
+    return {i for i, script in rows if script.startswith(f"{under}/")}
 
 
 def test_two_nodes_four_ranks_allreduce(tmp_path: Path) -> None:
@@ -81,7 +84,6 @@ def test_sweep_of_two_jobs_waits_for_both(tmp_path: Path) -> None:
 
 
 def test_request_larger_than_the_cluster_submits_nothing(tmp_path: Path) -> None:
-    before = _jobs_in_queue()
     cfg = compose(["cluster=local_slurm", "cluster.nodes=5", "parallel.replicas=10", "train.batch_size=10",
                    f"results.dir={tmp_path}"])
     with pytest.raises(ConfigError) as e:
@@ -91,7 +93,8 @@ def test_request_larger_than_the_cluster_submits_nothing(tmp_path: Path) -> None
     with pytest.raises(ConfigError) as e:
         slurm.submit(cfg, fn=ranks.allreduce_rank)
     assert e.value.key == "cluster.partition" and "debug" in str(e.value)
-    assert _jobs_in_queue() <= before | set()  # nothing new was queued
+    assert _jobs_in_queue(tmp_path) == set()  # nothing was queued
+    assert not list(tmp_path.rglob("*.sh"))  # nor a batch script written
 
 
 def test_no_sbatch_on_path_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
