@@ -142,6 +142,20 @@ def device_id(device: torch.device, host: str) -> str:
     return f"{host}/{getattr(props, 'uuid', device.index)}"
 
 
+#: the test aid that lets several ranks share one GPU (scripts/gpu_check.sh): never for users' runs
+SHARE_GPU_ENV = "GEMS_TEST_SHARE_GPU"
+#: NCCL then treats each rank as a host of its own and carries messages over sockets on the loopback, with its
+#: real matching, stream and connection rules (the rig other projects use to test multi-rank NCCL on one GPU)
+SHARE_GPU_NCCL = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1",
+                  "NCCL_SOCKET_IFNAME": "lo"}
+
+
+def sharing_gpu() -> bool:
+    """Whether the test aid ``GEMS_TEST_SHARE_GPU=1`` is on: ranks of the local launcher may share a GPU, each
+    with its own ``NCCL_HOSTID``. Timings of such runs mean nothing; whether they finish and their losses do."""
+    return os.environ.get(SHARE_GPU_ENV) == "1"
+
+
 def check_devices(store: Any, rank: int, size: int, device: torch.device, gpu: str) -> None:
     """Every rank of a job on one kind of device, and never two ranks on one GPU: a ConfigError on every rank
     otherwise, before the process group starts (mixed ranks would start gloo on some and NCCL on others and
@@ -160,7 +174,7 @@ def check_devices(store: Any, rank: int, size: int, device: torch.device, gpu: s
         raise ConfigError("train.device", "auto", f"cuda or cpu for the whole job: {on_gpu} of its {size} ranks see a "
                           "GPU and the others none (gloo and NCCL cannot mix); check the nodes' GPUs and "
                           "CUDA_VISIBLE_DEVICES")
-    if gpu:
+    if gpu and not sharing_gpu():
         sharing = store.add(f"gems/devices/gpu/{gpu}", 0)
         if sharing > 1:
             node, uuid = gpu.split("/", 1)
@@ -203,6 +217,10 @@ def init_world(cfg: Any) -> World:
         kw: dict[str, Any] = {}
         if backend == "nccl":
             kw["device_id"] = device
+            if sharing_gpu():  # the test aid: every rank its own NCCL host, messages over loopback sockets
+                os.environ["NCCL_HOSTID"] = f"gems-test-rank{rank}"
+                for k, v in SHARE_GPU_NCCL.items():
+                    os.environ.setdefault(k, v)
         # the rendezvous env:// makes, taken here: the ranks check their devices on its store first
         store, rank, size = next(dist.rendezvous("env://", rank, size, timeout=timeout))
         store.set_timeout(timeout)
@@ -243,7 +261,10 @@ def check_launch(cfg: Any, world: int) -> str:
     if dev == "cpu" and backend == "nccl":
         raise ConfigError("comm.backend", "nccl", "gloo, mpi or auto on CPU ranks (NCCL needs a GPU per rank"
                           + (")" if c.launcher == "slurm" else "; this machine has none)"))
-    if dev == "cuda":
+    if sharing_gpu() and c.launcher == "slurm":
+        raise ConfigError(SHARE_GPU_ENV, "1", "unset: ranks sharing a GPU are a test aid of the local launcher "
+                          "on one machine (scripts/gpu_check.sh), not for Slurm jobs")
+    if dev == "cuda" and not sharing_gpu():
         if c.launcher == "slurm":
             per_node, gpus = int(c.tasks_per_node or world), int(c.gpus_per_node)
             key, val = "cluster.tasks_per_node", str(per_node)

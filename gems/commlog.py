@@ -21,25 +21,35 @@ under NCCL. This module makes that visible without a GPU:
   waits for, or a mismatch (sizes or dtypes of the k-th message of a pair,
   collectives issued in different orders, a message nobody receives).
 
-The rules :func:`replay` applies (docs/design.md, "Rules of the GPU path"):
+The rules :func:`replay` applies (docs/design.md, "Rules of the GPU path"): the
+least NCCL promises, since a replay more lenient than the hardware passed a
+runtime that hung on a GPU.
 
-1. A communicator has one stream per rank; what a rank issues on it runs in
-   issue order. torch's ProcessGroupNCCL runs collectives and batched
-   point-to-point (``batch_isend_irecv``) on the group's communicator, and a
-   lone ``isend``/``irecv`` on a communicator of its own for the pair of ranks
-   (per group). Communicators start when every member first uses them (lazy
+1. What a rank issues on a communicator runs in issue order. torch's
+   ProcessGroupNCCL runs collectives and batched point-to-point
+   (``batch_isend_irecv``) on the group's communicator, and a lone
+   ``isend``/``irecv`` on a communicator of its own for the pair of ranks (per
+   group). Communicators start when every member first uses them (lazy
    initialisation).
-2. The k-th send from rank a to rank b on a communicator meets the k-th receive
+2. CUDA does not promise that two streams progress independently (NCCL's
+   maintainers, NVIDIA/nccl issue 783), so what a rank issues towards one peer
+   also runs in issue order across all its communicators: each pair of ranks
+   has one ordered stream on each of them, and an operation waits until it is
+   at the head of its communicator's stream and of the pair stream of every
+   peer it involves (a collective: every other member). A receive therefore
+   holds everything the rank issued after it towards that peer.
+3. The operations of one ``batch_isend_irecv`` are one group: they start
+   together, and the group ends when all of them have. Nothing else is
+   grouped.
+4. The k-th send from rank a to rank b on a communicator meets the k-th receive
    on b from a there; their bytes and dtypes must agree.
-3. A receive holds its stream until the matching send has started; a send
-   completes once it starts (the most lenient choice; ``strict_sends=True``
-   also makes it wait for its receive, as NCCL does for messages larger than its
-   buffers). The operations of one batch start together, and the batch ends when
-   all of them have.
-4. A collective completes when every member of the communicator has reached it
-   on that communicator's stream; members must issue the same collectives in the
-   same order.
-5. The host blocks where it called ``wait()`` (as gloo does; NCCL's ``wait`` only
+5. A receive holds its streams until the matching send has started; a send
+   completes once it starts (``strict_sends=False``) or only once its receive
+   has started too (``strict_sends=True``, as NCCL does for messages larger than
+   its buffers: the rule gems's runtime is checked under).
+6. A collective completes when every member of the communicator has started it;
+   members must issue the same collectives in the same order.
+7. The host blocks where it called ``wait()`` (as gloo does; NCCL's ``wait`` only
    orders streams, so this only adds waits: an order that passes here also
    passes without them).
 
@@ -277,16 +287,28 @@ class _Op:
         return f"{what} ({self.nbytes} bytes, {self.comm})"
 
 
+@dataclass(eq=False)
+class _Entry:
+    """What a rank's streams run as one: an operation, or every operation of one batch; it waits to be at the
+    head of each stream it is on (its communicator's and the pair stream of every peer it involves)."""
+
+    ops: list[_Op]
+    streams: list[tuple[int, str]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return str(self.ops[0]) + (f" and {len(self.ops) - 1} more in its batch" if len(self.ops) > 1 else "")
+
+
 class _Replay:
-    """The state of one replay: every rank's host position in its log, each (rank, communicator) stream's queue
-    of batches, and the operations matched by order (see :func:`replay`)."""
+    """The state of one replay: every rank's host position in its log, each stream's queue of entries (one per
+    rank and communicator, one per pair of ranks: see :func:`replay`), and the operations matched by order."""
 
     def __init__(self, logs: dict[int, list[dict[str, Any]]], strict_sends: bool) -> None:
         self.logs, self.strict = logs, strict_sends
         self.ops: dict[tuple[int, int], _Op] = {}
         self.host = {r: 0 for r in logs}
-        self.streams: dict[tuple[int, str], deque[list[_Op]]] = {}
-        self.last_batch: dict[tuple[int, str], Any] = {}
+        self.streams: dict[tuple[int, str], deque[_Entry]] = {}
+        self.open_batch: dict[int, tuple[Any, _Entry]] = {}  # rank -> (batch id, its entry): the batch it issues
         self.counters: dict[tuple[Any, ...], int] = {}
         self.sends: dict[tuple[str, int, int, int], _Op] = {}
         self.recvs: dict[tuple[str, int, int, int], _Op] = {}
@@ -295,8 +317,9 @@ class _Replay:
 
     # ---- issuing ----------------------------------------------------------------------------------------------
     def post(self, r: int, ev: dict[str, Any]) -> None:
-        """Rank ``r``'s host issues an operation: it joins the stream of its communicator (with the rest of its
-        batch) and gets its place in the order its pair (or its communicator's collectives) match by."""
+        """Rank ``r``'s host issues an operation: it joins the streams of its communicator and of its peers (with
+        the rest of its batch) and gets its place in the order its pair (or its communicator's collectives)
+        match by."""
         op = _Op(r, int(ev["id"]), ev["kind"], ev["fn"], ev["comm"], tuple(ev["ranks"]), ev.get("peer"),
                  int(ev["bytes"]), str(ev.get("dtype", "")))
         if op.kind == "coll":
@@ -315,13 +338,22 @@ class _Replay:
             self.recvs[(op.comm, op.peer, r, op.seq)] = op  # type: ignore[index]
         self.first_use.setdefault((op.comm, r), op)
         self.ops[(r, op.id)] = op
-        q = self.streams.setdefault((r, op.comm), deque())
         b = ev.get("batch")
-        if b is not None and q and self.last_batch.get((r, op.comm)) == b:
-            q[-1].append(op)
+        opened = self.open_batch.get(r)
+        if b is not None and opened is not None and opened[0] == b:
+            entry = opened[1]
+            entry.ops.append(op)
         else:
-            q.append([op])
-        self.last_batch[(r, op.comm)] = b
+            entry = _Entry([op])
+            if b is not None:
+                self.open_batch[r] = (b, entry)
+            else:
+                self.open_batch.pop(r, None)
+        peers = [m for m in op.ranks if m != r] if op.kind == "coll" else [int(op.peer or 0)]
+        for stream in [(r, f"comm {op.comm}")] + [(r, f"pair {min(r, p)}-{max(r, p)}") for p in peers]:
+            if stream not in entry.streams:  # a batch's ops are issued together: it is the tail of each stream
+                entry.streams.append(stream)
+                self.streams.setdefault(stream, deque()).append(entry)
 
     def advance_hosts(self) -> bool:
         """Every host issues what it can: up to its next wait for an operation not done yet."""
@@ -379,21 +411,23 @@ class _Replay:
         return True
 
     def advance_streams(self) -> bool:
-        """Every stream runs its head batch: its operations start, and complete as their peers allow."""
+        """Every entry at the head of all its streams runs: its operations start, and complete as their peers
+        allow; a finished entry leaves its streams."""
         moved = False
-        for q in self.streams.values():
-            while q:
-                head = q[0]
-                for op in head:
-                    if not op.started and self.started(op):
-                        op.started = moved = True
-                for op in head:
-                    if not op.done and op.started:
-                        done = self.complete_collective(op) if op.kind == "coll" else self.complete_message(op)
-                        moved = moved or done
-                if not all(op.done for op in head):
-                    break
-                q.popleft()
+        heads = {id(q[0]): q[0] for q in self.streams.values() if q}
+        for entry in heads.values():
+            if not all(self.streams[s][0] is entry for s in entry.streams):
+                continue
+            for op in entry.ops:
+                if not op.started and self.started(op):
+                    op.started = moved = True
+            for op in entry.ops:
+                if not op.done and op.started:
+                    done = self.complete_collective(op) if op.kind == "coll" else self.complete_message(op)
+                    moved = moved or done
+            if all(op.done for op in entry.ops):
+                for s in entry.streams:
+                    self.streams[s].popleft()
                 moved = True
         return moved
 
@@ -411,11 +445,10 @@ class _Replay:
                 ops = [self.ops[(r, int(i))] for i in ev.get("ids", []) if (r, int(i)) in self.ops]
                 names = [str(op) for op in ops if not op.done]
                 lines.append(f"rank {r} waits (host) for {'; '.join(names[:2]) or ev}")
-            for (rr, comm), q in sorted(pending.items()):
+            for (rr, name), q in sorted(pending.items()):
                 if rr == r:
-                    lines.append(f"rank {r} stream {comm} is held by {q[0][0]}"
-                                 + (f" and {len(q[0]) - 1} more in its batch" if len(q[0]) > 1 else "")
-                                 + (f", with {sum(len(g) for g in q) - len(q[0])} behind it" if len(q) > 1 else ""))
+                    lines.append(f"rank {r} {name} stream is held by {q[0]}"
+                                 + (f", with {len(q) - 1} behind it" if len(q) > 1 else ""))
         return "under NCCL's rules these orders hang:\n  " + "\n  ".join(lines)
 
 

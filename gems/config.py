@@ -171,6 +171,8 @@ class TrainConf:
     loss_scale_init: float = key(65536.0, "the first loss scale (a power of two keeps fp32 exact)", gt=0)
     loss_scale_growth_interval: int = key(2000, "clean steps before the loss scale doubles", ge=1)
     device: str = key("auto", "where ranks compute", choices=("auto", "cpu", "cuda"))
+    tf32: Optional[bool] = key(None, "TF32 for fp32 convolutions and matmuls on GPUs (null: torch's defaults, "
+                                     "convolutions in TF32; false: full fp32, for exact comparisons)")
     threads: int = key(1, "torch threads per rank on CPU (0: torch's default)", ge=0)
     host_memory: str = key("auto", "freed host memory stays in the process (auto: on CPU ranks)",
                            choices=("auto", "keep", "release"))

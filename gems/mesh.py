@@ -82,8 +82,6 @@ class Groups:
     replica_ranks: list[int] = field(default_factory=list)
     grad: Any = None
     grad_ranks: list[int] = field(default_factory=list)
-    #: (sending, receiving) pipeline position -> the two-rank group of that directed link in this rank's line
-    links: dict[tuple[int, int], Any] = field(default_factory=dict)
     built: bool = False  # build_groups ran
 
 
@@ -191,8 +189,7 @@ class Mesh:
 
     # ---- process groups -------------------------------------------------------------
     def build_groups(self, rank: int, mirrored: bool = False, timeout: Any = None,
-                     groups: Sequence[Sequence[int]] | None = None,
-                     links: Sequence[tuple[int, int]] | None = None) -> None:
+                     groups: Sequence[Sequence[int]] | None = None) -> None:
         """Create the torch.distributed groups this rank belongs to.
 
         ``timeout`` (a ``datetime.timedelta``; ``World.timeout`` from :func:`gems.init`) bounds every
@@ -207,10 +204,8 @@ class Mesh:
         ``mirrored=True`` without ``groups`` means GEMS's pairs; otherwise each
         position is its own group (``R x S`` ranks).
 
-        ``links``: the directed (sending, receiving) pipeline positions a schedule sends messages on
-        (:meth:`gems.pipeline.schedules.Schedule.links`; default :func:`ring_links`, which covers every
-        registered schedule): each gets a two-rank group of its own in every pipeline line, so that under
-        NCCL a receive waiting on one link never holds the sends of another (docs/design.md).
+        A pipeline line's messages all go on its ``pipeline`` group, one communicator, in exchange rounds
+        (:mod:`gems.pipeline.exchange`; docs/design.md, "Rules of the GPU path").
         """
         import torch.distributed as dist
 
@@ -233,13 +228,6 @@ class Mesh:
             g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
             if me.pipeline in key:
                 self.groups.grad, self.groups.grad_ranks = g, ranks
-        for r in range(self.replicas):
-            for s in range(self.spatial):
-                for a, b in (ring_links(self.pipeline) if links is None else links):
-                    pair = sorted((self.rank_of(r, a, s), self.rank_of(r, b, s)))
-                    g = dist.new_group(pair, timeout=timeout)
-                    if rank in pair:
-                        self.groups.links[(a, b)] = g
         self.groups.built = True
 
     def group(self, axis: Axis | str) -> Any:
@@ -254,14 +242,6 @@ class Mesh:
     def describe(self) -> str:
         sp = "x".join(str(p) for p in self.parts)
         return f"R{self.replicas} x D{self.pipeline} x S{self.spatial}({sp} over dims {list(self.spatial_dims)})"
-
-
-def ring_links(pipeline: int) -> list[tuple[int, int]]:
-    """Both directions between neighbouring pipeline positions, the last and the first included (interleaved
-    schedules send from the last rank back to the first): the links every registered schedule uses."""
-    if pipeline < 2:
-        return []
-    return sorted({(d, (d + 1) % pipeline) for d in range(pipeline)} | {((d + 1) % pipeline, d) for d in range(pipeline)})
 
 
 def mesh_from_config(cfg: Any, world_size: int | None = None) -> Mesh:

@@ -132,10 +132,17 @@ class GradientReducer:
     ``params`` must be listed in the same order on every rank of the group.
     ``group`` is a torch.distributed group, or an ``MPIGroup`` from
     :func:`mpi_group`, or None for a group of one (then nothing happens).
+    ``overlap=False`` launches every sum in :meth:`finish` instead of from the
+    hooks: where the group holds ranks the step exchanges messages with (GEMS's
+    mirrored copies, in the same pipeline line), each would reach a bucket at
+    another point of its exchange rounds, and under NCCL a sum in flight may
+    hold a round behind it (docs/design.md, "Rules of the GPU path").
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], group: Any, bucket_mb: float = 25.0) -> None:
+    def __init__(self, params: Iterable[nn.Parameter], group: Any, bucket_mb: float = 25.0,
+                 overlap: bool = True) -> None:
         self.params = [p for p in params if p.requires_grad]
+        self.overlap = overlap
         self.group = group
         self.enabled = group is not None
         self.is_mpi = isinstance(group, MPIGroup)
@@ -177,7 +184,7 @@ class GradientReducer:
         self.wait_s = 0.0
 
     def _on_grad(self, p: nn.Parameter) -> None:
-        if not self._armed:
+        if not self._armed or not self.overlap:
             return
         if self._staged:
             self._launch_staged(block=False)  # sums whose data the GPU has made since

@@ -62,3 +62,70 @@ def test_a_message_nobody_receives_is_named() -> None:
     logs = {0: [post(0, "send", 1, PAIR, [0, 1])], 1: [post(0, "coll", None, PAIR, [0, 1])]}
     with pytest.raises(OrderError):
         replay(logs)
+
+
+def test_a_receive_holds_what_the_rank_sends_its_peer_on_another_communicator() -> None:
+    """The runtime that hung every schedule on an H200, in miniature: each rank posts its receive on the
+    communicator of one link, then sends on another link's. Communicators that ran independently passed it;
+    NCCL does not promise they do (one ordered stream per pair of ranks)."""
+    logs = {r: [post(0, "recv", 1 - r, f"g:link{1 - r}{r}", [0, 1], batch=0),
+                post(1, "send", 1 - r, f"g:link{r}{1 - r}", [0, 1], batch=1), wait(0)] for r in (0, 1)}
+    for strict in (False, True):
+        with pytest.raises(OrderError, match="pair 0-1 stream is held by irecv"):
+            replay(logs, strict_sends=strict)
+
+
+def test_a_collective_waits_behind_a_receive_from_one_of_its_members() -> None:
+    """Rank 0 receives from rank 1, then joins a sum with it on another communicator; rank 1 sums first, then
+    sends: under NCCL rank 0's sum may wait behind its receive, and rank 1's send behind its sum."""
+    logs = {0: [post(0, "recv", 1, "g:line", [0, 1], batch=0), post(1, "coll", None, "g:grad", [0, 1]), wait(0, 1)],
+            1: [post(0, "coll", None, "g:grad", [0, 1]), post(1, "send", 0, "g:line", [0, 1], batch=1), wait(0, 1)]}
+    with pytest.raises(OrderError, match="hang"):
+        replay(logs, strict_sends=True)
+    # in one order on both ranks it completes
+    logs[0] = [post(0, "coll", None, "g:grad", [0, 1]), post(1, "recv", 1, "g:line", [0, 1], batch=0), wait(0, 1)]
+    assert replay(logs, strict_sends=True) == {"ops": 4, "messages": 1, "collectives": 2}
+
+
+def test_halo_batches_with_every_neighbour_pass() -> None:
+    """Three parts in a ring, each exchange one batch with both neighbours (the halo's pattern), twice, with a
+    sum between: every batch is a meeting."""
+    def rank(r: int) -> list[dict]:
+        left, right = (r - 1) % 3, (r + 1) % 3
+        out, i = [], 0
+        for b in range(2):
+            ops = [post(i, "send", left, "g:sp", [0, 1, 2], batch=b), post(i + 1, "recv", left, "g:sp", [0, 1, 2], batch=b),
+                   post(i + 2, "send", right, "g:sp", [0, 1, 2], batch=b), post(i + 3, "recv", right, "g:sp", [0, 1, 2], batch=b)]
+            out += ops + [wait(i, i + 1, i + 2, i + 3), post(i + 4, "coll", None, "g:sp", [0, 1, 2])]
+            i += 5
+        return out
+    for strict in (False, True):
+        assert replay({r: rank(r) for r in range(3)}, strict_sends=strict)["messages"] == 12
+
+
+def _golden_logs() -> dict[str, dict[int, list[dict]]]:
+    import gzip
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parent / "golden" / "commlog" / "runtime-78aa722.json.gz"
+    with gzip.open(path, "rt") as f:
+        return {label: {int(r): ev for r, ev in per.items()} for label, per in json.load(f).items()}
+
+
+def test_the_replay_flags_the_runtime_that_hung_on_the_h200() -> None:
+    """What every rank of gems at 78aa722 issued (recorded over gloo, one step of every registered schedule at
+    D = 2, 1F1B at D = 4 and MAST in R x D, D x S and R x D x S; tests/golden/commlog): every D = 2 schedule hung
+    at step 0 on an H200 (../shared/measurements/h200-2026-11-26.json). The replay must call every pipelined
+    log a hang, and pass the data-parallel and spatial runs that completed there."""
+    logs = _golden_logs()
+    from gems.pipeline.schedules import registered
+
+    assert {label.split()[0] for label in logs} >= set(registered())
+    for label, per in logs.items():
+        for strict in (False, True):
+            if label.startswith("none"):  # R = 2 and S = 2 without a pipeline: they ran on the H200
+                assert replay(per, strict_sends=strict)["ops"] > 0, label
+            else:
+                with pytest.raises(OrderError, match="hang"):
+                    replay(per, strict_sends=strict)

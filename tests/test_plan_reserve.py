@@ -59,9 +59,9 @@ def test_every_preset_gpu_reports_less_than_its_nominal_gib_and_more_than_its_no
 
 
 def test_the_communicators_a_rank_joins_grow_with_the_mesh_axes():
-    """1x1x8: the world, the spatial group and the gradient group; 2x2x2 also joins the pipeline and replica
-    groups (created, idle) and the two-rank groups of its pipeline links, one each way: more communicators,
-    more NCCL."""
+    """1x1x8: the world, the spatial group and the gradient group; 2x2x2 also joins the pipeline group (its
+    messages, one point-to-point connection a channel each way) and the replica group (created, idle): more
+    communicators, more NCCL."""
     flat = _plan(A100 + ["parallel.spatial=8"]).device["reserve"]
     mixed = _plan(A100 + ["parallel.replicas=2", "parallel.pipeline=2", "parallel.spatial=2",
                           "parallel.schedule=1f1b", "parallel.micro_batches=2"], batch=4).device["reserve"]
@@ -69,9 +69,9 @@ def test_the_communicators_a_rank_joins_grow_with_the_mesh_axes():
     names = lambda r: [c["name"] for c in r["communicators"]]  # noqa: E731
     assert names(alone) == [] and alone["parts"]["nccl"] == 0
     assert names(flat) == ["world", "spatial", "grad"]
-    assert names(mixed) == ["world", "spatial", "pipeline", "replica", "grad", "link d0->d1", "link d1->d0"]
-    assert [c["used"] for c in mixed["communicators"]] == [True, True, False, False, True, True, True]
-    assert [c["size"] for c in mixed["communicators"]] == [8, 2, 2, 2, 4, 2, 2]
+    assert names(mixed) == ["world", "spatial", "pipeline", "replica", "grad"]
+    assert [c["used"] for c in mixed["communicators"]] == [True, True, True, False, True]
+    assert [c["size"] for c in mixed["communicators"]] == [8, 2, 2, 2, 4]
     coll, link = nccl_communicator_bytes(), nccl_communicator_bytes(connections=NCCL_LINK_CONNECTIONS)
     assert flat["parts"]["nccl"] == 3 * coll and mixed["parts"]["nccl"] == 3 * coll + 2 * link
     assert len(mixed["communicators"]) > len(flat["communicators"]) > len(alone["communicators"])
@@ -87,19 +87,19 @@ def test_a_middle_pipeline_stage_joins_the_most_links_and_sets_the_reserve():
     plan = _plan(A100 + ["parallel.pipeline=4", "parallel.schedule=1f1b", "parallel.micro_batches=4"], batch=4)
     r = plan.device["reserve"]
     assert r["pipeline_position"] == 1
-    # no gradient communicator where a position's gradients are its own (R = S = 1, no mirrored copy)
-    assert [(c["name"], c["used"]) for c in r["communicators"]] == [
-        ("world", True), ("pipeline", False), ("link d0->d1", True), ("link d1->d0", True), ("link d1->d2", True),
-        ("link d2->d1", True)]
-    # the first position's ring links to the last exist (Mesh.build_groups builds both ring directions) but a
-    # plain pipeline sends nothing on them
-    first = rank_communicators(1, 4, 1, 1, [(0, 1), (0, 3), (1, 0), (3, 0)], [(0, 1), (1, 0)])
-    assert [(c.name, c.used) for c in first] == [("world", True), ("pipeline", False), ("link d0->d1", True),
-                                                 ("link d0->d3", False), ("link d1->d0", True), ("link d3->d0", False)]
+    # no gradient communicator where a position's gradients are its own (R = S = 1, no mirrored copy); the middle
+    # position's pipeline communicator connects four directed links, the first position's two
+    assert [(c["name"], c["used"]) for c in r["communicators"]] == [("world", True), ("pipeline", True)]
+    link = nccl_communicator_bytes(connections=NCCL_LINK_CONNECTIONS)
+    assert r["communicators"][1]["bytes"] == 4 * link
+    first = rank_communicators(1, 4, 1, 1, [(0, 1), (1, 0)])
+    assert [(c.name, c.used, c.connections) for c in first] == [("world", True, 2), ("pipeline", True, 2)]
+    # a plain pipeline's first position does not talk to the last; an interleaved one does (the ring back)
+    assert rank_communicators(1, 4, 1, 1, [])[1].used is False
     # GEMS-MAST: positions d and D-1-d hold copies of the same partitions and sum their gradients
     mast = _plan(A100 + ["parallel.pipeline=4", "parallel.schedule=mast"], batch=2).device["reserve"]
     assert [(c["name"], c["size"]) for c in mast["communicators"] if c["used"]] == [
-        ("world", 4), ("grad", 2), ("link d0->d1", 2), ("link d1->d0", 2), ("link d1->d2", 2), ("link d2->d1", 2)]
+        ("world", 4), ("pipeline", 4), ("grad", 2)]
 
 
 def test_the_reserve_parts_sum_to_the_total_and_the_verdict_counts_it():

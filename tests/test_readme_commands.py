@@ -26,6 +26,8 @@ WALK = "walkthrough"
 COMMANDS: dict[str, list[str] | str] = {
     "bash scripts/setup.sh && gems run": [],  # the set-up is CI's first step: the test runs `gems run`
     "bash scripts/test.sh": "this test suite itself",
+    "bash scripts/gpu_check.sh": "needs a GPU (its summary is committed under results/gpu/ where one was lent)",
+    "bash scripts/gpu_check.sh --dry": "tests/test_gpu_check.py runs it (its 1F1B part, to keep the suite short)",
     "gems run parallel.spatial=2": FEWER,
     "gems run parallel.spatial=[2,2] parallel.spatial_dims=[0,1]": FEWER,
     "gems run parallel.pipeline=2 parallel.schedule=mast": FEWER,

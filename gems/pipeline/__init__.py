@@ -60,7 +60,7 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
                    schedule: Schedule | str = "mast", micro_batches: int = 1, gems_replicas: int | None = None,
                    balance: Sequence[int] | None = None, balance_by: str = "auto", checkpoint: bool = False,
                    sample_shape: Sequence[int] | None = None, dtype: torch.dtype = torch.float32,
-                   lookahead: int = 2, virtual_stages: int | None = None,
+                   virtual_stages: int | None = None,
                    split_backward: bool = False, device: torch.device | None = None,
                    amp: Callable[[], Any] | None = None) -> PipelineRunner:
     """Partition ``seq`` over the pipeline axis of ``mesh`` and return this rank's runner.
@@ -122,8 +122,8 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
     held = {i: parts[i] for i in sched.partitions_of(coord.pipeline)}
     if D > 1 and not mesh.groups.built:
         raise RuntimeError(f"apply_pipeline: call mesh.build_groups(rank, groups={sched.holder_groups()}) first")
-    runner = PipelineRunner(held, sched, coord.pipeline, peers, mesh.groups.links, batch_size, loss_fn, checkpoint,
-                            shapes, lookahead, balance=bal, device=device)
+    runner = PipelineRunner(held, sched, coord.pipeline, peers, mesh.groups.pipeline, batch_size, loss_fn, checkpoint,
+                            shapes, balance=bal, device=device)
     if D > 1:
         runner.connect()
     return runner

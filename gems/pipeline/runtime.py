@@ -8,21 +8,20 @@ overlap compute. Since sends never block and every order came out of a valid
 execution (:func:`~gems.pipeline.schedules.simulate` checks it), no rank can
 deadlock.
 
-The message order is one NCCL completes (docs/design.md, "Rules of the GPU
-path"; :mod:`gems.commlog` replays it). NCCL runs the operations of a
-communicator in issue order on one stream, a receive holding the stream until
-its send arrives, and matches the messages of a pair by order, not by tag. So
-each directed link (sending rank -> receiving rank,
-:meth:`~gems.pipeline.schedules.Schedule.links`) has a two-rank process group
-of its own (``mesh.groups.links``), every message goes out as a batch of one on
-its link's group (``batch_isend_irecv``: the group's own communicator, not a
-pair communicator torch would make on the side), and a rank posts the receives
-of each link in the order the sender sends them. A receive posted early then
-holds only later receives of the same link, never a send, and the prefetch is
-safe under NCCL as it is under gloo. The links are connected once, in one
-global order, before the first step (:meth:`PipelineRunner.connect`): NCCL
-starts a communicator when both ranks first use it, and a first use from
-inside a step could wait on a rank that waits on something else.
+The messages cross in exchange rounds (:mod:`gems.pipeline.exchange`): every
+message in the round of the tick its producing action ends, on the schedule's
+unit-cost clock; a round is one ``batch_isend_irecv`` on the pipeline line's
+one communicator (``mesh.groups.pipeline``) holding every message of that tick
+the rank sends or receives, in one order both ends derive alike. A rank runs
+its round right after the action that made its sends and before the action
+that needs its receives, and waits for a round only where an action needs what
+it received: on a GPU the compute stream waits, the host does not, so a round
+runs beside the compute that follows it. Rounds are meetings, so they complete
+even where a send waits for its receive and a rank's streams do not progress
+independently (NCCL promises no more: docs/design.md, "Rules of the GPU
+path"). Every pair of positions that exchanges messages is connected before
+the first step, one message of every shape each way, the pairs in one global
+order (:meth:`PipelineRunner.connect`).
 
 Batch split (deterministic, the same on every rank and for the serial
 reference): a line's share of ``n`` samples is cut into ``eta x m`` contiguous
@@ -32,11 +31,13 @@ pass ``p``. So ``mast`` gives the first half to replica A and the second to B;
 ``1f1b`` have one pass cut into ``m`` micro-batches.
 
 Messages also carry a tag (step parity, activation | gradient | shape header,
-pass, micro-batch, stage), which gloo and MPI check. The activation shape crossing each cut is
+pass, micro-batch, stage), which gloo checks. The activation shape crossing each cut is
 known in advance when the partitions could be traced on fake tensors
-(:func:`~gems.pipeline.partition.boundary_shapes`); otherwise the first
-activation a sender sends into a stage is preceded by a small shape header
-and the receiver waits for it once (first step only).
+(:func:`~gems.pipeline.partition.boundary_shapes`); otherwise the round of the
+first activation into a stage exchanges a small shape header first, and the
+receiver reads it once (first step only; that step makes the pair's first
+exchanges at those sizes, so the run's first step is left out of its timing:
+:attr:`PipelineRunner.connected`).
 
 Around every forward, and every backward (recomputation included),
 ``gems.layers.batch_context(seed, step, chunk's sample ids)`` is set,
@@ -45,8 +46,8 @@ partition keeps only its input between forward and backward and runs the
 forward again in the backward; BatchNorm buffers are restored after the
 recomputation so running statistics are updated once.
 
-Why one file of this length: one executor for every schedule, with the bookkeeping of its messages (batches per
-link) and their timing; split, one state machine would be read in pieces.
+Why one file of this length: one executor for every schedule, with the bookkeeping of its messages (rounds,
+headers, buffers) and their timing; split, one state machine would be read in pieces.
 """
 from __future__ import annotations
 
@@ -65,9 +66,10 @@ from gems.fault import all_finite
 from gems.fault.progress import mark, waiting
 from gems.layers import batch_context, evaluation_mode
 from gems.pipeline.deferred import WeightGrads, deferring, make_deferrable
+from gems.pipeline.exchange import ExchangePlan, Message, Round, pairs, plan_exchanges
 from gems.pipeline.schedules import ACT as _ACT
 from gems.pipeline.schedules import GRAD as _GRAD
-from gems.pipeline.schedules import Action, Kind, Schedule, receives, sends
+from gems.pipeline.schedules import Action, Kind, Schedule, receives
 
 __all__ = ["PipelineRunner", "LossFn", "Stats"]
 
@@ -75,7 +77,7 @@ LossFn = Callable[[torch.Tensor, Any, int], torch.Tensor]
 _HEADER = 2
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool]
 _HEADER_LEN = 10  # ndim, dtype code, up to 8 dims
-_CONNECT_TAG = 1 << 20  # the one message each way that starts a link (PipelineRunner.connect)
+_CONNECT_TAG = 1 << 20  # the messages that make a pair's first exchanges (PipelineRunner.connect)
 
 
 @dataclass
@@ -127,25 +129,21 @@ class PipelineRunner:
     Made by :func:`gems.pipeline.apply_pipeline`. ``modules`` holds this rank's
     partitions (ascending partition index), ``parameters()`` their parameters
     in that order, so the two mirrored holders of a partition pair flatten
-    their gradients identically.
+    their gradients identically. ``group``: the pipeline line's process group
+    (``mesh.groups.pipeline``), the one communicator every message goes on.
     """
 
     def __init__(self, partitions: dict[int, nn.Sequential], schedule: Schedule, position: int, peers: Sequence[int],
-                 links: dict[tuple[int, int], Any] | None, batch_size: int, loss_fn: LossFn, checkpoint: bool = False,
-                 shapes: Sequence[tuple[tuple[int, ...], torch.dtype]] | None = None, lookahead: int = 2,
+                 group: Any, batch_size: int, loss_fn: LossFn, checkpoint: bool = False,
+                 shapes: Sequence[tuple[tuple[int, ...], torch.dtype]] | None = None,
                  balance: Sequence[int] | None = None, device: torch.device | None = None) -> None:
         self.schedule = schedule
         self.position = position
         self.peers = list(peers)
-        self.links = dict(links or {})  # (sending, receiving) position -> the link's process group
-        missing = [ln for ln in schedule.links() if position in ln and ln not in self.links]
-        if missing and links is not None:  # (None: a runner asked only about its roles, which sends nothing)
-            raise RuntimeError(f"PipelineRunner: no process group for the links {missing} of {schedule.name}: "
-                               f"build them with mesh.build_groups(rank, links=schedule.links())")
+        self.group = group
         self.batch_size = batch_size
         self.loss_fn = loss_fn
         self.checkpoint = checkpoint
-        self.lookahead = lookahead
         self.partitions = partitions
         self.balance = list(balance) if balance is not None else []  # layers per partition, all D
         self.modules = nn.ModuleList([partitions[i] for i in sorted(partitions)])
@@ -160,17 +158,17 @@ class PipelineRunner:
                     self._shape[(direction, s)] = (tuple(shapes[s - 1][0]), shapes[s - 1][1])
         self.stats = Stats()  # the caller may read and reset it (time breakdown of records)
         self.transfers = Transfers()  # when each message was sent and waited for (the caller takes them)
+        #: whether every pair this rank exchanges with has met at every message size before the first step
+        #: (:meth:`connect`); False where the shapes are learnt from headers in the first step
+        self.connected = False
         self._finite: list[tuple[int, torch.Tensor | bool]] = []  # (position, all finite?) of the last step
-        self._sends: list[tuple[Any, torch.Tensor]] = []  # isends of the step in flight, with their buffers
+        self._sends: list[tuple[Any, torch.Tensor]] = []  # works of the step's rounds, with the buffers they send
         self._weights = WeightGrads()  # what the I actions of a split schedule leave for their W
         if schedule.split:
             for part in self.partitions.values():
                 make_deferrable(part)
         self._step_parity = 0
-        # what each peer sends this rank, in the order it sends it: receives are posted in that order,
-        # as NCCL matches point-to-point messages by issue order (gloo and MPI would also match by tag)
-        self._inbox, self._src_index = self._inboxes(schedule.actions)
-        self._next: dict[int, int] = {}
+        self._plans = {False: plan_exchanges(schedule)}  # and, at the first evaluation, its forwards' (True)
         #: evaluation (forward only): the metric summed over the last stage's chunks, else None (training)
         self._metric: Callable[[torch.Tensor, Any, Sequence[int]], torch.Tensor] | None = None
         self._metric_total: torch.Tensor | None = None
@@ -182,20 +180,11 @@ class PipelineRunner:
         #: the loss the backward starts from (fp16's loss scaling multiplies it: gems.precision)
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
 
-    def _inboxes(self, actions: Sequence[Sequence[Action]]) -> tuple[dict[int, list[tuple[int, int, int, int]]],
-                                                                   dict[tuple[int, int, int, int], tuple[int, int]]]:
-        """What each peer sends this rank under ``actions``, in the order it sends it (receives are posted in that
-        order, as NCCL matches point-to-point messages by issue order), and where each message stands there."""
-        inbox: dict[int, list[tuple[int, int, int, int]]] = {}
-        index: dict[tuple[int, int, int, int], tuple[int, int]] = {}
-        for src, order in enumerate(actions):
-            for a in order:
-                msg = self._message(a)
-                if msg is not None and msg[0] == self.position:
-                    queue = inbox.setdefault(src, [])
-                    index[msg[1]] = (src, len(queue))
-                    queue.append(msg[1])
-        return inbox, index
+    def plan(self, forward_only: bool = False) -> ExchangePlan:
+        """The exchange rounds of a step (``forward_only``: of an evaluation), made once."""
+        if forward_only not in self._plans:
+            self._plans[forward_only] = plan_exchanges(self.schedule, forward_only)
+        return self._plans[forward_only]
 
     # ---- what the caller needs to know -------------------------------------------------------------------
     @property
@@ -237,60 +226,45 @@ class PipelineRunner:
         parity = 0 if kind == _HEADER else self._step_parity
         return (((parity * 3 + kind) * s.replicas + replica) * s.micro_batches + micro_batch) * s.stages + stage
 
-    def _link(self, src: int, dst: int) -> Any:
-        """The process group of the directed link from pipeline position ``src`` to ``dst``."""
-        return self.links[(src, dst)]
+    def _op(self, m: Message, t: torch.Tensor, tag: int) -> Any:
+        """The send or the receive of ``m`` on this rank, on the line's communicator."""
+        if m.src == self.position:
+            return dist.P2POp(dist.isend, t, self.peers[m.dst], group=self.group, tag=tag)
+        return dist.P2POp(dist.irecv, t, self.peers[m.src], group=self.group, tag=tag)
 
-    def _isend(self, t: torch.Tensor, dst: int, tag: int) -> None:
-        """Send ``t`` to pipeline position ``dst`` on its link, as a batch of one (the link group's communicator)."""
-        op = dist.P2POp(dist.isend, t, self.peers[dst], group=self._link(self.position, dst), tag=tag)
-        self._sends.append((dist.batch_isend_irecv([op])[0], t))
-
-    def _irecv(self, buf: torch.Tensor, src: int, tag: int) -> Any:
-        op = dist.P2POp(dist.irecv, buf, self.peers[src], group=self._link(src, self.position), tag=tag)
-        return dist.batch_isend_irecv([op])[0]
+    def _batch(self, ops: list[Any], keys: list[Any]) -> dict[Any, Any]:
+        """One ``batch_isend_irecv`` (one NCCL group); the work that covers each key's operation (NCCL gives the
+        whole group one work, gloo one per operation)."""
+        works = dist.batch_isend_irecv(ops)
+        return {k: (works[i] if len(works) == len(ops) else works[-1]) for i, k in enumerate(keys)}
 
     def connect(self) -> None:
-        """Start every link of this rank before the first step: one small message each way, the links taken in
-        one order on every rank (by their lower, then higher position, then direction), each waited for.
-        Pairwise meetings in one global order cannot deadlock; NCCL's lazy start of a communicator inside a
-        step could (it blocks both ranks until both use it)."""
-        mine = [ln for ln in self.schedule.links() if self.position in ln]
-        for src, dst in sorted(mine, key=lambda ln: (min(ln), max(ln), ln[0] > ln[1])):
-            t = torch.zeros(1, device=self.device)
-            if src == self.position:
-                op = dist.P2POp(dist.isend, t, self.peers[dst], group=self._link(src, dst), tag=_CONNECT_TAG)
-            else:
-                op = dist.P2POp(dist.irecv, t, self.peers[src], group=self._link(src, dst), tag=_CONNECT_TAG)
-            for w in dist.batch_isend_irecv([op]):
-                w.wait()
-
-    def _send_activation(self, a: Action, y: torch.Tensor) -> None:
-        direction = self.schedule.direction(a.replica)
-        key = (direction, a.stage + 1)
-        y = y.detach().contiguous()
-        dst = self.schedule.rank_of(a.replica, a.stage + 1)
-        if key not in self._shape:  # the receiver cannot know it either: tell it once
-            fields = [y.dim(), _DTYPES.index(y.dtype), *y.shape]
-            head = torch.tensor(fields + [0] * (_HEADER_LEN - len(fields)), dtype=torch.int64, device=y.device)
-            self._isend(head, dst, self._tag(_HEADER, direction, 0, a.stage + 1))
-            self._shape[key] = (tuple(y.shape), y.dtype)  # also the shape of the gradient coming back
-        shape, dtype = self._shape[key]
-        if tuple(y.shape) != shape:
-            raise RuntimeError(f"stage {a.stage} produced an activation of shape {tuple(y.shape)}, "
-                               f"the receiver expects {shape}")
-        if y.dtype != dtype:  # e.g. bf16 under autocast where the cut was traced in fp32: send what is expected
-            y = y.to(dtype)
-        self._note_sent((_ACT, a.replica, a.micro_batch, a.stage + 1))
-        self._isend(y, self.schedule.rank_of(a.replica, a.stage + 1), self._tag(_ACT, a.replica, a.micro_batch, a.stage + 1))
-
-    def _message(self, a: Action) -> tuple[int, tuple[int, int, int, int]] | None:
-        """(destination position, key) of what an action sends, if anything (:func:`schedules.sends`)."""
-        out = sends(a, self.schedule.stages)
-        if out is None:
-            return None
-        kind, stage = out
-        return self.schedule.rank_of(a.replica, stage), (kind, a.replica, a.micro_batch, stage)
+        """Make every pair's first exchanges before the first step, at every message size of a step: for each
+        pair of positions that exchange messages, in one global order (:func:`gems.pipeline.exchange.pairs`), one
+        batch with one message of every (shape, dtype) each way, waited for. Pairwise meetings in one global
+        order cannot deadlock; NCCL makes a pair's connections at its first exchange (both ranks must meet), and
+        may open more at a larger size. Needs every cut's shape (traced partitions); without them the first step
+        makes these exchanges and :attr:`connected` stays False."""
+        plan = self.plan()
+        sizes: dict[tuple[int, int], set[tuple[tuple[int, ...], str]]] = {}
+        for r in plan.rounds:
+            for m in r.messages:
+                shape = self._shape_of(m.key)
+                if shape is None:
+                    return
+                sizes.setdefault((m.src, m.dst), set()).add((shape[0], str(shape[1]).replace("torch.", "")))
+        for a, b in pairs(plan):
+            if self.position not in (a, b):
+                continue
+            ops = []
+            for src, dst in ((a, b), (b, a)):
+                for dims, dtype in sorted(sizes.get((src, dst), ())):
+                    t = torch.zeros(dims, dtype=getattr(torch, dtype), device=self.device)
+                    ops.append(self._op(Message(_ACT, 0, 0, 0, src, dst), t, _CONNECT_TAG))
+            with waiting("pipeline transfer"):
+                for w in set(self._batch(ops, list(range(len(ops)))).values()):
+                    w.wait()
+        self.connected = True
 
     def _recv_key(self, a: Action) -> tuple[int, int, int, int] | None:
         """The message an action needs, as (kind, pass, micro-batch, stage), or None (:func:`schedules.receives`)."""
@@ -302,49 +276,64 @@ class PipelineRunner:
         direction = self.schedule.direction(replica)
         return self._shape.get((direction, stage if kind == _ACT else stage + 1))
 
-    def _read_header(self, key: tuple[int, int, int, int], src: int) -> None:
-        kind, replica, _, stage = key
-        assert kind == _ACT, "a gradient's shape is known from the forward that sent the activation"
-        direction = self.schedule.direction(replica)
-        head = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
+    def _headers(self, messages: Sequence[Message]) -> None:
+        """The shapes of the round's activations into stages whose shape this rank and its peers do not know
+        yet (the first step of untraced partitions): one batch of headers, read at once."""
+        ops, heads, keys = [], [], []
+        for m in messages:
+            direction = self.schedule.direction(m.replica)
+            if m.kind != _ACT or (direction, m.stage) in self._shape or (direction, m.stage) in keys:
+                continue
+            if m.src == self.position:
+                y = self._outbox[m.key]
+                fields = [y.dim(), _DTYPES.index(y.dtype), *y.shape]
+                head = torch.tensor(fields + [0] * (_HEADER_LEN - len(fields)), dtype=torch.int64, device=self.device)
+                self._shape[(direction, m.stage)] = (tuple(y.shape), y.dtype)  # also the gradient's coming back
+            else:
+                head = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
+                heads.append(((direction, m.stage), head))
+            ops.append(self._op(m, head, self._tag(_HEADER, direction, 0, m.stage)))
+            keys.append((direction, m.stage))
+        if not ops:
+            return
+        works = self._batch(ops, keys)
         with waiting("pipeline transfer"):
-            self._irecv(head, src, self._tag(_HEADER, direction, 0, stage)).wait()
-        head = head.cpu()  # the first step only, and only for partitions that could not be traced
-        ndim = int(head[0])
-        self._shape[(direction, stage)] = (tuple(int(v) for v in head[2:2 + ndim]), _DTYPES[int(head[1])])
+            for w in set(works.values()):
+                w.wait()
+        for key, head in heads:
+            h = head.cpu()  # the first step only, and only for partitions that could not be traced
+            self._shape[key] = (tuple(int(v) for v in h[2:2 + int(h[0])]), _DTYPES[int(h[1])])
 
-    def _post(self, key: tuple[int, int, int, int], block: bool) -> bool:
-        """Post the irecvs from ``key``'s sender up to ``key``, in the order it sends them.
-
-        A message whose shape is still unknown (first step, untraced partitions)
-        needs its header first: read it when ``block`` (the caller needs this
-        message now, so the sender is bound to send the header), else stop.
-        True when ``key`` is posted.
-        """
-        src, index = self._src_index[key]
-        queue = self._inbox[src]
-        while self._next.get(src, 0) <= index:
-            k = queue[self._next.get(src, 0)]
-            shape = self._shape_of(k)
-            if shape is None:
-                if not block:
-                    return False
-                self._read_header(k, src)
-                shape = self._shape_of(k)
-                assert shape is not None
-            kind, replica, mb, stage = k
-            buf = torch.empty(shape[0], dtype=shape[1], device=self.device)
-            work = self._irecv(buf, src, self._tag(kind, replica, mb, stage))
-            self._recvs[k] = (work, buf)
-            self._next[src] = self._next.get(src, 0) + 1
-        return True
+    def _exchange(self, rnd: Round) -> None:
+        """This rank's batch of one round: what its actions made for the round's receivers, and buffers for what
+        it receives (kept with their work until the action that needs them: :meth:`_receive`)."""
+        mine = rnd.of(self.position)
+        self._headers(mine)
+        ops, tensors = [], []
+        for m in mine:
+            if m.src == self.position:
+                t = self._outbox.pop(m.key)
+                self._note_sent(m.key)
+            else:
+                shape = self._shape_of(m.key)
+                assert shape is not None, f"no shape for {m.key}: its header comes in its round"
+                t = torch.empty(shape[0], dtype=shape[1], device=self.device)
+            ops.append(self._op(m, t, self._tag(m.kind, m.replica, m.micro_batch, m.stage)))
+            tensors.append(t)
+        works = self._batch(ops, list(mine))
+        for m, t in zip(mine, tensors):
+            if m.dst == self.position:
+                self._inbox[m.key] = (works[m], t)
+            else:
+                self._sends.append((works[m], t))
 
     def _receive(self, key: tuple[int, int, int, int]) -> torch.Tensor:
+        """What an action needs, received in an earlier round: its work waited for (on a GPU the compute stream
+        waits for the communication stream; the host goes on)."""
         t0 = timers.now(self.device)  # on GPUs the compute stream's stall (gems.timers), not the host's launch
         w0 = time.time()
+        work, buf = self._inbox.pop(key)
         with waiting("pipeline transfer"):
-            self._post(key, block=True)
-            work, buf = self._recvs.pop(key)
             work.wait()
         timers.add_since(self.stats.__dict__, "wait_s", t0)
         if self.device.type == "cpu":  # (on GPUs the host's clock sees launches, not transfers)
@@ -355,16 +344,6 @@ class PipelineRunner:
         if self.device.type == "cpu":
             self.transfers.sent[(self._step, *key)] = time.time()
 
-    def _prefetch(self, actions: Sequence[Action], index: int) -> None:
-        """Post receives for the next ``lookahead`` actions that need one."""
-        posted = 0
-        for a in actions[index:]:
-            key = self._recv_key(a)
-            if key is None:
-                continue
-            if not self._post(key, block=False) or (posted := posted + 1) >= self.lookahead:
-                break
-
     def _reap_sends(self, wait: bool = False) -> None:
         if wait:
             with waiting("pipeline transfer"):
@@ -373,6 +352,19 @@ class PipelineRunner:
             self._sends = []
             return
         self._sends = [(work, t) for work, t in self._sends if not work.is_completed()]
+
+    def _put(self, a: Action, kind: int, stage: int, t: torch.Tensor) -> None:
+        """Leave what ``a`` made for another stage to the round after it (an activation as the receiver expects
+        it: e.g. bf16 under autocast where the cut was traced in fp32)."""
+        t = t.detach().contiguous()
+        shape = self._shape_of((kind, a.replica, a.micro_batch, stage))
+        if shape is not None:
+            if tuple(t.shape) != shape[0]:
+                raise RuntimeError(f"stage {a.stage} produced a tensor of shape {tuple(t.shape)} for stage {stage}, "
+                                   f"the receiver expects {shape[0]}")
+            if t.dtype != shape[1]:
+                t = t.to(shape[1])
+        self._outbox[(kind, a.replica, a.micro_batch, stage)] = t
 
     # ---- compute -----------------------------------------------------------------------------------------
     def _forward(self, a: Action, x: torch.Tensor, target: Any) -> None:
@@ -384,7 +376,7 @@ class PipelineRunner:
                 m = self._metric(y, target, self._ids[self.chunk_slice(a.replica, a.micro_batch)])
                 self._metric_total = m if self._metric_total is None else self._metric_total + m
             else:
-                self._send_activation(a, y)
+                self._put(a, _ACT, a.stage + 1, y)
             return
         if a.stage == 0:
             self._finite.append((0, all_finite(x)))
@@ -409,7 +401,7 @@ class PipelineRunner:
         self._finite.append((1 + a.stage, all_finite(y)))
         self._live[(a.replica, a.micro_batch, a.stage)] = live
         if not last:
-            self._send_activation(a, y)
+            self._put(a, _ACT, a.stage + 1, y)
 
     def _backward(self, a: Action, grad: torch.Tensor | None, target: Any) -> None:
         """A backward (``B``), or the input-gradient half of a split one (``I``: the deferrable layers queue
@@ -438,9 +430,7 @@ class PipelineRunner:
                         b.copy_(v)
         if a.stage > 0:
             g = x.grad if x.grad is not None else torch.zeros_like(x)
-            self._note_sent((_GRAD, a.replica, a.micro_batch, a.stage - 1))
-            self._isend(g, self.schedule.rank_of(a.replica, a.stage - 1),
-                        self._tag(_GRAD, a.replica, a.micro_batch, a.stage - 1))
+            self._put(a, _GRAD, a.stage - 1, g)
 
     def step(self, inputs: torch.Tensor | None, targets: Any, sample_ids: Sequence[int], seed: int, step: int) -> float:
         """Forward and backward of one step's share of this line; returns the weighted losses computed here.
@@ -453,7 +443,7 @@ class PipelineRunner:
         """
         if len(sample_ids) != self.batch_size:
             raise ValueError(f"step() got {len(sample_ids)} sample ids; this line trains on {self.batch_size} per step")
-        self._run(self.actions, inputs, targets, sample_ids, seed, step)
+        self._run(self.plan(), inputs, targets, sample_ids, seed, step)
         total = self._loss_total
         return scalar(total) if isinstance(total, torch.Tensor) else float(total)
 
@@ -465,31 +455,30 @@ class PipelineRunner:
         schedule's forward actions in their order (a subsequence of a deadlock-free order, the activations on the
         same links); returns the sum of ``metric(output, target, sample ids)`` over the last-stage chunks this rank
         ran (None where it runs no last stage)."""
-        fwd = [tuple(a for a in order if a.kind.forward) for order in self.schedule.actions]
-        saved = self._inbox, self._src_index
-        self._inbox, self._src_index = self._inboxes(fwd)
         self._metric, self._metric_total = metric, None
         try:
             with evaluation_mode([self.modules], batch_statistics), torch.no_grad():
-                self._run(fwd[self.position], inputs, targets, sample_ids, 0, -1)
+                self._run(self.plan(forward_only=True), inputs, targets, sample_ids, 0, -1)
         finally:
-            self._inbox, self._src_index = saved
             self._metric = None
         return self._metric_total
 
-    def _run(self, actions: Sequence[Action], inputs: torch.Tensor | None, targets: Any, sample_ids: Sequence[int],
+    def _run(self, plan: ExchangePlan, inputs: torch.Tensor | None, targets: Any, sample_ids: Sequence[int],
              seed: int, step: int) -> None:
-        """Run ``actions`` in order, each with the message it needs received first and what it makes sent after."""
+        """Run this rank's actions of ``plan`` in order, each after the rounds due before it (what it needs
+        received first), what it makes left for the round after it."""
         self._seed, self._step, self._ids = seed, step, list(sample_ids)
         self._loss_total = 0.0
         self._finite = []
         self._live: dict[tuple[int, int, int], _Live] = {}
-        self._recvs: dict[tuple[int, int, int, int], tuple[Any, torch.Tensor]] = {}
+        self._inbox: dict[tuple[int, int, int, int], tuple[Any, torch.Tensor]] = {}
+        self._outbox: dict[tuple[int, int, int, int], torch.Tensor] = {}
         self._sends = []
-        self._next = {}
         last = self.schedule.stages - 1
+        actions, rounds = plan.orders[self.position], plan.before[self.position]
         for index, a in enumerate(actions):
-            self._prefetch(actions, index)
+            for rnd in rounds[index]:
+                self._exchange(rnd)
             key = self._recv_key(a)
             received = self._receive(key) if key is not None else None
             sl = self.chunk_slice(a.replica, a.micro_batch)
@@ -513,7 +502,9 @@ class PipelineRunner:
                 self._backward(a, received, target)
                 self.stats.backward_s += time.perf_counter() - t0
             self._reap_sends()
+        for rnd in rounds[len(actions)]:
+            self._exchange(rnd)
         self._reap_sends(wait=True)
-        assert not self._recvs and not self._live and not self._weights.pending, \
+        assert not self._inbox and not self._outbox and not self._live and not self._weights.pending, \
             "schedule left messages, activations or weight gradients behind"
         self._step_parity ^= 1

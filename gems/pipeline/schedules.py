@@ -198,9 +198,8 @@ class Schedule:
 
     def links(self) -> list[tuple[int, int]]:
         """(sending rank, receiving rank) of every message the schedule sends, sorted: the directed links of its
-        ranks. The runtime sends each link's messages on a process group of its own (NCCL runs a group's
-        operations in issue order on one stream, so a receive held on one link must not hold another link's
-        sends: :mod:`gems.pipeline.runtime`)."""
+        ranks (what the planner counts NCCL's point-to-point connections by; the messages themselves go on the
+        line's one communicator in exchange rounds: :mod:`gems.pipeline.exchange`)."""
         out = set()
         for order in self.actions:
             for a in order:
@@ -700,12 +699,20 @@ def simulate(sched: Schedule, f_cost: int = F_COST, b_cost: int = B_COST, cost: 
     data made).
 
     Each rank executes its list in order; an action starts once what it
-    :func:`needs` has run, whichever rank ran it. Sends never block (the
-    runtime's ``isend``), so a rank stuck on a receive is the only way to
-    hang: :class:`DeadlockError` names the stuck ranks. Also checks that every
+    :func:`needs` has run, whichever rank ran it; a rank stuck on what another
+    has not run is the only way to hang here: :class:`DeadlockError` names the
+    stuck ranks (how the messages themselves are exchanged without a hang is
+    :mod:`gems.pipeline.exchange`'s). Also checks that every
     (pass, micro-batch, stage) forward and backward appears exactly once, on
     the rank that holds that stage for that pass.
     """
+    check_complete(sched)
+    return run_orders(sched, sched.actions, f_cost, b_cost, cost, transfer, start)
+
+
+def check_complete(sched: Schedule) -> None:
+    """Every (pass, micro-batch, stage) forward and backward appears exactly once, on the rank that holds that
+    stage for that pass (AssertionError naming the first few that do not)."""
     S = sched.stages
     expected = {Action(k, p, i, s) for k in (Kind.F, *backward_kinds(sched.split)) for p in range(sched.replicas)
                 for i in range(sched.micro_batches) for s in range(S)}
@@ -719,16 +726,24 @@ def simulate(sched: Schedule, f_cost: int = F_COST, b_cost: int = B_COST, cost: 
             if sched.rank_of(a.replica, a.stage) != r:
                 raise AssertionError(f"{sched.name}: {a} on rank {r}, but its stage lives on rank "
                                      f"{sched.rank_of(a.replica, a.stage)}")
-    R = sched.ranks
+
+
+def run_orders(sched: Schedule, orders: Sequence[Sequence[Action]], f_cost: int = F_COST, b_cost: int = B_COST,
+               cost: Callable[[Action], float] | None = None, transfer: Callable[[Action], float] | None = None,
+               start: Sequence[float] | None = None) -> dict[Action, tuple[Any, Any]]:
+    """The clock of :func:`simulate` over any per-rank ``orders`` of the schedule's actions (all of them, or a
+    subsequence such as the forwards of an evaluation): each action's (start, end), or :class:`DeadlockError`."""
+    S = sched.stages
+    R = len(orders)
     end: dict[Action, Any] = {}  # ticks (int) under unit costs, seconds (float) with ``cost``
     span: dict[Action, tuple[Any, Any]] = {}
     pos = [0] * R
     clock: list[Any] = list(start) if start is not None else [0] * R
-    while any(pos[r] < len(sched.actions[r]) for r in range(R)):
+    while any(pos[r] < len(orders[r]) for r in range(R)):
         moved = False
         for r in range(R):
-            while pos[r] < len(sched.actions[r]):
-                a = sched.actions[r][pos[r]]
+            while pos[r] < len(orders[r]):
+                a = orders[r][pos[r]]
                 need = needs(a, S)
                 if any(n not in end for n in need):
                     break
@@ -744,7 +759,7 @@ def simulate(sched: Schedule, f_cost: int = F_COST, b_cost: int = B_COST, cost: 
                 pos[r] += 1
                 moved = True
         if not moved:
-            stuck = {r: str(sched.actions[r][pos[r]]) for r in range(R) if pos[r] < len(sched.actions[r])}
+            stuck = {r: str(orders[r][pos[r]]) for r in range(R) if pos[r] < len(orders[r])}
             raise DeadlockError(f"{sched.name}: ranks wait on each other forever at {stuck}")
     return span
 

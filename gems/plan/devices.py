@@ -662,9 +662,10 @@ NCCL_LL_BUFFSIZE = 8 * 512 * 8 * 16
 #: (NVIDIA/nccl#687: 2; #1189: 8). Assumed: 16, between the two (a rank's groups span 4-GPU nodes or nodes).
 NCCL_CHANNELS = 16
 #: connections a channel of a collective communicator holds: a ring's two, from the previous rank and to the
-#: next (trees, which NCCL picks for small messages, add up to three more: left out). A pipeline link's
-#: communicator carries messages one way, one connection a channel (its point-to-point channels to the peer,
-#: "p2p channels per peer" in NCCL_DEBUG=INFO's log, taken as many as NCCL_CHANNELS).
+#: next (trees, which NCCL picks for small messages, add up to three more: left out). On the pipeline's
+#: communicator each directed link a rank sends or receives on is one point-to-point connection a channel
+#: (its point-to-point channels to the peer, "p2p channels per peer" in NCCL_DEBUG=INFO's log, taken as many
+#: as NCCL_CHANNELS).
 NCCL_CONNECTIONS = 2
 NCCL_LINK_CONNECTIONS = 1
 #: NCCL connects a communicator's peers when an operation first needs them, not when it is created
@@ -694,35 +695,27 @@ class Communicator:
 
 
 def rank_communicators(replicas: int, pipeline: int, spatial: int, grad_size: int,
-                       links: Sequence[tuple[int, int]] = (),
-                       used_links: Sequence[tuple[int, int]] = ()) -> list[Communicator]:
+                       links: Sequence[tuple[int, int]] = ()) -> list[Communicator]:
     """The NCCL communicators a rank joins (:meth:`gems.mesh.Mesh.build_groups`), each only where it has more
     than one rank. gems binds each rank's device when it creates the world (``device_id``, gems.bootstrap), so
     torch creates every group's communicator at once, split from the world's, for the ranks in it
     (torch.distributed.distributed_c10d: ``eager_connect_single_device``, ``split_from``): the world, the
-    spatial, pipeline and replica groups, the gradient group, and one two-rank group per directed pipeline
-    link. ``links``: the (sending, receiving) pipeline positions of the link groups this rank is in (the
-    worker builds :func:`gems.mesh.ring_links`); ``used_links``: those its schedule sends on
-    (:meth:`gems.pipeline.schedules.Schedule.links`). Every pipeline message goes out as a batch of one on its
-    link's group, so on that group's own communicator (gems.pipeline.runtime; torch's ProcessGroupNCCL gives a
-    batched point-to-point operation the group's communicator, a single one a pair communicator of its own:
-    torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, pointToPoint); the halo exchange batches its operations
+    spatial, pipeline and replica groups and the gradient group. ``links``: the directed (sending, receiving)
+    pipeline positions this rank's schedule sends or receives on (:meth:`gems.pipeline.schedules.Schedule.links`):
+    every pipeline message goes on the line's ``pipeline`` group in exchange rounds (gems.pipeline.exchange),
+    each directed link one point-to-point connection a channel there; the halo exchange batches its operations
     on the spatial group's."""
     world = replicas * pipeline * spatial
     out = [
         Communicator("world", world, True, "the step-time all-reduce and the record's all-gather (gems.worker)"),
         Communicator("spatial", spatial, True, "halo exchanges, the spatial all-reduces and the gather"),
-        Communicator("pipeline", pipeline, False, "created, but the stages' messages go over the link groups"),
+        Communicator("pipeline", pipeline, bool(links),
+                     "the stages' messages, exchange rounds" if links else "created, but this schedule sends nothing",
+                     NCCL_LINK_CONNECTIONS * max(1, len(set(links)))),
         Communicator("replica", replicas, False, "created, but gradients are summed over the gradient group"),
         Communicator("grad", grad_size, True, "the gradient all-reduce (gems.replication)"),
     ]
-    out = [c for c in out if c.size > 1]
-    used = set(used_links)
-    out += [Communicator(f"link d{a}->d{b}", 2, (a, b) in used,
-                         "pipeline messages" if (a, b) in used else "created, but the schedule sends nothing on it",
-                         NCCL_LINK_CONNECTIONS)
-            for a, b in sorted(set(links)) if a != b]
-    return out
+    return [c for c in out if c.size > 1]
 
 
 @dataclass

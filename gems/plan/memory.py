@@ -54,9 +54,10 @@ How the estimate is made:
   received and packed slabs, from the real exchange plan of the cut); comm
   buffers (gradient buckets: the reducer sums gradients of 1 MiB or more in
   place and keeps a flattened copy of the smaller ones until the step's
-  ``finish()``, so the held copies are the small gradients; pipeline receive
-  buffers posted ahead of the one in use (``lookahead = 2``, fewer when the
-  rank receives fewer messages a step) plus a gradient in flight; the
+  ``finish()``, so the held copies are the small gradients; pipeline
+  messages received in an exchange round before the action that needs them
+  (the most the rank holds at once, from the step's exchange plan:
+  :meth:`gems.pipeline.exchange.ExchangePlan.held`) plus a gradient in flight; the
   spatial gather's all-gather buffers); the input (and target) batch of the
   replica line on ranks that run the first (last) stage.
 * **Device**: a GPU's memory is the total CUDA reports for it
@@ -70,9 +71,8 @@ How the estimate is made:
 * **Reserve**: what a GPU rank holds beside the tensors counted above, from
   its parts (:func:`gems.plan.devices.gpu_reserve`, sources there): the CUDA
   context, cuBLAS's workspaces, NCCL's buffers for each communicator the rank
-  uses (the world, spatial and gradient groups and the two-rank group of
-  each directed pipeline link the schedule sends on, each where it has more
-  than one rank; the pipeline and replica groups and unused links are
+  uses (the world, spatial, pipeline and gradient groups, each where it has
+  more than one rank and the rank runs something on it; the replica group is
   created but idle) and the caching allocator's fragmentation, a
   fraction of the tensor peak; ``plan.reserve_gb`` (GiB), when set, replaces
   them all. CPU ranks set aside ``plan.reserve_gb`` GiB, at most 0.5, for the
@@ -106,10 +106,10 @@ from torch import nn
 from gems.bootstrap import KEEP_GROWTH, keeps_host_memory_within, node_memory_bytes
 from gems.config import section
 from gems.errors import ConfigError
-from gems.mesh import ring_links
 from gems.parallel import resolve, spatial_model, stage_balance
+from gems.pipeline.exchange import plan_exchanges
 from gems.pipeline.partition import trace_shapes
-from gems.pipeline.schedules import receives, registered
+from gems.pipeline.schedules import registered
 from gems.plan.devices import gpu_memory_bytes, gpu_reserve, rank_communicators
 from gems.plan.schema import SCHEMA, Breakdown, GiB, MemoryPlan, Position
 from gems.plan.store import cached
@@ -120,7 +120,6 @@ from gems.spatial.geometry import split_bounds
 __all__ = ["Breakdown", "Position", "MemoryPlan", "plan_memory", "Planner", "Setup", "setup", "SCHEMA", "GiB"]
 
 _CACHE: dict[tuple, Any] = {}  # built models, spatial layer lists and traces of this process, by what they depend on
-LOOKAHEAD = 2  # receives the pipeline runtime posts ahead (gems.pipeline.apply_pipeline's default)
 
 
 # ============================================================================ per-stage memory (affine in the micro-batch)
@@ -297,18 +296,12 @@ def _gpu_reserve(cfg: Any, pl: Planner, dev: dict[str, Any]) -> Any:
     st, mesh = pl.st, pl.st.mesh
     override = cfg.plan.reserve_gb
     sched = pl.sched() if pl.pipelined else None
-    used = set(sched.links()) if sched is not None else set()
-    # the link groups the worker builds (Mesh.build_groups' default), and any the schedule sends on beside them
-    links: dict[int, list[tuple[int, int]]] = {}
-    for ln in sorted(set(ring_links(mesh.pipeline)) | used):
-        for d in set(ln):
-            links.setdefault(d, []).append(ln)
+    links = sched.links() if sched is not None else []
     by_position = {}
     for d in range(mesh.pipeline):
         holders = next((len(g) for g in st.settings.holder_groups if d in g), 1)
-        mine = links.get(d, [])
         by_position[d] = rank_communicators(mesh.replicas, mesh.pipeline, mesh.spatial,
-                                            st.replicas * mesh.spatial * holders, mine, [ln for ln in mine if ln in used])
+                                            st.replicas * mesh.spatial * holders, [ln for ln in links if d in ln])
     return gpu_reserve(by_position, cfg.cluster.gpu, None if override is None else float(override),
                        dev.get("sm90"), dev.get("rocm"))
 
@@ -474,8 +467,9 @@ class Planner:
 
     def position(self, d: int, members: list[int], local: list[int], stages: list[_Stage], target_b: int,
                  chunk: int, flights: list[tuple[str, int, dict[int, int]]], held: list[int],
-                 recvs: int = LOOKAHEAD + 1) -> Position:
-        """The memory of pipeline position ``d`` for spatial ``members``; ``recvs``: messages it receives per step."""
+                 early: int = 0) -> Position:
+        """The memory of pipeline position ``d`` for spatial ``members``; ``early``: the most messages it holds
+        received before the action that needs them (:meth:`gems.pipeline.exchange.ExchangePlan.held`)."""
         st = self.st
         mesh = st.mesh
         D = mesh.pipeline
@@ -525,9 +519,9 @@ class Planner:
         comm = sum(stages[p].copied for p in held) if grad_group > 1 else 0
         if self.pipelined and D > 1:
             bound = max(max(stages[p].inp.at(chunk), stages[p].out.at(chunk)) for p in held)
-            # receives posted ahead of the one in use (that one is the partition's input, counted as saved),
-            # plus a gradient in flight
-            comm += min(LOOKAHEAD, max(0, recvs - 1)) * bound + max(stages[p].inp.at(chunk) for p in held)
+            # messages received in a round before the action that needs them (the one in use is the partition's
+            # input, counted as saved), plus a gradient in flight
+            comm += early * bound + max(stages[p].inp.at(chunk) for p in held)
         comm += max((stages[p].gather.at(chunk) for p in held), default=0)
         bd = Breakdown(params, grads, optim, int(acts), int(halo), int(comm))
         return Position(d, members, list(mesh.grid_of(members[0])), held, local, {int(k): int(v) for k, v in at.items()}, bd,
@@ -541,16 +535,17 @@ class Planner:
         D = st.mesh.pipeline
         out = []
         sched = self.sched() if self.pipelined else None
+        exchanges = plan_exchanges(sched) if sched is not None else None
         for d in range(D):
-            recvs = LOOKAHEAD + 1
-            if sched is not None:
+            early = 0
+            if sched is not None and exchanges is not None:
                 held = sched.partitions_of(d)
-                recvs = sum(1 for a in sched.actions[d] if receives(a, sched.stages) is not None)
+                early = exchanges.held(d)
                 flights = _in_flight(sched, d)
             else:
                 held, flights = [0], []
             for members, local, stages, target_b in classes:
-                out.append(self.position(d, members, local, stages, target_b, chunk, flights, held, recvs))
+                out.append(self.position(d, members, local, stages, target_b, chunk, flights, held, early))
         return bal, out
 
 

@@ -57,6 +57,9 @@ class Parallel:
     #: leaves the normalisation layers in training mode (gems.layers.evaluation_mode: BatchNorm recalibration)
     evaluate: Callable[..., torch.Tensor | None] = field(default=lambda x, y, ids, batch_statistics=False: None)
     metric: Any = None  # the Metric whose sums evaluate returns
+    #: the first step makes the pipeline's first exchanges between some ranks (cut shapes learnt from headers:
+    #: gems.pipeline.runtime.PipelineRunner.connected), so it is left out of the timings
+    first_step_connects: bool = False
 
 
 def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
@@ -152,7 +155,8 @@ class _Composition:
             sample_shape=_pipeline_sample(self.spec, self.ctx, self.slices), device=device, amp=self.amp)
         runner.scale_loss = self.scaler.scale
         params = list(runner.parameters())
-        reducer = _reducer(params, self.mesh, self.world, cfg)
+        # mirrored copies sum with ranks of this line: after the step's last round, not in the middle of it
+        reducer = _reducer(params, self.mesh, self.world, cfg, overlap=not st.schedule.holds_copies)
         # a parameter is final after the last backward of its partition on this rank
         backwards = Counter(a.stage for a in runner.actions if a.kind.finishes_gradients)
         count = {id(q): backwards[s] for s, part in runner.partitions.items() for q in part.parameters()}
@@ -181,7 +185,7 @@ class _Composition:
                         runner.needs_inputs, runner.needs_targets, runner.samples_per_step, pipe_stats,
                         balance=list(runner.balance), first_nonfinite=runner.first_nonfinite,
                         notes=self.notes, quiesce=self.quiesce, scaler=self.scaler, transfers=runner.transfers,
-                        evaluate=pipe_eval, metric=self.metric)
+                        evaluate=pipe_eval, metric=self.metric, first_step_connects=not runner.connected)
 
     def whole(self) -> Parallel:
         """No pipeline: one forward and backward of the whole (spatial) model; 3. the gradient sum."""
@@ -243,13 +247,14 @@ def _pipeline_sample(spec: ModelSpec, ctx: Any, slices: tuple[slice, ...] | None
 
 
 
-def _reducer(params: list[nn.Parameter], mesh: Mesh, world: World, cfg: DictConfig) -> GradientReducer:
+def _reducer(params: list[nn.Parameter], mesh: Mesh, world: World, cfg: DictConfig,
+             overlap: bool = True) -> GradientReducer:
     bucket = float(cfg.comm.bucket_mb)
     if world.grad_comm == "mpi":
         group: Any = mpi_group(world.mpi_comm, mesh, world.rank) if len(mesh.ranks("grad")) > 1 else None
     else:
         group = mesh.group("grad")
-    return GradientReducer(params, group, bucket)
+    return GradientReducer(params, group, bucket, overlap)
 
 
 

@@ -95,6 +95,8 @@ class Run:
         self.host_memory = HostMemory(str(t.host_memory), world.device)
         if t.threads and world.device.type == "cpu":
             torch.set_num_threads(int(t.threads))
+        if t.tf32 is not None:  # GPU ranks: fp32 convolutions and matmuls in TF32 or not (CPUs have no TF32)
+            torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = bool(t.tf32)
         self.mesh = mesh = mesh_from_config(cfg, world.size)
         self.mlperf = MLPerfLog(cfg, world.rank)  # a run with a target: MLPerf HPC's log, from init start
         self.mlperf.init_start(_device_name(world.device), world.size)
@@ -120,6 +122,8 @@ class Run:
         if self.warm >= self.steps:
             raise ConfigError("train.warmup_steps", self.warm, f"fewer than the run's {self.steps} steps")
         self.measure_from = max(self.warm, min(2, self.steps - 1)) if world.device.type == "cpu" else self.warm
+        if self.par.first_step_connects:  # the pipeline's first exchanges: no timed step makes one
+            self.measure_from = max(self.measure_from, min(1, self.steps - 1))
         self.lr = LearningRate(t, self.sampler.steps_per_epoch if t.epochs is not None else 1, self.steps)
         self.val = make_data(cfg, spec, self.par.input_slices, validation=True, device=gpu, staged=self.staged)
         if t.eval_average_crops and self.val is not None:  # each file's crops averaged too (prepare checks hdf5)
@@ -470,6 +474,9 @@ class Run:
         """What the record should say about how its figures were measured."""
         out = []
         warm, start = self.warm, self.measure_from
+        if self.par.first_step_connects and warm == 0 and start >= 1:
+            out.append("step 0 made the pipeline's first exchanges at the sizes of its messages (the cut shapes "
+                       "are learnt from headers where partitions cannot be traced) and was left out of the timings")
         if start > warm:
             after = " (after the first optimizer step, so the optimizer's state counts)" if start >= 2 else ""
             out.append(f"step(s) {warm}-{start - 1} were profiled for tensor memory{after} and left out of the "

@@ -85,6 +85,8 @@ def git_commit() -> str | None:
 def env_info(world: Any = None, hosts: list[str] | None = None, machines: list[str] | None = None) -> dict[str, Any]:
     import torch
 
+    from gems.bootstrap import sharing_gpu
+
     gpu = None
     if world is not None and getattr(world, "device", None) is not None and world.device.type == "cuda":
         gpu = torch.cuda.get_device_name(world.device)
@@ -103,6 +105,8 @@ def env_info(world: Any = None, hosts: list[str] | None = None, machines: list[s
         # the most ranks on one physical machine (several slurmd "nodes" of one host share its cores)
         "ranks_sharing_cpus": max(Counter(machines).values()) if machines else None,
         "git_commit": git_commit(),
+        # the test aid GEMS_TEST_SHARE_GPU (gems.bootstrap.sharing_gpu): ranks shared a GPU, timings mean nothing
+        **({"test_shared_gpu": True} if sharing_gpu() else {}),
     }
 
 

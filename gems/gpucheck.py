@@ -1,0 +1,362 @@
+"""The GPU rig: gems's whole multi-rank matrix on one GPU, with one command (``bash scripts/gpu_check.sh``).
+
+A test aid, not a benchmark. Several ranks share the one GPU (``GEMS_TEST_SHARE_GPU=1``,
+:func:`gems.bootstrap.sharing_gpu`): each rank is an NCCL host of its own and its messages go over loopback
+sockets, with NCCL's real matching, stream and connection rules, so a message order NCCL cannot complete hangs
+here as it would on many GPUs. Timings of shared runs mean nothing; whether a run finishes and its losses do.
+
+The matrix (:func:`matrix`): every registered schedule x D in {2, 4} x m in {1, 2, 4} (a combination a schedule
+refuses is listed as skipped, with its reason), GEMS-MAST and -MASTER at R2 x D2 x S2, S = 2, R = 2, and
+pipelines at fp16 and bf16. Every run is a real ``gems run`` of the default CosmoFlow job on one global batch,
+compared step by step with the one-rank run of the same batch and precision, TF32 off in both
+(``train.tf32=false``: an exact comparison). As a control, ``torch.distributed.pipelining``'s ``Schedule1F1B``
+and ``ScheduleGPipe`` train the same module on the same rig against their own one-rank run: if they hang too,
+the rig is at fault, not gems.
+
+    python -m gems.gpucheck [--dry] [--out DIR] [--budget S] [--ranks N] [--only TEXT]
+
+``--dry`` checks the plumbing on CPU (gloo, a few runs of the matrix and one control; CI runs it). Output:
+``DIR/summary.json`` (one entry a run: status, losses, the reference's, the largest relative difference, the
+verdict) and ``DIR/summary.md`` (the table), ``DIR/logs/`` (each run's output). Exit status 0 when every run
+that was started finished equal to its reference, 1 otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: the largest relative difference of any step's loss from the one-rank run's that counts as equal: fp32 without
+#: TF32 differs in the order of its sums only; bf16 and fp16 round each micro-batch's activations
+TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 3e-2}
+
+
+@dataclass
+class Run:
+    """One point of the matrix: a ``gems run`` (or a control) and the one-rank run it is compared with."""
+
+    label: str
+    args: list[str]
+    ranks: int
+    precision: str = "fp32"
+    control: str = ""  # a torch.distributed.pipelining schedule: the control, not gems
+    skipped: str = ""  # why the point is not run (a combination the schedule refuses)
+    # filled in when it ran
+    status: str = "not run"
+    wall_s: float | None = None
+    losses: list[float] = field(default_factory=list)
+    reference: list[float] = field(default_factory=list)
+    max_rel_diff: float | None = None
+    equal: bool | None = None
+    error: str = ""
+
+    @property
+    def reference_label(self) -> str:
+        return f"control-{self.control}-1rank" if self.control else f"1rank-{self.precision}"
+
+
+def _base(dry: bool) -> list[str]:
+    """What every run of the matrix shares: the default CosmoFlow job on 8 samples a step, TF32 off, gems's own
+    watchdog bounding a hang (a run that makes no progress ends with a record naming the stuck ranks)."""
+    common = ["train.batch_size=8", "train.warmup_steps=1", "train.check_fit=false", "fault.warmup_timeout_s=90",
+              "fault.stall_timeout_s=30"]
+    if dry:
+        return common + ["model.size=32", "model.width=0.25", "train.steps=2", "train.device=cpu"]
+    return common + ["train.steps=4", "train.device=cuda", "train.tf32=false"]
+
+
+def matrix(dry: bool = False) -> list[Run]:
+    """The runs of the rig, the one-rank references first (``dry``: a few, on CPU)."""
+    from gems.errors import ConfigError
+    from gems.pipeline.schedules import make_schedule, registered
+
+    precisions = ["fp32"] if dry else ["fp32", "bf16", "fp16"]
+    runs = [Run(f"1rank-{p}", [f"train.precision={p}"], 1, p) for p in precisions]
+    points: list[tuple[str, int, int]] = []
+    if dry:
+        points = [("1f1b", 2, 2), ("mast", 2, 1)]
+    else:
+        points = [(name, D, m) for name in registered() for D in (2, 4) for m in (1, 2, 4)]
+    for name, D, m in points:
+        label, args = f"{name}-D{D}-m{m}", [f"parallel.pipeline={D}", f"parallel.schedule={name}",
+                                           f"parallel.micro_batches={m}"]
+        try:
+            sched = make_schedule(name, D, m)
+            if 8 % sched.chunks:
+                raise ConfigError("parallel.micro_batches", m, f"a divisor of the batch's 8 samples over {sched.chunks}"
+                                  " chunks")
+            why = ""
+        except ConfigError as e:
+            why = str(e)
+        runs.append(Run(label, args, D, skipped=why))
+    hybrids = [("R2xD2xS2-mast", ["parallel.replicas=2", "parallel.pipeline=2", "parallel.spatial=2",
+                                  "parallel.schedule=mast"], 8),
+               ("R2xD2xS2-master", ["parallel.replicas=2", "parallel.pipeline=2", "parallel.spatial=2",
+                                    "parallel.schedule=master"], 8),
+               ("S2", ["parallel.spatial=2"], 2), ("R2", ["parallel.replicas=2"], 2)]
+    if dry:
+        hybrids = hybrids[2:]
+    runs += [Run(label, args, n) for label, args, n in hybrids]
+    if not dry:
+        for p in ("bf16", "fp16"):
+            for name, m in (("1f1b", 2), ("mast", 1)):
+                runs.append(Run(f"{name}-D2-m{m}-{p}", ["parallel.pipeline=2", f"parallel.schedule={name}",
+                                                        f"parallel.micro_batches={m}", f"train.precision={p}"], 2, p))
+    for sched_name in (["1f1b"] if dry else ["1f1b", "gpipe"]):
+        runs.append(Run(f"control-{sched_name}-1rank", [], 1, control=sched_name))
+        runs.append(Run(f"control-{sched_name}", [], 2, control=sched_name))
+    return runs
+
+
+def _command(run: Run, out: Path, dry: bool) -> list[str]:
+    if run.control:
+        result = out / "runs" / run.label / "losses.json"
+        inner = [sys.executable, "-m", "gems.gpucheck", "control", run.control, "--result", str(result)] + \
+                (["--dry"] if dry else [])
+        if run.ranks == 1:
+            return inner
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={run.ranks}",
+                f"--master_port={_free_port()}", *inner[1:]]
+    return [sys.executable, "-m", "gems.cli", "run", *_base(dry), *run.args, f"results.dir={out / 'runs' / run.label}",
+            f"run_id=gpucheck-{run.label}"]
+
+
+def _free_port() -> int:
+    from gems.bootstrap import free_port
+
+    return free_port()
+
+
+def _losses(run: Run, out: Path) -> tuple[str, list[float], str]:
+    """(status, losses, error) of a finished run, from its record (or the control's losses file)."""
+    folder = out / "runs" / run.label
+    if run.control:
+        f = folder / "losses.json"
+        if not f.exists():
+            return "failed", [], "no losses written"
+        return "ok", [float(v) for v in json.loads(f.read_text())], ""
+    for path in sorted(folder.rglob("*.json")):
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and str(rec.get("schema", "")).startswith("gems.record/"):
+            err = str(rec.get("error") or "")
+            return str(rec["status"]), [float(v) for v in rec.get("loss") or []], err.splitlines()[0] if err else ""
+    return "failed", [], "no record"
+
+
+def compare(losses: list[float], reference: list[float]) -> float | None:
+    """The largest relative difference of a run's losses from its reference's, step by step (None where the runs
+    did not make the same number of steps)."""
+    if not losses or len(losses) != len(reference):
+        return None
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference))
+
+
+def run_matrix(runs: list[Run], out: Path, dry: bool, budget_s: float, ranks: int) -> list[Run]:
+    """Start the runs (references first), at most ``ranks`` ranks at once, none after ``budget_s``; each bounded
+    by its own time limit. Fills in every run's status and comparison."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    if not dry:
+        env["GEMS_TEST_SHARE_GPU"] = "1"
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    limit = 120.0 if dry else 150.0
+    start = time.monotonic()
+    todo = [r for r in runs if not r.skipped]
+    live: list[tuple[Run, subprocess.Popen[bytes], float, Any]] = []
+    while todo or live:
+        for item in list(live):
+            run, proc, t0, log = item
+            over = time.monotonic() - t0 > limit
+            if proc.poll() is None and not over:
+                continue
+            if over and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+            live.remove(item)
+            run.wall_s = round(time.monotonic() - t0, 1)
+            run.status, run.losses, run.error = _losses(run, out)
+            if over:
+                run.status, run.error = "timeout", f"killed after {limit:.0f} s" + (f"; {run.error}" if run.error else "")
+            elif proc.returncode != 0 and run.status == "ok":
+                run.status, run.error = "failed", f"exit status {proc.returncode}"
+        busy = sum(r.ranks for r, *_ in live)
+        while todo and time.monotonic() - start < budget_s:
+            run = todo[0]
+            if busy + run.ranks > ranks and live:
+                break
+            todo.pop(0)
+            log = open(out / "logs" / f"{run.label}.txt", "wb")
+            proc = subprocess.Popen(_command(run, out, dry), stdout=log, stderr=subprocess.STDOUT, env=env)
+            live.append((run, proc, time.monotonic(), log))
+            busy += run.ranks
+        if todo and time.monotonic() - start >= budget_s and not live:
+            for run in todo:
+                run.status = "not run"
+                run.error = f"the rig's budget of {budget_s:.0f} s was spent"
+            todo = []
+        time.sleep(0.2)
+    refs = {r.label: r.losses for r in runs if r.status == "ok"}
+    for run in runs:
+        if run.status == "ok" and run.label != run.reference_label:
+            run.reference = refs.get(run.reference_label, [])
+            run.max_rel_diff = compare(run.losses, run.reference)
+            run.equal = run.max_rel_diff is not None and run.max_rel_diff <= TOLERANCE[run.precision]
+    return runs
+
+
+def _machine() -> dict[str, Any]:
+    import torch
+
+    from gems.results.record import git_commit
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    nccl = ".".join(str(v) for v in torch.cuda.nccl.version()) if torch.cuda.is_available() else None
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl, "gpu": gpu,
+            "cpus": os.cpu_count(), "gems_commit": git_commit()}
+
+
+def write_summary(runs: list[Run], out: Path, dry: bool, wall_s: float) -> dict[str, Any]:
+    """``summary.json`` and ``summary.md`` in ``out``; returns the summary."""
+    started = [r for r in runs if r.status != "not run" and not r.skipped]
+    compared = [r for r in started if r.label != r.reference_label]
+    summary: dict[str, Any] = {"mode": "dry (CPU, gloo)" if dry else "GPU (ranks share it: GEMS_TEST_SHARE_GPU)",
+               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "wall_s": round(wall_s, 1), "machine": _machine(),
+               "tolerance": TOLERANCE, "base": _base(dry),
+               "counts": {"runs": len(runs), "skipped": sum(1 for r in runs if r.skipped),
+                          "not_run": sum(1 for r in runs if r.status == "not run" and not r.skipped),
+                          "ok": sum(1 for r in started if r.status == "ok"),
+                          "equal": sum(1 for r in compared if r.equal), "compared": len(compared)},
+               "runs": [asdict(r) for r in runs]}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    rows = ["| run | ranks | precision | status | wall s | max rel. diff | equal | note |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in runs:
+        diff = f"{r.max_rel_diff:.1e}" if r.max_rel_diff is not None else ""
+        note = (r.skipped or r.error).replace("|", "/")[:120]
+        rows.append(f"| {r.label} | {r.ranks} | {r.precision} | {'skipped' if r.skipped else r.status} | "
+                    f"{r.wall_s if r.wall_s is not None else ''} | {diff} | "
+                    f"{'' if r.equal is None else ('yes' if r.equal else 'NO')} | {note} |")
+    c = summary["counts"]
+    head = (f"# gems on one GPU, every rank sharing it ({summary['mode']})\n\n{summary['date']}, "
+            f"{summary['machine']}, {summary['wall_s']} s. {c['equal']} of {c['compared']} runs equal to their "
+            f"one-rank reference; {c['skipped']} skipped (refused combinations), {c['not_run']} not run.\n\n")
+    (out / "summary.md").write_text(head + "\n".join(rows) + "\n")
+    return summary
+
+
+# ---- the control: torch.distributed.pipelining on the same rig -------------------------------------------
+def control(schedule: str, result: Path, dry: bool) -> None:
+    """Train gems's default CosmoFlow module (dropout off: torch's stages know no per-sample masks) with
+    ``torch.distributed.pipelining``'s ``Schedule1F1B`` or ``ScheduleGPipe`` over the ranks torchrun started,
+    cut in two halves, 4 micro-batches, SGD; or, as one rank, the same steps whole: the losses to ``result``."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from gems.config import compose, section
+    from gems.models import build_model
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    cuda = torch.cuda.is_available() and not dry
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    overrides = ["model.dropout=0"] + (["model.size=32", "model.width=0.25"] if dry else [])
+    torch.manual_seed(0)
+    seq = build_model(section(compose(overrides), "model")).module.to(device)
+    size = 32 if dry else 64
+    B, steps, mbs = 8, 2 if dry else 4, 4
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(B, 4, size, size, size, generator=g), torch.randn(B, 4, generator=g)) for _ in range(steps)]
+    losses: list[float] = []
+    if world == 1:
+        opt = torch.optim.SGD(seq.parameters(), lr=1e-3)
+        for x, y in batches:
+            opt.zero_grad()
+            loss = F.mse_loss(seq(x.to(device)), y.to(device))
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+    else:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        from gems.bootstrap import SHARE_GPU_NCCL, sharing_gpu
+
+        if cuda and sharing_gpu():
+            os.environ["NCCL_HOSTID"] = f"gems-test-rank{rank}"
+            for k, v in SHARE_GPU_NCCL.items():
+                os.environ.setdefault(k, v)
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+        half = len(seq) // 2
+        part = seq[:half] if rank == 0 else seq[half:]
+        stage = PipelineStage(part, rank, world, device)
+        kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
+        sched = kind(stage, n_microbatches=mbs, loss_fn=lambda out, tgt: F.mse_loss(out, tgt))
+        opt = torch.optim.SGD(part.parameters(), lr=1e-3)
+        for x, y in batches:
+            opt.zero_grad()
+            mb: list[torch.Tensor] = []
+            if rank == 0:
+                sched.step(x.to(device))
+            else:
+                sched.step(target=y.to(device), losses=mb)
+            opt.step()
+            if rank == world - 1:
+                losses.append(float(torch.stack(mb).mean()))
+        dist.destroy_process_group()
+        if rank != world - 1:
+            return
+    result.parent.mkdir(parents=True, exist_ok=True)
+    result.write_text(json.dumps(losses))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "control":
+        p = argparse.ArgumentParser(prog="python -m gems.gpucheck control")
+        p.add_argument("schedule", choices=("1f1b", "gpipe"))
+        p.add_argument("--result", type=Path, required=True)
+        p.add_argument("--dry", action="store_true")
+        a = p.parse_args(argv[1:])
+        control(a.schedule, a.result, a.dry)
+        return 0
+    p = argparse.ArgumentParser(prog="python -m gems.gpucheck", description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry", action="store_true", help="check the plumbing on CPU (gloo, a few runs)")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "results/gpu/check")))
+    p.add_argument("--budget", type=float, default=330.0, help="start no run after this many seconds")
+    p.add_argument("--ranks", type=int, default=None, help="ranks at once (default: the machine's cores, 16 at most)")
+    p.add_argument("--only", default="", help="run only the points whose label contains this (and their references)")
+    a = p.parse_args(argv)
+    import torch
+
+    if not a.dry and not torch.cuda.is_available():
+        print("gems.gpucheck: --dry: no GPU on this machine (the rig runs the matrix on one GPU)", file=sys.stderr)
+        return 2
+    runs = matrix(a.dry)
+    if a.only:
+        keep = {r.label for r in runs if a.only in r.label}
+        keep |= {r.reference_label for r in runs if r.label in keep}
+        runs = [r for r in runs if r.label in keep]
+    ranks = a.ranks or min(16, os.cpu_count() or 2)
+    t0 = time.monotonic()
+    run_matrix(runs, a.out, a.dry, a.budget, max(ranks, max(r.ranks for r in runs)))
+    s = write_summary(runs, a.out, a.dry, time.monotonic() - t0)
+    print((a.out / "summary.md").read_text())
+    c = s["counts"]
+    return 0 if c["equal"] == c["compared"] and c["not_run"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""When a pipeline's messages cross: exchange rounds that NCCL completes, whatever its streams do.
+
+The rule (docs/design.md, "Rules of the GPU path"). NCCL's maintainers (NVIDIA/nccl issue 783): CUDA does
+not promise that two streams progress independently, so two NCCL operations in flight on two communicators
+may deadlock; the first exchange between two ranks is a meeting of both; send when you also receive, in one
+group. Measured on an H200: receives posted ahead of compute on one communicator while the rank sent on
+another hung every schedule at step 0. So gems assumes the least NCCL promises:
+
+* a send may wait until its receiver has posted the receive (a rendezvous: what NCCL does once a message
+  exceeds its buffers);
+* a rank's communication and its compute may not progress independently: what it issued first may hold what
+  it issued after, on any stream.
+
+Under those assumptions an exchange must be a *meeting*: both ranks of every message in it have it in their
+current group. This module turns a schedule into meetings. It runs the per-rank orders on the schedule's
+unit-cost clock (:func:`gems.pipeline.schedules.run_orders`) and exchanges every message in the **round** of
+the tick its producing action ends. A round is one ``batch_isend_irecv`` per rank, on the pipeline line's one
+communicator (``mesh.groups.pipeline``), holding every message of that tick the rank sends or receives, in one
+order both ends derive alike (:class:`Message`'s). A rank runs its round of tick ``t`` after its actions that
+start before ``t`` and before those that start at ``t`` or later: the sender right after the action that made
+the message, the receiver before the action that needs it (which starts at or after ``t``), keeping the
+buffer until then.
+
+Why no rank can hang, by induction on the ticks: suppose every round before tick ``t`` has completed. A rank
+reaches its round ``t`` once it has run its actions that start before ``t``; each of them needs only messages
+of rounds at or before its start, so before ``t``: done. Every rank of round ``t`` therefore reaches it, and
+within it every message has both ends in their rank's current group, so the round completes, even with sends
+that wait for their receive and with nothing issued after the round able to run before it. What a rank
+computes after its round ``t`` is never what round ``t`` waits for, so the round may run beside that compute:
+the runtime waits for a round only where an action needs what it received (:func:`check` replays a plan under
+these rules; tests/test_schedules.py checks every registered schedule with it).
+
+What this costs against posting receives early: a sender's round waits for its receivers to reach the same
+tick (on a GPU only the communication stream waits, the host and the compute stream go on), and a receiver
+keeps a message from the tick it was made to the action that needs it (:meth:`ExchangePlan.held`, what the
+planner counts).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from gems.pipeline.schedules import Action, DeadlockError, Schedule, receives, run_orders, sends
+
+__all__ = ["Message", "Round", "ExchangePlan", "plan_exchanges", "check", "pairs"]
+
+
+@dataclass(frozen=True, order=True)
+class Message:
+    """One tensor crossing a cut: an activation (``kind`` ACT) going down to ``stage``, or a gradient (GRAD)
+    going up to it, of one (pass, micro-batch), from pipeline position ``src`` to ``dst``. Ordered as both ends
+    issue the messages of a round."""
+
+    kind: int
+    replica: int
+    micro_batch: int
+    stage: int
+    src: int
+    dst: int
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        """(kind, pass, micro-batch, receiving stage): the runtime's name of the message."""
+        return (self.kind, self.replica, self.micro_batch, self.stage)
+
+
+@dataclass(frozen=True)
+class Round:
+    """Every message whose producing action ends at ``tick``: one batch on each rank that sends or receives
+    one of them."""
+
+    tick: float
+    messages: tuple[Message, ...]
+
+    def of(self, position: int) -> tuple[Message, ...]:
+        """The messages ``position`` sends or receives in this round, in the order it issues them."""
+        return tuple(m for m in self.messages if position in (m.src, m.dst))
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """The rounds of one step (or of one evaluation's forwards) and where each rank runs them.
+
+    ``orders[p]``: the actions position ``p`` runs, in order; ``before[p][k]``: the rounds it runs before its
+    action ``k`` (``k == len(orders[p])``: after its last), each holding at least one message of ``p``."""
+
+    schedule: Schedule
+    orders: tuple[tuple[Action, ...], ...]
+    rounds: tuple[Round, ...]
+    before: tuple[tuple[tuple[Round, ...], ...], ...]
+
+    def messages(self, position: int) -> list[Message]:
+        """Everything ``position`` sends or receives in a step, in the order it issues it."""
+        return [m for k in self.before[position] for r in k for m in r.of(position)]
+
+    def held(self, position: int) -> int:
+        """The most messages ``position`` holds received before the action that needs them has started (the
+        buffers beside its actions' inputs: what the memory plan counts)."""
+        needed: dict[tuple[int, int, int, int], int] = {}
+        for k, a in enumerate(self.orders[position]):
+            got = receives(a, self.schedule.stages)
+            if got is not None:
+                needed[(got[0], a.replica, a.micro_batch, got[1])] = k
+        most, waiting = 0, 0
+        for k, rounds in enumerate(self.before[position]):
+            for r in rounds:
+                waiting += sum(1 for m in r.of(position) if m.dst == position)
+            # the one action k needs now is its input; the others wait
+            now = sum(1 for key, at in needed.items() if at == k)
+            most = max(most, waiting - now)
+            waiting -= now
+        return most
+
+
+def _message(sched: Schedule, a: Action) -> Message | None:
+    got = sends(a, sched.stages)
+    if got is None:
+        return None
+    kind, stage = got
+    src, dst = sched.rank_of(a.replica, a.stage), sched.rank_of(a.replica, stage)
+    assert src != dst, f"{sched.name}: {a} sends to its own rank"
+    return Message(kind, a.replica, a.micro_batch, stage, src, dst)
+
+
+def plan_exchanges(sched: Schedule, forward_only: bool = False) -> ExchangePlan:
+    """The exchange rounds of ``sched`` (module docstring); ``forward_only``: of its forwards alone, in their
+    order (an evaluation)."""
+    orders = tuple(tuple(a for a in order if a.kind.forward or not forward_only) for order in sched.actions)
+    span = run_orders(sched, orders)
+    by_tick: dict[float, list[Message]] = {}
+    for order in orders:
+        for a in order:
+            m = _message(sched, a)
+            if m is not None:
+                by_tick.setdefault(span[a][1], []).append(m)
+    rounds = tuple(Round(t, tuple(sorted(ms))) for t, ms in sorted(by_tick.items()))
+    before = []
+    for p, order in enumerate(orders):
+        starts = [span[a][0] for a in order]
+        slots: list[list[Round]] = [[] for _ in range(len(order) + 1)]
+        for r in rounds:
+            if r.of(p):
+                slots[bisect.bisect_left(starts, r.tick)].append(r)
+        before.append(tuple(tuple(s) for s in slots))
+    return ExchangePlan(sched, orders, rounds, tuple(before))
+
+
+def check(plan: ExchangePlan) -> None:
+    """Run ``plan`` under the rules of the module docstring: every send waits for its receive, a rank runs its
+    rounds one at a time in its order and computes only what it has received. Raises :class:`DeadlockError`
+    naming where it would hang, or AssertionError where an action would run before its message arrived."""
+    sched = plan.schedule
+    S = sched.stages
+    for p, order in enumerate(plan.orders):
+        got: set[tuple[int, int, int, int]] = set()
+        for k, a in enumerate(order):
+            got |= {m.key for r in plan.before[p][k] for m in r.of(p) if m.dst == p}
+            need = receives(a, S)
+            if need is not None:
+                key = (need[0], a.replica, a.micro_batch, need[1])
+                assert key in got, f"{sched.name}: rank {p} runs {a} before it has received {key}"
+    programs = [[r for slot in plan.before[p] for r in slot] for p in range(len(plan.orders))]
+    at = [0] * len(programs)
+    done: set[Message] = set()
+    while True:
+        current = {p: prog[at[p]] for p, prog in enumerate(programs) if at[p] < len(prog)}
+        if not current:
+            return
+        # a message crosses once both its ends are at its round (a send waits for its receive)
+        done |= {m for p, r in current.items() for m in r.of(p) if current.get(m.src) is r and current.get(m.dst) is r}
+        moved = False
+        for p, r in current.items():
+            if all(m in done for m in r.of(p)):
+                at[p] += 1
+                moved = True
+        if not moved:
+            raise DeadlockError(f"{sched.name}: exchange rounds wait on each other at "
+                                f"{ {p: r.tick for p, r in current.items()} }")
+
+
+def pairs(plan: ExchangePlan) -> list[tuple[int, int]]:
+    """The pairs of positions that exchange messages, sorted: the one global order connections are made in."""
+    return sorted({(min(m.src, m.dst), max(m.src, m.dst)) for r in plan.rounds for m in r.messages})

@@ -1,0 +1,80 @@
+"""The GPU rig (scripts/gpu_check.sh, gems/gpucheck.py): its matrix, its comparison, its plumbing on CPU (the
+dry mode), and the test aid that lets ranks share a GPU, refused outside the local launcher. What only a GPU can
+show (NCCL's hangs, TF32, the shared GPU itself) the rig shows where one is lent: results/gpu/."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from gems.errors import ConfigError
+from gems.gpucheck import TOLERANCE, compare, matrix
+from gems.pipeline.schedules import registered
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_matrix_covers_every_schedule_the_hybrids_and_the_precisions() -> None:
+    runs = matrix(dry=False)
+    labels = {r.label: r for r in runs}
+    for name in registered():
+        for D in (2, 4):
+            for m in (1, 2, 4):
+                assert f"{name}-D{D}-m{m}" in labels, (name, D, m)
+    # a combination the schedule refuses is listed, with the key and what would work
+    refused = labels["interleaved1f1b-D2-m1"]
+    assert refused.skipped.startswith("parallel.micro_batches")
+    assert not labels["1f1b-D4-m4"].skipped and labels["1f1b-D4-m4"].ranks == 4
+    for label in ("R2xD2xS2-mast", "R2xD2xS2-master", "S2", "R2", "1f1b-D2-m2-fp16", "mast-D2-m1-bf16"):
+        assert label in labels
+    assert labels["R2xD2xS2-mast"].ranks == 8
+    # every run has its one-rank reference in the matrix, TF32 off in all of them
+    for r in runs:
+        assert r.reference_label in labels, r.label
+    assert {"control-1f1b", "control-gpipe"} <= set(labels)
+    from gems.gpucheck import _base
+    assert "train.tf32=false" in _base(dry=False) and "train.device=cuda" in _base(dry=False)
+
+
+def test_the_comparison_names_a_difference_and_refuses_unequal_lengths() -> None:
+    ref = [1.0, 0.5, 0.25]
+    assert compare(ref, ref) == 0.0
+    assert compare([1.0, 0.5, 0.26], ref) == pytest.approx(0.04)
+    assert compare([1.0, 0.5], ref) is None and compare([], ref) is None
+    assert TOLERANCE["fp32"] < TOLERANCE["bf16"]
+
+
+def test_the_dry_rig_runs_a_pipeline_and_the_torch_control_equal_to_one_rank(tmp_path: Path) -> None:
+    """The plumbing on CPU: gems's 1F1B at D = 2 and torch.distributed.pipelining's Schedule1F1B, each against
+    its own one-rank run, through the script a GPU user runs."""
+    out = tmp_path / "check"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry", "--only", "1f1b", "--out", str(out)],
+                       capture_output=True, text=True, timeout=420, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    runs = {x["label"]: x for x in summary["runs"]}
+    assert set(runs) == {"1rank-fp32", "1f1b-D2-m2", "control-1f1b-1rank", "control-1f1b"}
+    for label in ("1f1b-D2-m2", "control-1f1b"):
+        x = runs[label]
+        assert x["status"] == "ok" and x["equal"] is True, x
+        assert len(x["losses"]) == len(x["reference"]) == 2 and x["max_rel_diff"] < TOLERANCE["fp32"]
+    assert summary["counts"]["equal"] == summary["counts"]["compared"] == 2
+    assert "| 1f1b-D2-m2 | 2 | fp32 | ok |" in (out / "summary.md").read_text()
+
+
+def test_sharing_a_gpu_is_a_test_aid_of_the_local_launcher_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gems.bootstrap import SHARE_GPU_ENV, check_launch, sharing_gpu
+    from gems.config import compose
+
+    monkeypatch.delenv(SHARE_GPU_ENV, raising=False)
+    assert not sharing_gpu()
+    monkeypatch.setenv(SHARE_GPU_ENV, "1")
+    assert sharing_gpu()
+    cfg = compose(["cluster=local_slurm", "cluster.nodes=1", "cluster.tasks_per_node=2", "parallel.replicas=2"])
+    with pytest.raises(ConfigError, match=SHARE_GPU_ENV):
+        check_launch(cfg, 2)
+    assert check_launch(compose(["parallel.replicas=2"]), 2) == "cpu"  # the local launcher: allowed
