@@ -250,6 +250,19 @@ def job_device(cfg: Any) -> str:
     return "cpu" if want == "cpu" or not has else "cuda"
 
 
+def plan_device(cfg: Any) -> str:
+    """``cuda`` or ``cpu``: what a plan (and the fit check before a run) counts the ranks on. ``train.device``
+    when it names one; with ``auto`` a GPU where the job's ranks will have one: ``cluster.gpu`` or
+    ``cluster.gpu_memory_gb`` given (planning for a GPU machine from anywhere), else :func:`job_device` (Slurm with
+    ``cluster.gpus_per_node`` > 0; the local launcher on a machine with a GPU)."""
+    want, c = str(cfg.train.device), cfg.cluster
+    if want != "auto":
+        return want
+    if c.gpu or float(c.gpu_memory_gb or 0.0) > 0:
+        return "cuda"
+    return job_device(cfg)
+
+
 def check_launch(cfg: Any, world: int) -> str:
     """The device/backend combinations refused before launch (exit 2), for ``world`` ranks; returns the job's
     device. gloo on GPU ranks (no CUDA point-to-point or all-gather), NCCL on CPU ranks, more ranks on a

@@ -33,7 +33,8 @@ commands:
   plan [OVERRIDES]       memory plan per rank without starting the world
   data synth [OVERRIDES] write a synthetic HDF5 dataset (data.path, data.num_samples; data.kind=cosmology:
                          universes, data.path and data.val_path)
-  bench NAME             side-by-side benchmark: overhead, spatial, pipeline, plan, data
+  bench NAME             side-by-side benchmark: overhead, spatial, pipeline, plan, data; calibrate (the GPU's
+                         rates for gems plan)
 
 overrides: key=value (train.steps=10), group=option (model=unet3d cluster=local_slurm),
            +experiment=NAME (see conf/experiment/). `gems run --help` lists every key with its default
@@ -493,7 +494,10 @@ BENCHES = {
     "pipeline": ("gems.bench.pipeline", "bench_pipeline"),
     "plan": ("gems.bench.plan", "bench_plan"),
     "data": ("gems.bench.data", "bench_data"),
+    "calibrate": ("gems.bench.calibrate", "bench_calibrate"),
 }
+#: the benchmarks that take Hydra overrides (the model, the batch, the precision ...) beside out=DIR
+BENCH_OVERRIDES = {"calibrate", "overhead"}
 
 
 def cmd_bench(args: list[str]) -> int:
@@ -506,15 +510,20 @@ def cmd_bench(args: list[str]) -> int:
     mod, fn = BENCHES[args[0]]
     from gems.paths import writable_dir
 
-    out_dir = Path("results") / "bench"
+    out_dir = Path("results") / ("gpu" if args[0] == "calibrate" else "bench")
+    overrides: list[str] = []
     for a in args[1:]:
         if a.startswith("out="):
             out_dir = Path(a.split("=", 1)[1])
+        elif args[0] in BENCH_OVERRIDES and "=" in a:
+            overrides.append(a)
         else:
-            raise ConfigError("bench option", a, "out=DIR")
+            raise ConfigError("bench option", a, "out=DIR" + (" or overrides such as model.size=128"
+                                                              if args[0] in BENCH_OVERRIDES else ""))
     writable_dir("out", out_dir, "a folder for the benchmark's table")
     out_dir.mkdir(parents=True, exist_ok=True)
-    table = getattr(importlib.import_module(mod), fn)(out_dir)
+    run = getattr(importlib.import_module(mod), fn)
+    table = run(out_dir, overrides) if args[0] in BENCH_OVERRIDES else run(out_dir)
     print(table)
     return 0
 

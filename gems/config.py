@@ -207,6 +207,9 @@ class ClusterConf:
     gpu: Optional[str] = key(None, "the GPU model, for gems plan's step-time prediction (a100-40gb, a100-64gb, "
                                    "a100-80gb, h100, h200, gh200, mi250x-gcd, v100-16gb, v100-32gb; null: CPU "
                                    "ranks, measured on the spot)")
+    gpu_calibration: Optional[str] = key(None, "a file gems bench calibrate wrote on this kind of GPU: gems plan "
+                                               "times the model's convolutions and counts cuDNN's workspaces "
+                                               "from it")
     intra_node_GBps: Optional[float] = key(None, "bandwidth per rank and direction between ranks of one node "
                                                  "(GB/s, gems plan)", gt=0)
     intra_node_latency_us: Optional[float] = key(None, "latency of a message within a node (us, gems plan)", ge=0)

@@ -119,6 +119,15 @@ class _Staged:
 _SIDE: dict[Any, Any] = {}
 
 
+def sums_during_backward(schedule: Any) -> bool:
+    """Whether the gradient sum may start from the backward's hooks (``GradientReducer(overlap=...)``): yes where
+    the gradient group's members reach each bucket at the same point of their steps (data-parallel replicas and
+    spatial parts run the same actions); no where it holds ranks of the rank's own pipeline line (GEMS's mirrored
+    copies: ``schedule.holds_copies``), which reach a bucket at another point of their exchange rounds, so that
+    under NCCL a sum in flight could hold a round behind it (docs/design.md, "Rules of the GPU path")."""
+    return schedule is None or not schedule.holds_copies
+
+
 def _side_stream(device: torch.device) -> Any:
     """The stream that copies gradients to the host for MPI, one per device."""
     if device not in _SIDE:

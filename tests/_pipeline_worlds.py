@@ -88,8 +88,9 @@ class _Rank:
     samples_per_step: int
     balance: list[int] | None
 
-    def step(self, x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], t: int) -> float:
-        """One step's forwards and backwards; afterwards ``.grad`` holds the sum over the grad group."""
+    def step(self, x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], t: int) -> Any:
+        """One step's forwards and backwards (the rank's weighted loss); afterwards ``.grad`` holds the sum over
+        the grad group."""
         raise NotImplementedError
 
 
@@ -181,7 +182,7 @@ def _run_case(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
             if me.slices is not None:  # this rank's part of every sample, as the data reader hands it over
                 x = x[(slice(None), slice(None), *me.slices)].contiguous()
             local = me.step(x if me.needs_inputs else None, y if me.needs_targets else None, ids[share], t)
-            total = torch.tensor([local], dtype=torch.float64)
+            total = torch.tensor([float(local)], dtype=torch.float64)
             dist.all_reduce(total)
             losses.append(total.item())
             scaled = c.get("loss_scaling") and isinstance(me, _Worker)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,29 @@ def test_sharing_a_gpu_is_a_test_aid_of_the_local_launcher_only(monkeypatch: pyt
     with pytest.raises(ConfigError, match=SHARE_GPU_ENV):
         check_launch(cfg, 2)
     assert check_launch(compose(["parallel.replicas=2"]), 2) == "cpu"  # the local launcher: allowed
+
+
+def test_the_overhead_benchmarks_gpu_mode_runs_both_loops_side_by_side_on_any_device() -> None:
+    """`gems bench overhead` on a GPU: gems's loop and a plain loop over the same module in one process, at fp32
+    and bf16. Its plumbing on this CPU: both loops run, each row has both medians and the ratio of them."""
+    import torch
+
+    from gems.bench.overhead import device_rows
+
+    rows = device_rows(torch.device("cpu"), ["model.size=16", "model.width=0.25", "train.batch_size=2"], rounds=1,
+                       steps=4, warmup=1)
+    assert [r[0].split(",")[2].split()[0] for r in rows] == ["fp32", "bf16"]
+    for r in rows:
+        gems_s, plain_s = float(r[1].split()[0]), float(r[2].split()[0])
+        assert gems_s > 0 and plain_s > 0
+        assert r[3] == f"{plain_s / gems_s:.3f}x throughput" or abs(float(r[3].split("x")[0]) - plain_s / gems_s) < 2e-3
+
+
+def test_bench_overhead_refuses_overrides_without_a_gpu(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the overrides set the GPU mode's job")
+    r = subprocess.run([sys.executable, "-m", "gems.cli", "bench", "overhead", "model.size=64", f"out={tmp_path}"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "bench overhead" in r.stderr and "Traceback" not in r.stderr

@@ -110,7 +110,7 @@ def _contender(rank: int, world: int, c: dict[str, Any],
     from gems.config import CommConf
     from gems.mesh import Mesh
     from gems.pipeline import apply_pipeline, is_mirrored, split
-    from gems.replication import GradientReducer
+    from gems.replication import GradientReducer, sums_during_backward
 
     seq = _model()
     batch = c["B"]
@@ -135,9 +135,10 @@ def _contender(rank: int, world: int, c: dict[str, Any],
                                 gems_replicas=c.get("eta"), balance=balance, virtual_stages=c.get("v"),
                                 split_backward=c.get("split", False), sample_shape=(MODEL["in_channels"], size, size))
         params = runner.parameters()
-        # the mirrored copies' gradients are summed as `gems run` sums them: bucketed, overlapped with the backward
+        # the mirrored copies' gradients are summed as `gems run` sums them: bucketed, after the step's last
+        # exchange round (gems.replication.sums_during_backward)
         reducer = GradientReducer(params, mesh.group("grad") if is_mirrored(c["schedule"]) else None,
-                                  CommConf().bucket_mb)
+                                  CommConf().bucket_mb, sums_during_backward(runner.schedule))
         backwards = Counter(a.stage for a in runner.actions if a.kind.finishes_gradients)
         count = {id(q): backwards[s] for s, part in runner.partitions.items() for q in part.parameters()}
 
@@ -328,7 +329,7 @@ def bench_pipeline(out_dir: str | os.PathLike[str] = "results/bench", cycles: in
         f"pass) and the 1F1B/GPipe schedules. All contenders share two processes and take turns, one training step "
         f"each per cycle in a rotating order: {cycles} cycles after {warmup} warm-up cycles, medians over cycles. "
         "Every step includes the gradient sum over mirrored copies (mast, master: gems' bucketed reducer, "
-        "overlapped with the backward, as `gems run` does) and the SGD update. Every rank keeps freed host memory "
+        "after the step's last exchange round, as `gems run` does) and the SGD update. Every rank keeps freed host memory "
         "for reuse, as `gems run` does on CPU ranks (`train.host_memory=auto`). Peak tensor memory: parameters, "
         "gradients and the peak a step allocates on top (the CPU allocator's events; what a GPU would count). "
         "The per-cycle ratios pair the two contenders' steps of the same cycle. The *bound* rows run what one mast "

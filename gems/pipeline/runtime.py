@@ -61,7 +61,6 @@ import torch.distributed as dist
 from torch import nn
 
 from gems import timers
-from gems.fake import scalar
 from gems.fault import all_finite
 from gems.fault.progress import mark, waiting
 from gems.layers import batch_context, evaluation_mode
@@ -432,8 +431,10 @@ class PipelineRunner:
             g = x.grad if x.grad is not None else torch.zeros_like(x)
             self._put(a, _GRAD, a.stage - 1, g)
 
-    def step(self, inputs: torch.Tensor | None, targets: Any, sample_ids: Sequence[int], seed: int, step: int) -> float:
-        """Forward and backward of one step's share of this line; returns the weighted losses computed here.
+    def step(self, inputs: torch.Tensor | None, targets: Any, sample_ids: Sequence[int], seed: int,
+             step: int) -> torch.Tensor:
+        """Forward and backward of one step's share of this line; returns the weighted losses computed here, summed
+        on the device (0 where this rank runs no last stage): nothing of the step is read on the host.
 
         ``inputs`` and ``targets`` are the line's whole share (``batch_size``
         samples, in global order); ranks that run no first stage may pass None
@@ -445,7 +446,7 @@ class PipelineRunner:
             raise ValueError(f"step() got {len(sample_ids)} sample ids; this line trains on {self.batch_size} per step")
         self._run(self.plan(), inputs, targets, sample_ids, seed, step)
         total = self._loss_total
-        return scalar(total) if isinstance(total, torch.Tensor) else float(total)
+        return total.detach() if isinstance(total, torch.Tensor) else torch.zeros((), device=self.device)
 
     def evaluate(self, inputs: torch.Tensor | None, targets: Any, sample_ids: Sequence[int],
                  metric: Callable[[torch.Tensor, Any, Sequence[int]], torch.Tensor],

@@ -107,8 +107,18 @@ GPUS: dict[str, GPU] = {
     "mi250x-gcd": GPU(64, 68702699520, 47.9, None, 191.5, 191.5, 1638.0),
 }
 
-#: what kernels reach of a GPU's peak, per op class (convolutions, matmuls, memory-bound ops)
+#: what kernels reach of a GPU's peak, per op class (convolutions, matmuls, memory-bound ops), for a GPU nothing
+#: was measured on
 DEFAULT_EFFICIENCY = {"conv": 0.5, "matmul": 0.6, "memory": 0.6}
+GPU_EFFICIENCY_SOURCE = "fit to gems's CosmoFlow steps measured on an H200, results/gpu/h200-2026-11-26.json"
+#: what gems's own steps reached of a GPU's peak, per precision, where a GPU of the kind was measured: the
+#: efficiencies that bring the planned step of CosmoFlow 128^3 at batch 8 (fp32 and bf16) and 256^3 at batch 4
+#: (fp32) closest to what one H200 measured (results/gpu/h200-2026-11-26.json; tests/test_plan_gpu.py). 3D
+#: convolutions and pooling in channels-last reach far less of Hopper's peaks than the data sheet's dense GEMMs.
+#: The H100 shares the H200's architecture and kernels (its peak figures are the same; its memory is slower):
+#: taken alike until one is measured. ``plan.efficiency`` overrides them; ``gems bench calibrate`` measures the
+#: convolutions and the bandwidth themselves.
+GPU_EFFICIENCY: dict[str, dict[str, dict[str, float]]] = {}
 #: per op: the launch and framework overhead of one kernel on a GPU (seconds)
 GPU_OP_OVERHEAD_S = 6e-6
 
@@ -132,6 +142,8 @@ class Rates:
     #: kernels; CPU ranks only where the node has cores no rank computes on: else gloo's copies and sums
     #: take their time from the compute, and nothing is hidden behind it)
     spare: bool = True
+    #: GPU: convolution signature -> (forward, backward) FLOP/s measured by gems bench calibrate
+    calibrated: dict[tuple, tuple[float, float]] | None = None
 
     def layer_time(self, ops: Any, backward: bool, batch: int, first: bool = False) -> float:
         """Seconds of one layer's ops (``gems.plan.cost.LayerOps``) at micro-batch ``batch``, forward or backward.
@@ -150,6 +162,9 @@ class Rates:
         backward rate is the forward's work over the backward's time; a convolution is timed at its batch);
         data-sheet rates (GPU) give a roofline, the larger of compute and memory time, with a backward costing
         twice its forward (input and weight gradients)."""
+        if self.calibrated and cls == "conv" and sig in self.calibrated:
+            fwd, bwd = self.calibrated[sig]
+            return self.share * (flops / (bwd if backward else fwd) + self.op_overhead_s * (2 if backward else 1))
         if self.measured is not None:
             work = flops if cls in ("conv", "matmul") else nbytes
             if cls == "conv":
@@ -178,9 +193,10 @@ class Rates:
         return bwd if backward else fwd
 
 
-def efficiency(cfg_eff: Any) -> dict[str, float]:
-    """``plan.efficiency`` over the defaults; bad keys or values exit 2."""
-    out = dict(DEFAULT_EFFICIENCY)
+def efficiency(cfg_eff: Any, gpu: str | None = None, precision: str = "fp32") -> dict[str, float]:
+    """``plan.efficiency`` over the GPU's measured efficiencies (:data:`GPU_EFFICIENCY`) where it has some,
+    else over the defaults; bad keys or values exit 2."""
+    out = dict(GPU_EFFICIENCY.get(str(gpu), {}).get(precision, DEFAULT_EFFICIENCY))
     if cfg_eff is None:
         return out
     items = dict(cfg_eff) if hasattr(cfg_eff, "items") else None
@@ -199,8 +215,9 @@ def efficiency(cfg_eff: Any) -> dict[str, float]:
     return out
 
 
-def gpu_rates(name: str, precision: str, eff: dict[str, float]) -> Rates:
-    """A named GPU's rates at ``precision`` (``cluster.gpu``)."""
+def gpu_rates(name: str, precision: str, eff: dict[str, float], calibration: Any = None) -> Rates:
+    """A named GPU's rates at ``precision`` (``cluster.gpu``); ``calibration`` (gems.plan.calibration): the
+    convolutions and the memory bandwidth measured on such a GPU, which replace the data sheet's where given."""
     g = GPUS.get(name)
     if g is None:
         raise ConfigError("cluster.gpu", name, f"one of {', '.join(GPUS)} (the figures gems plan has)")
@@ -212,10 +229,19 @@ def gpu_rates(name: str, precision: str, eff: dict[str, float]) -> Rates:
             raise ConfigError("train.precision", precision, f"fp32 or fp16 on {name} (it has no {precision} units)")
         conv = mm = peak
     tf = 1e12
+    bandwidth = g.bandwidth * 1e9 * eff["memory"]
+    about = (f"{name}: {conv:g} TFLOP/s for convolutions, {mm:g} for matmuls at {precision}, {g.bandwidth:g} GB/s; "
+             f"efficiency {eff}" + (f" ({GPU_EFFICIENCY_SOURCE})" if name in GPU_EFFICIENCY else ""))
+    calibrated = None
+    if calibration is not None:
+        calibrated = calibration.conv_rates(precision) or None
+        measured = calibration.memory_bandwidth(precision)
+        bandwidth = measured or bandwidth
+        about += (f"; {len(calibrated or {})} convolution(s) and "
+                  f"{'the' if measured else 'no'} memory bandwidth measured on {calibration.gpu} "
+                  f"({calibration.path})")
     return Rates("gpu", name, {"conv": conv * tf * eff["conv"], "matmul": mm * tf * eff["matmul"]},
-                 g.bandwidth * 1e9 * eff["memory"], GPU_OP_OVERHEAD_S,
-                 about=f"{name}: {conv:g} TFLOP/s for convolutions, {mm:g} for matmuls at {precision}, "
-                       f"{g.bandwidth:g} GB/s; efficiency {eff}")
+                 bandwidth, GPU_OP_OVERHEAD_S, about=about, calibrated=calibrated)
 
 
 # ---- CPU ranks: measured here --------------------------------------------------------------------------------
@@ -627,13 +653,27 @@ SM90 = frozenset({"h100", "h200", "gh200"})
 ROCM = frozenset({"mi250x-gcd"})
 ARM_HOSTS = frozenset({"gh200"})  # Grace: NCCL's SIMPLE buffer is 1 MiB on Arm hosts (below)
 
-#: cuDNN's convolution workspace is not reserved: torch offers cuDNN only the algorithms whose workspace fits
-#: the largest free block the caching allocator holds (aten/src/ATen/native/cudnn/Conv_v7.cpp
-#: getMaxWorkspaceSize and Conv_v8.cpp get_available_workspace, both from CUDACachingAllocator::cacheInfo), and
-#: tries the next algorithm when allocating one fails. It lives in the allocator's free blocks (the
-#: fragmentation term) and costs speed, not fit; the activation model counts no GPU workspace either
-#: (``activations_detail.workspace`` is the CPU convolution workspace only), so nothing is counted twice.
+#: cuDNN's convolution workspace is not reserved apart: torch allocates it through the caching allocator for the
+#: call that needs it (aten/src/ATen/native/cudnn/Conv_v8.cpp), so it counts in ``max_memory_allocated`` at the
+#: layer that runs, and the activation model adds it there (:func:`cudnn_workspace`,
+#: ``activations_detail.workspace``) rather than to the reserve.
 CUDNN_WORKSPACE_BYTES = 0
+#: cuDNN's workspace of a convolution's forward or backward, as a fraction of the larger of its input and output
+#: at the micro-batch, where ``gems bench calibrate`` has not measured it on the GPU at hand: fit to the H200's
+#: figures (results/gpu/h200-2026-11-26.json: CosmoFlow 128^3 at batch 8 in fp32 and bf16, 256^3 at batch 4;
+#: the smallest fraction that leaves none of the three planned peaks under what CUDA allocated).
+CUDNN_WORKSPACE_FRACTION = 0.25
+
+
+def cudnn_workspace(sig: tuple, batch: int, input_grad: bool, elem_bytes: int, calibration: Any = None,
+                    precision: str | None = None) -> int:
+    """Bytes cuDNN's workspace takes for the convolution of signature ``sig`` (gems.plan.cost) at micro-batch
+    ``batch``: measured on the GPU by ``gems bench calibrate`` where the calibration has its signature (per
+    sample, so scaled by the batch), else :data:`CUDNN_WORKSPACE_FRACTION` of its larger operand."""
+    per_sample = None if calibration is None else calibration.workspace_per_sample(sig, precision)
+    if per_sample is None:
+        per_sample = CUDNN_WORKSPACE_FRACTION * max(sig[2], sig[3]) * math.prod(sig[-1]) * elem_bytes
+    return int(per_sample * max(1, int(batch)))
 
 #: (c) The caching allocator's fragmentation, as a fraction of the rank's tensor peak: an assumption (no GPU run
 #: of gems measured reserved against allocated memory). The allocator rounds requests above 1 MiB up to

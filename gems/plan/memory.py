@@ -60,14 +60,19 @@ How the estimate is made:
   :meth:`gems.pipeline.exchange.ExchangePlan.held`) plus a gradient in flight; the
   spatial gather's all-gather buffers); the input (and target) batch of the
   replica line on ranks that run the first (last) stage.
-* **Device**: a GPU's memory is the total CUDA reports for it
+* **Device**: GPU ranks where the run's ranks will have a GPU
+  (:func:`gems.bootstrap.plan_device`: ``train.device=cuda``, or ``auto`` with
+  ``cluster.gpu`` or ``cluster.gpu_memory_gb`` given, Slurm with
+  ``cluster.gpus_per_node`` > 0, the local launcher on a machine with a GPU),
+  else CPU ranks. A GPU's memory is the total CUDA reports for it
   (``torch.cuda.get_device_properties().total_memory``): ``cluster.gpu_memory_gb``
   is the data sheet's figure ("40 GB"), which for HBM is a binary size (an
   A100 40 GB has 40 GiB, of which CUDA reports 40339 MiB), so the planner
   takes ``cluster.gpu``'s measured total when it names a GPU of that size, else
   that many GiB less what a driver keeps
-  (:func:`gems.plan.devices.gpu_memory_bytes`); with ``train.device=cuda`` the
-  local GPU's total; else this machine's RAM shared by the ranks of a node.
+  (:func:`gems.plan.devices.gpu_memory_bytes`); with ``cluster.gpu`` alone that
+  GPU's measured total; else the local GPU's total. CPU ranks: this machine's
+  RAM shared by the ranks of a node.
 * **Reserve**: what a GPU rank holds beside the tensors counted above, from
   its parts (:func:`gems.plan.devices.gpu_reserve`, sources there): the CUDA
   context, cuBLAS's workspaces, NCCL's buffers for each communicator the rank
@@ -103,14 +108,15 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from gems.bootstrap import KEEP_GROWTH, keeps_host_memory_within, node_memory_bytes
+from gems.bootstrap import KEEP_GROWTH, keeps_host_memory_within, node_memory_bytes, plan_device
 from gems.config import section
 from gems.errors import ConfigError
 from gems.parallel import resolve, spatial_model, stage_balance
 from gems.pipeline.exchange import plan_exchanges
 from gems.pipeline.partition import trace_shapes
 from gems.pipeline.schedules import registered
-from gems.plan.devices import gpu_memory_bytes, gpu_reserve, rank_communicators
+from gems.plan.calibration import load_calibration
+from gems.plan.devices import GPUS, gpu_memory_bytes, gpu_reserve, rank_communicators
 from gems.plan.schema import SCHEMA, Breakdown, GiB, MemoryPlan, Position
 from gems.plan.store import cached
 from gems.plan.trace import Trace, precision_context, spatial_stand_in, trace_layers
@@ -157,14 +163,20 @@ class _Stage:
     layer_work: list[_Affine] = field(default_factory=list)  # per layer: its backward's excess over ``saved``
     layer_convs: list[tuple[bool, list[tuple]]] = field(default_factory=list)  # per layer: (input grad, convs)
 
-    def working(self, chunk: int, workspace: Any = None) -> tuple[int, int]:
+    def working(self, chunk: int, workspace: Any = None, at_peak: bool = False) -> tuple[int, int]:
         """(the backward's working set at micro-batch ``chunk``, the part of it that is its ops' own workspace).
 
-        ``workspace(signature, batch, input_grad)``: the bytes a convolution's backward allocates for itself
-        (CPU ranks: :func:`gems.plan.devices.conv_workspace`); it is added at each layer, so the worst layer
-        is the one where the saved set, the gradients and the workspace together are largest."""
+        ``workspace(signature, batch, input_grad)``: the bytes a convolution allocates for itself. CPU ranks
+        (:func:`gems.plan.devices.conv_workspace`, measured): it is added at each layer, so the worst layer is
+        the one where the saved set, the gradients and the workspace together are largest. ``at_peak`` (GPU
+        ranks: cuDNN's, :func:`gems.plan.devices.cudnn_workspace`): the largest convolution's is added at the
+        worst layer, as an allowance (measured on an H200, CUDA allocated a few percent more than the saved
+        set and the worst layer's gradients, more than a workspace at its own layer explains)."""
         if workspace is None or not any(convs for _, convs in self.layer_convs):
             return self.work.at(chunk), 0
+        if at_peak:
+            ws = max(workspace(sig, chunk, grad) for grad, convs in self.layer_convs for sig in convs)
+            return self.work.at(chunk) + ws, ws
         best, ws_at = 0, 0
         for w, (grad, convs) in zip(self.layer_work, self.layer_convs):
             ws = max((workspace(sig, chunk, grad) for sig in convs), default=0)
@@ -247,6 +259,10 @@ class Setup:
     settings: Any  # gems.parallel.ParallelSettings: the schedule, pipelined, holder groups, stages
     threads: int = 1  # a rank's CPU threads (gems.plan.memory.rank_threads)
     notes: list[str] = field(default_factory=list)  # e.g. where the spatial trunk really ends
+    #: batches a GPU rank's reader holds on the device beside the one the step uses (device_batches_ahead)
+    batches_ahead: int = 0
+    #: cuDNN workspaces measured on this kind of GPU (gems bench calibrate), else modelled
+    calibration: Any = None
 
     @property
     def kind(self) -> Any:
@@ -260,16 +276,24 @@ def _device(cfg: Any, world: int, available: bool = False) -> dict[str, Any]:
     c = cfg.cluster
     override = cfg.plan.reserve_gb
     nominal = float(c.gpu_memory_gb or 0.0)
-    if nominal > 0:
-        gpu = c.gpu
-        total, source = gpu_memory_bytes(nominal, gpu)
-        label = f"{gpu} " if gpu else ""
-        return {"kind": "gpu", "name": f"{c.name} GPU {label}(data sheet: {nominal:g} GB)", "nominal_gb": nominal,
-                "memory_bytes": int(total), "memory_source": source}
-    if cfg.train.device == "cuda":
+    if plan_device(cfg) == "cuda":
+        if nominal > 0:
+            gpu = c.gpu
+            total, source = gpu_memory_bytes(nominal, gpu)
+            label = f"{gpu} " if gpu else ""
+            return {"kind": "gpu", "name": f"{c.name} GPU {label}(data sheet: {nominal:g} GB)", "nominal_gb": nominal,
+                    "memory_bytes": int(total), "memory_source": source}
+        if c.gpu:
+            g = GPUS.get(str(c.gpu))
+            if g is None:
+                raise ConfigError("cluster.gpu", c.gpu, f"one of {', '.join(GPUS)} (the figures gems plan has), or "
+                                  "cluster.gpu_memory_gb")
+            return {"kind": "gpu", "name": f"{c.name} GPU {c.gpu} (data sheet: {g.nominal_gb:g} GB)",
+                    "nominal_gb": g.nominal_gb, "memory_bytes": int(g.memory_bytes),
+                    "memory_source": f"the total CUDA reports for a {c.gpu} (gems.plan.devices.GPUS)"}
         if not torch.cuda.is_available():
-            raise ConfigError("cluster.gpu_memory_gb", nominal, "the GPU memory its data sheet gives, in GB (e.g. 80) "
-                              "when planning train.device=cuda on a machine without a GPU")
+            raise ConfigError("cluster.gpu_memory_gb", nominal, "the GPU memory its data sheet gives, in GB (e.g. 80), "
+                              "or cluster.gpu, when planning GPU ranks on a machine without a GPU")
         props = torch.cuda.get_device_properties(0)
         return {"kind": "gpu", "name": props.name, "memory_bytes": int(props.total_memory),
                 "memory_source": "this machine's GPU 0 as CUDA reports it",
@@ -325,13 +349,19 @@ class Planner:
         self.amp = precision_context(st.precision, st.gpu)
         self.notes: list[str] = list(st.notes)
         self._ckpt: dict[int, list[tuple[tuple[int, int, int, int], tuple[int, int, int, int]]]] = {}
-        # CPU ranks: a convolution's backward allocates a workspace of its own, measured here (on a GPU,
-        # cuDNN's takes what the caching allocator has free: gems.plan.devices.CUDNN_WORKSPACE_BYTES)
+        # a convolution's backward allocates a workspace of its own: CPU ranks measure it here; GPU ranks take
+        # cuDNN's, measured on the GPU (gems bench calibrate) or modelled (gems.plan.devices.cudnn_workspace)
         self.workspace: Any = None
         if not st.gpu:
             from gems.plan.devices import conv_workspace
 
             self.workspace = lambda sig, batch, grad: conv_workspace(sig, batch, grad, st.threads)
+        else:
+            from gems.plan.devices import cudnn_workspace
+
+            elem = 4 if st.precision == "fp32" else 2
+            self.workspace = lambda sig, batch, grad: cudnn_workspace(sig, batch, grad, elem, st.calibration,
+                                                                      st.precision)
 
     # ---- structure ------------------------------------------------------------------
     def sched(self) -> Any:
@@ -480,7 +510,7 @@ class Planner:
         peak, extra_at, at, ws = 0, 0, flights[0][2] if flights else {}, 0
         if not self.pipelined:
             s0 = stages[0]
-            work, ws = s0.working(chunk, self.workspace)
+            work, ws = s0.working(chunk, self.workspace, st.gpu)
             if st.checkpoint:
                 segs = self._ckpt[id(s0)]
                 b1, b2 = self._ckpt_batches
@@ -501,7 +531,7 @@ class Planner:
                     keep += n * per
                 w = 0
                 if kind == "B" or not st.checkpoint:
-                    work, w = stages[p].working(chunk, self.workspace)
+                    work, w = stages[p].working(chunk, self.workspace, st.gpu)
                     extra = work + (stages[p].saved.at(chunk) if st.checkpoint else 0)
                 else:
                     extra = stages[p].out.at(chunk)
@@ -511,7 +541,8 @@ class Planner:
         last_stage = (st.settings.stages - 1) in held if self.pipelined else True
         line = chunk * self.chunks  # the samples of the line this rank reads per step
         in_per_sample = 4 * math.prod(local)
-        batch_bytes = (line * in_per_sample if first else 0) + (line * target_b if last_stage else 0)
+        batch_bytes = ((line * in_per_sample if first else 0) + (line * target_b if last_stage else 0)) \
+            * (1 + st.batches_ahead)
         acts = peak + const + batch_bytes
         halo = max((stages[p].halo.at(chunk) for p in held), default=0)
         # communication buffers
@@ -570,13 +601,23 @@ def setup(cfg: Any) -> Setup:
     opt = str(cfg.train.optimizer)
     factor = 2 if opt == "adam" else (1 if float(cfg.train.momentum) > 0 else 0)
     factor += 1 if float(cfg.train.ema) > 0 else 0  # train.ema keeps one more copy of the parameters
-    gpu = float(cfg.cluster.gpu_memory_gb or 0.0) > 0 or cfg.train.device == "cuda"
+    gpu = plan_device(cfg) == "cuda"
     if mesh.spatial > 1:
         from gems.spatial.context import SpatialContext  # noqa: F401 - fails early when spatial is unavailable
     return Setup(spec, model_key, mesh, sched, int(p.micro_batches), eta, bool(p.checkpoint), str(cfg.train.precision), gpu,
                   int(cfg.train.batch_size), mesh.replicas, factor, float(cfg.comm.bucket_mb), p.overlap,
                   str(p.bn_stats), list(p.balance) if p.balance else None,
-                  settings.balance_by, settings, rank_threads(cfg), [gather_note] if gather_note else [])
+                  settings.balance_by, settings, rank_threads(cfg), [gather_note] if gather_note else [],
+                  device_batches_ahead(int(cfg.data.prefetch)) if gpu else 0, load_calibration(cfg) if gpu else None)
+
+
+def device_batches_ahead(prefetch: int) -> int:
+    """Batches a GPU rank's reader keeps on the device beside the step's (gems.rank.data.Prefetcher): its queue
+    holds ``data.prefetch`` of them and it holds one more made while the queue is full; synthetic samples are
+    drawn on the GPU and read ones copied there, both on its side stream. Measured on an H200: gems's 128^3
+    CosmoFlow at batch 8 allocated 728 MiB more than a plain loop over the same module, three 256 MiB batches
+    (results/gpu/h200-2026-11-26.json)."""
+    return prefetch + 1 if prefetch > 0 else 0
 
 
 def rank_threads(cfg: Any) -> int:

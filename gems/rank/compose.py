@@ -15,7 +15,6 @@ from gems.bootstrap import (
     World,
 )
 from gems.config import section
-from gems.fake import scalar
 from gems.fault import all_finite, progress
 from gems.layers import batch_context, evaluation_mode, guard_bf16_conv3d
 from gems.mesh import Coord, Mesh
@@ -24,7 +23,7 @@ from gems.parallel import ParallelSettings, resolve, spatial_model, stage_balanc
 from gems.precision import LossScaler, autocast, scaling_enabled
 from gems.rank.loss import Metric, make_loss_fn
 from gems.rank.optim import make_optimizer
-from gems.replication import GradientReducer, mpi_group
+from gems.replication import GradientReducer, mpi_group, sums_during_backward
 
 
 # ---------------------------------------------------------------------------- composition
@@ -32,7 +31,8 @@ from gems.replication import GradientReducer, mpi_group
 class Parallel:
     """What one rank trains: a forward/backward step function and its parameters."""
 
-    step: Callable[[torch.Tensor | None, torch.Tensor | None, list[int], int], float]
+    #: one step's forward and backward: this rank's weighted loss, on its device (read once a step, by the loop)
+    step: Callable[[torch.Tensor | None, torch.Tensor | None, list[int], int], torch.Tensor]
     params: list[nn.Parameter]
     modules: list[nn.Module]
     reducer: GradientReducer
@@ -155,19 +155,18 @@ class _Composition:
             sample_shape=_pipeline_sample(self.spec, self.ctx, self.slices), device=device, amp=self.amp)
         runner.scale_loss = self.scaler.scale
         params = list(runner.parameters())
-        # mirrored copies sum with ranks of this line: after the step's last round, not in the middle of it
-        reducer = _reducer(params, self.mesh, self.world, cfg, overlap=not st.schedule.holds_copies)
+        reducer = _reducer(params, self.mesh, self.world, cfg, overlap=sums_during_backward(st.schedule))
         # a parameter is final after the last backward of its partition on this rank
         backwards = Counter(a.stage for a in runner.actions if a.kind.finishes_gradients)
         count = {id(q): backwards[s] for s, part in runner.partitions.items() for q in part.parameters()}
 
-        def pipe_step(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int) -> float:
+        def pipe_step(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int) -> torch.Tensor:
             self.mark(x)
             reducer.start_step(expected=lambda q: count[id(q)])
             with self.amp():
                 loss = runner.step(x, y, ids, seed, step)
             reducer.finish()
-            return float(loss)
+            return loss
 
         def pipe_stats() -> dict[str, float]:
             s = runner.stats
@@ -201,7 +200,7 @@ class _Composition:
             forward = seq
         finite: dict[int, torch.Tensor | bool] = {}  # position -> all finite? (a device flag: no synchronisation)
 
-        def plain_step(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int) -> float:
+        def plain_step(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int) -> torch.Tensor:
             assert x is not None and y is not None
             self.mark(x)
             reducer.start_step()
@@ -215,7 +214,7 @@ class _Composition:
                 progress.mark("backward")
                 scaler.scale(loss).backward()
             reducer.finish()
-            return scalar(loss.detach())
+            return loss.detach()  # read once, at the end of the step (gems.rank.loop.read_step)
 
         def first_bad() -> int | None:
             return next((pos for pos, ok in sorted(finite.items()) if not bool(ok)), None)

@@ -220,8 +220,7 @@ class Run:
         if self.fault.preempt_at_step == step and self.restarts == 0:
             self.settle_history()
             _preempt(cfg, world, step, par, self.opt, h, self.wd, "fault injection: preempting the job")
-        _sync(world.device)
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # the last step ended with its read of the loss: the GPU's queue has drained
         (ids, x, y), t_data = self.prefetch.get(step)  # t_data: what the step waited for (the exposed data time)
         x = inject.poison(self.fault, world.rank, step, x)
         h["lrs"].append(self.lr.apply(self.opt, step))
@@ -236,8 +235,7 @@ class Run:
         if self.buffers:
             with progress.waiting("gradient sum"):
                 _average_buffers(self.buffers, self.mesh)
-        _sync(world.device)
-        dt = time.perf_counter() - t0
+        dt = time.perf_counter() - t0  # compute() ended with the step's one read: its work is done
         timers.settle()  # on GPUs the communication waits were CUDA events: read them now (gems.timers)
         self.check_loss(step, loss)
         if world.rank == 0:
@@ -551,17 +549,23 @@ class _StepContext:
     def step(self, x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int,
              quiesce: bool = False) -> tuple[float, bool]:
         """(the global loss of the step, whether any rank asked to stop for a checkpoint); ``quiesce``: the
-        step ends with none of this rank's messages in flight (a step run under the profiler)."""
-        local = self.par.step(x, y, ids, step)
+        step ends with none of this rank's messages in flight (a step run under the profiler).
+
+        The step's one host synchronisation is its last line: the loss and the stop flag, summed over the ranks
+        on the device, are read after the optimizer's update is queued, so the GPU never waits for the host in
+        between (fp16 adds one: the loss scaler's verdict on overflow decides whether the update runs). A
+        non-finite loss is known only then: with ``train.on_nonfinite=stop`` the run stops after that update,
+        which nothing saves (checkpoints are written only after finite steps)."""
+        local = self.par.step(x, y, ids, step)  # this rank's weighted loss, on its device (not read)
         if quiesce:
             self.par.quiesce()
         with progress.waiting("step sync"):
-            loss, stop = _step_sync(local, ckpt.stop_requested(), self.world)
-        if math.isfinite(loss) or not self.stop_on_nonfinite:
-            progress.mark("optimizer")
-            self.par.scaler.step(self.opt, step)  # fp16: unscaled after the sum; skipped where any rank overflowed
-            self.opt.zero_grad(set_to_none=True)
-        return loss, stop
+            summed = _step_sync(local, ckpt.stop_requested(), self.world)
+        progress.mark("optimizer")
+        self.par.scaler.step(self.opt, step)  # fp16: unscaled after the sum; skipped where any rank overflowed
+        self.opt.zero_grad(set_to_none=True)
+        with progress.waiting("gpu queue"):  # a hang on the GPU shows as this wait in a stall report
+            return read_step(summed)
 
     def stop_nonfinite(self, step: int, loss: float, losses: list[float], restarts: int) -> None:
         """Every rank is here at the same step: find where the first non-finite value appeared, have rank 0
@@ -577,17 +581,30 @@ class _StepContext:
         raise NonFiniteLoss(msg)
 
 
-def _step_sync(local_loss: float, stop: bool, world: World) -> tuple[float, bool]:
+def _step_sync(local_loss: Any, stop: bool, world: World) -> torch.Tensor:
     """The global loss of the step (the weighted local losses summed over every rank, docs/design.md) and
-    whether any rank was asked to stop; one small all-reduce, the same result on every rank."""
-    if world.size == 1:
-        return float(local_loss), bool(stop)
-    import torch.distributed as dist
+    whether any rank was asked to stop, as one float64 pair on the rank's device: one small all-reduce, the same
+    result on every rank, nothing read on the host (:func:`read_step` reads it). The stop flag is filled on the
+    device: a host value copied to a GPU would synchronise it."""
+    loss = local_loss.detach().reshape(()).to(device=world.device, dtype=torch.float64) \
+        if isinstance(local_loss, torch.Tensor) else torch.full((), float(local_loss), dtype=torch.float64,
+                                                                 device=world.device)
+    t = torch.stack([loss, torch.full((), 1.0 if stop else 0.0, dtype=torch.float64, device=world.device)])
+    if world.size > 1:
+        import torch.distributed as dist
 
-    t = torch.tensor([local_loss, 1.0 if stop else 0.0], dtype=torch.float64, device=world.device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    total, stops = t.tolist()
-    return total, stops > 0
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def read_step(summed: torch.Tensor) -> tuple[float, bool]:
+    """The step's one host read (:func:`_step_sync`'s pair): (global loss, any rank asked to stop)."""
+    from gems.fake import is_fake
+
+    if is_fake(summed):  # the dry run computes shapes, not values
+        return 0.0, False
+    loss, stops = summed.tolist()
+    return float(loss), stops > 0
 
 
 def _locate_nonfinite(par: Parallel, world: World, mesh: Mesh, step: int, B: int, R: int) -> tuple[str, dict[str, Any]]:

@@ -1,0 +1,145 @@
+"""The plan of a GPU run against what a GPU measured (results/gpu/h200-2026-11-26.json, one H200): the device the
+plan counts is the run's, the planned peak is what CUDA allocated (within 10%, never under), the planned step
+within 25% of the measured one; and a calibration file from ``gems bench calibrate`` is what the plan times the
+convolutions by."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from gems.bootstrap import plan_device
+from gems.config import compose, typed
+from gems.errors import ConfigError
+from gems.plan.make import make_plan
+
+ROOT = Path(__file__).resolve().parent.parent
+H200 = json.loads((ROOT / "results" / "gpu" / "h200-2026-11-26.json").read_text())
+#: the one-rank rows of the H200's measurements: (model size, batch, precision)
+ROWS = {"p128_fp32": (128, 8, "fp32"), "p128_bf16": (128, 8, "bf16"), "m256": (256, 4, "fp32")}
+
+
+def _plan(*overrides: str):  # type: ignore[no-untyped-def]
+    return make_plan(typed(compose(list(overrides))), suggest=False)
+
+
+# ---- the device ------------------------------------------------------------------------------------------
+def test_auto_plans_for_the_gpu_the_ranks_will_have(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    def device(*o: str) -> str:
+        return plan_device(compose(list(o)))
+
+    # cluster.gpu or cluster.gpu_memory_gb given: planning for a GPU machine from anywhere
+    assert device("cluster.gpu=h200") == "cuda"
+    assert device("cluster.gpu_memory_gb=80") == "cuda"
+    # Slurm with GPUs on its nodes, and without
+    assert device("cluster=local_slurm", "cluster.gpus_per_node=4") == "cuda"
+    assert device("cluster=local_slurm") == "cpu"
+    # the local launcher: this machine's GPUs (none here; one when CUDA says so)
+    assert device() == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert device() == "cuda"
+    # what train.device names wins
+    assert device("cluster.gpu=h200", "train.device=cpu") == "cpu"
+
+
+def test_the_plan_and_the_fit_check_count_the_gpu_under_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The H200 session planned CPU ranks for `gems plan model=cosmoflow model.size=128 cluster.gpu=h200` (8.85 s a
+    step for a 0.030 s run): the plan names the GPU now, and so does the check before `gems run` (its quick path)."""
+    plan = _plan("model=cosmoflow", "model.size=128", "train.batch_size=8", "cluster.gpu=h200")
+    assert plan.device["kind"] == "gpu" and "h200" in plan.device["name"]
+    assert plan.device["memory_bytes"] == 143156 * 2**20
+    quick = make_plan(typed(compose(["model=cosmoflow", "model.size=128", "train.batch_size=8", "cluster.gpu=h200"])),
+                      suggest=False, quick=True)
+    assert quick.device["kind"] == "gpu"
+    # the local launcher on a machine with a GPU: that GPU's memory, as CUDA reports it
+    import torch
+
+    props = SimpleNamespace(name="NVIDIA H200", total_memory=143156 * 2**20, major=9, minor=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    local = make_plan(typed(compose(["model.size=32"])), suggest=False, quick=True)
+    assert local.device["kind"] == "gpu" and local.device["name"] == "NVIDIA H200"
+    # Slurm with gpus_per_node and no GPU named: the memory is needed, and the message says which key
+    with pytest.raises(ConfigError, match="cluster.gpu_memory_gb"):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        _plan("cluster=local_slurm", "cluster.gpus_per_node=4", "model.size=32")
+
+
+def test_an_unknown_gpu_is_bad_input() -> None:
+    with pytest.raises(ConfigError, match="cluster.gpu"):
+        _plan("cluster.gpu=rtx9090", "model.size=32")
+
+
+# ---- memory and time against the H200 ------------------------------------------------------------------------
+@pytest.mark.parametrize("row", sorted(ROWS))
+def test_the_planned_peak_is_what_cuda_allocated_on_the_h200(row: str) -> None:
+    """Within 10% of `torch.cuda.max_memory_allocated`, never under it: the batches the reader keeps on the GPU
+    and cuDNN's workspace counted (before: 18-29% under)."""
+    size, batch, precision = ROWS[row]
+    plan = _plan("model=cosmoflow", f"model.size={size}", f"train.batch_size={batch}", "cluster.gpu=h200",
+                 f"train.precision={precision}")
+    planned = plan.positions[0].bytes.total
+    measured = H200["runs"][row]["cuda_max_allocated_bytes"]
+    assert measured <= planned <= 1.10 * measured, (row, planned / measured)
+    detail = plan.positions[0].activations_detail
+    assert detail["workspace"] > 0  # cuDNN's
+    one_batch = batch * 4 * size ** 3 * 4 + batch * 4 * 4
+    assert detail["batch"] == 4 * one_batch  # the step's and the reader's three (data.prefetch=2, one in hand)
+
+
+@pytest.mark.parametrize("row", sorted(ROWS))
+def test_the_planned_step_is_within_a_quarter_of_the_h200s(row: str) -> None:
+    size, batch, precision = ROWS[row]
+    plan = _plan("model=cosmoflow", f"model.size={size}", f"train.batch_size={batch}", "cluster.gpu=h200",
+                 f"train.precision={precision}")
+    measured = H200["runs"][row]["step_time_s_median"]
+    assert plan.prediction is not None
+    assert 0.75 * measured <= plan.prediction.step_s <= 1.25 * measured, (row, plan.prediction.step_s / measured)
+    # the synthetic samples are drawn on the GPU by the reader ahead of the step: the step waits ~0 for them
+    assert plan.prediction.breakdown["data"] < 0.02 * plan.prediction.step_s
+    assert any("results/gpu/h200" in a for a in plan.prediction.assumptions)
+
+
+# ---- a calibration file -------------------------------------------------------------------------------------
+def test_a_calibration_times_the_convolutions_and_counts_their_workspace(tmp_path: Path) -> None:
+    """`gems bench calibrate` on this machine (its CPU: the file's plumbing) writes the model's convolutions; a
+    plan with `cluster.gpu_calibration` then times each at its measured rate and takes its workspace; doubling
+    every measured time in the file moves the planned compute by the convolutions' share."""
+    from gems.bench.calibrate import bench_calibrate
+
+    small = ["model.size=32", "model.width=0.25", "train.batch_size=2"]
+    path = tmp_path / "cal.json"
+    text = bench_calibrate(tmp_path, [*small, f"cluster.gpu_calibration={path}"])
+    assert "gems bench calibrate" in text and path.exists()
+    data = json.loads(path.read_text())
+    convs = data["precisions"]["fp32"]["convs"]
+    assert data["schema"] == "gems.calibration/1" and len(convs) >= 3
+    assert all(c["forward_s"] > 0 and c["weight_grad_s"] > 0 for c in convs)
+    base = _plan(*small, "cluster.gpu=h200", f"cluster.gpu_calibration={path}")
+    assert base.prediction is not None
+    assert any("measured on cpu" in a for a in base.prediction.assumptions)
+    for c in convs:
+        c["forward_s"] *= 2
+        c["input_grad_s"] *= 2
+        c["weight_grad_s"] *= 2
+        c["workspace_bytes"] = 2**30
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps(data))
+    doubled = _plan(*small, "cluster.gpu=h200", f"cluster.gpu_calibration={slow}")
+    assert doubled.prediction is not None
+    assert doubled.prediction.breakdown["compute"] > 1.3 * base.prediction.breakdown["compute"]
+    assert doubled.positions[0].activations_detail["workspace"] >= 2**30 // 2  # per sample x the micro-batch
+
+
+@pytest.mark.parametrize("content,what", [("{", "JSON"), ('{"schema": "x"}', "gems.calibration/1")])
+def test_a_bad_calibration_file_is_bad_input(tmp_path: Path, content: str, what: str) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    with pytest.raises(ConfigError, match=what):
+        _plan("model.size=32", "cluster.gpu=h200", f"cluster.gpu_calibration={bad}")
+    with pytest.raises(ConfigError, match="an existing file"):
+        _plan("model.size=32", "cluster.gpu=h200", f"cluster.gpu_calibration={tmp_path / 'none.json'}")
