@@ -184,8 +184,8 @@ class TrainConf:
                                "folder (profile/rank<k>.json); that step is left out of the timings")
 
 
-#: minutes a launcher waits past a job's time limit (cluster.time_min) before it ends the job, unless
-#: cluster.timeout_min sets the wait
+#: minutes a launcher waits for a running job past its time limit (cluster.time_min) before it stops waiting,
+#: unless cluster.timeout_min sets the wait
 WAIT_GRACE_MIN = 5
 
 
@@ -235,10 +235,14 @@ class ClusterConf:
     poll_s: float = key(1.0, "how often the launcher checks its jobs at first (seconds; it backs off to 5x that, "
                              "at most 5 min, while nothing changes)", gt=0)
     arrays: bool = key(True, "the points of a sweep that ask for the same resources go to Slurm as one job array")
-    timeout_min: Optional[float] = key(None, "give up waiting after this long (default: time_min + 5)", gt=0)
+    timeout_min: Optional[float] = key(None, "stop waiting for a job this long after it started running (default: "
+                                             "time_min + 5; its time in the queue does not count, and a requeue "
+                                             "starts the clock again)", gt=0)
+    cancel_on_timeout: bool = key(False, "cancel a job the launcher stops waiting for (cluster.timeout_min); by "
+                                         "default it goes on, and gems status follows it")
 
     def wait_s(self) -> float:
-        """How long a launcher waits for a job before it ends it: ``timeout_min``, or the time limit and 5 minutes."""
+        """How long a launcher waits for a job once it runs: ``timeout_min``, or the time limit and 5 minutes."""
         return 60.0 * float(self.timeout_min if self.timeout_min is not None else self.time_min + WAIT_GRACE_MIN)
 
     def wait_key(self) -> str:

@@ -100,3 +100,24 @@ def test_gpu_presets_are_complete(name: str) -> None:
     assert c.tasks_per_node == c.gpus_per_node  # one rank per GPU
     text = (Path(__file__).parents[1] / "conf" / "cluster" / f"{name}.yaml").read_text()
     assert text.startswith("# ") and ("docs." in text.splitlines()[0] or "apps." in text.splitlines()[0])
+
+
+def test_every_preset_gives_srun_the_cpus_per_task() -> None:
+    """Since Slurm 22.05 srun no longer inherits sbatch's --cpus-per-task: a rank would be pinned to one core with
+    its OpenMP threads, the data reader and NCCL's proxy thread (Frontier's preset set -c 7 and nothing carried it
+    to srun). Every preset's script gives srun the preset's CPUs per task, a value in cluster.srun_args wins."""
+    import glob
+
+    presets = sorted(Path(p).stem for p in glob.glob(str(Path(__file__).parent.parent / "conf" / "cluster" / "*.yaml")))
+    assert set(CASES) >= set(presets) - {"local"}, "a preset without a render case"
+    for name in sorted(CASES):
+        cfg = _cfg(name)
+        srun = next(line for line in render(cfg, JOB_DIR, CONFIG).splitlines() if line.startswith("srun "))
+        n = int(cfg.cluster.cpus_per_task)
+        if n > 1:
+            assert f" --cpus-per-task={n} " in srun, (name, srun)
+        else:
+            assert "--cpus-per-task" not in srun, (name, srun)
+    mine = compose(CASES["frontier"] + ["cluster.python=python", "cluster.srun_args=[-c,3]"])
+    srun = srun_command(mine, JOB_DIR)
+    assert "--cpus-per-task" not in srun and srun.endswith(" -c 3")

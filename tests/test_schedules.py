@@ -384,11 +384,12 @@ def test_the_meeting_check_catches_rounds_run_out_of_order() -> None:
 
 
 def test_a_receiver_holds_what_came_early_as_the_planner_counts_it() -> None:
-    """GPipe's second stage consumes each activation in the round it arrives; looped BFS receives a stage's
-    forwards while it runs another: the buffers held beside the input are what ExchangePlan.held says."""
-    from gems.pipeline.exchange import plan_exchanges
+    """GPipe's stages receive each activation (gradient) one action before the action that needs it (LOOKAHEAD),
+    so each holds one beside the one in use; looped BFS receives a stage's forwards while it runs another:
+    the buffers held beside the input are what ExchangePlan.held says."""
+    from gems.pipeline.exchange import LOOKAHEAD, plan_exchanges
     from gems.pipeline.schedules import gpipe, looped_bfs
 
-    assert [plan_exchanges(gpipe(2, 4)).held(p) for p in (0, 1)] == [0, 0]
+    assert [plan_exchanges(gpipe(2, 4)).held(p) for p in (0, 1)] == [LOOKAHEAD, LOOKAHEAD]
     bfs = plan_exchanges(looped_bfs(2, 2, 4))
     assert max(bfs.held(p) for p in (0, 1)) >= 2

@@ -61,17 +61,62 @@ def test_dead_rank_is_reported_failed_in_bounded_time(tmp_path: Path) -> None:
     assert "dying on purpose" in (out.error or "")
 
 
-def test_timeout_cancels_and_reports(tmp_path: Path) -> None:
+def _state(job_id: str) -> str:
+    return subprocess.run(["squeue", "-h", "--states=all", "-j", job_id, "-o", "%T"], capture_output=True,
+                          text=True).stdout.strip()
+
+
+def test_timeout_cancels_and_reports_when_asked_to(tmp_path: Path) -> None:
     t0 = time.time()
-    run = slurm.submit(_cfg(tmp_path, "cluster.timeout_min=0.15"), fn=ranks.sleep_forever)
+    run = slurm.submit(_cfg(tmp_path, "cluster.timeout_min=0.15", "cluster.cancel_on_timeout=true"),
+                       fn=ranks.sleep_forever)
     [out] = watch.wait(run, progress=False)
     assert not out.ok and out.state == "TIMEOUT"
-    assert "cluster.timeout_min" in (out.error or "")
+    assert "cluster.timeout_min" in (out.error or "") and "cancelled" in (out.error or "")
     assert time.time() - t0 < 90
     time.sleep(2)
-    state = subprocess.run(["squeue", "-h", "--states=all", "-j", out.job_id, "-o", "%T"],
-                           capture_output=True, text=True).stdout.strip()
-    assert state in ("", "CANCELLED", "COMPLETING"), state
+    assert _state(out.job_id) in ("", "CANCELLED", "COMPLETING"), _state(out.job_id)
+
+
+def test_stopping_to_wait_leaves_a_running_job_running(tmp_path: Path) -> None:
+    """Past cluster.timeout_min of running the launcher stops waiting and says how to follow the job; the job
+    goes on (it is the user's place in the queue and their allocation) and no record is written for it."""
+    run = slurm.submit(_cfg(tmp_path, "cluster.timeout_min=0.15"), fn=ranks.sleep_forever)
+    try:
+        [out] = watch.wait(run, progress=False)
+        assert not out.ok and out.state == "LEFT"
+        assert f"squeue -j {out.job_id}" in (out.error or "") and "goes on" in (out.error or "")
+        assert _state(out.job_id) == "RUNNING"
+        got = slurm.record_of(run, out)
+        assert got["failure"]["kind"] == "left_running" and not run.record_path.exists()
+    finally:
+        subprocess.run(["scancel", run.job_id], capture_output=True, timeout=30)
+
+
+def test_a_job_waiting_in_the_queue_past_its_wait_is_still_waited_for_and_runs_when_released(tmp_path: Path) -> None:
+    """Waiting is not cancelling (a 30-minute job that waits 35 minutes for its nodes was cancelled before it
+    ran): the launcher's clock starts when the job runs. A job held in the queue (a begin time two minutes
+    ahead) well past cluster.timeout_min is still there, still waited for, and runs to the end once released."""
+    import threading
+
+    run = slurm.submit(_cfg(tmp_path, "cluster.timeout_min=0.1", "cluster.additional={begin: now+600}"),
+                       fn=ranks.allreduce_rank)
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.extend(watch.wait(run, progress=False, poll_s=1.0)), daemon=True)
+    try:
+        waiter.start()
+        time.sleep(20)  # three times the wait
+        assert waiter.is_alive() and not got
+        assert _state(run.job_id) == "PENDING" and run.started_at is None
+        subprocess.run(["scontrol", "update", f"JobId={run.job_id}", "StartTime=now"], check=True,
+                       capture_output=True, timeout=30)
+        waiter.join(timeout=120)
+        assert not waiter.is_alive()
+        [out] = got
+        assert out.ok and out.state == "COMPLETED", out.error
+        assert sorted(r["rank"] for r in out.results) == [0, 1, 2, 3]
+    finally:
+        subprocess.run(["scancel", run.job_id], capture_output=True, timeout=30)
 
 
 def test_sweep_of_two_jobs_waits_for_both(tmp_path: Path) -> None:

@@ -75,11 +75,22 @@ def sbatch_parameters(cfg: DictConfig) -> dict[str, Any]:
     if setup:
         params["setup"] = setup
     srun_args = [str(a) for a in (c.srun_args or [])]
+    if int(c.cpus_per_task) > 1 and not any(_sets_cpus(a) for a in srun_args):
+        # since Slurm 22.05 srun no longer takes --cpus-per-task from sbatch: without it every rank is pinned to
+        # one core with its threads, the data reader and NCCL's proxy thread (slurm.schedmd.com/srun.html,
+        # --cpus-per-task: "Beginning with 22.05, srun will not inherit the --cpus-per-task value requested by
+        # salloc or sbatch"); given here for every preset, cluster.srun_args's own value wins
+        srun_args = [f"--cpus-per-task={int(c.cpus_per_task)}", *srun_args]
     if srun_args:
         params["srun_args"] = srun_args
     if additional:
         params["additional_parameters"] = {str(k): v for k, v in additional.items()}  # type: ignore[union-attr]
     return params
+
+
+def _sets_cpus(arg: str) -> bool:
+    """Whether an srun argument sets the CPUs per task (``--cpus-per-task=N``, ``-c N``, ``-cN``)."""
+    return arg.startswith("--cpus-per-task") or arg == "-c" or (arg.startswith("-c") and arg[2:].isdigit())
 
 
 def default_job_dir(cfg: DictConfig) -> Path:

@@ -109,6 +109,11 @@ def record_of(run: SlurmRun, outcome: Outcome) -> dict[str, Any]:
     """The results record of a finished job; a failed one is written when the job left none."""
     if outcome.record_path is not None:
         return rec.read_record(outcome.record_path)
+    if outcome.state == "LEFT":  # the job goes on and writes its own record: nothing is written for it here
+        left = rec.failed_record(run.cfg, f"slurm job {outcome.job_id}: {outcome.error}",
+                                 failure={"kind": "left_running", "slurm_job_id": outcome.job_id})
+        left["env"]["slurm_job_id"] = outcome.job_id
+        return left
     error = outcome.error or f"job {outcome.job_id} ended {outcome.state} without writing its record"
     record = rec.failed_record(run.cfg, f"slurm job {outcome.job_id}: {error}", failure=outcome.failure)
     record["logs"] = str(run.job_dir)

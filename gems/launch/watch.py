@@ -6,8 +6,11 @@ what happened and submitit alone would wait forever for a result that never come
 :class:`Watcher` takes a job's state from ``squeue --states=all`` (one query for every job not yet
 finished; Slurm keeps finished jobs for ``MinJobAge``), then ``sacct`` where it works, then submitit's
 own per-task result files, and keeps the jobs that ended in a cache that is never asked about again.
-A job that leaves the queue without a result, or that runs past ``cluster.timeout_min``, is reported
-failed (:mod:`gems.launch.diagnose` says why). :class:`LiveView` draws the watcher's jobs as a rich
+A job that leaves the queue without a result is reported failed (:mod:`gems.launch.diagnose` says why).
+Waiting in the queue is never held against a job: the launcher's clock (``cluster.timeout_min``, default the
+time limit and 5 minutes) starts when the job starts running and again at each requeue; when it runs out the
+launcher stops waiting and says how to follow the job, which goes on (``cluster.cancel_on_timeout=true``
+cancels it instead). :class:`LiveView` draws the watcher's jobs as a rich
 table; :func:`wait` runs the two until every job has ended.
 """
 from __future__ import annotations
@@ -24,6 +27,9 @@ from gems.launch import cancel_on_signals
 from gems.launch.diagnose import error_of, outcome, stderr_tail
 from gems.launch.jobs import FINAL_STATES, Outcome, SlurmRun, slurm_command, task_outcomes
 from gems.results import record as rec
+
+#: squeue's states of a job whose ranks have started: the launcher's wait clock runs
+RUNNING_STATES = ("RUNNING", "COMPLETING", "SUSPENDED", "STOPPED")
 
 
 def _squeue(job_ids: Iterable[str]) -> dict[str, tuple[str, str]] | None:
@@ -102,8 +108,11 @@ class Watcher:
             if info is not None and run.job_id in info:
                 run.seen = True
                 run.state, run.detail = info[run.job_id]
-                if run.state == "RUNNING":
+                if run.state in RUNNING_STATES:
                     run.ran = True
+                    run.started_at = run.started_at or now
+                elif run.state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"):
+                    run.started_at = None  # waiting again (requeued): the clock starts when it runs again
                 if run.state == "PENDING" and run.detail == "BeginTime" and run.ran:
                     # gems requeued it (a preemption, the time limit near): Slurm holds a requeued job back for
                     # two minutes; the job's own checkpoint makes an immediate restart safe
@@ -133,14 +142,29 @@ class Watcher:
                 run.ended_at = now
                 self.finished[run.job_id] = outcome(run, "FAILED", error_of(run, "FAILED"))
                 return
-        if now - run.submitted_at > run.timeout_s:
-            _cancel(run)
+        if run.started_at is not None and now - run.started_at > run.timeout_s:
             run.ended_at = now
-            _, tail = stderr_tail(run)
-            minutes = run.timeout_s / 60
-            msg = (f"gave up after {minutes:g} min in state {run.state} (cluster.timeout_min; "
-                   f"the job was cancelled)" + (f"\n{tail}" if tail else ""))
-            self.finished[run.job_id] = outcome(run, "TIMEOUT", msg)
+            self.finished[run.job_id] = _stop_waiting(run)
+
+
+def _stop_waiting(run: SlurmRun) -> Outcome:
+    """The outcome of a job the launcher stops waiting for: it ran ``cluster.timeout_min`` (default its time limit
+    and 5 minutes). It goes on, and the outcome says how to follow it (``LEFT``); with
+    ``cluster.cancel_on_timeout=true`` it is cancelled (``TIMEOUT``)."""
+    minutes = run.timeout_s / 60
+    key = section(run.cfg, "cluster").wait_key()
+    if bool(run.cfg.cluster.cancel_on_timeout):
+        _cancel(run)
+        _, tail = stderr_tail(run)
+        msg = (f"gave up after {minutes:g} min running ({key}); cluster.cancel_on_timeout=true: the job was "
+               "cancelled" + (f"\n{tail}" if tail else ""))
+        return outcome(run, "TIMEOUT", msg)
+    sweep = run.cfg.results.sweep
+    follow = f"gems status {sweep}" if sweep else f"squeue -j {run.job_id}"
+    msg = (f"stopped waiting after {minutes:g} min running ({key}); Slurm job {run.job_id} goes on: follow it with "
+           f"`{follow}`; it writes its record to {run.record_path} when it ends (cluster.cancel_on_timeout=true "
+           "would have cancelled it)")
+    return outcome(run, "LEFT", msg)
 
 
 def table(runs: Sequence[SlurmRun], finished: dict[str, Outcome]) -> Any:
@@ -154,7 +178,8 @@ def table(runs: Sequence[SlurmRun], finished: dict[str, Outcome]) -> Any:
     for r in runs:
         out = finished.get(r.job_id)
         if out is not None:
-            state = "[green]done[/]" if out.ok else f"[red]{out.state.lower()}[/]"
+            state = "[green]done[/]" if out.ok else "[yellow]left running[/]" if out.state == "LEFT" else \
+                f"[red]{out.state.lower()}[/]"
             detail = "" if out.ok else (out.error or "").splitlines()[0][:70]
             elapsed = out.elapsed_s
         else:
@@ -206,8 +231,9 @@ def wait(runs: SlurmRun | Sequence[SlurmRun], progress: bool = True, poll_s: flo
          on_cancel: str = "cancel") -> list[Outcome]:
     """Wait until every job has ended (ok or failed); outcomes in the order of ``runs``.
 
-    Never waits forever: each job ends at the latest ``cluster.timeout_min`` after submission
-    (default ``cluster.time_min + 5``), when it is cancelled and reported failed. SIGINT, SIGTERM or
+    Waits as long as a job waits in the queue; once it runs, at most ``cluster.timeout_min`` (default
+    ``cluster.time_min + 5``, again from each requeue), then stops waiting: the job goes on and its outcome
+    (``LEFT``) says how to follow it, unless ``cluster.cancel_on_timeout=true`` cancels it. SIGINT, SIGTERM or
     SIGHUP raise :class:`~gems.errors.Cancelled`: with ``on_cancel="cancel"`` the jobs still queued or
     running are cancelled first and recorded so; with ``"leave"`` they go on (a detached study).
     """

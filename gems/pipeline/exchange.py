@@ -16,23 +16,25 @@ current group. This module turns a schedule into meetings. It runs the per-rank 
 unit-cost clock (:func:`gems.pipeline.schedules.run_orders`) and exchanges every message in the **round** of
 the tick its producing action ends. A round is one ``batch_isend_irecv`` per rank, on the pipeline line's one
 communicator (``mesh.groups.pipeline``), holding every message of that tick the rank sends or receives, in one
-order both ends derive alike (:class:`Message`'s). A rank runs its round of tick ``t`` after its actions that
-start before ``t`` and before those that start at ``t`` or later: the sender right after the action that made
-the message, the receiver before the action that needs it (which starts at or after ``t``), keeping the
-buffer until then.
+order both ends derive alike (:class:`Message`'s). Each rank runs its rounds in tick order: after its previous
+round, after the actions that made its sends in the round, and, where the round brings it messages,
+:data:`LOOKAHEAD` actions before the first action that needs one (or before its first action that starts at or
+after the tick, if that is earlier), so the transfer overlaps the compute between. The receiver keeps a buffer
+from its round to its action. Any place between the earliest its sends allow and the tick's is as safe:
 
-Why no rank can hang, by induction on the ticks: suppose every round before tick ``t`` has completed. A rank
-reaches its round ``t`` once it has run its actions that start before ``t``; each of them needs only messages
-of rounds at or before its start, so before ``t``: done. Every rank of round ``t`` therefore reaches it, and
-within it every message has both ends in their rank's current group, so the round completes, even with sends
+why no rank can hang, by induction on the ticks: suppose every round before tick ``t`` has completed. What a
+rank must have done before its round ``t`` is its rounds before ``t`` and the actions placed before the round,
+all of which start before ``t`` (the tick's place is before the first that does not); an action that starts
+before ``t`` needs only messages of rounds at or before its start, so before ``t``: done. Every rank of round
+``t`` therefore reaches it, and within it every message has both ends in their rank's current group, so the round completes, even with sends
 that wait for their receive and with nothing issued after the round able to run before it. What a rank
 computes after its round ``t`` is never what round ``t`` waits for, so the round may run beside that compute:
 the runtime waits for a round only where an action needs what it received (:func:`check` replays a plan under
 these rules; tests/test_schedules.py checks every registered schedule with it).
 
-What this costs against posting receives early: a sender's round waits for its receivers to reach the same
-tick (on a GPU only the communication stream waits, the host and the compute stream go on), and a receiver
-keeps a message from the tick it was made to the action that needs it (:meth:`ExchangePlan.held`, what the
+What this costs against posting every receive as early as gloo allows: a round ends only once every rank of it
+has reached it (on a GPU only the communication stream waits, the host and the compute stream go on), and a
+receiver keeps a message from its round to the action that needs it (:meth:`ExchangePlan.held`, what the
 planner counts).
 """
 from __future__ import annotations
@@ -42,7 +44,12 @@ from dataclasses import dataclass
 
 from gems.pipeline.schedules import Action, DeadlockError, Schedule, receives, run_orders, sends
 
-__all__ = ["Message", "Round", "ExchangePlan", "plan_exchanges", "check", "pairs"]
+__all__ = ["Message", "Round", "ExchangePlan", "plan_exchanges", "check", "pairs", "LOOKAHEAD"]
+
+#: a round of receives is posted this many actions before the first that needs what it brings (or at its tick,
+#: if that comes first): the transfer overlaps that action's compute, and a rank holds a few buffers, not a
+#: step's (one ahead: what the runtime's earlier prefetch held; two held a buffer more at looped BFS's peak)
+LOOKAHEAD = 1
 
 
 @dataclass(frozen=True, order=True)
@@ -134,13 +141,29 @@ def plan_exchanges(sched: Schedule, forward_only: bool = False) -> ExchangePlan:
             if m is not None:
                 by_tick.setdefault(span[a][1], []).append(m)
     rounds = tuple(Round(t, tuple(sorted(ms))) for t, ms in sorted(by_tick.items()))
+    made_by = {m: k for order in orders for k, a in enumerate(order) if (m := _message(sched, a)) is not None}
+    needed_by = {}
+    for order in orders:
+        for k, a in enumerate(order):
+            got = receives(a, sched.stages)
+            if got is not None:
+                needed_by[(got[0], a.replica, a.micro_batch, got[1])] = k
     before = []
     for p, order in enumerate(orders):
         starts = [span[a][0] for a in order]
         slots: list[list[Round]] = [[] for _ in range(len(order) + 1)]
+        at = 0
         for r in rounds:
-            if r.of(p):
-                slots[bisect.bisect_left(starts, r.tick)].append(r)
+            mine = r.of(p)
+            if not mine:
+                continue
+            # after this rank's round before it and the actions that make its sends; its receives posted
+            # LOOKAHEAD actions before the first that needs one, never later than the tick's place
+            at = max([at] + [made_by[m] + 1 for m in mine if m.src == p])
+            need = [needed_by[m.key] for m in mine if m.dst == p]
+            if need:
+                at = max(at, min(bisect.bisect_left(starts, r.tick), min(need) - LOOKAHEAD))
+            slots[at].append(r)
         before.append(tuple(tuple(s) for s in slots))
     return ExchangePlan(sched, orders, rounds, tuple(before))
 
