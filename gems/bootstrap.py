@@ -75,9 +75,16 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + first
 
 
+#: the rendezvous ports a Slurm job's id picks from: 12000-31999, below Linux's ephemeral range (32768-60999 by
+#: default, net.ipv4.ip_local_port_range), where outgoing connections take their local port and may hold the one
+#: a job wants (20000 + id mod 20000 fell there for a third of the job ids); above the well-known ports
+PORT_BASE, PORT_SPAN = 12000, 20000
+
+
 def port_from_job(job_id: str) -> int:
+    """The rendezvous port of a Slurm job, the same on every node: from its id, outside the ephemeral range."""
     digits = int(re.sub(r"\D", "", job_id) or 0)
-    return 20000 + digits % 20000
+    return PORT_BASE + digits % PORT_SPAN
 
 
 def free_port(host: str = "") -> int:
@@ -135,11 +142,24 @@ def pick_device(train_device: str, local_rank: int) -> torch.device:
 
 
 def device_id(device: torch.device, host: str) -> str:
-    """The node and the GPU (by UUID) a rank runs on, or "" for CPU ranks."""
+    """The node and the GPU a rank runs on, or "" for CPU ranks: the GPU's UUID where the build reports one, else
+    its PCI address (ROCm builds without ``uuid``: under ``--gpus-per-task=1`` every rank's device index is 0,
+    which told no GPUs apart), else the physical index the visible-devices list maps it to."""
     if device.type != "cuda":
         return ""
     props = torch.cuda.get_device_properties(device)
-    return f"{host}/{getattr(props, 'uuid', device.index)}"
+    uuid = getattr(props, "uuid", None)
+    if uuid:
+        return f"{host}/{uuid}"
+    pci = [getattr(props, k, None) for k in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
+    if all(v is not None for v in pci):
+        return f"{host}/pci-{pci[0]:04x}:{pci[1]:02x}:{pci[2]:02x}"
+    index = device.index or 0
+    for var in ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"):
+        visible = [v for v in os.environ.get(var, "").split(",") if v.strip()]
+        if index < len(visible):
+            return f"{host}/{var}={visible[index].strip()}"
+    return f"{host}/{index}"
 
 
 #: the test aid that lets several ranks share one GPU (scripts/gpu_check.sh): never for users' runs

@@ -7,10 +7,17 @@ Slurm for ``SIGUSR2`` ``cluster.signal_margin_s`` before the limit
 request that the worker's per-step sync shares with every rank, so all of
 them save after the same step, and rank 0 requeues the job.
 
-Each rank saves what it alone holds (its partitions' parameters, their
-optimizer state) plus the run's history (per-step losses, step times, time
-breakdown) to ``<job dir>/ckpt/step<N>/rank<k>.pt``, atomically; once every
-rank has saved, rank 0 points ``latest`` at it and removes the older step.
+The model and optimizer state of a pipeline position is the same on every
+copy of it (data-parallel replicas and spatial parts hold identical weights and
+optimizer state, their gradients summed), so one copy writes it: the rank of
+replica 0 and spatial part 0 of each pipeline position saves its partitions'
+parameters and buffers, their optimizer state and ``train.ema``'s average to
+``<job dir>/ckpt/step<N>/state-d<position>.pt`` (:func:`share_of`; at R = 256,
+D = 8 eight files where every rank used to write one). Every rank saves what
+is its own, the run's history (per-step losses, step times, time breakdown), to
+``rank<k>.pt``. Both atomically; once every rank has saved, rank 0 points
+``latest`` at the step and removes the older one. A resumed rank reads its own
+history and its position's state.
 A crash while saving therefore leaves the previous checkpoint whole. The
 configuration that shapes the saved state (model, mesh, batch, schedule,
 optimizer, precision, seed) is saved beside it (``fingerprint.json``), and a
@@ -31,6 +38,7 @@ import os
 import shutil
 import signal
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +56,22 @@ FINGERPRINT_KEYS = (
 )
 
 _STOP: dict[str, Any] = {"requested": False, "signal": None}
+#: the history entry that is model state (train.ema's average: gems.rank.optim.WeightAverage): saved with it
+MODEL_HISTORY = ("weight_average",)
+
+
+@dataclass(frozen=True)
+class Share:
+    """Where a rank's model and optimizer state is kept (``state-<name>.pt``) and whether this rank writes it."""
+
+    name: str
+    writes: bool
+
+
+def share_of(mesh: Any, rank: int) -> Share:
+    """One copy of each pipeline position writes its state: replica 0, spatial part 0 (:mod:`gems.checkpoint`)."""
+    c = mesh.coord(rank)
+    return Share(f"d{c.pipeline}", c.replica == 0 and c.spatial == 0)
 
 
 def restart_count() -> int:
@@ -102,20 +126,27 @@ def has_checkpoint(cfg: Any) -> bool:
     return (ckpt_dir(cfg) / "latest").is_file()
 
 
+def _write(obj: Any, path: Path) -> None:
+    tmp = path.parent / f".{path.name}.tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
 def save(cfg: Any, rank: int, step: int, modules: list[torch.nn.Module], opt: torch.optim.Optimizer,
-         history: dict[str, Any]) -> None:
-    """Every rank saves its state before ``step``; rank 0 marks it complete after a barrier."""
+         history: dict[str, Any], share: Share = Share("d0", True)) -> None:
+    """Every rank saves its history before ``step``, one copy of each position its model and optimizer state
+    (``share``); rank 0 marks the step complete after a barrier."""
     import torch.distributed as dist
 
     root = ckpt_dir(cfg)
     d = root / f"step{step:08d}"
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(root, 0o700)
-    state = {"step": step, "modules": [m.state_dict() for m in modules], "opt": opt.state_dict(),
-             "history": history, "fingerprint": fingerprint(cfg)}
-    tmp = d / f".rank{rank}.pt.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, d / f"rank{rank}.pt")
+    own = {k: v for k, v in history.items() if k not in MODEL_HISTORY}
+    _write({"step": step, "history": own, "fingerprint": fingerprint(cfg)}, d / f"rank{rank}.pt")
+    if share.writes:
+        _write({"step": step, "modules": [m.state_dict() for m in modules], "opt": opt.state_dict(),
+                "history": {k: history[k] for k in MODEL_HISTORY if k in history}}, d / f"state-{share.name}.pt")
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:
@@ -130,20 +161,25 @@ def save(cfg: Any, rank: int, step: int, modules: list[torch.nn.Module], opt: to
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def load(cfg: Any, rank: int, modules: list[torch.nn.Module], opt: torch.optim.Optimizer) -> tuple[int, dict[str, Any]] | None:
-    """Restore this rank's state from the last complete checkpoint, if there is one."""
+def load(cfg: Any, rank: int, modules: list[torch.nn.Module], opt: torch.optim.Optimizer,
+         share: Share = Share("d0", True)) -> tuple[int, dict[str, Any]] | None:
+    """Restore this rank's history and its position's model and optimizer state from the last complete
+    checkpoint, if there is one."""
     root = ckpt_dir(cfg)
     if not (root / "latest").exists():
         return None
     check_fingerprint(cfg, root)
     step = int((root / "latest").read_text())
-    state = torch.load(root / f"step{step:08d}" / f"rank{rank}.pt", map_location="cpu", weights_only=False)
-    if int(state["step"]) != step:
-        raise RuntimeError(f"checkpoint of rank {rank} is at step {state['step']}, the run's at {step}")
+    d = root / f"step{step:08d}"
+    own = torch.load(d / f"rank{rank}.pt", map_location="cpu", weights_only=False)
+    state = torch.load(d / f"state-{share.name}.pt", map_location="cpu", weights_only=False)
+    for got, what in ((own, f"rank {rank}'s"), (state, f"state-{share.name}")):
+        if int(got["step"]) != step:
+            raise RuntimeError(f"checkpoint {what} is at step {got['step']}, the run's at {step}")
     for m, sd in zip(modules, state["modules"]):
         m.load_state_dict(sd)
     opt.load_state_dict(state["opt"])
-    return step, state["history"]
+    return step, {**own["history"], **state["history"]}
 
 
 def request_requeue() -> bool:

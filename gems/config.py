@@ -195,7 +195,10 @@ class ClusterConf:
     launcher: str = key("local", "local processes or Slurm", choices=("local", "slurm"))
     nodes: Optional[int] = key(1, "nodes of the job (null: as few as hold R x D x S ranks, one per GPU, or "
                                   "cpus_per_task CPUs each on CPU nodes)", ge=1)
-    tasks_per_node: Optional[int] = key(1, "ranks per node (null: R x D x S / nodes)", ge=1)
+    tasks_per_node: Optional[int] = key(1, "ranks per node (null: R x D x S / nodes; on GPU nodes at most "
+                                           "gpus_per_node, the last node possibly partly used)", ge=1)
+    ntasks: Optional[int] = key(None, "ranks of the job, R x D x S (derived; fewer than nodes x tasks_per_node "
+                                      "where the last node is partly used)", ge=1)
     gpus_per_node: int = key(0, "GPUs per node", ge=0)
     cpus_per_task: int = key(1, "CPUs per rank", ge=1)
     cpus_per_node: Optional[int] = key(None, "CPUs of a node, for placing ranks on CPU nodes (null: unknown, one "
@@ -615,7 +618,7 @@ def validate(cfg: DictConfig, relations: bool = True) -> None:
         from omegaconf import open_dict
 
         with open_dict(cfg):
-            cfg.cluster.nodes, cfg.cluster.tasks_per_node = nodes, tasks
+            cfg.cluster.nodes, cfg.cluster.tasks_per_node, cfg.cluster.ntasks = nodes, tasks, mesh.size
     for k in ("kill_rank", "stall_rank", "nan_rank"):
         if int(cfg.fault.get(k, -1)) >= mesh.size:
             raise ConfigError(f"fault.{k}", cfg.fault[k], f"a rank below the world size {mesh.size} ({mesh.describe()}), "
@@ -652,9 +655,12 @@ def check_lr_schedule(t: Any) -> None:
 
 def place(cluster: Any, world: int, mesh_text: str = "") -> tuple[int, int]:
     """(nodes, tasks per node) for ``world`` ranks: what ``cluster.nodes`` and ``cluster.tasks_per_node`` fix,
-    the rest derived. With neither fixed: as few nodes as hold the ranks (one per GPU on GPU nodes,
-    ``cpus_per_node / cpus_per_task`` on CPU nodes, all on one where the node's size is unknown), then the
-    next count that divides the world evenly. Each point of a sweep is placed by its own world."""
+    the rest derived. With neither fixed: on GPU nodes the fewest nodes that hold the world at most
+    ``gpus_per_node`` ranks each, the last node possibly partly used (``tasks_per_node`` is then the most a node
+    runs, and the job asks Slurm for ``world`` tasks: :func:`idle_gpus` says how many GPUs stay idle); on CPU
+    nodes as few nodes as hold the ranks (``cpus_per_node / cpus_per_task`` each, all on one where the node's
+    size is unknown), then the next count that divides the world evenly. Each point of a sweep is placed by its
+    own world."""
     what = f"R x D x S = {world}" + (f" ({mesh_text})" if mesh_text else "")
     nodes, tasks = cluster.get("nodes"), cluster.get("tasks_per_node")
     if nodes is not None and tasks is not None:
@@ -671,11 +677,29 @@ def place(cluster: Any, world: int, mesh_text: str = "") -> tuple[int, int]:
             raise ConfigError("cluster.tasks_per_node", tasks, f"a divisor of {what}, or null to derive it")
         return world // int(tasks), int(tasks)
     gpus, cpus = int(cluster.get("gpus_per_node") or 0), cluster.get("cpus_per_node")
-    per_node = gpus if gpus > 0 else (max(1, int(cpus) // int(cluster.get("cpus_per_task") or 1)) if cpus else world)
+    if gpus > 0:
+        n = -(-world // gpus)
+        return n, -(-world // n)  # the ranks spread evenly: a last node partly used, never an idle node
+    per_node = max(1, int(cpus) // int(cluster.get("cpus_per_task") or 1)) if cpus else world
     n = -(-world // per_node)
     while world % n:
         n += 1
     return n, world // n
+
+
+def idle_gpus(cluster: Any) -> int:
+    """GPUs a placed job leaves idle: ``nodes x gpus_per_node`` less its ranks (0 on CPU nodes)."""
+    gpus = int(cluster.get("gpus_per_node") or 0)
+    if gpus <= 0 or cluster.get("nodes") is None:
+        return 0
+    return max(0, int(cluster.nodes) * gpus - job_tasks(cluster))
+
+
+def job_tasks(cluster: Any) -> int:
+    """The job's ranks: ``cluster.ntasks`` once placed, else ``nodes x tasks_per_node``."""
+    if cluster.get("ntasks"):
+        return int(cluster.ntasks)
+    return int(cluster.nodes) * int(cluster.tasks_per_node)
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -83,6 +83,14 @@ class Groups:
     grad: Any = None
     grad_ranks: list[int] = field(default_factory=list)
     built: bool = False  # build_groups ran
+    #: what building them asked of torch.distributed, one entry a call: ("split", axis) a split of the world's
+    #: communicator every rank takes part in (NCCL), ("members", axis) a group made by its members alone
+    setup_calls: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def world_wide_calls(self) -> int:
+        """Calls every rank of the world took part in (at most one a mesh axis: Mesh.build_groups)."""
+        return sum(1 for kind, _ in self.setup_calls if kind == "split")
 
 
 @dataclass
@@ -196,8 +204,9 @@ class Mesh:
         collective of the groups. Pass it: torch gives a new group its backend's default (30 minutes on
         gloo), not the default group's timeout, so a stalled peer would hold the others that long.
 
-        Every rank calls ``new_group`` for every group in the same order (a
-        torch requirement). ``groups`` lists the pipeline positions whose
+        One call an axis (:meth:`_axis_group`), every rank's lists alike: at
+        2048 ranks four calls where one ``new_group`` a group made thousands of
+        world-wide splits. ``groups`` lists the pipeline positions whose
         ranks hold copies of the same partitions (a schedule's
         ``holder_groups()``: ``(d, D-1-d)`` for GEMS-MAST/MASTER); each gradient
         group is those positions over every replica and spatial part.
@@ -207,28 +216,40 @@ class Mesh:
         A pipeline line's messages all go on its ``pipeline`` group, one communicator, in exchange rounds
         (:mod:`gems.pipeline.exchange`; docs/design.md, "Rules of the GPU path").
         """
-        import torch.distributed as dist
-
         me = self.coord(rank)
         for axis in Axis:
-            for ranks in self.all_rank_lists(axis):
-                g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
-                if rank in ranks:
-                    setattr(self.groups, axis.value, g)
-                    setattr(self.groups, axis.value + "_ranks", ranks)
+            lists = self.all_rank_lists(axis)
+            g = self._axis_group(axis.value, lists, rank, timeout)
+            mine = next(r for r in lists if rank in r)
+            setattr(self.groups, axis.value, g)
+            setattr(self.groups, axis.value + "_ranks", mine)
         if groups is None:
             groups = [tuple(sorted({d, self.pipeline - 1 - d})) if mirrored else (d,) for d in range(self.pipeline)]
-        seen: set[tuple[int, ...]] = set()
-        for pos in groups:
-            key = tuple(sorted(set(int(d) for d in pos)))
-            if key in seen:
-                continue
-            seen.add(key)
-            ranks = self.stage_ranks(key)
-            g = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
-            if me.pipeline in key:
-                self.groups.grad, self.groups.grad_ranks = g, ranks
+        keys = list(dict.fromkeys(tuple(sorted(set(int(d) for d in pos))) for pos in groups))
+        lists = [self.stage_ranks(key) for key in keys]
+        self.groups.grad = self._axis_group("grad", lists, rank, timeout)
+        self.groups.grad_ranks = next(r for key, r in zip(keys, lists) if me.pipeline in key)
         self.groups.built = True
+
+    def _axis_group(self, axis: str, lists: list[list[int]], rank: int, timeout: Any) -> Any:
+        """This rank's group of one axis, whose rank lists partition the world, made in one go: one split of
+        the world's communicator for the whole axis where the world's backend splits (NCCL with a bound device:
+        ``torch.distributed.split_group``; torch's ``new_group`` would split the whole world once per group,
+        members or not), else by the members of this rank's group alone (``use_local_synchronization``: gloo,
+        the dry run's fake group). None where the axis's groups have one rank."""
+        import torch.distributed as dist
+
+        from gems.fault.progress import mark
+
+        mark("setup")  # the set-up moves on: one mark an axis
+        if max(len(r) for r in lists) < 2:
+            return None
+        mine = next(r for r in lists if rank in r)
+        if _splits(dist):
+            self.groups.setup_calls.append(("split", axis))
+            return dist.split_group(split_ranks=lists, timeout=timeout, group_desc=f"gems {axis}")
+        self.groups.setup_calls.append(("members", axis))
+        return dist.new_group(mine, timeout=timeout, use_local_synchronization=True, group_desc=f"gems {axis}")
 
     def group(self, axis: Axis | str) -> Any:
         """The process group of this rank along ``axis`` (None when of size 1)."""
@@ -242,6 +263,20 @@ class Mesh:
     def describe(self) -> str:
         sp = "x".join(str(p) for p in self.parts)
         return f"R{self.replicas} x D{self.pipeline} x S{self.spatial}({sp} over dims {list(self.spatial_dims)})"
+
+
+def _splits(dist: Any) -> bool:
+    """Whether the world's backend splits its communicator for new groups (NCCL with a bound device)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    default = c10d._get_default_group()
+    device = getattr(default, "bound_device_id", None)
+    if device is None:
+        return False
+    try:
+        return bool(default._get_backend(device).supports_splitting)
+    except RuntimeError:
+        return False
 
 
 def mesh_from_config(cfg: Any, world_size: int | None = None) -> Mesh:

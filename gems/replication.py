@@ -173,6 +173,7 @@ class GradientReducer:
         self._count: dict[int, int] = {}
         self._next = 0  # next bucket to launch
         self._staged: list[_Staged] = []  # MPI sums waiting for their data, in launch order
+        self._mpi_pending: list[Any] = []  # MPI sums launched and not yet seen complete (driven by _progress_mpi)
         self._armed = False
         self.wait_s = 0.0
         self._hooks = []
@@ -189,12 +190,15 @@ class GradientReducer:
         self._expected = {id(p): (expected(p) if callable(expected) else expected) for p in self.params}
         self._next = 0
         self._staged = []
+        self._mpi_pending = []
         self._armed = True
         self.wait_s = 0.0
 
     def _on_grad(self, p: nn.Parameter) -> None:
         if not self._armed or not self.overlap:
             return
+        if self._mpi_pending:
+            self._progress_mpi()
         if self._staged:
             self._launch_staged(block=False)  # sums whose data the GPU has made since
         k = id(p)
@@ -247,6 +251,13 @@ class GradientReducer:
             t, ps, copy, _, _ = st.bucket.parts[st.index]
             handle = self.group.comm.Iallreduce(MPI.IN_PLACE, st.buffer(), op=MPI.SUM)
             st.bucket.parts[st.index] = (t, ps, copy, handle, st.host)
+            self._mpi_pending.append(handle)
+
+    def _progress_mpi(self) -> None:
+        """Let MPI move the sums in flight (``Test`` on each): without an asynchronous progress thread, which Cray
+        MPICH and MPICH leave off by default, a non-blocking collective advances only inside MPI calls, so the
+        sums launched during the backward would mostly run in :meth:`finish`. Called from every gradient hook."""
+        self._mpi_pending = [h for h in self._mpi_pending if not h.Test()]
 
     def _start(self, t: torch.Tensor) -> tuple[Any, Any]:
         """Start the sum of ``t`` in place over the torch.distributed group: (handle, None)."""

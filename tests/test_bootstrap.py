@@ -18,8 +18,40 @@ def test_first_host_of_a_nodelist(nodelist, first):
 
 def test_port_is_derived_from_the_job_id_and_in_range():
     ports = {port_from_job(str(j)) for j in range(1000, 1100)}
-    assert len(ports) == 100 and all(20000 <= p < 40000 for p in ports)
+    assert len(ports) == 100
     assert port_from_job("123_4") == port_from_job("123_4")
+    # never in Linux's ephemeral range (32768-60999 by default), where outgoing connections take their port:
+    # 20000 + id mod 20000 fell there for a third of the job ids
+    every = [port_from_job(str(j)) for j in range(0, 200_000, 7)]
+    assert all(1024 <= p < 32768 for p in every), max(every)
+
+
+def test_gpus_are_told_apart_without_a_uuid(monkeypatch):
+    """ROCm builds without ``props.uuid``: under ``--gpus-per-task=1`` every rank sees its GPU as index 0, so
+    comparing indices refused every job as two ranks on one GPU. The PCI address tells GPUs apart, else the
+    visible-devices list's physical index."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from gems.bootstrap import device_id
+
+    dev = torch.device("cuda", 0)
+    props = {"a": SimpleNamespace(pci_domain_id=0, pci_bus_id=0xC1, pci_device_id=0),
+             "b": SimpleNamespace(pci_domain_id=0, pci_bus_id=0xC9, pci_device_id=0)}
+    ids = []
+    for k in ("a", "b"):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d, _p=props[k]: _p)
+        ids.append(device_id(dev, "nid1"))
+    assert ids == ["nid1/pci-0000:c1:00", "nid1/pci-0000:c9:00"]
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace())
+    seen = []
+    for physical in ("3", "5"):
+        monkeypatch.setenv("ROCR_VISIBLE_DEVICES", physical)
+        seen.append(device_id(dev, "nid1"))
+    assert seen == ["nid1/ROCR_VISIBLE_DEVICES=3", "nid1/ROCR_VISIBLE_DEVICES=5"]
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(uuid="GPU-1234"))
+    assert device_id(dev, "nid1") == "nid1/GPU-1234"
 
 
 def test_slurm_variables(monkeypatch):

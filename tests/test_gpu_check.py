@@ -88,7 +88,7 @@ def test_the_overhead_benchmarks_gpu_mode_runs_both_loops_side_by_side_on_any_de
 
     from gems.bench.overhead import device_rows
 
-    rows = device_rows(torch.device("cpu"), ["model.size=16", "model.width=0.25", "train.batch_size=2"], rounds=1,
+    rows = device_rows(torch.device("cpu"), ["model.size=32", "model.width=0.25", "train.batch_size=2"], rounds=1,
                        steps=4, warmup=1)
     assert [r[0].split(",")[2].split()[0] for r in rows] == ["fp32", "bf16"]
     for r in rows:

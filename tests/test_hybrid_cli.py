@@ -145,15 +145,15 @@ def test_bf16_through_a_gems_pipeline_tracks_serial_bf16(tmp_path, serial):
 
 def test_mirrored_copies_stay_identical_buffers_included(tmp_path):
     """GEMS-MAST on D=2: both ranks hold partitions 0 and 1 (A's and B's). The checkpoint a
-    preemption leaves behind holds each rank's state: parameters and BatchNorm statistics must be
-    bit-identical between the two copies."""
+    preemption leaves behind holds each position's state (one file each: state-d0, state-d1):
+    parameters and BatchNorm statistics must be bit-identical between the two copies."""
     out = gems("run", f"results.dir={tmp_path}", "model=resnet", "model.depth=11", "model.size=32",
                "model.width=0.25", "train.batch_size=4", "train.steps=4", "train.warmup_steps=1",
                "parallel.pipeline=2", "parallel.schedule=mast", "fault.preempt_at_step=3", timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     (ck,) = list(tmp_path.glob(".jobs/*/ckpt/step*"))
-    a = torch.load(ck / "rank0.pt", weights_only=False)["modules"]
-    b = torch.load(ck / "rank1.pt", weights_only=False)["modules"]
+    a = torch.load(ck / "state-d0.pt", weights_only=False)["modules"]
+    b = torch.load(ck / "state-d1.pt", weights_only=False)["modules"]
     assert len(a) == len(b) == 2
     n_buffers = 0
     for pa, pb in zip(a, b):
@@ -162,3 +162,19 @@ def test_mirrored_copies_stay_identical_buffers_included(tmp_path):
             assert torch.equal(pa[k], pb[k]), k
             n_buffers += "running" in k
     assert n_buffers > 0
+
+
+def test_a_resumed_pipeline_of_spatial_parts_restores_every_copy_from_one_file_a_position(tmp_path):
+    """D2 x S2 under GEMS-MAST: each pipeline position's spatial parts hold the same weights and optimizer state,
+    so one part of each writes it (state-d0, state-d1) and every part resumes from that file, training bit for
+    bit as the run that was not stopped."""
+    args = ["model.size=32", "model.width=0.25", "train.batch_size=4", "train.steps=4", "train.warmup_steps=1",
+            "parallel.pipeline=2", "parallel.spatial=2", "parallel.schedule=mast"]
+    cut = gems("run", f"results.dir={tmp_path}/cut", *args, "fault.preempt_at_step=2", timeout=400)
+    assert cut.returncode == 0, cut.stderr[-2000:]
+    (ck,) = list((tmp_path / "cut").glob(".jobs/*/ckpt/step*"))
+    assert sorted(f.name for f in ck.iterdir()) == [*(f"rank{r}.pt" for r in range(4)), "state-d0.pt", "state-d1.pt"]
+    ref = gems("run", f"results.dir={tmp_path}/ref", *args, timeout=400)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    (c,), (r,) = records(str(tmp_path / "cut")), records(str(tmp_path / "ref"))
+    assert c["restarts"] == 1 and c["loss"] == r["loss"]

@@ -121,3 +121,25 @@ def test_every_preset_gives_srun_the_cpus_per_task() -> None:
     mine = compose(CASES["frontier"] + ["cluster.python=python", "cluster.srun_args=[-c,3]"])
     srun = srun_command(mine, JOB_DIR)
     assert "--cpus-per-task" not in srun and srun.endswith(" -c 3")
+
+
+@pytest.mark.parametrize("mesh,nodes,per_node,idle", [
+    (["parallel.replicas=7"], 2, 4, 1),  # was 7 nodes x 1 task: 21 GPUs idle
+    (["parallel.replicas=5", "parallel.pipeline=2", "parallel.schedule=mast"], 3, 4, 2),  # was 5 nodes x 2
+    (["parallel.replicas=8"], 2, 4, 0),
+])
+def test_gpu_nodes_hold_the_world_on_the_fewest_nodes(mesh: list[str], nodes: int, per_node: int, idle: int) -> None:
+    """On 4-GPU Perlmutter nodes the fewest nodes that hold the ranks, at most a GPU's worth each: the last node
+    partly used, the job asking Slurm for exactly the world's tasks, and the script saying how many GPUs stay
+    idle (the first node count that divided the world asked for 7 nodes for 7 ranks)."""
+    world = 1
+    for m in mesh:
+        if m.split("=")[0] in ("parallel.replicas", "parallel.pipeline"):
+            world *= int(m.split("=")[1])
+    cfg = compose(["cluster=perlmutter", "cluster.account=m0000", f"train.batch_size={4 * world}", *mesh,
+                   "cluster.python=python"])
+    assert (cfg.cluster.nodes, cfg.cluster.tasks_per_node, cfg.cluster.ntasks) == (nodes, per_node, world)
+    text = render(cfg, JOB_DIR, CONFIG)
+    assert f"#SBATCH --nodes={nodes}" in text and f"#SBATCH --ntasks-per-node={per_node}" in text
+    assert (f"#SBATCH --ntasks={world}" in text) == (nodes * per_node > world)
+    assert (f"; {idle} GPU(s) idle." in text.splitlines()[1]) == (idle > 0), text.splitlines()[1]

@@ -159,3 +159,45 @@ def test_mpi_sums_wait_for_their_data_and_launch_in_bucket_order(monkeypatch):
     assert group.comm.launched == [68, 272]  # in bucket order
     red.finish()  # the end of the step waits for the rest, in order
     assert group.comm.launched == [68, 272, 144] and all(e.done for e in events)
+
+
+def test_mpi_sums_launched_during_the_backward_are_driven_by_the_hooks_that_follow() -> None:
+    """Without MPI's asynchronous progress (Cray MPICH's default) a non-blocking all-reduce advances only inside MPI
+    calls: the reducer tests its sums in flight from every gradient hook, so they move during the backward, not
+    only in finish() (before, nothing tested them until finish's Wait)."""
+    from mpi4py import MPI  # noqa: F401  (the reducer imports it for MPI.IN_PLACE)
+
+    from gems import replication
+
+    tested: list[int] = []
+
+    class _Handle:
+        def __init__(self, n: int) -> None:
+            self.n, self.calls = n, 0
+
+        def Test(self) -> bool:  # noqa: N802 (mpi4py's name)
+            self.calls += 1
+            tested.append(self.n)
+            return self.calls >= 2  # complete at its second test
+
+        def Wait(self) -> None:  # noqa: N802
+            return None
+
+    class _Comm:
+        launched = 0
+
+        def Iallreduce(self, send, buf, op=None):  # noqa: N802
+            self.launched += 1
+            return _Handle(self.launched)
+
+    group = replication.MPIGroup.__new__(replication.MPIGroup)
+    group.comm, group.cuda_aware = _Comm(), True
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+                              torch.nn.Linear(16, 4))
+    red = replication.GradientReducer(net.parameters(), group, bucket_mb=0.0001)
+    red.start_step()
+    net(torch.randn(3, 8)).pow(2).sum().backward()
+    assert group.comm.launched == 3 and 1 in tested and 2 in tested, tested  # tested while the backward ran
+    assert len(red._mpi_pending) <= 1  # the earlier ones completed under the later hooks' tests
+    red.finish()

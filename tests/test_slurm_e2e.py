@@ -67,3 +67,26 @@ def test_a_requeued_job_resumes_from_its_checkpoint(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     (r,) = records(str(tmp_path))
     assert r["status"] == "ok" and r["restarts"] == 1 and len(r["loss"]) == 4
+
+
+def test_two_nodes_sharing_a_tmpdir_stage_the_same_data_each_in_a_folder_of_its_own(tmp_path):
+    """data.stage=node on two nodes whose staging folder lies on the same storage (the test cluster's nodes share
+    this host's disk, as nodes share a TMPDIR on a parallel filesystem): each node copies into a folder named by
+    the job and the node, so they never write the same paths; the run trains like one that reads in place, and
+    the copies are gone at the end."""
+    from gems.data.synth import write_synthetic
+
+    write_synthetic(tmp_path / "train", 8, (4, 32, 32, 32), seed=1)
+    shared = tmp_path / "shared-tmp"
+    base = ["cluster=local_slurm", "cluster.nodes=2", "cluster.tasks_per_node=1", "parallel.replicas=2", "data=hdf5",
+            f"data.path={tmp_path / 'train'}", *SMALL]
+    staged = gems("run", f"results.dir={tmp_path}/staged", *base, "data.stage=node", f"data.stage_dir={shared}",
+                  timeout=600)
+    assert staged.returncode == 0, staged.stderr[-3000:]
+    plain = gems("run", f"results.dir={tmp_path}/plain", *base, timeout=600)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    (s,), (p,) = records(str(tmp_path / "staged")), records(str(tmp_path / "plain"))
+    assert s["loss"] == p["loss"]
+    note = next(n for n in s["notes"] if "copied to" in n)
+    assert f"-{s['env']['slurm_job_id']}-node" in note, note  # the job's and the node's own folder
+    assert "8 files" in note and shared.is_dir() and not list(shared.iterdir())

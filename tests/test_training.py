@@ -478,3 +478,33 @@ def test_classification_accuracy_on_a_cut_mesh_equals_one_process(tmp_path: Path
         np.testing.assert_allclose(got["loss"], one["loss"], rtol=1e-5)
         for g, w in zip(got["validation"], one["validation"]):
             assert g["accuracy"] == w["accuracy"] and g["loss"] == pytest.approx(w["loss"], rel=1e-5)
+
+
+def test_staged_copies_are_removed_when_a_run_fails_or_is_preempted(tmp_path: Path) -> None:
+    """data.stage=node copies into a folder of the job and the node; a run that stops on a NaN removes it (no
+    rank reaches the normal end), and so does a preemption before the resumed attempt copies again."""
+    from gems.data.synth import write_synthetic
+
+    write_synthetic(tmp_path / "train", 8, (4, 32, 32, 32), seed=1)
+    args = ["data=hdf5", f"data.path={tmp_path / 'train'}", "train.steps=4", "train.warmup_steps=1",
+            "data.stage=node", "parallel.replicas=2"]
+    local = tmp_path / "node-local"
+    failed = gems("run", *_with(*args), f"data.stage_dir={local}", "fault.nan_rank=1", "fault.at_step=2",
+                  f"results.dir={tmp_path / 'failed'}", timeout=600)
+    assert failed.returncode == 1, failed.stderr[-2000:]
+    assert local.is_dir() and not list(local.iterdir()), list(local.iterdir())
+    resumed = _run(tmp_path / "preempted", *args, f"data.stage_dir={local}", "fault.preempt_at_step=2")
+    assert resumed["restarts"] == 1 and not list(local.iterdir())
+
+
+def test_each_node_stages_into_a_folder_of_its_own_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gems.config import compose
+    from gems.rank.data import stage_root
+
+    cfg = compose(["data.stage_dir=/shared/tmp"])
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    monkeypatch.setenv("SLURMD_NODENAME", "nid001")
+    a = stage_root(cfg, "run-1")
+    monkeypatch.setenv("SLURMD_NODENAME", "nid002")
+    b = stage_root(cfg, "run-1")
+    assert a != b and a.parent == b.parent == Path("/shared/tmp") and "123" in a.name and a.name.endswith("nid001")

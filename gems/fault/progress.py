@@ -19,14 +19,16 @@ import time
 from typing import Iterator
 
 #: every phase a rank can be in, in the order a step goes through them
-PHASES = ("setup", "data", "forward", "backward", "halo", "spatial collective", "pipeline transfer",
-          "gradient sum", "optimizer", "step sync", "checkpoint", "record")
+PHASES = ("setup", "staging", "staged copies", "data", "forward", "backward", "halo", "spatial collective",
+          "pipeline transfer", "gradient sum", "optimizer", "step sync", "checkpoint", "record")
 #: phases in which a rank waits for its peers: a rank stuck here is waiting for the cause, not the cause
 WAITS = frozenset({"halo", "spatial collective", "pipeline transfer", "gradient sum", "step sync",
+                   # data.stage=node: a rank that copied its share waits for the others' (gems.rank.data.stage)
+                   "staged copies",
                    # a GPU rank's host waits for its GPU's queue, which holds NCCL's communication with peers
                    "gpu queue"})
 #: phases that get the long (warm-up) allowance at any step: building, saving, gathering the record
-SLOW = frozenset({"setup", "checkpoint", "record", "evaluate"})
+SLOW = frozenset({"setup", "staging", "checkpoint", "record", "evaluate"})
 
 
 class Progress:

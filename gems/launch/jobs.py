@@ -60,7 +60,9 @@ class SlurmRun:
 
     @property
     def num_tasks(self) -> int:
-        return int(self.cfg.cluster.nodes) * int(self.cfg.cluster.tasks_per_node)
+        from gems.config import job_tasks
+
+        return job_tasks(self.cfg.cluster)
 
     @property
     def record_path(self) -> Path:

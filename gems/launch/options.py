@@ -16,6 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
+from gems.config import job_tasks
 from gems.errors import ConfigError
 from gems.results import record as rec
 
@@ -83,6 +84,10 @@ def sbatch_parameters(cfg: DictConfig) -> dict[str, Any]:
         srun_args = [f"--cpus-per-task={int(c.cpus_per_task)}", *srun_args]
     if srun_args:
         params["srun_args"] = srun_args
+    tasks = job_tasks(c)
+    if tasks < int(c.nodes) * int(c.tasks_per_node) and "ntasks" not in additional:  # type: ignore[operator]
+        # the last node partly used (gems.config.place): Slurm takes tasks_per_node as the most a node runs
+        additional = {**additional, "ntasks": tasks}  # type: ignore[dict-item]
     if additional:
         params["additional_parameters"] = {str(k): v for k, v in additional.items()}  # type: ignore[union-attr]
     return params

@@ -20,7 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from gems.config import to_yaml
+from gems.config import idle_gpus, job_tasks, to_yaml
 from gems.errors import ConfigError
 from gems.launch.options import default_job_dir, job_name, prepare, python_command, sbatch_parameters
 from gems.results.record import private_dir
@@ -88,7 +88,7 @@ def render(cfg: DictConfig, job_dir: str | Path | None = None, config_path: str 
     params = sbatch_parameters(cfg)
     return env.get_template(name).render(
         job_name=params["job_name"], cluster_name=c.name, nodes=int(c.nodes), tasks_per_node=int(c.tasks_per_node),
-        world=int(c.nodes) * int(c.tasks_per_node), script_name=f"{params['job_name']}.sbatch",
+        world=job_tasks(c), idle_gpus=idle_gpus(c), script_name=f"{params['job_name']}.sbatch",
         options=sbatch_options(cfg, jd), setup=list(params.get("setup", [])), srun=srun_command(cfg, jd),
         python=python_command(cfg), config=shlex.quote(str(cp)),
     )

@@ -15,6 +15,7 @@ Public API::
 """
 from __future__ import annotations
 
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 from omegaconf import DictConfig
 
-from gems.config import section, to_yaml
+from gems.config import idle_gpus, job_tasks, section, to_yaml
 from gems.launch.admission import check_reachable, preflight, refusal
 from gems.launch.jobs import Outcome, SlurmRun, first_line
 from gems.launch.options import default_job_dir, prepare, python_command, sbatch_parameters
@@ -59,6 +60,7 @@ def submit_all(cfgs: Sequence[DictConfig], job_dirs: Sequence[Path | str] | None
     if not cfgs:
         return []
     prepared = [prepare(c) for c in cfgs]
+    _note_idle_gpus(prepared)
     if job_dirs is not None and len(job_dirs) != len(prepared):
         raise ValueError("job_dirs must give one folder per configuration")
     dirs = [Path(d).resolve() for d in job_dirs] if job_dirs is not None else [default_job_dir(c) for c in prepared]
@@ -102,6 +104,16 @@ def submit_all(cfgs: Sequence[DictConfig], job_dirs: Sequence[Path | str] | None
         for i, job in zip(members, jobs):
             runs[i] = SlurmRun(prepared[i], job, folder, time.time(), section(prepared[i], "cluster").wait_s())
     return [r for r in runs if r is not None]
+
+
+def _note_idle_gpus(cfgs: Sequence[DictConfig]) -> None:
+    """Say where a job leaves GPUs idle (gems.config.place: its last node partly used)."""
+    for c in cfgs:
+        idle = idle_gpus(c.cluster)
+        if idle:
+            print(f"gems: note: {c.run_id}: {job_tasks(c.cluster)} rank(s) on {c.cluster.nodes} node(s) of "
+                  f"{c.cluster.gpus_per_node} GPUs leave {idle} GPU(s) idle (the last node partly used)",
+                  file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------- the record

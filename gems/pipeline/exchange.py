@@ -26,9 +26,10 @@ why no rank can hang, by induction on the ticks: suppose every round before tick
 rank must have done before its round ``t`` is its rounds before ``t`` and the actions placed before the round,
 all of which start before ``t`` (the tick's place is before the first that does not); an action that starts
 before ``t`` needs only messages of rounds at or before its start, so before ``t``: done. Every rank of round
-``t`` therefore reaches it, and within it every message has both ends in their rank's current group, so the round completes, even with sends
-that wait for their receive and with nothing issued after the round able to run before it. What a rank
-computes after its round ``t`` is never what round ``t`` waits for, so the round may run beside that compute:
+``t`` therefore reaches it, and within it every message has both ends in their rank's current group, so the
+round completes, even with sends that wait for their receive and with nothing issued after the round able to
+run before it. What a rank computes after its round ``t`` is never what round ``t`` waits for, so the round
+may run beside that compute:
 the runtime waits for a round only where an action needs what it received (:func:`check` replays a plan under
 these rules; tests/test_schedules.py checks every registered schedule with it).
 

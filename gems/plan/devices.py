@@ -117,8 +117,15 @@ GPU_EFFICIENCY_SOURCE = "fit to gems's CosmoFlow steps measured on an H200, resu
 #: convolutions and pooling in channels-last reach far less of Hopper's peaks than the data sheet's dense GEMMs.
 #: The H100 shares the H200's architecture and kernels (its peak figures are the same; its memory is slower):
 #: taken alike until one is measured. ``plan.efficiency`` overrides them; ``gems bench calibrate`` measures the
-#: convolutions and the bandwidth themselves.
-GPU_EFFICIENCY: dict[str, dict[str, dict[str, float]]] = {}
+#: convolutions and the bandwidth themselves. The fit: at these figures CosmoFlow's ops are memory-bound in the
+#: roofline (its 3D convolutions move more bytes than the GPU computes flops at its peak), so the memory class
+#: carries the fit: 14% of the data sheet's bandwidth in fp32 (planned over measured 0.93 at 128^3 and 1.05 at
+#: 256^3), 10% in bf16 (0.99). An effective figure, not a bandwidth a kernel reached: it lumps cuDNN's 3D
+#: convolution kernels, 3D pooling in channels-last and every kernel's launch into what the roofline counts.
+_HOPPER = {"fp32": {"conv": 0.5, "matmul": 0.6, "memory": 0.14},
+           "bf16": {"conv": 0.5, "matmul": 0.6, "memory": 0.10},
+           "fp16": {"conv": 0.5, "matmul": 0.6, "memory": 0.10}}
+GPU_EFFICIENCY: dict[str, dict[str, dict[str, float]]] = {"h200": _HOPPER, "h100": _HOPPER}
 #: per op: the launch and framework overhead of one kernel on a GPU (seconds)
 GPU_OP_OVERHEAD_S = 6e-6
 

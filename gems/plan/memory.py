@@ -109,7 +109,7 @@ import torch
 from torch import nn
 
 from gems.bootstrap import KEEP_GROWTH, keeps_host_memory_within, node_memory_bytes, plan_device
-from gems.config import section
+from gems.config import job_tasks, section
 from gems.errors import ConfigError
 from gems.parallel import resolve, spatial_model, stage_balance
 from gems.pipeline.exchange import plan_exchanges
@@ -335,7 +335,7 @@ def _world(cfg: Any) -> int | None:
     if c.launcher == "slurm" or c.name != "local":
         if c.tasks_per_node is None:
             return None
-        return int(c.nodes) * int(c.tasks_per_node)
+        return job_tasks(c)
     return None
 
 

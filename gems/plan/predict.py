@@ -68,9 +68,9 @@ def predict_step(cfg: Any, pl: Planner, prof: Any, batch: int, dev: dict[str, An
     if str(cfg.data.name) == "synthetic" and dev["kind"] == "gpu":
         ahead = int(cfg.data.prefetch) > 0
         data, made, on_device = gpu_synthetic(rates, ahead), (
-            "synthetic samples drawn on the GPU (memory-bound: the GPU's own time, not hidden by the reader"
-            + ("; the reader thread launches a kernel per plane ahead of the step)" if ahead else
-               ", and a kernel launched per plane in the step)")), True
+            "synthetic samples drawn on the GPU " + ("by the reader a step ahead, on a side stream beside the step's "
+                                                     "kernels: the step waits for none of it" if ahead else
+                                                     "in the step (data.prefetch=0): memory-bound, a kernel a plane")), True
     elif str(cfg.data.name) == "synthetic":  # made on the host: this machine's CPU, timed
         share, threads = rates.share, rank_threads(cfg)
 
@@ -110,15 +110,14 @@ def data_set_files(cfg: Any) -> tuple[int, int]:
 
 
 def gpu_synthetic(rates: Any, ahead: bool = True) -> Any:
-    """Seconds a GPU rank takes to draw ``n`` samples of its ``part`` (C, *spatial) on its GPU
-    (:func:`gems.data.synthetic.sample_input`): a normal sample is written once and its uniform sources read
-    once (memory-bound at the device's bandwidth), and each plane is a kernel of its own, launched by the reader
-    thread ahead of the step (``ahead``: ``data.prefetch`` > 0; the launches cost the step nothing) or by the
-    step itself. Measured on an H200: 0.1 ms of a 30 ms step at 128^3, batch 8 (results/gpu/)."""
+    """Seconds a GPU rank's step waits for ``n`` samples of its ``part`` (C, *spatial) drawn on its GPU
+    (:func:`gems.data.synthetic.sample_input`). With a reader ahead (``ahead``: ``data.prefetch`` > 0) nothing: its
+    thread launches the draws on a side stream a step early, and they run beside the step's kernels (measured on an
+    H200: the step waited 0.1 ms of its 30 ms at 128^3, batch 8; results/gpu/). In the step itself: a normal sample
+    written once and its uniform sources read once, memory-bound, and a kernel launched per plane."""
     def data(part: Any, n: int, inp: bool, tgt: bool) -> float:
-        if not inp:
+        if not inp or ahead:
             return 0.0
         elements = n * math.prod(int(v) for v in part)
-        launches = 0.0 if ahead else n * int(part[1]) * rates.op_overhead_s
-        return 2 * 4 * elements / rates.bandwidth + launches
+        return 2 * 4 * elements / rates.bandwidth + n * int(part[1]) * rates.op_overhead_s
     return data

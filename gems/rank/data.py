@@ -110,48 +110,110 @@ class Staged:
         return (f"data.stage=node: {self.files} files ({self.nbytes / 2**30:.2f} GiB) copied to {self.root} in "
                 f"{self.seconds:.1f} s, once at the start")
 
+    def discard(self, world: Any) -> None:
+        """Remove the node's copies without waiting for the other ranks (a failure, a preemption: they stop too;
+        one rank per node removes them)."""
+        import shutil
+
+        if world.local_rank == 0:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+#: seconds between looks at whether the other ranks have copied their share (a wait with progress marks, not a
+#: collective: a long copy must not run into the collectives' timeout)
+STAGE_POLL_S = 1.0
+
+
+def stage_root(cfg: DictConfig, run_id: str) -> Path:
+    """The node-local folder of a job's copies: unique to the run, the Slurm job and the node, so nodes whose
+    ``TMPDIR`` lies on shared storage never write the same paths."""
+    import socket
+
+    base = Path(str(cfg.data.stage_dir or os.environ.get("TMPDIR") or "/dev/shm"))
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    return base / f"gems-stage-{run_id}-{os.environ.get('SLURM_JOB_ID', 'local')}-{node}"
+
+
+def _listing(cfg: DictConfig, world: Any) -> list[tuple[str, str, int]]:
+    """(file, train|val, bytes) of every file the job reads, listed once by rank 0 and sent to every rank (a
+    parallel filesystem answers one rank's glob and stats, not every rank's)."""
+    d = cfg.data
+    out: list[tuple[str, str, int]] = []
+    if world.rank == 0:
+        for kind, src in (("train", d.path), ("val", d.val_path)):
+            if src:
+                p = Path(str(src))
+                out += [(str(f), kind, f.stat().st_size) for f in sorted(p.glob("*.h5") if p.is_dir() else [p])]
+    if world.size > 1:
+        import torch.distributed as dist
+
+        box: list[Any] = [out]
+        dist.broadcast_object_list(box, src=0)
+        out = box[0]
+    return out
+
+
+def _wait_for(counter: Any, key: str, want: int) -> None:
+    """Wait until ``want`` ranks have added 1 to ``key`` in the rendezvous store: a wait for peers (the watchdog
+    looks for the cause among the ranks still copying, which mark every file)."""
+    from gems.fault import progress
+
+    with progress.waiting("staged copies"):
+        while counter.add(key, 0) < want:
+            time.sleep(STAGE_POLL_S)
+
 
 def stage(cfg: DictConfig, world: Any, run_id: str, barrier: Callable[[], None]) -> Staged | None:
     """``data.stage=node``: copy the files the job reads (the training set, and the validation set) to node-local
     storage once, at job start, split over the node's ranks (each copies every k-th file, k its ranks on the node;
-    every node holds all of them, as any rank may read any sample over the epochs), with a progress line; every
-    rank waits for the copies (``barrier``) before reading. The copies are removed by :meth:`unstage`."""
+    every node holds all of them, as any rank may read any sample over the epochs), with a progress line.
+
+    At thousands of ranks: rank 0 lists the files and sends the list (:func:`_listing`); every copied file is a
+    progress mark, so the watchdog sees a long copy move; the ranks wait for each other through the rendezvous
+    store, never in a collective whose timeout a long copy would outlast; the folder is unique to job and node
+    (:func:`stage_root`); a file already complete there (a requeued job on the same node) is not copied again.
+    The copies are removed by :func:`unstage` at the end, by :meth:`Staged.discard` on a failure or a
+    preemption."""
     import shutil
 
     from gems.bootstrap import ranks_on_this_node
+    from gems.fault import progress
 
     d = cfg.data
     if d.stage != "node" or d.name != "hdf5":
         return None
-    base = Path(str(d.stage_dir or os.environ.get("TMPDIR") or "/dev/shm"))
-    root = base / f"gems-stage-{run_id}"
+    root = stage_root(cfg, run_id)
     per_node, me = max(1, ranks_on_this_node()), world.local_rank
-    jobs = [(Path(str(src)), root / kind) for kind, src in (("train", d.path), ("val", d.val_path)) if src]
-    files = [(f, dst) for src, dst in jobs for f in sorted(src.glob("*.h5") if src.is_dir() else [src])]
-    t0, done, nbytes = time.perf_counter(), 0, sum(f.stat().st_size for f, _ in files)
-    for i, (f, dst) in enumerate(files):
+    listing = _listing(cfg, world)
+    t0, done, nbytes = time.perf_counter(), 0, sum(n for _, _, n in listing)
+    for i, (name, kind, size) in enumerate(listing):
         if i % per_node != me:
             continue
+        f, dst = Path(name), root / kind
         dst.mkdir(parents=True, exist_ok=True)
-        tmp = dst / f".{f.name}.part"
-        shutil.copyfile(f, tmp)
-        tmp.rename(dst / f.name)  # a reader never sees half a file
+        if not ((dst / f.name).is_file() and (dst / f.name).stat().st_size == size):
+            tmp = dst / f".{f.name}.part"
+            shutil.copyfile(f, tmp)
+            tmp.rename(dst / f.name)  # a reader never sees half a file
         done += 1
-        if me == 0 and world.rank == 0 and (done % max(1, len(files) // (10 * per_node)) == 0):
-            print(f"gems: staging to {root}: {done * per_node}/{len(files)} files", flush=True)
-    barrier()
-    return Staged(root, len(files), nbytes, time.perf_counter() - t0)
+        progress.mark("staging")
+        if me == 0 and world.rank == 0 and (done % max(1, len(listing) // (10 * per_node)) == 0):
+            print(f"gems: staging to {root}: {done * per_node}/{len(listing)} files", flush=True)
+    if world.size > 1:
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
+        store.add(f"gems/staged/{run_id}", 1)
+        _wait_for(store, f"gems/staged/{run_id}", world.size)
+    return Staged(root, len(listing), nbytes, time.perf_counter() - t0)
 
 
 def unstage(staged: Staged | None, world: Any, barrier: Callable[[], None]) -> None:
     """Remove the node-local copies once every rank is done reading them (one rank per node)."""
-    import shutil
-
     if staged is None:
         return
     barrier()
-    if world.local_rank == 0:
-        shutil.rmtree(staged.root, ignore_errors=True)
+    staged.discard(world)
 
 
 # ---------------------------------------------------------------------------- which samples

@@ -38,7 +38,7 @@ from gems.mesh import Mesh, mesh_from_config
 from gems.parallel import resolve
 from gems.pipeline.runtime import split_waits
 from gems.rank.compose import Parallel, set_up_rank
-from gems.rank.data import Prefetcher, Sampler, make_data, replica_indices, share, stage, step_batch, unstage
+from gems.rank.data import Prefetcher, Sampler, Staged, make_data, replica_indices, share, stage, step_batch, unstage
 from gems.rank.optim import LearningRate, WeightAverage
 from gems.results import record as rec
 from gems.results.mlperf import MLPerfLog
@@ -152,7 +152,8 @@ class Run:
                                         "validation": [], "elapsed_s": 0.0, "reader_s": 0.0}
         self.start = 0
         progress.mark("checkpoint")
-        got = ckpt.load(self.cfg, self.world.rank, self.par.modules, self.opt)
+        self.share = ckpt.share_of(self.mesh, self.world.rank)  # the state file of its model state
+        got = ckpt.load(self.cfg, self.world.rank, self.par.modules, self.opt, self.share)
         if got is not None:
             self.start, self.history = got
             for key in ("nonfinite_steps", "every_step_time", "tensor_peaks", "lrs", "validation"):
@@ -177,6 +178,10 @@ class Run:
                 if self.one_step(step):
                     break  # the target reached: every rank evaluated the same figures
             self.mlperf.run_stop(reached=bool(self.history.get("target")))
+        except BaseException:
+            if self.staged is not None:  # a failure: the node's copies go with it (the others stop too)
+                self.staged.discard(self.world)
+            raise
         finally:
             self.mlperf.pause()  # stopped to be requeued, or failed: the next job appends
             self.prefetch.close()
@@ -219,7 +224,8 @@ class Run:
         inject.before_step(self.fault, world.rank, step, self.restarts)
         if self.fault.preempt_at_step == step and self.restarts == 0:
             self.settle_history()
-            _preempt(cfg, world, step, par, self.opt, h, self.wd, "fault injection: preempting the job")
+            _preempt(cfg, world, step, par, self.opt, h, self.wd, "fault injection: preempting the job", self.share,
+                     self.staged)
         t0 = time.perf_counter()  # the last step ended with its read of the loss: the GPU's queue has drained
         (ids, x, y), t_data = self.prefetch.get(step)  # t_data: what the step waited for (the exposed data time)
         x = inject.poison(self.fault, world.rank, step, x)
@@ -245,14 +251,14 @@ class Run:
         if stop and step + 1 < self.steps:  # Slurm's signal before the time limit (or a preemption notice)
             self.settle_history()
             _preempt(cfg, world, step + 1, par, self.opt, h, self.wd,
-                     "the time limit is near: checkpointing and requeueing")
+                     "the time limit is near: checkpointing and requeueing", self.share, self.staged)
         if (step + 1) % spe == 0:
             self.mlperf.epoch(start=False, epoch=step // spe)
         reached = self.evaluate(step) if self.evaluation_due(step) else False
         if self.ckpt_every and (step + 1) % self.ckpt_every == 0 and step + 1 < self.steps and not h["nonfinite_steps"]:
             progress.mark("checkpoint")  # a diverged run keeps its last good checkpoint
             self.settle_history()
-            ckpt.save(cfg, world.rank, step + 1, par.modules, self.opt, h)
+            ckpt.save(cfg, world.rank, step + 1, par.modules, self.opt, h, self.share)
         return reached
 
     # ---- evaluation --------------------------------------------------------------------------------------------
@@ -657,10 +663,14 @@ def _average_buffers(buffers: list[torch.Tensor], mesh: Mesh) -> None:
 
 
 def _preempt(cfg: DictConfig, world: World, step: int, par: Parallel, opt: torch.optim.Optimizer,
-             history: dict[str, Any], wd: Watchdog | None, why: str) -> None:
-    """Save before ``step``, then stop as a preempted job does; Slurm or the local launcher resumes it."""
+             history: dict[str, Any], wd: Watchdog | None, why: str, share: ckpt.Share,
+             staged: Staged | None = None) -> None:
+    """Save before ``step``, then stop as a preempted job does; Slurm or the local launcher resumes it (the node's
+    staged copies removed: the job may resume on other nodes)."""
     progress.mark("checkpoint")
-    ckpt.save(cfg, world.rank, step, par.modules, opt, history)
+    ckpt.save(cfg, world.rank, step, par.modules, opt, history, share)
+    if staged is not None:
+        staged.discard(world)
     if world.rank == 0:
         print(f"gems: {why} (checkpoint before step {step})", file=sys.stderr, flush=True)
     if wd is not None:
