@@ -521,8 +521,11 @@ def cmd_bench(args: list[str]) -> int:
             raise ConfigError("bench option", a, "out=DIR" + (" or overrides such as model.size=128"
                                                               if args[0] in BENCH_OVERRIDES else ""))
     writable_dir("out", out_dir, "a folder for the benchmark's table")
+    module = importlib.import_module(mod)
+    if hasattr(module, "check_overrides"):  # refused before anything is written
+        module.check_overrides(overrides)
     out_dir.mkdir(parents=True, exist_ok=True)
-    run = getattr(importlib.import_module(mod), fn)
+    run = getattr(module, fn)
     table = run(out_dir, overrides) if args[0] in BENCH_OVERRIDES else run(out_dir)
     print(table)
     return 0

@@ -66,6 +66,10 @@ def dry_run(cfg: Any) -> dict[str, Any]:
             "coord": {"replica": coord.replica, "pipeline": coord.pipeline, "spatial": coord.spatial,
                       "spatial_grid": list(coord.spatial_grid)},
             "groups": {axis: {"size": len(r), "first_ranks": r[:4]} for axis, r in groups.items()},
+            # the calls that made them, one a mesh axis whose groups have several ranks: on GPUs each is one split
+            # of the world's communicator that every rank takes part in (gems.mesh.Mesh.build_groups)
+            "setup": {"group_calls": len(mesh.groups.setup_calls),
+                      "axes": [axis for _, axis in mesh.groups.setup_calls]},
             "partitions": list(par.balance) if par.balance else None,
             "parameters": int(sum(p.numel() for p in par.params)),
             "input_part": None if x is None else list(x.shape),

@@ -83,14 +83,10 @@ class Groups:
     grad: Any = None
     grad_ranks: list[int] = field(default_factory=list)
     built: bool = False  # build_groups ran
-    #: what building them asked of torch.distributed, one entry a call: ("split", axis) a split of the world's
-    #: communicator every rank takes part in (NCCL), ("members", axis) a group made by its members alone
+    #: what building them asked of torch.distributed, one entry a call: ("split", axis) one split of the world's
+    #: communicator for a whole axis (NCCL), ("members", axis) a group made by its members alone (the dry run),
+    #: ("every", axis) one group of an axis made by every rank (gloo, MPI: no communicator of the world's)
     setup_calls: list[tuple[str, str]] = field(default_factory=list)
-
-    @property
-    def world_wide_calls(self) -> int:
-        """Calls every rank of the world took part in (at most one a mesh axis: Mesh.build_groups)."""
-        return sum(1 for kind, _ in self.setup_calls if kind == "split")
 
 
 @dataclass
@@ -204,9 +200,9 @@ class Mesh:
         collective of the groups. Pass it: torch gives a new group its backend's default (30 minutes on
         gloo), not the default group's timeout, so a stalled peer would hold the others that long.
 
-        One call an axis (:meth:`_axis_group`), every rank's lists alike: at
-        2048 ranks four calls where one ``new_group`` a group made thousands of
-        world-wide splits. ``groups`` lists the pipeline positions whose
+        One call an axis where NCCL makes the groups (:meth:`_axis_group`): at
+        2048 ranks four splits of the world's communicator where one
+        ``new_group`` a group made thousands. ``groups`` lists the pipeline positions whose
         ranks hold copies of the same partitions (a schedule's
         ``holder_groups()``: ``(d, D-1-d)`` for GEMS-MAST/MASTER); each gradient
         group is those positions over every replica and spatial part.
@@ -232,11 +228,14 @@ class Mesh:
         self.groups.built = True
 
     def _axis_group(self, axis: str, lists: list[list[int]], rank: int, timeout: Any) -> Any:
-        """This rank's group of one axis, whose rank lists partition the world, made in one go: one split of
-        the world's communicator for the whole axis where the world's backend splits (NCCL with a bound device:
-        ``torch.distributed.split_group``; torch's ``new_group`` would split the whole world once per group,
-        members or not), else by the members of this rank's group alone (``use_local_synchronization``: gloo,
-        the dry run's fake group). None where the axis's groups have one rank."""
+        """This rank's group of one axis, whose rank lists partition the world. Where the world's backend
+        splits its communicator (NCCL with a bound device), one split for the whole axis
+        (``torch.distributed.split_group``): torch's ``new_group`` would split the whole world once per group,
+        members or not. The dry run's fake group: its members alone make it, one call (what the count of
+        calls a GPU job makes reads). Elsewhere (gloo, MPI) every rank makes every group, as torch's
+        ``new_group`` asks (each a barrier over the rendezvous store, no communicator of the world's: groups made
+        by their members alone hang in torch 2.13 once a group was made the other way). None where the axis's
+        groups have one rank."""
         import torch.distributed as dist
 
         from gems.fault.progress import mark
@@ -248,8 +247,16 @@ class Mesh:
         if _splits(dist):
             self.groups.setup_calls.append(("split", axis))
             return dist.split_group(split_ranks=lists, timeout=timeout, group_desc=f"gems {axis}")
-        self.groups.setup_calls.append(("members", axis))
-        return dist.new_group(mine, timeout=timeout, use_local_synchronization=True, group_desc=f"gems {axis}")
+        if dist.get_backend() == "fake":
+            self.groups.setup_calls.append(("members", axis))
+            return dist.new_group(mine, timeout=timeout, use_local_synchronization=True, group_desc=f"gems {axis}")
+        out = None
+        for ranks in lists:
+            self.groups.setup_calls.append(("every", axis))
+            g = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                out = g
+        return out
 
     def group(self, axis: Axis | str) -> Any:
         """The process group of this rank along ``axis`` (None when of size 1)."""

@@ -72,3 +72,21 @@ def test_a_rank_outside_the_world_is_bad_input():
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].startswith("gems: error: plan.dry_run_rank=2048")
     assert "0..2047" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_set_up_at_2048_ranks_makes_one_group_call_a_mesh_axis(monkeypatch):
+    """R512 x D2 x S2: one call a mesh axis (on GPUs one split of the world's communicator each, every rank in it),
+    where one `new_group` a group (and one a pipeline link) made 4101 calls, each a split of the whole world under
+    NCCL with a bound device, all inside the set-up's allowance and without a progress mark."""
+    import torch.distributed as dist
+
+    from gems.dryrun import dry_run
+
+    calls: list[str] = []
+    for name in ("new_group", "split_group"):
+        real = getattr(dist, name)
+        monkeypatch.setattr(dist, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+    got = dry_run(compose(HYBRID + ["plan.dry_run=true", "plan.dry_run_rank=1234"]))
+    assert got["world_size"] == 2048
+    assert 0 < len(calls) <= 4 and got["setup"]["group_calls"] == len(calls), calls[:8]
+    assert set(got["setup"]["axes"]) <= {"spatial", "pipeline", "replica", "grad"}

@@ -94,7 +94,8 @@ def test_the_overhead_benchmarks_gpu_mode_runs_both_loops_side_by_side_on_any_de
     for r in rows:
         gems_s, plain_s = float(r[1].split()[0]), float(r[2].split()[0])
         assert gems_s > 0 and plain_s > 0
-        assert r[3] == f"{plain_s / gems_s:.3f}x throughput" or abs(float(r[3].split("x")[0]) - plain_s / gems_s) < 2e-3
+        # the ratio of the medians (the row prints them rounded to 0.1 ms)
+        assert r[3].endswith("x throughput") and abs(float(r[3].split("x")[0]) * gems_s / plain_s - 1) < 0.02
 
 
 def test_bench_overhead_refuses_overrides_without_a_gpu(tmp_path: Path) -> None:
@@ -104,4 +105,5 @@ def test_bench_overhead_refuses_overrides_without_a_gpu(tmp_path: Path) -> None:
         pytest.skip("this machine has a GPU: the overrides set the GPU mode's job")
     r = subprocess.run([sys.executable, "-m", "gems.cli", "bench", "overhead", "model.size=64", f"out={tmp_path}"],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "bench overhead" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "bench option=model.size=64" in r.stderr and "GPU mode" in r.stderr
+    assert "Traceback" not in r.stderr

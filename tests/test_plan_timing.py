@@ -132,17 +132,18 @@ def test_a_reader_ahead_hides_the_data_behind_a_gpu_step_and_the_plan_says_when_
     assert any("data read 2 step(s) ahead" in a for a in ahead.assumptions)
 
 
-def test_synthetic_samples_drawn_on_the_gpu_take_the_gpus_time_whatever_the_reader():
-    """On GPU ranks the synthetic generator runs on the rank's own GPU: a reader ahead cannot hide it behind that
-    GPU's compute. The shipped weak-scaling study on Perlmutter then shows data as a few percent of the step:
-    neither the 98% of the host generator nor a free 0%."""
+def test_synthetic_samples_drawn_on_the_gpu_cost_the_step_nothing_with_a_reader_ahead():
+    """On GPU ranks the reader draws the synthetic samples on the GPU a step ahead, on a side stream beside the
+    step's kernels: the step waits for none of it (an H200 measured 0.1 ms of a 30 ms step; the plan said 6 ms
+    when it counted a kernel launch per plane in the step). Without a reader the step draws them itself:
+    memory-bound, and a launch per plane."""
     base = ["model=cosmoflow", "model.size=512", "parallel.spatial=4", "cluster=perlmutter", "cluster.account=x"]
     ahead = make_plan(compose(base), suggest=False).prediction
     inline = make_plan(compose(base + ["data.prefetch=0"]), suggest=False).prediction
-    assert ahead.breakdown["data"] == pytest.approx(inline.breakdown["data"]) and ahead.breakdown["data"] > 0
-    assert 0.01 < ahead.breakdown["data"] / ahead.step_s < 0.1, ahead.breakdown
+    assert ahead.breakdown["data"] == 0.0
+    assert 0.01 < inline.breakdown["data"] / inline.step_s < 0.1, inline.breakdown
     assert any("made on the rank's device" in a for a in ahead.assumptions)
-    assert not any("step(s) ahead" in a for a in ahead.assumptions)
+    assert any("the step waits for none of it" in a for a in ahead.assumptions)
 
 
 def test_where_every_core_computes_the_whole_gradient_all_reduce_counts():

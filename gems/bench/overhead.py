@@ -171,6 +171,15 @@ def device_rows(device: torch.device, overrides: list[str], rounds: int = 3, ste
     return rows
 
 
+def check_overrides(overrides: list[str]) -> None:
+    """Overrides set the GPU mode's job: without a GPU they are bad input (before anything is written)."""
+    if overrides and not torch.cuda.is_available():
+        from gems.errors import ConfigError
+
+        raise ConfigError("bench option", " ".join(overrides), "out=DIR (overrides set the job of the GPU mode, on "
+                          "a machine with a GPU)")
+
+
 def bench_overhead(out_dir: Path, overrides: list[str] | None = None, rounds: int = 3) -> str:
     from gems.bootstrap import keep_host_memory
 
@@ -189,11 +198,7 @@ def bench_overhead(out_dir: Path, overrides: list[str] | None = None, rounds: in
         text += "\n" + env_block("gems bench overhead " + " ".join(given))
         write(out_dir, "overhead-gpu", text)
         return text
-    if overrides:
-        from gems.errors import ConfigError
-
-        raise ConfigError("bench overhead", " ".join(overrides), "no overrides on a machine without a GPU (they set "
-                          "the GPU mode's job)")
+    check_overrides(overrides or [])
 
     torch.set_num_threads(1)
     keep_host_memory()  # what gems' worker does on CPU ranks; set for the whole process, so both loops get it

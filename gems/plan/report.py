@@ -115,8 +115,8 @@ def reserve_line(dev: dict[str, Any]) -> str:
             if comms else "NCCL 0 (one rank: no communicator)")
     return (f"reserve: {g(r['bytes'])} GiB a rank, modelled: CUDA context {g(p['cuda_context'])} + cuBLAS workspaces "
             f"{g(p['cublas_workspace'])} + {nccl} + fragmentation {g(p['fragmentation'])} "
-            f"({100 * r['fragmentation_fraction']:g}% of the peak; cuDNN's workspace goes in the allocator's free "
-            f"blocks){usable}; plan.reserve_gb=<GiB> replaces it")
+            f"({100 * r['fragmentation_fraction']:g}% of the peak; cuDNN's workspace is counted in the activations)"
+            f"{usable}; plan.reserve_gb=<GiB> replaces it")
 
 
 def plan_main(cfg: Any) -> int:

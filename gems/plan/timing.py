@@ -471,7 +471,7 @@ def _assumptions(rates: Rates, intra: Link | None, inter: Link | None, overlap: 
                    "no rank-to-rank jitter (cluster.jitter unset): ranks meet without waiting for each "
                    "other's noise")
     if data_on_device:
-        out.append("data made on the rank's device: its time is the step's, with or without a reader ahead")
+        out.append("data made on the rank's device: what the step waits for is the device's own time of it")
     elif prefetch > 0:
         out.append(f"data read {prefetch} step(s) ahead (data.prefetch): " + (
             "only what outlasts the step before waits" if rates.spare else "every core computes, so the reader's "
