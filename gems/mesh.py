@@ -244,7 +244,7 @@ class Mesh:
         if max(len(r) for r in lists) < 2:
             return None
         mine = next(r for r in lists if rank in r)
-        if _splits(dist):
+        if _splits():
             self.groups.setup_calls.append(("split", axis))
             return dist.split_group(split_ranks=lists, timeout=timeout, group_desc=f"gems {axis}")
         if dist.get_backend() == "fake":
@@ -272,7 +272,7 @@ class Mesh:
         return f"R{self.replicas} x D{self.pipeline} x S{self.spatial}({sp} over dims {list(self.spatial_dims)})"
 
 
-def _splits(dist: Any) -> bool:
+def _splits() -> bool:
     """Whether the world's backend splits its communicator for new groups (NCCL with a bound device)."""
     from torch.distributed import distributed_c10d as c10d
 

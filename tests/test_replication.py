@@ -110,6 +110,22 @@ class _FakeComm:
         return _Handle()
 
 
+def _mpi_backward(comm):  # type: ignore[no-untyped-def]
+    """A stand-in MPI group over ``comm`` and a reducer over a three-layer net in buckets of >= 104 bytes, armed,
+    after one backward: (group, reducer)."""
+    from gems import replication
+
+    group = replication.MPIGroup.__new__(replication.MPIGroup)
+    group.comm, group.cuda_aware = comm, True
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+                              torch.nn.Linear(16, 4))
+    red = replication.GradientReducer(net.parameters(), group, bucket_mb=0.0001)
+    red.start_step()
+    net(torch.randn(3, 8)).pow(2).sum().backward()
+    return group, red
+
+
 class _Event:
     """A CUDA event stand-in: complete only once the test says so (the GPU has not run the kernels yet)."""
 
@@ -141,15 +157,8 @@ def test_mpi_sums_wait_for_their_data_and_launch_in_bucket_order(monkeypatch):
         events.append(self.event)
 
     monkeypatch.setattr(replication._Staged, "__init__", staged)
-    group = replication.MPIGroup.__new__(replication.MPIGroup)
-    group.comm, group.cuda_aware = _FakeComm(), True
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
-                              torch.nn.Linear(16, 4))
     # buckets of >= 104 bytes, last layer first: (bias, weight) of each Linear, flattened: 68, 272, 144 values
-    red = replication.GradientReducer(net.parameters(), group, bucket_mb=0.0001)
-    red.start_step()
-    net(torch.randn(3, 8)).pow(2).sum().backward()
+    group, red = _mpi_backward(_FakeComm())
     assert len(events) == 3 and group.comm.launched == [], "nothing goes to MPI before its data exists"
     events[1].done = True  # the second bucket's kernels ran first: it still waits for the first
     red._launch_staged(block=False)
@@ -167,7 +176,6 @@ def test_mpi_sums_launched_during_the_backward_are_driven_by_the_hooks_that_foll
     only in finish() (before, nothing tested them until finish's Wait)."""
     from mpi4py import MPI  # noqa: F401  (the reducer imports it for MPI.IN_PLACE)
 
-    from gems import replication
 
     tested: list[int] = []
 
@@ -190,14 +198,7 @@ def test_mpi_sums_launched_during_the_backward_are_driven_by_the_hooks_that_foll
             self.launched += 1
             return _Handle(self.launched)
 
-    group = replication.MPIGroup.__new__(replication.MPIGroup)
-    group.comm, group.cuda_aware = _Comm(), True
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
-                              torch.nn.Linear(16, 4))
-    red = replication.GradientReducer(net.parameters(), group, bucket_mb=0.0001)
-    red.start_step()
-    net(torch.randn(3, 8)).pow(2).sum().backward()
+    group, red = _mpi_backward(_Comm())
     assert group.comm.launched == 3 and 1 in tested and 2 in tested, tested  # tested while the backward ran
     assert len(red._mpi_pending) <= 1  # the earlier ones completed under the later hooks' tests
     red.finish()

@@ -42,10 +42,11 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import Sequence
 
 from gems.pipeline.schedules import Action, DeadlockError, Schedule, receives, run_orders, sends
 
-__all__ = ["Message", "Round", "ExchangePlan", "plan_exchanges", "check", "pairs", "LOOKAHEAD"]
+__all__ = ["Message", "Round", "ExchangePlan", "plan_exchanges", "check", "pairs", "wanted", "LOOKAHEAD"]
 
 #: a round of receives is posted this many actions before the first that needs what it brings (or at its tick,
 #: if that comes first): the transfer overlaps that action's compute, and a rank holds a few buffers, not a
@@ -104,11 +105,7 @@ class ExchangePlan:
     def held(self, position: int) -> int:
         """The most messages ``position`` holds received before the action that needs them has started (the
         buffers beside its actions' inputs: what the memory plan counts)."""
-        needed: dict[tuple[int, int, int, int], int] = {}
-        for k, a in enumerate(self.orders[position]):
-            got = receives(a, self.schedule.stages)
-            if got is not None:
-                needed[(got[0], a.replica, a.micro_batch, got[1])] = k
+        needed = _needed(self.schedule, self.orders[position])
         most, waiting = 0, 0
         for k, rounds in enumerate(self.before[position]):
             for r in rounds:
@@ -118,6 +115,18 @@ class ExchangePlan:
             most = max(most, waiting - now)
             waiting -= now
         return most
+
+
+def wanted(a: Action, stages: int) -> tuple[int, int, int, int] | None:
+    """The message an action needs, as (kind, pass, micro-batch, receiving stage), or None
+    (:func:`~gems.pipeline.schedules.receives`): one name for it in the plan and the runtime."""
+    got = receives(a, stages)
+    return None if got is None else (got[0], a.replica, a.micro_batch, got[1])
+
+
+def _needed(sched: Schedule, order: Sequence[Action]) -> dict[tuple[int, int, int, int], int]:
+    """Message -> the index in ``order`` of the action that needs it."""
+    return {key: k for k, a in enumerate(order) if (key := wanted(a, sched.stages)) is not None}
 
 
 def _message(sched: Schedule, a: Action) -> Message | None:
@@ -136,19 +145,16 @@ def plan_exchanges(sched: Schedule, forward_only: bool = False) -> ExchangePlan:
     orders = tuple(tuple(a for a in order if a.kind.forward or not forward_only) for order in sched.actions)
     span = run_orders(sched, orders)
     by_tick: dict[float, list[Message]] = {}
+    made_by: dict[Message, int] = {}  # message -> the index of the action that makes it, in its rank's order
+    needed_by: dict[tuple[int, int, int, int], int] = {}  # message -> the index of the action that needs it
     for order in orders:
-        for a in order:
+        needed_by.update(_needed(sched, order))
+        for k, a in enumerate(order):
             m = _message(sched, a)
             if m is not None:
                 by_tick.setdefault(span[a][1], []).append(m)
+                made_by[m] = k
     rounds = tuple(Round(t, tuple(sorted(ms))) for t, ms in sorted(by_tick.items()))
-    made_by = {m: k for order in orders for k, a in enumerate(order) if (m := _message(sched, a)) is not None}
-    needed_by = {}
-    for order in orders:
-        for k, a in enumerate(order):
-            got = receives(a, sched.stages)
-            if got is not None:
-                needed_by[(got[0], a.replica, a.micro_batch, got[1])] = k
     before = []
     for p, order in enumerate(orders):
         starts = [span[a][0] for a in order]
@@ -174,15 +180,12 @@ def check(plan: ExchangePlan) -> None:
     rounds one at a time in its order and computes only what it has received. Raises :class:`DeadlockError`
     naming where it would hang, or AssertionError where an action would run before its message arrived."""
     sched = plan.schedule
-    S = sched.stages
     for p, order in enumerate(plan.orders):
         got: set[tuple[int, int, int, int]] = set()
         for k, a in enumerate(order):
             got |= {m.key for r in plan.before[p][k] for m in r.of(p) if m.dst == p}
-            need = receives(a, S)
-            if need is not None:
-                key = (need[0], a.replica, a.micro_batch, need[1])
-                assert key in got, f"{sched.name}: rank {p} runs {a} before it has received {key}"
+            key = wanted(a, sched.stages)
+            assert key is None or key in got, f"{sched.name}: rank {p} runs {a} before it has received {key}"
     programs = [[r for slot in plan.before[p] for r in slot] for p in range(len(plan.orders))]
     at = [0] * len(programs)
     done: set[Message] = set()

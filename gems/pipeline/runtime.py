@@ -2,11 +2,9 @@
 
 The schedule says what this pipeline rank does, in order; this module does it:
 runs the forward or backward of its partition on the right chunk of the batch,
-sends activations down and gradients up right after the action that makes
-them, and posts the matching receives a few actions ahead, so transfers
-overlap compute. Since sends never block and every order came out of a valid
-execution (:func:`~gems.pipeline.schedules.simulate` checks it), no rank can
-deadlock.
+and exchanges what the actions make and need in the rounds of the schedule's
+exchange plan, whose meetings cannot deadlock
+(:func:`gems.pipeline.exchange.check` checks every registered schedule).
 
 The messages cross in exchange rounds (:mod:`gems.pipeline.exchange`): every
 message in the round of the tick its producing action ends, on the schedule's
@@ -65,10 +63,10 @@ from gems.fault import all_finite
 from gems.fault.progress import mark, waiting
 from gems.layers import batch_context, evaluation_mode
 from gems.pipeline.deferred import WeightGrads, deferring, make_deferrable
-from gems.pipeline.exchange import ExchangePlan, Message, Round, pairs, plan_exchanges
+from gems.pipeline.exchange import ExchangePlan, Message, Round, pairs, plan_exchanges, wanted
 from gems.pipeline.schedules import ACT as _ACT
 from gems.pipeline.schedules import GRAD as _GRAD
-from gems.pipeline.schedules import Action, Kind, Schedule, receives
+from gems.pipeline.schedules import Action, Kind, Schedule
 
 __all__ = ["PipelineRunner", "LossFn", "Stats"]
 
@@ -265,11 +263,6 @@ class PipelineRunner:
                     w.wait()
         self.connected = True
 
-    def _recv_key(self, a: Action) -> tuple[int, int, int, int] | None:
-        """The message an action needs, as (kind, pass, micro-batch, stage), or None (:func:`schedules.receives`)."""
-        got = receives(a, self.schedule.stages)
-        return None if got is None else (got[0], a.replica, a.micro_batch, got[1])
-
     def _shape_of(self, key: tuple[int, int, int, int]) -> tuple[tuple[int, ...], torch.dtype] | None:
         kind, replica, _, stage = key
         direction = self.schedule.direction(replica)
@@ -453,9 +446,9 @@ class PipelineRunner:
                  batch_statistics: bool = False) -> torch.Tensor | None:
         """A forward of one batch of the line's share, without gradients, in evaluation mode (with
         ``batch_statistics``, the normalisation layers in training mode: gems.layers.evaluation_mode): the
-        schedule's forward actions in their order (a subsequence of a deadlock-free order, the activations on the
-        same links); returns the sum of ``metric(output, target, sample ids)`` over the last-stage chunks this rank
-        ran (None where it runs no last stage)."""
+        schedule's forward actions in their order, in the rounds of their own exchange plan; returns the sum of
+        ``metric(output, target, sample ids)`` over the last-stage chunks this rank ran (None where it runs no last
+        stage)."""
         self._metric, self._metric_total = metric, None
         try:
             with evaluation_mode([self.modules], batch_statistics), torch.no_grad():
@@ -480,7 +473,7 @@ class PipelineRunner:
         for index, a in enumerate(actions):
             for rnd in rounds[index]:
                 self._exchange(rnd)
-            key = self._recv_key(a)
+            key = wanted(a, self.schedule.stages)
             received = self._receive(key) if key is not None else None
             sl = self.chunk_slice(a.replica, a.micro_batch)
             target = targets[sl] if a.stage == last and targets is not None else None

@@ -119,8 +119,8 @@ class Staged:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-#: seconds between looks at whether the other ranks have copied their share (a wait with progress marks, not a
-#: collective: a long copy must not run into the collectives' timeout)
+#: seconds between looks at whether the other ranks have copied their share (a wait through the rendezvous store,
+#: not a collective: a long copy must not run into the collectives' timeout)
 STAGE_POLL_S = 1.0
 
 
@@ -163,7 +163,7 @@ def _wait_for(counter: Any, key: str, want: int) -> None:
             time.sleep(STAGE_POLL_S)
 
 
-def stage(cfg: DictConfig, world: Any, run_id: str, barrier: Callable[[], None]) -> Staged | None:
+def stage(cfg: DictConfig, world: Any, run_id: str) -> Staged | None:
     """``data.stage=node``: copy the files the job reads (the training set, and the validation set) to node-local
     storage once, at job start, split over the node's ranks (each copies every k-th file, k its ranks on the node;
     every node holds all of them, as any rank may read any sample over the epochs), with a progress line.

@@ -111,7 +111,7 @@ class Run:
         gpu = world.device if world.device.type == "cuda" else None  # synthetic samples drawn on the rank's GPU
         staging = cfg.data.stage == "node"
         self.mlperf.staging(start=True, when=staging)
-        self.staged = stage(cfg, world, str(cfg.run_id or "run"), self.barrier)  # data.stage=node: copied once
+        self.staged = stage(cfg, world, str(cfg.run_id or "run"))  # data.stage=node: copied once
         self.mlperf.staging(start=False, when=staging)
         self.data = make_data(cfg, spec, self.par.input_slices, device=gpu, staged=self.staged)
         inject.arm(self.fault, world.rank, self.par.modules)
