@@ -7,15 +7,47 @@ same parameters and each computes a *weighted* share of the global loss
 no averaging, no special cases.
 
 The sum is bucketed and overlapped with the backward pass, as in
-DistributedDataParallel: a post-accumulate-grad hook marks a parameter ready
-once it has received its last gradient of the step; a bucket whose
-parameters are all ready is flattened and its all-reduce launched at once,
-in bucket order on every rank (collectives must be issued in the same order
-everywhere). ``finish()`` waits for the rest and writes the sums back.
+DistributedDataParallel, but launched only where every member of the group
+is at the same point of its communication (docs/design.md, "Rules of the GPU
+path"): NCCL runs a rank's kernels as if in one queue, so an all-reduce that
+one spatial part issues before a backward halo and the other after it hangs
+once the halo no longer fits NCCL's buffers. Autograd's order cannot be that
+point: a part that only sends a one-sided halo and one that only receives it
+run different nodes, and a gradient hook fires between them on one part and
+after them on the other. So the reducer is given the model's layers (a flat
+``nn.Sequential``, or one per pipeline partition) and:
+
+* a *point* sits on the input of a layer: it is reached once the gradient of
+  that input is complete, that is after the backward of every node that read
+  it, the layer's own and every later layer's, halos, norms and gathers
+  included, and before any node of the layers in front of it. Every part and
+  every copy runs the same layers, so each reaches the points in the same
+  order, interleaved the same way with the communication of the layers
+  between them: the layers form a chain and a layer's communication lies on
+  it;
+* a *tap* hands a layer its parameters through an identity that also reads
+  the layer's input, and accumulates their gradients into ``.grad`` itself
+  (through autograd's own accumulator, whose post-accumulate hooks count
+  them). Reading the input places the tap before the layer's point: so at a
+  point, every parameter of the layers behind it holds this backward's
+  gradient, on every part, whatever order autograd gave the nodes in between;
+* a bucket (parameters of consecutive layers of one sequence, last layer
+  first) launches at the point of its first layer in the backward that
+  completes it (``start_step(expected)``: how many backwards a parameter
+  takes this step), at :meth:`flush` (the caller's end of a backward: the
+  first layer of a model, whose input has no gradient, and the weight
+  gradients a split schedule's ``W`` accumulates) or at :meth:`finish`.
+
+Each of those is a function of the layers and of the step's actions alone,
+so every member issues the same sums at the same places of its backward: the
+order holds by construction, and ``gems.commlog.replay`` checks it with
+sends that wait for their receive. Without the layers (a bare list of
+parameters) the sums start in :meth:`finish`.
 Gradients of 1 MiB or more are summed in place in their ``.grad`` (one
-collective each, no copy: the hook fires after their last accumulation);
-the small ones of a bucket go through one flattened copy, so the reducer
-holds extra memory only for the small gradients.
+collective each, no copy; dense in any memory format: a channels-last
+convolution's gradient too); the small ones of a bucket go through one
+flattened copy, so the reducer holds extra memory only for the small
+gradients (:func:`summed_in_place`, which the planner counts with).
 
 Two transports: torch.distributed (gloo, nccl) and MPI through mpi4py
 (``comm.backend=mpi``; host buffers, or device buffers where the MPI library
@@ -30,8 +62,9 @@ mirrored partitions or the multi-pass schedules; one reducer keeps them equal.
 """
 from __future__ import annotations
 
+import functools
 import os
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -68,12 +101,50 @@ def _grad(p: nn.Parameter) -> torch.Tensor:
 IN_PLACE_BYTES = 1 << 20
 
 
+def summed_in_place(nbytes: int) -> bool:
+    """Whether a gradient of ``nbytes`` is summed in place in its ``.grad`` (else through its bucket's flattened
+    copy): the one rule the reducer and the planner's memory (gems.plan.memory) keep."""
+    return nbytes >= IN_PLACE_BYTES
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers its memory exactly once in some order of its dims (contiguous in some memory format:
+    row-major, channels-last, or any other permutation), as a collective sums it in place."""
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
+    expect = 1
+    for s, n in dims:
+        if s != expect:
+            return False
+        expect *= n
+    return True
+
+
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    def __init__(self, params: list[nn.Parameter], key: int = 0, first: int = 0) -> None:
         self.params = params
+        self.key, self.first = key, first  # its sequence, and the first layer it holds (where its point is)
         self.ready = 0
+        self.launched = False
         # (tensor to sum, the parameters whose gradients it holds, copied back after the sum?, handle, host copy)
         self.parts: list[tuple[torch.Tensor, list[nn.Parameter], bool, Any, Any]] = []
+
+
+class _Tap(torch.autograd.Function):
+    """A layer's parameters, handed to its forward through an identity that also reads the layer's input
+    (``anchor``): backward, their gradients are accumulated into ``.grad`` here, before the node that made the
+    input runs, so before the point on that input (module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, params: list[nn.Parameter]) -> tuple[torch.Tensor, ...]:
+        ctx.params = params
+        return tuple(p.detach() for p in params)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        pairs = [(p, g) for p, g in zip(ctx.params, grads) if g is not None]
+        if pairs:  # autograd's own accumulator (gradient layout, hooks), run now rather than when it pleases
+            torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
+        return None, None
 
 
 class _Staged:
@@ -135,67 +206,139 @@ def _side_stream(device: torch.device) -> Any:
     return _SIDE[device]
 
 
-class GradientReducer:
-    """Sum the gradients of ``params`` over a group, overlapped with backward.
+Layers = Mapping[int, nn.Sequential]
 
-    ``params`` must be listed in the same order on every rank of the group.
-    ``group`` is a torch.distributed group, or an ``MPIGroup`` from
-    :func:`mpi_group`, or None for a group of one (then nothing happens).
-    ``overlap=False`` launches every sum in :meth:`finish` instead of from the
-    hooks: where the group holds ranks the step exchanges messages with (GEMS's
-    mirrored copies, in the same pipeline line), each would reach a bucket at
-    another point of its exchange rounds, and under NCCL a sum in flight may
-    hold a round behind it (docs/design.md, "Rules of the GPU path").
+
+def _sequences(model: Any) -> Layers | None:
+    """The layer sequences a reducer is given: one ``nn.Sequential`` (key 0), a mapping of them (a pipeline's
+    partitions by index), or None for a bare iterable of parameters."""
+    if isinstance(model, nn.Sequential):
+        return {0: model}
+    if isinstance(model, Mapping):
+        return dict(model)
+    return None
+
+
+class GradientReducer:
+    """Sum the gradients of a model over a group, overlapped with the backward in one order on every member.
+
+    ``model``: an ``nn.Sequential`` of layers, or ``{partition index: nn.Sequential}`` (the partitions this rank
+    runs), the same on every rank of the group; or an iterable of parameters, listed in the same order on every
+    rank, whose sums then all start in :meth:`finish`. ``group`` is a torch.distributed group, or an
+    ``MPIGroup`` from :func:`mpi_group`, or None for a group of one (then nothing happens).
+    ``overlap=False`` launches every sum in :meth:`finish` instead of during the backward: where the group holds
+    ranks the step exchanges messages with (GEMS's mirrored copies, in the same pipeline line), each would reach
+    a bucket at another point of its exchange rounds, and under NCCL a sum in flight may hold a round behind it
+    (docs/design.md, "Rules of the GPU path").
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], group: Any, bucket_mb: float = 25.0,
-                 overlap: bool = True) -> None:
-        self.params = [p for p in params if p.requires_grad]
-        self.overlap = overlap
+    def __init__(self, model: Any, group: Any, bucket_mb: float = 25.0, overlap: bool = True) -> None:
+        layers = _sequences(model)
+        if layers is not None:
+            at: dict[nn.Parameter, tuple[int, int]] = {}  # parameter -> (sequence, first layer that holds it)
+            for key in sorted(layers):
+                for j, layer in enumerate(layers[key]):
+                    for p in layer.parameters():
+                        at.setdefault(p, (key, j))
+            self.params = [p for p in at if p.requires_grad]
+        else:
+            self.params = [p for p in model if p.requires_grad]
+            at = {p: (0, 0) for p in self.params}
         self.group = group
         self.enabled = group is not None
+        self.overlap = overlap and layers is not None and self.enabled
         self.is_mpi = isinstance(group, MPIGroup)
         cap = max(1, int(bucket_mb * 2**20))
-        # buckets in reverse registration order: roughly the order gradients arrive
+        # buckets in reverse order (the order gradients arrive), never across two sequences
         self.buckets: list[_Bucket] = []
         cur: list[nn.Parameter] = []
         size = 0
         for p in reversed(self.params):
+            if cur and at[p][0] != at[cur[-1]][0]:
+                self.buckets.append(_Bucket(cur, *at[cur[-1]]))
+                cur, size = [], 0
             cur.append(p)
             size += p.numel() * p.element_size()
             if size >= cap:
-                self.buckets.append(_Bucket(cur))
+                self.buckets.append(_Bucket(cur, *at[cur[-1]]))
                 cur, size = [], 0
         if cur:
-            self.buckets.append(_Bucket(cur))
+            self.buckets.append(_Bucket(cur, *at[cur[-1]]))
         self._where = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self._expected: dict[int, int] = {}
         self._count: dict[int, int] = {}
-        self._next = 0  # next bucket to launch
         self._staged: list[_Staged] = []  # MPI sums waiting for their data, in launch order
         self._mpi_pending: list[Any] = []  # MPI sums launched and not yet seen complete (driven by _progress_mpi)
         self._armed = False
         self.wait_s = 0.0
-        self._hooks = []
+        self._hooks: list[Any] = []
         if self.enabled:
             for p in self.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        if self.overlap and layers is not None:
+            self._instrument(layers, at)
+
+    # ---- points and taps (module docstring) ------------------------------------------------------------------
+    def _instrument(self, layers: Layers, at: dict[nn.Parameter, tuple[int, int]]) -> None:
+        """A point on the input of each layer where a bucket starts, and taps on every layer with parameters."""
+        points = {(b.key, b.first) for b in self.buckets}
+        for key, seq in layers.items():
+            for j, layer in enumerate(seq):
+                taps = [(m, name, p) for m in layer.modules() for name, p in m._parameters.items()
+                        if p is not None and p.requires_grad and at.get(p) == (key, j)]
+                if not taps and (key, j) not in points:
+                    continue
+                swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+                self._hooks.append(layer.register_forward_pre_hook(
+                    functools.partial(self._enter, key, j, (key, j) in points, taps, swapped)))
+                self._hooks.append(layer.register_forward_hook(
+                    functools.partial(_restore, swapped), always_call=True))
+
+    def _enter(self, key: int, j: int, point: bool, taps: list[tuple[nn.Module, str, nn.Parameter]],
+               swapped: list[tuple[nn.Module, str, nn.Parameter]], layer: nn.Module, args: tuple[Any, ...]) -> None:
+        if not self._armed or not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor):
+            return
+        x = args[0]
+        if not x.requires_grad:  # a model's first layer: its parameters' buckets launch at flush()
+            return
+        if point:
+            x.register_hook(functools.partial(self._reached, key, j))
+        if taps:
+            views = _Tap.apply(x, [p for _, _, p in taps])
+            for (m, name, p), v in zip(taps, views):
+                m._parameters[name] = v  # type: ignore[assignment]  # for this forward only (_restore)
+                swapped.append((m, name, p))
+
+    def _reached(self, key: int, j: int, grad: torch.Tensor) -> None:
+        """The point on the input of layer ``j`` of sequence ``key``: launch its complete buckets."""
+        self._launch_where(lambda b: b.key == key and b.first >= j)
+
+    def flush(self) -> None:
+        """The caller's backward has ended (on every member at the same place of its step): launch every complete
+        bucket not launched yet, in bucket order."""
+        if self._armed and self.overlap:
+            self._launch_where(lambda b: True)
+
+    def _launch_where(self, due: Callable[[_Bucket], bool]) -> None:
+        for b in self.buckets:
+            if not b.launched and due(b) and b.ready == len(b.params):
+                self._launch(b)
 
     # ---- step protocol ----------------------------------------------------------
     def start_step(self, expected: int | Callable[[nn.Parameter], int] = 1) -> None:
         """Arm the hooks: a parameter is ready after ``expected`` gradient accumulations this step."""
         for b in self.buckets:
-            b.ready, b.parts = 0, []
+            b.ready, b.parts, b.launched = 0, [], False
         self._count = {id(p): 0 for p in self.params}
         self._expected = {id(p): (expected(p) if callable(expected) else expected) for p in self.params}
-        self._next = 0
         self._staged = []
         self._mpi_pending = []
         self._armed = True
         self.wait_s = 0.0
 
     def _on_grad(self, p: nn.Parameter) -> None:
-        if not self._armed or not self.overlap:
+        """Counts a parameter's accumulations (it launches nothing: points do)."""
+        if not self._armed:
             return
         if self._mpi_pending:
             self._progress_mpi()
@@ -204,24 +347,18 @@ class GradientReducer:
         k = id(p)
         self._count[k] += 1
         if self._count[k] == self._expected[k]:
-            b = self.buckets[self._where[k]]
-            b.ready += 1
-            self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
-            self._launch(self.buckets[self._next])
-            self._next += 1
+            self.buckets[self._where[k]].ready += 1
 
     def _launch(self, b: _Bucket) -> None:
-        """Start the sums of bucket ``b``: large contiguous gradients in place (no copy: the hook fired after
-        their last accumulation, so autograd no longer writes them), the small ones flattened into one tensor."""
+        """Start the sums of bucket ``b``: large dense gradients in place (no copy: the hook fired after their
+        last accumulation, so autograd no longer writes them), the small ones flattened into one tensor."""
+        b.launched = True
         small: list[nn.Parameter] = []
         tensors: list[tuple[torch.Tensor, list[nn.Parameter], bool]] = []
         for p in b.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            if p.grad.numel() * p.grad.element_size() >= IN_PLACE_BYTES and p.grad.is_contiguous():
+            if summed_in_place(p.grad.numel() * p.grad.element_size()) and dense(p.grad):
                 tensors.append((p.grad, [p], False))
             else:
                 small.append(p)
@@ -280,9 +417,9 @@ class GradientReducer:
         return self.wait_s
 
     def _wait_all(self) -> None:
-        while self._next < len(self.buckets):  # parameters that got no (or fewer) gradients this step
-            self._launch(self.buckets[self._next])
-            self._next += 1
+        for b in self.buckets:  # the rest, in bucket order: parameters that got no (or fewer) gradients this step
+            if not b.launched:
+                self._launch(b)
         if self.is_mpi:
             self._launch_staged(block=True)
         for b in self.buckets:
@@ -303,3 +440,10 @@ class GradientReducer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def _restore(swapped: list[tuple[nn.Module, str, nn.Parameter]], layer: nn.Module, args: Any, out: Any) -> None:
+    """After a tapped layer's forward (or its failure): the parameters back in their modules."""
+    for m, name, p in swapped:
+        m._parameters[name] = p
+    swapped.clear()

@@ -27,7 +27,7 @@ def loss_scaling(rank, world, scaling, overflow_at):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    reducer = GradientReducer(list(model.parameters()), dist.group.WORLD, bucket_mb=0.001)
+    reducer = GradientReducer(model, dist.group.WORLD, bucket_mb=0.001)
     scaler = LossScaler(torch.device("cpu"), scaling, init_scale=2.0**10, growth_interval=2)
     out = {"losses": [], "stepped": [], "scales": []}
     for step in range(5):

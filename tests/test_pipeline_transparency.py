@@ -32,7 +32,7 @@ from gems.pipeline.schedules import registered
 
 def case(model: str, schedule: str, D: int, m: int = 1, eta: int | None = None, R: int = 1, S: int = 1,
          B: int = 8, checkpoint: bool = False, trace: bool = True, steps: int = 3, balance_by: str = "memory",
-         via: str = "pipeline", spatial_dims: tuple[int, ...] = (0,), bucket_mb: float = 4.0,
+         via: str = "pipeline", spatial_dims: tuple[int, ...] = (0,), bucket_mb: float = 0.001,
          balance: list[int] | None = None, v: int | None = None, split: bool = False,
          loss_scaling: bool = False) -> dict[str, Any]:
     assert S == 1 or via == "worker", "spatial parts are composed by the worker"
@@ -51,6 +51,7 @@ WORLD2 = [  # D = 2
     case("cosmoflow", "mast", 2, m=2, checkpoint=True),  # Chimera: micro-batches inside each direction
     # the mirrored sum through the real reducer, in many small buckets
     case("cosmoflow", "master", 2, eta=4, via="worker", bucket_mb=0.01),
+    case("cosmoflow", "1f1b", 2, m=2, via="worker", bucket_mb=4.0),  # the default buckets: a few, large
     case("cosmoflow", "master", 2, eta=3, B=6, trace=False),  # odd eta; shapes learnt from headers
     case("resnet_bn", "mast", 2),
     case("resnet_bn", "mast", 2, checkpoint=True, steps=2),  # recomputed BN: statistics updated once

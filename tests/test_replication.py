@@ -60,12 +60,13 @@ def _reducer_world(rank, world, bucket_mb, hidden):
 
     torch.manual_seed(0)
     net = _net(hidden)
-    red = GradientReducer(net.parameters(), dist.group.WORLD, bucket_mb=bucket_mb)
+    red = GradientReducer(net, dist.group.WORLD, bucket_mb=bucket_mb)
     x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank))
     red.start_step(expected=2)  # two backward passes accumulate before the sum
     net(x[:3]).pow(2).sum().backward()
-    assert red._next == 0, "no bucket may launch before its last accumulation"
+    assert not any(b.launched for b in red.buckets), "no bucket may launch before its last accumulation"
     net(x[3:]).pow(2).sum().backward()
+    red.flush()  # the caller's backward ended: the first layer's bucket (its input has no gradient) launches here
     # every bucket has launched; a large gradient is summed in place, the small ones through one copy
     for b in red.buckets:
         for t, ps, copied, *_ in b.parts:
@@ -120,9 +121,10 @@ def _mpi_backward(comm):  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
                               torch.nn.Linear(16, 4))
-    red = replication.GradientReducer(net.parameters(), group, bucket_mb=0.0001)
+    red = replication.GradientReducer(net, group, bucket_mb=0.0001)
     red.start_step()
     net(torch.randn(3, 8)).pow(2).sum().backward()
+    red.flush()  # the caller's end of the backward (where the first layer's bucket launches)
     return group, red
 
 

@@ -137,8 +137,9 @@ def _contender(rank: int, world: int, c: dict[str, Any],
         params = runner.parameters()
         # the mirrored copies' gradients are summed as `gems run` sums them: bucketed, after the step's last
         # exchange round (gems.replication.sums_during_backward)
-        reducer = GradientReducer(params, mesh.group("grad") if is_mirrored(c["schedule"]) else None,
+        reducer = GradientReducer(runner.partitions, mesh.group("grad") if is_mirrored(c["schedule"]) else None,
                                   CommConf().bucket_mb, sums_during_backward(runner.schedule))
+        runner.after_backward = reducer.flush
         backwards = Counter(a.stage for a in runner.actions if a.kind.finishes_gradients)
         count = {id(q): backwards[s] for s, part in runner.partitions.items() for q in part.parameters()}
 

@@ -128,7 +128,7 @@ def bench_rank(rank: int, world: int, size: int, steps: int, warmup: int, mode: 
         from gems.replication import MPIGroup
 
         group = MPIGroup(MPI.COMM_WORLD, list(range(world)))
-    reducer = GradientReducer(params, group, bucket_mb)
+    reducer = GradientReducer(model, group, bucket_mb)
     times: list[float] = []
     grad_sum: list[float] = []
 

@@ -176,6 +176,9 @@ class PipelineRunner:
         self._loss_total: torch.Tensor | float = 0.0
         #: the loss the backward starts from (fp16's loss scaling multiplies it: gems.precision)
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
+        #: called after every backward action (B, I, W), at the same place of the step on every rank running the
+        #: same actions: the gradient sum launches what the action completed (GradientReducer.flush)
+        self.after_backward: Callable[[], None] = lambda: None
 
     def plan(self, forward_only: bool = False) -> ExchangePlan:
         """The exchange rounds of a step (``forward_only``: of an evaluation), made once."""
@@ -481,6 +484,7 @@ class PipelineRunner:
             mark("forward" if a.kind.forward else "backward")
             if a.kind is Kind.W:  # the weight gradients an I left behind (a split schedule)
                 self._weights.run((a.replica, a.micro_batch, a.stage))
+                self.after_backward()
                 self.stats.backward_s += time.perf_counter() - t0
             elif a.kind.forward:
                 if a.stage == 0:
@@ -494,6 +498,7 @@ class PipelineRunner:
                 self.stats.forward_s += time.perf_counter() - t0
             else:
                 self._backward(a, received, target)
+                self.after_backward()
                 self.stats.backward_s += time.perf_counter() - t0
             self._reap_sends()
         for rnd in rounds[len(actions)]:

@@ -155,7 +155,8 @@ class _Composition:
             sample_shape=_pipeline_sample(self.spec, self.ctx, self.slices), device=device, amp=self.amp)
         runner.scale_loss = self.scaler.scale
         params = list(runner.parameters())
-        reducer = _reducer(params, self.mesh, self.world, cfg, overlap=sums_during_backward(st.schedule))
+        reducer = _reducer(runner.partitions, self.mesh, self.world, cfg, overlap=sums_during_backward(st.schedule))
+        runner.after_backward = reducer.flush
         # a parameter is final after the last backward of its partition on this rank
         backwards = Counter(a.stage for a in runner.actions if a.kind.finishes_gradients)
         count = {id(q): backwards[s] for s, part in runner.partitions.items() for q in part.parameters()}
@@ -190,7 +191,7 @@ class _Composition:
         """No pipeline: one forward and backward of the whole (spatial) model; 3. the gradient sum."""
         seq, seed, loss_fn, scaler = self.seq, int(self.cfg.train.seed), self.loss_fn, self.scaler
         params = list(seq.parameters())
-        reducer = _reducer(params, self.mesh, self.world, self.cfg)
+        reducer = _reducer(seq, self.mesh, self.world, self.cfg)
         if self.settings.checkpoint:
             from torch.utils.checkpoint import checkpoint_sequential
 
@@ -246,14 +247,15 @@ def _pipeline_sample(spec: ModelSpec, ctx: Any, slices: tuple[slice, ...] | None
 
 
 
-def _reducer(params: list[nn.Parameter], mesh: Mesh, world: World, cfg: DictConfig,
+def _reducer(model: nn.Sequential | dict[int, nn.Sequential], mesh: Mesh, world: World, cfg: DictConfig,
              overlap: bool = True) -> GradientReducer:
+    """The gradient sum of ``model`` (the rank's layers, or its partitions by index) over the ``grad`` group."""
     bucket = float(cfg.comm.bucket_mb)
     if world.grad_comm == "mpi":
         group: Any = mpi_group(world.mpi_comm, mesh, world.rank) if len(mesh.ranks("grad")) > 1 else None
     else:
         group = mesh.group("grad")
-    return GradientReducer(params, group, bucket, overlap)
+    return GradientReducer(model, group, bucket, overlap)
 
 
 
