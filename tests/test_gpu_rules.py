@@ -153,9 +153,13 @@ class _HostReads:
         self._undo: list[Any] = []
         self.host = host or set()  # ids of tensors that live on the host on a GPU rank too (Adam's step counts)
 
+    _active: list["_HostReads"] = []  # counters inside counters: only the innermost counts (an evaluation in a step)
+
     def _hit(self, what: str) -> None:
         import traceback
 
+        if self._active and self._active[-1] is not self:
+            return
         self.count += 1
         frames = [f for f in traceback.extract_stack()[:-2] if "/gems/" in f.filename]
         self.where.append(f"{what} at {frames[-1].filename.split('/gems/')[-1]}:{frames[-1].lineno}" if frames else what)
@@ -187,21 +191,20 @@ class _HostReads:
         loop._sync = lambda device: (outer._hit("a device synchronisation"), real_sync(device))[1]  # type: ignore
         self._mode = Reads()
         self._mode.__enter__()
+        self._active.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._active.remove(self)
         self._mode.__exit__(*exc)
         for owner, name, real in reversed(self._undo):
             setattr(owner, name, real)
 
 
-@pytest.mark.parametrize("extra", [[], ["parallel.schedule=gpipe", "parallel.micro_batches=2"],
-                                   ["train.precision=bf16"]], ids=["whole", "pipeline", "bf16"])
-def test_a_training_step_synchronises_with_its_device_once(extra: list[str]) -> None:
-    """A GPU waits for its host wherever the host waits for it: measured on an H200, gems's step trailed a plain
-    loop by 11-13%. A step of the training loop (one rank, in this process) reads the device at most once: its
-    loss and stop flag, after the optimizer's update is queued. Counted on CPU through the same code paths: every
-    scalar read, tolist, cpu or numpy, and the loop's device synchronisation, in the measured steps."""
+def _count_reads(rank: int, size: int, extra: list[str]) -> dict[str, dict[int, list[str]]]:
+    """One rank of a training run of the loop in this process (``size`` ranks: a run_world's gloo world), every
+    host read of its measured steps and of its evaluations counted by :class:`_HostReads`: {"step": {step: where},
+    "evaluate": {step: where}}."""
     import contextlib
     import io
 
@@ -215,27 +218,70 @@ def test_a_training_step_synchronises_with_its_device_once(extra: list[str]) -> 
                    "train.warmup_steps=2", "train.check_fit=false", *extra])
     with open_dict(cfg):
         cfg.run_id = "sync-count"
-        cfg.results.dir = "/tmp/gems-test-sync-count"
-    world = World(0, 1, 0, "127.0.0.1", 0, "single", torch.device("cpu"), "gloo", "torch", None, "localhost")
-    per_step: dict[int, list[str]] = {}
-    real = loop.Run.one_step
+        cfg.results.dir = f"/tmp/gems-test-sync-count-{size}"
+    world = World(rank, size, rank, "127.0.0.1", 0, "single", torch.device("cpu"), "gloo", "torch", None, "localhost")
+    seen: dict[str, dict[int, list[str]]] = {"step": {}, "evaluate": {}}
+    real_step, real_eval = loop.Run.one_step, loop.Run.evaluate
 
     def counted(self, step):  # type: ignore[no-untyped-def]
         if step < self.measure_from:  # CPU ranks profile their first steps' tensor memory: not a GPU's step
-            return real(self, step)
+            return real_step(self, step)
         # torch's Adam keeps each parameter's step count on the host, on GPU ranks too: reading it waits for nothing
         host = {id(st["step"]) for st in self.opt.state.values() if isinstance(st.get("step"), torch.Tensor)}
         with _HostReads(host) as reads:
-            out = real(self, step)
-        per_step[step] = reads.where
+            out = real_step(self, step)
+        seen["step"][step] = reads.where
         return out
 
-    loop.Run.one_step = counted
+    def evaluated(self, step):  # type: ignore[no-untyped-def]
+        with _HostReads() as reads:
+            out = real_eval(self, step)
+        seen["evaluate"][step] = reads.where
+        return out
+
+    loop.Run.one_step, loop.Run.evaluate = counted, evaluated
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             loop.train(cfg, world)
     finally:
-        loop.Run.one_step = real
+        loop.Run.one_step, loop.Run.evaluate = real_step, real_eval
+    return seen
+
+
+@pytest.mark.parametrize("extra", [[], ["parallel.schedule=gpipe", "parallel.micro_batches=2"],
+                                   ["train.precision=bf16"]], ids=["whole", "pipeline", "bf16"])
+def test_a_training_step_synchronises_with_its_device_once(extra: list[str]) -> None:
+    """A GPU waits for its host wherever the host waits for it: measured on an H200, gems's step trailed a plain
+    loop by 11-13%. A step of the training loop (one rank, in this process) reads the device at most once: its
+    loss and stop flag, after the optimizer's update is queued. Counted on CPU through the same code paths: every
+    scalar read, tolist, cpu or numpy, and the loop's device synchronisation, in the measured steps."""
+    per_step = _count_reads(0, 1, extra)["step"]
     assert sorted(per_step) == [2, 3, 4]
     for step, where in per_step.items():
         assert len(where) <= 1, (step, where)
+
+
+VALIDATE = ["data.val_samples=8", "train.eval_every=2"]
+
+
+@pytest.mark.parametrize("extra", [
+    ["parallel.pipeline=2", "parallel.spatial=2", "parallel.schedule=1f1b", "parallel.micro_batches=2", *VALIDATE],
+    ["parallel.pipeline=2", "parallel.spatial=2", "parallel.schedule=gpipe", "parallel.micro_batches=2",
+     "parallel.checkpoint=true"],
+    ["parallel.replicas=2", "parallel.spatial=2", *VALIDATE],
+], ids=["D2xS2-1f1b", "D2xS2-recompute", "R2xS2"])
+def test_every_mesh_reads_its_device_once_a_step(extra: list[str]) -> None:
+    """The same count on every rank of 4-rank meshes: spatial parts behind a pipeline cut (its activations carry
+    their global shape from the first step's header: the stage's first spatial layer summed it over the parts and
+    read it on the host once a micro-batch, again in the recomputation and in every evaluation batch), with
+    recomputation, and R x S; an evaluation reads its figures once, whatever the batches."""
+    from gems.launch.world import run_world
+
+    for rank, seen in enumerate(run_world(_count_reads, 4, extra, timeout=300)):
+        assert sorted(seen["step"]) == [2, 3, 4], rank
+        for step, where in seen["step"].items():
+            assert len(where) <= 1, (rank, step, where)
+        if "train.eval_every=2" in extra:
+            assert sorted(seen["evaluate"]) == [1, 3, 4], rank
+            for step, where in seen["evaluate"].items():
+                assert len(where) <= 1, (rank, step, where)

@@ -67,13 +67,14 @@ from gems.pipeline.exchange import ExchangePlan, Message, Round, pairs, plan_exc
 from gems.pipeline.schedules import ACT as _ACT
 from gems.pipeline.schedules import GRAD as _GRAD
 from gems.pipeline.schedules import Action, Kind, Schedule
+from gems.spatial.context import GSHAPE
 
 __all__ = ["PipelineRunner", "LossFn", "Stats"]
 
 LossFn = Callable[[torch.Tensor, Any, int], torch.Tensor]
 _HEADER = 2
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool]
-_HEADER_LEN = 10  # ndim, dtype code, up to 8 dims
+_HEADER_LEN = 16  # ndim, dtype code, up to 8 dims; the number of global spatial dims, then those (a spatial cut's)
 _CONNECT_TAG = 1 << 20  # the messages that make a pair's first exchanges (PipelineRunner.connect)
 
 
@@ -176,6 +177,10 @@ class PipelineRunner:
         self._loss_total: torch.Tensor | float = 0.0
         #: the loss the backward starts from (fp16's loss scaling multiplies it: gems.precision)
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
+        #: the memory format the partitions compute in (channels-last for convolutions on GPUs: gems.rank.compose):
+        #: activations and their gradients cross the cuts in it, so no message is converted on either side
+        self.memory_format = torch.contiguous_format
+        self._gshape: dict[tuple[int, int], tuple[int, ...]] = {}  # (direction, stage) -> a spatial cut's global shape
         #: called after every backward action (B, I, W), at the same place of the step on every rank running the
         #: same actions: the gradient sum launches what the action completed (GradientReducer.flush)
         self.after_backward: Callable[[], None] = lambda: None
@@ -281,7 +286,8 @@ class PipelineRunner:
                 continue
             if m.src == self.position:
                 y = self._outbox[m.key]
-                fields = [y.dim(), _DTYPES.index(y.dtype), *y.shape]
+                g = getattr(y, GSHAPE, None) or ()
+                fields = [y.dim(), _DTYPES.index(y.dtype), *y.shape, len(g), *g]
                 head = torch.tensor(fields + [0] * (_HEADER_LEN - len(fields)), dtype=torch.int64, device=self.device)
                 self._shape[(direction, m.stage)] = (tuple(y.shape), y.dtype)  # also the gradient's coming back
             else:
@@ -296,8 +302,11 @@ class PipelineRunner:
             for w in set(works.values()):
                 w.wait()
         for key, head in heads:
-            h = head.cpu()  # the first step only, and only for partitions that could not be traced
-            self._shape[key] = (tuple(int(v) for v in h[2:2 + int(h[0])]), _DTYPES[int(h[1])])
+            h = [int(v) for v in head.tolist()]  # the first step only, and only for partitions that could not be traced
+            nd = h[0]
+            self._shape[key] = (tuple(h[2:2 + nd]), _DTYPES[h[1]])
+            if h[2 + nd]:  # a spatial part's global shape: every later activation into the stage is tagged with it
+                self._gshape[key] = tuple(h[3 + nd:3 + nd + h[2 + nd]])
 
     def _exchange(self, rnd: Round) -> None:
         """This rank's batch of one round: what its actions made for the round's receivers, and buffers for what
@@ -313,6 +322,7 @@ class PipelineRunner:
                 shape = self._shape_of(m.key)
                 assert shape is not None, f"no shape for {m.key}: its header comes in its round"
                 t = torch.empty(shape[0], dtype=shape[1], device=self.device)
+                t = t.contiguous(memory_format=self._format(t))  # (a no-op unless the format is channels-last)
             ops.append(self._op(m, t, self._tag(m.kind, m.replica, m.micro_batch, m.stage)))
             tensors.append(t)
         works = self._batch(ops, list(mine))
@@ -324,10 +334,15 @@ class PipelineRunner:
 
     def _receive(self, key: tuple[int, int, int, int]) -> torch.Tensor:
         """What an action needs, received in an earlier round: its work waited for (on a GPU the compute stream
-        waits for the communication stream; the host goes on)."""
+        waits for the communication stream; the host goes on). An activation of a spatial cut is tagged with its
+        global shape (learnt from the first step's header), so the stage's first spatial layer does not sum it
+        over the parts and read it on the host."""
         t0 = timers.now(self.device)  # on GPUs the compute stream's stall (gems.timers), not the host's launch
         w0 = time.time()
         work, buf = self._inbox.pop(key)
+        g = self._gshape.get((self.schedule.direction(key[1]), key[3])) if key[0] == _ACT else None
+        if g is not None:
+            setattr(buf, GSHAPE, g)
         with waiting("pipeline transfer"):
             work.wait()
         timers.add_since(self.stats.__dict__, "wait_s", t0)
@@ -351,15 +366,22 @@ class PipelineRunner:
     def _put(self, a: Action, kind: int, stage: int, t: torch.Tensor) -> None:
         """Leave what ``a`` made for another stage to the round after it (an activation as the receiver expects
         it: e.g. bf16 under autocast where the cut was traced in fp32)."""
-        t = t.detach().contiguous()
+        t = _tagged(t.detach().contiguous(memory_format=self._format(t)), t)
         shape = self._shape_of((kind, a.replica, a.micro_batch, stage))
         if shape is not None:
             if tuple(t.shape) != shape[0]:
                 raise RuntimeError(f"stage {a.stage} produced a tensor of shape {tuple(t.shape)} for stage {stage}, "
                                    f"the receiver expects {shape[0]}")
             if t.dtype != shape[1]:
-                t = t.to(shape[1])
+                t = _tagged(t.to(shape[1]), t)
         self._outbox[(kind, a.replica, a.micro_batch, stage)] = t
+
+    def _format(self, t: torch.Tensor) -> torch.memory_format:
+        """The memory format a message of ``t``'s rank crosses in: the partitions' own where it applies."""
+        fmt = self.memory_format
+        if (fmt is torch.channels_last and t.dim() == 4) or (fmt is torch.channels_last_3d and t.dim() == 5):
+            return fmt
+        return torch.contiguous_format
 
     # ---- compute -----------------------------------------------------------------------------------------
     def _forward(self, a: Action, x: torch.Tensor, target: Any) -> None:
@@ -409,7 +431,7 @@ class PipelineRunner:
         with batch_context(self._seed, self._step, self._ids[self.chunk_slice(a.replica, a.micro_batch)]), defer:
             if self.checkpoint:
                 saved = [b.detach().clone() for b in part.buffers()]
-                x = x.detach()
+                x = _tagged(x.detach(), x)
                 if a.stage > 0 and x.is_floating_point():
                     x.requires_grad_(True)
                 y = part(x)
@@ -490,7 +512,7 @@ class PipelineRunner:
                 if a.stage == 0:
                     if inputs is None:
                         raise ValueError("this rank runs a first stage: step() needs the inputs")
-                    x = inputs[sl]
+                    x = _tagged(inputs[sl], inputs)
                 else:
                     assert received is not None
                     x = received
@@ -507,3 +529,12 @@ class PipelineRunner:
         assert not self._inbox and not self._outbox and not self._live and not self._weights.pending, \
             "schedule left messages, activations or weight gradients behind"
         self._step_parity ^= 1
+
+
+def _tagged(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` carrying ``like``'s global spatial shape (gems.spatial.context.GSHAPE), where it has one: a slice, a
+    copy or a detached alias of a spatial part is that part still."""
+    g = getattr(like, GSHAPE, None)
+    if g is not None and t is not like:
+        setattr(t, GSHAPE, g)
+    return t

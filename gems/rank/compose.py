@@ -89,6 +89,7 @@ class _Composition:
         self.loss_fn = make_loss_fn(self.spec, mesh, int(cfg.train.batch_size))
         self.seq: nn.Sequential = self.spec.module
         self.ctx: Any = None
+        self.memory_format = torch.contiguous_format  # what the layers compute in (place: channels-last on GPUs)
         self.slices: tuple[slice, ...] | None = None
         self.balance = list(settings.balance) if settings.balance else None
         t, device = cfg.train, world.device
@@ -122,8 +123,8 @@ class _Composition:
         if any(t.device != device for t in [*seq.parameters(), *seq.buffers()]):  # (fake parameters cannot be moved)
             seq = seq.to(device)
         if device.type == "cuda" and self.spec.spatial_ndim in (2, 3):
-            seq = seq.to(memory_format=torch.channels_last if self.spec.spatial_ndim == 2  # type: ignore[call-overload]
-                         else torch.channels_last_3d)
+            self.memory_format = torch.channels_last if self.spec.spatial_ndim == 2 else torch.channels_last_3d
+            seq = seq.to(memory_format=self.memory_format)  # type: ignore[call-overload]
         self.seq = seq
 
     def halo_stats(self) -> dict[str, float]:
@@ -154,6 +155,7 @@ class _Composition:
             checkpoint=st.checkpoint,
             sample_shape=_pipeline_sample(self.spec, self.ctx, self.slices), device=device, amp=self.amp)
         runner.scale_loss = self.scaler.scale
+        runner.memory_format = self.memory_format  # the cuts cross in the format the partitions compute in
         params = list(runner.parameters())
         reducer = _reducer(runner.partitions, self.mesh, self.world, cfg, overlap=sums_during_backward(st.schedule))
         runner.after_backward = reducer.flush
