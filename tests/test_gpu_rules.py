@@ -285,3 +285,185 @@ def test_every_mesh_reads_its_device_once_a_step(extra: list[str]) -> None:
             assert sorted(seen["evaluate"]) == [1, 3, 4], rank
             for step, where in seen["evaluate"].items():
                 assert len(where) <= 1, (rank, step, where)
+
+
+# ---- the memory format, coalesced halo batches, the reader thread's device (issue 42, items 4-7) ------------------
+def _channels_last_world(rank: int, world: int) -> dict[str, Any]:
+    """A model in channels-last (as gems places convolutions on GPUs), its gradients summed over 2 ranks by the
+    reducer, and a 2-stage pipeline of it whose cuts cross in channels-last; what each saw."""
+    import copy
+
+    from gems.mesh import Mesh
+    from gems.pipeline import apply_pipeline
+    from gems.replication import GradientReducer
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 256, 3, padding=1), nn.ReLU(), nn.Conv2d(256, 256, 3, padding=1), nn.ReLU(),
+                        nn.Conv2d(256, 2, 1))  # the middle weight: 2.25 MiB, summed in place
+    plain = copy.deepcopy(net)
+    net = net.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(rank)).to(memory_format=torch.channels_last)
+    red = GradientReducer(net, dist.group.WORLD, bucket_mb=1.0)
+    red.start_step()
+    net(x).pow(2).sum().backward()
+    red.flush()
+    parts = [(copied, [tuple(p.shape) for p in ps], t.data_ptr() == ps[0].grad.data_ptr())
+             for b in red.buckets for t, ps, copied, _, _ in b.parts]
+    red.finish()
+    out: dict[str, Any] = {"grads": [p.grad.clone() for p in net.parameters()], "parts": parts,
+                           "cl": net[2].weight.grad.is_contiguous(memory_format=torch.channels_last)}
+    # the pipeline: stage 0 on rank 0, stage 1 on rank 1; every message a channels-last tensor
+    mesh = Mesh(pipeline=2, world_size=world)
+    mesh.build_groups(rank)
+    seq = copy.deepcopy(plain).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    runner = apply_pipeline(seq, mesh, rank, loss_fn=lambda y, t, n: y.pow(2).sum(), batch_size=4,
+                            schedule="gpipe", micro_batches=2, balance=[3, 2], sample_shape=(3, 6, 6))
+    runner.memory_format = torch.channels_last
+    sent: list[bool] = []
+    real = dist.batch_isend_irecv
+
+    def spy(ops):  # type: ignore[no-untyped-def]
+        # a channels-last (2, 256, 6, 6) activation or gradient crosses as its own memory: a (2, 6, 6, 256) block
+        sent.extend(op.tensor.is_contiguous() and tuple(op.tensor.shape) == (2, 6, 6, 256)
+                    for op in ops if op.tensor.dim() == 4)
+        return real(ops)
+
+    dist.batch_isend_irecv = spy  # type: ignore[assignment]
+    try:
+        xs = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(9)).to(memory_format=torch.channels_last)
+        runner.step(xs if rank == 0 else None, torch.zeros(4) if rank == 1 else None, list(range(4)), 0, 0)
+    finally:
+        dist.batch_isend_irecv = real  # type: ignore[assignment]
+    out["sent"] = sent
+    out["pipe_grads"] = [p.grad.clone() for p in runner.parameters()]
+    return out
+
+
+def test_channels_last_gradients_are_summed_in_place_and_cuts_cross_in_channels_last() -> None:
+    """On GPUs gems computes convolutions in channels-last (gems.rank.compose), so no convolution gradient is
+    ``is_contiguous()``: the reducer copied every large one before its sum. Checked on CPU with a channels-last
+    model: the 2.25 MiB gradient is summed in its own ``.grad`` (no copy), the sums equal one process's; a pipeline
+    of it sends its channels-last activations and gradients as they lie in memory and receives them into
+    channels-last buffers (they were converted to NCHW on the way out and back on the way in) and computes the
+    serial gradients."""
+    import copy
+
+    from gems.launch.world import run_world
+
+    out = run_world(_channels_last_world, 2)
+    for o in out:
+        assert o["cl"]
+        in_place = [shapes for copied, shapes, same in o["parts"] if not copied]
+        assert in_place == [[(256, 256, 3, 3)]], o["parts"]
+        assert all(same for copied, _, same in o["parts"] if not copied)
+        assert o["sent"] and all(o["sent"]), o["sent"]
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 256, 3, padding=1), nn.ReLU(), nn.Conv2d(256, 256, 3, padding=1), nn.ReLU(),
+                        nn.Conv2d(256, 2, 1))
+    plain = copy.deepcopy(net)
+    for rank in range(2):
+        net(torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(rank))).pow(2).sum().backward()
+    for g, p in zip(out[0]["grads"], net.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-4)
+    plain(torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(9))).pow(2).sum().backward()
+    pipe = out[0]["pipe_grads"] + out[1]["pipe_grads"]
+    for g, p in zip(pipe, plain.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-4)
+
+
+def _coalesced_world(rank: int, world: int) -> list[str]:
+    """A cut convolution and pool whose halo batches come back as one work each, as NCCL's coalescing path hands
+    them (gloo gives one a message): the layers must not count on a work per message."""
+    from _spatial_worlds import model_cases, run_case
+
+    from gems.spatial import SpatialContext
+
+    class _One:  # as NCCL's work: waiting again for a completed one returns at once (a gloo work must not)
+        def __init__(self, works: list[Any]) -> None:
+            self.works = works
+
+        def wait(self) -> bool:
+            for w in self.works:
+                w.wait()
+            self.works = []
+            return True
+
+        def is_completed(self) -> bool:
+            return all(w.is_completed() for w in self.works)
+
+    real = dist.batch_isend_irecv
+    dist.batch_isend_irecv = lambda ops: [_One(real(ops))]  # type: ignore[assignment]
+    try:
+        sctx = SpatialContext(None, list(range(world)), (world,), (0,), (rank,), overlap=True)
+        build, shape, _, opts = model_cases()["cosmoflow"]
+        return run_case(build, shape, sctx, opts)
+    finally:
+        dist.batch_isend_irecv = real  # type: ignore[assignment]
+
+
+def test_halo_batches_hold_with_one_work_for_the_whole_batch() -> None:
+    """Under NCCL torch may return a single work for a whole ``batch_isend_irecv``: the halo code waited for
+    receives and sends by their index in a work a message, which that path does not give. CosmoFlow cut in 2
+    parts, every batch one work (gems.spatial.context.Posted), equals the serial model."""
+    from gems.launch.world import run_world
+
+    assert run_world(_coalesced_world, 2) == [[], []]
+
+
+def test_a_halo_batch_holds_one_message_per_peer_and_its_buffers() -> None:
+    """A pair's messages match by the order of its batches (NCCL has no tags): a batch holds at most one message
+    each way per peer, and keeps every buffer it moves."""
+    from gems.spatial.context import Posted, SpatialContext
+
+    one = object()
+    p = Posted([one], 2, 1, [torch.zeros(1)] * 3)
+    assert p.receives == [one] and p.sends == [one] and len(p.buffers) == 3
+    p = Posted(["r1", "r2", "s"], 2, 1, [])
+    assert p.receives == ["r1", "r2"] and p.sends == ["s"]
+    sctx = SpatialContext(None, [0, 1, 2], (3,), (0,), (1,))
+    with pytest.raises(ValueError, match="one halo message per peer"):
+        sctx.exchange([(0, torch.zeros(1)), (0, torch.zeros(1))], [])
+
+
+def test_the_reader_thread_sets_its_device_first(monkeypatch) -> None:
+    """CUDA keeps a current device per thread, GPU 0 unless set: the reader thread pinned memory and ran its side
+    stream without setting the rank's GPU, which can make a context on GPU 0 for every local rank. Stand-ins for
+    torch.cuda (this machine has no GPU) record the device each thread set before it fetched a batch. What only
+    a GPU shows: each rank's process holding memory on its own GPU alone (the rig: scripts/gpu_check.sh)."""
+    import threading
+
+    from gems.rank.data import Prefetcher
+
+    current: dict[str, Any] = {}
+    seen: list[tuple[str, Any]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.__setitem__(threading.current_thread().name, d))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: object())
+
+    class _Ctx:
+        def __init__(self, *a: Any) -> None:
+            pass
+
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *a: Any) -> None:
+            return None
+
+    class _Event:
+        def record(self, stream: Any) -> None:
+            return None
+
+    monkeypatch.setattr(torch.cuda, "stream", _Ctx)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+
+    def fetch(step: int) -> tuple[list[int], Any, Any]:
+        name = threading.current_thread().name
+        seen.append((name, current.get(name)))
+        return [step], None, None
+
+    pf = Prefetcher(fetch, [0, 1], depth=1, device=torch.device("cuda", 3))
+    try:
+        pf._thread.join(5)  # type: ignore[union-attr]
+    finally:
+        pf.close()
+    assert seen == [("gems-prefetch", torch.device("cuda", 3))] * 2, seen

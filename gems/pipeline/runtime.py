@@ -321,9 +321,8 @@ class PipelineRunner:
             else:
                 shape = self._shape_of(m.key)
                 assert shape is not None, f"no shape for {m.key}: its header comes in its round"
-                t = torch.empty(shape[0], dtype=shape[1], device=self.device)
-                t = t.contiguous(memory_format=self._format(t))  # (a no-op unless the format is channels-last)
-            ops.append(self._op(m, t, self._tag(m.kind, m.replica, m.micro_batch, m.stage)))
+                t = self._buffer(shape[0], shape[1])
+            ops.append(self._op(m, _on_wire(t), self._tag(m.kind, m.replica, m.micro_batch, m.stage)))
             tensors.append(t)
         works = self._batch(ops, list(mine))
         for m, t in zip(mine, tensors):
@@ -382,6 +381,14 @@ class PipelineRunner:
         if (fmt is torch.channels_last and t.dim() == 4) or (fmt is torch.channels_last_3d and t.dim() == 5):
             return fmt
         return torch.contiguous_format
+
+    def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A receive buffer of ``shape`` in the format the partitions compute in (channels-last: allocated as the
+        channels-last tensor's memory, a row-major (N, *spatial, C) block, and viewed as (N, C, *spatial))."""
+        if self._format(torch.empty((0,) * len(shape), device="meta")) is torch.contiguous_format:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        last = torch.empty((shape[0], *shape[2:], shape[1]), dtype=dtype, device=self.device)
+        return last.movedim(-1, 1)
 
     # ---- compute -----------------------------------------------------------------------------------------
     def _forward(self, a: Action, x: torch.Tensor, target: Any) -> None:
@@ -537,4 +544,13 @@ def _tagged(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     g = getattr(like, GSHAPE, None)
     if g is not None and t is not like:
         setattr(t, GSHAPE, g)
+    return t
+
+
+def _on_wire(t: torch.Tensor) -> torch.Tensor:
+    """What a message hands to the backend for ``t``: ``t`` itself, or for a channels-last ``t`` its memory as the
+    row-major (N, *spatial, C) view (no copy): every backend takes a row-major tensor (gloo refuses channels-last
+    receives), and both ends move the same bytes."""
+    if t.dim() in (4, 5) and not t.is_contiguous() and t.movedim(1, -1).is_contiguous():
+        return t.movedim(1, -1)
     return t

@@ -120,7 +120,7 @@ from gems.plan.devices import GPUS, gpu_memory_bytes, gpu_reserve, rank_communic
 from gems.plan.schema import SCHEMA, Breakdown, GiB, MemoryPlan, Position
 from gems.plan.store import cached
 from gems.plan.trace import Trace, precision_context, spatial_stand_in, trace_layers
-from gems.replication import IN_PLACE_BYTES
+from gems.replication import summed_in_place
 from gems.spatial.geometry import split_bounds
 
 __all__ = ["Breakdown", "Position", "MemoryPlan", "plan_memory", "Planner", "Setup", "setup", "SCHEMA", "GiB"]
@@ -210,7 +210,7 @@ def _stages(t1: Trace, t2: Trace, bal: Sequence[int], layers: Sequence[nn.Module
         convs = [(t1.in_grad[j], list(dict.fromkeys(sig for (cls, sig) in [*t1.ops.get(j, {}), *t2.ops.get(j, {})]
                                                     if cls == "conv"))) for j in range(a, e)]
         out.append(_Stage(per, const, _affine(i1, i2), _affine(w1, w2), _affine(o1, o2), _affine(h1, h2),
-                          _affine(g1, g2), sum(sizes), sum(b for b in sizes if b < IN_PLACE_BYTES),
+                          _affine(g1, g2), sum(sizes), sum(b for b in sizes if not summed_in_place(b)),
                           layer_work=[_affine(x1, x2) for x1, x2 in zip(lw1, lw2)], layer_convs=convs))
         start = e
     return out

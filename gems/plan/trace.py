@@ -90,7 +90,7 @@ def precision_context(precision: str, gpu: bool) -> Callable[[], Any]:
 # ============================================================================ the spatial stand-in
 def spatial_stand_in(parts: Sequence[int], dims: Sequence[int], grid: Sequence[int], overlap: bool | None) -> Any:
     """A SpatialContext for one part whose collectives only make tensors of the right shapes."""
-    from gems.spatial.context import SpatialContext
+    from gems.spatial.context import Posted, SpatialContext
 
     class _Gather(torch.autograd.Function):
         @staticmethod
@@ -147,11 +147,11 @@ def spatial_stand_in(parts: Sequence[int], dims: Sequence[int], grid: Sequence[i
             return x.detach().clone().contiguous()
 
         def exchange(self, send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, torch.Tensor]],
-                     tag: int = 0) -> list[Any]:
+                     tag: int = 0) -> Posted:
             # no messages: a log of their sizes (the buffers are still made by the real halo code)
             self.halo_log.append((self.layer[0], sum(t.numel() * t.element_size() for _, t in [*send, *recv])))
             self.times.append((self.layer[0], "halo", sum(t.numel() * t.element_size() for _, t in send), len(send)))
-            return []
+            return Posted([], 0, 0, [])
 
         def avg_pool(self, nd: int) -> Callable[..., torch.Tensor]:
             return _meta_safe_pool(super().avg_pool(nd))

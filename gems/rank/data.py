@@ -333,6 +333,10 @@ class Prefetcher:
         return (ids, x, y), event
 
     def _run(self) -> None:
+        if self.device.type == "cuda":
+            # the thread's own current device (CUDA keeps one a thread): the rank's GPU, not GPU 0, so that pinning,
+            # the side stream's work and leaving its context never make a context on another rank's GPU
+            torch.cuda.set_device(self.device)
         for step in self.steps:
             if self._stop.is_set():
                 return

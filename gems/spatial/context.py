@@ -82,12 +82,17 @@ class SpatialContext:
     # ---- what the halo code and the layers ask of the context (a shape-only stand-in, such as the
     # planner's, overrides these three instead of patching the modules that call them) ----------------
     def exchange(self, send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, torch.Tensor]],
-                 tag: int = 0) -> list[Any]:
-        """Post this part's halo messages, receives first, then sends (global ranks of the peers; ``tag``
-        keeps the messages of different layers apart); the works to wait for, in that order."""
+                 tag: int = 0) -> "Posted":
+        """Post this part's halo messages as one batch (one NCCL group): at most one message each way per peer
+        (global ranks), so that a pair's messages match by the order of its batches, the same on both sides
+        whatever the tags (NCCL has none; ``tag`` keeps gloo's layers apart)."""
+        if len({p for p, _ in send}) != len(send) or len({p for p, _ in recv}) != len(recv):
+            raise ValueError(f"one halo message per peer and direction: sends to {[p for p, _ in send]}, "
+                             f"receives from {[p for p, _ in recv]}")
         ops = [dist.P2POp(dist.irecv, t, peer, group=self.group, tag=tag) for peer, t in recv]
         ops += [dist.P2POp(dist.isend, t, peer, group=self.group, tag=tag) for peer, t in send]
-        return dist.batch_isend_irecv(ops) if ops else []
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return Posted(works, len(recv), len(send), [t for _, t in [*recv, *send]])
 
     def avg_pool(self, nd: int) -> Callable[..., torch.Tensor]:
         """The average-pooling function the spatial pooling layers call for ``nd`` spatial dims."""
@@ -281,6 +286,20 @@ class SpatialContext:
             with waiting("spatial collective"):
                 dist.all_reduce(y, op=op, group=self.group)  # on the rank's device: its group's backend takes it
         return y
+
+
+class Posted:
+    """One batch of halo messages in flight. torch hands back one work per message (gloo) or one for the whole
+    batch (NCCL's coalescing path); :attr:`receives` and :attr:`sends` are the works that cover each side either
+    way (the one work stands for both), and :attr:`buffers` holds every tensor the batch moves, so that none is
+    freed before a work that covers it has been waited for (the holder keeps the batch until then)."""
+
+    def __init__(self, works: list[Any], n_recv: int, n_send: int, buffers: list[torch.Tensor]) -> None:
+        if len(works) == n_recv + n_send:
+            self.receives, self.sends = list(works[:n_recv]), list(works[n_recv:])
+        else:  # one work for the batch: waiting for either side waits for the whole
+            self.receives, self.sends = (list(works) if n_recv else []), (list(works) if n_send else [])
+        self.buffers = buffers
 
 
 class _Gather(torch.autograd.Function):

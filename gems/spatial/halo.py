@@ -106,22 +106,22 @@ class Pending:
         n, c = x.shape[:2]
         self.bufs = [x.new_empty((n, c, *shape_of(box))) for _, box in self.plan.recvs]
         self.sent = [_region(x, box, self.plan.own).contiguous() for _, box in self.plan.sends]
-        self.works = self.sctx.exchange([(peer, t) for (peer, _), t in zip(self.plan.sends, self.sent)],
-                                      [(peer, t) for (peer, _), t in zip(self.plan.recvs, self.bufs)], self.tag)
+        self.posted = self.sctx.exchange([(peer, t) for (peer, _), t in zip(self.plan.sends, self.sent)],
+                                         [(peer, t) for (peer, _), t in zip(self.plan.recvs, self.bufs)], self.tag)
 
     def wait(self) -> list[torch.Tensor]:
         """The received pieces, usable on the current stream."""
         t0 = timers.now(self.stream.device if self.stream is not None else None)
         if self.stream is not None:
             with torch.cuda.stream(self.stream):
-                _wait(self.works)
+                _wait([*self.posted.receives, *self.posted.sends])
             main = torch.cuda.current_stream(self.stream.device)
             main.wait_stream(self.stream)
             for b in self.bufs:
                 b.record_stream(main)
         else:
-            _wait(self.works)
-        self.works = []
+            _wait([*self.posted.receives, *self.posted.sends])
+        self.posted = None
         self.sent = []
         timers.add_since(self.sctx.halo_seconds, self.label, t0)
         return self.bufs
@@ -165,10 +165,10 @@ class Assemble(torch.autograd.Function):
                 if not is_empty(r):
                     dst[local_index(r, holder)] += g[local_index(r, tgt)]
         back = [torch.empty((n, c, *shape_of(box)), dtype=gx.dtype, device=gx.device) for _, box in p.sends]
-        works = sctx.exchange([(peer, gb) for (peer, _), gb in zip(p.recvs, gbufs)],
-                                 [(peer, b) for (peer, _), b in zip(p.sends, back)], tag + 1)
-        _wait(works[:len(p.sends)])  # the receives; the sends are waited for when the backward ends
-        _after_backward(sctx, label, works[len(p.sends):], gbufs)
+        posted = sctx.exchange([(peer, gb) for (peer, _), gb in zip(p.recvs, gbufs)],
+                               [(peer, b) for (peer, _), b in zip(p.sends, back)], tag + 1)
+        _wait(posted.receives)  # the sends are waited for when the backward ends, their buffers held till then
+        _after_backward(sctx, label, posted.sends, gbufs)
         for (_, box), b in zip(p.sends, back):
             gx[local_index(box, p.own)] += b
         timers.add_since(sctx.halo_seconds, label, t_start)
@@ -224,13 +224,13 @@ class Exchange(Pending):
         if self.stream is not None:
             return super().wait()
         t0 = timers.now(None)  # the host's own wait (the CUDA route is Pending.wait's)
-        nr = len(self.plan.recvs)
-        _wait(self.works[:nr])  # exchange posts the receives first
-        if nr or not self.works:
+        posted = self.posted
+        _wait(posted.receives)
+        if posted.receives or not posted.sends:
             self.sctx.drain_sends()
-        if self.works[nr:]:
-            self.sctx.sends_in_flight.append((self.works[nr:], self.sent))
-        self.works, self.sent = [], []
+        if posted.sends:  # waited for by a later exchange, their buffers held till then
+            self.sctx.sends_in_flight.append((posted.sends, self.sent))
+        self.posted, self.sent = None, []
         timers.add_since(self.sctx.halo_seconds, self.label, t0)
         return self.bufs
 
@@ -245,10 +245,10 @@ class Exchange(Pending):
         if gbufs is None:
             gbufs = [torch.zeros((n, c, *shape_of(box)), dtype=dtype, device=device) for _, box in p.recvs]
         self.gsent = [torch.empty((n, c, *shape_of(box)), dtype=dtype, device=device) for _, box in p.sends]
-        works = self.sctx.exchange([(peer, g) for (peer, _), g in zip(p.recvs, gbufs)],
-                                 [(peer, g) for (peer, _), g in zip(p.sends, self.gsent)], self.tag + 1)
-        self.bwd_recvs = works[:len(p.sends)]  # exchange posts the receives first
-        _after_backward(self.sctx, self.label, works[len(p.sends):], gbufs)
+        posted = self.sctx.exchange([(peer, g) for (peer, _), g in zip(p.recvs, gbufs)],
+                                    [(peer, g) for (peer, _), g in zip(p.sends, self.gsent)], self.tag + 1)
+        self.bwd_recvs = posted.receives
+        _after_backward(self.sctx, self.label, posted.sends, gbufs)
         timers.add_since(self.sctx.halo_seconds, self.label, t0)
 
     def finish_backward(self, g: torch.Tensor | None) -> torch.Tensor | None:
