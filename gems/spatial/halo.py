@@ -106,7 +106,7 @@ class Pending:
         n, c = x.shape[:2]
         self.bufs = [x.new_empty((n, c, *shape_of(box))) for _, box in self.plan.recvs]
         self.sent = [_region(x, box, self.plan.own).contiguous() for _, box in self.plan.sends]
-        self.posted = self.sctx.exchange([(peer, t) for (peer, _), t in zip(self.plan.sends, self.sent)],
+        self.posted: Any = self.sctx.exchange([(peer, t) for (peer, _), t in zip(self.plan.sends, self.sent)],
                                          [(peer, t) for (peer, _), t in zip(self.plan.recvs, self.bufs)], self.tag)
 
     def wait(self) -> list[torch.Tensor]:
