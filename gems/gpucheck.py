@@ -6,8 +6,10 @@ sockets, with NCCL's real matching, stream and connection rules, so a message or
 here as it would on many GPUs. Timings of shared runs mean nothing; whether a run finishes and its losses do.
 
 The matrix (:func:`matrix`): every registered schedule x D in {2, 4} x m in {1, 2, 4} (a combination a schedule
-refuses is listed as skipped, with its reason), GEMS-MAST and -MASTER at R2 x D2 x S2, S = 2, R = 2, and
-pipelines at fp16 and bf16. Every run is a real ``gems run`` of the default CosmoFlow job on one global batch,
+refuses is listed as skipped, with its reason), GEMS-MAST and -MASTER at R2 x D2 x S2, S = 2, R = 2, pipelines
+at fp16 and bf16, and the strict mode (:data:`STRICT_NCCL`: NCCL's buffers too small for any halo, one
+connection a GPU) over S = 2, R2 x S2 and D2 x S2 with micro-batches, where an order that only NCCL's buffers
+completed hangs as it would at 512^3. Every run is a real ``gems run`` of the default CosmoFlow job on one global batch,
 compared step by step with the one-rank run of the same batch and precision, TF32 off in both
 (``train.tf32=false``: an exact comparison). As a control, ``torch.distributed.pipelining``'s ``Schedule1F1B``
 and ``ScheduleGPipe`` train the same module on the same rig against their own one-rank run: if they hang too,
@@ -47,6 +49,7 @@ class Run:
     precision: str = "fp32"
     control: str = ""  # a torch.distributed.pipelining schedule: the control, not gems
     skipped: str = ""  # why the point is not run (a combination the schedule refuses)
+    env: dict[str, str] = field(default_factory=dict)  # what the run's environment adds (the strict mode's NCCL)
     # filled in when it ran
     status: str = "not run"
     wall_s: float | None = None
@@ -59,6 +62,19 @@ class Run:
     @property
     def reference_label(self) -> str:
         return f"control-{self.control}-1rank" if self.control else f"1rank-{self.precision}"
+
+
+#: the strict mode: NCCL's buffers far below a halo plane or a cut's activation (NCCL_BUFFSIZE, 4 MiB by default),
+#: so a send completes only with its receive, as it does on any GPU once messages outgrow the buffers (a 512^3
+#: sample's halos are 16-32 MB), and one hardware queue a GPU (CUDA_DEVICE_MAX_CONNECTIONS=1), so what a rank
+#: issued first holds what it issued after: an order NCCL's buffers forgave on a small model hangs here
+STRICT_NCCL = {"NCCL_BUFFSIZE": "65536", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+STRICT_POINTS = [("S2", ["parallel.spatial=2"], 2),
+                 ("R2xS2", ["parallel.replicas=2", "parallel.spatial=2"], 4),
+                 ("D2xS2-1f1b-m2", ["parallel.pipeline=2", "parallel.spatial=2", "parallel.schedule=1f1b",
+                                    "parallel.micro_batches=2"], 4),
+                 ("D2xS2-gpipe-m2", ["parallel.pipeline=2", "parallel.spatial=2", "parallel.schedule=gpipe",
+                                     "parallel.micro_batches=2"], 4)]
 
 
 def _base(dry: bool) -> list[str]:
@@ -103,6 +119,8 @@ def matrix(dry: bool = False) -> list[Run]:
     if dry:
         hybrids = hybrids[2:]
     runs += [Run(label, args, n) for label, args, n in hybrids]
+    if not dry:  # the strict mode: messages that do not fit NCCL's buffers, one connection a GPU
+        runs += [Run(f"strict-{label}", args, n, env=dict(STRICT_NCCL)) for label, args, n in STRICT_POINTS]
     if not dry:
         for p in ("bf16", "fp16"):
             for name, m in (("1f1b", 2), ("mast", 1)):
@@ -195,7 +213,8 @@ def run_matrix(runs: list[Run], out: Path, dry: bool, budget_s: float, ranks: in
                 break
             todo.pop(0)
             log = open(out / "logs" / f"{run.label}.txt", "wb")
-            proc = subprocess.Popen(_command(run, out, dry), stdout=log, stderr=subprocess.STDOUT, env=env)
+            proc = subprocess.Popen(_command(run, out, dry), stdout=log, stderr=subprocess.STDOUT,
+                                    env={**env, **run.env})
             live.append((run, proc, time.monotonic(), log))
             busy += run.ranks
         if todo and time.monotonic() - start >= budget_s and not live:

@@ -32,6 +32,10 @@ def test_the_matrix_covers_every_schedule_the_hybrids_and_the_precisions() -> No
     for label in ("R2xD2xS2-mast", "R2xD2xS2-master", "S2", "R2", "1f1b-D2-m2-fp16", "mast-D2-m1-bf16"):
         assert label in labels
     assert labels["R2xD2xS2-mast"].ranks == 8
+    # the strict mode: NCCL's buffers below any halo, one connection a GPU, over the spatial compositions
+    strict = [r for r in runs if r.label.startswith("strict-")]
+    assert {r.label for r in strict} >= {"strict-S2", "strict-R2xS2", "strict-D2xS2-1f1b-m2"}
+    assert all(int(r.env["NCCL_BUFFSIZE"]) < 1 << 20 and r.env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" for r in strict)
     # every run has its one-rank reference in the matrix, TF32 off in all of them
     for r in runs:
         assert r.reference_label in labels, r.label
