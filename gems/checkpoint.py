@@ -1,35 +1,40 @@
-"""Checkpoint and resume, so that a preempted, timed-out or requeued job continues where it stopped.
+"""Checkpoints that do not depend on the mesh, the trained model's file, and resuming on any mesh.
 
-A Slurm job can be preempted or requeued at any time; ``fault.preempt_at_step``
-does it on purpose, and a job's time limit does it for certain: gems asks
-Slurm for ``SIGUSR2`` ``cluster.signal_margin_s`` before the limit
-(``--signal=USR2@margin``); :func:`install_time_limit_handler` turns it into a
-request that the worker's per-step sync shares with every rank, so all of
-them save after the same step, and rank 0 requeues the job.
+gems's meshes are transparent: every R x D x S computes what one process computes, and every rank holds the
+serial model's own tensors (the spatial layers adopt them, the partitions slice the sequence). So a checkpoint
+is written under the *whole model's names* (the keys of the serial model's ``state_dict``:
+``gems.rank.compose.whole_names``), and any mesh reads it back:
 
-The model and optimizer state of a pipeline position is the same on every
-copy of it (data-parallel replicas and spatial parts hold identical weights and
-optimizer state, their gradients summed), so one copy writes it: the rank of
-replica 0 and spatial part 0 of each pipeline position saves its partitions'
-parameters and buffers, their optimizer state and ``train.ema``'s average to
-``<job dir>/ckpt/step<N>/state-d<position>.pt`` (:func:`share_of`; at R = 256,
-D = 8 eight files where every rank used to write one). Every rank saves what
-is its own, the run's history (per-step losses, step times, time breakdown), to
-``rank<k>.pt``. Both atomically; once every rank has saved, rank 0 points
-``latest`` at the step and removes the older one. A resumed rank reads its own
-history and its position's state.
-A crash while saving therefore leaves the previous checkpoint whole. The
-configuration that shapes the saved state (model, mesh, batch, schedule,
-optimizer, precision, seed) is saved beside it (``fingerprint.json``), and a
-run whose configuration differs is refused with the key that differs,
-instead of loading state that does not fit it. Data and dropout masks are
-pure functions of (seed, step, sample), so a resumed run computes exactly
-the losses of an uninterrupted one.
+* ``model.<name>``: parameters and persistent buffers;
+* ``optim.<name>.<key>``: the optimizer's state of each parameter (Adam's moments and step, SGD's momentum);
+* ``ema.<name>``: ``train.ema``'s average of each parameter.
 
-The launchers restart a preempted job: Slurm requeues it (``scontrol
-requeue``; ``SLURM_RESTART_COUNT`` counts), the local launcher starts the
-ranks again with ``GEMS_RESTART_COUNT`` set. Exit status 75 (EX_TEMPFAIL)
-tells the local launcher that a rank stopped to be resumed.
+The tensors go through ``torch.distributed.checkpoint`` (DCP): one copy of each pipeline position writes its
+partitions' tensors (replica 0, spatial part 0: :func:`share_of`; a mirrored GEMS position holds the same
+partitions as its mirror, and DCP keeps one of two equal entries), every writer in parallel, each into its own
+file; loading reshards, each rank reading the names it holds whatever mesh wrote them. Written by hand, beside
+the tensors, only what DCP does not hold: ``gems.json`` (rank 0: the step, the configuration that shapes the
+state, the mesh and global batch that wrote it, the model section) and ``rank<k>.pt`` (each rank's history:
+losses, evaluations, the fp16 loss scale, its own step times), plain data a resumed run reads back as it was.
+``train.checkpoint_async`` saves through DCP's ``async_save``: the step waits only while the tensors are copied
+to host memory (that copy is what it costs, counted by ``gems plan``); the files are written by a thread over a
+gloo group of their own, and ``latest`` moves once they are complete.
+
+A Slurm job can be preempted or requeued at any time; ``fault.preempt_at_step`` does it on purpose, and a job's
+time limit does it for certain: gems asks Slurm for ``SIGUSR2`` ``cluster.signal_margin_s`` before the limit
+(``--signal=USR2@margin``); :func:`install_time_limit_handler` turns it into a request that the worker's
+per-step sync shares with every rank, so all of them save after the same step, and rank 0 requeues the job.
+Once every rank has saved, rank 0 points ``latest`` at the step and removes the older one, so a crash while
+saving leaves the previous checkpoint whole. The launchers restart a preempted job: Slurm requeues it
+(``scontrol requeue``; ``SLURM_RESTART_COUNT`` counts), the local launcher starts the ranks again with
+``GEMS_RESTART_COUNT`` set. Exit status 75 (EX_TEMPFAIL) tells the local launcher that a rank stopped to be
+resumed.
+
+``train.resume_from=PATH`` continues another run's training on the mesh now given (the same global batch gives
+the same losses: data and dropout are pure functions of (seed, step, sample)); ``train.init_from=PATH`` takes the
+weights only. At the end of a run rank 0 writes the trained model (:func:`export`): one file that
+``torch.load(path, weights_only=True)`` reads into ``{"model": the model section, "state_dict": ...}``, which loads
+strictly into ``gems.models.build_model(d["model"]).module``.
 """
 from __future__ import annotations
 
@@ -38,31 +43,33 @@ import os
 import shutil
 import signal
 import subprocess
-from dataclasses import dataclass
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from gems.errors import ConfigError
 
 PREEMPTED_EXIT = 75
-#: the keys whose values shape a checkpoint's state or the losses it continues
-FINGERPRINT_KEYS = (
-    "model", "parallel.replicas", "parallel.pipeline", "parallel.spatial", "parallel.spatial_dims",
-    "parallel.schedule", "parallel.micro_batches", "parallel.gems_replicas", "parallel.balance",
-    "parallel.balance_by", "parallel.virtual_stages", "train.batch_size", "train.optimizer",
-    "train.precision", "train.seed", "data.name", "data.num_samples",
-)
-
+#: the keys a job's own checkpoint must be resumed with (a requeued job comes back with them; the mesh, the
+#: schedule and the micro-batches may change: the state is the whole model's). Another run's checkpoint
+#: (train.resume_from) asks only for its model and optimizer, and a different global batch is said in the record
+FINGERPRINT_KEYS = ("model", "train.batch_size", "train.optimizer", "train.precision", "train.seed", "data.name",
+                    "data.num_samples")
+META = "gems.json"
+MODEL_FILE_FORMAT = "gems.model/1"
+#: history entries that are the rank's own timings: a run resumed on another mesh starts them afresh
+TIMINGS = ("step_times", "every_step_time", "tensor_peaks", "breakdown", "reader_s", "elapsed_s")
 _STOP: dict[str, Any] = {"requested": False, "signal": None}
-#: the history entry that is model state (train.ema's average: gems.rank.optim.WeightAverage): saved with it
-MODEL_HISTORY = ("weight_average",)
 
 
 @dataclass(frozen=True)
 class Share:
-    """Where a rank's model and optimizer state is kept (``state-<name>.pt``) and whether this rank writes it."""
+    """Whether this rank writes its position's tensors (one copy of each pipeline position does)."""
 
     name: str
     writes: bool
@@ -105,25 +112,42 @@ def fingerprint(cfg: Any) -> dict[str, Any]:
     return json.loads(json.dumps(out))  # tuples -> lists: compares equal to what was saved
 
 
+def _differs(saved: dict[str, Any], now: dict[str, Any], keys: Callable[[str], bool] = lambda k: True
+             ) -> str | None:
+    return next((k for k in sorted(set(saved) | set(now)) if keys(k) and saved.get(k) != now.get(k)), None)
+
+
 def check_fingerprint(cfg: Any, where: Path | None = None) -> None:
-    """ConfigError naming the first key in which ``cfg`` differs from the checkpoint in ``where``."""
+    """ConfigError naming the first key in which ``cfg`` differs from the checkpoint in ``where`` (the job's own)."""
     d = where if where is not None else ckpt_dir(cfg)
-    path = d / "fingerprint.json"
-    if not path.is_file():
+    step = latest_step(d)
+    if step is None:
         return
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return
+    meta = read_meta(d / f"step{step:08d}")
     now = fingerprint(cfg)
-    for key in sorted(set(saved) | set(now)):
-        if saved.get(key) != now.get(key):
-            raise ConfigError(key, now.get(key), f"{saved.get(key)} (the value the checkpoint in {d} was saved "
-                              "with; a run resumes only with the configuration it started with, or give a new run_id)")
+    key = _differs(meta.get("fingerprint") or {}, now)
+    if key is not None:
+        raise ConfigError(key, now.get(key), f"{meta['fingerprint'].get(key)} (the value the checkpoint in {d} was "
+                          "saved with; a job resumes only with the model and optimizer it started with, or give a "
+                          "new run_id)")
 
 
 def has_checkpoint(cfg: Any) -> bool:
     return (ckpt_dir(cfg) / "latest").is_file()
+
+
+def latest_step(root: Path) -> int | None:
+    try:
+        return int((root / "latest").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_meta(d: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads((d / META).read_text()))
+    except (OSError, ValueError):
+        return {}
 
 
 def _write(obj: Any, path: Path) -> None:
@@ -132,54 +156,341 @@ def _write(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def save(cfg: Any, rank: int, step: int, modules: list[torch.nn.Module], opt: torch.optim.Optimizer,
-         history: dict[str, Any], share: Share = Share("d0", True)) -> None:
-    """Every rank saves its history before ``step``, one copy of each position its model and optimizer state
-    (``share``); rank 0 marks the step complete after a barrier."""
-    import torch.distributed as dist
+# ---- what a rank holds ---------------------------------------------------------------------------------------
+def held(names: dict[str, tuple[nn.Module, str]]) -> dict[str, torch.Tensor]:
+    """The tensors behind ``names`` ({whole-model name: (module, attribute)}) as they are now (a buffer moved to a
+    device is a new tensor)."""
+    out = {}
+    for name, (m, attr) in names.items():
+        t = m._parameters.get(attr) if attr in m._parameters else m._buffers.get(attr)
+        if t is not None:
+            out[name] = t
+    return out
 
-    root = ckpt_dir(cfg)
-    d = root / f"step{step:08d}"
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(root, 0o700)
-    own = {k: v for k, v in history.items() if k not in MODEL_HISTORY}
-    _write({"step": step, "history": own, "fingerprint": fingerprint(cfg)}, d / f"rank{rank}.pt")
-    if share.writes:
-        _write({"step": step, "modules": [m.state_dict() for m in modules], "opt": opt.state_dict(),
-                "history": {k: history[k] for k in MODEL_HISTORY if k in history}}, d / f"state-{share.name}.pt")
-    if dist.is_initialized():
-        dist.barrier()
-    if rank == 0:
-        fp = root / ".fingerprint.json.tmp"
-        fp.write_text(json.dumps(fingerprint(cfg), indent=1))
-        os.replace(fp, root / "fingerprint.json")
+
+@dataclass
+class Holding:
+    """What one rank saves and loads: its tensors under the whole model's names, the optimizer of its parameters
+    and ``train.ema``'s average of them (``average``: aligned with ``params``, empty until the first update)."""
+
+    names: dict[str, tuple[nn.Module, str]]
+    params: list[nn.Parameter]
+    opt: Any
+    average: list[torch.Tensor] | None = None
+    _ids: dict[int, str] = field(default_factory=dict)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return held(self.names)
+
+    def name_of(self, p: torch.Tensor) -> str:
+        if not self._ids:
+            self._ids = {id(t): n for n, t in self.tensors().items()}
+        return self._ids[id(p)]
+
+    def state(self, ema_weights: bool = False) -> dict[str, torch.Tensor]:
+        """``model.*``, ``optim.*`` and ``ema.*`` entries; ``ema_weights``: the model's parameters replaced by their
+        average (the trained model of a ``train.ema`` run)."""
+        out = {f"model.{n}": t.detach() for n, t in self.tensors().items()}
+        for p in self.params:
+            n = self.name_of(p)
+            for k, v in (self.opt.state.get(p) or {}).items():
+                if isinstance(v, torch.Tensor):
+                    out[f"optim.{n}.{k}"] = v
+        for p, a in zip(self.params, self.average or []):
+            out[f"ema.{self.name_of(p)}"] = a
+            if ema_weights:
+                out[f"model.{self.name_of(p)}"] = a
+        return out
+
+
+# ---- writing -------------------------------------------------------------------------------------------------
+class Saver:
+    """Writes a run's checkpoints: :meth:`save` (synchronous, or through DCP's ``async_save``), and says how long the
+    steps were held for them (``held_s``, ``saves``)."""
+
+    def __init__(self, cfg: Any, world: Any, asynchronous: bool = False) -> None:
+        import torch.distributed as dist
+
+        self.cfg, self.world, self.asynchronous = cfg, world, asynchronous
+        self.held_s, self.saves = 0.0, 0
+        self._pending: tuple[Any, Path, int] | None = None  # (future, folder, step) of an async save
+        # an async save talks over its own gloo group from its thread: never the group the steps use
+        self.group = dist.new_group(backend="gloo") if asynchronous and dist.is_initialized() else None
+
+    def save(self, step: int, hold: Holding, history: dict[str, Any], share: Share, wait: bool = False) -> None:
+        """Every rank saves its history before ``step``, one copy of each position its tensors; ``latest`` moves once
+        every rank's files are complete. ``wait``: complete before returning (a preemption)."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        t0 = time.perf_counter()
+        self.finish()  # at most one save in flight
+        root = ckpt_dir(self.cfg)
+        d = root / f"step{step:08d}"
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(root, 0o700)
+        rank = self.world.rank
+        own = {k: v for k, v in history.items() if k != "weight_average"}
+        _write({"step": step, "history": own}, d / f"rank{rank}.pt")
+        if rank == 0:
+            write_meta(d, self.cfg, step, self.world.size)
+        state = hold.state() if share.writes else {}
+        if self.asynchronous and not wait:
+            fut = dcp.async_save(state, checkpoint_id=str(d), process_group=self.group)
+            self._pending = (fut, d, step)
+        else:
+            dcp.save(state, checkpoint_id=str(d))
+            if dist.is_initialized():
+                dist.barrier()
+            self._complete(d, step)
+        self.held_s += time.perf_counter() - t0
+        self.saves += 1
+
+    def poll(self) -> None:
+        """After a step: move ``latest`` once an async save has completed (nothing waits for it)."""
+        if self._pending is not None and self._pending[0].done():
+            self.finish()
+
+    def finish(self) -> None:
+        """Wait for an async save in flight, then move ``latest`` to it."""
+        if self._pending is None:
+            return
+        fut, d, step = self._pending
+        self._pending = None
+        fut.result()  # DCP's coordinator wrote the metadata after every rank's files: this save is complete
+        self._complete(d, step)
+
+    def _complete(self, d: Path, step: int) -> None:
+        if self.world.rank != 0:
+            return
+        root = d.parent
         tmp_latest = root / ".latest.tmp"
         tmp_latest.write_text(str(step))
         os.replace(tmp_latest, root / "latest")
         for old in root.glob("step*"):  # the new one is complete: the older ones are not needed
-            if old.is_dir() and old != d:
+            if old.is_dir() and old != d and (self._pending is None or old != self._pending[1]):
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def load(cfg: Any, rank: int, modules: list[torch.nn.Module], opt: torch.optim.Optimizer,
-         share: Share = Share("d0", True)) -> tuple[int, dict[str, Any]] | None:
-    """Restore this rank's history and its position's model and optimizer state from the last complete
-    checkpoint, if there is one."""
-    root = ckpt_dir(cfg)
-    if not (root / "latest").exists():
+def write_meta(d: Path, cfg: Any, step: int, world_size: int) -> None:
+    """``gems.json``: what the tensors do not say (rank 0 writes it)."""
+    from omegaconf import OmegaConf
+
+    from gems.mesh import mesh_from_config
+
+    mesh = mesh_from_config(cfg, world_size)
+    meta = {"format": "gems.checkpoint/1", "step": step, "fingerprint": fingerprint(cfg),
+            "model": OmegaConf.to_container(cfg.model, resolve=True), "world_size": world_size,
+            "mesh": {"replicas": mesh.replicas, "pipeline": mesh.pipeline, "spatial": list(mesh.parts)},
+            "schedule": str(cfg.parallel.schedule), "global_batch": int(cfg.train.batch_size),
+            "optimizer": str(cfg.train.optimizer), "ema": cfg.train.ema, "run_id": str(cfg.run_id)}
+    tmp = d / f".{META}.tmp"
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, d / META)
+
+
+# ---- reading -------------------------------------------------------------------------------------------------
+def find(path: str | os.PathLike[str], key: str) -> Path:
+    """The checkpoint folder ``path`` names: a step's folder, a run's ``ckpt`` folder or its ``latest`` file, or
+    the run's folder holding ``ckpt``; a ConfigError naming ``key`` otherwise."""
+    p = Path(path).expanduser()
+    if p.is_file() and p.name == "latest":
+        p = p.parent
+    for root in (p, p / "ckpt"):
+        step = latest_step(root)
+        if step is not None:
+            p = root / f"step{step:08d}"
+            break
+    if not p.exists():
+        raise ConfigError(key, str(path), "an existing checkpoint folder (a run's ckpt/ or one of its step folders) "
+                          "or a model file")
+    if not (p / ".metadata").is_file():
+        raise ConfigError(key, str(path), "a complete checkpoint (a folder with DCP's .metadata: a run's ckpt/ or "
+                          "ckpt/step<N>/), or a model file written by a run")
+    return p
+
+
+def entries(d: Path, key: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The tensors of the checkpoint in ``d``: {entry: (shape, dtype)} (its metadata only)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        md = FileSystemReader(str(d)).read_metadata()
+    except Exception as e:  # a truncated or foreign .metadata
+        raise ConfigError(key, str(d), f"a readable checkpoint (its metadata: {type(e).__name__}: {e})") from None
+    out = {}
+    for k, m in md.state_dict_metadata.items():
+        size, props = getattr(m, "size", None), getattr(m, "properties", None)
+        if size is not None and props is not None:
+            out[k] = (tuple(size), props.dtype)
+    return out
+
+
+def check_model(have: dict[str, tuple[tuple[int, ...], Any]], want: dict[str, tuple[int, ...]], key: str,
+                path: Any) -> None:
+    """A ConfigError naming the first entry in which a model's ``state_dict`` (``want``: {name: shape}) and the saved
+    one (``have``) differ: missing, extra, or another shape."""
+    for name in list(want) + [n for n in have if n not in want]:
+        if name not in have:
+            raise ConfigError(key, str(path), f"a model of this configuration's architecture: the saved one has no "
+                              f"{name} (of shape {list(want[name])})")
+        if name not in want:
+            raise ConfigError(key, str(path), f"a model of this configuration's architecture: the saved one has "
+                              f"{name} (shape {list(have[name][0])}), which this model has not")
+        if tuple(have[name][0]) != tuple(want[name]):
+            raise ConfigError(key, str(path), f"a model of this configuration's architecture: {name} is "
+                              f"{list(have[name][0])} there, {list(want[name])} here")
+
+
+def load(d: Path, hold: Holding, what: tuple[str, ...] = ("model", "optim", "ema")) -> dict[str, Any]:
+    """Read into this rank what it holds of the checkpoint in ``d`` (any mesh wrote it): ``model`` its tensors,
+    ``optim`` its parameters' optimizer state, ``ema`` their average (returned under ``"average"``, aligned with
+    ``hold.params``; empty where the checkpoint has none). Returns the checkpoint's meta (``gems.json``)."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = entries(d, "train.resume_from")
+    want: dict[str, torch.Tensor] = {}
+    tensors = hold.tensors()
+    if "model" in what:
+        for n, t in tensors.items():
+            want[f"model.{n}"] = torch.empty(t.shape, dtype=t.dtype)
+    opt_keys: dict[str, list[str]] = {}
+    if "optim" in what:
+        for p in hold.params:
+            n = hold.name_of(p)
+            keys = [k[len(f"optim.{n}."):] for k in saved if k.startswith(f"optim.{n}.")]
+            opt_keys[n] = keys
+            for k in keys:
+                shape, dtype = saved[f"optim.{n}.{k}"]
+                want[f"optim.{n}.{k}"] = torch.empty(shape, dtype=dtype)
+    has_ema = "ema" in what and any(k.startswith("ema.") for k in saved)
+    if has_ema:
+        for p in hold.params:
+            want[f"ema.{hold.name_of(p)}"] = torch.empty(p.shape, dtype=p.dtype)
+    missing = [k for k in want if k not in saved]
+    if missing:
+        raise ConfigError("train.resume_from", str(d), f"a checkpoint of this model: it has no {missing[0]}")
+    if want:
+        dcp.load(want, checkpoint_id=str(d), no_dist=not _distributed())
+    with torch.no_grad():
+        for n, t in tensors.items():
+            if f"model.{n}" in want:
+                t.copy_(want[f"model.{n}"])
+    for p in hold.params:
+        n = hold.name_of(p)
+        if opt_keys.get(n):
+            # per-parameter tensors on its device; a scalar (Adam's step count) stays where torch keeps it, the host
+            hold.opt.state[p] = {k: want[f"optim.{n}.{k}"].to(p.device) if want[f"optim.{n}.{k}"].dim() else
+                                 want[f"optim.{n}.{k}"] for k in opt_keys[n]}
+    meta = read_meta(d)
+    meta["average"] = [want[f"ema.{hold.name_of(p)}"].to(p.device) for p in hold.params] if has_ema else []
+    return meta
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def load_history(d: Path, rank: int, same_mesh: bool) -> dict[str, Any]:
+    """The history a resumed rank goes on from: its own on the mesh that wrote it, rank 0's elsewhere, whose
+    timings (:data:`TIMINGS`) belong to another mesh and start afresh."""
+    own = d / f"rank{rank}.pt"
+    path = own if same_mesh and own.is_file() else d / "rank0.pt"
+    got = torch.load(path, map_location="cpu", weights_only=False)
+    h = dict(got["history"])
+    if not same_mesh:
+        for k in TIMINGS:
+            h.pop(k, None)
+    return h
+
+
+# ---- the trained model ---------------------------------------------------------------------------------------
+def export(cfg: Any, world: Any, hold: Holding, share: Share, step: int, path: Path, order: list[str]) -> Path | None:
+    """The trained model in one file, written by rank 0 from one copy of each position's tensors (gathered to it):
+    the averaged weights for a ``train.ema`` run. ``order``: the serial ``state_dict``'s keys. A collective."""
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    import gems
+
+    ema = bool(hold.average)
+    mine = {k[len("model."):]: v.detach().cpu() for k, v in hold.state(ema_weights=ema).items()
+            if k.startswith("model.")} if share.writes else {}
+    if _distributed() and world.size > 1:
+        parts: list[Any] = [None] * world.size if world.rank == 0 else []
+        dist.gather_object(mine, parts if world.rank == 0 else None, dst=0)
+    else:
+        parts = [mine]
+    if world.rank != 0:
         return None
-    check_fingerprint(cfg, root)
-    step = int((root / "latest").read_text())
-    d = root / f"step{step:08d}"
-    own = torch.load(d / f"rank{rank}.pt", map_location="cpu", weights_only=False)
-    state = torch.load(d / f"state-{share.name}.pt", map_location="cpu", weights_only=False)
-    for got, what in ((own, f"rank {rank}'s"), (state, f"state-{share.name}")):
-        if int(got["step"]) != step:
-            raise RuntimeError(f"checkpoint {what} is at step {got['step']}, the run's at {step}")
-    for m, sd in zip(modules, state["modules"]):
-        m.load_state_dict(sd)
-    opt.load_state_dict(state["opt"])
-    return step, {**own["history"], **state["history"]}
+    every: dict[str, torch.Tensor] = {}
+    for part in parts:
+        every.update(part or {})
+    state = OrderedDict((k, every[k]) for k in order if k in every)
+    missing = [k for k in order if k not in every]
+    if missing:
+        raise RuntimeError(f"the trained model misses {missing[:3]}: no rank wrote them")
+    out = {"format": MODEL_FILE_FORMAT, "model": OmegaConf.to_container(cfg.model, resolve=True),
+           "state_dict": state, "weights": "ema" if ema else "last", "step": int(step), "run_id": str(cfg.run_id),
+           "trained_on": {"data": OmegaConf.to_container(cfg.data, resolve=True), "seed": int(cfg.train.seed),
+                          "global_batch": int(cfg.train.batch_size)},
+           "gems": gems.__version__}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write(out, path)
+    return path
+
+
+def read_model_file(path: str | os.PathLike[str], key: str) -> dict[str, Any]:
+    """A model file written by :func:`export`, read as plain data (``weights_only``); a ConfigError naming ``key``
+    for a path that does not exist, a truncated or corrupt file, or a file that is not a gems model."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(key, str(path), "an existing model file (results/<run_id>.model.pt) or checkpoint folder")
+    try:
+        d = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ConfigError(key, str(path), f"a readable model file (torch.load: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:160]})") from None
+    if not isinstance(d, dict) or d.get("format") != MODEL_FILE_FORMAT or not isinstance(d.get("state_dict"), dict) \
+            or not isinstance(d.get("model"), dict):
+        raise ConfigError(key, str(path), f"a gems model file (format {MODEL_FILE_FORMAT}: a dict with model and "
+                          "state_dict)")
+    return d
+
+
+def weights(path: str | os.PathLike[str], key: str) -> tuple[dict[str, Any], Callable[[Holding], None]]:
+    """What ``train.init_from``, ``train.resume_from`` and ``gems eval`` read from ``path`` (a model file or a
+    checkpoint): (its model section, a function that loads its weights into a rank's holding)."""
+    p = Path(path).expanduser()
+    if p.is_file() and p.name != "latest":
+        d = read_model_file(p, key)
+        state = d["state_dict"]
+
+        def from_file(hold: Holding) -> None:
+            with torch.no_grad():
+                for n, t in hold.tensors().items():
+                    t.copy_(state[n])
+
+        return dict(d["model"]), from_file
+    folder = find(p, key)
+    meta = read_meta(folder)
+
+    def from_checkpoint(hold: Holding) -> None:
+        load(folder, hold, what=("model",))
+
+    return dict(meta.get("model") or {}), from_checkpoint
+
+
+def saved_shapes(path: str | os.PathLike[str], key: str) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """{name: (shape, dtype)} of the model a model file or checkpoint holds (the checkpoint's metadata only)."""
+    p = Path(path).expanduser()
+    if p.is_file() and p.name != "latest":
+        d = read_model_file(p, key)
+        return {n: (tuple(t.shape), t.dtype) for n, t in d["state_dict"].items() if isinstance(t, torch.Tensor)}
+    folder = find(p, key)
+    return {k[len("model."):]: v for k, v in entries(folder, key).items() if k.startswith("model.")}
 
 
 def request_requeue() -> bool:

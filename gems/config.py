@@ -178,6 +178,13 @@ class TrainConf:
                            choices=("auto", "keep", "release"))
     checkpoint_every: int = key(0, "save every N steps so a preempted or requeued job resumes (0: only when "
                                    "preempted or near the time limit)", ge=0)
+    checkpoint_async: bool = key(False, "save checkpoints in the background (DCP's async_save): the step waits only "
+                                        "for a copy of the rank's state in host memory, which gems plan counts")
+    resume_from: Optional[str] = key(None, "continue another run's training from its checkpoint (a run's ckpt/ "
+                                           "folder, a step folder in it, or its latest file) on this mesh, "
+                                           "schedule and micro-batches: the same losses at the same global batch")
+    init_from: Optional[str] = key(None, "start from another run's weights (a model file results/<run_id>.model.pt "
+                                         "or a checkpoint), any mesh, a fresh optimizer at step 0")
     on_nonfinite: str = key("stop", "a NaN or Inf global loss stops the run (stop) or is recorded (warn)",
                             choices=("stop", "warn"))
     profile: bool = key(False, "one torch.profiler chrome trace per rank of the first measured step, in the run's "

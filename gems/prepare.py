@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, open_dict
 
 from gems import checkpoint as ckpt
@@ -55,11 +56,38 @@ def prepare(cfg: Any) -> Any:
                               "are never replaced)")
         if ckpt.has_checkpoint(cfg):
             ckpt.check_fingerprint(cfg)
+    check_starting_point(cfg)
     preflight(cfg)  # model, spatial cut and schedule: bad input fails here, before launching
     if cfg.train.check_fit:
         check_fit(cfg)  # memory: a point the planner says cannot fit is bad input (gems/plan/fit.py)
     writable_dir("results.dir", cfg.results.dir, "a folder for the run's records")
     return cfg
+
+
+def model_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the configured model's ``state_dict``, built on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        return {n: tuple(t.shape) for n, t in build_model(section(cfg, "model")).module.state_dict().items()}
+
+
+def check_starting_point(cfg: Any) -> None:
+    """``train.resume_from`` and ``train.init_from``: a checkpoint or model file of this model (the first entry that
+    differs named), and for a resume the optimizer whose state it holds."""
+    t = cfg.train
+    if t.resume_from and t.init_from:
+        raise ConfigError("train.init_from", t.init_from, "null with train.resume_from (a resume takes the weights "
+                          "and the optimizer's state; init_from the weights alone)")
+    for key in ("resume_from", "init_from"):
+        path = t.get(key)
+        if not path:
+            continue
+        if key == "resume_from":
+            folder = ckpt.find(str(path), "train.resume_from")
+            meta = ckpt.read_meta(folder)
+            if meta.get("optimizer") not in (None, str(t.optimizer)):
+                raise ConfigError("train.optimizer", t.optimizer, f"{meta['optimizer']}, the optimizer whose state "
+                                  f"the checkpoint holds (train.init_from={path} starts a fresh one from its weights)")
+        ckpt.check_model(ckpt.saved_shapes(str(path), f"train.{key}"), model_shapes(cfg), f"train.{key}", path)
 
 
 def preflight(cfg: DictConfig) -> None:

@@ -60,6 +60,9 @@ class Parallel:
     #: the first step makes the pipeline's first exchanges between some ranks (cut shapes learnt from headers:
     #: gems.pipeline.runtime.PipelineRunner.connected), so it is left out of the timings
     first_step_connects: bool = False
+    #: what this rank holds under the whole model's names, the keys of the serial model's ``state_dict``:
+    #: {name: (module, attribute)} (:func:`held` reads the tensors; gems.checkpoint saves and loads them)
+    names: dict[str, tuple[nn.Module, str]] = field(default_factory=dict)
 
 
 def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
@@ -75,8 +78,36 @@ def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
     """
     c = _Composition(spec, mesh, world, cfg, settings or resolve(cfg))
     c.spatial()  # 1.
+    where = whole_names(c.spec.module, c.seq)  # before place(): moving buffers to a device makes new tensors
     c.place()
-    return c.pipelined() if c.settings.pipelined else c.whole()  # 2., then 3. inside each
+    par = c.pipelined() if c.settings.pipelined else c.whole()  # 2., then 3. inside each
+    mine = {id(m) for part in par.modules for m in part.modules()}  # this rank's partitions only
+    par.names = {name: ref for name, ref in where.items() if id(ref[0]) in mine}
+    return par
+
+
+def whole_names(serial: nn.Module, composed: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """Where each entry of the serial model's ``state_dict`` (parameters, persistent buffers) lives in the composed
+    model: {serial name: (module, attribute)}. The spatial layers and the pipeline's partitions hold the serial
+    model's own tensors under other names (a gather layer moves the head's indices, a partition counts its layers
+    from 0), so the names are matched by the tensors themselves."""
+    serial_name = {id(t): n for n, t in serial.state_dict(keep_vars=True).items()}
+    out: dict[str, tuple[nn.Module, str]] = {}
+    for m in composed.modules():
+        for attr, t in [*m._parameters.items(), *m._buffers.items()]:
+            if t is not None and id(t) in serial_name:
+                out.setdefault(serial_name[id(t)], (m, attr))
+    return out
+
+
+def held(names: dict[str, tuple[nn.Module, str]]) -> dict[str, torch.Tensor]:
+    """The tensors behind ``names`` as they are now (a buffer moved to a device is a new tensor)."""
+    out = {}
+    for name, (m, attr) in names.items():
+        t = m._parameters.get(attr) if attr in m._parameters else m._buffers.get(attr)
+        if t is not None:
+            out[name] = t
+    return out
 
 
 class _Composition:

@@ -13,6 +13,7 @@ import socket
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -35,6 +36,7 @@ from gems.fault.watchdog import Watchdog
 from gems.layers import recalibrating
 from gems.memory import MemoryMeter, peak_rss_bytes, persistent_bytes, step_peak_bytes
 from gems.mesh import Mesh, mesh_from_config
+from gems.models import build_model
 from gems.parallel import resolve
 from gems.pipeline.runtime import split_waits
 from gems.rank.compose import Parallel, set_up_rank
@@ -135,8 +137,11 @@ class Run:
         par = self.par
         self.buffers = [b for m in par.modules for b in m.buffers() if b.is_floating_point()] \
             if mesh.group("grad") else []
+        self.hold = ckpt.Holding(par.names, par.params, self.opt)  # what checkpoints save and load, by whole names
+        self.saver = ckpt.Saver(cfg, world, bool(t.checkpoint_async))
         self.resume()
         self.ema = WeightAverage(float(t.ema), par.params, self.history) if t.ema else None  # saved with the history
+        self.hold.average = self.ema.average if self.ema is not None else None
         self.context = _StepContext(cfg, world, mesh, par, self.opt, self.B, self.R)
         # (a resumed run splits the pipeline waits of the steps after its restart only: the rest stay bubble_or_wait)
         self.run_sent: dict[tuple[int, ...], float] = {}
@@ -151,18 +156,38 @@ class Run:
                                         "tensor_peaks": [], "breakdown": {k: 0.0 for k in BREAKDOWN}, "lrs": [],
                                         "validation": [], "elapsed_s": 0.0, "reader_s": 0.0}
         self.start = 0
+        self.resumed: dict[str, Any] | None = None
         progress.mark("checkpoint")
-        self.share = ckpt.share_of(self.mesh, self.world.rank)  # the state file of its model state
-        got = ckpt.load(self.cfg, self.world.rank, self.par.modules, self.opt, self.share)
-        if got is not None:
-            self.start, self.history = got
-            for key in ("nonfinite_steps", "every_step_time", "tensor_peaks", "lrs", "validation"):
-                self.history.setdefault(key, [])
-            self.history.setdefault("elapsed_s", 0.0)
-            self.history.setdefault("reader_s", 0.0)
+        self.share = ckpt.share_of(self.mesh, self.world.rank)  # whether it writes its position's tensors
+        t, own = self.cfg.train, ckpt.ckpt_dir(self.cfg)
+        step = ckpt.latest_step(own)
+        if step is not None:  # this job's own checkpoint (a requeue, a preemption, the time limit)
             self.restarts = max(self.restarts, 1)
-            if "loss_scale" in self.history:  # fp16: the scale and the steps skipped so far, as if never stopped
-                self.par.scaler.load_state_dict(self.history["loss_scale"])
+            self.restore(own / f"step{step:08d}", step, another_run=False)
+        elif t.resume_from:  # another run's training, continued on this mesh
+            folder = ckpt.find(str(t.resume_from), "train.resume_from")
+            step = int(ckpt.read_meta(folder)["step"])
+            self.restore(folder, step, another_run=True)
+        elif t.init_from:  # another run's weights, a fresh optimizer
+            _, load_weights = ckpt.weights(str(t.init_from), "train.init_from")
+            load_weights(self.hold)
+
+    def restore(self, folder: Path, step: int, another_run: bool) -> None:
+        """Continue from the checkpoint in ``folder`` (before ``step``), whatever mesh wrote it."""
+        meta = ckpt.load(folder, self.hold)
+        mesh = {"replicas": self.mesh.replicas, "pipeline": self.mesh.pipeline, "spatial": list(self.mesh.parts)}
+        same_mesh = not another_run and meta.get("mesh") == mesh and meta.get("world_size") == self.world.size
+        got = ckpt.load_history(folder, self.world.rank, same_mesh)
+        self.start = step
+        self.history.update(got)
+        self.history["weight_average"] = meta["average"]
+        if another_run or not same_mesh:
+            batch = int(self.cfg.train.batch_size)
+            self.resumed = {"path": str(folder), "step": step, "run_id": meta.get("run_id"), "mesh": meta.get("mesh"),
+                            "schedule": meta.get("schedule"), "global_batch": meta.get("global_batch"),
+                            "exact": meta.get("global_batch") == batch}
+        if "loss_scale" in self.history:  # fp16: the scale and the steps skipped so far, as if never stopped
+            self.par.scaler.load_state_dict(self.history["loss_scale"])
         if self.wd is not None:
             self.wd.warm_until = max(self.measure_from, self.start + 1)  # warm-up, profiled, first after a restart
 
@@ -187,9 +212,22 @@ class Run:
             self.prefetch.close()
             self.history["reader_s"] += self.prefetch.reader_s
         progress.mark("record")
+        self.saver.finish()  # an async checkpoint still being written: complete, and latest moved to it
+        model_file = self.export()
         record = self.record()
+        if model_file is not None:
+            record["model_file"] = str(model_file)
         unstage(self.staged, self.world, self.barrier)
         return record
+
+    def export(self) -> Path | None:
+        """The trained model in one file beside the record (rank 0 writes it; every rank takes part): the averaged
+        weights of a ``train.ema`` run, the last step's otherwise (gems.checkpoint.export)."""
+        progress.mark("model file")
+        with torch.device("meta"):  # the serial state_dict's order, without allocating the model
+            order = list(build_model(section(self.cfg, "model")).module.state_dict())
+        path = rec.record_path(self.cfg).with_suffix(".model.pt")
+        return ckpt.export(self.cfg, self.world, self.hold, self.share, len(self.history["losses"]), path, order)
 
     def barrier(self) -> None:
         """Every rank of the job here (a one-rank job: nothing to wait for)."""
@@ -224,8 +262,8 @@ class Run:
         inject.before_step(self.fault, world.rank, step, self.restarts)
         if self.fault.preempt_at_step == step and self.restarts == 0:
             self.settle_history()
-            _preempt(cfg, world, step, par, self.opt, h, self.wd, "fault injection: preempting the job", self.share,
-                     self.staged)
+            _preempt(world, step, self.saver, self.hold, h, self.wd, "fault injection: preempting the job",
+                     self.share, self.staged)
         t0 = time.perf_counter()  # the last step ended with its read of the loss: the GPU's queue has drained
         (ids, x, y), t_data = self.prefetch.get(step)  # t_data: what the step waited for (the exposed data time)
         x = inject.poison(self.fault, world.rank, step, x)
@@ -250,7 +288,7 @@ class Run:
         self.account(step, dt, t_data, measured=step >= self.measure_from and not profiling)
         if stop and step + 1 < self.steps:  # Slurm's signal before the time limit (or a preemption notice)
             self.settle_history()
-            _preempt(cfg, world, step + 1, par, self.opt, h, self.wd,
+            _preempt(world, step + 1, self.saver, self.hold, h, self.wd,
                      "the time limit is near: checkpointing and requeueing", self.share, self.staged)
         if (step + 1) % spe == 0:
             self.mlperf.epoch(start=False, epoch=step // spe)
@@ -258,7 +296,8 @@ class Run:
         if self.ckpt_every and (step + 1) % self.ckpt_every == 0 and step + 1 < self.steps and not h["nonfinite_steps"]:
             progress.mark("checkpoint")  # a diverged run keeps its last good checkpoint
             self.settle_history()
-            ckpt.save(cfg, world.rank, step + 1, par.modules, self.opt, h, self.share)
+            self.saver.save(step + 1, self.hold, h, self.share)
+        self.saver.poll()
         return reached
 
     # ---- evaluation --------------------------------------------------------------------------------------------
@@ -428,6 +467,16 @@ class Run:
             record["notes"] = notes
         if par.scaler.enabled:
             record["loss_scale"] = par.scaler.summary()
+        if self.saver.saves:  # how long checkpoints held the steps (an async save: the copy to host memory only)
+            record["checkpoint"] = {"saves": self.saver.saves, "held_s": self.saver.held_s,
+                                    "held_s_per_save": self.saver.held_s / self.saver.saves,
+                                    "async": self.saver.asynchronous}
+        if self.resumed is not None:
+            record["resumed_from"] = self.resumed
+            if not self.resumed["exact"]:
+                notes.append(f"resumed from a checkpoint of global batch {self.resumed['global_batch']} at batch "
+                             f"{self.cfg.train.batch_size}: the steps after it are not those of one uninterrupted run")
+                record["notes"] = notes
         if h["nonfinite_steps"]:
             record["diverged"] = True
             record["nonfinite_steps"] = list(h["nonfinite_steps"])
@@ -662,13 +711,12 @@ def _average_buffers(buffers: list[torch.Tensor], mesh: Mesh) -> None:
         off += b.numel()
 
 
-def _preempt(cfg: DictConfig, world: World, step: int, par: Parallel, opt: torch.optim.Optimizer,
-             history: dict[str, Any], wd: Watchdog | None, why: str, share: ckpt.Share,
-             staged: Staged | None = None) -> None:
-    """Save before ``step``, then stop as a preempted job does; Slurm or the local launcher resumes it (the node's
-    staged copies removed: the job may resume on other nodes)."""
+def _preempt(world: World, step: int, saver: ckpt.Saver, hold: ckpt.Holding, history: dict[str, Any],
+             wd: Watchdog | None, why: str, share: ckpt.Share, staged: Staged | None = None) -> None:
+    """Save before ``step`` (complete before it returns), then stop as a preempted job does; Slurm or the local
+    launcher resumes it (the node's staged copies removed: the job may resume on other nodes)."""
     progress.mark("checkpoint")
-    ckpt.save(cfg, world.rank, step, par.modules, opt, history, share)
+    saver.save(step, hold, history, share, wait=True)
     if staged is not None:
         staged.discard(world)
     if world.rank == 0:
