@@ -283,7 +283,8 @@ def write_meta(d: Path, cfg: Any, step: int, world_size: int) -> None:
             "model": OmegaConf.to_container(cfg.model, resolve=True), "world_size": world_size,
             "mesh": {"replicas": mesh.replicas, "pipeline": mesh.pipeline, "spatial": list(mesh.parts)},
             "schedule": str(cfg.parallel.schedule), "global_batch": int(cfg.train.batch_size),
-            "optimizer": str(cfg.train.optimizer), "ema": cfg.train.ema, "run_id": str(cfg.run_id)}
+            "optimizer": str(cfg.train.optimizer), "ema": cfg.train.ema, "run_id": str(cfg.run_id),
+            "trained_on": trained_on(cfg)}
     tmp = d / f".{META}.tmp"
     tmp.write_text(json.dumps(meta, indent=1))
     os.replace(tmp, d / META)
@@ -434,12 +435,20 @@ def export(cfg: Any, world: Any, hold: Holding, share: Share, step: int, path: P
         raise RuntimeError(f"the trained model misses {missing[:3]}: no rank wrote them")
     out = {"format": MODEL_FILE_FORMAT, "model": OmegaConf.to_container(cfg.model, resolve=True),
            "state_dict": state, "weights": "ema" if ema else "last", "step": int(step), "run_id": str(cfg.run_id),
-           "trained_on": {"data": OmegaConf.to_container(cfg.data, resolve=True), "seed": int(cfg.train.seed),
-                          "global_batch": int(cfg.train.batch_size)},
-           "gems": gems.__version__}
+           "trained_on": trained_on(cfg), "gems": gems.__version__}
     path.parent.mkdir(parents=True, exist_ok=True)
     _write(out, path)
     return path
+
+
+def trained_on(cfg: Any) -> dict[str, Any]:
+    """What a model file and a checkpoint say of the run that trained the model: the defaults of ``gems eval`` (its
+    data, so that the evaluated set is the run's validation set, its seed, batch and evaluation settings)."""
+    from omegaconf import OmegaConf
+
+    return {"data": OmegaConf.to_container(cfg.data, resolve=True), "seed": int(cfg.train.seed),
+            "global_batch": int(cfg.train.batch_size), "bn_recalibrate": int(cfg.train.bn_recalibrate),
+            "eval_average_crops": bool(cfg.train.eval_average_crops)}
 
 
 def read_model_file(path: str | os.PathLike[str], key: str) -> dict[str, Any]:
@@ -460,9 +469,11 @@ def read_model_file(path: str | os.PathLike[str], key: str) -> dict[str, Any]:
     return d
 
 
-def weights(path: str | os.PathLike[str], key: str) -> tuple[dict[str, Any], Callable[[Holding], None]]:
-    """What ``train.init_from``, ``train.resume_from`` and ``gems eval`` read from ``path`` (a model file or a
-    checkpoint): (its model section, a function that loads its weights into a rank's holding)."""
+def weights(path: str | os.PathLike[str], key: str, averaged: bool = False
+            ) -> tuple[dict[str, Any], Callable[[Holding], None]]:
+    """What ``train.init_from`` and ``gems eval`` read from ``path`` (a model file or a checkpoint): (its model
+    section, a function that loads its weights into a rank's holding). ``averaged``: a checkpoint's ``train.ema``
+    average in place of its last weights, where it has one (a model file holds the average already)."""
     p = Path(path).expanduser()
     if p.is_file() and p.name != "latest":
         d = read_model_file(p, key)
@@ -478,7 +489,10 @@ def weights(path: str | os.PathLike[str], key: str) -> tuple[dict[str, Any], Cal
     meta = read_meta(folder)
 
     def from_checkpoint(hold: Holding) -> None:
-        load(folder, hold, what=("model",))
+        got = load(folder, hold, what=("model", "ema") if averaged else ("model",))
+        with torch.no_grad():
+            for p, a in zip(hold.params, got["average"]):
+                p.copy_(a)
 
     return dict(meta.get("model") or {}), from_checkpoint
 

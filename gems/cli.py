@@ -30,6 +30,8 @@ commands:
                          table.csv and scaling.png per study, beside the records
   results --compare A B  two studies side by side, matched by world size, with ratios
   render [OVERRIDES]     print the sbatch script this configuration would submit
+  eval PATH [OVERRIDES]  evaluate a trained model (results/<run_id>.model.pt or a checkpoint) on a dataset,
+                         on any mesh: a record, each sample's prediction, one line of figures
   plan [OVERRIDES]       memory plan per rank without starting the world
   data synth [OVERRIDES] write a synthetic HDF5 dataset (data.path, data.num_samples; data.kind=cosmology:
                          universes, data.path and data.val_path)
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             _err(str(e))
             return 2
     commands: dict[str, Callable[[list[str]], int]] = {
-        "run": cmd_run, "sweep": cmd_sweep, "results": cmd_results, "render": cmd_render,
+        "run": cmd_run, "eval": cmd_eval, "sweep": cmd_sweep, "results": cmd_results, "render": cmd_render,
         "plan": cmd_plan, "data": cmd_data, "bench": cmd_bench, "status": cmd_status, "cancel": cmd_cancel,
     }
     if cmd not in commands:
@@ -244,6 +246,33 @@ def cmd_run(overrides: list[str]) -> int:
         steps = ", ".join(str(s) for s in record.get("nonfinite_steps", [])[:8])
         print(f"gems: warning: run {cfg.run_id} diverged (non-finite loss at step {steps}; train.on_nonfinite=warn): "
               "its throughput is no data point", file=sys.stderr, flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------- eval
+def cmd_eval(args: list[str]) -> int:
+    """``gems eval PATH [OVERRIDES]``: the model of a model file or checkpoint, launched like ``gems run`` (any mesh,
+    ``cluster=`` Slurm included), evaluated once (gems.rank.evaluate)."""
+    from gems.config import compose
+    from gems.errors import ConfigError
+    from gems.prepare import eval_config, prepare
+
+    if not args or "=" in args[0]:
+        raise ConfigError("eval", args[0] if args else "", "gems eval PATH [OVERRIDES]: a model file "
+                          "(results/<run_id>.model.pt) or a checkpoint folder first")
+    path, overrides = args[0], args[1:]
+    cfg = prepare(eval_config(path, overrides, compose(overrides)))
+    record = launch_one(cfg)
+    from gems.results.record import record_path
+
+    if record.get("status") != "ok":
+        _err(f"eval {cfg.run_id} failed: {record.get('error')}")
+        return 1
+    figures = record.get("evaluation") or {}
+    shown = ", ".join(f"{k} {v:.4g}" for k, v in figures.items() if isinstance(v, float) and k != "seconds")
+    count = figures.get("samples", figures.get("cells"))
+    print(f"gems eval: {path}: {shown} over {count} {'cells' if 'cells' in figures else 'samples'} on "
+          f"{record['world_size']} rank(s); record: {record_path(cfg)}", flush=True)
     return 0
 
 

@@ -331,6 +331,12 @@ class FaultConf:
 
 
 @dataclass
+class EvalConf:
+    path: Optional[str] = key(None, "gems eval: the model file or checkpoint it evaluates (set by `gems eval PATH`)")
+    predictions: bool = key(True, "gems eval: write each sample's prediction and target (a CSV beside the record)")
+
+
+@dataclass
 class GemsConf:
     model: ModelConf = field(default_factory=ModelConf)
     data: DataConf = field(default_factory=DataConf)
@@ -341,6 +347,7 @@ class GemsConf:
     results: ResultsConf = field(default_factory=ResultsConf)
     plan: PlanConf = field(default_factory=PlanConf)
     fault: FaultConf = field(default_factory=FaultConf)
+    eval: EvalConf = field(default_factory=EvalConf)
     run_id: Optional[str] = None  # set by the launcher
 
 
@@ -353,7 +360,7 @@ GROUP_SCHEMAS = {
     "comm": CommConf,
 }
 #: every node of the configuration and its schema
-SECTIONS = {**GROUP_SCHEMAS, "results": ResultsConf, "plan": PlanConf, "fault": FaultConf}
+SECTIONS = {**GROUP_SCHEMAS, "results": ResultsConf, "plan": PlanConf, "fault": FaultConf, "eval": EvalConf}
 
 
 def section(cfg: Any, name: str) -> Any:

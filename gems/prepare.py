@@ -90,6 +90,60 @@ def check_starting_point(cfg: Any) -> None:
         ckpt.check_model(ckpt.saved_shapes(str(path), f"train.{key}"), model_shapes(cfg), f"train.{key}", path)
 
 
+#: what a model file says of the run that trained it, the defaults of ``gems eval`` unless given
+_TRAINED_ON = {"seed": "train.seed", "global_batch": "train.batch_size", "bn_recalibrate": "train.bn_recalibrate",
+               "eval_average_crops": "train.eval_average_crops"}
+
+
+def eval_config(path: str, overrides: list[str], cfg: DictConfig) -> DictConfig:
+    """The configuration of ``gems eval PATH OVERRIDES`` (``cfg``: the overrides composed): the model of the file or
+    checkpoint, and, unless the overrides say otherwise, the data, seed and batch of the run that trained it, so the
+    evaluated set is that run's validation set. ``data=hdf5 data.path=DIR`` evaluates the files in DIR."""
+    from omegaconf import OmegaConf
+
+    from gems.config import validate
+
+    given = [o.split("=", 1)[0].lstrip("+") for o in overrides if "=" in o]
+    bad = next((k for k in given if k == "model" or k.startswith("model.")), None)
+    if bad is not None:
+        raise ConfigError(bad, next(o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith(bad)),
+                          f"no model override: gems eval takes the model of {path}")
+    model, _ = ckpt.weights(path, "eval")
+    trained = _trained_on(path)
+    with open_dict(cfg):
+        cfg.model = OmegaConf.merge(cfg.model, OmegaConf.create(model))
+        if trained.get("data") and not any(k == "data" or k.startswith("data.") for k in given):
+            cfg.data = OmegaConf.merge(cfg.data, OmegaConf.create(trained["data"]))
+        for what, key in _TRAINED_ON.items():
+            if what in trained and key not in given:
+                OmegaConf.update(cfg, key, trained[what])
+        if cfg.data.name == "hdf5" and cfg.data.path and not cfg.data.val_path:
+            cfg.data.val_path = cfg.data.path  # data.path=DIR: DIR is the set evaluated
+        cfg.eval.path = str(path)
+        cfg.train.init_from = cfg.train.resume_from = None
+        cfg.train.checkpoint_every = 0
+        cfg.train.target_mae = None
+        cfg.results.name = f"eval-{default_name(cfg)}"
+    validate(cfg)
+    if cfg.data.name == "synthetic" and not cfg.data.val_samples:
+        raise ConfigError("data.val_samples", 0, "the synthetic samples to evaluate (> 0; the model file names its "
+                          "run's), or data=hdf5 data.path=DIR")
+    if cfg.data.name == "hdf5" and not cfg.data.val_path:
+        raise ConfigError("data.path", cfg.data.path, "a folder of .h5 samples to evaluate")
+    ckpt.check_model(ckpt.saved_shapes(path, "eval"), model_shapes(cfg), "eval", path)
+    return cfg
+
+
+def _trained_on(path: str) -> dict[str, Any]:
+    """What the model file or checkpoint says of the run that trained it (gems.checkpoint.trained_on)."""
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    if p.is_file() and p.name != "latest":
+        return dict(ckpt.read_model_file(p, "eval").get("trained_on") or {})
+    return dict(ckpt.read_meta(ckpt.find(p, "eval")).get("trained_on") or {})
+
+
 def preflight(cfg: DictConfig) -> None:
     """Every check that needs the model but not the world, run by the CLI before launching.
 

@@ -74,7 +74,12 @@ BREAKDOWN = ("compute", "pipeline_comm", "halo", "allreduce", "bubble_or_wait", 
 
 
 def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str, Any]:
-    """Train on this rank; returns the record (complete on rank 0)."""
+    """Train on this rank (or, ``gems eval``, evaluate a trained model: gems.rank.evaluate); returns the record
+    (complete on rank 0)."""
+    if cfg.eval.path:
+        from gems.rank.evaluate import evaluate_model
+
+        return evaluate_model(cfg, world, wd)
     return Run(cfg, world, wd).run()
 
 
@@ -170,6 +175,9 @@ class Run:
             self.restore(folder, step, another_run=True)
         elif t.init_from:  # another run's weights, a fresh optimizer
             _, load_weights = ckpt.weights(str(t.init_from), "train.init_from")
+            load_weights(self.hold)
+        elif self.cfg.eval.path:  # gems eval: the trained model (a checkpoint's weight average where it has one)
+            _, load_weights = ckpt.weights(str(self.cfg.eval.path), "eval", averaged=True)
             load_weights(self.hold)
 
     def restore(self, folder: Path, step: int, another_run: bool) -> None:
@@ -312,25 +320,11 @@ class Run:
         """Forward only over the validation set on this mesh, the replicas sharing its batches, the metric summed
         over every rank (gems.rank.loss.Metric); kept in the record, out of the step times. True when the run's
         target is reached."""
-        import torch.distributed as dist
-
         progress.mark("evaluate", step)
         epochs_done = self.sampler.epoch_of(step + 1)
         self.mlperf.evaluation(epochs_done, None, start=True)
         t0 = time.perf_counter()
-        par, B, dev = self.par, self.B, self.world.device
-        total = torch.zeros(par.metric.size, dtype=torch.float64, device=dev)
-        with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():  # train.ema's weights
-            recalibrated = self.recalibrate()
-            for k in range(len(self.val) // B):  # whole batches of the training batch (a partial last one is left out)
-                ids = share(list(range(k * B, (k + 1) * B)), self.R, self.coord.replica)
-                x, y = self.val.batch(ids, par.input_slices, want_input=par.needs_input, want_target=par.needs_target)
-                got = par.evaluate(x.to(dev) if x is not None else None, y.to(dev) if y is not None else None, ids)
-                if got is not None:
-                    total += got
-        if self.world.size > 1:
-            dist.all_reduce(total)
-        figures = par.metric.report(total)
+        figures, recalibrated = self.measure()
         entry = {"step": step + 1, "epoch": round(self.sampler.epoch_of(step + 1), 6), **figures,
                  "seconds": time.perf_counter() - t0}
         if self.cfg.train.bn_recalibrate:
@@ -341,6 +335,26 @@ class Run:
             shown = ", ".join(f"{k} {v:.4g}" for k, v in figures.items() if isinstance(v, float))
             print(f"gems: validation after step {step + 1}: {shown}", flush=True)
         return self.target_reached(entry)
+
+    def measure(self) -> tuple[dict[str, Any], int]:
+        """The validation set's figures on this mesh (every rank takes part; the same on every rank), and how many
+        batches recalibrated BatchNorm first."""
+        import torch.distributed as dist
+
+        par, B, dev = self.par, self.B, self.world.device
+        total = torch.zeros(par.metric.size, dtype=torch.float64, device=dev)
+        assert self.val is not None
+        with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():  # train.ema's weights
+            recalibrated = self.recalibrate()
+            for k in range(len(self.val) // B):  # whole batches of the training batch (a partial last one is left out)
+                ids = share(list(range(k * B, (k + 1) * B)), self.R, self.coord.replica)
+                x, y = self.val.batch(ids, par.input_slices, want_input=par.needs_input, want_target=par.needs_target)
+                got = par.evaluate(x.to(dev) if x is not None else None, y.to(dev) if y is not None else None, ids)
+                if got is not None:
+                    total += got
+        if self.world.size > 1:
+            dist.all_reduce(total)
+        return par.metric.report(total), recalibrated
 
     def recalibrate(self) -> int:
         """``train.bn_recalibrate``: BatchNorm's running statistics recomputed from that many batches of the

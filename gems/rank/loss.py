@@ -66,6 +66,8 @@ class Metric:
         self.base = 2 + (1 if self.classes else int(spec.num_outputs))
         self.group_of: Callable[[int], int] | None = None
         self.groups = 0
+        #: gems eval: each counted sample's row, kept on the host (None in training: an evaluation reads nothing)
+        self.keep: list[tuple[list[int], torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def size(self) -> int:
@@ -91,6 +93,8 @@ class Metric:
             loss = (err ** 2).mean(dim=1).sum() if self.spec.target != "dense" else (err ** 2).sum() / out.shape[1]
             extra = list(err.abs().sum(dim=0)) if self.spec.target != "dense" else [err.abs().sum()]
             count = y.shape[0] if self.spec.target != "dense" else y[:, 0].numel()
+        if self.keep is not None:
+            self.keep.append(self._rows(out, y, ids))
         vec = torch.stack([v.double() for v in [loss, torch.tensor(float(count), device=out.device), *extra]])
         if not self.groups:
             return vec
@@ -101,6 +105,26 @@ class Metric:
                                                                  device=out.device)], dim=1)
         per.index_add_(0, torch.tensor([self.group_of(int(i)) for i in ids], device=out.device), rows)
         return torch.cat([vec, per.reshape(-1)])
+
+    def _rows(self, out: torch.Tensor, y: torch.Tensor, ids: Sequence[int]) -> tuple[list[int], torch.Tensor,
+                                                                                      torch.Tensor]:
+        """(sample ids, what was predicted, the target) on the host: a vector's outputs; a class's scores'
+        argmax; for dense outputs the sums over the cells this rank holds of each sample (|error|, squared error
+        and cells), which add up over the parts."""
+        n = out.shape[0]
+        if self.spec.target == "dense":  # per sample: (loss sum, |error| sum or correct cells, cells) of this part
+            cells = torch.full((n,), float(y[0].numel() if self.classes else y[0, 0].numel()), device=out.device)
+            if self.classes:
+                loss = F.cross_entropy(out, y, reduction="none").flatten(1).sum(1)
+                second = (out.argmax(dim=1) == y).flatten(1).sum(1).float()
+            else:
+                err = out - y.float()
+                loss = (err ** 2).flatten(2).sum(dim=(1, 2)) / out.shape[1]
+                second = err.abs().flatten(2).sum(dim=(1, 2)) / out.shape[1]
+            return list(ids), torch.stack([loss, second, cells], 1).double().cpu(), torch.zeros(0)
+        if self.classes:
+            return list(ids), out.detach().double().cpu(), y.cpu()
+        return list(ids), out.detach().double().cpu(), y.double().cpu()
 
     def report(self, total: torch.Tensor) -> dict[str, Any]:
         """The figures of a summed vector: ``loss``, and ``mae`` with ``mae_per_target`` or ``accuracy``; with
