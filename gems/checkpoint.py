@@ -303,8 +303,8 @@ def find(path: str | os.PathLike[str], key: str) -> Path:
             p = root / f"step{step:08d}"
             break
     if not p.exists():
-        raise ConfigError(key, str(path), "an existing checkpoint folder (a run's ckpt/ or one of its step folders) "
-                          "or a model file")
+        raise ConfigError(key, str(path), "an existing model file (results/<run_id>.model.pt) or checkpoint folder "
+                          "(a run's ckpt/ or one of its step folders)")
     if not (p / ".metadata").is_file():
         raise ConfigError(key, str(path), "a complete checkpoint (a folder with DCP's .metadata: a run's ckpt/ or "
                           "ckpt/step<N>/), or a model file written by a run")

@@ -176,8 +176,9 @@ class TrainConf:
     threads: int = key(1, "torch threads per rank on CPU (0: torch's default)", ge=0)
     host_memory: str = key("auto", "freed host memory stays in the process (auto: on CPU ranks)",
                            choices=("auto", "keep", "release"))
-    checkpoint_every: int = key(0, "save every N steps so a preempted or requeued job resumes (0: only when "
-                                   "preempted or near the time limit)", ge=0)
+    checkpoint_every: int = key(0, "save every N steps (the last step too, where N divides it) so a preempted or "
+                                   "requeued job resumes and another run can continue (train.resume_from); 0: only "
+                                   "when preempted or near the time limit", ge=0)
     checkpoint_async: bool = key(False, "save checkpoints in the background (DCP's async_save): the step waits only "
                                         "for a copy of the rank's state in host memory, which gems plan counts")
     resume_from: Optional[str] = key(None, "continue another run's training from its checkpoint (a run's ckpt/ "

@@ -186,15 +186,13 @@ def run_steps(cfg: DictConfig) -> int:
 
 def _check_evaluated_weights(cfg: DictConfig, spec: Any, validates: bool) -> None:
     """What the evaluations run with: ``train.bn_recalibrate`` (training batches to recompute BatchNorm's
-    statistics from) and ``train.ema`` (the averaged weights) need an evaluation, and the average, on a model with
-    BatchNorm, statistics of its own."""
+    statistics from) needs an evaluation, and ``train.ema``'s average (evaluated, and the run's trained model), on a
+    model with BatchNorm, statistics of its own."""
     t = cfg.train
     if t.bn_recalibrate and not validates:
         raise ConfigError("train.bn_recalibrate", t.bn_recalibrate, "0, or a validation set to evaluate on (it "
                           "recalibrates before each evaluation)")
     if t.ema:
-        if not validates:
-            raise ConfigError("train.ema", t.ema, "0, or a validation set to evaluate the averaged weights on")
         if not t.bn_recalibrate and any(keeps_running_statistics(m) for m in spec.module.modules()):
             raise ConfigError("train.ema", t.ema, "0, or train.bn_recalibrate > 0 too: the model's BatchNorm "
                               "statistics follow the last steps' weights, not the average's")

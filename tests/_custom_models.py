@@ -118,3 +118,17 @@ def refuses_part(size: int = 4, n: int = 9) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), RefusesPartOf(size), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
                          nn.Flatten(), nn.Linear(2, 3))
+
+
+def lifecycle(n: int = 16) -> nn.Sequential:
+    """A 3D regression net the transparency suites do not run (the trained model's file, resumes on other meshes,
+    gems eval): GroupNorm (per sample: every mesh computes the serial batch, where BatchNorm's statistics would
+    follow the micro-batches), a one-sided halo (k3 s2 p1), a 1x1 convolution, per-sample dropout, two dense
+    layers."""
+    from gems.models.layers import SampleDropout
+
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.LeakyReLU(0.1),
+                         nn.Conv3d(4, 6, 3, stride=2, padding=1), nn.GroupNorm(3, 6), nn.ReLU(), nn.AvgPool3d(2),
+                         nn.Conv3d(6, 4, 1), nn.Flatten(), SampleDropout(0.2), nn.Linear(4 * (n // 4) ** 3, 8),
+                         nn.ReLU(), nn.Linear(8, 3))

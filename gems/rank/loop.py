@@ -301,7 +301,8 @@ class Run:
         if (step + 1) % spe == 0:
             self.mlperf.epoch(start=False, epoch=step // spe)
         reached = self.evaluate(step) if self.evaluation_due(step) else False
-        if self.ckpt_every and (step + 1) % self.ckpt_every == 0 and step + 1 < self.steps and not h["nonfinite_steps"]:
+        if self.ckpt_every and (step + 1) % self.ckpt_every == 0 and not h["nonfinite_steps"]:  # the last step too:
+            # a finished run's training can go on (train.resume_from)
             progress.mark("checkpoint")  # a diverged run keeps its last good checkpoint
             self.settle_history()
             self.saver.save(step + 1, self.hold, h, self.share)

@@ -1,0 +1,205 @@
+"""A trained model outlives its run: every run writes it (one file, the whole model's names, loaded strictly by
+plain PyTorch), checkpoints are the whole model's and resume on any other mesh with the uninterrupted run's
+losses, ``train.init_from`` starts from a model's weights, and ``gems eval`` gives the run's own validation figures
+on any mesh. Checked with a model the transparency suites do not run (tests/_custom_models.py: ``lifecycle``),
+through real ``gems run`` and ``gems eval`` processes; bad input exits 2 with one line and writes nothing."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _cli import gems, records
+
+MODEL = ["model=custom", "model._target_=_custom_models.lifecycle", "model.input_shape=[2,16,16,16]",
+         "model.num_outputs=3", "train.batch_size=4", "train.warmup_steps=1", "train.check_fit=false"]
+VAL = ["data.val_samples=8"]
+
+
+def _run(folder: Path, *args: str, timeout: int = 400) -> dict[str, Any]:
+    given = {a.split("=", 1)[0] for a in args}
+    base = [a for a in MODEL if a.split("=", 1)[0] not in given]
+    out = gems("run", f"results.dir={folder}", *base, *args, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (r,) = records(str(folder))
+    assert r["status"] == "ok"
+    return r
+
+
+def _model_file(r: dict[str, Any]) -> dict[str, Any]:
+    assert Path(r["model_file"]).is_file()
+    d = torch.load(r["model_file"], map_location="cpu", weights_only=True)
+    assert isinstance(d, dict) and isinstance(d["model"], dict)
+    return d
+
+
+def _strict(d: dict[str, Any]) -> torch.nn.Module:
+    """The file's weights in the plain nn.Sequential one process builds: every key, every shape."""
+    from gems.models import build_model
+
+    seq = build_model(d["model"]).module
+    seq.load_state_dict(d["state_dict"], strict=True)
+    return seq
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One process, 8 steps, validated at the end: the losses every resumed chain must give."""
+    return _run(tmp_path_factory.mktemp("reference"), "train.steps=8", *VAL)
+
+
+def test_the_trained_model_is_one_file_of_the_whole_model_the_same_from_every_mesh(tmp_path: Path,
+                                                                                  reference: dict[str, Any]) -> None:
+    """The run on D2 x S2 under GEMS-MAST writes the model the serial run writes (to float rounding), under the
+    serial model's names (the spatial cut adds a gather layer, the partitions count from 0): it loads strictly into
+    the plain nn.Sequential, and predicts what the serial file predicts."""
+    mesh = _run(tmp_path / "mesh", "train.steps=8", *VAL, "parallel.pipeline=2", "parallel.spatial=2",
+                "parallel.schedule=mast")
+    a, b = _model_file(reference), _model_file(mesh)
+    assert a["weights"] == b["weights"] == "last" and a["step"] == b["step"] == 8
+    assert list(a["state_dict"]) == list(b["state_dict"]) == list(_strict(a).state_dict())
+    for k, v in a["state_dict"].items():
+        torch.testing.assert_close(b["state_dict"][k], v, rtol=2e-4, atol=2e-5, msg=lambda m: f"{k}: {m}")
+    x = torch.randn(3, 2, 16, 16, 16, generator=torch.Generator().manual_seed(0))
+    ya, yb = _strict(a).eval()(x), _strict(b).eval()(x)
+    torch.testing.assert_close(yb, ya, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(torch.tensor(mesh["loss"]), torch.tensor(reference["loss"]), rtol=1e-4, atol=1e-6)
+
+
+def test_a_weight_average_run_writes_its_average(tmp_path: Path) -> None:
+    r = _run(tmp_path, "train.steps=4", "train.ema=0.9")
+    d = _model_file(r)
+    assert d["weights"] == "ema"
+    _strict(d)
+
+
+def test_checkpoints_resume_on_any_mesh_with_the_uninterrupted_losses(tmp_path: Path,
+                                                                      reference: dict[str, Any]) -> None:
+    """A chain of runs, each continuing the last one's checkpoint (train.resume_from) on another mesh: serial ->
+    D2 x S2 mast -> R2 -> R2 x D2 1f1b -> S4. Every step's loss is the uninterrupted serial run's (the same global
+    batch), and the final model is its model."""
+    chain = [([], 2), (["parallel.pipeline=2", "parallel.spatial=2", "parallel.schedule=mast"], 4),
+             (["parallel.replicas=2"], 5),
+             (["parallel.replicas=2", "parallel.pipeline=2", "parallel.schedule=1f1b", "parallel.micro_batches=2"], 7),
+             (["parallel.spatial=4"], 8)]
+    previous: Path | None = None
+    done = 0
+    for k, (mesh, steps) in enumerate(chain):
+        folder = tmp_path / f"link{k}"
+        resume = [f"train.resume_from={previous}"] if previous is not None else []
+        r = _run(folder, f"train.steps={steps}", f"train.checkpoint_every={steps}", *resume, *mesh,
+                 *(VAL if steps == 8 else []))
+        assert r["loss"][:done] == pytest.approx(reference["loss"][:done], rel=1e-4, abs=1e-6)  # the history
+        torch.testing.assert_close(torch.tensor(r["loss"][done:]), torch.tensor(reference["loss"][done:steps]),
+                                   rtol=1e-4, atol=1e-6, msg=lambda m: f"link {k} {mesh}: {m}")
+        if previous is not None:
+            assert r["resumed_from"]["step"] == done and r["resumed_from"]["exact"] is True
+        previous, done = folder / ".jobs" / r["run_id"], steps
+        assert (previous / "ckpt" / "latest").read_text() == str(steps)
+    last = _model_file(r)
+    for key, v in _model_file(reference)["state_dict"].items():
+        torch.testing.assert_close(last["state_dict"][key], v, rtol=5e-4, atol=5e-5, msg=lambda m: f"{key}: {m}")
+    assert r["validation"][-1]["mae"] == pytest.approx(reference["validation"][-1]["mae"], rel=1e-4)
+
+
+def test_a_different_global_batch_is_said_in_the_record(tmp_path: Path) -> None:
+    first = _run(tmp_path / "a", "train.steps=2", "train.checkpoint_every=2")
+    r = _run(tmp_path / "b", "train.steps=3", "train.batch_size=8",
+             f"train.resume_from={tmp_path / 'a' / '.jobs' / first['run_id'] / 'ckpt'}")
+    assert r["resumed_from"]["exact"] is False and r["resumed_from"]["global_batch"] == 4
+    assert any("global batch 4 at batch 8" in n for n in r["notes"])
+
+
+def test_init_from_takes_the_weights_on_another_mesh_with_a_fresh_optimizer(tmp_path: Path,
+                                                                            reference: dict[str, Any]) -> None:
+    """The first step of a run started from the reference's model file, on S = 2, has the loss that file's plain
+    nn.Sequential gives the run's first batch (the synthetic samples 0-3, their dropout masks); it starts at step 0
+    (a fresh optimizer), and a run started from the checkpoint of the same weights agrees."""
+    import torch.nn.functional as F
+
+    from gems.data.synthetic import SyntheticData
+    from gems.layers import batch_context
+    from gems.models import build_model
+
+    src = _model_file(reference)
+    r = _run(tmp_path / "file", "train.steps=2", "parallel.spatial=2", f"train.init_from={reference['model_file']}")
+    assert len(r["loss"]) == 2 and "resumed_from" not in r
+    spec = build_model(src["model"])
+    seq = spec.module
+    seq.load_state_dict(src["state_dict"])
+    x, y = SyntheticData(spec, 0, 64).batch([0, 1, 2, 3])
+    with batch_context(0, 0, [0, 1, 2, 3]), torch.no_grad():
+        want = float(F.mse_loss(seq.train()(x), y))
+    assert r["loss"][0] == pytest.approx(want, rel=1e-4)
+    assert r["loss"][0] != pytest.approx(reference["loss"][0], rel=1e-3)  # not the fresh model's
+    ck = _run(tmp_path / "ckpt", "train.steps=8", "train.checkpoint_every=8")
+    c = _run(tmp_path / "from-ckpt", "train.steps=2", "parallel.replicas=2",
+             f"train.init_from={tmp_path / 'ckpt' / '.jobs' / ck['run_id'] / 'ckpt'}")
+    assert c["loss"][0] == pytest.approx(want, rel=1e-4)
+
+
+def test_gems_eval_gives_the_runs_own_validation_figures_on_every_mesh(tmp_path: Path,
+                                                                       reference: dict[str, Any]) -> None:
+    """On 1 rank, on S = 2 and on D = 2: the same figures, equal to the run's last validation entry (the same set:
+    the model file names the run's synthetic validation samples), each sample's prediction in a CSV; a checkpoint
+    evaluates alike."""
+    want = reference["validation"][-1]
+    seen = []
+    for mesh in ([], ["parallel.spatial=2"], ["parallel.pipeline=2", "parallel.schedule=gpipe",
+                                              "parallel.micro_batches=2"]):
+        out = gems("eval", reference["model_file"], f"results.dir={tmp_path}", *mesh, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        line = [ln for ln in out.stdout.splitlines() if ln.startswith("gems eval:")]
+        assert len(line) == 1 and "mae" in line[0] and "over 8 samples" in line[0], out.stdout
+        rec = json.loads(Path(line[0].rsplit("record: ", 1)[1]).read_text())
+        got = rec["evaluation"]
+        assert got["samples"] == want["samples"] == 8
+        for k in ("loss", "mae"):
+            assert got[k] == pytest.approx(want[k], rel=1e-5), (mesh, k)
+        assert got["mae_per_target"] == pytest.approx(want["mae_per_target"], rel=1e-5)
+        rows = Path(rec["predictions_file"]).read_text().splitlines()
+        assert rows[0].split(",")[:2] == ["sample", "prediction_0"] and len(rows) == 9
+        seen.append([[float(v) for v in row.split(",")] for row in rows[1:]])
+    for other in seen[1:]:
+        torch.testing.assert_close(torch.tensor(other), torch.tensor(seen[0]), rtol=1e-4, atol=1e-6)
+
+
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path: Path, reference: dict[str, Any]) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    cosmo = ["model.size=32", "model.width=0.25", "train.steps=2", "train.warmup_steps=1", f"results.dir={results}"]
+    truncated = tmp_path / "cut.model.pt"
+    data = Path(reference["model_file"]).read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])
+    wide = tmp_path / "wide"
+    assert gems("data", "synth", f"data.path={wide}", "data.num_samples=2", "model.size=32").returncode == 0
+    ckpt_of_other = tmp_path / "other"
+    other = gems("run", f"results.dir={ckpt_of_other}", *cosmo[:4], "train.checkpoint_every=2")
+    assert other.returncode == 0, other.stderr[-2000:]
+    (o,) = records(str(ckpt_of_other))
+    other_ckpt = ckpt_of_other / ".jobs" / o["run_id"] / "ckpt"
+    cases = [
+        (["run", *cosmo, f"train.init_from={reference['model_file']}"], "train.init_from=",
+         "0.weight is [4, 2, 3, 3, 3] there, [4, 4, 3, 3, 3] here"),
+        (["eval", str(truncated), f"results.dir={results}"], "eval=", "a readable model file"),
+        (["eval", str(tmp_path / "nowhere.pt"), f"results.dir={results}"], "eval=", "an existing model file"),
+        (["run", *cosmo, f"train.init_from={tmp_path / 'nowhere'}"], "train.init_from=", "an existing"),
+        (["eval", reference["model_file"], "data=hdf5", f"data.path={wide}", f"results.dir={results}"], "data.",
+         ""),
+        (["run", *MODEL[:4], "train.steps=4", f"train.resume_from={other_ckpt}", f"results.dir={results}"],
+         "train.resume_from=", "0.weight is [4, 4, 3, 3, 3] there, [4, 2, 3, 3, 3] here"),
+        (["eval", reference["model_file"], "model.width=2", f"results.dir={results}"], "model.width=2",
+         "no model override"),
+    ]
+    for args, key, what in cases:
+        out = gems(*args)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2, (args, out.stderr[-2000:])
+        assert len(lines) == 1 and lines[0].startswith("gems: error: ") and key in lines[0] and what in lines[0], \
+            (args, lines)
+    assert list(results.iterdir()) == [], list(results.iterdir())
+    assert Path(reference["model_file"]).read_bytes() == data  # nothing overwritten
+    shutil.rmtree(wide)
