@@ -6,6 +6,7 @@ through real ``gems run`` and ``gems eval`` processes; bad input exits 2 with on
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -99,10 +100,25 @@ def test_checkpoints_resume_on_any_mesh_with_the_uninterrupted_losses(tmp_path: 
             assert r["resumed_from"]["step"] == done and r["resumed_from"]["exact"] is True
         previous, done = folder / ".jobs" / r["run_id"], steps
         assert (previous / "ckpt" / "latest").read_text() == str(steps)
+        if k == 0:  # what train.checkpoint_async stages in host memory, as gems plan counts it, is what is written
+            from gems.checkpoint import entries
+
+            saved = entries(previous / "ckpt" / "step00000002", "test")
+            written = sum(math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in saved.values())
+            assert _planned_host_copy() == pytest.approx(written, rel=0.05)
     last = _model_file(r)
     for key, v in _model_file(reference)["state_dict"].items():
         torch.testing.assert_close(last["state_dict"][key], v, rtol=5e-4, atol=5e-5, msg=lambda m: f"{key}: {m}")
     assert r["validation"][-1]["mae"] == pytest.approx(reference["validation"][-1]["mae"], rel=1e-4)
+
+
+def _planned_host_copy() -> int:
+    from gems.config import compose
+    from gems.plan.memory import plan_memory
+
+    plan, _, _ = plan_memory(compose([*MODEL, "train.checkpoint_async=true"]), quick=True)
+    assert any("train.checkpoint_async" in n for n in plan.notes)
+    return int(plan.device["checkpoint_host_bytes"])
 
 
 def test_a_different_global_batch_is_said_in_the_record(tmp_path: Path) -> None:
@@ -203,3 +219,29 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path: Path, refe
     assert list(results.iterdir()) == [], list(results.iterdir())
     assert Path(reference["model_file"]).read_bytes() == data  # nothing overwritten
     shutil.rmtree(wide)
+
+
+def test_the_sample_size_studys_points_are_reproduced_by_gems_eval(tmp_path: Path) -> None:
+    """One point of the study's own recipe (conf/experiment/cosmoflow_sample_size.yaml: HDF5 universes, the cube's
+    48 symmetries, Adam, the weight average evaluated with BatchNorm recalibrated, each universe's crops averaged),
+    on tiny universes: its model file, evaluated by `gems eval` alone (the file names the universes and the recipe's
+    evaluation), gives the point's figures again, on 1 rank and on S = 2: docs/science.md's way to re-evaluate the
+    study's table."""
+    data = tmp_path / "universes"
+    made = gems("data", "synth", "data.kind=cosmology", f"data.path={data}/train", f"data.val_path={data}/val",
+                "data.universes=2", "data.val_universes=1", "data.box_cells=64", "data.box_mpc=512")
+    assert made.returncode == 0, made.stderr[-2000:]
+    out = gems("run", "+experiment=cosmoflow_sample_size", f"data.path={data}/train", f"data.val_path={data}/val",
+               "data.box_cells=64", "data.crop=32", "train.batch_size=8", "train.bn_recalibrate=2", "train.epochs=1",
+               "train.check_fit=false", f"results.dir={tmp_path / 'point'}", timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (r,) = records(str(tmp_path / "point"))
+    want = r["validation"][-1]
+    assert _model_file(r)["weights"] == "ema" and "mae_avg_crops" in want
+    for mesh in ([], ["parallel.spatial=2"]):
+        ev = gems("eval", r["model_file"], f"results.dir={tmp_path / 'eval'}", *mesh, timeout=300)
+        assert ev.returncode == 0, ev.stderr[-2000:]
+        got = json.loads(Path(ev.stdout.strip().splitlines()[-1].rsplit("record: ", 1)[1]).read_text())["evaluation"]
+        assert got["bn_recalibrate_batches"] == want["bn_recalibrate_batches"] == 2
+        for k in ("loss", "mae", "mae_avg_crops"):
+            assert got[k] == pytest.approx(want[k], rel=1e-5), (mesh, k)

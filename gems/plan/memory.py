@@ -723,6 +723,11 @@ def plan_memory(cfg: Any, quick: bool = False, available: bool = False,
         where += " (train.host_memory=auto will release freed memory: keeping it would not fit)"
     verdict = (f"{'fits' if fits else 'does not fit'}: peak {_fmt(worst.bytes.total)} of {_fmt(dev['memory_bytes'])} "
                f"on {where}")
+    if cfg.train.checkpoint_async:  # DCP's async_save stages a writing rank's state in host memory
+        staged = max(p.bytes.parameters + p.bytes.optimizer for p in positions)
+        dev["checkpoint_host_bytes"] = int(staged)
+        pl.notes.append(f"train.checkpoint_async: a writing rank holds a copy of its parameters, buffers and "
+                        f"optimizer state in host memory while a checkpoint is written: {staged / 2**20:.1f} MiB")
     plan = MemoryPlan(
         model=st.spec.name + (f"{st.spec.input_shape[1]}" if st.spec.name.startswith("cosmoflow") else ""),
         input_shape=list(st.spec.input_shape), world_size=world,
