@@ -649,6 +649,17 @@ def _max_chunk(pl: Planner, usable: int, chunk0: int) -> tuple[int, Any]:
     return lo, prof
 
 
+def _async_checkpoint(cfg: Any, positions: list[Any], dev: dict[str, Any], notes: list[str]) -> None:
+    """``train.checkpoint_async``: DCP's async_save stages a writing rank's state in host memory while a thread
+    writes it (gems.checkpoint): the largest position's parameters, buffers and optimizer state."""
+    if not cfg.train.checkpoint_async:
+        return
+    staged = max(p.bytes.parameters + p.bytes.optimizer for p in positions)
+    dev["checkpoint_host_bytes"] = int(staged)
+    notes.append(f"train.checkpoint_async: a writing rank holds a copy of its parameters, buffers and optimizer "
+                 f"state in host memory while a checkpoint is written: {staged / 2**20:.1f} MiB")
+
+
 def _fmt(b: float) -> str:
     return f"{b / GiB:.1f} GiB"
 
@@ -723,11 +734,7 @@ def plan_memory(cfg: Any, quick: bool = False, available: bool = False,
         where += " (train.host_memory=auto will release freed memory: keeping it would not fit)"
     verdict = (f"{'fits' if fits else 'does not fit'}: peak {_fmt(worst.bytes.total)} of {_fmt(dev['memory_bytes'])} "
                f"on {where}")
-    if cfg.train.checkpoint_async:  # DCP's async_save stages a writing rank's state in host memory
-        staged = max(p.bytes.parameters + p.bytes.optimizer for p in positions)
-        dev["checkpoint_host_bytes"] = int(staged)
-        pl.notes.append(f"train.checkpoint_async: a writing rank holds a copy of its parameters, buffers and "
-                        f"optimizer state in host memory while a checkpoint is written: {staged / 2**20:.1f} MiB")
+    _async_checkpoint(cfg, positions, dev, pl.notes)
     plan = MemoryPlan(
         model=st.spec.name + (f"{st.spec.input_shape[1]}" if st.spec.name.startswith("cosmoflow") else ""),
         input_shape=list(st.spec.input_shape), world_size=world,
