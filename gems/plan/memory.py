@@ -116,7 +116,7 @@ from gems.pipeline.exchange import plan_exchanges
 from gems.pipeline.partition import trace_shapes
 from gems.pipeline.schedules import registered
 from gems.plan.calibration import load_calibration
-from gems.plan.devices import GPUS, gpu_memory_bytes, gpu_reserve, rank_communicators
+from gems.plan.devices import GPUS, blas_workspace_bytes, gpu_memory_bytes, gpu_reserve, rank_communicators
 from gems.plan.schema import SCHEMA, Breakdown, GiB, MemoryPlan, Position
 from gems.plan.store import cached
 from gems.plan.trace import Trace, precision_context, spatial_stand_in, trace_layers
@@ -362,6 +362,9 @@ class Planner:
             elem = 4 if st.precision == "fp32" else 2
             self.workspace = lambda sig, batch, grad: cudnn_workspace(sig, batch, grad, elem, st.calibration,
                                                                       st.precision)
+        #: GPU ranks whose model runs matmuls: cuBLAS's workspaces, allocated by the caching allocator and so in
+        #: what CUDA counts as allocated (set by plan_memory: gems.plan.devices.blas_workspace_bytes)
+        self.blas = 0
 
     # ---- structure ------------------------------------------------------------------
     def sched(self) -> Any:
@@ -543,7 +546,7 @@ class Planner:
         in_per_sample = 4 * math.prod(local)
         batch_bytes = ((line * in_per_sample if first else 0) + (line * target_b if last_stage else 0)) \
             * (1 + st.batches_ahead)
-        acts = peak + const + batch_bytes
+        acts = peak + const + batch_bytes + self.blas
         halo = max((stages[p].halo.at(chunk) for p in held), default=0)
         # communication buffers
         grad_group = st.replicas * mesh.spatial * next(len(g) for g in st.settings.holder_groups if d in g)
@@ -557,7 +560,8 @@ class Planner:
         bd = Breakdown(params, grads, optim, int(acts), int(halo), int(comm))
         return Position(d, members, list(mesh.grid_of(members[0])), held, local, {int(k): int(v) for k, v in at.items()}, bd,
                         {"saved": int(peak - extra_at), "working": int(extra_at),
-                         "batch": int(batch_bytes), "constant": int(const), "workspace": int(ws)})
+                         "batch": int(batch_bytes), "constant": int(const), "workspace": int(ws),
+                         "blas_workspace": int(self.blas)})
 
     def positions(self, batch: int, profile: Any = None) -> tuple[list[int], list[Position]]:
         st = self.st
@@ -649,6 +653,17 @@ def _max_chunk(pl: Planner, usable: int, chunk0: int) -> tuple[int, Any]:
     return lo, prof
 
 
+def _blas_workspaces(cfg: Any, pl: Planner, dev: dict[str, Any]) -> int:
+    """cuBLAS's workspaces on a GPU rank whose model's trace holds a matmul (it creates the handles that hold them;
+    gems.plan.devices.blas_workspace_bytes), else 0."""
+    if dev["kind"] != "gpu":
+        return 0
+    t = pl._traced(0, 1)
+    if not any(cls == "matmul" for ops in t.ops.values() for (cls, _sig) in ops):
+        return 0
+    return blas_workspace_bytes(cfg.cluster.gpu, dev.get("sm90"), dev.get("rocm"))
+
+
 def _async_checkpoint(cfg: Any, positions: list[Any], dev: dict[str, Any], notes: list[str]) -> None:
     """``train.checkpoint_async``: DCP's async_save stages a writing rank's state in host memory while a thread
     writes it (gems.checkpoint): the largest position's parameters, buffers and optimizer state."""
@@ -691,6 +706,7 @@ def plan_memory(cfg: Any, quick: bool = False, available: bool = False,
     world = mesh.size
     dev = _device(cfg, world, available)
     reserve = _gpu_reserve(cfg, pl, dev) if dev["kind"] == "gpu" else None
+    pl.blas = _blas_workspaces(cfg, pl, dev)
     if reserve is not None:  # the fixed parts now; fragmentation, a fraction of the peak, once it is known
         usable = dev["memory_bytes"] - reserve.fixed
         frag = reserve.fragmentation_fraction

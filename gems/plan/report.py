@@ -113,10 +113,10 @@ def reserve_line(dev: dict[str, Any]) -> str:
             + ", ".join(f"{c['name']} of {c['size']} {g(c['bytes'])}" for c in used)
             + ("; created but idle: " + ", ".join(f"{c['name']} of {c['size']}" for c in idle) if idle else "") + ")"
             if comms else "NCCL 0 (one rank: no communicator)")
-    return (f"reserve: {g(r['bytes'])} GiB a rank, modelled: CUDA context {g(p['cuda_context'])} + cuBLAS workspaces "
-            f"{g(p['cublas_workspace'])} + {nccl} + fragmentation {g(p['fragmentation'])} "
-            f"({100 * r['fragmentation_fraction']:g}% of the peak; cuDNN's workspace is counted in the activations)"
-            f"{usable}; plan.reserve_gb=<GiB> replaces it")
+    return (f"reserve: {g(r['bytes'])} GiB a rank, modelled: CUDA context {g(p['cuda_context'])} + {nccl} + "
+            f"fragmentation {g(p['fragmentation'])} ({100 * r['fragmentation_fraction']:g}% of the peak; cuDNN's "
+            f"and cuBLAS's workspaces come from the caching allocator: counted in the activations){usable}; "
+            "plan.reserve_gb=<GiB> replaces it")
 
 
 def plan_main(cfg: Any) -> int:

@@ -393,7 +393,7 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
         opt_s = per_param * params / rates.bandwidth + 10 * len(held) * rates.op_overhead_s
         bubble = max(0.0, end0[d] - data_s[d] - comp - spat) + (step_end - end[d])
         pcomm = max(0.0, end[d] - end0[d])
-        terms = {"compute": comp + opt_s, "halo": spat, "pipeline_comm": pcomm, "allreduce": ar_s,
+        terms = {"compute": comp + opt_s + rates.host_step_s, "halo": spat, "pipeline_comm": pcomm, "allreduce": ar_s,
                  "bubble_or_wait": bubble, "data": data_s[d]}
         total = sum(terms.values())
         label = f"pipeline {d}" if D > 1 else "every rank"
@@ -460,6 +460,9 @@ def _assumptions(rates: Rates, intra: Link | None, inter: Link | None, overlap: 
                  jitter: float, prefetch: int, data_on_device: bool = False) -> list[str]:
     """What a prediction assumes, in words (its rates, links, halo overlap, jitter and the reader ahead)."""
     out = [rates.about]
+    if rates.kind == "gpu":
+        out.append(f"kernels: {rates.op_overhead_s * 1e6:.3g} us of launch and framework time an op (a backward op "
+                   f"twice), and gems's own host time {rates.host_step_s * 1e3:.3g} ms a step")
     if intra is not None:
         out.append(f"links: {intra.bandwidth / 1e9:g} GB/s and {intra.latency * 1e6:g} us within a node"
                    + (f", {inter.bandwidth / 1e9:g} GB/s and {inter.latency * 1e6:g} us between nodes"

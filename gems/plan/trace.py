@@ -188,9 +188,19 @@ def _meta_safe_pool(fn: Any) -> Any:
 
 
 # ============================================================================ the trace
+#: the caching allocator hands out blocks in multiples of 512 bytes (c10/cuda/CUDACachingAllocator.cpp,
+#: kMinBlockSize, round_size): what CUDA counts as allocated for a tensor is its size rounded up to them
+ALLOCATOR_BLOCK = 512
+
+
+def allocated(nbytes: int) -> int:
+    """The bytes the caching allocator counts for a request of ``nbytes`` (rounded up to its block)."""
+    return -(-int(nbytes) // ALLOCATOR_BLOCK) * ALLOCATOR_BLOCK
+
+
 def _key(t: torch.Tensor) -> tuple[int, int]:
     st = t.untyped_storage()
-    return st._cdata, st.nbytes()
+    return st._cdata, allocated(st.nbytes())
 
 
 @dataclass
@@ -324,10 +334,10 @@ def trace_layers(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequ
                 x = tr.layer(i, layer, d, x)
                 hold.append(x)
                 tr.out_keys.append(_key(x)[0])
-                tr.out_bytes.append(x.numel() * x.element_size())
+                tr.out_bytes.append(allocated(x.numel() * x.element_size()))
             tr.cur[0] = len(layers)
             loss, target = _loss(spec, x, local[1:])
-            tr.out_bytes.append(loss.numel() * loss.element_size())
+            tr.out_bytes.append(allocated(loss.numel() * loss.element_size()))
         del loss, x, hold
     halo, gather, comm = _spatial_logs(sctx)
     counter = tr.counter
