@@ -311,6 +311,14 @@ def find(path: str | os.PathLike[str], key: str) -> Path:
     return p
 
 
+def resolve(path: str | os.PathLike[str], key: str) -> Path:
+    """What ``path`` names, absolute: a model file as it is, a checkpoint as its step's folder (:func:`find`)."""
+    p = Path(path).expanduser()
+    if p.is_file() and p.name != "latest":
+        return p.resolve()
+    return find(p, key).resolve()
+
+
 def entries(d: Path, key: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The tensors of the checkpoint in ``d``: {entry: (shape, dtype)} (its metadata only)."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -343,13 +351,14 @@ def check_model(have: dict[str, tuple[tuple[int, ...], Any]], want: dict[str, tu
                               f"{list(have[name][0])} there, {list(want[name])} here")
 
 
-def load(d: Path, hold: Holding, what: tuple[str, ...] = ("model", "optim", "ema")) -> dict[str, Any]:
+def load(d: Path, hold: Holding, what: tuple[str, ...] = ("model", "optim", "ema"), key: str = "train.resume_from"
+         ) -> dict[str, Any]:
     """Read into this rank what it holds of the checkpoint in ``d`` (any mesh wrote it): ``model`` its tensors,
     ``optim`` its parameters' optimizer state, ``ema`` their average (returned under ``"average"``, aligned with
     ``hold.params``; empty where the checkpoint has none). Returns the checkpoint's meta (``gems.json``)."""
     import torch.distributed.checkpoint as dcp
 
-    saved = entries(d, "train.resume_from")
+    saved = entries(d, key)
     want: dict[str, torch.Tensor] = {}
     tensors = hold.tensors()
     if "model" in what:
@@ -370,8 +379,8 @@ def load(d: Path, hold: Holding, what: tuple[str, ...] = ("model", "optim", "ema
             want[f"ema.{hold.name_of(p)}"] = torch.empty(p.shape, dtype=p.dtype)
     missing = [k for k in want if k not in saved]
     if missing:
-        raise ConfigError("train.resume_from", str(d), f"a checkpoint of this model: it has no {missing[0]}")
-    if want:
+        raise ConfigError(key, str(d), f"a checkpoint of this model: it has no {missing[0]}")
+    if want or _distributed():  # a collective: a rank that holds nothing (a partition of pooling) takes part too
         dcp.load(want, checkpoint_id=str(d), no_dist=not _distributed())
     with torch.no_grad():
         for n, t in tensors.items():
@@ -380,12 +389,21 @@ def load(d: Path, hold: Holding, what: tuple[str, ...] = ("model", "optim", "ema
     for p in hold.params:
         n = hold.name_of(p)
         if opt_keys.get(n):
-            # per-parameter tensors on its device; a scalar (Adam's step count) stays where torch keeps it, the host
-            hold.opt.state[p] = {k: want[f"optim.{n}.{k}"].to(p.device) if want[f"optim.{n}.{k}"].dim() else
-                                 want[f"optim.{n}.{k}"] for k in opt_keys[n]}
+            # a scalar (Adam's step count) stays where torch keeps it, the host
+            hold.opt.state[p] = {k: _like(want[f"optim.{n}.{k}"], p) for k in opt_keys[n]}
     meta = read_meta(d)
-    meta["average"] = [want[f"ema.{hold.name_of(p)}"].to(p.device) for p in hold.params] if has_ema else []
+    meta["average"] = [_like(want[f"ema.{hold.name_of(p)}"], p) for p in hold.params] if has_ema else []
     return meta
+
+
+def _like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A loaded per-parameter tensor on its parameter's device in its memory format (channels-last weights keep
+    their optimizer state channels-last: torch's foreach updates need one layout), a scalar where it was read."""
+    if t.dim() == 0:
+        return t
+    out = torch.empty_like(p, dtype=t.dtype) if t.shape == p.shape else torch.empty(t.shape, dtype=t.dtype,
+                                                                                         device=p.device)
+    return out.copy_(t)
 
 
 def _distributed() -> bool:
@@ -489,7 +507,7 @@ def weights(path: str | os.PathLike[str], key: str, averaged: bool = False
     meta = read_meta(folder)
 
     def from_checkpoint(hold: Holding) -> None:
-        got = load(folder, hold, what=("model", "ema") if averaged else ("model",))
+        got = load(folder, hold, what=("model", "ema") if averaged else ("model",), key=key)
         with torch.no_grad():
             for p, a in zip(hold.params, got["average"]):
                 p.copy_(a)

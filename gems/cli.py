@@ -261,6 +261,9 @@ def cmd_eval(args: list[str]) -> int:
         raise ConfigError("eval", args[0] if args else "", "gems eval PATH [OVERRIDES]: a model file "
                           "(results/<run_id>.model.pt) or a checkpoint folder first")
     path, overrides = args[0], args[1:]
+    from gems.prepare import one_value_per_key
+
+    one_value_per_key(overrides)
     cfg = prepare(eval_config(path, overrides, compose(overrides)))
     record = launch_one(cfg)
     from gems.results.record import record_path

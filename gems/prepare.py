@@ -84,10 +84,14 @@ def check_starting_point(cfg: Any) -> None:
         if key == "resume_from":
             folder = ckpt.find(str(path), "train.resume_from")
             meta = ckpt.read_meta(folder)
+            if not isinstance(meta.get("step"), int):
+                raise ConfigError("train.resume_from", path, f"a checkpoint gems wrote (its {ckpt.META} names the step)")
             if meta.get("optimizer") not in (None, str(t.optimizer)):
                 raise ConfigError("train.optimizer", t.optimizer, f"{meta['optimizer']}, the optimizer whose state "
                                   f"the checkpoint holds (train.init_from={path} starts a fresh one from its weights)")
         ckpt.check_model(ckpt.saved_shapes(str(path), f"train.{key}"), model_shapes(cfg), f"train.{key}", path)
+        with open_dict(cfg):  # the folder now, once: every rank reads that step, whatever the run saves meanwhile
+            t[key] = str(ckpt.resolve(str(path), f"train.{key}"))
 
 
 #: what a model file says of the run that trained it, the defaults of ``gems eval`` unless given
@@ -111,15 +115,18 @@ def eval_config(path: str, overrides: list[str], cfg: DictConfig) -> DictConfig:
     model, _ = ckpt.weights(path, "eval")
     trained = _trained_on(path)
     with open_dict(cfg):
-        cfg.model = OmegaConf.merge(cfg.model, OmegaConf.create(model))
-        if trained.get("data") and not any(k == "data" or k.startswith("data.") for k in given):
-            cfg.data = OmegaConf.merge(cfg.data, OmegaConf.create(trained["data"]))
+        try:
+            cfg.model = OmegaConf.merge(cfg.model, OmegaConf.create(model))
+        except Exception as e:  # a key this gems's model schema does not know
+            raise ConfigError("eval", path, f"a model file of a model this gems builds ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0]})") from None
+        evaluated = _eval_data(cfg, trained.get("data"), given)
         for what, key in _TRAINED_ON.items():
             if what in trained and key not in given:
                 OmegaConf.update(cfg, key, trained[what])
-        if cfg.data.name == "hdf5" and cfg.data.path and not cfg.data.val_path:
-            cfg.data.val_path = cfg.data.path  # data.path=DIR: DIR is the set evaluated
-        cfg.eval.path = str(path)
+        if evaluated is not None:
+            cfg.data.val_path = evaluated
+        cfg.eval.path = str(ckpt.resolve(path, "eval"))
         cfg.train.init_from = cfg.train.resume_from = None
         cfg.train.checkpoint_every = 0
         cfg.train.target_mae = None
@@ -132,6 +139,29 @@ def eval_config(path: str, overrides: list[str], cfg: DictConfig) -> DictConfig:
         raise ConfigError("data.path", cfg.data.path, "a folder of .h5 samples to evaluate")
     ckpt.check_model(ckpt.saved_shapes(path, "eval"), model_shapes(cfg), "eval", path)
     return cfg
+
+
+def _eval_data(cfg: Any, trained: dict[str, Any] | None, given: list[str]) -> str | None:
+    """``gems eval``'s data section: the training run's (its files, crops, normalisation: the model reads its
+    input as it was trained to), the overrides' ``data.*`` keys on top. ``data.path=DIR`` without ``data.val_path``
+    names the set to evaluate: returned, and the training set stays the run's where it still exists (what
+    ``train.bn_recalibrate`` recomputes BatchNorm's statistics from)."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    asked = OmegaConf.select(cfg, "data.path") if "data.path" in given and "data.val_path" not in given else None
+    if trained:
+        base = OmegaConf.create(trained)
+        for k in given:
+            if k.startswith("data."):
+                OmegaConf.update(base, k[len("data."):], OmegaConf.select(cfg, k), merge=False)
+        if "data" in given:
+            base.name = cfg.data.name
+        if asked is not None and trained.get("name") == "hdf5" and trained.get("path") and Path(trained["path"]).is_dir():
+            base.path = trained["path"]
+        cfg.data = OmegaConf.merge(cfg.data, base)
+    return None if asked is None else str(asked)
 
 
 def _trained_on(path: str) -> dict[str, Any]:

@@ -71,6 +71,7 @@ from torch import nn
 
 from gems import timers
 from gems.fault.progress import waiting
+from gems.layout import dense, row_major
 
 
 class MPIGroup:
@@ -107,18 +108,6 @@ def summed_in_place(nbytes: int) -> bool:
     return nbytes >= IN_PLACE_BYTES
 
 
-def dense(t: torch.Tensor) -> bool:
-    """Whether ``t`` covers its memory exactly once in some order of its dims (contiguous in some memory format:
-    row-major, channels-last, or any other permutation), as a collective sums it in place."""
-    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
-    expect = 1
-    for s, n in dims:
-        if s != expect:
-            return False
-        expect *= n
-    return True
-
-
 class _Bucket:
     def __init__(self, params: list[nn.Parameter], key: int = 0, first: int = 0) -> None:
         self.params = params
@@ -137,6 +126,9 @@ class _Tap(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, params: list[nn.Parameter]) -> tuple[torch.Tensor, ...]:
         ctx.params = params
+        # a view nothing used (a deferrable layer reads its weight detached: gems.pipeline.deferred) gets None, not
+        # zeros: no accumulation is counted for it here, its own (the W's) is
+        ctx.set_materialize_grads(False)
         return tuple(p.detach() for p in params)
 
     @staticmethod
@@ -155,6 +147,8 @@ class _Staged:
     the host buffer holds the gradient. ``ready(block=False)`` only polls the event."""
 
     def __init__(self, bucket: "_Bucket", index: int, t: torch.Tensor, cuda_aware: bool) -> None:
+        # MPI takes row-major buffers only: a channels-last gradient as its own memory seen row-major (a view)
+        t = row_major(t)
         self.bucket, self.index, self.t, self.host, self.event = bucket, index, t, None, None
         if not t.is_cuda:
             return
@@ -280,7 +274,20 @@ class GradientReducer:
 
     # ---- points and taps (module docstring) ------------------------------------------------------------------
     def _instrument(self, layers: Layers, at: dict[nn.Parameter, tuple[int, int]]) -> None:
-        """A point on the input of each layer where a bucket starts, and taps on every layer with parameters."""
+        """A point on the input of each layer where a bucket starts, and taps on every layer with parameters. A
+        module run at two places, or a parameter two layers share (tied weights), would take two taps' worth of
+        accumulations a backward, or one tapped and one not: its sums start in finish() instead (no overlap)."""
+        seen_modules: set[int] = set()
+        seen_params: set[int] = set()
+        for seq in layers.values():
+            for layer in seq:
+                mods = {id(m) for m in layer.modules()}
+                params = {id(p) for p in layer.parameters()}
+                if mods & seen_modules or params & seen_params:
+                    self.overlap = False
+                    return
+                seen_modules |= mods
+                seen_params |= params
         points = {(b.key, b.first) for b in self.buckets}
         for key, seq in layers.items():
             for j, layer in enumerate(seq):
@@ -385,9 +392,9 @@ class GradientReducer:
             if not st.ready(block):
                 return
             self._staged.pop(0)
-            t, ps, copy, _, _ = st.bucket.parts[st.index]
+            _, ps, copy, _, _ = st.bucket.parts[st.index]
             handle = self.group.comm.Iallreduce(MPI.IN_PLACE, st.buffer(), op=MPI.SUM)
-            st.bucket.parts[st.index] = (t, ps, copy, handle, st.host)
+            st.bucket.parts[st.index] = (st.t, ps, copy, handle, st.host)  # the row-major view of the sum
             self._mpi_pending.append(handle)
 
     def _progress_mpi(self) -> None:

@@ -98,6 +98,8 @@ WORLD4 = [  # D = 4, R = 2 x D = 2 (GEMS-Hybrid), D = 2 x S = 2 (spatial parts i
     case("cosmoflow", "interleaved1f1b", 2, m=2, v=2, S=2, steps=2, via="worker"),
     case("cosmoflow", "zbh1", 4, m=4, steps=2),
     case("cosmoflow", "mast", 2, S=2, split=True, steps=2, via="worker"),  # spatial layers: weights in I
+    # replicas summing a split backward's gradients: a block's norm in the I, its convolutions' weights in the W
+    case("resnet_bn", "zbh1", 2, m=2, R=2, B=8, steps=2, via="worker"),
 ]
 WORLD8 = [  # R = 2 x D = 2 x S = 2 and R = 2 x D = 4
     case("cosmoflow", "mast", 2, R=2, S=2, steps=2, via="worker"),

@@ -204,3 +204,63 @@ def test_mpi_sums_launched_during_the_backward_are_driven_by_the_hooks_that_foll
     assert group.comm.launched == 3 and 1 in tested and 2 in tested, tested  # tested while the backward ran
     assert len(red._mpi_pending) <= 1  # the earlier ones completed under the later hooks' tests
     red.finish()
+
+
+def _taps_world(rank, world):
+    """(a) a split backward's I and W on a layer that holds a deferrable Linear beside a norm: the tap of the
+    Linear's weight, unused by the I (the layer reads it detached), counts no accumulation, so the bucket waits for
+    the W; (b) a module run at two places of the sequence: its sums start in finish(), once its two uses are in."""
+    import copy
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from gems.pipeline.deferred import WeightGrads, deferring, make_deferrable
+    from gems.replication import GradientReducer
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.lin = nn.LayerNorm(6), nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.lin(self.norm(x))
+
+    torch.manual_seed(0)
+    out = {}
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(rank))
+    net = nn.Sequential(nn.Linear(5, 6), Block())
+    ref = copy.deepcopy(net)
+    make_deferrable(net)
+    red = GradientReducer(net, dist.group.WORLD, bucket_mb=1e-6)
+    red.start_step()
+    store = WeightGrads()
+    with deferring(store, (0, 0, 0)):
+        net(x).pow(2).sum().backward()
+    red.flush()  # the I's end: nothing of the deferred Linear may launch yet
+    store.run((0, 0, 0))
+    red.flush()
+    red.finish()
+    ref(x).pow(2).sum().backward()
+    out["split"] = [(g, p.grad) for g, p in zip([q.grad for q in net.parameters()], ref.parameters())]
+    b = nn.Linear(4, 4)
+    twice = nn.Sequential(nn.Linear(5, 4), b, nn.Tanh(), b)
+    plain = copy.deepcopy(twice)
+    red2 = GradientReducer(twice, dist.group.WORLD, bucket_mb=1e-6)
+    out["overlap"] = red2.overlap
+    red2.start_step()
+    twice(x).pow(2).sum().backward()
+    red2.finish()
+    plain(x).pow(2).sum().backward()
+    out["twice"] = [(p.grad, q.grad) for p, q in zip(twice.parameters(), plain.parameters())]
+    return out
+
+
+def test_taps_count_what_the_backward_gives_and_shared_modules_sum_at_the_end():
+    out = run_world(_taps_world, 2)
+    for o in out:
+        assert o["overlap"] is False
+    for key in ("split", "twice"):
+        for k in range(len(out[0][key])):
+            summed = sum(o[key][k][1] for o in out)  # each rank's own plain gradient, summed by hand
+            torch.testing.assert_close(out[0][key][k][0], summed, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key} {k}: {m}")

@@ -62,6 +62,7 @@ from gems import timers
 from gems.fault import all_finite
 from gems.fault.progress import mark, waiting
 from gems.layers import batch_context, evaluation_mode
+from gems.layout import row_major
 from gems.pipeline.deferred import WeightGrads, deferring, make_deferrable
 from gems.pipeline.exchange import ExchangePlan, Message, Round, pairs, plan_exchanges, wanted
 from gems.pipeline.schedules import ACT as _ACT
@@ -322,7 +323,7 @@ class PipelineRunner:
                 shape = self._shape_of(m.key)
                 assert shape is not None, f"no shape for {m.key}: its header comes in its round"
                 t = self._buffer(shape[0], shape[1])
-            ops.append(self._op(m, _on_wire(t), self._tag(m.kind, m.replica, m.micro_batch, m.stage)))
+            ops.append(self._op(m, row_major(t), self._tag(m.kind, m.replica, m.micro_batch, m.stage)))
             tensors.append(t)
         works = self._batch(ops, list(mine))
         for m, t in zip(mine, tensors):
@@ -544,13 +545,4 @@ def _tagged(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     g = getattr(like, GSHAPE, None)
     if g is not None and t is not like:
         setattr(t, GSHAPE, g)
-    return t
-
-
-def _on_wire(t: torch.Tensor) -> torch.Tensor:
-    """What a message hands to the backend for ``t``: ``t`` itself, or for a channels-last ``t`` its memory as the
-    row-major (N, *spatial, C) view (no copy): every backend takes a row-major tensor (gloo refuses channels-last
-    receives), and both ends move the same bytes."""
-    if t.dim() in (4, 5) and not t.is_contiguous() and t.movedim(1, -1).is_contiguous():
-        return t.movedim(1, -1)
     return t

@@ -27,6 +27,7 @@ def evaluate_model(cfg: DictConfig, world: World, wd: Watchdog | None = None) ->
     """Evaluate ``cfg.eval.path`` on this rank's share; returns the record (complete on rank 0)."""
     import torch.distributed as dist
 
+    from gems.rank.data import unstage
     from gems.rank.loop import Run
     from gems.results import record as rec
 
@@ -37,8 +38,14 @@ def evaluate_model(cfg: DictConfig, world: World, wd: Watchdog | None = None) ->
     par.metric.keep = [] if keep else None
     progress.mark("evaluate")
     t_eval = time.perf_counter()
-    figures, recalibrated = run.measure()
+    try:
+        figures, recalibrated = run.measure()
+    except BaseException:
+        if run.staged is not None:  # data.stage=node: the node's copies go with a failure too
+            run.staged.discard(world)
+        raise
     seconds = time.perf_counter() - t_eval
+    unstage(run.staged, world, run.barrier)
     rows = par.metric.keep or []
     par.metric.keep = None
     gathered: list[Any] = [rows]
