@@ -185,12 +185,20 @@ _SIDE: dict[Any, Any] = {}
 
 
 def sums_during_backward(schedule: Any) -> bool:
-    """Whether the gradient sum may start from the backward's hooks (``GradientReducer(overlap=...)``): yes where
+    """Whether the gradient sum may start at points inside the backward (``GradientReducer(overlap=...)``): yes where
     the gradient group's members reach each bucket at the same point of their steps (data-parallel replicas and
     spatial parts run the same actions); no where it holds ranks of the rank's own pipeline line (GEMS's mirrored
-    copies: ``schedule.holds_copies``), which reach a bucket at another point of their exchange rounds, so that
-    under NCCL a sum in flight could hold a round behind it (docs/design.md, "Rules of the GPU path")."""
+    copies: ``schedule.holds_copies``), which reach a bucket at another point of their exchange rounds: there the
+    pipeline runtime launches each bucket between two rounds every holder shares (:func:`attach`)."""
     return schedule is None or not schedule.holds_copies
+
+
+def attach(reducer: "GradientReducer", runner: Any) -> None:
+    """The gradient sum of a pipeline runner's partitions: launched after every backward action (``flush``), and,
+    for GEMS's mirrored copies, by the runner between the rounds (gems.pipeline.exchange.sum_points)."""
+    runner.after_backward = reducer.flush
+    if reducer.enabled and not sums_during_backward(runner.schedule):
+        runner.sum_mirrors([b.key for b in reducer.buckets], reducer.launch_bucket)
 
 
 def _side_stream(device: torch.device) -> Any:
@@ -325,6 +333,15 @@ class GradientReducer:
         bucket not launched yet, in bucket order."""
         if self._armed and self.overlap:
             self._launch_where(lambda b: True)
+
+    def launch_bucket(self, i: int) -> None:
+        """Start bucket ``i``'s sum now: where the pipeline runtime places the sums of GEMS's mirrored copies
+        (gems.pipeline.exchange.sum_points: after the action that completes it, between the same two rounds on every
+        holder). A bucket not complete then (parameters that took no gradient this step) is left to finish(), on
+        every holder alike."""
+        b = self.buckets[i]
+        if self._armed and self.enabled and not b.launched and b.ready == len(b.params):
+            self._launch(b)
 
     def _launch_where(self, due: Callable[[_Bucket], bool]) -> None:
         for b in self.buckets:

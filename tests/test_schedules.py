@@ -383,6 +383,55 @@ def test_the_meeting_check_catches_rounds_run_out_of_order() -> None:
         check(replace(plan, before=(plan.before[0], tuple(tuple(s) for s in late))))
 
 
+def test_mirrored_gradient_sums_meet_between_the_same_rounds_on_every_holder() -> None:
+    """GEMS's mirrored copies sum each bucket where gems.pipeline.exchange.sum_points puts it (after the action that
+    completes it, between the same two rounds on every holder): with every schedule that holds copies (D = 2-4,
+    m = 1-4, eta, split) and three buckets a partition, the rounds and the sums run to the end with sends that wait
+    for their receive and each sum a collective of its holders, and some sum starts before the step's last round
+    (the overlap given back: they all waited for the end before)."""
+    from gems.pipeline.exchange import check, plan_exchanges, program, sum_points
+
+    n, early = 0, 0
+    for sched in _exchange_cases():
+        if not sched.holds_copies:
+            continue
+        plan = plan_exchanges(sched)
+        buckets = {p: [k for k in sorted(sched.partitions_of(p), reverse=True) for _ in range(3)]
+                   for p in range(sched.ranks)}
+        check(plan, buckets)
+        for p in range(sched.ranks):
+            prog = program(plan, p, sum_points(plan, buckets[p])[p])
+            kinds = [k for k, _ in prog]
+            assert kinds.count("sum") == len(buckets[p])
+            last_round = max((i for i, k in enumerate(kinds) if k == "round"), default=-1)
+            early += any(k == "sum" and i < last_round for i, k in enumerate(kinds))
+        n += 1
+    assert n > 30 and early > n
+
+
+def test_the_meeting_check_catches_a_sum_out_of_place() -> None:
+    """The check with sums is not vacuous: position 0 of GEMS-MAST launching its first bucket before any round
+    while its mirror launches it where sum_points says hangs."""
+    from gems.pipeline import exchange
+
+    plan = exchange.plan_exchanges(S.make_schedule("mast", 2, 2))
+    buckets = {p: [1, 1, 0, 0] for p in (0, 1)}
+    real = exchange.sum_points
+
+    def early(plan, bs):  # type: ignore[no-untyped-def]
+        out = real(plan, bs)
+        out[0][0] = (-1, -1)  # position 0: bucket 0 at once
+        return out
+
+    exchange.check(plan, buckets)
+    try:
+        exchange.sum_points = early  # type: ignore[assignment]
+        with pytest.raises(DeadlockError):
+            exchange.check(plan, buckets)
+    finally:
+        exchange.sum_points = real  # type: ignore[assignment]
+
+
 def test_a_receiver_holds_what_came_early_as_the_planner_counts_it() -> None:
     """GPipe's stages receive each activation (gradient) one action before the action that needs it (LOOKAHEAD),
     so each holds one beside the one in use; looped BFS receives a stage's forwards while it runs another:

@@ -110,7 +110,7 @@ def _contender(rank: int, world: int, c: dict[str, Any],
     from gems.config import CommConf
     from gems.mesh import Mesh
     from gems.pipeline import apply_pipeline, is_mirrored, split
-    from gems.replication import GradientReducer, sums_during_backward
+    from gems.replication import GradientReducer, attach, sums_during_backward
 
     seq = _model()
     batch = c["B"]
@@ -139,7 +139,7 @@ def _contender(rank: int, world: int, c: dict[str, Any],
         # exchange round (gems.replication.sums_during_backward)
         reducer = GradientReducer(runner.partitions, mesh.group("grad") if is_mirrored(c["schedule"]) else None,
                                   CommConf().bucket_mb, sums_during_backward(runner.schedule))
-        runner.after_backward = reducer.flush
+        attach(reducer, runner)
         backwards = Counter(a.stage for a in runner.actions if a.kind.finishes_gradients)
         count = {id(q): backwards[s] for s, part in runner.partitions.items() for q in part.parameters()}
 

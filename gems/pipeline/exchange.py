@@ -42,11 +42,12 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from gems.pipeline.schedules import Action, DeadlockError, Schedule, receives, run_orders, sends
 
-__all__ = ["Message", "Round", "ExchangePlan", "plan_exchanges", "check", "pairs", "wanted", "LOOKAHEAD"]
+__all__ = ["Message", "Round", "ExchangePlan", "plan_exchanges", "check", "pairs", "wanted", "LOOKAHEAD",
+           "sum_points", "program"]
 
 #: a round of receives is posted this many actions before the first that needs what it brings (or at its tick,
 #: if that comes first): the transfer overlaps that action's compute, and a rank holds a few buffers, not a
@@ -175,34 +176,111 @@ def plan_exchanges(sched: Schedule, forward_only: bool = False) -> ExchangePlan:
     return ExchangePlan(sched, orders, rounds, tuple(before))
 
 
-def check(plan: ExchangePlan) -> None:
+def sum_points(plan: ExchangePlan, buckets: Sequence[int]) -> list[list[tuple[int, int]]]:
+    """Where each position sums its gradient buckets with the other holders of its partitions (GEMS's mirrored
+    copies, in its own pipeline line), so that the sums overlap the step's rounds and never cross them.
+    ``buckets``: the partition of each bucket, in the order the gradient sum launches them (the same list on
+    every holder). Returns, per position, one ``(round, action)`` per bucket: launch it once the position has run
+    its action ``action`` (-1: none) and every round of its with index ``<= round`` in ``plan.rounds`` (-1: none),
+    before any later round of its.
+
+    Why every holder issues the sums and the rounds in one order: for bucket ``b`` the cut ``J_b`` is the highest
+    round any holder of its partition runs before the action that completes the bucket there (its last backward
+    or weight-gradient action of that partition, or the previous bucket's, whichever is later). Each holder
+    launches ``b`` after its rounds up to ``J_b`` and that action, before its rounds after ``J_b``; ``J_b`` and the
+    actions only grow from bucket to bucket. So every holder's program is a subsequence of one sequence, the
+    rounds in index order with bucket ``b``'s sum right after round ``J_b``: a pair of holders meets each
+    round and each sum in the same order, and by the rounds' own induction (module docstring) nothing waits on
+    what comes after it. A position that holds no copy of a bucket's partition launches nothing for it."""
+    sched = plan.schedule
+    index = {id(r): i for i, r in enumerate(plan.rounds)}
+    positions = range(len(plan.orders))
+    holders = {s: [p for p in positions if s in sched.partitions_of(p)] for s in set(buckets)}
+    last = {(p, s): max((k for k, a in enumerate(plan.orders[p]) if a.stage == s and a.kind.finishes_gradients),
+                        default=-1) for s in holders for p in holders[s]}
+    out: list[list[tuple[int, int]]] = [[] for _ in positions]
+    action = {p: -1 for p in positions}
+    cut = -1
+    for s in buckets:
+        for p in holders[s]:
+            action[p] = max(action[p], last[(p, s)])
+        # the highest round a holder runs before (in a slot up to) the action that completes the bucket there
+        cut = max([cut] + [index[id(r)] for p in holders[s] for k in range(action[p] + 1) for r in plan.before[p][k]])
+        for p in holders[s]:
+            out[p].append((cut, action[p]))
+    return out
+
+
+def program(plan: ExchangePlan, position: int, sums: Sequence[tuple[int, int]] = ()) -> list[tuple[str, Any]]:
+    """``position``'s step in issue order: ``("round", Round)``, ``("action", k)`` and, with ``sums`` (its part of
+    :func:`sum_points`), ``("sum", b)`` where bucket ``b``'s sum is launched: as soon as its action has run and
+    its rounds up to the bucket's cut have, before any later round. The runtime runs this list."""
+    index = {id(r): i for i, r in enumerate(plan.rounds)}
+    mine = [index[id(r)] for slot in plan.before[position] for r in slot]
+    need = [sum(1 for i in mine if i <= cut) for cut, _ in sums]
+    out: list[tuple[str, Any]] = []
+    rounds_done, actions_done, b = 0, 0, 0
+
+    def launch() -> None:
+        nonlocal b
+        while b < len(sums) and actions_done > sums[b][1] and rounds_done >= need[b]:
+            out.append(("sum", b))
+            b += 1
+
+    launch()
+    for k, slot in enumerate(plan.before[position]):
+        for r in slot:
+            out.append(("round", r))
+            rounds_done += 1
+            launch()
+        if k < len(plan.orders[position]):
+            out.append(("action", k))
+            actions_done = k + 1
+            launch()
+    assert b == len(sums), f"position {position}: {len(sums) - b} gradient sum(s) never due"
+    return out
+
+
+def check(plan: ExchangePlan, buckets: dict[int, Sequence[int]] | None = None) -> None:
     """Run ``plan`` under the rules of the module docstring: every send waits for its receive, a rank runs its
-    rounds one at a time in its order and computes only what it has received. Raises :class:`DeadlockError`
+    rounds one at a time in its order and computes only what it has received; with ``buckets`` (each position's
+    bucket partitions, as its gradient sum lists them) the mirrored copies' sums too, each a collective of its
+    partition's holders, issued where :func:`program` puts it (:func:`sum_points`). Raises :class:`DeadlockError`
     naming where it would hang, or AssertionError where an action would run before its message arrived."""
     sched = plan.schedule
+    buckets = buckets or {}
+    sums = [sum_points(plan, buckets.get(p, []))[p] if buckets.get(p) else [] for p in range(len(plan.orders))]
     for p, order in enumerate(plan.orders):
         got: set[tuple[int, int, int, int]] = set()
         for k, a in enumerate(order):
             got |= {m.key for r in plan.before[p][k] for m in r.of(p) if m.dst == p}
             key = wanted(a, sched.stages)
             assert key is None or key in got, f"{sched.name}: rank {p} runs {a} before it has received {key}"
-    programs = [[r for slot in plan.before[p] for r in slot] for p in range(len(plan.orders))]
+    positions = range(len(plan.orders))
+    programs = [[(kind, item) for kind, item in program(plan, p, sums[p]) if kind != "action"] for p in positions]
+    holders = {p: [q for q in positions if buckets.get(q) and buckets.get(q) == buckets.get(p)] for p in positions}
     at = [0] * len(programs)
     done: set[Message] = set()
     while True:
         current = {p: prog[at[p]] for p, prog in enumerate(programs) if at[p] < len(prog)}
         if not current:
             return
+        rounds = {p: item for p, (kind, item) in current.items() if kind == "round"}
         # a message crosses once both its ends are at its round (a send waits for its receive)
-        done |= {m for p, r in current.items() for m in r.of(p) if current.get(m.src) is r and current.get(m.dst) is r}
+        done |= {m for p, r in rounds.items() for m in r.of(p) if rounds.get(m.src) is r and rounds.get(m.dst) is r}
         moved = False
-        for p, r in current.items():
-            if all(m in done for m in r.of(p)):
+        for p, (kind, item) in current.items():
+            if kind == "round":
+                ok = all(m in done for m in item.of(p))
+            else:  # a sum: a collective of the bucket's holders (the positions of its partitions), each at it
+                part = buckets[p][item]
+                ok = all(current.get(q) == ("sum", item) for q in holders[p] if part in sched.partitions_of(q))
+            if ok:
                 at[p] += 1
                 moved = True
         if not moved:
-            raise DeadlockError(f"{sched.name}: exchange rounds wait on each other at "
-                                f"{ {p: r.tick for p, r in current.items()} }")
+            raise DeadlockError(f"{sched.name}: exchange rounds and sums wait on each other at "
+                                f"{ {p: (k, getattr(i, 'tick', i)) for p, (k, i) in current.items()} }")
 
 
 def pairs(plan: ExchangePlan) -> list[tuple[int, int]]:

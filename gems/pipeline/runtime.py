@@ -64,7 +64,7 @@ from gems.fault.progress import mark, waiting
 from gems.layers import batch_context, evaluation_mode
 from gems.layout import row_major
 from gems.pipeline.deferred import WeightGrads, deferring, make_deferrable
-from gems.pipeline.exchange import ExchangePlan, Message, Round, pairs, plan_exchanges, wanted
+from gems.pipeline.exchange import ExchangePlan, Message, Round, pairs, plan_exchanges, program, sum_points, wanted
 from gems.pipeline.schedules import ACT as _ACT
 from gems.pipeline.schedules import GRAD as _GRAD
 from gems.pipeline.schedules import Action, Kind, Schedule
@@ -185,6 +185,10 @@ class PipelineRunner:
         #: called after every backward action (B, I, W), at the same place of the step on every rank running the
         #: same actions: the gradient sum launches what the action completed (GradientReducer.flush)
         self.after_backward: Callable[[], None] = lambda: None
+        #: GEMS's mirrored copies: each bucket's partition and what launches its sum (sum_mirrors), and where
+        self._sum_buckets: list[int] = []
+        self._sum_launch: Callable[[int], None] = lambda b: None
+        self._sums: dict[int, list[tuple[int, int]]] = {}
 
     def plan(self, forward_only: bool = False) -> ExchangePlan:
         """The exchange rounds of a step (``forward_only``: of an evaluation), made once."""
@@ -490,6 +494,49 @@ class PipelineRunner:
             self._metric = None
         return self._metric_total
 
+    def sum_mirrors(self, buckets: Sequence[int], launch: Callable[[int], None]) -> None:
+        """Launch the gradient sums of GEMS's mirrored copies during the step, each where every holder issues it in
+        the same order with the rounds (:func:`gems.pipeline.exchange.sum_points`): ``buckets``, the partition of
+        each bucket in the order the sum launches them; ``launch(b)`` starts bucket ``b``'s."""
+        self._sum_buckets, self._sum_launch = list(buckets), launch
+
+    def _sum_points(self, plan: ExchangePlan) -> list[tuple[int, int]]:
+        if not self._sum_buckets:
+            return []
+        key = id(plan)
+        if key not in self._sums:
+            self._sums[key] = sum_points(plan, self._sum_buckets)[self.position]
+        return self._sums[key]
+
+    def _act(self, a: Action, inputs: torch.Tensor | None, targets: Any) -> None:
+        """One action: what it needs taken from its round's buffer, its forward, backward or weight gradients."""
+        last = self.schedule.stages - 1
+        key = wanted(a, self.schedule.stages)
+        received = self._receive(key) if key is not None else None
+        sl = self.chunk_slice(a.replica, a.micro_batch)
+        target = targets[sl] if a.stage == last and targets is not None else None
+        t0 = time.perf_counter()
+        mark("forward" if a.kind.forward else "backward")
+        if a.kind is Kind.W:  # the weight gradients an I left behind (a split schedule)
+            self._weights.run((a.replica, a.micro_batch, a.stage))
+            self.after_backward()
+            self.stats.backward_s += time.perf_counter() - t0
+        elif a.kind.forward:
+            if a.stage == 0:
+                if inputs is None:
+                    raise ValueError("this rank runs a first stage: step() needs the inputs")
+                x = _tagged(inputs[sl], inputs)
+            else:
+                assert received is not None
+                x = received
+            self._forward(a, x, target)
+            self.stats.forward_s += time.perf_counter() - t0
+        else:
+            self._backward(a, received, target)
+            self.after_backward()
+            self.stats.backward_s += time.perf_counter() - t0
+        self._reap_sends()
+
     def _run(self, plan: ExchangePlan, inputs: torch.Tensor | None, targets: Any, sample_ids: Sequence[int],
              seed: int, step: int) -> None:
         """Run this rank's actions of ``plan`` in order, each after the rounds due before it (what it needs
@@ -501,38 +548,15 @@ class PipelineRunner:
         self._inbox: dict[tuple[int, int, int, int], tuple[Any, torch.Tensor]] = {}
         self._outbox: dict[tuple[int, int, int, int], torch.Tensor] = {}
         self._sends = []
-        last = self.schedule.stages - 1
-        actions, rounds = plan.orders[self.position], plan.before[self.position]
-        for index, a in enumerate(actions):
-            for rnd in rounds[index]:
-                self._exchange(rnd)
-            key = wanted(a, self.schedule.stages)
-            received = self._receive(key) if key is not None else None
-            sl = self.chunk_slice(a.replica, a.micro_batch)
-            target = targets[sl] if a.stage == last and targets is not None else None
-            t0 = time.perf_counter()
-            mark("forward" if a.kind.forward else "backward")
-            if a.kind is Kind.W:  # the weight gradients an I left behind (a split schedule)
-                self._weights.run((a.replica, a.micro_batch, a.stage))
-                self.after_backward()
-                self.stats.backward_s += time.perf_counter() - t0
-            elif a.kind.forward:
-                if a.stage == 0:
-                    if inputs is None:
-                        raise ValueError("this rank runs a first stage: step() needs the inputs")
-                    x = _tagged(inputs[sl], inputs)
-                else:
-                    assert received is not None
-                    x = received
-                self._forward(a, x, target)
-                self.stats.forward_s += time.perf_counter() - t0
+        actions = plan.orders[self.position]
+        sums = self._sum_points(plan) if self._metric is None else []
+        for kind, item in program(plan, self.position, sums):
+            if kind == "round":
+                self._exchange(item)
+            elif kind == "sum":
+                self._sum_launch(item)
             else:
-                self._backward(a, received, target)
-                self.after_backward()
-                self.stats.backward_s += time.perf_counter() - t0
-            self._reap_sends()
-        for rnd in rounds[len(actions)]:
-            self._exchange(rnd)
+                self._act(actions[item], inputs, targets)
         self._reap_sends(wait=True)
         assert not self._inbox and not self._outbox and not self._live and not self._weights.pending, \
             "schedule left messages, activations or weight gradients behind"

@@ -23,7 +23,7 @@ from gems.parallel import ParallelSettings, resolve, spatial_model, stage_balanc
 from gems.precision import LossScaler, autocast, scaling_enabled
 from gems.rank.loss import Metric, make_loss_fn
 from gems.rank.optim import make_optimizer
-from gems.replication import GradientReducer, mpi_group, sums_during_backward
+from gems.replication import GradientReducer, attach, mpi_group, sums_during_backward
 
 
 # ---------------------------------------------------------------------------- composition
@@ -189,7 +189,7 @@ class _Composition:
         runner.memory_format = self.memory_format  # the cuts cross in the format the partitions compute in
         params = list(runner.parameters())
         reducer = _reducer(runner.partitions, self.mesh, self.world, cfg, overlap=sums_during_backward(st.schedule))
-        runner.after_backward = reducer.flush
+        attach(reducer, runner)
         # a parameter is final after the last backward of its partition on this rank
         backwards = Counter(a.stage for a in runner.actions if a.kind.finishes_gradients)
         count = {id(q): backwards[s] for s, part in runner.partitions.items() for q in part.parameters()}
