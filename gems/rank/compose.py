@@ -61,7 +61,7 @@ class Parallel:
     #: gems.pipeline.runtime.PipelineRunner.connected), so it is left out of the timings
     first_step_connects: bool = False
     #: what this rank holds under the whole model's names, the keys of the serial model's ``state_dict``:
-    #: {name: (module, attribute)} (:func:`held` reads the tensors; gems.checkpoint saves and loads them)
+    #: {name: (module, attribute)} (gems.checkpoint.held reads the tensors; gems.checkpoint saves and loads them)
     names: dict[str, tuple[nn.Module, str]] = field(default_factory=dict)
 
 
@@ -97,16 +97,6 @@ def whole_names(serial: nn.Module, composed: nn.Module) -> dict[str, tuple[nn.Mo
         for attr, t in [*m._parameters.items(), *m._buffers.items()]:
             if t is not None and id(t) in serial_name:
                 out.setdefault(serial_name[id(t)], (m, attr))
-    return out
-
-
-def held(names: dict[str, tuple[nn.Module, str]]) -> dict[str, torch.Tensor]:
-    """The tensors behind ``names`` as they are now (a buffer moved to a device is a new tensor)."""
-    out = {}
-    for name, (m, attr) in names.items():
-        t = m._parameters.get(attr) if attr in m._parameters else m._buffers.get(attr)
-        if t is not None:
-            out[name] = t
     return out
 
 
