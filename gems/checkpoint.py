@@ -35,6 +35,9 @@ the same losses: data and dropout are pure functions of (seed, step, sample)); `
 weights only. At the end of a run rank 0 writes the trained model (:func:`export`): one file that
 ``torch.load(path, weights_only=True)`` reads into ``{"model": the model section, "state_dict": ...}``, which loads
 strictly into ``gems.models.build_model(d["model"]).module``.
+
+Why one module of this length: the format is one decision (what a checkpoint, a model file and their readers
+agree on), and the time-limit and requeue protocol that writes it is read beside it.
 """
 from __future__ import annotations
 

@@ -4,6 +4,7 @@
 submitit tasks, ``srun``/``mpiexec`` via ``python -m gems.worker --config``).
 It bootstraps the world (gems/bootstrap.py), starts the rank's watchdog and,
 with ``GEMS_COMM_LOG``, its message log, and runs :func:`gems.rank.loop.train`
+(or, for ``gems eval``, :func:`gems.rank.evaluate.evaluate_model`)
 (which composes the strategies in :func:`gems.rank.compose.parallelize` and
 runs the step loop); rank 0 writes the results record. A rank that fails
 writes its failure report before the error leaves it.
@@ -27,6 +28,7 @@ from gems.config import typed
 from gems.errors import ConfigError
 from gems.fault import progress, reports
 from gems.fault.watchdog import Watchdog
+from gems.rank.evaluate import evaluate_model
 from gems.rank.loop import NonFiniteLoss, start_watchdog, train, write_once
 from gems.results import record as rec
 
@@ -53,7 +55,8 @@ def run_rank(cfg_yaml: str) -> dict[str, Any] | None:
 
         wd = start_watchdog(cfg, world, on_stall)
         with commlog.install_from_env(world.rank, world.device):  # GEMS_COMM_LOG=DIR: every message, in order
-            record = train(cfg, world, wd)
+            # gems eval: a trained model evaluated on the ranks a training run would have (gems.rank.evaluate)
+            record = evaluate_model(cfg, world, wd) if cfg.eval.path else train(cfg, world, wd)
         if wd is not None:
             wd.stop()
         if world.rank == 0:

@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from gems.bootstrap import World
 from gems.fault import progress
 from gems.fault.watchdog import Watchdog
+from gems.rank.loop import Run
 
 
 def evaluate_model(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str, Any]:
@@ -28,7 +29,6 @@ def evaluate_model(cfg: DictConfig, world: World, wd: Watchdog | None = None) ->
     import torch.distributed as dist
 
     from gems.rank.data import unstage
-    from gems.rank.loop import Run
     from gems.results import record as rec
 
     t0 = time.time()

@@ -74,12 +74,7 @@ BREAKDOWN = ("compute", "pipeline_comm", "halo", "allreduce", "bubble_or_wait", 
 
 
 def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str, Any]:
-    """Train on this rank (or, ``gems eval``, evaluate a trained model: gems.rank.evaluate); returns the record
-    (complete on rank 0)."""
-    if cfg.eval.path:
-        from gems.rank.evaluate import evaluate_model
-
-        return evaluate_model(cfg, world, wd)
+    """Train on this rank; returns the record (complete on rank 0)."""
     return Run(cfg, world, wd).run()
 
 
