@@ -245,3 +245,15 @@ def test_the_sample_size_studys_points_are_reproduced_by_gems_eval(tmp_path: Pat
         assert got["bn_recalibrate_batches"] == want["bn_recalibrate_batches"] == 2
         for k in ("loss", "mae", "mae_avg_crops"):
             assert got[k] == pytest.approx(want[k], rel=1e-5), (mesh, k)
+
+
+@pytest.mark.slurm
+@pytest.mark.skipif(shutil.which("sinfo") is None, reason="Slurm is not installed (scripts/slurm_cluster.sh start)")
+def test_gems_eval_runs_on_the_slurm_test_cluster(tmp_path: Path, reference: dict[str, Any]) -> None:
+    """`cluster=` as for gems run: a Slurm job of 2 tasks on 2 nodes (S = 2), the same figures as the run's own."""
+    out = gems("eval", reference["model_file"], f"results.dir={tmp_path}", "cluster=local_slurm", "cluster.nodes=2",
+               "cluster.tasks_per_node=1", "parallel.spatial=2", timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rec = json.loads(Path(out.stdout.strip().splitlines()[-1].rsplit("record: ", 1)[1]).read_text())
+    assert rec["env"].get("launcher") == "slurm" or rec["nodes"] == 2, rec["env"]
+    assert rec["evaluation"]["mae"] == pytest.approx(reference["validation"][-1]["mae"], rel=1e-5)
