@@ -230,10 +230,10 @@ class GradientReducer:
     runs), the same on every rank of the group; or an iterable of parameters, listed in the same order on every
     rank, whose sums then all start in :meth:`finish`. ``group`` is a torch.distributed group, or an
     ``MPIGroup`` from :func:`mpi_group`, or None for a group of one (then nothing happens).
-    ``overlap=False`` launches every sum in :meth:`finish` instead of during the backward: where the group holds
-    ranks the step exchanges messages with (GEMS's mirrored copies, in the same pipeline line), each would reach
-    a bucket at another point of its exchange rounds, and under NCCL a sum in flight may hold a round behind it
-    (docs/design.md, "Rules of the GPU path").
+    ``overlap=False`` places no points: where the group holds ranks the step exchanges messages with (GEMS's
+    mirrored copies, in the same pipeline line), each reaches a bucket at another point of its exchange rounds, so
+    the pipeline runtime launches each bucket (:meth:`launch_bucket`) between two rounds every holder shares
+    (:func:`attach`, gems.pipeline.exchange.sum_points); what is left starts in :meth:`finish`.
     """
 
     def __init__(self, model: Any, group: Any, bucket_mb: float = 25.0, overlap: bool = True) -> None:

@@ -10,7 +10,7 @@ parts) must be bit-identical.
 
 Cases ``via="worker"`` are composed by ``gems.rank.compose.parallelize`` as ``gems
 run`` composes them: spatial parts inside the pipeline partitions (S > 1),
-gradients summed by the real ``GradientReducer`` (bucketed, hook-driven).
+gradients summed by the real ``GradientReducer`` (bucketed, launched at its points).
 Recomputation (``checkpoint``) must run every BatchNorm forward once per chunk
 (``num_batches_tracked``); where a partition's only copy sees the chunks in
 the serial order (no mirror, no replica) its BatchNorm statistics must equal
