@@ -422,3 +422,25 @@ def test_a_typed_section_resolves_interpolations_and_names_a_bad_key():
     assert section(cfg, "fault").at_step == 3
     with pytest.raises(ConfigError, match="fault.max_restart"):
         section(OmegaConf.create({"fault": {"max_restart": 2}}), "fault")
+
+
+def test_the_watchdog_gives_every_warm_up_and_profiled_step_the_warm_up_allowance(tmp_path):
+    """The steps before a run measures (its warm-up and, on CPU ranks, the steps profiled for tensor memory) may take
+    far longer than later ones: the rank's set-up tells its watchdog so (warm_until), whether or not it resumes."""
+    from types import SimpleNamespace
+
+    from omegaconf import open_dict
+
+    from gems.bootstrap import World
+    from gems.config import compose
+    from gems.rank.loop import Run
+
+    cfg = compose(["model.size=32", "model.width=0.25", "train.steps=5", "train.warmup_steps=1",
+                   "train.check_fit=false"])
+    with open_dict(cfg):
+        cfg.run_id = "warm-until"
+        cfg.results.dir = str(tmp_path)
+    wd = SimpleNamespace(warm_until=1)
+    world = World(0, 1, 0, "127.0.0.1", 0, "single", torch.device("cpu"), "gloo", "torch", None, "localhost")
+    run = Run(cfg, world, wd)  # type: ignore[arg-type]
+    assert run.measure_from == 2 and wd.warm_until == 2

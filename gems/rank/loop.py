@@ -174,6 +174,8 @@ class Run:
         elif self.cfg.eval.path:  # gems eval: the trained model (a checkpoint's weight average where it has one)
             _, load_weights = ckpt.weights(str(self.cfg.eval.path), "eval", averaged=True)
             load_weights(self.hold)
+        if self.wd is not None:
+            self.wd.warm_until = max(self.measure_from, self.start + 1)  # warm-up, profiled, first after a restart
 
     def restore(self, folder: Path, step: int, another_run: bool) -> None:
         """Continue from the checkpoint in ``folder`` (before ``step``), whatever mesh wrote it."""
@@ -191,8 +193,6 @@ class Run:
                             "exact": meta.get("global_batch") == batch}
         if "loss_scale" in self.history:  # fp16: the scale and the steps skipped so far, as if never stopped
             self.par.scaler.load_state_dict(self.history["loss_scale"])
-        if self.wd is not None:
-            self.wd.warm_until = max(self.measure_from, self.start + 1)  # warm-up, profiled, first after a restart
 
     # ---- the steps ---------------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
