@@ -490,24 +490,21 @@ def read_model_file(path: str | os.PathLike[str], key: str) -> dict[str, Any]:
     return d
 
 
-def weights(path: str | os.PathLike[str], key: str, averaged: bool = False
-            ) -> tuple[dict[str, Any], Callable[[Holding], None]]:
-    """What ``train.init_from`` and ``gems eval`` read from ``path`` (a model file or a checkpoint): (its model
-    section, a function that loads its weights into a rank's holding). ``averaged``: a checkpoint's ``train.ema``
-    average in place of its last weights, where it has one (a model file holds the average already)."""
+def weights(path: str | os.PathLike[str], key: str, averaged: bool = False) -> Callable[[Holding], None]:
+    """What ``train.init_from`` and ``gems eval`` load from ``path`` (a model file or a checkpoint): a function that
+    loads its weights into a rank's holding. ``averaged``: a checkpoint's ``train.ema`` average in place of its last
+    weights, where it has one (a model file holds the average already)."""
     p = Path(path).expanduser()
     if p.is_file() and p.name != "latest":
-        d = read_model_file(p, key)
-        state = d["state_dict"]
+        state = read_model_file(p, key)["state_dict"]
 
         def from_file(hold: Holding) -> None:
             with torch.no_grad():
                 for n, t in hold.tensors().items():
                     t.copy_(state[n])
 
-        return dict(d["model"]), from_file
+        return from_file
     folder = find(p, key)
-    meta = read_meta(folder)
 
     def from_checkpoint(hold: Holding) -> None:
         got = load(folder, hold, what=("model", "ema") if averaged else ("model",), key=key)
@@ -515,17 +512,30 @@ def weights(path: str | os.PathLike[str], key: str, averaged: bool = False
             for p, a in zip(hold.params, got["average"]):
                 p.copy_(a)
 
-    return dict(meta.get("model") or {}), from_checkpoint
+    return from_checkpoint
 
 
-def saved_shapes(path: str | os.PathLike[str], key: str) -> dict[str, tuple[tuple[int, ...], Any]]:
-    """{name: (shape, dtype)} of the model a model file or checkpoint holds (the checkpoint's metadata only)."""
+@dataclass(frozen=True)
+class Saved:
+    """What a model file or checkpoint says before anything is loaded (the CLI's checks, gems eval's defaults): its
+    model section, the run that trained it (:func:`trained_on`), and its model's {name: (shape, dtype)}."""
+
+    model: dict[str, Any]
+    trained_on: dict[str, Any]
+    shapes: dict[str, tuple[tuple[int, ...], Any]]
+
+
+def inspect(path: str | os.PathLike[str], key: str) -> Saved:
+    """:class:`Saved` of ``path``, read once: a model file whole, a checkpoint's ``gems.json`` and metadata only."""
     p = Path(path).expanduser()
     if p.is_file() and p.name != "latest":
         d = read_model_file(p, key)
-        return {n: (tuple(t.shape), t.dtype) for n, t in d["state_dict"].items() if isinstance(t, torch.Tensor)}
+        shapes = {n: (tuple(t.shape), t.dtype) for n, t in d["state_dict"].items() if isinstance(t, torch.Tensor)}
+        return Saved(dict(d["model"]), dict(d.get("trained_on") or {}), shapes)
     folder = find(p, key)
-    return {k[len("model."):]: v for k, v in entries(folder, key).items() if k.startswith("model.")}
+    meta = read_meta(folder)
+    shapes = {k[len("model."):]: v for k, v in entries(folder, key).items() if k.startswith("model.")}
+    return Saved(dict(meta.get("model") or {}), dict(meta.get("trained_on") or {}), shapes)
 
 
 def request_requeue() -> bool:

@@ -89,7 +89,7 @@ def check_starting_point(cfg: Any) -> None:
             if meta.get("optimizer") not in (None, str(t.optimizer)):
                 raise ConfigError("train.optimizer", t.optimizer, f"{meta['optimizer']}, the optimizer whose state "
                                   f"the checkpoint holds (train.init_from={path} starts a fresh one from its weights)")
-        ckpt.check_model(ckpt.saved_shapes(str(path), f"train.{key}"), model_shapes(cfg), f"train.{key}", path)
+        ckpt.check_model(ckpt.inspect(str(path), f"train.{key}").shapes, model_shapes(cfg), f"train.{key}", path)
         with open_dict(cfg):  # the folder now, once: every rank reads that step, whatever the run saves meanwhile
             t[key] = str(ckpt.resolve(str(path), f"train.{key}"))
 
@@ -112,11 +112,11 @@ def eval_config(path: str, overrides: list[str], cfg: DictConfig) -> DictConfig:
     if bad is not None:
         raise ConfigError(bad, next(o.split("=", 1)[1] for o in overrides if o.lstrip("+").startswith(bad)),
                           f"no model override: gems eval takes the model of {path}")
-    model, _ = ckpt.weights(path, "eval")
-    trained = _trained_on(path)
+    saved = ckpt.inspect(path, "eval")  # the file read once here (each rank reads its weights)
+    trained = saved.trained_on
     with open_dict(cfg):
         try:
-            cfg.model = OmegaConf.merge(cfg.model, OmegaConf.create(model))
+            cfg.model = OmegaConf.merge(cfg.model, OmegaConf.create(saved.model))
         except Exception as e:  # a key this gems's model schema does not know
             raise ConfigError("eval", path, f"a model file of a model this gems builds ({type(e).__name__}: "
                               f"{str(e).splitlines()[0]})") from None
@@ -137,7 +137,7 @@ def eval_config(path: str, overrides: list[str], cfg: DictConfig) -> DictConfig:
                           "run's), or data=hdf5 data.path=DIR")
     if cfg.data.name == "hdf5" and not cfg.data.val_path:
         raise ConfigError("data.path", cfg.data.path, "a folder of .h5 samples to evaluate")
-    ckpt.check_model(ckpt.saved_shapes(path, "eval"), model_shapes(cfg), "eval", path)
+    ckpt.check_model(saved.shapes, model_shapes(cfg), "eval", path)
     return cfg
 
 
@@ -162,16 +162,6 @@ def _eval_data(cfg: Any, trained: dict[str, Any] | None, given: list[str]) -> st
             base.path = trained["path"]
         cfg.data = OmegaConf.merge(cfg.data, base)
     return None if asked is None else str(asked)
-
-
-def _trained_on(path: str) -> dict[str, Any]:
-    """What the model file or checkpoint says of the run that trained it (gems.checkpoint.trained_on)."""
-    from pathlib import Path
-
-    p = Path(path).expanduser()
-    if p.is_file() and p.name != "latest":
-        return dict(ckpt.read_model_file(p, "eval").get("trained_on") or {})
-    return dict(ckpt.read_meta(ckpt.find(p, "eval")).get("trained_on") or {})
 
 
 def preflight(cfg: DictConfig) -> None:

@@ -169,11 +169,9 @@ class Run:
             step = int(ckpt.read_meta(folder)["step"])
             self.restore(folder, step, another_run=True)
         elif t.init_from:  # another run's weights, a fresh optimizer
-            _, load_weights = ckpt.weights(str(t.init_from), "train.init_from")
-            load_weights(self.hold)
+            ckpt.weights(str(t.init_from), "train.init_from")(self.hold)
         elif self.cfg.eval.path:  # gems eval: the trained model (a checkpoint's weight average where it has one)
-            _, load_weights = ckpt.weights(str(self.cfg.eval.path), "eval", averaged=True)
-            load_weights(self.hold)
+            ckpt.weights(str(self.cfg.eval.path), "eval", averaged=True)(self.hold)
         if self.wd is not None:
             self.wd.warm_until = max(self.measure_from, self.start + 1)  # warm-up, profiled, first after a restart
 
