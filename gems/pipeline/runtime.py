@@ -188,7 +188,7 @@ class PipelineRunner:
         #: GEMS's mirrored copies: each bucket's partition and what launches its sum (sum_mirrors), and where
         self._sum_buckets: list[int] = []
         self._sum_launch: Callable[[int], None] = lambda b: None
-        self._sums: dict[int, list[tuple[int, int]]] = {}
+        self._programs: dict[int, list[tuple[str, Any]]] = {}  # id(plan) -> this rank's issue order of it
 
     def plan(self, forward_only: bool = False) -> ExchangePlan:
         """The exchange rounds of a step (``forward_only``: of an evaluation), made once."""
@@ -370,7 +370,7 @@ class PipelineRunner:
     def _put(self, a: Action, kind: int, stage: int, t: torch.Tensor) -> None:
         """Leave what ``a`` made for another stage to the round after it (an activation as the receiver expects
         it: e.g. bf16 under autocast where the cut was traced in fp32)."""
-        t = _tagged(t.detach().contiguous(memory_format=self._format(t)), t)
+        t = _tagged(t.detach().contiguous(memory_format=self._format(t.dim())), t)
         shape = self._shape_of((kind, a.replica, a.micro_batch, stage))
         if shape is not None:
             if tuple(t.shape) != shape[0]:
@@ -380,17 +380,17 @@ class PipelineRunner:
                 t = _tagged(t.to(shape[1]), t)
         self._outbox[(kind, a.replica, a.micro_batch, stage)] = t
 
-    def _format(self, t: torch.Tensor) -> torch.memory_format:
-        """The memory format a message of ``t``'s rank crosses in: the partitions' own where it applies."""
+    def _format(self, ndim: int) -> torch.memory_format:
+        """The memory format a message of ``ndim`` dims crosses in: the partitions' own where it applies."""
         fmt = self.memory_format
-        if (fmt is torch.channels_last and t.dim() == 4) or (fmt is torch.channels_last_3d and t.dim() == 5):
+        if (fmt is torch.channels_last and ndim == 4) or (fmt is torch.channels_last_3d and ndim == 5):
             return fmt
         return torch.contiguous_format
 
     def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A receive buffer of ``shape`` in the format the partitions compute in (channels-last: allocated as the
         channels-last tensor's memory, a row-major (N, *spatial, C) block, and viewed as (N, C, *spatial))."""
-        if self._format(torch.empty((0,) * len(shape), device="meta")) is torch.contiguous_format:
+        if self._format(len(shape)) is torch.contiguous_format:
             return torch.empty(shape, dtype=dtype, device=self.device)
         last = torch.empty((shape[0], *shape[2:], shape[1]), dtype=dtype, device=self.device)
         return last.movedim(-1, 1)
@@ -499,14 +499,17 @@ class PipelineRunner:
         the same order with the rounds (:func:`gems.pipeline.exchange.sum_points`): ``buckets``, the partition of
         each bucket in the order the sum launches them; ``launch(b)`` starts bucket ``b``'s."""
         self._sum_buckets, self._sum_launch = list(buckets), launch
+        self._programs.clear()
 
-    def _sum_points(self, plan: ExchangePlan) -> list[tuple[int, int]]:
-        if not self._sum_buckets:
-            return []
+    def _program(self, plan: ExchangePlan) -> list[tuple[str, Any]]:
+        """This rank's issue order of ``plan`` (gems.pipeline.exchange.program), made once: a step's with the mirrored
+        copies' sums, an evaluation's without."""
         key = id(plan)
-        if key not in self._sums:
-            self._sums[key] = sum_points(plan, self._sum_buckets)[self.position]
-        return self._sums[key]
+        if key not in self._programs:
+            sums = sum_points(plan, self._sum_buckets)[self.position] if self._sum_buckets and self._metric is None \
+                else []
+            self._programs[key] = program(plan, self.position, sums)
+        return self._programs[key]
 
     def _act(self, a: Action, inputs: torch.Tensor | None, targets: Any) -> None:
         """One action: what it needs taken from its round's buffer, its forward, backward or weight gradients."""
@@ -549,8 +552,7 @@ class PipelineRunner:
         self._outbox: dict[tuple[int, int, int, int], torch.Tensor] = {}
         self._sends = []
         actions = plan.orders[self.position]
-        sums = self._sum_points(plan) if self._metric is None else []
-        for kind, item in program(plan, self.position, sums):
+        for kind, item in self._program(plan):
             if kind == "round":
                 self._exchange(item)
             elif kind == "sum":
