@@ -275,6 +275,11 @@ class Saver:
                 shutil.rmtree(old, ignore_errors=True)
 
 
+def mesh_of(mesh: Any) -> dict[str, Any]:
+    """The mesh as ``gems.json`` keeps it (what a resumed run compares its own with)."""
+    return {"replicas": mesh.replicas, "pipeline": mesh.pipeline, "spatial": list(mesh.parts)}
+
+
 def write_meta(d: Path, cfg: Any, step: int, world_size: int) -> None:
     """``gems.json``: what the tensors do not say (rank 0 writes it)."""
     from omegaconf import OmegaConf
@@ -284,7 +289,7 @@ def write_meta(d: Path, cfg: Any, step: int, world_size: int) -> None:
     mesh = mesh_from_config(cfg, world_size)
     meta = {"format": "gems.checkpoint/1", "step": step, "fingerprint": fingerprint(cfg),
             "model": OmegaConf.to_container(cfg.model, resolve=True), "world_size": world_size,
-            "mesh": {"replicas": mesh.replicas, "pipeline": mesh.pipeline, "spatial": list(mesh.parts)},
+            "mesh": mesh_of(mesh),
             "schedule": str(cfg.parallel.schedule), "global_batch": int(cfg.train.batch_size),
             "optimizer": str(cfg.train.optimizer), "ema": cfg.train.ema, "run_id": str(cfg.run_id),
             "trained_on": trained_on(cfg)}
@@ -314,10 +319,15 @@ def find(path: str | os.PathLike[str], key: str) -> Path:
     return p
 
 
+def is_model_file(p: Path) -> bool:
+    """Whether ``p`` names a model file (else a checkpoint: a folder, or a run's ``latest`` file)."""
+    return p.is_file() and p.name != "latest"
+
+
 def resolve(path: str | os.PathLike[str], key: str) -> Path:
     """What ``path`` names, absolute: a model file as it is, a checkpoint as its step's folder (:func:`find`)."""
     p = Path(path).expanduser()
-    if p.is_file() and p.name != "latest":
+    if is_model_file(p):
         return p.resolve()
     return find(p, key).resolve()
 
@@ -495,7 +505,7 @@ def weights(path: str | os.PathLike[str], key: str, averaged: bool = False) -> C
     loads its weights into a rank's holding. ``averaged``: a checkpoint's ``train.ema`` average in place of its last
     weights, where it has one (a model file holds the average already)."""
     p = Path(path).expanduser()
-    if p.is_file() and p.name != "latest":
+    if is_model_file(p):
         state = read_model_file(p, key)["state_dict"]
 
         def from_file(hold: Holding) -> None:
@@ -528,7 +538,7 @@ class Saved:
 def inspect(path: str | os.PathLike[str], key: str) -> Saved:
     """:class:`Saved` of ``path``, read once: a model file whole, a checkpoint's ``gems.json`` and metadata only."""
     p = Path(path).expanduser()
-    if p.is_file() and p.name != "latest":
+    if is_model_file(p):
         d = read_model_file(p, key)
         shapes = {n: (tuple(t.shape), t.dtype) for n, t in d["state_dict"].items() if isinstance(t, torch.Tensor)}
         return Saved(dict(d["model"]), dict(d.get("trained_on") or {}), shapes)

@@ -178,8 +178,8 @@ class Run:
     def restore(self, folder: Path, step: int, another_run: bool) -> None:
         """Continue from the checkpoint in ``folder`` (before ``step``), whatever mesh wrote it."""
         meta = ckpt.load(folder, self.hold)
-        mesh = {"replicas": self.mesh.replicas, "pipeline": self.mesh.pipeline, "spatial": list(self.mesh.parts)}
-        same_mesh = not another_run and meta.get("mesh") == mesh and meta.get("world_size") == self.world.size
+        same_mesh = not another_run and meta.get("mesh") == ckpt.mesh_of(self.mesh) and \
+            meta.get("world_size") == self.world.size
         got = ckpt.load_history(folder, self.world.rank, same_mesh)
         self.start = step
         self.history.update(got)
