@@ -98,6 +98,13 @@ COMMANDS: dict[str, list[str] | str] = {
     "data.path=/pscratch/cosmoUniverse/train data.val_path=/pscratch/cosmoUniverse/val data.box_cells=512 "
     "data.standardize=null data.crop=128,256,512 model.width=1 train.epochs=32 \"train.lr_decay_boundaries=[22.4,28.8]\"":
         "submits to NERSC Perlmutter",
+    # docs/training.md: what a checkpoint holds the step, synchronous and async (CosmoFlow 128^3 here)
+    "gems run model=cosmoflow model.size=128 train.batch_size=2 train.steps=7 train.warmup_steps=1 "
+    "train.checkpoint_every=2 train.checkpoint_async=false":
+        ["model.size=32", "model.width=0.25", "train.steps=3", "train.checkpoint_every=1"],
+    "gems run model=cosmoflow model.size=128 train.batch_size=2 train.steps=7 train.warmup_steps=1 "
+    "train.checkpoint_every=2 train.checkpoint_async=true":
+        ["model.size=32", "model.width=0.25", "train.steps=3", "train.checkpoint_every=1"],
     "gems plan model=cosmoflow model.size=512 parallel.spatial=4 parallel.replicas=512 train.batch_size=512 "
     "cluster=perlmutter cluster.account=x plan.dry_run=true plan.dry_run_rank=1234": [],
 }

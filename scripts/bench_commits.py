@@ -1,0 +1,144 @@
+"""Benchmark rows of several commits side by side, alternated, on this machine (one command):
+
+    python scripts/bench_commits.py spatial  REV [REV ...] [--rounds N] [--out FILE]
+    python scripts/bench_commits.py pipeline REV [REV ...] [--rounds N] [--out FILE]
+    python scripts/bench_commits.py overhead REV [REV ...] [--rounds N] [--out FILE]
+
+Each REV is checked out in a temporary git worktree; ``now`` stands for this work tree. A round runs every commit
+once, the order reversed every other round, each run in a subprocess that imports that commit's gems and calls its
+own benchmark code, so the commits see the same machine noise:
+
+* spatial: ``gems.bench.spatial.bench_rank`` for S=1 and S=2 with and without overlap (CosmoFlow 128^3);
+* pipeline: ``gems.bench.pipeline._bench_rank`` over lp, mast, master, 1F1B and interleaved against torch's, on the
+  benchmark's model and on a second one (ResNet-38, BatchNorm, width 0.25, 32^2);
+* overhead: ``gems.bench.overhead``'s plain loop, gems loop and R = 1 and 2 runs.
+
+It prints a markdown table of medians (step seconds for spatial and overhead, samples/s for pipeline) and writes it
+to ``--out`` with the raw runs beside it (``.json``). results/bench/gradient-sum-points.md and
+pipeline-mirror-sums.md were made this way.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# the code each subprocess runs, with TREE the commit's checkout on sys.path ahead of everything
+_CHILD = {
+    "spatial": """
+from gems.bench.spatial import RUNS, bench_rank, _summary
+from gems.launch.world import run_world
+out = {}
+for name in ("S=1 (serial)", "S=2 (depth, overlap)", "S=2 (depth, no overlap)"):
+    world, mode, host = RUNS[name]
+    out[name] = _summary([run_world(bench_rank, world, 128, 3, 1, mode, host, timeout=1800)], 3)["step"]
+""",
+    "pipeline": """
+import statistics
+from gems.launch.world import run_world
+LABELS = ["gems lp", "gems mast", "gems mast (m=2 per direction)", "gems master (eta=2, m=2 per pass)",
+          "gems 1f1b (m=4)", "torch Schedule1F1B (m=4)", "gems interleaved1f1b (v=2, m=4)",
+          "torch ScheduleInterleaved1F1B (v=2, m=4)"]
+subset = [c for c in bp.CONTENDERS if c["label"] in LABELS]
+size = bp.MODEL["size"]
+res = run_world(bp._bench_rank, 2, subset, {size: bp._balance(size), (size, 4): bp._balance(size, 4)}, 12, 3,
+                timeout=1800)
+out = {f"{c['label']} [{MODEL}]": c["B"] / statistics.median(max(a, b) for a, b in zip(res[0]["times"][i],
+                                                                                        res[1]["times"][i]))
+       for i, c in enumerate(subset)}
+""",
+    "overhead": """
+from pathlib import Path
+import torch
+from gems.bootstrap import keep_host_memory
+import gems.bench.overhead as o
+torch.set_num_threads(1)
+keep_host_memory()
+runs = Path(TMP) / "runs"
+out = {"plain loop": o.plain_loop(2), "gems loop": o.gems_loop(2), "R=1": o.launched(1, 2, runs),
+       "R=2": o.launched(2, 2, runs)}
+""",
+}
+_WRAP = """
+import json, sys
+TREE, MODEL, TMP = {tree!r}, {model!r}, {tmp!r}
+sys.path.insert(0, TREE)
+import gems
+assert gems.__file__.startswith(TREE), gems.__file__
+import gems.bench.pipeline as bp  # (at the top: the ranks run_world spawns import this file again)
+if MODEL == "second":  # pipeline: a second model, a deeper, narrower BatchNorm ResNet on 32^2
+    bp.MODEL.update(depth=38, width=0.25, size=32, norm="batch")
+if __name__ == "__main__":
+{body}
+    print("RESULT " + json.dumps(out))
+"""
+
+
+def _run(kind: str, tree: str, model: str, tmp: str) -> dict[str, float]:
+    body = "\n".join("    " + ln for ln in _CHILD[kind].strip().splitlines())
+    script = Path(tmp) / f"child_{kind}.py"
+    script.write_text(_WRAP.format(tree=tree, model=model, tmp=tmp, body=body))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=tree)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if out.returncode or line is None:
+        raise SystemExit(f"{kind} on {tree}: {out.stderr[-3000:]}")
+    return {k: float(v) for k, v in json.loads(line[len("RESULT "):]).items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("kind", choices=sorted(_CHILD))
+    ap.add_argument("revs", nargs="+", help="git revisions; 'now' is this work tree")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        trees: dict[str, str] = {}
+        for rev in a.revs:
+            if rev == "now":
+                trees[rev] = str(ROOT)
+                continue
+            path = str(Path(tmp) / f"tree-{len(trees)}")
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", path, rev], check=True,
+                           capture_output=True)
+            trees[rev] = path
+        try:
+            models = ["bench", "second"] if a.kind == "pipeline" else ["bench"]
+            runs: dict[str, list[dict[str, float]]] = {rev: [] for rev in trees}
+            for r in range(a.rounds):
+                for rev in (list(trees) if r % 2 == 0 else list(reversed(trees))):
+                    got: dict[str, float] = {}
+                    for model in models:
+                        got.update(_run(a.kind, trees[rev], model, tmp))
+                    runs[rev].append(got)
+                    print(f"round {r + 1}: {rev} done", file=sys.stderr, flush=True)
+        finally:
+            for rev, path in trees.items():
+                if rev != "now":
+                    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", path],
+                                   capture_output=True)
+    rows = list(runs[a.revs[0]][0])
+    unit = "samples/s" if a.kind == "pipeline" else "median step (s)"
+    text = [f"| row ({unit}, median of {a.rounds} alternated rounds) | " + " | ".join(a.revs) + " |",
+            "| --- | " + " | ".join("---:" for _ in a.revs) + " |"]
+    for row in rows:
+        text.append(f"| {row} | " + " | ".join(f"{statistics.median(x[row] for x in runs[rev]):.4g}"
+                                               for rev in a.revs) + " |")
+    table = "\n".join(text) + "\n"
+    print(table)
+    if a.out is not None:
+        a.out.write_text(table)
+        a.out.with_suffix(".json").write_text(json.dumps(runs, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
