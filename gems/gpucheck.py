@@ -94,11 +94,33 @@ def matrix(dry: bool = False) -> list[Run]:
 
     precisions = ["fp32"] if dry else ["fp32", "bf16", "fp16"]
     runs = [Run(f"1rank-{p}", [f"train.precision={p}"], 1, p) for p in precisions]
+    # a short lease starts what matters most first (run_matrix starts in this order, none after its budget):
+    # the strict mode, the hybrids, the precisions and the controls, then every schedule's grid
+    if not dry:  # the strict mode: messages that do not fit NCCL's buffers, one connection a GPU
+        runs += [Run(f"strict-{label}", args, n, env=dict(STRICT_NCCL)) for label, args, n in STRICT_POINTS]
+    hybrids = [("R2xD2xS2-mast", ["parallel.replicas=2", "parallel.pipeline=2", "parallel.spatial=2",
+                                  "parallel.schedule=mast"], 8),
+               ("R2xD2xS2-master", ["parallel.replicas=2", "parallel.pipeline=2", "parallel.spatial=2",
+                                    "parallel.schedule=master"], 8),
+               ("S2", ["parallel.spatial=2"], 2), ("R2", ["parallel.replicas=2"], 2)]
+    if dry:
+        hybrids = hybrids[2:]
+    runs += [Run(label, args, n) for label, args, n in hybrids]
+    if not dry:
+        for p in ("bf16", "fp16"):
+            for name, m in (("1f1b", 2), ("mast", 1)):
+                runs.append(Run(f"{name}-D2-m{m}-{p}", ["parallel.pipeline=2", f"parallel.schedule={name}",
+                                                        f"parallel.micro_batches={m}", f"train.precision={p}"], 2, p))
+    for sched_name in (["1f1b"] if dry else ["1f1b", "gpipe"]):
+        runs.append(Run(f"control-{sched_name}-1rank", [], 1, control=sched_name))
+        runs.append(Run(f"control-{sched_name}", [], 2, control=sched_name))
     points: list[tuple[str, int, int]] = []
     if dry:
         points = [("1f1b", 2, 2), ("mast", 2, 1)]
-    else:
-        points = [(name, D, m) for name in registered() for D in (2, 4) for m in (1, 2, 4)]
+    else:  # each schedule's m = 2 first, then the rest of the grid
+        grid = [(D, m) for D in (2, 4) for m in (1, 2, 4)]
+        grid.sort(key=lambda dm: dm[1] != 2)
+        points = [(name, D, m) for D, m in grid for name in registered()]
     for name, D, m in points:
         label, args = f"{name}-D{D}-m{m}", [f"parallel.pipeline={D}", f"parallel.schedule={name}",
                                            f"parallel.micro_batches={m}"]
@@ -111,24 +133,6 @@ def matrix(dry: bool = False) -> list[Run]:
         except ConfigError as e:
             why = str(e)
         runs.append(Run(label, args, D, skipped=why))
-    hybrids = [("R2xD2xS2-mast", ["parallel.replicas=2", "parallel.pipeline=2", "parallel.spatial=2",
-                                  "parallel.schedule=mast"], 8),
-               ("R2xD2xS2-master", ["parallel.replicas=2", "parallel.pipeline=2", "parallel.spatial=2",
-                                    "parallel.schedule=master"], 8),
-               ("S2", ["parallel.spatial=2"], 2), ("R2", ["parallel.replicas=2"], 2)]
-    if dry:
-        hybrids = hybrids[2:]
-    runs += [Run(label, args, n) for label, args, n in hybrids]
-    if not dry:  # the strict mode: messages that do not fit NCCL's buffers, one connection a GPU
-        runs += [Run(f"strict-{label}", args, n, env=dict(STRICT_NCCL)) for label, args, n in STRICT_POINTS]
-    if not dry:
-        for p in ("bf16", "fp16"):
-            for name, m in (("1f1b", 2), ("mast", 1)):
-                runs.append(Run(f"{name}-D2-m{m}-{p}", ["parallel.pipeline=2", f"parallel.schedule={name}",
-                                                        f"parallel.micro_batches={m}", f"train.precision={p}"], 2, p))
-    for sched_name in (["1f1b"] if dry else ["1f1b", "gpipe"]):
-        runs.append(Run(f"control-{sched_name}-1rank", [], 1, control=sched_name))
-        runs.append(Run(f"control-{sched_name}", [], 2, control=sched_name))
     return runs
 
 
@@ -178,14 +182,16 @@ def compare(losses: list[float], reference: list[float]) -> float | None:
     return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference))
 
 
-def run_matrix(runs: list[Run], out: Path, dry: bool, budget_s: float, ranks: int) -> list[Run]:
-    """Start the runs (references first), at most ``ranks`` ranks at once, none after ``budget_s``; each bounded
-    by its own time limit. Fills in every run's status and comparison."""
+def run_matrix(runs: list[Run], out: Path, dry: bool, budget_s: float, ranks: int,
+               limit_s: float | None = None) -> list[Run]:
+    """Start the runs in their order (references first), at most ``ranks`` ranks at once, none after ``budget_s``;
+    each bounded by ``limit_s`` (default 120 s dry, 150 s on a GPU). Fills in every run's status and
+    comparison."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     if not dry:
         env["GEMS_TEST_SHARE_GPU"] = "1"
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    limit = 120.0 if dry else 150.0
+    limit = limit_s or (120.0 if dry else 150.0)
     start = time.monotonic()
     todo = [r for r in runs if not r.skipped]
     live: list[tuple[Run, subprocess.Popen[bytes], float, Any]] = []
@@ -355,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry", action="store_true", help="check the plumbing on CPU (gloo, a few runs)")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "results/gpu/check")))
     p.add_argument("--budget", type=float, default=330.0, help="start no run after this many seconds")
+    p.add_argument("--limit", type=float, default=None, help="seconds a run may take (default 150, dry 120)")
     p.add_argument("--ranks", type=int, default=None, help="ranks at once (default: the machine's cores, 16 at most)")
     p.add_argument("--only", default="", help="run only the points whose label contains this (and their references)")
     a = p.parse_args(argv)
@@ -370,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = [r for r in runs if r.label in keep]
     ranks = a.ranks or min(16, os.cpu_count() or 2)
     t0 = time.monotonic()
-    run_matrix(runs, a.out, a.dry, a.budget, max(ranks, max(r.ranks for r in runs)))
+    run_matrix(runs, a.out, a.dry, a.budget, max(ranks, max(r.ranks for r in runs)), a.limit)
     s = write_summary(runs, a.out, a.dry, time.monotonic() - t0)
     print((a.out / "summary.md").read_text())
     c = s["counts"]

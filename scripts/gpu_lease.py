@@ -1,0 +1,199 @@
+"""Everything a session checks on a lent GPU, in one command that ends inside one device call.
+
+    python scripts/gpu_lease.py [--out DIR] [--seconds S]   # on the GPU machine, from the project's root
+    python scripts/gpu_lease.py --dry --out DIR              # the plumbing on CPU (small, few runs)
+
+A lease is short (15 minutes of device time a session, the machine's start included), so the phases share one
+deadline (``--seconds``, default 530) and each gets what is left of it, in this order:
+
+1. the rig (``gems.gpucheck``): the strict mode first, then the hybrids, the precisions, torch's pipelining as the
+   control and every schedule's grid, ranks sharing the GPU; no run starts after its share of the time;
+2. one-rank rows, the GPU alone: the six configurations of ``results/gpu/h200-2026-11-26.json`` and models that
+   file never saw (U-Net, ResNet, another batch), each a real ``gems run``: its median step, what CUDA allocated at
+   most, its breakdown and losses, in the H200 file's schema (``rows.json``), so ``tests/test_plan_gpu.py`` holds
+   the planner to them;
+3. ``gems bench overhead`` in its GPU mode (gems's loop against a plain one, fp32 and bf16);
+4. ``gems bench calibrate`` (the model's own convolutions timed, for ``cluster.gpu_calibration``).
+
+At most 8 files come back from a device call, so it writes: ``summary.json``, ``summary.md`` (the rig),
+``rows.json``, ``overhead-gpu.md``, ``calibration-<gpu>.json`` and ``.md``, and ``lease.tgz`` (every log and
+record, and the environment). The machine lacks gems's pure-Python dependencies: run
+``bash scripts/gpu_check.sh --prepare`` here first and carry ``.gpu`` (the script puts ``.gpu/site`` on the path).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: (label, overrides): the H200 file's one-rank rows under its labels, then models and batches it never saw
+ROWS: list[tuple[str, list[str]]] = [
+    ("one_default", []),
+    ("one_fp16", ["train.precision=fp16"]),
+    ("one_bf16", ["train.precision=bf16"]),
+    ("p128_fp32", ["model=cosmoflow", "model.size=128", "train.batch_size=8", "train.steps=20",
+                   "train.warmup_steps=5"]),
+    ("p128_bf16", ["model=cosmoflow", "model.size=128", "train.batch_size=8", "train.steps=20",
+                   "train.warmup_steps=5", "train.precision=bf16"]),
+    ("m256", ["model=cosmoflow", "model.size=256", "train.batch_size=4", "train.steps=4", "train.warmup_steps=1"]),
+    ("b16_64", ["model=cosmoflow", "model.size=64", "train.batch_size=16", "train.steps=12", "train.warmup_steps=3"]),
+    ("unet64", ["model=unet3d", "train.batch_size=2", "train.steps=12", "train.warmup_steps=3"]),
+    ("resnet512_bf16", ["model=resnet", "train.batch_size=8", "train.steps=12", "train.warmup_steps=3",
+                        "train.precision=bf16"]),
+]
+DRY_ROWS: list[tuple[str, list[str]]] = [("dry_small", ["model.size=32", "model.width=0.25", "train.steps=3",
+                                                          "train.warmup_steps=1"])]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    path = [str(ROOT)] + ([str(ROOT / ".gpu" / "site")] if (ROOT / ".gpu" / "site").is_dir() else [])
+    env["PYTHONPATH"] = os.pathsep.join(path + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.setdefault("GEMS_CACHE_DIR", "/tmp/gems-gpu-lease-cache")
+    return env
+
+
+class Lease:
+    def __init__(self, out: Path, work: Path, seconds: float, dry: bool) -> None:
+        self.out, self.work, self.dry = out, work, dry
+        self.t0, self.deadline = time.monotonic(), time.monotonic() + seconds
+        self.logs = work / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.phases: list[dict[str, Any]] = []
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def run(self, label: str, cmd: list[str], cap_s: float) -> int:
+        """``cmd`` bounded by ``cap_s`` and by the deadline; its output to logs/LABEL.txt."""
+        limit = max(5.0, min(cap_s, self.left()))
+        t = time.monotonic()
+        with open(self.logs / f"{label}.txt", "wb") as log:
+            try:
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT,
+                                    timeout=limit).returncode
+            except subprocess.TimeoutExpired:
+                rc = 124
+        self.phases.append({"label": label, "rc": rc, "wall_s": round(time.monotonic() - t, 1), "limit_s": limit})
+        print(f"[{time.monotonic() - self.t0:6.1f}s] {label}: rc={rc}", flush=True)
+        return rc
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+                            "cpus": os.cpu_count()}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, gpu_memory_bytes=p.total_memory, sms=p.multi_processor_count,
+                    nccl=".".join(map(str, torch.cuda.nccl.version())))
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                                        cwd=ROOT).stdout.strip() or None
+    except OSError:
+        info["commit"] = None
+    return info
+
+
+def row_of(record: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """A record in the schema of results/gpu/h200-2026-11-26.json's runs."""
+    cfg = record.get("config") or {}
+    model, train = cfg.get("model") or {}, cfg.get("train") or {}
+    peak = record.get("peak_memory_bytes") or {}
+    st = record.get("step_time_s") or {}
+    return {"overrides": {"model": model.get("name"), "size": model.get("size"), "batch": record.get("global_batch"),
+                          "precision": train.get("precision"), "mesh": record.get("mesh"), "given": overrides},
+            "status": record.get("status"), "step_time_s_median": st.get("median"),
+            "samples_per_s": record.get("throughput_samples_per_s"),
+            "cuda_max_allocated_bytes": peak.get("max") if peak.get("kind") == "cuda_max_allocated" else None,
+            "peak_kind": peak.get("kind"), "time_breakdown_s": record.get("time_breakdown_s"),
+            "loss": record.get("loss"), "error": record.get("error")}
+
+
+def _record(folder: Path) -> dict[str, Any] | None:
+    for path in sorted(folder.rglob("*.json")):
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and str(rec.get("schema", "")).startswith("gems.record/"):
+            return rec
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "results/gpu/lease")))
+    p.add_argument("--seconds", type=float, default=530.0, help="the whole lease's deadline")
+    p.add_argument("--dry", action="store_true", help="the plumbing on CPU")
+    a = p.parse_args(argv)
+    out = a.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(os.environ.get("GEMS_LEASE_WORK", "/tmp/gems-gpu-lease"))
+    lease = Lease(out, work, a.seconds, a.dry)
+    py = sys.executable
+    env_info = environment()
+    (work / "environment.json").write_text(json.dumps(env_info, indent=1))
+    subprocess.run("nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv",
+                   shell=True, stdout=open(lease.logs / "nvidia-smi.txt", "wb"), stderr=subprocess.STDOUT)
+    lease.run("imports", [py, "-c", "import gems.cli, hydra, submitit, colossus, mlperf_logging, h5py; print('ok')"], 60)
+
+    # 1. the rig: no run starts after its share; each run at most 100 s (a 64^3 step on a shared GPU takes seconds)
+    rig_s = max(30.0, lease.left() - (120 if a.dry else 300))
+    check = work / "check"
+    rig = [py, "-m", "gems.gpucheck", "--out", str(check), "--budget", str(rig_s - (60 if a.dry else 100)),
+           "--limit", "100"] + (["--dry", "--only", "1f1b"] if a.dry else [])
+    lease.run("rig", rig, rig_s + 30)
+    for name in ("summary.json", "summary.md"):
+        if (check / name).exists():
+            (out / name).write_bytes((check / name).read_bytes())
+
+    # 2. one-rank rows, the GPU alone
+    rows: dict[str, Any] = {}
+    base = ["train.check_fit=false"] + (["train.device=cpu"] if a.dry else [])
+    for label, overrides in (DRY_ROWS if a.dry else ROWS):
+        if lease.left() < 110:
+            rows[label] = {"status": "not run", "error": "the lease's deadline"}
+            continue
+        folder = work / "rows" / label
+        lease.run(f"row-{label}", [py, "-m", "gems.cli", "run", *base, *overrides, f"results.dir={folder}",
+                                   f"run_id=lease-{label}"], 60)
+        rec = _record(folder)
+        rows[label] = row_of(rec, overrides) if rec else {"status": "failed", "error": "no record"}
+    (out / "rows.json").write_text(json.dumps({"machine": env_info, "date": time.strftime("%Y-%m-%d"),
+                                               "runs": rows}, indent=1) + "\n")
+
+    # 3. and 4. the benchmarks (the overhead's CPU mode is another benchmark: not on a dry lease)
+    if not a.dry:
+        lease.run("bench-overhead", [py, "-m", "gems.cli", "bench", "overhead", f"out={work / 'bench'}"], 100)
+    small = ["model.size=32", "model.width=0.25", "train.batch_size=2"] if a.dry else []
+    lease.run("bench-calibrate", [py, "-m", "gems.cli", "bench", "calibrate", *small, f"out={work / 'bench'}"], 100)
+    for f in sorted((work / "bench").glob("*")) if (work / "bench").is_dir() else []:
+        if f.suffix in (".md", ".json") and (f.name.startswith("overhead-gpu") or f.name.startswith("calibration")):
+            (out / f.name).write_bytes(f.read_bytes())
+
+    (work / "phases.json").write_text(json.dumps(lease.phases, indent=1))
+    def small(info: tarfile.TarInfo) -> tarfile.TarInfo | None:  # no weights or checkpoints: logs and records
+        return None if info.name.endswith((".pt", ".distcp")) or info.size > 4 << 20 else info
+
+    with tarfile.open(out / "lease.tgz", "w:gz") as tar:
+        for name in ("logs", "environment.json", "phases.json", "rows", "check/logs"):
+            if (work / name).exists():
+                tar.add(work / name, arcname=name, filter=small)
+        for rec in sorted((check / "runs").rglob("*.json")) if (check / "runs").is_dir() else []:
+            tar.add(rec, arcname=str(rec.relative_to(work)))
+    print(json.dumps(lease.phases), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
