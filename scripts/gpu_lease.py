@@ -37,7 +37,6 @@ ROOT = Path(__file__).resolve().parent.parent
 #: (label, overrides): the H200 file's one-rank rows under its labels, then models and batches it never saw
 ROWS: list[tuple[str, list[str]]] = [
     ("one_default", []),
-    ("one_fp16", ["train.precision=fp16"]),
     ("one_bf16", ["train.precision=bf16"]),
     ("p128_fp32", ["model=cosmoflow", "model.size=128", "train.batch_size=8", "train.steps=20",
                    "train.warmup_steps=5"]),
@@ -48,6 +47,18 @@ ROWS: list[tuple[str, list[str]]] = [
     ("unet64", ["model=unet3d", "train.batch_size=2", "train.steps=12", "train.warmup_steps=3"]),
     ("resnet512_bf16", ["model=resnet", "train.batch_size=8", "train.steps=12", "train.warmup_steps=3",
                         "train.precision=bf16"]),
+    ("resnet512_fp32", ["model=resnet", "train.batch_size=8", "train.steps=12", "train.warmup_steps=3"]),
+    ("resnet256_b16_bf16", ["model=resnet", "model.size=256", "train.batch_size=16", "train.steps=12",
+                            "train.warmup_steps=3", "train.precision=bf16"]),
+    ("unet64_bf16", ["model=unet3d", "train.batch_size=2", "train.steps=12", "train.warmup_steps=3",
+                     "train.precision=bf16"]),
+    ("c128_b2", ["model=cosmoflow", "model.size=128", "train.batch_size=2", "train.steps=12",
+                 "train.warmup_steps=3"]),
+]
+#: the models whose convolutions ``gems bench calibrate`` times (each its own file, in lease.tgz)
+CALIBRATE: list[tuple[str, list[str]]] = [
+    ("cosmoflow128", ["model=cosmoflow", "model.size=128", "train.batch_size=8"]),
+    ("resnet512", ["model=resnet", "train.batch_size=8"]),
 ]
 DRY_ROWS: list[tuple[str, list[str]]] = [("dry_small", ["model.size=32", "model.width=0.25", "train.steps=3",
                                                           "train.warmup_steps=1"])]
@@ -135,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "results/gpu/lease")))
     p.add_argument("--seconds", type=float, default=530.0, help="the whole lease's deadline")
     p.add_argument("--dry", action="store_true", help="the plumbing on CPU")
+    p.add_argument("--phases", default="rig,rows,bench", help="which phases, in this order (rig, rows, bench)")
+    p.add_argument("--only", default="", help="the rig's points whose label holds one of these texts (comma-separated)")
     a = p.parse_args(argv)
     out = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -147,46 +160,55 @@ def main(argv: list[str] | None = None) -> int:
                    shell=True, stdout=open(lease.logs / "nvidia-smi.txt", "wb"), stderr=subprocess.STDOUT)
     lease.run("imports", [py, "-c", "import gems.cli, hydra, submitit, colossus, mlperf_logging, h5py; print('ok')"], 60)
 
-    # 1. the rig: no run starts after its share; each run at most 100 s (a 64^3 step on a shared GPU takes seconds)
-    rig_s = max(30.0, lease.left() - (120 if a.dry else 300))
+    phases = [x for x in a.phases.split(",") if x]
+    bad = [x for x in phases if x not in ("rig", "rows", "bench")]
+    if bad:
+        print(f"gpu_lease: --phases: {bad} are not phases (rig, rows, bench)", file=sys.stderr)
+        return 2
     check = work / "check"
-    rig = [py, "-m", "gems.gpucheck", "--out", str(check), "--budget", str(rig_s - (60 if a.dry else 100)),
-           "--limit", "100"] + (["--dry", "--only", "1f1b"] if a.dry else [])
-    lease.run("rig", rig, rig_s + 30)
-    for name in ("summary.json", "summary.md"):
-        if (check / name).exists():
-            (out / name).write_bytes((check / name).read_bytes())
-
-    # 2. one-rank rows, the GPU alone
-    rows: dict[str, Any] = {}
-    base = ["train.check_fit=false"] + (["train.device=cpu"] if a.dry else [])
-    for label, overrides in (DRY_ROWS if a.dry else ROWS):
-        if lease.left() < 110:
-            rows[label] = {"status": "not run", "error": "the lease's deadline"}
-            continue
-        folder = work / "rows" / label
-        lease.run(f"row-{label}", [py, "-m", "gems.cli", "run", *base, *overrides, f"results.dir={folder}",
-                                   f"run_id=lease-{label}"], 60)
-        rec = _record(folder)
-        rows[label] = row_of(rec, overrides) if rec else {"status": "failed", "error": "no record"}
-    (out / "rows.json").write_text(json.dumps({"machine": env_info, "date": time.strftime("%Y-%m-%d"),
-                                               "runs": rows}, indent=1) + "\n")
-
-    # 3. and 4. the benchmarks (the overhead's CPU mode is another benchmark: not on a dry lease)
-    if not a.dry:
-        lease.run("bench-overhead", [py, "-m", "gems.cli", "bench", "overhead", f"out={work / 'bench'}"], 100)
-    small = ["model.size=32", "model.width=0.25", "train.batch_size=2"] if a.dry else []
-    lease.run("bench-calibrate", [py, "-m", "gems.cli", "bench", "calibrate", *small, f"out={work / 'bench'}"], 100)
-    for f in sorted((work / "bench").glob("*")) if (work / "bench").is_dir() else []:
-        if f.suffix in (".md", ".json") and (f.name.startswith("overhead-gpu") or f.name.startswith("calibration")):
-            (out / f.name).write_bytes(f.read_bytes())
+    for phase in phases:
+        later = phases[phases.index(phase) + 1:]
+        keep_s = (120 if "rows" in later else 0) + (60 if "bench" in later else 0)
+        if phase == "rig":  # no run starts after its share; each at most 100 s (a 64^3 step takes seconds)
+            rig_s = max(30.0, lease.left() - keep_s - (10 if a.dry else 30))
+            rig = [py, "-m", "gems.gpucheck", "--out", str(check), "--budget", str(max(20.0, rig_s - 100)),
+                   "--limit", "100"] + (["--dry"] if a.dry else []) + (["--only", a.only] if a.only else [])
+            lease.run("rig", rig, rig_s + 30)
+            for name in ("summary.json", "summary.md"):
+                if (check / name).exists():
+                    (out / name).write_bytes((check / name).read_bytes())
+        elif phase == "rows":  # one rank, the GPU alone
+            rows: dict[str, Any] = {}
+            base = ["train.check_fit=false"] + (["train.device=cpu"] if a.dry else [])
+            for label, overrides in (DRY_ROWS if a.dry else ROWS):
+                if lease.left() < keep_s + 20:
+                    rows[label] = {"status": "not run", "error": "the lease's deadline"}
+                    continue
+                folder = work / "rows" / label
+                lease.run(f"row-{label}", [py, "-m", "gems.cli", "run", *base, *overrides, f"results.dir={folder}",
+                                           f"run_id=lease-{label}"], 60)
+                rec = _record(folder)
+                rows[label] = row_of(rec, overrides) if rec else {"status": "failed", "error": "no record"}
+            (out / "rows.json").write_text(json.dumps({"machine": env_info, "date": time.strftime("%Y-%m-%d"),
+                                                       "runs": rows}, indent=1) + "\n")
+        else:  # the benchmarks (the overhead's CPU mode is another benchmark: not on a dry lease)
+            bench = work / "bench"
+            if not a.dry:
+                lease.run("bench-overhead", [py, "-m", "gems.cli", "bench", "overhead", f"out={bench}"], 100)
+            for label, overrides in CALIBRATE[:1] if a.dry else CALIBRATE:
+                small = ["model.size=32", "model.width=0.25", "train.batch_size=2"] if a.dry else overrides
+                lease.run(f"bench-calibrate-{label}", [py, "-m", "gems.cli", "bench", "calibrate", *small,
+                                                       f"cluster.gpu_calibration={bench / f'calibration-{label}.json'}",
+                                                       f"out={bench}"], 60)
+            if (bench / "overhead-gpu.md").exists():
+                (out / "overhead-gpu.md").write_bytes((bench / "overhead-gpu.md").read_bytes())
 
     (work / "phases.json").write_text(json.dumps(lease.phases, indent=1))
     def small(info: tarfile.TarInfo) -> tarfile.TarInfo | None:  # no weights or checkpoints: logs and records
         return None if info.name.endswith((".pt", ".distcp")) or info.size > 4 << 20 else info
 
     with tarfile.open(out / "lease.tgz", "w:gz") as tar:
-        for name in ("logs", "environment.json", "phases.json", "rows", "check/logs"):
+        for name in ("logs", "environment.json", "phases.json", "rows", "check/logs", "bench"):
             if (work / name).exists():
                 tar.add(work / name, arcname=name, filter=small)
         for rec in sorted((check / "runs").rglob("*.json")) if (check / "runs").is_dir() else []:

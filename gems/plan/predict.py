@@ -112,12 +112,17 @@ def data_set_files(cfg: Any) -> tuple[int, int]:
 def gpu_synthetic(rates: Any, ahead: bool = True) -> Any:
     """Seconds a GPU rank's step waits for ``n`` samples of its ``part`` (C, *spatial) drawn on its GPU
     (:func:`gems.data.synthetic.sample_input`). With a reader ahead (``ahead``: ``data.prefetch`` > 0) nothing: its
-    thread launches the draws on a side stream a step early, and they run beside the step's kernels (measured on an
-    H200: the step waited 0.1 ms of its 30 ms at 128^3, batch 8; results/gpu/). In the step itself: a normal sample
-    written once and its uniform sources read once, memory-bound, and a kernel launched per plane."""
+    thread launches the draws on a side stream a step early, a few dozen a batch, and they run beside the step's
+    kernels (measured on an H100: results/gpu/h100-2026-11-26.json; drawn a plane at a time, 1024 launches a
+    128^3 batch of 8 kept that step waiting 19 ms of 51). In the step itself: a normal sample written once and its
+    uniform sources read once, memory-bound, and a kernel launched per block of planes."""
+    from gems.data.synthetic import planes_per_draw
+
     def data(part: Any, n: int, inp: bool, tgt: bool) -> float:
         if not inp or ahead:
             return 0.0
-        elements = n * math.prod(int(v) for v in part)
-        return 2 * 4 * elements / rates.bandwidth + n * int(part[1]) * rates.op_overhead_s
+        dims = [int(v) for v in part]
+        elements = n * math.prod(dims)
+        blocks = -(-dims[1] // planes_per_draw(dims[0] * math.prod(dims[2:]))) + 1
+        return 2 * 4 * elements / rates.bandwidth + n * blocks * rates.op_overhead_s
     return data
