@@ -96,8 +96,8 @@ def matrix(dry: bool = False) -> list[Run]:
     # fp16's reference sums its gradient over two micro-batches of 4, as every fp16 pipeline of the matrix does: a
     # convolution's fp16 weight gradient over 8 samples overflowed where over 4 it did not, so a one-pass reference
     # skipped a step the pipelines took (H100, results/gpu/h100-2026-11-26.md); both obey the loss scaler's rule
-    runs = [Run(f"1rank-{p}", [f"train.precision={p}"] + (["parallel.micro_batches=2"] if p == "fp16" else []), 1, p)
-            for p in precisions]
+    mb4 = ["parallel.schedule=gpipe", "parallel.micro_batches=2"]
+    runs = [Run(f"1rank-{p}", [f"train.precision={p}"] + (mb4 if p == "fp16" else []), 1, p) for p in precisions]
     # a short lease starts what matters most first (run_matrix starts in this order, none after its budget):
     # the strict mode, the hybrids, the precisions and the controls, then every schedule's grid
     if not dry:  # the strict mode: messages that do not fit NCCL's buffers, one connection a GPU

@@ -107,32 +107,52 @@ GPUS: dict[str, GPU] = {
     "mi250x-gcd": GPU(64, 68702699520, 47.9, None, 191.5, 191.5, 1638.0),
 }
 
-#: what kernels reach of a GPU's peak, per op class (convolutions, matmuls, memory-bound ops), for a GPU nothing
-#: was measured on
-DEFAULT_EFFICIENCY = {"conv": 0.5, "matmul": 0.6, "memory": 0.6}
-GPU_EFFICIENCY_SOURCE = "fit to gems's CosmoFlow steps measured on an H200, results/gpu/h200-2026-11-26.json"
-#: what gems's own steps reached of a GPU's peak, per precision, where a GPU of the kind was measured, with the
-#: per-kernel cost below: fit to all six one-rank rows one H200 measured (results/gpu/h200-2026-11-26.json:
-#: CosmoFlow 64^3 at batch 4 in fp32, fp16 and bf16, 128^3 at batch 8 in fp32 and bf16, 256^3 at batch 4 in
-#: fp32; tests/test_plan_gpu.py), the three figures that bring the worst row's planned step nearest the measured
-#: one (within 7% on every row). The H100 shares the H200's architecture and kernels (its peak figures are the
-#: same; its memory is slower): taken alike until one is measured. ``plan.efficiency`` overrides them;
-#: ``gems bench calibrate`` measures the convolutions and the bandwidth themselves. At these figures CosmoFlow's
-#: ops are memory-bound in the roofline (its 3D convolutions move more bytes than the GPU computes flops at its
-#: peak), so the memory class carries the large steps: about 14% of the data sheet's bandwidth, fp32 and bf16
-#: alike. An effective figure, not a bandwidth a kernel reached: it lumps cuDNN's 3D convolution kernels and 3D
-#: pooling in channels-last into what the roofline counts.
-_HOPPER = {"fp32": {"conv": 0.5, "matmul": 0.6, "memory": 0.137},
-           "bf16": {"conv": 0.5, "matmul": 0.6, "memory": 0.134},
-           "fp16": {"conv": 0.5, "matmul": 0.6, "memory": 0.134}}
+#: what kernels reach of a GPU's peak, per op class (convolutions at full width, matmuls, elementwise and
+#: normalising ops, pools), for a GPU nothing was measured on: what gems's kernels reached on the GPUs that were
+#: (the Hopper figures below), the best guess until one of the kind is measured
+DEFAULT_EFFICIENCY = {"conv": 0.4, "matmul": 0.6, "memory": 0.85, "pool": 0.13}
+GPU_EFFICIENCY_SOURCE = ("fit to 18 one-rank steps of CosmoFlow, 3D U-Net and ResNet measured on an H200 and an H100, "
+                         "results/gpu/h200-2026-11-26.json and h100-2026-11-26.json")
+#: what gems's steps reached of a Hopper GPU's peak, per precision, with the per-kernel cost and the convolutions'
+#: width rule below (:func:`conv_width_factor`): fit to every one-rank row of results/gpu/h200-2026-11-26.json
+#: (CosmoFlow 64^3-256^3, fp32/fp16/bf16) and h100-2026-11-26.json (the same, and 3D U-Net at 64^3, ResNet at
+#: 512^2 and 256^2, other batches), the figures that bring the worst row's planned step nearest its measured one:
+#: every row within 0.80-1.35 of measured (tests/test_plan_gpu.py). The physical reading:
+#: - elementwise and normalising ops reach 85% of the data sheet's bandwidth (gems bench calibrate measured 83% for
+#:   a leaky ReLU on the H100: results/gpu/calibration-h100-cosmoflow64.md);
+#: - CosmoFlow's 3D pools in channels-last reach 13%: they read each input cell kernel^3/stride^3 times and cuDNN's
+#:   3D pooling is slow; they and the narrow convolutions carry its large steps;
+#: - a convolution reaches 40% of the tensor cores' peak at 64 channels a side and more, less where it is narrower
+#:   (CosmoFlow's first 4 -> 16 convolution: 6%, as calibrate measured 5%);
+#: - a fixed cost a kernel (below) carries the small steps.
+#: The H100 and H200 share the architecture, kernels and peak flops; only their memory differs. Before these
+#: figures one memory-class efficiency (14%) lumped CosmoFlow's convolutions and pools with every elementwise op:
+#: it fit CosmoFlow on the H200 and planned ResNet 4-6x and U-Net 2x too slow. ``plan.efficiency`` overrides them;
+#: ``gems bench calibrate`` measures the convolutions and the bandwidth themselves.
+_HOPPER = {"fp32": {"conv": 0.4, "matmul": 0.6, "memory": 0.85, "pool": 0.13},
+           "bf16": {"conv": 0.4, "matmul": 0.6, "memory": 0.85, "pool": 0.13},
+           "fp16": {"conv": 0.4, "matmul": 0.6, "memory": 0.85, "pool": 0.13}}
 GPU_EFFICIENCY: dict[str, dict[str, dict[str, float]]] = {"h200": _HOPPER, "h100": _HOPPER}
+#: the channel width (the geometric mean of a convolution's input and output channels) from which a convolution
+#: keeps the tensor cores as busy as it can, and how fast its rate falls below it (fit with the figures above)
+CONV_FULL_WIDTH, CONV_WIDTH_POWER = 64.0, 1.5
+
+
+def conv_width_factor(sig: tuple) -> float:
+    """The share of a GPU convolution's full-width rate that a convolution of signature ``sig``
+    (gems.plan.cost: ("conv", nd, cin, cout, ...)) reaches: an implicit GEMM whose channel dimensions are narrower
+    than the tensor cores' tiles leaves them partly idle."""
+    width = math.sqrt(max(1, int(sig[2])) * max(1, int(sig[3])))
+    return min(1.0, (width / CONV_FULL_WIDTH) ** CONV_WIDTH_POWER)
+
+
 #: per op (a kernel): its launch, torch's dispatch and cuDNN's plan lookup on the host, and a small kernel's own
 #: least time on the GPU, in seconds; a backward op counts twice (its input and weight gradients), the
 #: optimizer's foreach updates ten a partition. What a small step is made of: CosmoFlow 64^3 at batch 4 runs
-#: ~110 such ops a step in fp32, ~170 in bf16 (autocast's casts), and the H200 took 5.9-6.6 ms for it where its
-#: memory traffic alone takes 2 ms; at 128^3 and 256^3 the same ops cost 10% and 5% of the step. Fit with the
-#: efficiencies above (the only term that sets the 64^3 rows); gems plan states it among its assumptions.
-GPU_OP_OVERHEAD_S = 32e-6
+#: ~110 such ops a step in fp32, ~170 in bf16 (autocast's casts); the H100 took 4.1-4.8 ms for it, the H200
+#: (older gems, which read the device three times a step) 5.9-6.6 ms. Fit with the efficiencies above; gems plan
+#: states it among its assumptions.
+GPU_OP_OVERHEAD_S = 25e-6
 #: gems's own host time a step beyond a plain PyTorch loop's, which the GPU would wait through: none measurable
 #: (`gems bench overhead`: gems's loop at 1.03x a plain loop's throughput on this CPU; its step reads the device
 #: once, after the update is queued). Its GPU mode measures it on a GPU (the H200 measured 0.89x of a plain loop
@@ -149,6 +169,8 @@ class Rates:
     flops: dict[str, float]  # op class -> FLOP/s reached (GPU: peak x efficiency)
     bandwidth: float  # bytes/s reached by memory-bound ops
     op_overhead_s: float
+    #: GPU: bytes/s pools reach (None: ``bandwidth``), counted as their input and output once
+    pool_bandwidth: float | None = None
     measured: dict[tuple, tuple[float, float]] | None = None  # CPU: conv signature -> (forward, backward) FLOP/s
     about: str = ""
     threads: int = 1  # CPU: the rank's threads, for measuring
@@ -194,7 +216,11 @@ class Rates:
             return self.share * self.in_step * alone
         k = 2.0 if backward else 1.0
         compute = flops / self.flops[cls] if cls in ("conv", "matmul") else 0.0
-        return self.share * k * (max(compute, nbytes / self.bandwidth) + self.op_overhead_s)
+        if cls == "conv":
+            compute /= conv_width_factor(sig)
+        pool = cls == "memory" and len(sig) > 1 and sig[1] == "pool" and self.pool_bandwidth
+        return self.share * k * (max(compute, nbytes / (self.pool_bandwidth if pool else self.bandwidth)) +
+                                 self.op_overhead_s)
 
     def shared(self, share: float) -> Rates:
         """These rates when ``share`` ranks' threads take turns on each core (measurements stay shared)."""
@@ -260,7 +286,8 @@ def gpu_rates(name: str, precision: str, eff: dict[str, float], calibration: Any
                   f"{'the' if measured else 'no'} memory bandwidth measured on {calibration.gpu} "
                   f"({calibration.path})")
     return Rates("gpu", name, {"conv": conv * tf * eff["conv"], "matmul": mm * tf * eff["matmul"]},
-                 bandwidth, GPU_OP_OVERHEAD_S, about=about, calibrated=calibrated, host_step_s=GPU_HOST_STEP_S)
+                 bandwidth, GPU_OP_OVERHEAD_S, g.bandwidth * 1e9 * eff["pool"], about=about, calibrated=calibrated,
+                 host_step_s=GPU_HOST_STEP_S)
 
 
 # ---- CPU ranks: measured here --------------------------------------------------------------------------------

@@ -392,6 +392,7 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
         per_param = {0: 3, 1: 5, 2: 7}.get(st.optimizer_factor, 7)
         opt_s = per_param * params / rates.bandwidth + 10 * len(held) * rates.op_overhead_s
         bubble = max(0.0, end0[d] - data_s[d] - comp - spat) + (step_end - end[d])
+        bubble = bubble if bubble > 1e-9 * step_end else 0.0  # the subtractions' rounding is no wait
         pcomm = max(0.0, end[d] - end0[d])
         terms = {"compute": comp + opt_s + rates.host_step_s, "halo": spat, "pipeline_comm": pcomm, "allreduce": ar_s,
                  "bubble_or_wait": bubble, "data": data_s[d]}
