@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -141,6 +142,65 @@ def _record(folder: Path) -> dict[str, Any] | None:
     return None
 
 
+def rig_phase(lease: Lease, a: argparse.Namespace, keep_s: float) -> None:
+    """The rig: no run starts after its share of the time; each at most 100 s (a 64^3 step takes seconds)."""
+    check = lease.work / "check"
+    rig_s = max(30.0, lease.left() - keep_s - (10 if a.dry else 30))
+    rig = [sys.executable, "-m", "gems.gpucheck", "--out", str(check), "--budget", str(max(20.0, rig_s - 100)),
+           "--limit", "100"] + (["--dry"] if a.dry else []) + (["--only", a.only] if a.only else [])
+    lease.run("rig", rig, rig_s + 30)
+    for name in ("summary.json", "summary.md"):
+        if (check / name).exists():
+            (lease.out / name).write_bytes((check / name).read_bytes())
+
+
+def rows_phase(lease: Lease, dry: bool, keep_s: float, env_info: dict[str, Any]) -> None:
+    """One-rank rows, the GPU alone, to rows.json."""
+    rows: dict[str, Any] = {}
+    base = ["train.check_fit=false"] + (["train.device=cpu"] if dry else [])
+    for label, overrides in (DRY_ROWS if dry else ROWS):
+        if lease.left() < keep_s + 20:
+            rows[label] = {"status": "not run", "error": "the lease's deadline"}
+            continue
+        folder = lease.work / "rows" / label
+        lease.run(f"row-{label}", [sys.executable, "-m", "gems.cli", "run", *base, *overrides,
+                                   f"results.dir={folder}", f"run_id=lease-{label}"], 60)
+        rec = _record(folder)
+        rows[label] = row_of(rec, overrides) if rec else {"status": "failed", "error": "no record"}
+    (lease.out / "rows.json").write_text(json.dumps({"machine": env_info, "date": time.strftime("%Y-%m-%d"),
+                                                     "runs": rows}, indent=1) + "\n")
+
+
+def bench_phase(lease: Lease, dry: bool) -> None:
+    """gems bench overhead (its GPU mode; the CPU mode is another benchmark: not on a dry lease) and calibrate."""
+    bench, py = lease.work / "bench", sys.executable
+    if not dry:
+        lease.run("bench-overhead", [py, "-m", "gems.cli", "bench", "overhead", f"out={bench}"], 100)
+    for label, overrides in CALIBRATE[:1] if dry else CALIBRATE:
+        job = ["model.size=32", "model.width=0.25", "train.batch_size=2"] if dry else overrides
+        lease.run(f"bench-calibrate-{label}", [py, "-m", "gems.cli", "bench", "calibrate", *job,
+                                               f"out={bench / label}"], 60)
+    if (bench / "overhead-gpu.md").exists():
+        (lease.out / "overhead-gpu.md").write_bytes((bench / "overhead-gpu.md").read_bytes())
+
+
+def archive(lease: Lease) -> None:
+    """Every log, record and calibration in lease.tgz (no weights or checkpoints)."""
+    work = lease.work
+    (work / "phases.json").write_text(json.dumps(lease.phases, indent=1))
+
+    def small(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        return None if info.name.endswith((".pt", ".distcp")) or info.size > 4 << 20 else info
+
+    runs = work / "check" / "runs"
+    with tarfile.open(lease.out / "lease.tgz", "w:gz") as tar:
+        for name in ("logs", "environment.json", "phases.json", "rows", "check/logs", "bench"):
+            if (work / name).exists():
+                tar.add(work / name, arcname=name, filter=small)
+        for rec in sorted(runs.rglob("*.json")) if runs.is_dir() else []:
+            tar.add(rec, arcname=str(rec.relative_to(work)))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "results/gpu/lease")))
@@ -149,70 +209,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phases", default="rig,rows,bench", help="which phases, in this order (rig, rows, bench)")
     p.add_argument("--only", default="", help="the rig's points whose label holds one of these texts (comma-separated)")
     a = p.parse_args(argv)
+    phases = [x for x in a.phases.split(",") if x]
+    bad = [x for x in phases if x not in ("rig", "rows", "bench")]
+    if bad:  # before anything is written
+        print(f"gpu_lease: --phases={a.phases}: {', '.join(bad)} is not a phase (rig, rows or bench)", file=sys.stderr)
+        return 2
     out = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     work = Path(os.environ.get("GEMS_LEASE_WORK", "/tmp/gems-gpu-lease"))
+    shutil.rmtree(work, ignore_errors=True)  # the lease's own scratch: no record of an earlier lease is read
     lease = Lease(out, work, a.seconds, a.dry)
-    py = sys.executable
     env_info = environment()
     (work / "environment.json").write_text(json.dumps(env_info, indent=1))
-    subprocess.run("nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv",
-                   shell=True, stdout=open(lease.logs / "nvidia-smi.txt", "wb"), stderr=subprocess.STDOUT)
-    lease.run("imports", [py, "-c", "import gems.cli, hydra, submitit, colossus, mlperf_logging, h5py; print('ok')"], 60)
-
-    phases = [x for x in a.phases.split(",") if x]
-    bad = [x for x in phases if x not in ("rig", "rows", "bench")]
-    if bad:
-        print(f"gpu_lease: --phases: {bad} are not phases (rig, rows, bench)", file=sys.stderr)
-        return 2
-    check = work / "check"
-    for phase in phases:
-        later = phases[phases.index(phase) + 1:]
+    with open(lease.logs / "nvidia-smi.txt", "wb") as f:
+        subprocess.run("nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv",
+                       shell=True, stdout=f, stderr=subprocess.STDOUT)
+    lease.run("imports", [sys.executable, "-c", "import gems.cli, hydra, submitit, colossus, mlperf_logging, h5py"],
+              60)
+    for i, phase in enumerate(phases):
+        later = phases[i + 1:]
         keep_s = (120 if "rows" in later else 0) + (60 if "bench" in later else 0)
-        if phase == "rig":  # no run starts after its share; each at most 100 s (a 64^3 step takes seconds)
-            rig_s = max(30.0, lease.left() - keep_s - (10 if a.dry else 30))
-            rig = [py, "-m", "gems.gpucheck", "--out", str(check), "--budget", str(max(20.0, rig_s - 100)),
-                   "--limit", "100"] + (["--dry"] if a.dry else []) + (["--only", a.only] if a.only else [])
-            lease.run("rig", rig, rig_s + 30)
-            for name in ("summary.json", "summary.md"):
-                if (check / name).exists():
-                    (out / name).write_bytes((check / name).read_bytes())
-        elif phase == "rows":  # one rank, the GPU alone
-            rows: dict[str, Any] = {}
-            base = ["train.check_fit=false"] + (["train.device=cpu"] if a.dry else [])
-            for label, overrides in (DRY_ROWS if a.dry else ROWS):
-                if lease.left() < keep_s + 20:
-                    rows[label] = {"status": "not run", "error": "the lease's deadline"}
-                    continue
-                folder = work / "rows" / label
-                lease.run(f"row-{label}", [py, "-m", "gems.cli", "run", *base, *overrides, f"results.dir={folder}",
-                                           f"run_id=lease-{label}"], 60)
-                rec = _record(folder)
-                rows[label] = row_of(rec, overrides) if rec else {"status": "failed", "error": "no record"}
-            (out / "rows.json").write_text(json.dumps({"machine": env_info, "date": time.strftime("%Y-%m-%d"),
-                                                       "runs": rows}, indent=1) + "\n")
-        else:  # the benchmarks (the overhead's CPU mode is another benchmark: not on a dry lease)
-            bench = work / "bench"
-            if not a.dry:
-                lease.run("bench-overhead", [py, "-m", "gems.cli", "bench", "overhead", f"out={bench}"], 100)
-            for label, overrides in CALIBRATE[:1] if a.dry else CALIBRATE:
-                small = ["model.size=32", "model.width=0.25", "train.batch_size=2"] if a.dry else overrides
-                lease.run(f"bench-calibrate-{label}", [py, "-m", "gems.cli", "bench", "calibrate", *small,
-                                                       f"cluster.gpu_calibration={bench / f'calibration-{label}.json'}",
-                                                       f"out={bench}"], 60)
-            if (bench / "overhead-gpu.md").exists():
-                (out / "overhead-gpu.md").write_bytes((bench / "overhead-gpu.md").read_bytes())
-
-    (work / "phases.json").write_text(json.dumps(lease.phases, indent=1))
-    def small(info: tarfile.TarInfo) -> tarfile.TarInfo | None:  # no weights or checkpoints: logs and records
-        return None if info.name.endswith((".pt", ".distcp")) or info.size > 4 << 20 else info
-
-    with tarfile.open(out / "lease.tgz", "w:gz") as tar:
-        for name in ("logs", "environment.json", "phases.json", "rows", "check/logs", "bench"):
-            if (work / name).exists():
-                tar.add(work / name, arcname=name, filter=small)
-        for rec in sorted((check / "runs").rglob("*.json")) if (check / "runs").is_dir() else []:
-            tar.add(rec, arcname=str(rec.relative_to(work)))
+        if phase == "rig":
+            rig_phase(lease, a, keep_s)
+        elif phase == "rows":
+            rows_phase(lease, a.dry, keep_s, env_info)
+        else:
+            bench_phase(lease, a.dry)
+    archive(lease)
     print(json.dumps(lease.phases), flush=True)
     return 0
 

@@ -111,3 +111,29 @@ def test_bench_overhead_refuses_overrides_without_a_gpu(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "bench option=model.size=64" in r.stderr and "GPU mode" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_the_lease_script_writes_rows_in_the_gpu_files_schema_and_refuses_a_bad_phase(tmp_path: Path) -> None:
+    """scripts/gpu_lease.py's plumbing on CPU: a one-rank row through a real `gems run`, in the schema
+    tests/test_plan_gpu.py reads from results/gpu/, a calibration, and everything in the one archive a device call
+    brings back; a phase it does not know is exit 2 and writes nothing."""
+    import tarfile
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", GEMS_LEASE_WORK=str(tmp_path / "work"))
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_lease.py"), "--dry", "--phases", "rows,bench",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads((out / "rows.json").read_text())
+    row = rows["runs"]["dry_small"]
+    assert row["status"] == "ok" and row["overrides"]["size"] == 32 and row["overrides"]["batch"] == 4
+    assert row["step_time_s_median"] > 0 and len(row["loss"]) == 3 and "compute" in row["time_breakdown_s"]
+    assert "torch" in rows["machine"]
+    with tarfile.open(out / "lease.tgz") as tar:
+        names = tar.getnames()
+    assert "phases.json" in names and any(n.endswith("calibration-cpu.json") for n in names)
+    assert not any(n.endswith(".pt") for n in names)
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_lease.py"), "--dry", "--phases", "rows,gpu",
+                          "--out", str(tmp_path / "bad")], capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 2 and "--phases" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "bad").exists()

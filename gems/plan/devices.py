@@ -218,9 +218,10 @@ class Rates:
         compute = flops / self.flops[cls] if cls in ("conv", "matmul") else 0.0
         if cls == "conv":
             compute /= conv_width_factor(sig)
-        pool = cls == "memory" and len(sig) > 1 and sig[1] == "pool" and self.pool_bandwidth
-        return self.share * k * (max(compute, nbytes / (self.pool_bandwidth if pool else self.bandwidth)) +
-                                 self.op_overhead_s)
+        bandwidth = self.bandwidth
+        if cls == "memory" and len(sig) > 1 and sig[1] == "pool" and self.pool_bandwidth:
+            bandwidth = self.pool_bandwidth
+        return self.share * k * (max(compute, nbytes / bandwidth) + self.op_overhead_s)
 
     def shared(self, share: float) -> Rates:
         """These rates when ``share`` ranks' threads take turns on each core (measurements stay shared)."""
