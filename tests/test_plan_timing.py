@@ -258,6 +258,15 @@ def test_a_layer_on_a_named_gpu_is_its_roofline():
     assert layer_time(conv, r, True, 8) == pytest.approx(2 * (1e12 / (156e12 * 0.5) + r.op_overhead_s))
     relu = {("memory", ()): [0.0, 8e9, 2]}
     assert layer_time(relu, r, False, 8) == pytest.approx(2 * (4e9 / (1555e9 * 0.6) + r.op_overhead_s))
+    # a convolution narrower than 64 channels a side keeps the tensor cores less busy: 16 -> 16 at (16/64)^1.5
+    narrow = {("conv", ("conv", 2, 16, 16, (3, 3), (1, 1), 1, False)): [1e12, 1e6, 1]}
+    assert layer_time(narrow, r, False, 8) == pytest.approx(1e12 / (156e12 * 0.5 * 0.125) + r.op_overhead_s)
+    # pools at their own rate where the efficiencies name one, else at the memory class's
+    pool = {("memory", ("memory", "pool", "max", 3, (3, 3, 3), (2, 2, 2), (1, 1, 1))): [0.0, 1e9, 1]}
+    assert layer_time(pool, r, False, 8) == pytest.approx(1e9 / (1555e9 * 0.6) + r.op_overhead_s)
+    pooled = gpu_rates("a100-40gb", "fp32", {"conv": 0.5, "matmul": 0.6, "memory": 0.6, "pool": 0.1})
+    assert layer_time(pool, pooled, False, 8) == pytest.approx(1e9 / (1555e9 * 0.1) + r.op_overhead_s)
+    assert layer_time(relu, pooled, False, 8) == layer_time(relu, r, False, 8)
     bf16 = gpu_rates("h100", "bf16", {"conv": 1.0, "matmul": 1.0, "memory": 1.0})
     assert bf16.flops["conv"] == pytest.approx(989.5e12)
     with pytest.raises(ConfigError) as e:
@@ -439,14 +448,17 @@ def test_a_padded_part_thinner_than_its_kernel_is_timed_at_its_own_extent():
 
 def test_the_reference_block_is_counted_layer_by_layer_as_a_model_is():
     # the in-step factor divides the block trained for real by its ops timed alone; at rates where only a
-    # convolution's FLOPs cost (1 PFLOP/s, memory free, no overhead) "alone" is the four convolutions'
-    # forwards, their backwards at twice that, except the first layer's, which computes no input gradient
-    from gems.plan.devices import REFERENCE_BATCH, reference_alone
+    # convolution's FLOPs cost (1 PFLOP/s at full width, memory free, no overhead) "alone" is the four
+    # convolutions' forwards, each at its channels' share of the rate, their backwards at twice that, except the
+    # first layer's, which computes no input gradient
+    from gems.plan.devices import REFERENCE_BATCH, conv_width_factor, reference_alone
 
     rates = Rates("gpu", "test", {"conv": 1e15, "matmul": 1e15}, 1e30, 0.0)
     n = REFERENCE_BATCH
-    flops = [2 * n * 16 * 64 * 64 * 8 * 9, 2 * n * 16 * 64 * 64 * 16 * 9, 2 * n * 32 * 32 * 32 * 16,
-             2 * n * 32 * 32 * 32 * 32 * 9]
+    width = [conv_width_factor(("conv", 2, cin, cout)) for cin, cout in ((8, 16), (16, 16), (16, 32), (32, 32))]
+    assert width[0] < width[1] < width[2] < width[3] < 1
+    flops = [f / w for f, w in zip([2 * n * 16 * 64 * 64 * 8 * 9, 2 * n * 16 * 64 * 64 * 16 * 9,
+                                    2 * n * 32 * 32 * 32 * 16, 2 * n * 32 * 32 * 32 * 32 * 9], width)]
     fwd = sum(flops) / 1e15
     bwd = (flops[0] + 2 * sum(flops[1:])) / 1e15
     assert reference_alone(rates) == pytest.approx(fwd + bwd, rel=1e-9)

@@ -287,8 +287,8 @@ def gpu_rates(name: str, precision: str, eff: dict[str, float], calibration: Any
                   f"{'the' if measured else 'no'} memory bandwidth measured on {calibration.gpu} "
                   f"({calibration.path})")
     return Rates("gpu", name, {"conv": conv * tf * eff["conv"], "matmul": mm * tf * eff["matmul"]},
-                 bandwidth, GPU_OP_OVERHEAD_S, g.bandwidth * 1e9 * eff["pool"], about=about, calibrated=calibrated,
-                 host_step_s=GPU_HOST_STEP_S)
+                 bandwidth, GPU_OP_OVERHEAD_S, g.bandwidth * 1e9 * eff["pool"] if "pool" in eff else None,
+                 about=about, calibrated=calibrated, host_step_s=GPU_HOST_STEP_S)
 
 
 # ---- CPU ranks: measured here --------------------------------------------------------------------------------
