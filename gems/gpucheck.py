@@ -167,14 +167,11 @@ def _losses(run: Run, out: Path) -> tuple[str, list[float], str]:
         if not f.exists():
             return "failed", [], "no losses written"
         return "ok", [float(v) for v in json.loads(f.read_text())], ""
-    for path in sorted(folder.rglob("*.json")):
-        try:
-            rec = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(rec, dict) and str(rec.get("schema", "")).startswith("gems.record/"):
-            err = str(rec.get("error") or "")
-            return str(rec["status"]), [float(v) for v in rec.get("loss") or []], err.splitlines()[0] if err else ""
+    from gems.results.table import load_records
+
+    for rec in load_records(folder):
+        err = str(rec.get("error") or "")
+        return str(rec["status"]), [float(v) for v in rec.get("loss") or []], err.splitlines()[0] if err else ""
     return "failed", [], "no record"
 
 

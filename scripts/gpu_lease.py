@@ -34,6 +34,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+# gems from this checkout, and the carried pure-Python packages where there are some (a GPU machine's image has
+# neither installed): for this process, and for the runs it starts (_env)
+for _path in (ROOT / ".gpu" / "site", ROOT):
+    if _path.is_dir() and str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 #: (label, overrides): the H200 file's one-rank rows under its labels, then models and batches it never saw
 ROWS: list[tuple[str, list[str]]] = [
@@ -132,14 +137,9 @@ def row_of(record: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
 
 
 def _record(folder: Path) -> dict[str, Any] | None:
-    for path in sorted(folder.rglob("*.json")):
-        try:
-            rec = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(rec, dict) and str(rec.get("schema", "")).startswith("gems.record/"):
-            return rec
-    return None
+    from gems.results.table import load_records
+
+    return next(iter(load_records(folder)), None)
 
 
 def rig_phase(lease: Lease, a: argparse.Namespace, keep_s: float) -> None:
