@@ -306,8 +306,8 @@ class PlanConf:
                                       ge=0)
     predict: bool = key(True, "predict the step time and throughput too (needs cluster.gpu on GPUs, and the "
                               "preset's link figures for more than one rank)")
-    efficiency: Any = key(None, "fractions of a GPU's peak kernels reach, per op class: {conv: 0.5, matmul: 0.6, "
-                                "memory: 0.6} (the defaults)")
+    efficiency: Any = key(None, "fractions of a GPU's peak kernels reach, per op class: {conv: 0.4, matmul: 0.6, "
+                                "memory: 0.85, pool: 0.13} (the defaults; conv at 64 channels and wider)")
     dry_run: bool = key(False, "instead of planning, run one step of the real code for rank plan.dry_run_rank "
                                "of the full world, alone, over torch's fake process group on fake tensors")
     dry_run_rank: int = key(0, "the rank the dry run plays", ge=0)

@@ -15,7 +15,7 @@ compared step by step with the one-rank run of the same batch and precision, TF3
 and ``ScheduleGPipe`` train the same module on the same rig against their own one-rank run: if they hang too,
 the rig is at fault, not gems.
 
-    python -m gems.gpucheck [--dry] [--out DIR] [--budget S] [--ranks N] [--only TEXT]
+    python -m gems.gpucheck [--dry] [--out DIR] [--budget S] [--limit S] [--ranks N] [--only TEXT[,TEXT...]]
 
 ``--dry`` checks the plumbing on CPU (gloo, a few runs of the matrix and one control; CI runs it). Output:
 ``DIR/summary.json`` (one entry a run: status, losses, the reference's, the largest relative difference, the
@@ -192,7 +192,7 @@ def run_matrix(runs: list[Run], out: Path, dry: bool, budget_s: float, ranks: in
     if not dry:
         env["GEMS_TEST_SHARE_GPU"] = "1"
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    limit = limit_s or (120.0 if dry else 150.0)
+    limit = limit_s if limit_s is not None else (120.0 if dry else 150.0)
     start = time.monotonic()
     todo = [r for r in runs if not r.skipped]
     live: list[tuple[Run, subprocess.Popen[bytes], float, Any]] = []
@@ -376,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.only:
         texts = [t for t in a.only.split(",") if t]
         keep = {r.label for r in runs if any(t in r.label for t in texts)}
+        if not keep:
+            print(f"gems.gpucheck: --only={a.only}: no point's label holds it (labels such as 1f1b-D2-m2, "
+                  "strict-S2, R2xD2xS2-mast)", file=sys.stderr)
+            return 2
         keep |= {r.reference_label for r in runs if r.label in keep}
         runs = [r for r in runs if r.label in keep]
     ranks = a.ranks or min(16, os.cpu_count() or 2)

@@ -8,17 +8,17 @@ deadline (``--seconds``, default 530) and each gets what is left of it, in this 
 
 1. the rig (``gems.gpucheck``): the strict mode first, then the hybrids, the precisions, torch's pipelining as the
    control and every schedule's grid, ranks sharing the GPU; no run starts after its share of the time;
-2. one-rank rows, the GPU alone: the six configurations of ``results/gpu/h200-2026-11-26.json`` and models that
-   file never saw (U-Net, ResNet, another batch), each a real ``gems run``: its median step, what CUDA allocated at
-   most, its breakdown and losses, in the H200 file's schema (``rows.json``), so ``tests/test_plan_gpu.py`` holds
-   the planner to them;
+2. one-rank rows, the GPU alone: five of the six configurations of ``results/gpu/h200-2026-11-26.json`` (fp16
+   left out) and models that file never saw (U-Net, ResNet, other batches), each a real ``gems run``: its median
+   step, what CUDA allocated at most, its breakdown and losses, in the H200 file's schema (``rows.json``), so
+   ``tests/test_plan_gpu.py`` holds the planner to them;
 3. ``gems bench overhead`` in its GPU mode (gems's loop against a plain one, fp32 and bf16);
 4. ``gems bench calibrate`` (the model's own convolutions timed, for ``cluster.gpu_calibration``).
 
-At most 8 files come back from a device call, so it writes: ``summary.json``, ``summary.md`` (the rig),
-``rows.json``, ``overhead-gpu.md``, ``calibration-<gpu>.json`` and ``.md``, and ``lease.tgz`` (every log and
-record, and the environment). The machine lacks gems's pure-Python dependencies: run
-``bash scripts/gpu_check.sh --prepare`` here first and carry ``.gpu`` (the script puts ``.gpu/site`` on the path).
+At most 8 files come back from a device call, so it writes five: ``summary.json``, ``summary.md`` (the rig),
+``rows.json``, ``overhead-gpu.md`` and ``lease.tgz`` (every log, record and calibration, and the environment).
+The machine lacks gems's pure-Python dependencies: run ``bash scripts/gpu_check.sh --prepare`` here first and
+carry ``.gpu`` (the script puts ``.gpu/site`` on the path).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -61,6 +62,9 @@ ROWS: list[tuple[str, list[str]]] = [
     ("c128_b2", ["model=cosmoflow", "model.size=128", "train.batch_size=2", "train.steps=12",
                  "train.warmup_steps=3"]),
 ]
+#: the most one command of each phase may take, in seconds (measured on an H100: a rig run 20-60 s, a row 13-22 s,
+#: the overhead benchmark 22 s, a calibration 5-12 s); the phases after one keep what they need of the deadline
+RUN_S, ROW_S, OVERHEAD_S, CALIBRATE_S = 100.0, 40.0, 60.0, 40.0
 #: the models whose convolutions ``gems bench calibrate`` times (each its own file, in lease.tgz)
 CALIBRATE: list[tuple[str, list[str]]] = [
     ("cosmoflow128", ["model=cosmoflow", "model.size=128", "train.batch_size=8"]),
@@ -91,13 +95,18 @@ class Lease:
 
     def run(self, label: str, cmd: list[str], cap_s: float) -> int:
         """``cmd`` bounded by ``cap_s`` and by the deadline; its output to logs/LABEL.txt."""
-        limit = max(5.0, min(cap_s, self.left()))
+        limit = max(1.0, min(cap_s, self.left()))
         t = time.monotonic()
         with open(self.logs / f"{label}.txt", "wb") as log:
+            # a session of its own: at its limit the command goes with everything it started (the rig's ranks),
+            # so nothing left over shares the GPU with the phases after it
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT,
+                                    start_new_session=True)
             try:
-                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT,
-                                    timeout=limit).returncode
+                rc = proc.wait(timeout=limit)
             except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
                 rc = 124
         self.phases.append({"label": label, "rc": rc, "wall_s": round(time.monotonic() - t, 1), "limit_s": limit})
         print(f"[{time.monotonic() - self.t0:6.1f}s] {label}: rc={rc}", flush=True)
@@ -145,10 +154,15 @@ def _record(folder: Path) -> dict[str, Any] | None:
 def rig_phase(lease: Lease, a: argparse.Namespace, keep_s: float) -> None:
     """The rig: no run starts after its share of the time; each at most 100 s (a 64^3 step takes seconds)."""
     check = lease.work / "check"
-    rig_s = max(30.0, lease.left() - keep_s - (10 if a.dry else 30))
-    rig = [sys.executable, "-m", "gems.gpucheck", "--out", str(check), "--budget", str(max(20.0, rig_s - 100)),
-           "--limit", "100"] + (["--dry"] if a.dry else []) + (["--only", a.only] if a.only else [])
-    lease.run("rig", rig, rig_s + 30)
+    # gpucheck starts no run after its budget and lets each run RUN_S: it ends by budget + RUN_S (+ its summary)
+    rig_s = lease.left() - keep_s - (10 if a.dry else 30)
+    budget = rig_s - RUN_S
+    if budget < 10:
+        print(f"gpu_lease: {lease.left():.0f} s left: no time for the rig", flush=True)
+        return
+    rig = [sys.executable, "-m", "gems.gpucheck", "--out", str(check), "--budget", str(budget),
+           "--limit", str(RUN_S)] + (["--dry"] if a.dry else []) + (["--only", a.only] if a.only else [])
+    lease.run("rig", rig, rig_s + 20)
     for name in ("summary.json", "summary.md"):
         if (check / name).exists():
             (lease.out / name).write_bytes((check / name).read_bytes())
@@ -159,12 +173,12 @@ def rows_phase(lease: Lease, dry: bool, keep_s: float, env_info: dict[str, Any])
     rows: dict[str, Any] = {}
     base = ["train.check_fit=false"] + (["train.device=cpu"] if dry else [])
     for label, overrides in (DRY_ROWS if dry else ROWS):
-        if lease.left() < keep_s + 20:
+        if lease.left() < keep_s + ROW_S:  # a row may take ROW_S: it never eats what the phases after it keep
             rows[label] = {"status": "not run", "error": "the lease's deadline"}
             continue
         folder = lease.work / "rows" / label
         lease.run(f"row-{label}", [sys.executable, "-m", "gems.cli", "run", *base, *overrides,
-                                   f"results.dir={folder}", f"run_id=lease-{label}"], 60)
+                                   f"results.dir={folder}", f"run_id=lease-{label}"], ROW_S)
         rec = _record(folder)
         rows[label] = row_of(rec, overrides) if rec else {"status": "failed", "error": "no record"}
     (lease.out / "rows.json").write_text(json.dumps({"machine": env_info, "date": time.strftime("%Y-%m-%d"),
@@ -174,12 +188,15 @@ def rows_phase(lease: Lease, dry: bool, keep_s: float, env_info: dict[str, Any])
 def bench_phase(lease: Lease, dry: bool) -> None:
     """gems bench overhead (its GPU mode; the CPU mode is another benchmark: not on a dry lease) and calibrate."""
     bench, py = lease.work / "bench", sys.executable
-    if not dry:
-        lease.run("bench-overhead", [py, "-m", "gems.cli", "bench", "overhead", f"out={bench}"], 100)
+    if not dry and lease.left() >= OVERHEAD_S:
+        lease.run("bench-overhead", [py, "-m", "gems.cli", "bench", "overhead", f"out={bench}"], OVERHEAD_S)
     for label, overrides in CALIBRATE[:1] if dry else CALIBRATE:
+        if lease.left() < CALIBRATE_S:
+            print(f"gpu_lease: {lease.left():.0f} s left: no calibration of {label}", flush=True)
+            continue
         job = ["model.size=32", "model.width=0.25", "train.batch_size=2"] if dry else overrides
         lease.run(f"bench-calibrate-{label}", [py, "-m", "gems.cli", "bench", "calibrate", *job,
-                                               f"out={bench / label}"], 60)
+                                               f"out={bench / label}"], CALIBRATE_S)
     if (bench / "overhead-gpu.md").exists():
         (lease.out / "overhead-gpu.md").write_bytes((bench / "overhead-gpu.md").read_bytes())
 
@@ -190,7 +207,7 @@ def archive(lease: Lease) -> None:
     (work / "phases.json").write_text(json.dumps(lease.phases, indent=1))
 
     def small(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
-        return None if info.name.endswith((".pt", ".distcp")) or info.size > 4 << 20 else info
+        return None if info.name.endswith((".pt", ".distcp", ".tmp")) or info.size > 4 << 20 else info
 
     runs = work / "check" / "runs"
     with tarfile.open(lease.out / "lease.tgz", "w:gz") as tar:
@@ -228,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
               60)
     for i, phase in enumerate(phases):
         later = phases[i + 1:]
-        keep_s = (120 if "rows" in later else 0) + (60 if "bench" in later else 0)
+        keep_s = (3 * ROW_S if "rows" in later else 0) + (OVERHEAD_S + CALIBRATE_S if "bench" in later else 0)
         if phase == "rig":
             rig_phase(lease, a, keep_s)
         elif phase == "rows":

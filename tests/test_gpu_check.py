@@ -137,3 +137,29 @@ def test_the_lease_script_writes_rows_in_the_gpu_files_schema_and_refuses_a_bad_
                           "--out", str(tmp_path / "bad")], capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 2 and "--phases" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_lease_command_at_its_limit_goes_with_what_it_started(tmp_path: Path) -> None:
+    """A rig killed at the lease's limit must not leave its ranks on the GPU through the timed phases after it:
+    the command runs in a session of its own, and its whole process group goes at the limit."""
+    import importlib.util
+    import time
+
+    spec = importlib.util.spec_from_file_location("gpu_lease", ROOT / "scripts" / "gpu_lease.py")
+    assert spec is not None and spec.loader is not None
+    lease_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lease_mod)
+    lease = lease_mod.Lease(tmp_path / "out", tmp_path / "work", 60.0, True)
+    pidfile = tmp_path / "child.pid"
+    t0 = time.monotonic()
+    rc = lease.run("sleeper", ["bash", "-c", f"sleep 60 & echo $! > {pidfile}; wait"], 1.5)
+    assert rc == 124 and time.monotonic() - t0 < 10
+    child = int(pidfile.read_text())
+    time.sleep(0.2)
+    try:
+        os.kill(child, 0)
+        alive = Path(f"/proc/{child}/stat").read_text().split()[2] != "Z"
+    except ProcessLookupError:
+        alive = False
+    assert not alive, "the command's child outlived its limit"
+    assert lease.phases[-1]["label"] == "sleeper" and lease.phases[-1]["rc"] == 124

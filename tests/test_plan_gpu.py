@@ -1,8 +1,8 @@
 """The plan of a GPU run against what a GPU measured (results/gpu/h200-2026-11-26.json, one H200, and
 h100-2026-11-26.json, one H100 with models and batches the H200 never ran): the device the plan counts is the run's,
 the planned peak is what CUDA allocated (within 10%, never under), the planned step within 25% of the H200's and
-within 0.75-1.40 of every H100 row; and a calibration file from ``gems bench calibrate`` is what the plan times the
-convolutions by."""
+within 0.75-1.40 of every H100 row (0.86-1.35 now); and a calibration file from ``gems bench calibrate`` is what
+the plan times the convolutions by."""
 from __future__ import annotations
 
 import json
@@ -131,7 +131,7 @@ def test_the_planned_step_holds_on_an_h100_and_on_models_it_was_not_first_fit_to
     assert 0.75 * measured <= plan.prediction.step_s <= 1.40 * measured, (row, plan.prediction.step_s / measured)
 
 
-_UNDER = pytest.mark.xfail(strict=True, reason="planned 1434 MiB where CUDA allocated 1435 (0.07% under): the bf16 "
+_UNDER = pytest.mark.xfail(strict=True, reason="planned 1433.5 MiB where CUDA allocated 1435.3 (0.13% under): the bf16 "
                            "U-Net's missing MiB is not found yet (autocast's casts, cuDNN's bf16 workspaces?)")
 
 

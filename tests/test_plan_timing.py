@@ -325,9 +325,9 @@ def test_plan_predicts_a_step_with_every_term_and_the_json_fields():
 
 def test_more_spatial_parts_predict_less_compute_per_rank_on_a_gpu():
     """A quarter of the volume per rank at 512^3; the small deep layers cost their kernels whatever the cut, and a
-    cut layer runs more of them (its halo's shells): at 256^3 and batch 1 (about 100 ops of 32 us each against
-    12 ms of memory traffic, gems.plan.devices.GPU_OP_OVERHEAD_S) the plan gives S = 4 no less compute per rank
-    (an unchecked consequence of the per-kernel cost: no GPU has timed a spatial run alone yet)."""
+    cut layer runs more of them (its halo's shells, each op with its fixed cost,
+    gems.plan.devices.GPU_OP_OVERHEAD_S), so the gain is below the volume's: no GPU has timed a spatial run alone
+    yet."""
     base = ["model=cosmoflow", "model.size=512", "train.batch_size=1", "cluster=perlmutter", "cluster.account=x"]
     one = make_plan(compose(base), suggest=False).prediction
     four = make_plan(compose(base + ["parallel.spatial=4"]), suggest=False).prediction

@@ -44,24 +44,33 @@ def test_each_sample_gets_a_symmetry_of_its_own_each_epoch() -> None:
     assert sum((s.symmetries_of(4, x) for x in shares), []) == s.symmetries_of(4, ids)  # each sample's own
 
 
-@pytest.mark.parametrize("shape", [(4, 40, 24, 16), (4, 64, 64, 64), (3, 700, 9)])
-def test_a_synthetic_sample_is_the_same_under_any_cut(shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("shape,draw", [((4, 40, 24, 16), 1 << 20), ((4, 64, 64, 64), 1 << 20), ((3, 700, 9), 1 << 20),
+                                        ((4, 40, 24, 16), 3000), ((2, 37, 16, 16), 4096)])
+def test_a_synthetic_sample_is_the_same_under_any_cut(shape: tuple[int, ...], draw: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Samples are drawn in aligned blocks of planes (one draw per block, not per plane: the H100's reader spent
     51 ms a 128^3 batch on per-plane draws); any slab of planes, cut anywhere, and any in-plane part are the
     whole sample's values there, including slabs inside one block, across blocks and at the sample's end."""
     import torch
 
+    import gems.data.synthetic as synthetic
     from gems.data.synthetic import planes_per_draw, sample_input
 
+    monkeypatch.setattr(synthetic, "DRAW_VALUES", draw)  # small draws: many blocks, a short last one
     full = sample_input(7, 3, shape)
     assert full.shape == shape and full.is_contiguous()
     k = planes_per_draw(shape[0] * int(np.prod(shape[2:])))
     n = shape[1]
+    assert (k < n) == (draw < 1 << 20), k  # the small draws cut the sample into blocks
     cuts = {(0, n), (0, 1), (n - 1, n), (min(k, n - 1), n), (max(0, k - 1), min(n, k + 2)), (n // 3, 2 * n // 3)}
     inner = slice(1, shape[2] - 1)
     for a, b in cuts:
         assert torch.equal(sample_input(7, 3, shape, [slice(a, b)]), full[:, a:b]), (a, b, k)
         assert torch.equal(sample_input(7, 3, shape, [slice(a, b), inner]), full[:, a:b, inner]), (a, b, k)
+    # stepped and reversed slices, and an empty one
+    for s in (slice(1, n, 3), slice(None, None, -1), slice(n - 2, 0, -2)):
+        assert torch.equal(sample_input(7, 3, shape, [s]), full[:, range(*s.indices(n))]), s
+    assert sample_input(7, 3, shape, [slice(5, 5)]).shape == (shape[0], 0, *shape[2:])
     # another sample, another seed: other values
     assert not torch.equal(sample_input(7, 4, shape), full) and not torch.equal(sample_input(8, 3, shape), full)
 

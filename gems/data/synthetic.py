@@ -48,18 +48,20 @@ def sample_input(seed: int, index: int, shape: Sequence[int], slices: Sequence[s
     sl = list(slices) if slices is not None else [slice(0, n) for n in spatial]
     sl += [slice(0, n) for n in spatial[len(sl):]]
     k = planes_per_draw(c * math.prod(spatial[1:]))
-    lo, hi, step = sl[0].indices(spatial[0])
+    planes = range(*sl[0].indices(spatial[0]))
     dev = device if device is not None and device.type != "cpu" else None
-    if hi <= lo:
+    if not planes:
         return torch.empty([c, 0, *(len(range(*s.indices(n))) for s, n in zip(sl[1:], spatial[1:]))], device=dev)
-    first, last = lo // k, (hi - 1) // k
+    first, last = min(planes) // k, max(planes) // k
     blocks = []
     for b in range(first, last + 1):
         block = torch.randn([c, min(k, spatial[0] - b * k), *spatial[1:]], generator=_gen(seed, index, b, dev),
                             device=dev)
         blocks.append(block[(slice(None), slice(None), *sl[1:])])
-    planes = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
-    return planes[:, lo - first * k:hi - first * k:step].contiguous()
+    drawn = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+    if planes.step == 1:
+        return drawn[:, planes.start - first * k:planes.stop - first * k].contiguous()
+    return drawn[:, [p - first * k for p in planes]]  # a stepped slice (reversed too): its planes, in its order
 
 
 def sample_target(seed: int, index: int, kind: str, num_outputs: int, loss: str,

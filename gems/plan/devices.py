@@ -31,7 +31,7 @@ counts that total (:data:`GPUS` ``.memory_bytes``, :func:`gpu_memory_bytes`); th
 PyTorch runs fp32 convolutions in TF32 by default on Ampere and later (``torch.backends.cudnn.allow_tf32``)
 and fp32 matmuls in fp32 (``torch.backends.cuda.matmul.allow_tf32`` is off), so an fp32 convolution is timed
 at the tf32 rate where there is one. What a kernel reaches of the peak is an efficiency per op class
-(``plan.efficiency``: conv, matmul, memory; calibrated by ``gems bench plan``).
+(``plan.efficiency``: conv, matmul, memory, pool; measured by ``gems bench calibrate``).
 
 Why one file of this length: it is a catalogue, the devices' table and each cluster preset's links one entry
 each, with the CPU measured beside them; split, one table would live in several places.
@@ -117,13 +117,14 @@ GPU_EFFICIENCY_SOURCE = ("fit to 18 one-rank steps of CosmoFlow, 3D U-Net and Re
 #: width rule below (:func:`conv_width_factor`): fit to every one-rank row of results/gpu/h200-2026-11-26.json
 #: (CosmoFlow 64^3-256^3, fp32/fp16/bf16) and h100-2026-11-26.json (the same, and 3D U-Net at 64^3, ResNet at
 #: 512^2 and 256^2, other batches), the figures that bring the worst row's planned step nearest its measured one:
-#: every row within 0.80-1.35 of measured (tests/test_plan_gpu.py). The physical reading:
+#: every row within 0.78-1.35 of measured (tests/test_plan_gpu.py). The physical reading:
 #: - elementwise and normalising ops reach 85% of the data sheet's bandwidth (gems bench calibrate measured 83% for
 #:   a leaky ReLU on the H100: results/gpu/calibration-h100-cosmoflow64.md);
 #: - CosmoFlow's 3D pools in channels-last reach 13%: they read each input cell kernel^3/stride^3 times and cuDNN's
 #:   3D pooling is slow; they and the narrow convolutions carry its large steps;
 #: - a convolution reaches 40% of the tensor cores' peak at 64 channels a side and more, less where it is narrower
-#:   (CosmoFlow's first 4 -> 16 convolution: 6%, as calibrate measured 5%);
+#:   (CosmoFlow's first 4 -> 16 convolution: 1.8% by the rule, where calibrate timed its forward at 5%: the
+#:   narrow layers' shortfall is made up by the pools beside them, as one fit over whole steps allows);
 #: - a fixed cost a kernel (below) carries the small steps.
 #: The H100 and H200 share the architecture, kernels and peak flops; only their memory differs. Before these
 #: figures one memory-class efficiency (14%) lumped CosmoFlow's convolutions and pools with every elementwise op:
@@ -204,8 +205,9 @@ class Rates:
         data-sheet rates (GPU) give a roofline, the larger of compute and memory time, with a backward costing
         twice its forward (input and weight gradients)."""
         if self.calibrated and cls == "conv" and sig in self.calibrated:
+            # timed alone between CUDA events: the call's launches are in the measured time already
             fwd, bwd = self.calibrated[sig]
-            return self.share * (flops / (bwd if backward else fwd) + self.op_overhead_s * (2 if backward else 1))
+            return self.share * flops / (bwd if backward else fwd)
         if self.measured is not None:
             work = flops if cls in ("conv", "matmul") else nbytes
             if cls == "conv":
@@ -247,7 +249,7 @@ def efficiency(cfg_eff: Any, gpu: str | None = None, precision: str = "fp32") ->
         return out
     items = dict(cfg_eff) if hasattr(cfg_eff, "items") else None
     if items is None:
-        raise ConfigError("plan.efficiency", cfg_eff, "a mapping such as {conv: 0.5, matmul: 0.6, memory: 0.6}")
+        raise ConfigError("plan.efficiency", cfg_eff, "a mapping such as {conv: 0.4, matmul: 0.6, memory: 0.85, pool: 0.13}")
     for k, v in items.items():
         if k not in out:
             raise ConfigError(f"plan.efficiency.{k}", v, f"one of {sorted(out)}")
@@ -517,8 +519,8 @@ def synthetic_seconds(spec: Any, part: list[int], want_input: bool, want_target:
     as :meth:`SyntheticData.batch` makes them at every step, on the host (CPU ranks; GPU ranks draw on their GPU:
     :func:`gems.plan.predict.gpu_synthetic`).
 
-    Timed here with the real generator, which makes each plane along spatial dim 0 whole from its own seeded
-    generator (so a cut along the other dims saves nothing): on as many of the part's planes as stay within
+    Timed here with the real generator, which makes each aligned block of planes along spatial dim 0 whole from
+    its own seeded generator (so a cut along the other dims saves nothing): on as many of the part's planes as stay within
     DATA_ELEMENTS, scaled to all of them. Memoised per shape."""
     key = (tuple(spec.input_shape), spec.target, tuple(part), want_input, want_target, threads)
     if not (want_input or want_target):

@@ -70,7 +70,8 @@ def predict_step(cfg: Any, pl: Planner, prof: Any, batch: int, dev: dict[str, An
         data, made, on_device = gpu_synthetic(rates, ahead), (
             "synthetic samples drawn on the GPU " + ("by the reader a step ahead, on a side stream beside the step's "
                                                      "kernels: the step waits for none of it" if ahead else
-                                                     "in the step (data.prefetch=0): memory-bound, a kernel a plane")), True
+                                                     "in the step (data.prefetch=0): memory-bound, a kernel a "
+                                                     "block of planes")), True
     elif str(cfg.data.name) == "synthetic":  # made on the host: this machine's CPU, timed
         share, threads = rates.share, rank_threads(cfg)
 
@@ -121,6 +122,8 @@ def gpu_synthetic(rates: Any, ahead: bool = True) -> Any:
     def data(part: Any, n: int, inp: bool, tgt: bool) -> float:
         if not inp or ahead:
             return 0.0
+        # the part's own plane: a part cut in-plane draws the sample's whole plane (undercounted here; only a
+        # reader turned off, data.prefetch=0, puts this in the step)
         dims = [int(v) for v in part]
         elements = n * math.prod(dims)
         blocks = -(-dims[1] // planes_per_draw(dims[0] * math.prod(dims[2:]))) + 1
