@@ -62,6 +62,8 @@ ROWS: list[tuple[str, list[str]]] = [
     ("c128_b2", ["model=cosmoflow", "model.size=128", "train.batch_size=2", "train.steps=12",
                  "train.warmup_steps=3"]),
 ]
+#: the file that marks a folder as a lease's scratch, which the next lease clears
+MARK = ".gems-gpu-lease"
 #: the most one command of each phase may take, in seconds (measured on an H100: a rig run 20-60 s, a row 13-22 s,
 #: the overhead benchmark 22 s, a calibration 5-12 s); the phases after one keep what they need of the deadline
 RUN_S, ROW_S, OVERHEAD_S, CALIBRATE_S = 100.0, 40.0, 60.0, 40.0
@@ -228,13 +230,20 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     phases = [x for x in a.phases.split(",") if x]
     bad = [x for x in phases if x not in ("rig", "rows", "bench")]
-    if bad:  # before anything is written
-        print(f"gpu_lease: --phases={a.phases}: {', '.join(bad)} is not a phase (rig, rows or bench)", file=sys.stderr)
+    if bad or not phases:  # before anything is written
+        print(f"gpu_lease: --phases={a.phases}: {', '.join(bad) or 'nothing'} is not a phase (rig, rows or bench)",
+              file=sys.stderr)
+        return 2
+    work = Path(os.environ.get("GEMS_LEASE_WORK", "/tmp/gems-gpu-lease"))
+    if work.exists() and not (work / MARK).exists():
+        print(f"gpu_lease: GEMS_LEASE_WORK={work}: a folder no lease made (it would be cleared): name a new one",
+              file=sys.stderr)
         return 2
     out = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(os.environ.get("GEMS_LEASE_WORK", "/tmp/gems-gpu-lease"))
     shutil.rmtree(work, ignore_errors=True)  # the lease's own scratch: no record of an earlier lease is read
+    work.mkdir(parents=True)
+    (work / MARK).write_text("the scratch of scripts/gpu_lease.py, cleared at each lease\n")
     lease = Lease(out, work, a.seconds, a.dry)
     env_info = environment()
     (work / "environment.json").write_text(json.dumps(env_info, indent=1))

@@ -137,6 +137,15 @@ def test_the_lease_script_writes_rows_in_the_gpu_files_schema_and_refuses_a_bad_
                           "--out", str(tmp_path / "bad")], capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 2 and "--phases" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "bad").exists()
+    # a scratch folder no lease made is not cleared
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("x")
+    other = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_lease.py"), "--dry", "--phases", "rows",
+                            "--out", str(tmp_path / "other")], capture_output=True, text=True, timeout=120,
+                           env=dict(env, GEMS_LEASE_WORK=str(mine)))
+    assert other.returncode == 2 and "GEMS_LEASE_WORK" in other.stderr and (mine / "keep.txt").exists()
+    assert not (tmp_path / "other").exists()
 
 
 def test_a_lease_command_at_its_limit_goes_with_what_it_started(tmp_path: Path) -> None:
