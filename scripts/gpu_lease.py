@@ -35,11 +35,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-# gems from this checkout, and the carried pure-Python packages where there are some (a GPU machine's image has
-# neither installed): for this process, and for the runs it starts (_env)
-for _path in (ROOT / ".gpu" / "site", ROOT):
-    if _path.is_dir() and str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
+#: gems from this checkout, then the carried pure-Python packages where there are some (a GPU machine's image has
+#: neither installed): for this process, and for the runs it starts (_env)
+PATHS = [str(p) for p in (ROOT, ROOT / ".gpu" / "site") if p.is_dir()]
+sys.path[:0] = [p for p in PATHS if p not in sys.path]
 
 #: (label, overrides): the H200 file's one-rank rows under its labels, then models and batches it never saw
 ROWS: list[tuple[str, list[str]]] = [
@@ -78,8 +77,7 @@ DRY_ROWS: list[tuple[str, list[str]]] = [("dry_small", ["model.size=32", "model.
 
 def _env() -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    path = [str(ROOT)] + ([str(ROOT / ".gpu" / "site")] if (ROOT / ".gpu" / "site").is_dir() else [])
-    env["PYTHONPATH"] = os.pathsep.join(path + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = os.pathsep.join(PATHS + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("GEMS_CACHE_DIR", "/tmp/gems-gpu-lease-cache")
     return env
 
@@ -118,17 +116,14 @@ class Lease:
 def environment() -> dict[str, Any]:
     import torch
 
+    from gems.results.record import git_commit
+
     info: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-                            "cpus": os.cpu_count()}
+                            "cpus": os.cpu_count(), "commit": git_commit()}
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, gpu_memory_bytes=p.total_memory, sms=p.multi_processor_count,
                     nccl=".".join(map(str, torch.cuda.nccl.version())))
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                                        cwd=ROOT).stdout.strip() or None
-    except OSError:
-        info["commit"] = None
     return info
 
 

@@ -107,13 +107,9 @@ GPUS: dict[str, GPU] = {
     "mi250x-gcd": GPU(64, 68702699520, 47.9, None, 191.5, 191.5, 1638.0),
 }
 
-#: what kernels reach of a GPU's peak, per op class (convolutions at full width, matmuls, elementwise and
-#: normalising ops, pools), for a GPU nothing was measured on: what gems's kernels reached on the GPUs that were
-#: (the Hopper figures below), the best guess until one of the kind is measured
-DEFAULT_EFFICIENCY = {"conv": 0.4, "matmul": 0.6, "memory": 0.85, "pool": 0.13}
 GPU_EFFICIENCY_SOURCE = ("fit to 18 one-rank steps of CosmoFlow, 3D U-Net and ResNet measured on an H200 and an H100, "
                          "results/gpu/h200-2026-11-26.json and h100-2026-11-26.json")
-#: what gems's steps reached of a Hopper GPU's peak, per precision, with the per-kernel cost and the convolutions'
+#: what gems's steps reached of a Hopper GPU's peak, every precision alike, with the per-kernel cost and the convolutions'
 #: width rule below (:func:`conv_width_factor`): fit to every one-rank row of results/gpu/h200-2026-11-26.json
 #: (CosmoFlow 64^3-256^3, fp32/fp16/bf16) and h100-2026-11-26.json (the same, and 3D U-Net at 64^3, ResNet at
 #: 512^2 and 256^2, other batches), the figures that bring the worst row's planned step nearest its measured one:
@@ -130,10 +126,13 @@ GPU_EFFICIENCY_SOURCE = ("fit to 18 one-rank steps of CosmoFlow, 3D U-Net and Re
 #: figures one memory-class efficiency (14%) lumped CosmoFlow's convolutions and pools with every elementwise op:
 #: it fit CosmoFlow on the H200 and planned ResNet 4-6x and U-Net 2x too slow. ``plan.efficiency`` overrides them;
 #: ``gems bench calibrate`` measures the convolutions and the bandwidth themselves.
-_HOPPER = {"fp32": {"conv": 0.4, "matmul": 0.6, "memory": 0.85, "pool": 0.13},
-           "bf16": {"conv": 0.4, "matmul": 0.6, "memory": 0.85, "pool": 0.13},
-           "fp16": {"conv": 0.4, "matmul": 0.6, "memory": 0.85, "pool": 0.13}}
+_HOPPER_FIT = {"conv": 0.4, "matmul": 0.6, "memory": 0.85, "pool": 0.13}  # one fit, every precision
+_HOPPER = {p: _HOPPER_FIT for p in ("fp32", "bf16", "fp16")}
 GPU_EFFICIENCY: dict[str, dict[str, dict[str, float]]] = {"h200": _HOPPER, "h100": _HOPPER}
+#: what kernels reach of a GPU's peak, per op class (convolutions at full width, matmuls, elementwise and
+#: normalising ops, pools), for a GPU nothing was measured on: what gems's kernels reached on the GPUs that were,
+#: the best guess until one of the kind is measured
+DEFAULT_EFFICIENCY = dict(_HOPPER_FIT)
 #: the channel width (the geometric mean of a convolution's input and output channels) from which a convolution
 #: keeps the tensor cores as busy as it can, and how fast its rate falls below it (fit with the figures above)
 CONV_FULL_WIDTH, CONV_WIDTH_POWER = 64.0, 1.5
