@@ -78,6 +78,10 @@ class Groups:
     spatial_ranks: list[int] = field(default_factory=list)
     pipeline: Any = None
     pipeline_ranks: list[int] = field(default_factory=list)
+    #: gloo only: a second group of the pipeline line's ranks, for the messages that go up the line (to a lower
+    #: position; gems.pipeline.runtime): gloo runs both directions of a pair of ranks on one connection, whose
+    #: lock a large message holds (None: every message on ``pipeline``)
+    pipeline_up: Any = None
     replica: Any = None
     replica_ranks: list[int] = field(default_factory=list)
     grad: Any = None
@@ -210,7 +214,8 @@ class Mesh:
         position is its own group (``R x S`` ranks).
 
         A pipeline line's messages all go on its ``pipeline`` group, one communicator, in exchange rounds
-        (:mod:`gems.pipeline.exchange`; docs/design.md, "Rules of the GPU path").
+        (:mod:`gems.pipeline.exchange`; docs/design.md, "Rules of the GPU path"); over gloo, those going up the
+        line go on a second group of the same ranks, ``pipeline_up`` (:func:`up_group_wanted`).
         """
         me = self.coord(rank)
         for axis in Axis:
@@ -219,6 +224,9 @@ class Mesh:
             mine = next(r for r in lists if rank in r)
             setattr(self.groups, axis.value, g)
             setattr(self.groups, axis.value + "_ranks", mine)
+        if up_group_wanted() and self.pipeline > 1:
+            self.groups.pipeline_up = self._axis_group("pipeline_up", self.all_rank_lists(Axis.PIPELINE), rank,
+                                                       timeout)
         if groups is None:
             groups = [tuple(sorted({d, self.pipeline - 1 - d})) if mirrored else (d,) for d in range(self.pipeline)]
         keys = list(dict.fromkeys(tuple(sorted(set(int(d) for d in pos))) for pos in groups))
@@ -270,6 +278,18 @@ class Mesh:
     def describe(self) -> str:
         sp = "x".join(str(p) for p in self.parts)
         return f"R{self.replicas} x D{self.pipeline} x S{self.spatial}({sp} over dims {list(self.spatial_dims)})"
+
+
+def up_group_wanted() -> bool:
+    """Whether a pipeline line carries its messages up the line (to a lower position) on a second group of its ranks:
+    over gloo only. gloo runs a ``batch_isend_irecv`` as its operations one by one, and both directions of a pair of
+    ranks on one connection under one lock, which its I/O thread holds while it reads a message in: a rank's send
+    waited 2-4 ms for the peer's 2 MB activation coming the other way (gems bench pipeline's model, two ranks), 15-20%
+    of an interleaved 1F1B step. A group of its own for each direction gives each its own connection and thread.
+    NCCL runs a batch as one group, which must be on one communicator; MPI progresses both directions itself."""
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_backend() == "gloo"
 
 
 def _splits() -> bool:

@@ -99,6 +99,8 @@ class _Direct(_Rank):
         R, D, B = c["R"], c["D"], c["B"]
         self.mesh = Mesh(R, D, world_size=world)
         self.mesh.build_groups(rank, mirrored=is_mirrored(c["schedule"]))
+        if c.get("one_batch"):  # every round one batch on the line's one group, as under NCCL
+            self.mesh.groups.pipeline_up = None
         self.runner = apply_pipeline(
             spec.module, self.mesh, rank, loss_fn=make_loss(_kind(spec), B), batch_size=B // R,
             schedule=c["schedule"], micro_batches=c["m"], gems_replicas=c.get("eta"), virtual_stages=c.get("v"),

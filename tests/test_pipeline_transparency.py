@@ -34,12 +34,15 @@ def case(model: str, schedule: str, D: int, m: int = 1, eta: int | None = None, 
          B: int = 8, checkpoint: bool = False, trace: bool = True, steps: int = 3, balance_by: str = "memory",
          via: str = "pipeline", spatial_dims: tuple[int, ...] = (0,), bucket_mb: float = 0.001,
          balance: list[int] | None = None, v: int | None = None, split: bool = False,
-         loss_scaling: bool = False) -> dict[str, Any]:
+         loss_scaling: bool = False, one_batch: bool = False) -> dict[str, Any]:
+    """``one_batch``: every round one ``batch_isend_irecv`` on the line's one group, as under NCCL (over gloo the
+    runtime otherwise issues a round's operations one by one, those up the line on a group of their own)."""
     assert S == 1 or via == "worker", "spatial parts are composed by the worker"
     assert not loss_scaling or via == "worker", "loss scaling is the worker's (gems.precision)"
     return dict(model=model, schedule=schedule, D=D, R=R, S=S, m=m, eta=eta, B=B, checkpoint=checkpoint,
                 trace=trace, steps=steps, balance_by=balance_by, via=via, spatial_dims=spatial_dims,
-                bucket_mb=bucket_mb, balance=balance, v=v, split=split, loss_scaling=loss_scaling)
+                bucket_mb=bucket_mb, balance=balance, v=v, split=split, loss_scaling=loss_scaling,
+                one_batch=one_batch)
 
 
 WORLD2 = [  # D = 2
@@ -60,6 +63,7 @@ WORLD2 = [  # D = 2
     case("resnet_gn", "1f1b", 2, m=2, balance_by="time", steps=2),  # measured balance: rank 0's is broadcast
     # interleaved stages: two (three) partitions per rank, stage s on rank s mod D
     case("cosmoflow", "interleaved1f1b", 2, m=2, v=2),
+    case("cosmoflow", "interleaved1f1b", 2, m=2, v=2, one_batch=True, steps=2),  # NCCL's path: a round one batch
     case("resnet_bn", "interleaved1f1b", 2, m=4, v=3, checkpoint=True, steps=2),
     case("resnet_gn", "interleaved1f1b", 2, m=2, v=2, via="worker", trace=False, steps=2),
     # the backward split into input and weight gradients (zero bubble; inside GEMS too)
@@ -84,6 +88,7 @@ WORLD4 = [  # D = 4, R = 2 x D = 2 (GEMS-Hybrid), D = 2 x S = 2 (spatial parts i
     case("cosmoflow", "1f1b", 4, m=4, steps=2),
     case("cosmoflow", "mast", 4, steps=2),
     case("cosmoflow", "mast", 4, m=2, steps=2),
+    case("cosmoflow", "mast", 4, m=2, steps=2, one_batch=True),
     case("resnet_gn", "master", 4, m=2, eta=2, steps=2),  # Chimera at D = 4
     case("resnet_gn", "master", 4, eta=4, checkpoint=True, trace=False, steps=2),
     case("cosmoflow", "mast", 2, R=2, steps=2, via="worker"),
@@ -120,7 +125,7 @@ WORLD2 = WORLD2 + _registry_cases()
 
 def label_of(c: dict[str, Any]) -> str:
     return (f"{c['model']}/{c['schedule']} R={c['R']} D={c['D']} S={c['S']} m={c['m']} eta={c['eta']} "
-            f"ckpt={c['checkpoint']} via={c['via']}")
+            f"ckpt={c['checkpoint']} via={c['via']}" + (" one batch a round" if c.get("one_batch") else ""))
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, rel: float, what: str) -> None:
@@ -186,6 +191,10 @@ def check_nccl_order(results: list[list[dict[str, Any]]], cases: list[dict[str, 
             except OrderError as e:
                 raise AssertionError(f"{label_of(c)} (strict sends: {strict}): {e}") from None
             assert ran["messages"] > 0 or c["D"] == 1, label_of(c)
+        if c["S"] == 1 and c["D"] > 1:  # (halos go in batches of their own) the rounds batched as the case says
+            batched = any(ev.get("batch") is not None and ev.get("kind") in ("send", "recv")
+                          for log in logs.values() for ev in log)
+            assert batched == bool(c.get("one_batch")), label_of(c)
 
 
 def test_cases_cover_every_registered_schedule() -> None:

@@ -123,7 +123,7 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
     if D > 1 and not mesh.groups.built:
         raise RuntimeError(f"apply_pipeline: call mesh.build_groups(rank, groups={sched.holder_groups()}) first")
     runner = PipelineRunner(held, sched, coord.pipeline, peers, mesh.groups.pipeline, batch_size, loss_fn, checkpoint,
-                            shapes, balance=bal, device=device)
+                            shapes, balance=bal, device=device, up_group=mesh.groups.pipeline_up)
     if D > 1:
         runner.connect()
     return runner

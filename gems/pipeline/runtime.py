@@ -10,7 +10,11 @@ The messages cross in exchange rounds (:mod:`gems.pipeline.exchange`): every
 message in the round of the tick its producing action ends, on the schedule's
 unit-cost clock; a round is one ``batch_isend_irecv`` on the pipeline line's
 one communicator (``mesh.groups.pipeline``) holding every message of that tick
-the rank sends or receives, in one order both ends derive alike. A rank runs
+the rank sends or receives, in one order both ends derive alike (over gloo,
+which runs a batch as its operations one by one anyway, the operations are
+issued one by one in that order, those going up the line on a second group of
+the line's ranks, ``mesh.groups.pipeline_up``: :func:`gems.mesh.up_group_wanted`
+says why). A rank runs
 its round right after the action that made its sends and before the action
 that needs its receives, and waits for a round only where an action needs what
 it received: on a GPU the compute stream waits, the host does not, so a round
@@ -129,17 +133,21 @@ class PipelineRunner:
     partitions (ascending partition index), ``parameters()`` their parameters
     in that order, so the two mirrored holders of a partition pair flatten
     their gradients identically. ``group``: the pipeline line's process group
-    (``mesh.groups.pipeline``), the one communicator every message goes on.
+    (``mesh.groups.pipeline``), the one communicator every message goes on; ``up_group``
+    (``mesh.groups.pipeline_up``, gloo only), where given, carries the messages to a lower position instead, and a
+    round's operations are issued one by one (no ``batch_isend_irecv``: its operations must share one group).
     """
 
     def __init__(self, partitions: dict[int, nn.Sequential], schedule: Schedule, position: int, peers: Sequence[int],
                  group: Any, batch_size: int, loss_fn: LossFn, checkpoint: bool = False,
                  shapes: Sequence[tuple[tuple[int, ...], torch.dtype]] | None = None,
-                 balance: Sequence[int] | None = None, device: torch.device | None = None) -> None:
+                 balance: Sequence[int] | None = None, device: torch.device | None = None,
+                 up_group: Any = None) -> None:
         self.schedule = schedule
         self.position = position
         self.peers = list(peers)
         self.group = group
+        self.up_group = up_group
         self.batch_size = batch_size
         self.loss_fn = loss_fn
         self.checkpoint = checkpoint
@@ -237,14 +245,20 @@ class PipelineRunner:
         return (((parity * 3 + kind) * s.replicas + replica) * s.micro_batches + micro_batch) * s.stages + stage
 
     def _op(self, m: Message, t: torch.Tensor, tag: int) -> Any:
-        """The send or the receive of ``m`` on this rank, on the line's communicator."""
+        """The send or the receive of ``m`` on this rank, on the line's communicator (up the line on ``up_group``
+        where there is one)."""
+        group = self.up_group if self.up_group is not None and m.src > m.dst else self.group
         if m.src == self.position:
-            return dist.P2POp(dist.isend, t, self.peers[m.dst], group=self.group, tag=tag)
-        return dist.P2POp(dist.irecv, t, self.peers[m.src], group=self.group, tag=tag)
+            return dist.P2POp(dist.isend, t, self.peers[m.dst], group=group, tag=tag)
+        return dist.P2POp(dist.irecv, t, self.peers[m.src], group=group, tag=tag)
 
     def _batch(self, ops: list[Any], keys: list[Any]) -> dict[Any, Any]:
-        """One ``batch_isend_irecv`` (one NCCL group); the work that covers each key's operation (NCCL gives the
-        whole group one work, gloo one per operation)."""
+        """One ``batch_isend_irecv`` (one NCCL group), or with ``up_group`` (gloo) the operations one by one in their
+        order, as gloo runs a batch; the work that covers each key's operation (NCCL gives the whole group one
+        work, gloo one per operation)."""
+        if self.up_group is not None:
+            works = [op.op(op.tensor, op.peer, group=op.group, tag=op.tag) for op in ops]
+            return dict(zip(keys, works))
         works = dist.batch_isend_irecv(ops)
         return {k: (works[i] if len(works) == len(ops) else works[-1]) for i, k in enumerate(keys)}
 
