@@ -387,9 +387,10 @@ def test_mirrored_gradient_sums_meet_between_the_same_rounds_on_every_holder() -
     """GEMS's mirrored copies sum each bucket where gems.pipeline.exchange.sum_points puts it (after the action that
     completes it, between the same two rounds on every holder): with every schedule that holds copies (D = 2-4,
     m = 1-4, eta, split) and three buckets a partition, the rounds and the sums run to the end with sends that wait
-    for their receive and each sum a collective of its holders, and some sum starts before the step's last round
-    (the overlap given back: they all waited for the end before)."""
-    from gems.pipeline.exchange import check, plan_exchanges, program, sum_points
+    for their receive and each sum a collective of its holders, some sum starts before the position's last action
+    (the overlap given back: they all waited for the end before), and none before the round that carries what its
+    completing action sent."""
+    from gems.pipeline.exchange import _message, check, plan_exchanges, program, sum_points
 
     n, early = 0, 0
     for sched in _exchange_cases():
@@ -400,11 +401,18 @@ def test_mirrored_gradient_sums_meet_between_the_same_rounds_on_every_holder() -
                    for p in range(sched.ranks)}
         check(plan, buckets)
         for p in range(sched.ranks):
-            prog = program(plan, p, sum_points(plan, buckets[p])[p])
+            points = sum_points(plan, buckets[p])[p]
+            prog = program(plan, p, points)
             kinds = [k for k, _ in prog]
             assert kinds.count("sum") == len(buckets[p])
-            last_round = max((i for i, k in enumerate(kinds) if k == "round"), default=-1)
-            early += any(k == "sum" and i < last_round for i, k in enumerate(kinds))
+            # what the completing action sent leaves before the sum: a peer waiting for it never waits behind it
+            for b, (_, k) in enumerate(points):
+                made = _message(sched, plan.orders[p][k]) if k >= 0 else None
+                if made is not None:
+                    at = next(i for i, (kind, r) in enumerate(prog) if kind == "round" and made in r.messages)
+                    assert at < prog.index(("sum", b)), (sched.name, p, b)
+            last_action = max((i for i, k in enumerate(kinds) if k == "action"), default=-1)
+            early += any(k == "sum" and i < last_action for i, k in enumerate(kinds))
         n += 1
     assert n > 30 and early > n
 

@@ -15,9 +15,10 @@ Under those assumptions an exchange must be a *meeting*: both ranks of every mes
 current group. This module turns a schedule into meetings. It runs the per-rank orders on the schedule's
 unit-cost clock (:func:`gems.pipeline.schedules.run_orders`) and exchanges every message in the **round** of
 the tick its producing action ends. A round is one ``batch_isend_irecv`` per rank, on the pipeline line's one
-communicator (``mesh.groups.pipeline``), holding every message of that tick the rank sends or receives, in one
-order both ends derive alike (:class:`Message`'s). Each rank runs its rounds in tick order: after its previous
-round, after the actions that made its sends in the round, and, where the round brings it messages,
+communicator (``mesh.groups.pipeline``; over gloo its operations one by one in its order, each direction of
+the line on a group of its own: :func:`gems.mesh.up_group_wanted`), holding every message of that tick the rank
+sends or receives, in one order both ends derive alike (:class:`Message`'s). Each rank runs its rounds in tick
+order: after its previous round, after the actions that made its sends in the round, and, where the round brings it messages,
 :data:`LOOKAHEAD` actions before the first action that needs one (or before its first action that starts at or
 after the tick, if that is earlier), so the transfer overlaps the compute between. The receiver keeps a buffer
 from its round to its action. Any place between the earliest its sends allow and the tick's is as safe:
@@ -185,8 +186,11 @@ def sum_points(plan: ExchangePlan, buckets: Sequence[int]) -> list[list[tuple[in
     before any later round of its.
 
     Why every holder issues the sums and the rounds in one order: for bucket ``b`` the cut ``J_b`` is the highest
-    round any holder of its partition runs before the action that completes the bucket there (its last backward
-    or weight-gradient action of that partition, or the previous bucket's, whichever is later). Each holder
+    round any holder of its partition runs before the action after the one that completes the bucket there (its
+    last backward or weight-gradient action of that partition, or the previous bucket's, whichever is later): the
+    rounds that carry what the completing action sent go before the sum, so a peer waiting for that message does
+    not wait behind the sum too (under the least NCCL promises what a rank issued first may hold what it issued
+    after). Any cut at or past the rounds before the completing action is as safe, as long as it grows. Each holder
     launches ``b`` after its rounds up to ``J_b`` and that action, before its rounds after ``J_b``; ``J_b`` and the
     actions only grow from bucket to bucket. So every holder's program is a subsequence of one sequence, the
     rounds in index order with bucket ``b``'s sum right after round ``J_b``: a pair of holders meets each
@@ -204,8 +208,9 @@ def sum_points(plan: ExchangePlan, buckets: Sequence[int]) -> list[list[tuple[in
     for s in buckets:
         for p in holders[s]:
             action[p] = max(action[p], last[(p, s)])
-        # the highest round a holder runs before (in a slot up to) the action that completes the bucket there
-        cut = max([cut] + [index[id(r)] for p in holders[s] for k in range(action[p] + 1) for r in plan.before[p][k]])
+        # the highest round a holder runs before the action after the one that completes the bucket there
+        cut = max([cut] + [index[id(r)] for p in holders[s] for k in range(min(action[p] + 2, len(plan.before[p])))
+                           for r in plan.before[p][k]])
         for p in holders[s]:
             out[p].append((cut, action[p]))
     return out
