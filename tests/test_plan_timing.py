@@ -146,6 +146,17 @@ def test_synthetic_samples_drawn_on_the_gpu_cost_the_step_nothing_with_a_reader_
     assert any("the step waits for none of it" in a for a in ahead.assumptions)
 
 
+def test_a_gpu_part_cut_in_plane_draws_the_whole_planes_in_the_step():
+    """Without a reader, a part cut along height draws the sample's whole planes (the generator's blocks span
+    them: gems.data.synthetic.most_drawn), so its draws cost about what the whole sample's do, S times a depth
+    slab's."""
+    base = ["model=cosmoflow", "model.size=512", "parallel.spatial=4", "cluster=perlmutter", "cluster.account=x",
+            "data.prefetch=0"]
+    slab = make_plan(compose(base), suggest=False).prediction.breakdown["data"]
+    rows = make_plan(compose(base + ["parallel.spatial_dims=[1]"]), suggest=False).prediction.breakdown["data"]
+    assert 3.5 < rows / slab < 6, (rows, slab)
+
+
 def test_where_every_core_computes_the_whole_gradient_all_reduce_counts():
     # CosmoFlow replicated over 2 CPU ranks, 1 GB/s and 500 us a message: on a node of 2 cores both compute,
     # so gloo's all-reduce takes its time from them (the whole ring, in 256 KiB buckets, counts); on 8 cores it

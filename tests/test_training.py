@@ -75,6 +75,31 @@ def test_a_synthetic_sample_is_the_same_under_any_cut(shape: tuple[int, ...], dr
     assert not torch.equal(sample_input(7, 4, shape), full) and not torch.equal(sample_input(8, 3, shape), full)
 
 
+def test_the_planner_counts_the_blocks_a_part_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gems.data.synthetic.most_drawn, what the GPU planner counts for draws in the step, is the most blocks (and
+    planes in them) any run of that many planes draws, wherever it lies, and some run draws exactly that; an
+    in-plane part draws the whole planes."""
+    import torch
+
+    import gems.data.synthetic as synthetic
+    from gems.data.synthetic import most_drawn, planes_per_draw, sample_input
+
+    monkeypatch.setattr(synthetic, "DRAW_VALUES", 3 * 4 * 5)  # 4 x 5 planes of 1 channel: blocks of 3 planes
+    shape = (1, 11, 4, 5)
+    assert planes_per_draw(20) == 3
+    drawn: list[int] = []
+    real = torch.randn
+    monkeypatch.setattr(synthetic.torch, "randn", lambda size, **kw: drawn.append(size[1]) or real(size, **kw))
+    for length in range(1, 12):
+        seen = []
+        for a in range(0, 12 - length):
+            drawn.clear()
+            sample_input(1, 0, shape, [slice(a, a + length), slice(1, 3)])  # in-plane too: whole planes drawn
+            seen.append((len(drawn), sum(drawn)))
+        blocks, planes = most_drawn(shape, length)
+        assert max(b for b, _ in seen) == blocks and max(p for _, p in seen) == planes, (length, seen)
+
+
 def test_learning_rate_schedules() -> None:
     class T:
         lr, batch_size, lr_base_batch, lr_scaling = 0.001, 256, 64, "linear"

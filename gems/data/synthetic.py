@@ -37,6 +37,19 @@ def planes_per_draw(plane_values: int) -> int:
     return max(1, DRAW_VALUES // max(1, int(plane_values)))
 
 
+def most_drawn(shape: Sequence[int], planes: int) -> tuple[int, int]:
+    """The most blocks, and the most planes of the sample in them, that :func:`sample_input` draws for a part of
+    ``planes`` consecutive planes (along spatial dim 0) of a sample of ``shape`` = (C, *spatial), wherever the part
+    lies: the blocks it touches, each whole, over the sample's whole planes (a cut along the other dims draws
+    them too). What the planner counts for a rank's draws (gems.plan.predict.gpu_synthetic)."""
+    c, *spatial = [int(v) for v in shape]
+    k = planes_per_draw(c * math.prod(spatial[1:]))
+    if planes < 1:
+        return 0, 0
+    blocks = min(-(-spatial[0] // k), -(-(planes - 1) // k) + 1)  # a misaligned run of planes touches one more
+    return blocks, min(spatial[0], blocks * k)
+
+
 def sample_input(seed: int, index: int, shape: Sequence[int], slices: Sequence[slice] | None = None,
                  device: torch.device | None = None) -> torch.Tensor:
     """Input of ``index`` with ``shape`` = (C, *spatial); ``slices`` picks a part of the spatial dims.

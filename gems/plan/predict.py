@@ -67,7 +67,7 @@ def predict_step(cfg: Any, pl: Planner, prof: Any, batch: int, dev: dict[str, An
     data, made, on_device = None, "data read from the page cache and copied", False
     if str(cfg.data.name) == "synthetic" and dev["kind"] == "gpu":
         ahead = int(cfg.data.prefetch) > 0
-        data, made, on_device = gpu_synthetic(rates, ahead), (
+        data, made, on_device = gpu_synthetic(rates, pl.st.spec.input_shape, ahead), (
             "synthetic samples drawn on the GPU " + ("by the reader a step ahead, on a side stream beside the step's "
                                                      "kernels: the step waits for none of it" if ahead else
                                                      "in the step (data.prefetch=0): memory-bound, a kernel a "
@@ -110,22 +110,26 @@ def data_set_files(cfg: Any) -> tuple[int, int]:
     return files, nbytes
 
 
-def gpu_synthetic(rates: Any, ahead: bool = True) -> Any:
-    """Seconds a GPU rank's step waits for ``n`` samples of its ``part`` (C, *spatial) drawn on its GPU
-    (:func:`gems.data.synthetic.sample_input`). With a reader ahead (``ahead``: ``data.prefetch`` > 0) nothing: its
-    thread launches the draws on a side stream a step early, a few dozen a batch, and they run beside the step's
-    kernels (measured on an H100: results/gpu/h100-2026-11-26.json; drawn a plane at a time, 1024 launches a
-    128^3 batch of 8 kept that step waiting 19 ms of 51). In the step itself: a normal sample written once and its
-    uniform sources read once, memory-bound, and a kernel launched per block of planes."""
-    from gems.data.synthetic import planes_per_draw
+def gpu_synthetic(rates: Any, sample: Any, ahead: bool = True) -> Any:
+    """Seconds a GPU rank's step waits for ``n`` samples of its ``part`` (C, *spatial) of a ``sample`` (C, *spatial)
+    drawn on its GPU (:func:`gems.data.synthetic.sample_input`). With a reader ahead (``ahead``: ``data.prefetch`` >
+    0) nothing: its thread launches the draws on a side stream a step early, a few dozen a batch, and they run beside
+    the step's kernels (measured on an H100: results/gpu/h100-2026-11-26.json; drawn a plane at a time, 1024
+    launches a 128^3 batch of 8 kept that step waiting 19 ms of 51). In the step itself: the blocks of planes the
+    part touches drawn whole, over the sample's whole planes (:func:`gems.data.synthetic.most_drawn`), each value
+    written once and its uniform sources read once, memory-bound, a kernel launched per block, and the part copied
+    out of them where it is not all of them."""
+    from gems.data.synthetic import most_drawn
+
+    full = [int(v) for v in sample]
 
     def data(part: Any, n: int, inp: bool, tgt: bool) -> float:
         if not inp or ahead:
             return 0.0
-        # the part's own plane: a part cut in-plane draws the sample's whole plane (undercounted here; only a
-        # reader turned off, data.prefetch=0, puts this in the step)
         dims = [int(v) for v in part]
-        elements = n * math.prod(dims)
-        blocks = -(-dims[1] // planes_per_draw(dims[0] * math.prod(dims[2:]))) + 1
-        return 2 * 4 * elements / rates.bandwidth + n * blocks * rates.op_overhead_s
+        blocks, planes = most_drawn(full, dims[1])
+        drawn = full[0] * planes * math.prod(full[2:])
+        mine = math.prod(dims)
+        moved = 2 * 4 * (drawn + (mine if mine != drawn else 0))
+        return n * (moved / rates.bandwidth + blocks * rates.op_overhead_s)
     return data
