@@ -1,6 +1,6 @@
 """``gems bench pipeline``: GEMS schedules against layer parallelism and torch's own pipelining.
 
-Two questions, on two ranks of this machine (one thread each, D = 2, the same
+Three questions, on two ranks of this machine (one thread each, D = 2, the same
 ResNet-v2 cut at the same layer for every contender, the same global batch):
 
 1. What does the mirrored replica buy? ``mast`` against ``lp`` (goal >= 1.7x,
@@ -8,6 +8,9 @@ ResNet-v2 cut at the same layer for every contender, the same global batch):
 2. Is ``master`` worth it against what a PyTorch user would pick instead?
    ``master`` against ``torch.distributed.pipelining``'s ``Schedule1F1B`` and
    ``ScheduleGPipe`` at the same micro-batch size (goal >= 1.2x).
+3. Does gems run torch's own schedules as fast as torch? gems's ``1f1b``, ``gpipe`` and
+   ``interleaved1f1b`` against torch's same schedules (goal >= 1x: the runtime's overhead, the exchange
+   rounds' included).
 
 Two more rows put the first number in context. The *bound* runs what one
 ``mast`` rank computes per step (the whole model on half of the batch) in both
@@ -65,6 +68,7 @@ def _contenders() -> list[dict[str, Any]]:
             dict(label=f"gems master (eta={m})", kind="gems", schedule="master", m=1, eta=m, B=B),
             dict(label=f"gems 1f1b (m={m})", kind="gems", schedule="1f1b", m=m, B=B),
             dict(label=f"torch Schedule1F1B (m={m})", kind="torch", schedule="1f1b", m=m, B=B),
+            dict(label=f"gems gpipe (m={m})", kind="gems", schedule="gpipe", m=m, B=B),
             dict(label=f"torch ScheduleGPipe (m={m})", kind="torch", schedule="gpipe", m=m, B=B),
         ]
     # interleaved stages and the split backward (zero bubble), gems against torch on 4 micro-batches of MICRO
@@ -135,8 +139,8 @@ def _contender(rank: int, world: int, c: dict[str, Any],
                                 gems_replicas=c.get("eta"), balance=balance, virtual_stages=c.get("v"),
                                 split_backward=c.get("split", False), sample_shape=(MODEL["in_channels"], size, size))
         params = runner.parameters()
-        # the mirrored copies' gradients are summed as `gems run` sums them: bucketed, after the step's last
-        # exchange round (gems.replication.sums_during_backward)
+        # the mirrored copies' gradients are summed as `gems run` sums them: bucketed, each bucket between two
+        # exchange rounds every holder shares (gems.replication.attach, gems.pipeline.exchange.sum_points)
         reducer = GradientReducer(runner.partitions, mesh.group("grad") if is_mirrored(c["schedule"]) else None,
                                   CommConf().bucket_mb, sums_during_backward(runner.schedule))
         attach(reducer, runner)
@@ -304,7 +308,9 @@ def bench_pipeline(out_dir: str | os.PathLike[str] = "results/bench", cycles: in
                        f"**{master / by[f'torch ScheduleGPipe (m={m})']:.2f}x** "
                        f"({paired(f'gems master (eta={m})', f'torch ScheduleGPipe (m={m})')}) (goal >= 1.2x; the bubble bound is "
                        f"{ideal:.2f}x); gems 1f1b over torch Schedule1F1B "
-                       f"{by[f'gems 1f1b (m={m})'] / by[f'torch Schedule1F1B (m={m})']:.2f}x (same schedule: runtime overhead)")
+                       f"{by[f'gems 1f1b (m={m})'] / by[f'torch Schedule1F1B (m={m})']:.2f}x, gems gpipe over torch "
+                       f"ScheduleGPipe {by[f'gems gpipe (m={m})'] / by[f'torch ScheduleGPipe (m={m})']:.2f}x (same "
+                       "schedules: runtime overhead)")
     def vs(a: str, b: str) -> str:
         return f"**{by[a] / by[b]:.2f}x** ({paired(a, b)})"
 
@@ -330,7 +336,8 @@ def bench_pipeline(out_dir: str | os.PathLike[str] = "results/bench", cycles: in
         f"pass) and the 1F1B/GPipe schedules. All contenders share two processes and take turns, one training step "
         f"each per cycle in a rotating order: {cycles} cycles after {warmup} warm-up cycles, medians over cycles. "
         "Every step includes the gradient sum over mirrored copies (mast, master: gems' bucketed reducer, "
-        "after the step's last exchange round, as `gems run` does) and the SGD update. Every rank keeps freed host memory "
+        "each bucket between two exchange rounds every holder shares, as `gems run` does) and the SGD update. Every "
+        "rank keeps freed host memory "
         "for reuse, as `gems run` does on CPU ranks (`train.host_memory=auto`). Peak tensor memory: parameters, "
         "gradients and the peak a step allocates on top (the CPU allocator's events; what a GPU would count). "
         "The per-cycle ratios pair the two contenders' steps of the same cycle. The *bound* rows run what one mast "
