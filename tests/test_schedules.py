@@ -1,8 +1,6 @@
 """Schedules as pure data: checked without any process group."""
 from __future__ import annotations
 
-from typing import Any
-
 import inspect
 import re
 
@@ -383,39 +381,6 @@ def test_the_meeting_check_catches_rounds_run_out_of_order() -> None:
     late[first] = []
     with pytest.raises(AssertionError, match="before it has received"):
         check(replace(plan, before=(plan.before[0], tuple(tuple(s) for s in late))))
-
-
-def test_a_tick_crosses_in_one_round_each_way_and_mirrors_post_a_receive_early() -> None:
-    """Every tick's messages go in at most two rounds, one each way along the line, all of them once; so GEMS-MAST's
-    mirrored replicas (one micro-batch a direction), which send one way and receive the other at each exchange, post
-    a receive of the step before the action that makes their own send of that tick (with one round a tick no rank
-    could)."""
-    from gems.pipeline.exchange import _message, plan_exchanges
-
-    for sched in _exchange_cases():
-        plan = plan_exchanges(sched)
-        by_tick: dict[float, list[Any]] = {}
-        for r in plan.rounds:
-            by_tick.setdefault(r.tick, []).append(r)
-        for tick, rs in by_tick.items():
-            assert len(rs) <= 2, (sched.name, tick)
-            ways = [{m.src < m.dst for m in r.messages} for r in rs]
-            assert all(len(w) == 1 for w in ways) and (len(rs) == 1 or ways[0] != ways[1]), (sched.name, tick)
-        assert sorted(m for r in plan.rounds for m in r.messages) == sorted(
-            m for order in plan.orders for a in order if (m := _message(sched, a)) is not None), sched.name
-    for D in (2,):  # D = 2, one micro-batch a direction: the replicas cross at the same ticks
-        plan = plan_exchanges(S.make_schedule("mast", D, 1))
-        for p in range(D):
-            early = 0
-            for k, slot in enumerate(plan.before[p]):
-                for r in slot:
-                    mine = r.of(p)
-                    if any(x.dst == p for x in mine) and all(x.dst == p for x in mine):
-                        # a receive-only round of tick t, posted before an action of p that ends at t and sends
-                        made = [j for j, a in enumerate(plan.orders[p]) if (x := _message(plan.schedule, a))
-                                and any(x in q.messages for q in plan.rounds if q.tick == r.tick)]
-                        early += any(j >= k for j in made)
-            assert early >= 1, (D, p)
 
 
 def test_mirrored_gradient_sums_meet_between_the_same_rounds_on_every_holder() -> None:

@@ -13,28 +13,24 @@ another hung every schedule at step 0. So gems assumes the least NCCL promises:
 
 Under those assumptions an exchange must be a *meeting*: both ranks of every message in it have it in their
 current group. This module turns a schedule into meetings. It runs the per-rank orders on the schedule's
-unit-cost clock (:func:`gems.pipeline.schedules.run_orders`) and exchanges every message in a **round** of
-the tick its producing action ends: a tick's messages go in two rounds, one each way along the line (to a higher
-position, to a lower one), the way of the tick's first message (:class:`Message` order) first (:func:`ways`),
-so that a rank which sends one way and receives the other at a tick (GEMS's mirrored replicas, which cross at
-every exchange) can post the receive before the action that makes its send. A round is one
-``batch_isend_irecv`` per rank, on the pipeline line's one communicator (``mesh.groups.pipeline``; over gloo its
-operations one by one in its order, each direction of the line on a group of its own:
-:func:`gems.mesh.up_group_wanted`), holding every message of the round the rank sends or receives, in one order
-both ends derive alike (:class:`Message`'s). Each rank runs its rounds in their order (tick, then way): after its
-previous round, after the actions that made its sends in the round, and, where the round brings it messages,
+unit-cost clock (:func:`gems.pipeline.schedules.run_orders`) and exchanges every message in the **round** of
+the tick its producing action ends. A round is one ``batch_isend_irecv`` per rank, on the pipeline line's one
+communicator (``mesh.groups.pipeline``; over gloo its operations one by one in its order, each direction of
+the line on a group of its own: :func:`gems.mesh.up_group_wanted`), holding every message of that tick the rank
+sends or receives, in one order both ends derive alike (:class:`Message`'s). Each rank runs its rounds in tick
+order: after its previous round, after the actions that made its sends in the round, and, where the round brings it messages,
 :data:`LOOKAHEAD` actions before the first action that needs one (or before its first action that starts at or
 after the tick, if that is earlier), so the transfer overlaps the compute between. The receiver keeps a buffer
 from its round to its action. Any place between the earliest its sends allow and the tick's is as safe:
 
-why no rank can hang, by induction on the rounds in their order: suppose every round before round ``r``, of tick
-``t``, has completed. What a rank must have done before its round ``r`` is its rounds before ``r`` (done) and the
-actions placed before the round, all of which start before ``t`` (the tick's place is before the first that does
-not); an action that starts before ``t`` needs only messages of ticks at or before its start, so before ``t``:
-done. Every rank of round ``r`` therefore reaches it, and within it every message has both ends in their rank's
-current group, so the round completes, even with sends that wait for their receive and with nothing issued after
-the round able to run before it. What a rank computes after its round ``r`` is never what round ``r`` waits for,
-so the round may run beside that compute:
+why no rank can hang, by induction on the ticks: suppose every round before tick ``t`` has completed. What a
+rank must have done before its round ``t`` is its rounds before ``t`` and the actions placed before the round,
+all of which start before ``t`` (the tick's place is before the first that does not); an action that starts
+before ``t`` needs only messages of rounds at or before its start, so before ``t``: done. Every rank of round
+``t`` therefore reaches it, and within it every message has both ends in their rank's current group, so the
+round completes, even with sends that wait for their receive and with nothing issued after the round able to
+run before it. What a rank computes after its round ``t`` is never what round ``t`` waits for, so the round
+may run beside that compute:
 the runtime waits for a round only where an action needs what it received (:func:`check` replays a plan under
 these rules; tests/test_schedules.py checks every registered schedule with it).
 
@@ -51,7 +47,7 @@ from typing import Any, Sequence
 
 from gems.pipeline.schedules import Action, DeadlockError, Schedule, receives, run_orders, sends
 
-__all__ = ["Message", "Round", "ExchangePlan", "plan_exchanges", "check", "pairs", "wanted", "LOOKAHEAD", "ways",
+__all__ = ["Message", "Round", "ExchangePlan", "plan_exchanges", "check", "pairs", "wanted", "LOOKAHEAD",
            "sum_points", "program"]
 
 #: a round of receives is posted this many actions before the first that needs what it brings (or at its tick,
@@ -81,8 +77,8 @@ class Message:
 
 @dataclass(frozen=True)
 class Round:
-    """The messages whose producing action ends at ``tick`` that go one way along the line (:func:`ways`): one batch
-    on each rank that sends or receives one of them."""
+    """Every message whose producing action ends at ``tick``: one batch on each rank that sends or receives
+    one of them."""
 
     tick: float
     messages: tuple[Message, ...]
@@ -145,22 +141,6 @@ def _message(sched: Schedule, a: Action) -> Message | None:
     return Message(kind, a.replica, a.micro_batch, stage, src, dst)
 
 
-def ways(tick: float, messages: Sequence[Message]) -> list[Round]:
-    """A tick's messages in one round each way along the line (to a higher position, then to a lower, or the other
-    way round when the tick's first message goes up), each in :class:`Message` order: every rank derives the same
-    rounds. A rank that sends one way and receives the other at the tick can then post that receive before the action
-    that makes its send (measured on GEMS-MAST, whose mirrored replicas cross at every exchange:
-    results/bench/pipeline-gloo-directions.md); a shift of the whole line one way stays one round."""
-    ordered = sorted(messages)
-    first_down = ordered[0].src < ordered[0].dst
-    out = []
-    for down in (first_down, not first_down):
-        part = tuple(m for m in ordered if (m.src < m.dst) == down)
-        if part:
-            out.append(Round(tick, part))
-    return out
-
-
 def plan_exchanges(sched: Schedule, forward_only: bool = False) -> ExchangePlan:
     """The exchange rounds of ``sched`` (module docstring); ``forward_only``: of its forwards alone, in their
     order (an evaluation)."""
@@ -176,7 +156,7 @@ def plan_exchanges(sched: Schedule, forward_only: bool = False) -> ExchangePlan:
             if m is not None:
                 by_tick.setdefault(span[a][1], []).append(m)
                 made_by[m] = k
-    rounds = tuple(r for t, ms in sorted(by_tick.items()) for r in ways(t, ms))
+    rounds = tuple(Round(t, tuple(sorted(ms))) for t, ms in sorted(by_tick.items()))
     before = []
     for p, order in enumerate(orders):
         starts = [span[a][0] for a in order]
