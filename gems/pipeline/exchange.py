@@ -18,8 +18,8 @@ the tick its producing action ends. A round is one ``batch_isend_irecv`` per ran
 communicator (``mesh.groups.pipeline``; over gloo its operations one by one in its order, each direction of
 the line on a group of its own: :func:`gems.mesh.up_group_wanted`), holding every message of that tick the rank
 sends or receives, in one order both ends derive alike (:class:`Message`'s). Each rank runs its rounds in tick
-order: after its previous round, after the actions that made its sends in the round, and, where the round brings it messages,
-:data:`LOOKAHEAD` actions before the first action that needs one (or before its first action that starts at or
+order: after its previous round, after the actions that made its sends in the round, and, where the round brings
+it messages, :data:`LOOKAHEAD` actions before the first action that needs one (or before its first action that starts at or
 after the tick, if that is earlier), so the transfer overlaps the compute between. The receiver keeps a buffer
 from its round to its action. Any place between the earliest its sends allow and the tick's is as safe:
 
@@ -209,7 +209,7 @@ def sum_points(plan: ExchangePlan, buckets: Sequence[int]) -> list[list[tuple[in
         for p in holders[s]:
             action[p] = max(action[p], last[(p, s)])
         # the highest round a holder runs before the action after the one that completes the bucket there
-        cut = max([cut] + [index[id(r)] for p in holders[s] for k in range(min(action[p] + 2, len(plan.before[p])))
+        cut = max([cut] + [index[id(r)] for p in holders[s] for k in range(action[p] + 2)
                            for r in plan.before[p][k]])
         for p in holders[s]:
             out[p].append((cut, action[p]))
