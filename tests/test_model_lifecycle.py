@@ -221,6 +221,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path: Path, refe
     shutil.rmtree(wide)
 
 
+@pytest.mark.both_cores  # the experiment's train.threads: 2 at S = 1
 def test_the_sample_size_studys_points_are_reproduced_by_gems_eval(tmp_path: Path) -> None:
     """One point of the study's own recipe (conf/experiment/cosmoflow_sample_size.yaml: HDF5 universes, the cube's
     48 symmetries, Adam, the weight average evaluated with BatchNorm recalibrated, each universe's crops averaged),

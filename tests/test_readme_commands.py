@@ -163,10 +163,14 @@ def test_the_studies_walkthrough_runs_in_order(tmp_path):
     assert (tmp_path / "results" / "replication_weak" / "compare-replication_weak-vs-replication_weak_sgd.md").exists()
 
 
+#: commands whose ranks take both cores (the sample-size study's train.threads at S = 1)
+BOTH_CORES = ("jobs/cosmoflow_sample_size.sh",)
+
+
 def _marks(cmd: str) -> list:
     if any(s in cmd for s in SLURM):
         return [pytest.mark.slurm, pytest.mark.skipif(shutil.which("sinfo") is None, reason="no Slurm test cluster")]
-    return []
+    return [pytest.mark.both_cores] if any(s in cmd for s in BOTH_CORES) else []
 
 
 @pytest.mark.parametrize("cmd", [pytest.param(c, marks=_marks(c)) for c in RUN if "/scratch/cosmo" not in c])
