@@ -118,6 +118,10 @@ class ParallelConf:
     balance: Optional[list] = key(None, "layers per partition; automatic when absent")
     balance_by: str = key("auto", "auto (comm for mast/master at D = 2, else memory) | memory | time | comm (D = 2)",
                           choices=("auto", "memory", "time", "comm"))
+    rounds_by: str = key("unit", "the clock a pipeline's exchange rounds are placed by: unit (a forward 1, a backward "
+                                 "2; what gems plan's memory counts) | time (each action's time, measured in the "
+                                 "first steps; may hold received buffers where the plan does not count them)",
+                         choices=("time", "unit"))
     checkpoint: bool = key(False, "recompute activations in the backward")
     bn_stats: str = key("global", "BatchNorm statistics over spatial parts", choices=("global", "local"))
     overlap: Optional[bool] = key(None, "interior/halo overlap (null: on GPU only)")

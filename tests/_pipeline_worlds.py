@@ -76,6 +76,16 @@ def pipeline_cases(rank: int, world: int, cases: list[dict[str, Any]]) -> list[d
     return [_run_case(rank, world, c) for c in cases]
 
 
+def fake_times(rank: int, actions: Any) -> dict[Any, float]:
+    """A made-up measurement of ``actions`` (kind, stage) on ``rank`` (the ``timed="fake"`` cases): odd stages three
+    times the even ones' (uneven stages move rounds), a backward 2.5 forwards, and every rank's a little
+    different, so only the agreement over the ranks gives them one plan."""
+    from gems.pipeline.schedules import Kind
+
+    per = {Kind.F: 1.0, Kind.B: 2.5, Kind.I: 1.25, Kind.W: 1.25}
+    return {(a.kind, a.stage): (1 + 2 * (a.stage % 2)) * per[a.kind] * 1e-3 * (1 + 0.1 * rank) for a in actions}
+
+
 class _Rank:
     """What one rank trains, however it was composed."""
 
@@ -93,6 +103,11 @@ class _Rank:
         the grad group."""
         raise NotImplementedError
 
+    def place_rounds(self, how: str, rank: int) -> tuple[str | None, Any]:
+        """The rounds placed by the actions' times from the next step on (``how``: "real", the clock's; "fake",
+        :func:`fake_times`): the record's note and the step plan's layout (None where the rank cannot see it)."""
+        raise NotImplementedError
+
 
 class _Direct(_Rank):
     def __init__(self, rank: int, world: int, c: dict[str, Any], spec: ModelSpec) -> None:
@@ -107,6 +122,8 @@ class _Direct(_Rank):
             split_backward=c.get("split", False),
             checkpoint=c.get("checkpoint", False), sample_shape=spec.input_shape if c.get("trace", True) else None,
             balance=c.get("balance"), balance_by=c.get("balance_by", "memory"))
+        if c.get("timed"):
+            self.runner.time_actions()
         self.held = dict(self.runner.partitions)
         self.params = self.runner.parameters()  # may be empty: a memory-balanced cut can leave only pooling layers
         self.needs_inputs, self.needs_targets = self.runner.needs_inputs, self.runner.needs_targets
@@ -120,6 +137,13 @@ class _Direct(_Rank):
             for p in self.params:
                 dist.all_reduce(p.grad, group=self.mesh.group("grad"))
         return local
+
+    def place_rounds(self, how: str, rank: int) -> tuple[str | None, Any]:
+        runner = self.runner
+        assert runner.clock is not None and runner.clock.spans, "the clock timed the first step's actions"
+        if how == "fake":
+            runner.clock.least = lambda: fake_times(rank, runner.actions)  # type: ignore[method-assign]
+        return runner.place_rounds_by_time(), runner.plan().layout()
 
 
 class _Worker(_Rank):
@@ -137,7 +161,8 @@ class _Worker(_Rank):
                              virtual_stages=c.get("v"), split_backward=c.get("split", False),
                              balance=c.get("balance"),
                              balance_by=c.get("balance_by", "memory"), checkpoint=c.get("checkpoint", False),
-                             bn_stats="global", overlap=c.get("overlap")),
+                             bn_stats="global", overlap=c.get("overlap"),
+                             rounds_by="time" if c.get("timed") else "unit"),
             "train": dict(batch_size=c["B"], seed=SEED, precision="fp32",
                           loss_scaling="dynamic" if c.get("loss_scaling") else "off"),
             "comm": dict(bucket_mb=c.get("bucket_mb", 4.0)),
@@ -161,6 +186,12 @@ class _Worker(_Rank):
             p.grad = None  # as the worker leaves them (zero_grad(set_to_none=True))
         return self.par.step(x, y, ids, t)
 
+    def place_rounds(self, how: str, rank: int) -> tuple[str | None, Any]:
+        assert how == "real", "the worker's runner measures its own actions"
+        before = len(self.par.notes)
+        self.par.place_rounds()
+        return (self.par.notes[before] if len(self.par.notes) > before else None), None
+
 
 def _run_case(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     spec = build(c["model"])
@@ -177,6 +208,7 @@ def _run_case(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     index = {i: [param_index[id(p)] for p in part.parameters()] for i, part in me.held.items()}
     losses: list[float] = []
     grads0: dict[int, list[torch.Tensor]] = {}
+    timed: tuple[str | None, Any] | None = None
     with recorder:
         for t in range(c["steps"]):
             x, y, ids = batch(t, B, shape, kind)
@@ -195,6 +227,8 @@ def _run_case(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
                           for i, part in me.held.items()}
             if opt is not None and not scaled:
                 opt.step()
+            if t == 0 and c.get("timed"):  # the next steps' rounds placed by the actions' times
+                timed = me.place_rounds(c["timed"], rank)
     sched = make_schedule(c["schedule"], c["D"], c["m"], c.get("eta"), c.get("v"), c.get("split", False))
     forwards = {i: sum(a.kind == "F" and a.stage == i for a in sched.actions[me.mesh.coord(rank).pipeline])
                 for i in me.held}
@@ -204,7 +238,7 @@ def _run_case(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
                         for i, part in me.held.items()},
             "tracked": {i: [int(b) for n, b in part.named_buffers() if n.endswith("num_batches_tracked")]
                         for i, part in me.held.items()},
-            "forwards": forwards, "samples_per_step": me.samples_per_step, "comm": recorder.events}
+            "forwards": forwards, "samples_per_step": me.samples_per_step, "comm": recorder.events, "timed": timed}
 
 
 def serial_case(c: dict[str, Any]) -> dict[str, Any]:

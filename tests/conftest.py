@@ -20,8 +20,11 @@ if "GEMS_CACHE_DIR" not in os.environ:
 def pytest_collection_modifyitems(config, items):
     """scripts/test.sh runs the suite on two workers (pytest-xdist, --dist loadgroup): every test that submits to
     the Slurm test cluster runs on one of them, one at a time, as the queue, the cancels and the four nodes are
-    shared; so does every test marked ``both_cores`` (a rank with two threads: two such tests at once on this
-    2-core machine ran each step three times slower, past the stall timeout); the rest spread over both."""
+    shared. Tests marked ``both_cores`` (a rank with two threads) run one at a time too, on one worker: two of
+    them at once on this 2-core machine once ran each step three times slower, past the stall timeout. The rest
+    spread over both."""
     for item in items:
-        if item.get_closest_marker("slurm") is not None or item.get_closest_marker("both_cores") is not None:
+        if item.get_closest_marker("slurm") is not None:
             item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif item.get_closest_marker("both_cores") is not None:
+            item.add_marker(pytest.mark.xdist_group("both_cores"))

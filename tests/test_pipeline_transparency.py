@@ -34,15 +34,17 @@ def case(model: str, schedule: str, D: int, m: int = 1, eta: int | None = None, 
          B: int = 8, checkpoint: bool = False, trace: bool = True, steps: int = 3, balance_by: str = "memory",
          via: str = "pipeline", spatial_dims: tuple[int, ...] = (0,), bucket_mb: float = 0.001,
          balance: list[int] | None = None, v: int | None = None, split: bool = False,
-         loss_scaling: bool = False, one_batch: bool = False) -> dict[str, Any]:
+         loss_scaling: bool = False, one_batch: bool = False, timed: str | None = None) -> dict[str, Any]:
     """``one_batch``: every round one ``batch_isend_irecv`` on the line's one group, as under NCCL (over gloo the
-    runtime otherwise issues a round's operations one by one, those up the line on a group of their own)."""
+    runtime otherwise issues a round's operations one by one, those up the line on a group of their own).
+    ``timed``: after the first step the rounds are placed by the actions' times (PipelineRunner.place_rounds_by_time):
+    "real", as the clock measured them; "fake", by _pipeline_worlds.fake_times (uneven stages, every rank's own)."""
     assert S == 1 or via == "worker", "spatial parts are composed by the worker"
     assert not loss_scaling or via == "worker", "loss scaling is the worker's (gems.precision)"
     return dict(model=model, schedule=schedule, D=D, R=R, S=S, m=m, eta=eta, B=B, checkpoint=checkpoint,
                 trace=trace, steps=steps, balance_by=balance_by, via=via, spatial_dims=spatial_dims,
                 bucket_mb=bucket_mb, balance=balance, v=v, split=split, loss_scaling=loss_scaling,
-                one_batch=one_batch)
+                one_batch=one_batch, timed=timed)
 
 
 WORLD2 = [  # D = 2
@@ -64,6 +66,10 @@ WORLD2 = [  # D = 2
     # interleaved stages: two (three) partitions per rank, stage s on rank s mod D
     case("cosmoflow", "interleaved1f1b", 2, m=2, v=2),
     case("cosmoflow", "interleaved1f1b", 2, m=2, v=2, one_batch=True, steps=2),  # NCCL's path: a round one batch
+    # rounds placed by measured times from the second step: made-up uneven ones (they move rounds), the clock's
+    case("cosmoflow", "1f1b", 2, m=4, timed="fake"),
+    case("cosmoflow", "interleaved1f1b", 2, m=2, v=2, one_batch=True, timed="fake"),
+    case("cosmoflow", "1f1b", 2, m=2, via="worker", timed="real"),
     case("resnet_bn", "interleaved1f1b", 2, m=4, v=3, checkpoint=True, steps=2),
     case("resnet_gn", "interleaved1f1b", 2, m=2, v=2, via="worker", trace=False, steps=2),
     # the backward split into input and weight gradients (zero bubble; inside GEMS too)
@@ -89,6 +95,7 @@ WORLD4 = [  # D = 4, R = 2 x D = 2 (GEMS-Hybrid), D = 2 x S = 2 (spatial parts i
     case("cosmoflow", "mast", 4, steps=2),
     case("cosmoflow", "mast", 4, m=2, steps=2),
     case("cosmoflow", "mast", 4, m=2, steps=2, one_batch=True),
+    case("cosmoflow", "mast", 4, m=2, timed="fake"),  # rounds moved by uneven stages, agreed by 4 ranks
     case("resnet_gn", "master", 4, m=2, eta=2, steps=2),  # Chimera at D = 4
     case("resnet_gn", "master", 4, eta=4, checkpoint=True, trace=False, steps=2),
     case("cosmoflow", "mast", 2, R=2, steps=2, via="worker"),
@@ -108,6 +115,7 @@ WORLD4 = [  # D = 4, R = 2 x D = 2 (GEMS-Hybrid), D = 2 x S = 2 (spatial parts i
 ]
 WORLD8 = [  # R = 2 x D = 2 x S = 2 and R = 2 x D = 4
     case("cosmoflow", "mast", 2, R=2, S=2, steps=2, via="worker"),
+    case("cosmoflow", "1f1b", 2, m=2, R=2, S=2, steps=3, via="worker", timed="real"),  # every line and part agree
     case("resnet_gn", "master", 4, m=2, eta=2, R=2, B=16, steps=2, via="worker"),
 ]
 
@@ -197,6 +205,33 @@ def check_nccl_order(results: list[list[dict[str, Any]]], cases: list[dict[str, 
             assert batched == bool(c.get("one_batch")), label_of(c)
 
 
+def check_timed(results: list[list[dict[str, Any]]], cases: list[dict[str, Any]]) -> None:
+    """Rounds placed by measured times: every rank adopted one plan, the one the ranks' largest times give (each
+    rank measured its own), and it moved rounds (the exactness and the replay under NCCL's rules are the checks
+    every case gets)."""
+    from _pipeline_worlds import fake_times
+
+    from gems.pipeline.exchange import plan_exchanges
+    from gems.pipeline.schedules import make_schedule
+
+    for ci, c in enumerate(cases):
+        if not c.get("timed"):
+            continue
+        got = [results[r][ci]["timed"] for r in range(len(results))]
+        assert len({note for note, _ in got}) == 1, (label_of(c), got)
+        if c["timed"] != "fake":
+            continue
+        sched = make_schedule(c["schedule"], c["D"], c["m"], c.get("eta"), c.get("v"), c.get("split", False))
+        costs: dict[Any, int] = {}
+        for r in range(len(results)):
+            for key, s in fake_times(r, sched.actions[r % c["D"]]).items():
+                costs[key] = max(costs.get(key, 0), max(1, round(s * 1e6)))
+        want = plan_exchanges(sched, costs=costs)
+        assert want.layout() != plan_exchanges(sched).layout(), label_of(c)  # the case moves rounds
+        assert all(layout == want.layout() for _, layout in got), label_of(c)
+        assert got[0][0] is not None and "placed by their measured times" in got[0][0], (label_of(c), got[0][0])
+
+
 def test_cases_cover_every_registered_schedule() -> None:
     """The worlds below run (and replay) every schedule of the registry, split variants included."""
     cases = WORLD2 + WORLD3 + WORLD4 + WORLD8
@@ -213,3 +248,4 @@ def test_every_schedule_matches_serial(world: int, cases: list[dict[str, Any]]) 
     results = run_world(pipeline_cases, world, cases, timeout=300)
     check(results, cases)
     check_nccl_order(results, cases)
+    check_timed(results, cases)

@@ -75,7 +75,8 @@ COMMANDS: dict[str, list[str] | str] = {
     "jobs/cosmoflow_sample_size.sh": "the study itself, about an hour here: its result is committed in "
                                      "results/cosmoflow_sample_size",
     "UNIVERSES=8 VAL_UNIVERSES=4 jobs/cosmoflow_sample_size.sh data.crop=32 train.epochs=1 "
-    "results.sweep=sample_size_taste": [],
+    "results.sweep=sample_size_taste": "the same script, study and arguments as its cluster=local_slurm line, which "
+                                       "runs here (2-3 minutes; the ranks of every other test run this way)",
     "UNIVERSES=8 VAL_UNIVERSES=4 jobs/cosmoflow_sample_size.sh cluster=local_slurm data.crop=32 train.epochs=1 "
     "results.sweep=sample_size_taste": [],
     "gems run +experiment=cosmoflow_sample_size data.crop=64 model.norm=batch data.augment=none "
@@ -163,14 +164,10 @@ def test_the_studies_walkthrough_runs_in_order(tmp_path):
     assert (tmp_path / "results" / "replication_weak" / "compare-replication_weak-vs-replication_weak_sgd.md").exists()
 
 
-#: commands whose ranks take both cores (the sample-size study's train.threads at S = 1)
-BOTH_CORES = ("jobs/cosmoflow_sample_size.sh",)
-
-
 def _marks(cmd: str) -> list:
     if any(s in cmd for s in SLURM):
         return [pytest.mark.slurm, pytest.mark.skipif(shutil.which("sinfo") is None, reason="no Slurm test cluster")]
-    return [pytest.mark.both_cores] if any(s in cmd for s in BOTH_CORES) else []
+    return []
 
 
 @pytest.mark.parametrize("cmd", [pytest.param(c, marks=_marks(c)) for c in RUN if "/scratch/cosmo" not in c])

@@ -360,6 +360,46 @@ def test_every_schedule_exchanges_its_messages_in_meetings() -> None:
     assert n > 150
 
 
+def test_rounds_placed_by_measured_costs_still_meet() -> None:
+    """The rounds' induction holds on any clock whose actions take positive time (gems.pipeline.exchange): every
+    registered schedule, its rounds placed by random integer costs per (kind, stage) (few values, so ties happen;
+    and microsecond-sized ones), runs to the end with sends that wait for their receive, the mirrored copies' sums
+    between the rounds too; every message crosses once. And the costs move rounds: uneven stages give some
+    schedule another placement than the unit clock's."""
+    import random
+
+    from gems.pipeline.exchange import check, plan_exchanges
+    from gems.pipeline.schedules import Kind
+
+    rng = random.Random(42)
+    n, moved = 0, 0
+    for sched in _exchange_cases():
+        for top in (3, 20000):
+            costs = {(k, s): rng.randint(1, top) for k in Kind for s in range(sched.stages)}
+            for forward_only in (False, True):
+                plan = plan_exchanges(sched, forward_only, costs)
+                buckets = None if forward_only or not sched.holds_copies else \
+                    {p: [k for k in sorted(sched.partitions_of(p), reverse=True) for _ in range(2)]
+                     for p in range(sched.ranks)}
+                check(plan, buckets)
+                for p in range(sched.ranks):
+                    mine = plan.messages(p)
+                    assert len(mine) == len(set(mine))
+                moved += plan.layout() != plan_exchanges(sched, forward_only).layout()
+                n += 1
+    assert n > 300 and moved > n // 4, (n, moved)
+
+
+def test_exchange_costs_must_be_positive_integers() -> None:
+    from gems.pipeline.exchange import plan_exchanges
+    from gems.pipeline.schedules import Kind
+
+    sched = S.one_f_one_b(2, 2)
+    for bad in (0, 1.5):
+        with pytest.raises(AssertionError, match="positive integers"):
+            plan_exchanges(sched, costs={(k, s): bad for k in Kind for s in range(2)})
+
+
 def test_the_meeting_check_catches_rounds_run_out_of_order() -> None:
     """The check is not vacuous: rank 0 running two of its rounds in swapped order hangs; an action placed before
     the round that brings its message is named."""

@@ -71,6 +71,16 @@ def _contenders() -> list[dict[str, Any]]:
             dict(label=f"gems gpipe (m={m})", kind="gems", schedule="gpipe", m=m, B=B),
             dict(label=f"torch ScheduleGPipe (m={m})", kind="torch", schedule="gpipe", m=m, B=B),
         ]
+    # the rounds placed by the actions' measured times (parallel.rounds_by=time, from the second warm-up cycle)
+    # against the unit clock, at the balanced cut and at the uneven one the smallest crossing picks
+    out += [
+        dict(label="gems 1f1b (m=4), rounds by time", kind="gems", schedule="1f1b", m=4, B=16, rounds="time"),
+        dict(label="gems 1f1b (m=4), comm cut", kind="gems", schedule="1f1b", m=4, B=16, cut="comm"),
+        dict(label="gems 1f1b (m=4), comm cut, rounds by time", kind="gems", schedule="1f1b", m=4, B=16, cut="comm",
+             rounds="time"),
+        dict(label="gems interleaved1f1b (v=2, m=4), rounds by time", kind="gems", schedule="interleaved1f1b", m=4,
+             v=2, B=16, rounds="time"),
+    ]
     # interleaved stages and the split backward (zero bubble), gems against torch on 4 micro-batches of MICRO
     out += [
         dict(label="gems interleaved1f1b (v=2, m=4)", kind="gems", schedule="interleaved1f1b", m=4, v=2, B=16),
@@ -146,11 +156,15 @@ def _contender(rank: int, world: int, c: dict[str, Any],
         attach(reducer, runner)
         backwards = Counter(a.stage for a in runner.actions if a.kind.finishes_gradients)
         count = {id(q): backwards[s] for s, part in runner.partitions.items() for q in part.parameters()}
+        if c.get("rounds") == "time":
+            runner.time_actions()
 
         def step(t: int, x: torch.Tensor, y: torch.Tensor) -> None:
             reducer.start_step(expected=lambda q: count[id(q)])
             runner.step(x, y, list(range(t * batch, (t + 1) * batch)), 0, t)
             reducer.finish()
+            if t == 1 and runner.clock is not None:  # both ranks run this contender's cycle 1 together
+                runner.place_rounds_by_time()
     elif c["schedule"] in ("interleaved", "izb"):  # torch's looped schedules: stages rank and rank + 2
         from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
 
@@ -323,6 +337,10 @@ def bench_pipeline(out_dir: str | os.PathLike[str] = "results/bench", cycles: in
         f"over torch ScheduleInterleavedZeroBubble (v = 2, on 4 stages) "
         f"{vs('gems zbh1 (m=4)', 'torch ScheduleInterleavedZeroBubble (v=2, m=4)')}; master (eta=4) with the split "
         f"backward over master (eta=4) {vs('gems master (eta=4), split backward', 'gems master (eta=4)')}",
+        "- rounds placed by the actions' measured times (`parallel.rounds_by=time`) over the unit clock's: 1f1b "
+        f"(m=4) {vs('gems 1f1b (m=4), rounds by time', 'gems 1f1b (m=4)')}; at the comm cut (uneven stages) "
+        f"{vs('gems 1f1b (m=4), comm cut, rounds by time', 'gems 1f1b (m=4), comm cut')}; interleaved1f1b "
+        f"{vs('gems interleaved1f1b (v=2, m=4), rounds by time', 'gems interleaved1f1b (v=2, m=4)')}",
     ]
     env = (f"{platform.machine()}, {os.cpu_count()} cores, load average {load_before:.1f} before and {load_after:.1f} "
            f"after (other work on the machine slows the concurrent schedules most); Python {platform.python_version()}, "

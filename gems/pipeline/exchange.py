@@ -34,6 +34,14 @@ may run beside that compute:
 the runtime waits for a round only where an action needs what it received (:func:`check` replays a plan under
 these rules; tests/test_schedules.py checks every registered schedule with it).
 
+The clock may be any whose actions take a positive time, the same on every rank: the induction uses only that
+each action starts once what it needs has ended and that a rank starts its actions in its order, which
+:func:`~gems.pipeline.schedules.run_orders` keeps for any costs. So the rounds may be placed by each action's
+measured time (``costs``: integer units of each (kind, stage), e.g. microseconds, agreed by every rank of the job
+before it adopts them: :meth:`gems.pipeline.runtime.PipelineRunner.place_rounds_by_time`), not only by the unit
+clock, where a backward is not twice a forward or the stages are uneven (a cut by memory or by the smallest
+crossing). Integers keep ties exact: two messages the clock ends at one tick share a round on every rank alike.
+
 What this costs against posting every receive as early as gloo allows: a round ends only once every rank of it
 has reached it (on a GPU only the communication stream waits, the host and the compute stream go on), and a
 receiver keeps a message from its round to the action that needs it (:meth:`ExchangePlan.held`, what the
@@ -43,12 +51,16 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
-from gems.pipeline.schedules import Action, DeadlockError, Schedule, receives, run_orders, sends
+from gems.pipeline.schedules import Action, DeadlockError, Kind, Schedule, receives, run_orders, sends
 
 __all__ = ["Message", "Round", "ExchangePlan", "plan_exchanges", "check", "pairs", "wanted", "LOOKAHEAD",
-           "sum_points", "program"]
+           "sum_points", "program", "Costs"]
+
+#: an action's time on the clock rounds are placed by: positive integers (microseconds, as measured) per
+#: (kind, stage); None: the unit clock (a forward 1, a backward 2)
+Costs = Mapping[tuple[Kind, int], int]
 
 #: a round of receives is posted this many actions before the first that needs what it brings (or at its tick,
 #: if that comes first): the transfer overlaps that action's compute, and a rank holds a few buffers, not a
@@ -100,6 +112,11 @@ class ExchangePlan:
     rounds: tuple[Round, ...]
     before: tuple[tuple[tuple[Round, ...], ...], ...]
 
+    def layout(self) -> tuple[tuple[tuple[tuple[Message, ...], ...], ...], ...]:
+        """Where each position exchanges what, without the clock's ticks: per position, per slot of
+        :attr:`before`, the messages of each round there (two plans with one layout run alike)."""
+        return tuple(tuple(tuple(r.of(p) for r in slot) for slot in slots) for p, slots in enumerate(self.before))
+
     def messages(self, position: int) -> list[Message]:
         """Everything ``position`` sends or receives in a step, in the order it issues it."""
         return [m for k in self.before[position] for r in k for m in r.of(position)]
@@ -141,11 +158,17 @@ def _message(sched: Schedule, a: Action) -> Message | None:
     return Message(kind, a.replica, a.micro_batch, stage, src, dst)
 
 
-def plan_exchanges(sched: Schedule, forward_only: bool = False) -> ExchangePlan:
+def plan_exchanges(sched: Schedule, forward_only: bool = False, costs: Costs | None = None) -> ExchangePlan:
     """The exchange rounds of ``sched`` (module docstring); ``forward_only``: of its forwards alone, in their
-    order (an evaluation)."""
+    order (an evaluation); ``costs``: the clock's time of each (kind, stage) (:data:`Costs`; None: unit costs)."""
     orders = tuple(tuple(a for a in order if a.kind.forward or not forward_only) for order in sched.actions)
-    span = run_orders(sched, orders)
+    if costs is not None:
+        table = dict(costs)
+        bad = {k: v for k, v in table.items() if not isinstance(v, int) or v < 1}
+        assert not bad, f"exchange costs must be positive integers, got {bad}"
+        span = run_orders(sched, orders, cost=lambda a: table[(a.kind, a.stage)])
+    else:
+        span = run_orders(sched, orders)
     by_tick: dict[float, list[Message]] = {}
     made_by: dict[Message, int] = {}  # message -> the index of the action that makes it, in its rank's order
     needed_by: dict[tuple[int, int, int, int], int] = {}  # message -> the index of the action that needs it

@@ -8,9 +8,11 @@ exchange plan, whose meetings cannot deadlock
 
 The messages cross in exchange rounds (:mod:`gems.pipeline.exchange`): every
 message in the round of the tick its producing action ends, on the schedule's
-unit-cost clock; a round is one ``batch_isend_irecv`` on the pipeline line's
-one communicator (``mesh.groups.pipeline``) holding every message of that tick
-the rank sends or receives, in one order both ends derive alike (over gloo,
+unit-cost clock (``parallel.rounds_by=time``: on the actions' measured times,
+from the end of the warm-up: :meth:`PipelineRunner.place_rounds_by_time`);
+a round is one ``batch_isend_irecv`` on the pipeline line's one communicator
+(``mesh.groups.pipeline``) holding every message of that tick the rank sends
+or receives, in one order both ends derive alike (over gloo,
 which runs a batch as its operations one by one anyway, the operations are
 issued one by one in that order, those going up the line on a second group of
 the line's ranks, ``mesh.groups.pipeline_up``: :func:`gems.mesh.up_group_wanted`
@@ -71,7 +73,7 @@ from gems.pipeline.deferred import WeightGrads, deferring, make_deferrable
 from gems.pipeline.exchange import ExchangePlan, Message, Round, pairs, plan_exchanges, program, sum_points, wanted
 from gems.pipeline.schedules import ACT as _ACT
 from gems.pipeline.schedules import GRAD as _GRAD
-from gems.pipeline.schedules import Action, Kind, Schedule
+from gems.pipeline.schedules import Action, Kind, Schedule, backward_kinds
 from gems.spatial.context import GSHAPE
 
 __all__ = ["PipelineRunner", "LossFn", "Stats"]
@@ -115,6 +117,44 @@ def split_waits(received: dict[tuple[int, ...], tuple[float, float]], sent: dict
         transfer += moving
         bubble += max(0.0, end - start - moving)
     return transfer, bubble
+
+
+class ActionClock:
+    """How long each of this rank's actions ran, by (kind, stage): the host's clock on CPU ranks (an action's
+    compute is done when its call returns), CUDA events on the compute stream on GPU ranks (read once, after one
+    synchronisation, when the times are agreed: :meth:`PipelineRunner.place_rounds_by_time`)."""
+
+    def __init__(self, device: torch.device, limit: int) -> None:
+        self.cuda = device.type == "cuda"
+        self.spans: list[tuple[tuple[Kind, int], Any, Any]] = []
+        self.limit = limit  # the most spans kept (a few steps' worth: a runner never asked to place keeps few)
+
+    def start(self) -> Any:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def stop(self, key: tuple[Kind, int], begun: Any) -> None:
+        if len(self.spans) >= self.limit:
+            return
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.spans.append((key, begun, e))
+        else:
+            self.spans.append((key, begun, time.perf_counter()))
+
+    def least(self) -> dict[tuple[Kind, int], float]:
+        """The shortest time each (kind, stage) took, in seconds (the first of each pays its set-up)."""
+        if self.cuda and self.spans:
+            torch.cuda.synchronize()
+        out: dict[tuple[Kind, int], float] = {}
+        for key, a, b in self.spans:
+            s = a.elapsed_time(b) / 1e3 if self.cuda else b - a
+            out[key] = min(out.get(key, s), s)
+        return out
 
 
 @dataclass
@@ -197,6 +237,49 @@ class PipelineRunner:
         self._sum_buckets: list[int] = []
         self._sum_launch: Callable[[int], None] = lambda b: None
         self._programs: dict[int, list[tuple[str, Any]]] = {}  # id(plan) -> this rank's issue order of it
+        #: the training actions' times, from :meth:`time_actions` until the rounds are placed by them
+        self.clock: ActionClock | None = None
+
+    def time_actions(self) -> None:
+        """Time the training steps' actions from now on, for :meth:`place_rounds_by_time` (parallel.rounds_by=time)."""
+        self.clock = ActionClock(self.device, limit=4 * len(self.actions))
+
+    def place_rounds_by_time(self, group: Any = None) -> str | None:
+        """From now on, place the exchange rounds by the actions' measured times instead of the unit clock
+        (``parallel.rounds_by=time``; :mod:`gems.pipeline.exchange`: any clock keeps the rounds' proof, as long as
+        every rank derives the same plan): each (kind, stage)'s shortest time on this rank since the start, the
+        largest over the ranks of ``group`` (one all-reduce, in whole microseconds: every rank of the job calls
+        this at the same point and gets the same integers, so every line, mirror and spatial part plans alike).
+        A step's (an evaluation's) plan is adopted only where it differs and no position then holds more received
+        buffers at once than under the unit clock (:meth:`ExchangePlan.held`). It may hold them at another point of
+        the step, which gems plan's memory does not follow (it plans the unit clock's rounds: a looped BFS run here
+        held 4% more tensor memory at its peak with timed rounds): that is why ``parallel.rounds_by=time`` is asked
+        for, not the default. Collective. Returns what the record says, or None where no plan changed."""
+        sched = self.schedule
+        keys = [(k, s) for k in (Kind.F, *backward_kinds(sched.split)) for s in range(sched.stages)]
+        least = self.clock.least() if self.clock is not None else {}
+        self.clock = None
+        t = torch.tensor([max(1, round(least[k] * 1e6)) if k in least else 0 for k in keys], dtype=torch.int64,
+                         device=self.device)
+        with waiting("pipeline transfer"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        got = [int(v) for v in t.tolist()]
+        if min(got) < 1:  # a (kind, stage) no rank ran: keep the unit clock
+            return None
+        costs = dict(zip(keys, got))
+        adopted = []
+        for forward_only in (False, True):
+            unit, timed = plan_exchanges(sched, forward_only), plan_exchanges(sched, forward_only, costs)
+            if timed.layout() != unit.layout() and all(timed.held(p) <= unit.held(p) for p in range(sched.ranks)):
+                self._plans[forward_only] = timed
+                adopted.append("an evaluation's" if forward_only else "a step's")
+        self._programs.clear()
+        if not adopted:
+            return None
+        us = "; ".join(f"{k} " + "/".join(f"{costs[(k, s)] / 1e3:.3g}" for s in range(sched.stages))
+                       for k in (Kind.F, *backward_kinds(sched.split)))
+        return (f"the pipeline's exchange rounds of {' and '.join(adopted)} actions placed by their measured times "
+                f"(ms per stage: {us}; parallel.rounds_by=time)")
 
     def plan(self, forward_only: bool = False) -> ExchangePlan:
         """The exchange rounds of a step (``forward_only``: of an evaluation), made once."""
@@ -533,6 +616,8 @@ class PipelineRunner:
         sl = self.chunk_slice(a.replica, a.micro_batch)
         target = targets[sl] if a.stage == last and targets is not None else None
         t0 = time.perf_counter()
+        timed = self.clock is not None and self._metric is None  # a training step's action
+        begun = self.clock.start() if timed and self.clock is not None else None
         mark("forward" if a.kind.forward else "backward")
         if a.kind is Kind.W:  # the weight gradients an I left behind (a split schedule)
             self._weights.run((a.replica, a.micro_batch, a.stage))
@@ -552,6 +637,8 @@ class PipelineRunner:
             self._backward(a, received, target)
             self.after_backward()
             self.stats.backward_s += time.perf_counter() - t0
+        if timed and self.clock is not None:
+            self.clock.stop((a.kind, a.stage), begun)
         self._reap_sends()
 
     def _run(self, plan: ExchangePlan, inputs: torch.Tensor | None, targets: Any, sample_ids: Sequence[int],

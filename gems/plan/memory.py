@@ -611,8 +611,17 @@ def setup(cfg: Any) -> Setup:
     return Setup(spec, model_key, mesh, sched, int(p.micro_batches), eta, bool(p.checkpoint), str(cfg.train.precision), gpu,
                   int(cfg.train.batch_size), mesh.replicas, factor, float(cfg.comm.bucket_mb), p.overlap,
                   str(p.bn_stats), list(p.balance) if p.balance else None,
-                  settings.balance_by, settings, rank_threads(cfg), [gather_note] if gather_note else [],
+                  settings.balance_by, settings, rank_threads(cfg), _setup_notes(cfg, settings, gather_note),
                   device_batches_ahead(int(cfg.data.prefetch)) if gpu else 0, load_calibration(cfg) if gpu else None)
+
+
+def _setup_notes(cfg: Any, settings: Any, gather_note: str | None) -> list[str]:
+    notes = [gather_note] if gather_note else []
+    if settings.pipelined and str(cfg.parallel.get("rounds_by", "unit")) == "time":
+        notes.append("parallel.rounds_by=time places the pipeline's rounds by times measured at run time; the memory "
+                     "is planned for the unit clock's rounds (timed ones may hold a received buffer at another point "
+                     "of the step)")
+    return notes
 
 
 def device_batches_ahead(prefetch: int) -> int:

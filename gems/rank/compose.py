@@ -63,6 +63,9 @@ class Parallel:
     #: what this rank holds under the whole model's names, the keys of the serial model's ``state_dict``:
     #: {name: (module, attribute)} (gems.checkpoint.held reads the tensors; gems.checkpoint saves and loads them)
     names: dict[str, tuple[nn.Module, str]] = field(default_factory=dict)
+    #: the pipeline's rounds placed by its actions' measured times from the next step on (parallel.rounds_by=time:
+    #: PipelineRunner.place_rounds_by_time); collective over every rank, called once, after the same step on each
+    place_rounds: Callable[[], None] = field(default=lambda: None)
 
 
 def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
@@ -204,11 +207,21 @@ class _Composition:
             with self.amp():
                 return runner.evaluate(x, y, ids, self.metric, batch_statistics)
 
+        if str(cfg.parallel.rounds_by) == "time":
+            runner.time_actions()
+
+        def place_rounds() -> None:
+            if runner.clock is not None:
+                note = runner.place_rounds_by_time()
+                if note:
+                    self.notes.append(note)
+
         return Parallel(pipe_step, params, list(runner.modules), reducer, self.slices,
                         runner.needs_inputs, runner.needs_targets, runner.samples_per_step, pipe_stats,
                         balance=list(runner.balance), first_nonfinite=runner.first_nonfinite,
                         notes=self.notes, quiesce=self.quiesce, scaler=self.scaler, transfers=runner.transfers,
-                        evaluate=pipe_eval, metric=self.metric, first_step_connects=not runner.connected)
+                        evaluate=pipe_eval, metric=self.metric, first_step_connects=not runner.connected,
+                        place_rounds=place_rounds)
 
     def whole(self) -> Parallel:
         """No pipeline: one forward and backward of the whole (spatial) model; 3. the gradient sum."""

@@ -287,6 +287,8 @@ class Run:
             what = " (warm-up)" if step < self.warm else " (profiled for tensor memory)" if step < self.measure_from else ""
             print(f"gems: step {step + 1}/{self.steps} {dt:.3f} s loss {loss:.6g}{what}", flush=True)
         self.account(step, dt, t_data, measured=step >= self.measure_from and not profiling)
+        if step == max(self.start, self.warm - 1):  # the last warm-up step (or this process's first): every rank
+            par.place_rounds()  # places the pipeline's rounds by what its actions took so far (parallel.rounds_by)
         if stop and step + 1 < self.steps:  # Slurm's signal before the time limit (or a preemption notice)
             self.settle_history()
             _preempt(world, step + 1, self.saver, self.hold, h, self.wd,
