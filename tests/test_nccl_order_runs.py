@@ -77,3 +77,32 @@ def test_a_run_replays_under_nccl_rules(tmp_path: Path, name: str) -> None:
     if "train.precision=bf16" in args:
         sends = [e for e in logs[0] if e.get("e") == "post" and e["kind"] == "send" and e["bytes"] > 4]
         assert sends and all(e["dtype"] == "bfloat16" for e in sends), {e["dtype"] for e in sends}
+
+
+def test_rounds_placed_by_measured_times_train_alike_and_replay_under_nccl_rules(tmp_path: Path) -> None:
+    """``parallel.rounds_by=time`` on uneven stages (1F1B, 4 micro-batches, a cut of 4 and 18 layers): after the
+    warm-up step every rank places the rounds by the times its actions took, the largest over the ranks; the
+    record says so, the losses are the unit clock's to the bit, and the whole run replays under NCCL's rules."""
+    args = ["model=cosmoflow_small", "model.size=32", "parallel.pipeline=2", "parallel.schedule=1f1b",
+            "parallel.micro_batches=4", "parallel.balance=[4,18]", "train.batch_size=8", "train.steps=3",
+            "train.warmup_steps=1", "train.check_fit=false"]
+    losses = {}
+    for how in ("unit", "time"):
+        env_before = os.environ.get("GEMS_COMM_LOG")
+        os.environ["GEMS_COMM_LOG"] = str(tmp_path / how / "comm")
+        try:
+            r = gems("run", *args, f"parallel.rounds_by={how}", f"results.dir={tmp_path / how}", timeout=600)
+        finally:
+            if env_before is None:
+                os.environ.pop("GEMS_COMM_LOG")
+            else:
+                os.environ["GEMS_COMM_LOG"] = env_before
+        assert r.returncode == 0, r.stderr[-2000:]
+        (rec,) = records(str(tmp_path / how))
+        losses[how] = rec["loss"]
+        timed = [n for n in rec.get("notes", []) if "placed by their measured times" in n]
+        assert bool(timed) == (how == "time"), rec.get("notes")
+        logs = load(tmp_path / how / "comm")
+        for strict in (False, True):
+            assert replay(logs, strict_sends=strict)["messages"] > 0
+    assert losses["time"] == losses["unit"] and len(losses["unit"]) == 3
