@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _cli import gems, records
@@ -53,20 +54,25 @@ RUNS = {
 }
 
 
-@pytest.mark.parametrize("name", list(RUNS))
-def test_a_run_replays_under_nccl_rules(tmp_path: Path, name: str) -> None:
-    args = RUNS[name]
-    logs_dir = tmp_path / "comm"
+def _logged_run(logs_dir: Path, *args: str) -> Any:
+    """``gems run ARGS`` with every rank's communication logged under ``logs_dir`` (GEMS_COMM_LOG)."""
     env_before = os.environ.get("GEMS_COMM_LOG")
     os.environ["GEMS_COMM_LOG"] = str(logs_dir)
     try:
-        r = gems("run", *args, "train.steps=2", "train.warmup_steps=1", "train.check_fit=false",
-                 f"results.dir={tmp_path}", timeout=600)
+        return gems("run", *args, timeout=600)
     finally:
         if env_before is None:
             os.environ.pop("GEMS_COMM_LOG")
         else:
             os.environ["GEMS_COMM_LOG"] = env_before
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_a_run_replays_under_nccl_rules(tmp_path: Path, name: str) -> None:
+    args = RUNS[name]
+    logs_dir = tmp_path / "comm"
+    r = _logged_run(logs_dir, *args, "train.steps=2", "train.warmup_steps=1", "train.check_fit=false",
+                    f"results.dir={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
     (rec,) = records(str(tmp_path))
     logs = load(logs_dir)
@@ -88,15 +94,7 @@ def test_rounds_placed_by_measured_times_train_alike_and_replay_under_nccl_rules
             "train.warmup_steps=1", "train.check_fit=false"]
     losses = {}
     for how in ("unit", "time"):
-        env_before = os.environ.get("GEMS_COMM_LOG")
-        os.environ["GEMS_COMM_LOG"] = str(tmp_path / how / "comm")
-        try:
-            r = gems("run", *args, f"parallel.rounds_by={how}", f"results.dir={tmp_path / how}", timeout=600)
-        finally:
-            if env_before is None:
-                os.environ.pop("GEMS_COMM_LOG")
-            else:
-                os.environ["GEMS_COMM_LOG"] = env_before
+        r = _logged_run(tmp_path / how / "comm", *args, f"parallel.rounds_by={how}", f"results.dir={tmp_path / how}")
         assert r.returncode == 0, r.stderr[-2000:]
         (rec,) = records(str(tmp_path / how))
         losses[how] = rec["loss"]
