@@ -211,7 +211,7 @@ def check_timed(results: list[list[dict[str, Any]]], cases: list[dict[str, Any]]
     every case gets)."""
     from _pipeline_worlds import fake_times
 
-    from gems.pipeline.exchange import plan_exchanges
+    from gems.pipeline.exchange import microseconds, plan_exchanges
     from gems.pipeline.schedules import make_schedule
 
     for ci, c in enumerate(cases):
@@ -225,7 +225,7 @@ def check_timed(results: list[list[dict[str, Any]]], cases: list[dict[str, Any]]
         costs: dict[Any, int] = {}
         for r in range(len(results)):
             for key, s in fake_times(r, sched.actions[r % c["D"]]).items():
-                costs[key] = max(costs.get(key, 0), max(1, round(s * 1e6)))
+                costs[key] = max(costs.get(key, 0), microseconds(s))
         want = plan_exchanges(sched, costs=costs)
         assert want.layout() != plan_exchanges(sched).layout(), label_of(c)  # the case moves rounds
         assert all(layout == want.layout() for _, layout in got), label_of(c)

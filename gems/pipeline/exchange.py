@@ -56,11 +56,16 @@ from typing import Any, Mapping, Sequence
 from gems.pipeline.schedules import Action, DeadlockError, Kind, Schedule, receives, run_orders, sends
 
 __all__ = ["Message", "Round", "ExchangePlan", "plan_exchanges", "check", "pairs", "wanted", "LOOKAHEAD",
-           "sum_points", "program", "Costs"]
+           "sum_points", "program", "Costs", "microseconds"]
 
 #: an action's time on the clock rounds are placed by: positive integers (microseconds, as measured) per
 #: (kind, stage); None: the unit clock (a forward 1, a backward 2)
 Costs = Mapping[tuple[Kind, int], int]
+
+def microseconds(seconds: float) -> int:
+    """A measured time on the clock of :data:`Costs`: whole microseconds, at least one."""
+    return max(1, round(seconds * 1e6))
+
 
 #: a round of receives is posted this many actions before the first that needs what it brings (or at its tick,
 #: if that comes first): the transfer overlaps that action's compute, and a rank holds a few buffers, not a

@@ -70,7 +70,17 @@ from gems.fault.progress import mark, waiting
 from gems.layers import batch_context, evaluation_mode
 from gems.layout import row_major
 from gems.pipeline.deferred import WeightGrads, deferring, make_deferrable
-from gems.pipeline.exchange import ExchangePlan, Message, Round, pairs, plan_exchanges, program, sum_points, wanted
+from gems.pipeline.exchange import (
+    ExchangePlan,
+    Message,
+    Round,
+    microseconds,
+    pairs,
+    plan_exchanges,
+    program,
+    sum_points,
+    wanted,
+)
 from gems.pipeline.schedules import ACT as _ACT
 from gems.pipeline.schedules import GRAD as _GRAD
 from gems.pipeline.schedules import Action, Kind, Schedule, backward_kinds
@@ -256,10 +266,11 @@ class PipelineRunner:
         held 4% more tensor memory at its peak with timed rounds): that is why ``parallel.rounds_by=time`` is asked
         for, not the default. Collective. Returns what the record says, or None where no plan changed."""
         sched = self.schedule
-        keys = [(k, s) for k in (Kind.F, *backward_kinds(sched.split)) for s in range(sched.stages)]
+        kinds = (Kind.F, *backward_kinds(sched.split))
+        keys = [(k, s) for k in kinds for s in range(sched.stages)]
         least = self.clock.least() if self.clock is not None else {}
         self.clock = None
-        t = torch.tensor([max(1, round(least[k] * 1e6)) if k in least else 0 for k in keys], dtype=torch.int64,
+        t = torch.tensor([microseconds(least[k]) if k in least else 0 for k in keys], dtype=torch.int64,
                          device=self.device)
         with waiting("pipeline transfer"):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -276,8 +287,7 @@ class PipelineRunner:
         self._programs.clear()
         if not adopted:
             return None
-        us = "; ".join(f"{k} " + "/".join(f"{costs[(k, s)] / 1e3:.3g}" for s in range(sched.stages))
-                       for k in (Kind.F, *backward_kinds(sched.split)))
+        us = "; ".join(f"{k} " + "/".join(f"{costs[(k, s)] / 1e3:.3g}" for s in range(sched.stages)) for k in kinds)
         return (f"the pipeline's exchange rounds of {' and '.join(adopted)} actions placed by their measured times "
                 f"(ms per stage: {us}; parallel.rounds_by=time)")
 
@@ -616,8 +626,8 @@ class PipelineRunner:
         sl = self.chunk_slice(a.replica, a.micro_batch)
         target = targets[sl] if a.stage == last and targets is not None else None
         t0 = time.perf_counter()
-        timed = self.clock is not None and self._metric is None  # a training step's action
-        begun = self.clock.start() if timed and self.clock is not None else None
+        clock = self.clock if self._metric is None else None  # a training step's action, while timed
+        begun = clock.start() if clock is not None else None
         mark("forward" if a.kind.forward else "backward")
         if a.kind is Kind.W:  # the weight gradients an I left behind (a split schedule)
             self._weights.run((a.replica, a.micro_batch, a.stage))
@@ -637,8 +647,8 @@ class PipelineRunner:
             self._backward(a, received, target)
             self.after_backward()
             self.stats.backward_s += time.perf_counter() - t0
-        if timed and self.clock is not None:
-            self.clock.stop((a.kind, a.stage), begun)
+        if clock is not None:
+            clock.stop((a.kind, a.stage), begun)
         self._reap_sends()
 
     def _run(self, plan: ExchangePlan, inputs: torch.Tensor | None, targets: Any, sample_ids: Sequence[int],
