@@ -73,7 +73,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-__all__ = ["Recorder", "replay", "OrderError", "load", "install_from_env", "COLLECTIVES"]
+__all__ = ["Recorder", "replay", "OrderError", "load", "install_from_env", "recording", "COLLECTIVES"]
 
 #: the collectives the recorder logs (object collectives log the tensor collectives they are made of)
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
@@ -86,6 +86,15 @@ class OrderError(AssertionError):
 
 
 # ---- recording ------------------------------------------------------------------------------------------------
+_ACTIVE: list["Recorder"] = []  # the recorders installed in this process
+
+
+def recording() -> bool:
+    """Whether this process's communication is being logged for :func:`replay`: the order it issues then stands
+    for an NCCL run's (gems.pipeline.exchange.receive_lead)."""
+    return bool(_ACTIVE)
+
+
 def _comm_of(group: Any) -> tuple[str, tuple[int, ...]]:
     """(name, global ranks) of a process group (None: the default group)."""
     g = group if group is not None else c10d._get_default_group()
@@ -154,9 +163,11 @@ class Recorder:
                 if hasattr(mod, name):
                     self._saved.append((mod, name, getattr(mod, name)))
                     setattr(mod, name, fn)
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        _ACTIVE[:] = [r for r in _ACTIVE if r is not self]
         for mod, name, fn in reversed(self._saved):
             setattr(mod, name, fn)
         self._saved.clear()

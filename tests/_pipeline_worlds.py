@@ -23,6 +23,7 @@ same from one process by gradient accumulation over the same chunks.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -37,6 +38,7 @@ from gems.mesh import Mesh
 from gems.models import ModelSpec, build_model
 from gems.models.layers import batch_context
 from gems.pipeline import apply_pipeline, is_mirrored, make_schedule
+from gems.pipeline.runtime import PipelineRunner
 
 SEED = 7
 LR = 0.05
@@ -201,6 +203,17 @@ def _run_case(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     recorder = Recorder(device=torch.device("cpu"))  # what this rank issues, in order (replayed under NCCL's rules)
     with recorder:
         me: _Rank = (_Worker if c["via"] == "worker" else _Direct)(rank, world, c, spec)
+    # gloo's own order (``gloo_order``): the steps unrecorded, so the runtime posts receives ahead of their rounds
+    # (gems.pipeline.exchange.receive_lead), counted here; a recorded run posts as NCCL does, in the rounds
+    steps_recorded: Any = contextlib.nullcontext() if c.get("gloo_order") else recorder
+    ahead = [0]
+    real_post = PipelineRunner._post
+
+    def counted(runner: PipelineRunner, rnd: Any) -> None:
+        ahead[0] += 1
+        real_post(runner, rnd)
+
+    PipelineRunner._post = counted  # type: ignore[method-assign]
     R, B = c["R"], c["B"]
     opt = torch.optim.SGD(me.params, lr=LR) if me.params else None
     r = me.mesh.coord(rank).replica
@@ -209,7 +222,7 @@ def _run_case(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     losses: list[float] = []
     grads0: dict[int, list[torch.Tensor]] = {}
     timed: tuple[str | None, Any] | None = None
-    with recorder:
+    with steps_recorded, _restored(PipelineRunner, "_post", real_post):
         for t in range(c["steps"]):
             x, y, ids = batch(t, B, shape, kind)
             x, y = x[share], y[share]
@@ -238,7 +251,16 @@ def _run_case(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
                         for i, part in me.held.items()},
             "tracked": {i: [int(b) for n, b in part.named_buffers() if n.endswith("num_batches_tracked")]
                         for i, part in me.held.items()},
-            "forwards": forwards, "samples_per_step": me.samples_per_step, "comm": recorder.events, "timed": timed}
+            "forwards": forwards, "samples_per_step": me.samples_per_step, "comm": recorder.events, "timed": timed,
+            "posted_ahead": ahead[0]}
+
+
+@contextlib.contextmanager
+def _restored(owner: Any, name: str, value: Any) -> Any:
+    try:
+        yield
+    finally:
+        setattr(owner, name, value)
 
 
 def serial_case(c: dict[str, Any]) -> dict[str, Any]:

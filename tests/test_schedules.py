@@ -390,6 +390,55 @@ def test_rounds_placed_by_measured_costs_still_meet() -> None:
     assert n > 300 and moved > n // 4, (n, moved)
 
 
+def test_receives_posted_ahead_keep_each_pairs_order() -> None:
+    """Over gloo a rank posts a round's receives ahead of it (gems.pipeline.exchange.receive_lead): for every
+    registered schedule, with the mirrored copies' sums, posted 1 and 2 actions ahead, each pair's receiver posts the
+    pair's messages in the order its sender sends them, none after its round nor more than the lead before it, and
+    the planner's count of held buffers covers the posted ones. Most plans move some receive ahead of its round."""
+    from gems.pipeline.exchange import check, plan_exchanges, program, receive_lead
+
+    assert receive_lead("gloo") >= 1 and receive_lead("nccl") == 0
+    n, moved = 0, 0
+    for sched in _exchange_cases():
+        plan = plan_exchanges(sched)
+        buckets = {p: [k for k in sorted(sched.partitions_of(p), reverse=True) for _ in range(2)]
+                   for p in range(sched.ranks)} if sched.holds_copies else None
+        for lead in (1, 2):
+            check(plan, buckets, lead)
+            for p in range(sched.ranks):
+                assert plan.held(p, lead) >= plan.held(p)
+                moved += any(kind == "receive" for kind, _ in program(plan, p, lead=lead))
+            n += 1
+    assert n > 150 and moved > n, (n, moved)
+
+
+def test_the_pair_order_check_catches_receives_posted_out_of_order() -> None:
+    """The lead check is not vacuous: a receiver posting two of a pair's messages in swapped order is named."""
+    from dataclasses import replace
+
+    from gems.pipeline import exchange
+    from gems.pipeline.exchange import check, plan_exchanges
+
+    plan = plan_exchanges(S.gpipe(2, 4))
+    check(plan, lead=1)
+    real = exchange.ExchangePlan.posts
+
+    def swapped(self, position, lead=0):  # type: ignore[no-untyped-def]
+        out = [list(s) for s in real(self, position, lead)]
+        full = [k for k, s in enumerate(out) if s]
+        if position == 1 and len(full) >= 2:  # the receiver posts its second slot's rounds before its first's
+            a, b = full[0], full[1]
+            out[a], out[b] = out[b], out[a]
+        return tuple(tuple(s) for s in out)
+
+    try:
+        exchange.ExchangePlan.posts = swapped  # type: ignore[method-assign]
+        with pytest.raises(AssertionError, match="another order|too early"):
+            check(replace(plan), lead=1)
+    finally:
+        exchange.ExchangePlan.posts = real  # type: ignore[method-assign]
+
+
 def test_exchange_costs_must_be_positive_integers() -> None:
     from gems.pipeline.exchange import plan_exchanges
     from gems.pipeline.schedules import Kind

@@ -42,6 +42,17 @@ before it adopts them: :meth:`gems.pipeline.runtime.PipelineRunner.place_rounds_
 clock, where a backward is not twice a forward or the stages are uneven (a cut by memory or by the smallest
 crossing). Integers keep ties exact: two messages the clock ends at one tick share a round on every rank alike.
 
+Over gloo a receive is a buffer waiting for its send, not a kernel that holds the rank's other communication,
+and a send whose receive is not posted yet waits for gloo's I/O thread, which shares the rank's core with its
+compute: a message of a round both ends reach at once arrived milliseconds late (GEMS-MAST's crossing activations,
+results/bench/pipeline-gloo-receive-lead.md). So over gloo a rank posts a round's receives :func:`receive_lead`
+actions before the round (never before its step, after the rounds already due there), and the round carries its
+sends. Each direction of a gloo line is a group of its own (:func:`gems.mesh.up_group_wanted`), so on each group a
+pair has one sender and one receiver, which issue that pair's messages in round order, the same order on both
+ends (the posts move by one count for every round, so they keep the rounds' order). Nothing else moves: the
+sends, sums and waits stay where the rounds put them, and a posted gloo receive holds nothing, so a run that
+completes as rounds completes with the receives posted earlier. :func:`check` checks both orders.
+
 What this costs against posting every receive as early as gloo allows: a round ends only once every rank of it
 has reached it (on a GPU only the communication stream waits, the host and the compute stream go on), and a
 receiver keeps a message from its round to the action that needs it (:meth:`ExchangePlan.held`, what the
@@ -56,7 +67,7 @@ from typing import Any, Mapping, Sequence
 from gems.pipeline.schedules import Action, DeadlockError, Kind, Schedule, receives, run_orders, sends
 
 __all__ = ["Message", "Round", "ExchangePlan", "plan_exchanges", "check", "pairs", "wanted", "LOOKAHEAD",
-           "sum_points", "program", "Costs", "microseconds"]
+           "sum_points", "program", "Costs", "microseconds", "receive_lead", "GLOO_LEAD"]
 
 #: an action's time on the clock rounds are placed by: positive integers (microseconds, as measured) per
 #: (kind, stage); None: the unit clock (a forward 1, a backward 2)
@@ -65,6 +76,17 @@ Costs = Mapping[tuple[Kind, int], int]
 def microseconds(seconds: float) -> int:
     """A measured time on the clock of :data:`Costs`: whole microseconds, at least one."""
     return max(1, round(seconds * 1e6))
+
+
+#: over gloo a round's receives are posted this many actions before the round (module docstring): one covers a
+#: round both ends reach together (a receive then waits one action, not a transfer's worth of I/O-thread delay)
+GLOO_LEAD = 1
+
+
+def receive_lead(backend: str) -> int:
+    """How many actions before its round a rank posts the round's receives: :data:`GLOO_LEAD` over gloo, none
+    elsewhere (NCCL: a receive is a kernel that holds what the rank issues after it, so it goes in its round)."""
+    return GLOO_LEAD if backend == "gloo" else 0
 
 
 #: a round of receives is posted this many actions before the first that needs what it brings (or at its tick,
@@ -122,17 +144,32 @@ class ExchangePlan:
         :attr:`before`, the messages of each round there (two plans with one layout run alike)."""
         return tuple(tuple(tuple(r.of(p) for r in slot) for slot in slots) for p, slots in enumerate(self.before))
 
+    def posts(self, position: int, lead: int = 0) -> tuple[tuple[Round, ...], ...]:
+        """Per action ``k`` of ``position`` (and one after its last), the rounds whose receives it posts just before
+        that action, after the rounds due there, ``lead`` actions before their own (:func:`receive_lead`); none with
+        ``lead`` 0 (a round then carries its receives) and none for a round due before the first action."""
+        slots: list[list[Round]] = [[] for _ in self.before[position]]
+        if lead > 0:
+            for k, rounds in enumerate(self.before[position]):
+                for r in rounds:
+                    if k > 0 and any(m.dst == position for m in r.of(position)):
+                        slots[max(0, k - lead)].append(r)
+        return tuple(tuple(s) for s in slots)
+
     def messages(self, position: int) -> list[Message]:
         """Everything ``position`` sends or receives in a step, in the order it issues it."""
         return [m for k in self.before[position] for r in k for m in r.of(position)]
 
-    def held(self, position: int) -> int:
-        """The most messages ``position`` holds received before the action that needs them has started (the
-        buffers beside its actions' inputs: what the memory plan counts)."""
+    def held(self, position: int, lead: int = 0) -> int:
+        """The most messages ``position`` holds received (or posted, with a receive ``lead``: :meth:`posts`) before
+        the action that needs them has started (the buffers beside its actions' inputs: what the memory plan
+        counts)."""
         needed = _needed(self.schedule, self.orders[position])
+        posts = self.posts(position, lead)
+        early = {id(r) for slot in posts for r in slot}
         most, waiting = 0, 0
         for k, rounds in enumerate(self.before[position]):
-            for r in rounds:
+            for r in [r for r in rounds if id(r) not in early] + list(posts[k]):
                 waiting += sum(1 for m in r.of(position) if m.dst == position)
             # the one action k needs now is its input; the others wait
             now = sum(1 for key, at in needed.items() if at == k)
@@ -244,10 +281,13 @@ def sum_points(plan: ExchangePlan, buckets: Sequence[int]) -> list[list[tuple[in
     return out
 
 
-def program(plan: ExchangePlan, position: int, sums: Sequence[tuple[int, int]] = ()) -> list[tuple[str, Any]]:
+def program(plan: ExchangePlan, position: int, sums: Sequence[tuple[int, int]] = (),
+            lead: int = 0) -> list[tuple[str, Any]]:
     """``position``'s step in issue order: ``("round", Round)``, ``("action", k)`` and, with ``sums`` (its part of
     :func:`sum_points`), ``("sum", b)`` where bucket ``b``'s sum is launched: as soon as its action has run and
-    its rounds up to the bucket's cut have, before any later round. The runtime runs this list."""
+    its rounds up to the bucket's cut have, before any later round; with a receive ``lead``
+    (:func:`receive_lead`), ``("receive", Round)`` where the round's receives are posted (:meth:`ExchangePlan.posts`;
+    its ``("round", Round)`` then carries the rest). The runtime runs this list."""
     index = {id(r): i for i, r in enumerate(plan.rounds)}
     mine = [index[id(r)] for slot in plan.before[position] for r in slot]
     need = [sum(1 for i in mine if i <= cut) for cut, _ in sums]
@@ -260,12 +300,14 @@ def program(plan: ExchangePlan, position: int, sums: Sequence[tuple[int, int]] =
             out.append(("sum", b))
             b += 1
 
+    posts = plan.posts(position, lead)
     launch()
     for k, slot in enumerate(plan.before[position]):
         for r in slot:
             out.append(("round", r))
             rounds_done += 1
             launch()
+        out += [("receive", r) for r in posts[k]]
         if k < len(plan.orders[position]):
             out.append(("action", k))
             actions_done = k + 1
@@ -274,15 +316,19 @@ def program(plan: ExchangePlan, position: int, sums: Sequence[tuple[int, int]] =
     return out
 
 
-def check(plan: ExchangePlan, buckets: dict[int, Sequence[int]] | None = None) -> None:
+def check(plan: ExchangePlan, buckets: dict[int, Sequence[int]] | None = None, lead: int = 0) -> None:
     """Run ``plan`` under the rules of the module docstring: every send waits for its receive, a rank runs its
     rounds one at a time in its order and computes only what it has received; with ``buckets`` (each position's
     bucket partitions, as its gradient sum lists them) the mirrored copies' sums too, each a collective of its
-    partition's holders, issued where :func:`program` puts it (:func:`sum_points`). Raises :class:`DeadlockError`
-    naming where it would hang, or AssertionError where an action would run before its message arrived."""
+    partition's holders, issued where :func:`program` puts it (:func:`sum_points`). With a receive ``lead`` (gloo's:
+    :func:`receive_lead`), also that each pair's receiver posts the pair's messages in the order their sender sends
+    them, each before the round that sends it. Raises :class:`DeadlockError` naming where it would hang, or
+    AssertionError where an action would run before its message arrived or a pair's orders differ."""
     sched = plan.schedule
     buckets = buckets or {}
     sums = [sum_points(plan, buckets.get(p, []))[p] if buckets.get(p) else [] for p in range(len(plan.orders))]
+    if lead:
+        _check_lead(plan, sums, lead)
     for p, order in enumerate(plan.orders):
         got: set[tuple[int, int, int, int]] = set()
         for k, a in enumerate(order):
@@ -314,6 +360,33 @@ def check(plan: ExchangePlan, buckets: dict[int, Sequence[int]] | None = None) -
         if not moved:
             raise DeadlockError(f"{sched.name}: exchange rounds and sums wait on each other at "
                                 f"{ {p: (k, getattr(i, 'tick', i)) for p, (k, i) in current.items()} }")
+
+
+def _check_lead(plan: ExchangePlan, sums: Sequence[Sequence[tuple[int, int]]], lead: int) -> None:
+    """gloo's order with receives posted ``lead`` actions ahead (:func:`check`): per (sender, receiver), the
+    messages in the sender's issue order and in the receiver's posting order are one list, and no receive is posted
+    after the round that sends it or more than ``lead`` actions before that round."""
+    issued: dict[tuple[int, int], tuple[list[Message], list[Message]]] = {}
+    for p in range(len(plan.orders)):
+        posted: dict[Message, int] = {}  # message -> the number of actions run when its receive was posted
+        actions = 0
+        for kind, item in program(plan, p, sums[p], lead):
+            if kind == "action":
+                actions += 1
+                continue
+            if kind == "sum":
+                continue
+            for m in item.of(p):
+                pair = issued.setdefault((m.src, m.dst), ([], []))
+                if m.src == p and kind == "round":
+                    pair[0].append(m)
+                elif m.dst == p and m not in posted:
+                    posted[m] = actions
+                    pair[1].append(m)
+                elif m.dst == p and kind == "round":
+                    assert actions - posted[m] <= lead, f"{plan.schedule.name}: rank {p} posts {m} too early"
+    for (src, dst), (sent, received) in issued.items():
+        assert sent == received, f"{plan.schedule.name}: {src} sends to {dst} in another order than {dst} posts them"
 
 
 def pairs(plan: ExchangePlan) -> list[tuple[int, int]]:

@@ -16,7 +16,8 @@ or receives, in one order both ends derive alike (over gloo,
 which runs a batch as its operations one by one anyway, the operations are
 issued one by one in that order, those going up the line on a second group of
 the line's ranks, ``mesh.groups.pipeline_up``: :func:`gems.mesh.up_group_wanted`
-says why). A rank runs
+says why; over gloo a round's receives are posted one action ahead of it:
+:func:`gems.pipeline.exchange.receive_lead`). A rank runs
 its round right after the action that made its sends and before the action
 that needs its receives, and waits for a round only where an action needs what
 it received: on a GPU the compute stream waits, the host does not, so a round
@@ -64,7 +65,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gems import timers
+from gems import commlog, timers
 from gems.fault import all_finite
 from gems.fault.progress import mark, waiting
 from gems.layers import batch_context, evaluation_mode
@@ -78,6 +79,7 @@ from gems.pipeline.exchange import (
     pairs,
     plan_exchanges,
     program,
+    receive_lead,
     sum_points,
     wanted,
 )
@@ -198,6 +200,9 @@ class PipelineRunner:
         self.peers = list(peers)
         self.group = group
         self.up_group = up_group
+        #: how many actions ahead of its round a round's receives go out (gems.pipeline.exchange.receive_lead): over
+        #: gloo, whose line carries each direction on a group of its own (up_group); none on one communicator (NCCL)
+        self.lead = receive_lead(dist.get_backend(group)) if up_group is not None else 0
         self.batch_size = batch_size
         self.loss_fn = loss_fn
         self.checkpoint = checkpoint
@@ -246,7 +251,7 @@ class PipelineRunner:
         #: GEMS's mirrored copies: each bucket's partition and what launches its sum (sum_mirrors), and where
         self._sum_buckets: list[int] = []
         self._sum_launch: Callable[[int], None] = lambda b: None
-        self._programs: dict[int, list[tuple[str, Any]]] = {}  # id(plan) -> this rank's issue order of it
+        self._programs: dict[tuple[int, int], list[tuple[str, Any]]] = {}  # (id(plan), lead) -> its issue order
         #: the training actions' times, from :meth:`time_actions` until the rounds are placed by them
         self.clock: ActionClock | None = None
 
@@ -281,7 +286,8 @@ class PipelineRunner:
         adopted = []
         for forward_only in (False, True):
             unit, timed = plan_exchanges(sched, forward_only), plan_exchanges(sched, forward_only, costs)
-            if timed.layout() != unit.layout() and all(timed.held(p) <= unit.held(p) for p in range(sched.ranks)):
+            if timed.layout() != unit.layout() and all(timed.held(p, self.lead) <= unit.held(p, self.lead)
+                                                       for p in range(sched.ranks)):
                 self._plans[forward_only] = timed
                 adopted.append("an evaluation's" if forward_only else "a step's")
         self._programs.clear()
@@ -423,7 +429,7 @@ class PipelineRunner:
     def _exchange(self, rnd: Round) -> None:
         """This rank's batch of one round: what its actions made for the round's receivers, and buffers for what
         it receives (kept with their work until the action that needs them: :meth:`_receive`)."""
-        mine = rnd.of(self.position)
+        mine = [m for m in rnd.of(self.position) if m.key not in self._inbox]  # (receives posted ahead: _post)
         self._headers(mine)
         ops, tensors = [], []
         for m in mine:
@@ -442,6 +448,29 @@ class PipelineRunner:
                 self._inbox[m.key] = (works[m], t)
             else:
                 self._sends.append((works[m], t))
+
+    def _post(self, rnd: Round) -> None:
+        """The receives of a round, posted ahead of it (over gloo: :func:`gems.pipeline.exchange.receive_lead`),
+        kept with their work like the round's own."""
+        mine = [m for m in rnd.of(self.position) if m.dst == self.position]
+        ops, tensors = [], []
+        for m in mine:
+            shape = self._shape_of(m.key)
+            assert shape is not None, f"no shape for {m.key}: receives are posted ahead only once every shape is known"
+            tensors.append(self._buffer(shape[0], shape[1]))
+            ops.append(self._op(m, row_major(tensors[-1]), self._tag(m.kind, m.replica, m.micro_batch, m.stage)))
+        works = self._batch(ops, mine)
+        for m, t in zip(mine, tensors):
+            self._inbox[m.key] = (works[m], t)
+
+    def _lead(self, plan: ExchangePlan) -> int:
+        """How many actions ahead of its round this rank posts a round's receives (exchange.receive_lead): none
+        while a message's shape is still to come in a header (the first step of untraced partitions), and none while
+        the run's communication is logged for NCCL's replay (gems.commlog: the log stands for an NCCL run's order)."""
+        if not self.lead or commlog.recording() or any(self._shape_of(m.key) is None for r in plan.rounds
+                                                          for m in r.messages):
+            return 0
+        return self.lead
 
     def _receive(self, key: tuple[int, int, int, int]) -> torch.Tensor:
         """What an action needs, received in an earlier round: its work waited for (on a GPU the compute stream
@@ -611,11 +640,12 @@ class PipelineRunner:
     def _program(self, plan: ExchangePlan) -> list[tuple[str, Any]]:
         """This rank's issue order of ``plan`` (gems.pipeline.exchange.program), made once: a step's with the mirrored
         copies' sums, an evaluation's without."""
-        key = id(plan)
+        lead = self._lead(plan)
+        key = (id(plan), lead)
         if key not in self._programs:
             sums = sum_points(plan, self._sum_buckets)[self.position] if self._sum_buckets and self._metric is None \
                 else []
-            self._programs[key] = program(plan, self.position, sums)
+            self._programs[key] = program(plan, self.position, sums, lead)
         return self._programs[key]
 
     def _act(self, a: Action, inputs: torch.Tensor | None, targets: Any) -> None:
@@ -666,6 +696,8 @@ class PipelineRunner:
         for kind, item in self._program(plan):
             if kind == "round":
                 self._exchange(item)
+            elif kind == "receive":
+                self._post(item)
             elif kind == "sum":
                 self._sum_launch(item)
             else:

@@ -108,11 +108,11 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from gems.bootstrap import KEEP_GROWTH, keeps_host_memory_within, node_memory_bytes, plan_device
+from gems.bootstrap import KEEP_GROWTH, backend_for, keeps_host_memory_within, node_memory_bytes, plan_device
 from gems.config import job_tasks, section
 from gems.errors import ConfigError
 from gems.parallel import resolve, spatial_model, stage_balance
-from gems.pipeline.exchange import plan_exchanges
+from gems.pipeline.exchange import plan_exchanges, receive_lead
 from gems.pipeline.partition import trace_shapes
 from gems.pipeline.schedules import registered
 from gems.plan.calibration import load_calibration
@@ -571,11 +571,12 @@ class Planner:
         out = []
         sched = self.sched() if self.pipelined else None
         exchanges = plan_exchanges(sched) if sched is not None else None
+        lead = receive_lead(backend_for(torch.device("cuda" if st.gpu else "cpu")))
         for d in range(D):
             early = 0
             if sched is not None and exchanges is not None:
                 held = sched.partitions_of(d)
-                early = exchanges.held(d)
+                early = exchanges.held(d, lead)  # the receives gloo posts ahead too (exchange.receive_lead)
                 flights = _in_flight(sched, d)
             else:
                 held, flights = [0], []
