@@ -465,10 +465,11 @@ class PipelineRunner:
 
     def _lead(self, plan: ExchangePlan) -> int:
         """How many actions ahead of its round this rank posts a round's receives (exchange.receive_lead): none
-        while a message's shape is still to come in a header (the first step of untraced partitions), and none while
-        the run's communication is logged for NCCL's replay (gems.commlog: the log stands for an NCCL run's order)."""
-        if not self.lead or commlog.recording() or any(self._shape_of(m.key) is None for r in plan.rounds
-                                                          for m in r.messages):
+        while one of its messages' shapes is still to come in a header (the first step of untraced partitions), and
+        none while the run's communication is logged for NCCL's replay (gems.commlog: the log stands for an NCCL
+        run's order). Ranks may differ here: over gloo each pair's receiver posts in round order either way."""
+        if not self.lead or commlog.recording() or any(self._shape_of(m.key) is None
+                                                          for m in plan.messages(self.position)):
             return 0
         return self.lead
 
