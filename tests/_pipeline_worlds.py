@@ -207,13 +207,13 @@ def _run_case(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     # (gems.pipeline.exchange.receive_lead), counted here; a recorded run posts as NCCL does, in the rounds
     steps_recorded: Any = contextlib.nullcontext() if c.get("gloo_order") else recorder
     ahead = [0]
-    real_post = PipelineRunner._post
+    real_exchange = PipelineRunner._exchange
 
-    def counted(runner: PipelineRunner, rnd: Any) -> None:
-        ahead[0] += 1
-        real_post(runner, rnd)
+    def counted(runner: PipelineRunner, rnd: Any, receives_only: bool = False) -> None:
+        ahead[0] += receives_only
+        real_exchange(runner, rnd, receives_only)
 
-    PipelineRunner._post = counted  # type: ignore[method-assign]
+    PipelineRunner._exchange = counted  # type: ignore[method-assign]
     R, B = c["R"], c["B"]
     opt = torch.optim.SGD(me.params, lr=LR) if me.params else None
     r = me.mesh.coord(rank).replica
@@ -222,7 +222,7 @@ def _run_case(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     losses: list[float] = []
     grads0: dict[int, list[torch.Tensor]] = {}
     timed: tuple[str | None, Any] | None = None
-    with steps_recorded, _restored(PipelineRunner, "_post", real_post):
+    with steps_recorded, _restored(PipelineRunner, "_exchange", real_exchange):
         for t in range(c["steps"]):
             x, y, ids = batch(t, B, shape, kind)
             x, y = x[share], y[share]

@@ -426,10 +426,15 @@ class PipelineRunner:
             if h[2 + nd]:  # a spatial part's global shape: every later activation into the stage is tagged with it
                 self._gshape[key] = tuple(h[3 + nd:3 + nd + h[2 + nd]])
 
-    def _exchange(self, rnd: Round) -> None:
+    def _exchange(self, rnd: Round, receives_only: bool = False) -> None:
         """This rank's batch of one round: what its actions made for the round's receivers, and buffers for what
-        it receives (kept with their work until the action that needs them: :meth:`_receive`)."""
-        mine = [m for m in rnd.of(self.position) if m.key not in self._inbox]  # (receives posted ahead: _post)
+        it receives (kept with their work until the action that needs them: :meth:`_receive`). ``receives_only``:
+        the round's receives alone, posted ahead of it (over gloo: :func:`gems.pipeline.exchange.receive_lead`); the
+        round then carries the rest."""
+        mine = [m for m in rnd.of(self.position)
+                if m.key not in self._inbox and (m.dst == self.position or not receives_only)]
+        if not mine:
+            return
         self._headers(mine)
         ops, tensors = [], []
         for m in mine:
@@ -448,20 +453,6 @@ class PipelineRunner:
                 self._inbox[m.key] = (works[m], t)
             else:
                 self._sends.append((works[m], t))
-
-    def _post(self, rnd: Round) -> None:
-        """The receives of a round, posted ahead of it (over gloo: :func:`gems.pipeline.exchange.receive_lead`),
-        kept with their work like the round's own."""
-        mine = [m for m in rnd.of(self.position) if m.dst == self.position]
-        ops, tensors = [], []
-        for m in mine:
-            shape = self._shape_of(m.key)
-            assert shape is not None, f"no shape for {m.key}: receives are posted ahead only once every shape is known"
-            tensors.append(self._buffer(shape[0], shape[1]))
-            ops.append(self._op(m, row_major(tensors[-1]), self._tag(m.kind, m.replica, m.micro_batch, m.stage)))
-        works = self._batch(ops, mine)
-        for m, t in zip(mine, tensors):
-            self._inbox[m.key] = (works[m], t)
 
     def _lead(self, plan: ExchangePlan) -> int:
         """How many actions ahead of its round this rank posts a round's receives (exchange.receive_lead): none
@@ -698,7 +689,7 @@ class PipelineRunner:
             if kind == "round":
                 self._exchange(item)
             elif kind == "receive":
-                self._post(item)
+                self._exchange(item, receives_only=True)
             elif kind == "sum":
                 self._sum_launch(item)
             else:
