@@ -74,7 +74,19 @@ STRICT_POINTS = [("S2", ["parallel.spatial=2"], 2),
                  ("D2xS2-1f1b-m2", ["parallel.pipeline=2", "parallel.spatial=2", "parallel.schedule=1f1b",
                                     "parallel.micro_batches=2"], 4),
                  ("D2xS2-gpipe-m2", ["parallel.pipeline=2", "parallel.spatial=2", "parallel.schedule=gpipe",
-                                     "parallel.micro_batches=2"], 4)]
+                                     "parallel.micro_batches=2"], 4),
+                 # the pipelines' exchange rounds with what each schedule adds to them: GEMS's mirrored gradient
+                 # sums between rounds (mast, master, and with replicas and parts), split backwards (zbh1),
+                 # interleaved chunks, and rounds placed by measured times (parallel.rounds_by=time)
+                 ("mast-D2-m2", ["parallel.pipeline=2", "parallel.schedule=mast", "parallel.micro_batches=2"], 2),
+                 ("master-D2-m2", ["parallel.pipeline=2", "parallel.schedule=master", "parallel.micro_batches=2"], 2),
+                 ("R2xD2xS2-mast", ["parallel.replicas=2", "parallel.pipeline=2", "parallel.spatial=2",
+                                    "parallel.schedule=mast"], 8),
+                 ("zbh1-D2-m2", ["parallel.pipeline=2", "parallel.schedule=zbh1", "parallel.micro_batches=2"], 2),
+                 ("interleaved1f1b-D2-m2", ["parallel.pipeline=2", "parallel.schedule=interleaved1f1b",
+                                            "parallel.micro_batches=2"], 2),
+                 ("mast-D2-m2-timed", ["parallel.pipeline=2", "parallel.schedule=mast", "parallel.micro_batches=2",
+                                       "parallel.rounds_by=time"], 2)]
 
 
 def _base(dry: bool) -> list[str]:

@@ -13,7 +13,10 @@ deadline (``--seconds``, default 530) and each gets what is left of it, in this 
    step, what CUDA allocated at most, its breakdown and losses, in the H200 file's schema (``rows.json``), so
    ``tests/test_plan_gpu.py`` holds the planner to them;
 3. ``gems bench overhead`` in its GPU mode (gems's loop against a plain one, fp32 and bf16);
-4. ``gems bench calibrate`` (the model's own convolutions timed, for ``cluster.gpu_calibration``).
+4. ``gems bench calibrate`` (the model's own convolutions timed, for ``cluster.gpu_calibration``);
+5. ``science`` (asked for by name): the sample-size study's 128^3 point (docs/science.md) trained for many more
+   epochs than a CPU allows. Its universes are written at the lease's start and it trains beside the rig (the rig's
+   timings mean nothing anyway), so it ends before the one-rank rows, which have the GPU alone.
 
 At most 8 files come back from a device call, so it writes five: ``summary.json``, ``summary.md`` (the rig),
 ``rows.json``, ``overhead-gpu.md`` and ``lease.tgz`` (every log, record and calibration, and the environment).
@@ -40,8 +43,21 @@ ROOT = Path(__file__).resolve().parent.parent
 PATHS = [str(p) for p in (ROOT, ROOT / ".gpu" / "site") if p.is_dir()]
 sys.path[:0] = [p for p in PATHS if p not in sys.path]
 
-#: (label, overrides): the H200 file's one-rank rows under its labels, then models and batches it never saw
-ROWS: list[tuple[str, list[str]]] = [
+#: (label, overrides): rows no GPU file held when the planner's GPU model was last fit (sizes, batches and a model
+#: of its own beyond results/gpu/h100-2026-11-26.json), which test it out of sample, first; then the H200 file's
+#: one-rank rows under its labels and the rows the first H100 lease measured
+NEW_ROWS: list[tuple[str, list[str]]] = [
+    ("c512_b1_bf16", ["model=cosmoflow", "model.size=512", "train.batch_size=1", "train.precision=bf16",
+                      "train.steps=6", "train.warmup_steps=2"]),
+    ("unet128_b1", ["model=unet3d", "model.size=128", "train.batch_size=1", "train.steps=10", "train.warmup_steps=3"]),
+    ("resnet1024_b2_bf16", ["model=resnet", "model.size=1024", "train.batch_size=2", "train.precision=bf16",
+                            "train.steps=10", "train.warmup_steps=3"]),
+    ("mlperf128_b8", ["model=cosmoflow_mlperf", "model.size=128", "train.batch_size=8", "train.steps=12",
+                      "train.warmup_steps=3"]),
+    ("c64_b64_bf16", ["model=cosmoflow", "model.size=64", "train.batch_size=64", "train.precision=bf16",
+                      "train.steps=12", "train.warmup_steps=3"]),
+]
+ROWS: list[tuple[str, list[str]]] = NEW_ROWS + [
     ("one_default", []),
     ("one_bf16", ["train.precision=bf16"]),
     ("p128_fp32", ["model=cosmoflow", "model.size=128", "train.batch_size=8", "train.steps=20",
@@ -61,6 +77,8 @@ ROWS: list[tuple[str, list[str]]] = [
     ("c128_b2", ["model=cosmoflow", "model.size=128", "train.batch_size=2", "train.steps=12",
                  "train.warmup_steps=3"]),
 ]
+#: the phases, in the order a lease runs them by default (science only when named)
+PHASES = ("rig", "rows", "bench", "science")
 #: the file that marks a folder as a lease's scratch, which the next lease clears
 MARK = ".gems-gpu-lease"
 #: the most one command of each phase may take, in seconds (measured on an H100: a rig run 20-60 s, a row 13-22 s,
@@ -73,6 +91,31 @@ CALIBRATE: list[tuple[str, list[str]]] = [
 ]
 DRY_ROWS: list[tuple[str, list[str]]] = [("dry_small", ["model.size=32", "model.width=0.25", "train.steps=3",
                                                           "train.warmup_steps=1"])]
+#: the science phase: universes as the study writes them (a pure function of the seed: the same universes as every
+#: CPU run of docs/science.md), then the study's 128^3 point on one GPU, its recipe unchanged but for the epochs and
+#: the rate's decays at 70% and 90% of them; dry: a few small universes, two epochs, on CPU
+SCIENCE_EPOCHS = 32
+SCIENCE_UNIVERSES = (256, 32, 128)  # training, validation, cells a side
+DRY_SCIENCE_UNIVERSES = (8, 4, 32)
+
+
+def science_commands(work: Path, dry: bool, workers: int) -> list[list[str]]:
+    """The writing of the universes and the training run, in order."""
+    py = sys.executable
+    train, val, cells = DRY_SCIENCE_UNIVERSES if dry else SCIENCE_UNIVERSES
+    epochs = 2 if dry else SCIENCE_EPOCHS
+    data = work / "science" / "universes"
+    synth = [py, "-m", "gems.cli", "data", "synth", "data.kind=cosmology", f"data.path={data / 'train'}",
+             f"data.val_path={data / 'val'}", f"data.universes={train}", f"data.val_universes={val}",
+             f"data.box_cells={cells}", "data.box_mpc=1024", f"data.workers={workers}"]
+    point = [py, "-m", "gems.cli", "run", "+experiment=cosmoflow_sample_size", f"data.path={data / 'train'}",
+             f"data.val_path={data / 'val'}", f"data.box_cells={cells}", f"data.crop={cells}", "parallel.spatial=1",
+             f"train.epochs={epochs}", f"train.lr_decay_boundaries=[{0.7 * epochs:.1f},{0.9 * epochs:.1f}]",
+             f"train.eval_every={2 if dry else 256}", "train.check_fit=false",
+             f"results.dir={work / 'science' / 'run'}", "run_id=lease-science-128"]
+    point += (["train.device=cpu", "train.threads=1", "model.width=0.25"] if dry else
+              ["train.device=cuda", f"train.threads={workers}"])
+    return [synth, point]
 
 
 def _env() -> dict[str, str]:
@@ -89,9 +132,37 @@ class Lease:
         self.logs = work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.phases: list[dict[str, Any]] = []
+        self.background: dict[str, tuple[subprocess.Popen[bytes], float, Any]] = {}
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
+
+    def start(self, label: str, cmds: list[list[str]]) -> subprocess.Popen[bytes]:
+        """``cmds`` one after the other in the background (each only if the one before succeeded), output to
+        logs/LABEL.txt; :meth:`finish` waits for them."""
+        import shlex
+
+        chain = " && ".join(shlex.join(c) for c in cmds)
+        log = open(self.logs / f"{label}.txt", "wb")
+        proc = subprocess.Popen(["bash", "-c", chain], stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT,
+                                start_new_session=True)
+        self.background[label] = (proc, time.monotonic(), log)
+        print(f"[{time.monotonic() - self.t0:6.1f}s] {label}: started", flush=True)
+        return proc
+
+    def finish(self, label: str, by_s: float) -> int:
+        """Wait for the background ``label`` until ``by_s`` seconds before the deadline, then end it."""
+        proc, t, log = self.background.pop(label)
+        try:
+            rc = proc.wait(timeout=max(0.0, self.left() - by_s))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = 124
+        log.close()
+        self.phases.append({"label": label, "rc": rc, "wall_s": round(time.monotonic() - t, 1), "background": True})
+        print(f"[{time.monotonic() - self.t0:6.1f}s] {label}: rc={rc}", flush=True)
+        return rc
 
     def run(self, label: str, cmd: list[str], cap_s: float) -> int:
         """``cmd`` bounded by ``cap_s`` and by the deadline; its output to logs/LABEL.txt."""
@@ -159,6 +230,8 @@ def rig_phase(lease: Lease, a: argparse.Namespace, keep_s: float) -> None:
         return
     rig = [sys.executable, "-m", "gems.gpucheck", "--out", str(check), "--budget", str(budget),
            "--limit", str(RUN_S)] + (["--dry"] if a.dry else []) + (["--only", a.only] if a.only else [])
+    if "science" in lease.background:  # the training's reader and its threads keep half the cores
+        rig += ["--ranks", str(max(2, (os.cpu_count() or 2) // 2))]
     lease.run("rig", rig, rig_s + 20)
     for name in ("summary.json", "summary.md"):
         if (check / name).exists():
@@ -208,7 +281,7 @@ def archive(lease: Lease) -> None:
 
     runs = work / "check" / "runs"
     with tarfile.open(lease.out / "lease.tgz", "w:gz") as tar:
-        for name in ("logs", "environment.json", "phases.json", "rows", "check/logs", "bench"):
+        for name in ("logs", "environment.json", "phases.json", "rows", "check/logs", "bench", "science/run"):
             if (work / name).exists():
                 tar.add(work / name, arcname=name, filter=small)
         for rec in sorted(runs.rglob("*.json")) if runs.is_dir() else []:
@@ -220,13 +293,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "results/gpu/lease")))
     p.add_argument("--seconds", type=float, default=530.0, help="the whole lease's deadline")
     p.add_argument("--dry", action="store_true", help="the plumbing on CPU")
-    p.add_argument("--phases", default="rig,rows,bench", help="which phases, in this order (rig, rows, bench)")
+    p.add_argument("--phases", default="rig,rows,bench", help="which phases, in this order (rig, rows, bench, "
+                   "science: it starts at once and trains beside the phases before it)")
     p.add_argument("--only", default="", help="the rig's points whose label holds one of these texts (comma-separated)")
     a = p.parse_args(argv)
     phases = [x for x in a.phases.split(",") if x]
-    bad = [x for x in phases if x not in ("rig", "rows", "bench")]
+    bad = [x for x in phases if x not in PHASES]
     if bad or not phases:  # before anything is written
-        print(f"gpu_lease: --phases={a.phases}: {', '.join(bad) or 'nothing'} is not a phase (rig, rows or bench)",
+        print(f"gpu_lease: --phases={a.phases}: {', '.join(bad) or 'nothing'} is not a phase ({', '.join(PHASES)})",
               file=sys.stderr)
         return 2
     work = Path(os.environ.get("GEMS_LEASE_WORK", "/tmp/gems-gpu-lease"))
@@ -247,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
                        shell=True, stdout=f, stderr=subprocess.STDOUT)
     lease.run("imports", [sys.executable, "-c", "import gems.cli, hydra, submitit, colossus, mlperf_logging, h5py"],
               60)
+    if "science" in phases:  # the universes, then the training: beside the phases listed before it
+        workers = 1 if a.dry else max(1, (os.cpu_count() or 2) // 2)
+        lease.start("science", science_commands(lease.work, a.dry, workers))
     for i, phase in enumerate(phases):
         later = phases[i + 1:]
         keep_s = (3 * ROW_S if "rows" in later else 0) + (OVERHEAD_S + CALIBRATE_S if "bench" in later else 0)
@@ -254,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
             rig_phase(lease, a, keep_s)
         elif phase == "rows":
             rows_phase(lease, a.dry, keep_s, env_info)
+        elif phase == "science":
+            lease.finish("science", keep_s)
         else:
             bench_phase(lease, a.dry)
     archive(lease)
