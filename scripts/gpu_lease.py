@@ -56,6 +56,9 @@ NEW_ROWS: list[tuple[str, list[str]]] = [
                       "train.warmup_steps=3"]),
     ("c64_b64_bf16", ["model=cosmoflow", "model.size=64", "train.batch_size=64", "train.precision=bf16",
                       "train.steps=12", "train.warmup_steps=3"]),
+    # 16 x 256^3 x 8 = 2^31 elements out of the first convolution, as at 512^3 and a batch of 1
+    ("c256_b8_bf16", ["model=cosmoflow", "model.size=256", "train.batch_size=8", "train.precision=bf16",
+                      "train.steps=8", "train.warmup_steps=2"]),
 ]
 ROWS: list[tuple[str, list[str]]] = NEW_ROWS + [
     ("one_default", []),
@@ -78,12 +81,12 @@ ROWS: list[tuple[str, list[str]]] = NEW_ROWS + [
                  "train.warmup_steps=3"]),
 ]
 #: the phases, in the order a lease runs them by default (science only when named)
-PHASES = ("rig", "rows", "bench", "science")
+PHASES = ("rig", "rows", "bench", "science", "probe")
 #: the file that marks a folder as a lease's scratch, which the next lease clears
 MARK = ".gems-gpu-lease"
 #: the most one command of each phase may take, in seconds (measured on an H100: a rig run 20-60 s, a row 13-22 s,
 #: the overhead benchmark 22 s, a calibration 5-12 s); the phases after one keep what they need of the deadline
-RUN_S, ROW_S, OVERHEAD_S, CALIBRATE_S = 100.0, 40.0, 60.0, 40.0
+RUN_S, ROW_S, OVERHEAD_S, CALIBRATE_S, PROBE_S = 100.0, 40.0, 60.0, 40.0, 90.0
 #: the models whose convolutions ``gems bench calibrate`` times (each its own file, in lease.tgz)
 CALIBRATE: list[tuple[str, list[str]]] = [
     ("cosmoflow128", ["model=cosmoflow", "model.size=128", "train.batch_size=8"]),
@@ -99,11 +102,11 @@ SCIENCE_UNIVERSES = (256, 32, 128)  # training, validation, cells a side
 DRY_SCIENCE_UNIVERSES = (8, 4, 32)
 
 
-def science_commands(work: Path, dry: bool, workers: int) -> list[list[str]]:
+def science_commands(work: Path, dry: bool, workers: int, epochs: int = SCIENCE_EPOCHS) -> list[list[str]]:
     """The writing of the universes and the training run, in order."""
     py = sys.executable
     train, val, cells = DRY_SCIENCE_UNIVERSES if dry else SCIENCE_UNIVERSES
-    epochs = 2 if dry else SCIENCE_EPOCHS
+    epochs = 2 if dry else epochs
     data = work / "science" / "universes"
     synth = [py, "-m", "gems.cli", "data", "synth", "data.kind=cosmology", f"data.path={data / 'train'}",
              f"data.val_path={data / 'val'}", f"data.universes={train}", f"data.val_universes={val}",
@@ -111,7 +114,7 @@ def science_commands(work: Path, dry: bool, workers: int) -> list[list[str]]:
     point = [py, "-m", "gems.cli", "run", "+experiment=cosmoflow_sample_size", f"data.path={data / 'train'}",
              f"data.val_path={data / 'val'}", f"data.box_cells={cells}", f"data.crop={cells}", "parallel.spatial=1",
              f"train.epochs={epochs}", f"train.lr_decay_boundaries=[{0.7 * epochs:.1f},{0.9 * epochs:.1f}]",
-             f"train.eval_every={2 if dry else 256}", "train.check_fit=false",
+             f"train.eval_every={2 if dry else 16 * 64}", "train.check_fit=false",
              f"results.dir={work / 'science' / 'run'}", "run_id=lease-science-128"]
     point += (["train.device=cpu", "train.threads=1", "model.width=0.25"] if dry else
               ["train.device=cuda", f"train.threads={workers}"])
@@ -238,11 +241,12 @@ def rig_phase(lease: Lease, a: argparse.Namespace, keep_s: float) -> None:
             (lease.out / name).write_bytes((check / name).read_bytes())
 
 
-def rows_phase(lease: Lease, dry: bool, keep_s: float, env_info: dict[str, Any]) -> None:
-    """One-rank rows, the GPU alone, to rows.json."""
+def rows_phase(lease: Lease, dry: bool, keep_s: float, env_info: dict[str, Any], only: str = "") -> None:
+    """One-rank rows, the GPU alone, to rows.json (``only``: the labels to run, comma-separated)."""
     rows: dict[str, Any] = {}
     base = ["train.check_fit=false"] + (["train.device=cpu"] if dry else [])
-    for label, overrides in (DRY_ROWS if dry else ROWS):
+    labels = [x for x in only.split(",") if x]
+    for label, overrides in (DRY_ROWS if dry else [r for r in ROWS if not labels or r[0] in labels]):
         if lease.left() < keep_s + ROW_S:  # a row may take ROW_S: it never eats what the phases after it keep
             rows[label] = {"status": "not run", "error": "the lease's deadline"}
             continue
@@ -295,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry", action="store_true", help="the plumbing on CPU")
     p.add_argument("--phases", default="rig,rows,bench", help="which phases, in this order (rig, rows, bench, "
                    "science: it starts at once and trains beside the phases before it)")
+    p.add_argument("--rows", default="", help="the one-rank rows to run, by label (comma-separated; default all)")
+    p.add_argument("--science-epochs", type=int, default=SCIENCE_EPOCHS, help="the science point's epochs")
     p.add_argument("--only", default="", help="the rig's points whose label holds one of these texts (comma-separated)")
     a = p.parse_args(argv)
     phases = [x for x in a.phases.split(",") if x]
@@ -322,15 +328,20 @@ def main(argv: list[str] | None = None) -> int:
     lease.run("imports", [sys.executable, "-c", "import gems.cli, hydra, submitit, colossus, mlperf_logging, h5py"],
               60)
     if "science" in phases:  # the universes, then the training: beside the phases listed before it
-        workers = 1 if a.dry else max(1, (os.cpu_count() or 2) // 2)
-        lease.start("science", science_commands(lease.work, a.dry, workers))
+        workers = 1 if a.dry else max(1, (os.cpu_count() or 2) // (2 if "rig" in phases else 1))
+        lease.start("science", science_commands(lease.work, a.dry, workers, a.science_epochs))
     for i, phase in enumerate(phases):
         later = phases[i + 1:]
-        keep_s = (3 * ROW_S if "rows" in later else 0) + (OVERHEAD_S + CALIBRATE_S if "bench" in later else 0)
+        rows_kept = min(3, len([x for x in a.rows.split(",") if x]) or 3)  # the rows asked for, 3 at most
+        keep_s = (rows_kept * ROW_S if "rows" in later else 0) + (OVERHEAD_S + CALIBRATE_S if "bench" in later else 0)
         if phase == "rig":
             rig_phase(lease, a, keep_s)
         elif phase == "rows":
-            rows_phase(lease, a.dry, keep_s, env_info)
+            rows_phase(lease, a.dry, keep_s, env_info, a.rows)
+        elif phase == "probe":  # which layers slow down past 2^31 elements (a GPU only)
+            if not a.dry:
+                lease.run("probe", [sys.executable, str(ROOT / "scripts" / "gpu_large_tensors.py"), "--out",
+                                    str(lease.out / "large-tensors.json")], PROBE_S)
         elif phase == "science":
             lease.finish("science", keep_s)
         else:

@@ -464,3 +464,53 @@ def test_the_reader_thread_sets_its_device_first(monkeypatch) -> None:
     finally:
         pf.close()
     assert seen == [("gems-prefetch", torch.device("cuda", 3))] * 2, seen
+
+
+def test_read_counts_are_copied_then_finished_on_the_side_stream(monkeypatch) -> None:
+    """A GPU rank's reader copies a read batch's counts (int16, half a float's bytes) to its GPU and turns them into
+    the network's input there, on its side stream, before the event the step waits for. Stand-ins for torch.cuda
+    and for a host tensor record the order; what only a GPU shows (the copy's overlap, the transform's kernels) the
+    rig's science run uses (scripts/gpu_lease.py)."""
+    from gems.rank.data import Prefetcher
+
+    order: list[str] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: "side")
+
+    class _Ctx:
+        def __init__(self, stream: Any) -> None:
+            self.stream = stream
+
+        def __enter__(self) -> None:
+            order.append(f"enter {self.stream}")
+
+        def __exit__(self, *a: Any) -> None:
+            order.append("exit")
+
+    class _Event:
+        def record(self, stream: Any) -> None:
+            order.append(f"event on {stream}")
+
+    class _Host:
+        is_cuda = False
+
+        def pin_memory(self) -> "_Host":
+            order.append("pin")
+            return self
+
+        def to(self, device: Any, non_blocking: bool = False) -> str:
+            order.append(f"copy to {device}")
+            return "counts on the GPU"
+
+    monkeypatch.setattr(torch.cuda, "stream", _Ctx)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+
+    def finish(x: Any) -> str:
+        order.append(f"finish {x}")
+        return "input"
+
+    pf = Prefetcher(lambda step: ([step], _Host(), None), [0], depth=0, device=torch.device("cuda", 1), finish=finish)
+    pf._side = "side"  # depth 0 makes no thread; the side stream's path is the same one the thread takes
+    (ids, x, _), event = pf._make(0)
+    assert x == "input" and ids == [0] and event is not None
+    assert order == ["enter side", "pin", "copy to cuda:1", "finish counts on the GPU", "event on side", "exit"], order

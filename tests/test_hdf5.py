@@ -295,3 +295,34 @@ def test_standardize_shifts_and_scales_the_log_counts(tmp_path):
     for bad in ([1.0], [1.0, 0.0], ["a", "b"]):
         with pytest.raises(ConfigError, match=r"^data.standardize="):
             HDF5Samples(tmp_path / "s", (4, 8, 8, 8), standardize=bad)
+
+
+def test_counts_read_raw_and_finished_after_stacking_equal_the_host_transform_bit_for_bit(tmp_path):
+    """The training reader reads the files' counts (int16: half a float's bytes to copy to a GPU) and finishes
+    them where the step runs (gems.rank.data.finisher): crops, every symmetry, a rank's part and the
+    standardisation give the same input, to the bit, as samples transformed one by one on the host."""
+    from gems.rank.data import Prefetcher, finisher
+
+    write_synthetic(tmp_path / "u", 2, (4, 14, 14, 14), seed=9)
+    for slices in (None, (slice(2, 7), slice(0, 7), slice(0, 4))):
+        ds = HDF5Samples(tmp_path / "u", (4, 7, 7, 7), slices=slices, augment="cube", standardize=[2.0, 0.5])
+        ids, syms = [3, 11, 5, 14], [0, 47, 9, 30]
+        x, y = ds.batch(ids, syms)
+        raw, y_raw = ds.batch(ids, syms, raw=True)
+        assert raw.dtype == torch.int16 and x.dtype == torch.float32 and raw.shape == x.shape
+        assert torch.equal(ds.finish(raw), x) and torch.equal(y_raw, y)
+    # the reader on a CPU rank finishes in its thread (depth 1) or in the step (depth 0), and what the step gets
+    # is the transformed batch
+    from gems.rank.data import _HDF5Batches
+
+    data = _HDF5Batches(ds)
+    assert finisher(data) is not None and finisher(object()) is None
+    for depth in (0, 1):
+        pf = Prefetcher(lambda step: ([step], data.batch(ids, symmetries=syms, raw=True)[0], None), [0, 1], depth,
+                        torch.device("cpu"), finisher(data))
+        try:
+            for step in (0, 1):
+                (_, got, _), _ = pf.get(step)
+                assert torch.equal(got, x)
+        finally:
+            pf.close()

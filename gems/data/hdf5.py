@@ -47,13 +47,19 @@ def sample_shape(source: Source) -> tuple[int, ...]:
         return tuple(int(n) for n in f["full"].shape)
 
 
+#: the file dtypes a sample's counts keep until :func:`transform` (torch holds them); others become float32 at once
+_RAW_DTYPES = {np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.int32, np.int64, np.float16, np.float32,
+                                     np.float64)}
+
+
 def read_sample(source: Source, slices: Sequence[slice] | None = None, log1p: bool = True,
-                standardize: tuple[float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                standardize: tuple[float, float] | None = None, raw: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Read the part ``slices`` (one per spatial dim; None: all) of one sample.
 
     Returns ``(x, target)``: ``x`` float32 shaped (C, *part), ``log(x+1)`` of
-    the counts when ``log1p``, then ``(x - mean) / std`` with ``standardize``; ``target`` the float32 ``unitPar``
-    vector.
+    the counts when ``log1p``, then ``(x - mean) / std`` with ``standardize`` (:func:`transform`); ``target`` the
+    float32 ``unitPar`` vector. ``raw``: ``x`` the counts as the file holds them (int16 in the ExaLearn layout: half
+    the float's bytes), for :func:`transform` to finish where the step runs.
     """
     with _h5().File(source, "r") as f:
         ds = f["full"]
@@ -62,13 +68,21 @@ def read_sample(source: Source, slices: Sequence[slice] | None = None, log1p: bo
         if arr.size:
             ds.read_direct(arr, source_sel=sel)
         target = torch.from_numpy(np.asarray(f["unitPar"][()], dtype=np.float32).reshape(-1))
-    x = torch.from_numpy(arr.astype(np.float32, copy=False))
+    x = torch.from_numpy(arr if arr.dtype in _RAW_DTYPES else arr.astype(np.float32))
+    return (x if raw else transform(x, log1p, standardize)), target
+
+
+def transform(x: torch.Tensor, log1p: bool = True, standardize: tuple[float, float] | None = None) -> torch.Tensor:
+    """Counts to the network's input, elementwise on whatever device ``x`` is on: float32, ``log(x+1)`` when
+    ``log1p``, then ``(x - mean) / std``. The same operations in the same order on every path, so a batch
+    transformed on the host after stacking equals one whose samples were transformed one by one, bit for bit."""
+    x = x.to(torch.float32)
     if log1p:
         x = torch.log1p(x)
     if standardize is not None:
         mean, std = standardize
         x = (x - float(mean)) / float(std)
-    return x, target
+    return x
 
 
 def read_target(source: Source) -> torch.Tensor:
@@ -191,9 +205,9 @@ class HDF5Samples:
             self._checked.add(i)
         return self.files[i]
 
-    def __getitem__(self, index: int, symmetry: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int, symmetry: int = 0, raw: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample ``index`` (this rank's part of it), transformed by the box's ``symmetry`` (gems.data.augment:
-        the part it comes from is the hyperslab read)."""
+        the part it comes from is the hyperslab read); ``raw``: its counts, for :meth:`finish`."""
         file, origin = self.locate(index)
         edges = self.shape[1:]
         parts = self.slices if self.slices is not None else tuple(slice(0, n) for n in edges)
@@ -202,18 +216,23 @@ class HDF5Samples:
         if self.crops > 1:
             parts = tuple(slice(o + s.start, o + s.stop) for o, s in zip(origin, _full_slices(parts, edges)))
         whole = self.crops == 1 and self.slices is None  # the symmetry of a whole sample is read from all of it
-        x, y = read_sample(self._file(file), None if whole else parts, self.log1p, self.standardize)
+        x, y = read_sample(self._file(file), None if whole else parts, self.log1p, self.standardize, raw)
         return augmentation.apply(symmetry, x), y
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        """Raw counts (``raw=True``) to the network's input, on their device (:func:`transform`)."""
+        return transform(x, self.log1p, self.standardize)
 
     def target(self, index: int) -> torch.Tensor:
         """Only the target of sample ``index`` (a rank that computes the loss but reads no input)."""
         return read_target(self._file(self.locate(index)[0]))
 
-    def batch(self, indices: Sequence[int], symmetries: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, indices: Sequence[int], symmetries: Sequence[int] | None = None,
+              raw: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Stacked parts ``(N, C, *part)`` and targets ``(N, 4)`` of the samples ``indices``, each transformed by
-        its symmetry in ``symmetries`` (None: none)."""
+        its symmetry in ``symmetries`` (None: none); ``raw``: their counts, for :meth:`finish`."""
         syms = symmetries if symmetries is not None else [0] * len(indices)
-        items = [self.__getitem__(i, int(k)) for i, k in zip(indices, syms)]
+        items = [self.__getitem__(i, int(k), raw) for i, k in zip(indices, syms)]
         return torch.stack([x for x, _ in items]), torch.stack([t for _, t in items])
 
 

@@ -613,7 +613,8 @@ def setup(cfg: Any) -> Setup:
                   int(cfg.train.batch_size), mesh.replicas, factor, float(cfg.comm.bucket_mb), p.overlap,
                   str(p.bn_stats), list(p.balance) if p.balance else None,
                   settings.balance_by, settings, rank_threads(cfg), _setup_notes(cfg, settings, gather_note),
-                  device_batches_ahead(int(cfg.data.prefetch)) if gpu else 0, load_calibration(cfg) if gpu else None)
+                  device_batches_ahead(int(cfg.data.prefetch), str(cfg.data.name) == "hdf5") if gpu else 0,
+                  load_calibration(cfg) if gpu else None)
 
 
 def _setup_notes(cfg: Any, settings: Any, gather_note: str | None) -> list[str]:
@@ -625,13 +626,15 @@ def _setup_notes(cfg: Any, settings: Any, gather_note: str | None) -> list[str]:
     return notes
 
 
-def device_batches_ahead(prefetch: int) -> int:
+def device_batches_ahead(prefetch: int, read: bool = False) -> int:
     """Batches a GPU rank's reader keeps on the device beside the step's (gems.rank.data.Prefetcher): its queue
     holds ``data.prefetch`` of them and it holds one more made while the queue is full; synthetic samples are
     drawn on the GPU and read ones copied there, both on its side stream. Measured on an H200: gems's 128^3
     CosmoFlow at batch 8 allocated 728 MiB more than a plain loop over the same module, three 256 MiB batches
-    (results/gpu/h200-2026-11-26.json)."""
-    return prefetch + 1 if prefetch > 0 else 0
+    (results/gpu/h200-2026-11-26.json). ``read`` (HDF5 files): the batch being made is copied as the files'
+    counts and transformed there, so it holds its counts and its input at once for a moment: one more, counted
+    as float32 (the layout's int16 counts are half of that; a file may hold floats)."""
+    return (prefetch + 1 + int(read)) if prefetch > 0 else 0
 
 
 def rank_threads(cfg: Any) -> int:

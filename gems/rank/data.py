@@ -91,11 +91,17 @@ class _HDF5Batches:
         return int(self.samples.symmetries)
 
     def batch(self, indices: list[int], slices: Any = None, want_input: bool = True, want_target: bool = True,
-              symmetries: Sequence[int] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+              symmetries: Sequence[int] | None = None, raw: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``raw``: the inputs as the files' counts, which :meth:`finish` turns into the network's input where the
+        step runs (the reader's transform on a GPU rank's GPU, not its host: half the bytes to copy for int16 counts
+        and no float pass over them on the host)."""
         if not want_input:
             return None, torch.stack([self.samples.target(i) for i in indices])
-        x, y = self.samples.batch(indices, symmetries)
+        x, y = self.samples.batch(indices, symmetries, raw)
         return x, (y if want_target else None)
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        return self.samples.finish(x)
 
 
 # ---------------------------------------------------------------------------- staging
@@ -285,15 +291,23 @@ def replica_indices(step: int, batch: int, replicas: int, replica: int) -> list[
 
 
 def step_batch(data: Any, par: Parallel, step: int, batch: int, replicas: int, replica: int,
-               sampler: Sampler | None = None) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+               sampler: Sampler | None = None,
+               raw: bool = False) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
     """(sample indices, input, target) of ``step`` on a rank: its replica's samples, its spatial part of the
-    inputs where it runs a first stage, the targets where it runs a last one."""
+    inputs where it runs a first stage, the targets where it runs a last one; ``raw``: the inputs as read, for
+    ``data.finish`` (:func:`finisher`)."""
     ids = (sampler.replica_indices(step, replicas, replica) if sampler is not None
            else replica_indices(step, batch, replicas, replica))
     syms = sampler.symmetries_of(step, ids) if sampler is not None else None
     x, y = data.batch(ids, par.input_slices, want_input=par.needs_input, want_target=par.needs_target,
-                      symmetries=syms)
+                      symmetries=syms, **({"raw": True} if raw else {}))
     return ids, x, y
+
+
+def finisher(data: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What turns a set's raw inputs into the network's (read samples: their counts' transform); None for a set
+    whose batches come finished (synthetic samples, drawn as the network takes them)."""
+    return getattr(data, "finish", None)
 
 
 # ---------------------------------------------------------------------------- when
@@ -304,8 +318,10 @@ class Prefetcher:
     """Reads the batches of ``steps`` ahead on a thread, ``depth`` of them at most (module docstring); ``fetch``
     makes one step's (ids, input, target) on the host. ``depth`` 0 reads in the caller's thread."""
 
-    def __init__(self, fetch: Callable[[int], Batch], steps: Sequence[int], depth: int, device: torch.device) -> None:
+    def __init__(self, fetch: Callable[[int], Batch], steps: Sequence[int], depth: int, device: torch.device,
+                 finish: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.fetch, self.steps, self.depth, self.device = fetch, list(steps), int(depth), device
+        self.finish = finish  # raw inputs to the network's, where the batch lands (finisher)
         self.reader_s = 0.0  # seconds the reader spent making batches (all steps)
         self._q: queue.Queue[tuple[int, Any]] = queue.Queue(maxsize=max(1, self.depth))
         self._stop = threading.Event()
@@ -322,11 +338,16 @@ class Prefetcher:
         event = None
         if self._side is None:
             ids, x, y = self.fetch(step)
-        else:  # on the side stream: samples drawn on the GPU there, or host ones pinned and copied; the step waits
+            if x is not None and self.finish is not None:
+                x = self.finish(x)
+        else:  # on the side stream: samples drawn on the GPU there, or host ones pinned and copied (read ones as
+            # their counts, finished there); the step waits
             with torch.cuda.stream(self._side):
                 ids, x, y = self.fetch(step)
                 x, y = (t if t is None or t.is_cuda else t.pin_memory().to(self.device, non_blocking=True)
                         for t in (x, y))
+                if x is not None and self.finish is not None:
+                    x = self.finish(x)
                 event = torch.cuda.Event()
                 event.record(self._side)
         self.reader_s += time.perf_counter() - t0

@@ -40,7 +40,7 @@ from gems.models import build_model
 from gems.parallel import resolve
 from gems.pipeline.runtime import split_waits
 from gems.rank.compose import Parallel, set_up_rank
-from gems.rank.data import Prefetcher, Sampler, Staged, make_data, replica_indices, share, stage, step_batch, unstage
+from gems.rank.data import Prefetcher, Sampler, Staged, finisher, make_data, replica_indices, share, stage, step_batch, unstage
 from gems.rank.optim import LearningRate, WeightAverage
 from gems.results import record as rec
 from gems.results.mlperf import MLPerfLog
@@ -197,7 +197,7 @@ class Run:
         timers.reset()
         self.t_begin = time.time()  # time to target counts from the first training step (MLPerf's run start)
         self.prefetch = Prefetcher(self.fetch, range(self.start, self.steps), int(self.cfg.data.prefetch),
-                                   self.world.device)
+                                   self.world.device, self.finisher())
         self.mlperf.run_start()
         try:
             for step in range(self.start, self.steps):
@@ -249,9 +249,16 @@ class Run:
         h["reader_s"] += self.prefetch.reader_s
         self.prefetch.reader_s = 0.0
 
+    def finisher(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What finishes a fetched input where the step runs (read counts transformed on the rank's device), or
+        None when :meth:`fetch` gives finished ones."""
+        return finisher(self.data)
+
     def fetch(self, step: int) -> tuple[list[int], Any, Any]:
-        """Step ``step``'s sample ids, this rank's input part and targets, on the host (the reader's work)."""
-        return step_batch(self.data, self.par, step, self.B, self.R, self.coord.replica, self.sampler)
+        """Step ``step``'s sample ids, this rank's input part and targets, on the host (the reader's work): read
+        inputs as their counts where :meth:`finisher` finishes them."""
+        return step_batch(self.data, self.par, step, self.B, self.R, self.coord.replica, self.sampler,
+                          raw=self.finisher() is not None)
 
     def one_step(self, step: int) -> bool:
         """The step; True when an evaluation after it reached the run's target."""
