@@ -126,7 +126,7 @@ GPU_EFFICIENCY_SOURCE = ("fit to 18 one-rank steps of CosmoFlow, 3D U-Net and Re
 #: figures one memory-class efficiency (14%) lumped CosmoFlow's convolutions and pools with every elementwise op:
 #: it fit CosmoFlow on the H200 and planned ResNet 4-6x and U-Net 2x too slow. ``plan.efficiency`` overrides them;
 #: ``gems bench calibrate`` measures the convolutions and the bandwidth themselves.
-_HOPPER_FIT = {"conv": 0.4, "matmul": 0.6, "memory": 0.85, "pool": 0.13}  # one fit, every precision
+_HOPPER_FIT = {"conv": 0.4, "matmul": 0.6, "memory": 0.85, "pool": 0.44}  # one fit, every precision
 _HOPPER = {p: _HOPPER_FIT for p in ("fp32", "bf16", "fp16")}
 GPU_EFFICIENCY: dict[str, dict[str, dict[str, float]]] = {"h200": _HOPPER, "h100": _HOPPER}
 #: what kernels reach of a GPU's peak, per op class (convolutions at full width, matmuls, elementwise and
@@ -153,6 +153,41 @@ def conv_width_factor(sig: tuple) -> float:
 #: (older gems, which read the device three times a step) 5.9-6.6 ms. Fit with the efficiencies above; gems plan
 #: states it among its assumptions.
 GPU_OP_OVERHEAD_S = 25e-6
+#: a convolution whose input or output holds 2^31 elements or more in one sample, past a 32-bit index: PyTorch
+#: splits a batch into samples for cuDNN, but a single sample that large leaves cuDNN's usual kernels. On an H100
+#: (torch 2.11, cuDNN 9; scripts/gpu_large_tensors.py: CosmoFlow's first 4 -> 16 convolution at 512^3 against
+#: 511 x 512^2, whose output is one element under; results/gpu/h100-2026-11-27-large-tensors.json) a voxel's
+#: forward took 2.4x (bf16) and 4.7x (fp32) its time, its backward 21.6x and 2.0x. CosmoFlow at 512^3 and a batch of 1 took
+#: 2.42 s a bf16 step there where the rule-less plan said 0.11 s; spatial parts halve the sample (S = 2 is under).
+#: Other GPUs and libraries are assumed to do the same until measured.
+LARGE_SAMPLE_ELEMENTS = 2**31
+#: the rates (FLOP/s, forward and backward) such a convolution ran at there: its forward's FLOPs over its forward's
+#: time, and both gradients' FLOPs over the backward's time; the probe timed the two gradients together, so a
+#: weight gradient alone (a model's first layer) is counted at the pair's time, the most it can take
+LARGE_SAMPLE_CONV_FLOPS = {"fp32": (4.3e12, 1.6e12), "bf16": (3.9e12, 0.29e12), "fp16": (3.9e12, 0.29e12)}
+
+
+def pool_reads(sig: tuple) -> float:
+    """How many times a pool reads each input cell: its kernel's volume over its stride's (at least once), from
+    its signature (gems.plan.cost.memory_signature: ("memory", "pool", kind, nd, kernel, stride, padding)); a kind
+    of pool whose signature says less, once."""
+    if len(sig) < 6:
+        return 1.0
+    return max(1.0, math.prod(int(k) for k in sig[4]) / max(1, math.prod(int(v) for v in sig[5])))
+
+
+def conv_sample_elements(sig: tuple, flops: float, batch: int) -> int:
+    """The larger of a convolution's input and output elements in one sample, from its signature (gems.plan.cost:
+    ("conv", nd, cin, cout, kernel, stride, groups, transposed, ...)) and its FLOPs at micro-batch ``batch``:
+    torch counts 2 x batch x cin x cout / groups x the kernel's volume a position of the output (a transposed
+    convolution: of its input), and the other side has a position per stride's volume of those."""
+    cin, cout, kernel, stride, groups, transposed = int(sig[2]), int(sig[3]), sig[4], sig[5], int(sig[6]), sig[7]
+    per_position = 2.0 * max(1, batch) * cin * cout / max(1, groups) * math.prod(int(k) for k in kernel)
+    positions = flops / per_position
+    near, far = (cin, cout) if transposed else (cout, cin)  # the side the positions count, the strided side
+    return int(max(near * positions, far * positions * math.prod(int(v) for v in stride)))
+
+
 #: gems's own host time a step beyond a plain PyTorch loop's, which the GPU would wait through: none measurable
 #: (`gems bench overhead`: gems's loop at 1.03x a plain loop's throughput on this CPU; its step reads the device
 #: once, after the update is queued). Its GPU mode measures it on a GPU (the H200 measured 0.89x of a plain loop
@@ -185,6 +220,8 @@ class Rates:
     calibrated: dict[tuple, tuple[float, float]] | None = None
     #: GPU: gems's own host time a step (its loop, hooks and bookkeeping), which the GPU waits through
     host_step_s: float = 0.0
+    #: GPU: the rates (FLOP/s, forward and backward) of a convolution with a sample of LARGE_SAMPLE_ELEMENTS or more
+    large_sample: tuple[float, float] | None = None
 
     def layer_time(self, ops: Any, backward: bool, batch: int, first: bool = False) -> float:
         """Seconds of one layer's ops (``gems.plan.cost.LayerOps``) at micro-batch ``batch``, forward or backward.
@@ -195,8 +232,15 @@ class Rates:
             if n <= 0:
                 continue
             per = self.time(cls, sig, flops / n, nbytes / n, backward, batch)
-            t += n * per * (0.5 if backward and first and cls in ("conv", "matmul") else 1.0)
+            half = backward and first and cls in ("conv", "matmul") and not self.large(cls, sig, flops / n, batch)
+            t += n * per * (0.5 if half else 1.0)
         return t
+
+    def large(self, cls: str, sig: tuple, flops: float, batch: int) -> bool:
+        """Whether a GPU convolution has a sample past a 32-bit index (LARGE_SAMPLE_ELEMENTS), which its own rates
+        time (``large_sample``)."""
+        return (self.large_sample is not None and cls == "conv"
+                and conv_sample_elements(sig, flops, batch) >= LARGE_SAMPLE_ELEMENTS)
 
     def time(self, cls: str, sig: tuple, flops: float, nbytes: float, backward: bool, batch: int = 1) -> float:
         """One op's time at micro-batch ``batch``. Measured rates (CPU) give forward and backward directly (a
@@ -216,13 +260,15 @@ class Rates:
             alone = work / self.measured_rate(sig, backward) + self.op_overhead_s * (2 if backward else 1)
             return self.share * self.in_step * alone
         k = 2.0 if backward else 1.0
+        if self.large_sample is not None and self.large(cls, sig, flops, batch):
+            return self.share * (k * flops / self.large_sample[1 if backward else 0] + k * self.op_overhead_s)
         compute = flops / self.flops[cls] if cls in ("conv", "matmul") else 0.0
         if cls == "conv":
             compute /= conv_width_factor(sig)
-        bandwidth = self.bandwidth
+        bandwidth, traffic = self.bandwidth, nbytes
         if cls == "memory" and len(sig) > 1 and sig[1] == "pool" and self.pool_bandwidth:
-            bandwidth = self.pool_bandwidth
-        return self.share * k * (max(compute, nbytes / bandwidth) + self.op_overhead_s)
+            bandwidth, traffic = self.pool_bandwidth, nbytes * pool_reads(sig)
+        return self.share * k * (max(compute, traffic / bandwidth) + self.op_overhead_s)
 
     def shared(self, share: float) -> Rates:
         """These rates when ``share`` ranks' threads take turns on each core (measurements stay shared)."""
@@ -289,7 +335,8 @@ def gpu_rates(name: str, precision: str, eff: dict[str, float], calibration: Any
                   f"({calibration.path})")
     return Rates("gpu", name, {"conv": conv * tf * eff["conv"], "matmul": mm * tf * eff["matmul"]},
                  bandwidth, GPU_OP_OVERHEAD_S, g.bandwidth * 1e9 * eff["pool"] if "pool" in eff else None,
-                 about=about, calibrated=calibrated, host_step_s=GPU_HOST_STEP_S)
+                 about=about, calibrated=calibrated, host_step_s=GPU_HOST_STEP_S,
+                 large_sample=LARGE_SAMPLE_CONV_FLOPS.get(precision))
 
 
 # ---- CPU ranks: measured here --------------------------------------------------------------------------------
