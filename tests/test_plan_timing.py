@@ -272,11 +272,12 @@ def test_a_layer_on_a_named_gpu_is_its_roofline():
     # a convolution narrower than 64 channels a side keeps the tensor cores less busy: 16 -> 16 at (16/64)^1.5
     narrow = {("conv", ("conv", 2, 16, 16, (3, 3), (1, 1), 1, False)): [1e12, 1e6, 1]}
     assert layer_time(narrow, r, False, 8) == pytest.approx(1e12 / (156e12 * 0.5 * 0.125) + r.op_overhead_s)
-    # pools at their own rate where the efficiencies name one, else at the memory class's
+    # pools at their own rate where the efficiencies name one, else at the memory class's, each input cell read
+    # kernel / stride times (3.375 for a k3 s2 pool in 3D)
     pool = {("memory", ("memory", "pool", "max", 3, (3, 3, 3), (2, 2, 2), (1, 1, 1))): [0.0, 1e9, 1]}
-    assert layer_time(pool, r, False, 8) == pytest.approx(1e9 / (1555e9 * 0.6) + r.op_overhead_s)
+    assert layer_time(pool, r, False, 8) == pytest.approx(3.375e9 / (1555e9 * 0.6) + r.op_overhead_s)
     pooled = gpu_rates("a100-40gb", "fp32", {"conv": 0.5, "matmul": 0.6, "memory": 0.6, "pool": 0.1})
-    assert layer_time(pool, pooled, False, 8) == pytest.approx(1e9 / (1555e9 * 0.1) + r.op_overhead_s)
+    assert layer_time(pool, pooled, False, 8) == pytest.approx(3.375e9 / (1555e9 * 0.1) + r.op_overhead_s)
     assert layer_time(relu, pooled, False, 8) == layer_time(relu, r, False, 8)
     bf16 = gpu_rates("h100", "bf16", {"conv": 1.0, "matmul": 1.0, "memory": 1.0})
     assert bf16.flops["conv"] == pytest.approx(989.5e12)

@@ -116,8 +116,11 @@ GPU_EFFICIENCY_SOURCE = ("fit to 18 one-rank steps of CosmoFlow, 3D U-Net and Re
 #: every row within 0.78-1.35 of measured (tests/test_plan_gpu.py). The physical reading:
 #: - elementwise and normalising ops reach 85% of the data sheet's bandwidth (gems bench calibrate measured 83% for
 #:   a leaky ReLU on the H100: results/gpu/calibration-h100-cosmoflow64.md);
-#: - CosmoFlow's 3D pools in channels-last reach 13%: they read each input cell kernel^3/stride^3 times and cuDNN's
-#:   3D pooling is slow; they and the narrow convolutions carry its large steps;
+#: - a pool reaches 44% a read, and reads each input cell kernel^d/stride^d times (:func:`pool_reads`): CosmoFlow's
+#:   k3 s2 pools read each 3.375 times, 13% of the bandwidth for their bytes once; MLPerf's CosmoFlow and U-Net's
+#:   k2 s2 pools read each once (with one rate for every pool, MLPerf's CosmoFlow, measured after the fit, was
+#:   planned at 1.75x its step, now 1.22x: results/gpu/h100-2026-11-27.json); the pools and the narrow
+#:   convolutions carry CosmoFlow's large steps;
 #: - a convolution reaches 40% of the tensor cores' peak at 64 channels a side and more, less where it is narrower
 #:   (CosmoFlow's first 4 -> 16 convolution: 1.8% by the rule, where calibrate timed its forward at 5%: the
 #:   narrow layers' shortfall is made up by the pools beside them, as one fit over whole steps allows);
@@ -266,8 +269,8 @@ class Rates:
         if cls == "conv":
             compute /= conv_width_factor(sig)
         bandwidth, traffic = self.bandwidth, nbytes
-        if cls == "memory" and len(sig) > 1 and sig[1] == "pool" and self.pool_bandwidth:
-            bandwidth, traffic = self.pool_bandwidth, nbytes * pool_reads(sig)
+        if cls == "memory" and len(sig) > 1 and sig[1] == "pool":  # a cell read kernel / stride times
+            bandwidth, traffic = self.pool_bandwidth or self.bandwidth, nbytes * pool_reads(sig)
         return self.share * k * (max(compute, traffic / bandwidth) + self.op_overhead_s)
 
     def shared(self, share: float) -> Rates:
