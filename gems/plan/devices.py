@@ -160,9 +160,10 @@ GPU_OP_OVERHEAD_S = 25e-6
 #: splits a batch into samples for cuDNN, but a single sample that large leaves cuDNN's usual kernels. On an H100
 #: (torch 2.11, cuDNN 9; scripts/gpu_large_tensors.py: CosmoFlow's first 4 -> 16 convolution at 512^3 against
 #: 511 x 512^2, whose output is one element under; results/gpu/h100-2026-11-27-large-tensors.json) a voxel's
-#: forward took 2.4x (bf16) and 4.7x (fp32) its time, its backward 21.6x and 2.0x. CosmoFlow at 512^3 and a batch of 1 took
-#: 2.42 s a bf16 step there where the rule-less plan said 0.11 s; spatial parts halve the sample (S = 2 is under).
-#: Other GPUs and libraries are assumed to do the same until measured.
+#: forward took 2.4x (bf16) and 4.7x (fp32) its time, its backward 21.6x and 2.0x. CosmoFlow at 512^3 and a
+#: batch of 1 took 2.42 s a bf16 step there where the plan without this rule said 0.11 s; spatial parts halve the
+#: sample, and at S = 2 each part is under the limit. Other GPUs and libraries are assumed to do the same until
+#: measured.
 LARGE_SAMPLE_ELEMENTS = 2**31
 #: the rates (FLOP/s, forward and backward) such a convolution ran at there: its forward's FLOPs over its forward's
 #: time, and both gradients' FLOPs over the backward's time; the probe timed the two gradients together, so a
