@@ -319,8 +319,9 @@ class PlanConf:
 
 @dataclass
 class FaultConf:
-    stall_timeout_s: Optional[float] = key(60.0, "a rank without progress this long ends the job (null: no "
-                                                 "stall detection)", gt=0)
+    stall_timeout_s: Optional[float] = key(60.0, "a rank without progress this long ends the job, or 10x the "
+                                                 "run's slowest step where that is longer (null: no stall detection)",
+                                           gt=0)
     warmup_timeout_s: float = key(600.0, "the same allowance during set-up, warm-up, the first step, "
                                          "checkpoints and the record", gt=0)
     kill_rank: int = key(-1, "fault injection: this rank kills itself at fault.at_step (-1: none)", ge=-1)

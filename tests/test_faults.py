@@ -444,3 +444,33 @@ def test_the_watchdog_gives_every_warm_up_and_profiled_step_the_warm_up_allowanc
     world = World(0, 1, 0, "127.0.0.1", 0, "single", torch.device("cpu"), "gloo", "torch", None, "localhost")
     run = Run(cfg, world, wd)  # type: ignore[arg-type]
     assert run.measure_from == 2 and wd.warm_until == 2
+
+
+def test_the_stall_allowance_grows_with_the_runs_slowest_step():
+    """fault.stall_timeout_s is a floor: after warm-up a rank is allowed STALL_STEPS times the slowest step it timed
+    since its first (which compiles and plans), so a run whose steps take minutes is not ended for one of them; the
+    warm-up allowance and the slow phases keep theirs, and a stall's message names the raised allowance."""
+    from gems.fault.watchdog import STALL_STEPS, Stall, Watchdog
+
+    wd = Watchdog(0, 1, stall_s=60, warmup_s=600)
+    wd.warm_until = 3
+    assert wd.limit(5, "forward") == 60 and wd.limit(2, "forward") == 600 and wd.limit(5, "checkpoint") == 600
+    wd.saw_step(2.0)
+    assert wd.limit(5, "forward") == 60  # 10 x 2 s is under the floor
+    wd.saw_step(9.5)
+    wd.saw_step(4.0)  # the slowest counts
+    assert wd.limit(5, "forward") == STALL_STEPS * 9.5 == 95 and wd.limit(1, "forward") == 600
+    s = Stall([1], 7, "forward", 96.0, 95.0, waiting={0: "gradient sum"})
+    assert "(fault.stall_timeout_s=60, raised to 95 s: 10x the run's slowest step)" in s.message(60, 600)
+    assert "(fault.stall_timeout_s=60)" in Stall([1], 7, "forward", 61.0, 60.0).message(60, 600)
+    assert "fault.warmup_timeout_s=600" in Stall([1], 1, "forward", 601.0, 600.0).message(60, 600)
+
+
+def test_a_run_of_steps_longer_than_the_stall_timeout_finishes(tmp_path):
+    """Every step 2.5 s (fault.step_delay_s, in its data phase) against fault.stall_timeout_s=2: a fixed allowance
+    ended this run at its first step after warm-up; 10x its slowest step lets it finish, with its losses."""
+    out = gems("run", f"results.dir={tmp_path}", *SMALL, "train.steps=5", "fault.stall_timeout_s=2",
+               "fault.warmup_timeout_s=60", "fault.step_delay_s=2.5", timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (r,) = records(str(tmp_path))
+    assert r["status"] == "ok" and len(r["loss"]) == 5

@@ -23,9 +23,10 @@ ends its own process. If rank 0 itself cannot answer (its process frozen or
 gone), the others see the store fall silent for their allowance and end with a
 report that blames rank 0; the launcher names it.
 
-The allowance is ``fault.stall_timeout_s`` after warm-up and
-``fault.warmup_timeout_s`` during set-up, the warm-up steps, the first step
-after a (re)start, checkpoints and the final record. A heartbeat carries its
+The allowance is ``fault.stall_timeout_s`` after warm-up, or :data:`STALL_STEPS` times the slowest step
+the rank has timed since its first after a (re)start where that is longer (a run whose steps take
+minutes is not ended for one of them), and ``fault.warmup_timeout_s`` during set-up, the warm-up steps,
+the first step after a (re)start, checkpoints and the final record. A heartbeat carries its
 own age, so clocks need not agree across nodes; one that stops arriving ages
 on the monitor's clock (a frozen process is a stall too).
 
@@ -48,6 +49,8 @@ from gems.config import CommConf, FaultConf
 from gems.fault.progress import PROGRESS, SLOW, WAITS, Progress
 
 ABORT_KEY = "gems/abort"
+#: after warm-up, a rank's allowance is at least this many of the slowest step it has timed (Watchdog.saw_step)
+STALL_STEPS = 10
 EXIT_STATUS = 1  # a rank that ends the job for a stall exits with this status
 
 
@@ -97,8 +100,8 @@ class Stall:
 
     def message(self, stall_s: float, warmup_s: float) -> str:
         who = _ranks(self.ranks)
-        timeout_key = (f"fault.stall_timeout_s={stall_s:g}" if self.limit == stall_s and not self.missing
-                       else f"fault.warmup_timeout_s={warmup_s:g}: set-up, warm-up, checkpoints")
+        timeout_key = (allowance_key(self.limit, stall_s, warmup_s) if not self.missing
+                       else allowance_key(warmup_s, stall_s, warmup_s))
         if self.missing and set(self.ranks) <= set(self.missing):
             text = f"{who} never reported progress within {self.age:.0f} s of the job's start ({timeout_key})"
         else:
@@ -120,6 +123,15 @@ class Stall:
         return {"kind": "stall", "ranks": self.ranks, "step": self.step, "phase": self.phase,
                 "seconds": round(self.age, 1), "frozen": self.frozen, "missing": self.missing,
                 "waiting": {str(k): v for k, v in sorted(self.waiting.items())}}
+
+
+def allowance_key(limit: float, stall_s: float, warmup_s: float) -> str:
+    """The setting behind an allowance of ``limit`` seconds, as a stall's message names it."""
+    if limit == stall_s:
+        return f"fault.stall_timeout_s={stall_s:g}"
+    if limit == warmup_s:
+        return f"fault.warmup_timeout_s={warmup_s:g}: set-up, warm-up, checkpoints"
+    return f"fault.stall_timeout_s={stall_s:g}, raised to {limit:.0f} s: {STALL_STEPS}x the run's slowest step"
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -194,6 +206,7 @@ class Watchdog:
         self.tick = float(tick if tick is not None else min(5.0, max(0.25, self.stall_s / 6)))
         self.launcher_pid = launcher_pid
         self.warm_until = 1  # steps below this get the warm-up allowance (set by the worker)
+        self.slowest_step_s = 0.0  # the slowest step timed since the first after a (re)start (saw_step)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._seq = 0
@@ -225,9 +238,16 @@ class Watchdog:
         return dist.TCPStore(self.addr, self.port, is_master=False, wait_for_workers=False,
                              timeout=datetime.timedelta(seconds=max(5.0, 2 * self.tick)))
 
+    def saw_step(self, seconds: float) -> None:
+        """A step of this rank took ``seconds`` (the worker tells it every step but the first after a (re)start,
+        which compiles and plans): the allowance after warm-up is at least STALL_STEPS of the slowest."""
+        self.slowest_step_s = max(self.slowest_step_s, float(seconds))
+
     def limit(self, step: int, phase: str) -> float:
         """The allowance at ``step`` in ``phase``."""
-        return self.warmup_s if (step < self.warm_until or phase in SLOW) else self.stall_s
+        if step < self.warm_until or phase in SLOW:
+            return self.warmup_s
+        return max(self.stall_s, STALL_STEPS * self.slowest_step_s)
 
     def _run(self) -> None:
         io: threading.Thread | None = None
@@ -256,8 +276,7 @@ class Watchdog:
         limit = self.limit(self.progress.step, self.progress.phase)
         if silent < limit + self.tick:
             return
-        key = (f"fault.stall_timeout_s={self.stall_s:g}" if limit == self.stall_s
-               else f"fault.warmup_timeout_s={self.warmup_s:g}")
+        key = allowance_key(limit, self.stall_s, self.warmup_s)
         msg = (f"rank 0 stopped answering: the job's store on rank 0 ({self.addr}:{self.port}) has been silent "
                f"for {silent:.0f} s ({key}): rank 0 is stalled, frozen or gone")
         if self.on_report:

@@ -264,6 +264,7 @@ class Run:
         """The step; True when an evaluation after it reached the run's target."""
         cfg, world, par, h = self.cfg, self.world, self.par, self.history
         progress.mark("data", step)
+        begun = time.perf_counter()  # the whole step's wall time, for the stall allowance
         spe = self.sampler.steps_per_epoch
         if step % spe == 0:
             self.mlperf.epoch(start=True, epoch=step // spe)
@@ -288,6 +289,8 @@ class Run:
             with progress.waiting("gradient sum"):
                 _average_buffers(self.buffers, self.mesh)
         dt = time.perf_counter() - t0  # compute() ended with the step's one read: its work is done
+        if self.wd is not None and step > self.start:  # the stall allowance grows with the run's slowest step
+            self.wd.saw_step(time.perf_counter() - begun)
         timers.settle()  # on GPUs the communication waits were CUDA events: read them now (gems.timers)
         self.check_loss(step, loss)
         if world.rank == 0:
