@@ -311,6 +311,19 @@ def test_counts_read_raw_and_finished_after_stacking_equal_the_host_transform_bi
         raw, y_raw = ds.batch(ids, syms, raw=True)
         assert raw.dtype == torch.int16 and x.dtype == torch.float32 and raw.shape == x.shape
         assert torch.equal(ds.finish(raw), x) and torch.equal(y_raw, y)
+    # counts of other types: kept as they are where torch holds them (float64), else read as float32 (uint16,
+    # which HDF5 converts as it reads into the batch's row); the same input either way, mirrored samples too
+    rng = np.random.default_rng(3)
+    for dtype, held in ((np.uint16, torch.float32), (np.float64, torch.float64), (np.int32, torch.int32)):
+        folder = tmp_path / f"t{np.dtype(dtype).name}"
+        folder.mkdir()
+        for f in range(2):
+            with h5py.File(folder / f"s{f}.h5", "w") as h:
+                h["full"] = rng.integers(0, 40, size=(4, 8, 8, 8)).astype(dtype)
+                h["unitPar"] = rng.random(4).astype(np.float32)
+        typed = HDF5Samples(folder, (4, 8, 8, 8), augment="flip", standardize=[2.0, 0.5])
+        raw, _ = typed.batch([0, 1], [0, 5], raw=True)
+        assert raw.dtype == held and torch.equal(typed.finish(raw), typed.batch([0, 1], [0, 5])[0]), dtype
     # the reader on a CPU rank finishes in its thread (depth 1) or in the step (depth 0), and what the step gets
     # is the transformed batch
     from gems.rank.data import _HDF5Batches

@@ -51,13 +51,15 @@ def source_slices(k: int, slices: Sequence[slice], edges: Sequence[int]) -> tupl
     return tuple(out)
 
 
-def apply(k: int, part: torch.Tensor) -> torch.Tensor:
-    """The part read at :func:`source_slices` (C, *spatial), transformed by symmetry ``k``."""
+def apply(k: int, part: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
+    """The part read at :func:`source_slices` (C, *spatial), transformed by symmetry ``k``; ``contiguous=False``:
+    in whatever layout the permutation leaves (for a copy into a batch's row, which lays it out once)."""
     if k == 0:
         return part
     perm, flips = _parts(k, part.dim() - 1)
     y = part.permute(0, *(1 + p for p in perm))
-    return (torch.flip(y, [1 + d for d in flips]) if flips else y).contiguous()
+    y = torch.flip(y, [1 + d for d in flips]) if flips else y
+    return y.contiguous() if contiguous else y
 
 
 def draw(symmetries: int, n: int, generator: torch.Generator) -> list[int] | None:

@@ -72,6 +72,24 @@ def read_sample(source: Source, slices: Sequence[slice] | None = None, log1p: bo
     return (x if raw else transform(x, log1p, standardize)), target
 
 
+def read_into(slot: torch.Tensor, source: Source, slices: Sequence[slice] | None = None) -> torch.Tensor:
+    """Read the part ``slices`` of one sample's counts straight into ``slot`` (a contiguous host tensor of the
+    part's shape, say a batch's row in pinned memory; HDF5 converts the file's type to the slot's), without a
+    copy in between; returns the sample's target."""
+    with _h5().File(source, "r") as f:
+        ds = f["full"]
+        sel = (slice(None), *(slices if slices is not None else ()))
+        if slot.numel():
+            ds.read_direct(slot.numpy(), source_sel=sel)
+        return torch.from_numpy(np.asarray(f["unitPar"][()], dtype=np.float32).reshape(-1))
+
+
+def raw_dtype(dtype: np.dtype) -> torch.dtype:
+    """The type a file's counts of ``dtype`` are held in until :func:`transform`: their own where torch holds
+    it, else float32."""
+    return torch.from_numpy(np.empty(0, dtype=dtype if dtype in _RAW_DTYPES else np.float32)).dtype
+
+
 def transform(x: torch.Tensor, log1p: bool = True, standardize: tuple[float, float] | None = None) -> torch.Tensor:
     """Counts to the network's input, elementwise on whatever device ``x`` is on: float32, ``log(x+1)`` when
     ``log1p``, then ``(x - mean) / std``. The same operations in the same order on every path, so a batch
@@ -121,6 +139,7 @@ class HDF5Samples:
             raise ConfigError("data.crop", crop, f"the model's input edge ({'x'.join(map(str, self.expected[1:]))}: "
                               "a crop is one sample), or null for it")
         self.file_shape: tuple[int, ...] | None = None
+        self.file_dtype = np.dtype(np.float32)  # the first file's counts' type (set by _check)
         self.file_shape = self._check(0)
         self.shape = self.expected if self.expected is not None else self.file_shape  # one sample's (C, *spatial)
         self.grid = tuple(f // s for f, s in zip(self.file_shape[1:], self.shape[1:]))  # crops per spatial dim
@@ -170,6 +189,8 @@ class HDF5Samples:
         shape = tuple(int(n) for n in shape or ())  # shape None: an empty (null) dataspace
         if dtype.kind not in "iuf":
             raise bad("`full` of integer or float counts (int16 in the ExaLearn layout)", f"`full` of dtype {dtype}")
+        if self.file_shape is None:
+            self.file_dtype = np.dtype(dtype)
         if self.file_shape is not None and shape != self.file_shape:  # every file as the first
             raise bad(f"`full` shaped {list(self.file_shape)} as the first file", str(list(shape)))
         if self.expected is not None and not _holds_crops(shape, self.expected):
@@ -205,9 +226,9 @@ class HDF5Samples:
             self._checked.add(i)
         return self.files[i]
 
-    def __getitem__(self, index: int, symmetry: int = 0, raw: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample ``index`` (this rank's part of it), transformed by the box's ``symmetry`` (gems.data.augment:
-        the part it comes from is the hyperslab read); ``raw``: its counts, for :meth:`finish`."""
+    def _hyperslab(self, index: int, symmetry: int) -> tuple[Path, tuple[slice, ...] | None]:
+        """(file, the hyperslab to read: None for all of it) of sample ``index``'s part under ``symmetry``
+        (gems.data.augment: the part it comes from)."""
         file, origin = self.locate(index)
         edges = self.shape[1:]
         parts = self.slices if self.slices is not None else tuple(slice(0, n) for n in edges)
@@ -216,7 +237,18 @@ class HDF5Samples:
         if self.crops > 1:
             parts = tuple(slice(o + s.start, o + s.stop) for o, s in zip(origin, _full_slices(parts, edges)))
         whole = self.crops == 1 and self.slices is None  # the symmetry of a whole sample is read from all of it
-        x, y = read_sample(self._file(file), None if whole else parts, self.log1p, self.standardize, raw)
+        return self._file(file), None if whole else parts
+
+    def part_shape(self) -> tuple[int, ...]:
+        """(C, *this rank's part) of every sample."""
+        edges = self.shape[1:]
+        return (self.shape[0], *(s.stop - s.start for s in _full_slices(self.slices or (), edges)))
+
+    def __getitem__(self, index: int, symmetry: int = 0, raw: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample ``index`` (this rank's part of it), transformed by the box's ``symmetry`` (gems.data.augment:
+        the part it comes from is the hyperslab read); ``raw``: its counts, for :meth:`finish`."""
+        file, hyperslab = self._hyperslab(index, symmetry)
+        x, y = read_sample(file, hyperslab, self.log1p, self.standardize, raw)
         return augmentation.apply(symmetry, x), y
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
@@ -227,13 +259,27 @@ class HDF5Samples:
         """Only the target of sample ``index`` (a rank that computes the loss but reads no input)."""
         return read_target(self._file(self.locate(index)[0]))
 
-    def batch(self, indices: Sequence[int], symmetries: Sequence[int] | None = None,
-              raw: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, indices: Sequence[int], symmetries: Sequence[int] | None = None, raw: bool = False,
+              pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Stacked parts ``(N, C, *part)`` and targets ``(N, 4)`` of the samples ``indices``, each transformed by
-        its symmetry in ``symmetries`` (None: none); ``raw``: their counts, for :meth:`finish`."""
-        syms = symmetries if symmetries is not None else [0] * len(indices)
-        items = [self.__getitem__(i, int(k), raw) for i, k in zip(indices, syms)]
-        return torch.stack([x for x, _ in items]), torch.stack([t for _, t in items])
+        its symmetry in ``symmetries`` (None: none). ``raw``: their counts, for :meth:`finish`, each read straight
+        into its row of the batch (a mirrored or turned one copied there once), in pinned memory with ``pin`` (a
+        GPU rank's batch, which its copy to the GPU then takes as it is)."""
+        syms = [int(k) for k in symmetries] if symmetries is not None else [0] * len(indices)
+        if not raw:
+            items = [self.__getitem__(i, k) for i, k in zip(indices, syms)]
+            return torch.stack([x for x, _ in items]), torch.stack([t for _, t in items])
+        out = torch.empty((len(indices), *self.part_shape()), dtype=raw_dtype(self.file_dtype), pin_memory=pin)
+        targets = []
+        for row, i, k in zip(out, indices, syms):
+            file, hyperslab = self._hyperslab(i, k)
+            if k == 0:
+                targets.append(read_into(row, file, hyperslab))
+            else:
+                x, y = read_sample(file, hyperslab, raw=True)
+                row.copy_(augmentation.apply(k, x, contiguous=False))
+                targets.append(y)
+        return out, torch.stack(targets)
 
 
 def _standardize(value: Sequence[float] | None) -> tuple[float, float] | None:

@@ -53,7 +53,8 @@ def make_data(cfg: DictConfig, spec: ModelSpec, slices: tuple[slice, ...] | None
         key = "data.val_path" if validation else "data.path"
         return None if path is None else _HDF5Batches(HDF5Samples(path, spec.input_shape, slices=slices, key=key,
                                                                   crop=d.crop, standardize=d.standardize,
-                                                                  augment="none" if validation else d.augment))
+                                                                  augment="none" if validation else d.augment),
+                                                      pin=device is not None and device.type == "cuda")
     if d.augment != "none":
         raise ConfigError("data.augment", d.augment, "none for synthetic data (its samples are drawn, not read: "
                                                      "data=hdf5 reads files it can mirror)")
@@ -80,8 +81,9 @@ def dataset_size(cfg: DictConfig, spec: ModelSpec | None = None) -> int:
 class _HDF5Batches:
     """The worker's view of HDF5 samples: this rank's hyperslab, inputs or targets as needed."""
 
-    def __init__(self, samples: Any) -> None:
+    def __init__(self, samples: Any, pin: bool = False) -> None:
         self.samples = samples
+        self.pin = pin  # a GPU rank's: batches of counts read into pinned memory, copied to the GPU as they are
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -97,7 +99,7 @@ class _HDF5Batches:
         and no float pass over them on the host)."""
         if not want_input:
             return None, torch.stack([self.samples.target(i) for i in indices])
-        x, y = self.samples.batch(indices, symmetries, raw)
+        x, y = self.samples.batch(indices, symmetries, raw, pin=raw and self.pin)
         return x, (y if want_target else None)
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
