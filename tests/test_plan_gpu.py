@@ -228,6 +228,9 @@ def test_a_convolution_with_a_sample_past_2_31_elements_is_timed_at_the_measured
                  "train.device=cuda")
     measured = H100["runs"]["c512_b1_bf16"]["step_time_s_median"]
     assert plan.prediction is not None and 0.75 * measured <= plan.prediction.step_s <= 1.40 * measured
+    said = [a for a in plan.prediction.assumptions if "past 2^31 elements" in a]
+    assert said and "4 -> 16" in said[0] and "parallel.spatial" in said[0], plan.prediction.assumptions
     halves = _plan("model=cosmoflow", "model.size=512", "train.batch_size=1", "train.precision=bf16",
                    "cluster.gpu=h100", "train.device=cuda", "parallel.spatial=2")
     assert halves.prediction is not None and halves.prediction.step_s < 0.2 * plan.prediction.step_s
+    assert not any("past 2^31" in a for a in halves.prediction.assumptions)

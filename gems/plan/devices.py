@@ -42,7 +42,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -108,7 +108,8 @@ GPUS: dict[str, GPU] = {
 }
 
 GPU_EFFICIENCY_SOURCE = ("fit to 18 one-rank steps of CosmoFlow, 3D U-Net and ResNet measured on an H200 and an H100, "
-                         "results/gpu/h200-2026-11-26.json and h100-2026-11-26.json")
+                         "results/gpu/h200-2026-11-26.json and h100-2026-11-26.json, and held to 5 measured after "
+                         "the fit, h100-2026-11-27.json")
 #: what gems's steps reached of a Hopper GPU's peak, every precision alike, with the per-kernel cost and the convolutions'
 #: width rule below (:func:`conv_width_factor`): fit to every one-rank row of results/gpu/h200-2026-11-26.json
 #: (CosmoFlow 64^3-256^3, fp32/fp16/bf16) and h100-2026-11-26.json (the same, and 3D U-Net at 64^3, ResNet at
@@ -226,6 +227,8 @@ class Rates:
     host_step_s: float = 0.0
     #: GPU: the rates (FLOP/s, forward and backward) of a convolution with a sample of LARGE_SAMPLE_ELEMENTS or more
     large_sample: tuple[float, float] | None = None
+    #: the convolutions (nd, cin, cout) these rates timed on that path, for the plan's assumptions
+    large_seen: set[tuple] = field(default_factory=set)
 
     def layer_time(self, ops: Any, backward: bool, batch: int, first: bool = False) -> float:
         """Seconds of one layer's ops (``gems.plan.cost.LayerOps``) at micro-batch ``batch``, forward or backward.
@@ -265,6 +268,7 @@ class Rates:
             return self.share * self.in_step * alone
         k = 2.0 if backward else 1.0
         if self.large_sample is not None and self.large(cls, sig, flops, batch):
+            self.large_seen.add(tuple(sig[1:4]))
             return self.share * (k * flops / self.large_sample[1 if backward else 0] + k * self.op_overhead_s)
         compute = flops / self.flops[cls] if cls in ("conv", "matmul") else 0.0
         if cls == "conv":

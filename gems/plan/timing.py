@@ -464,6 +464,12 @@ def _assumptions(rates: Rates, intra: Link | None, inter: Link | None, overlap: 
     if rates.kind == "gpu":
         out.append(f"kernels: {rates.op_overhead_s * 1e6:.3g} us of launch and framework time an op (a backward op "
                    f"twice), and gems's own host time {rates.host_step_s * 1e3:.3g} ms a step")
+    if rates.large_seen and rates.large_sample is not None:
+        convs = ", ".join(f"{cin} -> {cout}" for _, cin, cout in sorted(rates.large_seen))
+        fwd, bwd = rates.large_sample
+        out.append(f"a sample past 2^31 elements in convolution(s) {convs}: past a 32-bit index PyTorch leaves "
+                   f"cuDNN's usual kernels, timed at {fwd / 1e12:.2g} TFLOP/s forward and {bwd / 1e12:.2g} backward "
+                   "(an H100's, results/gpu/h100-2026-11-27.md); parallel.spatial cuts the sample below it")
     if intra is not None:
         out.append(f"links: {intra.bandwidth / 1e9:g} GB/s and {intra.latency * 1e6:g} us within a node"
                    + (f", {inter.bandwidth / 1e9:g} GB/s and {inter.latency * 1e6:g} us between nodes"
