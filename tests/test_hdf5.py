@@ -307,10 +307,12 @@ def test_counts_read_raw_and_finished_after_stacking_equal_the_host_transform_bi
     for slices in (None, (slice(2, 7), slice(0, 7), slice(0, 4))):
         ds = HDF5Samples(tmp_path / "u", (4, 7, 7, 7), slices=slices, augment="cube", standardize=[2.0, 0.5])
         ids, syms = [3, 11, 5, 14], [0, 47, 9, 30]
-        x, y = ds.batch(ids, syms)
+        one_by_one = [ds.__getitem__(i, k) for i, k in zip(ids, syms)]  # each sample read and transformed alone
+        x, y = torch.stack([a for a, _ in one_by_one]), torch.stack([t for _, t in one_by_one])
         raw, y_raw = ds.batch(ids, syms, raw=True)
         assert raw.dtype == torch.int16 and x.dtype == torch.float32 and raw.shape == x.shape
         assert torch.equal(ds.finish(raw), x) and torch.equal(y_raw, y)
+        assert torch.equal(ds.batch(ids, syms)[0], x)
     # counts of other types: kept as they are where torch holds them (float64), else read as float32 (uint16,
     # which HDF5 converts as it reads into the batch's row); the same input either way, mirrored samples too
     rng = np.random.default_rng(3)
@@ -323,7 +325,8 @@ def test_counts_read_raw_and_finished_after_stacking_equal_the_host_transform_bi
                 h["unitPar"] = rng.random(4).astype(np.float32)
         typed = HDF5Samples(folder, (4, 8, 8, 8), augment="flip", standardize=[2.0, 0.5])
         raw, _ = typed.batch([0, 1], [0, 5], raw=True)
-        assert raw.dtype == held and torch.equal(typed.finish(raw), typed.batch([0, 1], [0, 5])[0]), dtype
+        alone = torch.stack([typed.__getitem__(0, 0)[0], typed.__getitem__(1, 5)[0]])
+        assert raw.dtype == held and torch.equal(typed.finish(raw), alone), dtype
     # the reader on a CPU rank finishes in its thread (depth 1) or in the step (depth 0), and what the step gets
     # is the transformed batch
     from gems.rank.data import _HDF5Batches

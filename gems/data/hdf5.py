@@ -244,11 +244,11 @@ class HDF5Samples:
         edges = self.shape[1:]
         return (self.shape[0], *(s.stop - s.start for s in _full_slices(self.slices or (), edges)))
 
-    def __getitem__(self, index: int, symmetry: int = 0, raw: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int, symmetry: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample ``index`` (this rank's part of it), transformed by the box's ``symmetry`` (gems.data.augment:
-        the part it comes from is the hyperslab read); ``raw``: its counts, for :meth:`finish`."""
+        the part it comes from is the hyperslab read)."""
         file, hyperslab = self._hyperslab(index, symmetry)
-        x, y = read_sample(file, hyperslab, self.log1p, self.standardize, raw)
+        x, y = read_sample(file, hyperslab, self.log1p, self.standardize)
         return augmentation.apply(symmetry, x), y
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
@@ -262,13 +262,14 @@ class HDF5Samples:
     def batch(self, indices: Sequence[int], symmetries: Sequence[int] | None = None, raw: bool = False,
               pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Stacked parts ``(N, C, *part)`` and targets ``(N, 4)`` of the samples ``indices``, each transformed by
-        its symmetry in ``symmetries`` (None: none). ``raw``: their counts, for :meth:`finish`, each read straight
-        into its row of the batch (a mirrored or turned one copied there once), in pinned memory with ``pin`` (a
-        GPU rank's batch, which its copy to the GPU then takes as it is)."""
-        syms = [int(k) for k in symmetries] if symmetries is not None else [0] * len(indices)
+        its symmetry in ``symmetries`` (None: none): their counts, each read straight into its row of the batch (a
+        mirrored or turned one copied there once), then through :meth:`finish`; ``raw``: the counts, for
+        :meth:`finish` where the step runs, in pinned memory with ``pin`` (a GPU rank's batch, which its copy to the GPU then
+        takes as it is)."""
         if not raw:
-            items = [self.__getitem__(i, k) for i, k in zip(indices, syms)]
-            return torch.stack([x for x, _ in items]), torch.stack([t for _, t in items])
+            x, y = self.batch(indices, symmetries, raw=True)
+            return self.finish(x), y
+        syms = [int(k) for k in symmetries] if symmetries is not None else [0] * len(indices)
         out = torch.empty((len(indices), *self.part_shape()), dtype=raw_dtype(self.file_dtype), pin_memory=pin)
         targets = []
         for row, i, k in zip(out, indices, syms):
