@@ -309,6 +309,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_lease: --phases={a.phases}: {', '.join(bad) or 'nothing'} is not a phase ({', '.join(PHASES)})",
               file=sys.stderr)
         return 2
+    unknown = [x for x in a.rows.split(",") if x and x not in {label for label, _ in ROWS}]
+    if unknown:
+        print(f"gpu_lease: --rows={a.rows}: {', '.join(unknown)} is not a row (one of {', '.join(r for r, _ in ROWS)})",
+              file=sys.stderr)
+        return 2
+    if a.science_epochs < 1:
+        print(f"gpu_lease: --science-epochs={a.science_epochs}: expected 1 or more", file=sys.stderr)
+        return 2
     work = Path(os.environ.get("GEMS_LEASE_WORK", "/tmp/gems-gpu-lease"))
     if work.exists() and not (work / MARK).exists():
         print(f"gpu_lease: GEMS_LEASE_WORK={work}: a folder no lease made (it would be cleared): name a new one",

@@ -174,6 +174,11 @@ def test_the_lease_script_writes_rows_in_the_gpu_files_schema_and_refuses_a_bad_
                           "--out", str(tmp_path / "bad")], capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 2 and "--phases" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "bad").exists()
+    for opt, named in (("--rows=c512_b1_bf16,nope", "nope is not a row"), ("--science-epochs=0", "1 or more")):
+        bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_lease.py"), "--dry", opt,
+                              "--out", str(tmp_path / "bad")], capture_output=True, text=True, timeout=120, env=env)
+        assert bad.returncode == 2 and named in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+        assert not (tmp_path / "bad").exists()
     # a scratch folder no lease made is not cleared
     mine = tmp_path / "mine"
     mine.mkdir()
