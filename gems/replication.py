@@ -38,6 +38,12 @@ after them on the other. So the reducer is given the model's layers (a flat
   first layer of a model, whose input has no gradient, and the weight
   gradients a split schedule's ``W`` accumulates) or at :meth:`finish`.
 
+GEMS's mirrored copies reach a bucket at other points of their exchange
+rounds, so there the pipeline runtime says which buckets the running action
+may start at its points (those it would launch right after the action:
+:meth:`GradientReducer.at_points`, gems.pipeline.exchange.at_points), and
+launches the others between two rounds every holder shares.
+
 Each of those is a function of the layers and of the step's actions alone,
 so every member issues the same sums at the same places of its backward: the
 order holds by construction, and ``gems.commlog.replay`` checks it with
@@ -186,21 +192,16 @@ class _Staged:
 _SIDE: dict[Any, Any] = {}
 
 
-def sums_during_backward(schedule: Any) -> bool:
-    """Whether the gradient sum may start at points inside the backward (``GradientReducer(overlap=...)``): yes where
-    the gradient group's members reach each bucket at the same point of their steps (data-parallel replicas and
-    spatial parts run the same actions); no where it holds ranks of the rank's own pipeline line (GEMS's mirrored
-    copies: ``schedule.holds_copies``), which reach a bucket at another point of their exchange rounds: there the
-    pipeline runtime launches each bucket between two rounds every holder shares (:func:`attach`)."""
-    return schedule is None or not schedule.holds_copies
-
-
 def attach(reducer: "GradientReducer", runner: Any) -> None:
     """The gradient sum of a pipeline runner's partitions: launched after every backward action (``flush``), and,
-    for GEMS's mirrored copies, by the runner between the rounds (gems.pipeline.exchange.sum_points)."""
+    for GEMS's mirrored copies (a gradient group holding ranks of the rank's own pipeline line, which reach a
+    bucket at another point of their exchange rounds), by the runner: each bucket between two rounds every holder
+    shares (gems.pipeline.exchange.sum_points), at the points inside its action where nothing comes between
+    (gems.pipeline.exchange.at_points, :meth:`GradientReducer.at_points`)."""
     runner.after_backward = reducer.flush
-    if reducer.enabled and not sums_during_backward(runner.schedule):
-        runner.sum_mirrors([b.key for b in reducer.buckets], reducer.launch_bucket)
+    if reducer.enabled and runner.schedule.holds_copies:
+        reducer.at_points(())
+        runner.sum_mirrors([b.key for b in reducer.buckets], reducer.launch_bucket, reducer.at_points)
 
 
 def _side_stream(device: torch.device) -> Any:
@@ -230,10 +231,12 @@ class GradientReducer:
     runs), the same on every rank of the group; or an iterable of parameters, listed in the same order on every
     rank, whose sums then all start in :meth:`finish`. ``group`` is a torch.distributed group, or an
     ``MPIGroup`` from :func:`mpi_group`, or None for a group of one (then nothing happens).
-    ``overlap=False`` places no points: where the group holds ranks the step exchanges messages with (GEMS's
-    mirrored copies, in the same pipeline line), each reaches a bucket at another point of its exchange rounds, so
-    the pipeline runtime launches each bucket (:meth:`launch_bucket`) between two rounds every holder shares
-    (:func:`attach`, gems.pipeline.exchange.sum_points); what is left starts in :meth:`finish`.
+    ``overlap=False`` places no points: every sum starts in :meth:`finish` (or where :meth:`launch_bucket` is
+    called). Where the group holds ranks the step exchanges messages with (GEMS's mirrored copies, in the same
+    pipeline line), each reaches a bucket at another point of its exchange rounds: :func:`attach` puts the reducer
+    in the pipeline runtime's hands, which launches each bucket between two rounds every holder shares
+    (:meth:`launch_bucket`, gems.pipeline.exchange.sum_points) or names the buckets the running action may start at
+    its points (:meth:`at_points`); what is left starts in :meth:`finish`.
     """
 
     def __init__(self, model: Any, group: Any, bucket_mb: float = 25.0, overlap: bool = True) -> None:
@@ -274,6 +277,9 @@ class GradientReducer:
         self._staged: list[_Staged] = []  # MPI sums waiting for their data, in launch order
         self._mpi_pending: list[Any] = []  # MPI sums launched and not yet seen complete (driven by _progress_mpi)
         self._armed = False
+        #: GEMS's mirrored copies (:meth:`at_points`): the buckets the running action may start at its points, in
+        #: order; None: every complete bucket at its own point (replicas and spatial parts)
+        self._due: tuple[int, ...] | None = None
         self.wait_s = 0.0
         self._hooks: list[Any] = []
         if self.enabled:
@@ -327,14 +333,40 @@ class GradientReducer:
                 swapped.append((m, name, p))
 
     def _reached(self, key: int, j: int, grad: torch.Tensor) -> None:
-        """The point on the input of layer ``j`` of sequence ``key``: launch its complete buckets."""
-        self._launch_where(lambda b: b.key == key and b.first >= j)
+        """The point on the input of layer ``j`` of sequence ``key``: launch its complete buckets (those of another
+        sequence, for mirrored copies, completed in an earlier action: complete on every part)."""
+        if self._due is None:
+            self._launch_where(lambda b: b.key == key and b.first >= j)
+        else:
+            self._launch_due(lambda b: b.key != key or b.first >= j)
 
     def flush(self) -> None:
         """The caller's backward has ended (on every member at the same place of its step): launch every complete
-        bucket not launched yet, in bucket order."""
+        bucket not launched yet, in bucket order (for mirrored copies: of the action's, :meth:`at_points`)."""
         if self._armed and self.overlap:
-            self._launch_where(lambda b: True)
+            if self._due is None:
+                self._launch_where(lambda b: True)
+            else:
+                self._launch_due(lambda b: True)
+
+    def at_points(self, buckets: tuple[int, ...]) -> None:
+        """GEMS's mirrored copies: the pipeline runtime names the buckets the action it is about to run may start
+        inside it, at its points and at :meth:`flush` (gems.pipeline.exchange.at_points: those it would launch
+        right after the action), and ``()`` after it. They start in their order, each once it is complete at a
+        point that reads it complete on every part, and none before the one ahead of it: so every holder issues
+        them in one order, whatever its autograd's. Called once with ``()`` by :func:`attach`, which puts the
+        reducer in this mode."""
+        self._due = tuple(buckets)
+
+    def _launch_due(self, here: Callable[[_Bucket], bool]) -> None:
+        assert self._due is not None
+        for i in self._due:
+            b = self.buckets[i]
+            if b.launched:
+                continue
+            if not (b.ready == len(b.params) and here(b)):
+                return
+            self._launch(b)
 
     def launch_bucket(self, i: int) -> None:
         """Start bucket ``i``'s sum now: where the pipeline runtime places the sums of GEMS's mirrored copies
@@ -359,6 +391,8 @@ class GradientReducer:
         self._expected = {id(p): (expected(p) if callable(expected) else expected) for p in self.params}
         self._staged = []
         self._mpi_pending = []
+        if self._due is not None:
+            self._due = ()  # mirrored copies: none until the runtime names an action's
         self._armed = True
         self.wait_s = 0.0
 

@@ -51,6 +51,11 @@ RUNS = {
     "interleaved-DxS": [*DXS, "parallel.schedule=interleaved1f1b", *COSMO32],
     "zbh1-DxS": [*DXS, "parallel.schedule=zbh1", *RESNET],
     "master-DxS": [*DXS, "parallel.schedule=master", "train.batch_size=8", *RESNET],
+    # GEMS's mirrored sums start inside the backward that completes them where nothing comes between
+    # (gems.pipeline.exchange.at_points): with replicas, and with the weight gradients of a split backward
+    "mast-R2xD2": ["parallel.replicas=2", "parallel.pipeline=2", "parallel.schedule=mast", *RESNET],
+    "master-split-DxS": [*DXS, "parallel.schedule=master", "parallel.split_backward=true", "train.batch_size=8",
+                         *COSMO32],
 }
 
 

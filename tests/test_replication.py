@@ -264,3 +264,71 @@ def test_taps_count_what_the_backward_gives_and_shared_modules_sum_at_the_end():
         for k in range(len(out[0][key])):
             summed = sum(o[key][k][1] for o in out)  # each rank's own plain gradient, summed by hand
             torch.testing.assert_close(out[0][key][k][0], summed, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key} {k}: {m}")
+
+
+def _mast_world(rank, world):
+    """GEMS-MAST on two gloo ranks, a bucket a parameter: which buckets each rank launched, in order, and whether
+    inside an action (at its points or its flush) or between the runtime's rounds; and the summed gradients."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from gems.mesh import Mesh
+    from gems.models import build_model
+    from gems.pipeline import apply_pipeline
+    from gems.replication import GradientReducer, attach
+
+    torch.manual_seed(0)
+    spec = build_model({"name": "cosmoflow", "size": 32, "width": 0.25})
+    mesh = Mesh(1, 2, world_size=world)
+    mesh.build_groups(rank, mirrored=True)
+    B = 4
+    runner = apply_pipeline(spec.module, mesh, rank, loss_fn=lambda o, t, n: F.mse_loss(o, t, reduction="sum") / B,
+                            batch_size=B, schedule="mast", sample_shape=tuple(spec.input_shape))
+    red = GradientReducer(runner.partitions, mesh.group("grad"), bucket_mb=1e-6)
+    attach(red, runner)
+    in_action = [False]
+    act = runner._act
+
+    def timed_act(*a, **k):
+        in_action[0] = True
+        try:
+            return act(*a, **k)
+        finally:
+            in_action[0] = False
+
+    runner._act = timed_act
+    launched = []
+    launch = red._launch
+
+    def noted(b):
+        launched.append((red.buckets.index(b), b.key, in_action[0]))
+        return launch(b)
+
+    red._launch = noted
+    count = {id(q): 1 for q in runner.parameters()}
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(B, *spec.input_shape, generator=g), torch.randn(B, spec.num_outputs, generator=g)
+    red.start_step(expected=lambda q: count[id(q)])
+    runner.step(x, y, list(range(B)), 0, 0)
+    red.finish()
+    dist.barrier()
+    return launched, {k: [p.grad.clone() for p in part.parameters()] for k, part in runner.partitions.items()}
+
+
+def test_mirrored_copies_start_the_last_backwards_sums_inside_it_in_one_order():
+    """GEMS-MAST's mirrored copies used to start every bucket of the step's last backward after it ended (no
+    overlap). Now the sums that nothing would come before (gems.pipeline.exchange.at_points) start inside the action,
+    at the gradient sum's points: partition 0's buckets, there on both ranks. Partition 1's wait for the round that
+    carries the gradient its backward sent. Both ranks launch every bucket in one order, and each partition's summed
+    gradients are the same on both holders."""
+    out = run_world(_mast_world, 2)
+    (l0, g0), (l1, g1) = out
+    assert [b for b, _, _ in l0] == [b for b, _, _ in l1] == sorted(b for b, _, _ in l0), (l0, l1)
+    for launched in (l0, l1):
+        inside = {key for _, key, during in launched if during}
+        between = {key for _, key, during in launched if not during}
+        assert inside == {0} and between == {1}, launched
+        assert sum(1 for _, key, during in launched if during) > 2  # several buckets, not the flush's one
+    for k in (0, 1):
+        for a, b in zip(g0[k], g1[k]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -506,6 +506,33 @@ def test_mirrored_gradient_sums_meet_between_the_same_rounds_on_every_holder() -
     assert n > 30 and early > n
 
 
+def test_the_sums_an_action_may_start_inside_it_are_those_due_right_after_it() -> None:
+    """gems.pipeline.exchange.at_points: with every schedule that holds copies, the sums a position may start inside
+    an action are the ones its program issues right after that action, each due there (its sum point's action),
+    in bucket order; GEMS-MAST starts every bucket of its last backward inside it, on both positions, and none of
+    the partition whose backward sends a gradient (its sums wait for that round)."""
+    from gems.pipeline.exchange import at_points, plan_exchanges, program, sum_points
+
+    for sched in _exchange_cases():
+        if not sched.holds_copies:
+            continue
+        plan = plan_exchanges(sched)
+        for p in range(sched.ranks):
+            bs = [k for k in sorted(sched.partitions_of(p), reverse=True) for _ in range(3)]
+            points = sum_points(plan, bs)[p]
+            prog = program(plan, p, points)
+            inside = at_points(prog)
+            for k, due in inside.items():
+                assert list(due) == sorted(due) and all(points[b][1] == k for b in due), (sched.name, p, k)
+                at = prog.index(("action", k))
+                assert prog[at + 1:at + 1 + len(due)] == [("sum", b) for b in due]
+    plan = plan_exchanges(S.make_schedule("mast", 2, 2))
+    for p in (0, 1):
+        bs = [1, 1, 0, 0]
+        inside = at_points(program(plan, p, sum_points(plan, bs)[p]))
+        assert inside == {len(plan.orders[p]) - 1: (2, 3)}, inside
+
+
 def test_the_meeting_check_catches_a_sum_out_of_place() -> None:
     """The check with sums is not vacuous: position 0 of GEMS-MAST launching its first bucket before any round
     while its mirror launches it where sum_points says hangs."""

@@ -124,7 +124,7 @@ def _contender(rank: int, world: int, c: dict[str, Any],
     from gems.config import CommConf
     from gems.mesh import Mesh
     from gems.pipeline import apply_pipeline, is_mirrored, split
-    from gems.replication import GradientReducer, attach, sums_during_backward
+    from gems.replication import GradientReducer, attach
 
     seq = _model()
     batch = c["B"]
@@ -150,9 +150,9 @@ def _contender(rank: int, world: int, c: dict[str, Any],
                                 split_backward=c.get("split", False), sample_shape=(MODEL["in_channels"], size, size))
         params = runner.parameters()
         # the mirrored copies' gradients are summed as `gems run` sums them: bucketed, each bucket between two
-        # exchange rounds every holder shares (gems.replication.attach, gems.pipeline.exchange.sum_points)
+        # exchange rounds every holder shares, inside its action where nothing comes between (gems.replication.attach)
         reducer = GradientReducer(runner.partitions, mesh.group("grad") if is_mirrored(c["schedule"]) else None,
-                                  CommConf().bucket_mb, sums_during_backward(runner.schedule))
+                                  CommConf().bucket_mb)
         attach(reducer, runner)
         backwards = Counter(a.stage for a in runner.actions if a.kind.finishes_gradients)
         count = {id(q): backwards[s] for s, part in runner.partitions.items() for q in part.parameters()}

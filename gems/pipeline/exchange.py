@@ -67,7 +67,7 @@ from typing import Any, Mapping, Sequence
 from gems.pipeline.schedules import Action, DeadlockError, Kind, Schedule, receives, run_orders, sends
 
 __all__ = ["Message", "Round", "ExchangePlan", "plan_exchanges", "check", "pairs", "wanted", "LOOKAHEAD",
-           "sum_points", "program", "Costs", "microseconds", "receive_lead", "GLOO_LEAD"]
+           "sum_points", "program", "at_points", "Costs", "microseconds", "receive_lead", "GLOO_LEAD"]
 
 #: an action's time on the clock rounds are placed by: positive integers (microseconds, as measured) per
 #: (kind, stage); None: the unit clock (a forward 1, a backward 2)
@@ -314,6 +314,31 @@ def program(plan: ExchangePlan, position: int, sums: Sequence[tuple[int, int]] =
             launch()
     assert b == len(sums), f"position {position}: {len(sums) - b} gradient sum(s) never due"
     return out
+
+
+def at_points(prog: Sequence[tuple[str, Any]]) -> dict[int, tuple[int, ...]]:
+    """The sums a :func:`program` issues right after an action, before its next round, receive or action: ``{action
+    k: those buckets, in order}``. Each of them is due at that action (its sum point's action is ``k``: a sum that
+    waited for a round follows the round), so it may start inside the action instead, at the gradient sum's points
+    (:class:`gems.replication.GradientReducer`, :meth:`~gems.replication.GradientReducer.at_points`), and overlap the
+    action's own backward as data-parallel buckets do:
+
+    moving them there changes no order a pair of holders meets in. Nothing else is issued on the pipeline line or the
+    gradient group between the action's start and those sums (its rounds, receives and the sums before go out before
+    the action), so each holder's program keeps the rounds and the sums in the one sequence :func:`sum_points`
+    argues; the sums keep their order, because the reducer starts the action's buckets in bucket order and stops at
+    the first it cannot start yet; and the only communication inside the action, its spatial halos, meets the
+    gradient sum's points in the same order on every part of a holder (the points' own argument, gems.replication)."""
+    out: dict[int, list[int]] = {}
+    after: int | None = None
+    for kind, item in prog:
+        if kind == "action":
+            after = item
+        elif kind == "sum" and after is not None:
+            out.setdefault(after, []).append(item)
+        else:
+            after = None
+    return {k: tuple(v) for k, v in out.items()}
 
 
 def check(plan: ExchangePlan, buckets: dict[int, Sequence[int]] | None = None, lead: int = 0) -> None:

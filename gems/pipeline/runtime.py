@@ -75,6 +75,7 @@ from gems.pipeline.exchange import (
     ExchangePlan,
     Message,
     Round,
+    at_points,
     microseconds,
     pairs,
     plan_exchanges,
@@ -251,7 +252,9 @@ class PipelineRunner:
         #: GEMS's mirrored copies: each bucket's partition and what launches its sum (sum_mirrors), and where
         self._sum_buckets: list[int] = []
         self._sum_launch: Callable[[int], None] = lambda b: None
-        self._programs: dict[tuple[int, int], list[tuple[str, Any]]] = {}  # (id(plan), lead) -> its issue order
+        self._sum_at_points: Callable[[tuple[int, ...]], None] = lambda bs: None
+        # (id(plan), lead) -> its issue order, and the sums each action may start inside it
+        self._programs: dict[tuple[int, int], tuple[list[tuple[str, Any]], dict[int, tuple[int, ...]]]] = {}
         #: the training actions' times, from :meth:`time_actions` until the rounds are placed by them
         self.clock: ActionClock | None = None
 
@@ -622,22 +625,27 @@ class PipelineRunner:
             self._metric = None
         return self._metric_total
 
-    def sum_mirrors(self, buckets: Sequence[int], launch: Callable[[int], None]) -> None:
+    def sum_mirrors(self, buckets: Sequence[int], launch: Callable[[int], None],
+                    inside: Callable[[tuple[int, ...]], None] = lambda bs: None) -> None:
         """Launch the gradient sums of GEMS's mirrored copies during the step, each where every holder issues it in
         the same order with the rounds (:func:`gems.pipeline.exchange.sum_points`): ``buckets``, the partition of
-        each bucket in the order the sum launches them; ``launch(b)`` starts bucket ``b``'s."""
-        self._sum_buckets, self._sum_launch = list(buckets), launch
+        each bucket in the order the sum launches them; ``launch(b)`` starts bucket ``b``'s; ``inside(bs)`` names,
+        before each action, the buckets it may start at its own points (:func:`gems.pipeline.exchange.at_points`),
+        and ``()`` after it."""
+        self._sum_buckets, self._sum_launch, self._sum_at_points = list(buckets), launch, inside
         self._programs.clear()
 
-    def _program(self, plan: ExchangePlan) -> list[tuple[str, Any]]:
-        """This rank's issue order of ``plan`` (gems.pipeline.exchange.program), made once: a step's with the mirrored
-        copies' sums, an evaluation's without."""
+    def _program(self, plan: ExchangePlan) -> tuple[list[tuple[str, Any]], dict[int, tuple[int, ...]]]:
+        """This rank's issue order of ``plan`` (gems.pipeline.exchange.program) and the sums each action may start
+        inside it (:func:`~gems.pipeline.exchange.at_points`), made once: a step's with the mirrored copies' sums,
+        an evaluation's without."""
         lead = self._lead(plan)
         key = (id(plan), lead)
         if key not in self._programs:
             sums = sum_points(plan, self._sum_buckets)[self.position] if self._sum_buckets and self._metric is None \
                 else []
-            self._programs[key] = program(plan, self.position, sums, lead)
+            prog = program(plan, self.position, sums, lead)
+            self._programs[key] = (prog, at_points(prog))
         return self._programs[key]
 
     def _act(self, a: Action, inputs: torch.Tensor | None, targets: Any) -> None:
@@ -685,13 +693,18 @@ class PipelineRunner:
         self._outbox: dict[tuple[int, int, int, int], torch.Tensor] = {}
         self._sends = []
         actions = plan.orders[self.position]
-        for kind, item in self._program(plan):
+        prog, inside = self._program(plan)
+        for kind, item in prog:
             if kind == "round":
                 self._exchange(item)
             elif kind == "receive":
                 self._exchange(item, receives_only=True)
             elif kind == "sum":
-                self._sum_launch(item)
+                self._sum_launch(item)  # (nothing where the action started it already)
+            elif item in inside:
+                self._sum_at_points(inside[item])
+                self._act(actions[item], inputs, targets)
+                self._sum_at_points(())
             else:
                 self._act(actions[item], inputs, targets)
         self._reap_sends(wait=True)

@@ -23,7 +23,7 @@ from gems.parallel import ParallelSettings, resolve, spatial_model, stage_balanc
 from gems.precision import LossScaler, autocast, scaling_enabled
 from gems.rank.loss import Metric, make_loss_fn
 from gems.rank.optim import make_optimizer
-from gems.replication import GradientReducer, attach, mpi_group, sums_during_backward
+from gems.replication import GradientReducer, attach, mpi_group
 
 
 # ---------------------------------------------------------------------------- composition
@@ -181,7 +181,7 @@ class _Composition:
         runner.scale_loss = self.scaler.scale
         runner.memory_format = self.memory_format  # the cuts cross in the format the partitions compute in
         params = list(runner.parameters())
-        reducer = _reducer(runner.partitions, self.mesh, self.world, cfg, overlap=sums_during_backward(st.schedule))
+        reducer = _reducer(runner.partitions, self.mesh, self.world, cfg)
         attach(reducer, runner)
         # a parameter is final after the last backward of its partition on this rank
         backwards = Counter(a.stage for a in runner.actions if a.kind.finishes_gradients)
@@ -283,15 +283,15 @@ def _pipeline_sample(spec: ModelSpec, ctx: Any, slices: tuple[slice, ...] | None
 
 
 
-def _reducer(model: nn.Sequential | dict[int, nn.Sequential], mesh: Mesh, world: World, cfg: DictConfig,
-             overlap: bool = True) -> GradientReducer:
+def _reducer(model: nn.Sequential | dict[int, nn.Sequential], mesh: Mesh, world: World, cfg: DictConfig
+             ) -> GradientReducer:
     """The gradient sum of ``model`` (the rank's layers, or its partitions by index) over the ``grad`` group."""
     bucket = float(cfg.comm.bucket_mb)
     if world.grad_comm == "mpi":
         group: Any = mpi_group(world.mpi_comm, mesh, world.rank) if len(mesh.ranks("grad")) > 1 else None
     else:
         group = mesh.group("grad")
-    return GradientReducer(model, group, bucket, overlap)
+    return GradientReducer(model, group, bucket)
 
 
 
