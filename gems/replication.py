@@ -29,8 +29,10 @@ after them on the other. So the reducer is given the model's layers (a flat
   the layer's input, and accumulates their gradients into ``.grad`` itself
   (through autograd's own accumulator, whose post-accumulate hooks count
   them). Reading the input places the tap before the layer's point: so at a
-  point, every parameter of the layers behind it holds this backward's
-  gradient, on every part, whatever order autograd gave the nodes in between;
+  point, every tapped parameter of the layers behind it holds this backward's
+  gradient, on every part, whatever order autograd gave the nodes in between
+  (a bucket that starts at its sequence's first layer takes no point and no
+  taps: it starts at :meth:`flush`, where its point would be);
 * a bucket (parameters of consecutive layers of one sequence, last layer
   first) launches at the point of its first layer in the backward that
   completes it (``start_step(expected)``: how many backwards a parameter
@@ -290,9 +292,12 @@ class GradientReducer:
 
     # ---- points and taps (module docstring) ------------------------------------------------------------------
     def _instrument(self, layers: Layers, at: dict[nn.Parameter, tuple[int, int]]) -> None:
-        """A point on the input of each layer where a bucket starts, and taps on every layer with parameters. A
-        module run at two places, or a parameter two layers share (tied weights), would take two taps' worth of
-        accumulations a backward, or one tapped and one not: its sums start in finish() instead (no overlap)."""
+        """A point on the input of each layer where a bucket starts, and taps on the layers whose parameters such a
+        bucket holds. Not for a bucket that starts at its sequence's first layer (a whole small partition's): its
+        point would be reached where the backward ends, so it starts at flush(), and its layers run untapped (a tap
+        costs a small layer's forward and backward a few percent). A module run at two places, or a parameter two
+        layers share (tied weights), would take two taps' worth of accumulations a backward, or one tapped and one
+        not: its sums start in finish() instead (no overlap)."""
         seen_modules: set[int] = set()
         seen_params: set[int] = set()
         for seq in layers.values():
@@ -304,11 +309,12 @@ class GradientReducer:
                     return
                 seen_modules |= mods
                 seen_params |= params
-        points = {(b.key, b.first) for b in self.buckets}
+        points = {(b.key, b.first) for b in self.buckets if b.first > 0}
+        tapped = {id(p) for b in self.buckets if b.first > 0 for p in b.params}
         for key, seq in layers.items():
             for j, layer in enumerate(seq):
                 taps = [(m, name, p) for m in layer.modules() for name, p in m._parameters.items()
-                        if p is not None and p.requires_grad and at.get(p) == (key, j)]
+                        if p is not None and p.requires_grad and at.get(p) == (key, j) and id(p) in tapped]
                 if not taps and (key, j) not in points:
                     continue
                 swapped: list[tuple[nn.Module, str, nn.Parameter]] = []

@@ -46,9 +46,9 @@ from gems.launch.world import run_world
 LABELS = ["gems lp", "gems mast", "gems mast (m=2 per direction)", "gems master (eta=2, m=2 per pass)",
           "gems 1f1b (m=4)", "torch Schedule1F1B (m=4)", "gems interleaved1f1b (v=2, m=4)",
           "torch ScheduleInterleaved1F1B (v=2, m=4)"]
-subset = [c for c in bp.CONTENDERS if c["label"] in LABELS]
+subset = [c for c in bp.CONTENDERS if c["label"] in (ONLY or LABELS)]
 size = bp.MODEL["size"]
-res = run_world(bp._bench_rank, 2, subset, {size: bp._balance(size), (size, 4): bp._balance(size, 4)}, 12, 3,
+res = run_world(bp._bench_rank, 2, subset, {size: bp._balance(size), (size, 4): bp._balance(size, 4)}, CYCLES, 3,
                 timeout=1800)
 out = {f"{c['label']} [{MODEL}]": c["B"] / statistics.median(max(a, b) for a, b in zip(res[0]["times"][i],
                                                                                         res[1]["times"][i]))
@@ -68,7 +68,7 @@ out = {"plain loop": o.plain_loop(2), "gems loop": o.gems_loop(2), "R=1": o.laun
 }
 _WRAP = """
 import json, sys
-TREE, MODEL, TMP = {tree!r}, {model!r}, {tmp!r}
+TREE, MODEL, TMP, ONLY, CYCLES = {tree!r}, {model!r}, {tmp!r}, {only!r}, {cycles!r}
 sys.path.insert(0, TREE)
 import gems
 assert gems.__file__.startswith(TREE), gems.__file__
@@ -81,10 +81,10 @@ if __name__ == "__main__":
 """
 
 
-def _run(kind: str, tree: str, model: str, tmp: str) -> dict[str, float]:
+def _run(kind: str, tree: str, model: str, tmp: str, only: list[str], cycles: int) -> dict[str, float]:
     body = "\n".join("    " + ln for ln in _CHILD[kind].strip().splitlines())
     script = Path(tmp) / f"child_{kind}.py"
-    script.write_text(_WRAP.format(tree=tree, model=model, tmp=tmp, body=body))
+    script.write_text(_WRAP.format(tree=tree, model=model, tmp=tmp, only=only, cycles=cycles, body=body))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=tree)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -99,7 +99,16 @@ def main() -> int:
     ap.add_argument("revs", nargs="+", help="git revisions; 'now' is this work tree")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--models", default="bench,second", help="pipeline: which models (bench, second)")
+    ap.add_argument("--only", default="", help="pipeline: these rows only, by label, comma-separated")
+    ap.add_argument("--cycles", type=int, default=12, help="pipeline: measured steps of each row a run")
     a = ap.parse_args()
+    only = [x.strip() for x in a.only.split(",") if x.strip()]
+    models = [m.strip() for m in a.models.split(",") if m.strip()] if a.kind == "pipeline" else ["bench"]
+    if not set(models) <= {"bench", "second"} or a.cycles < 1:
+        print(f"bench_commits: --models={a.models!r} --cycles={a.cycles}: models are bench and/or second, cycles at "
+              f"least 1", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
         trees: dict[str, str] = {}
         for rev in a.revs:
@@ -111,13 +120,12 @@ def main() -> int:
                            capture_output=True)
             trees[rev] = path
         try:
-            models = ["bench", "second"] if a.kind == "pipeline" else ["bench"]
             runs: dict[str, list[dict[str, float]]] = {rev: [] for rev in trees}
             for r in range(a.rounds):
                 for rev in (list(trees) if r % 2 == 0 else list(reversed(trees))):
                     got: dict[str, float] = {}
                     for model in models:
-                        got.update(_run(a.kind, trees[rev], model, tmp))
+                        got.update(_run(a.kind, trees[rev], model, tmp, only, a.cycles))
                     runs[rev].append(got)
                     print(f"round {r + 1}: {rev} done", file=sys.stderr, flush=True)
         finally:
