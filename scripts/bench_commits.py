@@ -2,6 +2,7 @@
 
     python scripts/bench_commits.py spatial  REV [REV ...] [--rounds N] [--out FILE]
     python scripts/bench_commits.py pipeline REV [REV ...] [--rounds N] [--out FILE]
+                                    [--models bench,second] [--only "LABEL,LABEL"] [--cycles N]
     python scripts/bench_commits.py overhead REV [REV ...] [--rounds N] [--out FILE]
 
 Each REV is checked out in a temporary git worktree; ``now`` stands for this work tree. A round runs every commit
@@ -14,8 +15,9 @@ own benchmark code, so the commits see the same machine noise:
 * overhead: ``gems.bench.overhead``'s plain loop, gems loop and R = 1 and 2 runs.
 
 It prints a markdown table of medians (step seconds for spatial and overhead, samples/s for pipeline) and writes it
-to ``--out`` with the raw runs beside it (``.json``). results/bench/gradient-sum-points.md and
-pipeline-mirror-sums.md were made this way.
+to ``--out`` with the raw runs beside it (``.json``). results/bench/gradient-sum-points.md,
+pipeline-mirror-sums.md and pipeline-mirror-sums-inside.md were made this way. A wrong ``--models`` or ``--cycles``
+is exit 2 with one line. A REV that is a commit keeps the run fixed while the work tree changes; ``now`` does not.
 """
 from __future__ import annotations
 
@@ -116,8 +118,16 @@ def main() -> int:
                 trees[rev] = str(ROOT)
                 continue
             path = str(Path(tmp) / f"tree-{len(trees)}")
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", path, rev], check=True,
-                           capture_output=True)
+            made = subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", path, rev],
+                                  capture_output=True, text=True)
+            if made.returncode:
+                for done in trees.values():
+                    if done != str(ROOT):
+                        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", done],
+                                       capture_output=True)
+                print(f"bench_commits: revision {rev!r}: not a commit of this repository (a hash, a branch, or "
+                      f"'now')", file=sys.stderr)
+                return 2
             trees[rev] = path
         try:
             runs: dict[str, list[dict[str, float]]] = {rev: [] for rev in trees}
@@ -126,6 +136,10 @@ def main() -> int:
                     got: dict[str, float] = {}
                     for model in models:
                         got.update(_run(a.kind, trees[rev], model, tmp, only, a.cycles))
+                    if not got:
+                        print(f"bench_commits: --only={a.only!r}: no row of {rev}'s benchmark has these labels (see "
+                              f"its CONTENDERS' labels, e.g. 'gems lp,gems mast')", file=sys.stderr)
+                        return 2
                     runs[rev].append(got)
                     print(f"round {r + 1}: {rev} done", file=sys.stderr, flush=True)
         finally:
