@@ -113,23 +113,19 @@ def main() -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         trees: dict[str, str] = {}
-        for rev in a.revs:
-            if rev == "now":
-                trees[rev] = str(ROOT)
-                continue
-            path = str(Path(tmp) / f"tree-{len(trees)}")
-            made = subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", path, rev],
-                                  capture_output=True, text=True)
-            if made.returncode:
-                for done in trees.values():
-                    if done != str(ROOT):
-                        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", done],
-                                       capture_output=True)
-                print(f"bench_commits: revision {rev!r}: not a commit of this repository (a hash, a branch, or "
-                      f"'now')", file=sys.stderr)
-                return 2
-            trees[rev] = path
         try:
+            for rev in a.revs:
+                if rev == "now":
+                    trees[rev] = str(ROOT)
+                    continue
+                path = str(Path(tmp) / f"tree-{len(trees)}")
+                made = subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", path, rev],
+                                      capture_output=True, text=True)
+                if made.returncode:
+                    print(f"bench_commits: revision {rev!r}: not a commit of this repository (a hash, a branch, or "
+                          f"'now')", file=sys.stderr)
+                    return 2
+                trees[rev] = path
             runs: dict[str, list[dict[str, float]]] = {rev: [] for rev in trees}
             for r in range(a.rounds):
                 for rev in (list(trees) if r % 2 == 0 else list(reversed(trees))):
