@@ -11,7 +11,8 @@ own benchmark code, so the commits see the same machine noise:
 
 * spatial: ``gems.bench.spatial.bench_rank`` for S=1 and S=2 with and without overlap (CosmoFlow 128^3);
 * pipeline: ``gems.bench.pipeline._bench_rank`` over lp, mast, master, 1F1B and interleaved against torch's, on the
-  benchmark's model and on a second one (ResNet-38, BatchNorm, width 0.25, 32^2);
+  benchmark's model and on a second one (ResNet-38, BatchNorm, width 0.25, 32^2), every commit at the same cuts
+  (measured once, by the first revision's ``_balance``, and printed under the table);
 * overhead: ``gems.bench.overhead``'s plain loop, gems loop and R = 1 and 2 runs.
 
 It prints a markdown table of medians (step seconds for spatial and overhead, samples/s for pipeline) and writes it
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,11 +52,15 @@ LABELS = ["gems lp", "gems mast", "gems mast (m=2 per direction)", "gems master 
           "torch ScheduleInterleaved1F1B (v=2, m=4)"]
 subset = [c for c in bp.CONTENDERS if c["label"] in (ONLY or LABELS)]
 size = bp.MODEL["size"]
-res = run_world(bp._bench_rank, 2, subset, {size: bp._balance(size), (size, 4): bp._balance(size, 4)}, CYCLES, 3,
-                timeout=1800)
+res = run_world(bp._bench_rank, 2, subset, {size: BAL["2"], (size, 4): BAL["4"]}, CYCLES, 3, timeout=1800)
 out = {f"{c['label']} [{MODEL}]": c["B"] / statistics.median(max(a, b) for a, b in zip(res[0]["times"][i],
                                                                                         res[1]["times"][i]))
        for i, c in enumerate(subset)}
+""",
+    # the cuts every commit's pipeline rows run at (measured once, by the first revision's code: one cut for all)
+    "balance": """
+size = bp.MODEL["size"]
+out = {"2": bp._balance(size), "4": bp._balance(size, 4)}
 """,
     "overhead": """
 from pathlib import Path
@@ -70,7 +76,7 @@ out = {"plain loop": o.plain_loop(2), "gems loop": o.gems_loop(2), "R=1": o.laun
 }
 _WRAP = """
 import json, sys
-TREE, MODEL, TMP, ONLY, CYCLES = {tree!r}, {model!r}, {tmp!r}, {only!r}, {cycles!r}
+TREE, MODEL, TMP, ONLY, CYCLES, BAL = {tree!r}, {model!r}, {tmp!r}, {only!r}, {cycles!r}, {bal!r}
 sys.path.insert(0, TREE)
 import gems
 assert gems.__file__.startswith(TREE), gems.__file__
@@ -83,21 +89,22 @@ if __name__ == "__main__":
 """
 
 
-def _run(kind: str, tree: str, model: str, tmp: str, only: list[str], cycles: int) -> dict[str, float]:
+def _run(kind: str, tree: str, model: str, tmp: str, only: list[str], cycles: int,
+         bal: dict[str, list[int]] | None = None) -> dict[str, Any]:
     body = "\n".join("    " + ln for ln in _CHILD[kind].strip().splitlines())
     script = Path(tmp) / f"child_{kind}.py"
-    script.write_text(_WRAP.format(tree=tree, model=model, tmp=tmp, only=only, cycles=cycles, body=body))
+    script.write_text(_WRAP.format(tree=tree, model=model, tmp=tmp, only=only, cycles=cycles, bal=bal, body=body))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=tree)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if out.returncode or line is None:
         raise SystemExit(f"{kind} on {tree}: {out.stderr[-3000:]}")
-    return {k: float(v) for k, v in json.loads(line[len("RESULT "):]).items()}
+    return dict(json.loads(line[len("RESULT "):]))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("kind", choices=sorted(_CHILD))
+    ap.add_argument("kind", choices=sorted(set(_CHILD) - {"balance"}))
     ap.add_argument("revs", nargs="+", help="git revisions; 'now' is this work tree")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
@@ -127,11 +134,18 @@ def main() -> int:
                     return 2
                 trees[rev] = path
             runs: dict[str, list[dict[str, float]]] = {rev: [] for rev in trees}
+            # one cut per model for every commit, so a row differs by the commits' code alone (each measuring its
+            # own, from layer times this noisy machine gives, moved interleaved1f1b's cut between runs)
+            cuts = {m: _run("balance", trees[a.revs[0]], m, tmp, only, a.cycles) for m in models} \
+                if a.kind == "pipeline" else {}
+            if cuts:
+                print(f"cuts (D=2, D=4 stages): {cuts}", file=sys.stderr, flush=True)
             for r in range(a.rounds):
                 for rev in (list(trees) if r % 2 == 0 else list(reversed(trees))):
                     got: dict[str, float] = {}
                     for model in models:
-                        got.update(_run(a.kind, trees[rev], model, tmp, only, a.cycles))
+                        got.update({k: float(v) for k, v in
+                                    _run(a.kind, trees[rev], model, tmp, only, a.cycles, cuts.get(model)).items()})
                     if not got:
                         print(f"bench_commits: --only={a.only!r}: no row of {rev}'s benchmark has these labels (see "
                               f"its CONTENDERS' labels, e.g. 'gems lp,gems mast')", file=sys.stderr)
@@ -151,6 +165,9 @@ def main() -> int:
         text.append(f"| {row} | " + " | ".join(f"{statistics.median(x[row] for x in runs[rev]):.4g}"
                                                for rev in a.revs) + " |")
     table = "\n".join(text) + "\n"
+    if cuts:
+        table += "\nEvery commit ran at the same cuts (D=2; D=4 stages): " + ", ".join(
+            f"{m} {c['2']}; {c['4']}" for m, c in cuts.items()) + "\n"
     print(table)
     if a.out is not None:
         a.out.write_text(table)
