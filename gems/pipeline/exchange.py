@@ -167,20 +167,26 @@ class ExchangePlan:
 
     def held(self, position: int, lead: int = 0) -> int:
         """The most messages ``position`` holds received (or posted, with a receive ``lead``: :meth:`posts`) before
-        the action that needs them has started (the buffers beside its actions' inputs: what the memory plan
-        counts)."""
+        the action that needs them has started (the buffers beside its actions' inputs): the most of
+        :meth:`held_during`."""
+        return max(self.held_during(position, lead), default=0)
+
+    def held_during(self, position: int, lead: int = 0) -> list[int]:
+        """Per action of ``position`` (in its order), how many messages it holds received or posted while that
+        action runs, other than the action's own input: what the memory plan adds to the state the action runs in
+        (gems.plan.memory), so that buffers posted ahead count where they are alive, not at every state."""
         needed = _needed(self.schedule, self.orders[position])
         posts = self.posts(position, lead)
         early = {id(r) for slot in posts for r in slot}
-        most, waiting = 0, 0
-        for k, rounds in enumerate(self.before[position]):
+        out, waiting = [], 0
+        for k, rounds in enumerate(self.before[position][:len(self.orders[position])]):
             for r in [r for r in rounds if id(r) not in early] + list(posts[k]):
                 waiting += sum(1 for m in r.of(position) if m.dst == position)
             # the one action k needs now is its input; the others wait
             now = sum(1 for key, at in needed.items() if at == k)
-            most = max(most, waiting - now)
+            out.append(waiting - now)
             waiting -= now
-        return most
+        return out
 
 
 def wanted(a: Action, stages: int) -> tuple[int, int, int, int] | None:

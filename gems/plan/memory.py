@@ -217,23 +217,26 @@ def _stages(t1: Trace, t2: Trace, bal: Sequence[int], layers: Sequence[nn.Module
 
 
 # ============================================================================ schedules
-def _in_flight(schedule: Any, d: int) -> list[tuple[str, int, dict[int, int]]]:
+def _in_flight(schedule: Any, d: int, held: Sequence[int] = ()) -> list[tuple[str, int, dict[int, int], int]]:
     """The distinct states of rank ``d``'s action list that can set its peak: (F for a forward, B for the
-    backward's working set, the partition, micro-batches alive per partition then), walked with what each kind
-    of action does (:class:`gems.pipeline.schedules.Kind`): whatever the schedule, no name is asked. A long
-    schedule's steady state repeats itself, so the distinct states stay few."""
-    steps: dict[tuple[str, int, tuple[tuple[int, int], ...]], None] = {}
+    backward's working set, the partition, micro-batches alive per partition then, messages held beside them),
+    walked with what each kind of action does (:class:`gems.pipeline.schedules.Kind`): whatever the schedule, no
+    name is asked. ``held``: per action, the messages received or posted ahead that it runs beside
+    (:meth:`gems.pipeline.exchange.ExchangePlan.held_during`; none where not given). A long schedule's steady
+    state repeats itself, so the distinct states stay few."""
+    steps: dict[tuple[str, int, tuple[tuple[int, int], ...], int], None] = {}
     live: dict[int, int] = {}
-    for a in schedule.actions[d]:
+    for k, a in enumerate(schedule.actions[d]):
+        h = held[k] if k < len(held) else 0
         if a.kind.forward:
             live[a.stage] = live.get(a.stage, 0) + 1
-            steps[("F", a.stage, tuple(sorted(live.items())))] = None
+            steps[("F", a.stage, tuple(sorted(live.items())), h)] = None
         else:
             if a.kind.input_gradient:  # the backward's working set is live while it runs
-                steps[("B", a.stage, tuple(sorted(live.items())))] = None
+                steps[("B", a.stage, tuple(sorted(live.items())), h)] = None
             if a.kind.frees:
                 live[a.stage] -= 1
-    return [(k, p, dict(alive)) for k, p, alive in steps]
+    return [(k, p, dict(alive), h) for k, p, alive, h in steps]
 
 
 # ============================================================================ the plan
@@ -499,10 +502,10 @@ class Planner:
         return bal, out
 
     def position(self, d: int, members: list[int], local: list[int], stages: list[_Stage], target_b: int,
-                 chunk: int, flights: list[tuple[str, int, dict[int, int]]], held: list[int],
-                 early: int = 0) -> Position:
-        """The memory of pipeline position ``d`` for spatial ``members``; ``early``: the most messages it holds
-        received before the action that needs them (:meth:`gems.pipeline.exchange.ExchangePlan.held`)."""
+                 chunk: int, flights: list[tuple[str, int, dict[int, int], int]], held: list[int]) -> Position:
+        """The memory of pipeline position ``d`` for spatial ``members``; each of ``flights`` (:func:`_in_flight`)
+        with the messages the position holds beside that state, received or posted before the action that needs
+        them (:meth:`gems.pipeline.exchange.ExchangePlan.held_during`)."""
         st = self.st
         mesh = st.mesh
         D = mesh.pipeline
@@ -510,7 +513,10 @@ class Planner:
         grads = params
         optim = st.optimizer_factor * params
         # activations: walk the schedule
-        peak, extra_at, at, ws = 0, 0, flights[0][2] if flights else {}, 0
+        peak, extra_at, at, ws, early = 0, 0, flights[0][2] if flights else {}, 0, 0
+        # a message buffer: the largest a held partition receives or sends
+        bound = max(max(stages[p].inp.at(chunk), stages[p].out.at(chunk)) for p in held) \
+            if self.pipelined and D > 1 else 0
         if not self.pipelined:
             s0 = stages[0]
             work, ws = s0.working(chunk, self.workspace, st.gpu)
@@ -527,7 +533,7 @@ class Planner:
             const = s0.const.at(chunk)
         else:
             const = sum(stages[p].const.at(chunk) for p in held)
-            for kind, p, live in flights:
+            for kind, p, live, waiting in flights:
                 keep = 0
                 for q, n in live.items():
                     per = stages[q].inp.at(chunk) if st.checkpoint else stages[q].saved.at(chunk)
@@ -538,8 +544,8 @@ class Planner:
                     extra = work + (stages[p].saved.at(chunk) if st.checkpoint else 0)
                 else:
                     extra = stages[p].out.at(chunk)
-                if keep + extra > peak:
-                    peak, extra_at, at, ws = keep + extra, extra, dict(live), w
+                if keep + extra + waiting * bound > peak + early * bound:
+                    peak, extra_at, at, ws, early = keep + extra, extra, dict(live), w, waiting
         first = 0 in held
         last_stage = (st.settings.stages - 1) in held if self.pipelined else True
         line = chunk * self.chunks  # the samples of the line this rank reads per step
@@ -552,9 +558,8 @@ class Planner:
         grad_group = st.replicas * mesh.spatial * next(len(g) for g in st.settings.holder_groups if d in g)
         comm = sum(stages[p].copied for p in held) if grad_group > 1 else 0
         if self.pipelined and D > 1:
-            bound = max(max(stages[p].inp.at(chunk), stages[p].out.at(chunk)) for p in held)
-            # messages received in a round before the action that needs them (the one in use is the partition's
-            # input, counted as saved), plus a gradient in flight
+            # messages received in a round (or posted ahead) before the action that needs them, beside the peak's
+            # state (the one in use is the partition's input, counted as saved), plus a gradient in flight
             comm += early * bound + max(stages[p].inp.at(chunk) for p in held)
         comm += max((stages[p].gather.at(chunk) for p in held), default=0)
         bd = Breakdown(params, grads, optim, int(acts), int(halo), int(comm))
@@ -573,15 +578,14 @@ class Planner:
         exchanges = plan_exchanges(sched) if sched is not None else None
         lead = receive_lead(backend_for(torch.device("cuda" if st.gpu else "cpu")))
         for d in range(D):
-            early = 0
             if sched is not None and exchanges is not None:
                 held = sched.partitions_of(d)
-                early = exchanges.held(d, lead)  # the receives gloo posts ahead too (exchange.receive_lead)
-                flights = _in_flight(sched, d)
+                # each state with the messages held beside it, the receives gloo posts ahead included
+                flights = _in_flight(sched, d, exchanges.held_during(d, lead))
             else:
                 held, flights = [0], []
             for members, local, stages, target_b in classes:
-                out.append(self.position(d, members, local, stages, target_b, chunk, flights, held, early))
+                out.append(self.position(d, members, local, stages, target_b, chunk, flights, held))
         return bal, out
 
 
