@@ -16,7 +16,7 @@ or receives, in one order both ends derive alike (over gloo,
 which runs a batch as its operations one by one anyway, the operations are
 issued one by one in that order, those going up the line on a second group of
 the line's ranks, ``mesh.groups.pipeline_up``: :func:`gems.mesh.up_group_wanted`
-says why; over gloo a round's receives are posted one action ahead of it:
+says why; over gloo a round's receives are posted a few actions ahead of it:
 :func:`gems.pipeline.exchange.receive_lead`). A rank runs
 its round right after the action that made its sends and before the action
 that needs its receives, and waits for a round only where an action needs what
