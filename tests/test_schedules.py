@@ -392,9 +392,9 @@ def test_rounds_placed_by_measured_costs_still_meet() -> None:
 
 def test_receives_posted_ahead_keep_each_pairs_order() -> None:
     """Over gloo a rank posts a round's receives ahead of it (gems.pipeline.exchange.receive_lead): for every
-    registered schedule, with the mirrored copies' sums, posted 1, 2 and gloo's lead of actions ahead, each pair's receiver posts the
-    pair's messages in the order its sender sends them, none after its round nor more than the lead before it, and
-    the planner's count of held buffers covers the posted ones. Most plans move some receive ahead of its round."""
+    registered schedule, with the mirrored copies' sums, posted 1, 2 and gloo's lead of actions ahead, each pair's
+    receiver posts the pair's messages in the order its sender sends them, none after its round nor more than the
+    lead before it, and the planner's count of held buffers covers the posted ones. Most plans move some receive ahead of its round."""
     from gems.pipeline.exchange import check, plan_exchanges, program, receive_lead
 
     assert receive_lead("gloo") >= 1 and receive_lead("nccl") == 0
@@ -566,3 +566,29 @@ def test_a_receiver_holds_what_came_early_as_the_planner_counts_it() -> None:
     assert [plan_exchanges(gpipe(2, 4)).held(p) for p in (0, 1)] == [LOOKAHEAD, LOOKAHEAD]
     bfs = plan_exchanges(looped_bfs(2, 2, 4))
     assert max(bfs.held(p) for p in (0, 1)) >= 2
+
+
+def test_the_buffers_held_beside_each_action_are_those_its_program_has_posted_and_not_used() -> None:
+    """ExchangePlan.held_during, what the memory plan adds to each state, recounted from the program the runtime
+    runs (gems.pipeline.exchange.program, with gloo's receive lead and without): before action k, every message
+    received in a round or posted ahead and not yet needed by an earlier action, less the one k itself takes, for
+    every registered schedule; its most is ExchangePlan.held, and with a lead some action holds more than without."""
+    from gems.pipeline.exchange import plan_exchanges, program, receive_lead, wanted
+
+    more = 0
+    for sched in _exchange_cases():
+        plan = plan_exchanges(sched)
+        for lead in (0, receive_lead("gloo")):
+            for p in range(sched.ranks):
+                got, counted = set(), []
+                for kind, item in program(plan, p, lead=lead):
+                    if kind in ("round", "receive"):
+                        got |= {m.key for m in item.of(p) if m.dst == p}
+                    elif kind == "action":
+                        key = wanted(plan.orders[p][item], sched.stages)
+                        got.discard(key)
+                        counted.append(len(got))
+                assert plan.held_during(p, lead) == counted, (sched.name, p, lead)
+                assert plan.held(p, lead) == max(counted, default=0)
+                more += lead > 0 and max(counted, default=0) > max(plan.held_during(p), default=0)
+    assert more > 0
