@@ -394,7 +394,8 @@ def test_receives_posted_ahead_keep_each_pairs_order() -> None:
     """Over gloo a rank posts a round's receives ahead of it (gems.pipeline.exchange.receive_lead): for every
     registered schedule, with the mirrored copies' sums, posted 1, 2 and gloo's lead of actions ahead, each pair's
     receiver posts the pair's messages in the order its sender sends them, none after its round nor more than the
-    lead before it, and the planner's count of held buffers covers the posted ones. Most plans move some receive ahead of its round."""
+    lead before it, and the planner's count of held buffers covers the posted ones. Most plans move some receive
+    ahead of its round."""
     from gems.pipeline.exchange import check, plan_exchanges, program, receive_lead
 
     assert receive_lead("gloo") >= 1 and receive_lead("nccl") == 0
