@@ -67,7 +67,7 @@ from typing import Any, Mapping, Sequence
 from gems.pipeline.schedules import Action, DeadlockError, Kind, Schedule, receives, run_orders, sends
 
 __all__ = ["Message", "Round", "ExchangePlan", "plan_exchanges", "check", "pairs", "wanted", "LOOKAHEAD",
-           "sum_points", "program", "at_points", "Costs", "microseconds", "receive_lead", "GLOO_LEAD"]
+           "sum_points", "program", "at_points", "Costs", "microseconds", "receive_lead", "GLOO_LEAD", "adoptable"]
 
 #: an action's time on the clock rounds are placed by: positive integers (microseconds, as measured) per
 #: (kind, stage); None: the unit clock (a forward 1, a backward 2)
@@ -189,6 +189,16 @@ class ExchangePlan:
             out.append(waiting - now)
             waiting -= now
         return out
+
+
+def adoptable(unit: ExchangePlan, timed: ExchangePlan, lead: int = 0) -> bool:
+    """Whether rounds placed on measured times (``timed``) replace the unit clock's (``unit``), with receives posted
+    ``lead`` actions ahead (:func:`receive_lead`): where they move some round and no position then holds more
+    messages at once (:meth:`ExchangePlan.held`). The memory plan follows the unit clock's rounds, so a timed plan
+    that held more could outgrow it (:meth:`gems.pipeline.runtime.PipelineRunner.place_rounds_by_time`). Over gloo,
+    with its lead of two, timed 1F1B at D = 2 holds one buffer more on its last position and is not adopted."""
+    return timed.layout() != unit.layout() and all(timed.held(p, lead) <= unit.held(p, lead)
+                                                   for p in range(len(unit.orders)))
 
 
 def wanted(a: Action, stages: int) -> tuple[int, int, int, int] | None:

@@ -75,6 +75,7 @@ from gems.pipeline.exchange import (
     ExchangePlan,
     Message,
     Round,
+    adoptable,
     at_points,
     microseconds,
     pairs,
@@ -269,10 +270,11 @@ class PipelineRunner:
         largest over the ranks of ``group`` (one all-reduce, in whole microseconds: every rank of the job calls
         this at the same point and gets the same integers, so every line, mirror and spatial part plans alike).
         A step's (an evaluation's) plan is adopted only where it differs and no position then holds more received
-        buffers at once than under the unit clock (:meth:`ExchangePlan.held`). It may hold them at another point of
-        the step, which gems plan's memory does not follow (it plans the unit clock's rounds: a looped BFS run here
-        held 4% more tensor memory at its peak with timed rounds): that is why ``parallel.rounds_by=time`` is asked
-        for, not the default. Collective. Returns what the record says, or None where no plan changed."""
+        buffers at once than under the unit clock (:func:`~gems.pipeline.exchange.adoptable`). It may hold them at
+        another point of the step, which gems plan's memory does not follow (it plans the unit clock's rounds: a
+        looped BFS run here held 4% more tensor memory at its peak with timed rounds): that is why
+        ``parallel.rounds_by=time`` is asked for, not the default. Collective. Returns what the record says, or None
+        where no plan changed."""
         sched = self.schedule
         kinds = (Kind.F, *backward_kinds(sched.split))
         keys = [(k, s) for k in kinds for s in range(sched.stages)]
@@ -289,8 +291,7 @@ class PipelineRunner:
         adopted = []
         for forward_only in (False, True):
             unit, timed = plan_exchanges(sched, forward_only), plan_exchanges(sched, forward_only, costs)
-            if timed.layout() != unit.layout() and all(timed.held(p, self.lead) <= unit.held(p, self.lead)
-                                                       for p in range(sched.ranks)):
+            if adoptable(unit, timed, self.lead):
                 self._plans[forward_only] = timed
                 adopted.append("an evaluation's" if forward_only else "a step's")
         self._programs.clear()
