@@ -291,7 +291,8 @@ class PipelineRunner:
         adopted = []
         for forward_only in (False, True):
             unit, timed = plan_exchanges(sched, forward_only), plan_exchanges(sched, forward_only, costs)
-            if adoptable(unit, timed, self.lead):
+            # with the lead the run posts at (none under NCCL, nor where the log stands for an NCCL run's order)
+            if adoptable(unit, timed, self._lead(unit)):
                 self._plans[forward_only] = timed
                 adopted.append("an evaluation's" if forward_only else "a step's")
         self._programs.clear()
