@@ -15,8 +15,9 @@ own benchmark code, so the commits see the same machine noise:
   (measured once, by the first revision's ``_balance``, and printed under the table);
 * overhead: ``gems.bench.overhead``'s plain loop, gems loop and R = 1 and 2 runs.
 
-It prints a markdown table of medians (step seconds for spatial and overhead, samples/s for pipeline) and writes it
-to ``--out`` with the raw runs beside it (``.json``). results/bench/gradient-sum-points.md,
+It prints a markdown table of medians (step seconds for spatial and overhead, samples/s for pipeline; for pipeline
+also mast, master over lp and gems's 1F1B and interleaved over torch's as medians of the per-round ratios) and writes
+it to ``--out`` with the raw runs beside it (``.json``). results/bench/gradient-sum-points.md,
 pipeline-mirror-sums.md and pipeline-mirror-sums-inside.md were made this way. A wrong ``--models`` or ``--cycles``
 is exit 2 with one line. A REV that is a commit keeps the run fixed while the work tree changes; ``now`` does not.
 """
@@ -33,6 +34,44 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+
+#: pipeline's second model (``--models second``; scripts/sweep_gloo_lead.py's too): ResNet-38, BatchNorm, width 0.25,
+#: on 32^2 images
+SECOND_MODEL = dict(depth=38, width=0.25, size=32, norm="batch")
+#: the pipeline ratios read round by round: (row, the row it is over)
+RATIOS = [("gems mast", "gems lp"), ("gems mast (m=2 per direction)", "gems lp"),
+          ("gems master (eta=2, m=2 per pass)", "gems lp"), ("gems 1f1b (m=4)", "torch Schedule1F1B (m=4)"),
+          ("gems interleaved1f1b (v=2, m=4)", "torch ScheduleInterleaved1F1B (v=2, m=4)")]
+
+
+def median_rows(runs: dict[str, list[dict[str, float]]], heads: list[str], unit: str) -> list[str]:
+    """A markdown table of each row's median over the rounds, one column per key of ``runs`` (headed ``heads``)."""
+    cols = list(runs)
+    text = [f"| row ({unit}, median of {len(runs[cols[0]])} alternated rounds) | " + " | ".join(heads) + " |",
+            "| --- | " + " | ".join("---:" for _ in cols) + " |"]
+    for row in runs[cols[0]][0]:
+        text.append(f"| {row} | " + " | ".join(f"{statistics.median(x[row] for x in runs[c]):.4g}" for c in cols)
+                    + " |")
+    return text
+
+
+def ratio_rows(runs: dict[str, list[dict[str, float]]], models: list[str]) -> list[str]:
+    """For each model and each of :data:`RATIOS` whose rows ran: per column, the median over the rounds of the ratio
+    within a round (the two rows ran in the same processes, side by side), and each round's in brackets."""
+    out = []
+    for m in models:
+        for a, b in RATIOS:
+            ka, kb = f"{a} [{m}]", f"{b} [{m}]"
+            if not all(ka in x and kb in x for rounds in runs.values() for x in rounds):
+                continue
+            cells = []
+            for rounds in runs.values():
+                rs = [x[ka] / x[kb] for x in rounds]
+                cells.append(f"{statistics.median(rs):.3f} ({', '.join(f'{v:.2f}' for v in rs)})")
+            out.append(f"| {a} over {b} [{m}], median of the rounds' ratios (each round's) | " + " | ".join(cells)
+                       + " |")
+    return out
+
 
 # the code each subprocess runs, with TREE the commit's checkout on sys.path ahead of everything
 _CHILD = {
@@ -76,13 +115,13 @@ out = {"plain loop": o.plain_loop(2), "gems loop": o.gems_loop(2), "R=1": o.laun
 }
 _WRAP = """
 import json, sys
-TREE, MODEL, TMP, ONLY, CYCLES, BAL = {tree!r}, {model!r}, {tmp!r}, {only!r}, {cycles!r}, {bal!r}
+TREE, MODEL, TMP, ONLY, CYCLES, BAL, SECOND = {tree!r}, {model!r}, {tmp!r}, {only!r}, {cycles!r}, {bal!r}, {second!r}
 sys.path.insert(0, TREE)
 import gems
 assert gems.__file__.startswith(TREE), gems.__file__
 import gems.bench.pipeline as bp  # (at the top: the ranks run_world spawns import this file again)
 if MODEL == "second":  # pipeline: a second model, a deeper, narrower BatchNorm ResNet on 32^2
-    bp.MODEL.update(depth=38, width=0.25, size=32, norm="batch")
+    bp.MODEL.update(SECOND)
 if __name__ == "__main__":
 {body}
     print("RESULT " + json.dumps(out))
@@ -93,7 +132,8 @@ def _run(kind: str, tree: str, model: str, tmp: str, only: list[str], cycles: in
          bal: dict[str, list[int]] | None = None) -> dict[str, Any]:
     body = "\n".join("    " + ln for ln in _CHILD[kind].strip().splitlines())
     script = Path(tmp) / f"child_{kind}.py"
-    script.write_text(_WRAP.format(tree=tree, model=model, tmp=tmp, only=only, cycles=cycles, bal=bal, body=body))
+    script.write_text(_WRAP.format(tree=tree, model=model, tmp=tmp, only=only, cycles=cycles, bal=bal,
+                                   second=SECOND_MODEL, body=body))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=tree)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -157,13 +197,8 @@ def main() -> int:
                 if rev != "now":
                     subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", path],
                                    capture_output=True)
-    rows = list(runs[a.revs[0]][0])
-    unit = "samples/s" if a.kind == "pipeline" else "median step (s)"
-    text = [f"| row ({unit}, median of {a.rounds} alternated rounds) | " + " | ".join(a.revs) + " |",
-            "| --- | " + " | ".join("---:" for _ in a.revs) + " |"]
-    for row in rows:
-        text.append(f"| {row} | " + " | ".join(f"{statistics.median(x[row] for x in runs[rev]):.4g}"
-                                               for rev in a.revs) + " |")
+    text = median_rows(runs, a.revs, "samples/s" if a.kind == "pipeline" else "median step (s)")
+    text += ratio_rows(runs, models) if a.kind == "pipeline" else []
     table = "\n".join(text) + "\n"
     if cuts:
         table += "\nEvery commit ran at the same cuts (D=2; D=4 stages): " + ", ".join(

@@ -22,12 +22,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+
+from bench_commits import SECOND_MODEL as SECOND  # noqa: E402  (the same second model, the same tables)
+from bench_commits import median_rows, ratio_rows  # noqa: E402
 
 ROWS = ["gems lp", "gems mast", "gems mast (m=2 per direction)", "gems master (eta=2, m=2 per pass)",
         "gems 1f1b (m=4)", "torch Schedule1F1B (m=4)", "gems interleaved1f1b (v=2, m=4)",
         "torch ScheduleInterleaved1F1B (v=2, m=4)"]
-SECOND = dict(depth=38, width=0.25, size=32, norm="batch")  # scripts/bench_commits.py's second model
 
 
 def _rank(rank: int, world: int, model: str, lead: int, balances: dict[Any, list[int]], cycles: int) -> Any:
@@ -114,20 +116,7 @@ def main() -> int:
                     got[f"{c['label']} [{model}]"] = c["B"] / step
             runs[str(lead)].append(got)
             print(f"round {r + 1}: lead {lead} done", file=sys.stderr, flush=True)
-    rows = list(runs[str(leads[0])][0])
-    text = [f"| row (samples/s, median of {a.rounds} alternated rounds) | "
-            + " | ".join(f"lead {lead}" for lead in leads) + " |", "| --- |" + " ---: |" * len(leads)]
-    for row in rows:
-        text.append(f"| {row} | " + " | ".join(f"{statistics.median(x[row] for x in runs[str(lead)]):.4g}"
-                                               for lead in leads) + " |")
-    for model in models:  # per round: each gems schedule over torch's same one, and mast over lp
-        for mine, ref in (("gems 1f1b (m=4)", "torch Schedule1F1B (m=4)"),
-                          ("gems interleaved1f1b (v=2, m=4)", "torch ScheduleInterleaved1F1B (v=2, m=4)"),
-                          ("gems mast", "gems lp"), ("gems mast (m=2 per direction)", "gems lp"),
-                          ("gems master (eta=2, m=2 per pass)", "gems lp")):
-            text.append(f"| {mine} over {ref} [{model}], median of the rounds' ratios | " + " | ".join(
-                f"{statistics.median(x[f'{mine} [{model}]'] / x[f'{ref} [{model}]'] for x in runs[str(lead)]):.3f}"
-                for lead in leads) + " |")
+    text = median_rows(runs, [f"lead {lead}" for lead in leads], "samples/s") + ratio_rows(runs, models)
     cut_text = "; ".join(f"{m}: D=2 {c[next(k for k in c if isinstance(k, int))]}, four stages "
                          f"{c[next(k for k in c if not isinstance(k, int))]}" for m, c in cuts.items())
     table = "\n".join(text) + f"\n\nCuts (layers per stage): {cut_text}.\n\n" + env_block(

@@ -194,10 +194,10 @@ class ExchangePlan:
 def adoptable(unit: ExchangePlan, timed: ExchangePlan, lead: int = 0) -> bool:
     """Whether rounds placed on measured times (``timed``) replace the unit clock's (``unit``), with receives posted
     ``lead`` actions ahead (the run's: :func:`receive_lead`, none where the run's log stands for an NCCL run's
-    order): where they move some round and no position then holds more
-    messages at once (:meth:`ExchangePlan.held`). The memory plan follows the unit clock's rounds, so a timed plan
-    that held more could outgrow it (:meth:`gems.pipeline.runtime.PipelineRunner.place_rounds_by_time`). Over gloo,
-    with its lead of two, timed 1F1B at D = 2 holds one buffer more on its last position and is not adopted."""
+    order): where they move some round and no position then holds more messages at once (:meth:`ExchangePlan.held`).
+    The memory plan follows the unit clock's rounds, so a timed plan that held more could outgrow it
+    (:meth:`gems.pipeline.runtime.PipelineRunner.place_rounds_by_time`). Over gloo, with its lead of two, timed 1F1B
+    at D = 2 holds one buffer more on its last position and is not adopted."""
     return timed.layout() != unit.layout() and all(timed.held(p, lead) <= unit.held(p, lead)
                                                    for p in range(len(unit.orders)))
 
