@@ -33,9 +33,10 @@ after them on the other. So the reducer is given the model's layers (a flat
   gradient, on every part, whatever order autograd gave the nodes in between
   (a bucket that starts at its sequence's first layer takes no point and no
   taps: it starts at :meth:`flush`, where its point would be);
-* a bucket (parameters of consecutive layers of one sequence, last layer
-  first) launches at the point of its first layer in the backward that
-  completes it (``start_step(expected)``: how many backwards a parameter
+* a bucket (parameters of consecutive layers, last layer first, filled up to
+  ``bucket_mb`` across the sequences of a rank's partitions as DDP fills them
+  across a model, and as the planner counts them) launches at the point of its
+  first layer in the backward that completes it (``start_step(expected)``: how many backwards a parameter
   takes this step), at :meth:`flush` (the caller's end of a backward: the
   first layer of a model, whose input has no gradient, and the weight
   gradients a split schedule's ``W`` accumulates) or at :meth:`finish`.
@@ -119,9 +120,12 @@ def summed_in_place(nbytes: int) -> bool:
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], key: int = 0, first: int = 0) -> None:
+    def __init__(self, params: list[nn.Parameter], at: Mapping[nn.Parameter, tuple[int, int]]) -> None:
         self.params = params
-        self.key, self.first = key, first  # its sequence, and the first layer it holds (where its point is)
+        # the sequence of its last parameter (the backward that completes it) and the first layer it holds there
+        # (where its point is); and every sequence it holds parameters of, in its order
+        self.key, self.first = at[params[-1]]
+        self.keys = tuple(dict.fromkeys(at[p][0] for p in params))
         self.ready = 0
         self.launched = False
         # (tensor to sum, the parameters whose gradients it holds, copied back after the sum?, handle, host copy)
@@ -203,7 +207,8 @@ def attach(reducer: "GradientReducer", runner: Any) -> None:
     runner.after_backward = reducer.flush
     if reducer.enabled and runner.schedule.holds_copies:
         reducer.at_points(())
-        runner.sum_mirrors([b.key for b in reducer.buckets], reducer.launch_bucket, reducer.at_points)
+        runner.sum_mirrors([b.keys[0] if len(b.keys) == 1 else b.keys for b in reducer.buckets], reducer.launch_bucket,
+                           reducer.at_points)
 
 
 def _side_stream(device: torch.device) -> Any:
@@ -258,21 +263,20 @@ class GradientReducer:
         self.overlap = overlap and layers is not None and self.enabled
         self.is_mpi = isinstance(group, MPIGroup)
         cap = max(1, int(bucket_mb * 2**20))
-        # buckets in reverse order (the order gradients arrive), never across two sequences
+        # buckets in reverse order (the order gradients arrive), filled across sequences (a pipeline rank's
+        # partitions, last first: their backwards end in that order), so a rank whose partitions are small sums
+        # them in one collective, not one a partition
         self.buckets: list[_Bucket] = []
         cur: list[nn.Parameter] = []
         size = 0
         for p in reversed(self.params):
-            if cur and at[p][0] != at[cur[-1]][0]:
-                self.buckets.append(_Bucket(cur, *at[cur[-1]]))
-                cur, size = [], 0
             cur.append(p)
             size += p.numel() * p.element_size()
             if size >= cap:
-                self.buckets.append(_Bucket(cur, *at[cur[-1]]))
+                self.buckets.append(_Bucket(cur, at))
                 cur, size = [], 0
         if cur:
-            self.buckets.append(_Bucket(cur, *at[cur[-1]]))
+            self.buckets.append(_Bucket(cur, at))
         self._where = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self._expected: dict[int, int] = {}
         self._count: dict[int, int] = {}
@@ -310,7 +314,10 @@ class GradientReducer:
                 seen_modules |= mods
                 seen_params |= params
         points = {(b.key, b.first) for b in self.buckets if b.first > 0}
-        tapped = {id(p) for b in self.buckets if b.first > 0 for p in b.params}
+        # only a bucket's parameters in its point's sequence take taps: at a point, those of its other sequences
+        # were completed (or not) by earlier actions, which every member has run alike (an action runs one
+        # sequence; a rank's partitions' backwards end last partition first, so at its point they usually are)
+        tapped = {id(p) for b in self.buckets if b.first > 0 for p in b.params if at[p][0] == b.key}
         for key, seq in layers.items():
             for j, layer in enumerate(seq):
                 taps = [(m, name, p) for m in layer.modules() for name, p in m._parameters.items()

@@ -266,9 +266,10 @@ def test_taps_count_what_the_backward_gives_and_shared_modules_sum_at_the_end():
             torch.testing.assert_close(out[0][key][k][0], summed, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key} {k}: {m}")
 
 
-def _mast_world(rank, world):
-    """GEMS-MAST on two gloo ranks, a bucket a parameter: which buckets each rank launched, in order, and whether
-    inside an action (at its points or its flush) or between the runtime's rounds; and the summed gradients."""
+def _mast_world(rank, world, buckets=None):
+    """GEMS-MAST on two gloo ranks, a bucket a parameter (or ``buckets`` of them, as even as the sizes allow): which
+    buckets each rank launched, in order, and whether inside an action (at its points or its flush) or between the
+    runtime's rounds; and the summed gradients (and with ``buckets``, each bucket's sequences)."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -284,7 +285,9 @@ def _mast_world(rank, world):
     B = 4
     runner = apply_pipeline(spec.module, mesh, rank, loss_fn=lambda o, t, n: F.mse_loss(o, t, reduction="sum") / B,
                             batch_size=B, schedule="mast", sample_shape=tuple(spec.input_shape))
-    red = GradientReducer(runner.partitions, mesh.group("grad"), bucket_mb=1e-6)
+    total = sum(q.numel() * q.element_size() for q in runner.parameters())
+    red = GradientReducer(runner.partitions, mesh.group("grad"),
+                          bucket_mb=1e-6 if buckets is None else total / buckets / 2**20)
     attach(red, runner)
     in_action = [False]
     act = runner._act
@@ -312,7 +315,10 @@ def _mast_world(rank, world):
     runner.step(x, y, list(range(B)), 0, 0)
     red.finish()
     dist.barrier()
-    return launched, {k: [p.grad.clone() for p in part.parameters()] for k, part in runner.partitions.items()}
+    grads = {k: [p.grad.clone() for p in part.parameters()] for k, part in runner.partitions.items()}
+    if buckets is not None:
+        return launched, grads, [b.keys for b in red.buckets]
+    return launched, grads
 
 
 def test_mirrored_copies_start_the_last_backwards_sums_inside_it_in_one_order():
@@ -329,6 +335,31 @@ def test_mirrored_copies_start_the_last_backwards_sums_inside_it_in_one_order():
         between = {key for _, key, during in launched if not during}
         assert inside == {0} and between == {1}, launched
         assert sum(1 for _, key, during in launched if during) > 2  # several buckets, not the flush's one
+    for k in (0, 1):
+        for a, b in zip(g0[k], g1[k]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("buckets", [1, 3])
+def test_buckets_fill_across_a_mirrored_ranks_partitions_and_sum_in_one_order(buckets):
+    """A bucket fills across the partitions a rank holds, as DDP's fill across a model and as the planner counts
+    them (before, a rank holding two small partitions ran two collectives a step where one would do). In one bucket
+    a step, GEMS-MAST sums everything once, inside its last backward (at its flush), on both ranks. In three, one of
+    them holds partition 1's first layers and partition 0's last ones: it starts at its point in partition 0's
+    backward, in the same order on both ranks. The summed gradients are the same on both holders."""
+    from functools import partial
+
+    out = run_world(partial(_mast_world, buckets=buckets), 2)
+    (l0, g0, keys), (l1, g1, keys1) = out
+    assert keys == keys1
+    assert [b for b, _, _ in l0] == [b for b, _, _ in l1] == list(range(len(keys))), (l0, l1)
+    if buckets == 1:
+        assert keys == [(1, 0)] and l0 == l1 == [(0, 0, True)], (keys, l0)
+    else:
+        spanning = [i for i, k in enumerate(keys) if k == (1, 0)]
+        assert len(keys) == 3 and len(spanning) == 1, keys
+        for launched in (l0, l1):
+            assert launched[spanning[0]] == (spanning[0], 0, True), launched  # inside partition 0's backward
     for k in (0, 1):
         for a, b in zip(g0[k], g1[k]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -482,7 +482,7 @@ def test_mirrored_gradient_sums_meet_between_the_same_rounds_on_every_holder() -
     completing action sent."""
     from gems.pipeline.exchange import _message, check, plan_exchanges, program, sum_points
 
-    n, early = 0, 0
+    n, early, spans = 0, 0, 0
     for sched in _exchange_cases():
         if not sched.holds_copies:
             continue
@@ -490,6 +490,14 @@ def test_mirrored_gradient_sums_meet_between_the_same_rounds_on_every_holder() -
         buckets = {p: [k for k in sorted(sched.partitions_of(p), reverse=True) for _ in range(3)]
                    for p in range(sched.ranks)}
         check(plan, buckets)
+        # buckets filled across a position's partitions (gems.replication): one of each partition's and one of
+        # both between them, the last partition's first
+        across: dict[int, list[int | tuple[int, ...]]] = {}
+        for p in range(sched.ranks):
+            ks = sorted(sched.partitions_of(p), reverse=True)
+            across[p] = [ks[0], *[tuple(ks[i:i + 2]) for i in range(len(ks) - 1)], ks[-1]]
+        check(plan, across)
+        spans += any(isinstance(b, tuple) for bs in across.values() for b in bs)
         for p in range(sched.ranks):
             points = sum_points(plan, buckets[p])[p]
             prog = program(plan, p, points)
@@ -504,7 +512,26 @@ def test_mirrored_gradient_sums_meet_between_the_same_rounds_on_every_holder() -
             last_action = max((i for i, k in enumerate(kinds) if k == "action"), default=-1)
             early += any(k == "sum" and i < last_action for i, k in enumerate(kinds))
         n += 1
-    assert n > 30 and early > n
+    assert n > 30 and early > n and spans == n
+
+
+def test_a_bucket_sums_where_the_last_of_its_partitions_completes() -> None:
+    """A bucket of two partitions (gems.replication fills buckets across a rank's partitions) launches after the
+    later of their last backwards, at the cut the later one's bucket alone would take; and one across two
+    holders' partitions is refused (every holder of a mirrored bucket holds all its partitions)."""
+    from gems.pipeline.exchange import plan_exchanges, sum_points
+
+    for name, d in (("mast", 2), ("mast", 4), ("master", 2)):
+        sched = S.make_schedule(name, d, 2)
+        plan = plan_exchanges(sched)
+        for p in range(d):
+            ks = sorted(sched.partitions_of(p), reverse=True)
+            alone = sum_points(plan, ks)[p]
+            both = sum_points(plan, [tuple(ks)])[p]
+            assert both == [max(alone, key=lambda point: point[1])], (name, d, p)
+    plan = plan_exchanges(S.make_schedule("mast", 4, 2))
+    with pytest.raises(AssertionError, match="spans holders"):
+        sum_points(plan, [(0, 1)])
 
 
 def test_the_sums_an_action_may_start_inside_it_are_those_due_right_after_it() -> None:

@@ -67,7 +67,8 @@ from typing import Any, Mapping, Sequence
 from gems.pipeline.schedules import Action, DeadlockError, Kind, Schedule, receives, run_orders, sends
 
 __all__ = ["Message", "Round", "ExchangePlan", "plan_exchanges", "check", "pairs", "wanted", "LOOKAHEAD",
-           "sum_points", "program", "at_points", "Costs", "microseconds", "receive_lead", "GLOO_LEAD", "adoptable"]
+           "sum_points", "Bucket", "bucket_parts", "program", "at_points", "Costs", "microseconds", "receive_lead",
+           "GLOO_LEAD", "adoptable"]
 
 #: an action's time on the clock rounds are placed by: positive integers (microseconds, as measured) per
 #: (kind, stage); None: the unit clock (a forward 1, a backward 2)
@@ -266,13 +267,24 @@ def plan_exchanges(sched: Schedule, forward_only: bool = False, costs: Costs | N
     return ExchangePlan(sched, orders, rounds, tuple(before))
 
 
-def sum_points(plan: ExchangePlan, buckets: Sequence[int]) -> list[list[tuple[int, int]]]:
+Bucket = int | tuple[int, ...]
+
+
+def bucket_parts(b: Bucket) -> tuple[int, ...]:
+    """The partitions a gradient bucket holds parameters of: one, or several where a bucket fills across
+    partitions (:class:`gems.replication.GradientReducer`)."""
+    return (b,) if isinstance(b, int) else tuple(b)
+
+
+def sum_points(plan: ExchangePlan, buckets: Sequence[Bucket]) -> list[list[tuple[int, int]]]:
     """Where each position sums its gradient buckets with the other holders of its partitions (GEMS's mirrored
     copies, in its own pipeline line), so that the sums overlap the step's rounds and never cross them.
-    ``buckets``: the partition of each bucket, in the order the gradient sum launches them (the same list on
-    every holder). Returns, per position, one ``(round, action)`` per bucket: launch it once the position has run
-    its action ``action`` (-1: none) and every round of its with index ``<= round`` in ``plan.rounds`` (-1: none),
-    before any later round of its.
+    ``buckets``: the partition (or partitions: :func:`bucket_parts`) of each bucket, in the order the gradient sum
+    launches them (the same list on every holder). Returns, per position, one ``(round, action)`` per bucket:
+    launch it once the position has run its action ``action`` (-1: none) and every round of its with index
+    ``<= round`` in ``plan.rounds`` (-1: none), before any later round of its. A bucket of several partitions is
+    completed by the last of their backwards on a holder; every holder of one of them holds them all (a mirrored
+    holder's partitions are its mirror's: D - 1 - p beside p).
 
     Why every holder issues the sums and the rounds in one order: for bucket ``b`` the cut ``J_b`` is the highest
     round any holder of its partition runs before the action after the one that completes the bucket there (its
@@ -288,19 +300,22 @@ def sum_points(plan: ExchangePlan, buckets: Sequence[int]) -> list[list[tuple[in
     sched = plan.schedule
     index = {id(r): i for i, r in enumerate(plan.rounds)}
     positions = range(len(plan.orders))
-    holders = {s: [p for p in positions if s in sched.partitions_of(p)] for s in set(buckets)}
+    parts = [bucket_parts(b) for b in buckets]
+    holders = {b: [p for p in positions if set(b) & set(sched.partitions_of(p))] for b in set(parts)}
+    for b, ps in holders.items():
+        assert all(set(b) <= set(sched.partitions_of(p)) for p in ps), f"{sched.name}: a bucket of {b} spans holders"
     last = {(p, s): max((k for k, a in enumerate(plan.orders[p]) if a.stage == s and a.kind.finishes_gradients),
-                        default=-1) for s in holders for p in holders[s]}
+                        default=-1) for b in holders for p in holders[b] for s in b}
     out: list[list[tuple[int, int]]] = [[] for _ in positions]
     action = {p: -1 for p in positions}
     cut = -1
-    for s in buckets:
-        for p in holders[s]:
-            action[p] = max(action[p], last[(p, s)])
+    for b in parts:
+        for p in holders[b]:
+            action[p] = max([action[p]] + [last[(p, s)] for s in b])
         # the highest round a holder runs before the action after the one that completes the bucket there
-        cut = max([cut] + [index[id(r)] for p in holders[s] for k in range(action[p] + 2)
+        cut = max([cut] + [index[id(r)] for p in holders[b] for k in range(action[p] + 2)
                            for r in plan.before[p][k]])
-        for p in holders[s]:
+        for p in holders[b]:
             out[p].append((cut, action[p]))
     return out
 
@@ -365,11 +380,11 @@ def at_points(prog: Sequence[tuple[str, Any]]) -> dict[int, tuple[int, ...]]:
     return {k: tuple(v) for k, v in out.items()}
 
 
-def check(plan: ExchangePlan, buckets: dict[int, Sequence[int]] | None = None, lead: int = 0) -> None:
+def check(plan: ExchangePlan, buckets: dict[int, Sequence[Bucket]] | None = None, lead: int = 0) -> None:
     """Run ``plan`` under the rules of the module docstring: every send waits for its receive, a rank runs its
     rounds one at a time in its order and computes only what it has received; with ``buckets`` (each position's
     bucket partitions, as its gradient sum lists them) the mirrored copies' sums too, each a collective of its
-    partition's holders, issued where :func:`program` puts it (:func:`sum_points`). With a receive ``lead`` (gloo's:
+    partitions' holders, issued where :func:`program` puts it (:func:`sum_points`). With a receive ``lead`` (gloo's:
     :func:`receive_lead`), also that each pair's receiver posts the pair's messages in the order their sender sends
     them, each before the round that sends it. Raises :class:`DeadlockError` naming where it would hang, or
     AssertionError where an action would run before its message arrived or a pair's orders differ."""
@@ -401,8 +416,8 @@ def check(plan: ExchangePlan, buckets: dict[int, Sequence[int]] | None = None, l
             if kind == "round":
                 ok = all(m in done for m in item.of(p))
             else:  # a sum: a collective of the bucket's holders (the positions of its partitions), each at it
-                part = buckets[p][item]
-                ok = all(current.get(q) == ("sum", item) for q in holders[p] if part in sched.partitions_of(q))
+                part = set(bucket_parts(buckets[p][item]))
+                ok = all(current.get(q) == ("sum", item) for q in holders[p] if part <= set(sched.partitions_of(q)))
             if ok:
                 at[p] += 1
                 moved = True

@@ -72,6 +72,7 @@ from gems.layers import batch_context, evaluation_mode
 from gems.layout import row_major
 from gems.pipeline.deferred import WeightGrads, deferring, make_deferrable
 from gems.pipeline.exchange import (
+    Bucket,
     ExchangePlan,
     Message,
     Round,
@@ -250,8 +251,8 @@ class PipelineRunner:
         #: called after every backward action (B, I, W), at the same place of the step on every rank running the
         #: same actions: the gradient sum launches what the action completed (GradientReducer.flush)
         self.after_backward: Callable[[], None] = lambda: None
-        #: GEMS's mirrored copies: each bucket's partition and what launches its sum (sum_mirrors), and where
-        self._sum_buckets: list[int] = []
+        #: GEMS's mirrored copies: each bucket's partitions and what launches its sum (sum_mirrors), and where
+        self._sum_buckets: list[Bucket] = []
         self._sum_launch: Callable[[int], None] = lambda b: None
         self._sum_at_points: Callable[[tuple[int, ...]], None] = lambda bs: None
         # (id(plan), lead) -> its issue order, and the sums each action may start inside it
@@ -627,13 +628,13 @@ class PipelineRunner:
             self._metric = None
         return self._metric_total
 
-    def sum_mirrors(self, buckets: Sequence[int], launch: Callable[[int], None],
+    def sum_mirrors(self, buckets: Sequence[Bucket], launch: Callable[[int], None],
                     inside: Callable[[tuple[int, ...]], None] = lambda bs: None) -> None:
         """Launch the gradient sums of GEMS's mirrored copies during the step, each where every holder issues it in
-        the same order with the rounds (:func:`gems.pipeline.exchange.sum_points`): ``buckets``, the partition of
-        each bucket in the order the sum launches them; ``launch(b)`` starts bucket ``b``'s; ``inside(bs)`` names,
-        before each action, the buckets it may start at its own points (:func:`gems.pipeline.exchange.at_points`),
-        and ``()`` after it."""
+        the same order with the rounds (:func:`gems.pipeline.exchange.sum_points`): ``buckets``, the partition (or
+        partitions) of each bucket in the order the sum launches them; ``launch(b)`` starts bucket ``b``'s;
+        ``inside(bs)`` names, before each action, the buckets it may start at its own points
+        (:func:`gems.pipeline.exchange.at_points`), and ``()`` after it."""
         self._sum_buckets, self._sum_launch, self._sum_at_points = list(buckets), launch, inside
         self._programs.clear()
 
