@@ -36,10 +36,13 @@ after them on the other. So the reducer is given the model's layers (a flat
 * a bucket (parameters of consecutive layers, last layer first, filled up to
   ``bucket_mb`` across the sequences of a rank's partitions as DDP fills them
   across a model, and as the planner counts them) launches at the point of its
-  first layer in the backward that completes it (``start_step(expected)``: how many backwards a parameter
-  takes this step), at :meth:`flush` (the caller's end of a backward: the
-  first layer of a model, whose input has no gradient, and the weight
-  gradients a split schedule's ``W`` accumulates) or at :meth:`finish`.
+  first layer in the backward that completes it (``start_step(expected)``:
+  how many backwards a parameter takes this step; only the parameters of the
+  point's own sequence take taps, the others were completed, or not, by
+  earlier actions, alike on every member), at :meth:`flush` (the caller's end
+  of a backward: the first layer of a model, whose input has no gradient, and
+  the weight gradients a split schedule's ``W`` accumulates) or at
+  :meth:`finish`.
 
 GEMS's mirrored copies reach a bucket at other points of their exchange
 rounds, so there the pipeline runtime says which buckets the running action
@@ -346,12 +349,14 @@ class GradientReducer:
                 swapped.append((m, name, p))
 
     def _reached(self, key: int, j: int, grad: torch.Tensor) -> None:
-        """The point on the input of layer ``j`` of sequence ``key``: launch its complete buckets (those of another
-        sequence, for mirrored copies, completed in an earlier action: complete on every part)."""
+        """The point on the input of layer ``j`` of sequence ``key``: launch its complete buckets (for mirrored
+        copies also those holding nothing of this sequence, completed in an earlier action: complete on every part;
+        a bucket holding this sequence's first layers and another's last, of this one's, waits for flush(): its
+        parameters here are complete only once the backward has left the sequence)."""
         if self._due is None:
             self._launch_where(lambda b: b.key == key and b.first >= j)
         else:
-            self._launch_due(lambda b: b.key != key or b.first >= j)
+            self._launch_due(lambda b: (b.key == key and b.first >= j) or key not in b.keys)
 
     def flush(self) -> None:
         """The caller's backward has ended (on every member at the same place of its step): launch every complete
