@@ -20,8 +20,9 @@ order (as ``gems bench pipeline`` runs its contenders), so each cycle pairs the 
 
     python scripts/bench_commits.py paired REV [REV ...] [--cycles N] [--out FILE] [--models ...] [--only ...]
 
-Each commit's ``gems`` package is copied under a name of its own (``gems_r0``, ``gems_r1``, ...; imports renamed) so
-both import side by side; torch's rows run once per commit too, a control that should read 1.00 between commits. It
+Each commit's ``gems`` package is copied under a name of its own (``gems_r0``, ``gems_r1``, ...; imports renamed, and
+with them the few strings that start with ``gems.``, such as checkpoint file names, which the pipeline rows never use)
+so both import side by side; torch's rows run once per commit too, a control that should read 1.00 between commits. It
 prints each row's median, each of :data:`RATIOS` per commit (the median of the per-cycle ratios, with a 90%
 bootstrap interval over the cycles), and each ratio of a later commit over the first's.
 
