@@ -210,8 +210,7 @@ def attach(reducer: "GradientReducer", runner: Any) -> None:
     runner.after_backward = reducer.flush
     if reducer.enabled and runner.schedule.holds_copies:
         reducer.at_points(())
-        runner.sum_mirrors([b.keys[0] if len(b.keys) == 1 else b.keys for b in reducer.buckets], reducer.launch_bucket,
-                           reducer.at_points)
+        runner.sum_mirrors([b.keys for b in reducer.buckets], reducer.launch_bucket, reducer.at_points)
 
 
 def _side_stream(device: torch.device) -> Any:
