@@ -23,6 +23,10 @@ H100 = json.loads((ROOT / "results" / "gpu" / "h100-2026-11-26.json").read_text(
 #: ResNet at 1024^2, MLPerf's CosmoFlow)
 H100_LATER = json.loads((ROOT / "results" / "gpu" / "h100-2026-11-27.json").read_text())
 H100["runs"].update(H100_LATER["runs"])
+#: one-rank rows on an H200 beyond its first file's six (U-Net, ResNet, MLPerf's CosmoFlow, 512^3, a batch of 64),
+#: measured at 9df01f5 with the model as it stood (results/gpu/h200-2026-11-27.md)
+H200_LATER = json.loads((ROOT / "results" / "gpu" / "h200-2026-11-27.json").read_text())
+H200_LATER_ROWS = sorted(H200_LATER["runs"])
 #: the H100's one-rank rows: CosmoFlow as on the H200 and at other batches, 3D U-Net, ResNet (2D), fp32 and bf16
 H100_ROWS = sorted(H100["runs"])
 #: the one-rank rows of the H200's measurements: (model size, batch, precision)
@@ -142,8 +146,9 @@ def test_the_planned_step_holds_on_an_h100_and_on_models_it_was_not_first_fit_to
     assert 0.75 * measured <= plan.prediction.step_s <= 1.40 * measured, (row, plan.prediction.step_s / measured)
 
 
-_UNDER = pytest.mark.xfail(strict=True, reason="planned 1433.5 MiB where CUDA allocated 1435.3 (0.13% under): the bf16 "
-                           "U-Net's missing MiB is not found yet (autocast's casts, cuDNN's bf16 workspaces?)")
+_UNDER = pytest.mark.xfail(strict=True, reason="planned 1433.5 MiB where CUDA allocated 1435.3 (0.13% under), the same on an "
+                           "H100 and an H200: the bf16 U-Net's missing MiB is not found yet (autocast's casts, cuDNN's "
+                           "bf16 workspaces or batch norm's reserve?)")
 
 
 @pytest.mark.parametrize("row", [pytest.param(r, marks=_UNDER) if r == "unet64_bf16" else r for r in H100_ROWS])
@@ -151,6 +156,38 @@ def test_the_planned_peak_is_what_cuda_allocated_on_the_h100(row: str) -> None:
     plan = _h100_plan(row)
     planned = plan.positions[0].bytes.total
     measured = H100["runs"][row]["cuda_max_allocated_bytes"]
+    assert measured <= planned <= 1.10 * measured, (row, planned / measured)
+
+
+def _h200_plan(row: str):  # type: ignore[no-untyped-def]
+    return _plan(*H200_LATER["runs"][row]["overrides"]["given"], "cluster.gpu=h200", "train.device=cuda")
+
+
+_EDGE = pytest.mark.xfail(strict=True, reason="CosmoFlow 512^3 on an H200 planned at 1.44 of its 2.33 s step: its "
+                          "first convolution is timed at the rates an H100 measured past 2^31 elements, the weight "
+                          "gradient at both gradients' time (the probe timed them together), the most it can take; the "
+                          "H100's own step planned at 1.40")
+
+
+@pytest.mark.parametrize("row", [pytest.param(r, marks=_SPLIT if r == "c256_b8_bf16" else _EDGE)
+                                 if r in ("c256_b8_bf16", "c512_b1_bf16") else r for r in H200_LATER_ROWS])
+def test_the_planned_step_holds_on_h200_rows_it_was_not_fit_to(row: str) -> None:
+    """The band the H100 rows keep (0.75-1.40), on the H200's rows of U-Net, ResNet, MLPerf's CosmoFlow and CosmoFlow
+    at other sizes and batches: 0.81-1.35 of every measured step but the two marked."""
+    plan = _h200_plan(row)
+    measured = H200_LATER["runs"][row]["step_time_s_median"]
+    assert H200_LATER["runs"][row]["status"] == "ok" and plan.prediction is not None
+    assert 0.75 * measured <= plan.prediction.step_s <= 1.40 * measured, (row, plan.prediction.step_s / measured)
+
+
+@pytest.mark.parametrize("row", [pytest.param(r, marks=_UNDER) if r == "unet64_bf16" else r for r in H200_LATER_ROWS])
+def test_the_planned_peak_is_what_cuda_allocated_on_h200_rows_it_was_not_fit_to(row: str) -> None:
+    """Never under and within 10%. CosmoFlow 64^3 at a batch of 64 in bf16 was 2.9% under when the backward's worst
+    layer was a line through the worst at the traced batches of 1 and 2 (there the dense head's, at 64 the first
+    convolution's): the worst layer is now taken at the batch planned (1.025)."""
+    plan = _h200_plan(row)
+    planned = plan.positions[0].bytes.total
+    measured = H200_LATER["runs"][row]["cuda_max_allocated_bytes"]
     assert measured <= planned <= 1.10 * measured, (row, planned / measured)
 
 
