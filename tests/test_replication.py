@@ -53,20 +53,25 @@ def _net(hidden):
     return nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 4))
 
 
-def _reducer_world(rank, world, bucket_mb, hidden):
+def _reducer_world(rank, world, bucket_mb, hidden, overlap=True):
     import torch.distributed as dist
 
     from gems.replication import IN_PLACE_BYTES, GradientReducer
 
     torch.manual_seed(0)
     net = _net(hidden)
-    red = GradientReducer(net, dist.group.WORLD, bucket_mb=bucket_mb)
+    red = GradientReducer(net, dist.group.WORLD, bucket_mb=bucket_mb, overlap=overlap)
+    assert red.overlap == overlap
     x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank))
     red.start_step(expected=2)  # two backward passes accumulate before the sum
     net(x[:3]).pow(2).sum().backward()
     assert not any(b.launched for b in red.buckets), "no bucket may launch before its last accumulation"
     net(x[3:]).pow(2).sum().backward()
     red.flush()  # the caller's backward ended: the first layer's bucket (its input has no gradient) launches here
+    if not overlap:  # no points: nothing has started, every sum starts in finish()
+        assert not any(b.launched for b in red.buckets)
+        red.finish()
+        return [p.grad.clone() for p in net.parameters()], 0
     # every bucket has launched; a large gradient is summed in place, the small ones through one copy
     for b in red.buckets:
         for t, ps, copied, *_ in b.parts:
@@ -80,9 +85,10 @@ def _reducer_world(rank, world, bucket_mb, hidden):
     return [p.grad.clone() for p in net.parameters()], in_place
 
 
-@pytest.mark.parametrize("bucket_mb,hidden", [(25.0, 16), (0.0001, 16), (4.0, 40000)])
-def test_reducer_sums_over_ranks_after_the_last_accumulation(bucket_mb, hidden):
-    out = run_world(_reducer_world, 3, bucket_mb, hidden)
+@pytest.mark.parametrize("bucket_mb,hidden,overlap", [(25.0, 16, True), (0.0001, 16, True), (4.0, 40000, True),
+                                                      (0.0001, 16, False)])
+def test_reducer_sums_over_ranks_after_the_last_accumulation(bucket_mb, hidden, overlap):
+    out = run_world(_reducer_world, 3, bucket_mb, hidden, overlap)
     grads = [g for g, _ in out]
     # Linear(8, 40000) holds a 1.2 MiB weight: summed in place; the 0.6 MiB one and the biases are copied
     assert all(n == (1 if hidden == 40000 else 0) for _, n in out)
