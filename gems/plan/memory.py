@@ -22,8 +22,11 @@ How the estimate is made:
   attributed to the layer that saved it, so the count is autograd's real saved
   set (input windows of convolutions, outputs of activations, pooling
   indices, casted weights under autocast ...), minus the parameters. The
-  forward runs at micro-batches 1 and 2; memory is affine in the micro-batch,
-  which gives any batch size without another trace.
+  forward runs at micro-batches 1 and 2; each layer's memory is affine in the
+  micro-batch, which gives any batch size without another trace. The
+  backward's worst layer is found at the batch planned, among the layers'
+  lines (which layer is worst changes with the batch: CosmoFlow's dense head
+  at one sample, its first convolution at 64).
 * **Precision.** ``bf16``/``fp16`` run the trace under ``torch.autocast`` on
   CPU targets, and under a function mode that applies CUDA autocast's casting
   rules (convolutions and matmuls in low precision, reductions, norms and
