@@ -169,7 +169,12 @@ _EDGE = pytest.mark.xfail(strict=True, reason="CosmoFlow 512^3 on an H200 planne
                           "H100's own step planned at 1.40")
 
 
-@pytest.mark.parametrize("row", [pytest.param(r, marks=_SPLIT if r == "c256_b8_bf16" else _EDGE)
+_SPLIT_H200 = pytest.mark.xfail(strict=True, reason="CosmoFlow 256^3 at a batch of 8 in bf16 on an H200: planned at "
+                                "0.73 of its 132 ms step (0.72 on the H100): 2^31 elements out of the first "
+                                "convolution, run as cuDNN calls on chunks of the batch; not modelled yet")
+
+
+@pytest.mark.parametrize("row", [pytest.param(r, marks=_SPLIT_H200 if r == "c256_b8_bf16" else _EDGE)
                                  if r in ("c256_b8_bf16", "c512_b1_bf16") else r for r in H200_LATER_ROWS])
 def test_the_planned_step_holds_on_h200_rows_it_was_not_fit_to(row: str) -> None:
     """The band the H100 rows keep (0.75-1.40), on the H200's rows of U-Net, ResNet, MLPerf's CosmoFlow and CosmoFlow
