@@ -100,6 +100,12 @@ class ParallelSettings:
         if self.balance is not None and self.pipelined:
             check_balance(list(self.balance), n_layers, self.stages)
 
+    def check_recompute(self, spec: Any) -> None:
+        """ConfigError when ``parallel.checkpoint`` asks to recompute a model whose layers cannot be run twice
+        (``ModelSpec.no_recompute``): refused before any rank starts, and never suggested by the planner."""
+        if self.checkpoint and spec.no_recompute:
+            raise ConfigError("parallel.checkpoint", "true", f"false for model={spec.name}: {spec.no_recompute}")
+
     def describe(self) -> str:
         text = self.mesh.describe()
         if self.schedule is not None:

@@ -195,7 +195,9 @@ def preflight(cfg: DictConfig) -> None:
         if note:
             print(f"gems: note: {note}", file=sys.stderr, flush=True)
         seq = apply_spatial(copy.deepcopy(spec.module), ctx, spec.spatial_end, bn_stats=p.bn_stats)
-    resolve(cfg).check_layers(len(seq))  # the schedule, the batch over passes and micro-batches, the balance
+    settings = resolve(cfg)
+    settings.check_layers(len(seq))  # the schedule, the batch over passes and micro-batches, the balance
+    settings.check_recompute(spec)
 
 
 def run_steps(cfg: DictConfig) -> int:

@@ -56,8 +56,9 @@ def _planned(*args):
 
 
 @pytest.mark.parametrize("args", [[], ["parallel.spatial=2"], ["parallel.pipeline=2", "parallel.schedule=mast"],
-                                  ["parallel.pipeline=2", "parallel.schedule=1f1b", "parallel.micro_batches=2"]],
-                         ids=["serial", "S=2", "mast D=2", "1f1b D=2 m=2"])
+                                  ["parallel.pipeline=2", "parallel.schedule=1f1b", "parallel.micro_batches=2"],
+                                  ["parallel.checkpoint=true"]],
+                         ids=["serial", "S=2", "mast D=2", "1f1b D=2 m=2", "checkpoint"])
 def test_gems_plan_bounds_the_measured_tensor_memory_closely(tmp_path, args):
     """`gems plan` is an upper bound of what each rank's tensors really reach, and a close one (within 40%):
     the rank with the largest measured memory against the plan of its mesh position."""

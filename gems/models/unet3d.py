@@ -36,6 +36,12 @@ if TYPE_CHECKING:
     from gems.models import ModelSpec
 
 
+#: why ``parallel.checkpoint`` cannot recompute the U-Net (gems.parallel.ParallelSettings.check_recompute): a
+#: recomputed segment or partition would stash its activation again, or pop one the first forward already took
+NO_RECOMPUTE = ("its skip connections hand each level's activation to a later layer through a store, which a "
+                "recomputed segment would stash into twice or find empty")
+
+
 class SkipStore:
     """Activations waiting for their skip connection, by name (FIFO)."""
 
@@ -146,4 +152,5 @@ def build_unet3d(m: ModelConf) -> ModelSpec:
         raise ConfigError("model.width", width, "a positive channel multiplier, e.g. 1.0 or 0.25")
     in_channels, num_classes = int(m.in_channels), int(m.num_classes)
     seq = unet3d(in_channels, num_classes, width, norm)
-    return ModelSpec(seq, "unet3d", (in_channels, size, size, size), num_classes, "cross_entropy", "dense", None)
+    return ModelSpec(seq, "unet3d", (in_channels, size, size, size), num_classes, "cross_entropy", "dense", None,
+                     no_recompute=NO_RECOMPUTE)

@@ -166,7 +166,8 @@ class _Stage:
     layer_work: list[_Affine] = field(default_factory=list)  # per layer: its backward's excess over ``saved``
     layer_convs: list[tuple[bool, list[tuple]]] = field(default_factory=list)  # per layer: (input grad, convs)
 
-    def working(self, chunk: int, workspace: Any = None, at_peak: bool = False) -> tuple[int, int]:
+    def working(self, chunk: int, workspace: Any = None, at_peak: bool = False,
+                span: tuple[int, int] | None = None, lines: Sequence[_Affine] | None = None) -> tuple[int, int]:
         """(the backward's working set at micro-batch ``chunk``, the part of it that is its ops' own workspace).
 
         ``workspace(signature, batch, input_grad)``: the bytes a convolution allocates for itself. CPU ranks
@@ -174,18 +175,23 @@ class _Stage:
         the one where the saved set, the gradients and the workspace together are largest. ``at_peak`` (GPU
         ranks: cuDNN's, :func:`gems.plan.devices.cudnn_workspace`): the largest convolution's is added at the
         worst layer, as an allowance (measured on an H200, CUDA allocated a few percent more than the saved
-        set and the worst layer's gradients, more than a workspace at its own layer explains)."""
+        set and the worst layer's gradients, more than a workspace at its own layer explains).
+
+        ``span``, ``lines``: the layers [a, e) of a checkpointed segment and their working sets over the segment's
+        own saved set (the plain path recomputes one segment at a time, so the stage's set is not what they top)."""
+        layer_work = self.layer_work if lines is None else list(lines)
+        layer_convs = self.layer_convs if span is None else self.layer_convs[span[0]:span[1]]
         # the worst layer at ``chunk``, not the line through the worst at the traced batches: which layer is worst
         # changes with the batch (CosmoFlow 64^3: the dense head's at 1 and 2 samples, the first convolution's at
         # 64, twice the bytes; an H200 allocated 2.9% over the plan that took the line)
-        work = max((w.at(chunk) for w in self.layer_work), default=self.work.at(chunk))
+        work = max((w.at(chunk) for w in layer_work), default=self.work.at(chunk))
         if workspace is None or not any(convs for _, convs in self.layer_convs):
             return work, 0
-        if at_peak:
+        if at_peak:  # the stage's largest convolution's, whatever the span (an allowance, as above)
             ws = max(workspace(sig, chunk, grad) for grad, convs in self.layer_convs for sig in convs)
             return work + ws, ws
         best, ws_at = 0, 0
-        for w, (grad, convs) in zip(self.layer_work, self.layer_convs):
+        for w, (grad, convs) in zip(layer_work, layer_convs):
             ws = max((workspace(sig, chunk, grad) for sig in convs), default=0)
             if w.at(chunk) + ws > best:
                 best, ws_at = w.at(chunk) + ws, ws
@@ -358,7 +364,7 @@ class Planner:
         self._ckpt_batches = (1, 2)
         self.amp = precision_context(st.precision, st.gpu)
         self.notes: list[str] = list(st.notes)
-        self._ckpt: dict[int, list[tuple[tuple[int, int, int, int], tuple[int, int, int, int]]]] = {}
+        self._ckpt: dict[int, list[tuple[tuple[int, int, list[int], int], tuple[int, int, list[int], int]]]] = {}
         # a convolution's backward allocates a workspace of its own: CPU ranks measure it here; GPU ranks take
         # cuDNN's, measured on the GPU (gems bench calibrate) or modelled (gems.plan.devices.cudnn_workspace)
         self.workspace: Any = None
@@ -504,7 +510,8 @@ class Planner:
                 stages[0].ckpt_layers = [(a, min(a + size, n)) for a in range(0, size * (seg - 1), size)] + \
                     [(size * (seg - 1), n)]
                 self._ckpt_batches = (t1.batch, t2.batch)
-                self._ckpt[id(stages[0])] = [(t1.stage(a, e, e == n), t2.stage(a, e, e == n)) for a, e in stages[0].ckpt_layers]
+                self._ckpt[id(stages[0])] = [(t1.stage_by_layer(a, e, e == n), t2.stage_by_layer(a, e, e == n))
+                                             for a, e in stages[0].ckpt_layers]
             out.append((members, local, stages, t1.target_bytes))
         return bal, out
 
@@ -526,15 +533,20 @@ class Planner:
             if self.pipelined and D > 1 else 0
         if not self.pipelined:
             s0 = stages[0]
-            work, ws = s0.working(chunk, self.workspace, st.gpu)
             if st.checkpoint:
                 segs = self._ckpt[id(s0)]
                 b1, b2 = self._ckpt_batches
                 keep = sum(_line(a[1], b[1], b1, b2).at(chunk) for a, b in segs[:-1])  # segment inputs
-                last = _line(segs[-1][0][0], segs[-1][1][0], b1, b2).at(chunk)
-                recompute = max(_line(a[0], b[0], b1, b2).at(chunk) for a, b in segs)
-                peak, extra_at = keep + max(last, recompute) + work, work
+                # one segment at a time is recomputed (the last one is kept from the forward): its saved set and
+                # the worst of its layers' backward over that set, the segment whose sum is largest
+                peak = -1
+                for (a, b), span in zip(segs, s0.ckpt_layers):
+                    lines = [_line(x1, x2, b1, b2) for x1, x2 in zip(a[2], b[2])]
+                    w, w_ws = s0.working(chunk, self.workspace, st.gpu, span, lines)
+                    if keep + _line(a[0], b[0], b1, b2).at(chunk) + w > peak:
+                        peak, extra_at, ws = keep + _line(a[0], b[0], b1, b2).at(chunk) + w, w, w_ws
             else:
+                work, ws = s0.working(chunk, self.workspace, st.gpu)
                 peak, extra_at = s0.saved.at(chunk) + work, work
             at = {0: 1}
             const = s0.const.at(chunk)
@@ -611,6 +623,7 @@ def setup(cfg: Any) -> Setup:
         spec.module.train()
         _CACHE[("model", model_key)] = spec
     spec = _CACHE[("model", model_key)]
+    settings.check_recompute(spec)  # a model checkpointing cannot recompute: bad input, and no suggestion
     spec, gather_note = spatial_model(spec, mesh, str(p.bn_stats))
     sched = str(p.schedule)
     eta = settings.schedule.replicas if settings.schedule is not None else 1
