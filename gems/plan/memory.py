@@ -156,7 +156,6 @@ class _Stage:
     saved: _Affine  # per micro-batch: saved set incl. the partition's input and output
     const: _Affine  # the part of ``saved`` that does not grow with the micro-batch (casted weights, stats)
     inp: _Affine  # the partition's input (what checkpointing keeps)
-    work: _Affine  # largest backward working set (one layer's output + input gradients) at the traced batches
     out: _Affine  # the partition's output (what crosses the next cut)
     halo: _Affine
     gather: _Affine
@@ -184,7 +183,7 @@ class _Stage:
         # the worst layer at ``chunk``, not the line through the worst at the traced batches: which layer is worst
         # changes with the batch (CosmoFlow 64^3: the dense head's at 1 and 2 samples, the first convolution's at
         # 64, twice the bytes; an H200 allocated 2.9% over the plan that took the line)
-        work = max((w.at(chunk) for w in layer_work), default=self.work.at(chunk))
+        work = max([0, *(w.at(chunk) for w in layer_work)])
         if workspace is None or not any(convs for _, convs in self.layer_convs):
             return work, 0
         if at_peak:  # the stage's largest convolution's, whatever the span (an allowance, as above)
@@ -211,7 +210,6 @@ def _stages(t1: Trace, t2: Trace, bal: Sequence[int], layers: Sequence[nn.Module
         a, e = start, start + n
         s1, i1, lw1, o1 = t1.stage_by_layer(a, e, i == D - 1)
         s2, i2, lw2, o2 = t2.stage_by_layer(a, e, i == D - 1)
-        w1, w2 = max([0, *lw1]), max([0, *lw2])
         sv = _affine(s1, s2)
         const = _Affine(max(0.0, sv.c), 0.0)
         per = _Affine(min(sv.c, 0.0), sv.k)
@@ -222,7 +220,7 @@ def _stages(t1: Trace, t2: Trace, bal: Sequence[int], layers: Sequence[nn.Module
         sizes = [p.numel() * p.element_size() for layer in layers[a:e] for p in layer.parameters()]
         convs = [(t1.in_grad[j], list(dict.fromkeys(sig for (cls, sig) in [*t1.ops.get(j, {}), *t2.ops.get(j, {})]
                                                     if cls == "conv"))) for j in range(a, e)]
-        out.append(_Stage(per, const, _affine(i1, i2), _affine(w1, w2), _affine(o1, o2), _affine(h1, h2),
+        out.append(_Stage(per, const, _affine(i1, i2), _affine(o1, o2), _affine(h1, h2),
                           _affine(g1, g2), sum(sizes), sum(b for b in sizes if not summed_in_place(b)),
                           layer_work=[_affine(x1, x2) for x1, x2 in zip(lw1, lw2)], layer_convs=convs))
         start = e
@@ -543,8 +541,9 @@ class Planner:
                 for (a, b), span in zip(segs, s0.ckpt_layers):
                     lines = [_line(x1, x2, b1, b2) for x1, x2 in zip(a[2], b[2])]
                     w, w_ws = s0.working(chunk, self.workspace, st.gpu, span, lines)
-                    if keep + _line(a[0], b[0], b1, b2).at(chunk) + w > peak:
-                        peak, extra_at, ws = keep + _line(a[0], b[0], b1, b2).at(chunk) + w, w, w_ws
+                    total = keep + _line(a[0], b[0], b1, b2).at(chunk) + w
+                    if total > peak:
+                        peak, extra_at, ws = total, w, w_ws
             else:
                 work, ws = s0.working(chunk, self.workspace, st.gpu)
                 peak, extra_at = s0.saved.at(chunk) + work, work

@@ -220,22 +220,16 @@ class Trace:
     comm: list[tuple[int, str, int, int]] = field(default_factory=list)  # the spatial messages (StandIn.times)
     in_grad: list[bool] = field(default_factory=list)  # whether each layer's input needs a gradient
 
-    def stage(self, a: int, e: int, last: bool) -> tuple[int, int, int, int]:
-        """(saved bytes kept by layers [a, e) incl. its input and output, input bytes, working set, output bytes).
-
-        The working set is what the backward needs on top of the whole saved set at its worst layer: the
-        backward of layer ``j`` holds its output and input gradients while the storages saved only by layers
-        after ``j`` are already freed, so the peak is ``max_j(alive_j + grads_j)``, reported as its excess
-        over the saved set (the large gradients of a CNN's first layers come when little is still saved).
-        The first partition's input is a view of the input batch (counted once, as the batch), and needs no gradient.
-        """
-        total, in_b, layer_work, out_b = self.stage_by_layer(a, e, last)
-        return total, in_b, max([0, *layer_work]), out_b
-
     def stage_by_layer(self, a: int, e: int, last: bool) -> tuple[int, int, list[int], int]:
-        """:meth:`stage` with the working set of each layer ``j`` of [a, e) instead of the largest: what its
-        backward holds on top of the stage's saved set (alive_j + grads_j, less that set), before any
-        workspace of its own ops (which the planner adds per layer on CPU ranks)."""
+        """(saved bytes kept by layers [a, e) incl. its input and output, input bytes, each layer's working set,
+        output bytes).
+
+        The working set of layer ``j`` is what its backward holds on top of the stage's saved set: its output and
+        input gradients, while the storages saved only by layers after ``j`` are already freed (alive_j + grads_j,
+        less that set; the large gradients of a CNN's first layers come when little is still saved), before any
+        workspace of its own ops (which the planner adds per layer on CPU ranks). The planner takes the worst layer
+        at the batch it plans. The first partition's input is a view of the input batch (counted once, as the
+        batch), and needs no gradient."""
         keys: dict[int, int] = {}
         first: dict[int, int] = {}  # storage -> the first layer of [a, e) that saved it: freed after its backward
         for k, (nb, layers) in self.saved.items():
