@@ -122,7 +122,7 @@ class ParallelConf:
                                  "2; what gems plan's memory counts) | time (each action's time, measured in the "
                                  "first steps; may hold received buffers where the plan does not count them)",
                          choices=("time", "unit"))
-    checkpoint: bool = key(False, "recompute activations in the backward (not model=unet3d: its skip connections)")
+    checkpoint: bool = key(False, "recompute activations in the backward")
     bn_stats: str = key("global", "BatchNorm statistics over spatial parts", choices=("global", "local"))
     overlap: Optional[bool] = key(None, "interior/halo overlap (null: on GPU only)")
 

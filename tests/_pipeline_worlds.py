@@ -1,6 +1,6 @@
 """Rank functions and the serial reference for the pipeline transparency tests.
 
-A *case* is a dict: model ("cosmoflow" | "resnet_bn" | "resnet_gn"), schedule,
+A *case* is a dict: model ("cosmoflow" | "resnet_bn" | "resnet_gn" | "unet"), schedule,
 D (pipeline), R (replicas), S (spatial parts), m (micro-batches), eta
 (gems_replicas or None), checkpoint, B (global batch), steps, and ``via``:
 
@@ -49,6 +49,8 @@ def build(model: str) -> ModelSpec:
     torch.manual_seed(0)
     if model == "cosmoflow":
         node: dict[str, Any] = dict(name="cosmoflow", size=32, width=0.125, dropout=0.3)
+    elif model == "unet":  # skip connections across every cut (gems.models.skips carries them)
+        node = dict(name="unet3d", size=16, width=0.0625, in_channels=1, num_classes=3, norm="batch")
     else:
         node = dict(name="resnet", depth=20, size=16, in_channels=3, num_classes=5, width=0.25,
                     norm="batch" if model == "resnet_bn" else "group")
@@ -56,12 +58,14 @@ def build(model: str) -> ModelSpec:
 
 
 def _kind(spec: ModelSpec) -> str:
-    return "mse" if spec.loss == "mse" else "ce"
+    return "mse" if spec.loss == "mse" else ("dense" if spec.target == "dense" else "ce")
 
 
 def batch(step: int, B: int, shape: tuple[int, ...], loss: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(B, *shape, generator=g)
+    if loss == "dense":  # a class per voxel
+        return x, torch.randint(0, 3, (B, *shape[1:]), generator=g), list(range(step * B, (step + 1) * B))
     y = torch.randn(B, 4, generator=g) if loss == "mse" else torch.randint(0, 5, (B,), generator=g)
     return x, y, list(range(step * B, (step + 1) * B))
 
@@ -70,6 +74,8 @@ def make_loss(kind: str, B: int):  # type: ignore[no-untyped-def]
     def loss_fn(out: torch.Tensor, tgt: torch.Tensor, n: int) -> torch.Tensor:
         if kind == "mse":
             return ((out - tgt) ** 2).mean(dim=1).sum() / B
+        if kind == "dense":  # each sample's mean over its voxels (a sum over them would train chaotically)
+            return F.cross_entropy(out, tgt, reduction="none").flatten(1).mean(dim=1).sum() / B
         return F.cross_entropy(out, tgt, reduction="sum") / B
     return loss_fn
 

@@ -95,6 +95,11 @@ WORLD2 = [  # D = 2
     case("resnet_bn", "1f1b", 2, m=4, checkpoint=True, gloo_order=True, steps=2),
     case("cosmoflow", "master", 2, eta=4, via="worker", bucket_mb=0.01, gloo_order=True, steps=2),
     case("resnet_gn", "interleaved1f1b", 2, m=2, v=2, trace=False, gloo_order=True, steps=2),
+    # the U-Net: skips cross every cut, packed with the activation (gems.models.skips.Carried), recomputed too
+    case("unet", "1f1b", 2, m=2, B=4),
+    case("unet", "mast", 2, B=4, checkpoint=True, steps=2),
+    case("unet", "gpipe", 2, m=2, B=4, split=True, steps=2),
+    case("unet", "interleaved1f1b", 2, m=2, v=2, B=4, steps=2),
 ]
 WORLD3 = [  # odd D: the middle rank holds one partition for both directions
     case("cosmoflow", "mast", 3, B=6),
@@ -127,6 +132,8 @@ WORLD4 = [  # D = 4, R = 2 x D = 2 (GEMS-Hybrid), D = 2 x S = 2 (spatial parts i
     case("resnet_bn", "zbh1", 2, m=2, R=2, B=8, steps=2, via="worker"),
     case("cosmoflow", "1f1b", 4, m=4, steps=2, gloo_order=True),
     case("cosmoflow", "mast", 2, S=2, steps=2, via="worker", gloo_order=True),
+    case("unet", "1f1b", 4, m=2, B=4, steps=2),  # skips through two middle stages
+    case("unet", "mast", 2, R=2, B=8, steps=2),
 ]
 WORLD8 = [  # R = 2 x D = 2 x S = 2 and R = 2 x D = 4
     case("cosmoflow", "mast", 2, R=2, S=2, steps=2, via="worker"),

@@ -35,8 +35,6 @@ class ModelSpec:
     target: str = "vector"
     spatial_end: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-    #: why ``parallel.checkpoint`` cannot recompute this model's layers ("": it can)
-    no_recompute: str = ""
 
     @property
     def spatial_ndim(self) -> int:

@@ -9,101 +9,29 @@ paper). ``width`` scales every channel count; ``norm`` is ``batch`` (global
 statistics under spatial parallelism) or ``none``.
 
 Skip connections are layers too, so pipeline partitioning and spatial
-wrapping see every layer: :class:`Stash` saves the activation of a level in
-a :class:`SkipStore` shared by the model's layers, :class:`PopConcat` takes
-it back and concatenates it along channels (:class:`PopAdd` adds it, for
-residual models). The store is first-in first-out per name, so several
-micro-batches may be stashed before the first is popped, as long as the
-stash and the pop run in the same process (a pipeline that splits them must
-carry the stash across).
+wrapping see every layer: :class:`~gems.models.skips.Stash` saves the
+activation of a level, :class:`~gems.models.skips.PopConcat` takes it back
+and concatenates it along channels. A checkpointed segment and a pipeline
+partition carry the skips that cross their boundaries
+(:mod:`gems.models.skips`).
 """
 from __future__ import annotations
 
-from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
 
 from gems.config import ModelConf
 from gems.errors import ConfigError
-from gems.spatial.registry import register_pointwise
+from gems.models.skips import PopAdd, PopConcat, SkipStore, Stash
+
+__all__ = ["unet3d", "build_unet3d", "SkipStore", "Stash", "PopConcat", "PopAdd"]
 
 #: ``model.norm`` when the configuration leaves it null
 DEFAULT_NORM = "batch"
 
 if TYPE_CHECKING:
     from gems.models import ModelSpec
-
-
-#: why ``parallel.checkpoint`` cannot recompute the U-Net (gems.parallel.ParallelSettings.check_recompute): a
-#: recomputed segment or partition would stash its activation again, or pop one the first forward already took
-NO_RECOMPUTE = ("its skip connections hand each level's activation to a later layer through a store, which a "
-                "recomputed segment would stash into twice or find empty")
-
-
-class SkipStore:
-    """Activations waiting for their skip connection, by name (FIFO)."""
-
-    def __init__(self) -> None:
-        self._queues: dict[str, deque[torch.Tensor]] = {}
-
-    def push(self, name: str, x: torch.Tensor) -> None:
-        self._queues.setdefault(name, deque()).append(x)
-
-    def pop(self, name: str) -> torch.Tensor:
-        q = self._queues.get(name)
-        if not q:
-            raise RuntimeError(f"skip connection {name!r}: nothing stashed (run the layers from its Stash on, in order)")
-        return q.popleft()
-
-    def clear(self) -> None:
-        self._queues.clear()
-
-    def __len__(self) -> int:
-        return sum(len(q) for q in self._queues.values())
-
-    def __getstate__(self) -> dict[str, Any]:  # activations never travel with the model
-        return {"_queues": {}}
-
-
-@register_pointwise  # the spatial converter cuts it (gems/spatial/registry.py)
-class Stash(nn.Module):
-    """Save the activation for a later :class:`PopConcat` / :class:`PopAdd`; pass it on."""
-
-    def __init__(self, store: SkipStore, name: str) -> None:
-        super().__init__()
-        self.store, self.name = store, name
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.store.push(self.name, x)
-        return x
-
-    def extra_repr(self) -> str:
-        return repr(self.name)
-
-
-@register_pointwise  # the spatial converter cuts it (gems/spatial/registry.py)
-class PopConcat(nn.Module):
-    """Concatenate the stashed activation (first) with the input along channels."""
-
-    def __init__(self, store: SkipStore, name: str) -> None:
-        super().__init__()
-        self.store, self.name = store, name
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.store.pop(self.name), x], dim=1)
-
-    def extra_repr(self) -> str:
-        return repr(self.name)
-
-
-@register_pointwise  # the spatial converter cuts it (gems/spatial/registry.py)
-class PopAdd(PopConcat):
-    """Add the stashed activation to the input (a residual connection)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.store.pop(self.name)
 
 
 def _ch(c: int, width: float) -> int:
@@ -152,5 +80,4 @@ def build_unet3d(m: ModelConf) -> ModelSpec:
         raise ConfigError("model.width", width, "a positive channel multiplier, e.g. 1.0 or 0.25")
     in_channels, num_classes = int(m.in_channels), int(m.num_classes)
     seq = unet3d(in_channels, num_classes, width, norm)
-    return ModelSpec(seq, "unet3d", (in_channels, size, size, size), num_classes, "cross_entropy", "dense", None,
-                     no_recompute=NO_RECOMPUTE)
+    return ModelSpec(seq, "unet3d", (in_channels, size, size, size), num_classes, "cross_entropy", "dense", None)

@@ -22,6 +22,7 @@ from torch import nn
 from gems.errors import ConfigError
 from gems.mesh import Mesh
 from gems.pipeline.balance import decide
+from gems.models.skips import carry
 from gems.pipeline.partition import boundary_shapes, resolve_balance_by, split
 from gems.pipeline.runtime import LossFn, PipelineRunner
 from gems.pipeline.schedules import SCHEDULES, Action, Schedule, make_schedule
@@ -110,9 +111,9 @@ def apply_pipeline(seq: nn.Sequential, mesh: Mesh, rank: int, *, loss_fn: LossFn
                           f"at most the model's {n_layers} layers in {S} partitions")
     sample = None if sample_shape is None else (chunk, *[int(v) for v in sample_shape])
     bal = decide(seq, S, balance_by, sample, given=balance, dtype=dtype)  # the one place a balance is decided
-    parts = split(seq, bal)
-    shapes = None
-    if sample is not None and S > 1:
+    # skips that cross a cut travel packed with its activation (gems.models.skips), at shapes traced on the sample
+    parts, shapes = carry(split(seq, bal), bal, sample, dtype, amp)
+    if shapes is None and sample is not None and S > 1:
         try:
             shapes = boundary_shapes(parts, sample, dtype, amp)
         except Exception:  # a partition that cannot be traced (it communicates, or returns a non-tensor)

@@ -244,9 +244,7 @@ class PipelineRunner:
         self._loss_total: torch.Tensor | float = 0.0
         #: the loss the backward starts from (fp16's loss scaling multiplies it: gems.precision)
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
-        #: the memory format the partitions compute in (channels-last for convolutions on GPUs: gems.rank.compose):
-        #: activations and their gradients cross the cuts in it, so no message is converted on either side
-        self.memory_format = torch.contiguous_format
+        self._memory_format = torch.contiguous_format
         self._gshape: dict[tuple[int, int], tuple[int, ...]] = {}  # (direction, stage) -> a spatial cut's global shape
         #: called after every backward action (B, I, W), at the same place of the step on every rank running the
         #: same actions: the gradient sum launches what the action completed (GradientReducer.flush)
@@ -337,6 +335,20 @@ class PipelineRunner:
         """Where this rank first saw a non-finite value in the last step: 0 its input, 1 + s the output of
         partition s; None when all was finite (reading the flags may synchronise a GPU)."""
         return min((pos for pos, ok in self._finite if not bool(ok)), default=None)
+
+    @property
+    def memory_format(self) -> torch.memory_format:
+        """The memory format the partitions compute in (channels-last for convolutions on GPUs: gems.rank.compose):
+        activations and their gradients cross the cuts in it, so no message is converted on either side (a
+        partition that packs skips with its activation, gems.models.skips.Carried, flattens them in it)."""
+        return self._memory_format
+
+    @memory_format.setter
+    def memory_format(self, fmt: torch.memory_format) -> None:
+        self._memory_format = fmt
+        for part in self.partitions.values():
+            if hasattr(part, "memory_format"):
+                part.memory_format = fmt
 
     def chunk_slice(self, replica: int, micro_batch: int) -> slice:
         """Which samples of the line's share a (pass, micro-batch) carries."""

@@ -19,6 +19,7 @@ from gems.fault import all_finite, progress
 from gems.layers import batch_context, evaluation_mode, guard_bf16_conv3d
 from gems.mesh import Coord, Mesh
 from gems.models import ModelSpec, build_model
+from gems.models.skips import checkpointed
 from gems.parallel import ParallelSettings, resolve, spatial_model, stage_balance
 from gems.precision import LossScaler, autocast, scaling_enabled
 from gems.rank.loss import Metric, make_loss_fn
@@ -228,13 +229,9 @@ class _Composition:
         seq, seed, loss_fn, scaler = self.seq, int(self.cfg.train.seed), self.loss_fn, self.scaler
         params = list(seq.parameters())
         reducer = _reducer(seq, self.mesh, self.world, self.cfg)
-        if self.settings.checkpoint:
-            from torch.utils.checkpoint import checkpoint_sequential
-
-            def forward(x: torch.Tensor) -> torch.Tensor:
-                return checkpoint_sequential(seq, max(1, len(seq) // 2), x, use_reentrant=False)
-        else:
-            forward = seq
+        forward: Callable[[torch.Tensor], torch.Tensor] = seq
+        if self.settings.checkpoint:  # pieces of two layers, each recomputed in its backward, skips carried
+            forward = checkpointed(seq, max(1, len(seq) // 2))
         finite: dict[int, torch.Tensor | bool] = {}  # position -> all finite? (a device flag: no synchronisation)
 
         def plain_step(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int) -> torch.Tensor:

@@ -1,0 +1,330 @@
+"""Skip connections as layers of a flat sequence, and the rule that carries them across a cut of it.
+
+A model whose layers form one ``nn.Sequential`` (what pipeline partitioning and spatial wrapping take) makes a
+skip connection with two layers: :class:`Stash` saves an activation in a :class:`SkipStore` shared by the
+model's layers, and a later :class:`PopConcat` (or :class:`PopAdd`) takes it back. The store is first-in
+first-out per name.
+
+Run whole, the sequence needs nothing more. Cut into pieces that do not run as one forward, a skip whose stash
+is before a cut and whose pop after it must travel with the activation:
+
+* a **checkpointed segment** (``parallel.checkpoint`` on the plain path: :func:`checkpointed`) runs again in the
+  backward, where its stash would push a second time and its pop find nothing;
+* a **pipeline partition** (:class:`Carried`) runs on another rank than the one that stashed.
+
+One rule serves both (:func:`run_span`): the pieces' boundaries carry, besides the activation, every skip
+stashed before the boundary and popped after it (:func:`spans`, :func:`crossing`), in the order of their
+stashes. A piece pushes the skips it receives, runs its layers, and takes out of the store the skips the next
+piece needs; the store is empty between pieces, so a recomputation, a micro-batch in flight or another
+partition of the same rank never sees what another left. Autograd sees the skips as inputs and outputs of
+the piece, so their gradients come back the way they went.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import deque
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from gems.spatial.registry import register_pointwise
+
+__all__ = ["SkipStore", "Stash", "PopConcat", "PopAdd", "spans", "crossing", "store_of", "run_span",
+           "checkpointed", "Carried", "carry", "cut_contents"]
+
+
+class SkipStore:
+    """Activations waiting for their skip connection, by name (FIFO)."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, deque[torch.Tensor]] = {}
+
+    def push(self, name: str, x: torch.Tensor) -> None:
+        self._queues.setdefault(name, deque()).append(x)
+
+    def pop(self, name: str) -> torch.Tensor:
+        q = self._queues.get(name)
+        if not q:
+            raise RuntimeError(f"skip connection {name!r}: nothing stashed (run the layers from its Stash on, in order)")
+        return q.popleft()
+
+    def pending(self, names: Sequence[str]) -> list[torch.Tensor]:
+        """What ``names`` (in order, a name as often as it is named) would pop, left in the store."""
+        seen: dict[str, int] = {}
+        out = []
+        for n in names:
+            out.append(self._queues[n][seen.get(n, 0)])
+            seen[n] = seen.get(n, 0) + 1
+        return out
+
+    def clear(self) -> None:
+        self._queues.clear()
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def __getstate__(self) -> dict[str, Any]:  # activations never travel with the model
+        return {"_queues": {}}
+
+
+@register_pointwise  # the spatial converter cuts it (gems/spatial/registry.py)
+class Stash(nn.Module):
+    """Save the activation for a later :class:`PopConcat` / :class:`PopAdd`; pass it on."""
+
+    def __init__(self, store: SkipStore, name: str) -> None:
+        super().__init__()
+        self.store, self.name = store, name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.store.push(self.name, x)
+        return x
+
+    def extra_repr(self) -> str:
+        return repr(self.name)
+
+
+@register_pointwise  # the spatial converter cuts it (gems/spatial/registry.py)
+class PopConcat(nn.Module):
+    """Concatenate the stashed activation (first) with the input along channels."""
+
+    def __init__(self, store: SkipStore, name: str) -> None:
+        super().__init__()
+        self.store, self.name = store, name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.store.pop(self.name), x], dim=1)
+
+    def extra_repr(self) -> str:
+        return repr(self.name)
+
+
+@register_pointwise  # the spatial converter cuts it (gems/spatial/registry.py)
+class PopAdd(PopConcat):
+    """Add the stashed activation to the input (a residual connection)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.store.pop(self.name)
+
+
+def _skip_layer(layer: nn.Module, kind: type) -> Any:
+    """The ``kind`` module a layer of the sequence is or wraps (a spatial container holds it), else None."""
+    return next((m for m in layer.modules() if isinstance(m, kind)), None)
+
+
+def spans(layers: Sequence[nn.Module]) -> list[tuple[str, int, int]]:
+    """Every skip connection of the flat sequence: (name, index of its stash, index of its pop), in the order of
+    the stashes (each pop takes its name's oldest stash, as the store does)."""
+    open_: dict[str, deque[int]] = {}
+    out: list[tuple[str, int, int]] = []
+    for i, layer in enumerate(layers):
+        s = _skip_layer(layer, Stash)
+        if s is not None:
+            open_.setdefault(s.name, deque()).append(i)
+        p = _skip_layer(layer, PopConcat)
+        if p is not None and open_.get(p.name):
+            out.append((p.name, open_[p.name].popleft(), i))
+    return sorted(out, key=lambda t: t[1])
+
+
+def crossing(sp: Sequence[tuple[str, int, int]], cut: int) -> list[str]:
+    """The names of the skips that cross the boundary before layer ``cut`` (stashed before it, popped at or after
+    it), in the order of their stashes: what a piece that starts or ends there receives or hands on."""
+    return [name for name, s, p in sp if s < cut <= p]
+
+
+def store_of(layers: Sequence[nn.Module]) -> SkipStore | None:
+    """The store the sequence's skip layers share (None: no skip layers)."""
+    for layer in layers:
+        for kind in (Stash, PopConcat):
+            m = _skip_layer(layer, kind)
+            if m is not None:
+                return m.store
+    return None
+
+
+def run_span(store: SkipStore | None, layers: Sequence[nn.Module], x: torch.Tensor,
+             skips_in: Sequence[tuple[str, torch.Tensor]], names_out: Sequence[str]
+             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One piece of the sequence: push ``skips_in`` (the boundary's, in order), run ``layers`` on ``x``, take the
+    skips ``names_out`` names out of the store for the next piece. The store must be empty before and is after."""
+    if store is None:
+        for layer in layers:
+            x = layer(x)
+        return x, []
+    if len(store):
+        raise RuntimeError(f"skip store holds {len(store)} activation(s) before a piece of the model runs: a piece "
+                           f"left skips behind")
+    try:
+        for name, t in skips_in:
+            store.push(name, t)
+        for layer in layers:
+            x = layer(x)
+        out = [store.pop(name) for name in names_out]
+        if len(store):
+            raise RuntimeError(f"skip store holds {len(store)} activation(s) no later piece takes")
+    finally:
+        store.clear()
+    return x, out
+
+
+def checkpointed(seq: nn.Sequential, segments: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``parallel.checkpoint`` on the plain path: the forward of ``seq`` in ``segments`` pieces, as
+    ``torch.utils.checkpoint.checkpoint_sequential`` cuts it (``len // segments`` layers each, the last takes the
+    rest), each recomputed in its backward (non-reentrant checkpointing); a piece's inputs are the activation and
+    the skips crossing its start, its outputs the activation and those crossing its end, so a recomputed piece
+    stashes and pops as the first forward did."""
+    from torch.utils.checkpoint import checkpoint
+
+    layers = list(seq)
+    n = len(layers)
+    size = n // segments
+    bounds = [(a, a + size) for a in range(0, size * (segments - 1), size)] + [(size * (segments - 1), n)]
+    sp, store = spans(layers), store_of(layers)
+    names = [crossing(sp, a) for a, _ in bounds] + [[]]
+
+    def piece(a: int, e: int, k: int) -> Callable[..., tuple[torch.Tensor, ...]]:
+        def run(x: torch.Tensor, *skips: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            y, out = run_span(store, layers[a:e], x, list(zip(names[k], skips)), names[k + 1])
+            return (y, *out)
+        return run
+
+    pieces = [piece(a, e, k) for k, (a, e) in enumerate(bounds)]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        skips: tuple[torch.Tensor, ...] = ()
+        for k, run in enumerate(pieces):
+            if k == len(pieces) - 1:  # the last piece's activations are kept from the forward, as torch's does
+                y, *rest = run(x, *skips)
+            else:
+                y, *rest = checkpoint(run, x, *skips, use_reentrant=False)
+            x, skips = y, tuple(rest)
+        return x
+
+    return forward
+
+
+Shapes = list[tuple[tuple[int, ...], torch.dtype]]
+
+
+class Carried(nn.Sequential):
+    """A pipeline partition across whose cuts skips travel: it takes and returns one tensor, the activation and
+    the boundary's skips packed side by side, each flattened per sample (``(N, sum of their sizes)``, at the
+    dtype ``torch.cat`` promotes them to; unpacked at each one's own dtype). The same layers, parameters and
+    state-dict keys as the plain partition (a ``nn.Sequential`` of them).
+
+    ``incoming``/``outgoing``: (shape per sample, dtype) of the activation and of each skip crossing the cut
+    before / after the partition, ``names_in``/``names_out`` the skips' names (None: that side is one tensor).
+    ``memory_format`` (set by the runner's owner): the layout the partitions compute in; a channels-last piece is
+    flattened in its own memory order, so packing and unpacking convert nothing."""
+
+    def __init__(self, layers: Sequence[nn.Module], store: SkipStore, names_in: Sequence[str] | None,
+                 incoming: Shapes | None, names_out: Sequence[str] | None, outgoing: Shapes | None) -> None:
+        super().__init__(*layers)
+        self._store = store
+        self.names_in, self.incoming = list(names_in or []), incoming
+        self.names_out, self.outgoing = list(names_out or []), outgoing
+        self.memory_format = torch.contiguous_format
+
+    def _last(self, ndim: int) -> bool:
+        return (self.memory_format is torch.channels_last and ndim == 4) or \
+            (self.memory_format is torch.channels_last_3d and ndim == 5)
+
+    def _flat(self, t: torch.Tensor) -> torch.Tensor:
+        if self._last(t.dim()):
+            t = t.movedim(1, -1)
+        return t.reshape(t.shape[0], -1)
+
+    def unpack(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The pieces of a packed input, views of it (each at its own dtype)."""
+        assert self.incoming is not None
+        sizes = [math.prod(shape) for shape, _ in self.incoming]
+        out = []
+        for piece, (shape, dtype) in zip(torch.split(x, sizes, dim=1), self.incoming):
+            if self._last(1 + len(shape)):
+                t = piece.reshape(x.shape[0], *shape[1:], shape[0]).movedim(-1, 1)
+            else:
+                t = piece.reshape(x.shape[0], *shape)
+            out.append(t if t.dtype == dtype else t.to(dtype))
+        return out
+
+    def pack(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([self._flat(t) for t in pieces], dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        skips: list[tuple[str, torch.Tensor]] = []
+        if self.incoming is not None:
+            x, *rest = self.unpack(x)
+            skips = list(zip(self.names_in, rest))
+        y, out = run_span(self._store, list(self), x, skips, self.names_out)
+        return self.pack([y, *out]) if self.outgoing is not None else y
+
+
+def cut_contents(layers: Sequence[nn.Module], sample: Sequence[int], dtype: torch.dtype,
+                 amp: Callable[[], Any] | None = None) -> list[Shapes]:
+    """For the boundary before each layer ``c`` (``c`` = 1 .. n-1): (shape per sample, dtype) of the activation
+    and of each skip crossing it (:func:`crossing`'s order), from one forward of ``sample`` (C, *spatial) on
+    fake tensors, in eval mode (BatchNorm's buffers untouched), under ``amp`` (the run's autocast region)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    sp, store = spans(layers), store_of(layers)
+    device = next((p.device for layer in layers for p in layer.parameters()), torch.device("cpu"))
+    modes = [(m, m.training) for layer in layers for m in layer.modules()]
+    out: list[Shapes] = []
+    try:
+        for m, _ in modes:
+            m.training = False
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad(), \
+                (amp() if amp is not None else contextlib.nullcontext()):
+            x = torch.empty((1, *sample), dtype=dtype, device=device)
+            for c, layer in enumerate(layers[:-1], start=1):
+                x = layer(x)
+                held = store.pending(crossing(sp, c)) if store is not None else []
+                out.append([(tuple(int(v) for v in t.shape[1:]), t.dtype) for t in [x, *held]])
+    finally:
+        if store is not None:
+            store.clear()
+        for m, mode in modes:
+            m.training = mode
+    return out
+
+
+def carry(parts: Sequence[nn.Sequential], balance: Sequence[int], sample: Sequence[int] | None, dtype: torch.dtype,
+          amp: Callable[[], Any] | None = None) -> tuple[list[nn.Sequential], Shapes | None]:
+    """The partitions with the skips that cross their cuts carried (:class:`Carried`), and the (shape, dtype) of
+    each message leaving a partition but the last with the micro-batch of ``sample`` (batch first) where they
+    changed, else None. Partitions whose cuts no skip crosses are returned as they are. Needs ``sample`` (the
+    cuts' contents are traced) where a skip crosses a cut: ``ValueError`` without one."""
+    layers = [layer for part in parts for layer in part]
+    sp = spans(layers)
+    cuts = [sum(balance[:i + 1]) for i in range(len(balance) - 1)]
+    names = [crossing(sp, c) for c in cuts]
+    if not any(names):
+        return list(parts), None
+    if sample is None:
+        raise ValueError("skips cross the pipeline's cuts, whose contents are traced on the sample's shape: "
+                         "no sample shape was given (a spatial model)")
+    store = store_of(layers)
+    assert store is not None
+    contents = cut_contents(layers, sample[1:], dtype, amp)
+    at = [contents[c - 1] for c in cuts]  # per cut: activation, then the crossing skips
+    out: list[nn.Sequential] = []
+    for i, part in enumerate(parts):
+        before = at[i - 1] if i > 0 and names[i - 1] else None
+        after = at[i] if i < len(cuts) and names[i] else None
+        if before is None and after is None:
+            out.append(part)
+            continue
+        out.append(Carried(list(part), store, names[i - 1] if before else None, before,
+                           names[i] if after else None, after))
+    shapes: Shapes = []
+    for i, c in enumerate(at):
+        if names[i]:
+            d = c[0][1]
+            for _, t in c[1:]:
+                d = torch.promote_types(d, t)
+            shapes.append(((int(sample[0]), sum(math.prod(s) for s, _ in c)), d))
+        else:
+            shapes.append(((int(sample[0]), *c[0][0]), c[0][1]))
+    return out, shapes
