@@ -4,13 +4,15 @@ Each case is a real multi-process job (gloo) whose per-step losses are compared
 with the single-process run of the same model on the same global batch:
 spatial parts (one and two cut dims), GEMS schedules, pipelines with
 micro-batches, data replicas on top, HDF5 input read as hyperslabs, U-Net
-with global BatchNorm, ResNet partitioned over a pipeline.
+with global BatchNorm, recomputed and pipelined, ResNet partitioned over a pipeline.
 """
 import pytest
 import torch
 from _cli import gems, merged, records
 
 COSMO = ["model.size=32", "model.width=0.5", "train.steps=3", "train.warmup_steps=1"]
+UNET = ["model=unet3d", "model.size=16", "model.width=0.125", "train.batch_size=2", "train.steps=3",
+        "train.warmup_steps=1"]
 
 
 def losses(tmp, *args):
@@ -35,6 +37,9 @@ def serial(tmp_path_factory):
 
 CASES = [
     ("spatial depth S=2", COSMO + ["train.batch_size=2"], ["parallel.spatial=2"]),
+    # recomputed pieces on spatial parts: their halos at one place of the backward on both parts (torch's lazy
+    # recomputation hung here: each part recomputed at its own graph's first saved tensor)
+    ("spatial depth S=2 checkpoint", COSMO + ["train.batch_size=2"], ["parallel.spatial=2", "parallel.checkpoint=true"]),
     ("spatial 2x2 pencils", COSMO + ["train.batch_size=2"], ["parallel.spatial=[2,2]", "parallel.spatial_dims=[0,1]"]),
     ("mast D=2", COSMO + ["train.batch_size=4"], ["parallel.pipeline=2", "parallel.schedule=mast"]),
     ("master eta=4 D=2", COSMO + ["train.batch_size=8"],
@@ -45,6 +50,13 @@ CASES = [
      ["parallel.replicas=2", "parallel.pipeline=2", "parallel.schedule=mast", "parallel.spatial=2"]),
     ("unet3d S=2 global BN", ["model=unet3d", "model.size=16", "model.width=0.125", "train.batch_size=2",
                               "train.steps=3", "train.warmup_steps=1"], ["parallel.spatial=2"]),
+    # skips through recomputed pieces and across a pipeline's cut (gems.models.skips)
+    ("unet3d checkpoint", UNET, ["parallel.checkpoint=true"]),
+    ("unet3d S=2 checkpoint", UNET, ["parallel.spatial=2", "parallel.checkpoint=true"]),
+    ("unet3d D=2 lp", UNET, ["parallel.pipeline=2"]),
+    # (without norms: a micro-batch's BatchNorm normalises over its own samples, as in any pipeline)
+    ("unet3d D=2 1f1b m=2", UNET + ["model.norm=none"],
+     ["parallel.pipeline=2", "parallel.schedule=1f1b", "parallel.micro_batches=2"]),
     ("custom model S=2, gathered before its Flatten", ["model=custom", "model._target_=_custom_models.plain",
                                                         "model.input_shape=[1,8,8,8]", "model.num_outputs=3",
                                                         "train.batch_size=2", "train.steps=3", "train.warmup_steps=1"],

@@ -56,6 +56,13 @@ RUNS = {
     "mast-R2xD2": ["parallel.replicas=2", "parallel.pipeline=2", "parallel.schedule=mast", *RESNET],
     "master-split-DxS": [*DXS, "parallel.schedule=master", "parallel.split_backward=true", "train.batch_size=8",
                          *COSMO32],
+    # recomputed pieces on spatial parts: each piece's forward again at one place of the backward on every part
+    # (torch's lazy recomputation ran it at each part's own first saved tensor, and the parts hung)
+    "cosmoflow-S2-checkpoint": ["parallel.spatial=2", "parallel.checkpoint=true", "train.batch_size=2", *COSMO32],
+    "unet-S2-checkpoint": ["parallel.spatial=2", "parallel.checkpoint=true", "train.batch_size=2", *UNET],
+    # the U-Net's skips across a pipeline's cuts, packed with the activation (gems.models.skips.Carried)
+    "unet-D2-1f1b": ["parallel.pipeline=2", "parallel.schedule=1f1b", "parallel.micro_batches=2",
+                     "train.batch_size=2", "parallel.checkpoint=true", *UNET],
 }
 
 

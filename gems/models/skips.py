@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from gems.spatial.context import GSHAPE
 from gems.spatial.registry import register_pointwise
 
 __all__ = ["SkipStore", "Stash", "PopConcat", "PopAdd", "spans", "crossing", "store_of", "run_span",
@@ -109,8 +110,13 @@ class PopAdd(PopConcat):
 
 
 def _skip_layer(layer: nn.Module, kind: type) -> Any:
-    """The ``kind`` module a layer of the sequence is or wraps (a spatial container holds it), else None."""
-    return next((m for m in layer.modules() if isinstance(m, kind)), None)
+    """The ``kind`` module a layer of the sequence is or wraps, else None (a spatial part's pointwise layer keeps
+    it out of the module tree, as ``inner``: gems.spatial.layers.pointwise)."""
+    for m in layer.modules():
+        for c in (m, getattr(m, "inner", None)):
+            if isinstance(c, kind):
+                return c
+    return None
 
 
 def spans(layers: Sequence[nn.Module]) -> list[tuple[str, int, int]]:
@@ -169,14 +175,60 @@ def run_span(store: SkipStore | None, layers: Sequence[nn.Module], x: torch.Tens
     return x, out
 
 
-def checkpointed(seq: nn.Sequential, segments: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``parallel.checkpoint`` on the plain path: the forward of ``seq`` in ``segments`` pieces, as
-    ``torch.utils.checkpoint.checkpoint_sequential`` cuts it (``len // segments`` layers each, the last takes the
-    rest), each recomputed in its backward (non-reentrant checkpointing); a piece's inputs are the activation and
-    the skips crossing its start, its outputs the activation and those crossing its end, so a recomputed piece
-    stashes and pops as the first forward did."""
-    from torch.utils.checkpoint import checkpoint
+class _Recomputed(torch.autograd.Function):
+    """One checkpointed piece: its forward without a graph; in the backward, once the gradients of all its outputs
+    are complete, its forward again (under the first one's autocast state, random state and BatchNorm buffers,
+    which are put back after it) and the backward through it. Explicit, as the pipeline runtime recomputes a
+    partition: the recomputation's communication (halos, norms' sums) runs in forward order at one place of the
+    backward on every spatial part, where torch's non-reentrant checkpoint recomputes at the first saved tensor
+    each part's own graph unpacks (a part's one-sided halo node needs none: the parts diverged and hung)."""
 
+    @staticmethod
+    def forward(ctx: Any, run: Callable[..., tuple[torch.Tensor, ...]], buffers: list[torch.Tensor],
+                anchor: torch.Tensor, *inputs: torch.Tensor) -> Any:
+        ctx.run, ctx.buffers = run, buffers
+        dev = inputs[0].device.type
+        ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        ctx.cpu_rng = torch.get_rng_state()
+        ctx.cuda_rng = torch.cuda.get_rng_state() if dev == "cuda" else None
+        ctx.save_for_backward(*inputs)
+        ctx.tags = [getattr(t, GSHAPE, None) for t in inputs]  # a spatial part's global shape: no sum to learn it
+        with torch.no_grad():
+            out = run(*inputs)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        inputs = []
+        for t, tag in zip(ctx.saved_tensors, ctx.tags):
+            d = t.detach()
+            d.requires_grad_(t.requires_grad)
+            if tag is not None:
+                setattr(d, GSHAPE, tag)
+            inputs.append(d)
+        dev, enabled, dtype = ctx.autocast
+        kept = [b.detach().clone() for b in ctx.buffers]
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if ctx.cuda_rng is not None else []):
+            torch.set_rng_state(ctx.cpu_rng)
+            if ctx.cuda_rng is not None:
+                torch.cuda.set_rng_state(ctx.cuda_rng)
+            with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
+                out = ctx.run(*inputs)
+        pairs = [(o, g) for o, g in zip(out, grads) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        with torch.no_grad():  # after the backward: autograd saved these buffers and checks their versions
+            for b, v in zip(ctx.buffers, kept):
+                b.copy_(v)
+        return (None, None, None, *[t.grad if t.requires_grad else None for t in inputs])
+
+
+def checkpointed(seq: nn.Sequential, segments: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``parallel.checkpoint`` on the plain path: the forward of ``seq`` in ``segments`` pieces, cut as
+    ``torch.utils.checkpoint.checkpoint_sequential`` cuts it (``len // segments`` layers each, the last takes the
+    rest), each but the last recomputed in its backward (:class:`_Recomputed`); a piece's inputs are the
+    activation and the skips crossing its start, its outputs the activation and those crossing its end, so a
+    recomputed piece stashes and pops as the first forward did."""
     layers = list(seq)
     n = len(layers)
     size = n // segments
@@ -190,15 +242,16 @@ def checkpointed(seq: nn.Sequential, segments: int) -> Callable[[torch.Tensor], 
             return (y, *out)
         return run
 
-    pieces = [piece(a, e, k) for k, (a, e) in enumerate(bounds)]
+    pieces = [(piece(a, e, k), [b for layer in layers[a:e] for b in layer.buffers()]) for k, (a, e) in enumerate(bounds)]
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         skips: tuple[torch.Tensor, ...] = ()
-        for k, run in enumerate(pieces):
-            if k == len(pieces) - 1:  # the last piece's activations are kept from the forward, as torch's does
+        anchor = torch.empty(0, requires_grad=True)  # so a piece whose inputs need no gradient still gets a backward
+        for k, (run, buffers) in enumerate(pieces):
+            if k == len(pieces) - 1 or not torch.is_grad_enabled():  # the last piece's graph kept, as torch's
                 y, *rest = run(x, *skips)
             else:
-                y, *rest = checkpoint(run, x, *skips, use_reentrant=False)
+                y, *rest = _Recomputed.apply(run, buffers, anchor, x, *skips)
             x, skips = y, tuple(rest)
         return x
 

@@ -1,0 +1,85 @@
+"""Skip connections carried across the pieces of a cut model (gems.models.skips), in one process: which skips
+cross which cut, a checkpointed U-Net against the plain one (gradients to the bit, BatchNorm's running statistics
+updated once a step), and a pipeline partition's packing in both memory formats."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gems.config import ModelConf
+from gems.models import build_model
+from gems.models.skips import Carried, checkpointed, crossing, run_span, spans, store_of
+from gems.pipeline.partition import split
+
+
+def unet(norm: str = "batch") -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    spec = build_model(ModelConf(name="unet3d", size=16, width=0.0625, in_channels=1, num_classes=3, norm=norm))
+    return spec.module
+
+
+def test_spans_and_crossing_follow_the_stashes() -> None:
+    seq = unet()
+    sp = spans(list(seq))
+    assert [name for name, _, _ in sp] == ["level0", "level1", "level2"]
+    for name, s, p in sp:  # each pop after its stash, the deepest level's skip the shortest
+        assert type(seq[s]).__name__ == "Stash" and type(seq[p]).__name__ == "PopConcat" and s < p
+    (_, s0, p0), (_, s1, p1), _ = sp
+    assert crossing(sp, s0) == [] and crossing(sp, s0 + 1) == ["level0"]
+    assert crossing(sp, s1 + 1) == ["level0", "level1"] and crossing(sp, p0 + 1) == []
+    assert crossing(sp, p1) == ["level0", "level1"] and crossing(sp, p1 + 1) == ["level0"]
+
+
+@pytest.mark.parametrize("norm", ["batch", "none"])
+def test_checkpointed_unet_trains_like_the_plain_one(norm: str) -> None:
+    base = unet(norm)
+    x = torch.randn(2, 1, 16, 16, 16)
+    y = torch.randint(0, 3, (2, 16, 16, 16))
+    plain, ckpt = copy.deepcopy(base), copy.deepcopy(base)
+    for m, fwd in ((plain, plain), (ckpt, checkpointed(ckpt, len(ckpt) // 2))):
+        F.cross_entropy(fwd(x), y).backward()
+    for a, b in zip(plain.parameters(), ckpt.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    # recomputation puts the buffers back: running statistics move once a step, as without it
+    moved = [not torch.equal(a, b) for a, b in zip(base.buffers(), plain.buffers())]
+    assert all(torch.equal(a, b) for a, b in zip(plain.buffers(), ckpt.buffers(), strict=True))
+    assert any(moved) == (norm == "batch")
+    assert len(store_of(list(ckpt))) == 0  # nothing left behind
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last_3d])
+def test_a_partition_packs_and_unpacks_its_skips(fmt: torch.memory_format) -> None:
+    from gems.models.skips import carry
+
+    seq = unet("none").to(memory_format=fmt)
+    n = len(seq)
+    x = torch.randn(2, 1, 16, 16, 16).to(memory_format=fmt)
+    ref = copy.deepcopy(seq)(x)
+    parts, shapes = carry(split(seq, [n // 2, n - n // 2]), [n // 2, n - n // 2], (2, 1, 16, 16, 16),
+                          torch.float32)
+    assert all(isinstance(p, Carried) for p in parts) and shapes is not None
+    for p in parts:
+        p.memory_format = fmt
+    packed = parts[0](x)
+    assert tuple(packed.shape) == shapes[0][0] and packed.is_contiguous()
+    act, *skips = parts[1].unpack(packed)
+    assert len(skips) == len(parts[1].names_in) == 3  # every level's skip crosses the middle
+    if fmt is torch.channels_last_3d:  # unpacked in the layout the layers compute in: nothing converted
+        assert act.is_contiguous(memory_format=fmt) or act.stride(1) == 1
+        assert all(s.stride(1) == 1 for s in skips)
+    out = parts[1](packed)
+    assert torch.equal(out, ref)
+    # the same layers and state-dict keys as the plain partitions
+    assert list(parts[0].state_dict()) == list(split(copy.deepcopy(seq), [n // 2, n - n // 2])[0].state_dict())
+
+
+def test_a_piece_that_leaves_a_skip_behind_is_an_error() -> None:
+    seq = unet("none")
+    layers = list(seq)
+    (_, s, _), *_ = spans(layers)
+    with pytest.raises(RuntimeError, match="no later piece takes"):
+        run_span(store_of(layers), layers[:s + 1], torch.randn(1, 1, 16, 16, 16), [], [])
+    assert len(store_of(layers)) == 0
