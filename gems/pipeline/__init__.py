@@ -21,8 +21,8 @@ from torch import nn
 
 from gems.errors import ConfigError
 from gems.mesh import Mesh
-from gems.pipeline.balance import decide
 from gems.models.skips import carry
+from gems.pipeline.balance import decide
 from gems.pipeline.partition import boundary_shapes, resolve_balance_by, split
 from gems.pipeline.runtime import LossFn, PipelineRunner
 from gems.pipeline.schedules import SCHEDULES, Action, Schedule, make_schedule

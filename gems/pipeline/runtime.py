@@ -347,8 +347,8 @@ class PipelineRunner:
     def memory_format(self, fmt: torch.memory_format) -> None:
         self._memory_format = fmt
         for part in self.partitions.values():
-            if hasattr(part, "memory_format"):
-                part.memory_format = fmt
+            if hasattr(part, "memory_format"):  # a partition that packs skips (gems.models.skips.Carried)
+                setattr(part, "memory_format", fmt)
 
     def chunk_slice(self, replica: int, micro_batch: int) -> slice:
         """Which samples of the line's share a (pass, micro-batch) carries."""
