@@ -363,6 +363,7 @@ class Planner:
         self.amp = precision_context(st.precision, st.gpu)
         self.notes: list[str] = list(st.notes)
         self._ckpt: dict[int, list[tuple[tuple[int, int, list[int], int], tuple[int, int, list[int], int]]]] = {}
+        self._ckpt_skips: dict[int, tuple[int, int]] = {}  # the skips crossing the pieces, at the two traced batches
         # a convolution's backward allocates a workspace of its own: CPU ranks measure it here; GPU ranks take
         # cuDNN's, measured on the GPU (gems bench calibrate) or modelled (gems.plan.devices.cudnn_workspace)
         self.workspace: Any = None
@@ -508,8 +509,11 @@ class Planner:
                 stages[0].ckpt_layers = [(a, min(a + size, n)) for a in range(0, size * (seg - 1), size)] + \
                     [(size * (seg - 1), n)]
                 self._ckpt_batches = (t1.batch, t2.batch)
-                self._ckpt[id(stages[0])] = [(t1.stage_by_layer(a, e, e == n), t2.stage_by_layer(a, e, e == n))
+                self._ckpt[id(stages[0])] = [(t1.stage_by_layer(a, e, e == n, packed=False),
+                                              t2.stage_by_layer(a, e, e == n, packed=False))
                                              for a, e in stages[0].ckpt_layers]
+                cuts = [a for a, _ in stages[0].ckpt_layers[1:]]
+                self._ckpt_skips[id(stages[0])] = (t1.kept_skips(cuts), t2.kept_skips(cuts))
             out.append((members, local, stages, t1.target_bytes))
         return bal, out
 
@@ -535,6 +539,7 @@ class Planner:
                 segs = self._ckpt[id(s0)]
                 b1, b2 = self._ckpt_batches
                 keep = sum(_line(a[1], b[1], b1, b2).at(chunk) for a, b in segs[:-1])  # segment inputs
+                keep += _line(*self._ckpt_skips[id(s0)], b1, b2).at(chunk)  # and the skips crossing them, once
                 # one segment at a time is recomputed (the last one is kept from the forward): its saved set and
                 # the worst of its layers' backward over that set, the segment whose sum is largest
                 peak = -1

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gems.errors import ConfigError, RunError
+from gems.models.skips import spans
 
 # ============================================================================ precision
 _LOW_OPS: set[Any] = {
@@ -219,10 +220,24 @@ class Trace:
     ops: dict[int, Any] = field(default_factory=dict)  # layer -> its ops' FLOPs and bytes (gems.plan.cost)
     comm: list[tuple[int, str, int, int]] = field(default_factory=list)  # the spatial messages (StandIn.times)
     in_grad: list[bool] = field(default_factory=list)  # whether each layer's input needs a gradient
+    skips: list[tuple[int, int]] = field(default_factory=list)  # (stash, pop) layer of each skip (models.skips)
 
-    def stage_by_layer(self, a: int, e: int, last: bool) -> tuple[int, int, list[int], int]:
+    def carried(self, cut: int) -> int:
+        """Bytes of the skips that cross the boundary before layer ``cut`` (a stash's output is its skip)."""
+        return sum(self.out_bytes[s] for s, p in self.skips if s < cut <= p)
+
+    def kept_skips(self, cuts: Sequence[int]) -> int:
+        """Bytes of the skips that cross any of ``cuts``, each once: inputs of the checkpointed pieces they cross,
+        alive until the backward of their pop's piece."""
+        return sum(self.out_bytes[s] for s, p in self.skips if any(s < c <= p for c in cuts))
+
+    def stage_by_layer(self, a: int, e: int, last: bool, packed: bool = True) -> tuple[int, int, list[int], int]:
         """(saved bytes kept by layers [a, e) incl. its input and output, input bytes, each layer's working set,
         output bytes).
+
+        ``packed``: a pipeline partition's input and output carry the skips crossing its cuts packed with the
+        activation (gems.models.skips.Carried: a copy of them on each side of a cut); a checkpointed piece of the
+        plain path takes them as they are (the caller counts them once: :meth:`kept_skips`).
 
         The working set of layer ``j`` is what its backward holds on top of the stage's saved set: its output and
         input gradients, while the storages saved only by layers after ``j`` are already freed (alive_j + grads_j,
@@ -241,10 +256,10 @@ class Trace:
             keys.pop(self.in_key, None)
             in_b = 0
         else:
-            in_b = self.out_bytes[a - 1]
+            in_b = self.out_bytes[a - 1] + (self.carried(a) if packed else 0)
             keys[self.out_keys[a - 1]] = in_b
             first[self.out_keys[a - 1]] = a - 1  # the partition's input lives through its backward
-        out_b = self.out_bytes[e - 1]
+        out_b = self.out_bytes[e - 1] + (self.carried(e) if packed and not last else 0)
         if not last:
             keys[self.out_keys[e - 1]] = out_b
             first[self.out_keys[e - 1]] = a - 1
@@ -336,7 +351,8 @@ def trace_layers(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequ
     halo, gather, comm = _spatial_logs(sctx)
     counter = tr.counter
     return Trace(batch, in_key, in_bytes, tr.out_keys, tr.out_bytes, tr.saved, halo, gather, batch * target,
-                 {i: counter.take(i) for i in counter.layers}, comm, tr.in_grad)
+                 {i: counter.take(i) for i in counter.layers}, comm, tr.in_grad,
+                 [(st, po) for _, st, po in spans(layers)])
 
 
 class _Tracer:
