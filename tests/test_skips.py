@@ -83,3 +83,19 @@ def test_a_piece_that_leaves_a_skip_behind_is_an_error() -> None:
     with pytest.raises(RuntimeError, match="no later piece takes"):
         run_span(store_of(layers), layers[:s + 1], torch.randn(1, 1, 16, 16, 16), [], [])
     assert len(store_of(layers)) == 0
+
+
+def test_the_comm_cut_counts_the_skips_that_cross_it() -> None:
+    """mast/master at D = 2 cut where the least crosses: the activation and every skip over the cut."""
+    from gems.pipeline.partition import balance_by_comm, nbytes, trace_shapes
+
+    seq = unet("none")
+    sample = (1, 1, 16, 16, 16)
+    acts = [nbytes(s, d) for s, d in trace_shapes(list(seq), sample, torch.float32)]
+    sp = spans(list(seq))
+    total = [a + sum(acts[s] for _, s, p in sp if s < i + 1 <= p) for i, a in enumerate(acts)]
+    cut = balance_by_comm(seq, sample)[0]
+    assert total[cut - 1] == min(total[:-1])
+    # the activation alone would cut at the bottleneck, which the level-0..2 skips all cross
+    alone = min(range(1, len(acts)), key=lambda i: acts[i - 1])
+    assert total[alone - 1] > total[cut - 1]

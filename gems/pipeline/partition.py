@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from gems.errors import ConfigError
+from gems.models.skips import spans
 
 __all__ = ["split", "check_balance", "balance_by_cost", "balance_by_comm", "balance_by_memory", "balance_by_time",
            "layer_memory", "boundary_shapes", "trace_shapes", "nbytes", "layer_costs", "smallest_crossing",
@@ -292,13 +293,16 @@ def balance_by_comm(seq: nn.Sequential, sample: tuple[int, ...], dtype: torch.dt
     gradients cross the cut on the critical path (the mirrored forwards wait
     for each other), so the smallest crossing is the fastest cut. ``lp`` at
     D = 2 runs the partitions one after the other, so it too only pays the
-    traffic; ``1f1b``/``gpipe`` need time balance instead.
+    traffic; ``1f1b``/``gpipe`` need time balance instead. A skip connection that crosses the cut crosses with
+    the activation (gems.models.skips.Carried): its bytes count too.
     """
     outs = trace_shapes(list(seq), tuple(sample), dtype)
     if len(outs) < 2:
         raise ConfigError("parallel.pipeline", 2, f"at most the model's {len(outs)} layers")
     acts = [nbytes(shape, dt) for shape, dt in outs]
-    return smallest_crossing(layer_costs(seq, acts), acts)
+    sp = spans(list(seq))
+    crossing = [a + sum(acts[s] for _, s, p in sp if s < i + 1 <= p) for i, a in enumerate(acts)]
+    return smallest_crossing(layer_costs(seq, acts), crossing)
 
 
 def smallest_crossing(mem: Sequence[float], crossing: Sequence[float]) -> list[int]:
