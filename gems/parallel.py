@@ -100,18 +100,6 @@ class ParallelSettings:
         if self.balance is not None and self.pipelined:
             check_balance(list(self.balance), n_layers, self.stages)
 
-    def check_skips(self, spec: Any) -> None:
-        """ConfigError for a pipeline over spatial parts of a model with skip connections: the skips that cross a
-        cut travel packed with the activation at shapes traced on the whole sample (gems.models.skips.carry), which
-        a spatial part's share does not give. Refused before any rank starts, and never suggested by the planner."""
-        if self.mesh.pipeline > 1 and self.mesh.spatial > 1:
-            from gems.models.skips import spans
-
-            if spans(list(spec.module)):
-                raise ConfigError("parallel.spatial", self.mesh.spatial,
-                                  f"1 with parallel.pipeline={self.mesh.pipeline} for model={spec.name}, whose skip "
-                                  f"connections cross the pipeline's cuts (or parallel.pipeline=1 with spatial parts)")
-
     def describe(self) -> str:
         text = self.mesh.describe()
         if self.schedule is not None:

@@ -197,7 +197,6 @@ def preflight(cfg: DictConfig) -> None:
         seq = apply_spatial(copy.deepcopy(spec.module), ctx, spec.spatial_end, bn_stats=p.bn_stats)
     settings = resolve(cfg)
     settings.check_layers(len(seq))  # the schedule, the batch over passes and micro-batches, the balance
-    settings.check_skips(spec)
 
 
 def run_steps(cfg: DictConfig) -> int:

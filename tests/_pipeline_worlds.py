@@ -234,6 +234,8 @@ def _run_case(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
             x, y = x[share], y[share]
             if me.slices is not None:  # this rank's part of every sample, as the data reader hands it over
                 x = x[(slice(None), slice(None), *me.slices)].contiguous()
+                if kind == "dense":  # and of every voxel's class
+                    y = y[(slice(None), *me.slices)].contiguous()
             local = me.step(x if me.needs_inputs else None, y if me.needs_targets else None, ids[share], t)
             total = torch.tensor([float(local)], dtype=torch.float64)
             dist.all_reduce(total)

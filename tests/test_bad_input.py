@@ -73,8 +73,6 @@ CASES = [
     (["run", "results.dir=AFILE/below"], "results.dir=AFILE/below"),
     (["run", "data=hdf5", "data.path=/does/not/exist"], "data.path=/does/not/exist"),
     (["run", "run_id=EXISTING"], "run_id=EXISTING"),
-    # skips across the cuts of a pipeline over spatial parts (their packed shapes are traced on whole samples)
-    (["run", "model=unet3d", "model.size=32", "parallel.pipeline=2", "parallel.spatial=2"], "parallel.spatial=2"),
     # ---- sweep: every point is checked before any runs
     (["sweep", "parallel.replicas=1,3"], "train.batch_size=4"),
     (["sweep", "train.steps=0,2"], "train.steps=0"),
@@ -86,7 +84,6 @@ CASES = [
     (["plan", "plan.reserve_gb=-1"], "plan.reserve_gb=-1"),
     (["plan", "plan.dry_run=true", "plan.dry_run_rank=4"], "plan.dry_run_rank=4"),
     (["plan", "plan.dry_run_rank=-1"], "plan.dry_run_rank=-1"),
-    (["plan", "model=unet3d", "model.size=32", "parallel.pipeline=2", "parallel.spatial=2"], "parallel.spatial=2"),
     (["plan", "cluster.gpu=v100-64gb", "cluster.gpu_memory_gb=64"], "cluster.gpu=v100-64gb"),
     (["plan", "cluster=slurm", "cluster.account=x", "cluster.gpu=h100", "cluster.gpu_memory_gb=80",
       "parallel.replicas=2", "train.batch_size=4"], "cluster.intra_node_GBps"),

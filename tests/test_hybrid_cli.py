@@ -54,6 +54,7 @@ CASES = [
     ("unet3d checkpoint", UNET, ["parallel.checkpoint=true"]),
     ("unet3d S=2 checkpoint", UNET, ["parallel.spatial=2", "parallel.checkpoint=true"]),
     ("unet3d D=2 lp", UNET, ["parallel.pipeline=2"]),
+    ("unet3d D=2 x S=2", UNET, ["parallel.pipeline=2", "parallel.spatial=2"]),  # the layouts learnt in headers
     # (without norms: a micro-batch's BatchNorm normalises over its own samples, as in any pipeline)
     ("unet3d D=2 1f1b m=2", UNET + ["model.norm=none"],
      ["parallel.pipeline=2", "parallel.schedule=1f1b", "parallel.micro_batches=2"]),

@@ -63,6 +63,7 @@ RUNS = {
     # the U-Net's skips across a pipeline's cuts, packed with the activation (gems.models.skips.Carried)
     "unet-D2-1f1b": ["parallel.pipeline=2", "parallel.schedule=1f1b", "parallel.micro_batches=2",
                      "train.batch_size=2", "parallel.checkpoint=true", *UNET],
+    "unet-DxS": [*DXS, "parallel.schedule=1f1b", "train.batch_size=2", *UNET],
 }
 
 

@@ -134,6 +134,9 @@ WORLD4 = [  # D = 4, R = 2 x D = 2 (GEMS-Hybrid), D = 2 x S = 2 (spatial parts i
     case("cosmoflow", "mast", 2, S=2, steps=2, via="worker", gloo_order=True),
     case("unet", "1f1b", 4, m=2, B=4, steps=2),  # skips through two middle stages
     case("unet", "mast", 2, R=2, B=8, steps=2),
+    # skips across the cut of spatial parts: the packed layout learnt from the first step's header
+    case("unet", "1f1b", 2, m=2, S=2, B=4, steps=2, via="worker"),
+    case("unet", "mast", 2, S=2, B=4, checkpoint=True, steps=2, via="worker"),
 ]
 WORLD8 = [  # R = 2 x D = 2 x S = 2 and R = 2 x D = 4
     case("cosmoflow", "mast", 2, R=2, S=2, steps=2, via="worker"),

@@ -267,17 +267,20 @@ class Carried(nn.Sequential):
     dtype ``torch.cat`` promotes them to; unpacked at each one's own dtype). The same layers, parameters and
     state-dict keys as the plain partition (a ``nn.Sequential`` of them).
 
-    ``incoming``/``outgoing``: (shape per sample, dtype) of the activation and of each skip crossing the cut
-    before / after the partition, ``names_in``/``names_out`` the skips' names (None: that side is one tensor).
-    ``memory_format`` (set by the runner's owner): the layout the partitions compute in; a channels-last piece is
-    flattened in its own memory order, so packing and unpacking convert nothing."""
+    ``names_in``/``names_out``: the skips crossing the cut before / after the partition (empty: that side is one
+    tensor). ``incoming``/``outgoing``: (shape per sample, dtype) of the activation and of each of those skips,
+    traced on the sample; a spatial part's are not known before the first step: the partition records what it
+    packs (:attr:`outgoing`), the runner sends it in the cut's first header, and the receiver's runner sets
+    :attr:`incoming` from it (gems.pipeline.runtime). ``memory_format`` (set by the runner): the layout the
+    partitions compute in; a channels-last piece is flattened in its own memory order, so packing and
+    unpacking convert nothing."""
 
-    def __init__(self, layers: Sequence[nn.Module], store: SkipStore, names_in: Sequence[str] | None,
-                 incoming: Shapes | None, names_out: Sequence[str] | None, outgoing: Shapes | None) -> None:
+    def __init__(self, layers: Sequence[nn.Module], store: SkipStore, names_in: Sequence[str],
+                 incoming: Shapes | None, names_out: Sequence[str], outgoing: Shapes | None) -> None:
         super().__init__(*layers)
         self._store = store
-        self.names_in, self.incoming = list(names_in or []), incoming
-        self.names_out, self.outgoing = list(names_out or []), outgoing
+        self.names_in, self.incoming = list(names_in), incoming
+        self.names_out, self.outgoing = list(names_out), outgoing
         self.memory_format = torch.contiguous_format
 
     def _last(self, ndim: int) -> bool:
@@ -290,8 +293,10 @@ class Carried(nn.Sequential):
         return t.reshape(t.shape[0], -1)
 
     def unpack(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """The pieces of a packed input, views of it (each at its own dtype)."""
-        assert self.incoming is not None
+        """The pieces of a packed input, views of it (each at its own dtype); the activation keeps the packed
+        tensor's global spatial shape (a spatial part's)."""
+        if self.incoming is None:
+            raise RuntimeError("a packed activation arrived before its layout (the cut's first header)")
         sizes = [math.prod(shape) for shape, _ in self.incoming]
         out = []
         for piece, (shape, dtype) in zip(torch.split(x, sizes, dim=1), self.incoming):
@@ -300,18 +305,29 @@ class Carried(nn.Sequential):
             else:
                 t = piece.reshape(x.shape[0], *shape)
             out.append(t if t.dtype == dtype else t.to(dtype))
+        g = getattr(x, GSHAPE, None)
+        if g is not None:
+            setattr(out[0], GSHAPE, g)
         return out
 
     def pack(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([self._flat(t) for t in pieces], dim=1)
+        """The pieces side by side (carrying the activation's global spatial shape); the first call records their
+        layout where it was not traced."""
+        if self.outgoing is None:
+            self.outgoing = [(tuple(int(v) for v in t.shape[1:]), t.dtype) for t in pieces]
+        out = torch.cat([self._flat(t) for t in pieces], dim=1)
+        g = getattr(pieces[0], GSHAPE, None)
+        if g is not None:
+            setattr(out, GSHAPE, g)
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         skips: list[tuple[str, torch.Tensor]] = []
-        if self.incoming is not None:
+        if self.names_in:
             x, *rest = self.unpack(x)
             skips = list(zip(self.names_in, rest))
         y, out = run_span(self._store, list(self), x, skips, self.names_out)
-        return self.pack([y, *out]) if self.outgoing is not None else y
+        return self.pack([y, *out]) if self.names_out else y
 
 
 def cut_contents(layers: Sequence[nn.Module], sample: Sequence[int], dtype: torch.dtype,
@@ -347,32 +363,35 @@ def carry(parts: Sequence[nn.Sequential], balance: Sequence[int], sample: Sequen
           amp: Callable[[], Any] | None = None) -> tuple[list[nn.Sequential], Shapes | None]:
     """The partitions with the skips that cross their cuts carried (:class:`Carried`), and the (shape, dtype) of
     each message leaving a partition but the last with the micro-batch of ``sample`` (batch first) where they
-    changed, else None. Partitions whose cuts no skip crosses are returned as they are. Needs ``sample`` (the
-    cuts' contents are traced) where a skip crosses a cut: ``ValueError`` without one."""
+    changed, else None. Partitions whose cuts no skip crosses are returned as they are. Without ``sample`` (a
+    spatial part's partitions, which talk while they run) the packed layouts are learnt in the first step (the
+    cut's header) and None is returned."""
     layers = [layer for part in parts for layer in part]
     sp = spans(layers)
     cuts = [sum(balance[:i + 1]) for i in range(len(balance) - 1)]
     names = [crossing(sp, c) for c in cuts]
     if not any(names):
         return list(parts), None
-    if sample is None:
-        raise ValueError("skips cross the pipeline's cuts, whose contents are traced on the sample's shape: "
-                         "no sample shape was given (a spatial model)")
     store = store_of(layers)
     assert store is not None
-    contents = cut_contents(layers, sample[1:], dtype, amp)
-    at = [contents[c - 1] for c in cuts]  # per cut: activation, then the crossing skips
+    at: list[Shapes | None] = [None] * len(cuts)
+    if sample is not None:
+        contents = cut_contents(layers, sample[1:], dtype, amp)
+        at = [contents[c - 1] for c in cuts]  # per cut: activation, then the crossing skips
     out: list[nn.Sequential] = []
     for i, part in enumerate(parts):
-        before = at[i - 1] if i > 0 and names[i - 1] else None
-        after = at[i] if i < len(cuts) and names[i] else None
-        if before is None and after is None:
+        before = names[i - 1] if i > 0 else []
+        after = names[i] if i < len(cuts) else []
+        if not before and not after:
             out.append(part)
             continue
-        out.append(Carried(list(part), store, names[i - 1] if before else None, before,
-                           names[i] if after else None, after))
+        out.append(Carried(list(part), store, before, at[i - 1] if before else None,
+                           after, at[i] if after else None))
+    if sample is None:
+        return out, None
     shapes: Shapes = []
     for i, c in enumerate(at):
+        assert c is not None
         if names[i]:
             d = c[0][1]
             for _, t in c[1:]:

@@ -96,7 +96,9 @@ __all__ = ["PipelineRunner", "LossFn", "Stats"]
 LossFn = Callable[[torch.Tensor, Any, int], torch.Tensor]
 _HEADER = 2
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool]
-_HEADER_LEN = 16  # ndim, dtype code, up to 8 dims; the number of global spatial dims, then those (a spatial cut's)
+#: ndim, dtype code, the dims; the number of global spatial dims, then those (a spatial cut's); the number of pieces
+#: packed with the activation (gems.models.skips.Carried), then each one's ndim, dtype code and dims
+_HEADER_LEN = 64
 _CONNECT_TAG = 1 << 20  # the messages that make a pair's first exchanges (PipelineRunner.connect)
 
 
@@ -424,6 +426,11 @@ class PipelineRunner:
                 y = self._outbox[m.key]
                 g = getattr(y, GSHAPE, None) or ()
                 fields = [y.dim(), _DTYPES.index(y.dtype), *y.shape, len(g), *g]
+                # a partition that packs skips with its activation (gems.models.skips.Carried): the pieces' layout
+                layout = getattr(self.partitions[m.stage - 1], "outgoing", None) or []
+                fields += [len(layout)] + [v for shape, dt in layout for v in (len(shape), _DTYPES.index(dt), *shape)]
+                if len(fields) > _HEADER_LEN:
+                    raise RuntimeError(f"a cut's header needs {len(fields)} fields, more than {_HEADER_LEN}")
                 head = torch.tensor(fields + [0] * (_HEADER_LEN - len(fields)), dtype=torch.int64, device=self.device)
                 self._shape[(direction, m.stage)] = (tuple(y.shape), y.dtype)  # also the gradient's coming back
             else:
@@ -441,8 +448,17 @@ class PipelineRunner:
             h = [int(v) for v in head.tolist()]  # the first step only, and only for partitions that could not be traced
             nd = h[0]
             self._shape[key] = (tuple(h[2:2 + nd]), _DTYPES[h[1]])
-            if h[2 + nd]:  # a spatial part's global shape: every later activation into the stage is tagged with it
-                self._gshape[key] = tuple(h[3 + nd:3 + nd + h[2 + nd]])
+            ng = h[2 + nd]
+            if ng:  # a spatial part's global shape: every later activation into the stage is tagged with it
+                self._gshape[key] = tuple(h[3 + nd:3 + nd + ng])
+            at = 3 + nd + ng
+            layout = []
+            for _ in range(h[at]):  # the packed pieces' layout, for the receiving partition to unpack
+                n = h[at + 1]
+                layout.append((tuple(h[at + 3:at + 3 + n]), _DTYPES[h[at + 2]]))
+                at += 2 + n
+            if layout:
+                setattr(self.partitions[key[1]], "incoming", layout)
 
     def _exchange(self, rnd: Round, receives_only: bool = False) -> None:
         """This rank's batch of one round: what its actions made for the round's receivers, and buffers for what

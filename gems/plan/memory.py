@@ -627,7 +627,6 @@ def setup(cfg: Any) -> Setup:
         spec.module.train()
         _CACHE[("model", model_key)] = spec
     spec = _CACHE[("model", model_key)]
-    settings.check_skips(spec)  # skips across cuts of spatial parts: bad input, and no suggestion
     spec, gather_note = spatial_model(spec, mesh, str(p.bn_stats))
     sched = str(p.schedule)
     eta = settings.schedule.replicas if settings.schedule is not None else 1
