@@ -42,7 +42,9 @@ known in advance when the partitions could be traced on fake tensors
 first activation into a stage exchanges a small shape header first, and the
 receiver reads it once (first step only; that step makes the pair's first
 exchanges at those sizes, so the run's first step is left out of its timing:
-:attr:`PipelineRunner.connected`).
+:attr:`PipelineRunner.connected`). The header also carries a spatial part's
+global shape and, for a partition that packs skips with its activation
+(:class:`gems.models.skips.Carried`), the packed pieces' layout.
 
 Around every forward, and every backward (recomputation included),
 ``gems.layers.batch_context(seed, step, chunk's sample ids)`` is set,
