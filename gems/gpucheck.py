@@ -9,8 +9,9 @@ The matrix (:func:`matrix`): every registered schedule x D in {2, 4} x m in {1, 
 refuses is listed as skipped, with its reason), GEMS-MAST and -MASTER at R2 x D2 x S2, S = 2, R = 2, pipelines
 at fp16 and bf16, and the strict mode (:data:`STRICT_NCCL`: NCCL's buffers too small for any halo, one
 connection a GPU) over S = 2, R2 x S2 and D2 x S2 with micro-batches, where an order that only NCCL's buffers
-completed hangs as it would at 512^3. Every run is a real ``gems run`` of the default CosmoFlow job on one global batch,
-compared step by step with the one-rank run of the same batch and precision, TF32 off in both
+completed hangs as it would at 512^3; the U-Net (:data:`UNET_POINTS`) pipelined, over spatial parts and
+checkpointed. Every run is a real ``gems run`` of the default CosmoFlow job (or the U-Net) on one global batch,
+compared step by step with the one-rank run of the same model, batch and precision, TF32 off in both
 (``train.tf32=false``: an exact comparison). As a control, ``torch.distributed.pipelining``'s ``Schedule1F1B``
 and ``ScheduleGPipe`` train the same module on the same rig against their own one-rank run: if they hang too,
 the rig is at fault, not gems.
@@ -51,6 +52,7 @@ class Run:
     control: str = ""  # a torch.distributed.pipelining schedule: the control, not gems
     skipped: str = ""  # why the point is not run (a combination the schedule refuses)
     env: dict[str, str] = field(default_factory=dict)  # what the run's environment adds (the strict mode's NCCL)
+    family: str = ""  # another model than the default job's, with a one-rank reference of its own ("unet")
     # filled in when it ran
     status: str = "not run"
     wall_s: float | None = None
@@ -62,7 +64,9 @@ class Run:
 
     @property
     def reference_label(self) -> str:
-        return f"control-{self.control}-1rank" if self.control else f"1rank-{self.precision}"
+        if self.control:
+            return f"control-{self.control}-1rank"
+        return f"1rank-{self.precision}" + (f"-{self.family}" if self.family else "")
 
 
 #: the strict mode: NCCL's buffers far below a halo plane or a cut's activation (NCCL_BUFFSIZE, 4 MiB by default),
@@ -90,6 +94,18 @@ STRICT_POINTS = [("S2", ["parallel.spatial=2"], 2),
                                        "parallel.rounds_by=time"], 2)]
 
 
+#: the U-Net (without norms: mast's passes and micro-batches normalise their own samples, which its one-rank
+#: reference does not), whose skips cross every pipeline cut packed with the activation (gems.models.skips.Carried:
+#: channels-last pieces flattened in their own memory order on GPUs) and whose checkpointed pieces recompute with
+#: the GPU's random state (gems.models.skips._Recomputed)
+UNET = ["model=unet3d", "model.size=32", "model.width=0.25", "model.norm=none"]
+UNET_POINTS = [("unet-D2", ["parallel.pipeline=2"], 2, {}),
+               ("unet-D2xS2", ["parallel.pipeline=2", "parallel.spatial=2"], 4, STRICT_NCCL),
+               ("unet-S2-checkpoint", ["parallel.spatial=2", "parallel.checkpoint=true"], 2, STRICT_NCCL),
+               ("unet-D2-mast-checkpoint", ["parallel.pipeline=2", "parallel.schedule=mast",
+                                            "parallel.checkpoint=true"], 2, {})]
+
+
 def _base(dry: bool) -> list[str]:
     """What every run of the matrix shares: the default CosmoFlow job on 8 samples a step, TF32 off, gems's own
     watchdog bounding a hang (a run that makes no progress ends with a record naming the stuck ranks)."""
@@ -115,6 +131,9 @@ def matrix(dry: bool = False) -> list[Run]:
     # the strict mode, the hybrids, the precisions and the controls, then every schedule's grid
     if not dry:  # the strict mode: messages that do not fit NCCL's buffers, one connection a GPU
         runs += [Run(f"strict-{label}", args, n, env=dict(STRICT_NCCL)) for label, args, n in STRICT_POINTS]
+    runs.append(Run("1rank-fp32-unet", list(UNET), 1, family="unet"))
+    runs += [Run(label, [*UNET, *args], n, env=dict(env), family="unet")
+             for label, args, n, env in (UNET_POINTS[:1] if dry else UNET_POINTS)]
     hybrids = [("R2xD2xS2-mast", ["parallel.replicas=2", "parallel.pipeline=2", "parallel.spatial=2",
                                   "parallel.schedule=mast"], 8),
                ("R2xD2xS2-master", ["parallel.replicas=2", "parallel.pipeline=2", "parallel.spatial=2",
@@ -162,7 +181,10 @@ def _command(run: Run, out: Path, dry: bool) -> list[str]:
             return inner
         return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={run.ranks}",
                 f"--master_port={_free_port()}", *inner[1:]]
-    return [sys.executable, "-m", "gems.cli", "run", *_base(dry), *run.args, f"results.dir={out / 'runs' / run.label}",
+    args: dict[str, str] = {}  # the run's own value of a key the base sets too (the U-Net's model.size)
+    for a in [*_base(dry), *run.args]:
+        args[a.split("=", 1)[0]] = a
+    return [sys.executable, "-m", "gems.cli", "run", *args.values(), f"results.dir={out / 'runs' / run.label}",
             f"run_id=gpucheck-{run.label}"]
 
 

@@ -36,6 +36,11 @@ def test_the_matrix_covers_every_schedule_the_hybrids_and_the_precisions() -> No
     strict = [r for r in runs if r.label.startswith("strict-")]
     assert {r.label for r in strict} >= {"strict-S2", "strict-R2xS2", "strict-D2xS2-1f1b-m2"}
     assert all(int(r.env["NCCL_BUFFSIZE"]) < 1 << 20 and r.env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" for r in strict)
+    # the U-Net's skips across cuts and recomputed pieces, against a U-Net reference (strict where parts talk)
+    unet = [r for r in runs if r.family == "unet" and r.ranks > 1]
+    assert {r.label for r in unet} >= {"unet-D2", "unet-D2xS2", "unet-S2-checkpoint"}
+    assert all(r.reference_label == "1rank-fp32-unet" and "model=unet3d" in r.args for r in unet)
+    assert labels["unet-D2xS2"].env == labels["strict-S2"].env
     # every run has its one-rank reference in the matrix, TF32 off in all of them
     for r in runs:
         assert r.reference_label in labels, r.label
@@ -53,21 +58,23 @@ def test_the_comparison_names_a_difference_and_refuses_unequal_lengths() -> None
 
 
 def test_the_dry_rig_runs_a_pipeline_and_the_torch_control_equal_to_one_rank(tmp_path: Path) -> None:
-    """The plumbing on CPU: gems's 1F1B at D = 2 and torch.distributed.pipelining's Schedule1F1B, each against
-    its own one-rank run, through the script a GPU user runs."""
+    """The plumbing on CPU: gems's 1F1B at D = 2, torch.distributed.pipelining's Schedule1F1B and the U-Net at
+    D = 2 (its skips across the cut), each against its own one-rank run, through the script a GPU user runs."""
     out = tmp_path / "check"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry", "--only", "1f1b", "--out", str(out)],
-                       capture_output=True, text=True, timeout=420, env=env)
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry", "--only", "1f1b,unet-D2", "--out",
+                        str(out)], capture_output=True, text=True, timeout=420, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     runs = {x["label"]: x for x in summary["runs"]}
-    assert set(runs) == {"1rank-fp32", "1f1b-D2-m2", "control-1f1b-1rank", "control-1f1b"}
-    for label in ("1f1b-D2-m2", "control-1f1b"):
+    assert set(runs) == {"1rank-fp32", "1f1b-D2-m2", "control-1f1b-1rank", "control-1f1b", "1rank-fp32-unet",
+                         "unet-D2"}
+    for label in ("1f1b-D2-m2", "control-1f1b", "unet-D2"):
         x = runs[label]
         assert x["status"] == "ok" and x["equal"] is True, x
         assert len(x["losses"]) == len(x["reference"]) == 2 and x["max_rel_diff"] < TOLERANCE["fp32"]
-    assert summary["counts"]["equal"] == summary["counts"]["compared"] == 2
+    assert runs["unet-D2"]["reference"] == runs["1rank-fp32-unet"]["losses"] != runs["1rank-fp32"]["losses"]
+    assert summary["counts"]["equal"] == summary["counts"]["compared"] == 3
     assert "| 1f1b-D2-m2 | 2 | fp32 | ok |" in (out / "summary.md").read_text()
 
 
