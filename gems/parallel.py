@@ -72,6 +72,17 @@ class ParallelSettings:
         """Samples of one micro-batch of one pass: what one forward of one partition carries."""
         return self.line_batch // (self.schedule.chunks if self.schedule is not None else 1)
 
+    def norm_note(self, module: Any) -> str:
+        """What a run says when BatchNorm normalises over fewer samples than the global batch (replicas, GEMS's
+        passes, micro-batches): the serial run it equals accumulates gradients over those chunks ("" otherwise)."""
+        from torch.nn.modules.batchnorm import _BatchNorm
+
+        if self.chunk >= self.batch or not any(isinstance(m, _BatchNorm) for m in module.modules()):
+            return ""
+        return (f"BatchNorm normalises over each chunk of {self.chunk} sample(s), not the global batch of {self.batch} "
+                f"({self.batch // self.chunk} chunks a step: replicas, passes, micro-batches): the run trains like one "
+                f"process accumulating gradients over those chunks")
+
     def with_batch(self, batch: int) -> "ParallelSettings":
         """The same settings at another global batch (checked: the planner's search tries many)."""
         out = replace(self, batch=int(batch))

@@ -99,3 +99,22 @@ def test_the_comm_cut_counts_the_skips_that_cross_it() -> None:
     # the activation alone would cut at the bottleneck, which the level-0..2 skips all cross
     alone = min(range(1, len(acts)), key=lambda i: acts[i - 1])
     assert total[alone - 1] > total[cut - 1]
+
+
+@pytest.mark.parametrize("overrides,chunks", [
+    ([], 0),  # one process, the whole batch
+    (["parallel.replicas=2"], 2),
+    (["parallel.pipeline=2", "parallel.schedule=mast"], 2),
+    (["parallel.pipeline=2", "parallel.schedule=1f1b", "parallel.micro_batches=2", "train.batch_size=8"], 2),
+    (["parallel.pipeline=2"], 0),  # lp: one chunk
+    (["parallel.replicas=2", "model.norm=none"], 0),  # no BatchNorm
+])
+def test_a_run_says_when_batchnorm_normalises_over_chunks(overrides: list[str], chunks: int) -> None:
+    """BatchNorm over a micro-batch, a replica's or a pass's share is not the serial run on the whole batch, but
+    gradient accumulation over those chunks (the transparency tests' reference): the run says so."""
+    from gems.config import compose, typed
+    from gems.parallel import resolve
+
+    cfg = typed(compose(["model=unet3d", "model.size=16", "model.width=0.0625", *overrides]))
+    note = resolve(cfg).norm_note(build_model(cfg.model).module)
+    assert (f"({chunks} chunks a step" in note) if chunks else note == ""

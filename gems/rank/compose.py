@@ -110,7 +110,7 @@ class _Composition:
     def __init__(self, spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig, settings: ParallelSettings) -> None:
         self.mesh, self.world, self.cfg, self.settings = mesh, world, cfg, settings
         self.spec, gather_note = spatial_model(spec, mesh, cfg.parallel.bn_stats)
-        self.notes = [gather_note] if gather_note else []
+        self.notes = [n for n in (gather_note, settings.norm_note(self.spec.module)) if n]
         self.loss_fn = make_loss_fn(self.spec, mesh, int(cfg.train.batch_size))
         self.seq: nn.Sequential = self.spec.module
         self.ctx: Any = None
