@@ -258,3 +258,23 @@ def test_gems_eval_runs_on_the_slurm_test_cluster(tmp_path: Path, reference: dic
     rec = json.loads(Path(out.stdout.strip().splitlines()[-1].rsplit("record: ", 1)[1]).read_text())
     assert rec["env"].get("launcher") == "slurm" or rec["nodes"] == 2, rec["env"]
     assert rec["evaluation"]["mae"] == pytest.approx(reference["validation"][-1]["mae"], rel=1e-5)
+
+
+def test_a_unet_model_evaluates_alike_on_a_pipeline_of_spatial_parts(tmp_path: Path) -> None:
+    """The U-Net's skips cross every pipeline cut packed with the activation, their layout learnt from the first
+    forward's header over spatial parts (gems.models.skips): `gems eval` of its model file on D = 2 x S = 2 and
+    under 1F1B gives the one-rank figures."""
+    unet = ["model=unet3d", "model.size=16", "model.width=0.125", "train.batch_size=2"]
+    r = _run(tmp_path / "run", *unet, "train.steps=2", "train.warmup_steps=1")
+    figures = []
+    for mesh in ([], ["parallel.pipeline=2", "parallel.spatial=2"],
+                 ["parallel.pipeline=2", "parallel.schedule=1f1b", "parallel.micro_batches=2"]):
+        out = gems("eval", r["model_file"], "data.val_samples=4", "train.batch_size=2",
+                   f"results.dir={tmp_path / 'eval'}", *mesh, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        line = [ln for ln in out.stdout.splitlines() if ln.startswith("gems eval:")]
+        assert len(line) == 1, out.stdout
+        figures.append(json.loads(Path(line[0].rsplit("record: ", 1)[1]).read_text())["evaluation"])
+    for got in figures[1:]:
+        for k in ("loss", "accuracy"):
+            assert got[k] == pytest.approx(figures[0][k], rel=1e-5), (got, figures[0])
