@@ -95,7 +95,7 @@ STRICT_POINTS = [("S2", ["parallel.spatial=2"], 2),
 
 
 #: the U-Net (without norms: mast's passes and micro-batches normalise their own samples, which its one-rank
-#: reference does not), whose skips cross every pipeline cut packed with the activation (gems.models.skips.Carried:
+#: reference does not), whose skips cross its pipeline cuts packed with the activation (gems.models.skips.Carried:
 #: channels-last pieces flattened in their own memory order on GPUs) and whose checkpointed pieces recompute with
 #: the GPU's random state (gems.models.skips._Recomputed)
 UNET = ["model=unet3d", "model.size=32", "model.width=0.25", "model.norm=none"]

@@ -118,3 +118,26 @@ def test_a_run_says_when_batchnorm_normalises_over_chunks(overrides: list[str], 
     cfg = typed(compose(["model=unet3d", "model.size=16", "model.width=0.0625", *overrides]))
     note = resolve(cfg).norm_note(build_model(cfg.model).module)
     assert (f"({chunks} chunks a step" in note) if chunks else note == ""
+
+
+class _Untraceable(torch.nn.Module):
+    """Reads a value (fake tensors cannot): the cuts' layout must come from the first step's header."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (1.0 + 0.0 * float(x.detach().sum()))
+
+
+def test_partitions_fake_tensors_cannot_run_learn_their_layout_at_the_first_pack() -> None:
+    from gems.models.skips import PopConcat, SkipStore, Stash, carry
+
+    store = SkipStore()
+    seq = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3, padding=1), Stash(store, "a"), _Untraceable(),
+                              torch.nn.Conv2d(2, 2, 3, padding=1), PopConcat(store, "a"), torch.nn.Conv2d(4, 1, 1))
+    x = torch.randn(2, 1, 6, 6)
+    ref = seq(x)
+    parts, shapes = carry(split(seq, [3, 3]), [3, 3], (2, 1, 6, 6), torch.float32)
+    assert shapes is None and parts[1].incoming is None  # left to the header
+    packed = parts[0](x)
+    assert parts[0].outgoing == [((2, 6, 6), torch.float32), ((2, 6, 6), torch.float32)]
+    parts[1].incoming = parts[0].outgoing  # what the runner's header carries
+    assert torch.equal(parts[1](packed), ref)

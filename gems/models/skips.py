@@ -364,8 +364,8 @@ def carry(parts: Sequence[nn.Sequential], balance: Sequence[int], sample: Sequen
     """The partitions with the skips that cross their cuts carried (:class:`Carried`), and the (shape, dtype) of
     each message leaving a partition but the last with the micro-batch of ``sample`` (batch first) where they
     changed, else None. Partitions whose cuts no skip crosses are returned as they are. Without ``sample`` (a
-    spatial part's partitions, which talk while they run) the packed layouts are learnt in the first step (the
-    cut's header) and None is returned."""
+    spatial part's partitions, which talk while they run), or where the layers cannot be traced on fake
+    tensors, the packed layouts are learnt in the first step (the cut's header) and None is returned."""
     layers = [layer for part in parts for layer in part]
     sp = spans(layers)
     cuts = [sum(balance[:i + 1]) for i in range(len(balance) - 1)]
@@ -376,8 +376,11 @@ def carry(parts: Sequence[nn.Sequential], balance: Sequence[int], sample: Sequen
     assert store is not None
     at: list[Shapes | None] = [None] * len(cuts)
     if sample is not None:
-        contents = cut_contents(layers, sample[1:], dtype, amp)
-        at = [contents[c - 1] for c in cuts]  # per cut: activation, then the crossing skips
+        try:
+            contents = cut_contents(layers, sample[1:], dtype, amp)
+            at = [contents[c - 1] for c in cuts]  # per cut: activation, then the crossing skips
+        except Exception:  # layers fake tensors cannot run: the layouts come in the first step's headers
+            sample = None
     out: list[nn.Sequential] = []
     for i, part in enumerate(parts):
         before = names[i - 1] if i > 0 else []
