@@ -28,3 +28,11 @@ def row_major(t: torch.Tensor) -> torch.Tensor:
     order = sorted(range(t.dim()), key=lambda d: (-strides[d], d))
     v = t.permute(order)
     return v if v.is_contiguous() else t
+
+
+def format_for(fmt: torch.memory_format, ndim: int) -> torch.memory_format:
+    """The memory format a tensor of ``ndim`` dims takes where the layers compute in ``fmt``: channels-last for the
+    4-D (5-D) tensors it applies to, row-major for the rest."""
+    if (fmt is torch.channels_last and ndim == 4) or (fmt is torch.channels_last_3d and ndim == 5):
+        return fmt
+    return torch.contiguous_format

@@ -29,11 +29,12 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from gems.layout import format_for
 from gems.spatial.context import GSHAPE
 from gems.spatial.registry import register_pointwise
 
 __all__ = ["SkipStore", "Stash", "PopConcat", "PopAdd", "spans", "crossing", "store_of", "run_span",
-           "checkpointed", "Carried", "carry", "cut_contents"]
+           "checkpoint_pieces", "checkpointed", "Carried", "carry", "cut_contents"]
 
 
 class SkipStore:
@@ -70,35 +71,32 @@ class SkipStore:
         return {"_queues": {}}
 
 
-@register_pointwise  # the spatial converter cuts it (gems/spatial/registry.py)
-class Stash(nn.Module):
-    """Save the activation for a later :class:`PopConcat` / :class:`PopAdd`; pass it on."""
+class _SkipLayer(nn.Module):
+    """A layer of a skip connection: the model's shared store and the connection's name."""
 
     def __init__(self, store: SkipStore, name: str) -> None:
         super().__init__()
         self.store, self.name = store, name
+
+    def extra_repr(self) -> str:
+        return repr(self.name)
+
+
+@register_pointwise  # the spatial converter cuts it (gems/spatial/registry.py)
+class Stash(_SkipLayer):
+    """Save the activation for a later :class:`PopConcat` / :class:`PopAdd`; pass it on."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.store.push(self.name, x)
         return x
 
-    def extra_repr(self) -> str:
-        return repr(self.name)
-
 
 @register_pointwise  # the spatial converter cuts it (gems/spatial/registry.py)
-class PopConcat(nn.Module):
+class PopConcat(_SkipLayer):
     """Concatenate the stashed activation (first) with the input along channels."""
-
-    def __init__(self, store: SkipStore, name: str) -> None:
-        super().__init__()
-        self.store, self.name = store, name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.store.pop(self.name), x], dim=1)
-
-    def extra_repr(self) -> str:
-        return repr(self.name)
 
 
 @register_pointwise  # the spatial converter cuts it (gems/spatial/registry.py)
@@ -143,10 +141,9 @@ def crossing(sp: Sequence[tuple[str, int, int]], cut: int) -> list[str]:
 def store_of(layers: Sequence[nn.Module]) -> SkipStore | None:
     """The store the sequence's skip layers share (None: no skip layers)."""
     for layer in layers:
-        for kind in (Stash, PopConcat):
-            m = _skip_layer(layer, kind)
-            if m is not None:
-                return m.store
+        m = _skip_layer(layer, _SkipLayer)
+        if m is not None:
+            return m.store
     return None
 
 
@@ -223,16 +220,22 @@ class _Recomputed(torch.autograd.Function):
         return (None, None, None, *[t.grad if t.requires_grad else None for t in inputs])
 
 
-def checkpointed(seq: nn.Sequential, segments: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``parallel.checkpoint`` on the plain path: the forward of ``seq`` in ``segments`` pieces, cut as
-    ``torch.utils.checkpoint.checkpoint_sequential`` cuts it (``len // segments`` layers each, the last takes the
-    rest), each but the last recomputed in its backward (:class:`_Recomputed`); a piece's inputs are the
-    activation and the skips crossing its start, its outputs the activation and those crossing its end, so a
-    recomputed piece stashes and pops as the first forward did."""
-    layers = list(seq)
-    n = len(layers)
+def checkpoint_pieces(n: int) -> list[tuple[int, int]]:
+    """The layers [a, e) of each piece ``parallel.checkpoint`` cuts a plain path of ``n`` layers into: ``n // 2``
+    pieces of ``n // (n // 2)`` layers (two), the last taking the rest, as torch's ``checkpoint_sequential`` cuts
+    them (the run, :func:`checkpointed`, and the memory plan, gems.plan.memory)."""
+    segments = max(1, n // 2)
     size = n // segments
-    bounds = [(a, a + size) for a in range(0, size * (segments - 1), size)] + [(size * (segments - 1), n)]
+    return [(a, a + size) for a in range(0, size * (segments - 1), size)] + [(size * (segments - 1), n)]
+
+
+def checkpointed(seq: nn.Sequential) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``parallel.checkpoint`` on the plain path: the forward of ``seq`` in :func:`checkpoint_pieces`, each but the
+    last recomputed in its backward (:class:`_Recomputed`); a piece's inputs are the activation and the skips
+    crossing its start, its outputs the activation and those crossing its end, so a recomputed piece stashes and
+    pops as the first forward did."""
+    layers = list(seq)
+    bounds = checkpoint_pieces(len(layers))
     sp, store = spans(layers), store_of(layers)
     names = [crossing(sp, a) for a, _ in bounds] + [[]]
 
@@ -284,8 +287,7 @@ class Carried(nn.Sequential):
         self.memory_format = torch.contiguous_format
 
     def _last(self, ndim: int) -> bool:
-        return (self.memory_format is torch.channels_last and ndim == 4) or \
-            (self.memory_format is torch.channels_last_3d and ndim == 5)
+        return format_for(self.memory_format, ndim) is not torch.contiguous_format
 
     def _flat(self, t: torch.Tensor) -> torch.Tensor:
         if self._last(t.dim()):

@@ -71,7 +71,7 @@ from gems import commlog, timers
 from gems.fault import all_finite
 from gems.fault.progress import mark, waiting
 from gems.layers import batch_context, evaluation_mode
-from gems.layout import row_major
+from gems.layout import format_for, row_major
 from gems.pipeline.deferred import WeightGrads, deferring, make_deferrable
 from gems.pipeline.exchange import (
     Bucket,
@@ -546,10 +546,7 @@ class PipelineRunner:
 
     def _format(self, ndim: int) -> torch.memory_format:
         """The memory format a message of ``ndim`` dims crosses in: the partitions' own where it applies."""
-        fmt = self.memory_format
-        if (fmt is torch.channels_last and ndim == 4) or (fmt is torch.channels_last_3d and ndim == 5):
-            return fmt
-        return torch.contiguous_format
+        return format_for(self.memory_format, ndim)
 
     def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A receive buffer of ``shape`` in the format the partitions compute in (channels-last: allocated as the

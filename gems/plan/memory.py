@@ -114,6 +114,7 @@ from torch import nn
 from gems.bootstrap import KEEP_GROWTH, backend_for, keeps_host_memory_within, node_memory_bytes, plan_device
 from gems.config import job_tasks, section
 from gems.errors import ConfigError
+from gems.models.skips import checkpoint_pieces
 from gems.parallel import resolve, spatial_model, stage_balance
 from gems.pipeline.exchange import plan_exchanges, receive_lead
 from gems.pipeline.partition import trace_shapes
@@ -161,7 +162,7 @@ class _Stage:
     gather: _Affine
     params: int
     copied: int = 0  # gradient bytes the reducer sums through a flattened copy (parameters under 1 MiB)
-    ckpt_layers: list[tuple[int, int]] = field(default_factory=list)  # checkpoint_sequential segments (plain path)
+    ckpt_layers: list[tuple[int, int]] = field(default_factory=list)  # checkpointed pieces (plain path)
     layer_work: list[_Affine] = field(default_factory=list)  # per layer: its backward's excess over ``saved``
     layer_convs: list[tuple[bool, list[tuple]]] = field(default_factory=list)  # per layer: (input grad, convs)
 
@@ -502,12 +503,9 @@ class Planner:
             else:
                 t1, t2 = self._traced(members[0], 1), self._traced(members[0], 2)
             stages = _stages(t1, t2, bal, layers)
-            if not self.pipelined and self.st.checkpoint:  # checkpoint_sequential segments of the plain path
+            if not self.pipelined and self.st.checkpoint:  # the plain path's recomputed pieces, as the run cuts them
                 n = len(layers)
-                seg = max(1, n // 2)
-                size = n // seg
-                stages[0].ckpt_layers = [(a, min(a + size, n)) for a in range(0, size * (seg - 1), size)] + \
-                    [(size * (seg - 1), n)]
+                stages[0].ckpt_layers = checkpoint_pieces(n)
                 self._ckpt_batches = (t1.batch, t2.batch)
                 self._ckpt[id(stages[0])] = [(t1.stage_by_layer(a, e, e == n, packed=False),
                                               t2.stage_by_layer(a, e, e == n, packed=False))

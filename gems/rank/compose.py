@@ -231,7 +231,7 @@ class _Composition:
         reducer = _reducer(seq, self.mesh, self.world, self.cfg)
         forward: Callable[[torch.Tensor], torch.Tensor] = seq
         if self.settings.checkpoint:  # pieces of two layers, each recomputed in its backward, skips carried
-            forward = checkpointed(seq, max(1, len(seq) // 2))
+            forward = checkpointed(seq)
         finite: dict[int, torch.Tensor | bool] = {}  # position -> all finite? (a device flag: no synchronisation)
 
         def plain_step(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int) -> torch.Tensor:
