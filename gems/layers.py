@@ -117,6 +117,44 @@ def recalibrating(modules: Sequence[nn.Module]) -> Iterator[int]:
             m.momentum = momentum
 
 
+class Recompute:
+    """What a forward run again in the backward (recomputation: ``parallel.checkpoint``) must see as its first
+    run did, captured at that first run: the autocast state, torch's random state (the CPU's and, on a GPU, the
+    device's: a model's own ``nn.Dropout`` draws the same mask again) and the buffers it moves (BatchNorm's running
+    statistics, put back after the backward through the recomputation so they move once a step). One rule for
+    every recomputation: the plain path's pieces (:mod:`gems.models.skips`) and the pipeline's partitions
+    (:mod:`gems.pipeline.runtime`)."""
+
+    def __init__(self, device: torch.device | str, buffers: Sequence[torch.Tensor]) -> None:
+        dev = torch.device(device).type
+        self.buffers = list(buffers)
+        self.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state() if dev == "cuda" else None
+        self._kept: list[torch.Tensor] = []
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        """Run the forward again inside: with gradients, under the first run's autocast and random state (the
+        rank's own random state is as it was after). Call :meth:`restore` after the backward through it."""
+        self._kept = [b.detach().clone() for b in self.buffers]
+        dev, enabled, dtype = self.autocast
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.cuda_rng is not None else []):
+            torch.set_rng_state(self.cpu_rng)
+            if self.cuda_rng is not None:
+                torch.cuda.set_rng_state(self.cuda_rng)
+            with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
+                yield
+
+    def restore(self) -> None:
+        """The buffers as the first run left them; after the backward (autograd saved them and checks their
+        versions)."""
+        with torch.no_grad():
+            for b, v in zip(self.buffers, self._kept):
+                b.copy_(v)
+        self._kept = []
+
+
 # ---- a guard against a torch CPU bug in bf16 3D convolutions --------------------------------------------
 # torch 2.13's oneDNN kernel for the weight gradient of a bf16 Conv3d on CPU reads memory it never wrote when
 # the input is 2 cells deep (k3 p1 at any width and channel count): the gradient changes from run to run and

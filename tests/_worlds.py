@@ -48,3 +48,33 @@ def loss_scaling(rank, world, scaling, overflow_at):
     out["params"] = [p.detach().clone() for p in model.parameters()]
     out["skipped"] = scaler.summary()["skipped_steps"]
     return out
+
+
+def header_overflow(rank, world, skips):
+    """A D = 2 pipeline whose cut carries ``skips`` skip connections and whose partitions fake tensors cannot
+    run (their layout travels in the first step's header). Returns what each rank's step raised, or None."""
+    from torch import nn
+
+    from gems.mesh import Mesh
+    from gems.models.skips import PopAdd, SkipStore, Stash
+    from gems.pipeline import apply_pipeline
+
+    class Untraceable(nn.Module):
+        def forward(self, x):
+            return x * (1.0 + 0.0 * float(x.detach().sum()))
+
+    torch.manual_seed(0)
+    store = SkipStore()
+    names = [f"s{i}" for i in range(skips)]
+    seq = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), *[Stash(store, n) for n in names], Untraceable(),
+                        *[PopAdd(store, n) for n in reversed(names)], nn.Flatten(), nn.Linear(2 * 4 * 4, 3))
+    mesh = Mesh(replicas=1, pipeline=2, world_size=world)
+    mesh.build_groups(rank)
+    runner = apply_pipeline(seq, mesh, rank, loss_fn=lambda y, t, n: ((y - t) ** 2).sum() / 2, batch_size=2,
+                            schedule="gpipe", balance=[skips + 2, skips + 2])
+    x, y = torch.randn(2, 1, 4, 4), torch.randn(2, 3)
+    try:
+        runner.step(x, y, [0, 1], seed=0, step=0)
+    except RuntimeError as e:
+        return str(e)
+    return None

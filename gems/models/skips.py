@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from gems.layers import Recompute
 from gems.layout import format_for
 from gems.spatial.context import GSHAPE
 from gems.spatial.registry import register_pointwise
@@ -183,11 +184,8 @@ class _Recomputed(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, run: Callable[..., tuple[torch.Tensor, ...]], buffers: list[torch.Tensor],
                 anchor: torch.Tensor, *inputs: torch.Tensor) -> Any:
-        ctx.run, ctx.buffers = run, buffers
-        dev = inputs[0].device.type
-        ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
-        ctx.cpu_rng = torch.get_rng_state()
-        ctx.cuda_rng = torch.cuda.get_rng_state() if dev == "cuda" else None
+        ctx.run = run
+        ctx.state = Recompute(inputs[0].device, buffers)
         ctx.save_for_backward(*inputs)
         ctx.tags = [getattr(t, GSHAPE, None) for t in inputs]  # a spatial part's global shape: no sum to learn it
         with torch.no_grad():
@@ -203,20 +201,12 @@ class _Recomputed(torch.autograd.Function):
             if tag is not None:
                 setattr(d, GSHAPE, tag)
             inputs.append(d)
-        dev, enabled, dtype = ctx.autocast
-        kept = [b.detach().clone() for b in ctx.buffers]
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if ctx.cuda_rng is not None else []):
-            torch.set_rng_state(ctx.cpu_rng)
-            if ctx.cuda_rng is not None:
-                torch.cuda.set_rng_state(ctx.cuda_rng)
-            with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
-                out = ctx.run(*inputs)
+        with ctx.state.replay():
+            out = ctx.run(*inputs)
         pairs = [(o, g) for o, g in zip(out, grads) if g is not None and o.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        with torch.no_grad():  # after the backward: autograd saved these buffers and checks their versions
-            for b, v in zip(ctx.buffers, kept):
-                b.copy_(v)
+        ctx.state.restore()
         return (None, None, None, *[t.grad if t.requires_grad else None for t in inputs])
 
 

@@ -50,8 +50,9 @@ Around every forward, and every backward (recomputation included),
 ``gems.layers.batch_context(seed, step, chunk's sample ids)`` is set,
 so ``SampleDropout`` draws the serial masks. With ``checkpoint=True`` a
 partition keeps only its input between forward and backward and runs the
-forward again in the backward; BatchNorm buffers are restored after the
-recomputation so running statistics are updated once.
+forward again in the backward, under the first forward's random state and
+autocast; BatchNorm buffers are restored after the recomputation so running
+statistics are updated once (:class:`gems.layers.Recompute`).
 
 Why one file of this length: one executor for every schedule, with the bookkeeping of its messages (rounds,
 headers, buffers) and their timing; split, one state machine would be read in pieces.
@@ -70,7 +71,7 @@ from torch import nn
 from gems import commlog, timers
 from gems.fault import all_finite
 from gems.fault.progress import mark, waiting
-from gems.layers import batch_context, evaluation_mode
+from gems.layers import Recompute, batch_context, evaluation_mode
 from gems.layout import format_for, row_major
 from gems.pipeline.deferred import WeightGrads, deferring, make_deferrable
 from gems.pipeline.exchange import (
@@ -99,9 +100,17 @@ LossFn = Callable[[torch.Tensor, Any, int], torch.Tensor]
 _HEADER = 2
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool]
 #: ndim, dtype code, the dims; the number of global spatial dims, then those (a spatial cut's); the number of pieces
-#: packed with the activation (gems.models.skips.Carried), then each one's ndim, dtype code and dims
-_HEADER_LEN = 64
+#: packed with the activation (gems.models.skips.Carried), then each one's ndim, dtype code and dims. 256 holds a
+#: 3D activation with 35 packed skips (7 fields each); a header that needs more is sent as ``[-1, fields needed]``
+#: so that its receiver stops with the sender instead of waiting for a message that never comes
+_HEADER_LEN = 256
 _CONNECT_TAG = 1 << 20  # the messages that make a pair's first exchanges (PipelineRunner.connect)
+
+
+def _too_long(fields: int) -> str:
+    return (f"the shape header of a pipeline cut needs {fields} fields, more than the {_HEADER_LEN} it has "
+            f"(gems.pipeline.runtime._HEADER_LEN): too many skip connections cross the cut; cut elsewhere "
+            f"(parallel.balance) or raise the limit")
 
 
 @dataclass
@@ -111,6 +120,7 @@ class _Live:
     x: torch.Tensor
     y: torch.Tensor | None = None  # None when checkpointing or on the last stage
     loss: torch.Tensor | None = None
+    recompute: Recompute | None = None  # when checkpointing: what the backward's forward replays
 
 
 @dataclass
@@ -418,8 +428,10 @@ class PipelineRunner:
 
     def _headers(self, messages: Sequence[Message]) -> None:
         """The shapes of the round's activations into stages whose shape this rank and its peers do not know
-        yet (the first step of untraced partitions): one batch of headers, read at once."""
+        yet (the first step of untraced partitions): one batch of headers, read at once. A header longer than
+        :data:`_HEADER_LEN` stops both ends of the cut, after the round, with the same message."""
         ops, heads, keys = [], [], []
+        too_long = 0
         for m in messages:
             direction = self.schedule.direction(m.replica)
             if m.kind != _ACT or (direction, m.stage) in self._shape or (direction, m.stage) in keys:
@@ -432,7 +444,8 @@ class PipelineRunner:
                 layout = getattr(self.partitions[m.stage - 1], "outgoing", None) or []
                 fields += [len(layout)] + [v for shape, dt in layout for v in (len(shape), _DTYPES.index(dt), *shape)]
                 if len(fields) > _HEADER_LEN:
-                    raise RuntimeError(f"a cut's header needs {len(fields)} fields, more than {_HEADER_LEN}")
+                    too_long = len(fields)
+                    fields = [-1, len(fields)]
                 head = torch.tensor(fields + [0] * (_HEADER_LEN - len(fields)), dtype=torch.int64, device=self.device)
                 self._shape[(direction, m.stage)] = (tuple(y.shape), y.dtype)  # also the gradient's coming back
             else:
@@ -446,8 +459,12 @@ class PipelineRunner:
         with waiting("pipeline transfer"):
             for w in set(works.values()):
                 w.wait()
+        if too_long:
+            raise RuntimeError(_too_long(too_long))
         for key, head in heads:
             h = [int(v) for v in head.tolist()]  # the first step only, and only for partitions that could not be traced
+            if h[0] == -1:
+                raise RuntimeError(_too_long(h[1]))
             nd = h[0]
             self._shape[key] = (tuple(h[2:2 + nd]), _DTYPES[h[1]])
             ng = h[2 + nd]
@@ -572,9 +589,9 @@ class PipelineRunner:
             self._finite.append((0, all_finite(x)))
         with batch_context(self._seed, self._step, self._ids[self.chunk_slice(a.replica, a.micro_batch)]):
             if self.checkpoint:
+                live = _Live(x, recompute=Recompute(self.device, list(part.buffers())))
                 with torch.no_grad():
                     y = part(x)
-                    live = _Live(x)
                     if last:
                         self._loss_total = self._loss_total + self.loss_fn(y, target, self.chunk).detach()
             else:
@@ -602,22 +619,20 @@ class PipelineRunner:
         key = (a.replica, a.micro_batch, a.stage)
         defer = deferring(self._weights, key) if a.kind is Kind.I else contextlib.nullcontext()
         with batch_context(self._seed, self._step, self._ids[self.chunk_slice(a.replica, a.micro_batch)]), defer:
-            if self.checkpoint:
-                saved = [b.detach().clone() for b in part.buffers()]
+            if live.recompute is not None:
                 x = _tagged(x.detach(), x)
                 if a.stage > 0 and x.is_floating_point():
                     x.requires_grad_(True)
-                y = part(x)
-                out = self.scale_loss(self.loss_fn(y, target, self.chunk)) if grad is None else y
+                with live.recompute.replay():
+                    y = part(x)
+                    out = self.scale_loss(self.loss_fn(y, target, self.chunk)) if grad is None else y
             else:
                 out = self.scale_loss(live.loss) if grad is None and live.loss is not None else live.y
             assert out is not None
             if out.requires_grad:
                 torch.autograd.backward(out, grad)
-            if self.checkpoint:  # after the backward: autograd saved these buffers and checks their versions
-                with torch.no_grad():
-                    for b, v in zip(part.buffers(), saved):
-                        b.copy_(v)
+            if live.recompute is not None:
+                live.recompute.restore()
         if a.stage > 0:
             g = x.grad if x.grad is not None else torch.zeros_like(x)
             self._put(a, _GRAD, a.stage - 1, g)
