@@ -141,3 +141,19 @@ def test_partitions_fake_tensors_cannot_run_learn_their_layout_at_the_first_pack
     assert parts[0].outgoing == [((2, 6, 6), torch.float32), ((2, 6, 6), torch.float32)]
     parts[1].incoming = parts[0].outgoing  # what the runner's header carries
     assert torch.equal(parts[1](packed), ref)
+
+
+def test_the_plan_keeps_a_packed_output_beside_the_output_its_last_layer_saved() -> None:
+    """A partition conv -> stash -> ReLU sends [ReLU's output | skip] packed in one new tensor (Carried.pack's cat)
+    and keeps it for its backward, while the ReLU keeps its own output: both count (100 + 200 bytes)."""
+    from gems.plan.trace import Trace
+
+    t = Trace(batch=1, in_key=0, in_bytes=100, out_keys=[1, 1, 2, 3, 4], out_bytes=[100, 100, 100, 100, 4],
+              saved={0: (100, {0}), 2: (100, {2}), 3: (100, {4})}, halo={}, gather={}, target_bytes=4,
+              skips=[(1, 3)])
+    assert t.carried(3) == 100
+    total, _, _, out_b = t.stage_by_layer(0, 3, last=False)
+    assert out_b == 200 and total == 300
+    # without the ReLU's own saving, the packed tensor is the only copy kept
+    t.saved.pop(2)
+    assert t.stage_by_layer(0, 3, last=False)[0] == 200

@@ -261,8 +261,13 @@ class Trace:
             first[self.out_keys[a - 1]] = a - 1  # the partition's input lives through its backward
         out_b = self.out_bytes[e - 1] + (self.carried(e) if packed and not last else 0)
         if not last:
-            keys[self.out_keys[e - 1]] = out_b
-            first[self.out_keys[e - 1]] = a - 1
+            out_key = self.out_keys[e - 1]
+            if out_b > self.out_bytes[e - 1] and out_key in keys:
+                # the packed output (Carried.pack's cat) is a storage of its own, kept for the backward beside
+                # the last layers' output, which they saved (a ReLU's)
+                out_key = -1 - e
+            keys[out_key] = out_b
+            first[out_key] = a - 1
         total = sum(keys.values())
         ins = [in_b] + self.out_bytes[a:e - 1]
         work = []
