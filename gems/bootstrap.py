@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import os
+import random
 import re
 import socket
 import subprocess
@@ -88,7 +89,19 @@ def port_from_job(job_id: str) -> int:
 
 
 def free_port(host: str = "") -> int:
-    """A TCP port free on ``host`` now (all interfaces by default), for a rendezvous this process picks."""
+    """A TCP port free on ``host`` now (all interfaces by default), for a rendezvous this process picks: drawn at
+    random from the job ports' range (:data:`PORT_BASE`), not the kernel's ephemeral range, where any outgoing
+    connection (a gloo pair of another job on the node) may take it between this check and rank 0's listen
+    (EADDRINUSE: it failed a test run that way). The ephemeral range only if 64 draws are all taken."""
+    draw = random.SystemRandom()
+    for _ in range(64):
+        port = PORT_BASE + draw.randrange(PORT_SPAN)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -126,11 +126,14 @@ class Recompute:
     (:mod:`gems.pipeline.runtime`)."""
 
     def __init__(self, device: torch.device | str, buffers: Sequence[torch.Tensor]) -> None:
-        dev = torch.device(device).type
+        d = torch.device(device)
+        dev = d.type
         self.buffers = list(buffers)
         self.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state() if dev == "cuda" else None
+        #: the GPU whose generator the forward draws from: the tensors' own, not whichever is current
+        self.gpu = (d.index if d.index is not None else torch.cuda.current_device()) if dev == "cuda" else None
+        self.cuda_rng = torch.cuda.get_rng_state(self.gpu) if self.gpu is not None else None
         self._kept: list[torch.Tensor] = []
 
     @contextlib.contextmanager
@@ -139,10 +142,10 @@ class Recompute:
         rank's own random state is as it was after). Call :meth:`restore` after the backward through it."""
         self._kept = [b.detach().clone() for b in self.buffers]
         dev, enabled, dtype = self.autocast
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.cuda_rng is not None else []):
+        with torch.random.fork_rng(devices=[self.gpu] if self.gpu is not None else []):
             torch.set_rng_state(self.cpu_rng)
             if self.cuda_rng is not None:
-                torch.cuda.set_rng_state(self.cuda_rng)
+                torch.cuda.set_rng_state(self.cuda_rng, self.gpu or 0)
             with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
                 yield
 

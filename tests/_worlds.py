@@ -50,14 +50,13 @@ def loss_scaling(rank, world, scaling, overflow_at):
     return out
 
 
-def header_overflow(rank, world, skips):
-    """A D = 2 pipeline whose cut carries ``skips`` skip connections and whose partitions fake tensors cannot
-    run (their layout travels in the first step's header). Returns what each rank's step raised, or None."""
+def many_skips(skips):
+    """A model whose middle cut ``skips`` skip connections cross, through a layer fake tensors cannot run (so a
+    pipeline learns the cut's layout from the first step's header), its batch, and its loss (a sum over the batch
+    of 2)."""
     from torch import nn
 
-    from gems.mesh import Mesh
     from gems.models.skips import PopAdd, SkipStore, Stash
-    from gems.pipeline import apply_pipeline
 
     class Untraceable(nn.Module):
         def forward(self, x):
@@ -68,13 +67,20 @@ def header_overflow(rank, world, skips):
     names = [f"s{i}" for i in range(skips)]
     seq = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), *[Stash(store, n) for n in names], Untraceable(),
                         *[PopAdd(store, n) for n in reversed(names)], nn.Flatten(), nn.Linear(2 * 4 * 4, 3))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2, 1, 4, 4, generator=g), torch.randn(2, 3, generator=g)
+    return seq, x, y, lambda out, t, n: ((out - t) ** 2).sum() / 2
+
+
+def many_skips_pipeline(rank, world, skips):
+    """:func:`many_skips` on D = 2 (GPipe, one micro-batch) cut in the middle: this rank's loss and gradients."""
+    from gems.mesh import Mesh
+    from gems.pipeline import apply_pipeline
+
+    seq, x, y, loss = many_skips(skips)
     mesh = Mesh(replicas=1, pipeline=2, world_size=world)
     mesh.build_groups(rank)
-    runner = apply_pipeline(seq, mesh, rank, loss_fn=lambda y, t, n: ((y - t) ** 2).sum() / 2, batch_size=2,
-                            schedule="gpipe", balance=[skips + 2, skips + 2])
-    x, y = torch.randn(2, 1, 4, 4), torch.randn(2, 3)
-    try:
-        runner.step(x, y, [0, 1], seed=0, step=0)
-    except RuntimeError as e:
-        return str(e)
-    return None
+    runner = apply_pipeline(seq, mesh, rank, loss_fn=loss, batch_size=2, schedule="gpipe",
+                            balance=[skips + 2, skips + 2])
+    total = runner.step(x, y, [0, 1], seed=0, step=0)
+    return float(total), [p.grad.clone() for p in runner.parameters()]

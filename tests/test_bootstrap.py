@@ -104,3 +104,20 @@ def test_python_api_example_under_torchrun():
                           str(example), "--replicas", "2"], capture_output=True, text=True, timeout=240, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "losses equal the serial run" in out.stdout
+
+
+def test_a_rendezvous_port_this_process_picks_is_free_and_outside_the_ephemeral_range():
+    """Outgoing connections take their local port from the kernel's ephemeral range (32768-60999 here), so a
+    port picked there may be taken before rank 0 listens on it; gems draws from the job ports' range instead."""
+    import socket
+
+    from gems.bootstrap import PORT_BASE, PORT_SPAN, free_port
+
+    ports = {free_port("127.0.0.1") for _ in range(20)}
+    assert len(ports) > 1  # drawn, not one fixed port
+    for port in ports:
+        assert PORT_BASE <= port < PORT_BASE + PORT_SPAN
+    with socket.socket() as s:  # and free: rank 0 can listen on it
+        port = free_port("127.0.0.1")
+        s.bind(("127.0.0.1", port))
+        s.listen()

@@ -189,14 +189,14 @@ def _dropout_grads(checkpoint: bool, plain: bool) -> list[torch.Tensor]:
         runner = apply_pipeline(seq, Mesh(1, 1), 0, loss_fn=ce(4), batch_size=4, schedule="1f1b", micro_batches=2,
                                 checkpoint=checkpoint, sample_shape=(3, 8, 8))
         runner.step(x, y, list(range(4)), seed=1, step=0)
-    return [p.grad.clone() for p in seq.parameters()]
+    return [p.grad.clone() for p in seq.parameters()] + [torch.get_rng_state()]
 
 
 @pytest.mark.parametrize("plain", [False, True])
 def test_recomputation_draws_torch_dropouts_mask_again(plain):
     """A recomputed forward replays the first one's random state: ``nn.Dropout`` (which draws from torch's
     generator, not from the batch context) keeps the same mask, so the gradients are the run's without
-    recomputation, to the bit."""
+    recomputation, to the bit; the rank's random state after the step is as if nothing were recomputed."""
     want = _dropout_grads(False, plain)
     got = _dropout_grads(True, plain)
     assert any(w.abs().sum() > 0 for w in want)

@@ -97,20 +97,13 @@ from gems.spatial.context import GSHAPE
 __all__ = ["PipelineRunner", "LossFn", "Stats"]
 
 LossFn = Callable[[torch.Tensor, Any, int], torch.Tensor]
+#: the tag kind of a cut's shape header. Its fields: ndim, dtype code, the dims; the number of global spatial dims,
+#: then those (a spatial cut's); the number of pieces packed with the activation (gems.models.skips.Carried), then
+#: each one's ndim, dtype code and dims. Sent after its length (PipelineRunner._headers): a cut carries any number
+#: of skips
 _HEADER = 2
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool]
-#: ndim, dtype code, the dims; the number of global spatial dims, then those (a spatial cut's); the number of pieces
-#: packed with the activation (gems.models.skips.Carried), then each one's ndim, dtype code and dims. 256 holds a
-#: 3D activation with 35 packed skips (7 fields each); a header that needs more is sent as ``[-1, fields needed]``
-#: so that its receiver stops with the sender instead of waiting for a message that never comes
-_HEADER_LEN = 256
 _CONNECT_TAG = 1 << 20  # the messages that make a pair's first exchanges (PipelineRunner.connect)
-
-
-def _too_long(fields: int) -> str:
-    return (f"the shape header of a pipeline cut needs {fields} fields, more than the {_HEADER_LEN} it has "
-            f"(gems.pipeline.runtime._HEADER_LEN): too many skip connections cross the cut; cut elsewhere "
-            f"(parallel.balance) or raise the limit")
 
 
 @dataclass
@@ -428,13 +421,14 @@ class PipelineRunner:
 
     def _headers(self, messages: Sequence[Message]) -> None:
         """The shapes of the round's activations into stages whose shape this rank and its peers do not know
-        yet (the first step of untraced partitions): one batch of headers, read at once. A header longer than
-        :data:`_HEADER_LEN` stops both ends of the cut, after the round, with the same message."""
-        ops, heads, keys = [], [], []
-        too_long = 0
+        yet (the first step of untraced partitions): two batches, each read at once: every header's length, then
+        the headers (of any length: a cut carries as many skips as the model has). Both ends of every header
+        issue the two batches in the round's order."""
+        order: list[tuple[Message, tuple[int, int]]] = []
+        bodies: dict[tuple[int, int], list[int]] = {}  # what this rank sends
         for m in messages:
-            direction = self.schedule.direction(m.replica)
-            if m.kind != _ACT or (direction, m.stage) in self._shape or (direction, m.stage) in keys:
+            key = (self.schedule.direction(m.replica), m.stage)
+            if m.kind != _ACT or key in self._shape or any(k == key for _, k in order):
                 continue
             if m.src == self.position:
                 y = self._outbox[m.key]
@@ -443,28 +437,21 @@ class PipelineRunner:
                 # a partition that packs skips with its activation (gems.models.skips.Carried): the pieces' layout
                 layout = getattr(self.partitions[m.stage - 1], "outgoing", None) or []
                 fields += [len(layout)] + [v for shape, dt in layout for v in (len(shape), _DTYPES.index(dt), *shape)]
-                if len(fields) > _HEADER_LEN:
-                    too_long = len(fields)
-                    fields = [-1, len(fields)]
-                head = torch.tensor(fields + [0] * (_HEADER_LEN - len(fields)), dtype=torch.int64, device=self.device)
-                self._shape[(direction, m.stage)] = (tuple(y.shape), y.dtype)  # also the gradient's coming back
-            else:
-                head = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
-                heads.append(((direction, m.stage), head))
-            ops.append(self._op(m, head, self._tag(_HEADER, direction, 0, m.stage)))
-            keys.append((direction, m.stage))
-        if not ops:
+                bodies[key] = fields
+                self._shape[key] = (tuple(y.shape), y.dtype)  # also the gradient's coming back
+            order.append((m, key))
+        if not order:
             return
-        works = self._batch(ops, keys)
-        with waiting("pipeline transfer"):
-            for w in set(works.values()):
-                w.wait()
-        if too_long:
-            raise RuntimeError(_too_long(too_long))
-        for key, head in heads:
+        lengths = [torch.tensor([len(bodies.get(key, ()))], dtype=torch.int64, device=self.device) for _, key in order]
+        self._meet([(m, key, t) for (m, key), t in zip(order, lengths)])
+        heads = [torch.tensor(bodies[key], dtype=torch.int64, device=self.device) if key in bodies
+                 else torch.zeros(int(n.item()), dtype=torch.int64, device=self.device)
+                 for (_, key), n in zip(order, lengths)]
+        self._meet([(m, key, t) for (m, key), t in zip(order, heads)])
+        for (_, key), head in zip(order, heads):
+            if key in bodies:
+                continue
             h = [int(v) for v in head.tolist()]  # the first step only, and only for partitions that could not be traced
-            if h[0] == -1:
-                raise RuntimeError(_too_long(h[1]))
             nd = h[0]
             self._shape[key] = (tuple(h[2:2 + nd]), _DTYPES[h[1]])
             ng = h[2 + nd]
@@ -478,6 +465,15 @@ class PipelineRunner:
                 at += 2 + n
             if layout:
                 setattr(self.partitions[key[1]], "incoming", layout)
+
+    def _meet(self, messages: Sequence[tuple[Message, tuple[int, int], torch.Tensor]]) -> None:
+        """One batch of header messages, waited for: each is the only message of its tag in flight (the header
+        tag of its cut), so the length and the header that follows it cannot be mistaken for each other."""
+        ops = [self._op(m, t, self._tag(_HEADER, key[0], 0, key[1])) for m, key, t in messages]
+        works = self._batch(ops, list(range(len(ops))))
+        with waiting("pipeline transfer"):
+            for w in set(works.values()):
+                w.wait()
 
     def _exchange(self, rnd: Round, receives_only: bool = False) -> None:
         """This rank's batch of one round: what its actions made for the round's receivers, and buffers for what
