@@ -536,15 +536,18 @@ class Planner:
             if st.checkpoint:
                 segs = self._ckpt[id(s0)]
                 b1, b2 = self._ckpt_batches
-                keep = sum(_line(a[1], b[1], b1, b2).at(chunk) for a, b in segs[:-1])  # segment inputs
+                inputs = [_line(a[1], b[1], b1, b2).at(chunk) for a, b in segs[:-1]]
+                keep = sum(inputs)  # segment inputs
                 keep += _line(*self._ckpt_skips[id(s0)], b1, b2).at(chunk)  # and the skips crossing them, once
                 # one segment at a time is recomputed (the last one is kept from the forward): its saved set and
-                # the worst of its layers' backward over that set, the segment whose sum is largest
+                # the worst of its layers' backward over that set, the segment whose sum is largest. A recomputed
+                # segment's saved set holds its input, which is one of the kept inputs: counted once
                 peak = -1
-                for (a, b), span in zip(segs, s0.ckpt_layers):
+                for j, ((a, b), span) in enumerate(zip(segs, s0.ckpt_layers)):
                     lines = [_line(x1, x2, b1, b2) for x1, x2 in zip(a[2], b[2])]
                     w, w_ws = s0.working(chunk, self.workspace, st.gpu, span, lines)
-                    total = keep + _line(a[0], b[0], b1, b2).at(chunk) + w
+                    own = inputs[j] if j < len(inputs) else 0
+                    total = keep - own + _line(a[0], b[0], b1, b2).at(chunk) + w
                     if total > peak:
                         peak, extra_at, ws = total, w, w_ws
             else:
