@@ -136,6 +136,14 @@ class Recompute:
         self.cuda_rng = torch.cuda.get_rng_state(self.gpu) if self.gpu is not None else None
         self._kept: list[torch.Tensor] = []
 
+    @staticmethod
+    def device_bytes(gpu: bool) -> int:
+        """What one of these holds, from its forward to the end of the step's backward, in the memory its rank
+        computes in: a CPU rank's random state (a tensor of the CPU generator's 5056 bytes; the planner counts it,
+        and one more while :meth:`replay` runs: ``fork_rng``'s copy); on a GPU nothing (both generators' states
+        are host tensors)."""
+        return 0 if gpu else torch.get_rng_state().numel()
+
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:
         """Run the forward again inside: with gradients, under the first run's autocast and random state (the

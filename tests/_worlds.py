@@ -84,3 +84,34 @@ def many_skips_pipeline(rank, world, skips):
                             balance=[skips + 2, skips + 2])
     total = runner.step(x, y, [0, 1], seed=0, step=0)
     return float(total), [p.grad.clone() for p in runner.parameters()]
+
+
+def sends_held(rank, world, checkpoint):
+    """D = 2 under 1F1B with 4 micro-batches: how many activation sends the first stage still holds at the start
+    of each of its backwards (its input gradient received: that activation's send is done)."""
+    from torch import nn
+
+    from gems.mesh import Mesh
+    from gems.pipeline import apply_pipeline
+
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.Flatten(),
+                        nn.Linear(4 * 6 * 6, 3))
+    mesh = Mesh(replicas=1, pipeline=2, world_size=world)
+    mesh.build_groups(rank)
+    runner = apply_pipeline(seq, mesh, rank, loss_fn=lambda y, t, n: ((y - t) ** 2).sum() / 8, batch_size=8,
+                            schedule="1f1b", micro_batches=4, balance=[2, 3], checkpoint=checkpoint,
+                            sample_shape=(1, 6, 6))
+    held = []
+    backward = runner._backward
+
+    def counting(a, grad, target):
+        held.append(sum(1 for s in runner._sends if len(s) < 3 or s[2][0] == 0))  # the first stage sends activations only
+        return backward(a, grad, target)
+
+    runner._backward = counting
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 1, 6, 6, generator=g), torch.randn(8, 3, generator=g)
+    for step in range(2):
+        runner.step(x, y, list(range(8)), seed=0, step=step)
+    return held

@@ -28,3 +28,14 @@ def test_a_cut_learns_the_layout_of_any_number_of_skips_from_its_header(skips):
     assert l0 == 0.0 and l1 == pytest.approx(want.item(), rel=1e-6)
     for got, ref in zip(g0 + g1, [p.grad for p in seq.parameters()], strict=True):
         torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_a_stage_frees_an_activations_send_once_its_gradient_is_back(checkpoint):
+    """Over gloo a send's work says it completed only once waited for: the first stage held every activation it
+    sent until the end of the step, which undid recomputation's saving. At each backward it now holds only the
+    sends of the micro-batches whose gradients are still to come (1F1B at D = 2: one)."""
+    from _worlds import sends_held
+
+    held, _ = run_world(sends_held, 2, checkpoint, timeout=120)
+    assert len(held) == 8 and max(held) <= 1, held

@@ -234,7 +234,8 @@ class PipelineRunner:
         #: (:meth:`connect`); False where the shapes are learnt from headers in the first step
         self.connected = False
         self._finite: list[tuple[int, torch.Tensor | bool]] = []  # (position, all finite?) of the last step
-        self._sends: list[tuple[Any, torch.Tensor]] = []  # works of the step's rounds, with the buffers they send
+        #: works of the step's rounds, with the buffers they send and their messages' keys
+        self._sends: list[tuple[Any, torch.Tensor, tuple[int, int, int, int]]] = []
         self._weights = WeightGrads()  # what the I actions of a split schedule leave for their W
         if schedule.split:
             for part in self.partitions.values():
@@ -501,7 +502,7 @@ class PipelineRunner:
             if m.dst == self.position:
                 self._inbox[m.key] = (works[m], t)
             else:
-                self._sends.append((works[m], t))
+                self._sends.append((works[m], t, m.key))
 
     def _lead(self, plan: ExchangePlan) -> int:
         """How many actions ahead of its round this rank posts a round's receives (exchange.receive_lead): none
@@ -529,7 +530,20 @@ class PipelineRunner:
         timers.add_since(self.stats.__dict__, "wait_s", t0)
         if self.device.type == "cpu":  # (on GPUs the host's clock sees launches, not transfers)
             self.transfers.received[(self._step, *key)] = (w0, time.time())
+        if key[0] == _GRAD:
+            self._answered((_ACT, key[1], key[2], key[3] + 1))
         return buf
+
+    def _answered(self, sent: tuple[int, int, int, int]) -> None:
+        """The activation ``sent`` has been received: the gradient it was answered with is here. Its send's work is
+        done (waited for without a stall: on a GPU it came before that gradient's receive on the one stream) and
+        its buffer freed. Over gloo a send's work says it completed only once waited for, so without this a rank
+        held every activation it sent until the end of the step, recomputation's (``checkpoint``) too."""
+        for i, (work, _, key) in enumerate(self._sends):
+            if key == sent:
+                work.wait()
+                del self._sends[i]
+                return
 
     def _note_sent(self, key: tuple[int, int, int, int]) -> None:
         if self.device.type == "cpu":
@@ -538,11 +552,11 @@ class PipelineRunner:
     def _reap_sends(self, wait: bool = False) -> None:
         if wait:
             with waiting("pipeline transfer"):
-                for work, _ in self._sends:
+                for work, _, _ in self._sends:
                     work.wait()
             self._sends = []
             return
-        self._sends = [(work, t) for work, t in self._sends if not work.is_completed()]
+        self._sends = [s for s in self._sends if not s[0].is_completed()]
 
     def _put(self, a: Action, kind: int, stage: int, t: torch.Tensor) -> None:
         """Leave what ``a`` made for another stage to the round after it (an activation as the receiver expects

@@ -114,6 +114,7 @@ from torch import nn
 from gems.bootstrap import KEEP_GROWTH, backend_for, keeps_host_memory_within, node_memory_bytes, plan_device
 from gems.config import job_tasks, section
 from gems.errors import ConfigError
+from gems.layers import Recompute
 from gems.models.skips import checkpoint_pieces
 from gems.parallel import resolve, spatial_model, stage_balance
 from gems.pipeline.exchange import plan_exchanges, receive_lead
@@ -536,18 +537,20 @@ class Planner:
             if st.checkpoint:
                 segs = self._ckpt[id(s0)]
                 b1, b2 = self._ckpt_batches
+                # the inputs each recomputed segment keeps from its forward to its backward
                 inputs = [_line(a[1], b[1], b1, b2).at(chunk) for a, b in segs[:-1]]
-                keep = sum(inputs)  # segment inputs
-                keep += _line(*self._ckpt_skips[id(s0)], b1, b2).at(chunk)  # and the skips crossing them, once
-                # one segment at a time is recomputed (the last one is kept from the forward): its saved set and
-                # the worst of its layers' backward over that set, the segment whose sum is largest. A recomputed
-                # segment's saved set holds its input, which is one of the kept inputs: counted once
+                skips = _line(*self._ckpt_skips[id(s0)], b1, b2).at(chunk)  # the skips crossing them, once
+                # the random state each recomputed segment keeps (in its graph's node), and one more while one replays
+                replays = (len(inputs) + 1) * Recompute.device_bytes(st.gpu)
+                # the backward runs the segments last to first, one at a time: the last one's saved set is kept
+                # from the forward, while every segment's input is; segment j < last is recomputed once the ones
+                # after it are done and their inputs freed, beside the inputs of those before it (its own is in its
+                # saved set). Each with the worst of its layers' backward over that set; the largest sum is the peak
                 peak = -1
                 for j, ((a, b), span) in enumerate(zip(segs, s0.ckpt_layers)):
                     lines = [_line(x1, x2, b1, b2) for x1, x2 in zip(a[2], b[2])]
                     w, w_ws = s0.working(chunk, self.workspace, st.gpu, span, lines)
-                    own = inputs[j] if j < len(inputs) else 0
-                    total = keep - own + _line(a[0], b[0], b1, b2).at(chunk) + w
+                    total = sum(inputs[:j]) + skips + _line(a[0], b[0], b1, b2).at(chunk) + w + replays
                     if total > peak:
                         peak, extra_at, ws = total, w, w_ws
             else:
@@ -560,12 +563,20 @@ class Planner:
             for kind, p, live, waiting in flights:
                 keep = 0
                 for q, n in live.items():
-                    per = stages[q].inp.at(chunk) if st.checkpoint else stages[q].saved.at(chunk)
-                    keep += n * per
+                    if not st.checkpoint:
+                        keep += n * stages[q].saved.at(chunk)
+                        continue
+                    # recomputed: a micro-batch keeps its input and its random state, and (but on the last stage)
+                    # its output, the send's buffer, until its gradient comes back (PipelineRunner._answered); the
+                    # action's own output is counted below (F) or freed already (B)
+                    keep += n * (stages[q].inp.at(chunk) + Recompute.device_bytes(st.gpu))
+                    if q != st.settings.stages - 1:
+                        keep += (n - (q == p)) * stages[q].out.at(chunk)
                 w = 0
                 if kind == "B" or not st.checkpoint:
                     work, w = stages[p].working(chunk, self.workspace, st.gpu)
-                    extra = work + (stages[p].saved.at(chunk) if st.checkpoint else 0)
+                    # recomputed: its saved set again, and the random state's copy while it replays
+                    extra = work + (stages[p].saved.at(chunk) + Recompute.device_bytes(st.gpu) if st.checkpoint else 0)
                 else:
                     extra = stages[p].out.at(chunk)
                 if keep + extra + waiting * bound > peak + early * bound:

@@ -270,10 +270,15 @@ class Trace:
             first[out_key] = a - 1
         total = sum(keys.values())
         ins = [in_b] + self.out_bytes[a:e - 1]
+        # a partition that sends its output gets that output's gradient as one received buffer (packed with the
+        # skips' where they travel with it), held through its whole backward: the output gradient of its last
+        # layer, and beside every layer's working set before it
+        outs = self.out_bytes[a:e - 1] + [out_b]
+        received = 0 if last else out_b
         work = []
-        for j, (i, o) in zip(range(a, e), zip(ins, self.out_bytes[a:e])):
+        for j, (i, o) in zip(range(a, e), zip(ins, outs)):
             alive = sum(nb for k, nb in keys.items() if first[k] <= j)
-            work.append(alive + i + o - total)
+            work.append(alive + i + (o if j == e - 1 else o + received) - total)
         return total, in_b, work, out_b
 
 
