@@ -38,11 +38,18 @@ How the estimate is made:
   (:func:`gems.pipeline.make_schedule`): ``gpipe`` keeps all ``m``, ``1f1b``
   ``min(m, D-d)``, ``mast``/``master`` one per direction for ``m = 1`` on the
   two mirrored partitions (2x parameters). ``checkpoint=true`` keeps only
-  partition inputs and recomputes one partition at a time in its backward.
+  partition inputs (and a partition's sent output until its gradient comes
+  back: the send's buffer) and recomputes one partition at a time in its
+  backward; on the plain path the segments are recomputed last to first, each
+  beside the inputs of the segments before it. A recomputation keeps torch's
+  random state too (:meth:`gems.layers.Recompute.device_bytes`, on CPU ranks).
   The peak adds the backward working set (the output and input gradients
   of one layer, and on CPU ranks the workspace its convolutions' backward
   allocates for itself) at the layer where saved tensors plus that working
   set are largest: storages saved only by later layers are freed by then.
+  A partition that sends its output holds the gradient it receives for it
+  (one buffer, with the skips' gradients where they travel with it) through
+  its whole backward.
 * **CPU workspace.** oneDNN's backward of a convolution allocates a
   scratchpad and weight-gradient buffers of its own (about 4x the weights of
   a 256-channel 3^3 convolution, whatever its extent: a quarter of a
