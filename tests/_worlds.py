@@ -87,8 +87,8 @@ def many_skips_pipeline(rank, world, skips):
 
 
 def sends_held(rank, world, checkpoint):
-    """D = 2 under 1F1B with 4 micro-batches: how many activation sends the first stage still holds at the start
-    of each of its backwards (its input gradient received: that activation's send is done)."""
+    """D = 2 under 1F1B with 4 micro-batches: how many sends each stage still holds at the start of each of its
+    backwards (the first stage's activations, the second's input gradients), over two steps."""
     from torch import nn
 
     from gems.mesh import Mesh
@@ -106,7 +106,7 @@ def sends_held(rank, world, checkpoint):
     backward = runner._backward
 
     def counting(a, grad, target):
-        held.append(sum(1 for s in runner._sends if len(s) < 3 or s[2][0] == 0))  # the first stage sends activations only
+        held.append(len(runner._sends))
         return backward(a, grad, target)
 
     runner._backward = counting

@@ -302,7 +302,8 @@ def test_looped_bfs_is_drawn_takes_any_micro_batches_and_keeps_every_one():
 def test_the_planner_bounds_a_looped_bfs_run_closely(tmp_path):
     """The planner knows the new schedule from its action lists alone: each rank's planned memory bounds what its
     tensors reach in a real run within 40%, at the state its action list walks to (all four micro-batches on the
-    stage whose backward sets the peak)."""
+    stage whose backward sets the peak; on the second rank its other stage may be done by then, its input gradients
+    sent and held)."""
     import json
 
     from _cli import gems, merged, records
@@ -320,7 +321,7 @@ def test_the_planner_bounds_a_looped_bfs_run_closely(tmp_path):
     assert len(by_rank) == len(measured) == 2
     for rank, got in enumerate(measured):
         pos = by_rank[rank]
-        assert set(pos["in_flight"].values()) == {4}, pos["in_flight"]
+        assert max(pos["in_flight"].values()) == 4, pos["in_flight"]
         assert 1.0 <= pos["bytes"]["total"] / got <= 1.4, (rank, pos["bytes"]["total"], got)
 
 

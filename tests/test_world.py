@@ -31,11 +31,13 @@ def test_a_cut_learns_the_layout_of_any_number_of_skips_from_its_header(skips):
 
 
 @pytest.mark.parametrize("checkpoint", [False, True])
-def test_a_stage_frees_an_activations_send_once_its_gradient_is_back(checkpoint):
-    """Over gloo a send's work says it completed only once waited for: the first stage held every activation it
-    sent until the end of the step, which undid recomputation's saving. At each backward it now holds only the
-    sends of the micro-batches whose gradients are still to come (1F1B at D = 2: one)."""
+def test_a_stage_frees_a_send_once_its_delivery_is_known(checkpoint):
+    """Over gloo a send's work says it completed only once waited for: a stage held every buffer it sent until the
+    end of the step (the first stage its activations, which undid recomputation's saving; the second its input
+    gradients). A send is freed once a message its receiver made after needing it has come back
+    (ExchangePlan.delivered): under 1F1B at D = 2 each stage holds one at most at each backward (four and three
+    before)."""
     from _worlds import sends_held
 
-    held, _ = run_world(sends_held, 2, checkpoint, timeout=120)
-    assert len(held) == 8 and max(held) <= 1, held
+    first, second = run_world(sends_held, 2, checkpoint, timeout=120)
+    assert len(first) == len(second) == 8 and max(first) <= 1 and max(second) <= 1, (first, second)

@@ -191,6 +191,56 @@ class ExchangePlan:
             waiting -= now
         return out
 
+    def delivered(self, position: int) -> dict[tuple[int, int, int, int], tuple[tuple[int, int, int, int], ...]]:
+        """Which of ``position``'s sends are known delivered once it has received a message (keyed by what it
+        received: its ``key``): those whose receiver started the action that needs them (having waited for them)
+        before the action that made the message received. Over gloo a send's work says it completed only once waited
+        for, so without this a rank held every buffer it sent until the end of the step; waiting for a send known
+        delivered never stalls (on a GPU it came before that receive on the communicator's stream). Each send is
+        named once, at the first receive that proves it."""
+        S = self.schedule.stages
+        at: dict[tuple[int, tuple[int, int, int, int]], tuple[int, str]] = {}  # (position, key) -> (index, 'needs'/'makes')
+        for p, order in enumerate(self.orders):
+            for k, a in enumerate(order):
+                got, made = receives(a, S), sends(a, S)
+                if got is not None:
+                    at.setdefault((p, (got[0], a.replica, a.micro_batch, got[1])), (k, "needs"))
+                if made is not None:
+                    at[(p, (made[0], a.replica, a.micro_batch, made[1]))] = (k, "makes")
+        mine = [m for r in self.rounds for m in r.messages if m.src == position and m.dst != position]
+        out: dict[tuple[int, int, int, int], tuple[tuple[int, int, int, int], ...]] = {}
+        known: set[tuple[int, int, int, int]] = set()
+        for m in self.messages(position):
+            if m.dst != position or m.src == position:
+                continue
+            making = at[(m.src, m.key)][0]
+            proven = tuple(s.key for s in mine if s.dst == m.src and s.key not in known
+                           and at[(s.dst, s.key)][0] < making)
+            known.update(proven)
+            if proven:
+                out[m.key] = proven
+        return out
+
+    def unconfirmed(self, position: int) -> list[tuple[tuple[int, int], ...]]:
+        """Per action of ``position`` (in its order), the (kind, receiving stage) of each message it sent before that
+        action and does not yet know delivered (:meth:`delivered`) once the action's own input is here: the send
+        buffers it holds beside the action (what the memory plan adds)."""
+        S = self.schedule.stages
+        proofs = self.delivered(position)
+        order = self.orders[position]
+        pending: dict[tuple[int, int, int, int], tuple[int, int]] = {}
+        out = []
+        for a in order:
+            got = receives(a, S)
+            if got is not None:
+                for key in proofs.get((got[0], a.replica, a.micro_batch, got[1]), ()):
+                    pending.pop(key, None)
+            out.append(tuple(sorted(pending.values())))
+            made = sends(a, S)
+            if made is not None and self.schedule.rank_of(a.replica, made[1]) != position:
+                pending[(made[0], a.replica, a.micro_batch, made[1])] = made
+        return out
+
 
 def adoptable(unit: ExchangePlan, timed: ExchangePlan, lead: int = 0) -> bool:
     """Whether rounds placed on measured times (``timed``) replace the unit clock's (``unit``), with receives posted

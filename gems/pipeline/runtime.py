@@ -236,6 +236,9 @@ class PipelineRunner:
         self._finite: list[tuple[int, torch.Tensor | bool]] = []  # (position, all finite?) of the last step
         #: works of the step's rounds, with the buffers they send and their messages' keys
         self._sends: list[tuple[Any, torch.Tensor, tuple[int, int, int, int]]] = []
+        #: per message this rank receives, the sends its arrival shows delivered (of the plan it was made for)
+        self._delivered: dict[tuple[int, int, int, int], tuple[tuple[int, int, int, int], ...]] = {}
+        self._delivered_plan: ExchangePlan | None = None
         self._weights = WeightGrads()  # what the I actions of a split schedule leave for their W
         if schedule.split:
             for part in self.partitions.values():
@@ -530,20 +533,21 @@ class PipelineRunner:
         timers.add_since(self.stats.__dict__, "wait_s", t0)
         if self.device.type == "cpu":  # (on GPUs the host's clock sees launches, not transfers)
             self.transfers.received[(self._step, *key)] = (w0, time.time())
-        if key[0] == _GRAD:
-            self._answered((_ACT, key[1], key[2], key[3] + 1))
+        proven = self._delivered.get(key, ())
+        if proven:
+            self._free_sends(proven)
         return buf
 
-    def _answered(self, sent: tuple[int, int, int, int]) -> None:
-        """The activation ``sent`` has been received: the gradient it was answered with is here. Its send's work is
-        done (waited for without a stall: on a GPU it came before that gradient's receive on the one stream) and
-        its buffer freed. Over gloo a send's work says it completed only once waited for, so without this a rank
-        held every activation it sent until the end of the step, recomputation's (``checkpoint``) too."""
-        for i, (work, _, key) in enumerate(self._sends):
-            if key == sent:
+    def _free_sends(self, keys: Sequence[tuple[int, int, int, int]]) -> None:
+        """Free the buffers of sends known delivered (:meth:`gems.pipeline.exchange.ExchangePlan.delivered`): their
+        works waited for, which never stalls. Over gloo a send's work says it completed only once waited for, so
+        without this a rank held every buffer it sent until the end of the step (an activation's under
+        recomputation, where nothing else keeps it; every input gradient a stage sent)."""
+        done = set(keys)
+        for work, _, key in self._sends:
+            if key in done:
                 work.wait()
-                del self._sends[i]
-                return
+        self._sends = [s for s in self._sends if s[2] not in done]
 
     def _note_sent(self, key: tuple[int, int, int, int]) -> None:
         if self.device.type == "cpu":
@@ -747,6 +751,8 @@ class PipelineRunner:
         self._inbox: dict[tuple[int, int, int, int], tuple[Any, torch.Tensor]] = {}
         self._outbox: dict[tuple[int, int, int, int], torch.Tensor] = {}
         self._sends = []
+        if self._delivered_plan is not plan:
+            self._delivered_plan, self._delivered = plan, plan.delivered(self.position)
         actions = plan.orders[self.position]
         prog, inside = self._program(plan)
         for kind, item in prog:

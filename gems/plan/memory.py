@@ -126,7 +126,7 @@ from gems.models.skips import checkpoint_pieces
 from gems.parallel import resolve, spatial_model, stage_balance
 from gems.pipeline.exchange import plan_exchanges, receive_lead
 from gems.pipeline.partition import trace_shapes
-from gems.pipeline.schedules import registered
+from gems.pipeline.schedules import GRAD, registered
 from gems.plan.calibration import load_calibration
 from gems.plan.devices import GPUS, blas_workspace_bytes, gpu_memory_bytes, gpu_reserve, rank_communicators
 from gems.plan.schema import SCHEMA, Breakdown, GiB, MemoryPlan, Position
@@ -237,26 +237,33 @@ def _stages(t1: Trace, t2: Trace, bal: Sequence[int], layers: Sequence[nn.Module
 
 
 # ============================================================================ schedules
-def _in_flight(schedule: Any, d: int, held: Sequence[int] = ()) -> list[tuple[str, int, dict[int, int], int]]:
+Flight = tuple[str, int, dict[int, int], int, tuple[int, ...]]
+
+
+def _in_flight(schedule: Any, d: int, held: Sequence[int] = (),
+               unsent: Sequence[tuple[tuple[int, int], ...]] = ()) -> list[Flight]:
     """The distinct states of rank ``d``'s action list that can set its peak: (F for a forward, B for the
-    backward's working set, the partition, micro-batches alive per partition then, messages held beside them),
-    walked with what each kind of action does (:class:`gems.pipeline.schedules.Kind`): whatever the schedule, no
-    name is asked. ``held``: per action, the messages received or posted ahead that it runs beside
-    (:meth:`gems.pipeline.exchange.ExchangePlan.held_during`; none where not given). A long schedule's steady
-    state repeats itself, so the distinct states stay few."""
-    steps: dict[tuple[str, int, tuple[tuple[int, int], ...], int], None] = {}
+    backward's working set, the partition, micro-batches alive per partition then, messages held beside them, the
+    receiving stage of each input gradient sent and held beside them), walked with what each kind of action does
+    (:class:`gems.pipeline.schedules.Kind`): whatever the schedule, no name is asked. ``held``: per action, the
+    messages received or posted ahead that it runs beside (:meth:`gems.pipeline.exchange.ExchangePlan.held_during`;
+    none where not given). ``unsent``: per action, the sends whose buffers it still holds
+    (:meth:`~gems.pipeline.exchange.ExchangePlan.unconfirmed`; an activation's is the micro-batch's output, counted
+    with it). A long schedule's steady state repeats itself, so the distinct states stay few."""
+    steps: dict[tuple[str, int, tuple[tuple[int, int], ...], int, tuple[int, ...]], None] = {}
     live: dict[int, int] = {}
     for k, a in enumerate(schedule.actions[d]):
         h = held[k] if k < len(held) else 0
+        grads = tuple(stage for kind, stage in (unsent[k] if k < len(unsent) else ()) if kind == GRAD)
         if a.kind.forward:
             live[a.stage] = live.get(a.stage, 0) + 1
-            steps[("F", a.stage, tuple(sorted(live.items())), h)] = None
+            steps[("F", a.stage, tuple(sorted(live.items())), h, grads)] = None
         else:
             if a.kind.input_gradient:  # the backward's working set is live while it runs
-                steps[("B", a.stage, tuple(sorted(live.items())), h)] = None
+                steps[("B", a.stage, tuple(sorted(live.items())), h, grads)] = None
             if a.kind.frees:
                 live[a.stage] -= 1
-    return [(k, p, dict(alive), h) for k, p, alive, h in steps]
+    return [(k, p, dict(alive), h, g) for k, p, alive, h, g in steps]
 
 
 # ============================================================================ the plan
@@ -524,7 +531,7 @@ class Planner:
         return bal, out
 
     def position(self, d: int, members: list[int], local: list[int], stages: list[_Stage], target_b: int,
-                 chunk: int, flights: list[tuple[str, int, dict[int, int], int]], held: list[int]) -> Position:
+                 chunk: int, flights: list[Flight], held: list[int]) -> Position:
         """The memory of pipeline position ``d`` for spatial ``members``; each of ``flights`` (:func:`_in_flight`)
         with the messages the position holds beside that state, received or posted before the action that needs
         them (:meth:`gems.pipeline.exchange.ExchangePlan.held_during`)."""
@@ -567,8 +574,9 @@ class Planner:
             const = s0.const.at(chunk)
         else:
             const = sum(stages[p].const.at(chunk) for p in held)
-            for kind, p, live, waiting in flights:
-                keep = 0
+            for kind, p, live, waiting, unsent in flights:
+                # the input gradients sent and not yet known delivered (into stage s: stage s + 1's input's size)
+                keep = sum(stages[s + 1].inp.at(chunk) for s in unsent)
                 for q, n in live.items():
                     if not st.checkpoint:
                         keep += n * stages[q].saved.at(chunk)
@@ -623,7 +631,7 @@ class Planner:
             if sched is not None and exchanges is not None:
                 held = sched.partitions_of(d)
                 # each state with the messages held beside it, the receives gloo posts ahead included
-                flights = _in_flight(sched, d, exchanges.held_during(d, lead))
+                flights = _in_flight(sched, d, exchanges.held_during(d, lead), exchanges.unconfirmed(d))
             else:
                 held, flights = [0], []
             for members, local, stages, target_b in classes:
