@@ -621,3 +621,37 @@ def test_the_buffers_held_beside_each_action_are_those_its_program_has_posted_an
                 assert plan.held(p, lead) == max(counted, default=0)
                 more += lead > 0 and max(counted, default=0) > max(plan.held_during(p), default=0)
     assert more > 0
+
+
+def test_a_send_is_known_delivered_once_its_receiver_has_answered():
+    """ExchangePlan.delivered: a rank learns a send arrived from a message its receiver made after needing it. Under
+    1F1B a position holds as many at any action whatever m (its warm-up's activations, a gradient or two); under
+    GPipe the last backwards' input gradients
+    have no answer within the step (held to its end, m - 1 on the last position); every send named is one this
+    position made, named once, and its receiver needed it before making the message that names it."""
+    from gems.pipeline.exchange import plan_exchanges
+    from gems.pipeline.schedules import receives, sends
+
+    for D, m in ((2, 8), (4, 8)):
+        one = plan_exchanges(make_schedule("1f1b", D, m))
+        longer = plan_exchanges(make_schedule("1f1b", D, 2 * m))
+        for p in range(D):
+            most = max(len(u) for u in one.unconfirmed(p))
+            assert most == max(len(u) for u in longer.unconfirmed(p)) and most <= D - 1
+        gp = plan_exchanges(make_schedule("gpipe", D, m))
+        assert max(len(u) for u in gp.unconfirmed(D - 1)) == m - 1
+        for plan in (one, gp):
+            S = plan.schedule.stages
+            for p in range(D):
+                made = {m_.key: m_ for r in plan.rounds for m_ in r.messages if m_.src == p and m_.dst != p}
+                named = [k for keys in plan.delivered(p).values() for k in keys]
+                assert len(named) == len(set(named)) and set(named) <= set(made)
+                for got, keys in plan.delivered(p).items():
+                    sender = next(m_.src for r in plan.rounds for m_ in r.messages if m_.key == got and m_.dst == p)
+                    order = plan.orders[sender]
+                    making = next(i for i, a in enumerate(order)
+                                  if (s := sends(a, S)) and (s[0], a.replica, a.micro_batch, s[1]) == got)
+                    for k in keys:
+                        needing = next(i for i, a in enumerate(order)
+                                       if (n := receives(a, S)) and (n[0], a.replica, a.micro_batch, n[1]) == k)
+                        assert needing < making
