@@ -197,28 +197,42 @@ class ExchangePlan:
         before the action that made the message received. Over gloo a send's work says it completed only once waited
         for, so without this a rank held every buffer it sent until the end of the step; waiting for a send known
         delivered never stalls (on a GPU it came before that receive on the communicator's stream). Each send is
-        named once, at the first receive that proves it."""
+        named once, at the first receive that proves it in the order ``position`` waits for them (its actions').
+        Linear in the messages: per peer, the sends sorted by where the peer needs them."""
         S = self.schedule.stages
-        at: dict[tuple[int, tuple[int, int, int, int]], tuple[int, str]] = {}  # (position, key) -> (index, 'needs'/'makes')
-        for p, order in enumerate(self.orders):
+        index: list[dict[tuple[tuple[int, int, int, int], str], int]] = []  # per position: (key, needs/makes) -> action
+        for order in self.orders:
+            at: dict[tuple[tuple[int, int, int, int], str], int] = {}
             for k, a in enumerate(order):
                 got, made = receives(a, S), sends(a, S)
                 if got is not None:
-                    at.setdefault((p, (got[0], a.replica, a.micro_batch, got[1])), (k, "needs"))
+                    at.setdefault(((got[0], a.replica, a.micro_batch, got[1]), "needs"), k)
                 if made is not None:
-                    at[(p, (made[0], a.replica, a.micro_batch, made[1]))] = (k, "makes")
-        mine = [m for r in self.rounds for m in r.messages if m.src == position and m.dst != position]
+                    at[((made[0], a.replica, a.micro_batch, made[1]), "makes")] = k
+            index.append(at)
+        sent: dict[int, list[tuple[int, tuple[int, int, int, int]]]] = {}  # peer -> (where it needs it, key), sorted
+        src: dict[tuple[int, int, int, int], int] = {}  # what this position receives -> its sender
+        for r in self.rounds:
+            for m in r.messages:
+                if m.src == position and m.dst != position:
+                    sent.setdefault(m.dst, []).append((index[m.dst][(m.key, "needs")], m.key))
+                elif m.dst == position and m.src != position:
+                    src[m.key] = m.src
+        for todo in sent.values():
+            todo.sort(reverse=True)  # popped from the end: the earliest needed first
         out: dict[tuple[int, int, int, int], tuple[tuple[int, int, int, int], ...]] = {}
-        known: set[tuple[int, int, int, int]] = set()
-        for m in self.messages(position):
-            if m.dst != position or m.src == position:
+        for a in self.orders[position]:
+            got = receives(a, S)
+            key = (got[0], a.replica, a.micro_batch, got[1]) if got is not None else None
+            if key is None or key not in src:
                 continue
-            making = at[(m.src, m.key)][0]
-            proven = tuple(s.key for s in mine if s.dst == m.src and s.key not in known
-                           and at[(s.dst, s.key)][0] < making)
-            known.update(proven)
+            peer = src[key]
+            making, todo = index[peer][(key, "makes")], sent.get(peer, [])
+            proven = []
+            while todo and todo[-1][0] < making:
+                proven.append(todo.pop()[1])
             if proven:
-                out[m.key] = proven
+                out[key] = tuple(proven)
         return out
 
     def unconfirmed(self, position: int) -> list[tuple[tuple[int, int], ...]]:

@@ -238,7 +238,7 @@ class PipelineRunner:
         self._sends: list[tuple[Any, torch.Tensor, tuple[int, int, int, int]]] = []
         #: per message this rank receives, the sends its arrival shows delivered (of the plan it was made for)
         self._delivered: dict[tuple[int, int, int, int], tuple[tuple[int, int, int, int], ...]] = {}
-        self._delivered_plan: ExchangePlan | None = None
+        self._delivered_of: dict[int, tuple[ExchangePlan, dict[Any, Any]]] = {}
         self._weights = WeightGrads()  # what the I actions of a split schedule leave for their W
         if schedule.split:
             for part in self.partitions.values():
@@ -544,9 +544,10 @@ class PipelineRunner:
         without this a rank held every buffer it sent until the end of the step (an activation's under
         recomputation, where nothing else keeps it; every input gradient a stage sent)."""
         done = set(keys)
-        for work, _, key in self._sends:
-            if key in done:
-                work.wait()
+        with waiting("pipeline transfer"):  # never waits (a wrong proof would, and the watchdog would name it)
+            for work, _, key in self._sends:
+                if key in done:
+                    work.wait()
         self._sends = [s for s in self._sends if s[2] not in done]
 
     def _note_sent(self, key: tuple[int, int, int, int]) -> None:
@@ -751,8 +752,9 @@ class PipelineRunner:
         self._inbox: dict[tuple[int, int, int, int], tuple[Any, torch.Tensor]] = {}
         self._outbox: dict[tuple[int, int, int, int], torch.Tensor] = {}
         self._sends = []
-        if self._delivered_plan is not plan:
-            self._delivered_plan, self._delivered = plan, plan.delivered(self.position)
+        if id(plan) not in self._delivered_of:  # per plan (training's, evaluation's, a timed one), kept with it
+            self._delivered_of[id(plan)] = (plan, plan.delivered(self.position))
+        self._delivered = self._delivered_of[id(plan)][1]
         actions = plan.orders[self.position]
         prog, inside = self._program(plan)
         for kind, item in prog:

@@ -582,8 +582,8 @@ class Planner:
                         keep += n * stages[q].saved.at(chunk)
                         continue
                     # recomputed: a micro-batch keeps its input and its random state, and (but on the last stage)
-                    # its output, the send's buffer, until its gradient comes back (PipelineRunner._answered); the
-                    # action's own output is counted below (F) or freed already (B)
+                    # its output, the send's buffer, until its gradient comes back at the latest
+                    # (ExchangePlan.delivered); the action's own output is counted below (F) or freed already (B)
                     keep += n * (stages[q].inp.at(chunk) + Recompute.device_bytes(st.gpu))
                     if q != st.settings.stages - 1:
                         keep += (n - (q == p)) * stages[q].out.at(chunk)
@@ -626,12 +626,16 @@ class Planner:
         out = []
         sched = self.sched() if self.pipelined else None
         exchanges = plan_exchanges(sched) if sched is not None else None
-        lead = receive_lead(backend_for(torch.device("cuda" if st.gpu else "cpu")))
+        backend = backend_for(torch.device("cuda" if st.gpu else "cpu"))
+        lead = receive_lead(backend)
         for d in range(D):
             if sched is not None and exchanges is not None:
                 held = sched.partitions_of(d)
                 # each state with the messages held beside it, the receives gloo posts ahead included
-                flights = _in_flight(sched, d, exchanges.held_during(d, lead), exchanges.unconfirmed(d))
+                # and the sends it holds not known delivered: over gloo, whose send is done only once waited for;
+                # NCCL's completes with its round (a meeting) and is freed after the next action
+                unsent = exchanges.unconfirmed(d) if backend == "gloo" else []
+                flights = _in_flight(sched, d, exchanges.held_during(d, lead), unsent)
             else:
                 held, flights = [0], []
             for members, local, stages, target_b in classes:
