@@ -199,35 +199,26 @@ class ExchangePlan:
         delivered never stalls (on a GPU it came before that receive on the communicator's stream). Each send is
         named once, at the first receive that proves it in the order ``position`` waits for them (its actions').
         Linear in the messages: per peer, the sends sorted by where the peer needs them."""
-        S = self.schedule.stages
-        index: list[dict[tuple[tuple[int, int, int, int], str], int]] = []  # per position: (key, needs/makes) -> action
-        for order in self.orders:
-            at: dict[tuple[tuple[int, int, int, int], str], int] = {}
-            for k, a in enumerate(order):
-                got, made = receives(a, S), sends(a, S)
-                if got is not None:
-                    at.setdefault(((got[0], a.replica, a.micro_batch, got[1]), "needs"), k)
-                if made is not None:
-                    at[((made[0], a.replica, a.micro_batch, made[1]), "makes")] = k
-            index.append(at)
+        sched = self.schedule
+        needs = [_needed(sched, order) for order in self.orders]  # per position: message -> the action needing it
+        makes = [{m.key: k for k, a in enumerate(order) if (m := _message(sched, a)) is not None}
+                 for order in self.orders]
         sent: dict[int, list[tuple[int, tuple[int, int, int, int]]]] = {}  # peer -> (where it needs it, key), sorted
         src: dict[tuple[int, int, int, int], int] = {}  # what this position receives -> its sender
         for r in self.rounds:
             for m in r.messages:
-                if m.src == position and m.dst != position:
-                    sent.setdefault(m.dst, []).append((index[m.dst][(m.key, "needs")], m.key))
-                elif m.dst == position and m.src != position:
+                if m.src == position:
+                    sent.setdefault(m.dst, []).append((needs[m.dst][m.key], m.key))
+                elif m.dst == position:
                     src[m.key] = m.src
         for todo in sent.values():
             todo.sort(reverse=True)  # popped from the end: the earliest needed first
         out: dict[tuple[int, int, int, int], tuple[tuple[int, int, int, int], ...]] = {}
         for a in self.orders[position]:
-            got = receives(a, S)
-            key = (got[0], a.replica, a.micro_batch, got[1]) if got is not None else None
+            key = wanted(a, sched.stages)
             if key is None or key not in src:
                 continue
-            peer = src[key]
-            making, todo = index[peer][(key, "makes")], sent.get(peer, [])
+            making, todo = makes[src[key]][key], sent.get(src[key], [])
             proven = []
             while todo and todo[-1][0] < making:
                 proven.append(todo.pop()[1])
@@ -239,20 +230,17 @@ class ExchangePlan:
         """Per action of ``position`` (in its order), the (kind, receiving stage) of each message it sent before that
         action and does not yet know delivered (:meth:`delivered`) once the action's own input is here: the send
         buffers it holds beside the action (what the memory plan adds)."""
-        S = self.schedule.stages
         proofs = self.delivered(position)
-        order = self.orders[position]
         pending: dict[tuple[int, int, int, int], tuple[int, int]] = {}
         out = []
-        for a in order:
-            got = receives(a, S)
-            if got is not None:
-                for key in proofs.get((got[0], a.replica, a.micro_batch, got[1]), ()):
-                    pending.pop(key, None)
+        for a in self.orders[position]:
+            needed = wanted(a, self.schedule.stages)
+            for key in proofs.get(needed, ()) if needed is not None else ():
+                pending.pop(key, None)
             out.append(tuple(sorted(pending.values())))
-            made = sends(a, S)
-            if made is not None and self.schedule.rank_of(a.replica, made[1]) != position:
-                pending[(made[0], a.replica, a.micro_batch, made[1])] = made
+            m = _message(self.schedule, a)
+            if m is not None:
+                pending[m.key] = (m.kind, m.stage)
         return out
 
 
