@@ -297,11 +297,12 @@ def test_the_layer_memo_plans_exactly_what_tracing_every_layer_plans(extra, monk
     assert blocks[1] * 3 < blocks[0], blocks  # most blocks replayed, not run
 
 
-def test_conv_workspace_is_measured_at_1_2_4_and_drawn_on_lines_between_and_beyond(monkeypatch):
+def test_conv_workspace_is_measured_at_1_2_4_and_drawn_on_lines_between_and_beyond(monkeypatch, tmp_path):
     """The batches conv_workspace measures and how it fills in the rest (the measurement itself is checked
     against real runs in test_memory_record)."""
     import gems.plan.devices as dv
 
+    monkeypatch.setenv("GEMS_CACHE_DIR", str(tmp_path))  # (the suite's store may hold these shapes, measured)
     asked = []
 
     def fake(sig, input_grad):

@@ -1,7 +1,7 @@
 """The planner's traces kept on disk between processes (gems/plan/store.py): a second process plans the same
 point from the file without tracing (torch's fake-tensor machinery is never imported) and to the same figures; a
 damaged file is a miss; ``GEMS_CACHE_DIR=`` keeps nothing; a custom model is never kept; a changed gems or torch
-reads no old file."""
+reads no old file; a convolution's workspace is measured once per CPU."""
 from __future__ import annotations
 
 import json
@@ -117,3 +117,39 @@ def test_a_custom_model_is_never_kept(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert not kept(tmp_path)
+
+
+WORKSPACE = """
+import json, sys
+import gems.plan.devices as dv
+measured = []
+real = dv._backward_workspace
+dv._backward_workspace = lambda sig, grad: measured.append(sig[-1]) or real(sig, grad)
+sig = ("conv", 3, 8, 16, (3, 3, 3), (1, 1, 1), 1, False, (1, 1, 1), (8, 8, 8))
+got = [dv.conv_workspace(sig, b, grad) for b in (1, 2, 3) for grad in (True, False)]
+print(json.dumps({"bytes": got, "measured": measured}))
+"""
+
+
+def test_a_convolutions_workspace_is_measured_once_per_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes, not time: a second process reads them from the store and plans the same; another CPU (its model
+    or instruction sets: oneDNN picks its kernels by them) measures its own."""
+    def run() -> dict:
+        r = subprocess.run([sys.executable, "-c", WORKSPACE], capture_output=True, text=True,
+                           env=dict(os.environ, GEMS_CACHE_DIR=str(tmp_path)), timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    first = run()
+    assert first["measured"] == [1, 1, 2, 2, 4, 4] and max(first["bytes"]) > 0  # 3: between 2 and 4; each grad or not
+    second = run()
+    assert second == {"bytes": first["bytes"], "measured": []}
+    import gems.plan.devices as dv
+
+    monkeypatch.setenv("GEMS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(dv, "_WORKSPACE", {})
+    monkeypatch.setattr(dv, "cpu_identity", lambda: ("another CPU", "avx512f"))
+    measured = []
+    monkeypatch.setattr(dv, "_backward_workspace", lambda sig, grad: measured.append(sig[-1]) or 1)
+    sig = ("conv", 3, 8, 16, (3, 3, 3), (1, 1, 1), 1, False, (1, 1, 1), (8, 8, 8))
+    assert dv.conv_workspace(sig, 1, True) == 1 and measured == [1]

@@ -10,13 +10,9 @@ from typing import Any, Sequence
 
 
 def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from gems.plan.store import cpu_identity
+
+    return cpu_identity()[0]
 
 
 def environment() -> dict[str, Any]:

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 from gems.bootstrap import keep_host_memory
 from gems.errors import ConfigError
+from gems.plan.store import cached, cpu_identity
 
 __all__ = ["GPUS", "Rates", "Link", "gpu_rates", "cpu_rates", "forget_cpu_rates", "conv_workspace",
            "synthetic_seconds", "links", "DEFAULT_EFFICIENCY", "efficiency", "gpu_memory_bytes", "Communicator",
@@ -519,14 +520,16 @@ def conv_workspace(sig: tuple, batch: int, input_grad: bool, threads: int = 1) -
     Measured on random tensors from the CPU allocator's events (:func:`gems.memory.step_peak_bytes`, as a
     run's record counts tensor memory), once per signature and input gradient at batches 1, 2 and 4 (those
     within MEASURE_ELEMENTS elements of input or output): exact there, on the line between them at 3, and
-    beyond the last on the line through the last two, never decreasing."""
+    beyond the last on the line through the last two, never decreasing. Kept on disk between processes
+    (:mod:`gems.plan.store`), keyed by the CPU's model and instruction sets."""
     per_sample = max(sig[2], sig[3]) * math.prod(sig[-1])  # the larger of its input and (stride 1) output
     points = [q for q in (1, 2, 4) if q == 1 or q * per_sample <= MEASURE_ELEMENTS]
 
     def at(q: int) -> int:
         key = (sig, q, input_grad, threads)
-        if key not in _WORKSPACE:
-            _WORKSPACE[key] = _with_threads(threads, lambda: _backward_workspace((*sig, q), input_grad))
+        if key not in _WORKSPACE:  # bytes, not time: kept on disk for this CPU (gems.plan.store)
+            _WORKSPACE[key] = cached(("conv_workspace", *key, cpu_identity()),
+                                     lambda: _with_threads(threads, lambda: _backward_workspace((*sig, q), input_grad)))
         return _WORKSPACE[key]
 
     batch = max(1, int(batch))

@@ -12,8 +12,13 @@ trace, and the folders of other versions untouched for a week are removed when a
 ``GEMS_CACHE_DIR=`` (empty) turns it off. The files are pickles, read back as code would be: the folder must be
 one only its user writes (the default is).
 
+It also keeps what a CPU rank's convolution backward allocates for itself (``gems.plan.devices.conv_workspace``):
+bytes, not time, a pure function of the convolution, the batch, the threads, torch's version and the CPU's
+instruction sets (oneDNN picks its kernels by them: :func:`cpu_identity` is in the key). Measuring them took
+3-7 s of every ``gems plan`` of a CPU mesh.
+
 What it never holds: a custom model's (``model=custom`` names a function whose source gems does not digest), a
-failure, the machine's free memory or measured rates (read fresh each time). A file that cannot be read, written
+failure, the machine's free memory or measured rates (times are read fresh each time). A file that cannot be read, written
 or unpickled is a miss: the value is made again; a write is atomic (a temporary file renamed), so processes
 planning at once never read half a file.
 """
@@ -29,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-__all__ = ["cache_dir", "source_digest", "cached"]
+__all__ = ["cache_dir", "source_digest", "cached", "cpu_identity"]
 
 T = TypeVar("T")
 
@@ -54,6 +59,26 @@ def source_digest() -> str:
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_identity() -> tuple[str, str]:
+    """(model name, instruction-set flags) of this machine's CPU, from ``/proc/cpuinfo`` (its first processor);
+    elsewhere the platform's processor or machine name and no flags."""
+    import platform
+
+    name = flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            field, _, value = line.partition(":")
+            field = field.strip()
+            if field == "model name" and not name:
+                name = value.strip()
+            elif field in ("flags", "Features") and not flags:  # x86, Arm
+                flags = " ".join(sorted(value.split()))
+    except OSError:
+        pass
+    return name or platform.processor() or platform.machine(), flags
 
 
 #: a folder of another gems source or torch left untouched this long is removed (the key of every file in it

@@ -276,8 +276,12 @@ class Trace:
         outs = self.out_bytes[a:e - 1] + [out_b]
         received = 0 if last else out_b
         work = []
+        by_first = sorted((first[k], nb) for k, nb in keys.items())  # the storages alive at layer j: first <= j
+        n = alive = 0
         for j, (i, o) in zip(range(a, e), zip(ins, outs)):
-            alive = sum(nb for k, nb in keys.items() if first[k] <= j)
+            while n < len(by_first) and by_first[n][0] <= j:
+                alive += by_first[n][1]
+                n += 1
             work.append(alive + i + (o if j == e - 1 else o + received) - total)
         return total, in_b, work, out_b
 
