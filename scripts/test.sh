@@ -49,7 +49,8 @@ WORKERS=${GEMS_TEST_WORKERS:-2}
 if [[ "$WORKERS" != 0 ]] && "$PY" -c 'import xdist' 2>/dev/null; then
     set -- -n "$WORKERS" --dist loadgroup "$@"
 fi
-"$PY" -m pytest -q -x --timeout=600 "$@"
+# the 25 slowest tests are listed at the end of every run: where the suite's time goes (CI's aim is under 30 minutes)
+"$PY" -m pytest -q -x --timeout=600 --durations=25 "$@"
 rc=$?
 if [[ $rc -eq 5 ]]; then
     echo "test.sh: pytest collected no tests: that is a failure" >&2
