@@ -510,6 +510,10 @@ def _conv_case(sig: tuple, input_grad: bool = True) -> tuple[Any, list[torch.Ten
 _WORKSPACE: dict[tuple, int] = {}
 
 
+def _onednn_isa_cap() -> tuple[str, ...]:  # oneDNN reads a cap on the instruction sets it uses from these
+    return tuple(os.environ.get(v, "") for v in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"))
+
+
 def conv_workspace(sig: tuple, batch: int, input_grad: bool, threads: int = 1) -> int:
     """Bytes a CPU convolution's backward allocates for itself at micro-batch ``batch``: its peak over the
     gradients it returns (oneDNN's scratchpad and weight-gradient buffers in its own layout: about 4x the
@@ -521,14 +525,14 @@ def conv_workspace(sig: tuple, batch: int, input_grad: bool, threads: int = 1) -
     run's record counts tensor memory), once per signature and input gradient at batches 1, 2 and 4 (those
     within MEASURE_ELEMENTS elements of input or output): exact there, on the line between them at 3, and
     beyond the last on the line through the last two, never decreasing. Kept on disk between processes
-    (:mod:`gems.plan.store`), keyed by the CPU's model and instruction sets."""
+    (:mod:`gems.plan.store`), keyed by the CPU's model and instruction sets and by any cap set on oneDNN's."""
     per_sample = max(sig[2], sig[3]) * math.prod(sig[-1])  # the larger of its input and (stride 1) output
     points = [q for q in (1, 2, 4) if q == 1 or q * per_sample <= MEASURE_ELEMENTS]
 
     def at(q: int) -> int:
         key = (sig, q, input_grad, threads)
         if key not in _WORKSPACE:  # bytes, not time: kept on disk for this CPU (gems.plan.store)
-            _WORKSPACE[key] = cached(("conv_workspace", *key, cpu_identity()),
+            _WORKSPACE[key] = cached(("conv_workspace", *key, cpu_identity(), _onednn_isa_cap()),
                                      lambda: _with_threads(threads, lambda: _backward_workspace((*sig, q), input_grad)))
         return _WORKSPACE[key]
 
