@@ -62,9 +62,9 @@ def test_a_stalled_rank_ends_the_job_with_its_rank_step_and_phase(tmp_path, mesh
 
 
 def _rank_pid(job: str, rank: int) -> int:
+    """The process of ``rank``, by its title (a rank forked by gems/launch/forkserver.py names its rank there)."""
     for pid in _alive_workers(job):
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        if f"RANK={rank}".encode() in env:
+        if Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").endswith(f"(rank {rank})".encode()):
             return pid
     raise AssertionError(f"no rank {rank} of {job}")
 

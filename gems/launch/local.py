@@ -1,8 +1,9 @@
 """``cluster=local``: the ranks as processes on this machine.
 
-Each rank is ``python -m gems.worker --config job/config.yaml`` with
-torchrun-style variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), or
-the whole world under ``mpiexec`` when ``comm.backend=mpi``. The launcher
+Each rank is ``gems.worker --config job/config.yaml`` with torchrun-style
+variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), forked from a
+server that has imported torch once (gems/launch/forkserver.py), or the whole
+world under ``mpiexec`` when ``comm.backend=mpi``. The launcher
 watches the processes: when one exits non-zero the others get a short grace
 period and are then killed, and the run is recorded as failed, never left
 hanging. The record names the cause, not the echo: a record the ranks wrote
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 from omegaconf import DictConfig
 
@@ -33,6 +34,7 @@ from gems.config import section
 from gems.errors import Cancelled, ConfigError
 from gems.fault.reports import Exit, explain
 from gems.launch import cancel_on_signals
+from gems.launch.forkserver import Forked, start_worker, warm_up
 from gems.mesh import mesh_from_config
 from gems.results import record as rec
 
@@ -66,6 +68,10 @@ def _last_error_line(text: str) -> str:
     return ""
 
 
+#: a rank's process, as the watch sees it: a subprocess (mpiexec) or a rank forked by the fork server
+Proc = Union[subprocess.Popen, Forked]
+
+
 def launch(cfg: DictConfig, on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the job on this machine; return its record (status ok or failed).
 
@@ -77,6 +83,8 @@ def launch(cfg: DictConfig, on_progress: Callable[[str], None] | None = None) ->
     """
     from gems.config import to_yaml
 
+    if cfg.comm.backend != "mpi":
+        warm_up()  # the fork server imports torch while the job's folder is made
     world = mesh_from_config(cfg).size
     jd = rec.make_job_dir(cfg)
     cfg_path = jd / "config.yaml"
@@ -85,7 +93,6 @@ def launch(cfg: DictConfig, on_progress: Callable[[str], None] | None = None) ->
     env.setdefault("OMP_NUM_THREADS", str(max(1, int(cfg.train.threads or 1))))
     env["PYTHONUNBUFFERED"] = "1"
     env["GEMS_LAUNCHER_PID"] = str(os.getpid())
-    cmd = [sys.executable, "-m", "gems.worker", "--config", str(cfg_path)]
     deadline = time.monotonic() + section(cfg, "cluster").wait_s()
     max_restarts = section(cfg, "fault").max_restarts
     path = rec.record_path(cfg)
@@ -93,7 +100,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[str], None] | None = None) ->
     try:
         with cancel_on_signals():
             for attempt in range(max_restarts + 1):
-                procs, logs = _start(cfg, world, jd, cmd, dict(env, GEMS_RESTART_COUNT=str(attempt)), attempt)
+                procs, logs = _start(cfg, world, jd, cfg_path, dict(env, GEMS_RESTART_COUNT=str(attempt)), attempt)
                 watch = _Watch(procs, logs, on_progress)
                 watch.run(deadline)
                 if not watch.preempted or attempt == max_restarts:
@@ -131,16 +138,17 @@ def _keep(path: Path, record: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-def _start(cfg: DictConfig, world: int, jd: Path, cmd: list[str], env: dict[str, str],
-           attempt: int) -> tuple[list[subprocess.Popen[bytes]], list[Path]]:
+def _start(cfg: DictConfig, world: int, jd: Path, cfg_path: Path, env: dict[str, str],
+           attempt: int) -> tuple[list[Proc], list[Path]]:
     suffix = f".restart{attempt}" if attempt else ""
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Proc] = []
     logs: list[Path] = []
     if cfg.comm.backend == "mpi":
         log = jd / f"mpiexec{suffix}.log"
         logs.append(log)
-        procs.append(subprocess.Popen([mpiexec_path(), "-n", str(world), *cmd], env=env, stdout=open(log, "wb"),
-                                      stderr=subprocess.STDOUT, start_new_session=True))
+        cmd = [mpiexec_path(), "-n", str(world), sys.executable, "-m", "gems.worker", "--config", str(cfg_path)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                                      start_new_session=True))
         return procs, logs
     port = free_port()
     for r in range(world):
@@ -148,8 +156,7 @@ def _start(cfg: DictConfig, world: int, jd: Path, cmd: list[str], env: dict[str,
         logs.append(log)
         e = dict(env, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen(cmd, env=e, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                                      start_new_session=True))
+        procs.append(start_worker(cfg_path, e, log, r))
     return procs, logs
 
 
@@ -183,7 +190,7 @@ def rss_bytes(pid: int) -> int | None:
 class _Watch:
     """Watch a job's processes until all end, one fails (then the others get :data:`GRACE_S`), or the deadline."""
 
-    def __init__(self, procs: list[subprocess.Popen[bytes]], logs: list[Path],
+    def __init__(self, procs: list[Proc], logs: list[Path],
                  on_progress: Callable[[str], None] | None) -> None:
         self.procs, self.logs, self.on_progress = procs, logs, on_progress
         self.exits: list[Exit] = []  # non-zero exits in the order seen (not counting the ones killed here)

@@ -2,10 +2,16 @@
 
 Transparency tests compare a parallel run against the serial one; they need
 real processes and a real process group, not mocks. ``run_world(fn, n)``
-spawns ``n`` processes, initialises torch.distributed with gloo over a free
+starts ``n`` processes, initialises torch.distributed with gloo over a free
 loopback port, calls ``fn(rank, world_size, *args)`` on each and returns the
 list of return values in rank order. A failure on any rank raises here with
 that rank's traceback; a hang ends at ``timeout`` seconds.
+
+The processes are forked by the fork server of gems/launch/forkserver.py, which
+has imported torch once and run no torch operation; each rank takes the caller's
+environment as it is at the call, as a spawned interpreter would. Starting a
+rank this way costs a fork instead of torch's import (about 1.6 s of CPU here),
+which the tests pay for hundreds of ranks.
 """
 from __future__ import annotations
 
@@ -13,8 +19,6 @@ import os
 import pickle
 import traceback
 from typing import Any, Callable
-
-import torch.multiprocessing as mp
 
 from gems.bootstrap import free_port as bootstrap_free_port
 
@@ -24,12 +28,15 @@ def free_port() -> int:
     return bootstrap_free_port("127.0.0.1")
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any,
+           env: dict[str, str]) -> None:
     import datetime
 
     import torch
     import torch.distributed as dist
 
+    os.environ.clear()  # the caller's environment now, not the fork server's when it started
+    os.environ.update(env)
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     try:
@@ -50,10 +57,14 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
 
     ``fn`` must be importable (a module-level function) and its results picklable.
     """
-    ctx = mp.get_context("spawn")
+    from gems.launch.forkserver import context
+
+    ctx = context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=False) for r in range(world_size)]
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, env), daemon=False)
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
