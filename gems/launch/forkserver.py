@@ -23,6 +23,7 @@ own from its log's header or its title.
 """
 from __future__ import annotations
 
+import importlib
 import io
 import os
 import subprocess
@@ -78,19 +79,24 @@ class Forked:
 def start_worker(config: Path, env: dict[str, str], log: Path, rank: int) -> Forked:
     """Start ``gems.worker --config CONFIG`` as a forked rank (see the module's docstring) with ``env``, writing
     ``log``; the working folder is this process's."""
-    args = ["gems.worker", "--config", str(config)]
-    proc = context().Process(target=_worker_main, args=(str(config), env, str(log), os.getcwd(), rank),
-                             name=f"gems-rank{rank}", daemon=False)
+    return start("gems.worker:main", ["--config", str(config)], env, log, f"gems.worker --config {config} (rank {rank})")
+
+
+def start(entry: str, argv: list[str], env: dict[str, str], log: Path, title: str) -> Forked:
+    """Fork ``entry(argv)`` (``module:function``) from the server, set up as ``python -m MODULE ARGV`` would be, with
+    ``env``, this process's working folder, ``log`` as its stdout and stderr and ``title`` as its process title."""
+    proc = context().Process(target=_forked_main, args=(entry, argv, env, str(log), os.getcwd(), title),
+                             name=title, daemon=False)
     proc.start()
-    return Forked(proc, args)
+    return Forked(proc, [title])
 
 
-def _worker_main(config: str, env: dict[str, str], log: str, cwd: str, rank: int) -> None:
-    """The forked rank: set up as an interpreter started for it would be, run the worker, exit with its status."""
+def _forked_main(entry: str, argv: list[str], env: dict[str, str], log: str, cwd: str, title: str) -> None:
+    """The forked process: set up as an interpreter started for it would be, run ``entry``, exit with its status."""
     try:  # first: setproctitle finds the title's room by the environment the process started with
         from setproctitle import setproctitle
 
-        setproctitle(f"gems.worker --config {config} (rank {rank})")
+        setproctitle(title)
     except ImportError:  # pragma: no cover - a dependency; the title is for people reading ps
         pass
     os.setsid()  # its own session and process group, as start_new_session gave it
@@ -99,20 +105,20 @@ def _worker_main(config: str, env: dict[str, str], log: str, cwd: str, rank: int
     os.dup2(fd, 2)
     os.close(fd)
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    sys.path[0] = cwd  # python -m puts the working folder first (a custom model's module is found there)
+    sys.path.insert(0, cwd)  # python -m puts the working folder first (a custom model's module is found there)
     import torch
 
     threads = env.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))  # the server's OpenMP read the server's environment, not this one
-    import gems.worker
-
-    sys.argv = [str(gems.worker.__file__), "--config", config]
-    os._exit(_exit_status(lambda: gems.worker.main(["--config", config])))
+    module_name, function = entry.split(":")
+    module = importlib.import_module(module_name)  # the server imported gems.worker already
+    sys.argv = [str(getattr(module, "__file__", module_name)), *argv]
+    os._exit(_exit_status(lambda: getattr(module, function)(argv)))
 
 
 def _exit_status(run: Any) -> int:

@@ -1,0 +1,103 @@
+"""Processes forked from gems's fork server (gems/launch/forkserver.py) are set up like an interpreter started
+for them: their environment, working folder, thread count, session, log, title and exit status."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from gems.launch.forkserver import start
+
+PROBE = '''
+import json, os, sys, time
+import torch
+
+
+def main(argv):
+    what = argv[0]
+    if what == "report":
+        print(json.dumps({"cwd": os.getcwd(), "path0": sys.path[0], "env": dict(os.environ),
+                          "threads": torch.get_num_threads(), "pid": os.getpid(), "pgid": os.getpgid(0),
+                          "sid": os.getsid(0), "argv": sys.argv[1:],
+                          "cmdline": open("/proc/self/cmdline", "rb").read().decode().split(chr(0))[0]}))
+        return 0
+    if what == "status":
+        return int(argv[1])
+    if what == "exit-message":
+        sys.exit("the message")
+    if what == "error":
+        raise ValueError("a bug")
+    if what == "interrupt":
+        raise KeyboardInterrupt
+    if what == "sleep":
+        print("sleeping", flush=True)
+        time.sleep(60)
+    return 0
+'''
+
+
+@pytest.fixture
+def probe_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A module only the working folder holds, as a user's custom model's module would be."""
+    (tmp_path / "gems_probe_module.py").write_text(PROBE)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _run(folder: Path, *argv: str, env: dict[str, str] | None = None, name: str = "p") -> tuple[int, str]:
+    log = folder / f"{name}.log"
+    proc = start("gems_probe_module:main", list(argv), dict(os.environ) if env is None else env, log,
+                 f"gems-probe {name}")
+    code = proc.wait(timeout=120)
+    return code, log.read_text()
+
+
+def test_a_forked_process_has_the_environment_folder_threads_session_and_title_it_was_given(probe_dir: Path) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="2", GEMS_PROBE_VALUE="forty-two")
+    env.pop("HOME", None)
+    code, out = _run(probe_dir, "report", env=env)
+    assert code == 0, out
+    seen = json.loads(out.splitlines()[-1])
+    assert seen["cwd"] == str(probe_dir) and seen["path0"] == str(probe_dir)
+    assert seen["env"]["GEMS_PROBE_VALUE"] == "forty-two" and "HOME" not in seen["env"]
+    assert seen["threads"] == 2  # OMP_NUM_THREADS of its own, not the server's
+    assert seen["pid"] == seen["pgid"] == seen["sid"]  # its own session: the launcher ends its group
+    assert seen["argv"] == ["report"] and seen["cmdline"] == "gems-probe p"
+    code, out = _run(probe_dir, "report", env=dict(env, OMP_NUM_THREADS="1"), name="q")
+    assert json.loads(out.splitlines()[-1])["threads"] == 1
+
+
+@pytest.mark.parametrize("argv,status,says", [
+    (["status", "0"], 0, None),
+    (["status", "3"], 3, None),
+    (["exit-message"], 1, "the message"),
+    (["error"], 1, "ValueError: a bug"),
+    (["interrupt"], -signal.SIGINT, "KeyboardInterrupt"),
+])
+def test_a_forked_process_exits_with_the_status_an_interpreter_would_give(probe_dir, argv, status, says) -> None:
+    code, out = _run(probe_dir, *argv)
+    assert code == status, out
+    if says:
+        assert says in out
+    if argv[0] == "error":
+        assert "Traceback (most recent call last)" in out
+
+
+def test_a_forked_process_is_waited_for_killed_by_its_group_and_reports_the_signal(probe_dir: Path) -> None:
+    log = probe_dir / "s.log"
+    proc = start("gems_probe_module:main", ["sleep"], dict(os.environ), log, "gems-probe sleeper")
+    deadline = time.monotonic() + 60
+    while "sleeping" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert proc.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=0.2)
+    pgrep = subprocess.run(["pgrep", "-f", "gems-probe sleeper"], capture_output=True, text=True)
+    assert [int(p) for p in pgrep.stdout.split()] == [proc.pid]  # the title names it, as the tests of faults read
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
