@@ -11,14 +11,25 @@ import time
 from typing import Any
 
 
+def _torch_env() -> Any:
+    """submitit's torch variables, with gems's rendezvous port of the job (gems.bootstrap.port_from_job): submitit's
+    own draw (20000-60000) falls in Linux's ephemeral range, where another job's connection on the node may hold it
+    (EADDRINUSE failed a suite run that way)."""
+    import submitit
+
+    from gems.bootstrap import port_from_job
+
+    os.environ.setdefault("MASTER_PORT", str(port_from_job(submitit.JobEnvironment().job_id)))
+    return submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
 def allreduce_rank(cfg_yaml: str) -> dict[str, Any]:
     """Join a gloo world from submitit's variables and all-reduce rank+1."""
-    import submitit
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    env = _torch_env()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     t = torch.tensor([float(env.rank + 1)])
     dist.all_reduce(t)
@@ -29,10 +40,9 @@ def allreduce_rank(cfg_yaml: str) -> dict[str, Any]:
 
 def die_on_rank1(cfg_yaml: str) -> int:
     """Rank 1 dies at once without a result; the others would wait for it in the rendezvous."""
-    import submitit
     import torch.distributed as dist
 
-    env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    env = _torch_env()
     if env.rank == 1:
         print("rank 1: dying on purpose", flush=True)
         import sys

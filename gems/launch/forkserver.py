@@ -18,8 +18,8 @@ environment the launcher gave it (``os.environ``, the thread count of
 launcher's working folder first on ``sys.path``, its log as stdout and stderr,
 written through, and ``gems.worker --config FILE (rank R)`` as its process
 title (``ps``, ``pgrep -f``), where setproctitle is installed.
-/proc/PID/environ shows the server's environment, not the rank's: read a rank's
-own from its log's header or its title.
+/proc/PID/environ shows the environment the server started with, not the
+rank's (``os.environ`` inside the rank is its own); the title names the rank.
 """
 from __future__ import annotations
 
