@@ -19,8 +19,9 @@ def _torch_env() -> Any:
 
     from gems.bootstrap import port_from_job
 
-    os.environ.setdefault("MASTER_PORT", str(port_from_job(submitit.JobEnvironment().job_id)))
-    return submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    env = submitit.helpers.TorchDistributedEnvironment()
+    env.master_port = port_from_job(submitit.JobEnvironment().job_id)
+    return env.export(set_cuda_visible_devices=False)
 
 
 def allreduce_rank(cfg_yaml: str) -> dict[str, Any]:
