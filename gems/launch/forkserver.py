@@ -20,6 +20,10 @@ written through, and ``gems.worker --config FILE (rank R)`` as its process
 title (``ps``, ``pgrep -f``), where setproctitle is installed.
 /proc/PID/environ shows the environment the server started with, not the
 rank's (``os.environ`` inside the rank is its own); the title names the rank.
+As with multiprocessing's spawn, each process imports the starting program's
+main module again (as ``__mp_main__``): a script of its own that calls gems's
+launcher keeps its work under ``if __name__ == "__main__":`` (the ``gems``
+command does).
 """
 from __future__ import annotations
 
@@ -54,7 +58,7 @@ def warm_up() -> None:
 
 
 class Forked:
-    """A process started by :func:`start_worker`, with what the launcher asks of a ``subprocess.Popen``:
+    """A process started by :func:`start`, with what the launcher asks of a ``subprocess.Popen``:
     ``pid``, ``poll()``, ``wait(timeout)`` and ``kill()`` (exit status as Popen gives it: -N for signal N)."""
 
     def __init__(self, proc: Any, args: list[str]) -> None:
