@@ -49,14 +49,6 @@ def context() -> Any:
     return ctx
 
 
-def warm_up() -> None:
-    """Start the server now (it imports in the background), so that it is ready when the ranks are asked for."""
-    from multiprocessing import forkserver
-
-    context()
-    forkserver.ensure_running()
-
-
 class Forked:
     """A process started by :func:`start`, with what the launcher asks of a ``subprocess.Popen``:
     ``pid``, ``poll()``, ``wait(timeout)`` and ``kill()`` (exit status as Popen gives it: -N for signal N)."""

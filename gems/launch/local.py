@@ -34,7 +34,7 @@ from gems.config import section
 from gems.errors import Cancelled, ConfigError
 from gems.fault.reports import Exit, explain
 from gems.launch import cancel_on_signals
-from gems.launch.forkserver import Forked, start_worker, warm_up
+from gems.launch.forkserver import Forked, start_worker
 from gems.mesh import mesh_from_config
 from gems.results import record as rec
 
@@ -83,8 +83,6 @@ def launch(cfg: DictConfig, on_progress: Callable[[str], None] | None = None) ->
     """
     from gems.config import to_yaml
 
-    if cfg.comm.backend != "mpi":
-        warm_up()  # the fork server imports torch while the job's folder is made
     world = mesh_from_config(cfg).size
     jd = rec.make_job_dir(cfg)
     cfg_path = jd / "config.yaml"
