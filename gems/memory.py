@@ -60,6 +60,18 @@ class MemoryMeter:
             return int(torch.cuda.max_memory_allocated(self.device))
         return max(0, peak_rss_bytes() - self.base)
 
+    def requested_peak(self) -> int | None:
+        """On GPU, the most bytes the tensors asked for at once (the caching allocator's ``requested_bytes``
+        peak), None on CPU or where torch does not count it. :meth:`peak` counts the blocks handed out: each
+        request rounded up to 512 bytes, and a cached block up to 1 MiB larger than a request of the large pool
+        taken whole, since the allocator splits off only a larger rest (c10/cuda/CUDACachingAllocator.cpp,
+        ``should_split``). The two peaks side by side tell the planner's count of tensors from what the allocator
+        adds to it."""
+        if self.device.type != "cuda":
+            return None
+        value = torch.cuda.memory_stats(self.device).get("requested_bytes.all.peak")
+        return None if value is None else int(value)
+
 
 def tensor_bytes(tensors: Any) -> int:
     """Bytes held by distinct tensor storages among ``tensors`` (an iterable of tensors; views count once)."""

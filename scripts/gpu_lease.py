@@ -212,6 +212,8 @@ def row_of(record: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
             "status": record.get("status"), "step_time_s_median": st.get("median"),
             "samples_per_s": record.get("throughput_samples_per_s"),
             "cuda_max_allocated_bytes": peak.get("max") if peak.get("kind") == "cuda_max_allocated" else None,
+            # the most the tensors asked for (before the allocator's rounding and unsplit blocks): gems.memory
+            "cuda_max_requested_bytes": peak.get("cuda_requested_max"),
             "peak_kind": peak.get("kind"), "time_breakdown_s": record.get("time_breakdown_s"),
             "loss": record.get("loss"), "error": record.get("error")}
 

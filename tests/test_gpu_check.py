@@ -172,6 +172,8 @@ def test_the_lease_script_writes_rows_in_the_gpu_files_schema_and_refuses_a_bad_
     row = rows["runs"]["dry_small"]
     assert row["status"] == "ok" and row["overrides"]["size"] == 32 and row["overrides"]["batch"] == 4
     assert row["step_time_s_median"] > 0 and len(row["loss"]) == 3 and "compute" in row["time_breakdown_s"]
+    # a CPU rank counts neither what CUDA allocated nor what its tensors requested
+    assert row["cuda_max_allocated_bytes"] is None and row["cuda_max_requested_bytes"] is None
     assert "torch" in rows["machine"]
     with tarfile.open(out / "lease.tgz") as tar:
         names = tar.getnames()

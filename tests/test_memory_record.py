@@ -22,6 +22,7 @@ def test_cpu_records_carry_tensor_memory_that_halves_with_two_parts(tmp_path):
     one = _record(tmp_path / "s1")
     two = _record(tmp_path / "s2", "parallel.spatial=2")
     assert one["kind"] == two["kind"] == "rss_growth"
+    assert "cuda_requested_max" not in one and "cuda_requested_max" not in two  # GPU ranks' figure only
     assert len(two["tensor_per_rank"]) == 2 and two["tensor_max"] == max(two["tensor_per_rank"])
     # activations dominate this model: each part holds about half, plus the weights every rank keeps
     assert 0.4 * one["tensor_max"] < two["tensor_max"] < 0.75 * one["tensor_max"], (one, two)
@@ -105,3 +106,21 @@ def test_the_plan_counts_the_workspace_a_cpu_convolution_backward_allocates(tmp_
         planned, ws = pos["bytes"]["total"], pos["activations_detail"]["workspace"]
         assert abs(planned / measured - 1) <= 0.10, f"rank {rank}: planned {planned} B, measured {measured} B"
         assert (planned - ws) / measured < 0.90, f"rank {rank}: the workspace ({ws} B) is not what makes it hold"
+
+
+def test_a_gpu_meter_reads_the_peaks_of_allocated_and_of_requested_bytes(monkeypatch):
+    """On GPU the meter gives CUDA's two peaks: the blocks the caching allocator handed out (what the planner is
+    held to) and the bytes the tensors asked for (its ``requested_bytes``), whose difference is the allocator's
+    rounding and unsplit blocks. No GPU here: torch.cuda's two readings stand in, as CUDA fills them."""
+    import torch
+
+    from gems.memory import MemoryMeter
+
+    stats = {"requested_bytes.all.peak": 1433 * 2**20}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 1435 * 2**20)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: stats)
+    meter = MemoryMeter(torch.device("cuda", 0))
+    assert meter.peak() == 1435 * 2**20 and meter.requested_peak() == 1433 * 2**20
+    stats.clear()  # a torch that does not count requests
+    assert meter.requested_peak() is None
+    assert MemoryMeter(torch.device("cpu")).requested_peak() is None

@@ -52,7 +52,7 @@ def evaluate_model(cfg: DictConfig, world: World, wd: Watchdog | None = None) ->
     if world.size > 1:
         gathered = [None] * world.size if world.rank == 0 else []
         dist.gather_object(rows, gathered if world.rank == 0 else None, dst=0)
-    peaks, hosts, _, machines, _ = run.gather(None, 0)
+    peaks, hosts, _, machines, _, _ = run.gather(None, 0)
     if world.rank != 0:
         return {}
     record = rec.build_record(cfg, world, run.mesh, losses=[], step_times=[], global_batch=int(cfg.train.batch_size),

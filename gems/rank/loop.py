@@ -461,7 +461,7 @@ class Run:
         tensor_peak = max(seen) if seen else None
         for k in breakdown:
             breakdown[k] /= max(1, measured)
-        peaks, hosts, tensor_peaks, machines, times = self.gather(tensor_peak, measured)  # splits the waits too
+        peaks, hosts, tensor_peaks, machines, times, requested = self.gather(tensor_peak, measured)  # splits waits
         # compute is what is left of this rank's median step after its measured terms; the record's step is the
         # slowest rank's (a step ends when its slowest rank ends), and the time this rank waits beyond its own
         # step for the slowest one is a wait: the terms sum to the recorded median
@@ -476,6 +476,9 @@ class Run:
             tensor_peaks=tensor_peaks if all(t is not None for t in tensor_peaks) else None, balance=par.balance,
             machines=machines,
         )
+        asked = [r for r in requested if r is not None]
+        if asked and len(asked) == len(requested):  # GPU ranks: what the tensors asked for, beside what CUDA counted
+            record["peak_memory_bytes"].update(cuda_requested_max=max(asked), cuda_requested_per_rank=asked)
         record["host_memory"] = self.host_memory.summary
         record["step_time_s"]["every"] = h["every_step_time"]  # every step's time, warm-up and profiled ones too
         traced = bool(self.cfg.train.profile) and self.steps - self.measure_from > 1  # its trace step is left out too
@@ -520,19 +523,21 @@ class Run:
         return out
 
     def gather(self, tensor_peak: int | None, measured: int) -> tuple[list[int], list[str], list[Any], list[str],
-                                                                         list[float]]:
-        """Every rank's peak memory, host and tensor peak, the step times as the slowest rank took them, and
-        rank 0's pipeline waits split against every rank's send times (the planner's pipeline_comm)."""
+                                                                         list[float], list[int | None]]:
+        """Every rank's peak memory, host and tensor peak, the step times as the slowest rank took them, rank 0's
+        pipeline waits split against every rank's send times (the planner's pipeline_comm), and every rank's peak
+        of requested bytes (GPU ranks; None on CPU)."""
         import torch.distributed as dist
 
         world, bd = self.world, self.history["breakdown"]
-        peak = self.meter.peak()
+        peak, requested = self.meter.peak(), self.meter.requested_peak()
         times = torch.tensor(self.history["step_times"], dtype=torch.float64, device=world.device)  # NCCL: on device
         if world.size == 1:
-            return [peak], [world.hostname], [tensor_peak], [socket.gethostname()], times.tolist()
+            return [peak], [world.hostname], [tensor_peak], [socket.gethostname()], times.tolist(), [requested]
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank ends
         gathered: list[Any] = [None] * world.size
-        dist.all_gather_object(gathered, (world.hostname, peak, tensor_peak, socket.gethostname(), self.run_sent))
+        dist.all_gather_object(gathered, (world.hostname, peak, tensor_peak, socket.gethostname(), self.run_sent,
+                                          requested))
         if self.run_received:
             everyone: dict[tuple[int, ...], float] = {}
             for g in gathered:
@@ -541,7 +546,7 @@ class Run:
             bd["pipeline_comm"] += transfer / max(1, measured)
             bd["bubble_or_wait"] = max(0.0, bd["bubble_or_wait"] - transfer / max(1, measured))
         return ([int(g[1]) for g in gathered], [g[0] for g in gathered], [g[2] for g in gathered],
-                [g[3] for g in gathered], times.tolist())
+                [g[3] for g in gathered], times.tolist(), [g[5] for g in gathered])
 
     def notes(self, measured: int) -> list[str]:
         """What the record should say about how its figures were measured."""
