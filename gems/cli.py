@@ -229,9 +229,12 @@ def print_rows(records: list[dict[str, Any]]) -> None:
 
 def cmd_run(overrides: list[str]) -> int:
     from gems.config import compose
+    from gems.launch.base import prestart
     from gems.prepare import prepare
 
-    cfg = prepare(compose(overrides))
+    cfg = compose(overrides)
+    prestart(cfg)  # the ranks' server, before the checks run torch
+    cfg = prepare(cfg)
     record = launch_one(cfg)
     print_rows([record])
     from gems.results.record import record_path
@@ -264,7 +267,11 @@ def cmd_eval(args: list[str]) -> int:
     from gems.prepare import one_value_per_key
 
     one_value_per_key(overrides)
-    cfg = prepare(eval_config(path, overrides, compose(overrides)))
+    given = compose(overrides)
+    from gems.launch.base import prestart
+
+    prestart(given)  # the ranks' server, before the checks run torch
+    cfg = prepare(eval_config(path, overrides, given))
     record = launch_one(cfg)
     from gems.results.record import record_path
 

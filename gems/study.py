@@ -74,6 +74,9 @@ def plan(combos: list[list[str]], base: list[str], experiment: str | None, detac
     if detach and first.cluster.launcher != "slurm":
         raise ConfigError("results.detach", True, "false with cluster=local (its ranks are this command's processes); "
                           "detach a study on Slurm (cluster=local_slurm, a preset, or cluster=slurm)")
+    from gems.launch.base import prestart
+
+    prestart(first)  # the server of the points' ranks on this machine, before the checks run torch
     have: dict[tuple[str, int], list[dict[str, Any]]] = {}
     if folder.is_dir():
         for r in load(folder).records:

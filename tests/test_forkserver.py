@@ -1,16 +1,19 @@
-"""Processes forked from gems's fork server (gems/launch/forkserver.py) are set up like an interpreter started
-for them: their environment, working folder, thread count, session, log, title and exit status."""
+"""Processes forked from gems's fork servers (gems/launch/forkserver.py) are set up like an interpreter started
+for them: their environment, working folder, thread count, session, log, title and exit status. Every test runs
+on both servers: the launcher's own fork (``prestart``) and multiprocessing's."""
 from __future__ import annotations
 
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from gems.launch import forkserver
 from gems.launch.forkserver import start
 
 PROBE = '''
@@ -41,9 +44,20 @@ def main(argv):
 '''
 
 
+@pytest.fixture(params=["own", "multiprocessing"])
+def server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which server forks: this process's own fork, as ``gems run`` makes it before its checks, or
+    multiprocessing's."""
+    if request.param == "own":
+        own = forkserver._Server()
+        monkeypatch.setattr(forkserver, "_SERVER", own)
+        request.addfinalizer(own.close)
+    return str(request.param)
+
+
 @pytest.fixture
-def probe_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A module only the working folder holds, as a user's custom model's module would be."""
+def probe_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, server: str) -> Path:
+    """A module only the working folder holds, as a user's custom model's module would be (forked by ``server``)."""
     (tmp_path / "gems_probe_module.py").write_text(PROBE)
     monkeypatch.chdir(tmp_path)
     return tmp_path
@@ -101,3 +115,39 @@ def test_a_forked_process_is_waited_for_killed_by_its_group_and_reports_the_sign
     assert [int(p) for p in pgrep.stdout.split()] == [proc.pid]  # the title names it, as the tests of faults read
     os.killpg(proc.pid, signal.SIGKILL)
     assert proc.wait(timeout=30) == -signal.SIGKILL
+
+
+def _title(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[0]
+
+
+def _parent(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("PPid:")))
+
+
+def test_gems_runs_ranks_come_from_the_commands_own_fork(tmp_path: Path) -> None:
+    """`gems run` forks its server before its checks run torch (gems.launch.base.prestart): each rank's parent is
+    that server, titled as such, and the server's parent is the command. Once the run ends, the server is gone."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "gems.cli", "run", f"results.dir={tmp_path}", "model.size=32", "model.width=0.25",
+           "parallel.spatial=2", "train.steps=6", "fault.step_delay_s=1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        ranks: list[int] = []
+        deadline = time.monotonic() + 120
+        while len(ranks) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            found = subprocess.run(["pgrep", "-f", f"gems.worker --config {tmp_path}"], capture_output=True, text=True)
+            ranks = [int(p) for p in found.stdout.split()]
+            time.sleep(0.2)
+        assert len(ranks) == 2, proc.communicate(timeout=120)
+        servers = {_parent(r) for r in ranks}
+        assert len(servers) == 1
+        (srv,) = servers
+        assert _parent(srv) == proc.pid and _title(srv) == f"gems fork server (of {proc.pid})"
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        assert not Path(f"/proc/{srv}").exists() or "zombie" in Path(f"/proc/{srv}/status").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -10,7 +10,7 @@ from typing import Any, Callable, Protocol
 
 from omegaconf import DictConfig
 
-from gems.launch.local import LocalLauncher
+from gems.launch.local import LocalLauncher, forks_ranks
 from gems.launch.slurm import SlurmLauncher
 
 
@@ -31,4 +31,13 @@ def launcher_for(cfg: DictConfig) -> Launcher:
     return SlurmLauncher() if cfg.cluster.launcher == "slurm" else LocalLauncher()
 
 
-__all__ = ["Launcher", "launcher_for"]
+def prestart(cfg: DictConfig) -> None:
+    """Before a command's checks run any torch operation: where ``cfg``'s ranks will be forked on this machine,
+    fork the server that forks them now, sharing this process's import of torch (gems/launch/forkserver.py)."""
+    if cfg.cluster.launcher != "slurm" and forks_ranks(cfg):
+        from gems.launch.forkserver import prestart as fork_server
+
+        fork_server()
+
+
+__all__ = ["Launcher", "launcher_for", "prestart"]

@@ -3,37 +3,53 @@
 A Python rank that starts from nothing imports torch, then torch._dynamo (torch's
 optimizers import it the first time they are built) and gems: about 3 s of CPU
 on the 2-core test machine, more than the steps of a short run, for every rank
-of every run. multiprocessing's fork server is an interpreter that imports
-:data:`PRELOAD` once and then only forks. It has run no torch operation, so no
-thread pool, no CUDA context and no lock that another thread held is copied
-into a rank; torch's documentation names it, with spawn, as a start method that
-CUDA allows. One server serves every rank this process starts
-(:func:`context`): the ranks of ``gems run``'s local launcher (:func:`start_worker`)
-and those of :func:`gems.launch.world.run_world`.
+of every run. Two servers here import that once and then only fork; neither has
+run a torch operation, so no thread pool, no CUDA context and no lock that
+another thread held is copied into a rank:
 
-A rank forked here is set up as ``python -m gems.worker --config FILE`` would
-be: its own session (the launcher ends it with its process group), the
-environment the launcher gave it (``os.environ``, the thread count of
-``OMP_NUM_THREADS`` applied, since the server's OpenMP read its own), the
-launcher's working folder first on ``sys.path``, its log as stdout and stderr,
-written through, and ``gems.worker --config FILE (rank R)`` as its process
-title (``ps``, ``pgrep -f``), where setproctitle is installed.
-/proc/PID/environ shows the environment the server started with, not the
-rank's (``os.environ`` inside the rank is its own); the title names the rank.
-As with multiprocessing's spawn, each process imports the starting program's
-main module again (as ``__mp_main__``): a script of its own that calls gems's
-launcher keeps its work under ``if __name__ == "__main__":`` (the ``gems``
-command does).
+* the launcher's own (:func:`prestart`): a command that will start ranks on this
+  machine (``gems run``, ``eval``, ``sweep`` with the local launcher) forks
+  itself right after importing torch, before its checks run any torch operation.
+  The fork imports the rest of :data:`PRELOAD` while the launcher checks the run,
+  and forks each rank the launcher asks for, reporting the rank's pid and exit
+  status back over a socket. torch is imported once for the command and its ranks
+  (1.6 s of CPU less a run than a server that imports it again);
+* multiprocessing's fork server (:func:`context`), an interpreter that imports
+  :data:`PRELOAD`, where no server was prestarted: the gloo worlds of
+  :func:`gems.launch.world.run_world` (tests, benchmarks) and a launcher called
+  from a script of the user's. torch's documentation names forkserver, with
+  spawn, as a start method that CUDA allows. As under spawn, each process
+  imports the starting program's main module again (as ``__mp_main__``): such a
+  script keeps its work under ``if __name__ == "__main__":``.
+
+:func:`start` takes the first where there is one. A rank forked by either is set
+up as ``python -m gems.worker --config FILE`` would be: its own session (the
+launcher ends it with its process group), the environment the launcher gave it
+(``os.environ``, the thread count of ``OMP_NUM_THREADS`` applied, since the
+server's OpenMP read its own), the launcher's working folder first on
+``sys.path``, its log as stdout and stderr, written through, and ``gems.worker
+--config FILE (rank R)`` as its process title (``ps``, ``pgrep -f``), where
+setproctitle is installed. /proc/PID/environ shows the environment the server
+started with, not the rank's (``os.environ`` inside the rank is its own); the
+title names the rank.
 """
 from __future__ import annotations
 
+import atexit
 import importlib
 import io
 import os
+import pickle
+import select
+import signal
+import socket
+import struct
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
@@ -53,23 +69,194 @@ class Forked:
     """A process started by :func:`start`, with what the launcher asks of a ``subprocess.Popen``:
     ``pid``, ``poll()``, ``wait(timeout)`` and ``kill()`` (exit status as Popen gives it: -N for signal N)."""
 
-    def __init__(self, proc: Any, args: list[str]) -> None:
-        self._proc, self.args = proc, args
-        self.pid: int = proc.pid
+    def __init__(self, pid: int, args: list[str], exitcode: Callable[[float], int | None]) -> None:
+        self.pid, self.args = pid, args
+        self._exitcode = exitcode  # waits up to the seconds given for the exit status, None while it runs
 
     def poll(self) -> int | None:
-        return self._proc.exitcode
+        return self._exitcode(0.0)
 
     def wait(self, timeout: float | None = None) -> int:
-        self._proc.join(timeout)
-        code = self._proc.exitcode
-        if code is None:
-            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-        return int(code)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = 1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            code = self._exitcode(min(left, 1.0))
+            if code is not None:
+                return int(code)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
 
     def kill(self) -> None:
-        if self._proc.exitcode is None:
-            self._proc.kill()
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+# ---------------------------------------------------------------------------- the launcher's own server
+def _send(sock: socket.socket, message: Any) -> None:
+    data = pickle.dumps(message)
+    sock.sendall(struct.pack("!I", len(data)) + data)
+
+
+def _receive(sock: socket.socket) -> Any:
+    """One message; None at the end of the stream."""
+    head = _read_exactly(sock, 4)
+    if head is None:
+        return None
+    body = _read_exactly(sock, struct.unpack("!I", head)[0])
+    return None if body is None else pickle.loads(body)
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes | None:
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            return None
+        out += chunk
+    return out
+
+
+class _Server:
+    """The launcher's fork, which forks its ranks (:func:`prestart`): the launcher asks with ``("start", ...)``,
+    the server answers ``("started", pid)`` at once and ``("exit", pid, status)`` when that rank ends."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:  # the server
+            ours.close()
+            status = 0
+            try:
+                _serve(theirs)
+            except BaseException:  # pragma: no cover - nothing reads its output: the launcher sees the socket end
+                status = 1
+            os._exit(status)
+        theirs.close()
+        self.pid, self.sock, self.owner = pid, ours, os.getpid()
+        self.exits: dict[int, int] = {}
+        self.alive = True
+        self.lock = threading.Lock()
+        atexit.register(self.close)
+
+    def start(self, request: tuple[Any, ...]) -> int:
+        with self.lock:
+            _send(self.sock, ("start", *request))
+            while True:
+                message = _receive(self.sock)
+                if message is None:
+                    self.alive = False
+                    raise RuntimeError("gems's fork server ended before it started a rank")
+                if message[0] == "started":
+                    return int(message[1])
+                self._take(message)
+
+    def exitcode(self, pid: int, timeout: float) -> int | None:
+        """``pid``'s exit status once the server reported it, waiting up to ``timeout`` seconds for reports."""
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while pid not in self.exits and self.alive:
+                ready, _, _ = select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    break
+                message = _receive(self.sock)
+                if message is None:
+                    self.alive = False
+                    break
+                self._take(message)
+            if pid not in self.exits and not self.alive and not _exists(pid):
+                self.exits[pid] = -signal.SIGKILL  # its server was killed: no status came, and the rank is gone
+            return self.exits.get(pid)
+
+    def _take(self, message: Any) -> None:
+        if message[0] == "exit":
+            self.exits[int(message[1])] = int(message[2])
+
+    def close(self) -> None:
+        """At the launcher's exit: the server goes (its ranks are of their own sessions and watch the launcher)."""
+        if self.owner != os.getpid():  # a fork of the launcher exiting: not its server to end
+            return
+        if self.alive:
+            self.alive = False
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+        self.sock.close()
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - another user's process took the pid
+        return False
+    return True
+
+
+def _serve(sock: socket.socket) -> None:
+    """The server's loop: imports what a rank needs, then forks each rank asked for and reports how it ended."""
+    try:
+        from setproctitle import setproctitle
+
+        setproctitle(f"gems fork server (of {os.getppid()})")  # not a second `gems run ...` in ps
+    except ImportError:  # pragma: no cover - a dependency; the title is for people reading ps
+        pass
+    os.setsid()  # the terminal's Ctrl-C is the launcher's to handle; the server goes when the launcher does
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # never holds the launcher's output open (a caller reading it to its end waits for that)
+        os.dup2(null, fd)
+    os.close(null)
+    for name in PRELOAD:
+        importlib.import_module(name)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    children: set[int] = set()
+    while True:
+        try:
+            ready, _, _ = select.select([sock.fileno(), wake_r], [], [])
+        except InterruptedError:  # pragma: no cover - select is retried by Python on EINTR
+            continue
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        for pid in list(children):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                children.discard(pid)
+                _send(sock, ("exit", pid, os.waitstatus_to_exitcode(status)))
+        if sock.fileno() in ready:
+            message = _receive(sock)
+            if message is None:  # the launcher is gone
+                return
+            pid = os.fork()
+            if pid == 0:  # the rank
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for fd in (wake_r, wake_w):
+                    os.close(fd)
+                sock.close()
+                _forked_main(*message[1:])  # ends the process
+            children.add(pid)
+            _send(sock, ("started", pid))
+
+
+_SERVER: _Server | None = None
+
+
+def prestart() -> None:
+    """Fork this process as the server of the ranks it will start (see the module's docstring). Call it once torch
+    is imported and before any torch operation or thread; a second call does nothing."""
+    global _SERVER
+    if _SERVER is None:
+        import torch  # noqa: F401  the one import of torch the launcher and its ranks share
+
+        _SERVER = _Server()
 
 
 def start_worker(config: Path, env: dict[str, str], log: Path, rank: int) -> Forked:
@@ -79,12 +266,23 @@ def start_worker(config: Path, env: dict[str, str], log: Path, rank: int) -> For
 
 
 def start(entry: str, argv: list[str], env: dict[str, str], log: Path, title: str) -> Forked:
-    """Fork ``entry(argv)`` (``module:function``) from the server, set up as ``python -m MODULE ARGV`` would be, with
-    ``env``, this process's working folder, ``log`` as its stdout and stderr and ``title`` as its process title."""
-    proc = context().Process(target=_forked_main, args=(entry, argv, env, str(log), os.getcwd(), title),
-                             name=title, daemon=False)
+    """Fork ``entry(argv)`` (``module:function``) from the server (this process's own where :func:`prestart` made
+    one, else multiprocessing's), set up as ``python -m MODULE ARGV`` would be, with ``env``, this process's working
+    folder, ``log`` as its stdout and stderr and ``title`` as its process title."""
+    request = (entry, argv, env, str(log), os.getcwd(), title)
+    server = _SERVER
+    if server is not None and server.alive and server.owner == os.getpid():  # (not a fork of the launcher's)
+        pid = server.start(request)
+        return Forked(pid, [title], lambda timeout: server.exitcode(pid, timeout))
+    proc = context().Process(target=_forked_main, args=request, name=title, daemon=False)
     proc.start()
-    return Forked(proc, [title])
+
+    def exitcode(timeout: float) -> int | None:
+        if timeout > 0:
+            proc.join(timeout)
+        return proc.exitcode
+
+    return Forked(int(proc.pid), [title], exitcode)
 
 
 def _forked_main(entry: str, argv: list[str], env: dict[str, str], log: str, cwd: str, title: str) -> None:

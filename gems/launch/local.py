@@ -141,7 +141,7 @@ def _start(cfg: DictConfig, world: int, jd: Path, cfg_path: Path, env: dict[str,
     suffix = f".restart{attempt}" if attempt else ""
     procs: list[Proc] = []
     logs: list[Path] = []
-    if cfg.comm.backend == "mpi":
+    if not forks_ranks(cfg):
         log = jd / f"mpiexec{suffix}.log"
         logs.append(log)
         cmd = [mpiexec_path(), "-n", str(world), sys.executable, "-m", "gems.worker", "--config", str(cfg_path)]
@@ -156,6 +156,12 @@ def _start(cfg: DictConfig, world: int, jd: Path, cfg_path: Path, env: dict[str,
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(start_worker(cfg_path, e, log, r))
     return procs, logs
+
+
+def forks_ranks(cfg: DictConfig) -> bool:
+    """Whether this launcher forks the ranks itself (gems/launch/forkserver.py): every backend but MPI's, whose
+    world ``mpiexec`` starts."""
+    return str(cfg.comm.backend) != "mpi"
 
 
 def rss_bytes(pid: int) -> int | None:
