@@ -151,3 +151,28 @@ def test_gems_runs_ranks_come_from_the_commands_own_fork(tmp_path: Path) -> None
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_rank_asked_for_after_the_commands_fork_was_killed_comes_from_multiprocessings(tmp_path: Path,
+                                                                                          monkeypatch) -> None:
+    """The command's own server killed from outside: a rank still running reads as killed once it is gone, and the
+    next rank asked for is started by multiprocessing's server instead of failing the run."""
+    (tmp_path / "gems_probe_module.py").write_text(PROBE)
+    monkeypatch.chdir(tmp_path)
+    own = forkserver._Server()
+    monkeypatch.setattr(forkserver, "_SERVER", own)
+    try:
+        log = tmp_path / "s.log"
+        sleeper = start("gems_probe_module:main", ["sleep"], dict(os.environ), log, "gems-probe orphan")
+        deadline = time.monotonic() + 60
+        while "sleeping" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(own.pid, signal.SIGKILL)
+        os.waitpid(own.pid, 0)
+        assert sleeper.poll() is None  # still running, an orphan now
+        os.killpg(sleeper.pid, signal.SIGKILL)
+        assert sleeper.wait(timeout=30) == -signal.SIGKILL and not own.alive
+        code, out = _run(tmp_path, "status", "3", name="after")
+        assert code == 3, out
+    finally:
+        own.close()

@@ -141,14 +141,18 @@ class _Server:
         self.lock = threading.Lock()
         atexit.register(self.close)
 
-    def start(self, request: tuple[Any, ...]) -> int:
+    def start(self, request: tuple[Any, ...]) -> int | None:
+        """The pid of the rank the server forked, or None where the server has ended (nothing was started)."""
         with self.lock:
-            _send(self.sock, ("start", *request))
+            try:
+                _send(self.sock, ("start", *request))
+            except OSError:
+                self.alive = False
+                return None
             while True:
-                message = _receive(self.sock)
+                message = self._next()
                 if message is None:
-                    self.alive = False
-                    raise RuntimeError("gems's fork server ended before it started a rank")
+                    return None
                 if message[0] == "started":
                     return int(message[1])
                 self._take(message)
@@ -161,14 +165,23 @@ class _Server:
                 ready, _, _ = select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))
                 if not ready:
                     break
-                message = _receive(self.sock)
+                message = self._next()
                 if message is None:
-                    self.alive = False
                     break
                 self._take(message)
             if pid not in self.exits and not self.alive and not _exists(pid):
                 self.exits[pid] = -signal.SIGKILL  # its server was killed: no status came, and the rank is gone
             return self.exits.get(pid)
+
+    def _next(self) -> Any:
+        """The server's next message; None once it has ended."""
+        try:
+            message = _receive(self.sock)
+        except OSError:
+            message = None
+        if message is None:
+            self.alive = False
+        return message
 
     def _take(self, message: Any) -> None:
         if message[0] == "exit":
@@ -273,7 +286,9 @@ def start(entry: str, argv: list[str], env: dict[str, str], log: Path, title: st
     server = _SERVER
     if server is not None and server.alive and server.owner == os.getpid():  # (not a fork of the launcher's)
         pid = server.start(request)
-        return Forked(pid, [title], lambda timeout: server.exitcode(pid, timeout))
+        if pid is not None:
+            return Forked(pid, [title], lambda timeout: server.exitcode(pid, timeout))
+        # the server has ended (killed from outside): multiprocessing's serves this rank and the next ones
     proc = context().Process(target=_forked_main, args=request, name=title, daemon=False)
     proc.start()
 
