@@ -82,6 +82,10 @@ def _print_job(rest: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     from gems.errors import Cancelled, ConfigError, RunError
 
+    if argv is None:  # the command line's own process (the console script, python -m gems.cli)
+        import gems.launch
+
+        gems.launch.COMMAND_LINE = True
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)

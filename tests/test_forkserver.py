@@ -48,9 +48,9 @@ def main(argv):
 def server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Which server forks: this process's own fork, as ``gems run`` makes it before its checks, or
     multiprocessing's."""
-    if request.param == "own":
-        own = forkserver._Server()
-        monkeypatch.setattr(forkserver, "_SERVER", own)
+    own = forkserver._Server() if request.param == "own" else None
+    monkeypatch.setattr(forkserver, "_SERVER", own)
+    if own is not None:
         request.addfinalizer(own.close)
     return str(request.param)
 
@@ -176,3 +176,13 @@ def test_a_rank_asked_for_after_the_commands_fork_was_killed_comes_from_multipro
         assert code == 3, out
     finally:
         own.close()
+
+
+def test_a_program_calling_gems_main_is_not_forked_as_a_server(tmp_path: Path, monkeypatch) -> None:
+    """Only the `gems` command's own process forks itself (a caller of gems.cli.main has run torch already): bad
+    input found after the point where the command would fork leaves no server behind."""
+    from gems.cli import main
+
+    monkeypatch.setattr(forkserver, "_SERVER", None)
+    assert main(["run", f"results.dir={tmp_path}", "parallel.spatial=64", "model.size=32"]) == 2
+    assert forkserver._SERVER is None and not any(tmp_path.iterdir())

@@ -12,6 +12,10 @@ from typing import Any, Iterator
 
 from gems.errors import Cancelled
 
+#: whether this process is the ``gems`` command itself (``gems.cli.main`` given no arguments of a caller's): only
+#: then may it fork itself as its ranks' server (gems/launch/forkserver.py), never a program calling ``main``
+COMMAND_LINE = False
+
 
 @contextlib.contextmanager
 def cancel_on_signals() -> Iterator[None]:

@@ -33,8 +33,12 @@ def launcher_for(cfg: DictConfig) -> Launcher:
 
 def prestart(cfg: DictConfig) -> None:
     """Before a command's checks run any torch operation: where ``cfg``'s ranks will be forked on this machine,
-    fork the server that forks them now, sharing this process's import of torch (gems/launch/forkserver.py)."""
-    if cfg.cluster.launcher != "slurm" and forks_ranks(cfg):
+    fork the server that forks them now, sharing this process's import of torch (gems/launch/forkserver.py). Only
+    in the ``gems`` command's own process (``gems.launch.COMMAND_LINE``): a program calling ``gems.cli.main`` has
+    run torch already and keeps multiprocessing's server."""
+    import gems.launch
+
+    if gems.launch.COMMAND_LINE and cfg.cluster.launcher != "slurm" and forks_ranks(cfg):
         from gems.launch.forkserver import prestart as fork_server
 
         fork_server()

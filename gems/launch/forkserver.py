@@ -36,6 +36,7 @@ title names the rank.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import io
 import os
@@ -49,7 +50,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch.multiprocessing as mp
 
@@ -143,7 +144,7 @@ class _Server:
 
     def start(self, request: tuple[Any, ...]) -> int | None:
         """The pid of the rank the server forked, or None where the server has ended (nothing was started)."""
-        with self.lock:
+        with self.lock, _signals_held():
             try:
                 _send(self.sock, ("start", *request))
             except OSError:
@@ -154,13 +155,15 @@ class _Server:
                 if message is None:
                     return None
                 if message[0] == "started":
-                    return int(message[1])
+                    pid = int(message[1])
+                    self.exits.pop(pid, None)  # a reused pid: an earlier rank's status is not this one's
+                    return pid
                 self._take(message)
 
     def exitcode(self, pid: int, timeout: float) -> int | None:
         """``pid``'s exit status once the server reported it, waiting up to ``timeout`` seconds for reports."""
         deadline = time.monotonic() + timeout
-        with self.lock:
+        with self.lock, _signals_held():
             while pid not in self.exits and self.alive:
                 ready, _, _ = select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))
                 if not ready:
@@ -199,6 +202,18 @@ class _Server:
             except (ProcessLookupError, ChildProcessError):
                 pass
         self.sock.close()
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """The launcher's cancelling signals held off while it talks to its server (a handler raising mid-message would
+    break the stream's framing or lose a status); they are delivered, and cancel, as the exchange ends."""
+    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _exists(pid: int) -> bool:
