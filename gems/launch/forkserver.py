@@ -12,8 +12,9 @@ another thread held is copied into a rank:
   itself right after importing torch, before its checks run any torch operation.
   The fork imports the rest of :data:`PRELOAD` while the launcher checks the run,
   and forks each rank the launcher asks for, reporting the rank's pid and exit
-  status back over a socket. torch is imported once for the command and its ranks
-  (1.6 s of CPU less a run than a server that imports it again);
+  status back over a socket. torch is imported once for the command and its ranks,
+  and the first rank does not wait for a fresh interpreter to import it (the
+  suite's time, which ``scripts/test.sh`` prints, is the figure: docs/commands.md);
 * multiprocessing's fork server (:func:`context`), an interpreter that imports
   :data:`PRELOAD`, where no server was prestarted: the gloo worlds of
   :func:`gems.launch.world.run_world` (tests, benchmarks) and a launcher called
