@@ -38,7 +38,7 @@ def prestart(cfg: DictConfig) -> None:
     run torch already and keeps multiprocessing's server."""
     import gems.launch
 
-    if gems.launch.COMMAND_LINE and cfg.cluster.launcher != "slurm" and forks_ranks(cfg):
+    if gems.launch.COMMAND_LINE and isinstance(launcher_for(cfg), LocalLauncher) and forks_ranks(cfg):
         from gems.launch.forkserver import prestart as fork_server
 
         fork_server()
