@@ -104,7 +104,12 @@ def test_the_planned_peak_is_what_cuda_allocated_on_the_h200(row: str) -> None:
     assert detail["blas_workspace"] == 2 * 32 * 2**20  # cuBLAS's on Hopper, two handles
     assert plan.device["reserve"]["parts"]["cublas_workspace"] == 0  # counted in the peak, not twice
     one_batch = batch * 4 * size ** 3 * 4 + batch * 4 * 4
-    assert detail["batch"] == 4 * one_batch  # the step's and the reader's three (data.prefetch=2, one in hand)
+    # the step's and the reader's three (data.prefetch=2, one in hand), and the one block of planes the reader
+    # draws beside the batch it is making: 2^20 values at most
+    draw = 4 * 4 * size ** 2 * min(size, 2**20 // (4 * size ** 2))
+    assert detail["batch"] == 4 * one_batch + draw and draw <= 4 * 2**20
+    assert _plan("model=cosmoflow", f"model.size={size}", f"train.batch_size={batch}", "cluster.gpu=h200",
+                 f"train.precision={precision}", "data.prefetch=0").positions[0].activations_detail["batch"] == one_batch
 
 
 @pytest.mark.parametrize("row", sorted(ROWS))
@@ -146,10 +151,10 @@ def test_the_planned_step_holds_on_an_h100_and_on_models_it_was_not_first_fit_to
     assert 0.75 * measured <= plan.prediction.step_s <= 1.40 * measured, (row, plan.prediction.step_s / measured)
 
 
-_UNDER = pytest.mark.xfail(strict=True, reason="planned 1433.5 MiB where CUDA allocated 1435.3 (0.13% under), the same on an "
-                           "H100 and an H200: the bf16 U-Net's missing MiB is not found yet (the allocator's unsplit blocks, "
-                           "autocast's casts, cuDNN's bf16 workspaces? GPU records now keep the requested bytes' peak "
-                           "beside the allocated one: docs/planner.md)")
+_UNDER = pytest.mark.xfail(strict=True, reason="planned 1434.5 MiB where CUDA allocated 1435.3 (0.06% under), the same on an "
+                           "H100 and an H200, measured when the reader kept a batch's samples and stacked them (2 MiB "
+                           "more for a moment; it now draws into the batch: the next lease tells); other candidates: "
+                           "the allocator's unsplit blocks, autocast's casts (docs/planner.md)")
 
 
 @pytest.mark.parametrize("row", [pytest.param(r, marks=_UNDER) if r == "unet64_bf16" else r for r in H100_ROWS])

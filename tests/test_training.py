@@ -4,6 +4,7 @@ that stops the run with its time, and the bad input around them."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -98,6 +99,44 @@ def test_the_planner_counts_the_blocks_a_part_draws(monkeypatch: pytest.MonkeyPa
             seen.append((len(drawn), sum(drawn)))
         blocks, planes = most_drawn(shape, length)
         assert max(b for b, _ in seen) == blocks and max(p for _, p in seen) == planes, (length, seen)
+
+
+@pytest.mark.parametrize("slices", [None, [slice(2, 9), slice(1, 3)], [slice(None, None, -2)]])
+def test_a_batch_is_drawn_into_place_one_block_alive_at_a_time(monkeypatch: pytest.MonkeyPatch, slices) -> None:
+    """The reader's batch is the only tensor of its size it makes: each block of planes is drawn, copied into its
+    sample's place and freed before the next draw, so a batch being made holds at most one block beside itself
+    (gems.data.synthetic.draw_bytes, what the GPU plan counts for it). Before, a batch's samples were kept in a list
+    and stacked: one more batch at once (2 MiB of the U-Net at 64^3, batch 2)."""
+    import weakref
+
+    import torch
+
+    import gems.data.synthetic as synthetic
+    from gems.data.synthetic import SyntheticData, draw_bytes, sample_input
+
+    monkeypatch.setattr(synthetic, "DRAW_VALUES", 3 * 4 * 5 * 2)  # 2 x 4 x 5 planes: blocks of 3 planes
+    shape = (2, 11, 4, 5)
+    alive: list[weakref.ref] = []
+    sizes: list[int] = []
+    most = [0]
+    real = torch.randn
+
+    def randn(size, **kw):  # type: ignore[no-untyped-def]
+        held = sum(r().numel() * 4 for r in alive if r() is not None)  # type: ignore[union-attr]
+        most[0] = max(most[0], held)
+        t = real(size, **kw)
+        alive.append(weakref.ref(t))
+        sizes.append(t.numel() * 4)
+        return t
+
+    monkeypatch.setattr(synthetic.torch, "randn", randn)
+    spec = SimpleNamespace(input_shape=shape, target="vector", num_outputs=2, loss="mse")
+    x, y = SyntheticData(spec, 3, 8).batch([1, 5, 6], slices)
+    assert len(alive) > 3 and most[0] == 0  # no earlier draw alive at any draw
+    assert max(sizes) == draw_bytes(shape) == 4 * 3 * 2 * 4 * 5  # whole planes, whatever part is kept
+    monkeypatch.setattr(synthetic.torch, "randn", real)
+    for n, i in enumerate([1, 5, 6]):
+        assert torch.equal(x[n], sample_input(3, i, shape, slices))
 
 
 def test_learning_rate_schedules() -> None:

@@ -16,7 +16,7 @@ dozen draws, not one a plane: drawn a plane at a time, a 128^3 batch of 8 was
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -50,6 +50,62 @@ def most_drawn(shape: Sequence[int], planes: int) -> tuple[int, int]:
     return blocks, min(spatial[0], blocks * k)
 
 
+def draw_bytes(shape: Sequence[int]) -> int:
+    """Bytes of the largest block one draw makes for a sample of ``shape`` = (C, *spatial): whole planes, whatever
+    part of them a rank keeps (float32). While a reader ahead makes a batch on a GPU, this is what it holds beside
+    the batch (:func:`fill_input`); the planner counts it (gems.plan.memory.reader_draw)."""
+    c, *spatial = [int(v) for v in shape]
+    plane = c * math.prod(spatial[1:])
+    return 4 * plane * min(planes_per_draw(plane), spatial[0])
+
+
+def _part(shape: Sequence[int], slices: Sequence[slice] | None) -> tuple[list[int], list[slice]]:
+    """(C, *spatial) of ``shape`` and the slices of every spatial dim (``slices`` padded with whole dims)."""
+    c, *spatial = [int(s) for s in shape]
+    sl = list(slices) if slices is not None else [slice(0, n) for n in spatial]
+    return [c, *spatial], sl + [slice(0, n) for n in spatial[len(sl):]]
+
+
+def part_shape(shape: Sequence[int], slices: Sequence[slice] | None = None) -> list[int]:
+    """The shape (C, *part) of the part ``slices`` of a sample of ``shape`` = (C, *spatial)."""
+    (c, *spatial), sl = _part(shape, slices)
+    return [c, *(len(range(*s.indices(n))) for s, n in zip(sl, spatial))]
+
+
+def fill_input(out: torch.Tensor, seed: int, index: int, shape: Sequence[int],
+               slices: Sequence[slice] | None = None) -> torch.Tensor:
+    """Writes the part ``slices`` of sample ``index``'s input into ``out`` (:func:`part_shape`, on the device the
+    blocks are drawn on) and returns it: one block drawn at a time and its planes copied in, so that beside ``out``
+    at most one block's draw is alive (:func:`draw_bytes`, which the planner counts
+    for a batch being made), not the sample's blocks and their concatenation, nor a batch's samples and
+    their stack (one more batch: 2 MiB for the U-Net at 64^3 and a batch of 2)."""
+    (c, *spatial), sl = _part(shape, slices)
+    k = planes_per_draw(c * math.prod(spatial[1:]))
+    planes = range(*sl[0].indices(spatial[0]))
+    if not planes or out.numel() == 0:
+        return out
+    dev = out.device if out.device.type != "cpu" else None
+    inner = (slice(None), slice(None), *sl[1:])
+    if planes.step == 1:
+        for b in range(planes.start // k, (planes.stop - 1) // k + 1):
+            lo, hi = max(planes.start, b * k), min(planes.stop, (b + 1) * k)
+            block = torch.randn([c, min(k, spatial[0] - b * k), *spatial[1:]], generator=_gen(seed, index, b, dev),
+                                device=dev)
+            out[:, lo - planes.start:hi - planes.start].copy_(block[inner][:, lo - b * k:hi - b * k])
+            del block  # freed before the next draw
+        return out
+    by_block: dict[int, list[tuple[int, int]]] = {}  # a stepped slice (reversed too): its planes, in its order
+    for j, p in enumerate(planes):
+        by_block.setdefault(p // k, []).append((j, p))
+    for b in sorted(by_block):
+        block = torch.randn([c, min(k, spatial[0] - b * k), *spatial[1:]], generator=_gen(seed, index, b, dev),
+                            device=dev)
+        js, ps = zip(*by_block[b])
+        out[:, list(js)] = block[inner][:, [p - b * k for p in ps]]
+        del block
+    return out
+
+
 def sample_input(seed: int, index: int, shape: Sequence[int], slices: Sequence[slice] | None = None,
                  device: torch.device | None = None) -> torch.Tensor:
     """Input of ``index`` with ``shape`` = (C, *spatial); ``slices`` picks a part of the spatial dims.
@@ -57,24 +113,8 @@ def sample_input(seed: int, index: int, shape: Sequence[int], slices: Sequence[s
     ``device``: where the blocks are drawn, with that device's generator seeded per (seed, sample, block): on a
     GPU its counter-based Philox generator, so a GPU rank makes its part on the GPU, never on the host, and any
     cut of any mesh gets the same values on the same kind of device (CPU and GPU draw different numbers)."""
-    c, *spatial = [int(s) for s in shape]
-    sl = list(slices) if slices is not None else [slice(0, n) for n in spatial]
-    sl += [slice(0, n) for n in spatial[len(sl):]]
-    k = planes_per_draw(c * math.prod(spatial[1:]))
-    planes = range(*sl[0].indices(spatial[0]))
     dev = device if device is not None and device.type != "cpu" else None
-    if not planes:
-        return torch.empty([c, 0, *(len(range(*s.indices(n))) for s, n in zip(sl[1:], spatial[1:]))], device=dev)
-    first, last = min(planes) // k, max(planes) // k
-    blocks = []
-    for b in range(first, last + 1):
-        block = torch.randn([c, min(k, spatial[0] - b * k), *spatial[1:]], generator=_gen(seed, index, b, dev),
-                            device=dev)
-        blocks.append(block[(slice(None), slice(None), *sl[1:])])
-    drawn = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
-    if planes.step == 1:
-        return drawn[:, planes.start - first * k:planes.stop - first * k].contiguous()
-    return drawn[:, [p - first * k for p in planes]]  # a stepped slice (reversed too): its planes, in its order
+    return fill_input(torch.empty(part_shape(shape, slices), device=dev), seed, index, shape, slices)
 
 
 def sample_target(seed: int, index: int, kind: str, num_outputs: int, loss: str,
@@ -115,15 +155,18 @@ class SyntheticData:
               want_target: bool = True, symmetries: Sequence[int] | None = None
               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         assert symmetries is None, "synthetic samples are not augmented"
-        spec = self.spec
-        xs, ys = [], []
-        for i in indices:
+        spec: Any = self.spec
+        dev = self.device if self.device is not None and self.device.type != "cpu" else None
+        # each sample drawn into its place in the batch (fill_input): no sample and its stack alive at once
+        x = torch.empty([len(indices), *part_shape(spec.input_shape, slices)], device=dev) \
+            if want_input and indices else None
+        ys = []
+        for n, i in enumerate(indices):
             j = self.offset + i % self.num_samples
-            if want_input:
-                xs.append(sample_input(self.seed, j, spec.input_shape, slices, self.device))  # type: ignore[attr-defined]
+            if x is not None:
+                fill_input(x[n], self.seed, j, spec.input_shape, slices)
             if want_target:
-                ys.append(sample_target(self.seed, j, spec.target, spec.num_outputs, spec.loss,  # type: ignore[attr-defined]
-                                        spec.input_shape[1:], slices if spec.target == "dense" else None))  # type: ignore[attr-defined]
-        x = torch.stack(xs) if xs else None
+                ys.append(sample_target(self.seed, j, spec.target, spec.num_outputs, spec.loss, spec.input_shape[1:],
+                                        slices if spec.target == "dense" else None))
         y = torch.stack(ys) if ys else None
         return x, y

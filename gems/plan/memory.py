@@ -293,6 +293,8 @@ class Setup:
     batches_ahead: int = 0
     #: cuDNN workspaces measured on this kind of GPU (gems bench calibrate), else modelled
     calibration: Any = None
+    #: bytes the reader ahead holds beside the batch it is making (reader_draw), on a rank that reads inputs
+    reader_draw: int = 0
 
     @property
     def kind(self) -> Any:
@@ -601,7 +603,7 @@ class Planner:
         line = chunk * self.chunks  # the samples of the line this rank reads per step
         in_per_sample = 4 * math.prod(local)
         batch_bytes = ((line * in_per_sample if first else 0) + (line * target_b if last_stage else 0)) \
-            * (1 + st.batches_ahead)
+            * (1 + st.batches_ahead) + (st.reader_draw if first else 0)
         acts = peak + const + batch_bytes + self.blas
         halo = max((stages[p].halo.at(chunk) for p in held), default=0)
         # communication buffers
@@ -672,7 +674,7 @@ def setup(cfg: Any) -> Setup:
                   str(p.bn_stats), list(p.balance) if p.balance else None,
                   settings.balance_by, settings, rank_threads(cfg), _setup_notes(cfg, settings, gather_note),
                   device_batches_ahead(int(cfg.data.prefetch), str(cfg.data.name) == "hdf5") if gpu else 0,
-                  load_calibration(cfg) if gpu else None)
+                  load_calibration(cfg) if gpu else None, reader_draw(cfg, spec) if gpu else 0)
 
 
 def _setup_notes(cfg: Any, settings: Any, gather_note: str | None) -> list[str]:
@@ -693,6 +695,18 @@ def device_batches_ahead(prefetch: int, read: bool = False) -> int:
     counts and transformed there, so it holds its counts and its input at once for a moment: one more, counted
     as float32 (the layout's int16 counts are half of that; a file may hold floats)."""
     return (prefetch + 1 + int(read)) if prefetch > 0 else 0
+
+
+def reader_draw(cfg: Any, spec: Any) -> int:
+    """Bytes a GPU rank's reader ahead holds on the device beside the batch it is making: one block of synthetic
+    samples drawn there (gems.data.synthetic.draw_bytes; 1 MiB for the U-Net at 64^3, 4 MiB at most for CosmoFlow),
+    while the step runs. Read files (``hdf5``) hold their counts instead (:func:`device_batches_ahead`); with no
+    reader ahead (``data.prefetch=0``) the step draws its batch before its own tensors exist."""
+    if str(cfg.data.name) == "hdf5" or int(cfg.data.prefetch) <= 0:
+        return 0
+    from gems.data.synthetic import draw_bytes
+
+    return draw_bytes(spec.input_shape)
 
 
 def rank_threads(cfg: Any) -> int:
