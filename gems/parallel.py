@@ -11,6 +11,7 @@ again. (In the spirit of torchtitan's ``ParallelDims``.)
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -180,6 +181,25 @@ def spatial_model(spec: Any, mesh: Mesh, bn_stats: str = "global") -> tuple[Any,
         raise ConfigError("model", spec.name, f"a model whose every layer gems can cut (its output is one class per "
                           f"cell, cut like its input): {note.split(';')[0]}")
     return dataclasses.replace(spec, spatial_end=end), note
+
+
+def recompute_pieces(spec: Any, mesh: Mesh) -> list[tuple[int, int]]:
+    """The layers [a, e) of each piece ``parallel.checkpoint`` recomputes on the plain path
+    (:func:`gems.models.skips.checkpoint_pieces`), weighed on one fake trace of the serial model
+    (:func:`gems.plan.trace.piece_costs`), so every spatial part cuts the same pieces and their recomputations
+    exchange the same halos in the same order. Under a spatial mesh the pieces count the gather
+    :func:`gems.spatial.apply_spatial` inserts before the model's ``spatial_end`` as one more layer (its output:
+    the whole activation). The worker (gems.rank.compose) and the planner both call this."""
+    from gems.models.skips import checkpoint_pieces
+    from gems.plan.trace import piece_costs
+
+    saved, out = piece_costs(spec)
+    if mesh.spatial_enabled and spec.spatial_end is not None:
+        e = int(spec.spatial_end)
+        whole = out[e - 1] if e > 0 else 4 * math.prod(int(v) for v in spec.input_shape)
+        saved.insert(e, 0)
+        out.insert(e, whole)
+    return checkpoint_pieces(saved, out)
 
 
 def stage_balance(s: ParallelSettings, spec: Any, chunk: int | None = None, by: str | None = None,

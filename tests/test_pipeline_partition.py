@@ -183,7 +183,7 @@ def _dropout_grads(checkpoint: bool, plain: bool) -> list[torch.Tensor]:
     x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 5, (4,), generator=g)
     torch.manual_seed(7)
     if plain:
-        out = checkpointed(seq)(x) if checkpoint else seq(x)
+        out = checkpointed(seq, [(0, 3), (3, 5), (5, 7)])(x) if checkpoint else seq(x)  # a dropout in each
         ce(4)(out, y, 4).backward()
     else:
         runner = apply_pipeline(seq, Mesh(1, 1), 0, loss_fn=ce(4), batch_size=4, schedule="1f1b", micro_batches=2,

@@ -33,13 +33,29 @@ def test_spans_and_crossing_follow_the_stashes() -> None:
     assert crossing(sp, p1) == ["level0", "level1"] and crossing(sp, p1 + 1) == ["level0"]
 
 
+def _pieces(n: int, how: str, norm: str) -> list[tuple[int, int]]:
+    if how == "two":  # two layers a piece: every boundary crossed by skips
+        return [(a, min(a + 2, n)) for a in range(0, n, 2)]
+    if how == "uneven":
+        return [(0, 1), (1, n // 2), (n // 2, n - 1), (n - 1, n)]
+    from gems.mesh import Mesh
+    from gems.models import build_model
+    from gems.parallel import recompute_pieces
+
+    spec = build_model(ModelConf(name="unet3d", size=16, width=0.0625, in_channels=1, num_classes=3, norm=norm))
+    pieces = recompute_pieces(spec, Mesh(1, 1))
+    assert 2 < len(pieces) < n // 2  # neither one piece nor two layers a piece
+    return pieces
+
+
+@pytest.mark.parametrize("how", ["chosen", "two", "uneven"])
 @pytest.mark.parametrize("norm", ["batch", "none"])
-def test_checkpointed_unet_trains_like_the_plain_one(norm: str) -> None:
+def test_checkpointed_unet_trains_like_the_plain_one(norm: str, how: str) -> None:
     base = unet(norm)
     x = torch.randn(2, 1, 16, 16, 16)
     y = torch.randint(0, 3, (2, 16, 16, 16))
     plain, ckpt = copy.deepcopy(base), copy.deepcopy(base)
-    for m, fwd in ((plain, plain), (ckpt, checkpointed(ckpt))):
+    for m, fwd in ((plain, plain), (ckpt, checkpointed(ckpt, _pieces(len(base), how, norm)))):
         F.cross_entropy(fwd(x), y).backward()
     for a, b in zip(plain.parameters(), ckpt.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
@@ -48,6 +64,40 @@ def test_checkpointed_unet_trains_like_the_plain_one(norm: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(plain.buffers(), ckpt.buffers(), strict=True))
     assert any(moved) == (norm == "batch")
     assert len(store_of(list(ckpt))) == 0  # nothing left behind
+
+
+def _peak(pieces: list[tuple[int, int]], saved: list[float], out: list[float]) -> float:
+    """What checkpoint_pieces minimises: the largest, over pieces, of the earlier pieces' inputs, its own input,
+    its saved set, and its output with that output's gradient."""
+    inp = [0.0] + out[:-1]
+    kept, worst = 0.0, 0.0
+    for a, e in pieces:
+        worst = max(worst, kept + inp[a] + sum(saved[a:e]) + 2 * out[e - 1])
+        kept += inp[a]
+    return worst
+
+
+def test_the_recomputed_pieces_are_the_cut_with_the_smallest_peak() -> None:
+    """Against every cut of small random networks (all 2^(n-1) of them): the pieces chosen reach the least peak,
+    cover the layers in order, and are the same on every call; equal layers come out about sqrt(n) pieces."""
+    import itertools
+    import random
+
+    from gems.models.skips import checkpoint_pieces
+
+    rng = random.Random(5)
+    for n in (1, 2, 5, 9):
+        for _ in range(20):
+            saved = [float(rng.choice([0, 1, 4, 16, 64])) for _ in range(n)]
+            out = [float(rng.choice([1, 2, 8, 32])) for _ in range(n)]
+            got = checkpoint_pieces(saved, out)
+            assert got == checkpoint_pieces(saved, out)
+            assert got[0][0] == 0 and got[-1][1] == n and all(e == a for (_, e), (a, _) in zip(got, got[1:]))
+            best = min(_peak([(a, e) for a, e in zip((0, *c), (*c, n))], saved, out)
+                       for k in range(n) for c in itertools.combinations(range(1, n), k))
+            assert _peak(got, saved, out) <= best * (1 + 1e-9), (saved, out, got)
+    even = checkpoint_pieces([1.0] * 100, [1.0] * 100)
+    assert 7 <= len(even) <= 14 and max(e - a for a, e in even) <= 2 * 100 // len(even)
 
 
 @pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last_3d])

@@ -40,7 +40,8 @@ How the estimate is made:
   two mirrored partitions (2x parameters). ``checkpoint=true`` keeps only
   partition inputs (and a partition's sent output until its gradient comes
   back: the send's buffer) and recomputes one partition at a time in its
-  backward; on the plain path the segments are recomputed last to first, each
+  backward; on the plain path the segments (the run's own,
+  :func:`gems.parallel.recompute_pieces`) are recomputed last to first, each
   beside the inputs of the segments before it. A recomputation keeps torch's
   random state too (:meth:`gems.layers.Recompute.device_bytes`, on CPU ranks).
   The peak adds the backward working set (the output and input gradients
@@ -122,8 +123,7 @@ from gems.bootstrap import KEEP_GROWTH, backend_for, keeps_host_memory_within, n
 from gems.config import job_tasks, section
 from gems.errors import ConfigError
 from gems.layers import Recompute
-from gems.models.skips import checkpoint_pieces
-from gems.parallel import resolve, spatial_model, stage_balance
+from gems.parallel import recompute_pieces, resolve, spatial_model, stage_balance
 from gems.pipeline.exchange import plan_exchanges, receive_lead
 from gems.pipeline.partition import trace_shapes
 from gems.pipeline.schedules import GRAD, registered
@@ -487,6 +487,16 @@ class Planner:
             _CACHE[key] = self.layers_for(s)
         return _CACHE[key]
 
+    def _pieces(self) -> list[tuple[int, int]]:
+        """The plain path's recomputed pieces, as the run cuts them (one trace of the serial model: kept)."""
+        key = ("pieces", self.st.model_key, self.st.mesh.parts, self.st.mesh.spatial_dims, self.st.spec.spatial_end)
+        if key not in _CACHE:
+            def make() -> list[tuple[int, int]]:
+                return recompute_pieces(self.st.spec, self.st.mesh)
+
+            _CACHE[key] = make() if self.st.spec.name == "custom" else cached(key, make)
+        return _CACHE[key]
+
     def _traced(self, s: int, batch: int) -> Trace:
         key = ("trace", self.st.model_key, self.st.mesh.parts, self.st.mesh.spatial_dims, s, self.st.overlap,
                self.st.gpu, self.st.bn_stats, self.st.precision, batch)
@@ -522,7 +532,7 @@ class Planner:
             stages = _stages(t1, t2, bal, layers)
             if not self.pipelined and self.st.checkpoint:  # the plain path's recomputed pieces, as the run cuts them
                 n = len(layers)
-                stages[0].ckpt_layers = checkpoint_pieces(n)
+                stages[0].ckpt_layers = self._pieces()
                 self._ckpt_batches = (t1.batch, t2.batch)
                 self._ckpt[id(stages[0])] = [(t1.stage_by_layer(a, e, e == n, packed=False),
                                               t2.stage_by_layer(a, e, e == n, packed=False))

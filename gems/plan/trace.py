@@ -369,6 +369,21 @@ def trace_layers(spec: Any, layers: Sequence[nn.Module], batch: int, local: Sequ
                  [(st, po) for _, st, po in spans(layers)])
 
 
+def piece_costs(spec: Any) -> tuple[list[int], list[int]]:
+    """Per layer of ``spec``'s serial model, one sample in fp32 on fake tensors: the bytes of the storages autograd
+    saves that the layer is the first to save (parameters and the input batch left out), and of its output. What
+    the plain path's recomputed pieces are cut by (:func:`gems.parallel.recompute_pieces`)."""
+    layers = list(spec.module)
+    shape = [int(v) for v in spec.input_shape]
+    t = trace_layers(spec, layers, 1, shape, shape[1:], None, contextlib.nullcontext, memo=("fp32", False))
+    saved = [0] * len(layers)
+    for k, (nb, by) in t.saved.items():
+        first = min(by)
+        if k != t.in_key and first < len(layers):  # (the loss's own saves come after the last layer)
+            saved[first] += nb
+    return saved, list(t.out_bytes[:len(layers)])
+
+
 class _Tracer:
     """What :func:`trace_layers` gathers while the layers run on fake tensors: the storages autograd saves and
     which layers save them, every layer's output, and the layers it replays from :data:`_LAYER_MEMO`."""

@@ -20,7 +20,7 @@ from gems.layers import batch_context, evaluation_mode, guard_bf16_conv3d
 from gems.mesh import Coord, Mesh
 from gems.models import ModelSpec, build_model
 from gems.models.skips import checkpointed
-from gems.parallel import ParallelSettings, resolve, spatial_model, stage_balance
+from gems.parallel import ParallelSettings, recompute_pieces, resolve, spatial_model, stage_balance
 from gems.precision import LossScaler, autocast, scaling_enabled
 from gems.rank.loss import Metric, make_loss_fn
 from gems.rank.optim import make_optimizer
@@ -230,8 +230,8 @@ class _Composition:
         params = list(seq.parameters())
         reducer = _reducer(seq, self.mesh, self.world, self.cfg)
         forward: Callable[[torch.Tensor], torch.Tensor] = seq
-        if self.settings.checkpoint:  # pieces of two layers, each recomputed in its backward, skips carried
-            forward = checkpointed(seq)
+        if self.settings.checkpoint:  # pieces each recomputed in its backward (but the last), skips carried
+            forward = checkpointed(seq, recompute_pieces(self.spec, self.mesh))
         finite: dict[int, torch.Tensor | bool] = {}  # position -> all finite? (a device flag: no synchronisation)
 
         def plain_step(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int) -> torch.Tensor:
