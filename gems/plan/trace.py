@@ -375,7 +375,8 @@ def piece_costs(spec: Any) -> tuple[list[int], list[int]]:
     the plain path's recomputed pieces are cut by (:func:`gems.parallel.recompute_pieces`)."""
     layers = list(spec.module)
     shape = [int(v) for v in spec.input_shape]
-    t = trace_layers(spec, layers, 1, shape, shape[1:], None, contextlib.nullcontext, memo=("fp32", False))
+    with torch.enable_grad():  # (the same pieces when the caller builds its model under no_grad)
+        t = trace_layers(spec, layers, 1, shape, shape[1:], None, contextlib.nullcontext, memo=("fp32", False))
     saved = [0] * len(layers)
     for k, (nb, by) in t.saved.items():
         first = min(by)
