@@ -67,9 +67,12 @@ UNET = ["model=unet3d", "model.size=32", "model.width=0.25"]
                                   [*UNET, "parallel.pipeline=2", "parallel.spatial=2"],
                                   # a recomputed partition's received gradient (packed with the skips') held through
                                   # its backward: 0.94 of the measured on rank 0 before the plan counted it
-                                  [*UNET, "parallel.pipeline=2", "parallel.checkpoint=true"]],
+                                  [*UNET, "parallel.pipeline=2", "parallel.checkpoint=true"],
+                                  # a recomputed stage's input counted once: its second stage planned at 1.41 before
+                                  ["parallel.pipeline=2", "parallel.schedule=1f1b", "parallel.micro_batches=2",
+                                   "parallel.checkpoint=true"]],
                          ids=["serial", "S=2", "mast D=2", "1f1b D=2 m=2", "checkpoint", "unet D=2",
-                              "unet checkpoint", "unet D=2 x S=2", "unet D=2 checkpoint"])
+                              "unet checkpoint", "unet D=2 x S=2", "unet D=2 checkpoint", "1f1b D=2 m=2 checkpoint"])
 def test_gems_plan_bounds_the_measured_tensor_memory_closely(tmp_path, args):
     """`gems plan` is an upper bound of what each rank's tensors really reach, and a close one (within 40%):
     the rank with the largest measured memory against the plan of its mesh position."""
