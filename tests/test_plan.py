@@ -343,3 +343,21 @@ def test_gpu_targets_count_cudnns_workspace_and_cpu_targets_onednns():
     conv = next(m for m in spec.module.modules() if isinstance(m, nn.Conv3d))
     size = spec.input_shape[1]
     assert ws == int(CUDNN_WORKSPACE_FRACTION * max(conv.in_channels, conv.out_channels) * size ** 3 * 4) * gpu.micro_batch
+
+
+def test_recomputation_is_planned_where_it_saves_memory_and_said_where_it_does_not():
+    """The plain path's recomputed pieces are weighed (gems.parallel.recompute_pieces): the U-Net at 64^3 plans a
+    third less with them (pieces of two layers planned no less than no recomputation); CosmoFlow, whose first
+    layers set its peak however it is cut, plans no less, and the plan says so in a note."""
+    from gems.config import compose
+    from gems.plan.make import make_plan
+
+    def plan(*o):
+        return make_plan(compose([*o, "cluster.gpu=h200", "plan.predict=false"]), suggest=False)
+
+    unet = ["model=unet3d", "model.size=64", "train.batch_size=2"]
+    on, off = plan(*unet, "parallel.checkpoint=true"), plan(*unet)
+    assert on.worst.bytes.total < 0.75 * off.worst.bytes.total
+    assert not any("saves no memory" in n for n in on.notes)
+    cosmo = plan("model=cosmoflow", "model.size=128", "train.batch_size=4", "parallel.checkpoint=true")
+    assert any(n.startswith("parallel.checkpoint=true saves no memory here") for n in cosmo.notes), cosmo.notes

@@ -10,7 +10,7 @@ from gems.config import typed
 from gems.plan.memory import plan_memory
 from gems.plan.predict import predict_step
 from gems.plan.schema import MemoryPlan
-from gems.plan.suggest import suggest_change
+from gems.plan.suggest import recompute_note, suggest_change
 
 __all__ = ["make_plan"]
 
@@ -26,6 +26,8 @@ def make_plan(cfg: Any, suggest: bool = True, quick: bool = False, available: bo
     t0 = time.perf_counter()
     cfg = typed(cfg)  # the typed settings the planner's modules read (gems.config.typed)
     plan, pl, prof = plan_memory(cfg, quick, available, workspace)
+    if not quick and (note := recompute_note(cfg, plan)):
+        plan.notes.append(note)
     if not plan.fits and suggest:
         plan.suggestion = suggest_change(cfg, pl.st)
         plan.verdict += (f"; try {plan.suggestion}" if plan.suggestion else

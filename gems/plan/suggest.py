@@ -10,7 +10,9 @@ from gems.errors import ConfigError, RunError
 from gems.plan.memory import Setup, plan_memory
 
 
-def _fits(cfg: Any, overrides: dict[str, Any]) -> bool:
+def variant(cfg: Any, overrides: dict[str, Any]) -> Any:
+    """The quick plan (gems.plan.memory.plan_memory) of ``cfg`` with ``overrides``, placed like any run where it
+    takes more ranks; None where the model cannot take the change (a part its layers refuse)."""
     from omegaconf import OmegaConf, open_dict
 
     c = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
@@ -25,9 +27,30 @@ def _fits(cfg: Any, overrides: dict[str, Any]) -> bool:
             c.cluster.nodes = c.cluster.tasks_per_node = None
             c.cluster.nodes, c.cluster.tasks_per_node = place(c.cluster, mesh_from_config(c).size)
     try:
-        return plan_memory(typed(c), quick=True)[0].fits
-    except (ConfigError, RunError):  # a change the model cannot take (a part its layers refuse) is no suggestion
-        return False
+        return plan_memory(typed(c), quick=True)[0]
+    except (ConfigError, RunError):
+        return None
+
+
+def _fits(cfg: Any, overrides: dict[str, Any]) -> bool:
+    plan = variant(cfg, overrides)
+    return plan is not None and bool(plan.fits)
+
+
+def recompute_note(cfg: Any, plan: Any) -> str | None:
+    """Where ``parallel.checkpoint=true`` plans no less memory than the same run without it, a note that says so
+    (CosmoFlow: its first layers' activations and their gradients set the peak whichever way it is cut)."""
+    if not plan.checkpoint:
+        return None
+    off = variant(cfg, {"parallel.checkpoint": False})
+    if off is None:
+        return None
+    on_b, off_b = plan.worst.bytes.total, off.worst.bytes.total
+    if off_b > on_b:
+        return None
+    return (f"parallel.checkpoint=true saves no memory here: {on_b / 2**30:.2f} GiB a rank with it, "
+            f"{off_b / 2**30:.2f} without (the largest activations and their gradients are alive together whichever "
+            f"way the model is cut), and recomputation costs a forward a step")
 
 
 def suggest_change(cfg: Any, st: Setup) -> str | None:
