@@ -122,7 +122,8 @@ class ParallelConf:
                                  "2; what gems plan's memory counts) | time (each action's time, measured in the "
                                  "first steps; may hold received buffers where the plan does not count them)",
                          choices=("time", "unit"))
-    checkpoint: bool = key(False, "recompute activations in the backward")
+    checkpoint: bool = key(False, "recompute activations in the backward: a pipeline partition whole, the plain path "
+                                  "in pieces weighed on the model (gems plan notes where it saves no memory)")
     bn_stats: str = key("global", "BatchNorm statistics over spatial parts", choices=("global", "local"))
     overlap: Optional[bool] = key(None, "interior/halo overlap (null: on GPU only)")
 
