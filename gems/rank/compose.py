@@ -117,6 +117,8 @@ class _Composition:
         self.memory_format = torch.contiguous_format  # what the layers compute in (place: channels-last on GPUs)
         self.slices: tuple[slice, ...] | None = None
         self.balance = list(settings.balance) if settings.balance else None
+        #: the plain path's recomputed pieces, weighed on the serial model while it is still on the host
+        self.pieces = recompute_pieces(self.spec, mesh) if settings.checkpoint and not settings.pipelined else None
         t, device = cfg.train, world.device
         if device.type == "cpu" and t.precision == "bf16":
             guard_bf16_conv3d(self.seq)  # torch's bf16 Conv3d weight gradient on CPU is wrong for inputs 2 cells deep
@@ -231,7 +233,8 @@ class _Composition:
         reducer = _reducer(seq, self.mesh, self.world, self.cfg)
         forward: Callable[[torch.Tensor], torch.Tensor] = seq
         if self.settings.checkpoint:  # pieces each recomputed in its backward (but the last), skips carried
-            forward = checkpointed(seq, recompute_pieces(self.spec, self.mesh))
+            assert self.pieces is not None
+            forward = checkpointed(seq, self.pieces)
         finite: dict[int, torch.Tensor | bool] = {}  # position -> all finite? (a device flag: no synchronisation)
 
         def plain_step(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int) -> torch.Tensor:
