@@ -187,18 +187,29 @@ def recompute_pieces(spec: Any, mesh: Mesh) -> list[tuple[int, int]]:
     """The layers [a, e) of each piece ``parallel.checkpoint`` recomputes on the plain path
     (:func:`gems.models.skips.checkpoint_pieces`), weighed on one fake trace of the serial model
     (:func:`gems.plan.trace.piece_costs`), so every spatial part cuts the same pieces and their recomputations
-    exchange the same halos in the same order. Under a spatial mesh the pieces count the gather
-    :func:`gems.spatial.apply_spatial` inserts before the model's ``spatial_end`` as one more layer (its output:
-    the whole activation). The worker (gems.rank.compose) and the planner both call this."""
+    exchange the same halos in the same order. Under a spatial mesh the layers before the model's ``spatial_end``
+    count at the largest part's share, and the pieces count the gather :func:`gems.spatial.apply_spatial` inserts
+    there as one more layer (its output: the whole activation), as :func:`gems.pipeline.balance.spatial_balance`
+    weighs a pipeline's layers. The worker (gems.rank.compose) and the planner both call this."""
     from gems.models.skips import checkpoint_pieces
     from gems.plan.trace import piece_costs
+    from gems.spatial.geometry import split_bounds
 
     saved, out = piece_costs(spec)
-    if mesh.spatial_enabled and spec.spatial_end is not None:
-        e = int(spec.spatial_end)
-        whole = out[e - 1] if e > 0 else 4 * math.prod(int(v) for v in spec.input_shape)
-        saved.insert(e, 0)
-        out.insert(e, whole)
+    if mesh.spatial_enabled:  # a rank holds its part of each layer before the gather
+        extent = [int(v) for v in spec.input_shape[1:]]
+        part = list(extent)
+        for k, d in zip(mesh.parts, mesh.spatial_dims):
+            lo, hi = split_bounds(extent[d], int(k))[0]  # the first part is the largest
+            part[d] = hi - lo
+        share = math.prod(part) / max(1, math.prod(extent))
+        trunk = len(saved) if spec.spatial_end is None else int(spec.spatial_end)
+        saved = [v * (share if i < trunk else 1.0) for i, v in enumerate(saved)]
+        out_whole = list(out)
+        out = [v * (share if i < trunk else 1.0) for i, v in enumerate(out)]
+        if spec.spatial_end is not None:  # the gather's output: the whole activation
+            saved.insert(trunk, 0.0)
+            out.insert(trunk, float(out_whole[trunk - 1] if trunk > 0 else 4 * math.prod(int(v) for v in spec.input_shape)))
     return checkpoint_pieces(saved, out)
 
 

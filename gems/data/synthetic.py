@@ -78,7 +78,8 @@ def fill_input(out: torch.Tensor, seed: int, index: int, shape: Sequence[int],
     blocks are drawn on) and returns it: one block drawn at a time and its planes copied in, so that beside ``out``
     at most one block's draw is alive (:func:`draw_bytes`, which the planner counts
     for a batch being made), not the sample's blocks and their concatenation, nor a batch's samples and
-    their stack (one more batch: 2 MiB for the U-Net at 64^3 and a batch of 2)."""
+    their stack (one more batch: 2 MiB for the U-Net at 64^3 and a batch of 2). A stepped slice (not a training
+    part, which is a slab of consecutive planes) copies its planes out of the block first: two blocks at most."""
     (c, *spatial), sl = _part(shape, slices)
     k = planes_per_draw(c * math.prod(spatial[1:]))
     planes = range(*sl[0].indices(spatial[0]))

@@ -712,7 +712,8 @@ def device_batches_ahead(prefetch: int, read: bool = False) -> int:
 
 def reader_draw(cfg: Any, spec: Any) -> int:
     """Bytes a GPU rank's reader ahead holds on the device beside the batch it is making: one block of synthetic
-    samples drawn there (gems.data.synthetic.draw_bytes; 1 MiB for the U-Net at 64^3, 4 MiB at most for CosmoFlow),
+    samples drawn there (gems.data.synthetic.draw_bytes: 2^20 values, or one plane where a plane holds more; 1 MiB
+    for the U-Net at 64^3, 4 MiB for CosmoFlow),
     while the step runs. Read files (``hdf5``) hold their counts instead (:func:`device_batches_ahead`); with no
     reader ahead (``data.prefetch=0``) the step draws its batch before its own tensors exist."""
     if str(cfg.data.name) == "hdf5" or int(cfg.data.prefetch) <= 0:

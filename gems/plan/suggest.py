@@ -42,10 +42,11 @@ def recompute_note(cfg: Any, plan: Any) -> str | None:
     (CosmoFlow: its first layers' activations and their gradients set the peak whichever way it is cut)."""
     if not plan.checkpoint:
         return None
-    off = variant(cfg, {"parallel.checkpoint": False})
-    if off is None:
+    # two quick plans, on the same footing (the full one traces every spatial part at two batches)
+    on, off = variant(cfg, {}), variant(cfg, {"parallel.checkpoint": False})
+    if on is None or off is None:
         return None
-    on_b, off_b = plan.worst.bytes.total, off.worst.bytes.total
+    on_b, off_b = on.worst.bytes.total, off.worst.bytes.total
     if off_b > on_b:
         return None
     return (f"parallel.checkpoint=true saves no memory here: {on_b / 2**30:.2f} GiB a rank with it, "
