@@ -195,7 +195,9 @@ def recompute_pieces(spec: Any, mesh: Mesh) -> list[tuple[int, int]]:
     from gems.plan.trace import piece_costs
     from gems.spatial.geometry import split_bounds
 
-    saved, out = piece_costs(spec)
+    costs = piece_costs(spec)
+    saved: list[float] = [float(v) for v in costs[0]]
+    out: list[float] = [float(v) for v in costs[1]]
     if mesh.spatial_enabled:  # a rank holds its part of each layer before the gather
         extent = [int(v) for v in spec.input_shape[1:]]
         part = list(extent)
