@@ -193,25 +193,22 @@ def recompute_pieces(spec: Any, mesh: Mesh) -> list[tuple[int, int]]:
     weighs a pipeline's layers. The worker (gems.rank.compose) and the planner both call this."""
     from gems.models.skips import checkpoint_pieces
     from gems.plan.trace import piece_costs
-    from gems.spatial.geometry import split_bounds
+    from gems.spatial.geometry import largest_part
 
     costs = piece_costs(spec)
     saved: list[float] = [float(v) for v in costs[0]]
     out: list[float] = [float(v) for v in costs[1]]
     if mesh.spatial_enabled:  # a rank holds its part of each layer before the gather
         extent = [int(v) for v in spec.input_shape[1:]]
-        part = list(extent)
-        for k, d in zip(mesh.parts, mesh.spatial_dims):
-            lo, hi = split_bounds(extent[d], int(k))[0]  # the first part is the largest
-            part[d] = hi - lo
-        share = math.prod(part) / max(1, math.prod(extent))
+        share = math.prod(largest_part(extent, mesh.parts, mesh.spatial_dims)) / max(1, math.prod(extent))
         trunk = len(saved) if spec.spatial_end is None else int(spec.spatial_end)
+        # the gather's output: the whole activation leaving the trunk
+        whole = out[trunk - 1] if trunk > 0 else 4.0 * math.prod(int(v) for v in spec.input_shape)
         saved = [v * (share if i < trunk else 1.0) for i, v in enumerate(saved)]
-        out_whole = list(out)
         out = [v * (share if i < trunk else 1.0) for i, v in enumerate(out)]
-        if spec.spatial_end is not None:  # the gather's output: the whole activation
+        if spec.spatial_end is not None:
             saved.insert(trunk, 0.0)
-            out.insert(trunk, float(out_whole[trunk - 1] if trunk > 0 else 4 * math.prod(int(v) for v in spec.input_shape)))
+            out.insert(trunk, whole)
     return checkpoint_pieces(saved, out)
 
 

@@ -32,7 +32,7 @@ from gems.pipeline.partition import (
     smallest_crossing,
     trace_shapes,
 )
-from gems.spatial.geometry import split_bounds
+from gems.spatial.geometry import largest_part, split_bounds
 
 __all__ = ["Cut", "decide", "spatial_balance"]
 
@@ -108,11 +108,8 @@ def spatial_balance(serial: nn.Sequential, D: int, by: str, sample: tuple[int, .
     n = len(layers)
     e = n if end is None else int(end)
     outs = trace_shapes(layers, tuple(sample), dtype)
-    part = [int(v) for v in sample[2:]]
-    for k, d in zip(parts, dims):
-        lo, hi = split_bounds(part[d], int(k))[0]  # np.array_split: the first part is the largest
-        part[d] = hi - lo
-    share = math.prod(int(v) for v in part) / max(1, math.prod(sample[2:]))
+    part = largest_part(sample[2:], parts, dims)
+    share = math.prod(part) / max(1, math.prod(sample[2:]))
 
     # bytes of each layer's output as a rank holds it (leaving spatial layer i: the crossing)
     crossing = [nbytes(*outs[i]) * (share if i < e else 1.0) for i in range(n)]

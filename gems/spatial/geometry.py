@@ -36,6 +36,17 @@ def split_bounds(n: int, parts: int) -> list[Range]:
     return out
 
 
+def largest_part(extent: Sequence[int], parts: Sequence[int], dims: Sequence[int]) -> list[int]:
+    """The extents of the largest part of ``extent`` cut into ``parts`` along ``dims``: the first along each, as
+    :func:`split_bounds` makes the first part the largest. What every rank weighs a spatial layer by, so that
+    decisions taken on it (pipeline balances, recomputed pieces) agree on every rank."""
+    part = [int(v) for v in extent]
+    for k, d in zip(parts, dims):
+        lo, hi = split_bounds(part[d], int(k))[0]
+        part[d] = hi - lo
+    return part
+
+
 def is_empty(box: Box) -> bool:
     return any(hi <= lo for lo, hi in box)
 
