@@ -42,6 +42,7 @@ agree on), and the time-limit and requeue protocol that writes it is read beside
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -72,16 +73,76 @@ _STOP: dict[str, Any] = {"requested": False, "signal": None}
 
 @dataclass(frozen=True)
 class Share:
-    """Whether this rank writes its position's tensors (one copy of each pipeline position does)."""
+    """Whether this rank writes its pipeline position's tensors, and which of the position's ``writers`` it is
+    (:func:`share_of`)."""
 
     name: str
     writes: bool
+    index: int = 0
+    writers: int = 1
 
 
-def share_of(mesh: Any, rank: int) -> Share:
-    """One copy of each pipeline position writes its state: replica 0, spatial part 0 (:mod:`gems.checkpoint`)."""
-    c = mesh.coord(rank)
-    return Share(f"d{c.pipeline}", c.replica == 0 and c.spatial == 0)
+def writer_count(mesh: Any, cap: int) -> int:
+    """Copies of each pipeline position that write its checkpoint: ``train.checkpoint_writers``, at most R."""
+    return max(1, min(int(mesh.replicas), int(cap)))
+
+
+def share_of(mesh: Any, rank: int, cap: int = 1) -> Share:
+    """The first :func:`writer_count` replicas of each pipeline position write it, spatial part 0 of each (the
+    parts of one replica hold the same tensors and mostly share a node): writer ``k`` is replica ``k``."""
+    c, w = mesh.coord(rank), writer_count(mesh, cap)
+    return Share(f"d{c.pipeline}", c.replica < w and c.spatial == 0, c.replica if c.replica < w else -1, w)
+
+
+def writer_ranks(mesh: Any, cap: int) -> list[int]:
+    """Every rank that writes checkpoints (:func:`share_of`), in order: the ranks of their process group."""
+    return sorted(mesh.rank_of(r, d, 0) for d in range(mesh.pipeline) for r in range(writer_count(mesh, cap)))
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rows ``[start, start + rows)`` along dim 0 of entry ``name`` (a 0-dim tensor: all of it, rows 1)."""
+
+    name: str
+    start: int
+    rows: int
+
+
+def layout(entries: dict[str, tuple[tuple[int, ...], int]], writers: int) -> list[list[Chunk]]:
+    """What each of a position's ``writers`` writes of its ``entries`` ({name: (shape, bytes an element)}): the
+    entries laid end to end in name order and cut into ``writers`` runs of equal bytes, each row (dim 0) going to
+    the run its middle byte falls in. Every writer gets about 1/``writers`` of the bytes (at most a row more or
+    less), at most one chunk of each entry, and a writer whose run holds no row writes nothing. A pure function of
+    the entries: every copy of a position computes the same one, and mirrored positions (GEMS, which hold the
+    same partitions) the same chunks, which DCP's planner then keeps once."""
+    out: list[list[Chunk]] = [[] for _ in range(max(1, writers))]
+    names = sorted(entries)
+
+    def rows_of(shape: tuple[int, ...]) -> tuple[int, int]:  # (rows, elements a row)
+        return (int(shape[0]), math.prod(shape[1:])) if len(shape) else (1, 1)
+
+    total = sum(rows_of(entries[n][0])[0] * rows_of(entries[n][0])[1] * entries[n][1] for n in names)
+    w, off = len(out), 0
+    for n in names:
+        shape, itemsize = entries[n]
+        rows, per = rows_of(shape)
+        rb = per * itemsize
+        if rows == 0 or rb == 0 or total == 0:  # an empty tensor: its metadata, from the first writer
+            out[0].append(Chunk(n, 0, rows))
+            continue
+        def run(i: int) -> int:  # the run row i's middle byte falls in
+            return min(w - 1, (2 * (off + i * rb) + rb) * w // (2 * total))
+
+        def first_row(k: int) -> int:  # the first row of run k (rows of run k or later: middle byte >= k T / w)
+            return max(0, -(-(2 * k * total - (2 * off + rb) * w) // (2 * rb * w)))
+
+        a, b = run(0), run(rows - 1)
+        starts = [0] + [first_row(k) for k in range(a + 1, b + 1)] + [rows]
+        for k, (lo, hi) in zip(range(a, b + 1), zip(starts, starts[1:])):
+            if hi > lo:
+                out[k].append(Chunk(n, lo, hi - lo))
+        off += rows * rb
+    return out
 
 
 def restart_count() -> int:
@@ -154,9 +215,34 @@ def read_meta(d: Path) -> dict[str, Any]:
 
 
 def _write(obj: Any, path: Path) -> None:
+    """``torch.save`` under a temporary name, flushed and synced, then renamed: a reader finds the whole file or
+    none (:func:`_commit`)."""
     tmp = path.parent / f".{path.name}.tmp"
-    torch.save(obj, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+    _commit(tmp, path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.parent / f".{path.name}.tmp"
+    tmp.write_text(text)
+    _commit(tmp, path)
+
+
+def _commit(tmp: Path, path: Path) -> None:
+    """``tmp`` synced to the disk, renamed to ``path``, and the rename synced (the folder's entry): a crash at any
+    moment leaves the old file or the new one."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # ---- what a rank holds ---------------------------------------------------------------------------------------
@@ -207,45 +293,172 @@ class Holding:
 
 
 # ---- writing -------------------------------------------------------------------------------------------------
-class Saver:
-    """Writes a run's checkpoints: :meth:`save` (synchronous, or through DCP's ``async_save``), and says how long the
-    steps were held for them (``held_s``, ``saves``)."""
+def chunks_of(state: dict[str, torch.Tensor], share: Share) -> dict[str, tuple[torch.Tensor, int]]:
+    """This writer's part of a position's ``state`` (:func:`layout`): {entry: (its rows as a view, first row)}."""
+    entries = {k: (tuple(v.shape), v.element_size()) for k, v in state.items()}
+    mine = layout(entries, share.writers)[share.index] if share.writes else []
+    return {c.name: (state[c.name] if state[c.name].dim() == 0 else state[c.name].detach().narrow(0, c.start, c.rows),
+                     c.start) for c in mine}
 
-    def __init__(self, cfg: Any, world: Any, asynchronous: bool = False) -> None:
+
+def _planner(chunks: dict[str, tuple[torch.Tensor, int]], full: dict[str, torch.Size]) -> Any:
+    """DCP's default planner, given each entry as the chunk this rank writes of it (offsets along dim 0; the
+    whole tensor's size in the metadata): loading reshards from the chunks as from any sharded tensor, and
+    chunks two writers both give (mirrored GEMS positions) are written once (DCP's deduplication)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    class ChunkPlanner(DefaultSavePlanner):
+        def __init__(self) -> None:
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+        def create_local_plan(self) -> SavePlan:
+            items = []
+            for fqn, t in self.state_dict.items():
+                size = full[fqn]
+                offsets = torch.Size((chunks[fqn][1], *([0] * (len(size) - 1))) if len(size) else ())
+                items.append(WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                                       tensor_data=TensorWriteData(
+                                           chunk=ChunkStorageMetadata(offsets=offsets, sizes=t.size()),
+                                           properties=TensorProperties.create_from_tensor(t), size=size)))
+            self.plan = SavePlan(items)
+            return self.plan
+
+        def lookup_object(self, index: Any) -> Any:
+            return self.state_dict[index.fqn]
+
+    return ChunkPlanner()
+
+
+def _storage(path: Path, before: Callable[[], None] | None = None, after: Callable[[], None] | None = None) -> Any:
+    """DCP's file writer, except that a rank whose plan holds nothing writes no file (DCP's writes an empty one);
+    ``before``/``after`` its writes (the fault injections)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.futures import Future
+
+    class Writer(FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            if before is not None:
+                before()
+            if plan.items:
+                fut = super().write_data(plan, planner)
+            else:
+                fut = Future()
+                fut.set_result([])
+            if after is not None:
+                fut.wait()
+                after()
+            return fut
+
+    return Writer(str(path))
+
+
+HISTORY = "history.pt"
+
+
+def gathered_history(history: dict[str, Any], world: Any) -> dict[str, Any]:
+    """What a checkpoint keeps of the ranks' histories, in one file (rank 0 writes it): rank 0's own history (the
+    losses, evaluations, learning rates and loss scale are every rank's), with what the record needs of the
+    others: each measured step's time on the slowest rank (``slowest_step_times``) and each rank's tensor peak
+    (``tensor_peak_by_rank``). Two small all-reduces on the ranks' devices: a collective of every rank."""
+    own = {k: v for k, v in history.items() if k != "weight_average"}
+    if world.size > 1:
         import torch.distributed as dist
 
-        self.cfg, self.world, self.asynchronous = cfg, world, asynchronous
+        times = torch.tensor(history["step_times"], dtype=torch.float64, device=world.device)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        peaks = torch.full((world.size,), -1.0, dtype=torch.float64, device=world.device)
+        if history.get("tensor_peaks"):
+            peaks[world.rank] = float(max(history["tensor_peaks"]))
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        own["slowest_step_times"] = times.tolist()
+        own["tensor_peak_by_rank"] = [None if p < 0 else int(p) for p in peaks.tolist()]
+    return own
+
+
+class Saver:
+    """Writes a run's checkpoints (:meth:`save`, synchronous or through DCP's ``async_save``) and its trained model
+    (:func:`export`), and says how long the steps were held for them (``held_s``, ``saves``).
+
+    A checkpoint's tensors are written by the writers alone (:func:`share_of`), each its :func:`layout` share of
+    its position, over one gloo group of theirs made once at the first save (every rank takes part in making it,
+    as torch asks); the other ranks only take part in :func:`gathered_history`. Rank 0 (the first writer, DCP's
+    coordinator) writes ``gems.json`` and ``history.pt`` and, once DCP's ``.metadata`` says every writer's files are
+    complete, moves ``latest``: :meth:`_complete`."""
+
+    def __init__(self, cfg: Any, world: Any, mesh: Any, asynchronous: bool = False, restarts: int = 0) -> None:
+        from gems.config import section
+
+        self.cfg, self.world, self.mesh, self.asynchronous = cfg, world, mesh, asynchronous
+        self.fault = section(cfg, "fault")
+        self.restarts = restarts  # the job's restarts (a fault injection acts in the first attempt only)
+        self.cap = int(cfg.train.checkpoint_writers)
+        self.share = share_of(mesh, world.rank, self.cap)
+        self.writers = writer_ranks(mesh, self.cap)
         self.held_s, self.saves = 0.0, 0
         self._pending: tuple[Any, Path, int] | None = None  # (future, folder, step) of an async save
-        # an async save talks over its own gloo group from its thread: never the group the steps use
-        self.group = dist.new_group(backend="gloo") if asynchronous and dist.is_initialized() else None
+        self._group: Any = None
+        self._made = False
 
-    def save(self, step: int, hold: Holding, history: dict[str, Any], share: Share, wait: bool = False) -> None:
-        """Every rank saves its history before ``step``, one copy of each position its tensors; ``latest`` moves once
-        every rank's files are complete. ``wait``: complete before returning (a preemption)."""
-        import torch.distributed as dist
+    def group(self) -> Any:
+        """The writers' gloo group (None off it, or where one rank writes), made once: the first time any rank asks,
+        which every rank does at the same step (a save, or the export at the end)."""
+        if not self._made:
+            self._made = True
+            if _distributed() and len(self.writers) > 1:
+                import torch.distributed as dist
+
+                g = dist.new_group(self.writers, backend="gloo", timeout=self.world.timeout)
+                self._group = g if self.world.rank in self.writers else None
+        return self._group
+
+    def write(self, state: dict[str, torch.Tensor], d: Path, step: int, asynchronous: bool = False) -> Any:
+        """This writer's share of ``state`` into the DCP folder ``d`` (a collective of the writers); an async save's
+        future, or None once written."""
         import torch.distributed.checkpoint as dcp
 
+        group = self.group()
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        chunks = chunks_of(state, self.share)
+        f, rank = self.fault, self.world.rank
+        delay = (lambda: time.sleep(f.save_delay_s)) if f.save_delay_s > 0 else None
+        kill = None
+        if f.kill_in_save and f.kill_rank == rank:
+            from gems.fault import inject
+
+            def kill() -> None:
+                inject.in_save(f, rank, step, self.restarts)
+        kw = {"storage_writer": _storage(d, delay, kill), "planner": _planner(chunks, {k: v.shape for k, v in
+                                                                                      state.items()}),
+              "process_group": group, "no_dist": group is None}
+        local = {k: v for k, (v, _) in chunks.items()}
+        if asynchronous:
+            return dcp.async_save(local, **kw)
+        dcp.save(local, **kw)
+        return None
+
+    def save(self, step: int, hold: Holding, history: dict[str, Any], wait: bool = False) -> None:
+        """Every rank saves before ``step``: the writers their shares of the tensors, rank 0 the history and the
+        bookkeeping; ``latest`` moves once the writers' files are complete. ``wait``: complete before returning (a
+        preemption)."""
         t0 = time.perf_counter()
         self.finish()  # at most one save in flight
+        kept = gathered_history(history, self.world)  # every rank
+        self.group()
         root = ckpt_dir(self.cfg)
         d = root / f"step{step:08d}"
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(root, 0o700)
-        rank = self.world.rank
-        own = {k: v for k, v in history.items() if k != "weight_average"}
-        _write({"step": step, "history": own}, d / f"rank{rank}.pt")
-        if rank == 0:
+        if self.world.rank == 0:
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(root, 0o700)
             write_meta(d, self.cfg, step, self.world.size)
-        state = hold.state() if share.writes else {}
-        if self.asynchronous and not wait:
-            fut = dcp.async_save(state, checkpoint_id=str(d), process_group=self.group)
-            self._pending = (fut, d, step)
-        else:
-            dcp.save(state, checkpoint_id=str(d))
-            if dist.is_initialized():
-                dist.barrier()
-            self._complete(d, step)
+            _write({"step": step, "history": kept, "world_size": self.world.size}, d / HISTORY)
+        if self.share.writes:
+            fut = self.write(hold.state(), d, step, asynchronous=self.asynchronous and not wait)
+            if fut is not None:
+                self._pending = (fut, d, step)
+            else:
+                self._complete(d, step)
         self.held_s += time.perf_counter() - t0
         self.saves += 1
 
@@ -260,19 +473,47 @@ class Saver:
             return
         fut, d, step = self._pending
         self._pending = None
-        fut.result()  # DCP's coordinator wrote the metadata after every rank's files: this save is complete
+        fut.result()  # DCP's coordinator wrote the metadata after every writer's files: this save is complete
         self._complete(d, step)
 
     def _complete(self, d: Path, step: int) -> None:
+        """Rank 0, once the checkpoint in ``d`` is complete: ``latest`` points at it, and the complete checkpoints
+        older than it go. Nothing newer is touched (other writers may be writing the next one already), nor an
+        incomplete one (:func:`tidy` removes those when a job starts)."""
         if self.world.rank != 0:
             return
         root = d.parent
-        tmp_latest = root / ".latest.tmp"
-        tmp_latest.write_text(str(step))
-        os.replace(tmp_latest, root / "latest")
-        for old in root.glob("step*"):  # the new one is complete: the older ones are not needed
-            if old.is_dir() and old != d and (self._pending is None or old != self._pending[1]):
+        _write_text(root / "latest", str(step))
+        for old in root.glob("step*"):
+            n = _step_of(old)
+            if n is not None and n < step and complete(old):
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def _step_of(d: Path) -> int | None:
+    try:
+        return int(d.name[len("step"):]) if d.is_dir() and d.name.startswith("step") else None
+    except ValueError:
+        return None
+
+
+def complete(d: Path) -> bool:
+    """Whether the checkpoint in ``d`` was written whole: DCP's ``.metadata`` (its coordinator writes it last, after
+    every writer's files), ``gems.json`` and the history."""
+    return all((d / f).is_file() for f in (".metadata", META, HISTORY))
+
+
+def tidy(root: Path) -> list[Path]:
+    """When a job starts (rank 0, before any rank can save again): remove every step folder but ``latest``'s, the
+    leftovers of a save that a crash or a kill cut short; returns them."""
+    keep = latest_step(root)
+    gone = []
+    for d in sorted(root.glob("step*")) if root.is_dir() else []:
+        n = _step_of(d)
+        if n is not None and n != keep:
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+    return gone
 
 
 def mesh_of(mesh: Any) -> dict[str, Any]:
@@ -293,9 +534,7 @@ def write_meta(d: Path, cfg: Any, step: int, world_size: int) -> None:
             "schedule": str(cfg.parallel.schedule), "global_batch": int(cfg.train.batch_size),
             "optimizer": str(cfg.train.optimizer), "ema": cfg.train.ema, "run_id": str(cfg.run_id),
             "trained_on": trained_on(cfg)}
-    tmp = d / f".{META}.tmp"
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, d / META)
+    _write_text(d / META, json.dumps(meta, indent=1))
 
 
 # ---- reading -------------------------------------------------------------------------------------------------
@@ -393,8 +632,8 @@ def load(d: Path, hold: Holding, what: tuple[str, ...] = ("model", "optim", "ema
     missing = [k for k in want if k not in saved]
     if missing:
         raise ConfigError(key, str(d), f"a checkpoint of this model: it has no {missing[0]}")
-    if want or _distributed():  # a collective: a rank that holds nothing (a partition of pooling) takes part too
-        dcp.load(want, checkpoint_id=str(d), no_dist=not _distributed())
+    if want:  # each rank alone, from the metadata and the chunks it needs: no collective at any scale
+        dcp.load(want, checkpoint_id=str(d), no_dist=True)
     with torch.no_grad():
         for n, t in tensors.items():
             if f"model.{n}" in want:
@@ -426,49 +665,61 @@ def _distributed() -> bool:
 
 
 def load_history(d: Path, rank: int, same_mesh: bool) -> dict[str, Any]:
-    """The history a resumed rank goes on from: its own on the mesh that wrote it, rank 0's elsewhere, whose
-    timings (:data:`TIMINGS`) belong to another mesh and start afresh."""
-    own = d / f"rank{rank}.pt"
-    path = own if same_mesh and own.is_file() else d / "rank0.pt"
-    got = torch.load(path, map_location="cpu", weights_only=False)
+    """The history a resumed rank goes on from (:func:`gathered_history`): rank 0's; on the mesh that wrote it,
+    every other rank takes the slowest rank's step times and its own tensor peak in place of rank 0's (what the
+    record reads of them); elsewhere the timings (:data:`TIMINGS`) belong to another mesh and start afresh. A
+    checkpoint of an earlier gems (a ``rank<k>.pt`` a rank) is read as it was written."""
+    p = d / HISTORY
+    if not p.is_file():
+        own = d / f"rank{rank}.pt"
+        p = own if same_mesh and own.is_file() else d / "rank0.pt"
+    got = torch.load(p, map_location="cpu", weights_only=False)
     h = dict(got["history"])
+    slowest, peaks = h.pop("slowest_step_times", None), h.pop("tensor_peak_by_rank", None)
     if not same_mesh:
         for k in TIMINGS:
             h.pop(k, None)
+    elif rank != 0 and p.name == HISTORY:
+        if slowest is not None:
+            h["step_times"] = list(slowest)
+        h["tensor_peaks"] = [peaks[rank]] if peaks and rank < len(peaks) and peaks[rank] is not None else []
     return h
 
 
 # ---- the trained model ---------------------------------------------------------------------------------------
-def export(cfg: Any, world: Any, hold: Holding, share: Share, step: int, path: Path, order: list[str]) -> Path | None:
-    """The trained model in one file, written by rank 0 from one copy of each position's tensors (gathered to it):
-    the averaged weights for a ``train.ema`` run. ``order``: the serial ``state_dict``'s keys. A collective."""
-    import torch.distributed as dist
+def export(cfg: Any, world: Any, hold: Holding, saver: Saver, step: int, path: Path, order: list[str]) -> Path | None:
+    """The trained model in one file (``train.ema``'s averaged weights where a run keeps them), through host
+    memory and the disk: the writers write their shares of the model's tensors as a checkpoint beside the file
+    (``.<name>.parts``, :meth:`Saver.write`), rank 0 reads it back into host memory (the model's bytes, once) and
+    writes the file, then removes the parts. No device holds more than its own tensors, and no collective but
+    the writers' gloo group's carries a byte of them. ``order``: the serial ``state_dict``'s keys. Every rank
+    calls it (the group is made by all)."""
     from omegaconf import OmegaConf
 
     import gems
 
     ema = bool(hold.average)
-    mine = {k[len("model."):]: v.detach().cpu() for k, v in hold.state(ema_weights=ema).items()
-            if k.startswith("model.")} if share.writes else {}
-    if _distributed() and world.size > 1:
-        parts: list[Any] = [None] * world.size if world.rank == 0 else []
-        dist.gather_object(mine, parts if world.rank == 0 else None, dst=0)
-    else:
-        parts = [mine]
+    parts = path.parent / f".{path.name}.parts"
+    saver.group()
+    if saver.share.writes:  # (a killed export's stale files: overwritten or not named by the new metadata)
+        mine = {k[len("model."):]: v for k, v in hold.state(ema_weights=ema).items() if k.startswith("model.")}
+        saver.write(mine, parts, step)  # DCP's coordinator (rank 0) returns once every writer's files are written
     if world.rank != 0:
         return None
-    every: dict[str, torch.Tensor] = {}
-    for part in parts:
-        every.update(part or {})
-    state = OrderedDict((k, every[k]) for k in order if k in every)
-    missing = [k for k in order if k not in every]
+    have = entries(parts, "model file")
+    missing = [k for k in order if k not in have]
     if missing:
         raise RuntimeError(f"the trained model misses {missing[:3]}: no rank wrote them")
+    state = OrderedDict((k, torch.empty(have[k][0], dtype=have[k][1])) for k in order)
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state, checkpoint_id=str(parts), no_dist=True)
     out = {"format": MODEL_FILE_FORMAT, "model": OmegaConf.to_container(cfg.model, resolve=True),
            "state_dict": state, "weights": "ema" if ema else "last", "step": int(step), "run_id": str(cfg.run_id),
            "trained_on": trained_on(cfg), "gems": gems.__version__}
     path.parent.mkdir(parents=True, exist_ok=True)
     _write(out, path)
+    shutil.rmtree(parts, ignore_errors=True)
     return path
 
 

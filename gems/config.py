@@ -68,6 +68,9 @@ class DataConf:
     int16: bool = key(True, "hdf5 files hold int16 counts; log(x+1) is applied when read")
     prefetch: int = key(2, "steps of samples a background reader prepares ahead of the step (0: read in the step)",
                         ge=0)
+    readers: int = key(4, "hdf5: threads a rank reads its samples' files on (positional reads of contiguous "
+                          "datasets, straight into the batch; chunked or compressed files go through h5py, one at "
+                          "a time): gems bench data measures each count", ge=1)
     shuffle: bool = key(True, "with train.epochs: each epoch walks the training set in an order drawn from "
                               "(train.seed, epoch), the same on every rank")
     val_path: Optional[str] = key(None, "hdf5: a folder of validation samples in the training set's layout")
@@ -186,6 +189,9 @@ class TrainConf:
                                    "when preempted or near the time limit", ge=0)
     checkpoint_async: bool = key(False, "save checkpoints in the background (DCP's async_save): the step waits only "
                                         "for a copy of the rank's state in host memory, which gems plan counts")
+    checkpoint_writers: int = key(8, "copies of each pipeline position that write its checkpoint, each about 1/N of "
+                                     "its bytes (the first replicas, spatial part 0; at most parallel.replicas): a "
+                                     "save's stall falls with N, its files stay N a position", ge=1)
     resume_from: Optional[str] = key(None, "continue another run's training from its checkpoint (a run's ckpt/ "
                                            "folder, a step folder in it, or its latest file) on this mesh, "
                                            "schedule and micro-batches: the same losses at the same global batch")
@@ -334,6 +340,10 @@ class FaultConf:
     step_delay_once: bool = key(False, "fault.step_delay_s holds only until the job's first restart (the resumed "
                                        "job runs at its own pace)")
     preempt_at_step: int = key(-1, "save and stop at this step once; the launcher resumes the job", ge=-1)
+    kill_in_save: bool = key(False, "fault injection: fault.kill_rank kills itself in the checkpoint saved after "
+                                    "fault.at_step, once its own files are written (a crash mid-save)")
+    save_delay_s: float = key(0.0, "fault injection: every checkpoint's writers wait this long before writing (an "
+                                   "async save still in flight at the next save)", ge=0)
     max_restarts: int = key(3, "how often the local launcher resumes a preempted job", ge=0)
 
 

@@ -25,7 +25,7 @@ def main(argv):
     what = argv[0]
     if what == "report":
         print(json.dumps({"cwd": os.getcwd(), "path0": sys.path[0], "env": dict(os.environ),
-                          "threads": torch.get_num_threads(), "pid": os.getpid(), "pgid": os.getpgid(0),
+                          "threads": torch.get_num_threads(), "pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0),
                           "sid": os.getsid(0), "argv": sys.argv[1:],
                           "cmdline": open("/proc/self/cmdline", "rb").read().decode().split(chr(0))[0]}))
         return 0
@@ -186,3 +186,30 @@ def test_a_program_calling_gems_main_is_not_forked_as_a_server(tmp_path: Path, m
     monkeypatch.setattr(forkserver, "_SERVER", None)
     assert main(["run", f"results.dir={tmp_path}", "parallel.spatial=64", "model.size=32"]) == 2
     assert forkserver._SERVER is None and not any(tmp_path.iterdir())
+
+
+def test_the_commands_fork_hands_over_to_multiprocessings_once_cuda_is_initialised_in_it(tmp_path: Path,
+                                                                                          monkeypatch) -> None:
+    """CUDA initialised in the command's own server before a fork (a state this CPU machine cannot reach: its
+    check is replaced by one that says so): the server forks nothing more and ends, and the rank asked for, and the
+    next, come from multiprocessing's server, which is a fresh interpreter."""
+    (tmp_path / "gems_probe_module.py").write_text(PROBE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(forkserver, "cuda_initialised", lambda: True)  # inherited by the fork made next
+    own = forkserver._Server()
+    monkeypatch.setattr(forkserver, "_SERVER", own)
+    try:
+        code, out = _run(tmp_path, "report", name="first")
+        assert code == 0, out
+        seen = json.loads(out.splitlines()[-1])
+        assert seen["ppid"] != own.pid and not own.alive  # not forked by the command's server, which has ended
+        os.waitpid(own.pid, 0)  # it ended on its own
+        code, out = _run(tmp_path, "status", "4", name="second")
+        assert code == 4, out
+    finally:
+        own.close()
+
+
+def test_cuda_initialised_reads_torchs_own_state() -> None:
+    """On this CPU machine nothing initialised CUDA: the guard lets the server fork."""
+    assert forkserver.cuda_initialised() is False

@@ -4,7 +4,9 @@
 that step. ``fault.stall_rank``: the rank stops making progress in the
 forward of that step (it sleeps, as a hung kernel or read would), for the
 watchdog to find. ``fault.nan_rank``: the rank's input of that step becomes
-NaN, for the non-finite check to stop the run. ``fault.step_delay_s``: every
+NaN, for the non-finite check to stop the run. ``fault.kill_in_save``: the killed rank dies inside the
+checkpoint of that step instead, once its own files are written. ``fault.save_delay_s``: a checkpoint's writers
+wait before they write (an async save still in flight when the next one starts). ``fault.step_delay_s``: every
 step takes that much longer (a stand-in for long steps, to meet a time limit; with ``fault.step_delay_once``
 only until the job's first restart). ``fault.preempt_at_step`` is the
 worker's own (a checkpoint and a requeue, see :mod:`gems.checkpoint`).
@@ -47,11 +49,19 @@ def arm(f: FaultConf, rank: int, modules: list[nn.Module]) -> None:
 def before_step(f: FaultConf, rank: int, step: int, restarts: int = 0) -> None:
     """``fault.kill_rank`` at ``fault.at_step``, and ``fault.step_delay_s`` (before the first restart only, with
     ``fault.step_delay_once``)."""
-    if f.kill_rank == rank and f.at_step == step:
+    if f.kill_rank == rank and f.at_step == step and not f.kill_in_save:
         _say(f"killing rank {rank} at step {step}")
         os.kill(os.getpid(), signal.SIGKILL)
     if f.step_delay_s > 0 and not (f.step_delay_once and restarts > 0):
         time.sleep(f.step_delay_s)
+
+
+def in_save(f: FaultConf, rank: int, step: int, restarts: int = 0) -> None:
+    """``fault.kill_in_save``: ``fault.kill_rank`` dies in the checkpoint of ``fault.at_step`` (saved before that
+    step), once its own files are written, in the job's first attempt (gems.checkpoint calls it)."""
+    if f.kill_in_save and f.kill_rank == rank and f.at_step == step and restarts == 0:
+        _say(f"killing rank {rank} in the checkpoint of step {step}")
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def poison(f: FaultConf, rank: int, step: int, x: torch.Tensor | None) -> torch.Tensor | None:

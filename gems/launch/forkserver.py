@@ -18,7 +18,10 @@ another thread held is copied into a rank:
 * multiprocessing's fork server (:func:`context`), an interpreter that imports
   :data:`PRELOAD`, where no server was prestarted: the gloo worlds of
   :func:`gems.launch.world.run_world` (tests, benchmarks) and a launcher called
-  from a script of the user's. torch's documentation names forkserver, with
+  from a script of the user's, or a command whose own server has ended: killed
+  from outside, or ended on its own when it found CUDA initialised in itself
+  before a fork (:func:`cuda_initialised`: a rank forked then would inherit a
+  context it cannot use; multiprocessing's server is a fresh interpreter). torch's documentation names forkserver, with
   spawn, as a start method that CUDA allows. As under spawn, each process
   imports the starting program's main module again (as ``__mp_main__``): such a
   script keeps its work under ``if __name__ == "__main__":``.
@@ -263,6 +266,8 @@ def _serve(sock: socket.socket) -> None:
             message = _receive(sock)
             if message is None:  # the launcher is gone
                 return
+            if cuda_initialised():  # a rank forked now would inherit a CUDA context it cannot use: the launcher
+                return  # sees the server end and starts this rank and the next from multiprocessing's (start)
             pid = os.fork()
             if pid == 0:  # the rank
                 signal.set_wakeup_fd(-1)
@@ -273,6 +278,14 @@ def _serve(sock: socket.socket) -> None:
                 _forked_main(*message[1:])  # ends the process
             children.add(pid)
             _send(sock, ("started", pid))
+
+
+def cuda_initialised() -> bool:
+    """Whether CUDA was initialised in this process or in the one it was forked from (torch's bad fork): a process
+    forked from it cannot use CUDA (CUDA's contexts do not survive a fork), so this server must not fork ranks."""
+    import torch
+
+    return bool(torch.cuda.is_initialized() or torch.cuda._is_in_bad_fork())
 
 
 _SERVER: _Server | None = None

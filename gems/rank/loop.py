@@ -138,8 +138,9 @@ class Run:
         self.buffers = [b for m in par.modules for b in m.buffers() if b.is_floating_point()] \
             if mesh.group("grad") else []
         self.hold = ckpt.Holding(par.names, par.params, self.opt)  # what checkpoints save and load, by whole names
-        self.saver = ckpt.Saver(cfg, world, bool(t.checkpoint_async))
+        self.saver = ckpt.Saver(cfg, world, mesh, bool(t.checkpoint_async))
         self.resume()
+        self.saver.restarts = self.restarts  # (a fault injected in a save acts in the job's first attempt only)
         self.ema = WeightAverage(float(t.ema), par.params, self.history) if t.ema else None  # saved with the history
         self.hold.average = self.ema.average if self.ema is not None else None
         self.context = _StepContext(cfg, world, mesh, par, self.opt, self.B, self.R)
@@ -158,8 +159,9 @@ class Run:
         self.start = 0
         self.resumed: dict[str, Any] | None = None
         progress.mark("checkpoint")
-        self.share = ckpt.share_of(self.mesh, self.world.rank)  # whether it writes its position's tensors
         t, own = self.cfg.train, ckpt.ckpt_dir(self.cfg)
+        if self.world.rank == 0:  # a save a crash cut short: its folder goes before any rank can save again
+            ckpt.tidy(own)
         step = ckpt.latest_step(own)
         if step is not None:  # this job's own checkpoint (a requeue, a preemption, the time limit)
             self.restarts = max(self.restarts, 1)
@@ -228,7 +230,7 @@ class Run:
         with torch.device("meta"):  # the serial state_dict's order, without allocating the model
             order = list(build_model(section(self.cfg, "model")).module.state_dict())
         path = rec.record_path(self.cfg).with_suffix(".model.pt")
-        return ckpt.export(self.cfg, self.world, self.hold, self.share, len(self.history["losses"]), path, order)
+        return ckpt.export(self.cfg, self.world, self.hold, self.saver, len(self.history["losses"]), path, order)
 
     def barrier(self) -> None:
         """Every rank of the job here (a one-rank job: nothing to wait for)."""
@@ -272,7 +274,7 @@ class Run:
         if self.fault.preempt_at_step == step and self.restarts == 0:
             self.settle_history()
             _preempt(world, step, self.saver, self.hold, h, self.wd, "fault injection: preempting the job",
-                     self.share, self.staged)
+                     self.staged)
         t0 = time.perf_counter()  # the last step ended with its read of the loss: the GPU's queue has drained
         (ids, x, y), t_data = self.prefetch.get(step)  # t_data: what the step waited for (the exposed data time)
         x = inject.poison(self.fault, world.rank, step, x)
@@ -302,7 +304,7 @@ class Run:
         if stop and step + 1 < self.steps:  # Slurm's signal before the time limit (or a preemption notice)
             self.settle_history()
             _preempt(world, step + 1, self.saver, self.hold, h, self.wd,
-                     "the time limit is near: checkpointing and requeueing", self.share, self.staged)
+                     "the time limit is near: checkpointing and requeueing", self.staged)
         if (step + 1) % spe == 0:
             self.mlperf.epoch(start=False, epoch=step // spe)
         reached = self.evaluate(step) if self.evaluation_due(step) else False
@@ -310,7 +312,7 @@ class Run:
             # a finished run's training can go on (train.resume_from)
             progress.mark("checkpoint")  # a diverged run keeps its last good checkpoint
             self.settle_history()
-            self.saver.save(step + 1, self.hold, h, self.share)
+            self.saver.save(step + 1, self.hold, h)
         self.saver.poll()
         return reached
 
@@ -737,11 +739,11 @@ def _average_buffers(buffers: list[torch.Tensor], mesh: Mesh) -> None:
 
 
 def _preempt(world: World, step: int, saver: ckpt.Saver, hold: ckpt.Holding, history: dict[str, Any],
-             wd: Watchdog | None, why: str, share: ckpt.Share, staged: Staged | None = None) -> None:
+             wd: Watchdog | None, why: str, staged: Staged | None = None) -> None:
     """Save before ``step`` (complete before it returns), then stop as a preempted job does; Slurm or the local
     launcher resumes it (the node's staged copies removed: the job may resume on other nodes)."""
     progress.mark("checkpoint")
-    saver.save(step, hold, history, share, wait=True)
+    saver.save(step, hold, history, wait=True)
     if staged is not None:
         staged.discard(world)
     if world.rank == 0:
