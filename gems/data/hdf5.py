@@ -12,11 +12,19 @@ those bytes are read), and :class:`HDF5Samples` picks the hyperslab of this
 rank from its :class:`gems.spatial.SpatialContext`: the I/O is partitioned
 like the sample. ``source`` may be a path or an open binary file object
 (h5py reads through it), which is how the tests count the bytes read.
+
+A run reads its batches with :meth:`HDF5Samples.read`: each file's headers once (h5py: the dataset's shape,
+type and byte offset, the target), then the counts of a contiguous dataset by positional reads on the
+rank's ``data.readers`` threads (gems.data.reader: h5py's lock would keep them to one), straight into the
+batch's rows, through open files it keeps; a chunked or compressed file through h5py, as before. A sample's
+symmetry (``data.augment``) is applied after the read, where the batch is finished (:class:`Counts`).
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Sequence
 
@@ -24,6 +32,7 @@ import numpy as np
 import torch
 
 from gems.data import augment as augmentation
+from gems.data import reader as preader
 from gems.errors import ConfigError
 
 Source = str | os.PathLike | BinaryIO
@@ -114,6 +123,62 @@ def _sel_shape(shape: Sequence[int], sel: Sequence[slice]) -> tuple[int, ...]:
     return tuple(len(range(*s.indices(n))) for s, n in zip(full, shape))
 
 
+@dataclass(frozen=True)
+class Layout:
+    """What reading a file needs from its headers, read once: the byte ``offset`` of ``full``'s data (None where
+    they are not one contiguous, unfiltered block in the file: chunked, compressed, compact, external or
+    unwritten, read through h5py), its ``shape`` and ``dtype``, and the sample's ``target`` (``unitPar``)."""
+
+    offset: int | None
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    target: np.ndarray
+
+
+def _offset(ds: Any) -> int | None:
+    """Where dataset ``ds``'s data lie in its file, if they are one plain block there (module docstring)."""
+    h5 = _h5()
+    plist = ds.id.get_create_plist()
+    if plist.get_layout() != h5.h5d.CONTIGUOUS or plist.get_external_count() or plist.get_nfilters():
+        return None
+    offset = ds.id.get_offset()
+    if offset is None or ds.id.get_storage_size() != ds.size * ds.dtype.itemsize:
+        return None
+    return int(offset)
+
+
+class Counts:
+    """A batch of counts as :meth:`HDF5Samples.read` leaves it: row ``i`` of ``data`` (N, C, *part) holds
+    sample ``i``'s counts as read, from the hyperslab its symmetry ``symmetries[i]`` takes them from
+    (gems.data.augment.source_slices), in that hyperslab's own shape ``shapes[i]`` and C order. The symmetries
+    are applied by :meth:`oriented`, where the batch is finished: on a GPU rank after the copy to its device
+    (a permutation and mirrors move values without changing them, so it equals the host's batch bit for bit).
+    It moves as a tensor does (``is_cuda``, ``pin_memory``, ``to``: what gems.rank.data.Prefetcher asks of a
+    batch it copies to the device)."""
+
+    def __init__(self, data: torch.Tensor, symmetries: Sequence[int], shapes: Sequence[tuple[int, ...]]) -> None:
+        self.data, self.symmetries, self.shapes = data, tuple(int(k) for k in symmetries), tuple(shapes)
+
+    @property
+    def is_cuda(self) -> bool:
+        return bool(self.data.is_cuda)
+
+    def pin_memory(self) -> Counts:
+        return self if self.data.is_pinned() else Counts(self.data.pin_memory(), self.symmetries, self.shapes)
+
+    def to(self, device: Any, non_blocking: bool = False) -> Counts:
+        return Counts(self.data.to(device, non_blocking=non_blocking), self.symmetries, self.shapes)
+
+    def oriented(self) -> torch.Tensor:
+        """The counts of each sample transformed by its symmetry (N, C, *part), on ``data``'s device."""
+        if not any(self.symmetries):
+            return self.data
+        out = torch.empty_like(self.data)
+        for row, dst, k, shape in zip(self.data, out, self.symmetries, self.shapes):
+            dst.copy_(augmentation.apply(k, row.view(shape), contiguous=False))
+        return out
+
+
 class HDF5Samples:
     """The samples under ``path`` (a directory of ``*.h5``, sorted by name, or one file).
 
@@ -123,12 +188,15 @@ class HDF5Samples:
     spatial parallelism a rank still reads only its part of its crop. ``crop`` (``data.crop``) states the crop
     edge; it must be the model's. A file that does not match is a :class:`ConfigError` naming it: the first
     here, every other when it is first read; :meth:`check_all` checks them all up front (the CLI's pre-launch
-    check). With ``ctx`` each item is this rank's part; ``slices`` picks a part by hand.
+    check). With ``ctx`` each item is this rank's part; ``slices`` picks a part by hand. ``readers``
+    (``data.readers``): the threads :meth:`read` reads on; the files it reads stay open (a bounded number) until
+    :meth:`close`, or until the set is collected.
     """
 
     def __init__(self, path: str | os.PathLike, expected_shape: Sequence[int] | None = None, ctx: Any = None,
                  slices: Sequence[slice] | None = None, log1p: bool = True, key: str = "data.path",
-                 crop: int | None = None, standardize: Sequence[float] | None = None, augment: str = "none") -> None:
+                 crop: int | None = None, standardize: Sequence[float] | None = None, augment: str = "none",
+                 readers: int = 4) -> None:
         p = Path(path)
         self.path, self.is_dir, self.key = str(path), p.is_dir(), key  # key: the setting that names the folder
         self.files = sorted(p.glob("*.h5")) if self.is_dir else ([p] if p.is_file() else [])
@@ -155,6 +223,10 @@ class HDF5Samples:
             raise ConfigError("data.augment", augment, f"flip or none (a sample of {'x'.join(map(str, edges))} is not "
                                                        "a cube: swapping its axes changes its shape)")
         self.symmetries = augmentation.count(augment, len(edges))  # data.augment draws among these
+        if isinstance(readers, bool) or not isinstance(readers, int) or readers < 1:
+            raise ConfigError("data.readers", readers, "a positive number of threads reading a rank's samples")
+        self.reader = preader.Reader(readers)  # no thread or open file before the first read
+        self._layouts: dict[int, Layout] = {}
 
     def check_all(self, count: int | None = None, target_size: int | None = None) -> None:
         """Check the metadata of every file the first ``count`` samples read (all files when None),
@@ -166,8 +238,9 @@ class HDF5Samples:
             self._check(i, target_size)
         self._checked.update(range(n))
 
-    def _check(self, index: int, target_size: int | None = None) -> tuple[int, ...]:
-        """(C, *spatial) of file ``index``, after checking its layout (headers only) against the model."""
+    def _check(self, index: int, target_size: int | None = None, keep: bool = False) -> tuple[int, ...]:
+        """(C, *spatial) of file ``index``, after checking its layout (headers only) against the model;
+        ``keep``: also keep what reading it needs (:class:`Layout`: its offset and its target, read here once)."""
         file = self.files[index]
         h5 = _h5()
 
@@ -180,6 +253,8 @@ class HDF5Samples:
             with h5.File(file, "r") as f:
                 meta = {k: (d.shape, d.dtype) if isinstance(d, h5.Dataset) else None
                         for k, d in (("full", f.get("full")), ("unitPar", f.get("unitPar")))}
+                found = ((_offset(f["full"]), f["unitPar"][()])
+                         if keep and meta["full"] is not None and meta["unitPar"] is not None else None)
         except OSError as e:  # not HDF5, truncated, unreadable
             raise bad(layout, f"an unreadable file ({type(e).__name__}: {e})") from None
         full, par = meta["full"], meta["unitPar"]
@@ -201,6 +276,10 @@ class HDF5Samples:
             want = f"{int(target_size)} numbers" if target_size is not None else "numbers"
             raise bad(f"`unitPar` of {want} (the target vector, one value per model output)",
                       f"`unitPar` shaped {list(pshape or ())} of dtype {pdtype}")
+        if found is not None:
+            offset, par_values = found
+            self._layouts[index] = Layout(offset if shape else None, shape, np.dtype(dtype),
+                                          np.asarray(par_values, dtype=np.float32).reshape(-1))
         return shape
 
     def __len__(self) -> int:
@@ -220,13 +299,20 @@ class HDF5Samples:
         """The file (universe) sample ``index`` is cut from: validation averages a file's crops."""
         return self.locate(index)[0]
 
+    def _layout(self, i: int) -> Layout:
+        """File ``i``'s :class:`Layout`, from its headers the first time (checked then, if it was not yet)."""
+        if i not in self._layouts:
+            self._check(i, keep=True)
+            self._checked.add(i)
+        return self._layouts[i]
+
     def _file(self, i: int) -> Path:
         if i not in self._checked:
             self._check(i)
             self._checked.add(i)
         return self.files[i]
 
-    def _hyperslab(self, index: int, symmetry: int) -> tuple[Path, tuple[slice, ...] | None]:
+    def _hyperslab(self, index: int, symmetry: int) -> tuple[int, tuple[slice, ...] | None]:
         """(file, the hyperslab to read: None for all of it) of sample ``index``'s part under ``symmetry``
         (gems.data.augment: the part it comes from)."""
         file, origin = self.locate(index)
@@ -237,7 +323,7 @@ class HDF5Samples:
         if self.crops > 1:
             parts = tuple(slice(o + s.start, o + s.stop) for o, s in zip(origin, _full_slices(parts, edges)))
         whole = self.crops == 1 and self.slices is None  # the symmetry of a whole sample is read from all of it
-        return self._file(file), None if whole else parts
+        return file, None if whole else parts
 
     def part_shape(self) -> tuple[int, ...]:
         """(C, *this rank's part) of every sample."""
@@ -248,39 +334,69 @@ class HDF5Samples:
         """Sample ``index`` (this rank's part of it), transformed by the box's ``symmetry`` (gems.data.augment:
         the part it comes from is the hyperslab read)."""
         file, hyperslab = self._hyperslab(index, symmetry)
-        x, y = read_sample(file, hyperslab, self.log1p, self.standardize)
+        x, y = read_sample(self._file(file), hyperslab, self.log1p, self.standardize)
         return augmentation.apply(symmetry, x), y
 
-    def finish(self, x: torch.Tensor) -> torch.Tensor:
-        """Raw counts (``raw=True``) to the network's input, on their device (:func:`transform`)."""
-        return transform(x, self.log1p, self.standardize)
+    def finish(self, x: torch.Tensor | Counts) -> torch.Tensor:
+        """Raw counts (``raw=True``, or :meth:`read`'s, whose symmetries are applied first) to the network's
+        input, on their device (:func:`transform`)."""
+        return transform(x.oriented() if isinstance(x, Counts) else x, self.log1p, self.standardize)
 
     def target(self, index: int) -> torch.Tensor:
         """Only the target of sample ``index`` (a rank that computes the loss but reads no input)."""
-        return read_target(self._file(self.locate(index)[0]))
+        return torch.from_numpy(self._layout(self.locate(index)[0]).target.copy())
+
+    def read(self, indices: Sequence[int], symmetries: Sequence[int] | None = None, pin: bool = False,
+             out: torch.Tensor | None = None) -> tuple[Counts, torch.Tensor]:
+        """The counts of the samples ``indices`` (this rank's part of each) as :class:`Counts`, and their targets
+        (N, 4). Each sample is read straight into its row of one batch (pinned with ``pin``: a GPU rank's, which
+        its copy to the device takes as it is; ``out``: that batch, contiguous, of the counts' type), from the
+        hyperslab its symmetry in ``symmetries`` (None: none) takes it from; the symmetries are applied where
+        the batch is finished (:meth:`finish`). A contiguous dataset is read by positional reads on the
+        ``readers`` threads (gems.data.reader), any other through h5py (one at a time: h5py's lock) beside
+        them; the targets come from the files' headers, read once."""
+        syms = [int(k) for k in symmetries] if symmetries is not None else [0] * len(indices)
+        shape = (len(indices), *self.part_shape())
+        dtype = raw_dtype(self.file_dtype)
+        if out is None:
+            out = torch.empty(shape, dtype=dtype, pin_memory=pin)
+        elif tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError(f"out: a contiguous host tensor of {shape} {dtype}, not {tuple(out.shape)} {out.dtype}")
+        flat = out.numpy().reshape(-1).view(np.uint8)
+        kind = out.numpy().dtype
+        row_bytes = flat.nbytes // max(1, len(indices))
+        tasks: list[preader.Task] = []
+        others: list[Any] = []
+        shapes, targets = [], []
+        for r, (i, k) in enumerate(zip(indices, syms)):
+            f, hyperslab = self._hyperslab(i, k)
+            lay = self._layout(f)
+            sel = (slice(None), *(hyperslab if hyperslab is not None else ()))
+            shapes.append(_sel_shape(lay.shape, sel))
+            targets.append(torch.from_numpy(lay.target))
+            if not row_bytes:
+                continue
+            if lay.offset is not None and lay.dtype.newbyteorder("=") == kind:
+                swap = kind if not lay.dtype.isnative and kind.itemsize > 1 else None
+                tasks += preader.tasks(str(self.files[f]), lay.offset, preader.grid(lay.shape, kind.itemsize, sel),
+                                       flat[r * row_bytes:(r + 1) * row_bytes], swap)
+            else:  # through h5py, which converts another type to the row's
+                others.append(functools.partial(read_into, out[r].view(shapes[-1]), self.files[f], hyperslab))
+        self.reader.run(tasks, others)
+        return Counts(out, syms, shapes), torch.stack(targets) if targets else torch.empty(0, 0)
 
     def batch(self, indices: Sequence[int], symmetries: Sequence[int] | None = None, raw: bool = False,
               pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Stacked parts ``(N, C, *part)`` and targets ``(N, 4)`` of the samples ``indices``, each transformed by
-        its symmetry in ``symmetries`` (None: none): their counts, each read straight into its row of the batch (a
-        mirrored or turned one copied there once), then through :meth:`finish`; ``raw``: the counts, for
-        :meth:`finish` where the step runs, in pinned memory with ``pin`` (a GPU rank's batch, which its copy to the GPU then
-        takes as it is)."""
-        if not raw:
-            x, y = self.batch(indices, symmetries, raw=True)
-            return self.finish(x), y
-        syms = [int(k) for k in symmetries] if symmetries is not None else [0] * len(indices)
-        out = torch.empty((len(indices), *self.part_shape()), dtype=raw_dtype(self.file_dtype), pin_memory=pin)
-        targets = []
-        for row, i, k in zip(out, indices, syms):
-            file, hyperslab = self._hyperslab(i, k)
-            if k == 0:
-                targets.append(read_into(row, file, hyperslab))
-            else:
-                x, y = read_sample(file, hyperslab, raw=True)
-                row.copy_(augmentation.apply(k, x, contiguous=False))
-                targets.append(y)
-        return out, torch.stack(targets)
+        its symmetry in ``symmetries`` (None: none): :meth:`read`, then through :meth:`finish`; ``raw``: the
+        counts, each sample's symmetry applied (in pinned memory with ``pin``, before a mirrored or turned
+        sample is copied out of it)."""
+        counts, targets = self.read(indices, symmetries, pin)
+        return (counts.oriented() if raw else self.finish(counts)), targets
+
+    def close(self) -> None:
+        """Stop the reader's threads and close its files (a later read opens them again)."""
+        self.reader.close()
 
 
 def _standardize(value: Sequence[float] | None) -> tuple[float, float] | None:

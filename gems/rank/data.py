@@ -53,7 +53,8 @@ def make_data(cfg: DictConfig, spec: ModelSpec, slices: tuple[slice, ...] | None
         key = "data.val_path" if validation else "data.path"
         return None if path is None else _HDF5Batches(HDF5Samples(path, spec.input_shape, slices=slices, key=key,
                                                                   crop=d.crop, standardize=d.standardize,
-                                                                  augment="none" if validation else d.augment),
+                                                                  augment="none" if validation else d.augment,
+                                                                  readers=int(d.readers)),
                                                       pin=device is not None and device.type == "cuda")
     if d.augment != "none":
         raise ConfigError("data.augment", d.augment, "none for synthetic data (its samples are drawn, not read: "
@@ -93,16 +94,18 @@ class _HDF5Batches:
         return int(self.samples.symmetries)
 
     def batch(self, indices: list[int], slices: Any = None, want_input: bool = True, want_target: bool = True,
-              symmetries: Sequence[int] | None = None, raw: bool = False) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+              symmetries: Sequence[int] | None = None, raw: bool = False) -> tuple[Any, torch.Tensor | None]:
         """``raw``: the inputs as the files' counts, which :meth:`finish` turns into the network's input where the
         step runs (the reader's transform on a GPU rank's GPU, not its host: half the bytes to copy for int16 counts
-        and no float pass over them on the host)."""
+        and no float pass over them on the host). They come as gems.data.hdf5.Counts, each sample as read with its
+        symmetry (data.augment) still to apply, which :meth:`finish` applies there too; the Prefetcher copies
+        them as it copies a tensor (their ``is_cuda``, ``pin_memory`` and ``to``)."""
         if not want_input:
             return None, torch.stack([self.samples.target(i) for i in indices])
-        x, y = self.samples.batch(indices, symmetries, raw, pin=raw and self.pin)
+        x, y = self.samples.read(indices, symmetries, pin=self.pin) if raw else self.samples.batch(indices, symmetries)
         return x, (y if want_target else None)
 
-    def finish(self, x: torch.Tensor) -> torch.Tensor:
+    def finish(self, x: Any) -> torch.Tensor:
         return self.samples.finish(x)
 
 

@@ -1,0 +1,305 @@
+"""Hyperslabs of contiguous HDF5 datasets read by several threads at once, past HDF5's lock.
+
+h5py runs every call under one global lock, so a rank that reads its batch through it reads one sample at a
+time on one core, however many threads ask. A dataset stored in one contiguous, unfiltered block (the
+ExaLearn files; ``gems data synth``'s) needs no HDF5 to read: its data lie at one byte offset of its file in C
+order, so a hyperslab of it is a regular grid of equal runs of bytes (one run per channel for a depth slab, one
+per (channel, plane) for a cut in height, one per row for a cut in width; the whole dataset, one run).
+:func:`grid` finds those runs; :class:`Reader` reads them with positional reads (``os.preadv``, which drops
+the GIL while the kernel copies) from a pool of threads, straight into the caller's buffer, through a bounded
+cache of open files. h5py then only reads the headers, once a file (gems.data.hdf5).
+
+Runs of a few bytes (a cut in width: one row's part) are read as whole blocks of rows, one positional read a
+block into a buffer of the thread's, and copied out, rather than one system call a row; large runs are cut in
+pieces so that the threads share even one sample. Nothing is opened before the first read, and a process
+forked from one that read (the ranks fork from a server) opens its own files and threads.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import threading
+import weakref
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+#: bytes under which a run is read with its neighbours as one block of rows and copied out: below ~4 KiB a
+#: system call a run costs more than the rows' gaps read beside them
+SMALL_RUN = 4096
+#: bytes one task reads at most (a longer run is cut): a sample of 16 MiB is 16 tasks the threads share
+PIECE = 1 << 20
+#: open files a reader keeps (the least recently read closed first)
+OPEN_FILES = 64
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A hyperslab of a C-order array as byte runs of ``run`` bytes: run ``i`` (C order over ``counts``) starts
+    ``start + sum(i_j * strides_j)`` bytes into the array and lies ``i * run`` bytes into the hyperslab's own C
+    order."""
+
+    start: int
+    run: int
+    counts: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.run * math.prod(self.counts)
+
+
+def grid(shape: Sequence[int], itemsize: int, sel: Sequence[slice]) -> Grid:
+    """The runs of hyperslab ``sel`` (one slice per leading dim, steps >= 1; missing ones whole) of a C-order
+    array of ``shape``: the trailing dims that are whole, with the one before them taken in one step, make one
+    run; the dims before those are the grid."""
+    full = list(sel) + [slice(None)] * (len(shape) - len(sel))
+    ranges = [range(*s.indices(int(n))) for s, n in zip(full, shape)]
+    if any(r.step < 1 for r in ranges):
+        raise ValueError("a hyperslab's steps must be positive")
+    if any(len(r) == 0 for r in ranges):
+        return Grid(0, 0, (0,), (0,))
+    d = len(shape)
+    elem = [math.prod(shape[j + 1:]) for j in range(d)]  # C-order strides, in elements
+    k = d  # dims k.. are one run
+    while k > 0 and (len(ranges[k - 1]) == 1 or ranges[k - 1].step == 1) and (k == d or len(ranges[k]) == shape[k]):
+        k -= 1
+    run = len(ranges[k]) * elem[k] if k < d else 1
+    start = sum(r.start * e for r, e in zip(ranges, elem))
+    return Grid(start * itemsize, run * itemsize, tuple(len(r) for r in ranges[:k]),
+                tuple(r.step * e * itemsize for r, e in zip(ranges[:k], elem[:k])))
+
+
+@dataclass(frozen=True)
+class Block:
+    """``rows`` runs of ``run`` bytes, ``stride`` apart from byte ``at`` of the dataset, to byte ``to`` of the
+    hyperslab (consecutive there)."""
+
+    at: int
+    rows: int
+    stride: int
+    run: int
+    to: int
+
+    @property
+    def direct(self) -> bool:
+        """Each run read straight to its place (else the block's span through a buffer, then copied out)."""
+        return self.rows == 1
+
+    @property
+    def span(self) -> int:
+        return (self.rows - 1) * self.stride + self.run
+
+
+@functools.lru_cache(maxsize=4096)
+def pieces(g: Grid, piece: int, small: int) -> tuple[tuple[Block, ...], ...]:
+    """The tasks that read grid ``g``: blocks of about ``piece`` bytes each (a run longer than ``piece`` cut
+    into several), runs under ``small`` bytes read as blocks of rows (a block's rows the grid's last dim).
+    Cached: a run reads the same few hyperslabs (a rank's part under each symmetry, each crop) again and
+    again."""
+    if g.nbytes == 0:
+        return ()
+    outer, (rows, stride) = (g.counts[:-1], g.strides[:-1]), ((g.counts[-1], g.strides[-1]) if g.counts else (1, 0))
+    blocks: list[Block] = []
+    to = 0
+    for index in np.ndindex(*outer[0]) if outer[0] else [()]:
+        at = g.start + sum(i * s for i, s in zip(index, outer[1]))
+        b = Block(at, rows, stride, g.run, to)
+        if rows == 1 or g.run >= small:  # one block a run, long runs cut
+            for r in range(rows):
+                for off in range(0, g.run, piece):
+                    n = min(piece, g.run - off)
+                    blocks.append(Block(at + r * stride + off, 1, 0, n, to + r * g.run + off))
+        else:
+            blocks.append(b)
+        to += rows * g.run
+    tasks: list[tuple[Block, ...]] = []
+    group: list[Block] = []
+    size = 0
+    for b in blocks:
+        group.append(b)
+        size += b.span
+        if size >= piece:
+            tasks.append(tuple(group))
+            group, size = [], 0
+    if group:
+        tasks.append(tuple(group))
+    return tuple(tasks)
+
+
+def pread_full(fd: int, buf: memoryview, offset: int, name: str) -> None:
+    """Fill ``buf`` from byte ``offset`` of ``fd`` (a positional read may return less than asked)."""
+    while buf.nbytes:
+        n = os.preadv(fd, [buf], offset)
+        if n <= 0:
+            raise OSError(f"{name}: ends at byte {offset}, inside the dataset it holds (a truncated file?)")
+        buf, offset = buf[n:], offset + n
+
+
+class _Files:
+    """Open files by path, the least recently read closed first beyond ``capacity`` (a file being read is never
+    closed: a batch holds its files until it is read)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = int(capacity)
+        self.lock = threading.Lock()
+        self.open: OrderedDict[str, list[int]] = OrderedDict()  # path -> [fd, readers holding it]
+
+    def acquire(self, path: str) -> int:
+        with self.lock:
+            held = self.open.get(path)
+            if held is None:
+                held = self.open[path] = [os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)), 0]
+            self.open.move_to_end(path)
+            held[1] += 1
+            fd = held[0]
+            self._trim()
+            return fd
+
+    def release(self, path: str) -> None:
+        with self.lock:
+            held = self.open.get(path)
+            if held is not None:
+                held[1] -= 1
+            self._trim()
+
+    def _trim(self) -> None:
+        extra = len(self.open) - self.capacity
+        for path in [p for p, (_, users) in self.open.items() if users == 0][:max(0, extra)]:
+            os.close(self.open.pop(path)[0])
+
+    def close(self) -> None:
+        with self.lock:
+            for fd, _ in self.open.values():
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self.open.clear()
+
+
+class _State:
+    """What a :class:`Reader` holds in one process: its threads and its open files."""
+
+    def __init__(self, threads: int, capacity: int) -> None:
+        self.pid = os.getpid()
+        self.files = _Files(capacity)
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="gems-read") if threads > 1 else None
+
+    def close(self) -> None:
+        if os.getpid() != self.pid:  # a forked child: none of the parent's threads are here, and a lock the
+            # parent held at the fork stays held, so only this process's copies of the files are closed
+            for fd, _ in list(self.files.open.values()):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self.files.open.clear()
+            self.pool = None
+            return
+        if self.pool is not None:  # not waited for from one of its own threads (the reader collected there)
+            self.pool.shutdown(wait=threading.current_thread() not in getattr(self.pool, "_threads", ()))
+            self.pool = None
+        self.files.close()
+
+
+@dataclass(frozen=True)
+class Task:
+    """Read ``blocks`` of the dataset at byte ``base`` of file ``path`` into ``out`` (a writable byte array:
+    the hyperslab's row of a batch), then swap their bytes to native order when ``swap`` (a dtype)."""
+
+    path: str
+    base: int
+    blocks: tuple[Block, ...]
+    out: np.ndarray
+    swap: np.dtype | None = None
+
+
+class Reader:
+    """Reads :class:`Task` s on ``threads`` threads (1: in the caller's), through at most ``capacity`` open
+    files; other work (a read through h5py) may share the threads (:meth:`run`). The threads and files are made
+    at the first read, again in a forked child, and closed by :meth:`close` or when the reader is collected."""
+
+    def __init__(self, threads: int = 4, capacity: int = OPEN_FILES) -> None:
+        self.threads, self.capacity = max(1, int(threads)), max(1, int(capacity))
+        self._state: _State | None = None
+        self._finalizer: Any = None
+        self._scratch = threading.local()
+
+    def _ready(self) -> _State:
+        state = self._state
+        if state is None or state.pid != os.getpid():
+            if state is not None:
+                state.close()  # the parent's threads are gone here; its files are this process's copies
+            state = self._state = _State(self.threads, self.capacity)
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, state.close)
+        return state
+
+    def open_files(self) -> int:
+        """Files held open now (0 before the first read and after :meth:`close`)."""
+        state = self._state
+        return len(state.files.open) if state is not None and state.pid == os.getpid() else 0
+
+    def run(self, tasks: Sequence[Task], others: Sequence[Callable[[], None]] = ()) -> None:
+        """Do every task (and every call in ``others``) on the threads; return when all are done, raising the
+        first failure."""
+        state = self._ready()
+        paths = [t.path for t in tasks]
+        fds: dict[str, int] = {}
+        try:
+            for p in paths:
+                if p not in fds:
+                    fds[p] = state.files.acquire(p)
+            jobs: list[Callable[[], None]] = [functools.partial(self._read, fds[t.path], t) for t in tasks]
+            jobs += list(others)
+            if state.pool is None or len(jobs) == 1:
+                for job in jobs:
+                    job()
+                return
+            futures: list[Future[None]] = [state.pool.submit(job) for job in jobs]
+            errors = [e for e in (f.exception() for f in futures) if e is not None]  # waits for every one
+            if errors:
+                raise errors[0]
+        finally:
+            for p in fds:
+                state.files.release(p)
+
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._scratch.buf = np.empty(nbytes, np.uint8)
+        return buf
+
+    def _read(self, fd: int, task: Task) -> None:
+        out = task.out
+        for b in task.blocks:
+            if b.direct:
+                pread_full(fd, out[b.to:b.to + b.run].data, task.base + b.at, task.path)
+            else:
+                buf = self._buffer(b.span)
+                pread_full(fd, buf[:b.span].data, task.base + b.at, task.path)
+                rows = np.lib.stride_tricks.as_strided(buf, (b.rows, b.run), (b.stride, 1))
+                np.copyto(out[b.to:b.to + b.rows * b.run].reshape(b.rows, b.run), rows)
+            if task.swap is not None:
+                out[b.to:b.to + b.rows * b.run].view(task.swap).byteswap(inplace=True)
+
+    def close(self) -> None:
+        """Stop the threads and close the files (a later read opens them again)."""
+        state, self._state = self._state, None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        if state is not None:
+            state.close()
+
+
+def tasks(path: str, base: int, g: Grid, out: np.ndarray, swap: np.dtype | None = None) -> Iterator[Task]:
+    """The tasks that read grid ``g`` of the dataset at byte ``base`` of ``path`` into ``out`` (its bytes)."""
+    for blocks in pieces(g, PIECE, SMALL_RUN):
+        yield Task(path, base, blocks, out, swap)
