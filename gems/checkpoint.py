@@ -47,6 +47,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -91,7 +92,8 @@ def share_of(mesh: Any, rank: int, cap: int = 1) -> Share:
     """The first :func:`writer_count` replicas of each pipeline position write it, spatial part 0 of each (the
     parts of one replica hold the same tensors and mostly share a node): writer ``k`` is replica ``k``."""
     c, w = mesh.coord(rank), writer_count(mesh, cap)
-    return Share(f"d{c.pipeline}", c.replica < w and c.spatial == 0, c.replica if c.replica < w else -1, w)
+    writes = c.replica < w and c.spatial == 0
+    return Share(f"d{c.pipeline}", writes, c.replica if writes else -1, w)
 
 
 def writer_ranks(mesh: Any, cap: int) -> list[int]:
@@ -473,6 +475,9 @@ class Saver:
             return
         fut, d, step = self._pending
         self._pending = None
+        if not fut.done() and self.world.rank == 0:
+            print(f"gems: checkpoint: waiting for the save of step {step}, still being written", file=sys.stderr,
+                  flush=True)
         fut.result()  # DCP's coordinator wrote the metadata after every writer's files: this save is complete
         self._complete(d, step)
 
@@ -480,14 +485,43 @@ class Saver:
         """Rank 0, once the checkpoint in ``d`` is complete: ``latest`` points at it, and the complete checkpoints
         older than it go. Nothing newer is touched (other writers may be writing the next one already), nor an
         incomplete one (:func:`tidy` removes those when a job starts)."""
-        if self.world.rank != 0:
-            return
-        root = d.parent
-        _write_text(root / "latest", str(step))
-        for old in root.glob("step*"):
-            n = _step_of(old)
-            if n is not None and n < step and complete(old):
-                shutil.rmtree(old, ignore_errors=True)
+        if self.world.rank == 0:
+            retire(d.parent, step)
+
+
+def retire(root: Path, step: int) -> None:
+    """``latest`` in ``root`` points at ``step`` (complete), and the complete checkpoints older than it go; nothing
+    newer (the next save may be under way) and nothing incomplete (:func:`tidy`'s, when a job starts)."""
+    _write_text(root / "latest", str(step))
+    for old in root.glob("step*"):
+        n = _step_of(old)
+        if n is not None and n < step and complete(old):
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def at_scale(mesh: Any, rank: int, state: dict[str, torch.Tensor], cap: int,
+             whole: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """What rank ``rank`` of ``mesh`` writes and holds for checkpoints and the model file, from its own ``state``
+    (:meth:`Holding.state`; fake tensors will do: the dry run's at full size) and the serial model's tensors
+    ``whole``: whether it writes, the bytes it writes of its position's, the one group made for checkpoints
+    (the writers': ``group_ranks``; a rank outside it is in none), the files a checkpoint holds at most (a file a
+    writer, ``.metadata``, ``gems.json`` and the history), and the host bytes of the model file (rank 0 reads the
+    whole model once; a writer copies its share of its position's model to its host). No device holds more than
+    the rank's own tensors meanwhile: the shares are views of them, which DCP's writer copies to the host, and no
+    collective carries them (tests/test_checkpoints.py records every call of an export)."""
+    share = share_of(mesh, rank, cap)
+
+    def size(chunks: dict[str, tuple[torch.Tensor, int]]) -> int:
+        return sum(v.numel() * v.element_size() for v, _ in chunks.values())
+
+    model = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+    writers = writer_ranks(mesh, cap)
+    return {"writes": share.writes, "writers_per_position": share.writers,
+            "position_bytes": sum(v.numel() * v.element_size() for v in state.values()),
+            "share_bytes": size(chunks_of(state, share)), "group_ranks": len(writers) if len(writers) > 1 else 0,
+            "in_group": rank in writers and len(writers) > 1, "files_per_checkpoint": len(writers) + 3,
+            "model_file_host_bytes": (sum(t.numel() * t.element_size() for t in whole.values()) if rank == 0
+                                      else size(chunks_of(model, share)))}
 
 
 def _step_of(d: Path) -> int | None:

@@ -26,10 +26,11 @@ def dry_run(cfg: Any) -> dict[str, Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from gems.bootstrap import World
-    from gems.config import typed
+    from gems.config import section, typed
     from gems.data.synthetic import SyntheticData
     from gems.errors import ConfigError
     from gems.mesh import mesh_from_config
+    from gems.models import build_model
     from gems.parallel import resolve
     from gems.rank.compose import set_up_rank
     from gems.rank.data import step_batch
@@ -61,6 +62,10 @@ def dry_run(cfg: Any) -> dict[str, Any]:
             opt.step()
             opt.zero_grad(set_to_none=True)
         groups = {axis: mesh.ranks(axis) for axis in ("spatial", "pipeline", "replica", "grad")}
+        from gems.checkpoint import Holding, at_scale
+
+        with torch.device("meta"):  # the serial model's tensors (the model file's), without memory
+            whole = build_model(section(cfg, "model")).module.state_dict()
         return {
             "world_size": size, "rank": rank,
             "coord": {"replica": coord.replica, "pipeline": coord.pipeline, "spatial": coord.spatial,
@@ -73,6 +78,9 @@ def dry_run(cfg: Any) -> dict[str, Any]:
             "partitions": list(par.balance) if par.balance else None,
             "parameters": int(sum(p.numel() for p in par.params)),
             "input_part": None if x is None else list(x.shape),
+            # what this rank's checkpoints and model file would write and hold (gems.checkpoint.at_scale)
+            "checkpoint": at_scale(mesh, rank, Holding(par.names, par.params, opt).state(),
+                                   int(cfg.train.checkpoint_writers), whole),
             "notes": list(par.notes),
             "seconds": time.perf_counter() - t0,
         }

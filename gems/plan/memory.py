@@ -763,15 +763,25 @@ def _blas_workspaces(cfg: Any, pl: Planner, dev: dict[str, Any]) -> int:
     return blas_workspace_bytes(cfg.cluster.gpu, dev.get("sm90"), dev.get("rocm"))
 
 
-def _async_checkpoint(cfg: Any, positions: list[Any], dev: dict[str, Any], notes: list[str]) -> None:
-    """``train.checkpoint_async``: DCP's async_save stages a writing rank's state in host memory while a thread
-    writes it (gems.checkpoint): the largest position's parameters, buffers and optimizer state."""
+def _checkpoint_host(cfg: Any, st: Any, positions: list[Any], dev: dict[str, Any], notes: list[str]) -> None:
+    """Host memory for the files a run writes (gems.checkpoint): the model file, which rank 0 reads back whole from
+    the writers' shares (the serial model's parameters and buffers, once: ``export_host_bytes``); and with
+    ``train.checkpoint_async``, the copy DCP's async_save stages of a writer's share of its position (its
+    parameters, buffers and optimizer state over the position's writers: ``checkpoint_host_bytes``)."""
+    from gems.checkpoint import writer_count
+
+    model = sum(t.numel() * t.element_size() for t in st.spec.module.state_dict().values())
+    dev["export_host_bytes"] = int(model)
+    notes.append(f"the model file: rank 0 reads the whole model into host memory to write it ({model / 2**20:.1f} "
+                 "MiB; no device holds more than its own tensors)")
     if not cfg.train.checkpoint_async:
         return
-    staged = max(p.bytes.parameters + p.bytes.optimizer for p in positions)
+    w = writer_count(st.mesh, int(cfg.train.checkpoint_writers))
+    staged = -(-max(p.bytes.parameters + p.bytes.optimizer for p in positions) // w)
     dev["checkpoint_host_bytes"] = int(staged)
-    notes.append(f"train.checkpoint_async: a writing rank holds a copy of its parameters, buffers and optimizer "
-                 f"state in host memory while a checkpoint is written: {staged / 2**20:.1f} MiB")
+    notes.append(f"train.checkpoint_async: a writing rank holds a copy of its share of its position's parameters, "
+                 f"buffers and optimizer state (1/{w}) in host memory while a checkpoint is written: "
+                 f"{staged / 2**20:.1f} MiB")
 
 
 def _fmt(b: float) -> str:
@@ -849,7 +859,7 @@ def plan_memory(cfg: Any, quick: bool = False, available: bool = False,
         where += " (train.host_memory=auto will release freed memory: keeping it would not fit)"
     verdict = (f"{'fits' if fits else 'does not fit'}: peak {_fmt(worst.bytes.total)} of {_fmt(dev['memory_bytes'])} "
                f"on {where}")
-    _async_checkpoint(cfg, positions, dev, pl.notes)
+    _checkpoint_host(cfg, st, positions, dev, pl.notes)
     plan = MemoryPlan(
         model=st.spec.name + (f"{st.spec.input_shape[1]}" if st.spec.name.startswith("cosmoflow") else ""),
         input_shape=list(st.spec.input_shape), world_size=world,
