@@ -99,6 +99,10 @@ _TRAINED_ON = {"seed": "train.seed", "global_batch": "train.batch_size", "bn_rec
                "eval_average_crops": "train.eval_average_crops"}
 
 
+#: synthetic samples gems eval draws for a model whose run named no validation data (a whole number of batches)
+EVAL_SAMPLES = 16
+
+
 def eval_config(path: str, overrides: list[str], cfg: DictConfig) -> DictConfig:
     """The configuration of ``gems eval PATH OVERRIDES`` (``cfg``: the overrides composed): the model of the file or
     checkpoint, and, unless the overrides say otherwise, the data, seed and batch of the run that trained it, so the
@@ -131,6 +135,12 @@ def eval_config(path: str, overrides: list[str], cfg: DictConfig) -> DictConfig:
         cfg.train.checkpoint_every = 0
         cfg.train.target_mae = None
         cfg.results.name = f"eval-{default_name(cfg)}"
+        fresh = cfg.data.name == "synthetic" and not cfg.data.val_samples and "data.val_samples" not in given
+        if fresh:  # a run without validation data: fresh samples of its kind, drawn from another seed
+            B = int(cfg.train.batch_size)
+            cfg.data.val_samples = -(-EVAL_SAMPLES // B) * B
+            if "train.seed" not in given:
+                cfg.train.seed = int(cfg.train.seed) + 1
     validate(cfg)
     if cfg.data.name == "synthetic" and not cfg.data.val_samples:
         raise ConfigError("data.val_samples", 0, "the synthetic samples to evaluate (> 0; the model file names its "
@@ -138,6 +148,13 @@ def eval_config(path: str, overrides: list[str], cfg: DictConfig) -> DictConfig:
     if cfg.data.name == "hdf5" and not cfg.data.val_path:
         raise ConfigError("data.path", cfg.data.path, "a folder of .h5 samples to evaluate")
     ckpt.check_model(saved.shapes, model_shapes(cfg), "eval", path)
+    if fresh:  # (said once every check has passed: bad input is one line)
+        import sys
+
+        print(f"gems eval: {path} names no validation data: evaluating {cfg.data.val_samples} fresh synthetic "
+              f"samples of its run's kind, drawn from train.seed={cfg.train.seed} (its run trained on "
+              f"{trained.get('seed', 'another')}); choose them with data.val_samples=N train.seed=S, or evaluate "
+              "files with data=hdf5 data.path=DIR", file=sys.stderr, flush=True)
     return cfg
 
 

@@ -238,3 +238,23 @@ def test_at_1024_ranks_a_checkpoint_is_a_few_files_of_one_small_group(overrides:
         with torch.device("meta"):
             whole = build_model(compose(overrides).model).module.state_dict()
         assert c["model_file_host_bytes"] == sum(t.numel() * t.element_size() for t in whole.values())
+
+
+# ---------------------------------------------------------------------------- the first thing a user tries
+def test_gems_run_then_gems_eval_of_its_model_file_works_with_no_data_keys(tmp_path: Path) -> None:
+    """The default job names no validation data: gems eval draws fresh samples of its kind from another seed, says
+    how many and which keys choose them, and evaluates; the same keys given by hand give the same figures."""
+    run = gems("run", f"results.dir={tmp_path}", timeout=400)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (r,) = records(str(tmp_path))
+    ev = gems("eval", r["model_file"], f"results.dir={tmp_path / 'eval'}", timeout=400)
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    assert "evaluating 16 fresh synthetic samples of its run's kind, drawn from train.seed=1" in ev.stderr
+    assert "data.val_samples=N train.seed=S" in ev.stderr
+    (e,) = records(str(tmp_path / "eval"))
+    assert e["evaluation"]["samples"] == 16 and math.isfinite(e["evaluation"]["mae"])
+    by_hand = gems("eval", r["model_file"], f"results.dir={tmp_path / 'hand'}", "data.val_samples=16",
+                   "train.seed=1", timeout=400)
+    assert by_hand.returncode == 0 and "fresh synthetic" not in by_hand.stderr, by_hand.stderr[-2000:]
+    (h,) = records(str(tmp_path / "hand"))
+    assert h["evaluation"]["mae"] == e["evaluation"]["mae"]
