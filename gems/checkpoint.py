@@ -9,23 +9,27 @@ is written under the *whole model's names* (the keys of the serial model's ``sta
 * ``optim.<name>.<key>``: the optimizer's state of each parameter (Adam's moments and step, SGD's momentum);
 * ``ema.<name>``: ``train.ema``'s average of each parameter.
 
-The tensors go through ``torch.distributed.checkpoint`` (DCP): one copy of each pipeline position writes its
-partitions' tensors (replica 0, spatial part 0: :func:`share_of`; a mirrored GEMS position holds the same
-partitions as its mirror, and DCP keeps one of two equal entries), every writer in parallel, each into its own
-file; loading reshards, each rank reading the names it holds whatever mesh wrote them. Written by hand, beside
-the tensors, only what DCP does not hold: ``gems.json`` (rank 0: the step, the configuration that shapes the
-state, the mesh and global batch that wrote it, the model section) and ``rank<k>.pt`` (each rank's history:
-losses, evaluations, the fp16 loss scale, its own step times), plain data a resumed run reads back as it was.
-``train.checkpoint_async`` saves through DCP's ``async_save``: the step waits only while the tensors are copied
-to host memory (that copy is what it costs, counted by ``gems plan``); the files are written by a thread over a
-gloo group of their own, and ``latest`` moves once they are complete.
+The tensors go through ``torch.distributed.checkpoint`` (DCP). The first ``train.checkpoint_writers`` replicas of
+each pipeline position (spatial part 0 of each: :func:`share_of`) write it, each an equal run of its position's
+bytes (:func:`layout`: rows cut at equal bytes, given to DCP as chunks of their tensors), in parallel, each into
+one file, over one gloo group of the writers (:meth:`Saver.group`); a mirrored GEMS position holds the same
+partitions as its mirror, so the two give the same chunks and DCP keeps each once. A rank with nothing to write
+writes no file. Loading reshards: each rank reads the names it holds, alone, whatever mesh wrote them. Written by
+hand, beside the tensors, only what DCP does not hold: ``gems.json`` (rank 0: the step, the configuration that
+shapes the state, the mesh and global batch that wrote it, the model section) and ``history.pt`` (rank 0: one
+history for every rank, :func:`gathered_history`), plain data a resumed run reads back as it was, each written
+under a temporary name, synced and renamed. ``train.checkpoint_async`` saves through DCP's ``async_save``: the
+step waits only while a writer's share is copied to host memory (that copy is what it costs, counted by ``gems
+plan``); a thread writes the files, and ``latest`` moves once they are complete.
 
 A Slurm job can be preempted or requeued at any time; ``fault.preempt_at_step`` does it on purpose, and a job's
 time limit does it for certain: gems asks Slurm for ``SIGUSR2`` ``cluster.signal_margin_s`` before the limit
 (``--signal=USR2@margin``); :func:`install_time_limit_handler` turns it into a request that the worker's
 per-step sync shares with every rank, so all of them save after the same step, and rank 0 requeues the job.
-Once every rank has saved, rank 0 points ``latest`` at the step and removes the older one, so a crash while
-saving leaves the previous checkpoint whole. The launchers restart a preempted job: Slurm requeues it
+Once every writer's files are complete, rank 0 points ``latest`` at the step and removes the complete older ones
+(:func:`retire`; never a newer one, which the next save may be writing), so a crash while saving leaves the
+previous checkpoint whole, and a job that starts removes what such a crash left (:func:`tidy`). The launchers
+restart a preempted job: Slurm requeues it
 (``scontrol requeue``; ``SLURM_RESTART_COUNT`` counts), the local launcher starts the ranks again with
 ``GEMS_RESTART_COUNT`` set. Exit status 75 (EX_TEMPFAIL) tells the local launcher that a rank stopped to be
 resumed.
@@ -34,7 +38,8 @@ resumed.
 the same losses: data and dropout are pure functions of (seed, step, sample)); ``train.init_from=PATH`` takes the
 weights only. At the end of a run rank 0 writes the trained model (:func:`export`): one file that
 ``torch.load(path, weights_only=True)`` reads into ``{"model": the model section, "state_dict": ...}``, which loads
-strictly into ``gems.models.build_model(d["model"]).module``.
+strictly into ``gems.models.build_model(d["model"]).module``; it goes through the disk and rank 0's host, never a
+device (:func:`export`).
 
 Why one module of this length: the format is one decision (what a checkpoint, a model file and their readers
 agree on), and the time-limit and requeue protocol that writes it is read beside it.

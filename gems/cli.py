@@ -35,7 +35,7 @@ commands:
   plan [OVERRIDES]       memory plan per rank without starting the world
   data synth [OVERRIDES] write a synthetic HDF5 dataset (data.path, data.num_samples; data.kind=cosmology:
                          universes, data.path and data.val_path)
-  bench NAME             side-by-side benchmark: overhead, spatial, pipeline, plan, data; calibrate (the GPU's
+  bench NAME             side-by-side benchmark: overhead, spatial, pipeline, plan, data, checkpoint; calibrate (the GPU's
                          rates for gems plan)
 
 overrides: key=value (train.steps=10), group=option (model=unet3d cluster=local_slurm),
@@ -537,6 +537,7 @@ BENCHES = {
     "pipeline": ("gems.bench.pipeline", "bench_pipeline"),
     "plan": ("gems.bench.plan", "bench_plan"),
     "data": ("gems.bench.data", "bench_data"),
+    "checkpoint": ("gems.bench.checkpoint", "bench_checkpoint"),
     "calibrate": ("gems.bench.calibrate", "bench_calibrate"),
 }
 #: the benchmarks that take Hydra overrides (the model, the batch, the precision ...) beside out=DIR

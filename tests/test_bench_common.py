@@ -49,7 +49,7 @@ def test_bench_modules_answer_help_and_reject_options_without_running():
     import subprocess
     import sys
 
-    for name in ("overhead", "spatial", "pipeline", "data"):
+    for name in ("overhead", "spatial", "pipeline", "data", "checkpoint"):
         ok = subprocess.run([sys.executable, "-m", f"gems.bench.{name}", "--help"], capture_output=True, text=True,
                             timeout=60)
         assert ok.returncode == 0 and f"gems.bench.{name} [OUT_DIR]" in ok.stdout
