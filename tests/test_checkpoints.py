@@ -258,3 +258,25 @@ def test_gems_run_then_gems_eval_of_its_model_file_works_with_no_data_keys(tmp_p
     assert by_hand.returncode == 0 and "fresh synthetic" not in by_hand.stderr, by_hand.stderr[-2000:]
     (h,) = records(str(tmp_path / "hand"))
     assert h["evaluation"]["mae"] == e["evaluation"]["mae"]
+
+
+def test_a_unet_on_replicas_of_spatial_parts_is_written_by_part_0_of_each_replica_and_resumes_alone(
+        tmp_path: Path) -> None:
+    """Another model and mesh: the U-Net (skips across the spatial cut) on R2 x S2. Spatial part 0 of each replica
+    writes half (its part 1 holds the same tensors and writes nothing), and one rank resumes it exactly. (Without
+    norms: a replica's BatchNorm normalises over its own samples, so R = 2 with it is not one rank's step.)"""
+    unet = ["model=unet3d", "model.size=16", "model.width=0.125", "model.norm=none", "train.batch_size=2",
+            "train.warmup_steps=1"]
+    out = gems("run", f"results.dir={tmp_path / 'cut'}", *unet, "train.steps=2", "train.checkpoint_every=2",
+               "parallel.replicas=2", "parallel.spatial=2", timeout=400)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ck = _job(tmp_path / "cut") / "ckpt" / "step00000002"
+    data = sorted(f.name for f in ck.glob("*.distcp"))
+    assert data == ["__0_0.distcp", "__1_0.distcp"] and all((ck / n).stat().st_size > 0 for n in data)
+    assert sorted(f.name for f in ck.iterdir()) == sorted([".metadata", ckpt.META, ckpt.HISTORY, *data])
+    one = gems("run", f"results.dir={tmp_path / 'one'}", *unet, "train.steps=4", f"train.resume_from={ck}",
+               timeout=400)
+    ref = gems("run", f"results.dir={tmp_path / 'ref'}", *unet, "train.steps=4", timeout=400)
+    assert one.returncode == 0 and ref.returncode == 0, (one.stderr + ref.stderr)[-2000:]
+    (a,), (b,) = records(str(tmp_path / "one")), records(str(tmp_path / "ref"))
+    _close(a["loss"], b["loss"])
