@@ -43,12 +43,17 @@ def cube(tmp_path_factory):
     return root
 
 
-@pytest.fixture
-def small_pieces(monkeypatch):
-    """Tasks of 256 bytes: even these small files are read by every thread, long runs cut in many pieces, and
-    rows under 64 bytes read as blocks through a buffer."""
-    monkeypatch.setattr(preader, "PIECE", 256)
-    monkeypatch.setattr(preader, "SMALL_RUN", 64)
+@pytest.fixture(params=[(256, 64, 64), (1000, 16, 4096), (4096, 8, 1 << 16),
+                        (preader.PIECE, preader.SMALL_RUN, preader.MEDIUM_RUN)],
+                ids=["256B", "1000B-gather", "4KiB-gather", "default"])
+def small_pieces(monkeypatch, request):
+    """Tasks of 256, 1000 or 4096 bytes (and the default): even these small files are read by every thread, long
+    runs cut in many pieces, short runs read in blocks through a buffer (one row set, or several planes and a
+    share of a channel's), runs of a middle size gathered by one call each share of a row set."""
+    piece, small, medium = request.param
+    monkeypatch.setattr(preader, "PIECE", piece)
+    monkeypatch.setattr(preader, "SMALL_RUN", small)
+    monkeypatch.setattr(preader, "MEDIUM_RUN", medium)
 
 
 def test_grid_finds_the_runs_of_a_c_order_hyperslab():

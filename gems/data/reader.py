@@ -9,9 +9,9 @@ per (channel, plane) for a cut in height, one per row for a cut in width; the wh
 the GIL while the kernel copies) from a pool of threads, straight into the caller's buffer, through a bounded
 cache of open files. h5py then only reads the headers, once a file (gems.data.hdf5).
 
-Runs of a few bytes (a cut in width: one row's part) are read as whole blocks of rows, one positional read a
-block into a buffer of the thread's, and copied out, rather than one system call a row; large runs are cut in
-pieces so that the threads share even one sample. Nothing is opened before the first read, and a process
+Runs of a few bytes (a cut in width: one row's part) are read as blocks of about a MiB, one positional read a
+block into a buffer of the thread's, the runs copied out of it, rather than one system call a row; long runs
+are cut in pieces so that the threads share even one sample. Nothing is opened before the first read, and a process
 forked from one that read (the ranks fork from a server) opens its own files and threads.
 """
 from __future__ import annotations
@@ -29,9 +29,13 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-#: bytes under which a run is read with its neighbours as one block of rows and copied out: below ~4 KiB a
-#: system call a run costs more than the rows' gaps read beside them
+#: bytes under which a run is read with its neighbours as one block and copied out: below ~4 KiB a system call
+#: a run costs more than reading the gaps between them
 SMALL_RUN = 4096
+#: bytes under which runs (and the gaps between them) are read by one system call for many of them, each run
+#: straight to its place, each gap into a scrap buffer: a call a run of 16 KiB (a cut in height) kept two
+#: threads below one, handing the GIL to each other every few microseconds
+MEDIUM_RUN = 1 << 16
 #: bytes one task reads at most (a longer run is cut): a sample of 16 MiB is 16 tasks the threads share
 PIECE = 1 << 20
 #: open files a reader keeps (the least recently read closed first)
@@ -77,47 +81,74 @@ def grid(shape: Sequence[int], itemsize: int, sel: Sequence[slice]) -> Grid:
 
 @dataclass(frozen=True)
 class Block:
-    """``rows`` runs of ``run`` bytes, ``stride`` apart from byte ``at`` of the dataset, to byte ``to`` of the
-    hyperslab (consecutive there)."""
+    """Runs of ``run`` bytes on a grid of ``counts`` with byte ``strides`` (C order), from byte ``at`` of the
+    dataset, to byte ``to`` of the hyperslab (consecutive there); no counts: one run, read straight to its
+    place; ``gather``: the block's span read by one call, each run straight to its place and each gap into a
+    scrap buffer; else the span read into a buffer and the runs copied out."""
 
     at: int
-    rows: int
-    stride: int
+    counts: tuple[int, ...]
+    strides: tuple[int, ...]
     run: int
     to: int
+    gather: bool = False
 
     @property
-    def direct(self) -> bool:
-        """Each run read straight to its place (else the block's span through a buffer, then copied out)."""
-        return self.rows == 1
+    def nbytes(self) -> int:
+        return self.run * math.prod(self.counts)
 
     @property
     def span(self) -> int:
-        return (self.rows - 1) * self.stride + self.run
+        return sum((c - 1) * s for c, s in zip(self.counts, self.strides)) + self.run
 
 
-@functools.lru_cache(maxsize=4096)
-def pieces(g: Grid, piece: int, small: int) -> tuple[tuple[Block, ...], ...]:
-    """The tasks that read grid ``g``: blocks of about ``piece`` bytes each (a run longer than ``piece`` cut
-    into several), runs under ``small`` bytes read as blocks of rows (a block's rows the grid's last dim).
-    Cached: a run reads the same few hyperslabs (a rank's part under each symmetry, each crop) again and
-    again."""
+def _span(counts: Sequence[int], strides: Sequence[int], run: int) -> int:
+    return sum((c - 1) * s for c, s in zip(counts, strides)) + run
+
+
+@functools.lru_cache(maxsize=512)
+def pieces(g: Grid, piece: int, small: int, medium: int) -> tuple[tuple[Block, ...], ...]:
+    """The tasks that read grid ``g``, each about ``piece`` bytes: runs under ``small`` bytes in blocks spanning
+    about ``piece`` bytes (the grid's last dims whole, a share of the one before), copied out of a buffer; runs
+    under ``medium`` bytes with gaps under ``medium`` gathered by one call a share of the grid's last dim (at
+    most ``piece`` bytes, 512 runs); longer ones one by one (those over ``piece`` cut). Cached by the grid's
+    shape (its ``start`` is added to every block's), so the crops of a universe share the plans of a rank's
+    part under each symmetry."""
     if g.nbytes == 0:
         return ()
-    outer, (rows, stride) = (g.counts[:-1], g.strides[:-1]), ((g.counts[-1], g.strides[-1]) if g.counts else (1, 0))
+    k, counts, strides, run = len(g.counts), g.counts, g.strides, g.run
     blocks: list[Block] = []
     to = 0
-    for index in np.ndindex(*outer[0]) if outer[0] else [()]:
-        at = g.start + sum(i * s for i, s in zip(index, outer[1]))
-        b = Block(at, rows, stride, g.run, to)
-        if rows == 1 or g.run >= small:  # one block a run, long runs cut
-            for r in range(rows):
-                for off in range(0, g.run, piece):
-                    n = min(piece, g.run - off)
-                    blocks.append(Block(at + r * stride + off, 1, 0, n, to + r * g.run + off))
-        else:
-            blocks.append(b)
-        to += rows * g.run
+    if k and small <= run < medium and strides[-1] - run < medium and counts[-1] > 1:
+        c, s = counts[-1], strides[-1]
+        q = min(c, 512, max(1, 1 + (piece - run) // s))
+        for index in np.ndindex(*counts[:-1]):
+            at = g.start + sum(i * t for i, t in zip(index, strides))
+            for j in range(0, c, q):
+                b = Block(at + j * s, (min(q, c - j),), (s,), run, to, gather=True)
+                blocks.append(b)
+                to += b.nbytes
+    elif k == 0 or run >= small:
+        for index in np.ndindex(*counts):
+            at = g.start + sum(i * s for i, s in zip(index, strides))
+            blocks += [Block(at + off, (), (), min(piece, run - off), to + off) for off in range(0, run, piece)]
+            to += run
+    else:
+        m = 1  # the last m dims whole in each block
+        while m < k and _span(counts[k - m - 1:], strides[k - m - 1:], run) <= piece:
+            m += 1
+        inner = (counts[k - m:], strides[k - m:])
+        if m == k:
+            blocks.append(Block(g.start, *inner, run, 0))
+        else:  # q indices of dim k - m - 1 a block
+            c, s = counts[k - m - 1], strides[k - m - 1]
+            q = min(c, 1 + max(0, piece - _span(*inner, run)) // s)
+            for index in np.ndindex(*counts[:k - m - 1]):
+                at = g.start + sum(i * t for i, t in zip(index, strides))
+                for j in range(0, c, q):
+                    b = Block(at + j * s, (min(q, c - j), *inner[0]), (s, *inner[1]), run, to)
+                    blocks.append(b)
+                    to += b.nbytes
     tasks: list[tuple[Block, ...]] = []
     group: list[Block] = []
     size = 0
@@ -139,6 +170,20 @@ def pread_full(fd: int, buf: memoryview, offset: int, name: str) -> None:
         if n <= 0:
             raise OSError(f"{name}: ends at byte {offset}, inside the dataset it holds (a truncated file?)")
         buf, offset = buf[n:], offset + n
+
+
+def preadv_full(fd: int, bufs: list[memoryview], offset: int, name: str) -> None:
+    """Fill ``bufs`` one after another from byte ``offset`` of ``fd`` (a positional read may return less)."""
+    while bufs:
+        n = os.preadv(fd, bufs, offset)
+        if n <= 0:
+            raise OSError(f"{name}: ends at byte {offset}, inside the dataset it holds (a truncated file?)")
+        offset += n
+        while bufs and n >= bufs[0].nbytes:
+            n -= bufs[0].nbytes
+            bufs = bufs[1:]
+        if n:
+            bufs = [bufs[0][n:], *bufs[1:]]
 
 
 class _Files:
@@ -284,24 +329,34 @@ class Reader:
             for p in fds:
                 state.files.release(p)
 
-    def _buffer(self, nbytes: int) -> np.ndarray:
-        buf = getattr(self._scratch, "buf", None)
+    def _buffer(self, nbytes: int, name: str = "buf") -> np.ndarray:
+        """The calling thread's buffer ``name``, of ``nbytes`` at least."""
+        buf = getattr(self._scratch, name, None)
         if buf is None or buf.nbytes < nbytes:
-            buf = self._scratch.buf = np.empty(nbytes, np.uint8)
+            buf = np.empty(nbytes, np.uint8)
+            setattr(self._scratch, name, buf)
         return buf
 
     def _read(self, fd: int, task: Task) -> None:
         out = task.out
         for b in task.blocks:
-            if b.direct:
-                pread_full(fd, out[b.to:b.to + b.run].data, task.base + b.at, task.path)
+            dst = out[b.to:b.to + b.nbytes]
+            if not b.counts:
+                pread_full(fd, dst.data, task.base + b.at, task.path)
+            elif b.gather:
+                gap = b.strides[0] - b.run
+                scrap = self._buffer(gap, "scrap")[:gap].data  # every gap read into it, over and over
+                parts: list[memoryview] = []
+                for r in range(b.counts[0]):
+                    parts += [dst[r * b.run:(r + 1) * b.run].data, scrap] if gap else [dst[r * b.run:(r + 1) * b.run].data]
+                preadv_full(fd, parts[:-1] if gap else parts, task.base + b.at, task.path)
             else:
                 buf = self._buffer(b.span)
                 pread_full(fd, buf[:b.span].data, task.base + b.at, task.path)
-                rows = np.lib.stride_tricks.as_strided(buf, (b.rows, b.run), (b.stride, 1))
-                np.copyto(out[b.to:b.to + b.rows * b.run].reshape(b.rows, b.run), rows)
+                runs = np.lib.stride_tricks.as_strided(buf, (*b.counts, b.run), (*b.strides, 1))
+                np.copyto(dst.reshape(*b.counts, b.run), runs)
             if task.swap is not None:
-                out[b.to:b.to + b.rows * b.run].view(task.swap).byteswap(inplace=True)
+                dst.view(task.swap).byteswap(inplace=True)
 
     def close(self) -> None:
         """Stop the threads and close the files (a later read opens them again)."""
@@ -315,5 +370,5 @@ class Reader:
 
 def tasks(path: str, base: int, g: Grid, out: np.ndarray, swap: np.dtype | None = None) -> Iterator[Task]:
     """The tasks that read grid ``g`` of the dataset at byte ``base`` of ``path`` into ``out`` (its bytes)."""
-    for blocks in pieces(g, PIECE, SMALL_RUN):
-        yield Task(path, base, blocks, out, swap)
+    for blocks in pieces(Grid(0, g.run, g.counts, g.strides), PIECE, SMALL_RUN, MEDIUM_RUN):
+        yield Task(path, base + g.start, blocks, out, swap)
