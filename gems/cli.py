@@ -215,7 +215,9 @@ def print_rows(records: list[dict[str, Any]]) -> None:
     from gems.results.table import rows_for
 
     cols: tuple[str, ...] = ("name", "status", "world", "mesh", "schedule", "batch", "samples/s", "samples/s/gpu",
-                             "step_s", "peak_mem_MiB", "final_loss")
+                             "step_s", "TFLOP/s/gpu", "peak_mem_MiB", "final_loss")
+    if any((r.get("hardware") or {}).get("flops_fraction") is not None for r in records):
+        cols += ("flops_frac", "bytes_frac")
     if any(r.get("validation") for r in records):
         cols += ("val_mae",)
     if any(r.get("target") for r in records):

@@ -37,7 +37,7 @@ def predicted_record(cfg: Any, plan: Any, sweep: str, point: str) -> dict[str, A
         "time_breakdown_s": dict(pr.breakdown),
         "peak_memory_bytes": {"max": plan.worst.bytes.total, "tensor_max": plan.worst.bytes.total,
                               "kind": "planned", "fits": plan.fits},
-        "loss": [], "restarts": 0,
+        "loss": [], "restarts": 0, "hardware": plan.hardware,
         "env": {"predicted_by": "gems plan", "assumptions": pr.assumptions,
                 "device": "cuda" if plan.device.get("kind") == "gpu" else "cpu", "device_name": plan.device.get("name")},
     }

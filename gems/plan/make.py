@@ -35,6 +35,8 @@ def make_plan(cfg: Any, suggest: bool = True, quick: bool = False, available: bo
                          "to fit")
     if not quick and bool(cfg.plan.predict):
         plan.prediction = predict_step(cfg, pl, prof, plan.global_batch, plan.device, plan.world_size)
+        if plan.prediction is not None:
+            plan.hardware = predicted_hardware(cfg, plan)
     if not quick:  # (the quick path searches no batch: there is no maximum to give)
         bits = f"max global batch that fits: {plan.max_global_batch}"
         if plan.min_gems_replicas is not None:
@@ -42,3 +44,16 @@ def make_plan(cfg: Any, suggest: bool = True, quick: bool = False, available: bo
         plan.verdict += f" ({bits})"
     plan.seconds = round(time.perf_counter() - t0, 3)
     return plan
+
+
+def predicted_hardware(cfg: Any, plan: MemoryPlan) -> dict[str, Any]:
+    """The predicted step's distance to the device: the model's FLOP/s and bytes/s a rank would reach, and their
+    fractions of ``cluster.gpu``'s peak (gems.plan.roofline; a CPU rank: the rates, no fraction)."""
+    from gems.plan.roofline import fractions, model_work, peak
+
+    gpu = str(cfg.cluster.gpu) if plan.device.get("kind") == "gpu" and cfg.cluster.gpu else None
+    tf32 = cfg.train.tf32 if cfg.train.tf32 is None else bool(cfg.train.tf32)
+    out = fractions(model_work(cfg), plan.prediction.step_s, plan.world_size, peak(gpu, str(cfg.train.precision), tf32))
+    out["device"] = gpu or plan.device.get("name")
+    return out
+

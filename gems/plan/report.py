@@ -33,6 +33,7 @@ def to_json(plan: MemoryPlan) -> dict[str, Any]:
         "peak_memory_bytes": {"max": plan.worst.bytes.total, "per_rank": per_rank(plan)},
         "predicted_step_time_s": plan.prediction.as_json() if plan.prediction is not None else None,
         "predicted_throughput_samples_per_s": plan.prediction.throughput if plan.prediction is not None else None,
+        "predicted_hardware": plan.hardware,
     }
 
 
@@ -85,6 +86,8 @@ def render_table(plan: MemoryPlan, width: int = 120, cfg: Any = None) -> str:
         terms = ", ".join(f"{k} {v:.3g}" for k, v in pr.breakdown.items() if v > 0)
         con.print(f"predicted step: {pr.step_s:.3g} s ({terms}; set by {pr.position}) = {pr.throughput:.3g} "
                   f"samples/s", soft_wrap=True)
+        if plan.hardware is not None:
+            con.print(hardware_line(plan.hardware, "predicted"), soft_wrap=True)
         if pr.staging_s > 0:
             con.print(f"staging to node-local storage (data.stage=node): {pr.staging_s:.3g} s once per job",
                       soft_wrap=True)
@@ -93,6 +96,19 @@ def render_table(plan: MemoryPlan, width: int = 120, cfg: Any = None) -> str:
         if data_share(pr) > DATA_WARN:
             con.print(f"warning: {data_warning(cfg, data_share(pr))}", soft_wrap=True)
     return buf.getvalue()
+
+
+def hardware_line(hw: dict[str, Any], what: str) -> str:
+    """A step's distance to the device in words (gems.plan.roofline's figures; ``what``: predicted or measured)."""
+    flops, nbytes = hw.get("flops_per_s_per_rank") or 0.0, hw.get("bytes_per_s_per_rank") or 0.0
+    text = (f"{what} on the device: the model's {flops / 1e12:.3g} TFLOP/s and {nbytes / 1e9:.3g} GB/s a rank "
+            f"({hw['model_flops_per_step'] / 1e9:.4g} GFLOP and {hw['model_bytes_per_step'] / 1e9:.4g} GB a step)")
+    if hw.get("flops_fraction") is not None:
+        text += (f": {100 * hw['flops_fraction']:.3g}% of {hw['device']}'s {hw['peak_flops_per_s'] / 1e12:g} TFLOP/s "
+                 f"and {100 * hw['bytes_fraction']:.3g}% of its {hw['peak_bytes_per_s'] / 1e9:g} GB/s")
+    else:
+        text += " (no data-sheet peak for this device)"
+    return text
 
 
 def reserve_line(dev: dict[str, Any]) -> str:

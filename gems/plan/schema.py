@@ -107,6 +107,7 @@ class MemoryPlan:
     seconds: float
     notes: list[str]
     prediction: Any = None  # gems.plan.timing.Prediction, or None when not predicted
+    hardware: Any = None  # the predicted step's distance to the device (gems.plan.roofline.fractions), or None
 
     @property
     def worst(self) -> Position:

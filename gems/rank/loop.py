@@ -506,6 +506,10 @@ class Run:
             record["diverged"] = True
             record["nonfinite_steps"] = list(h["nonfinite_steps"])
         record.update(self.training_figures())
+        if world.rank == 0 and times:  # how far the step is from the device (gems.plan.roofline)
+            from gems.plan.roofline import of_run
+
+            record["hardware"] = of_run(self.cfg, world.size, _device_name(world.device), slowest)
         return record
 
     def training_figures(self) -> dict[str, Any]:

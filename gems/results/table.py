@@ -43,7 +43,7 @@ from gems.errors import ConfigError
 from gems.results import accuracy
 
 COLUMNS = ("name", "status", "world", "nodes", "mesh", "schedule", "batch", "samples/s", "samples/s/gpu",
-           "speedup", "efficiency", "step_s", "compute_s", "halo_s", "pipe_comm_s", "allreduce_s", "wait_s",
+           "TFLOP/s/gpu", "flops_frac", "GB/s/gpu", "bytes_frac", "speedup", "efficiency", "step_s", "compute_s", "halo_s", "pipe_comm_s", "allreduce_s", "wait_s",
            "data_s", "peak_mem_MiB", "tensor_mem_MiB", "final_loss", "val_mae", "time_to_target_s", "ttt_min_s",
            "ttt_max_s", "target_reached", "n", "samples/s_min", "samples/s_max", "reference", "note", "error")
 #: an efficiency above this is flagged: super-linear scaling usually means a slow baseline, not a fast point
@@ -237,6 +237,7 @@ def _row_of(rs: list[dict[str, Any]]) -> dict[str, Any]:
         })
         row["_spread"] = (min(thr), max(thr))
         row.update(_training(ok))
+        row.update(_hardware(r))
     elif status == "diverged":
         steps_nf = [s for x in rs for s in (x.get("nonfinite_steps") or [])]
         row["final_loss"] = f"non-finite loss at step(s) {', '.join(str(s) for s in sorted(set(steps_nf))[:5])}"
@@ -254,6 +255,19 @@ def _row_of(rs: list[dict[str, Any]]) -> dict[str, Any]:
         if few < FEW_STEPS:
             _note(row, f"the throughput rests on {few} measured step(s)")
     return row
+
+
+def _hardware(r: dict[str, Any]) -> dict[str, Any]:
+    """The record's distance to the device (gems.plan.roofline): the model's TFLOP/s and GB/s a rank reached, and
+    their fractions of the device's peak (a CPU's: none)."""
+    hw = r.get("hardware") or {}
+    out: dict[str, Any] = {}
+    for col, key, scale in (("TFLOP/s/gpu", "flops_per_s_per_rank", 1e12), ("GB/s/gpu", "bytes_per_s_per_rank", 1e9),
+                            ("flops_frac", "flops_fraction", 1.0), ("bytes_frac", "bytes_fraction", 1.0)):
+        v = hw.get(key)
+        if isinstance(v, (int, float)):
+            out[col] = float(v) / scale
+    return out
 
 
 def time_to_target(seconds: list[float]) -> float:
