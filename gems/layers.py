@@ -43,28 +43,45 @@ def batch_context(seed: int, step: int, sample_ids: Sequence[int]) -> Iterator[N
 
 
 class SampleDropout(nn.Module):
-    """Dropout with masks drawn per global sample, identical on every mesh."""
+    """Dropout with masks drawn per global sample, identical on every mesh.
+
+    Under a CUDA graph (gems.rank.graphs) the step's masks cannot be drawn inside the replay (the seeds are the
+    step's and the samples'): ``static_mask`` then holds them, drawn by :meth:`fill` before each replay with the
+    same generators, and the forward reads it."""
 
     def __init__(self, p: float = 0.5) -> None:
         super().__init__()
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p = p
+        self.static_mask: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
+        if self.static_mask is not None:
+            return x * self.static_mask / (1.0 - self.p)
         if not _CURRENT:
             raise RuntimeError("SampleDropout needs gems.models.layers.batch_context(seed, step, sample_ids) around the forward")
         info = _CURRENT[-1]
         if len(info.sample_ids) != x.shape[0]:
             raise RuntimeError(f"batch_context names {len(info.sample_ids)} samples, the batch has {x.shape[0]}")
+        return x * self.masks(info, x.shape, x.device, x.dtype) / (1.0 - self.p)
+
+    def masks(self, info: _BatchInfo, shape: Sequence[int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The batch's masks (one per sample of ``info``), 1 where a value is kept."""
         masks = []
-        for i in info.sample_ids:  # drawn on x's device: its generator (CUDA's is Philox), no host copy
-            g = torch.Generator(device=x.device).manual_seed((info.seed * 1_000_003 + info.step) * 1_000_033 + i)
-            masks.append(torch.rand(x.shape[1:], generator=g, device=x.device) >= self.p)
-        mask = torch.stack(masks).to(dtype=x.dtype)
-        return x * mask / (1.0 - self.p)
+        for i in info.sample_ids:  # drawn on the device: its generator (CUDA's is Philox), no host copy
+            g = torch.Generator(device=device).manual_seed((info.seed * 1_000_003 + info.step) * 1_000_033 + i)
+            masks.append(torch.rand(tuple(shape[1:]), generator=g, device=device) >= self.p)
+        return torch.stack(masks).to(dtype=dtype)
+
+    def fill(self, seed: int, step: int, sample_ids: Sequence[int]) -> None:
+        """Draw the masks of (``seed``, ``step``, ``sample_ids``) into ``static_mask`` (a graph's replay reads them)."""
+        assert self.static_mask is not None
+        info = _BatchInfo(int(seed), int(step), tuple(int(i) for i in sample_ids))
+        self.static_mask.copy_(self.masks(info, self.static_mask.shape, self.static_mask.device,
+                                          self.static_mask.dtype))
 
     def extra_repr(self) -> str:
         return f"p={self.p}"

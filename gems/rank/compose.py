@@ -22,6 +22,7 @@ from gems.models import ModelSpec, build_model
 from gems.models.skips import checkpointed
 from gems.parallel import ParallelSettings, recompute_pieces, resolve, spatial_model, stage_balance
 from gems.precision import LossScaler, autocast, scaling_enabled
+from gems.rank import graphs
 from gems.rank.loss import Metric, make_loss_fn
 from gems.rank.optim import make_optimizer
 from gems.replication import GradientReducer, attach, mpi_group
@@ -230,11 +231,16 @@ class _Composition:
         """No pipeline: one forward and backward of the whole (spatial) model; 3. the gradient sum."""
         seq, seed, loss_fn, scaler = self.seq, int(self.cfg.train.seed), self.loss_fn, self.scaler
         params = list(seq.parameters())
-        reducer = _reducer(seq, self.mesh, self.world, self.cfg)
+        graphed, why = graphs.decide(self.cfg, self.settings, self.mesh, self.world.device)
+        if why:
+            self.notes.append(why)
+        # a replayed backward runs no hooks inside the model: the sums start after it (graphs: module docstring)
+        reducer = _reducer(seq, self.mesh, self.world, self.cfg, overlap=not graphed)
         forward: Callable[[torch.Tensor], torch.Tensor] = seq
         if self.settings.checkpoint:  # pieces each recomputed in its backward (but the last), skips carried
             assert self.pieces is not None
             forward = checkpointed(seq, self.pieces)
+        graph = graphs.GraphedModel(seq, self.amp, self.notes) if graphed else None
         finite: dict[int, torch.Tensor | bool] = {}  # position -> all finite? (a device flag: no synchronisation)
 
         def plain_step(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int) -> torch.Tensor:
@@ -245,7 +251,7 @@ class _Composition:
             progress.mark("forward")
             with batch_context(seed, step, ids):
                 with self.amp():
-                    out = forward(x)
+                    out = forward(x) if graph is None else graph.forward(x, seed, step, ids)
                 finite[1] = all_finite(out)
                 loss = loss_fn(out, y)
                 progress.mark("backward")
@@ -283,15 +289,16 @@ def _pipeline_sample(spec: ModelSpec, ctx: Any, slices: tuple[slice, ...] | None
 
 
 
-def _reducer(model: nn.Sequential | dict[int, nn.Sequential], mesh: Mesh, world: World, cfg: DictConfig
-             ) -> GradientReducer:
-    """The gradient sum of ``model`` (the rank's layers, or its partitions by index) over the ``grad`` group."""
+def _reducer(model: nn.Sequential | dict[int, nn.Sequential], mesh: Mesh, world: World, cfg: DictConfig,
+             overlap: bool = True) -> GradientReducer:
+    """The gradient sum of ``model`` (the rank's layers, or its partitions by index) over the ``grad`` group;
+    ``overlap=False``: every sum starts after the backward (a graphed model's)."""
     bucket = float(cfg.comm.bucket_mb)
     if world.grad_comm == "mpi":
         group: Any = mpi_group(world.mpi_comm, mesh, world.rank) if len(mesh.ranks("grad")) > 1 else None
     else:
         group = mesh.group("grad")
-    return GradientReducer(model, group, bucket)
+    return GradientReducer(model, group, bucket, overlap=overlap)
 
 
 
