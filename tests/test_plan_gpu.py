@@ -34,8 +34,30 @@ ROWS = {"one_default": (64, 4, "fp32"), "one_fp16": (64, 4, "fp16"), "one_bf16":
         "p128_fp32": (128, 8, "fp32"), "p128_bf16": (128, 8, "bf16"), "m256": (256, 4, "fp32")}
 
 
-def _plan(*overrides: str):  # type: ignore[no-untyped-def]
-    return make_plan(typed(compose(list(overrides))), suggest=False)
+def _plan(*overrides: str, graphs: bool = False):  # type: ignore[no-untyped-def]
+    """The plan of a measured row: every row was measured eager (before train.cuda_graphs), so planned eager."""
+    return make_plan(typed(compose([*overrides, f"train.cuda_graphs={str(graphs).lower()}"])), suggest=False)
+
+
+def test_a_graphed_plan_replays_its_kernels_and_holds_the_graphs_static_input() -> None:
+    """train.cuda_graphs (the default): the model's ops at a replay's cost, not a launch's (planned: no lease has
+    timed one), the gradient sums after the backward, and one more input batch, the graph's static input."""
+    from gems.plan.devices import GRAPH_OP_OVERHEAD_S
+
+    base = ["model=cosmoflow_mlperf", "train.batch_size=1", "train.precision=bf16", "cluster.gpu=h100"]
+    eager, graphed = _plan(*base), _plan(*base, graphs=True)
+    assert eager.prediction is not None and graphed.prediction is not None
+    assert graphed.prediction.step_s < 0.6 * eager.prediction.step_s
+    assert any(a.startswith("the model's forward and backward replayed from CUDA graphs") and
+               f"{GRAPH_OP_OVERHEAD_S * 1e6:.3g} us a kernel (planned" in a for a in graphed.prediction.assumptions)
+    one = 1 * 4 * 128 ** 3 * 4
+    assert graphed.positions[0].activations_detail["batch"] - eager.positions[0].activations_detail["batch"] == one
+    # a pipeline stays eager, and the plan says why
+    piped = _plan("model=cosmoflow_mlperf", "train.batch_size=2", "cluster.gpu=h100", "parallel.pipeline=2",
+                  graphs=True)
+    assert any(n.startswith("train.cuda_graphs: the step runs eager: a pipeline") for n in piped.notes)
+    assert piped.prediction is not None and not any("replayed from CUDA graphs" in a
+                                                    for a in piped.prediction.assumptions)
 
 
 # ---- the device ------------------------------------------------------------------------------------------

@@ -158,6 +158,10 @@ def conv_width_factor(sig: tuple) -> float:
 #: (older gems, which read the device three times a step) 5.9-6.6 ms. Fit with the efficiencies above; gems plan
 #: states it among its assumptions.
 GPU_OP_OVERHEAD_S = 25e-6
+#: per op of a model replayed from a CUDA graph (gems.rank.graphs): no launch, dispatch or plan lookup on the host,
+#: only a small kernel's least time on the GPU and the graph's gap between kernels. Planned, not measured: no lease
+#: has timed a replay yet (the next one does, scripts/gpu_check.sh); 3 us is a small kernel's few microseconds
+GRAPH_OP_OVERHEAD_S = 3e-6
 #: a convolution whose input or output holds 2^31 elements or more in one sample, past a 32-bit index: PyTorch
 #: splits a batch into samples for cuDNN, but a single sample that large leaves cuDNN's usual kernels. On an H100
 #: (torch 2.11, cuDNN 9; scripts/gpu_large_tensors.py: CosmoFlow's first 4 -> 16 convolution at 512^3 against

@@ -132,6 +132,7 @@ from gems.plan.devices import GPUS, blas_workspace_bytes, gpu_memory_bytes, gpu_
 from gems.plan.schema import SCHEMA, Breakdown, GiB, MemoryPlan, Position
 from gems.plan.store import cached
 from gems.plan.trace import Trace, precision_context, spatial_stand_in, trace_layers
+from gems.rank.graphs import decide as graphs_decide
 from gems.replication import summed_in_place
 from gems.spatial.geometry import split_bounds
 
@@ -295,6 +296,9 @@ class Setup:
     calibration: Any = None
     #: bytes the reader ahead holds beside the batch it is making (reader_draw), on a rank that reads inputs
     reader_draw: int = 0
+    #: whether a GPU rank replays its model from CUDA graphs (gems.rank.graphs.decide): the graph's static input
+    #: holds one more batch, and its pool the step's tensors
+    graphed: bool = False
 
     @property
     def kind(self) -> Any:
@@ -616,7 +620,8 @@ class Planner:
         line = chunk * self.chunks  # the samples of the line this rank reads per step
         in_per_sample = 4 * math.prod(local)
         batch_bytes = ((line * in_per_sample if first else 0) + (line * target_b if last_stage else 0)) \
-            * (1 + st.batches_ahead) + (st.reader_draw if first else 0)
+            * (1 + st.batches_ahead) + (st.reader_draw if first else 0) \
+            + (line * in_per_sample if first and st.graphed else 0)  # the graph's static input
         acts = peak + const + batch_bytes + self.blas
         halo = max((stages[p].halo.at(chunk) for p in held), default=0)
         # communication buffers
@@ -687,11 +692,18 @@ def setup(cfg: Any) -> Setup:
                   str(p.bn_stats), list(p.balance) if p.balance else None,
                   settings.balance_by, settings, rank_threads(cfg), _setup_notes(cfg, settings, gather_note),
                   device_batches_ahead(int(cfg.data.prefetch), str(cfg.data.name) == "hdf5") if gpu else 0,
-                  load_calibration(cfg) if gpu else None, reader_draw(cfg, spec) if gpu else 0)
+                  load_calibration(cfg) if gpu else None, reader_draw(cfg, spec) if gpu else 0,
+                  gpu and graphs_decide(cfg, settings, mesh, torch.device("cuda"))[0])
 
 
 def _setup_notes(cfg: Any, settings: Any, gather_note: str | None) -> list[str]:
     notes = [gather_note] if gather_note else []
+    if plan_device(cfg) == "cuda":  # where a GPU rank's step would stay eager, and why
+        from gems.mesh import mesh_from_config
+
+        why = graphs_decide(cfg, settings, mesh_from_config(cfg, _world(cfg)), torch.device("cuda"))[1]
+        if why:
+            notes.append(why)
     if settings.pipelined and str(cfg.parallel.get("rounds_by", "unit")) == "time":
         notes.append("parallel.rounds_by=time places the pipeline's rounds by times measured at run time; the memory "
                      "is planned for the unit clock's rounds (timed ones may hold a received buffer at another point "

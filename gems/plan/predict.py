@@ -79,7 +79,8 @@ def predict_step(cfg: Any, pl: Planner, prof: Any, batch: int, dev: dict[str, An
             return share * n * synthetic_seconds(pl.st.spec, list(part), inp, tgt, threads)
 
         made = f"synthetic samples generated on the host as fast as here ({threads} thread(s))"
-    pred = predict(pl, prof, batch, rates, c, nodes, tpn, data, int(cfg.data.prefetch), on_device)
+    pred = predict(pl, prof, batch, rates, c, nodes, tpn, data, int(cfg.data.prefetch), on_device,
+                   graphed=pl.st.graphed)
     pred.assumptions.append(made)
     if cfg.data.name == "hdf5" and cfg.data.stage == "node":
         from gems.errors import ConfigError

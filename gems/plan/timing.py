@@ -289,14 +289,18 @@ def copied(rates: Rates) -> DataTime:
 
 
 def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: int, tasks_per_node: int,
-            data: DataTime | None = None, prefetch: int = 0, data_on_device: bool = False) -> Prediction:
+            data: DataTime | None = None, prefetch: int = 0, data_on_device: bool = False,
+            graphed: bool = False) -> Prediction:
     """The step time of the planned job (``pl``: the memory planner with its traces; ``prof``: its balance
     and per-class stages at this batch; ``data``: how long a rank takes to make its data, :func:`copied`
     by default; ``prefetch``: the steps a reader makes ahead (``data.prefetch``): where communication and
     compute leave room (``rates.spare``), only what outlasts the step before is exposed. Data made on the
     rank's own device (``data_on_device``: synthetic samples drawn on a GPU) takes that device's time whatever
-    the reader: it is never hidden)."""
-    from gems.plan.devices import links
+    the reader: it is never hidden). ``graphed``: the model replayed from CUDA graphs (gems.rank.graphs): its ops
+    pay a replay's cost, not a launch (``GRAPH_OP_OVERHEAD_S``), and the gradient sums start after the backward."""
+    from dataclasses import replace
+
+    from gems.plan.devices import GRAPH_OP_OVERHEAD_S, links
 
     st = pl.st
     mesh = st.mesh
@@ -318,7 +322,8 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
     n_stages = len(bal)
     spatial_link = link_of(mesh.spatial_ranks(0, 0)) if S > 1 else None
     jitter = float(cluster.jitter or 0.0) if world > 1 else 0.0
-    per_stage = _stage_list(pl, classes, bal, chunk, rates, S, spatial_link, overlap, jitter)
+    model_rates = replace(rates, op_overhead_s=GRAPH_OP_OVERHEAD_S) if graphed else rates
+    per_stage = _stage_list(pl, classes, bal, chunk, model_rates, S, spatial_link, overlap, jitter)
     stage_out = [classes[0][2][p].out.at(chunk) for p in range(n_stages)]
     stage_in = [classes[0][2][p].inp.at(chunk) for p in range(n_stages)]
 
@@ -380,7 +385,7 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
             window = sum(cost(a) for a in last_b[-len(held):]) if last_b else 0.0
         else:
             comp, spat = per_stage[0].fwd + per_stage[0].bwd, per_stage[0].comm_fwd + per_stage[0].comm_bwd
-            window = per_stage[0].bwd
+            window = 0.0 if graphed else per_stage[0].bwd  # a replayed backward starts no sum inside it
         # gradients: a ring over the replicas, spatial parts and mirrored holders of these partitions
         params = sum(classes[0][2][p].params for p in held)
         holders = next((g for g in sched.holder_groups() if d in g), (d,)) if sched is not None else (0,)
@@ -403,8 +408,12 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
             worst, worst_label = terms, label
     assert worst is not None
     step = sum(worst.values())
-    return Prediction(step, worst, batch / step if step > 0 else math.inf, worst_label, per_position,
-                      _assumptions(rates, intra, inter, overlap, world, jitter, prefetch, data_on_device))
+    said = _assumptions(rates, intra, inter, overlap, world, jitter, prefetch, data_on_device)
+    if graphed:
+        said.insert(2, f"the model's forward and backward replayed from CUDA graphs (train.cuda_graphs): "
+                       f"{GRAPH_OP_OVERHEAD_S * 1e6:.3g} us a kernel (planned: no lease has timed a replay yet), its "
+                       "gradient sums after the backward; the loss and the optimizer launch theirs")
+    return Prediction(step, worst, batch / step if step > 0 else math.inf, worst_label, per_position, said)
 
 
 def _stage_list(pl: Any, classes: Any, bal: Sequence[int], chunk: int, rates: Rates, S: int,
