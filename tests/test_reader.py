@@ -273,3 +273,28 @@ def write_synthetic_once():
     root = tempfile.mkdtemp(prefix="gems-readers-")
     write_synthetic(root, 1, (4, 8, 8, 8), seed=0)
     return root
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU rank's path: pinned batches, the copy on a side stream")
+def test_on_a_gpu_the_symmetries_are_applied_after_the_copy_and_equal_the_host_path(cube):
+    """A GPU rank's reader: counts read into pinned memory, copied on the Prefetcher's side stream as Counts,
+    oriented and transformed on the GPU: the same input as the host path's counts (read by h5py, turned on the
+    host) transformed on the GPU, bit for bit (the transform's float rounding is the device's either way)."""
+    from gems.rank.data import Prefetcher, _HDF5Batches, finisher
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    ds = HDF5Samples(cube, (4, 6, 6, 6), slices=(slice(1, 5),), augment="cube", standardize=[1.0, 0.5], readers=3)
+    data = _HDF5Batches(ds, pin=True)
+    ids, syms = [3, 9, 14, 0], [0, 41, 22, 47]
+    want = ds.finish(_old(ds, ids, syms)[0].to(device)).cpu()
+    raw, _ = data.batch(ids, symmetries=syms, raw=True)
+    assert isinstance(raw, Counts) and raw.data.is_pinned()
+    pf = Prefetcher(lambda step: ([step], data.batch(ids, symmetries=syms, raw=True)[0], None), [0, 1], 1, device,
+                    finisher(data))
+    try:
+        for step in (0, 1):
+            (_, got, _), _ = pf.get(step)
+            assert got.is_cuda and torch.equal(got.cpu(), want)
+    finally:
+        pf.close()
+    ds.close()

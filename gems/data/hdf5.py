@@ -388,9 +388,8 @@ class HDF5Samples:
     def batch(self, indices: Sequence[int], symmetries: Sequence[int] | None = None, raw: bool = False,
               pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Stacked parts ``(N, C, *part)`` and targets ``(N, 4)`` of the samples ``indices``, each transformed by
-        its symmetry in ``symmetries`` (None: none): :meth:`read`, then through :meth:`finish`; ``raw``: the
-        counts, each sample's symmetry applied (in pinned memory with ``pin``, before a mirrored or turned
-        sample is copied out of it)."""
+        its symmetry in ``symmetries`` (None: none): :meth:`read` (into pinned memory with ``pin``), then
+        :meth:`finish` on the host; ``raw``: the counts, each sample's symmetry applied (:meth:`Counts.oriented`)."""
         counts, targets = self.read(indices, symmetries, pin)
         return (counts.oriented() if raw else self.finish(counts)), targets
 

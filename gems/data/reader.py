@@ -9,10 +9,12 @@ per (channel, plane) for a cut in height, one per row for a cut in width; the wh
 the GIL while the kernel copies) from a pool of threads, straight into the caller's buffer, through a bounded
 cache of open files. h5py then only reads the headers, once a file (gems.data.hdf5).
 
-Runs of a few bytes (a cut in width: one row's part) are read as blocks of about a MiB, one positional read a
-block into a buffer of the thread's, the runs copied out of it, rather than one system call a row; long runs
-are cut in pieces so that the threads share even one sample. Nothing is opened before the first read, and a process
-forked from one that read (the ranks fork from a server) opens its own files and threads.
+Each thread holds the GIL between its system calls, so the reads are few and large (:func:`pieces`): a long
+run is cut in pieces of a MiB, so that the threads share even one sample; runs of a few bytes (a cut in width:
+a row's part) are read as blocks of about a MiB into a buffer of the thread's and copied out, not a call a
+row; runs of a few KiB (a cut in height) are gathered, a call for many runs, the gaps between them read into
+a scrap buffer. Nothing is opened before the first read, and a process forked from one that read (the ranks
+fork from a server) opens its own files and threads.
 """
 from __future__ import annotations
 
