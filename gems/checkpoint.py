@@ -46,6 +46,7 @@ agree on), and the time-limit and requeue protocol that writes it is read beside
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -308,6 +309,16 @@ def chunks_of(state: dict[str, torch.Tensor], share: Share) -> dict[str, tuple[t
                      c.start) for c in mine}
 
 
+@contextlib.contextmanager
+def _quiet() -> Any:
+    """DCP without a process group warns that it assumes one process, which is what gems asks of it there."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def _planner(chunks: dict[str, tuple[torch.Tensor, int]], full: dict[str, torch.Size]) -> Any:
     """DCP's default planner, given each entry as the chunk this rank writes of it (offsets along dim 0; the
     whole tensor's size in the metadata): loading reshards from the chunks as from any sharded tensor, and
@@ -440,9 +451,10 @@ class Saver:
                                                                                       state.items()}),
               "process_group": group, "no_dist": group is None}
         local = {k: v for k, (v, _) in chunks.items()}
-        if asynchronous:
-            return dcp.async_save(local, **kw)
-        dcp.save(local, **kw)
+        with _quiet():
+            if asynchronous:
+                return dcp.async_save(local, **kw)
+            dcp.save(local, **kw)
         return None
 
     def save(self, step: int, hold: Holding, history: dict[str, Any], wait: bool = False) -> None:
@@ -672,7 +684,8 @@ def load(d: Path, hold: Holding, what: tuple[str, ...] = ("model", "optim", "ema
     if missing:
         raise ConfigError(key, str(d), f"a checkpoint of this model: it has no {missing[0]}")
     if want:  # each rank alone, from the metadata and the chunks it needs: no collective at any scale
-        dcp.load(want, checkpoint_id=str(d), no_dist=True)
+        with _quiet():
+            dcp.load(want, checkpoint_id=str(d), no_dist=True)
     with torch.no_grad():
         for n, t in tensors.items():
             if f"model.{n}" in want:
@@ -752,7 +765,8 @@ def export(cfg: Any, world: Any, hold: Holding, saver: Saver, step: int, path: P
     state = OrderedDict((k, torch.empty(have[k][0], dtype=have[k][1])) for k in order)
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state, checkpoint_id=str(parts), no_dist=True)
+    with _quiet():
+        dcp.load(state, checkpoint_id=str(parts), no_dist=True)
     out = {"format": MODEL_FILE_FORMAT, "model": OmegaConf.to_container(cfg.model, resolve=True),
            "state_dict": state, "weights": "ema" if ema else "last", "step": int(step), "run_id": str(cfg.run_id),
            "trained_on": trained_on(cfg), "gems": gems.__version__}

@@ -35,8 +35,8 @@ commands:
   plan [OVERRIDES]       memory plan per rank without starting the world
   data synth [OVERRIDES] write a synthetic HDF5 dataset (data.path, data.num_samples; data.kind=cosmology:
                          universes, data.path and data.val_path)
-  bench NAME             side-by-side benchmark: overhead, spatial, pipeline, plan, data, checkpoint; calibrate (the GPU's
-                         rates for gems plan)
+  bench NAME             side-by-side benchmark: overhead, spatial, pipeline, plan, data, checkpoint, step;
+                         calibrate (the GPU's rates for gems plan)
 
 overrides: key=value (train.steps=10), group=option (model=unet3d cluster=local_slurm),
            +experiment=NAME (see conf/experiment/). `gems run --help` lists every key with its default
@@ -540,10 +540,17 @@ BENCHES = {
     "plan": ("gems.bench.plan", "bench_plan"),
     "data": ("gems.bench.data", "bench_data"),
     "checkpoint": ("gems.bench.checkpoint", "bench_checkpoint"),
+    "step": ("gems.bench.step", "bench_step"),
     "calibrate": ("gems.bench.calibrate", "bench_calibrate"),
 }
 #: the benchmarks that take Hydra overrides (the model, the batch, the precision ...) beside out=DIR
-BENCH_OVERRIDES = {"calibrate", "overhead"}
+BENCH_OVERRIDES = {"calibrate", "overhead", "step"}
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def cmd_bench(args: list[str]) -> int:
@@ -556,7 +563,7 @@ def cmd_bench(args: list[str]) -> int:
     mod, fn = BENCHES[args[0]]
     from gems.paths import writable_dir
 
-    out_dir = Path("results") / ("gpu" if args[0] == "calibrate" else "bench")
+    out_dir = Path("results") / ("gpu" if args[0] == "calibrate" or (args[0] == "step" and _has_gpu()) else "bench")
     overrides: list[str] = []
     for a in args[1:]:
         if a.startswith("out="):

@@ -49,7 +49,7 @@ def test_bench_modules_answer_help_and_reject_options_without_running():
     import subprocess
     import sys
 
-    for name in ("overhead", "spatial", "pipeline", "data", "checkpoint"):
+    for name in ("overhead", "spatial", "pipeline", "data", "checkpoint", "step"):
         ok = subprocess.run([sys.executable, "-m", f"gems.bench.{name}", "--help"], capture_output=True, text=True,
                             timeout=60)
         assert ok.returncode == 0 and f"gems.bench.{name} [OUT_DIR]" in ok.stdout
@@ -71,3 +71,21 @@ def test_bench_data_writes_its_table_with_every_contender(tmp_path):
         reader, bound, off_step, off_exposed, on_step = (float(r[i]) for i in (3, 4, 5, 6, 7))
         assert min(reader, bound, off_step, off_exposed, on_step) > 0
     assert "To reproduce: `gems bench data`" in text
+
+
+def test_bench_step_runs_every_contender_it_can_here_and_keeps_each_gems_record(tmp_path):
+    """`gems bench step` on a CPU: its plumbing at a small size (the GPU's figures are the lease's): gems graphed and
+    eager from HDF5 files and the plain loop at two batches, each gems record kept beside the table."""
+    import json
+
+    from gems.bench.step import bench_step
+
+    text = bench_step(tmp_path)
+    assert (tmp_path / "step-cpu.md").read_text() == text
+    names = [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ") and "batch" in line]
+    cpu = " (eager: a CPU has no CUDA graphs)"
+    assert names == [n for b in (1, 2) for n in (f"gems, batch {b}{cpu}", f"gems eager, batch {b}", f"plain, batch {b}")]
+    records = json.loads((tmp_path / "step-records.json").read_text())
+    assert [(r["contender"], r["batch"]) for r in records] == [(c, b) for b in (1, 2) for c in ("gems", "gems eager")]
+    assert all(r["record"]["status"] == "ok" and r["record"]["config"]["data"]["name"] == "hdf5" for r in records)
+    assert "To reproduce: `gems bench step`" in text

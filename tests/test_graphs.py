@@ -145,7 +145,8 @@ def test_a_run_with_the_graph_protocol_trains_as_the_eager_run(tmp_path, monkeyp
     assert on.returncode == 0 and off.returncode == 0, (on.stderr + off.stderr)[-3000:]
     (a,), (b,) = records(str(tmp_path / "on")), records(str(tmp_path / "off"))
     assert a["loss"] == b["loss"]
-    assert not any("cuda_graphs" in n for n in a.get("notes", []))  # graphed, no capture failed
+    assert a["cuda_graphs"] is True and b["cuda_graphs"] is False  # replayed (no capture failed), and eager
+    assert not any("cuda_graphs" in n for n in a.get("notes", []))
     if "train.precision=fp16" in extra:
         assert a["loss_scale"]["skipped_steps"] == b["loss_scale"]["skipped_steps"] and a["loss_scale"]["skipped_steps"]
 

@@ -68,6 +68,8 @@ class Parallel:
     #: the pipeline's rounds placed by its actions' measured times from the next step on (parallel.rounds_by=time:
     #: PipelineRunner.place_rounds_by_time); collective over every rank, called once, after the same step on each
     place_rounds: Callable[[], None] = field(default=lambda: None)
+    #: the model replayed from CUDA graphs (gems.rank.graphs.GraphedModel), None where the step runs eager
+    graph: Any = None
 
 
 def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
@@ -272,7 +274,7 @@ class _Composition:
 
         return Parallel(plain_step, params, [seq], reducer, self.slices, True, True, self.settings.line_batch,
                         self.halo_stats, first_nonfinite=first_bad, notes=self.notes, quiesce=self.quiesce,
-                        scaler=scaler, evaluate=plain_eval, metric=self.metric)
+                        scaler=scaler, evaluate=plain_eval, metric=self.metric, graph=graph)
 
 
 def _pipeline_sample(spec: ModelSpec, ctx: Any, slices: tuple[slice, ...] | None) -> tuple[int, ...] | None:

@@ -90,6 +90,11 @@ class GraphedModel:
         self.failed = False
         self.dropouts = [m for m in seq.modules() if isinstance(m, SampleDropout) and m.p > 0]
 
+    @property
+    def replayed(self) -> bool:
+        """Whether the steps replay a captured graph (one was captured, and none failed)."""
+        return self.shape is not None and not self.failed
+
     def forward(self, x: torch.Tensor, seed: int, step: int, ids: Sequence[int]) -> torch.Tensor:
         """The model's output for ``x`` (inside the step's batch_context and autocast, as the eager call)."""
         if self.failed or (self.shape is not None and tuple(x.shape) != self.shape):

@@ -506,6 +506,7 @@ class Run:
             record["diverged"] = True
             record["nonfinite_steps"] = list(h["nonfinite_steps"])
         record.update(self.training_figures())
+        record["cuda_graphs"] = bool(par.graph is not None and par.graph.replayed)  # the model replayed (graphs)
         if world.rank == 0 and times:  # how far the step is from the device (gems.plan.roofline)
             from gems.plan.roofline import of_run
 
