@@ -5,9 +5,11 @@ A test aid, not a benchmark. Several ranks share the one GPU (``GEMS_TEST_SHARE_
 sockets, with NCCL's real matching, stream and connection rules, so a message order NCCL cannot complete hangs
 here as it would on many GPUs. Timings of shared runs mean nothing; whether a run finishes and its losses do.
 
-The matrix (:func:`matrix`): every registered schedule x D in {2, 4} x m in {1, 2, 4} (a combination a schedule
-refuses is listed as skipped, with its reason), GEMS-MAST and -MASTER at R2 x D2 x S2, S = 2, R = 2, pipelines
-at fp16 and bf16, and the strict mode (:data:`STRICT_NCCL`: NCCL's buffers too small for any halo, one
+The matrix (:func:`matrix`): the one-rank run eager against the same run replaying its model from CUDA graphs
+(train.cuda_graphs, the default: the graphs' exactness; R = 2 replays too), every registered schedule x D in {2, 4}
+x m in {1, 2, 4} (a combination a schedule refuses is listed as skipped, with its reason), GEMS-MAST and -MASTER at
+R2 x D2 x S2, S = 2, R = 2, pipelines at fp16 and bf16,
+and the strict mode (:data:`STRICT_NCCL`: NCCL's buffers too small for any halo, one
 connection a GPU) over S = 2, R2 x S2 and D2 x S2 with micro-batches, where an order that only NCCL's buffers
 completed hangs as it would at 512^3; the U-Net (:data:`UNET_POINTS`) pipelined, over spatial parts and
 checkpointed. Every run is a real ``gems run`` of the default CosmoFlow job (or the U-Net) on one global batch,
@@ -127,6 +129,9 @@ def matrix(dry: bool = False) -> list[Run]:
     # skipped a step the pipelines took (H100, results/gpu/h100-2026-11-26.md); both obey the loss scaler's rule
     mb4 = ["parallel.schedule=gpipe", "parallel.micro_batches=2"]
     runs = [Run(f"1rank-{p}", [f"train.precision={p}"] + (mb4 if p == "fp16" else []), 1, p) for p in precisions]
+    # CUDA graphs (gems.rank.graphs): the one-rank references replay their model (the default); the same runs eager
+    # must give their losses (the graphs' exactness), alone and as two replicas (R2 below runs graphed)
+    runs.append(Run("1rank-eager", ["train.cuda_graphs=false"], 1))
     # a short lease starts what matters most first (run_matrix starts in this order, none after its budget):
     # the strict mode, the hybrids, the precisions and the controls, then every schedule's grid
     if not dry:  # the strict mode: messages that do not fit NCCL's buffers, one connection a GPU
