@@ -532,13 +532,19 @@ def at_scale(mesh: Any, rank: int, state: dict[str, torch.Tensor], cap: int,
         return sum(v.numel() * v.element_size() for v, _ in chunks.values())
 
     model = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+    shares = chunks_of(model, share)
+    # what the model file's shares add on the rank's device: a share in storage other than the rank's own tensor's
+    # would be a new tensor there
+    added = sum(v.numel() * v.element_size() for k, (v, _) in shares.items()
+                if v.untyped_storage()._cdata != model[k].untyped_storage()._cdata)
     writers = writer_ranks(mesh, cap)
     return {"writes": share.writes, "writers_per_position": share.writers,
             "position_bytes": sum(v.numel() * v.element_size() for v in state.values()),
             "share_bytes": size(chunks_of(state, share)), "group_ranks": len(writers) if len(writers) > 1 else 0,
             "in_group": rank in writers and len(writers) > 1, "files_per_checkpoint": len(writers) + 3,
             "model_file_host_bytes": (sum(t.numel() * t.element_size() for t in whole.values()) if rank == 0
-                                      else size(chunks_of(model, share)))}
+                                      else size(shares)),
+            "model_file_device_bytes_added": int(added)}
 
 
 def _step_of(d: Path) -> int | None:
