@@ -2,6 +2,7 @@
 bytes held across steps."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -58,13 +59,23 @@ def test_bench_modules_answer_help_and_reject_options_without_running():
         assert bad.returncode == 2 and "--steps=3" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_bench_data_writes_its_table_with_every_contender(tmp_path):
-    """A small `gems bench data` (32^3, S=1): the table and its environment written, both data kinds measured
-    with every contender (the times themselves are the benchmark's business, not a test's)."""
+def test_bench_data_writes_its_table_with_every_contender(tmp_path, monkeypatch):
+    """A small `gems bench data` (32^3, S=1): the table and its environment written, the reader alone at each
+    thread count beside its bound, both data kinds measured with every contender (the times themselves are the
+    benchmark's business, not a test's); GEMS_BENCH_DATA=reader writes the reader's part alone."""
     from gems.bench.data import bench_data
+    from gems.errors import ConfigError
 
-    text = bench_data(tmp_path, sizes=(32,), spatials=(1,), rounds=1)
+    text = bench_data(tmp_path, sizes=(32,), spatials=(1,), rounds=1, reader_size=32, reader_rounds=1)
     assert (tmp_path / "data.md").read_text() == text
+    reader = [line.split("|")[1:-1] for line in text.split("### The step")[0].splitlines() if line.startswith("| ")]
+    assert [r[0].strip() for r in reader[1:]][:2] == ["1", "2"] and "contiguous `full` datasets" in text
+    assert all(float(r[i]) > 0 for r in reader[1:] for i in (1, 2, 3, 4, 6))
+    monkeypatch.setenv("GEMS_BENCH_DATA", "reader")
+    alone = bench_data(tmp_path, reader_size=32, reader_rounds=1)
+    assert (tmp_path / "data-reader.md").read_text() == alone and "### The step" not in alone
+    with pytest.raises(ConfigError, match="^GEMS_BENCH_DATA=steps: expected reader"):
+        bench_data(tmp_path, parts="steps")
     rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| 32^3")]
     assert [r[2].strip() for r in rows] == ["synthetic", "hdf5"]
     for r in rows:

@@ -146,7 +146,7 @@ def _drain(jobs: Sequence[Callable[[], None]], threads: int, pool: Any) -> None:
 class _ReaderBench:
     """The contenders of :func:`bench_reader` on the files of ``folder``, each a pass over every batch."""
 
-    def __init__(self, folder: Path, threads: Sequence[int]) -> None:
+    def __init__(self, folder: Path, threads: Sequence[int], size: int) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         import numpy as np
@@ -155,7 +155,7 @@ class _ReaderBench:
         from gems.data.hdf5 import HDF5Samples
 
         self.files = sorted(folder.glob("*.h5"))
-        self.shape = (4, READER_SIZE, READER_SIZE, READER_SIZE)
+        self.shape = (4, size, size, size)
         self.sample = int(np.prod(self.shape)) * 2
         self.n = len(self.files) - len(self.files) % READER_BATCH
         self.batches = [list(range(b, b + READER_BATCH)) for b in range(0, self.n, READER_BATCH)]
@@ -167,10 +167,10 @@ class _ReaderBench:
         self.slot = max(self.sizes)
         self.buffer = np.empty(READER_BATCH * self.slot, np.uint8)  # the bound's batch, made once
         self.out = torch.empty((READER_BATCH, *self.shape), dtype=torch.int16)  # the reader's, made once
-        self.half = torch.empty((READER_BATCH, 4, READER_SIZE // 2, READER_SIZE, READER_SIZE), dtype=torch.int16)
+        self.half = torch.empty((READER_BATCH, 4, size // 2, size, size), dtype=torch.int16)
         self.sets = {t: HDF5Samples(folder, self.shape, readers=t) for t in threads}
         self.parts = {t: HDF5Samples(folder, self.shape, readers=t, augment="cube",
-                                     slices=(slice(0, READER_SIZE // 2),)) for t in threads}
+                                     slices=(slice(0, size // 2),)) for t in threads}
         gen = torch.Generator().manual_seed(0)
         self.syms = [torch.randint(0, 48, (READER_BATCH,), generator=gen).tolist() for _ in self.batches]
         self.contiguous = all(self.sets[threads[0]]._layout(i).offset is not None for i in range(len(self.files)))
@@ -210,13 +210,14 @@ class _ReaderBench:
         self.pool.shutdown()
 
 
-def bench_reader(folder: Path, threads: Sequence[int] | None = None, rounds: int = 7) -> tuple[list[list[Any]], str]:
-    """The reader against the page-cache bound (module docstring) on the files in ``folder``: the table's rows
-    and its text."""
+def bench_reader(folder: Path, threads: Sequence[int] | None = None, rounds: int = 7,
+                 size: int = READER_SIZE) -> tuple[list[list[Any]], str]:
+    """The reader against the page-cache bound (module docstring) on the files in ``folder`` (4 x ``size``^3
+    int16 samples): the table's rows and its text."""
     from statistics import median as med
 
     threads = list(threads or thread_counts())
-    bench = _ReaderBench(folder, threads)
+    bench = _ReaderBench(folder, threads, size)
     names = [(t, c) for t in threads for c in ("bound", "reader", "part")] + [(1, "h5py")]
     got: dict[tuple[int, str], list[float]] = {k: [] for k in names}
     try:
@@ -240,7 +241,7 @@ def bench_reader(folder: Path, threads: Sequence[int] | None = None, rounds: int
         rows.append([t, f"{med(got[(t, 'bound')]):.2f}", f"{med(got[(t, 'reader')]):.2f}", f"{share:.2f}",
                      f"{speedup:.2f}", goal, f"{med(got[(t, 'part')]):.2f}", f"{ratio((t, 'part'), (t, 'bound')):.2f}"])
     text = ("### The reader alone\n\n"
-            f"{bench.n} files of `gems data synth` (4 x {READER_SIZE}^3 int16 counts, {bench.sample / 2**20:.0f} MiB "
+            f"{bench.n} files of `gems data synth` (4 x {size}^3 int16 counts, {bench.sample / 2**20:.0f} MiB "
             f"a sample; {'contiguous' if bench.contiguous else 'NOT all contiguous'} `full` datasets, as the "
             f"ExaLearn files), in the page cache, read in batches of {READER_BATCH} by `HDF5Samples.read` on "
             f"`data.readers` threads, {READER_PASSES} passes a measurement, median of {rounds} rounds alternated "
@@ -260,9 +261,10 @@ def bench_reader(folder: Path, threads: Sequence[int] | None = None, rounds: int
 
 
 def bench_data(out_dir: Path, sizes: tuple[int, ...] = (64, 128), spatials: tuple[int, ...] = (1, 2),
-               rounds: int = 2, parts: str | None = None) -> str:
-    """The reader alone, then the steps; ``parts`` (default ``GEMS_BENCH_DATA``, else both): ``reader`` runs
-    the first only, writing ``data-reader.md``."""
+               rounds: int = 2, parts: str | None = None, reader_size: int = READER_SIZE,
+               reader_rounds: int = 7) -> str:
+    """The reader alone (``reader_size``^3 samples, ``reader_rounds`` rounds), then the steps; ``parts``
+    (default ``GEMS_BENCH_DATA``, else both): ``reader`` runs the first only, writing ``data-reader.md``."""
     from gems.launch.world import run_world
 
     parts = parts if parts is not None else os.environ.get("GEMS_BENCH_DATA", "all")
@@ -272,7 +274,7 @@ def bench_data(out_dir: Path, sizes: tuple[int, ...] = (64, 128), spatials: tupl
         raise ConfigError("GEMS_BENCH_DATA", parts, "reader (the reader alone), or unset for everything")
     rows = []
     with tempfile.TemporaryDirectory(prefix="gems-bench-data-") as tmp:
-        _, reader_text = bench_reader(Path(_files(Path(tmp), READER_SIZE)))
+        _, reader_text = bench_reader(Path(_files(Path(tmp), reader_size)), rounds=reader_rounds, size=reader_size)
         if parts == "reader":
             text = "## gems bench data\n\n" + reader_text + "\n" + env_block("GEMS_BENCH_DATA=reader gems bench data")
             write(out_dir, "data-reader", text)
