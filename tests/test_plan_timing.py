@@ -85,7 +85,6 @@ def test_a_rank_starts_its_actions_once_its_data_is_made():
 
 
 def test_the_data_term_is_the_generators_time_and_a_first_stage_delays_the_ranks_after_it(monkeypatch):
-    import gems.plan.devices as devices
 
     base = ["model=resnet", "model.depth=11", "model.width=0.25", "model.size=32", "model.norm=group",
             "train.batch_size=8", "parallel.pipeline=2", "parallel.schedule=lp"]
@@ -114,11 +113,10 @@ def test_the_data_term_is_the_generators_time_and_a_first_stage_delays_the_ranks
     # by the first stage's data (rank 1's targets are made while it waits)
     assert pr.step_s - free.step_s == pytest.approx(8 * 0.01, rel=1e-6)
     assert pr.step_s == pytest.approx(sum(pr.breakdown.values()))
-    # files (data=hdf5): read from the page cache and copied, at the rank's memory bandwidth
+    # files (data=hdf5) not here: their int16 counts at data.readers threads of gems bench data's rate each
     files = make_plan(compose(base + ["data=hdf5", "data.path=/staged"]), suggest=False).prediction
-    rates = devices.cpu_rates(1)
     assert {p["pipeline"]: p["breakdown"]["data"] for p in files.per_position}[0] == pytest.approx(
-        2 * 4 * 3 * 32 * 32 * 8 / rates.bandwidth)
+        2 * 3 * 32 * 32 * 8 / (4 * predict.READER_BYTES_PER_S))
 
 
 def test_a_reader_ahead_hides_the_data_behind_a_gpu_step_and_the_plan_says_when_it_cannot():
@@ -550,3 +548,30 @@ def test_staging_is_counted_once_per_job_from_the_files_there_are(tmp_path):
     assert plain.staging_s == 0 and staged.step_s == pytest.approx(plain.step_s)
     assert any("once per job" in a for a in staged.assumptions)
     assert staged.as_json()["staging_once_s"] == staged.staging_s
+
+
+def test_read_files_wait_by_the_readers_rate_timed_on_them(tmp_path):
+    """data=hdf5 on a GPU rank: the reader's rate is timed on the files of data.path (data.readers threads, the
+    configured symmetries, from the page cache), its batch's bytes over that rate are what the step waits for
+    without a reader ahead, and what outlasts the step with one; without files, a stated rate a thread."""
+    from gems.data.synth import write_synthetic
+    from gems.plan import predict
+
+    write_synthetic(tmp_path / "d", 8, (4, 64, 64, 64))
+    base = ["model=cosmoflow", "model.size=64", "train.batch_size=4", "data=hdf5", f"data.path={tmp_path / 'd'}",
+            "cluster.gpu=h100", "data.augment=cube"]
+    plan = make_plan(compose([*base, "data.prefetch=0", "data.readers=2"]), suggest=False)
+    pr = plan.prediction
+    assert pr is not None
+    (said,) = [a for a in pr.assumptions if a.startswith("data read by 2 reader thread(s) timed here")]
+    rate = float(said.rsplit(": ", 1)[1].split(" GB/s")[0]) * 1e9
+    batch_bytes = 4 * 4 * 64 ** 3 * 2  # int16 counts
+    assert pr.breakdown["data"] == pytest.approx(batch_bytes / rate, rel=0.01)  # (rate printed to 3 digits)
+    ahead = make_plan(compose([*base, "data.readers=2"]), suggest=False).prediction
+    assert ahead is not None and ahead.breakdown["data"] == pytest.approx(
+        max(0.0, pr.breakdown["data"] - (ahead.step_s - ahead.breakdown["data"])), abs=2e-3)
+    far = make_plan(compose([*base[:4], "data.path=/nowhere/files", *base[5:], "data.prefetch=0", "data.readers=3"]),
+                    suggest=False).prediction
+    assert far is not None
+    assert any(a.startswith("data read by 3 reader thread(s) at 5.1 GB/s each") for a in far.assumptions)
+    assert far.breakdown["data"] == pytest.approx(batch_bytes / (3 * predict.READER_BYTES_PER_S), rel=1e-6)

@@ -79,6 +79,10 @@ def predict_step(cfg: Any, pl: Planner, prof: Any, batch: int, dev: dict[str, An
             return share * n * synthetic_seconds(pl.st.spec, list(part), inp, tgt, threads)
 
         made = f"synthetic samples generated on the host as fast as here ({threads} thread(s))"
+    elif str(cfg.data.name) == "hdf5":  # read by the rank's reader threads (gems.data.reader), at their rate
+        itemsize = _file_itemsize(cfg)
+        rate, how = reader_rate(cfg, pl.st.spec, _middle_part(pl))
+        data, made = read_files(cfg, pl.st.spec, itemsize, rate), f"data read by {how}"
     pred = predict(pl, prof, batch, rates, c, nodes, tpn, data, int(cfg.data.prefetch), on_device,
                    graphed=pl.st.graphed)
     pred.assumptions.append(made)
@@ -134,3 +138,91 @@ def gpu_synthetic(rates: Any, sample: Any, ahead: bool = True) -> Any:
         moved = 2 * 4 * (drawn + (mine if mine != drawn else 0))
         return n * (moved / rates.bandwidth + blocks * rates.op_overhead_s)
     return data
+
+
+#: bytes a second one reader thread moves from the page cache into a batch, where no file is at hand to time: one
+#: thread of `gems bench data` here (results/bench/data.md: 5.1 GB/s, 0.95 of one read a whole file); a node's
+#: rate is taken as this per thread, none shared (planned, not the node's own)
+READER_BYTES_PER_S = 5.1e9
+_READ_RATES: dict[tuple, tuple[float, str]] = {}
+
+
+def reader_rate(cfg: Any, spec: Any, slices: Any = None) -> tuple[float, str]:
+    """(bytes a second a rank's reader moves into its batches, how that was found): timed on the files of
+    ``data.path`` where they are here (gems.data.hdf5.HDF5Samples.read with ``data.readers`` threads, the rank's
+    part ``slices`` and ``data.augment``'s symmetries, twice: the second read, from the page cache into the first's
+    buffer), else
+    ``data.readers`` x :data:`READER_BYTES_PER_S`."""
+    import time
+    from pathlib import Path
+
+    import torch
+
+    readers, path = int(cfg.data.readers), cfg.data.path
+    if not path or not Path(str(path)).exists():
+        return readers * READER_BYTES_PER_S, (f"{readers} reader thread(s) at {READER_BYTES_PER_S / 1e9:.2g} GB/s "
+                                              "each (gems bench data's one thread here; no file at data.path to time)")
+    key = (str(path), readers, str(slices), str(cfg.data.augment), tuple(spec.input_shape))
+    if key not in _READ_RATES:
+        from gems.data.augment import count, draw
+        from gems.data.hdf5 import HDF5Samples
+
+        data = HDF5Samples(str(path), spec.input_shape, slices=slices, crop=cfg.data.crop, augment=str(cfg.data.augment),
+                           readers=readers)
+        n = min(len(data), 8)
+        syms = draw(count(str(cfg.data.augment), len(spec.input_shape) - 1), n, torch.Generator().manual_seed(0))
+        ids = list(range(n))
+        # into one batch buffer read again (a GPU rank's pinned batches come back from torch's host cache; a fresh
+        # buffer's first touch would time the kernel zeroing its pages), after a read that fills the page cache
+        counts, _ = data.read(ids, syms)
+        t0 = time.perf_counter()
+        counts, _ = data.read(ids, syms, out=counts.data)
+        seconds = time.perf_counter() - t0
+        nbytes = counts.data.numel() * counts.data.element_size()
+        _READ_RATES[key] = (nbytes / max(seconds, 1e-9), f"{readers} reader thread(s) timed here on {n} sample(s) "
+                                                           f"of data.path from the page cache")
+    rate, how = _READ_RATES[key]
+    return rate, f"{how}: {rate / 1e9:.3g} GB/s"
+
+
+def read_files(cfg: Any, spec: Any, itemsize: int, rate: float) -> Any:
+    """Seconds a rank's reader takes for ``n`` samples of its ``part`` (C, *spatial) of counts of ``itemsize`` bytes
+    (the files' type: int16 in the ExaLearn layout) at ``rate`` bytes a second (:func:`reader_rate`); targets are
+    small. The copy to a GPU runs on the reader's side stream, beside the step."""
+
+    def data(part: Any, n: int, inp: bool, tgt: bool) -> float:
+        return n * math.prod(int(v) for v in part) * itemsize / rate if inp else 0.0
+    return data
+
+
+def _file_itemsize(cfg: Any) -> int:
+    """Bytes a value of the files' counts (the first file's type where it is here; int16 otherwise, the ExaLearn
+    layout's)."""
+    from pathlib import Path
+
+    path = Path(str(cfg.data.path)) if cfg.data.path else None
+    if path is not None and path.exists():
+        import h5py
+        import torch
+
+        from gems.data.hdf5 import raw_dtype
+
+        first = sorted(path.glob("*.h5"))[0] if path.is_dir() else path
+        with h5py.File(first, "r") as f:
+            return int(torch.empty(0, dtype=raw_dtype(f["full"].dtype)).element_size())
+    return 2
+
+
+def _middle_part(pl: Any) -> Any:
+    """The middle spatial part's slices of a sample (None: the whole sample), the part the quick plan takes."""
+    from gems.spatial.geometry import split_bounds
+
+    mesh, edges = pl.st.mesh, list(pl.st.spec.input_shape[1:])
+    if mesh.spatial <= 1:
+        return None
+    grid = mesh.grid_of(mesh.spatial // 2)
+    out = [slice(0, n) for n in edges]
+    for k, dim in enumerate(mesh.spatial_dims):
+        lo, hi = split_bounds(edges[dim], mesh.parts[k])[grid[k]]
+        out[dim] = slice(lo, hi)
+    return tuple(out)

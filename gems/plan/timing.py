@@ -283,8 +283,8 @@ DataTime = Callable[[Sequence[int], int, bool, bool], float]
 
 
 def copied(rates: Rates) -> DataTime:
-    """Data read from memory and copied once (``data=hdf5``, from the page cache): each input byte read and
-    written at the rank's memory bandwidth; targets are small."""
+    """Data copied once in memory at the rank's memory bandwidth, each float read and written (the default of a
+    caller that names no data time; read files are timed by gems.plan.predict.read_files); targets are small."""
     return lambda part, samples, inp, tgt: 2 * 4 * math.prod(part) * samples / rates.bandwidth if inp else 0.0
 
 
