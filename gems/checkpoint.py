@@ -420,29 +420,32 @@ class Saver:
         self._made = False
 
     def group(self) -> Any:
-        """The writers' gloo group (None off it, or where one rank writes), made once: the first time any rank asks,
-        which every rank does at the same step (a save, or the export at the end)."""
+        """The writers' gloo group (None off it, and in a process without torch.distributed), made once: the first
+        time any rank asks, which every rank does at the same step (a save, or the export at the end). One writer
+        gets one too: DCP's async_save asks its group for a CPU backend, which a GPU world's NCCL one has not."""
         if not self._made:
             self._made = True
-            if _distributed() and len(self.writers) > 1:
+            if _distributed():
                 import torch.distributed as dist
 
                 g = dist.new_group(self.writers, backend="gloo", timeout=self.world.timeout)
                 self._group = g if self.world.rank in self.writers else None
         return self._group
 
-    def write(self, state: dict[str, torch.Tensor], d: Path, step: int, asynchronous: bool = False) -> Any:
+    def write(self, state: dict[str, torch.Tensor], d: Path, step: int, asynchronous: bool = False,
+              faults: bool = True) -> Any:
         """This writer's share of ``state`` into the DCP folder ``d`` (a collective of the writers); an async save's
-        future, or None once written."""
+        future, or None once written. ``faults``: the fault injections of a checkpoint act here (not the model
+        file's)."""
         import torch.distributed.checkpoint as dcp
 
         group = self.group()
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
         chunks = chunks_of(state, self.share)
         f, rank = self.fault, self.world.rank
-        delay = (lambda: time.sleep(f.save_delay_s)) if f.save_delay_s > 0 else None
+        delay = (lambda: time.sleep(f.save_delay_s)) if faults and f.save_delay_s > 0 else None
         kill = None
-        if f.kill_in_save and f.kill_rank == rank:
+        if faults and f.kill_in_save and f.kill_rank == rank:
             from gems.fault import inject
 
             def kill() -> None:
@@ -478,6 +481,10 @@ class Saver:
                 self._pending = (fut, d, step)
             else:
                 self._complete(d, step)
+        elif self.fault.kill_in_save:  # a rank that writes no tensor dies once it has taken its part
+            from gems.fault import inject
+
+            inject.in_save(self.fault, self.world.rank, step, self.restarts)
         self.held_s += time.perf_counter() - t0
         self.saves += 1
 
@@ -556,8 +563,9 @@ def _step_of(d: Path) -> int | None:
 
 def complete(d: Path) -> bool:
     """Whether the checkpoint in ``d`` was written whole: DCP's ``.metadata`` (its coordinator writes it last, after
-    every writer's files), ``gems.json`` and the history."""
-    return all((d / f).is_file() for f in (".metadata", META, HISTORY))
+    every writer's files), ``gems.json`` and the history (``history.pt``; an earlier gems's ``rank0.pt``)."""
+    return all((d / f).is_file() for f in (".metadata", META)) and \
+        ((d / HISTORY).is_file() or (d / "rank0.pt").is_file())
 
 
 def tidy(root: Path) -> list[Path]:
@@ -761,7 +769,7 @@ def export(cfg: Any, world: Any, hold: Holding, saver: Saver, step: int, path: P
     saver.group()
     if saver.share.writes:  # (a killed export's stale files: overwritten or not named by the new metadata)
         mine = {k[len("model."):]: v for k, v in hold.state(ema_weights=ema).items() if k.startswith("model.")}
-        saver.write(mine, parts, step)  # DCP's coordinator (rank 0) returns once every writer's files are written
+        saver.write(mine, parts, step, faults=False)  # DCP's coordinator (rank 0) returns once every writer's are
     if world.rank != 0:
         return None
     have = entries(parts, "model file")

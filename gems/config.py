@@ -343,8 +343,9 @@ class FaultConf:
     step_delay_once: bool = key(False, "fault.step_delay_s holds only until the job's first restart (the resumed "
                                        "job runs at its own pace)")
     preempt_at_step: int = key(-1, "save and stop at this step once; the launcher resumes the job", ge=-1)
-    kill_in_save: bool = key(False, "fault injection: fault.kill_rank kills itself in the checkpoint saved after "
-                                    "fault.at_step, once its own files are written (a crash mid-save)")
+    kill_in_save: bool = key(False, "fault injection: fault.kill_rank kills itself in the checkpoint of "
+                                    "fault.at_step (saved before that step), once its own files are written (a crash "
+                                    "mid-save)")
     save_delay_s: float = key(0.0, "fault injection: every checkpoint's writers wait this long before writing (an "
                                    "async save still in flight at the next save)", ge=0)
     max_restarts: int = key(3, "how often the local launcher resumes a preempted job", ge=0)

@@ -39,3 +39,25 @@ def export_rank(rank: int, world_size: int, folder: str, cap: int) -> dict[str, 
     return {"calls": calls, "writers": saver.writers, "writes": saver.share.writes,
             "model_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
             "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def group_rank(rank: int, world_size: int, folder: str, cap: int) -> dict[str, Any]:
+    """The writers' group as each rank of a world of ``world_size`` replicas sees it (``cap`` writers)."""
+    import torch.distributed as dist
+    from omegaconf import open_dict
+
+    from gems import checkpoint as ckpt
+    from gems.bootstrap import World
+    from gems.config import compose
+    from gems.mesh import Mesh
+
+    cfg = compose([f"parallel.replicas={world_size}", f"train.batch_size={world_size}",
+                   f"train.checkpoint_writers={cap}", f"results.dir={folder}"])
+    with open_dict(cfg):
+        cfg.run_id = "group"
+    world = World(rank, world_size, rank, "127.0.0.1", 0, "single", torch.device("cpu"), "gloo", "torch", None,
+                  "localhost")
+    saver = ckpt.Saver(cfg, world, Mesh(replicas=world_size))
+    g = saver.group()
+    return {"member": g is not None, "size": dist.get_world_size(g) if g is not None else 0,
+            "same": saver.group() is g}

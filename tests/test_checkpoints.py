@@ -281,3 +281,51 @@ def test_a_unet_on_replicas_of_spatial_parts_is_written_by_part_0_of_each_replic
     assert one.returncode == 0 and ref.returncode == 0, (one.stderr + ref.stderr)[-2000:]
     (a,), (b,) = records(str(tmp_path / "one")), records(str(tmp_path / "ref"))
     _close(a["loss"], b["loss"])
+
+
+def _history_folder(d: Path, old: bool) -> Path:
+    """A checkpoint folder's histories as this gems writes them (one history.pt), or as an earlier one did (a
+    rank<k>.pt a rank, each its own timings)."""
+    d.mkdir(parents=True)
+    base = {"losses": [0.5, 0.4, 0.3], "lrs": [0.1] * 3, "validation": [], "elapsed_s": 3.0, "reader_s": 0.2,
+            "every_step_time": [1.0, 1.1, 1.2], "breakdown": {"compute": 2.0}}
+    if old:
+        for rank, (times, peak) in enumerate([([1.0, 1.1], 100), ([1.3, 1.0], 300)]):
+            torch.save({"step": 3, "history": {**base, "step_times": times, "tensor_peaks": [peak]}},
+                       d / f"rank{rank}.pt")
+    else:
+        torch.save({"step": 3, "history": {**base, "step_times": [1.0, 1.1], "tensor_peaks": [100],
+                                           "slowest_step_times": [1.3, 1.1], "tensor_peak_by_rank": [100, 300]}},
+                   d / ckpt.HISTORY)
+    return d
+
+
+@pytest.mark.parametrize("old", [False, True], ids=["history.pt", "rank files of an earlier gems"])
+def test_a_resumed_rank_reads_the_history_the_record_needs_of_it(tmp_path: Path, old: bool) -> None:
+    """On the mesh that wrote it, rank 0 goes on with its own timings and every other rank with the slowest rank's
+    step times and its own tensor peak (what the record's all-reduce and gather read: the same record as an
+    uninterrupted run's); on another mesh every rank takes rank 0's history without timings."""
+    d = _history_folder(tmp_path / "step", old)
+    zero, one = ckpt.load_history(d, 0, True), ckpt.load_history(d, 1, True)
+    assert zero["step_times"] == [1.0, 1.1] and zero["tensor_peaks"] == [100]
+    assert one["step_times"] == ([1.3, 1.0] if old else [1.3, 1.1]) and one["tensor_peaks"] == [300]
+    assert one["losses"] == zero["losses"] == [0.5, 0.4, 0.3]
+    assert "slowest_step_times" not in zero and "tensor_peak_by_rank" not in one
+    for rank in (0, 1, 5):
+        other = ckpt.load_history(d, rank, False)
+        assert other["losses"] == [0.5, 0.4, 0.3] and not any(k in other for k in ckpt.TIMINGS)
+    for f in (".metadata", ckpt.META):
+        (d / f).write_bytes(b"x")
+    assert ckpt.complete(d)  # an earlier gems's checkpoint is complete too: retire removes it once older
+
+
+def test_the_writers_gloo_group_is_made_once_and_holds_the_writers_alone(tmp_path: Path) -> None:
+    """Even one writer gets a gloo group (DCP's async_save asks its group for a CPU backend, which a GPU world's
+    NCCL default group has not); the rank outside writes nothing and holds no group."""
+    from _checkpoint_worlds import group_rank
+
+    from gems.launch.world import run_world
+
+    got = run_world(group_rank, 4, str(tmp_path), 1, timeout=120)
+    assert [g["member"] for g in got] == [True, False, False, False]
+    assert got[0]["size"] == 1 and got[0]["same"] is True

@@ -158,3 +158,53 @@ def test_a_graphed_replica_sums_its_gradients_after_the_backward(monkeypatch) ->
     seq = _model()
     assert GradientReducer(seq, object(), overlap=False).overlap is False
     assert GradientReducer(copy.deepcopy(seq), object()).overlap is True
+
+
+def test_a_model_with_hooks_runs_eager_and_its_hooks_run() -> None:
+    """A hook on the model (fault.stall_rank's) would not run in a replay, and make_graphed_callables refuses a
+    hooked module: the step runs eager through the module's call, hooks included, and says why."""
+    seq = _model()
+    calls: list[int] = []
+    seq.register_forward_pre_hook(lambda m, a: calls.append(1))
+    notes: list[str] = []
+    g = graphs.GraphedModel(seq, contextlib.nullcontext, notes)
+    with batch_context(7, 0, [0, 1]):
+        g.forward(torch.randn(2, 2, 6, 6, 6), 7, 0, [0, 1])
+    assert calls == [1] and g.failed and not g.replayed
+    assert notes == ["train.cuda_graphs: the step runs eager: hooks on the model (Sequential; a replay would skip "
+                     "them)"]
+
+
+def test_the_stand_in_refuses_what_make_graphed_callables_refuses() -> None:
+    seq = _model()
+    seq.register_forward_hook(lambda m, a, o: None)
+    with pytest.raises(AssertionError, match="hooks"):
+        graphs.stand_in_graphed(seq, (torch.randn(2, 2, 6, 6, 6),))
+    unused = nn.Sequential(nn.Linear(3, 3))
+    unused.spare = nn.Parameter(torch.zeros(1))  # a parameter the forward never uses
+    with pytest.raises(RuntimeError):
+        graphs.stand_in_graphed(unused, (torch.randn(2, 3),))
+
+
+def test_the_reader_ahead_pauses_while_the_model_is_captured() -> None:
+    """torch captures in CUDA's global mode, where another thread's allocation fails the capture: the capture holds
+    the lock the reader's CUDA work takes (gems.rank.data.Prefetcher)."""
+    import threading
+
+    held: list[bool] = []
+
+    def make(module: nn.Module, args: tuple, num_warmup_iters: int) -> nn.Module:
+        probe = threading.Thread(target=lambda: held.append(not graphs.CUDA_WORK.acquire(blocking=False)))
+        probe.start()
+        probe.join()
+        return graphs.stand_in_graphed(module, args, num_warmup_iters)
+
+    g = graphs.GraphedModel(_model(), contextlib.nullcontext, [], make=make)
+    with batch_context(7, 0, [0, 1]):
+        g.forward(torch.randn(2, 2, 6, 6, 6), 7, 0, [0, 1])
+    assert held == [True] and g.replayed
+    import inspect
+
+    from gems.rank.data import Prefetcher
+
+    assert "with CUDA_WORK, torch.cuda.stream(self._side)" in inspect.getsource(Prefetcher._make)

@@ -45,8 +45,8 @@ SCIENCE = ["model=cosmoflow", "model.size=128", "train.batch_size=4", "train.pre
 GOAL_RATE, GOAL_RATIO, GOAL_DATA, GOAL_SCIENCE_S = 224.0, 0.95, 0.05, 0.020
 
 
-def _gems(overrides: list[str], device: torch.device, steps: int, warmup: int) -> dict[str, Any]:
-    """gems's loop on ``device`` in this process; its record."""
+def _gems(overrides: list[str], device: torch.device, steps: int, warmup: int, folder: str) -> dict[str, Any]:
+    """gems's loop on ``device`` in this process, its files under ``folder``; its record."""
     from omegaconf import open_dict
 
     from gems.bootstrap import World
@@ -54,7 +54,7 @@ def _gems(overrides: list[str], device: torch.device, steps: int, warmup: int) -
     from gems.rank.loop import train
 
     cfg = compose([*overrides, f"train.steps={steps}", f"train.warmup_steps={warmup}", f"train.device={device.type}",
-                   "results.dir=/tmp/gems-bench-step"])
+                   f"results.dir={folder}"])
     with open_dict(cfg):
         cfg.run_id = f"bench-step-{time.time_ns()}"
     world = World(0, 1, 0, "127.0.0.1", 0, "single", device, "nccl" if device.type == "cuda" else "gloo",
@@ -149,7 +149,7 @@ def bench_step(out_dir: Path, overrides: list[str] | None = None, rounds: int = 
             got: dict[str, list[Any]] = {k: [] for k in ("gems", "gems eager", "plain", "plain graphed")}
             for _ in range(rounds):  # alternated: every contender sees the same machine
                 for name, extra in (("gems", []), ("gems eager", ["train.cuda_graphs=false"])):
-                    r = _gems([*base, *data, *extra], device, steps, warmup)
+                    r = _gems([*base, *data, *extra], device, steps, warmup, tmp)
                     records.append({"contender": name, "batch": B, "record": r})
                     got[name].append(_figures(r, B))
                 got["plain"].append(B / _plain(base, device, steps, warmup, graphed=False))
@@ -176,7 +176,7 @@ def bench_step(out_dir: Path, overrides: list[str] | None = None, rounds: int = 
         if cuda:  # the science configuration: gems only, graphed and eager
             path = _files(Path(tmp), 128, 16)
             for name, extra in (("gems", []), ("gems eager", ["train.cuda_graphs=false"])):
-                r = _gems([*SCIENCE, f"data.path={path}", *given, *extra], device, steps, warmup)
+                r = _gems([*SCIENCE, f"data.path={path}", *given, *extra], device, steps, warmup, tmp)
                 records.append({"contender": f"science {name}", "batch": 4, "record": r})
                 f = _figures(r, 4)
                 rows.append([f"science {name}: CosmoFlow 128³, batch 4, HDF5, cube", f"{f['rate']:.1f}",

@@ -48,12 +48,8 @@ def make_plan(cfg: Any, suggest: bool = True, quick: bool = False, available: bo
 
 def predicted_hardware(cfg: Any, plan: MemoryPlan) -> dict[str, Any]:
     """The predicted step's distance to the device: the model's FLOP/s and bytes/s a rank would reach, and their
-    fractions of ``cluster.gpu``'s peak (gems.plan.roofline; a CPU rank: the rates, no fraction)."""
-    from gems.plan.roofline import fractions, model_work, peak
+    fractions of ``cluster.gpu``'s peak (gems.plan.roofline.hardware; a CPU rank: the rates, no fraction)."""
+    from gems.plan.roofline import hardware
 
     gpu = str(cfg.cluster.gpu) if plan.device.get("kind") == "gpu" and cfg.cluster.gpu else None
-    tf32 = cfg.train.tf32 if cfg.train.tf32 is None else bool(cfg.train.tf32)
-    out = fractions(model_work(cfg), plan.prediction.step_s, plan.world_size, peak(gpu, str(cfg.train.precision), tf32))
-    out["device"] = gpu or plan.device.get("name")
-    return out
-
+    return hardware(cfg, plan.prediction.step_s, plan.world_size, gpu or plan.device.get("name"))

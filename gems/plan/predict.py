@@ -80,7 +80,7 @@ def predict_step(cfg: Any, pl: Planner, prof: Any, batch: int, dev: dict[str, An
 
         made = f"synthetic samples generated on the host as fast as here ({threads} thread(s))"
     elif str(cfg.data.name) == "hdf5":  # read by the rank's reader threads (gems.data.reader), at their rate
-        itemsize = _file_itemsize(cfg)
+        itemsize = _file_itemsize(cfg, pl.st.spec)
         rate, how = reader_rate(cfg, pl.st.spec, _middle_part(pl))
         data, made = read_files(cfg, pl.st.spec, itemsize, rate), f"data read by {how}"
     pred = predict(pl, prof, batch, rates, c, nodes, tpn, data, int(cfg.data.prefetch), on_device,
@@ -195,22 +195,19 @@ def read_files(cfg: Any, spec: Any, itemsize: int, rate: float) -> Any:
     return data
 
 
-def _file_itemsize(cfg: Any) -> int:
-    """Bytes a value of the files' counts (the first file's type where it is here; int16 otherwise, the ExaLearn
-    layout's)."""
+def _file_itemsize(cfg: Any, spec: Any) -> int:
+    """Bytes a value of the files' counts (their type as the reader holds it, from the first file's header where
+    the files are here: a folder without them is bad input, named; int16 otherwise, the ExaLearn layout's)."""
     from pathlib import Path
 
-    path = Path(str(cfg.data.path)) if cfg.data.path else None
-    if path is not None and path.exists():
-        import h5py
-        import torch
+    if not cfg.data.path or not Path(str(cfg.data.path)).exists():
+        return 2
+    import torch
 
-        from gems.data.hdf5 import raw_dtype
+    from gems.data.hdf5 import HDF5Samples, raw_dtype
 
-        first = sorted(path.glob("*.h5"))[0] if path.is_dir() else path
-        with h5py.File(first, "r") as f:
-            return int(torch.empty(0, dtype=raw_dtype(f["full"].dtype)).element_size())
-    return 2
+    files = HDF5Samples(str(cfg.data.path), spec.input_shape, crop=cfg.data.crop)  # ConfigError: the first bad file
+    return int(torch.empty(0, dtype=raw_dtype(files.file_dtype)).element_size())
 
 
 def _middle_part(pl: Any) -> Any:

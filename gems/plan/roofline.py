@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Work", "model_work", "peak", "gpu_named", "fractions"]
+__all__ = ["Work", "model_work", "peak", "gpu_named", "fractions", "hardware", "of_run"]
 
 
 @dataclass(frozen=True)
@@ -133,18 +133,25 @@ def fractions(work: Work, step_s: float, world: int, device_peak: tuple[float, f
     return out
 
 
-def of_run(cfg: Any, world: int, device_name: str, step_s: float) -> dict[str, Any]:
-    """The record's ``hardware`` section: :func:`fractions` of a run's median step on ``device_name`` (a CUDA
-    device's name; ``cluster.gpu`` where that names none of the table's, as on a GPU the name does not say), with
-    the device it was held against. A model the planner cannot trace says why instead (the run's figures stand)."""
-    key = gpu_named(device_name) or (gpu_named(cfg.cluster.gpu) if device_name != "cpu" else None)
-    try:
-        work = model_work(cfg)
-    except Exception as e:  # noqa: BLE001 - the record says why it has no figures
-        return {"device": key or device_name, "error": f"the model's work was not counted: {type(e).__name__}: {e}"}
-    tf32 = cfg.train.tf32 if cfg.train.tf32 is None else bool(cfg.train.tf32)
-    out = fractions(work, step_s, world, peak(key, str(cfg.train.precision), tf32))
-    out["device"] = key or device_name
+def hardware(cfg: Any, step_s: float, world: int, device: str | None) -> dict[str, Any]:
+    """:func:`fractions` of a step of ``step_s`` seconds of ``cfg``'s model on ``world`` ranks of ``device`` (a CUDA
+    device's name or a key of the table; anything else, a CPU: no fraction), with the device it was held against."""
+    key = gpu_named(device)
+    tf32 = None if cfg.train.tf32 is None else bool(cfg.train.tf32)
+    out = fractions(model_work(cfg), step_s, world, peak(key, str(cfg.train.precision), tf32))
+    out["device"] = key or device
     if key is None:
         out["note"] = "no data-sheet peak for this device (gems.plan.devices.GPUS): the rates reached, no fraction"
     return out
+
+
+def of_run(cfg: Any, world: int, device_name: str, step_s: float) -> dict[str, Any]:
+    """The record's ``hardware`` section (:func:`hardware`) of a run's median step on ``device_name`` (a CUDA
+    device's name; ``cluster.gpu`` where that names none of the table's). A model the planner cannot trace says
+    why instead (the run's figures stand)."""
+    device = device_name if gpu_named(device_name) or device_name == "cpu" else (cfg.cluster.gpu or device_name)
+    try:
+        return hardware(cfg, step_s, world, device)
+    except Exception as e:  # noqa: BLE001 - the record says why it has no figures
+        return {"device": gpu_named(device) or device, "error": f"the model's work was not counted: "
+                f"{type(e).__name__}: {e}"}

@@ -347,7 +347,9 @@ class Prefetcher:
                 x = self.finish(x)
         else:  # on the side stream: samples drawn on the GPU there, or host ones pinned and copied (read ones as
             # their counts, finished there); the step waits
-            with torch.cuda.stream(self._side):
+            from gems.rank.graphs import CUDA_WORK
+
+            with CUDA_WORK, torch.cuda.stream(self._side):  # (never while the step's model is being captured)
                 ids, x, y = self.fetch(step)
                 x, y = (t if t is None or t.is_cuda else t.pin_memory().to(self.device, non_blocking=True)
                         for t in (x, y))

@@ -24,8 +24,9 @@ What a replay must see, and how it is kept:
 
 Where a graph is not taken, the run says why in its notes and runs eager: CPU ranks (no CUDA graphs), a pipeline
 (its stages exchange messages between their pieces), spatial parts (halos inside the layers), recomputation
-(``parallel.checkpoint``: the forward runs again inside the backward), hooks on the model (fault injections), or a
-capture that failed (its error is in the note). What CPU tests check (tests/test_graphs.py): the decision, and the
+(``parallel.checkpoint``: the forward runs again inside the backward), hooks on the model (a fault injection's:
+a replay would skip them), or a capture that failed (its error is in the note). The reader ahead pauses while the
+model is captured (:data:`CUDA_WORK`). What CPU tests check (tests/test_graphs.py): the decision, and the
 whole protocol around the capture, with a stand-in for make_graphed_callables that runs the same warm-up and
 returns the eager module (``GEMS_CPU_GRAPH_STAND_IN=1``): a graphed run equals the eager one bit for bit, dropout,
 BatchNorm and R = 2 included. What only a GPU shows: the capture itself, the replay's speed, and its results equal
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -45,6 +47,10 @@ from gems.layers import SampleDropout, batch_context
 #: on a CPU rank, graph with a stand-in for make_graphed_callables (its warm-up, no graph): the protocol's test hook
 STAND_IN_ENV = "GEMS_CPU_GRAPH_STAND_IN"
 WARMUP_ITERS = 3
+#: held by a thread that issues CUDA work beside the step (the reader ahead: gems.rank.data.Prefetcher, which pins,
+#: allocates, copies and draws on its side stream) and by a capture: torch captures in CUDA's global mode, where
+#: another thread's allocation or event query while a stream captures fails the capture (or that thread's call)
+CUDA_WORK = threading.RLock()
 
 
 def decide(cfg: Any, settings: Any, mesh: Any, device: torch.device) -> tuple[bool, str | None]:
@@ -67,14 +73,18 @@ def decide(cfg: Any, settings: Any, mesh: Any, device: torch.device) -> tuple[bo
 
 def stand_in_graphed(module: nn.Module, sample_args: tuple[torch.Tensor, ...],
                      num_warmup_iters: int = WARMUP_ITERS) -> nn.Module:
-    """make_graphed_callables on a CPU, for the protocol's tests: the same warm-up (forwards and
-    ``torch.autograd.grad`` over the parameters, which moves BatchNorm's statistics as the real one does), and
-    the eager module back."""
+    """make_graphed_callables on a CPU, for the protocol's tests: the same checks (no hooks on the module, no buffer
+    that requires a gradient, every parameter used), the same warm-up (forwards and ``torch.autograd.grad`` over
+    the parameters, which moves BatchNorm's statistics as the real one does), and the eager module back."""
+    if module._backward_hooks or module._forward_hooks or module._forward_pre_hooks:
+        raise AssertionError("Modules must not have hooks registered at the time they are passed.")
+    if any(b.requires_grad for b in module.buffers()):
+        raise AssertionError("only parameters may be trainable. All buffers must have requires_grad=False.")
     params = [p for p in module.parameters() if p.requires_grad]
     for _ in range(num_warmup_iters):
         out = module(*sample_args)
         outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if o.requires_grad]
-        torch.autograd.grad(outs, params, [torch.ones_like(o) for o in outs], allow_unused=True)
+        torch.autograd.grad(outs, params, [torch.ones_like(o) for o in outs], allow_unused=False)
     return module
 
 
@@ -110,16 +120,24 @@ class GraphedModel:
         for d in self.dropouts:  # the eager layers draw their own masks
             d.static_mask = None
         try:
-            return _original_forward(self.seq)(x)
+            # where the capture replaced the module's forward, its own (the graph is not this shape's); elsewhere
+            # the module's call, hooks included (a fault injection's)
+            return _original_forward(self.seq)(x) if "forward" in vars(self.seq) else self.seq(x)
         finally:
             for d, m in zip(self.dropouts, saved):
                 d.static_mask = m
 
     def _capture(self, x: torch.Tensor, seed: int, step: int, ids: Sequence[int]) -> bool:
         """Graph the model at ``x``'s shape, leaving its state as it was; False (and a note) where it fails."""
-        state = _snapshot(self.seq)
+        hooked = [m for m in self.seq.modules() if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks]
+        if hooked:  # a replay runs no hook: the model's own (a fault injection) must run, eager
+            self.failed = True
+            self.notes.append(f"train.cuda_graphs: the step runs eager: hooks on the model ({type(hooked[0]).__name__}"
+                              "; a replay would skip them)")
+            return False
+        state = _snapshot(self.seq, x.device)
         try:
-            with _cache_off(self.amp):
+            with CUDA_WORK, _cache_off(self.amp):
                 self._masks(x, seed, step, ids)
                 static = x.detach().clone()
                 self.make(self.seq, (static,), num_warmup_iters=WARMUP_ITERS)
@@ -134,6 +152,8 @@ class GraphedModel:
             return False
         finally:
             _restore(self.seq, state)
+            if x.device.type == "cuda":  # the warm-up's blocks, cached for its side stream, back to the device
+                torch.cuda.empty_cache()
 
     def _masks(self, x: torch.Tensor, seed: int, step: int, ids: Sequence[int]) -> None:
         """A static mask for each dropout layer, shaped as its input at ``x`` (one forward without gradients)."""
@@ -181,21 +201,22 @@ def _cache_off(amp: Callable[..., Any]) -> Any:
             yield
 
 
-def _snapshot(seq: nn.Module) -> dict[str, Any]:
-    """Every buffer of ``seq`` and the device generators' states, before the capture's warm-up."""
+def _snapshot(seq: nn.Module, device: torch.device) -> dict[str, Any]:
+    """Every buffer of ``seq`` and the generators' states (the host's, the rank's GPU's), before the capture's
+    warm-up."""
     out: dict[str, Any] = {"buffers": [(b, b.detach().clone()) for b in seq.buffers()],
-                           "cpu_rng": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda_rng"] = torch.cuda.get_rng_state_all()
+                           "cpu_rng": torch.get_rng_state(), "device": device}
+    if device.type == "cuda":
+        out["cuda_rng"] = torch.cuda.get_rng_state(device)
     return out
 
 
 def _restore(seq: nn.Module, state: dict[str, Any]) -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()  # the warm-up ran on a side stream
+    if "cuda_rng" in state:
+        torch.cuda.synchronize(state["device"])  # the warm-up ran on a side stream
     with torch.no_grad():
         for b, saved in state["buffers"]:
             b.copy_(saved)
     torch.set_rng_state(state["cpu_rng"])
     if "cuda_rng" in state:
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
+        torch.cuda.set_rng_state(state["cuda_rng"], state["device"])
