@@ -6,8 +6,11 @@
 A lease is short (15 minutes of device time a session, the machine's start included), so the phases share one
 deadline (``--seconds``, default 530) and each gets what is left of it, in this order:
 
-1. the rig (``gems.gpucheck``): the strict mode first, then the hybrids, the precisions, torch's pipelining as the
-   control and every schedule's grid, ranks sharing the GPU; no run starts after its share of the time;
+0. ``gems bench step`` (issue 59: gems's step graphed and eager, from HDF5 files, beside a plain loop and that loop
+   captured whole as one CUDA graph; the science configuration), its table and every gems record back;
+1. the rig (``gems.gpucheck``): the one-rank run graphed against eager first, the strict mode, then the hybrids,
+   the precisions, torch's pipelining as the control and every schedule's grid, ranks sharing the GPU; no run
+   starts after its share of the time;
 2. one-rank rows, the GPU alone: five of the six configurations of ``results/gpu/h200-2026-11-26.json`` (fp16
    left out) and models that file never saw (U-Net, ResNet, other batches), each a real ``gems run``: its median
    step, what CUDA allocated at most, its breakdown and losses, in the H200 file's schema (``rows.json``), so
@@ -18,8 +21,10 @@ deadline (``--seconds``, default 530) and each gets what is left of it, in this 
    epochs than a CPU allows. Its universes are written at the lease's start and it trains beside the rig (the rig's
    timings mean nothing anyway), so it ends before the one-rank rows, which have the GPU alone.
 
-At most 8 files come back from a device call, so it writes five: ``summary.json``, ``summary.md`` (the rig),
-``rows.json``, ``overhead-gpu.md`` and ``lease.tgz`` (every log, record and calibration, and the environment).
+At most 8 files come back from a device call, so it writes seven: ``step.md`` and ``step-records.json`` (gems
+bench step), ``summary.json``, ``summary.md`` (the rig), ``rows.json``, ``overhead-gpu.md`` and ``lease.tgz``
+(every log, record and calibration, and the environment). The one-rank rows run eager
+(``train.cuda_graphs=false``, as every earlier file's), and a few graphed beside them (``GRAPHED_ROWS``).
 The machine lacks gems's pure-Python dependencies: run ``bash scripts/gpu_check.sh --prepare`` here first and
 carry ``.gpu`` (the script puts ``.gpu/site`` on the path).
 """
@@ -80,8 +85,20 @@ ROWS: list[tuple[str, list[str]]] = NEW_ROWS + [
     ("c128_b2", ["model=cosmoflow", "model.size=128", "train.batch_size=2", "train.steps=12",
                  "train.warmup_steps=3"]),
 ]
-#: the phases, in the order a lease runs them by default (science only when named)
-PHASES = ("rig", "rows", "bench", "science", "probe")
+#: rows of the model replayed from CUDA graphs (train.cuda_graphs, the default since 2026-11-28): the rows above are
+#: run eager, as every GPU file before held them, and these beside them hold the planner's graphed model
+GRAPHED_ROWS: list[tuple[str, list[str]]] = [
+    ("mlperf128_b1_bf16_graphed", ["model=cosmoflow_mlperf", "model.dropout=0", "train.batch_size=1",
+                                   "train.precision=bf16", "train.steps=40", "train.warmup_steps=10",
+                                   "train.cuda_graphs=true"]),
+    ("one_default_graphed", ["train.cuda_graphs=true"]),
+    ("p128_bf16_graphed", ["model=cosmoflow", "model.size=128", "train.batch_size=8", "train.steps=20",
+                           "train.warmup_steps=5", "train.precision=bf16", "train.cuda_graphs=true"]),
+]
+#: the phases, in the order a lease runs them by default (science only when named); step: gems bench step
+PHASES = ("step", "rig", "rows", "bench", "science", "probe")
+#: the most gems bench step may take (4 contenders x 2 batches x 3 rounds of 40 steps, and the science point)
+STEP_S = 240.0
 #: the file that marks a folder as a lease's scratch, which the next lease clears
 MARK = ".gems-gpu-lease"
 #: the most one command of each phase may take, in seconds (measured on an H100: a rig run 20-60 s, a row 13-22 s,
@@ -246,19 +263,35 @@ def rig_phase(lease: Lease, a: argparse.Namespace, keep_s: float) -> None:
 def rows_phase(lease: Lease, dry: bool, keep_s: float, env_info: dict[str, Any], only: str = "") -> None:
     """One-rank rows, the GPU alone, to rows.json (``only``: the labels to run, comma-separated)."""
     rows: dict[str, Any] = {}
-    base = ["train.check_fit=false"] + (["train.device=cpu"] if dry else [])
+    base = ["train.check_fit=false", "train.cuda_graphs=false"] + (["train.device=cpu"] if dry else [])
     labels = [x for x in only.split(",") if x]
-    for label, overrides in (DRY_ROWS if dry else [r for r in ROWS if not labels or r[0] in labels]):
+    every = GRAPHED_ROWS + ROWS  # the graphed rows first: the planner's new model is what they hold
+    for label, overrides in (DRY_ROWS if dry else [r for r in every if not labels or r[0] in labels]):
         if lease.left() < keep_s + ROW_S:  # a row may take ROW_S: it never eats what the phases after it keep
             rows[label] = {"status": "not run", "error": "the lease's deadline"}
             continue
         folder = lease.work / "rows" / label
-        lease.run(f"row-{label}", [sys.executable, "-m", "gems.cli", "run", *base, *overrides,
+        given = {o.split("=", 1)[0] for o in overrides}
+        lease.run(f"row-{label}", [sys.executable, "-m", "gems.cli", "run",
+                                   *(b for b in base if b.split("=", 1)[0] not in given), *overrides,
                                    f"results.dir={folder}", f"run_id=lease-{label}"], ROW_S)
         rec = _record(folder)
         rows[label] = row_of(rec, overrides) if rec else {"status": "failed", "error": "no record"}
     (lease.out / "rows.json").write_text(json.dumps({"machine": env_info, "date": time.strftime("%Y-%m-%d"),
                                                      "runs": rows}, indent=1) + "\n")
+
+
+def step_phase(lease: Lease, dry: bool) -> None:
+    """gems bench step (issue 59's side-by-side: gems graphed and eager from HDF5 files, a plain loop and that loop
+    as one CUDA graph, and the science configuration); its table and every gems record come back."""
+    step = lease.work / "step"
+    if lease.left() < (30 if dry else STEP_S):
+        print(f"gpu_lease: {lease.left():.0f} s left: no gems bench step", flush=True)
+        return
+    lease.run("bench-step", [sys.executable, "-m", "gems.cli", "bench", "step", f"out={step}"], STEP_S)
+    for name in ("step.md", "step-cpu.md", "step-records.json"):
+        if (step / name).exists():
+            (lease.out / name).write_bytes((step / name).read_bytes())
 
 
 def bench_phase(lease: Lease, dry: bool) -> None:
@@ -299,8 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "results/gpu/lease")))
     p.add_argument("--seconds", type=float, default=530.0, help="the whole lease's deadline")
     p.add_argument("--dry", action="store_true", help="the plumbing on CPU")
-    p.add_argument("--phases", default="rig,rows,bench", help="which phases, in this order (rig, rows, bench, "
-                   "science: it starts at once and trains beside the phases before it)")
+    p.add_argument("--phases", default="step,rig,rows,bench", help="which phases, in this order (step, rig, rows, "
+                   "bench, science: it starts at once and trains beside the phases before it)")
     p.add_argument("--rows", default="", help="the one-rank rows to run, by label (comma-separated; default all)")
     p.add_argument("--science-epochs", type=int, default=SCIENCE_EPOCHS, help="the science point's epochs")
     p.add_argument("--only", default="", help="the rig's points whose label holds one of these texts (comma-separated)")
@@ -311,9 +344,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_lease: --phases={a.phases}: {', '.join(bad) or 'nothing'} is not a phase ({', '.join(PHASES)})",
               file=sys.stderr)
         return 2
-    unknown = [x for x in a.rows.split(",") if x and x not in {label for label, _ in ROWS}]
+    named = [r for r, _ in GRAPHED_ROWS + ROWS]
+    unknown = [x for x in a.rows.split(",") if x and x not in named]
     if unknown:
-        print(f"gpu_lease: --rows={a.rows}: {', '.join(unknown)} is not a row (one of {', '.join(r for r, _ in ROWS)})",
+        print(f"gpu_lease: --rows={a.rows}: {', '.join(unknown)} is not a row (one of {', '.join(named)})",
               file=sys.stderr)
         return 2
     if a.science_epochs < 1:
@@ -344,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         later = phases[i + 1:]
         rows_kept = min(3, len([x for x in a.rows.split(",") if x]) or 3)  # the rows asked for, 3 at most
         keep_s = (rows_kept * ROW_S if "rows" in later else 0) + (OVERHEAD_S + CALIBRATE_S if "bench" in later else 0)
-        if phase == "rig":
+        if phase == "step":
+            step_phase(lease, a.dry)
+        elif phase == "rig":
             rig_phase(lease, a, keep_s)
         elif phase == "rows":
             rows_phase(lease, a.dry, keep_s, env_info, a.rows)

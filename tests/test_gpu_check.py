@@ -165,9 +165,12 @@ def test_the_lease_script_writes_rows_in_the_gpu_files_schema_and_refuses_a_bad_
 
     env = dict(os.environ, OMP_NUM_THREADS="1", GEMS_LEASE_WORK=str(tmp_path / "work"))
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_lease.py"), "--dry", "--phases", "rows,bench",
-                        "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_lease.py"), "--dry", "--phases",
+                        "step,rows,bench", "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # gems bench step's table (here its plumbing's) and every gems record of it come back
+    assert "gems bench step on cpu" in (out / "step-cpu.md").read_text()
+    assert {x["contender"] for x in json.loads((out / "step-records.json").read_text())} == {"gems", "gems eager"}
     rows = json.loads((out / "rows.json").read_text())
     row = rows["runs"]["dry_small"]
     assert row["status"] == "ok" and row["overrides"]["size"] == 32 and row["overrides"]["batch"] == 4
