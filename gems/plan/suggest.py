@@ -42,8 +42,9 @@ def recompute_note(cfg: Any, plan: Any) -> str | None:
     (CosmoFlow: its first layers' activations and their gradients set the peak whichever way it is cut)."""
     if not plan.checkpoint:
         return None
-    # two quick plans, on the same footing (the full one traces every spatial part at two batches)
-    on, off = variant(cfg, {}), variant(cfg, {"parallel.checkpoint": False})
+    # two quick plans, on the same footing (the full one traces every spatial part at two batches), both eager: a
+    # recomputed step runs eager, and without recomputation the graphs' static input would be counted against it
+    on, off = variant(cfg, {}), variant(cfg, {"parallel.checkpoint": False, "train.cuda_graphs": False})
     if on is None or off is None:
         return None
     on_b, off_b = on.worst.bytes.total, off.worst.bytes.total
