@@ -66,13 +66,13 @@ def test_bench_data_writes_its_table_with_every_contender(tmp_path, monkeypatch)
     from gems.bench.data import bench_data
     from gems.errors import ConfigError
 
-    text = bench_data(tmp_path, sizes=(32,), spatials=(1,), rounds=1, reader_size=32, reader_rounds=1)
+    text = bench_data(tmp_path, sizes=(32,), spatials=(1,), rounds=1, reader_size=32, reader_rounds=1, quiet_s=0)
     assert (tmp_path / "data.md").read_text() == text
     reader = [line.split("|")[1:-1] for line in text.split("### The step")[0].splitlines() if line.startswith("| ")]
     assert [r[0].strip() for r in reader[1:]][:2] == ["1", "2"] and "contiguous `full` datasets" in text
     assert all(float(r[i]) > 0 for r in reader[1:] for i in (1, 2, 3, 4, 6))
     monkeypatch.setenv("GEMS_BENCH_DATA", "reader")
-    alone = bench_data(tmp_path, reader_size=32, reader_rounds=1)
+    alone = bench_data(tmp_path, reader_size=32, reader_rounds=1, quiet_s=0)
     assert (tmp_path / "data-reader.md").read_text() == alone and "### The step" not in alone
     with pytest.raises(ConfigError, match="^GEMS_BENCH_DATA=steps: expected reader"):
         bench_data(tmp_path, parts="steps")

@@ -211,9 +211,9 @@ class _ReaderBench:
 
 
 def bench_reader(folder: Path, threads: Sequence[int] | None = None, rounds: int = 7,
-                 size: int = READER_SIZE) -> tuple[list[list[Any]], str]:
+                 size: int = READER_SIZE, quiet_s: float = 2.0) -> tuple[list[list[Any]], str]:
     """The reader against the page-cache bound (module docstring) on the files in ``folder`` (4 x ``size``^3
-    int16 samples): the table's rows and its text."""
+    int16 samples): the table's rows and its text; ``quiet_s``: the most each measurement waits for idle cores."""
     from statistics import median as med
 
     threads = list(threads or thread_counts())
@@ -223,7 +223,7 @@ def bench_reader(folder: Path, threads: Sequence[int] | None = None, rounds: int
     try:
         for r in range(rounds + 1):  # round 0 warms (threads started, files opened), not counted
             for t, c in (names if r % 2 else names[::-1]):  # alternated, each round in the other order
-                quiet()
+                quiet(quiet_s)
                 rate = bench.gbs(t, c)
                 if r:
                     got[(t, c)].append(rate)
@@ -262,7 +262,7 @@ def bench_reader(folder: Path, threads: Sequence[int] | None = None, rounds: int
 
 def bench_data(out_dir: Path, sizes: tuple[int, ...] = (64, 128), spatials: tuple[int, ...] = (1, 2),
                rounds: int = 2, parts: str | None = None, reader_size: int = READER_SIZE,
-               reader_rounds: int = 7) -> str:
+               reader_rounds: int = 7, quiet_s: float = 2.0) -> str:
     """The reader alone (``reader_size``^3 samples, ``reader_rounds`` rounds), then the steps; ``parts``
     (default ``GEMS_BENCH_DATA``, else both): ``reader`` runs the first only, writing ``data-reader.md``."""
     from gems.launch.world import run_world
@@ -274,7 +274,8 @@ def bench_data(out_dir: Path, sizes: tuple[int, ...] = (64, 128), spatials: tupl
         raise ConfigError("GEMS_BENCH_DATA", parts, "reader (the reader alone), or unset for everything")
     rows = []
     with tempfile.TemporaryDirectory(prefix="gems-bench-data-") as tmp:
-        _, reader_text = bench_reader(Path(_files(Path(tmp), reader_size)), rounds=reader_rounds, size=reader_size)
+        _, reader_text = bench_reader(Path(_files(Path(tmp), reader_size)), rounds=reader_rounds, size=reader_size,
+                                      quiet_s=quiet_s)
         if parts == "reader":
             text = "## gems bench data\n\n" + reader_text + "\n" + env_block("GEMS_BENCH_DATA=reader gems bench data")
             write(out_dir, "data-reader", text)
