@@ -71,3 +71,32 @@ def test_a_runs_record_table_and_plan_say_how_far_its_step_is_from_the_device(tm
     text = gems("plan", "model=cosmoflow_mlperf", "train.batch_size=1", "train.precision=bf16", "cluster.gpu=h100",
                 timeout=300).stdout
     assert "predicted on the device: the model's" in text and "of h100's 989.5 TFLOP/s" in text
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model=cosmoflow", "model.size=32", "model.width=0.25", "train.batch_size=2"],
+    ["model=unet3d", "model.size=16", "model.width=0.125", "train.batch_size=2"],
+    ["model=resnet", "model.depth=11", "model.size=32", "model.width=0.25", "train.batch_size=3"],
+    ["model=cosmoflow_mlperf", "model.size=32", "model.width=0.25", "train.batch_size=2", "parallel.replicas=2"],
+], ids=["cosmoflow", "unet3d", "resnet-2d", "mlperf-R2"])
+def test_the_counted_flops_are_what_torch_counts_on_a_real_step(overrides: list[str]) -> None:
+    """The planner's count (a forward, and a backward of twice its FLOPs but the first layer's input gradient)
+    against torch's FlopCounterMode over a real forward and backward of the serial model at the replica's batch,
+    times the replicas, on 3D and 2D models with skips and norms."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from gems.config import section
+    from gems.layers import batch_context
+    from gems.models import build_model
+
+    cfg = compose(overrides)
+    spec = build_model(section(cfg, "model"))
+    R, B = int(cfg.parallel.replicas), int(cfg.train.batch_size)
+    x = torch.randn(B // R, *spec.input_shape)
+    with FlopCounterMode(display=False) as counter:
+        with batch_context(0, 0, list(range(B // R))):
+            out = spec.module.train()(x)
+        out.float().square().mean().backward()
+    counted = roofline.model_work(cfg).flops
+    assert counted == pytest.approx(R * counter.get_total_flops(), rel=0.01)
