@@ -146,7 +146,10 @@ def test_a_run_with_the_graph_protocol_trains_as_the_eager_run(tmp_path, monkeyp
     (a,), (b,) = records(str(tmp_path / "on")), records(str(tmp_path / "off"))
     assert a["loss"] == b["loss"]
     assert a["cuda_graphs"] is True and b["cuda_graphs"] is False  # replayed (no capture failed), and eager
-    assert not any("cuda_graphs" in n for n in a.get("notes", []))
+    from gems.rank.loop import GRAPHED_NOTE
+
+    assert [n for n in a.get("notes", []) if "cuda_graphs" in n] == [GRAPHED_NOTE]  # what stayed eager, said
+    assert not any("cuda_graphs" in n for n in b.get("notes", []))
     if "train.precision=fp16" in extra:
         assert a["loss_scale"]["skipped_steps"] == b["loss_scale"]["skipped_steps"] and a["loss_scale"]["skipped_steps"]
 

@@ -71,6 +71,9 @@ def start_watchdog(cfg: DictConfig, world: World, on_stall: Callable[[str, dict[
 
 
 BREAKDOWN = ("compute", "pipeline_comm", "halo", "allreduce", "bubble_or_wait", "data")
+#: a graphed run's note (gems.rank.graphs)
+GRAPHED_NOTE = ("train.cuda_graphs: the model's forward and backward were replayed from CUDA graphs from the first "
+                "step on; the loss, the gradient sums (after the backward) and the optimizer ran eager around them")
 
 
 def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str, Any]:
@@ -488,6 +491,8 @@ class Run:
         if seen:
             record["peak_memory_bytes"]["tensor_steps"] = list(range(min(self.measure_from, len(seen))))
         notes = list(par.notes) + self.notes(measured) + ([self.staged.note()] if self.staged else [])
+        if par.graph is not None and par.graph.replayed:  # what the replay covers, and what stays eager around it
+            notes.append(GRAPHED_NOTE)
         if notes:
             record["notes"] = notes
         if par.scaler.enabled:
