@@ -573,5 +573,5 @@ def test_read_files_wait_by_the_readers_rate_timed_on_them(tmp_path):
     far = make_plan(compose([*base[:4], "data.path=/nowhere/files", *base[5:], "data.prefetch=0", "data.readers=3"]),
                     suggest=False).prediction
     assert far is not None
-    assert any(a.startswith("data read by 3 reader thread(s) at 5.1 GB/s each") for a in far.assumptions)
+    assert any(a.startswith("data read by 3 reader thread(s) at 4.4 GB/s each") for a in far.assumptions)
     assert far.breakdown["data"] == pytest.approx(batch_bytes / (3 * predict.READER_BYTES_PER_S), rel=1e-6)

@@ -141,9 +141,9 @@ def gpu_synthetic(rates: Any, sample: Any, ahead: bool = True) -> Any:
 
 
 #: bytes a second one reader thread moves from the page cache into a batch, where no file is at hand to time: one
-#: thread of `gems bench data` here (results/bench/data.md: 5.1 GB/s, 0.95 of one read a whole file); a node's
-#: rate is taken as this per thread, none shared (planned, not the node's own)
-READER_BYTES_PER_S = 5.1e9
+#: thread of `gems bench data` here (results/bench/data.md: 4.38 GB/s, 0.91 of one read a whole file; 5.12 in a run
+#: before it); a node's rate is taken as this per thread, none shared (planned, not the node's own)
+READER_BYTES_PER_S = 4.4e9
 _READ_RATES: dict[tuple, tuple[float, str]] = {}
 
 
