@@ -64,7 +64,7 @@ def predict_step(cfg: Any, pl: Planner, prof: Any, batch: int, dev: dict[str, An
                             "behind the backward)")
     if prof is None:
         prof = pl.profile(max(1, pl.chunk_of(batch)))
-    data, made, on_device = None, "data read from the page cache and copied", False
+    data, made, on_device = None, "data copied once in memory", False  # (every data kind sets its own below)
     if str(cfg.data.name) == "synthetic" and dev["kind"] == "gpu":
         ahead = int(cfg.data.prefetch) > 0
         data, made, on_device = gpu_synthetic(rates, pl.st.spec.input_shape, ahead), (
