@@ -301,7 +301,7 @@ def test_counts_read_raw_and_finished_after_stacking_equal_the_host_transform_bi
     """The training reader reads the files' counts (int16: half a float's bytes to copy to a GPU) and finishes
     them where the step runs (gems.rank.data.finisher): crops, every symmetry, a rank's part and the
     standardisation give the same input, to the bit, as samples transformed one by one on the host."""
-    from gems.rank.data import Prefetcher, finisher
+    from gems.rank.data import finisher
 
     write_synthetic(tmp_path / "u", 2, (4, 14, 14, 14), seed=9)
     for slices in (None, (slice(2, 7), slice(0, 7), slice(0, 4))):
@@ -329,16 +329,11 @@ def test_counts_read_raw_and_finished_after_stacking_equal_the_host_transform_bi
         assert raw.dtype == held and torch.equal(typed.finish(raw), alone), dtype
     # the reader on a CPU rank finishes in its thread (depth 1) or in the step (depth 0), and what the step gets
     # is the transformed batch
+    from _prefetched import prefetched
+
     from gems.rank.data import _HDF5Batches
 
     data = _HDF5Batches(ds)
     assert finisher(data) is not None and finisher(object()) is None
-    for depth in (0, 1):
-        pf = Prefetcher(lambda step: ([step], data.batch(ids, symmetries=syms, raw=True)[0], None), [0, 1], depth,
-                        torch.device("cpu"), finisher(data))
-        try:
-            for step in (0, 1):
-                (_, got, _), _ = pf.get(step)
-                assert torch.equal(got, x)
-        finally:
-            pf.close()
+    got = prefetched(data, ids, syms)
+    assert len(got) == 4 and all(torch.equal(g, x) for g in got)

@@ -234,7 +234,9 @@ def test_a_file_cut_short_after_its_headers_were_read_is_named(tmp_path):
 def test_the_prefetcher_finishes_counts_read_with_their_symmetries(cube):
     """A rank's reader hands the Prefetcher Counts (raw=True); it finishes them, in its thread or in the
     step, into the batch the host path gives."""
-    from gems.rank.data import Prefetcher, _HDF5Batches, finisher
+    from _prefetched import prefetched
+
+    from gems.rank.data import _HDF5Batches
 
     ds = HDF5Samples(cube, (4, 6, 6, 6), slices=(slice(1, 5),), augment="cube", readers=2)
     data = _HDF5Batches(ds)
@@ -244,15 +246,8 @@ def test_the_prefetcher_finishes_counts_read_with_their_symmetries(cube):
     assert isinstance(raw, Counts) and not raw.is_cuda
     moved = raw.to(torch.device("cpu"))
     assert isinstance(moved, Counts) and moved.symmetries == raw.symmetries
-    for depth in (0, 1):
-        pf = Prefetcher(lambda step: ([step], data.batch(ids, symmetries=syms, raw=True)[0], None), [0, 1], depth,
-                        torch.device("cpu"), finisher(data))
-        try:
-            for step in (0, 1):
-                (_, got, _), _ = pf.get(step)
-                assert torch.equal(got, want)
-        finally:
-            pf.close()
+    got = prefetched(data, ids, syms)
+    assert len(got) == 4 and all(torch.equal(g, want) for g in got)
     ds.close()
 
 
