@@ -240,13 +240,13 @@ def _write_text(path: Path, text: str) -> None:
 def _commit(tmp: Path, path: Path) -> None:
     """``tmp`` synced to the disk, renamed to ``path``, and the rename synced (the folder's entry): a crash at any
     moment leaves the old file or the new one."""
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(tmp)
     os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
+    _fsync(path.parent)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -405,12 +405,12 @@ class Saver:
     coordinator) writes ``gems.json`` and ``history.pt`` and, once DCP's ``.metadata`` says every writer's files are
     complete, moves ``latest``: :meth:`_complete`."""
 
-    def __init__(self, cfg: Any, world: Any, mesh: Any, asynchronous: bool = False, restarts: int = 0) -> None:
+    def __init__(self, cfg: Any, world: Any, mesh: Any, asynchronous: bool = False) -> None:
         from gems.config import section
 
         self.cfg, self.world, self.mesh, self.asynchronous = cfg, world, mesh, asynchronous
         self.fault = section(cfg, "fault")
-        self.restarts = restarts  # the job's restarts (a fault injection acts in the first attempt only)
+        self.restarts = 0  # the job's restarts, once the run knows them (a fault injection acts in the first only)
         self.cap = int(cfg.train.checkpoint_writers)
         self.share = share_of(mesh, world.rank, self.cap)
         self.writers = writer_ranks(mesh, self.cap)
@@ -544,11 +544,11 @@ def at_scale(mesh: Any, rank: int, state: dict[str, torch.Tensor], cap: int,
     # would be a new tensor there
     added = sum(v.numel() * v.element_size() for k, (v, _) in shares.items()
                 if v.untyped_storage()._cdata != model[k].untyped_storage()._cdata)
-    writers = writer_ranks(mesh, cap)
+    writers = writer_ranks(mesh, cap)  # the ranks of Saver.group, which every distributed run makes
     return {"writes": share.writes, "writers_per_position": share.writers,
             "position_bytes": sum(v.numel() * v.element_size() for v in state.values()),
-            "share_bytes": size(chunks_of(state, share)), "group_ranks": len(writers) if len(writers) > 1 else 0,
-            "in_group": rank in writers and len(writers) > 1, "files_per_checkpoint": len(writers) + 3,
+            "share_bytes": size(chunks_of(state, share)), "group_ranks": len(writers),
+            "in_group": rank in writers, "files_per_checkpoint": len(writers) + 3,
             "model_file_host_bytes": (sum(t.numel() * t.element_size() for t in whole.values()) if rank == 0
                                       else size(shares)),
             "model_file_device_bytes_added": int(added)}

@@ -685,25 +685,20 @@ def setup(cfg: Any) -> Setup:
     factor = 2 if opt == "adam" else (1 if float(cfg.train.momentum) > 0 else 0)
     factor += 1 if float(cfg.train.ema) > 0 else 0  # train.ema keeps one more copy of the parameters
     gpu = plan_device(cfg) == "cuda"
+    # whether a GPU rank replays its model from CUDA graphs, and where not, why (the plan's notes say so)
+    graphed, eager_why = graphs_decide(cfg, settings, mesh, torch.device("cuda")) if gpu else (False, None)
     if mesh.spatial > 1:
         from gems.spatial.context import SpatialContext  # noqa: F401 - fails early when spatial is unavailable
     return Setup(spec, model_key, mesh, sched, int(p.micro_batches), eta, bool(p.checkpoint), str(cfg.train.precision), gpu,
                   int(cfg.train.batch_size), mesh.replicas, factor, float(cfg.comm.bucket_mb), p.overlap,
                   str(p.bn_stats), list(p.balance) if p.balance else None,
-                  settings.balance_by, settings, rank_threads(cfg), _setup_notes(cfg, settings, gather_note),
+                  settings.balance_by, settings, rank_threads(cfg),
+                  _setup_notes(cfg, settings, [n for n in (gather_note, eager_why) if n]),
                   device_batches_ahead(int(cfg.data.prefetch), str(cfg.data.name) == "hdf5") if gpu else 0,
-                  load_calibration(cfg) if gpu else None, reader_draw(cfg, spec) if gpu else 0,
-                  gpu and graphs_decide(cfg, settings, mesh, torch.device("cuda"))[0])
+                  load_calibration(cfg) if gpu else None, reader_draw(cfg, spec) if gpu else 0, graphed)
 
 
-def _setup_notes(cfg: Any, settings: Any, gather_note: str | None) -> list[str]:
-    notes = [gather_note] if gather_note else []
-    if plan_device(cfg) == "cuda":  # where a GPU rank's step would stay eager, and why
-        from gems.mesh import mesh_from_config
-
-        why = graphs_decide(cfg, settings, mesh_from_config(cfg, _world(cfg)), torch.device("cuda"))[1]
-        if why:
-            notes.append(why)
+def _setup_notes(cfg: Any, settings: Any, notes: list[str]) -> list[str]:
     if settings.pipelined and str(cfg.parallel.get("rounds_by", "unit")) == "time":
         notes.append("parallel.rounds_by=time places the pipeline's rounds by times measured at run time; the memory "
                      "is planned for the unit clock's rounds (timed ones may hold a received buffer at another point "

@@ -80,9 +80,10 @@ def predict_step(cfg: Any, pl: Planner, prof: Any, batch: int, dev: dict[str, An
 
         made = f"synthetic samples generated on the host as fast as here ({threads} thread(s))"
     elif str(cfg.data.name) == "hdf5":  # read by the rank's reader threads (gems.data.reader), at their rate
-        itemsize = _file_itemsize(cfg, pl.st.spec)
-        rate, how = reader_rate(cfg, pl.st.spec, _middle_part(pl))
-        data, made = read_files(cfg, pl.st.spec, itemsize, rate), f"data read by {how}"
+        sctx = pl._layers(pl.st.mesh.spatial // 2)[1]  # the middle part's, which the quick plan traces
+        rate, itemsize, how = reader_rate(cfg, pl.st.spec, sctx.local_slices(pl.st.spec.input_shape[1:])
+                                          if sctx is not None else None)
+        data, made = read_files(itemsize, rate), f"data read by {how}"
     pred = predict(pl, prof, batch, rates, c, nodes, tpn, data, int(cfg.data.prefetch), on_device,
                    graphed=pl.st.graphed)
     pred.assumptions.append(made)
@@ -144,15 +145,15 @@ def gpu_synthetic(rates: Any, sample: Any, ahead: bool = True) -> Any:
 #: thread of `gems bench data` here (results/bench/data.md: 4.38 GB/s, 0.91 of one read a whole file; 5.12 in a run
 #: before it); a node's rate is taken as this per thread, none shared (planned, not the node's own)
 READER_BYTES_PER_S = 4.4e9
-_READ_RATES: dict[tuple, tuple[float, str]] = {}
+_READ_RATES: dict[tuple, tuple[float, int, str]] = {}
 
 
-def reader_rate(cfg: Any, spec: Any, slices: Any = None) -> tuple[float, str]:
-    """(bytes a second a rank's reader moves into its batches, how that was found): timed on the files of
-    ``data.path`` where they are here (gems.data.hdf5.HDF5Samples.read with ``data.readers`` threads, the rank's
-    part ``slices`` and ``data.augment``'s symmetries, twice: the second read, from the page cache into the first's
-    buffer), else
-    ``data.readers`` x :data:`READER_BYTES_PER_S`."""
+def reader_rate(cfg: Any, spec: Any, slices: Any = None) -> tuple[float, int, str]:
+    """(bytes a second a rank's reader moves into its batches, bytes a value of the files' counts as it holds them,
+    how that was found): timed on the files of ``data.path`` where they are here (gems.data.hdf5.HDF5Samples.read
+    with ``data.readers`` threads, the rank's part ``slices`` and ``data.augment``'s symmetries, twice: the second
+    read, from the page cache into the first's buffer; a folder without them is bad input, named), else
+    ``data.readers`` x :data:`READER_BYTES_PER_S` of int16 counts, the ExaLearn layout's."""
     import time
     from pathlib import Path
 
@@ -160,8 +161,9 @@ def reader_rate(cfg: Any, spec: Any, slices: Any = None) -> tuple[float, str]:
 
     readers, path = int(cfg.data.readers), cfg.data.path
     if not path or not Path(str(path)).exists():
-        return readers * READER_BYTES_PER_S, (f"{readers} reader thread(s) at {READER_BYTES_PER_S / 1e9:.2g} GB/s "
-                                              "each (gems bench data's one thread here; no file at data.path to time)")
+        return readers * READER_BYTES_PER_S, 2, (f"{readers} reader thread(s) at {READER_BYTES_PER_S / 1e9:.2g} "
+                                                 "GB/s each (gems bench data's one thread here; no file at data.path "
+                                                 "to time)")
     key = (str(path), readers, str(slices), str(cfg.data.augment), tuple(spec.input_shape))
     if key not in _READ_RATES:
         from gems.data.augment import count, draw
@@ -179,13 +181,13 @@ def reader_rate(cfg: Any, spec: Any, slices: Any = None) -> tuple[float, str]:
         counts, _ = data.read(ids, syms, out=counts.data)
         seconds = time.perf_counter() - t0
         nbytes = counts.data.numel() * counts.data.element_size()
-        _READ_RATES[key] = (nbytes / max(seconds, 1e-9), f"{readers} reader thread(s) timed here on {n} sample(s) "
-                                                           f"of data.path from the page cache")
-    rate, how = _READ_RATES[key]
-    return rate, f"{how}: {rate / 1e9:.3g} GB/s"
+        _READ_RATES[key] = (nbytes / max(seconds, 1e-9), counts.data.element_size(),
+                            f"{readers} reader thread(s) timed here on {n} sample(s) of data.path from the page cache")
+    rate, itemsize, how = _READ_RATES[key]
+    return rate, itemsize, f"{how}: {rate / 1e9:.3g} GB/s"
 
 
-def read_files(cfg: Any, spec: Any, itemsize: int, rate: float) -> Any:
+def read_files(itemsize: int, rate: float) -> Any:
     """Seconds a rank's reader takes for ``n`` samples of its ``part`` (C, *spatial) of counts of ``itemsize`` bytes
     (the files' type: int16 in the ExaLearn layout) at ``rate`` bytes a second (:func:`reader_rate`); targets are
     small. The copy to a GPU runs on the reader's side stream, beside the step."""
@@ -193,33 +195,3 @@ def read_files(cfg: Any, spec: Any, itemsize: int, rate: float) -> Any:
     def data(part: Any, n: int, inp: bool, tgt: bool) -> float:
         return n * math.prod(int(v) for v in part) * itemsize / rate if inp else 0.0
     return data
-
-
-def _file_itemsize(cfg: Any, spec: Any) -> int:
-    """Bytes a value of the files' counts (their type as the reader holds it, from the first file's header where
-    the files are here: a folder without them is bad input, named; int16 otherwise, the ExaLearn layout's)."""
-    from pathlib import Path
-
-    if not cfg.data.path or not Path(str(cfg.data.path)).exists():
-        return 2
-    import torch
-
-    from gems.data.hdf5 import HDF5Samples, raw_dtype
-
-    files = HDF5Samples(str(cfg.data.path), spec.input_shape, crop=cfg.data.crop)  # ConfigError: the first bad file
-    return int(torch.empty(0, dtype=raw_dtype(files.file_dtype)).element_size())
-
-
-def _middle_part(pl: Any) -> Any:
-    """The middle spatial part's slices of a sample (None: the whole sample), the part the quick plan takes."""
-    from gems.spatial.geometry import split_bounds
-
-    mesh, edges = pl.st.mesh, list(pl.st.spec.input_shape[1:])
-    if mesh.spatial <= 1:
-        return None
-    grid = mesh.grid_of(mesh.spatial // 2)
-    out = [slice(0, n) for n in edges]
-    for k, dim in enumerate(mesh.spatial_dims):
-        lo, hi = split_bounds(edges[dim], mesh.parts[k])[grid[k]]
-        out[dim] = slice(lo, hi)
-    return tuple(out)

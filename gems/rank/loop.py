@@ -491,7 +491,8 @@ class Run:
         if seen:
             record["peak_memory_bytes"]["tensor_steps"] = list(range(min(self.measure_from, len(seen))))
         notes = list(par.notes) + self.notes(measured) + ([self.staged.note()] if self.staged else [])
-        if par.graph is not None and par.graph.replayed:  # what the replay covers, and what stays eager around it
+        replayed = bool(par.graph is not None and par.graph.replayed)  # the model replayed from CUDA graphs
+        if replayed:  # what the replay covers, and what stays eager around it
             notes.append(GRAPHED_NOTE)
         if notes:
             record["notes"] = notes
@@ -511,7 +512,7 @@ class Run:
             record["diverged"] = True
             record["nonfinite_steps"] = list(h["nonfinite_steps"])
         record.update(self.training_figures())
-        record["cuda_graphs"] = bool(par.graph is not None and par.graph.replayed)  # the model replayed (graphs)
+        record["cuda_graphs"] = replayed
         if world.rank == 0 and times:  # how far the step is from the device (gems.plan.roofline)
             from gems.plan.roofline import of_run
 
