@@ -117,3 +117,27 @@ def test_rounds_placed_by_measured_times_train_alike_and_replay_under_nccl_rules
         for strict in (False, True):
             assert replay(logs, strict_sends=strict)["messages"] > 0
     assert losses["time"] == losses["unit"] and len(losses["unit"]) == 3
+
+
+def test_a_graphed_replicas_run_with_checkpoints_replays_under_nccl_rules(tmp_path: Path, monkeypatch) -> None:
+    """Two replicas replaying their model (the CUDA graphs' protocol through its CPU stand-in: the gradient sums
+    after the backward, in bucket order), saving a checkpoint every step (the histories' all-reduces on every rank,
+    the writers' group made once, DCP's plans over it) and writing the model file at the end: every rank's calls
+    replay under NCCL's rules, strict sends too."""
+    from gems.rank.graphs import STAND_IN_ENV
+
+    monkeypatch.setenv(STAND_IN_ENV, "1")
+    logs_dir = tmp_path / "comm"
+    r = _logged_run(logs_dir, "parallel.replicas=2", *RESNET, "train.batch_size=4", "train.steps=3",
+                    "train.warmup_steps=1", "train.check_fit=false", "train.checkpoint_every=1",
+                    f"results.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    (rec,) = records(str(tmp_path))
+    assert rec["cuda_graphs"] is True and rec["checkpoint"]["saves"] == 3
+    logs = load(logs_dir)
+    assert sorted(logs) == [0, 1]
+    comms = {(e["fn"], e["comm"]) for e in logs[0] if e.get("e") == "post"}
+    # the sums on the gradient group, the step syncs and histories on the world's, DCP's plans on the writers'
+    assert len({c for _, c in comms}) >= 3 and any(fn == "scatter" for fn, _ in comms)
+    for strict in (False, True):
+        assert replay(logs, strict_sends=strict)["collectives"] > 0
