@@ -63,7 +63,9 @@ class ModelConf:
 class DataConf:
     name: str = key("synthetic", "synthetic (a function of train.seed) or hdf5 (data.path)",
                     choices=("synthetic", "hdf5"))
-    path: Optional[str] = key(None, "hdf5: a folder of one-file-per-sample .h5 files")
+    path: Optional[str] = key(None, "hdf5: a folder of sample files in a layout gems reads (docs/data.md)")
+    layout: Optional[str] = key(None, "hdf5: the files' layout (gems, exalearn, lbann, ...: gems.data.layouts); "
+                                      "null: detected from the files (docs/data.md)")
     num_samples: int = key(64, "synthetic: size of the training set (without train.epochs indices wrap around)", ge=1)
     int16: bool = key(True, "hdf5 files hold int16 counts; log(x+1) is applied when read")
     prefetch: int = key(2, "steps of samples a background reader prepares ahead of the step (0: read in the step)",

@@ -17,6 +17,7 @@ from gems.data import augment
 from gems.data import reader as preader
 from gems.data.hdf5 import Counts, HDF5Samples, read_sample
 from gems.data.synth import write_synthetic
+from gems.errors import ConfigError
 
 
 def _old(ds: HDF5Samples, ids, syms):
@@ -143,12 +144,13 @@ def test_flips_of_2d_samples_equal_the_host_path(tmp_path):
         ds.close()
 
 
-def test_chunked_compressed_and_other_typed_files_are_read_through_h5py_and_equal(tmp_path):
-    """Files the positional reads cannot take (chunked, compressed, a type converted to the batch's) are read
-    through h5py, beside the contiguous ones of the same batch; the batch equals the host path."""
+def test_chunked_compressed_and_big_endian_files_are_read_and_equal(tmp_path):
+    """Files the positional reads cannot take (chunked, compressed) are read through h5py, beside the contiguous
+    ones of the same batch (a big-endian one by position, its bytes swapped); the batch equals the host path,
+    and the set says which files took the slow path (its notes: what `gems run` and `gems plan` print)."""
     rng = np.random.default_rng(5)
     counts = [rng.integers(0, 500, size=(2, 8, 8, 8)).astype(np.int16) for _ in range(5)]
-    kinds = [dict(), dict(chunks=(1, 4, 8, 8)), dict(compression="gzip"), dict(dtype=">i2"), dict(dtype=np.int32)]
+    kinds = [dict(), dict(chunks=(1, 4, 8, 8)), dict(compression="gzip"), dict(dtype=">i2"), dict(shuffle=True)]
     for n, (c, kw) in enumerate(zip(counts, kinds)):
         with h5py.File(tmp_path / f"s{n}.h5", "w") as f:
             dtype = kw.pop("dtype", np.int16)
@@ -159,7 +161,7 @@ def test_chunked_compressed_and_other_typed_files_are_read_through_h5py_and_equa
     counts_read, y = ds.read(ids, syms)
     want, targets = _old(ds, ids, syms)
     assert torch.equal(counts_read.oriented(), want) and torch.equal(y, targets)
-    offsets = [ds._layout(i).offset for i in range(5)]
+    offsets = [ds._header(i).offset for i in range(5)]
     assert offsets[0] is not None and offsets[1] is None and offsets[2] is None  # contiguous, chunked, gzip
     assert offsets[3] is not None  # big-endian: read by position, its bytes swapped
     ds.close()
@@ -175,7 +177,7 @@ def test_files_stay_open_a_bounded_number_and_close(tmp_path):
     ds = HDF5Samples(tmp_path, (4, 8, 8, 8), readers=2)
     assert ds.reader.open_files() == 0 and _fds() == base
     ds.read([0, 1, 2])
-    assert ds._layout(0).offset is not None  # gems data synth writes contiguous datasets: read by position
+    assert ds._header(0).offset is not None  # gems data synth writes contiguous datasets: read by position
     assert ds.reader.open_files() == 3 and _fds() == base + 3
     for _ in range(3):
         ds.read([2, 1, 0])
@@ -219,16 +221,44 @@ def test_a_forked_process_reads_on_its_own_threads_and_files(tmp_path):
     _SHARED.clear()
 
 
-def test_a_file_cut_short_after_its_headers_were_read_is_named(tmp_path):
-    (f,) = write_synthetic(tmp_path, 1, (4, 8, 8, 8), seed=3)
+def test_a_file_that_changes_under_a_run_is_named(tmp_path):
+    """Issue 65, finding 6: a file cut short, deleted, replaced or rewritten after its headers were read is bad
+    input naming it (a ConfigError: exit 2), never read at its old offset nor an OSError (exit 1); so is one cut
+    between that look and the read itself."""
+    files = write_synthetic(tmp_path, 4, (4, 8, 8, 8), seed=3)
     ds = HDF5Samples(tmp_path, (4, 8, 8, 8), readers=2)
-    ds.read([0])
-    ds.close()
-    with open(f, "r+b") as h:
-        h.truncate(ds._layout(0).offset + 1000)  # its counts' first 1000 bytes left
-    with pytest.raises(OSError, match=r"sample_00000\.h5: ends at byte .*truncated"):
+    ds.read([0, 1, 2, 3])
+    with open(files[0], "r+b") as h:
+        h.truncate(ds._header(0).offset + 1000)  # its counts' first 1000 bytes left
+    with pytest.raises(ConfigError, match=r"^data.path=.*: expected files that stay as they were .*; "
+                                          r"sample_00000\.h5 \(file 1 of 4\) was cut short"):
         ds.read([0])
+    files[1].unlink()
+    with pytest.raises(ConfigError, match=r"sample_00001\.h5 \(file 2 of 4\) is gone"):
+        ds.read([1])
+    (other,) = write_synthetic(tmp_path / "other", 1, (4, 8, 8, 8), seed=9)
+    os.replace(other, files[2])  # another sample renamed over it: same size, another inode
+    with pytest.raises(ConfigError, match=r"sample_00002\.h5 \(file 3 of 4\) was replaced by another file"):
+        ds.read([2])
+    before = files[3].stat().st_mtime_ns
+    with open(files[3], "r+b") as h:  # rewritten in place
+        h.seek(ds._header(3).offset)
+        h.write(b"\x01\x02")
+    os.utime(files[3], ns=(before + 10**9, before + 10**9))
+    with pytest.raises(ConfigError, match=r"sample_00003\.h5 \(file 4 of 4\) was rewritten"):
+        ds.read([3])
     ds.close()
+    # cut between the look at the file and the read: the short read names it too
+    files = write_synthetic(tmp_path / "late", 1, (4, 8, 8, 8), seed=3)
+    late = HDF5Samples(tmp_path / "late", (4, 8, 8, 8), readers=2)
+    late._header(0)
+    with open(files[0], "r+b") as h:
+        h.truncate(late._header(0).offset + 1000)
+    late._still = lambda *a: None  # the look passed before the cut
+    with pytest.raises(ConfigError, match=r"sample_00000\.h5 \(file 1 of 1\) could not be read as its headers "
+                                          r"said \(OSError: .*ends at byte"):
+        late.read([0])
+    late.close()
 
 
 def test_the_prefetcher_finishes_counts_read_with_their_symmetries(cube):

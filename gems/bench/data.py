@@ -173,7 +173,7 @@ class _ReaderBench:
                                      slices=(slice(0, size // 2),)) for t in threads}
         gen = torch.Generator().manual_seed(0)
         self.syms = [torch.randint(0, 48, (READER_BATCH,), generator=gen).tolist() for _ in self.batches]
-        self.contiguous = all(self.sets[threads[0]]._layout(i).offset is not None for i in range(len(self.files)))
+        self.contiguous = all(self.sets[threads[0]]._header(i).offset is not None for i in range(len(self.files)))
         self.pool = ThreadPoolExecutor(max(threads))
 
     def _whole_file(self, i: int) -> None:

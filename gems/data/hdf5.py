@@ -1,23 +1,26 @@
-"""Partitioned reading of the ExaLearn CosmoFlow layout: each rank reads its part only.
+"""Partitioned reading of the HDF5 sample layouts: each rank reads its part only.
 
-One HDF5 file per sample: dataset ``full`` shaped (C, D, H, W) (or (C, H, W)
-for 2D), int16 particle counts, and ``unitPar``, the 4 normalised
-cosmological parameters (the regression target). Counts become
-``log(x + 1)`` in float32, as in the MLPerf HPC reference.
+One HDF5 file per sample (or per universe, cut into crops): dataset ``full`` of counts and ``unitPar``, the
+normalised cosmological parameters (the regression target). ``full`` lies either channels first, (C, D, H, W)
+(or (C, H, W) in 2D: gems's own layout, and LBANN's crops, whose spatial axes a full transpose reversed), or
+channels last, (D, H, W, C) (ExaLearn's universes, as NERSC publishes them); ``channels`` says which
+(gems.data.layouts names the layout). Counts become ``log(x + 1)`` in float32, as in the MLPerf HPC reference.
 
-Under spatial parallelism a 512^3 sample is 1 GiB of int16; reading it whole
-on every rank would multiply the I/O by S. :func:`read_sample` reads one
-hyperslab (h5py passes the slices to HDF5 as a hyperslab selection, so only
-those bytes are read), and :class:`HDF5Samples` picks the hyperslab of this
-rank from its :class:`gems.spatial.SpatialContext`: the I/O is partitioned
-like the sample. ``source`` may be a path or an open binary file object
-(h5py reads through it), which is how the tests count the bytes read.
+Under spatial parallelism a 512^3 sample is 1 GiB of int16; reading it whole on every rank would multiply the
+I/O by S. :func:`read_sample` reads one hyperslab (h5py passes the slices to HDF5 as a hyperslab selection, so
+only those bytes are read), and :class:`HDF5Samples` picks the hyperslab of this rank from its
+:class:`gems.spatial.SpatialContext`: the I/O is partitioned like the sample. In a channels-last file a depth
+slab is one contiguous run of bytes. ``source`` may be a path or an open binary file object (h5py reads
+through it), which is how the tests count the bytes read.
 
 A run reads its batches with :meth:`HDF5Samples.read`: each file's headers once (h5py: the dataset's shape,
-type and byte offset, the target), then the counts of a contiguous dataset by positional reads on the
-rank's ``data.readers`` threads (gems.data.reader: h5py's lock would keep them to one), straight into the
-batch's rows, through open files it keeps; a chunked or compressed file through h5py, as before. A sample's
-symmetry (``data.augment``) is applied after the read, where the batch is finished (:class:`Counts`).
+type and byte offset, the target, the file's identity), then the counts of a contiguous dataset by positional
+reads on the rank's ``data.readers`` threads (gems.data.reader: h5py's lock would keep them to one), straight
+into the batch's rows, in the file's own order, through open files it keeps; a chunked or compressed file
+through h5py, one at a time (said in :meth:`HDF5Samples.notes`). A sample's symmetry (``data.augment``) and a
+channels-last file's move of the channels to the front are applied after the read, where the batch is
+finished (:class:`Counts`; on a GPU rank after the copy to its device). A file whose type differs from the
+first's, or that changes while the run reads it (cut short, deleted, replaced), is bad input naming it.
 """
 from __future__ import annotations
 
@@ -48,67 +51,96 @@ def _name(source: Source) -> str:
     return str(source) if isinstance(source, (str, os.PathLike)) else str(getattr(source, "name", source))
 
 
-def sample_shape(source: Source) -> tuple[int, ...]:
+def _native(dtype: Any) -> np.dtype:
+    """``dtype`` in this machine's byte order (the values a file of either order holds are the same)."""
+    dt = np.dtype(dtype)
+    return dt.newbyteorder("=") if dt.byteorder in "<>" else dt
+
+
+def _spatial(channels: str, slices: Sequence[slice] | None, ndim: int) -> tuple[slice, ...]:
+    """The file's selection of spatial ``slices`` (None: all) with every channel, in the file's order."""
+    sp = tuple(slices) if slices is not None else ()
+    if channels == "last":
+        sp = sp + (slice(None),) * (ndim - 1 - len(sp))
+        return (*sp, slice(None))
+    return (slice(None), *sp)
+
+
+def canonical(shape: Sequence[int], channels: str) -> tuple[int, ...]:
+    """(C, *spatial) of a ``full`` shaped ``shape`` with its channels ``first`` or ``last``."""
+    shape = tuple(int(n) for n in shape)
+    return (shape[-1], *shape[:-1]) if channels == "last" and shape else shape
+
+
+def sample_shape(source: Source, channels: str = "first") -> tuple[int, ...]:
     """(C, *spatial) of the ``full`` dataset, from the file's metadata."""
     with _h5().File(source, "r") as f:
         if "full" not in f:
-            raise ConfigError("data.path", _name(source), "HDF5 files with a `full` dataset (C, D, H, W) and `unitPar`")
-        return tuple(int(n) for n in f["full"].shape)
+            raise ConfigError("data.path", _name(source), "HDF5 files with a `full` dataset of counts and `unitPar`")
+        return canonical(f["full"].shape, channels)
 
 
-#: the file dtypes a sample's counts keep until :func:`transform` (torch holds them); others become float32 at once
+#: the file dtypes a sample's counts keep until :func:`transform` (torch holds them, in either byte order); others
+#: become float32 at once
 _RAW_DTYPES = {np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.int32, np.int64, np.float16, np.float32,
                                      np.float64)}
 
 
 def read_sample(source: Source, slices: Sequence[slice] | None = None, log1p: bool = True,
-                standardize: tuple[float, float] | None = None, raw: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                standardize: tuple[float, float] | None = None, raw: bool = False,
+                channels: str = "first") -> tuple[torch.Tensor, torch.Tensor]:
     """Read the part ``slices`` (one per spatial dim; None: all) of one sample.
 
-    Returns ``(x, target)``: ``x`` float32 shaped (C, *part), ``log(x+1)`` of
-    the counts when ``log1p``, then ``(x - mean) / std`` with ``standardize`` (:func:`transform`); ``target`` the
-    float32 ``unitPar`` vector. ``raw``: ``x`` the counts as the file holds them (int16 in the ExaLearn layout: half
-    the float's bytes), for :func:`transform` to finish where the step runs.
+    Returns ``(x, target)``: ``x`` float32 shaped (C, *part) whatever the file's order (``channels``: where
+    its channels lie), ``log(x+1)`` of the counts when ``log1p``, then ``(x - mean) / std`` with
+    ``standardize`` (:func:`transform`); ``target`` the float32 ``unitPar`` vector. ``raw``: ``x`` the counts as
+    the file holds them (int16 in ExaLearn's files: half the float's bytes), channels first, for
+    :func:`transform` to finish where the step runs.
     """
     with _h5().File(source, "r") as f:
         ds = f["full"]
-        sel = (slice(None), *(slices if slices is not None else ()))
-        arr = np.empty(_sel_shape(ds.shape, sel), dtype=ds.dtype)
+        sel = _spatial(channels, slices, len(ds.shape))
+        arr = np.empty(_sel_shape(ds.shape, sel), dtype=_native(ds.dtype))
         if arr.size:
             ds.read_direct(arr, source_sel=sel)
         target = torch.from_numpy(np.asarray(f["unitPar"][()], dtype=np.float32).reshape(-1))
     x = torch.from_numpy(arr if arr.dtype in _RAW_DTYPES else arr.astype(np.float32))
+    if channels == "last":
+        x = x.movedim(-1, 0).contiguous()
     return (x if raw else transform(x, log1p, standardize)), target
 
 
-def read_into(slot: torch.Tensor, source: Source, slices: Sequence[slice] | None = None) -> torch.Tensor:
+def read_into(slot: torch.Tensor, source: Source, slices: Sequence[slice] | None = None,
+              channels: str = "first") -> torch.Tensor:
     """Read the part ``slices`` of one sample's counts straight into ``slot`` (a contiguous host tensor of the
-    part's shape, say a batch's row in pinned memory; HDF5 converts the file's type to the slot's), without a
-    copy in between; returns the sample's target."""
+    part's shape in the file's order, say a batch's row in pinned memory; HDF5 converts the file's type to the
+    slot's), without a copy in between; returns the sample's target."""
     with _h5().File(source, "r") as f:
         ds = f["full"]
-        sel = (slice(None), *(slices if slices is not None else ()))
         if slot.numel():
-            ds.read_direct(slot.numpy(), source_sel=sel)
+            ds.read_direct(slot.numpy(), source_sel=_spatial(channels, slices, len(ds.shape)))
         return torch.from_numpy(np.asarray(f["unitPar"][()], dtype=np.float32).reshape(-1))
 
 
 def raw_dtype(dtype: np.dtype) -> torch.dtype:
-    """The type a file's counts of ``dtype`` are held in until :func:`transform`: their own where torch holds
-    it, else float32."""
-    return torch.from_numpy(np.empty(0, dtype=dtype if dtype in _RAW_DTYPES else np.float32)).dtype
+    """The type a file's counts of ``dtype`` are held in until :func:`transform`: their own (in this machine's
+    byte order) where torch holds it, else float32."""
+    native = _native(dtype)
+    return torch.from_numpy(np.empty(0, dtype=native if native in _RAW_DTYPES else np.float32)).dtype
 
 
-def transform(x: torch.Tensor, log1p: bool = True, standardize: tuple[float, float] | None = None) -> torch.Tensor:
+def transform(x: torch.Tensor, log1p: bool = True, standardize: tuple[float, float] | None = None,
+              inplace: bool = False) -> torch.Tensor:
     """Counts to the network's input, elementwise on whatever device ``x`` is on: float32, ``log(x+1)`` when
     ``log1p``, then ``(x - mean) / std``. The same operations in the same order on every path, so a batch
-    transformed on the host after stacking equals one whose samples were transformed one by one, bit for bit."""
-    x = x.to(torch.float32)
+    transformed on the host after stacking equals one whose samples were transformed one by one, bit for bit.
+    One full-size tensor at most, the result (``inplace`` and float32 ``x``: none, ``x`` becomes it)."""
+    x = x.to(torch.float32, copy=not inplace)
     if log1p:
-        x = torch.log1p(x)
+        x.log1p_()
     if standardize is not None:
         mean, std = standardize
-        x = (x - float(mean)) / float(std)
+        x.sub_(float(mean)).div_(float(std))
     return x
 
 
@@ -124,63 +156,105 @@ def _sel_shape(shape: Sequence[int], sel: Sequence[slice]) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """What reading a file needs from its headers, read once: the byte ``offset`` of ``full``'s data (None where
-    they are not one contiguous, unfiltered block in the file: chunked, compressed, compact, external or
-    unwritten, read through h5py), its ``shape`` and ``dtype``, and the sample's ``target`` (``unitPar``)."""
+class Header:
+    """What reading a file needs from its headers, read once: the byte ``offset`` of ``full``'s data in the file
+    ``source`` that holds them (the file itself, or the one an external link leads to), None where they are not
+    one contiguous, unfiltered block (``why``: chunked, compressed, external, virtual or unwritten: read through
+    h5py), its ``shape`` (the file's order) and ``dtype``, the sample's ``target`` (``unitPar``), and the
+    identity of the files read (``stamps``: path -> (device, inode, size, mtime): a file that changes under
+    the run is named, not read at its old offset)."""
 
     offset: int | None
     shape: tuple[int, ...]
     dtype: np.dtype
     target: np.ndarray
+    source: str = ""
+    why: str | None = None
+    stamps: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
 
 
-def _offset(ds: Any) -> int | None:
-    """Where dataset ``ds``'s data lie in its file, if they are one plain block there (module docstring)."""
+def stamp(path: str | os.PathLike) -> tuple[int, int, int, int]:
+    """(device, inode, size, mtime in ns) of ``path``: what tells that a file was replaced, cut or rewritten."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _offset(ds: Any) -> tuple[int | None, str | None]:
+    """Where dataset ``ds``'s data lie in its file, if they are one plain block there, else why not (module
+    docstring)."""
     h5 = _h5()
     plist = ds.id.get_create_plist()
-    if plist.get_layout() != h5.h5d.CONTIGUOUS or plist.get_external_count() or plist.get_nfilters():
-        return None
+    layout = plist.get_layout()
+    if layout != h5.h5d.CONTIGUOUS:
+        kind = {h5.h5d.CHUNKED: "chunked", h5.h5d.COMPACT: "compact"}.get(layout, "virtual")
+        if layout == h5.h5d.CHUNKED and plist.get_nfilters():
+            kind = "compressed (" + ", ".join(_filter_name(plist.get_filter(i)) for i in range(plist.get_nfilters())) + ")"
+        return None, kind
+    if plist.get_external_count():
+        return None, "stored in external raw files"
+    if plist.get_nfilters():
+        return None, "filtered"
     offset = ds.id.get_offset()
     if offset is None or ds.id.get_storage_size() != ds.size * ds.dtype.itemsize:
-        return None
-    return int(offset)
+        return None, "not written"
+    return int(offset), None
+
+
+def _filter_name(info: Any) -> str:
+    name = info[3] if len(info) > 3 else b""
+    text = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+    return text.split()[0].lower() if text.strip() else f"filter {info[0]}"
 
 
 class Counts:
-    """A batch of counts as :meth:`HDF5Samples.read` leaves it: row ``i`` of ``data`` (N, C, *part) holds
-    sample ``i``'s counts as read, from the hyperslab its symmetry ``symmetries[i]`` takes them from
-    (gems.data.augment.source_slices), in that hyperslab's own shape ``shapes[i]`` and C order. The symmetries
-    are applied by :meth:`oriented`, where the batch is finished: on a GPU rank after the copy to its device
-    (a permutation and mirrors move values without changing them, so it equals the host's batch bit for bit).
-    It moves as a tensor does (``is_cuda``, ``pin_memory``, ``to``: what gems.rank.data.Prefetcher asks of a
-    batch it copies to the device)."""
+    """A batch of counts as :meth:`HDF5Samples.read` leaves it: row ``i`` of ``data`` holds sample ``i``'s
+    counts as read, from the hyperslab its symmetry ``symmetries[i]`` takes them from
+    (gems.data.augment.source_slices), in that hyperslab's own shape ``shapes[i]`` and the file's C order
+    (``channels_last``: the channels last). The symmetries, and the move of the channels to the front, are
+    applied by :meth:`oriented`, where the batch is finished: on a GPU rank after the copy to its device (a
+    permutation and mirrors move values without changing them, so it equals the host's batch bit for bit). It
+    moves as a tensor does (``is_cuda``, ``pin_memory``, ``to``: what gems.rank.data.Prefetcher asks of a batch
+    it copies to the device)."""
 
-    def __init__(self, data: torch.Tensor, symmetries: Sequence[int], shapes: Sequence[tuple[int, ...]]) -> None:
+    def __init__(self, data: torch.Tensor, symmetries: Sequence[int], shapes: Sequence[tuple[int, ...]],
+                 channels_last: bool = False) -> None:
         self.data, self.symmetries, self.shapes = data, tuple(int(k) for k in symmetries), tuple(shapes)
+        self.channels_last = bool(channels_last)
 
     @property
     def is_cuda(self) -> bool:
         return bool(self.data.is_cuda)
 
     def pin_memory(self) -> Counts:
-        return self if self.data.is_pinned() else Counts(self.data.pin_memory(), self.symmetries, self.shapes)
+        return self if self.data.is_pinned() else Counts(self.data.pin_memory(), self.symmetries, self.shapes,
+                                                         self.channels_last)
 
     def to(self, device: Any, non_blocking: bool = False) -> Counts:
-        return Counts(self.data.to(device, non_blocking=non_blocking), self.symmetries, self.shapes)
+        return Counts(self.data.to(device, non_blocking=non_blocking), self.symmetries, self.shapes,
+                      self.channels_last)
 
-    def oriented(self) -> torch.Tensor:
-        """The counts of each sample transformed by its symmetry (N, C, *part), on ``data``'s device."""
-        if not any(self.symmetries):
+    def oriented(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The counts of each sample transformed by its symmetry, channels first (N, C, *part), on ``data``'s
+        device; ``dtype``: a new tensor of that type (one pass: the conversion is the copy), else ``data``
+        itself where there is nothing to move."""
+        if dtype is None and not any(self.symmetries) and not self.channels_last:
             return self.data
-        out = torch.empty_like(self.data)
-        for row, dst, k, shape in zip(self.data, out, self.symmetries, self.shapes):
-            dst.copy_(augmentation.apply(k, row.view(shape), contiguous=False))
+        n = self.data.shape[0]
+        if self.channels_last:  # the row holds (*part, C): the batch's shape is (C, *part)
+            shape = (n, self.data.shape[-1], *self.data.shape[1:-1])
+        else:
+            shape = tuple(self.data.shape)
+        out = torch.empty(shape, dtype=dtype or self.data.dtype, device=self.data.device)
+        for row, dst, k, sh in zip(self.data, out, self.symmetries, self.shapes):
+            v = row.view(sh)
+            if self.channels_last:
+                v = v.movedim(-1, 0)
+            dst.copy_(augmentation.apply(k, v, contiguous=False))
         return out
 
 
 class HDF5Samples:
-    """The samples under ``path`` (a directory of ``*.h5``, sorted by name, or one file).
+    """The samples under ``path`` (a directory of sample files, sorted by name, or one file).
 
     ``expected_shape`` (C, *spatial) is the model's input. A file of that shape is one sample; a file larger by
     a whole multiple in every spatial dim (a universe) is cut into crops of that shape, each a sample read as
@@ -190,25 +264,30 @@ class HDF5Samples:
     here, every other when it is first read; :meth:`check_all` checks them all up front (the CLI's pre-launch
     check). With ``ctx`` each item is this rank's part; ``slices`` picks a part by hand. ``readers``
     (``data.readers``): the threads :meth:`read` reads on; the files it reads stay open (a bounded number) until
-    :meth:`close`, or until the set is collected.
+    :meth:`close`, or until the set is collected. ``layout``: the layout's name (gems.data.layouts: ``gems``,
+    ``exalearn``, ``lbann``), None to detect it; it says where the files' channels lie.
     """
 
     def __init__(self, path: str | os.PathLike, expected_shape: Sequence[int] | None = None, ctx: Any = None,
                  slices: Sequence[slice] | None = None, log1p: bool = True, key: str = "data.path",
                  crop: int | None = None, standardize: Sequence[float] | None = None, augment: str = "none",
-                 readers: int = 4) -> None:
+                 readers: int = 4, layout: Any = None) -> None:
+        from gems.data import layouts
+
         p = Path(path)
         self.path, self.is_dir, self.key = str(path), p.is_dir(), key  # key: the setting that names the folder
-        self.files = sorted(p.glob("*.h5")) if self.is_dir else ([p] if p.is_file() else [])
+        self.layout = layout if isinstance(layout, layouts.Layout) else layouts.detect(path, layout, key)
+        self.channels = str(getattr(self.layout, "channels", "first"))
+        self.files = self.layout.files(path)
         if not self.files:
-            raise ConfigError(key, str(path), "a directory of .h5 sample files (`gems data synth` writes one)")
+            raise ConfigError(key, str(path), "a directory of HDF5 sample files (`gems data synth` writes one)")
         self.expected = tuple(int(n) for n in expected_shape) if expected_shape is not None else None
         if crop is not None and self.expected is not None and any(int(crop) != n for n in self.expected[1:]):
             raise ConfigError("data.crop", crop, f"the model's input edge ({'x'.join(map(str, self.expected[1:]))}: "
                               "a crop is one sample), or null for it")
         self.file_shape: tuple[int, ...] | None = None
-        self.file_dtype = np.dtype(np.float32)  # the first file's counts' type (set by _check)
-        self.file_shape = self._check(0)
+        self.file_dtype = np.dtype(np.float32)  # the first file's counts' type, native order (set by _check)
+        self.file_shape = self._check(0)  # (C, *spatial) of a file, whatever its order
         self.shape = self.expected if self.expected is not None else self.file_shape  # one sample's (C, *spatial)
         self.grid = tuple(f // s for f, s in zip(self.file_shape[1:], self.shape[1:]))  # crops per spatial dim
         self.crops = math.prod(self.grid)
@@ -226,7 +305,21 @@ class HDF5Samples:
         if isinstance(readers, bool) or not isinstance(readers, int) or readers < 1:
             raise ConfigError("data.readers", readers, "a positive number of threads reading a rank's samples")
         self.reader = preader.Reader(readers)  # no thread or open file before the first read
-        self._layouts: dict[int, Layout] = {}
+        self._headers: dict[int, Header] = {}
+        self._slow: dict[str, int] = {}  # why -> files read through h5py (notes)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The counts' type as read (the protocol's name for :attr:`file_dtype`)."""
+        return self.file_dtype
+
+    def notes(self) -> list[str]:
+        """What the run and the plan say of this set: files read through h5py, one at a time, and why."""
+        out = []
+        for why, n in sorted(self._slow.items()):
+            out.append(f"{self.key}: {n} file(s) {why}, read through h5py one at a time (its lock), not by "
+                       f"positional reads on data.readers threads; `gems data convert` writes them contiguous")
+        return out
 
     def check_all(self, count: int | None = None, target_size: int | None = None) -> None:
         """Check the metadata of every file the first ``count`` samples read (all files when None),
@@ -238,34 +331,45 @@ class HDF5Samples:
             self._check(i, target_size)
         self._checked.update(range(n))
 
+    def _where(self, index: int) -> str:
+        file = self.files[index]
+        return f"{file.name} (file {index + 1} of {len(self.files)})" if self.is_dir else "the file"
+
     def _check(self, index: int, target_size: int | None = None, keep: bool = False) -> tuple[int, ...]:
         """(C, *spatial) of file ``index``, after checking its layout (headers only) against the model;
-        ``keep``: also keep what reading it needs (:class:`Layout`: its offset and its target, read here once)."""
+        ``keep``: also keep what reading it needs (:class:`Header`: its offset and its target, read here once)."""
         file = self.files[index]
         h5 = _h5()
 
         def bad(expected: str, found: str) -> ConfigError:
-            where = f"{file.name} (file {index + 1} of {len(self.files)})" if self.is_dir else "the file"
-            return ConfigError(self.key, self.path, f"{expected}; {where} has {_oneline(found)}")
+            return ConfigError(self.key, self.path, f"{expected}; {self._where(index)} has {_oneline(found)}")
 
-        layout = "HDF5 sample files, each with a `full` dataset (C, *spatial) of counts and a `unitPar` target vector"
+        order = "(*spatial, C)" if self.channels == "last" else "(C, *spatial)"
+        layout = f"HDF5 sample files, each with a `full` dataset {order} of counts and a `unitPar` target vector"
         try:
             with h5.File(file, "r") as f:
                 meta = {k: (d.shape, d.dtype) if isinstance(d, h5.Dataset) else None
                         for k, d in (("full", f.get("full")), ("unitPar", f.get("unitPar")))}
-                found = ((_offset(f["full"]), f["unitPar"][()])
-                         if keep and meta["full"] is not None and meta["unitPar"] is not None else None)
+                found = None
+                if keep and meta["full"] is not None and meta["unitPar"] is not None:
+                    ds = f["full"]
+                    source = os.path.realpath(os.path.join(os.path.dirname(str(file)), ds.file.filename))
+                    found = (*_offset(ds), f["unitPar"][()], source)
         except OSError as e:  # not HDF5, truncated, unreadable
             raise bad(layout, f"an unreadable file ({type(e).__name__}: {e})") from None
         full, par = meta["full"], meta["unitPar"]
         if full is None or par is None:
             raise bad(layout, f"no `{'full' if full is None else 'unitPar'}` dataset")
-        (shape, dtype), (pshape, pdtype) = full, par
-        shape = tuple(int(n) for n in shape or ())  # shape None: an empty (null) dataspace
+        (raw_shape, dtype), (pshape, pdtype) = full, par
+        raw_shape = tuple(int(n) for n in raw_shape or ())  # shape None: an empty (null) dataspace
+        shape = canonical(raw_shape, self.channels)
         if dtype.kind not in "iuf":
-            raise bad("`full` of integer or float counts (int16 in the ExaLearn layout)", f"`full` of dtype {dtype}")
+            raise bad("`full` of integer or float counts (int16 in ExaLearn's files)", f"`full` of dtype {dtype}")
         if self.file_shape is None:
-            self.file_dtype = np.dtype(dtype)
+            self.file_dtype = _native(dtype)
+        elif _native(dtype) != self.file_dtype:  # every file as the first: a type converted would change values
+            raise bad(f"`full` of the first file's type, {self.file_dtype} (mixed types would be converted: "
+                      "2.7 read into an int16 batch is 2)", f"`full` of dtype {dtype}")
         if self.file_shape is not None and shape != self.file_shape:  # every file as the first
             raise bad(f"`full` shaped {list(self.file_shape)} as the first file", str(list(shape)))
         if self.expected is not None and not _holds_crops(shape, self.expected):
@@ -277,9 +381,18 @@ class HDF5Samples:
             raise bad(f"`unitPar` of {want} (the target vector, one value per model output)",
                       f"`unitPar` shaped {list(pshape or ())} of dtype {pdtype}")
         if found is not None:
-            offset, par_values = found
-            self._layouts[index] = Layout(offset if shape else None, shape, np.dtype(dtype),
-                                          np.asarray(par_values, dtype=np.float32).reshape(-1))
+            offset, why, par_values, source = found
+            paths = {str(file), source} if offset is not None else {str(file)}
+            try:
+                stamps = tuple((q, stamp(q)) for q in sorted(paths))
+            except OSError as e:
+                raise bad(layout, f"an unreadable file ({type(e).__name__}: {e})") from None
+            if not raw_shape:
+                offset, why = None, "empty"
+            self._headers[index] = Header(offset, raw_shape, np.dtype(dtype),
+                                          np.asarray(par_values, dtype=np.float32).reshape(-1), source, why, stamps)
+            if why is not None:
+                self._slow[why] = self._slow.get(why, 0) + 1
         return shape
 
     def __len__(self) -> int:
@@ -299,12 +412,12 @@ class HDF5Samples:
         """The file (universe) sample ``index`` is cut from: validation averages a file's crops."""
         return self.locate(index)[0]
 
-    def _layout(self, i: int) -> Layout:
-        """File ``i``'s :class:`Layout`, from its headers the first time (checked then, if it was not yet)."""
-        if i not in self._layouts:
+    def _header(self, i: int) -> Header:
+        """File ``i``'s :class:`Header`, from its headers the first time (checked then, if it was not yet)."""
+        if i not in self._headers:
             self._check(i, keep=True)
             self._checked.add(i)
-        return self._layouts[i]
+        return self._headers[i]
 
     def _file(self, i: int) -> Path:
         if i not in self._checked:
@@ -313,8 +426,8 @@ class HDF5Samples:
         return self.files[i]
 
     def _hyperslab(self, index: int, symmetry: int) -> tuple[int, tuple[slice, ...] | None]:
-        """(file, the hyperslab to read: None for all of it) of sample ``index``'s part under ``symmetry``
-        (gems.data.augment: the part it comes from)."""
+        """(file, the spatial hyperslab to read: None for all of it) of sample ``index``'s part under
+        ``symmetry`` (gems.data.augment: the part it comes from)."""
         file, origin = self.locate(index)
         edges = self.shape[1:]
         parts = self.slices if self.slices is not None else tuple(slice(0, n) for n in edges)
@@ -334,29 +447,50 @@ class HDF5Samples:
         """Sample ``index`` (this rank's part of it), transformed by the box's ``symmetry`` (gems.data.augment:
         the part it comes from is the hyperslab read)."""
         file, hyperslab = self._hyperslab(index, symmetry)
-        x, y = read_sample(self._file(file), hyperslab, self.log1p, self.standardize)
+        x, y = read_sample(self._file(file), hyperslab, self.log1p, self.standardize, channels=self.channels)
         return augmentation.apply(symmetry, x), y
 
     def finish(self, x: torch.Tensor | Counts) -> torch.Tensor:
-        """Raw counts (``raw=True``, or :meth:`read`'s, whose symmetries are applied first) to the network's
-        input, on their device (:func:`transform`)."""
-        return transform(x.oriented() if isinstance(x, Counts) else x, self.log1p, self.standardize)
+        """Raw counts (``raw=True``, or :meth:`read`'s, whose symmetries and channel order are applied first, in
+        the same pass as the conversion to float32) to the network's input, on their device (:func:`transform`,
+        in place on that one new tensor)."""
+        if isinstance(x, Counts):
+            return transform(x.oriented(torch.float32), self.log1p, self.standardize, inplace=True)
+        return transform(x, self.log1p, self.standardize)
 
     def target(self, index: int) -> torch.Tensor:
         """Only the target of sample ``index`` (a rank that computes the loss but reads no input)."""
-        return torch.from_numpy(self._layout(self.locate(index)[0]).target.copy())
+        return torch.from_numpy(self._header(self.locate(index)[0]).target.copy())
+
+    def _changed(self, index: int, what: str) -> ConfigError:
+        return ConfigError(self.key, self.path, f"files that stay as they were when the run first read them; "
+                           f"{self._where(index)} {_oneline(what)}")
+
+    def _still(self, index: int, head: Header) -> None:
+        """File ``index`` (and the file its counts lie in) as its headers were read, else bad input naming it."""
+        for path, was in head.stamps:
+            try:
+                now = stamp(path)
+            except OSError:
+                raise self._changed(index, f"is gone ({path} was deleted or moved while the run read it)") from None
+            if now != was:
+                how = ("was cut short" if now[2] < was[2] else "grew") if now[2] != was[2] else (
+                    "was replaced by another file" if now[:2] != was[:2] else "was rewritten")
+                raise self._changed(index, f"{how} while the run read it ({path})")
 
     def read(self, indices: Sequence[int], symmetries: Sequence[int] | None = None, pin: bool = False,
              out: torch.Tensor | None = None) -> tuple[Counts, torch.Tensor]:
         """The counts of the samples ``indices`` (this rank's part of each) as :class:`Counts`, and their targets
         (N, 4). Each sample is read straight into its row of one batch (pinned with ``pin``: a GPU rank's, which
-        its copy to the device takes as it is; ``out``: that batch, contiguous, of the counts' type), from the
-        hyperslab its symmetry in ``symmetries`` (None: none) takes it from; the symmetries are applied where
-        the batch is finished (:meth:`finish`). A contiguous dataset is read by positional reads on the
-        ``readers`` threads (gems.data.reader), any other through h5py (one at a time: h5py's lock) beside
-        them; the targets come from the files' headers, read once."""
+        its copy to the device takes as it is; ``out``: that batch, contiguous, of the counts' type), in the
+        file's order, from the hyperslab its symmetry in ``symmetries`` (None: none) takes it from; the
+        symmetries are applied where the batch is finished (:meth:`finish`). A contiguous dataset is read by
+        positional reads on the ``readers`` threads (gems.data.reader), any other through h5py (one at a time:
+        h5py's lock) beside them; the targets come from the files' headers, read once. A file that changed since
+        its headers were read (cut short, deleted, replaced) is a ConfigError naming it."""
         syms = [int(k) for k in symmetries] if symmetries is not None else [0] * len(indices)
-        shape = (len(indices), *self.part_shape())
+        part = self.part_shape()
+        shape = (len(indices), *(part[1:] + part[:1] if self.channels == "last" else part))
         dtype = raw_dtype(self.file_dtype)
         if out is None:
             out = torch.empty(shape, dtype=dtype, pin_memory=pin)
@@ -368,22 +502,36 @@ class HDF5Samples:
         tasks: list[preader.Task] = []
         others: list[Any] = []
         shapes, targets = [], []
+        seen: set[int] = set()
         for r, (i, k) in enumerate(zip(indices, syms)):
             f, hyperslab = self._hyperslab(i, k)
-            lay = self._layout(f)
-            sel = (slice(None), *(hyperslab if hyperslab is not None else ()))
-            shapes.append(_sel_shape(lay.shape, sel))
-            targets.append(torch.from_numpy(lay.target))
+            head = self._header(f)
+            if f not in seen:
+                self._still(f, head)
+                seen.add(f)
+            sel = _spatial(self.channels, hyperslab, len(head.shape))
+            shapes.append(_sel_shape(head.shape, sel))
+            targets.append(torch.from_numpy(head.target))
             if not row_bytes:
                 continue
-            if lay.offset is not None and lay.dtype.newbyteorder("=") == kind:
-                swap = kind if not lay.dtype.isnative and kind.itemsize > 1 else None
-                tasks += preader.tasks(str(self.files[f]), lay.offset, preader.grid(lay.shape, kind.itemsize, sel),
+            if head.offset is not None and _native(head.dtype) == kind:
+                swap = kind if not head.dtype.isnative and kind.itemsize > 1 else None
+                tasks += preader.tasks(head.source, head.offset, preader.grid(head.shape, kind.itemsize, sel),
                                        flat[r * row_bytes:(r + 1) * row_bytes], swap)
-            else:  # through h5py, which converts another type to the row's
-                others.append(functools.partial(read_into, out[r].view(shapes[-1]), self.files[f], hyperslab))
-        self.reader.run(tasks, others)
-        return Counts(out, syms, shapes), torch.stack(targets) if targets else torch.empty(0, 0)
+            else:  # through h5py
+                others.append(functools.partial(read_into, out[r].view(shapes[-1]), self.files[f], hyperslab,
+                                                self.channels))
+        try:
+            self.reader.run(tasks, others)
+        except OSError as e:  # cut short or gone between the look above and the read
+            name = getattr(e, "filename", None) or str(e)
+            where = next((j for j, p in enumerate(self.files) if str(p) in str(name) or
+                          (j in self._headers and self._headers[j].source in str(name))), None)
+            if where is None:
+                raise
+            raise self._changed(where, f"could not be read as its headers said ({type(e).__name__}: {e})") from None
+        return (Counts(out, syms, shapes, self.channels == "last"),
+                torch.stack(targets) if targets else torch.empty(0, 0))
 
     def batch(self, indices: Sequence[int], symmetries: Sequence[int] | None = None, raw: bool = False,
               pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

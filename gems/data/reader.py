@@ -297,7 +297,21 @@ class Reader:
 
     def run(self, tasks: Sequence[Task], others: Sequence[Callable[[], None]] = ()) -> None:
         """Do every task (and every call in ``others``) on the threads; return when all are done, raising the
-        first failure."""
+        first failure. A batch of more files than the reader may hold open (:func:`file_budget`) is read in
+        waves of that many files, so that no batch runs into the process's limit on open files."""
+        budget = file_budget(self.capacity)
+        self._ready().files.capacity = budget  # (the least recently read closed beyond it)
+        files = list(dict.fromkeys(t.path for t in tasks))
+        if len(files) <= budget:
+            return self._run(tasks, others)
+        wave_of = {p: i // budget for i, p in enumerate(files)}
+        waves: list[list[Task]] = [[] for _ in range(-(-len(files) // budget))]
+        for t in tasks:
+            waves[wave_of[t.path]].append(t)
+        for w, wave in enumerate(waves):
+            self._run(wave, others if w == 0 else ())
+
+    def _run(self, tasks: Sequence[Task], others: Sequence[Callable[[], None]] = ()) -> None:
         state = self._ready()
         paths = [t.path for t in tasks]
         fds: dict[str, int] = {}
@@ -368,6 +382,19 @@ class Reader:
             self._finalizer = None
         if state is not None:
             state.close()
+
+
+def file_budget(capacity: int = OPEN_FILES) -> int:
+    """Files a reader holds open at most: its ``capacity``, and at most a quarter of the files the process may
+    open (``RLIMIT_NOFILE``'s soft limit: the rest for h5py's headers, the step's and torch's own)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        soft = -1 if soft == resource.RLIM_INFINITY else soft
+    except (ImportError, OSError, ValueError):
+        soft = -1
+    return max(1, min(int(capacity), soft // 4 if soft > 0 else int(capacity)))
 
 
 def tasks(path: str, base: int, g: Grid, out: np.ndarray, swap: np.dtype | None = None) -> Iterator[Task]:

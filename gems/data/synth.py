@@ -1,7 +1,7 @@
-"""Synthetic samples in the ExaLearn HDF5 layout, for ``gems data synth``.
+"""Synthetic samples in gems's own HDF5 layout (gems.data.layouts.own), for ``gems data synth``.
 
 Real CosmoFlow data is large and not redistributable with gems; these files
-have its layout (``full`` int16 (C, D, H, W) counts, ``unitPar`` 4 floats in
+hold what it holds (``full`` int16 counts, here channels first (C, D, H, W), ``unitPar`` 4 floats in
 [-1, 1]) and a similar spread of values: a Gaussian random field with a power
 law spectrum, exponentiated (a log-normal density, like matter) and drawn as
 Poisson counts, one channel per "redshift" with its own mean. The four target
@@ -63,6 +63,7 @@ def write_synthetic(path: str | os.PathLike, n_samples: int, shape: Sequence[int
             f.create_dataset("full", data=counts)
             f.create_dataset("unitPar", data=par)
             f.attrs["generator"] = f"gems.data.synth seed={seed} index={i}"
+            f.attrs["layout"] = "gems"  # gems.data.layouts.own (channels first)
         os.replace(tmp, final)
         files.append(final)
     return files

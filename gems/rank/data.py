@@ -41,21 +41,21 @@ def make_data(cfg: DictConfig, spec: ModelSpec, slices: tuple[slice, ...] | None
     synthetic inputs are drawn on ``device`` (a GPU rank's GPU: gems.data.synthetic.sample_input); ``staged``:
     read from the node-local copies (:func:`stage`)."""
     d = cfg.data
-    if d.name == "hdf5":
-        from gems.data.hdf5 import HDF5Samples
+    if d.name == "hdf5":  # files in a layout gems reads (gems.data.layouts: detected, or data.layout)
+        from gems.data import layouts
 
-        if spec.target != "vector":
-            raise ConfigError("data", "hdf5",
-                              f"synthetic for {spec.name} (the ExaLearn files carry one target vector per sample)")
         path = d.val_path if validation else d.path
         if staged is not None and path is not None:
             path = str(staged.val if validation else staged.train)
         key = "data.val_path" if validation else "data.path"
-        return None if path is None else _HDF5Batches(HDF5Samples(path, spec.input_shape, slices=slices, key=key,
-                                                                  crop=d.crop, standardize=d.standardize,
-                                                                  augment="none" if validation else d.augment,
-                                                                  readers=int(d.readers)),
-                                                      pin=device is not None and device.type == "cuda")
+        if path is None:
+            return None
+        layout = layouts.detect(path, d.get("layout"), key)
+        readers, _ = layouts.reader_threads(int(d.readers))  # capped by the task's CPUs (notes: data_notes)
+        return _HDF5Batches(layout.open(path, spec.input_shape, key=key, slices=slices, crop=d.crop,
+                                        standardize=d.standardize, augment="none" if validation else d.augment,
+                                        readers=readers, target=spec.target),
+                            pin=device is not None and device.type == "cuda")
     if d.augment != "none":
         raise ConfigError("data.augment", d.augment, "none for synthetic data (its samples are drawn, not read: "
                                                      "data=hdf5 reads files it can mirror)")
@@ -65,6 +65,19 @@ def make_data(cfg: DictConfig, spec: ModelSpec, slices: tuple[slice, ...] | None
         n = int(d.val_samples)
         return SyntheticData(spec, int(cfg.train.seed), n, offset=int(d.num_samples), device=device) if n else None
     return SyntheticData(spec, int(cfg.train.seed), int(d.num_samples), device=device)
+
+
+def data_notes(cfg: DictConfig, data: Any) -> list[str]:
+    """What a run says of how it reads its files (the record's notes): the layout, the reader threads where the
+    task's CPUs cap ``data.readers``, files read on a slow path (gems.data.layouts.Samples.notes)."""
+    samples = getattr(data, "samples", None)
+    if samples is None:
+        return []
+    from gems.data import layouts
+
+    out = [f"data: {len(samples.files)} file(s) of layout {samples.layout.name} ({samples.layout.about})"]
+    why = layouts.reader_threads(int(cfg.data.readers))[1]
+    return out + ([why] if why else []) + list(samples.notes())
 
 
 def dataset_size(cfg: DictConfig, spec: ModelSpec | None = None) -> int:
@@ -151,10 +164,12 @@ def _listing(cfg: DictConfig, world: Any) -> list[tuple[str, str, int]]:
     d = cfg.data
     out: list[tuple[str, str, int]] = []
     if world.rank == 0:
+        from gems.data import layouts
+
         for kind, src in (("train", d.path), ("val", d.val_path)):
             if src:
-                p = Path(str(src))
-                out += [(str(f), kind, f.stat().st_size) for f in sorted(p.glob("*.h5") if p.is_dir() else [p])]
+                files = layouts.detect(str(src), d.get("layout"), "data.path" if kind == "train" else "data.val_path")
+                out += [(str(f), kind, f.stat().st_size) for f in files.files(str(src))]
     if world.size > 1:
         import torch.distributed as dist
 

@@ -1,0 +1,240 @@
+"""The layouts of sample files gems reads, one module a layout, registered by name (``data.layout``).
+
+A *layout* is how a published data set lies in its files: ExaLearn's channels-last universes, LBANN's CDHW
+crops, gems's own channels-first ``.h5`` files, MLPerf's TFRecords, LiTS's NIfTI volumes. Every user of files
+asks the one object this module hands out for a folder, never the files themselves: the run
+(gems.rank.data.make_data), ``gems plan`` (the layout's name and read rate), ``gems bench data`` (a row a
+layout) and ``gems data convert``. A new layout is one module in this package (imported, and so registered,
+when the package is) and its tests.
+
+**The protocol.** A layout is a subclass of :class:`Layout`, registered with ``@register``:
+
+* ``name`` (the value of ``data.layout``), ``about`` (one line: what the files are, for messages and the
+  plan), ``suffixes`` (the file name endings it reads: :meth:`Layout.files` lists them), ``thread_rate``
+  (bytes a second one reader thread moves into a batch, where no file is at hand to time: the planner's
+  figure), ``fast`` (whether ``gems data convert`` has nothing to gain: read where it lies at the page cache's
+  rate).
+* :meth:`Layout.holds` ``(files)``: whether these files (listed by :meth:`Layout.files`) are of this layout, from
+  the first file's headers at most; never raises for a foreign file (it answers False). Detection
+  (:func:`detect`) takes the one layout that holds a folder; where none or several do it is bad input naming
+  ``data.path`` or ``data.layout``.
+* :meth:`Layout.open` ``(path, shape, **options)``: the samples of ``path`` as one rank reads them, a
+  :class:`Samples` (below). ``shape`` is the model's input (C, *spatial); ``options`` are those of
+  :class:`Options` (the rank's part ``slices``, ``crop``, ``standardize``, ``augment``, ``readers``, the
+  setting ``key`` that names the folder, ``target``: ``vector`` or ``dense``). A file that does not match is
+  a :class:`gems.errors.ConfigError` naming ``key`` and the file.
+* :meth:`Layout.rate` ``(samples, ids, symmetries)``: bytes a second ``samples.read`` moves into a batch on
+  this machine (default: timed, the second of two reads into one buffer, from the page cache).
+* :meth:`Layout.write` ``(folder, samples)``: files of this layout, written the way the published tool writes
+  them (its library, dtype, compression, byte order), from (counts (C, *spatial), target) pairs; for tests,
+  ``gems bench data``'s row and, for the layout ``gems data convert`` writes, convert.
+
+**Samples** (what ``open`` returns; gems.data.hdf5.HDF5Samples is the reference implementation):
+
+* ``layout`` (its :class:`Layout`), ``files`` (the sorted paths), ``shape`` (C, *spatial) of one sample,
+  ``dtype`` (numpy: the values as read, native byte order), ``symmetries`` (how many ``data.augment`` draws
+  among), ``len()`` (samples), ``part_shape()`` ((C, *part): this rank's part of a sample);
+* ``read(ids, symmetries=None, pin=False, out=None) -> (raw, targets)``: this rank's part of each sample, as
+  stored (``raw``: a tensor, or an object that moves like one: ``is_cuda``, ``pin_memory()``, ``to(device,
+  non_blocking)`` and ``data``, the tensor holding it), each from the part its symmetry takes it from (a
+  sample of ids[i] under symmetry symmetries[i]: gems.data.augment.source_slices); ``targets`` (N, outputs)
+  for vector targets, (N, *part) class indices for dense ones; ``pin``: into pinned memory (a GPU rank's);
+  ``out``: the buffer ``raw.data`` to read into (a previous read's, reused);
+* ``finish(raw) -> Tensor``: the network's float32 input (N, C, *part) on ``raw``'s device (the symmetries
+  applied, channels first, ``log1p`` and ``data.standardize`` where the layout's values are counts): what a GPU
+  rank runs after the copy;
+* ``batch(ids, symmetries=None, raw=False, pin=False)``: ``read`` then ``finish`` (``raw``: oriented, not
+  transformed);
+* ``target(i)`` (sample i's target alone: a rank that computes the loss but reads no input), ``group(i)``
+  (the file sample i is cut from: validation averages a file's crops);
+* ``check_all(count=None, target_size=None)``: the headers of every file the first ``count`` samples read
+  (ConfigError naming the first bad one), ``notes()`` (what the run and the plan must say: a slow path taken,
+  a cap applied), ``close()``.
+
+Bad input is a ConfigError naming the key and the file: a wrong key or layout, mixed dtypes, a file that
+changes under a run. See docs/data.md for the table of layouts.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Iterable, Protocol, Sequence, TypeVar
+
+import numpy as np
+
+from gems.errors import ConfigError
+
+#: bytes a second one reader thread moves from the page cache into a batch, where no file is at hand to time: one
+#: thread of `gems bench data` here (results/bench/data.md)
+THREAD_RATE = 4.4e9
+
+
+@dataclass(frozen=True)
+class Options:
+    """What :meth:`Layout.open` takes besides the folder and the model's input shape."""
+
+    key: str = "data.path"  # the setting that names the folder (messages)
+    slices: tuple[slice, ...] | None = None  # this rank's part of each spatial dim (None: all)
+    crop: int | None = None  # data.crop: a file holds crops of this edge (the model's)
+    standardize: Sequence[float] | None = None
+    augment: str = "none"
+    readers: int = 4  # threads a rank reads on (capped: reader_threads)
+    target: str = "vector"  # the model's: vector (one per sample) or dense (a class per voxel)
+
+
+class Samples(Protocol):
+    """What :meth:`Layout.open` returns (module docstring)."""
+
+    layout: Layout
+    files: list[Path]
+    shape: tuple[int, ...]
+    symmetries: int
+
+    @property
+    def dtype(self) -> np.dtype: ...
+
+    def __len__(self) -> int: ...
+    def part_shape(self) -> tuple[int, ...]: ...
+    def read(self, indices: Sequence[int], symmetries: Sequence[int] | None = None, pin: bool = False,
+             out: Any = None) -> tuple[Any, Any]: ...
+    def finish(self, x: Any) -> Any: ...
+    def batch(self, indices: Sequence[int], symmetries: Sequence[int] | None = None, raw: bool = False,
+              pin: bool = False) -> tuple[Any, Any]: ...
+    def target(self, index: int) -> Any: ...
+    def group(self, index: int) -> int: ...
+    def check_all(self, count: int | None = None, target_size: int | None = None) -> None: ...
+    def notes(self) -> list[str]: ...
+    def close(self) -> None: ...
+
+
+class Layout:
+    """One way samples lie in files (module docstring: the protocol). Subclasses set the class attributes and
+    override :meth:`holds`, :meth:`open` and :meth:`write`."""
+
+    name: ClassVar[str] = ""
+    about: ClassVar[str] = ""
+    suffixes: ClassVar[tuple[str, ...]] = ()
+    thread_rate: ClassVar[float] = THREAD_RATE
+    fast: ClassVar[bool] = True
+
+    def files(self, path: str | os.PathLike) -> list[Path]:
+        """The files of this layout at ``path``: a folder's (sorted by name, hidden ones left out), or the file."""
+        p = Path(path)
+        if p.is_dir():
+            return sorted(f for f in p.iterdir() if f.name.endswith(self.suffixes) and not f.name.startswith(".")
+                          and f.is_file())
+        return [p] if p.is_file() and p.name.endswith(self.suffixes) else []
+
+    def holds(self, files: Sequence[Path]) -> bool:
+        raise NotImplementedError
+
+    def open(self, path: str | os.PathLike, shape: Sequence[int] | None, **options: Any) -> Samples:
+        raise NotImplementedError
+
+    def write(self, folder: str | os.PathLike, samples: Iterable[tuple[np.ndarray, np.ndarray]],
+              name: str = "sample_{:05d}", dtype: Any = None) -> list[Path]:
+        """Files of this layout in ``folder`` (``name`` formatted with the sample's index, the layout's
+        extension added), from (counts (C, *spatial), target) pairs, as the published tool writes them;
+        ``dtype``: the values' type where the tool lets one choose (None: the tool's default)."""
+        raise NotImplementedError
+
+    def rate(self, samples: Samples, ids: Sequence[int], symmetries: Sequence[int] | None = None) -> float:
+        """Bytes a second ``samples.read`` moves into a batch here: the second of two reads of ``ids`` into one
+        buffer (the first fills the page cache and the buffer's pages, as a rank's reused batches are)."""
+        raw, _ = samples.read(ids, symmetries)
+        data = getattr(raw, "data", raw)
+        t0 = time.perf_counter()
+        raw, _ = samples.read(ids, symmetries, out=data)
+        seconds = time.perf_counter() - t0
+        return data.numel() * data.element_size() / max(seconds, 1e-9)
+
+    def __repr__(self) -> str:
+        return f"<layout {self.name}>"
+
+
+_REGISTRY: dict[str, Layout] = {}
+L = TypeVar("L", bound=type[Layout])
+
+
+def register(cls: L) -> L:
+    """Register a :class:`Layout` subclass under its ``name`` (the value of ``data.layout``)."""
+    if not cls.name or cls.name in _REGISTRY and type(_REGISTRY[cls.name]) is not cls:
+        raise ValueError(f"layout {cls.__name__}: a name of its own (not {cls.name!r})")
+    _REGISTRY[cls.name] = cls()
+    return cls
+
+
+def registered() -> dict[str, Layout]:
+    """Every layout, by name."""
+    _load()
+    return dict(_REGISTRY)
+
+
+def get(name: str, key: str = "data.layout") -> Layout:
+    """The layout named ``name``; an unknown name is bad input naming ``key``."""
+    layouts = registered()
+    if name not in layouts:
+        raise ConfigError(key, name, "one of " + ", ".join(layouts) + ", or null to detect it from the files")
+    return layouts[name]
+
+
+def detect(path: str | os.PathLike, name: str | None = None, key: str = "data.path") -> Layout:
+    """The layout of the files at ``path`` (``key`` names it): ``name`` (``data.layout``) where given, and then it
+    must hold them; else the one layout that holds them (none, or several, is bad input naming the key to set)."""
+    layouts = registered()
+    if name is not None:
+        layout = get(name)
+        files = layout.files(path)
+        if not files:
+            raise ConfigError("data.layout", name, f"the layout of the files at {key}={path} (it holds no file "
+                              f"ending in {' or '.join(layout.suffixes)}), or null to detect it")
+        if not layout.holds(files):
+            others = [n for n, lay in layouts.items() if n != name and (fs := lay.files(path)) and lay.holds(fs)]
+            seen = f"they look like {' or '.join(others)}" if others else f"{files[0].name} is not {layout.about}"
+            raise ConfigError("data.layout", name, f"the layout of the files at {key}={path} ({seen}), or null to "
+                              "detect it")
+        return layout
+    found = [lay for lay in layouts.values() if (fs := lay.files(path)) and lay.holds(fs)]
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise ConfigError("data.layout", None, f"one of {', '.join(lay.name for lay in found)}: the files at "
+                          f"{key}={path} fit each of them, so name theirs")
+    raise ConfigError(key, str(path), "a folder (or file) of samples in a layout gems reads: "
+                      + "; ".join(f"{lay.name}: {lay.about}" for lay in layouts.values())
+                      + " (`gems data synth` writes one)")
+
+
+def reader_threads(requested: int, cpus: int | None = None) -> tuple[int, str | None]:
+    """(reader threads, why fewer than ``requested``): ``data.readers`` capped by the CPUs this task has
+    (``cpus`` where given, a Slurm task's ``SLURM_CPUS_PER_TASK``, the CPUs this process may run on)."""
+    if cpus is None:
+        have = [len(os.sched_getaffinity(0))] if hasattr(os, "sched_getaffinity") else [os.cpu_count() or 1]
+        slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
+        if slurm.isdigit() and int(slurm) > 0:
+            have.append(int(slurm))
+        cpus = min(have)
+    n = max(1, min(int(requested), int(cpus)))
+    if n < int(requested):
+        return n, (f"data.readers={requested} capped to {n}: the task has {cpus} CPU(s) (cluster.cpus_per_task); "
+                   "more reader threads would only take turns on them with the step")
+    return n, None
+
+
+_loaded = False
+
+
+def _load() -> None:
+    """Import every module of this package (each registers its layouts)."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for mod in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+        if not mod.startswith("_"):
+            importlib.import_module(f"{__name__}.{mod}")
+

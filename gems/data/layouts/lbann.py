@@ -1,0 +1,40 @@
+"""LBANN's split CosmoFlow crops (``split_cosmoflow_sample.py``, what LBANN's DistConv reads): one ``.hdf5``
+file a crop, named ``<universe>_<i>_<j>_<k>.hdf5``, ``full`` (C, W, H, D): the universe's (D, H, W, C) array
+fully transposed (``.transpose()``), so the channels come first and the spatial axes come REVERSED, then cut;
+float32 by default, int16 with ``--datatype int16``; ``unitPar`` as the universe's.
+
+gems reads a crop's axes as they lie (as LBANN does): the file's first spatial axis is the sample's depth. For
+CosmoFlow this changes nothing a network can learn (a universe's statistics are the same under the box's 48
+symmetries, the reversal among them), but a user who mixes sources must know that an LBANN crop is the
+transpose of the same cells cut from the ExaLearn universe by ``data.crop``: the same crop from both is not the
+same tensor, and crop (i, j, k) of LBANN's names is the ExaLearn crop at depth k, height j, width i."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from gems.data.layouts import register
+from gems.data.layouts._h5 import HDF5Layout
+
+
+@register
+class LBANN(HDF5Layout):
+    name = "lbann"
+    about = "LBANN's split crops: .hdf5 files, `full` (C, W, H, D) channels first, spatial axes reversed"
+    channels = "first"
+    extension = ".hdf5"
+
+    def named(self, name: str) -> bool:
+        return name.endswith(".hdf5")
+
+    def arrange(self, counts: np.ndarray) -> np.ndarray:
+        """A universe's crop (C, D, H, W) as the split script leaves it: the (D, H, W, C) array transposed."""
+        return np.moveaxis(counts, 0, -1).transpose()
+
+    def write(self, folder: str | os.PathLike, samples: Iterable[tuple[np.ndarray, np.ndarray]],
+              name: str = "universe_{:05d}_0_0_0", dtype: Any = np.float32) -> list[Path]:
+        """As the split script: float32 by default (``dtype=np.int16`` as ``--datatype int16``)."""
+        return super().write(folder, samples, name, dtype)
