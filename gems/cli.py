@@ -526,8 +526,9 @@ def cmd_data(args: list[str]) -> int:
         return 0
     if cfg.data.kind == "cosmology":
         from gems.data.universes import synth_universes
+        from gems.launch.tasks import run_tasks
 
-        synth_universes(cfg)
+        synth_universes(cfg, job=run_tasks)
     else:
         synth_main(cfg)
     return 0

@@ -665,11 +665,21 @@ def validate(cfg: DictConfig, relations: bool = True) -> None:
                           f"fewer seconds than the time limit cluster.time_min={cfg.cluster.time_min} min "
                           f"(= {60 * int(cfg.cluster.time_min)} s) holds")
     if cfg.parallel.get("balance_by") == "comm":
-        from gems.pipeline.partition import check_comm_cut
-
         check_comm_cut(int(cfg.parallel.pipeline))
     if cfg.data.name == "hdf5" and not cfg.data.path:
         raise ConfigError("data.path", cfg.data.path, "a folder of .h5 sample files (write one with `gems data synth`)")
+
+
+def check_comm_cut(stages: int, ranks: int | None = None) -> None:
+    """``parallel.balance_by=comm`` picks the one cut of two partitions; anything else is bad input (checked here,
+    where the key is, and by the pipeline's balance and :func:`gems.parallel.resolve` with the schedule's stages). ``ranks``:
+    the pipeline ranks, where they differ from the partitions (an interleaved schedule)."""
+    if stages == 2:
+        return
+    where = (f"parallel.pipeline={stages}" if ranks is None or ranks == stages else
+             f"{stages} partitions (parallel.pipeline={ranks} x parallel.virtual_stages={stages // max(1, ranks)})")
+    raise ConfigError("parallel.balance_by", "comm", f"memory or time at {where} (comm picks the one cut of two "
+                      "partitions on D = 2)")
 
 
 def check_lr_schedule(t: Any) -> None:

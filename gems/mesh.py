@@ -246,7 +246,7 @@ class Mesh:
         groups have one rank."""
         import torch.distributed as dist
 
-        from gems.fault.progress import mark
+        from gems.progress import mark
 
         mark("setup")  # the set-up moves on: one mark an axis
         if max(len(r) for r in lists) < 2:

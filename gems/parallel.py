@@ -15,10 +15,10 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from gems.config import check_comm_cut
 from gems.errors import ConfigError
 from gems.mesh import Mesh, mesh_from_config
 from gems.pipeline.balance import Cut, decide
-from gems.pipeline.partition import check_comm_cut
 from gems.pipeline.schedules import Schedule, make_schedule, registered
 
 #: why a balance is what it is
@@ -186,14 +186,14 @@ def spatial_model(spec: Any, mesh: Mesh, bn_stats: str = "global") -> tuple[Any,
 def recompute_pieces(spec: Any, mesh: Mesh) -> list[tuple[int, int]]:
     """The layers [a, e) of each piece ``parallel.checkpoint`` recomputes on the plain path
     (:func:`gems.models.skips.checkpoint_pieces`), weighed on one fake trace of the serial model
-    (:func:`gems.plan.trace.piece_costs`), so every spatial part cuts the same pieces and their recomputations
+    (:func:`gems.trace.model.piece_costs`), so every spatial part cuts the same pieces and their recomputations
     exchange the same halos in the same order. Under a spatial mesh the layers before the model's ``spatial_end``
     count at the largest part's share, and the pieces count the gather :func:`gems.spatial.apply_spatial` inserts
     there as one more layer (its output: the whole activation), as :func:`gems.pipeline.balance.spatial_balance`
     weighs a pipeline's layers. The worker (gems.rank.compose) and the planner both call this."""
     from gems.models.skips import checkpoint_pieces
-    from gems.plan.trace import piece_costs
-    from gems.spatial.geometry import largest_part
+    from gems.shapes import largest_part
+    from gems.trace.model import piece_costs
 
     costs = piece_costs(spec)
     saved: list[float] = [float(v) for v in costs[0]]

@@ -84,8 +84,8 @@ import torch
 from torch import nn
 
 from gems import timers
-from gems.fault.progress import waiting
 from gems.layout import dense, row_major
+from gems.progress import waiting
 
 
 class MPIGroup:

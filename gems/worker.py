@@ -20,13 +20,13 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from gems import checkpoint as ckpt
-from gems import commlog
+from gems import commlog, progress
 from gems.bootstrap import (
     init_world,
 )
 from gems.config import typed
 from gems.errors import ConfigError
-from gems.fault import progress, reports
+from gems.fault import reports
 from gems.fault.watchdog import Watchdog
 from gems.rank.evaluate import evaluate_model
 from gems.rank.loop import NonFiniteLoss, start_watchdog, train, write_once
@@ -61,6 +61,7 @@ def run_rank(cfg_yaml: str) -> dict[str, Any] | None:
             wd.stop()
         if world.rank == 0:
             progress.mark("record")
+            hardware(cfg, world, record)
             rec.write_record(rec.record_path(cfg), record)
             rec.write_steps(rec.record_path(cfg), record)
             return record
@@ -79,6 +80,21 @@ def run_rank(cfg_yaml: str) -> dict[str, Any] | None:
                 dist.destroy_process_group()
             except Exception:  # the peer may already be gone; the record says why
                 pass
+
+
+def hardware(cfg: Any, world: Any, record: dict[str, Any]) -> None:
+    """Add the record's ``hardware`` section to a training run's record: how far its median step (the slowest
+    rank's) is from the device's peak (:func:`gems.plan.roofline.of_run`; the planner's model of the work, which
+    lies above the rank's loop, is asked here, where the record is finished)."""
+    import torch
+
+    from gems.plan.roofline import of_run
+
+    median = (record.get("step_time_s") or {}).get("median")
+    if not isinstance(median, (int, float)) or not median > 0:  # gems eval, or a run that measured no step
+        return
+    name = torch.cuda.get_device_name(world.device) if world.device.type == "cuda" else "cpu"
+    record["hardware"] = of_run(cfg, world.size, name, float(median))
 
 
 def _env_rank() -> int | None:

@@ -20,9 +20,9 @@ import pytest
 import torch
 from _cli import gems, merged, records
 
-from gems.fault.progress import WAITS
 from gems.fault.reports import Exit, explain, write_report
 from gems.fault.watchdog import Beat, collective_timeout_s, diagnose
+from gems.progress import WAITS
 
 SMALL = ["model.size=32", "model.width=0.25", "train.batch_size=4", "train.warmup_steps=1"]
 STALL = ["fault.stall_timeout_s=4", "fault.warmup_timeout_s=60"]

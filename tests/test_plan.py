@@ -268,7 +268,7 @@ def test_the_layer_memo_plans_exactly_what_tracing_every_layer_plans(extra, monk
     from gems.models import resnet
     from gems.pipeline import partition as Q
     from gems.plan import memory as P
-    from gems.plan import trace as T
+    from gems.trace import model as T
 
     monkeypatch.setenv("GEMS_CACHE_DIR", "")  # trace in this process: the traces kept on disk are not read
     runs = [0]

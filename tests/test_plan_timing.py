@@ -307,8 +307,8 @@ def test_the_trace_counts_a_convolutions_flops_by_the_formula():
 def test_the_counts_of_any_micro_batch_are_the_line_through_the_traced_ones(model):
     """The prediction traces batches 1 and 2 and scales every op's counts to the micro-batch: the same ops
     (one key each, whatever the batch) with the FLOPs and bytes a trace at that batch counts."""
-    from gems.plan.cost import scaled
     from gems.plan.memory import Planner, setup
+    from gems.trace.ops import scaled
 
     pl = Planner(setup(compose([*model, "train.batch_size=4"])))
     t1, t2, t4 = pl._traced(0, 1), pl._traced(0, 2), pl._traced(0, 4)
@@ -423,8 +423,8 @@ def test_ranks_that_compute_at_once_are_timed_at_once():
 
 
 def test_a_pool_is_counted_and_timed_with_its_kernel_and_stride():
-    from gems.plan.cost import OpCounter
     from gems.plan.devices import cpu_rates
+    from gems.trace.ops import OpCounter
 
     cur = [0]
     x3, x2 = torch.randn(1, 2, 8, 8, 8), torch.randn(1, 2, 8, 8)

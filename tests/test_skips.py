@@ -196,7 +196,7 @@ def test_partitions_fake_tensors_cannot_run_learn_their_layout_at_the_first_pack
 def test_the_plan_keeps_a_packed_output_beside_the_output_its_last_layer_saved() -> None:
     """A partition conv -> stash -> ReLU sends [ReLU's output | skip] packed in one new tensor (Carried.pack's cat)
     and keeps it for its backward, while the ReLU keeps its own output: both count (100 + 200 bytes)."""
-    from gems.plan.trace import Trace
+    from gems.trace.model import Trace
 
     t = Trace(batch=1, in_key=0, in_bytes=100, out_keys=[1, 1, 2, 3, 4], out_bytes=[100, 100, 100, 100, 4],
               saved={0: (100, {0}), 2: (100, {2}), 3: (100, {4})}, halo={}, gather={}, target_bytes=4,

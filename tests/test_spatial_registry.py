@@ -8,8 +8,8 @@ import torch
 from _cli import gems, records
 from torch import nn
 
+from gems.cut_rules import rule_for
 from gems.spatial import CannotCut, gather_point, register_layer
-from gems.spatial.registry import rule_for
 
 COMMON = ["model=custom", "model.num_outputs=3", "train.batch_size=4", "train.steps=3", "train.warmup_steps=1",
           "train.optimizer=sgd", "train.lr=0.05"]

@@ -233,8 +233,10 @@ class _Progress:
               + (f", about {left:.0f} s left" if self.done < self.total else "") + ")", flush=True)
 
 
-def synth_universes(cfg: Any) -> int:
-    """``gems data synth data.kind=cosmology``: writes what is missing; the number of universes written."""
+def synth_universes(cfg: Any, job: Callable[..., int] | None = None) -> int:
+    """``gems data synth data.kind=cosmology``: writes what is missing; the number of universes written. ``job``:
+    what runs a function on every task of one Slurm job (:func:`gems.launch.tasks.run_tasks`, which the command line
+    hands in), for ``cluster=`` a Slurm launcher."""
     plan = plan_of(cfg)
     left = to_write(plan)
     u = plan.universes
@@ -244,7 +246,7 @@ def synth_universes(cfg: Any) -> int:
           f"side, z = {', '.join(f'{z:g}' for z in u.redshifts)}): {plan.n_train} to {plan.train}, {plan.n_val} to "
           f"{plan.val}; {total - len(left)} already there; {memory_bytes(u.cells, len(u.redshifts)) / 2**30:.2f} GiB "
           f"a universe, {need / 2**30:.2f} GiB with {plan.workers} process(es)", flush=True)
-    written = _write(cfg, plan, left) if left else 0
+    written = _write(cfg, plan, left, job) if left else 0
     figures = log_counts(plan.train)
     if figures is not None:
         print(f"gems data synth: log(1+counts) of the training universes: mean {figures[0]:.3f}, std "
@@ -252,11 +254,14 @@ def synth_universes(cfg: Any) -> int:
     return written
 
 
-def _write(cfg: Any, plan: Plan, left: list[tuple[Path, int]]) -> int:
+def _write(cfg: Any, plan: Plan, left: list[tuple[Path, int]], job: Callable[..., int] | None) -> int:
     """Write the universes ``left``: here, in processes, or as a Slurm job."""
     u = plan.universes
     if cfg.cluster.launcher == "slurm":
-        return _on_slurm(cfg, plan, left)
+        if job is None:
+            raise ConfigError("cluster", cfg.cluster.name, "cluster=local here (a Slurm job is submitted by the "
+                              "`gems data synth` command)")
+        return _on_slurm(cfg, plan, left, job)
     progress = _Progress(len(left))
     t0 = time.perf_counter()
     if plan.workers == 1:
@@ -303,19 +308,7 @@ def task(cfg_yaml: str) -> int:
     return len(mine)
 
 
-def _on_slurm(cfg: Any, plan: Plan, left: list[tuple[Path, int]]) -> int:
-    from omegaconf import open_dict
-
-    from gems.launch.slurm import submit
-    from gems.launch.watch import wait
-
-    with open_dict(cfg):
-        cfg.cluster.nodes = int(cfg.cluster.nodes or 1)
-        cfg.cluster.tasks_per_node = int(cfg.cluster.tasks_per_node or 1)
-        cfg.results.name = "synth"
-    run = submit(cfg, fn=task)
-    tasks = int(cfg.cluster.nodes) * int(cfg.cluster.tasks_per_node)
-    print(f"gems data synth: Slurm job {run.job_id}: {len(left)} universes over {tasks} task(s)", flush=True)
+def _on_slurm(cfg: Any, plan: Plan, left: list[tuple[Path, int]], job: Callable[..., int]) -> int:
     progress = _Progress(len(left))
 
     def count(*_: Any) -> None:
@@ -323,11 +316,6 @@ def _on_slurm(cfg: Any, plan: Plan, left: list[tuple[Path, int]]) -> int:
         if now > progress.done:
             progress.step(now - progress.done)
 
-    (out,) = wait(run, progress=False, on_update=count)
-    if out.state != "COMPLETED":
-        from gems.errors import RunError
-
-        raise RunError(f"the data job {run.job_id} ended {out.state}: {out.error or 'no message'} (the universes "
-                       "written so far are kept; run the same command again to write the rest)")
+    job(cfg, task, "synth", f"{len(left)} universes", on_update=count)
     count()
     return len(left)

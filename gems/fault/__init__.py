@@ -1,4 +1,5 @@
-"""Faults at scale: where each rank is (:mod:`~gems.fault.progress`), stalls found and ended
+"""Faults at scale: where each rank is (:mod:`gems.progress`, kept below
+every strategy, which all mark it), stalls found and ended
 (:mod:`~gems.fault.watchdog`), failures told by their cause (:mod:`~gems.fault.reports`), and
 deliberate failures for tests (:mod:`~gems.fault.inject`)."""
 from __future__ import annotations

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from gems.config import FaultConf
-from gems.fault.progress import PROGRESS
+from gems.progress import PROGRESS
 
 
 def _say(text: str) -> None:

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from gems.config import CommConf, FaultConf
-from gems.fault.progress import PROGRESS, SLOW, WAITS, Progress
+from gems.progress import PROGRESS, SLOW, WAITS, Progress
 
 ABORT_KEY = "gems/abort"
 #: after warm-up, a rank's allowance is at least this many of the slowest step it has timed (Watchdog.saw_step)

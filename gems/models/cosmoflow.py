@@ -24,11 +24,11 @@ import math
 import torch
 from torch import nn
 
+from gems.cut_rules import register_pointwise
 from gems.layers import SampleDropout
-from gems.spatial.registry import register_pointwise
 
 
-@register_pointwise  # the spatial converter cuts it (gems/spatial/registry.py)
+@register_pointwise  # the spatial converter cuts it (gems/cut_rules.py)
 class Scale(nn.Module):
     """Multiply by a constant (MLPerf's tanh x 1.2 output)."""
 

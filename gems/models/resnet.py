@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from gems.config import ModelConf
+from gems.cut_rules import register_container
 from gems.errors import ConfigError
-from gems.spatial.registry import register_container
 
 #: ``model.norm`` when the configuration leaves it null
 DEFAULT_NORM = "batch"
@@ -46,7 +46,7 @@ def _norm(kind: str, channels: int) -> nn.Module:
     return nn.Identity()
 
 
-@register_container  # the spatial converter cuts it (gems/spatial/registry.py)
+@register_container  # the spatial converter cuts it (gems/cut_rules.py)
 class PreActBottleneck(nn.Module):
     """norm-relu-conv1x1, norm-relu-conv3x3 (stride), norm-relu-conv1x1, plus the (projected) input."""
 

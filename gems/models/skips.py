@@ -29,10 +29,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from gems.cut_rules import register_pointwise
 from gems.layers import Recompute
 from gems.layout import format_for
-from gems.spatial.context import GSHAPE
-from gems.spatial.registry import register_pointwise
+from gems.shapes import GSHAPE
 
 __all__ = ["SkipStore", "Stash", "PopConcat", "PopAdd", "spans", "crossing", "store_of", "run_span",
            "checkpoint_pieces", "checkpointed", "Carried", "carry", "cut_contents"]
@@ -83,7 +83,7 @@ class _SkipLayer(nn.Module):
         return repr(self.name)
 
 
-@register_pointwise  # the spatial converter cuts it (gems/spatial/registry.py)
+@register_pointwise  # the spatial converter cuts it (gems/cut_rules.py)
 class Stash(_SkipLayer):
     """Save the activation for a later :class:`PopConcat` / :class:`PopAdd`; pass it on."""
 
@@ -92,7 +92,7 @@ class Stash(_SkipLayer):
         return x
 
 
-@register_pointwise  # the spatial converter cuts it (gems/spatial/registry.py)
+@register_pointwise  # the spatial converter cuts it (gems/cut_rules.py)
 class PopConcat(_SkipLayer):
     """Concatenate the stashed activation (first) with the input along channels."""
 
@@ -100,7 +100,7 @@ class PopConcat(_SkipLayer):
         return torch.cat([self.store.pop(self.name), x], dim=1)
 
 
-@register_pointwise  # the spatial converter cuts it (gems/spatial/registry.py)
+@register_pointwise  # the spatial converter cuts it (gems/cut_rules.py)
 class PopAdd(PopConcat):
     """Add the stashed activation to the input (a residual connection)."""
 

@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from gems.config import check_comm_cut
 from gems.errors import ConfigError
 from gems.pipeline.partition import (
     balance_by_comm,
@@ -24,7 +25,6 @@ from gems.pipeline.partition import (
     balance_by_memory,
     balance_by_time,
     check_balance,
-    check_comm_cut,
     layer_costs,
     layer_times,
     nbytes,
@@ -32,7 +32,7 @@ from gems.pipeline.partition import (
     smallest_crossing,
     trace_shapes,
 )
-from gems.spatial.geometry import largest_part, split_bounds
+from gems.shapes import largest_part, split_bounds
 
 __all__ = ["Cut", "decide", "spatial_balance"]
 

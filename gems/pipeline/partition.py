@@ -44,7 +44,7 @@ from gems.models.skips import spans
 
 __all__ = ["split", "check_balance", "balance_by_cost", "balance_by_comm", "balance_by_memory", "balance_by_time",
            "layer_memory", "boundary_shapes", "trace_shapes", "nbytes", "layer_costs", "smallest_crossing",
-           "layer_times", "on_rank0", "check_comm_cut"]
+           "layer_times", "on_rank0"]
 
 
 def check_balance(balance: Sequence[int] | None, n_layers: int, D: int) -> list[int]:
@@ -270,17 +270,6 @@ def resolve_balance_by(by: str, sched: Any) -> str:
     if by != "auto":
         return by
     return "comm" if sched is not None and sched.ranks == 2 and sched.stages == 2 and sched.holds_copies else "memory"
-
-
-def check_comm_cut(stages: int, ranks: int | None = None) -> None:
-    """``parallel.balance_by=comm`` picks the one cut of two partitions; anything else is bad input. ``ranks``:
-    the pipeline ranks, where they differ from the partitions (an interleaved schedule)."""
-    if stages == 2:
-        return
-    where = (f"parallel.pipeline={stages}" if ranks is None or ranks == stages else
-             f"{stages} partitions (parallel.pipeline={ranks} x parallel.virtual_stages={stages // max(1, ranks)})")
-    raise ConfigError("parallel.balance_by", "comm", f"memory or time at {where} (comm picks the one cut of two "
-                      "partitions on D = 2)")
 
 
 def balance_by_comm(seq: nn.Sequential, sample: tuple[int, ...], dtype: torch.dtype = torch.float32) -> list[int]:

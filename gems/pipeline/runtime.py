@@ -70,7 +70,6 @@ from torch import nn
 
 from gems import commlog, timers
 from gems.fault import all_finite
-from gems.fault.progress import mark, waiting
 from gems.layers import Recompute, batch_context, evaluation_mode
 from gems.layout import format_for, row_major
 from gems.pipeline.deferred import WeightGrads, deferring, make_deferrable
@@ -92,7 +91,8 @@ from gems.pipeline.exchange import (
 from gems.pipeline.schedules import ACT as _ACT
 from gems.pipeline.schedules import GRAD as _GRAD
 from gems.pipeline.schedules import Action, Kind, Schedule, backward_kinds
-from gems.spatial.context import GSHAPE
+from gems.progress import mark, waiting
+from gems.shapes import GSHAPE
 
 __all__ = ["PipelineRunner", "LossFn", "Stats"]
 
@@ -777,7 +777,7 @@ class PipelineRunner:
 
 
 def _tagged(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``t`` carrying ``like``'s global spatial shape (gems.spatial.context.GSHAPE), where it has one: a slice, a
+    """``t`` carrying ``like``'s global spatial shape (gems.shapes.GSHAPE), where it has one: a slice, a
     copy or a detached alias of a spatial part is that part still."""
     g = getattr(like, GSHAPE, None)
     if g is not None and t is not like:

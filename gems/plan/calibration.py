@@ -30,7 +30,7 @@ SCHEMA = "gems.calibration/1"
 
 
 def _key(sig: Any) -> str:
-    """A convolution signature (gems.plan.cost) as a file stores it and as the plan looks it up."""
+    """A convolution signature (gems.trace.ops) as a file stores it and as the plan looks it up."""
     return json.dumps(sig, separators=(",", ":"))
 
 

@@ -145,7 +145,7 @@ CONV_FULL_WIDTH, CONV_WIDTH_POWER = 64.0, 1.5
 
 def conv_width_factor(sig: tuple) -> float:
     """The share of a GPU convolution's full-width rate that a convolution of signature ``sig``
-    (gems.plan.cost: ("conv", nd, cin, cout, ...)) reaches: an implicit GEMM whose channel dimensions are narrower
+    (gems.trace.ops: ("conv", nd, cin, cout, ...)) reaches: an implicit GEMM whose channel dimensions are narrower
     than the tensor cores' tiles leaves them partly idle."""
     width = math.sqrt(max(1, int(sig[2])) * max(1, int(sig[3])))
     return min(1.0, (width / CONV_FULL_WIDTH) ** CONV_WIDTH_POWER)
@@ -179,7 +179,7 @@ LARGE_SAMPLE_CONV_FLOPS = {"fp32": (4.3e12, 1.6e12), "bf16": (3.9e12, 0.29e12), 
 
 def pool_reads(sig: tuple) -> float:
     """How many times a pool reads each input cell: its kernel's volume over its stride's (at least once), from
-    its signature (gems.plan.cost.memory_signature: ("memory", "pool", kind, nd, kernel, stride, padding)); a kind
+    its signature (gems.trace.ops.memory_signature: ("memory", "pool", kind, nd, kernel, stride, padding)); a kind
     of pool whose signature says less, once."""
     if len(sig) < 6:
         return 1.0
@@ -187,7 +187,7 @@ def pool_reads(sig: tuple) -> float:
 
 
 def conv_sample_elements(sig: tuple, flops: float, batch: int) -> int:
-    """The larger of a convolution's input and output elements in one sample, from its signature (gems.plan.cost:
+    """The larger of a convolution's input and output elements in one sample, from its signature (gems.trace.ops:
     ("conv", nd, cin, cout, kernel, stride, groups, transposed, ...)) and its FLOPs at micro-batch ``batch``:
     torch counts 2 x batch x cin x cout / groups x the kernel's volume a position of the output (a transposed
     convolution: of its input), and the other side has a position per stride's volume of those."""
@@ -236,7 +236,7 @@ class Rates:
     large_seen: set[tuple] = field(default_factory=set)
 
     def layer_time(self, ops: Any, backward: bool, batch: int, first: bool = False) -> float:
-        """Seconds of one layer's ops (``gems.plan.cost.LayerOps``) at micro-batch ``batch``, forward or backward.
+        """Seconds of one layer's ops (``gems.trace.ops.LayerOps``) at micro-batch ``batch``, forward or backward.
         ``first``: the model's first layer, whose input needs no gradient, so its convolutions' backward computes
         the weight gradient only (half)."""
         t = 0.0
@@ -419,7 +419,7 @@ def _fwd_bwd(f: Any, inputs: list[torch.Tensor]) -> tuple[float, float]:
     return fwd, bwd
 
 
-#: the memory-bound kinds CPU ranks time (gems.plan.cost.memory_group), on about as many elements as the op
+#: the memory-bound kinds CPU ranks time (gems.trace.ops.memory_group), on about as many elements as the op
 #: moves (in the caches or past them: 2-3x apart) in 16 channels, with the affine weights a model's
 #: normalisation layers have: f(x, channel weight, channel bias)
 _MEMORY_OPS: dict[str, Any] = {
@@ -442,7 +442,7 @@ def _memory_elements(nbytes: float) -> int:
 
 
 def _measure_batch(sig: tuple, batch: int) -> int:
-    """The batch a convolution of signature ``sig`` (gems.plan.cost) is timed at for micro-batch ``batch``: its
+    """The batch a convolution of signature ``sig`` (gems.trace.ops) is timed at for micro-batch ``batch``: its
     own, or fewer samples where that many would pass MEASURE_ELEMENTS (the rate no longer depends on it)."""
     cin, extent = sig[2], sig[-1]
     return max(1, min(int(batch), MEASURE_ELEMENTS // max(1, cin * math.prod(extent))))
@@ -456,12 +456,12 @@ def _cube(elements: int, nd: int) -> list[int]:
 
 def _measure_op(sig: tuple) -> tuple[float, float]:
     """(forward rate, backward rate) of one signature on this machine: FLOP/s for a convolution or matmul
-    (timed at its own channels, kernel and, up to gems.plan.cost.MEASURE_EXTENT, its own extent), bytes/s
+    (timed at its own channels, kernel and, up to gems.trace.ops.MEASURE_EXTENT, its own extent), bytes/s
     for a kind of memory-bound op; a backward rate is the forward's work over the backward's seconds."""
     kind = sig[0]
     if kind == "memory":
         f: Any
-        if len(sig) > 3:  # a pool of known kernel, stride and padding (gems.plan.cost.memory_signature)
+        if len(sig) > 3:  # a pool of known kernel, stride and padding (gems.trace.ops.memory_signature)
             _, _, pool, nd, kernel, stride, padding, elements = sig
             op = getattr(F, f"{pool}_pool{nd}d")
             inputs = [torch.randn(1, 16, *_cube(elements // 16, nd), requires_grad=True)]
@@ -486,7 +486,7 @@ def _measure_op(sig: tuple) -> tuple[float, float]:
 
 
 def _conv_case(sig: tuple, input_grad: bool = True) -> tuple[Any, list[torch.Tensor], float]:
-    """(f, inputs, FLOPs of one call) of the convolution of signature ``sig`` (gems.plan.cost, with the batch it
+    """(f, inputs, FLOPs of one call) of the convolution of signature ``sig`` (gems.trace.ops, with the batch it
     is measured at appended), on random tensors: what its rate and its backward's workspace are measured on.
     ``input_grad``: whether its input needs a gradient (a model's first layer does not)."""
     _, nd, cin, cout, kernel, stride, groups, transposed, padding, extent, batch = sig
@@ -677,7 +677,7 @@ def reference_alone(rates: Rates) -> float:
     computes no input gradient: only its convolution's backward is halved)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from gems.plan.cost import OpCounter
+    from gems.trace.ops import OpCounter
 
     cur = [0]
     counter = OpCounter(cur)
@@ -785,7 +785,7 @@ CUDNN_WORKSPACE_FRACTION = 0.30
 
 def cudnn_workspace(sig: tuple, batch: int, input_grad: bool, elem_bytes: int, calibration: Any = None,
                     precision: str | None = None) -> int:
-    """Bytes cuDNN's workspace takes for the convolution of signature ``sig`` (gems.plan.cost) at micro-batch
+    """Bytes cuDNN's workspace takes for the convolution of signature ``sig`` (gems.trace.ops) at micro-batch
     ``batch``: measured on the GPU by ``gems bench calibrate`` where the calibration has its signature (per
     sample, so scaled by the batch), else :data:`CUDNN_WORKSPACE_FRACTION` of its larger operand."""
     per_sample = None if calibration is None else calibration.workspace_per_sample(sig, precision)

@@ -131,10 +131,10 @@ from gems.plan.calibration import load_calibration
 from gems.plan.devices import GPUS, blas_workspace_bytes, gpu_memory_bytes, gpu_reserve, rank_communicators
 from gems.plan.schema import SCHEMA, Breakdown, GiB, MemoryPlan, Position
 from gems.plan.store import cached
-from gems.plan.trace import Trace, precision_context, spatial_stand_in, trace_layers
 from gems.rank.graphs import decide as graphs_decide
 from gems.replication import summed_in_place
-from gems.spatial.geometry import split_bounds
+from gems.shapes import split_bounds
+from gems.trace.model import Trace, precision_context, spatial_stand_in, trace_layers
 
 __all__ = ["Breakdown", "Position", "MemoryPlan", "plan_memory", "Planner", "Setup", "setup", "SCHEMA", "GiB"]
 

@@ -1,7 +1,7 @@
 """How far a step is from the hardware: the model's FLOPs and bytes a training step, the rate a rank reached, and
 its fraction of the device's peak (the model FLOPs utilisation torchtitan prints, and its bandwidth twin).
 
-The work is the *model's*, counted once on the serial model's trace (:mod:`gems.plan.cost`: torch's FLOP
+The work is the *model's*, counted once on the serial model's trace (:mod:`gems.trace.ops`: torch's FLOP
 formulas, every op's bytes read and written), whatever the mesh: a forward, and a backward of twice its FLOPs and
 bytes (input and weight gradients; the first layer's convolution or matmul only its weight gradient), as the
 planner times them. Recomputation (``parallel.checkpoint``), halo exchanges and the spatial gather are the

@@ -1,6 +1,6 @@
 """The planner's traces kept on disk between processes, so that the check before every launch is quick.
 
-A trace (:func:`gems.plan.trace.trace_layers`) is a pure function of what the planner keys it by in this
+A trace (:func:`gems.trace.model.trace_layers`) is a pure function of what the planner keys it by in this
 process (the model's settings, the spatial cut, the part, the micro-batch, the precision), of gems's own source
 and of torch's version; so are the serial trunk's layer shapes and a decided pipeline balance, kept the same
 way. Tracing costs about a second even for a small model, most of it torch's fake-tensor

@@ -3,7 +3,7 @@
 
 The model, term by term:
 
-* **compute**: every op of every layer (counted on the planner's fake trace, :mod:`gems.plan.cost`) at its
+* **compute**: every op of every layer (counted on the planner's fake trace, :mod:`gems.trace.ops`) at its
   roofline on the rank's device (:mod:`gems.plan.devices`): a named GPU's data-sheet rates times an
   efficiency per op class, or this machine's CPU measured on the spot; a backward costs twice its forward
   (input and weight gradients); the optimizer's update is memory-bound over the rank's parameters.
@@ -51,8 +51,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from gems.plan.cost import LayerOps, scaled
 from gems.plan.devices import Link, Rates
+from gems.trace.ops import LayerOps, scaled
 
 __all__ = ["TERMS", "Prediction", "message", "ring_allreduce", "tree_allreduce", "allreduce", "all_gather",
            "expected_max", "rendezvous_wait", "spatial_comm", "layer_time", "pipeline_times", "copied", "predict"]

@@ -11,11 +11,12 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from gems import progress
 from gems.bootstrap import (
     World,
 )
 from gems.config import section
-from gems.fault import all_finite, progress
+from gems.fault import all_finite
 from gems.layers import batch_context, evaluation_mode, guard_bf16_conv3d
 from gems.mesh import Coord, Mesh
 from gems.models import ModelSpec, build_model

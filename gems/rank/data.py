@@ -182,7 +182,7 @@ def _listing(cfg: DictConfig, world: Any) -> list[tuple[str, str, int]]:
 def _wait_for(counter: Any, key: str, want: int) -> None:
     """Wait until ``want`` ranks have added 1 to ``key`` in the rendezvous store: a wait for peers (the watchdog
     looks for the cause among the ranks still copying, which mark every file)."""
-    from gems.fault import progress
+    from gems import progress
 
     with progress.waiting("staged copies"):
         while counter.add(key, 0) < want:
@@ -202,8 +202,8 @@ def stage(cfg: DictConfig, world: Any, run_id: str) -> Staged | None:
     preemption."""
     import shutil
 
+    from gems import progress
     from gems.bootstrap import ranks_on_this_node
-    from gems.fault import progress
 
     d = cfg.data
     if d.stage != "node" or d.name != "hdf5":

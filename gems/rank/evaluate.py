@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from gems import progress
 from gems.bootstrap import World
-from gems.fault import progress
 from gems.fault.watchdog import Watchdog
 from gems.rank.loop import Run
 

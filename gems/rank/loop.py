@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig
 
 from gems import checkpoint as ckpt
-from gems import timers
+from gems import progress, timers
 from gems.bootstrap import (
     KEEP_GROWTH,
     World,
@@ -31,7 +31,7 @@ from gems.bootstrap import (
 )
 from gems.config import section
 from gems.errors import ConfigError, RunError
-from gems.fault import inject, progress, reports
+from gems.fault import inject, reports
 from gems.fault.watchdog import Watchdog
 from gems.layers import recalibrating
 from gems.memory import MemoryMeter, peak_rss_bytes, persistent_bytes, step_peak_bytes
@@ -513,10 +513,6 @@ class Run:
             record["nonfinite_steps"] = list(h["nonfinite_steps"])
         record.update(self.training_figures())
         record["cuda_graphs"] = replayed
-        if world.rank == 0 and times:  # how far the step is from the device (gems.plan.roofline)
-            from gems.plan.roofline import of_run
-
-            record["hardware"] = of_run(self.cfg, world.size, _device_name(world.device), slowest)
         return record
 
     def training_figures(self) -> dict[str, Any]:

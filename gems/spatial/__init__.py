@@ -7,10 +7,10 @@ gather where the trunk ends). Parameter gradients stay per rank: the caller
 sums them over the spatial group, as for every other strategy
 (docs/design.md).
 """
+from gems.cut_rules import CannotCut, register_container, register_layer, register_pointwise
+from gems.shapes import split_bounds
 from gems.spatial.apply import apply_spatial, gather_point
 from gems.spatial.context import SpatialContext
-from gems.spatial.geometry import split_bounds
-from gems.spatial.registry import CannotCut, register_container, register_layer, register_pointwise
 
 __all__ = ["SpatialContext", "apply_spatial", "gather_point", "register_layer", "register_container",
            "register_pointwise", "CannotCut", "split_bounds"]

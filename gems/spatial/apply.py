@@ -16,18 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from gems.errors import ConfigError
-from gems.layers import SampleDropout
-from gems.spatial.context import GSHAPE, SpatialContext
-from gems.spatial.layers.base import SpatialLayer, tag_output
-from gems.spatial.layers.conv import SpatialConv
-from gems.spatial.layers.gather import SpatialGather
-from gems.spatial.layers.norm import SpatialNorm
-from gems.spatial.layers.pointwise import SpatialPointwise, SpatialPReLU, SpatialSampleDropout
-from gems.spatial.layers.pool import SpatialAvgPool, SpatialGlobalAvgPool, SpatialGlobalMaxPool, SpatialMaxPool
-from gems.spatial.layers.transpose import SpatialConvTranspose
-from gems.spatial.layers.upsample import SpatialUpsample
-from gems.spatial.registry import (
+from gems.cut_rules import (
     CONTAINER,
     POINTWISE,
     CannotCut,
@@ -36,6 +25,18 @@ from gems.spatial.registry import (
     register_pointwise,
     rule_for,
 )
+from gems.errors import ConfigError
+from gems.layers import SampleDropout
+from gems.shapes import GSHAPE
+from gems.spatial.context import SpatialContext
+from gems.spatial.layers.base import SpatialLayer, tag_output
+from gems.spatial.layers.conv import SpatialConv
+from gems.spatial.layers.gather import SpatialGather
+from gems.spatial.layers.norm import SpatialNorm
+from gems.spatial.layers.pointwise import SpatialPointwise, SpatialPReLU, SpatialSampleDropout
+from gems.spatial.layers.pool import SpatialAvgPool, SpatialGlobalAvgPool, SpatialGlobalMaxPool, SpatialMaxPool
+from gems.spatial.layers.transpose import SpatialConvTranspose
+from gems.spatial.layers.upsample import SpatialUpsample
 
 POINTWISE_TYPES: tuple[type, ...] = (
     nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
@@ -68,7 +69,7 @@ def _ndim_of(m: nn.Module) -> int | None:
 
 
 class _Converter:
-    """Turns layers into their spatial versions by their registered rules (:mod:`gems.spatial.registry`)."""
+    """Turns layers into their spatial versions by their registered rules (:mod:`gems.cut_rules`)."""
 
     def __init__(self, sctx: SpatialContext, bn_stats: str, nd: int) -> None:
         self.sctx, self.bn_stats, self.nd = sctx, bn_stats, nd

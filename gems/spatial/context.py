@@ -27,11 +27,11 @@ import torch.nn.functional as F
 
 from gems.errors import ConfigError
 from gems.fake import is_fake
-from gems.fault.progress import waiting
 from gems.mesh import ravel, unravel
-from gems.spatial.geometry import Box, shape_of, split_bounds
+from gems.progress import waiting
+from gems.shapes import GSHAPE, split_bounds
+from gems.spatial.geometry import Box, shape_of
 
-GSHAPE = "_gems_gshape"  # attribute carrying an activation's global spatial shape
 _AVG_POOL: dict[int, Callable[..., torch.Tensor]] = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 
 

@@ -2,7 +2,8 @@
 
 Every activation of a spatially partitioned trunk is split along each cut dim
 like ``np.array_split``: part ``i`` of ``n`` cells over ``P`` parts owns
-``[lo_i, hi_i)`` with sizes differing by at most one (:func:`split_bounds`).
+``[lo_i, hi_i)`` with sizes differing by at most one (:func:`gems.shapes.split_bounds`, kept below every
+strategy since the pipeline and the planner weigh cut layers by it too).
 A layer's rank owns the *output* cells in its range and asks for exactly the
 input cells those outputs read: :class:`Window` (convolution, pooling),
 :class:`Transposed` (transposed convolution) and :class:`Resample` (upsampling)
@@ -21,30 +22,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-Range = tuple[int, int]
+from gems.shapes import Range
+
 Box = tuple[Range, ...]
-
-
-def split_bounds(n: int, parts: int) -> list[Range]:
-    """``[lo, hi)`` of each of ``parts`` parts of ``n`` cells (np.array_split's rule)."""
-    q, r = divmod(n, parts)
-    out, lo = [], 0
-    for i in range(parts):
-        hi = lo + q + (1 if i < r else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
-
-
-def largest_part(extent: Sequence[int], parts: Sequence[int], dims: Sequence[int]) -> list[int]:
-    """The extents of the largest part of ``extent`` cut into ``parts`` along ``dims``: the first along each, as
-    :func:`split_bounds` makes the first part the largest. What every rank weighs a spatial layer by, so that
-    decisions taken on it (pipeline balances, recomputed pieces) agree on every rank."""
-    part = [int(v) for v in extent]
-    for k, d in zip(parts, dims):
-        lo, hi = split_bounds(part[d], int(k))[0]
-        part[d] = hi - lo
-    return part
 
 
 def is_empty(box: Box) -> bool:

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from gems import timers
-from gems.fault.progress import waiting
+from gems.progress import waiting
 from gems.spatial.context import SpatialContext
 from gems.spatial.geometry import Box, intersect, is_empty, local_index, shape_of
 

@@ -8,7 +8,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from gems.spatial.context import GSHAPE, SpatialContext
+from gems.shapes import GSHAPE
+from gems.spatial.context import SpatialContext
 
 
 class _Zeros(torch.autograd.Function):

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gems.spatial.context import GSHAPE, SpatialContext
+from gems.shapes import GSHAPE
+from gems.spatial.context import SpatialContext
 from gems.spatial.geometry import local_index
 from gems.spatial.layers.base import SpatialLayer
 

@@ -17,7 +17,8 @@ A rule receives the layer, the converter (``conv.sctx`` is the spatial context,
 spatial version, or raises :class:`CannotCut` saying why; a layer with no rule
 cannot be cut either. Where a layer cannot be cut, gems gathers the activation
 before it and runs the rest of the model whole on every part (the record says
-so). This module imports nothing of gems, so any model can import it.
+so). This module imports nothing of gems and lies below every strategy, so any model can import it without
+loading the spatial strategy (a model cut by a pipeline alone never does).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The planner's trace: the real (spatial) model run layer by layer on fake tensors at a rank's local shapes,
-with a shape-only stand-in for its spatial context and CUDA autocast's casting rules on GPU targets;
-what autograd saves, per layer (:mod:`gems.plan.memory` adds it up, :mod:`gems.plan.cost` counts its ops).
+"""The model's trace (the planner's, and the run's recomputed pieces'): the real (spatial) model run layer by
+layer on fake tensors at a rank's local shapes, with a shape-only stand-in for its spatial context and CUDA
+autocast's casting rules on GPU targets; what autograd saves, per layer (:mod:`gems.plan.memory` adds it up,
+:mod:`gems.trace.ops` counts its ops, :func:`piece_costs` weighs the run's recomputed pieces on it).
 
 Why one file of this length: the fake-tensor trace and the shape-only spatial stand-in it needs are one
 mechanism; the memory and cost models that read it live apart.
@@ -217,7 +218,7 @@ class Trace:
     halo: dict[int, int]  # layer -> largest halo exchange (send + receive bytes)
     gather: dict[int, int]  # layer -> gather buffers
     target_bytes: int
-    ops: dict[int, Any] = field(default_factory=dict)  # layer -> its ops' FLOPs and bytes (gems.plan.cost)
+    ops: dict[int, Any] = field(default_factory=dict)  # layer -> its ops' FLOPs and bytes (gems.trace.ops)
     comm: list[tuple[int, str, int, int]] = field(default_factory=list)  # the spatial messages (StandIn.times)
     in_grad: list[bool] = field(default_factory=list)  # whether each layer's input needs a gradient
     skips: list[tuple[int, int]] = field(default_factory=list)  # (stash, pop) layer of each skip (models.skips)
@@ -390,7 +391,7 @@ class _Tracer:
     which layers save them, every layer's output, and the layers it replays from :data:`_LAYER_MEMO`."""
 
     def __init__(self, sctx: Any, memo: Any) -> None:
-        from gems.plan.cost import OpCounter
+        from gems.trace.ops import OpCounter
 
         self.sctx, self.memo = sctx, memo
         self.saved: dict[int, tuple[int, set[int]]] = {}
@@ -427,7 +428,7 @@ class _Tracer:
     def layer(self, i: int, layer: nn.Module, d: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """Layer ``i`` on ``x``: replayed when a layer like it on an input like this was traced before, else run."""
         from gems.pipeline.partition import structure
-        from gems.spatial.context import GSHAPE
+        from gems.shapes import GSHAPE
 
         sctx = self.sctx
         self.cur[0] = i
@@ -443,7 +444,7 @@ class _Tracer:
         return self.run(i, layer, d, x, mkey)
 
     def replay(self, i: int, x: torch.Tensor, memo: tuple) -> torch.Tensor:
-        from gems.spatial.context import GSHAPE
+        from gems.shapes import GSHAPE
 
         shape, dtype, grad, entries, spatial_out, ops = memo
         kx = _key(x)[0]
@@ -518,7 +519,7 @@ class _Tracer:
     def spatial_out(self, i: int, x: torch.Tensor, logs: tuple[int, int, int]) -> tuple | None:
         """A spatial layer's output state for a replay (its global shape, the stand-in's, the buffers it logged);
         None where something was logged under another layer's index."""
-        from gems.spatial.context import GSHAPE
+        from gems.shapes import GSHAPE
 
         sctx = self.sctx
         if sctx is None:

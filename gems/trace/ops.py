@@ -1,5 +1,5 @@
 """What each layer of the planner's trace computes: FLOPs and bytes per op, counted on the same fake-tensor
-forward that measures memory (:func:`gems.plan.trace.trace_layers`).
+forward that measures memory (:func:`gems.trace.model.trace_layers`).
 
 Ops fall in three classes: ``conv`` (convolutions, with a signature of channels, kernel, stride, groups and
 transposition that CPU ranks time on the spot), ``matmul`` and ``memory`` (everything else that moves data:
