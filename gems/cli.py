@@ -237,6 +237,12 @@ def cmd_run(overrides: list[str]) -> int:
     from gems.config import compose
     from gems.launch.base import prestart
     from gems.prepare import prepare
+def failed_status(record: dict[str, Any]) -> int:
+    """The exit status of a failed run: 2 where a rank met bad input after the start (a ConfigError: a data file
+    that changed under the run, or one whose headers no check reads before the launch), else 1."""
+    return 2 if (record.get("failure") or {}).get("exception") == "ConfigError" else 1
+
+
 
     cfg = compose(overrides)
     prestart(cfg)  # the ranks' server, before the checks run torch
@@ -248,7 +254,7 @@ def cmd_run(overrides: list[str]) -> int:
     print(f"record: {record_path(cfg)}")
     if record.get("status") != "ok":
         _err(f"run {cfg.run_id} failed: {record.get('error')}")
-        return 1
+        return failed_status(record)
     for note in record.get("notes") or []:  # what the run decided or measured thinly (the record keeps them too)
         print(f"gems: note: {note}", file=sys.stderr, flush=True)
     if record.get("diverged"):

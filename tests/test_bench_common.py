@@ -68,9 +68,14 @@ def test_bench_data_writes_its_table_with_every_contender(tmp_path, monkeypatch)
 
     text = bench_data(tmp_path, sizes=(32,), spatials=(1,), rounds=1, reader_size=32, reader_rounds=1, quiet_s=0)
     assert (tmp_path / "data.md").read_text() == text
-    reader = [line.split("|")[1:-1] for line in text.split("### The step")[0].splitlines() if line.startswith("| ")]
-    assert [r[0].strip() for r in reader[1:]][:2] == ["1", "2"] and "contiguous `full` datasets" in text
-    assert all(float(r[i]) > 0 for r in reader[1:] for i in (1, 2, 3, 4, 6))
+    reader = [[c.strip() for c in line.split("|")[1:-1]] for line in text.split("### The step")[0].splitlines()
+              if line.startswith("| ")][1:]
+    by = {(r[0], r[2]): r for r in reader}  # a row a layout and thread count (issue 65): the HDF5 layouts at least
+    assert {("gems", "1"), ("gems", "2"), ("exalearn", "1"), ("exalearn", "2"), ("lbann", "1")} <= set(by)
+    for r in by.values():  # the bound is the best of its ways to move the bytes; every figure measured
+        ways = [float(v) for v in r[3:6] if v != "-"]
+        assert float(r[6].split()[0]) == max(ways) and min(ways) > 0
+        assert r[0] not in ("gems", "exalearn", "lbann") or min(float(r[i]) for i in (7, 8, 9, 10, 12)) > 0
     monkeypatch.setenv("GEMS_BENCH_DATA", "reader")
     alone = bench_data(tmp_path, reader_size=32, reader_rounds=1, quiet_s=0)
     assert (tmp_path / "data-reader.md").read_text() == alone and "### The step" not in alone

@@ -135,8 +135,8 @@ def _synth(tmp: Path, *args: str):
 def test_synth_writes_train_and_val_universes_resumably(tmp_path: Path) -> None:
     out = _synth(tmp_path, "data.universes=3", "data.val_universes=2")
     assert out.returncode == 0, out.stderr
-    train, val = sorted((tmp_path / "train").glob("*.h5")), sorted((tmp_path / "val").glob("*.h5"))
-    assert [p.name for p in train] == ["universe_00000.h5", "universe_00001.h5", "universe_00002.h5"]
+    train, val = sorted((tmp_path / "train").glob("*.hdf5")), sorted((tmp_path / "val").glob("*.hdf5"))
+    assert [p.name for p in train] == ["universe_00000.hdf5", "universe_00001.hdf5", "universe_00002.hdf5"]
     assert len(val) == 2
     with h5py.File(train[1]) as f:
         full, par, index = f["full"][()], f["unitPar"][()], int(f.attrs["index"])
@@ -144,7 +144,8 @@ def test_synth_writes_train_and_val_universes_resumably(tmp_path: Path) -> None:
         assert int(f.attrs["index"]) == VAL_BASE  # validation universes are others, whatever the training count
     u = cos.Universes(cells=32, box_mpc=128.0)
     counts, unit, _ = cos.make_universe(u, index)
-    assert index == 1 and np.array_equal(full, counts) and np.array_equal(par, unit)  # a pure function of (seed, index)
+    assert index == 1 and np.array_equal(par, unit)  # a pure function of (seed, index)
+    assert full.shape == (32, 32, 32, 4) and np.array_equal(full, np.moveaxis(counts, 0, -1))  # ExaLearn's: channels last
     # each file carries its log counts' figures; the summary pools them for data.standardize
     logs = np.log1p(counts.astype(np.float64))
     with h5py.File(train[1]) as f:
@@ -158,7 +159,7 @@ def test_synth_writes_train_and_val_universes_resumably(tmp_path: Path) -> None:
     out = _synth(tmp_path, "data.universes=4", "data.val_universes=2")
     assert out.returncode == 0, out.stderr
     assert "4 already there" in out.stdout and train[0].stat().st_mtime_ns == kept  # 2 training, 2 validation
-    assert len(list((tmp_path / "train").glob("*.h5"))) == 4
+    assert len(list((tmp_path / "train").glob("*.hdf5"))) == 4
 
 
 @pytest.mark.parametrize("args, key", [
@@ -179,7 +180,7 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path: Path, args: l
 
 def test_nothing_is_overwritten(tmp_path: Path) -> None:
     assert _synth(tmp_path, "data.universes=2", "data.val_universes=1").returncode == 0
-    before = {p: p.read_bytes() for p in (tmp_path / "train").glob("*.h5")}
+    before = {p: p.read_bytes() for p in (tmp_path / "train").glob("*.hdf5")}
     other = _synth(tmp_path, "data.universes=2", "data.val_universes=1", "data.box_mpc=200")
     assert other.returncode == 2 and "written with other ones" in other.stderr
     same = gems("data", "synth", "data.kind=cosmology", f"data.path={tmp_path / 'train'}",
@@ -188,7 +189,7 @@ def test_nothing_is_overwritten(tmp_path: Path) -> None:
     (tmp_path / "val" / "mine.h5").write_bytes(b"x")
     foreign = _synth(tmp_path, "data.universes=2", "data.val_universes=1")
     assert foreign.returncode == 2 and "mine.h5" in foreign.stderr
-    assert before == {p: p.read_bytes() for p in (tmp_path / "train").glob("*.h5")}
+    assert before == {p: p.read_bytes() for p in (tmp_path / "train").glob("*.hdf5")}
 
 
 @pytest.mark.slurm
@@ -197,8 +198,8 @@ def test_synth_as_a_slurm_job_splits_the_universes_over_its_tasks(tmp_path: Path
                  "cluster.tasks_per_node=1", f"results.dir={tmp_path / 'res'}")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "Slurm job" in out.stdout and "over 2 task(s)" in out.stdout
-    files = sorted((tmp_path / "train").glob("*.h5")) + sorted((tmp_path / "val").glob("*.h5"))
+    files = sorted((tmp_path / "train").glob("*.hdf5")) + sorted((tmp_path / "val").glob("*.hdf5"))
     assert len(files) == 4
     with h5py.File(files[2]) as f:
         counts, unit, _ = cos.make_universe(cos.Universes(cells=32, box_mpc=128.0), 2)
-        assert np.array_equal(f["full"][()], counts) and np.array_equal(f["unitPar"][()], unit)
+        assert np.array_equal(f["full"][()], np.moveaxis(counts, 0, -1)) and np.array_equal(f["unitPar"][()], unit)

@@ -15,12 +15,16 @@ is faster than the compute (reader time < bound). The runs are gems's own traini
 on real gloo ranks, one compute thread per rank; on this 2-core machine an S = 2 run's ranks take both cores,
 so the reader's thread there competes with the compute instead of using an idle core, and the table says so.
 
-First, the reader alone (:func:`bench_reader`): CosmoFlow's 128^3 x 4 int16 samples read in batches of 4 by
-``HDF5Samples.read`` on 1, 2, ... threads (``data.readers``), in GB/s, beside the page-cache bound of the same
-files at the same thread count (each whole file read by one ``os.preadv`` into its place of a batch-sized
-buffer made once, the files in the page cache), alternated in rounds; the ratios are each round's, side by
-side. Goal (issue 59): the reader at >= 0.7 of the bound with one thread, and two threads >= 1.6x one.
-``GEMS_BENCH_DATA=reader`` runs only this part (written to ``data-reader.md``).
+First, the reader alone (:func:`bench_reader`), a row a layout (gems.data.layouts: every registered layout
+that writes the bench's samples, each as its published tool writes them): CosmoFlow's 128^3 x 4 counts read in
+batches of 4 by the layout's ``read`` on 1, 2, ... threads (``data.readers``), in GB/s, beside the page-cache
+bound of the same files at the same thread count: the fastest way this machine moves those bytes from the page
+cache into a pre-touched buffer (the best of each whole file by one positional read, the reader's own byte runs
+by one positional read each, and a memory copy out of the files mapped), the files held open as the reader
+holds its own; a plain memory copy beside it, as a ceiling. Every contender of every layout is measured in
+each round, the rounds alternated; the ratios are each round's, side by side. Goal (issues 59 and 65): the
+reader at >= 0.7 of the bound with one thread on channels-last files and on gems's own, and two threads >=
+1.6x one. ``GEMS_BENCH_DATA=reader`` runs only this part (written to ``data-reader.md``).
 """
 from __future__ import annotations
 
@@ -143,20 +147,62 @@ def _drain(jobs: Sequence[Callable[[], None]], threads: int, pool: Any) -> None:
         h.result()
 
 
-class _ReaderBench:
-    """The contenders of :func:`bench_reader` on the files of ``folder``, each a pass over every batch."""
+def _values(size: int, n: int) -> list[tuple[Any, Any]]:
+    """``n`` samples of 4 x ``size``^3 int16 counts and their targets (gems data synth's generator)."""
+    from gems.data.synth import make_sample
 
-    def __init__(self, folder: Path, threads: Sequence[int], size: int) -> None:
+    return [make_sample(0, i, (4, size, size, size)) for i in range(n)]
+
+
+def layout_folders(root: Path, size: int, n: int = 16) -> tuple[dict[str, Path], dict[str, str]]:
+    """The same ``n`` samples written in every registered layout that writes them (gems.data.layouts: each as its
+    published tool writes them) under ``root``, a folder each; and why a layout has none (it writes no such
+    samples, or does not read them back as 4 x ``size``^3 counts with a target vector)."""
+    from gems.data import layouts
+    from gems.errors import ConfigError
+
+    values = _values(size, n)
+    folders, skipped = {}, {}
+    for name, layout in layouts.registered().items():
+        folder = root / f"{name}{size}"
+        try:
+            if not folder.exists():
+                layout.write(folder, values)
+            layout.open(folder, (4, size, size, size)).close()
+        except (NotImplementedError, ConfigError, ValueError, TypeError) as e:  # no such samples in this layout
+            skipped[name] = _oneline(str(e)) or "writes no such samples"
+            continue
+        folders[name] = folder
+    return folders, skipped
+
+
+def _oneline(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+BOUNDS = ("whole file", "runs", "mapped")
+
+
+class _ReaderBench:
+    """The contenders of :func:`bench_reader` on one layout's files in ``folder``, each a pass over every batch:
+    the reader (``samples.read`` into a batch made once), a rank's half under ``data.augment=cube``, and the
+    bound's ways to move the same bytes from the page cache into a pre-touched buffer (:data:`BOUNDS`), with
+    the files held open (the reader holds its own open too): each whole file by one ``os.preadv``; the byte
+    ranges the reader reads (``samples.runs``: its pieces), each by one ``os.preadv`` straight to its place;
+    each file mapped (``mmap``, populated) and copied by numpy (a memory copy out of the page cache); beside
+    them a plain memory copy of the batch's bytes in memory (no page cache: a ceiling)."""
+
+    def __init__(self, layout: Any, folder: Path, threads: Sequence[int], size: int) -> None:
+        import mmap
         from concurrent.futures import ThreadPoolExecutor
 
         import numpy as np
         import torch
 
-        from gems.data.hdf5 import HDF5Samples
-
-        self.files = sorted(folder.glob("*.h5"))
+        self.layout = layout
+        self.files = layout.files(folder)
         self.shape = (4, size, size, size)
-        self.sample = int(np.prod(self.shape)) * 2
         self.n = len(self.files) - len(self.files) % READER_BATCH
         self.batches = [list(range(b, b + READER_BATCH)) for b in range(0, self.n, READER_BATCH)]
         for f in self.files:  # into the page cache
@@ -165,98 +211,160 @@ class _ReaderBench:
                     pass
         self.sizes = [f.stat().st_size for f in self.files]
         self.slot = max(self.sizes)
-        self.buffer = np.empty(READER_BATCH * self.slot, np.uint8)  # the bound's batch, made once
-        self.out = torch.empty((READER_BATCH, *self.shape), dtype=torch.int16)  # the reader's, made once
-        self.half = torch.empty((READER_BATCH, 4, size // 2, size, size), dtype=torch.int16)
-        self.sets = {t: HDF5Samples(folder, self.shape, readers=t) for t in threads}
-        self.parts = {t: HDF5Samples(folder, self.shape, readers=t, augment="cube",
-                                     slices=(slice(0, size // 2),)) for t in threads}
+        self.buffer = np.ones(READER_BATCH * self.slot, np.uint8)  # the bound's batch, made once and touched
+        self.sets = {t: layout.open(folder, self.shape, readers=t) for t in threads}
+        self.parts = {t: layout.open(folder, self.shape, readers=t, augment="cube", slices=(slice(0, size // 2),))
+                      for t in threads}
+        first = self.sets[threads[0]]
+        self.out = first.read(self.batches[0])[0].data  # the reader's batch, made once (and touched)
+        self.half = self.parts[threads[0]].read(self.batches[0])[0].data
+        self.sample = self.out[0].numel() * self.out.element_size()
+        self.dtype = str(np.dtype(first.dtype))
         gen = torch.Generator().manual_seed(0)
         self.syms = [torch.randint(0, 48, (READER_BATCH,), generator=gen).tolist() for _ in self.batches]
-        self.contiguous = all(self.sets[threads[0]]._header(i).offset is not None for i in range(len(self.files)))
+        runs = getattr(first, "runs", None)
+        self.fds = {str(f): os.open(f, os.O_RDONLY) for f in self.files}
+        self.runs: list[list[tuple[int, int, int, int]]] = []  # per batch: (fd, offset, bytes, to) the reader reads
+        for b in self.batches:
+            got = runs(b) if runs is not None else []
+            for path, _, _ in got:
+                if path not in self.fds:
+                    self.fds[path] = os.open(path, os.O_RDONLY)
+            to, plan = 0, []
+            for path, off, nbytes in got:
+                plan.append((self.fds[path], off, nbytes, to))
+                to += nbytes
+            self.runs.append(plan)
+        self.run_bytes = sum(n for p in self.runs for _, _, n, _ in p)
+        self.positional = bool(self.run_bytes)
+        self.maps = []
+        for f in self.files:
+            with open(f, "rb") as h:
+                mm = mmap.mmap(h.fileno(), 0, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            self.maps.append((mm, np.frombuffer(mm, np.uint8)))
+        self.source = np.ones_like(self.buffer)  # the plain copy's source, in memory
         self.pool = ThreadPoolExecutor(max(threads))
 
     def _whole_file(self, i: int) -> None:
-        fd = os.open(self.files[i], os.O_RDONLY)
-        try:
-            k = i % READER_BATCH
-            os.preadv(fd, [self.buffer[k * self.slot:k * self.slot + self.sizes[i]]], 0)
-        finally:
-            os.close(fd)
+        k = i % READER_BATCH
+        os.preadv(self.fds[str(self.files[i])], [self.buffer[k * self.slot:k * self.slot + self.sizes[i]]], 0)
+
+    def _run(self, fd: int, off: int, nbytes: int, to: int) -> None:
+        os.preadv(fd, [self.buffer[to:to + nbytes]], off)
+
+    def _mapped(self, i: int) -> None:
+        import numpy as np
+
+        k = i % READER_BATCH
+        np.copyto(self.buffer[k * self.slot:k * self.slot + self.sizes[i]], self.maps[i][1])
+
+    def _copy(self, k: int) -> None:
+        import numpy as np
+
+        np.copyto(self.buffer[k * self.sample:(k + 1) * self.sample], self.source[k * self.sample:(k + 1) * self.sample])
 
     def gbs(self, threads: int, contender: str) -> float:
         """GB/s of one pass of ``contender`` on ``threads`` threads."""
-        from gems.data.hdf5 import read_into
-
         t0 = time.perf_counter()
         for _ in range(READER_PASSES):
-            for b, syms in zip(self.batches, self.syms):
-                if contender == "bound":
+            for b, plan, syms in zip(self.batches, self.runs, self.syms):
+                if contender == "whole file":
                     _drain([functools.partial(self._whole_file, i) for i in b], threads, self.pool)
-                elif contender == "h5py":  # the reader this one replaced: h5py, a sample after another, one thread
-                    for row, i in zip(self.out, b):
-                        read_into(row, self.files[i])
+                elif contender == "runs":
+                    _drain([functools.partial(self._run, *r) for r in plan], threads, self.pool)
+                elif contender == "mapped":
+                    _drain([functools.partial(self._mapped, i) for i in b], threads, self.pool)
+                elif contender == "memcpy":
+                    _drain([functools.partial(self._copy, k) for k in range(len(b))], threads, self.pool)
                 elif contender == "part":
                     self.parts[threads].read(b, syms, out=self.half)
                 else:
                     self.sets[threads].read(b, out=self.out)
-        nbytes = (sum(self.sizes[:self.n]) if contender == "bound" else
-                  self.n * self.sample // (2 if contender == "part" else 1))
+        nbytes = {"whole file": sum(self.sizes[:self.n]), "mapped": sum(self.sizes[:self.n]),
+                  "runs": self.run_bytes, "part": self.n * self.sample // 2}.get(contender, self.n * self.sample)
         return READER_PASSES * nbytes / 1e9 / (time.perf_counter() - t0)
+
+    def contenders(self) -> tuple[str, ...]:
+        return (*(b for b in BOUNDS if b != "runs" or self.positional), "memcpy", "reader", "part")
 
     def close(self) -> None:
         for ds in (*self.sets.values(), *self.parts.values()):
             ds.close()
+        for fd in self.fds.values():
+            os.close(fd)
+        for mm, arr in self.maps:
+            del arr
+        self.maps.clear()
         self.pool.shutdown()
 
 
-def bench_reader(folder: Path, threads: Sequence[int] | None = None, rounds: int = 7,
-                 size: int = READER_SIZE, quiet_s: float = 2.0) -> tuple[list[list[Any]], str]:
-    """The reader against the page-cache bound (module docstring) on the files in ``folder`` (4 x ``size``^3
-    int16 samples): the table's rows and its text; ``quiet_s``: the most each measurement waits for idle cores."""
+def bench_reader(folders: dict[str, Path], threads: Sequence[int] | None = None, rounds: int = 7,
+                 size: int = READER_SIZE, quiet_s: float = 2.0,
+                 skipped: dict[str, str] | None = None) -> tuple[list[list[Any]], str]:
+    """Each layout's reader against the page-cache bound of its own files (module docstring), ``folders``: a
+    layout's name -> its files (4 x ``size``^3 samples, :func:`layout_folders`): the table's rows and its text;
+    ``quiet_s``: the most each round waits for idle cores first. Every contender of every layout is measured in
+    each round (alternated, each round in the other order), so that the ratios are each round's, side by side."""
     from statistics import median as med
 
+    from gems.data import layouts
+
     threads = list(threads or thread_counts())
-    bench = _ReaderBench(folder, threads, size)
-    names = [(t, c) for t in threads for c in ("bound", "reader", "part")] + [(1, "h5py")]
-    got: dict[tuple[int, str], list[float]] = {k: [] for k in names}
+    benches = {name: _ReaderBench(layouts.get(name), folder, threads, size) for name, folder in folders.items()}
+    names = [(lay, t, c) for lay, b in benches.items() for t in threads for c in b.contenders()]
+    got: dict[tuple[str, int, str], list[float]] = {k: [] for k in names}
     try:
         for r in range(rounds + 1):  # round 0 warms (threads started, files opened), not counted
-            for t, c in (names if r % 2 else names[::-1]):  # alternated, each round in the other order
-                quiet(quiet_s)
-                rate = bench.gbs(t, c)
+            quiet(quiet_s)
+            for lay, t, c in (names if r % 2 else names[::-1]):
+                rate = benches[lay].gbs(t, c)
                 if r:
-                    got[(t, c)].append(rate)
+                    got[(lay, t, c)].append(rate)
     finally:
-        bench.close()
+        for b in benches.values():
+            b.close()
 
-    def ratio(a: tuple[int, str], b: tuple[int, str]) -> float:  # the median of each round's ratio
-        return med([x / y for x, y in zip(got[a], got[b])])
+    def bound(lay: str, t: int) -> list[float]:  # each round's best way to move the bytes
+        return [max(xs) for xs in zip(*(got[(lay, t, c)] for c in BOUNDS if (lay, t, c) in got))]
+
+    def ratio(xs: Sequence[float], ys: Sequence[float]) -> float:  # the median of each round's ratio
+        return med([x / y for x, y in zip(xs, ys)])
 
     rows = []
-    for t in threads:
-        share, speedup = ratio((t, "reader"), (t, "bound")), ratio((t, "reader"), (1, "reader"))
-        goal = (f"reader >= 0.7 of the bound: {'yes' if share >= 0.7 else 'no'}" if t == 1 else
-                f"2 threads >= 1.6x 1: {'yes' if speedup >= 1.6 else 'no'}" if t == 2 else "")
-        rows.append([t, f"{med(got[(t, 'bound')]):.2f}", f"{med(got[(t, 'reader')]):.2f}", f"{share:.2f}",
-                     f"{speedup:.2f}", goal, f"{med(got[(t, 'part')]):.2f}", f"{ratio((t, 'part'), (t, 'bound')):.2f}"])
-    text = ("### The reader alone\n\n"
-            f"{bench.n} files of `gems data synth` (4 x {size}^3 int16 counts, {bench.sample / 2**20:.0f} MiB "
-            f"a sample; {'contiguous' if bench.contiguous else 'NOT all contiguous'} `full` datasets, as the "
-            f"ExaLearn files), in the page cache, read in batches of {READER_BATCH} by `HDF5Samples.read` on "
-            f"`data.readers` threads, {READER_PASSES} passes a measurement, median of {rounds} rounds alternated "
-            "with the bound (each round in the other order than the one before; each measurement after up to 2 s "
-            "of waiting for the cores to be idle). *bound*: each whole file read by "
-            "one `os.preadv` into its place of a batch-sized buffer made once, on as many threads; *reader*: a "
-            "whole sample into a batch made once, as a rank's are in effect (a GPU rank's pinned batches come from "
-            "the pinned allocator's cache, a CPU rank keeps freed host memory: `train.host_memory`), so that "
-            "neither pays for faulting in new pages. Ratios are each round's, side by side. *S=2 half, cube*: a "
-            "rank's depth half under `data.augment=cube`, each sample's symmetry drawn, so that the half is read "
-            "from a slab cut in depth, height or width (runs of 2 MiB, 16 KiB or 128 B), symmetries applied "
-            "later (on a GPU rank's device); GB/s of the half's bytes. The reader before this one (h5py, one "
-            f"sample after another under its lock, whatever the threads): {med(got[(1, 'h5py')]):.2f} GB/s.\n\n")
-    text += md_table(["threads", "bound GB/s", "reader GB/s", "reader / bound", "reader / 1 thread", "goal",
-                      "S=2 half, cube: GB/s", "its / bound"], rows)
+    for lay, b in benches.items():
+        for t in threads:
+            best, reader = bound(lay, t), got[(lay, t, "reader")]
+            share, speedup = ratio(reader, best), ratio(reader, got[(lay, 1, "reader")])
+            goal = (f"reader >= 0.7 of the bound: {'yes' if share >= 0.7 else 'no'}" if t == 1 else
+                    f"2 threads >= 1.6x 1: {'yes' if speedup >= 1.6 else 'no'}" if t == 2 else "")
+            which = max(BOUNDS, key=lambda c: med(got[(lay, t, c)]) if (lay, t, c) in got else 0.0)
+            rows.append([lay, b.dtype, t, *(f"{med(got[(lay, t, c)]):.2f}" if (lay, t, c) in got else "-"
+                                            for c in BOUNDS),
+                         f"{med(best):.2f} ({which})", f"{med(got[(lay, t, 'memcpy')]):.2f}", f"{med(reader):.2f}",
+                         f"{share:.2f}", f"{speedup:.2f}", goal, f"{med(got[(lay, t, 'part')]):.2f}",
+                         f"{ratio(got[(lay, t, 'part')], best):.2f}"])
+    first = next(iter(benches.values()))
+    text = ("### The reader alone, a row a layout\n\n"
+            f"The same {first.n} samples of `gems data synth` (4 x {size}^3 counts, int16 where the layout's tool "
+            "keeps them, float32 in LBANN's default) written in each layout as its published tool writes it "
+            "(gems.data.layouts: h5py, contiguous), in the page cache, read in batches of "
+            f"{READER_BATCH} by the layout's `read` on `data.readers` threads into a batch made once (as a rank's "
+            f"are in effect), {READER_PASSES} passes a measurement, median of {rounds} rounds, every contender of "
+            "every layout in each round, alternated (each round in the other order; each round after up to "
+            f"{quiet_s:g} s of waiting for idle cores). *bound*: the fastest of three ways to move the same files' "
+            "bytes from the page cache into a pre-touched buffer on as many threads, the files held open: each "
+            "*whole file* by one `os.preadv`; the byte *runs* the reader reads (its pieces), each by one "
+            "`os.preadv` to its place; each file *mapped* (`mmap`, populated) and copied out by numpy. *memcpy*: "
+            "the batch's bytes copied in memory, no page cache (a ceiling no read reaches). Ratios are each "
+            "round's, side by side: reader / bound and reader / its own one thread. *S=2 half, cube*: a rank's "
+            "depth half under `data.augment=cube`, each sample's symmetry drawn (the half read from a slab cut in "
+            "depth, height or width), symmetries and the channels' move applied later (on a GPU rank's device); "
+            "GB/s of the half's bytes.\n\n")
+    if skipped:
+        text += "Not measured: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()) + ".\n\n"
+    text += md_table(["layout", "type", "threads", *(f"{c} GB/s" for c in BOUNDS), "bound GB/s", "memcpy GB/s",
+                      "reader GB/s", "reader / bound", "reader / 1 thread", "goal", "S=2 half, cube: GB/s",
+                      "its / bound"], rows)
     return rows, text
 
 
@@ -274,8 +382,9 @@ def bench_data(out_dir: Path, sizes: tuple[int, ...] = (64, 128), spatials: tupl
         raise ConfigError("GEMS_BENCH_DATA", parts, "reader (the reader alone), or unset for everything")
     rows = []
     with tempfile.TemporaryDirectory(prefix="gems-bench-data-") as tmp:
-        _, reader_text = bench_reader(Path(_files(Path(tmp), reader_size)), rounds=reader_rounds, size=reader_size,
-                                      quiet_s=quiet_s)
+        folders, skipped = layout_folders(Path(tmp), reader_size)
+        _, reader_text = bench_reader(folders, rounds=reader_rounds, size=reader_size, quiet_s=quiet_s,
+                                      skipped=skipped)
         if parts == "reader":
             text = "## gems bench data\n\n" + reader_text + "\n" + env_block("GEMS_BENCH_DATA=reader gems bench data")
             write(out_dir, "data-reader", text)

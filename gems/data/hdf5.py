@@ -533,6 +533,24 @@ class HDF5Samples:
         return (Counts(out, syms, shapes, self.channels == "last"),
                 torch.stack(targets) if targets else torch.empty(0, 0))
 
+    def runs(self, indices: Sequence[int], symmetries: Sequence[int] | None = None) -> list[tuple[str, int, int]]:
+        """The byte ranges (file, offset, bytes) :meth:`read` reads by position for ``indices`` (the gaps its
+        gathered or buffered blocks read too): what gems bench data's per-run bound reads, with no reader
+        around it; none for a file read through h5py."""
+        syms = [int(k) for k in symmetries] if symmetries is not None else [0] * len(indices)
+        itemsize = self.file_dtype.itemsize
+        out: list[tuple[str, int, int]] = []
+        for i, k in zip(indices, syms):
+            f, hyperslab = self._hyperslab(i, k)
+            head = self._header(f)
+            if head.offset is None:
+                continue
+            g = preader.grid(head.shape, itemsize, _spatial(self.channels, hyperslab, len(head.shape)))
+            for blocks in preader.pieces(preader.Grid(0, g.run, g.counts, g.strides), preader.PIECE,
+                                         preader.SMALL_RUN, preader.MEDIUM_RUN):
+                out += [(head.source, head.offset + g.start + b.at, b.span) for b in blocks]
+        return out
+
     def batch(self, indices: Sequence[int], symmetries: Sequence[int] | None = None, raw: bool = False,
               pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Stacked parts ``(N, C, *part)`` and targets ``(N, 4)`` of the samples ``indices``, each transformed by

@@ -125,13 +125,14 @@ def fit_ridge(x: np.ndarray, y: np.ndarray, groups: np.ndarray) -> dict[str, Any
 
 def _features_of(files: Sequence[Path], edges: Sequence[int]) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per edge: (features of every crop, its universe's targets, its universe's index in ``files``)."""
-    import h5py
+    from gems.data import layouts
+    from gems.data.hdf5 import read_sample
 
     got: dict[int, tuple[list[np.ndarray], list[np.ndarray], list[int]]] = {e: ([], [], []) for e in edges}
     for u, path in enumerate(files):
-        with h5py.File(path, "r") as f:
-            x = np.asarray(f["full"][()])
-            y = np.asarray(f["unitPar"][()], dtype=np.float64).reshape(-1)
+        channels = str(getattr(layouts.detect(path), "channels", "first"))  # (C, n, n, n) whatever the layout
+        xt, yt = read_sample(path, raw=True, channels=channels)
+        x, y = xt.numpy(), yt.numpy().astype(np.float64)
         for e in edges:
             feats, ys, us = got[e]
             for c in crops(x, e):
@@ -156,7 +157,7 @@ def _files(key: str, folder: Any, shape: Sequence[int] | None = None) -> tuple[l
     if len(got) != 4 or len(set(got[1:])) != 1:
         raise ConfigError(key, folder, f"universes of cubes: `full` shaped (channels, n, n, n), not {list(got)}")
     if len(samples.files) < 2:
-        raise ConfigError(key, folder, "a folder of at least 2 universes (*.h5 with `full` and `unitPar`)")
+        raise ConfigError(key, folder, "a folder of at least 2 universes (HDF5 files with `full` and `unitPar`)")
     return samples.files, got
 
 

@@ -1,12 +1,14 @@
-"""``gems data synth data.kind=cosmology``: write a data set of universes (:mod:`gems.data.cosmology`) in the
-ExaLearn layout, training and validation sets split by universe, in parallel, resumable.
+"""``gems data synth data.kind=cosmology``: write a data set of universes (:mod:`gems.data.cosmology`) in
+ExaLearn's layout as NERSC publishes it (gems.data.layouts.exalearn: ``full`` (N, N, N, C) channels last, int16,
+``unitPar``), so the sample-size study and the real universes take one code path; training and validation sets
+split by universe, in parallel, resumable.
 
 Universes ``0 .. data.universes - 1`` go to ``data.path`` and ``data.val_universes`` others (:data:`VAL_BASE`
 on, so they do not change with the training set's size) to ``data.val_path``, one file each
-(``universe_00012.h5``, written to a temporary name and renamed, so a file
+(``universe_00012.hdf5``, written to a temporary name and renamed, so a file
 either is whole or is not there). A universe is a pure function of ``(train.seed, index)``, so a file already
 written with the same settings is skipped and a stopped run picks up where it stopped; a file written with
-other settings, or a foreign ``.h5`` in the folder, is bad input (nothing is overwritten).
+other settings, or a foreign ``.h5``/``.hdf5`` in the folder, is bad input (nothing is overwritten).
 
 Work is spread over ``data.workers`` processes on this machine (one universe a process), or over the tasks of
 one Slurm job (``cluster=...``: ``cluster.nodes`` x ``cluster.tasks_per_node`` tasks, each writing every
@@ -28,7 +30,9 @@ import numpy as np
 from gems.data.cosmology import PARAMETERS, RANGES, REDSHIFTS, Universes, make_universe, memory_bytes
 from gems.errors import ConfigError
 
-NAME = "universe_{:05d}.h5"
+NAME = "universe_{:05d}.hdf5"
+#: the names of sample files a folder of universes may hold only of its own
+SUFFIXES = (".h5", ".hdf5")
 #: validation universe j is universe VAL_BASE + j: the same universes whatever the training set's size
 VAL_BASE = 1 << 20
 
@@ -145,10 +149,10 @@ def to_write(plan: Plan) -> list[tuple[Path, int]]:
 
     for folder, names in ours.items():
         if folder.is_dir():
-            foreign = sorted(p.name for p in folder.glob("*.h5") if p.name not in names)
+            foreign = sorted(p.name for p in folder.iterdir() if p.name.endswith(SUFFIXES) and p.name not in names)
             if foreign:
                 raise ConfigError(key(folder), str(folder), "a folder of this data set's universes only (it holds "
-                                  f"{len(foreign)} other .h5 file(s), e.g. {foreign[0]}; nothing was overwritten)")
+                                  f"{len(foreign)} other sample file(s), e.g. {foreign[0]}; nothing was overwritten)")
     for folder, index in plan.targets():
         path = folder / NAME.format(index % VAL_BASE)
         if not path.exists():
@@ -176,9 +180,10 @@ def write_universe(u: Universes, folder: Path, index: int,
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / NAME.format(index % VAL_BASE)
     tmp = folder / f".{final.name}.tmp"
-    with h5py.File(tmp, "w") as f:
-        f.create_dataset("full", data=counts)
+    with h5py.File(tmp, "w") as f:  # channels last, as ExaLearn's: a depth slab is one run of bytes
+        f.create_dataset("full", data=np.ascontiguousarray(np.moveaxis(counts, 0, -1)))
         f.create_dataset("unitPar", data=unit)
+        f.attrs["layout"] = "exalearn"
         logs = np.log1p(counts.astype(np.float32))
         f.attrs.update({**u.attrs(), "index": index, "generator": "gems.data.cosmology (Zel'dovich, colossus)",
                         "log1p_mean": float(logs.mean()), "log1p_std": float(logs.std())})
@@ -194,7 +199,7 @@ def log_counts(folder: Path) -> tuple[float, float] | None:
     import h5py
 
     got = []
-    for p in sorted(folder.glob("*.h5")):
+    for p in sorted(folder.glob("*.hdf5")):
         with h5py.File(p, "r") as f:
             if "log1p_mean" in f.attrs:
                 got.append((float(f.attrs["log1p_mean"]), float(f.attrs["log1p_std"])))

@@ -8,6 +8,8 @@ import os
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+
 from gems.pipeline.schedules import simulate
 from gems.plan.devices import cpu_rates, efficiency, gpu_rates, synthetic_seconds
 from gems.plan.memory import Planner, rank_threads
@@ -110,7 +112,9 @@ def data_set_files(cfg: Any) -> tuple[int, int]:
         p = Path(str(path)) if path else None
         if p is None or not p.exists():
             continue
-        found = sorted(p.glob("*.h5")) if p.is_dir() else [p]
+        from gems.data import layouts
+
+        found = layouts.detect(str(path), cfg.data.get("layout")).files(str(path))
         files += len(found)
         nbytes += sum(f.stat().st_size for f in found)
     return files, nbytes
@@ -141,48 +145,54 @@ def gpu_synthetic(rates: Any, sample: Any, ahead: bool = True) -> Any:
     return data
 
 
-#: bytes a second one reader thread moves from the page cache into a batch, where no file is at hand to time: one
-#: thread of `gems bench data` here (results/bench/data.md: 4.38 GB/s, 0.91 of one read a whole file; 5.12 in a run
-#: before it); a node's rate is taken as this per thread, none shared (planned, not the node's own)
+#: bytes a second one reader thread moves into a batch where no file is at hand (gems.data.layouts.THREAD_RATE)
 READER_BYTES_PER_S = 4.4e9
 _READ_RATES: dict[tuple, tuple[float, int, str]] = {}
 
 
 def reader_rate(cfg: Any, spec: Any, slices: Any = None) -> tuple[float, int, str]:
     """(bytes a second a rank's reader moves into its batches, bytes a value of the files' counts as it holds them,
-    how that was found): timed on the files of ``data.path`` where they are here (gems.data.hdf5.HDF5Samples.read
-    with ``data.readers`` threads, the rank's part ``slices`` and ``data.augment``'s symmetries, twice: the second
-    read, from the page cache into the first's buffer; a folder without them is bad input, named), else
-    ``data.readers`` x :data:`READER_BYTES_PER_S` of int16 counts, the ExaLearn layout's."""
-    import time
+    how that was found, the files' layout named): the layout of the files of ``data.path`` where they are here
+    (gems.data.layouts: detected, or ``data.layout``) timed by its own ``rate`` (its samples read with the rank's
+    reader threads, part ``slices`` and ``data.augment``'s symmetries: the second read, from the page cache into
+    the first's buffer), with what it says of them (a slow path); else the reader threads x the layout's
+    ``thread_rate`` (``data.layout``'s, else gems bench data's one thread here), of int16 counts. The threads are
+    ``data.readers`` capped by a task's CPUs (``cluster.cpus_per_task`` on Slurm, this machine's here)."""
     from pathlib import Path
 
     import torch
 
-    readers, path = int(cfg.data.readers), cfg.data.path
+    from gems.data import layouts
+
+    slurm = str(cfg.cluster.launcher) == "slurm"
+    readers, capped = layouts.reader_threads(int(cfg.data.readers), int(cfg.cluster.cpus_per_task or 1) if slurm
+                                             else None)
+    cap = f" ({capped})" if capped else ""
+    path, name = cfg.data.path, cfg.data.get("layout")
     if not path or not Path(str(path)).exists():
-        return readers * READER_BYTES_PER_S, 2, (f"{readers} reader thread(s) at {READER_BYTES_PER_S / 1e9:.2g} "
-                                                 "GB/s each (gems bench data's one thread here; no file at data.path "
-                                                 "to time)")
-    key = (str(path), readers, str(slices), str(cfg.data.augment), tuple(spec.input_shape))
+        layout = layouts.get(str(name)) if name else None
+        per = layout.thread_rate if layout is not None else layouts.THREAD_RATE
+        what = f"layout {layout.name}" if layout is not None else "no file at data.path to time or detect"
+        return readers * per, 2, (f"{readers} reader thread(s){cap} at {per / 1e9:.2g} GB/s each ({what}; "
+                                  "gems bench data's one thread here)")
+    key = (str(path), name, readers, str(slices), str(cfg.data.augment), tuple(spec.input_shape), str(cfg.data.crop))
     if key not in _READ_RATES:
         from gems.data.augment import count, draw
-        from gems.data.hdf5 import HDF5Samples
 
-        data = HDF5Samples(str(path), spec.input_shape, slices=slices, crop=cfg.data.crop, augment=str(cfg.data.augment),
-                           readers=readers)
-        n = min(len(data), 8)
-        syms = draw(count(str(cfg.data.augment), len(spec.input_shape) - 1), n, torch.Generator().manual_seed(0))
-        ids = list(range(n))
-        # into one batch buffer read again (a GPU rank's pinned batches come back from torch's host cache; a fresh
-        # buffer's first touch would time the kernel zeroing its pages), after a read that fills the page cache
-        counts, _ = data.read(ids, syms)
-        t0 = time.perf_counter()
-        counts, _ = data.read(ids, syms, out=counts.data)
-        seconds = time.perf_counter() - t0
-        nbytes = counts.data.numel() * counts.data.element_size()
-        _READ_RATES[key] = (nbytes / max(seconds, 1e-9), counts.data.element_size(),
-                            f"{readers} reader thread(s) timed here on {n} sample(s) of data.path from the page cache")
+        layout = layouts.detect(str(path), name)
+        data = layout.open(str(path), spec.input_shape, slices=slices, crop=cfg.data.crop,
+                           augment=str(cfg.data.augment), readers=readers, target=spec.target)
+        try:
+            n = min(len(data), 8)
+            syms = draw(count(str(cfg.data.augment), len(spec.input_shape) - 1), n, torch.Generator().manual_seed(0))
+            rate = layout.rate(data, list(range(n)), syms)
+            said = "; ".join(data.notes())
+        finally:
+            data.close()
+        itemsize = int(np.dtype(data.dtype).itemsize)
+        _READ_RATES[key] = (rate, itemsize, f"{readers} reader thread(s){cap} timed here on {n} sample(s) of "
+                                            f"data.path, layout {layout.name}, from the page cache"
+                                            + (f" ({said})" if said else ""))
     rate, itemsize, how = _READ_RATES[key]
     return rate, itemsize, f"{how}: {rate / 1e9:.3g} GB/s"
 

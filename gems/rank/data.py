@@ -358,6 +358,10 @@ class Prefetcher:
         event = None
         if self._side is None:
             ids, x, y = self.fetch(step)
+            if self.device.type == "cuda":  # read in the step (depth 0): the files' counts copied from pinned
+                # memory as they are, finished on the GPU (not made float32 on the host and copied from pageable)
+                x, y = (t if t is None or t.is_cuda else t.pin_memory().to(self.device, non_blocking=True)
+                        for t in (x, y))
             if x is not None and self.finish is not None:
                 x = self.finish(x)
         else:  # on the side stream: samples drawn on the GPU there, or host ones pinned and copied (read ones as

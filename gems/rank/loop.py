@@ -40,7 +40,19 @@ from gems.models import build_model
 from gems.parallel import resolve
 from gems.pipeline.runtime import split_waits
 from gems.rank.compose import Parallel, set_up_rank
-from gems.rank.data import Prefetcher, Sampler, Staged, finisher, make_data, replica_indices, share, stage, step_batch, unstage
+from gems.rank.data import (
+    Prefetcher,
+    Sampler,
+    Staged,
+    data_notes,
+    finisher,
+    make_data,
+    replica_indices,
+    share,
+    stage,
+    step_batch,
+    unstage,
+)
 from gems.rank.optim import LearningRate, WeightAverage
 from gems.results import record as rec
 from gems.results.mlperf import MLPerfLog
@@ -491,7 +503,8 @@ class Run:
         if seen:
             record["peak_memory_bytes"]["tensor_steps"] = list(range(min(self.measure_from, len(seen))))
         notes = list(par.notes) + self.notes(measured) + ([self.staged.note()] if self.staged else [])
-        replayed = bool(par.graph is not None and par.graph.replayed)  # the model replayed from CUDA graphs
+        notes += data_notes(self.cfg, self.data)  # the files' layout, the readers' cap, a slow path taken
+        replayed = bool(par.graph is not None and par.graph.replayed)  # the step replayed from a CUDA graph
         if replayed:  # what the replay covers, and what stays eager around it
             notes.append(GRAPHED_NOTE)
         if notes:

@@ -25,6 +25,8 @@ when the package is) and its tests.
   a :class:`gems.errors.ConfigError` naming ``key`` and the file.
 * :meth:`Layout.rate` ``(samples, ids, symmetries)``: bytes a second ``samples.read`` moves into a batch on
   this machine (default: timed, the second of two reads into one buffer, from the page cache).
+* :meth:`Layout.convert` ``(source, folder)`` and :meth:`Layout.converted_name` ``(source)``: for a layout that
+  is not ``fast``, ``gems data convert``'s writing of one file into a fast layout, and the name it gets.
 * :meth:`Layout.write` ``(folder, samples)``: files of this layout, written the way the published tool writes
   them (its library, dtype, compression, byte order), from (counts (C, *spatial), target) pairs; for tests,
   ``gems bench data``'s row and, for the layout ``gems data convert`` writes, convert.
@@ -84,6 +86,7 @@ class Options:
     augment: str = "none"
     readers: int = 4  # threads a rank reads on (capped: reader_threads)
     target: str = "vector"  # the model's: vector (one per sample) or dense (a class per voxel)
+    window: Sequence[float] | None = None  # data.window: CT volumes' [low, high] Hounsfield units (nifti)
 
 
 class Samples(Protocol):
@@ -142,6 +145,15 @@ class Layout:
         ``dtype``: the values' type where the tool lets one choose (None: the tool's default)."""
         raise NotImplementedError
 
+    def converted_name(self, source: Path) -> str:
+        """The name of what ``gems data convert`` writes of file ``source`` (a layout that is not ``fast``)."""
+        raise NotImplementedError
+
+    def convert(self, source: Path, folder: Path, channels: int | None = None, key: str = "data.path") -> Path:
+        """``gems data convert``: file ``source`` written into ``folder`` in a fast layout, whole or not at all
+        (a hidden name, then renamed); its path. ``key`` names the folder in messages."""
+        raise NotImplementedError
+
     def rate(self, samples: Samples, ids: Sequence[int], symmetries: Sequence[int] | None = None) -> float:
         """Bytes a second ``samples.read`` moves into a batch here: the second of two reads of ``ids`` into one
         buffer (the first fills the page cache and the buffer's pages, as a rank's reused batches are)."""
@@ -169,9 +181,9 @@ def register(cls: L) -> L:
 
 
 def registered() -> dict[str, Layout]:
-    """Every layout, by name."""
+    """Every layout, by name (sorted)."""
     _load()
-    return dict(_REGISTRY)
+    return dict(sorted(_REGISTRY.items()))
 
 
 def get(name: str, key: str = "data.layout") -> Layout:
@@ -204,15 +216,21 @@ def detect(path: str | os.PathLike, name: str | None = None, key: str = "data.pa
     if found:
         raise ConfigError("data.layout", None, f"one of {', '.join(lay.name for lay in found)}: the files at "
                           f"{key}={path} fit each of them, so name theirs")
-    raise ConfigError(key, str(path), "a folder (or file) of samples in a layout gems reads: "
+    listed = sorted({f for lay in layouts.values() for f in lay.files(path)})
+    seen = f"; {listed[0].name} is none of them" if listed else ""
+    raise ConfigError(key, str(path), "a folder (or file) of samples in a layout gems reads ("
                       + "; ".join(f"{lay.name}: {lay.about}" for lay in layouts.values())
-                      + " (`gems data synth` writes one)")
+                      + f"; `gems data synth` writes one){seen}")
 
 
 def reader_threads(requested: int, cpus: int | None = None) -> tuple[int, str | None]:
-    """(reader threads, why fewer than ``requested``): ``data.readers`` capped by the CPUs this task has
-    (``cpus`` where given, a Slurm task's ``SLURM_CPUS_PER_TASK``, the CPUs this process may run on)."""
+    """(reader threads, why fewer than ``requested``): ``data.readers`` capped by the CPUs a Slurm task has
+    (``cpus`` where given: the plan's ``cluster.cpus_per_task``; in a Slurm task, its ``SLURM_CPUS_PER_TASK``
+    and the CPUs it may run on; elsewhere no cap). Slurm's default is one CPU a task, where four reader threads
+    would take turns on that one core with the step."""
     if cpus is None:
+        if not any(k in os.environ for k in ("SLURM_JOB_ID", "SLURM_CPUS_PER_TASK")):
+            return max(1, int(requested)), None
         have = [len(os.sched_getaffinity(0))] if hasattr(os, "sched_getaffinity") else [os.cpu_count() or 1]
         slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
         if slurm.isdigit() and int(slurm) > 0:
@@ -220,7 +238,7 @@ def reader_threads(requested: int, cpus: int | None = None) -> tuple[int, str | 
         cpus = min(have)
     n = max(1, min(int(requested), int(cpus)))
     if n < int(requested):
-        return n, (f"data.readers={requested} capped to {n}: the task has {cpus} CPU(s) (cluster.cpus_per_task); "
+        return n, (f"data.readers={requested} capped to {n}: a Slurm task of {cpus} CPU(s) (cluster.cpus_per_task); "
                    "more reader threads would only take turns on them with the step")
     return n, None
 

@@ -1,0 +1,261 @@
+"""The HDF5 layouts of issue 65 (gems.data.layouts): files written as the published tools write them (h5py,
+their layouts, types and byte order) are detected, read where they lie and give the samples of the same values
+in gems's own layout, bit for bit; and the findings of the issue's read of the reader, each mended."""
+from __future__ import annotations
+
+import os
+import resource
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from gems.data import layouts
+from gems.data import reader as preader
+from gems.data.hdf5 import HDF5Samples, read_sample
+from gems.errors import ConfigError
+
+EDGE = 12  # a universe of 12^3 cells, cut into crops of 6^3
+
+
+def _universes(n: int = 2, edge: int = EDGE, seed: int = 0, dtype=np.int16):
+    """(counts (4, edge, edge, edge), unitPar) of ``n`` universes: Poisson counts, as ExaLearn's int16."""
+    rng = np.random.default_rng(seed)
+    return [(rng.poisson(rng.uniform(2, 40), size=(4, edge, edge, edge)).astype(dtype),
+             rng.uniform(-1, 1, 4).astype(np.float32)) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def same(tmp_path_factory):
+    """The same universes in ExaLearn's layout (channels last, .hdf5) and in gems's own (channels first, .h5)."""
+    root = tmp_path_factory.mktemp("same")
+    values = _universes()
+    layouts.get("exalearn").write(root / "exalearn", values, "univ_ics_2019-03_a{:07d}")
+    layouts.get("gems").write(root / "gems", values)
+    return root, values
+
+
+def test_each_layout_is_detected_from_its_files_and_a_wrong_or_ambiguous_one_names_the_key(same, tmp_path):
+    root, values = same
+    assert layouts.detect(root / "exalearn").name == "exalearn" and layouts.detect(root / "gems").name == "gems"
+    with h5py.File(sorted((root / "exalearn").iterdir())[0]) as f:  # as NERSC's: no attribute of gems's
+        assert f["full"].shape == (EDGE, EDGE, EDGE, 4) and f["full"].dtype == np.int16 and not dict(f.attrs)
+        assert f["full"].id.get_create_plist().get_layout() == h5py.h5d.CONTIGUOUS
+    files = layouts.get("lbann").write(tmp_path / "lbann", values)
+    assert [f.name for f in files] == ["universe_00000_0_0_0.hdf5", "universe_00001_0_0_0.hdf5"]
+    assert layouts.detect(tmp_path / "lbann").name == "lbann"
+    with pytest.raises(ConfigError, match=r"^data.layout=lbann: expected the layout of the files at data.path=.*"
+                                          r"\(they look like exalearn\)"):
+        layouts.detect(root / "exalearn", "lbann")
+    with pytest.raises(ConfigError, match=r"^data.layout=hdf6: expected one of .*exalearn.*gems.*lbann"):
+        layouts.detect(root / "exalearn", "hdf6")
+    odd = tmp_path / "odd"  # a cube of 4 cells with 4 channels: either end may be the channels
+    odd.mkdir()
+    with h5py.File(odd / "a.h5", "w") as f:
+        f["full"], f["unitPar"] = np.ones((4, 4, 4, 4), np.int16), np.zeros(4, np.float32)
+    with pytest.raises(ConfigError, match=r"^data.layout=None: expected one of exalearn, gems: the files at "
+                                          r"data.path=.* fit each of them, so name theirs"):
+        layouts.detect(odd)
+    assert layouts.detect(odd, "exalearn").name == "exalearn" and layouts.detect(odd, "gems").name == "gems"
+    (tmp_path / "none").mkdir()
+    (tmp_path / "none" / "x.h5").write_bytes(b"not HDF5")
+    with pytest.raises(ConfigError, match=r"^data.path=.*: expected a folder \(or file\) of samples in a layout gems "
+                                          r"reads .*x\.h5 is none of them"):
+        layouts.detect(tmp_path / "none")
+
+
+@pytest.mark.parametrize("cut", [None, (slice(0, 3),), (slice(2, 6), slice(1, 4)), (slice(0, 6), slice(0, 6), slice(2, 5))],
+                         ids=["whole", "depth", "two dims", "width"])
+def test_an_exalearn_universe_reads_as_the_same_values_in_gems_layout(same, cut):
+    """Crops of a channels-last universe, a rank's part of each under every symmetry, read by position (a depth
+    slab one run a crop row) and finished (channels moved to the front in the conversion's pass) equal the same
+    values in gems's own layout, bit for bit, as counts and as the network's input."""
+    root, _ = same
+    kw = dict(slices=cut, augment="cube", standardize=[1.0, 0.5], readers=2)
+    a, b = HDF5Samples(root / "exalearn", (4, 6, 6, 6), **kw), HDF5Samples(root / "gems", (4, 6, 6, 6), **kw)
+    assert a.layout.name == "exalearn" and b.layout.name == "gems" and len(a) == len(b) == 16
+    assert all(a._header(i).offset is not None for i in range(2))  # contiguous: read by position
+    ids, syms = [(5 * k + 3) % 16 for k in range(12)], [0, 47, 9, 30, 1, 2, 8, 16, 33, 40, 5, 21]
+    ra, ya = a.read(ids, syms)
+    rb, yb = b.read(ids, syms)
+    assert ra.channels_last and not rb.channels_last and torch.equal(ya, yb)
+    assert torch.equal(ra.oriented(), rb.oriented()) and torch.equal(a.finish(ra), b.finish(rb))
+    assert torch.equal(a.batch(ids, syms)[0], torch.stack([b.__getitem__(i, k)[0] for i, k in zip(ids, syms)]))
+    a.close()
+    b.close()
+
+
+def test_a_channels_last_depth_slab_is_one_run_and_the_whole_universe_and_its_crops_come_from_the_same_files(same):
+    root, values = same
+    assert preader.grid((512, 512, 512, 4), 2, (slice(128, 256),)).counts == ()  # one run: 128 x 512^2 x 4 values
+    assert preader.grid((4, 512, 512, 512), 2, (slice(None), slice(128, 256))).counts == (4,)  # a run a channel
+    whole = HDF5Samples(root / "exalearn", (4, EDGE, EDGE, EDGE))  # the paper's study: a universe a sample
+    crops = HDF5Samples(root / "exalearn", (4, 6, 6, 6), crop=6)  # MLPerf's: crops of data.crop
+    x, y = whole.batch([1])
+    counts, par = values[1]
+    assert torch.equal(x[0], torch.log1p(torch.from_numpy(counts).float())) and torch.equal(y[0], torch.from_numpy(par))
+    part, _ = crops.batch([8 + 5])  # universe 1, crop (1, 0, 1)
+    assert torch.equal(part[0], x[0][:, 6:12, 0:6, 6:12])
+    whole.close()
+    crops.close()
+
+
+def test_lbann_crops_are_the_universe_transposed(tmp_path):
+    """LBANN's split script transposes the whole (D, H, W, C) array: its crops come channels first with the spatial
+    axes reversed, float32 (or int16); gems reads their axes as they lie, so a crop is the transpose of the same
+    cells read from the universe (docs/data.md)."""
+    values = _universes(1, edge=6)
+    for dtype in (np.float32, np.int16):
+        folder = tmp_path / np.dtype(dtype).name
+        (f,) = layouts.get("lbann").write(folder, values, dtype=dtype)
+        with h5py.File(f) as h:
+            assert h["full"].dtype == dtype and h["full"].shape == (4, 6, 6, 6)
+        ds = HDF5Samples(folder, (4, 6, 6, 6), slices=(slice(0, 3),))
+        assert ds.layout.name == "lbann" and ds.file_dtype == dtype
+        counts = torch.from_numpy(values[0][0].astype(np.float32))
+        want = torch.log1p(counts.permute(0, 3, 2, 1))[:, 0:3]  # depth of the file = the universe's width
+        assert torch.equal(ds.batch([0])[0][0], want)
+        ds.close()
+
+
+# ---------------------------------------------------------------------------- the findings of issue 65
+def test_finding_1_a_full_reached_through_an_external_link_is_read_from_the_file_that_holds_it(tmp_path):
+    values = _universes(1, edge=6)
+    counts = values[0][0]
+    with h5py.File(tmp_path / "data.h5", "w") as f:
+        f.create_dataset("padding", data=np.full(5000, 7, np.int16))  # the counts lie elsewhere than in the link's file
+        f["full"] = counts
+    (tmp_path / "set").mkdir()
+    with h5py.File(tmp_path / "set" / "s.h5", "w") as f:
+        f["full"] = h5py.ExternalLink(str(tmp_path / "data.h5"), "/full")
+        f["unitPar"] = values[0][1]
+    ds = HDF5Samples(tmp_path / "set", (4, 6, 6, 6), readers=2)
+    head = ds._header(0)
+    assert head.offset is not None and head.source == str(tmp_path / "data.h5")
+    assert torch.equal(ds.read([0])[0].data[0], torch.from_numpy(counts))
+    ds.close()
+
+
+def test_finding_2_a_big_endian_first_file_keeps_the_int16_batch_and_the_positional_reads(tmp_path):
+    values = _universes(3, edge=6)
+    for i, (c, p) in enumerate(values):
+        with h5py.File(tmp_path / f"s{i}.h5", "w") as f:
+            f["full"] = c.astype(">i2" if i != 1 else "<i2")
+            f["unitPar"] = p
+    ds = HDF5Samples(tmp_path, (4, 6, 6, 6), readers=2)
+    assert ds.file_dtype == np.int16 and all(ds._header(i).offset is not None for i in range(3))
+    counts, _ = ds.read([0, 1, 2])
+    assert counts.data.dtype == torch.int16 and torch.equal(counts.data, torch.from_numpy(np.stack([c for c, _ in values])))
+    ds.close()
+
+
+def test_finding_3_chunked_and_compressed_files_are_said(tmp_path):
+    """A chunked or compressed file is read through h5py, one at a time: the set says so (its notes, which the run's
+    record and `gems plan` print), how many and why."""
+    values = _universes(3, edge=6)
+    for i, ((c, p), kw) in enumerate(zip(values, [{}, dict(chunks=(2, 6, 6, 6)), dict(compression="gzip")])):
+        with h5py.File(tmp_path / f"s{i}.h5", "w") as f:
+            f.create_dataset("full", data=c, **kw)
+            f["unitPar"] = p
+    ds = HDF5Samples(tmp_path, (4, 6, 6, 6))
+    assert ds.notes() == []
+    assert torch.equal(ds.read([0, 1, 2])[0].data, torch.from_numpy(np.stack([c for c, _ in values])))
+    notes = ds.notes()
+    assert len(notes) == 2 and "1 file(s) chunked, read through h5py one at a time" in notes[0], notes
+    assert "1 file(s) compressed (deflate)" in notes[1], notes
+    ds.close()
+
+
+def test_finding_4_a_file_of_another_type_is_named(tmp_path):
+    values = _universes(3, edge=6)
+    for i, (c, p) in enumerate(values):
+        with h5py.File(tmp_path / f"s{i}.h5", "w") as f:
+            f["full"] = c.astype(np.float32) + 0.7 if i == 2 else c
+            f["unitPar"] = p
+    ds = HDF5Samples(tmp_path, (4, 6, 6, 6))
+    with pytest.raises(ConfigError, match=r"^data.path=.*: expected `full` of the first file's type, int16 \(mixed "
+                                          r"types would be converted.*; s2.h5 \(file 3 of 3\) has `full` of dtype float32$"):
+        ds.check_all()
+    with pytest.raises(ConfigError, match=r"s2.h5 \(file 3 of 3\)"):
+        ds.read([2])
+
+
+def test_finding_5_a_batch_of_more_files_than_the_process_may_open_is_read(tmp_path):
+    values = _universes(1, edge=2)
+    n = 80
+    layouts.get("gems").write(tmp_path, values * n)
+    ds = HDF5Samples(tmp_path, (4, 2, 2, 2), readers=2)
+    for i in range(n):
+        ds._header(i)  # (the headers are read once, by h5py, before a batch)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    open_now = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + 40, hard))  # 80 files at once would not open
+    try:
+        counts, _ = ds.read(list(range(n)))
+        assert ds.reader.open_files() <= (open_now + 40) // 4
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert torch.equal(counts.data, torch.from_numpy(np.stack([values[0][0]] * n)))
+    ds.close()
+
+
+def test_finding_7_data_readers_are_capped_by_a_slurm_tasks_cpus(monkeypatch):
+    assert layouts.reader_threads(4, cpus=1) == (1, layouts.reader_threads(4, cpus=1)[1])
+    n, why = layouts.reader_threads(4, cpus=1)
+    assert n == 1 and why.startswith("data.readers=4 capped to 1: a Slurm task of 1 CPU(s) (cluster.cpus_per_task)")
+    assert layouts.reader_threads(2, cpus=8) == (2, None)
+    for k in ("SLURM_JOB_ID", "SLURM_CPUS_PER_TASK"):
+        monkeypatch.delenv(k, raising=False)
+    assert layouts.reader_threads(4) == (4, None)  # no Slurm task: as asked
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "1")
+    assert layouts.reader_threads(4)[0] == 1
+
+
+def test_finding_7_the_run_reads_on_the_capped_threads_and_says_so(tmp_path, monkeypatch):
+    from gems.config import compose
+    from gems.models import build_model
+    from gems.rank.data import data_notes, make_data
+
+    layouts.get("exalearn").write(tmp_path, _universes(1, edge=32))
+    cfg = compose(["model.size=32", "data=hdf5", f"data.path={tmp_path}", "data.readers=4"], check=False)
+    spec = build_model(cfg.model)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "1")
+    data = make_data(cfg, spec)
+    assert data.samples.reader.threads == 1
+    notes = data_notes(cfg, data)
+    assert notes[0].startswith("data: 1 file(s) of layout exalearn") and "data.readers=4 capped to 1" in notes[1]
+
+
+def test_finding_8_finishing_a_batch_makes_one_full_size_tensor(same):
+    """The transform ran on up to four full-size float32 temporaries; the finish now makes its result only (the
+    symmetry's flip of one row aside), the channels moved and the type converted in the one copy."""
+    from torch.profiler import ProfilerActivity, profile
+
+    root, _ = same
+    ds = HDF5Samples(root / "exalearn", (4, EDGE, EDGE, EDGE), augment="cube", standardize=[1.0, 0.5])
+    counts, _ = ds.read([0, 1], [5, 0])
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        x = ds.finish(counts)
+    made = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0 and not e.cpu_children)
+    row = counts.data[0].numel() * counts.data.element_size()
+    assert x.numel() * 4 <= made <= x.numel() * 4 + row + 1024, (made, x.numel() * 4)  # (+ a few small ones)
+    ds.close()
+
+
+def test_a_rank_error_from_bad_input_is_exit_2():
+    """A file that changes under a run fails its rank with a ConfigError (test_reader): `gems run` exits 2."""
+    from gems.cli import failed_status
+
+    assert failed_status({"status": "failed", "failure": {"kind": "rank_error", "exception": "ConfigError"}}) == 2
+    assert failed_status({"status": "failed", "failure": {"kind": "rank_error", "exception": "OSError"}}) == 1
+    assert failed_status({"status": "failed", "failure": {"kind": "signal"}}) == 1
+
+
+def test_read_sample_of_either_order(same):
+    root, values = same
+    a = sorted((root / "exalearn").iterdir())[0]
+    x, y = read_sample(a, (slice(1, 4),), raw=True, channels="last")
+    assert torch.equal(x, torch.from_numpy(values[0][0][:, 1:4]))
