@@ -259,3 +259,62 @@ def test_read_sample_of_either_order(same):
     a = sorted((root / "exalearn").iterdir())[0]
     x, y = read_sample(a, (slice(1, 4),), raw=True, channels="last")
     assert torch.equal(x, torch.from_numpy(values[0][0][:, 1:4]))
+
+
+# ---------------------------------------------------------------------------- end to end: gems run and gems plan
+RUN = ["model.size=32", "model.width=0.25", "train.batch_size=4", "train.steps=3", "train.warmup_steps=1",
+       "data=hdf5", "data.crop=32", "data.augment=cube"]
+
+
+def _run(tmp, folder, *args):
+    from _cli import gems, records
+
+    out = gems("run", *RUN, f"data.path={folder}", f"results.dir={tmp}", *args, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (rec,) = records(str(tmp))
+    return rec
+
+
+def test_published_layouts_train_through_gems_run_and_s2_equals_s1(tmp_path):
+    """Files written as ExaLearn's (h5py, channels last, int16) and LBANN's split script (float32, CDHW transposed)
+    write them train through `gems run`, 64^3 universes cut into 32^3 crops with every symmetry drawn: on one rank
+    and on S = 2 (each rank reading its depth slab), S = 2 equal to S = 1 to float rounding; an ExaLearn universe
+    and the same values in gems's own layout give the same losses, to the bit; the record names the layout."""
+    values = _universes(2, edge=64, seed=3)
+    layouts.get("exalearn").write(tmp_path / "exalearn", values)
+    layouts.get("gems").write(tmp_path / "gems", values)
+    layouts.get("lbann").write(tmp_path / "lbann", [(c[:, :32, :32, :32], p) for c, p in values] * 2)
+    one = _run(tmp_path / "r1", tmp_path / "exalearn")
+    two = _run(tmp_path / "r2", tmp_path / "exalearn", "parallel.spatial=2")
+    own = _run(tmp_path / "r3", tmp_path / "gems")
+    assert one["loss"] == own["loss"]
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-6)
+    assert any(n.startswith("data: 2 file(s) of layout exalearn") for n in one["notes"]), one["notes"]
+    lb1 = _run(tmp_path / "l1", tmp_path / "lbann")
+    lb2 = _run(tmp_path / "l2", tmp_path / "lbann", "parallel.spatial=2")
+    assert lb2["loss"] == pytest.approx(lb1["loss"], rel=1e-5, abs=1e-6)
+    assert any(n.startswith("data: 4 file(s) of layout lbann") for n in lb1["notes"]), lb1["notes"]
+
+
+def test_gems_plan_names_each_layout_and_times_its_read_rate(tmp_path):
+    """`gems plan` on files names their layout and prices their read at the rate it times on them (its samples'
+    own read), and says a slow path (a compressed file read through h5py)."""
+    from gems.config import compose
+    from gems.plan.make import make_plan
+
+    values = _universes(2, edge=32, seed=1)
+    layouts.get("exalearn").write(tmp_path / "exalearn", values)
+    layouts.get("lbann").write(tmp_path / "lbann", values)
+    with h5py.File(tmp_path / "lbann" / "slow_0_0_0.hdf5", "w") as f:
+        f.create_dataset("full", data=values[0][0].astype(np.float32), compression="gzip")
+        f["unitPar"] = values[0][1]
+    for name in ("exalearn", "lbann"):
+        cfg = compose(["model.size=32", "train.batch_size=2", "data=hdf5", f"data.path={tmp_path / name}",
+                       "data.readers=2", "data.prefetch=0"])
+        pr = make_plan(cfg, suggest=False).prediction
+        (said,) = [a for a in pr.assumptions if a.startswith("data read by 2 reader thread(s) timed here")]
+        assert f"layout {name}, from the page cache" in said and said.endswith(" GB/s"), said
+        assert ("1 file(s) compressed (deflate), read through h5py one at a time" in said) == (name == "lbann"), said
+        rate = float(said.rsplit(": ", 1)[1].split(" GB/s")[0]) * 1e9
+        itemsize = 2 if name == "exalearn" else 4
+        assert pr.breakdown["data"] == pytest.approx(2 * 4 * 32 ** 3 * itemsize / rate, rel=0.01)
