@@ -34,7 +34,9 @@ commands:
                          on any mesh: a record, each sample's prediction, one line of figures
   plan [OVERRIDES]       memory plan per rank without starting the world
   data synth [OVERRIDES] write a synthetic HDF5 dataset (data.path, data.num_samples; data.kind=cosmology:
-                         universes, data.path and data.val_path)
+                         universes, data.path and data.val_path; data.kind=segmentation: CT volumes with labels)
+  data convert [OVERRIDES] write MLPerf's TFRecords (or LiTS's .nii.gz) at data.path into a layout read by
+                         position, at data.out (resumable; data.workers processes or a Slurm job)
   bench NAME             side-by-side benchmark: overhead, spatial, pipeline, plan, data, checkpoint, step;
                          calibrate (the GPU's rates for gems plan)
 
@@ -517,9 +519,10 @@ def cmd_plan(overrides: list[str]) -> int:
 def cmd_data(args: list[str]) -> int:
     from gems.errors import ConfigError
 
-    if not args or args[0] not in ("synth", "baseline"):
+    if not args or args[0] not in ("synth", "baseline", "convert"):
         raise ConfigError("data", args[0] if args else "", "`gems data synth data.path=DIR [data.num_samples=N] "
-                          "[model.size=N]` or `gems data baseline data.path=DIR data.val_path=DIR results.dir=DIR`")
+                          "[model.size=N]`, `gems data convert data.path=DIR data.out=DIR` or `gems data baseline "
+                          "data.path=DIR data.val_path=DIR results.dir=DIR`")
     from gems.config import compose
     from gems.data.synth import synth_main
 
@@ -529,6 +532,17 @@ def cmd_data(args: list[str]) -> int:
         from gems.data.spectrum import write_baseline
 
         write_baseline(cfg)
+        return 0
+    if args[0] == "convert":  # a published layout read by position after it (gems/data/convert.py)
+        from gems.data.convert import convert_main
+        from gems.launch.tasks import run_tasks as convert_tasks
+
+        convert_main(cfg, job=convert_tasks)
+        return 0
+    if cfg.data.kind == "segmentation":  # CT volumes with labels in LiTS's layout (gems/data/segmentation.py)
+        from gems.data.segmentation import synth_segmentation
+
+        synth_segmentation(cfg)
         return 0
     if cfg.data.kind == "cosmology":
         from gems.data.universes import synth_universes

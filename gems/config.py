@@ -91,9 +91,11 @@ class DataConf:
                                "sample); the target is kept, so only for data whose statistics have those "
                                "symmetries (a universe's do): gems.data.augment",
                        choices=lambda: tuple(__import__("gems.data.augment", fromlist=["x"]).KINDS))
-    kind: str = key("lognormal", "gems data synth: lognormal (a quick stand-in, a field a sample) or cosmology "
+    kind: str = key("lognormal", "gems data synth: lognormal (a quick stand-in, a field a sample), cosmology "
                                  "(universes moved by the Zel'dovich approximation from colossus's power "
-                                 "spectrum: docs/science.md)", choices=("lognormal", "cosmology"))
+                                 "spectrum: docs/science.md) or segmentation (CT volumes with liver and tumour "
+                                 "labels in LiTS's NIfTI layout, for model=unet3d: docs/data.md)",
+                    choices=("lognormal", "cosmology", "segmentation"))
     universes: int = key(64, "cosmology: training universes, written to data.path", ge=1)
     val_universes: int = key(16, "cosmology: validation universes (other universes), written to data.val_path",
                              ge=0)
@@ -104,7 +106,11 @@ class DataConf:
                                           "CosmoFlow's data)")
     param_ranges: Any = key(None, "cosmology: {Omega_m: [lo, hi], sigma_8: [..], n_s: [..], H_0: [..]} "
                                   "(null: the CosmoFlow data set's: 0.25-0.35, 0.78-0.95, 0.9-1.0, 60-80)")
-    workers: int = key(0, "gems data synth: processes writing (0: this machine's cores)", ge=0)
+    workers: int = key(0, "gems data synth and convert: processes writing (0: this machine's cores)", ge=0)
+    window: Optional[list] = key(None, "NIfTI CT volumes: [low, high] Hounsfield units each voxel is clipped to, then "
+                                       "scaled to [0, 1] (null: [-200, 250], the liver window)")
+    out: Optional[str] = key(None, "gems data convert: the folder the converted files go to (a folder of the same "
+                                   "name for each of data.path's, e.g. train/ and validation/)")
 
 
 @dataclass

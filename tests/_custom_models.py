@@ -132,3 +132,11 @@ def lifecycle(n: int = 16) -> nn.Sequential:
                          nn.Conv3d(4, 6, 3, stride=2, padding=1), nn.GroupNorm(3, 6), nn.ReLU(), nn.AvgPool3d(2),
                          nn.Conv3d(6, 4, 1), nn.Flatten(), SampleDropout(0.2), nn.Linear(4 * (n // 4) ** 3, 8),
                          nn.ReLU(), nn.Linear(8, 3))
+
+
+def cosmo_tiny(n: int = 8) -> nn.Sequential:
+    """A CosmoFlow-like regressor of 4 targets on 4-channel n^3 crops (the tests' MLPerf TFRecords are 8^3):
+    partitionable, the gather before its Flatten."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv3d(4, 4, 3, padding=1), nn.LeakyReLU(0.3), nn.AvgPool3d(2), nn.Flatten(),
+                         nn.Linear(4 * (n // 2) ** 3, 4))

@@ -54,7 +54,7 @@ def make_data(cfg: DictConfig, spec: ModelSpec, slices: tuple[slice, ...] | None
         readers, _ = layouts.reader_threads(int(d.readers))  # capped by the task's CPUs (notes: data_notes)
         return _HDF5Batches(layout.open(path, spec.input_shape, key=key, slices=slices, crop=d.crop,
                                         standardize=d.standardize, augment="none" if validation else d.augment,
-                                        readers=readers, target=spec.target),
+                                        readers=readers, target=spec.target, window=d.window),
                             pin=device is not None and device.type == "cuda")
     if d.augment != "none":
         raise ConfigError("data.augment", d.augment, "none for synthetic data (its samples are drawn, not read: "

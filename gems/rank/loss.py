@@ -54,6 +54,11 @@ class Metric:
     The vector is ``[loss sum, count, (vector mse) |error| sum per target ... | (classification) correct]``:
     the loss is the training loss's per-sample (per-cell for dense outputs) mean; ``mae`` the mean absolute
     error over samples and targets, ``mae_per_target`` per target; ``accuracy`` the share of correct classes.
+    A classifier of each voxel (dense cross-entropy: the U-Net) also sums, per class, the voxels predicted and
+    labelled that class and both (the confusion matrix's margins and diagonal): ``dice`` per class is
+    ``2 |P & L| / (|P| + |L|)`` over the whole set (the voxels of every sample together: sums that add up over
+    parts and replicas; None for a class neither predicted nor labelled), ``dice_foreground`` its mean over the
+    classes after 0 (background).
 
     :meth:`group_by` (``train.eval_average_crops``) adds, per group of samples (the crops of one file), the sums
     of their predictions and targets and their count: ``mae_avg_crops`` is the error of the groups' mean
@@ -63,7 +68,8 @@ class Metric:
     def __init__(self, spec: ModelSpec, mesh: Mesh, counts: bool) -> None:
         self.spec, self.counts = spec, counts  # counts: whether this rank's outputs count (see above)
         self.classes = spec.loss == "cross_entropy"
-        self.base = 2 + (1 if self.classes else int(spec.num_outputs))
+        self.dice = self.classes and spec.target == "dense"  # per class: predicted, labelled, both (docstring)
+        self.base = 2 + (1 if self.classes else int(spec.num_outputs)) + (3 * int(spec.num_outputs) if self.dice else 0)
         self.group_of: Callable[[int], int] | None = None
         self.groups = 0
         #: gems eval: each counted sample's row, kept on the host (None in training: an evaluation reads nothing)
@@ -86,8 +92,13 @@ class Metric:
             return torch.zeros(self.size, dtype=torch.float64, device=out.device)
         if self.classes:
             loss = F.cross_entropy(out, y, reduction="sum")
-            extra = [(out.argmax(dim=1) == y).sum()]
+            predicted = out.argmax(dim=1)
+            extra = [(predicted == y).sum()]
             count = y.numel()
+            if self.dice:  # the confusion matrix (labelled x predicted): its diagonal and margins
+                k = int(self.spec.num_outputs)
+                conf = torch.bincount((y * k + predicted).reshape(-1), minlength=k * k).reshape(k, k)
+                extra += [*conf.diagonal(), *conf.sum(dim=0), *conf.sum(dim=1)]
         else:
             err = out - y.float()
             loss = (err ** 2).mean(dim=1).sum() if self.spec.target != "dense" else (err ** 2).sum() / out.shape[1]
@@ -131,6 +142,13 @@ class Metric:
         groups ``mae_avg_crops`` and ``mae_avg_crops_per_target`` too."""
         v = [float(x) for x in total[:self.base].tolist()]
         loss, n = v[0], max(v[1], 1.0)
+        if self.classes and self.dice:
+            k = int(self.spec.num_outputs)
+            both, predicted, labelled = v[3:3 + k], v[3 + k:3 + 2 * k], v[3 + 2 * k:3 + 3 * k]
+            dice = [2 * b / (p + t) if p + t else None for b, p, t in zip(both, predicted, labelled)]
+            fore = [d for d in dice[1:] if d is not None]
+            return {"loss": loss / n, "accuracy": v[2] / n, "dice": dice,
+                    "dice_foreground": sum(fore) / len(fore) if fore else None, "cells": int(n)}
         if self.classes:
             return {"loss": loss / n, "accuracy": v[2] / n, "samples": int(n)}
         per = [e / n for e in v[2:]]

@@ -1,0 +1,234 @@
+"""``gems data convert``: a published layout that cannot be read by position, written into one that can.
+
+``data.path`` is a folder of a layout that converts (gems.data.layouts: one with ``convert``),
+or a folder of such folders (MLPerf's ``train/`` and ``validation/``); ``data.out`` gets the converted files,
+in a folder of the same name for each (``data.out/train``, ``data.out/validation``). Each source file is one
+unit of work, converted by its layout (:meth:`convert`): MLPerf's TFRecords into ExaLearn's channels-last HDF5
+(the record's counts bit for bit, every record's CRC checked), LiTS's ``.nii.gz`` into ``.nii``.
+
+It resumes where it stopped: a layout writes each file under a hidden name and renames it when it is whole,
+so a file there is finished and is never written again, and one half-written is done again. The work is spread
+over ``data.workers`` processes here (0: this machine's cores), with a progress bar, or over the tasks of one
+Slurm job (``cluster=...``: each task converts every k-th file left). A bad file (a corrupt gzip stream, a
+record whose CRC does not match, labels missing) stops the conversion and is named (exit 2); what was written
+before it stays.
+"""
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any, Callable
+
+from gems.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Work:
+    """What to convert: every (layout name, source file, output folder), and the processes."""
+
+    items: tuple[tuple[str, Path, Path], ...]
+    workers: int
+    channels: int
+
+    def left(self) -> list[tuple[str, Path, Path]]:
+        """The items whose converted file is not there yet (a file there is whole: module docstring)."""
+        from gems.data.layouts import get
+
+        return [(n, src, out) for n, src, out in self.items
+                if not (out / getattr(get(n), "converted_name")(src)).is_file()]
+
+
+def plan_of(cfg: Any) -> Work:
+    """The work ``cfg`` asks for, every key checked (bad input: a ConfigError naming it)."""
+    from gems.data import layouts
+    from gems.paths import writable_dir
+
+    d = cfg.data
+    if d.path in (None, "", "???"):
+        raise ConfigError("data.path", d.path, "the folder of files to convert (MLPerf's TFRecords, LiTS's .nii.gz), "
+                          "e.g. data.path=/data/cosmoUniverse_2019_05_4parE_tf_v2")
+    src = Path(str(d.path))
+    if not src.is_dir():
+        raise ConfigError("data.path", str(src), "a folder of files to convert")
+    if d.get("out") in (None, "", "???"):
+        raise ConfigError("data.out", d.get("out"), "a folder for the converted files, e.g. data.out=/scratch/cosmo")
+    out = Path(str(d.out))
+    if out.absolute() == src.absolute():
+        raise ConfigError("data.out", str(out), "a folder other than data.path (the sources are kept)")
+    name = d.get("layout")
+    folders = [src] if _holds_any(src) else sorted(p for p in src.iterdir() if p.is_dir() and _holds_any(p))
+    if not folders:
+        raise ConfigError("data.path", str(src), "a folder of files gems data convert converts, or of such folders "
+                          "(MLPerf's train/ and validation/): " + "; ".join(
+                              f"{lay.name}: {lay.about}" for lay in layouts.registered().values() if _converts(lay)))
+    items = []
+    for folder in folders:
+        layout = layouts.detect(folder, name, "data.path")
+        if not _converts(layout):
+            raise ConfigError("data.path", str(folder), f"files of a layout gems data convert converts; these are "
+                              f"{layout.name} files ({layout.about}), read where they lie")
+        dest = out if folder == src else out / folder.name
+        writable_dir("data.out", str(dest), "a folder gems can create or write the converted files into")
+        items += [(layout.name, f, dest) for f in layout.files(folder)]
+    workers = int(d.workers) or (os.cpu_count() or 1)
+    return Work(tuple(items), workers, int(cfg.model.in_channels))
+
+
+def _converts(layout: Any) -> bool:
+    """Whether gems data convert converts ``layout``'s files (it has ``convert``: MLPerf's TFRecords, LiTS's
+    volumes, whose ``.nii`` ones it copies as they are beside the ``.nii.gz`` it decompresses)."""
+    return callable(getattr(layout, "convert", None))
+
+
+def _holds_any(folder: Path) -> bool:
+    from gems.data import layouts
+
+    return any(lay.files(folder) and _converts(lay) for lay in layouts.registered().values())
+
+
+def convert_one(item: tuple[str, Path, Path], channels: int) -> tuple[str, Any, str] | None:
+    """Convert one source file; None, or the bad input it is as (key, value, expected) (a ConfigError does not
+    cross a process's bounds)."""
+    from gems.data.layouts import get
+
+    name, src, out = item
+    try:
+        getattr(get(name), "convert")(src, out, channels=channels)
+    except ConfigError as e:
+        return e.key, e.value, e.expected
+    return None
+
+
+def _init_worker() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+class _Bar:
+    """rich's progress bar of the files converted (a plain line at the end where the output is no terminal)."""
+
+    def __init__(self, total: int, what: str) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.total, self.t0 = total, time.perf_counter()
+        self.progress = Progress(TextColumn("gems data convert"), BarColumn(), MofNCompleteColumn(),
+                                 TimeRemainingColumn(), transient=False)
+        self.task = self.progress.add_task(what, total=total)
+        self.progress.start()
+
+    def advance(self, n: int = 1) -> None:
+        self.progress.advance(self.task, n)
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+def convert_main(cfg: Any, job: Callable[..., int] | None = None) -> int:
+    """``gems data convert``: converts what is left; the number of files converted. ``job``: what runs a function
+    on every task of one Slurm job (gems.launch.tasks.run_tasks, which the command line hands in), for ``cluster=``
+    a Slurm launcher."""
+    work = plan_of(cfg)
+    left = work.left()
+    total = len(work.items)
+    outs = sorted({str(out) for _, _, out in work.items})
+    print(f"gems data convert: {total} file(s) to {', '.join(outs)}: {total - len(left)} already there, "
+          f"{len(left)} to convert on {work.workers if cfg.cluster.launcher != 'slurm' else 'Slurm'} "
+          f"{'process(es)' if cfg.cluster.launcher != 'slurm' else 'tasks'}", flush=True)
+    if not left:
+        return 0
+    t0 = time.perf_counter()
+    if cfg.cluster.launcher == "slurm" and job is None:
+        raise ConfigError("cluster", cfg.cluster.name, "cluster=local here (a Slurm job is submitted by the "
+                          "`gems data convert` command)")
+    done = _on_slurm(cfg, work, left, job) if job is not None and cfg.cluster.launcher == "slurm" else _here(work, left)
+    el = time.perf_counter() - t0
+    print(f"gems data convert: converted {done} file(s) in {el:.1f} s", flush=True)
+    return done
+
+
+def _here(work: Work, left: list[tuple[str, Path, Path]]) -> int:
+    """Convert ``left`` on ``work.workers`` processes (one: in this one), the first bad file ending it."""
+    bar = _Bar(len(left), "files")
+    done = 0
+    bad: tuple[str, Any, str] | None = None
+    try:
+        if work.workers == 1 or len(left) == 1:
+            for item in left:
+                bad = convert_one(item, work.channels)
+                if bad is not None:
+                    break
+                done += 1
+                bar.advance()
+        else:
+            with ProcessPoolExecutor(min(work.workers, len(left)), mp_context=get_context("spawn"),
+                                     initializer=_init_worker) as pool:
+                queue = iter(left)
+                running: set[Future] = set()
+
+                def feed() -> None:
+                    for item in queue:
+                        running.add(pool.submit(convert_one, item, work.channels))
+                        if len(running) >= 2 * work.workers:
+                            return
+
+                feed()
+                while running:
+                    finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                    for f in finished:
+                        running.discard(f)
+                        got = f.result()
+                        if got is not None:
+                            bad = bad or got
+                        else:
+                            done += 1
+                            bar.advance()
+                    if bad is None:
+                        feed()
+    finally:
+        bar.close()
+    if bad is not None:
+        key, value, expected = bad
+        raise ConfigError(key, value, f"{expected} ({done} other file(s) were converted and are kept; run the same "
+                          "command again once it is mended or removed)")
+    return done
+
+
+# ---------------------------------------------------------------------------- as a Slurm job
+def task(cfg_yaml: str) -> int:
+    """One Slurm task of the conversion job: every k-th file left (k the job's tasks)."""
+    import submitit
+    from omegaconf import OmegaConf
+
+    _init_worker()
+    cfg = OmegaConf.create(cfg_yaml)
+    env = submitit.JobEnvironment()
+    work = plan_of(cfg)
+    mine = work.left()[env.global_rank::env.num_tasks]
+    for item in mine:
+        bad = convert_one(item, work.channels)
+        if bad is not None:
+            raise ConfigError(*bad)
+    return len(mine)
+
+
+def _on_slurm(cfg: Any, work: Work, left: list[tuple[str, Path, Path]], job: Callable[..., int]) -> int:
+    bar = _Bar(len(left), "files")
+    shown = [0]
+
+    def count(*_: Any) -> None:
+        now = len(left) - len(work.left())
+        if now > shown[0]:
+            bar.advance(now - shown[0])
+            shown[0] = now
+
+    try:
+        job(cfg, task, "convert", f"{len(left)} file(s)", on_update=count)
+        count()
+    finally:
+        bar.close()
+    return len(left)

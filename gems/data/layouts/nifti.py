@@ -1,0 +1,399 @@
+"""CT volumes with per-voxel labels in NIfTI files, LiTS's layout (layout ``nifti``), for ``model=unet3d``.
+
+A folder holds ``volume-N.nii`` with ``segmentation-N.nii`` beside each (labels 0 background, 1 liver, 2 tumour),
+as the liver-tumour set LiTS publishes them; volumes differ in their shape (LiTS: 512 x 512 in-plane, 75-987
+slices). The files are read through nibabel's headers (the voxels' type, their byte offset ``vox_offset``, the
+scaling ``scl_slope``/``scl_inter``) and then by positional reads (gems.data.reader), as contiguous HDF5 is: the
+voxels of an uncompressed NIfTI file are one block in Fortran order, so a volume of (x, y, z) voxels lies on disk
+as a C-order array (z, y, x). gems takes it in that order: depth is the slices (z), height y, width x, so a
+spatial rank's depth slab is one contiguous run of bytes. Voxels are read as stored: neither reoriented by the
+affine nor resampled to another spacing (do that beforehand where a study needs it).
+
+**Samples.** Each volume is cut into tiles of the model's input edge (``model.size``), row-major over (z, y, x);
+the tiles at a volume's far edges are padded to the full edge: voxels with the type's lowest value (below any CT
+window: air), labels with background (0). So every voxel of every volume is in exactly one sample, training sees
+every part of each volume, and validation's figures are those of the whole volumes (a sliding window without
+overlap, as nnU-Net and MONAI infer).
+
+**CT windowing** (:func:`window`): each voxel's Hounsfield value (the stored value times ``scl_slope`` plus
+``scl_inter``) is clipped to the window ``data.window`` (default [-200, 250] HU, the soft-tissue window liver
+studies on LiTS use) and scaled to [0, 1]: the network's input, one channel. It runs where the batch is
+finished (on a GPU rank after the copy: the stored int16 voxels cross, half a float's bytes).
+
+``volume-N.nii.gz`` is gzip-compressed: it cannot be read by position, so ``gems data convert`` writes the
+uncompressed ``.nii`` (the same bytes: a ``.nii.gz`` is the ``.nii`` gzip-compressed) first. A volume without its
+labels, labels of another shape, a corrupt gzip stream or volumes of mixed types are bad input naming the file.
+"""
+from __future__ import annotations
+
+import gzip
+import math
+import os
+import re
+import shutil
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from gems.data.layouts import Layout, Options, register
+from gems.errors import ConfigError
+
+#: the CT window of liver studies on LiTS, in Hounsfield units: clipped to it and scaled to [0, 1]
+WINDOW = (-200.0, 250.0)
+_VOLUME = re.compile(r"^volume-(\d+)\.nii(\.gz)?$")
+
+
+def label_name(volume: Path) -> Path:
+    """The labels beside ``volume`` (LiTS: ``volume-N.nii`` -> ``segmentation-N.nii``, the same compression)."""
+    return volume.with_name("segmentation-" + volume.name[len("volume-"):])
+
+
+def window(value: Sequence[float] | None) -> tuple[float, float]:
+    """``data.window``, checked: [low, high] Hounsfield units with low < high (None: :data:`WINDOW`)."""
+    if value is None:
+        return WINDOW
+    try:
+        lo, hi = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise ConfigError("data.window", value, "[low, high] in Hounsfield units, e.g. [-200, 250]") from None
+    if not lo < hi:
+        raise ConfigError("data.window", [lo, hi], "[low, high] with low < high")
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class Header:
+    """What reading one NIfTI file needs, from nibabel's header: the voxels' ``shape`` as a C-order array
+    (z, y, x), their ``dtype`` (the file's byte order), the byte ``offset`` of the block (None: compressed),
+    the scaling ``slope`` and ``inter``."""
+
+    path: Path
+    shape: tuple[int, int, int]
+    dtype: np.dtype
+    offset: int | None
+    slope: float
+    inter: float
+
+
+def header(path: Path, key: str) -> Header:
+    """File ``path``'s :class:`Header`; a file nibabel cannot read, or not a 3D volume, is bad input naming it."""
+    import nibabel as nib
+
+    try:
+        img: Any = nib.load(str(path))
+        proxy = img.dataobj
+        shape = tuple(int(n) for n in img.shape)
+    except Exception as e:  # nibabel's ImageFileError, a truncated header, a corrupt gzip stream
+        raise ConfigError(key, str(path.parent), f"NIfTI volumes nibabel reads; {path.name} is not one "
+                          f"({type(e).__name__}: {' '.join(str(e).split())[:160]})") from None
+    while len(shape) > 3 and shape[-1] == 1:
+        shape = shape[:-1]
+    if len(shape) != 3:
+        raise ConfigError(key, str(path.parent), f"3D NIfTI volumes; {path.name} holds {list(shape)} voxels")
+    slope, inter = float(getattr(proxy, "slope", 1.0)), float(getattr(proxy, "inter", 0.0))
+    offset = None if path.name.endswith(".gz") else int(proxy.offset)
+    dtype = np.dtype(proxy.dtype)
+    if dtype.kind not in "iuf":
+        raise ConfigError(key, str(path.parent), f"NIfTI voxels of integers or floats; {path.name} holds {dtype}")
+    return Header(path, (shape[2], shape[1], shape[0]), dtype, offset, slope, inter)
+
+
+def _native(dtype: np.dtype) -> np.dtype:
+    return dtype.newbyteorder("=") if dtype.byteorder in "<>" else dtype
+
+
+class Voxels:
+    """A batch of CT voxels as :meth:`NiftiSamples.read` leaves them: ``data`` (N, *part) as stored, ``slope`` and
+    ``inter`` (N) each sample's scaling to Hounsfield units. Moves as a tensor does (what gems.rank.data.Prefetcher
+    asks of a batch it copies to the device)."""
+
+    def __init__(self, data: torch.Tensor, slope: torch.Tensor, inter: torch.Tensor) -> None:
+        self.data, self.slope, self.inter = data, slope, inter
+
+    @property
+    def is_cuda(self) -> bool:
+        return bool(self.data.is_cuda)
+
+    def pin_memory(self) -> Voxels:
+        return self if self.data.is_pinned() else Voxels(self.data.pin_memory(), self.slope, self.inter)
+
+    def to(self, device: Any, non_blocking: bool = False) -> Voxels:
+        return Voxels(self.data.to(device, non_blocking=non_blocking), self.slope.to(device), self.inter.to(device))
+
+
+def windowed(x: torch.Tensor, slope: torch.Tensor, inter: torch.Tensor, win: tuple[float, float]) -> torch.Tensor:
+    """Stored voxels (N, *part) to the network's input (N, 1, *part), on their device: Hounsfield units (``x *
+    slope + inter``, per sample), clipped to the window ``win`` and scaled to [0, 1]; elementwise, so any cut of a
+    sample gives the same values."""
+    lo, hi = win
+    shape = (-1,) + (1,) * (x.dim() - 1)
+    hu = x.to(torch.float32) * slope.to(torch.float32).view(shape) + inter.to(torch.float32).view(shape)
+    return hu.clamp_(lo, hi).sub_(lo).div_(hi - lo).unsqueeze(1)
+
+
+class NiftiSamples:
+    """The tiles of a folder of LiTS volumes as one rank reads them (gems.data.layouts' ``Samples``; module
+    docstring): raw voxels (:class:`Voxels`) and per-voxel classes, this rank's part of each."""
+
+    def __init__(self, layout: Layout, path: str | os.PathLike, shape: Sequence[int] | None,
+                 options: Options) -> None:
+        from gems.data import reader as preader
+        from gems.data.hdf5 import _full_slices, raw_dtype
+
+        self.layout: Layout = layout
+        self.key, self.path = options.key, str(path)
+        self.files = layout.files(path)
+        if not self.files:
+            raise ConfigError(self.key, self.path, "a folder of LiTS volumes, volume-N.nii with segmentation-N.nii "
+                              "beside each (`gems data synth data.kind=segmentation` writes one)")
+        if options.target != "dense":
+            raise ConfigError("model", "a model of vector targets", "model=unet3d (or another model of one class a "
+                              "voxel) for NIfTI volumes with labels")
+        if options.augment != "none":
+            raise ConfigError("data.augment", options.augment, "none for NIfTI volumes (a CT scan's axes are not "
+                              "interchangeable)")
+        self.window = window(options.window)
+        self.heads: list[Header] = []
+        self.labels: list[Header] = []
+        for f in self.files:
+            v = header(f, self.key)
+            if v.offset is None:
+                raise ConfigError(self.key, self.path, f"uncompressed .nii volumes, read by slab; {f.name} is "
+                                  f"gzip-compressed: `gems data convert data.path={self.path} data.out=DIR` writes "
+                                  "them uncompressed")
+            lab = label_name(f)
+            if not lab.is_file():
+                raise ConfigError(self.key, self.path, f"labels beside every volume (LiTS: segmentation-N.nii by "
+                                  f"volume-N.nii); {lab.name} is missing for {f.name}")
+            g = header(lab, self.key)
+            if g.shape != v.shape:
+                raise ConfigError(self.key, self.path, f"labels of their volume's shape; {lab.name} holds "
+                                  f"{list(g.shape[::-1])} voxels (x, y, z), {f.name} {list(v.shape[::-1])}")
+            if g.offset is None:
+                raise ConfigError(self.key, self.path, f"uncompressed .nii labels; {lab.name} is gzip-compressed "
+                                  "(`gems data convert` writes them uncompressed)")
+            if _native(v.dtype) != _native(self.heads[0].dtype if self.heads else v.dtype):
+                raise ConfigError(self.key, self.path, f"volumes of one type (a batch holds them as stored); "
+                                  f"{f.name} holds {v.dtype}, {self.files[0].name} {self.heads[0].dtype}")
+            self.heads.append(v)
+            self.labels.append(g)
+        edge = int(shape[1]) if shape is not None else max(max(h.shape) for h in self.heads)
+        self.shape = (1, edge, edge, edge) if shape is None else tuple(int(n) for n in shape)
+        if len(self.shape) != 4 or self.shape[0] != 1:
+            raise ConfigError("model.in_channels", self.shape[0], "1 for CT volumes (one value a voxel)")
+        if options.crop is not None and any(int(options.crop) != n for n in self.shape[1:]):
+            raise ConfigError("data.crop", options.crop, "the model's input edge, or null for it")
+        self.grids = [tuple(-(-n // e) for n, e in zip(h.shape, self.shape[1:])) for h in self.heads]
+        self.starts = np.cumsum([0] + [math.prod(g) for g in self.grids])
+        self.dtype = _native(self.heads[0].dtype)
+        self.raw = raw_dtype(self.dtype)
+        self.slices = _full_slices(options.slices or (), self.shape[1:])
+        self.symmetries = 1
+        self.classes: int | None = None
+        self.reader = preader.Reader(int(options.readers))
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def notes(self) -> list[str]:
+        return []
+
+    def check_all(self, count: int | None = None, target_size: int | None = None) -> None:
+        """Every volume's headers were checked when the set was opened (its tiles need its shape); ``target_size``
+        (the model's classes) is kept: labels at or over it are named when read."""
+        if target_size is not None:
+            self.classes = int(target_size)
+
+    def locate(self, index: int) -> tuple[int, tuple[int, int, int]]:
+        """(volume, the tile's origin (z, y, x)) of sample ``index``."""
+        i = index % len(self)
+        v = int(np.searchsorted(self.starts, i, side="right")) - 1
+        tile = np.unravel_index(i - int(self.starts[v]), self.grids[v])
+        return v, tuple(int(t) * e for t, e in zip(tile, self.shape[1:]))  # type: ignore[return-value]
+
+    def group(self, index: int) -> int:
+        return self.locate(index)[0]
+
+    def part_shape(self) -> tuple[int, ...]:
+        return (1, *(s.stop - s.start for s in self.slices))
+
+    def _box(self, index: int) -> tuple[int, tuple[slice, ...], tuple[slice, ...]]:
+        """(volume, the part of it this rank's part of sample ``index`` holds, where that lies in the part): the
+        part clipped to the volume (the rest is padding)."""
+        v, origin = self.locate(index)
+        src, dst = [], []
+        for o, s, n in zip(origin, self.slices, self.heads[v].shape):
+            lo, hi = min(n, o + s.start), min(n, o + s.stop)
+            src.append(slice(lo, hi))
+            dst.append(slice(lo - o - s.start, hi - o - s.start))
+        return v, tuple(src), tuple(dst)
+
+    def _read(self, head: Header, src: tuple[slice, ...], into: np.ndarray, tasks: list, posts: list) -> None:
+        """Queue the positional reads of ``src`` of file ``head`` into ``into`` (a C-order part of a row): straight
+        there where it is contiguous and of the file's type, else into a buffer copied over after the reads."""
+        from gems.data import reader as preader
+
+        if not into.size:
+            return
+        native = _native(head.dtype)
+        direct = into.flags.c_contiguous and into.dtype == native
+        buf = into if direct else np.empty(into.shape, dtype=native)
+        swap = native if not head.dtype.isnative and native.itemsize > 1 else None
+        assert head.offset is not None
+        tasks += preader.tasks(str(head.path), head.offset, preader.grid(head.shape, native.itemsize, src),
+                               buf.reshape(-1).view(np.uint8), swap)
+        if not direct:
+            posts.append((into, buf))
+
+    def read(self, indices: Sequence[int], symmetries: Sequence[int] | None = None, pin: bool = False,
+             out: torch.Tensor | None = None, want_input: bool = True) -> tuple[Any, torch.Tensor]:
+        """This rank's part of each sample's voxels as stored (:class:`Voxels`; padding the type's lowest value)
+        and of its labels (int64, padding background), by positional reads on the reader's threads."""
+        part = self.part_shape()[1:]
+        shape = (len(indices), *part)
+        if out is None and want_input:
+            out = torch.empty(shape, dtype=self.raw, pin_memory=pin)
+        elif out is not None and (tuple(out.shape) != shape or out.dtype != self.raw or not out.is_contiguous()):
+            raise ValueError(f"out: a contiguous host tensor of {shape} {self.raw}, not {tuple(out.shape)} {out.dtype}")
+        labels = np.zeros(shape, dtype=np.int64)
+        tasks: list = []
+        posts: list = []
+        lab_bufs = []
+        slope, inter = np.ones(len(indices)), np.zeros(len(indices))
+        for r, i in enumerate(indices):
+            v, src, dst = self._box(i)
+            padded = any(d.stop - d.start != n for d, n in zip(dst, part))
+            if out is not None:
+                row = out.numpy()[r]
+                if padded:
+                    row[...] = _lowest(row.dtype)
+                self._read(self.heads[v], src, row[dst], tasks, posts)
+                slope[r], inter[r] = self.heads[v].slope, self.heads[v].inter
+            g = self.labels[v]
+            buf = np.empty(tuple(s.stop - s.start for s in src), dtype=_native(g.dtype))
+            self._read(g, src, buf, tasks, [])
+            lab_bufs.append((r, v, dst, buf))
+        self.reader.run(tasks)
+        for into, buf in posts:
+            into[...] = buf
+        for r, v, dst, buf in lab_bufs:
+            labels[r][dst] = self._classes(buf, v)
+        raw = Voxels(out, torch.from_numpy(slope), torch.from_numpy(inter)) if out is not None else None
+        return raw, torch.from_numpy(labels)
+
+    def _classes(self, stored: np.ndarray, v: int) -> np.ndarray:
+        """Labels as classes: the stored values scaled as the file says, whole numbers from 0 (below the model's
+        classes where known), else bad input naming the file."""
+        g = self.labels[v]
+        values = stored if (g.slope, g.inter) == (1.0, 0.0) else stored * g.slope + g.inter
+        if values.size and (values.min() < 0 or (self.classes is not None and values.max() >= self.classes)
+                            or (values.dtype.kind == "f" and not np.array_equal(values, np.round(values)))):
+            bad = values[(values < 0) | ((values >= (self.classes or np.inf))) | (values != np.round(values))]
+            raise ConfigError(self.key, self.path, f"labels 0 .. {(self.classes or 3) - 1} (background, liver, tumour: "
+                              f"model.num_classes); {g.path.name} holds {bad.flat[0]}")
+        return values.astype(np.int64, copy=False)
+
+    def finish(self, x: Any) -> torch.Tensor:
+        if isinstance(x, Voxels):
+            return windowed(x.data, x.slope, x.inter, self.window)
+        return windowed(x, torch.ones(x.shape[0]), torch.zeros(x.shape[0]), self.window)
+
+    def batch(self, indices: Sequence[int], symmetries: Sequence[int] | None = None, raw: bool = False,
+              pin: bool = False) -> tuple[Any, torch.Tensor]:
+        voxels, labels = self.read(indices, symmetries, pin)
+        return (voxels.data.unsqueeze(1) if raw else self.finish(voxels)), labels
+
+    def target(self, index: int) -> torch.Tensor:
+        return self.read([index], want_input=False)[1][0]
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def _lowest(dtype: np.dtype) -> Any:
+    """The padding of stored voxels: the type's lowest value (below any window: air), 0 for unsigned types."""
+    return np.finfo(dtype).min if dtype.kind == "f" else np.iinfo(dtype).min
+
+
+def gunzip(source: Path, target: Path, key: str = "data.path") -> None:
+    """Write ``source`` (a ``.nii.gz``) uncompressed to ``target`` (a hidden name, then renamed); a corrupt gzip
+    stream is bad input naming the file."""
+    tmp = target.with_name(f".{target.name}.tmp")
+    try:
+        with gzip.open(source, "rb") as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 22)
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(key, str(source.parent), f".nii.gz files that are whole gzip streams; {source.name} is a "
+                          f"corrupt gzip stream ({type(e).__name__}: {e})") from None
+    os.replace(tmp, target)
+
+
+@register
+class NiftiLayout(Layout):
+    name: ClassVar[str] = "nifti"
+    about: ClassVar[str] = ("LiTS's CT volumes with labels: volume-N.nii and segmentation-N.nii (NIfTI; .nii.gz "
+                            "through gems data convert), for model=unet3d")
+    suffixes: ClassVar[tuple[str, ...]] = (".nii", ".nii.gz")
+
+    def files(self, path: str | os.PathLike) -> list[Path]:
+        """The volumes at ``path`` (``volume-N.nii[.gz]``; their labels are not samples), by N."""
+        p = Path(path)
+        found = [f for f in (p.iterdir() if p.is_dir() else [p]) if _VOLUME.match(f.name) and f.is_file()]
+        return sorted(found, key=lambda f: (int(_VOLUME.match(f.name).group(1)), f.name))  # type: ignore[union-attr]
+
+    def holds(self, files: Sequence[Path]) -> bool:
+        return bool(files) and all(_VOLUME.match(f.name) for f in files)
+
+    def open(self, path: str | os.PathLike, shape: Sequence[int] | None, **options: Any) -> NiftiSamples:
+        return NiftiSamples(self, path, shape, Options(**options))
+
+    def write(self, folder: str | os.PathLike, samples: Iterable[tuple[np.ndarray, np.ndarray]],
+              name: str = "volume-{}", compress: bool = False, spacing: Sequence[float] = (0.8, 0.8, 1.5)) -> list[Path]:
+        """``volume-N.nii`` and ``segmentation-N.nii`` (``.nii.gz`` with ``compress``) through nibabel, N counting
+        from 0, from (voxels (1, z, y, x) or (z, y, x) in Hounsfield units, labels (z, y, x)) pairs: int16
+        voxels and uint8 labels, a diagonal affine of ``spacing`` (x, y, z) mm; returns the volumes' paths."""
+        import nibabel as nib
+
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        affine = np.diag([*(float(s) for s in spacing), 1.0])
+        ext = ".nii.gz" if compress else ".nii"
+        files = []
+        for i, (voxels, labels) in enumerate(samples):
+            vol = np.asarray(voxels)
+            vol = vol.reshape(vol.shape[-3:])
+            for kind, arr, dt in (("volume", vol, np.int16), ("segmentation", np.asarray(labels), np.uint8)):
+                final = out / f"{kind}-{i}{ext}"
+                tmp = out / f".{final.name}.tmp{ext}"
+                img = nib.Nifti1Image(np.asarray(arr, dtype=dt).T, affine)  # (z, y, x) in C order is (x, y, z) in F
+                img.header.set_xyzt_units("mm")
+                nib.save(img, str(tmp))
+                os.replace(tmp, final)
+            files.append(out / f"volume-{i}{ext}")
+        return files
+
+    def converted_name(self, source: Path) -> str:
+        return source.name[:-3] if source.name.endswith(".gz") else source.name
+
+    def convert(self, source: Path, folder: Path, channels: int | None = None, key: str = "data.path") -> Path:
+        """A ``.nii.gz`` volume and its labels written uncompressed into ``folder`` (a ``.nii`` as is: copied);
+        returns the volume's path (written last: once it is there, so are its labels)."""
+        folder.mkdir(parents=True, exist_ok=True)
+        lab = label_name(source)
+        if not lab.is_file():
+            raise ConfigError(key, str(source.parent), f"labels beside every volume; {lab.name} is missing for "
+                              f"{source.name}")
+        for src in (lab, source):
+            dst = folder / self.converted_name(src)
+            if src.name.endswith(".gz"):
+                gunzip(src, dst, key)
+            else:
+                tmp = dst.with_name(f".{dst.name}.tmp")
+                shutil.copyfile(src, tmp)
+                os.replace(tmp, dst)
+        return folder / self.converted_name(source)

@@ -1,0 +1,217 @@
+"""MLPerf HPC's CosmoFlow TFRecords (gems.data.layouts.tfrecord, gems.data.convert): files written by TensorFlow's own
+TFRecordWriter as MLPerf's prepare.py uses it, gzip and plain (tests/data/tfrecord, made by
+scripts/tfrecord_fixtures.py), are read without TensorFlow bit for bit, every record's CRC checked; bad files are
+named; `gems data convert` writes their samples into ExaLearn's channels-last HDF5 bit for bit, resumably; and the
+files train through `gems run`, read where they lie and converted, on one rank and cut over S = 2, alike."""
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import shutil
+import struct
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from _cli import gems, records
+
+from gems.config import compose
+from gems.data import layouts
+from gems.data.layouts import tfrecord as tfr
+from gems.errors import ConfigError
+
+DATA = Path(__file__).parent / "data" / "tfrecord"
+_spec = importlib.util.spec_from_file_location("tfrecord_fixtures", Path(__file__).parents[1] / "scripts" /
+                                               "tfrecord_fixtures.py")
+fixtures = importlib.util.module_from_spec(_spec)  # the arrays TensorFlow wrote, made again
+_spec.loader.exec_module(fixtures)  # type: ignore[union-attr]
+
+
+def _expected(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    universe, index = path.name[len("univ_ics_2019-03_a"):-len(".tfrecord")].split("_")
+    return fixtures.crop(int(universe), int(index))
+
+
+@pytest.mark.parametrize("kind", ["plain", "gzip"])
+def test_tensorflows_files_are_read_bit_for_bit(kind: str) -> None:
+    layout = layouts.detect(DATA / kind / "train")
+    assert layout.name == "tfrecord"
+    files = layout.files(DATA / kind / "train")
+    assert len(files) == 4 and all(tfr.compression(f) == ("none" if kind == "plain" else "gzip") for f in files)
+    for f in files:
+        rec = tfr.read_file(f)
+        x, y = _expected(f)
+        assert rec.x.dtype == np.dtype("<i2") and np.array_equal(rec.x, x) and np.array_equal(rec.y, y)
+    # a rank's part of each sample, channels moved to the front where the batch is finished
+    samples = layout.open(DATA / kind / "train", (4, 8, 8, 8), slices=(slice(3, 8), slice(0, 8), slice(2, 6)))
+    counts, targets = samples.read([0, 1, 2, 3])
+    whole = np.stack([np.moveaxis(_expected(f)[0], -1, 0) for f in files])
+    assert np.array_equal(counts.oriented().numpy(), whole[:, :, 3:8, :, 2:6])
+    assert np.array_equal(targets.numpy(), np.stack([_expected(f)[1] for f in files]))
+    want = torch.log1p(torch.from_numpy(whole[:, :, 3:8, :, 2:6]).float())
+    assert torch.equal(samples.finish(counts), want)
+    assert "read where they lie" in samples.notes()[0] and "gems data convert" in samples.notes()[0]
+
+
+def _copy(tmp: Path, kind: str = "plain") -> Path:
+    src = sorted((DATA / kind / "train").iterdir())[0]
+    out = tmp / "bad"
+    out.mkdir(exist_ok=True)
+    return Path(shutil.copy(src, out / src.name))
+
+
+def _flip(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how, said", [
+    ("data", "data CRC that does not match in record 1"),
+    ("length", "length CRC that does not match in record 1"),
+    ("cut", "ends inside record 1"),
+    ("gzip-cut", "corrupt gzip stream"),
+    ("gzip-flip", "corrupt gzip stream"),
+    ("empty", "is empty"),
+    ("two", "holds more"),
+])
+def test_a_bad_file_is_named(tmp_path: Path, how: str, said: str) -> None:
+    path = _copy(tmp_path, "gzip" if how.startswith("gzip") else "plain")
+    if how == "data":
+        _flip(path, 12 + 100)  # a byte of the Example
+    elif how == "length":
+        _flip(path, 2)
+    elif how == "cut":
+        path.write_bytes(path.read_bytes()[:-100])
+    elif how == "gzip-cut":
+        path.write_bytes(path.read_bytes()[:-30])
+    elif how == "gzip-flip":
+        _flip(path, len(path.read_bytes()) // 2)
+    elif how == "empty":
+        path.write_bytes(b"")
+    elif how == "two":  # two records in one file (TFRecord files concatenate)
+        path.write_bytes(path.read_bytes() * 2)
+    with pytest.raises(ConfigError) as e:
+        tfr.read_file(path)
+    assert path.name in str(e.value) and said in str(e.value), str(e.value)
+
+
+def test_an_example_without_mlperfs_features_is_named(tmp_path: Path) -> None:
+    from tfrecord.writer import TFRecordWriter
+
+    path = tmp_path / "other.tfrecord"
+    w = TFRecordWriter(str(path))
+    w.write({"image": (b"\0" * 64, "byte"), "label": ([1.0], "float")})
+    w.close()
+    with pytest.raises(ConfigError) as e:
+        tfr.read_file(path)
+    assert e.value.key == "data.path" and "other.tfrecord" in str(e.value) and "['image', 'label']" in str(e.value)
+    with pytest.raises(ConfigError, match=r"a cube of 3 channels"):  # 8^3 x 4 int16 read as 3 channels
+        tfr.read_file(sorted((DATA / "plain" / "train").iterdir())[0], channels=3)
+
+
+def _convert(src: Path, out: Path, *more: str) -> int:
+    from gems.data.convert import convert_main
+
+    return convert_main(compose(["data=hdf5", f"data.path={src}", f"data.out={out}", "data.workers=1", *more],
+                                check=False))
+
+
+def test_convert_writes_exalearns_layout_bit_for_bit_and_resumes(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert _convert(DATA / "gzip", out) == 6
+    train = sorted((out / "train").iterdir())
+    assert [p.name for p in train] == [p.name.replace(".tfrecord", ".hdf5")
+                                       for p in sorted((DATA / "gzip" / "train").iterdir())]
+    assert len(list((out / "validation").iterdir())) == 2
+    for p in train:
+        with h5py.File(p) as f:
+            ds = f["full"]
+            assert ds.dtype == np.dtype("<i2") and ds.chunks is None and ds.compression is None  # read by position
+            x, y = _expected(p.with_suffix(".tfrecord"))
+            assert np.array_equal(ds[()], x) and np.array_equal(f["unitPar"][()], y)
+    assert layouts.detect(out / "train").name == "exalearn"
+    # resumed: a finished file is never written again, a missing or half-written one is
+    kept = {p: p.stat().st_mtime_ns for p in train[1:]}
+    train[0].unlink()
+    (out / "train" / f".{train[0].name}.tmp").write_bytes(b"half")
+    assert _convert(DATA / "gzip", out) == 1
+    assert train[0].is_file() and {p: p.stat().st_mtime_ns for p in train[1:]} == kept
+    with h5py.File(train[0]) as f:
+        assert np.array_equal(f["full"][()], _expected(train[0].with_suffix(".tfrecord"))[0])
+    assert _convert(DATA / "gzip", out) == 0
+
+
+def test_convert_stops_at_a_bad_record_names_it_and_keeps_what_it_wrote(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(DATA / "plain" / "train", src)
+    bad = sorted(src.iterdir())[2]
+    _flip(bad, len(bad.read_bytes()) - 2)  # the data CRC itself
+    out = gems("data", "convert", f"data.path={src}", f"data.out={tmp_path / 'out'}", "data.workers=1", timeout=300)
+    assert out.returncode == 2, out.stderr
+    err = out.stderr.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("gems: error: data.path=") and bad.name in err, err
+    assert "data CRC" in err and "2 other file(s) were converted" in err
+    assert len(list((tmp_path / "out").glob("*.hdf5"))) == 2
+
+
+@pytest.mark.parametrize("args, key", [
+    (["data.out=null"], "data.out"),
+    (["data.path={tmp}/nothing"], "data.path"),
+    (["data.layout=exalearn"], "data.layout"),
+])
+def test_convert_refuses_bad_input(tmp_path: Path, args: list[str], key: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        _convert(DATA / "gzip" / "train", tmp_path / "out", *(a.replace("{tmp}", str(tmp_path)) for a in args))
+    assert e.value.key == key
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_masked_crc_is_tensorflows() -> None:
+    """The first record's header of a file TensorFlow wrote: its length and the masked CRC32C TensorFlow put
+    beside it."""
+    head = sorted((DATA / "plain" / "train").iterdir())[0].read_bytes()[:12]
+    assert tfr.masked_crc(head[:8]) == struct.unpack("<I", head[8:])[0]
+    assert gzip.decompress(sorted((DATA / "gzip" / "train").iterdir())[0].read_bytes())[:12] == head
+
+
+TINY = ["model=custom", "model._target_=_custom_models.cosmo_tiny", "model.input_shape=[4,8,8,8]",
+        "model.num_outputs=4", "train.batch_size=2", "train.steps=3", "train.warmup_steps=1", "data=hdf5",
+        "train.optimizer=sgd", "train.eval_every=3"]
+
+
+def _run(tmp: Path, folder: Path, *args: str) -> dict:
+    out = gems("run", *TINY, f"data.path={folder / 'train'}", f"data.val_path={folder / 'validation'}",
+               f"results.dir={tmp}", *args, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (rec,) = records(str(tmp))
+    return rec
+
+
+@pytest.fixture(scope="module")
+def serial(tmp_path_factory) -> dict:
+    """One rank, reading the gzip files where they lie."""
+    return _run(tmp_path_factory.mktemp("gzip1"), DATA / "gzip")
+
+
+def test_tfrecords_train_on_one_rank_and_say_how_they_are_read(serial: dict) -> None:
+    notes = " ".join(serial["notes"])
+    assert "layout tfrecord" in notes and "read where they lie" in notes
+    assert len(serial["loss"]) == 3 and serial["validation"][-1]["samples"] == 2
+
+
+@pytest.mark.parametrize("source", ["plain", "converted"])
+def test_s2_equals_one_rank(tmp_path: Path, serial: dict, source: str) -> None:
+    """The plain files, and the gzip ones converted, cut over S = 2 ranks (each reads its part): the losses and
+    the validation of the gzip files read whole by one rank."""
+    folder = DATA / "plain"
+    if source == "converted":
+        folder = tmp_path / "converted"
+        _convert(DATA / "gzip", folder)
+    got = _run(tmp_path / "run", folder, "parallel.spatial=2")
+    np.testing.assert_allclose(got["loss"], serial["loss"], rtol=1e-5)
+    np.testing.assert_allclose(got["validation"][-1]["mae_per_target"], serial["validation"][-1]["mae_per_target"],
+                               rtol=1e-5)
+    assert f"layout {'tfrecord' if source == 'plain' else 'exalearn'}" in " ".join(got["notes"])
