@@ -235,16 +235,16 @@ def print_rows(records: list[dict[str, Any]]) -> None:
     Console(width=None if sys.stdout.isatty() else 200).print(t)
 
 
-def cmd_run(overrides: list[str]) -> int:
-    from gems.config import compose
-    from gems.launch.base import prestart
-    from gems.prepare import prepare
 def failed_status(record: dict[str, Any]) -> int:
     """The exit status of a failed run: 2 where a rank met bad input after the start (a ConfigError: a data file
     that changed under the run, or one whose headers no check reads before the launch), else 1."""
     return 2 if (record.get("failure") or {}).get("exception") == "ConfigError" else 1
 
 
+def cmd_run(overrides: list[str]) -> int:
+    from gems.config import compose
+    from gems.launch.base import prestart
+    from gems.prepare import prepare
 
     cfg = compose(overrides)
     prestart(cfg)  # the ranks' server, before the checks run torch

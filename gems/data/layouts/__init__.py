@@ -87,7 +87,6 @@ class Options:
     readers: int = 4  # threads a rank reads on (capped: reader_threads)
     target: str = "vector"  # the model's: vector (one per sample) or dense (a class per voxel)
     window: Sequence[float] | None = None  # data.window: CT volumes' [low, high] Hounsfield units (nifti)
-    window: Sequence[float] | None = None  # data.window: CT volumes' [low, high] Hounsfield units (nifti)
 
 
 class Samples(Protocol):
