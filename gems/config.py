@@ -71,8 +71,9 @@ class DataConf:
     prefetch: int = key(2, "steps of samples a background reader prepares ahead of the step (0: read in the step)",
                         ge=0)
     readers: int = key(4, "hdf5: threads a rank reads its samples' files on (positional reads of contiguous "
-                          "datasets, straight into the batch; chunked or compressed files go through h5py, one at "
-                          "a time): gems bench data measures each count", ge=1)
+                          "datasets, straight into the batch; chunked ones chunk by chunk, gzip undone here; other "
+                          "filters through h5py, one at a time), at most a Slurm task's CPUs: gems bench data "
+                          "measures each count", ge=1)
     shuffle: bool = key(True, "with train.epochs: each epoch walks the training set in an order drawn from "
                               "(train.seed, epoch), the same on every rank")
     val_path: Optional[str] = key(None, "hdf5: a folder of validation samples in the training set's layout")

@@ -150,21 +150,50 @@ def test_finding_2_a_big_endian_first_file_keeps_the_int16_batch_and_the_positio
     ds.close()
 
 
-def test_finding_3_chunked_and_compressed_files_are_said(tmp_path):
-    """A chunked or compressed file is read through h5py, one at a time: the set says so (its notes, which the run's
-    record and `gems plan` print), how many and why."""
-    values = _universes(3, edge=6)
-    for i, ((c, p), kw) in enumerate(zip(values, [{}, dict(chunks=(2, 6, 6, 6)), dict(compression="gzip")])):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_finding_3_chunked_and_compressed_files_are_read_on_the_threads_and_said(tmp_path, threads):
+    """A chunked file, gzip-compressed or not, shuffled or not, big-endian or not, is read chunk by chunk on the
+    reader's threads (each chunk's bytes by position, inflated and unshuffled here, not under h5py's lock); a
+    filter gems does not undo (lzf) goes through h5py. Any part of any of them equals h5py's read, and the set
+    says which files took which path (its notes: the run's record and `gems plan` print them); a corrupt
+    deflate stream is bad input naming the file."""
+    values = _universes(6, edge=6)
+    kinds = [{}, dict(chunks=(2, 4, 6, 5)), dict(compression="gzip", chunks=(1, 3, 3, 3)),
+             dict(compression="gzip", shuffle=True, dtype=">i2"), dict(compression="lzf"),
+             dict(shuffle=True, chunks=(4, 6, 6, 6))]
+    for i, ((c, p), kw) in enumerate(zip(values, kinds)):
+        kw = dict(kw)
         with h5py.File(tmp_path / f"s{i}.h5", "w") as f:
-            f.create_dataset("full", data=c, **kw)
+            f.create_dataset("full", data=c.astype(kw.pop("dtype", np.int16)), **kw)
             f["unitPar"] = p
-    ds = HDF5Samples(tmp_path, (4, 6, 6, 6))
-    assert ds.notes() == []
-    assert torch.equal(ds.read([0, 1, 2])[0].data, torch.from_numpy(np.stack([c for c, _ in values])))
+    want = torch.from_numpy(np.stack([c for c, _ in values]))
+    for cut in (None, (slice(1, 5), slice(2, 6))):
+        ds = HDF5Samples(tmp_path, (4, 6, 6, 6), slices=cut, augment="cube", readers=threads)
+        ids, syms = list(range(6)), [0, 5, 17, 33, 47, 2]
+        counts, _ = ds.read(ids, syms)
+        ref = torch.stack([ds.__getitem__(i, k)[0] for i, k in zip(ids, syms)])  # h5py's, transformed on the host
+        assert torch.equal(ds.finish(counts), ref)
+        assert [ds._header(i).chunks is not None for i in ids] == [False, True, True, True, False, True]
+        ds.close()
+    assert torch.equal(HDF5Samples(tmp_path, (4, 6, 6, 6)).read(list(range(6)))[0].data, want)
     notes = ds.notes()
-    assert len(notes) == 2 and "1 file(s) chunked, read through h5py one at a time" in notes[0], notes
-    assert "1 file(s) compressed (deflate)" in notes[1], notes
-    ds.close()
+    assert any("1 file(s) chunked, read chunk by chunk on data.readers threads" in n for n in notes), notes
+    assert any("1 file(s) compressed (deflate), read chunk by chunk" in n for n in notes), notes
+    assert any("1 file(s) compressed (shuffle, deflate), read chunk by chunk" in n for n in notes), notes
+    assert any("1 file(s) compressed (lzf), read through h5py one at a time" in n for n in notes), notes
+    # a deflate stream cut in one chunk: named, exit 2
+    head = ds._header(2)
+    _, at, size, _ = head.chunks.index[3]
+    with open(tmp_path / "s2.h5", "r+b") as h:
+        h.seek(at + size // 2)
+        h.write(bytes(4))
+    st = (tmp_path / "s2.h5").stat()
+    bad = HDF5Samples(tmp_path, (4, 6, 6, 6), readers=threads)
+    with pytest.raises(ConfigError, match=r"s2\.h5 \(file 3 of 6\) could not be read as its headers said .*does "
+                                          r"not inflate"):
+        bad.read([2])
+    assert st.st_size == (tmp_path / "s2.h5").stat().st_size
+    bad.close()
 
 
 def test_finding_4_a_file_of_another_type_is_named(tmp_path):
@@ -298,7 +327,7 @@ def test_published_layouts_train_through_gems_run_and_s2_equals_s1(tmp_path):
 
 def test_gems_plan_names_each_layout_and_times_its_read_rate(tmp_path):
     """`gems plan` on files names their layout and prices their read at the rate it times on them (its samples'
-    own read), and says a slow path (a compressed file read through h5py)."""
+    own read), and says a slower path (a compressed file, read chunk by chunk)."""
     from gems.config import compose
     from gems.plan.make import make_plan
 
@@ -314,7 +343,7 @@ def test_gems_plan_names_each_layout_and_times_its_read_rate(tmp_path):
         pr = make_plan(cfg, suggest=False).prediction
         (said,) = [a for a in pr.assumptions if a.startswith("data read by 2 reader thread(s) timed here")]
         assert f"layout {name}, from the page cache" in said and said.endswith(" GB/s"), said
-        assert ("1 file(s) compressed (deflate), read through h5py one at a time" in said) == (name == "lbann"), said
+        assert ("1 file(s) compressed (deflate), read chunk by chunk on data.readers threads" in said) == (name == "lbann"), said
         rate = float(said.rsplit(": ", 1)[1].split(" GB/s")[0]) * 1e9
         itemsize = 2 if name == "exalearn" else 4
         assert pr.breakdown["data"] == pytest.approx(2 * 4 * 32 ** 3 * itemsize / rate, rel=0.01)

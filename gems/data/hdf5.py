@@ -16,8 +16,9 @@ through it), which is how the tests count the bytes read.
 A run reads its batches with :meth:`HDF5Samples.read`: each file's headers once (h5py: the dataset's shape,
 type and byte offset, the target, the file's identity), then the counts of a contiguous dataset by positional
 reads on the rank's ``data.readers`` threads (gems.data.reader: h5py's lock would keep them to one), straight
-into the batch's rows, in the file's own order, through open files it keeps; a chunked or compressed file
-through h5py, one at a time (said in :meth:`HDF5Samples.notes`). A sample's symmetry (``data.augment``) and a
+into the batch's rows, in the file's own order, through open files it keeps; a chunked file chunk by chunk on the
+same threads, each chunk's bytes read by position and its deflate and shuffle filters undone here (zlib lets
+the GIL go), a file of another filter through h5py, one at a time (both said in :meth:`HDF5Samples.notes`). A sample's symmetry (``data.augment``) and a
 channels-last file's move of the channels to the front are applied after the read, where the batch is
 finished (:class:`Counts`; on a GPU rank after the copy to its device). A file whose type differs from the
 first's, or that changes while the run reads it (cut short, deleted, replaced), is bad input naming it.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Sequence
@@ -150,6 +152,10 @@ def read_target(source: Source) -> torch.Tensor:
         return torch.from_numpy(np.asarray(f["unitPar"][()], dtype=np.float32).reshape(-1))
 
 
+def _full_sel(sel: Sequence[slice], shape: Sequence[int]) -> tuple[slice, ...]:
+    return tuple(sel) + (slice(None),) * (len(shape) - len(sel))
+
+
 def _sel_shape(shape: Sequence[int], sel: Sequence[slice]) -> tuple[int, ...]:
     full = list(sel) + [slice(None)] * (len(shape) - len(sel))
     return tuple(len(range(*s.indices(n))) for s, n in zip(full, shape))
@@ -171,6 +177,77 @@ class Header:
     source: str = ""
     why: str | None = None
     stamps: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
+    chunks: Chunks | None = None
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """A chunked dataset's chunks, each read by position and its filters undone here (deflate, shuffle), on the
+    reader's threads (zlib and numpy let the GIL go): ``shape`` a chunk's, ``filters`` in the order they were
+    applied when written, ``index`` each written chunk's (logical offset, byte offset, bytes, filter mask)."""
+
+    shape: tuple[int, ...]
+    filters: tuple[int, ...]
+    index: tuple[tuple[tuple[int, ...], int, int, int], ...]
+
+    def complete(self, shape: Sequence[int]) -> bool:
+        """Whether every chunk of a dataset of ``shape`` is written (else the others hold the fill value, 0)."""
+        return len(self.index) == math.prod(-(-int(n) // c) for n, c in zip(shape, self.shape))
+
+
+#: HDF5's filters the reader undoes itself (h5py.h5z's FILTER_DEFLATE and FILTER_SHUFFLE); a file of any other
+#: is read through h5py
+DEFLATE, SHUFFLE = 1, 2
+
+
+def _chunks(ds: Any) -> Chunks | None:
+    """The chunks of dataset ``ds`` where the reader can read them itself (module docstring), else None."""
+    h5 = _h5()
+    plist = ds.id.get_create_plist()
+    if plist.get_layout() != h5.h5d.CHUNKED or plist.get_external_count():
+        return None
+    filters = tuple(int(plist.get_filter(i)[0]) for i in range(plist.get_nfilters()))
+    if any(f not in (DEFLATE, SHUFFLE) for f in filters) or not hasattr(ds.id, "get_chunk_info"):
+        return None
+    index = []
+    for i in range(ds.id.get_num_chunks()):
+        info = ds.id.get_chunk_info(i)
+        index.append((tuple(int(o) for o in info.chunk_offset), int(info.byte_offset), int(info.size),
+                      int(info.filter_mask)))
+    return Chunks(tuple(int(c) for c in ds.chunks), filters, tuple(index))
+
+
+def read_chunk(path: str, chunks: Chunks, k: int, dtype: np.dtype, ranges: Sequence[range], dst: np.ndarray) -> None:
+    """Chunk ``k`` of a dataset of type ``dtype`` in file ``path``: its bytes read by position, its filters undone,
+    its part inside the hyperslab ``ranges`` (the file's order, unit steps) copied to its place in ``dst`` (the
+    hyperslab's array, converted to its type)."""
+    offset, at, size, mask = chunks.index[k]
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        raw = bytearray(size)
+        preader.pread_full(fd, memoryview(raw), at, path)
+    finally:
+        os.close(fd)
+    data: bytes | bytearray = raw
+    for i in reversed(range(len(chunks.filters))):  # undone in the reverse order of their writing
+        if mask >> i & 1:
+            continue
+        if chunks.filters[i] == DEFLATE:
+            try:
+                data = zlib.decompress(data)
+            except zlib.error as e:
+                raise OSError(f"{path}: a chunk at byte {at} does not inflate ({e})") from None
+        else:
+            data = np.frombuffer(data, np.uint8).reshape(dtype.itemsize, -1).T.tobytes()
+    if len(data) != math.prod(chunks.shape) * dtype.itemsize:
+        raise OSError(f"{path}: a chunk at byte {at} holds {len(data)} bytes, not a chunk's")
+    arr = np.frombuffer(data, dtype).reshape(chunks.shape)
+    src, to = [], []
+    for r, o, c in zip(ranges, offset, chunks.shape):
+        lo, hi = max(r.start, o), min(r.stop, o + c)
+        src.append(slice(lo - o, hi - o))
+        to.append(slice(lo - r.start, hi - r.start))
+    dst[tuple(to)] = arr[tuple(src)]
 
 
 def stamp(path: str | os.PathLike) -> tuple[int, int, int, int]:
@@ -306,7 +383,7 @@ class HDF5Samples:
             raise ConfigError("data.readers", readers, "a positive number of threads reading a rank's samples")
         self.reader = preader.Reader(readers)  # no thread or open file before the first read
         self._headers: dict[int, Header] = {}
-        self._slow: dict[str, int] = {}  # why -> files read through h5py (notes)
+        self._slow: dict[tuple[str, str], int] = {}  # (why, how) -> files not read by one positional read (notes)
 
     @property
     def dtype(self) -> np.dtype:
@@ -316,9 +393,14 @@ class HDF5Samples:
     def notes(self) -> list[str]:
         """What the run and the plan say of this set: files read through h5py, one at a time, and why."""
         out = []
-        for why, n in sorted(self._slow.items()):
-            out.append(f"{self.key}: {n} file(s) {why}, read through h5py one at a time (its lock), not by "
-                       f"positional reads on data.readers threads; `gems data convert` writes them contiguous")
+        for (why, how), n in sorted(self._slow.items()):
+            if how == "h5py":
+                out.append(f"{self.key}: {n} file(s) {why}, read through h5py one at a time (its lock), not by "
+                           "positional reads on data.readers threads; `gems data convert` writes them contiguous")
+            else:
+                out.append(f"{self.key}: {n} file(s) {why}, read chunk by chunk on data.readers threads (each "
+                           "chunk's bytes by position, inflated or unshuffled here); contiguous files need none of "
+                           "that (`gems data convert` writes them)")
         return out
 
     def check_all(self, count: int | None = None, target_size: int | None = None) -> None:
@@ -354,7 +436,8 @@ class HDF5Samples:
                 if keep and meta["full"] is not None and meta["unitPar"] is not None:
                     ds = f["full"]
                     source = os.path.realpath(os.path.join(os.path.dirname(str(file)), ds.file.filename))
-                    found = (*_offset(ds), f["unitPar"][()], source)
+                    offset, why = _offset(ds)
+                    found = (offset, why, f["unitPar"][()], source, None if offset is not None else _chunks(ds))
         except OSError as e:  # not HDF5, truncated, unreadable
             raise bad(layout, f"an unreadable file ({type(e).__name__}: {e})") from None
         full, par = meta["full"], meta["unitPar"]
@@ -381,8 +464,8 @@ class HDF5Samples:
             raise bad(f"`unitPar` of {want} (the target vector, one value per model output)",
                       f"`unitPar` shaped {list(pshape or ())} of dtype {pdtype}")
         if found is not None:
-            offset, why, par_values, source = found
-            paths = {str(file), source} if offset is not None else {str(file)}
+            offset, why, par_values, source, chunks = found
+            paths = {str(file), source} if offset is not None or chunks is not None else {str(file)}
             try:
                 stamps = tuple((q, stamp(q)) for q in sorted(paths))
             except OSError as e:
@@ -390,9 +473,11 @@ class HDF5Samples:
             if not raw_shape:
                 offset, why = None, "empty"
             self._headers[index] = Header(offset, raw_shape, np.dtype(dtype),
-                                          np.asarray(par_values, dtype=np.float32).reshape(-1), source, why, stamps)
+                                          np.asarray(par_values, dtype=np.float32).reshape(-1), source, why, stamps,
+                                          chunks)
             if why is not None:
-                self._slow[why] = self._slow.get(why, 0) + 1
+                how = "by chunk" if chunks is not None else "h5py"
+                self._slow[(why, how)] = self._slow.get((why, how), 0) + 1
         return shape
 
     def __len__(self) -> int:
@@ -485,8 +570,8 @@ class HDF5Samples:
         its copy to the device takes as it is; ``out``: that batch, contiguous, of the counts' type), in the
         file's order, from the hyperslab its symmetry in ``symmetries`` (None: none) takes it from; the
         symmetries are applied where the batch is finished (:meth:`finish`). A contiguous dataset is read by
-        positional reads on the ``readers`` threads (gems.data.reader), any other through h5py (one at a time:
-        h5py's lock) beside them; the targets come from the files' headers, read once. A file that changed since
+        positional reads on the ``readers`` threads (gems.data.reader), a chunked one chunk by chunk on the same
+        threads (:func:`read_chunk`), any other through h5py (one at a time: h5py's lock) beside them; the targets come from the files' headers, read once. A file that changed since
         its headers were read (cut short, deleted, replaced) is a ConfigError naming it."""
         syms = [int(k) for k in symmetries] if symmetries is not None else [0] * len(indices)
         part = self.part_shape()
@@ -518,6 +603,14 @@ class HDF5Samples:
                 swap = kind if not head.dtype.isnative and kind.itemsize > 1 else None
                 tasks += preader.tasks(head.source, head.offset, preader.grid(head.shape, kind.itemsize, sel),
                                        flat[r * row_bytes:(r + 1) * row_bytes], swap)
+            elif head.chunks is not None and _native(head.dtype) == kind:  # chunk by chunk, on the threads
+                ranges = [range(*s.indices(n)) for s, n in zip(_full_sel(sel, head.shape), head.shape)]
+                dst = out[r].view(shapes[-1]).numpy()
+                if not head.chunks.complete(head.shape):
+                    dst[...] = 0  # (the fill value of chunks never written)
+                others += [functools.partial(read_chunk, head.source, head.chunks, k, head.dtype, ranges, dst)
+                           for k, (o, _, _, _) in enumerate(head.chunks.index)
+                           if all(g.start < a + c and a < g.stop for g, a, c in zip(ranges, o, head.chunks.shape))]
             else:  # through h5py
                 others.append(functools.partial(read_into, out[r].view(shapes[-1]), self.files[f], hyperslab,
                                                 self.channels))
