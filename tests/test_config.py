@@ -68,8 +68,12 @@ def test_sweep_expansion_takes_experiment_axes_and_cli_axes():
     (["comm.backend=carrier_pigeon"], "comm.backend"),
 ])
 def test_bad_config_names_the_key(overrides, key):
+    """As an entry point checks: composed and typed, then resolved (the mesh, and the schedule by its registry,
+    which owns the names: gems.config.owned)."""
+    from gems.parallel import resolve
+
     with pytest.raises(ConfigError) as e:
-        compose(overrides)
+        resolve(compose(overrides))
     assert e.value.key == key, str(e.value)
     assert "\n" not in str(e.value)
 

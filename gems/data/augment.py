@@ -21,7 +21,10 @@ from typing import Sequence
 
 import torch
 
+from gems.config import owned
+
 KINDS = ("none", "flip", "cube")
+owned("data.augment", lambda: KINDS)  # the configuration checks and prints them (gems.config.owned)
 
 
 def count(kind: str, ndim: int) -> int:

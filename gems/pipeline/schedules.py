@@ -65,6 +65,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from gems.config import owned
 from gems.errors import ConfigError
 
 __all__ = ["Action", "Kind", "Schedule", "ScheduleKind", "make_schedule", "register", "registered", "lp", "gpipe",
@@ -313,6 +314,9 @@ def register(name: str, *, passes: str = "one", min_ranks: int = 1, virtual: boo
 
 def registered() -> dict[str, ScheduleKind]:
     return dict(_REGISTRY)
+
+
+owned("parallel.schedule", registered)  # the configuration checks and prints the names (gems.config.owned)
 
 
 # ---- the generator ---------------------------------------------------------------------------------------
