@@ -56,6 +56,8 @@ CONFIGURED = ("run", "sweep", "plan", "render")
 
 def _print_help(cmd: str, rest: list[str]) -> None:
     if cmd in CONFIGURED:
+        import gems.data.augment  # noqa: F401 - the registries that own keys' values (gems.config.owned)
+        import gems.pipeline.schedules  # noqa: F401
         from gems.config import help_text
 
         print(help_text(cmd, [a for a in rest if a not in ("-h", "--help")]))

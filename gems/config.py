@@ -28,8 +28,8 @@ DEFAULT_STEPS = 6
 def key(default: Any = MISSING, help: str = "", *, choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None,
         ge: float | None = None, gt: float | None = None, lt: float | None = None, factory: Any = None) -> Any:
     """A schema field with its meaning and its valid values, stated once: :func:`validate` checks every
-    key against them, and ``gems COMMAND --help`` prints them. ``choices`` may be a function, for a list
-    that a registry owns (the schedules)."""
+    key against them, and ``gems COMMAND --help`` prints them. ``choices`` may be a function; a list that a
+    registry above the configuration owns (the schedules) is handed in by it (:func:`owned`)."""
     meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "lt": lt}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
@@ -91,7 +91,7 @@ class DataConf:
                                "axes swapped (cube: the 48 symmetries of a 3D box), drawn from (train.seed, epoch, "
                                "sample); the target is kept, so only for data whose statistics have those "
                                "symmetries (a universe's do): gems.data.augment",
-                       choices=lambda: tuple(__import__("gems.data.augment", fromlist=["x"]).KINDS))
+)
     kind: str = key("lognormal", "gems data synth: lognormal (a quick stand-in, a field a sample), cosmology "
                                  "(universes moved by the Zel'dovich approximation from colossus's power "
                                  "spectrum: docs/science.md) or segmentation (CT volumes with liver and tumour "
@@ -120,8 +120,7 @@ class ParallelConf:
     pipeline: int = key(1, "D: model partitions", ge=1)
     spatial: Any = key(1, "S: an int, or a list of parts per cut dim ([2,2])")
     spatial_dims: Optional[list] = key(None, "cut dims among the spatial ones; default [0] (or 0..k-1 for a list)")
-    schedule: str = key("lp", "pipeline schedule (the names registered in gems/pipeline/schedules.py)",
-                        choices=lambda: tuple(__import__("gems.pipeline.schedules", fromlist=["x"]).registered()))
+    schedule: str = key("lp", "pipeline schedule (the names registered in gems/pipeline/schedules.py)")
     virtual_stages: Optional[int] = key(None, "stages per rank of an interleaved schedule (default 2 there)", ge=1)
     split_backward: bool = key(False, "split each backward into input and weight gradients, the weight gradients "
                                       "filling the bubbles (1f1b, gpipe, mast, master; zbh1 always does)")
@@ -417,8 +416,21 @@ def schema_keys() -> dict[str, Any]:
     return {f"{sec}.{f.name}": f for sec, cls in SECTIONS.items() for f in fields(cls)}
 
 
+#: keys whose values a registry above the configuration owns (the schedules, the data's symmetries), handed here by
+#: the registry when it is imported (:func:`owned`): the configuration checks and prints them without importing
+#: upward; before that the registry checks the key itself where it is used (``gems.pipeline.make_schedule``)
+_OWNED: dict[str, Callable[[], tuple[str, ...]]] = {}
+
+
+def owned(name: str, values: Callable[[], Any]) -> None:
+    """Declare that the registry calling this owns the values of key ``name``: ``values()`` lists them."""
+    _OWNED[name] = lambda: tuple(values())
+
+
 def choices_of(name: str) -> tuple[str, ...] | None:
-    """The values a key takes, where the schema (or the registry it names) lists them."""
+    """The values a key takes, where the schema or the registry that owns the key (:func:`owned`) lists them."""
+    if name in _OWNED:
+        return _OWNED[name]()
     f = schema_keys().get(name)
     got = f.metadata.get("choices") if f is not None else None
     return tuple(got()) if callable(got) else got
