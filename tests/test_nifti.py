@@ -70,7 +70,7 @@ def test_each_ranks_part_of_each_tile_is_nibabels(folder: Path, slices) -> None:
     ids = list(range(len(s)))
     voxels, labels = s.read(ids)
     x = s.finish(voxels)
-    assert x.shape == (len(ids), 1, *s.part_shape()[1:]) and labels.dtype == torch.int64
+    assert x.shape == (len(ids), 1, *s.part_shape()[1:]) and labels.dtype == torch.uint8
     for i in ids:
         v, origin = s.locate(i)
         stored, hu, lab = _tile(folder, v, origin)

@@ -22,8 +22,8 @@ def make_loss_fn(spec: ModelSpec, mesh: Mesh, global_batch: int) -> Callable[[to
         cells = math.prod(spec.input_shape[1:])
 
         def dense(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            if spec.loss == "cross_entropy":
-                s = F.cross_entropy(out.float(), y, reduction="sum")
+            if spec.loss == "cross_entropy":  # classes may come as uint8 (read labels: an eighth of the bytes)
+                s = F.cross_entropy(out.float(), y.long(), reduction="sum")
             else:
                 s = F.mse_loss(out.float(), y.float(), reduction="sum") / out.shape[1]
             return s / (cells * global_batch)
@@ -91,6 +91,7 @@ class Metric:
         if not self.counts:
             return torch.zeros(self.size, dtype=torch.float64, device=out.device)
         if self.classes:
+            y = y.long()  # read labels come as uint8
             loss = F.cross_entropy(out, y, reduction="sum")
             predicted = out.argmax(dim=1)
             extra = [(predicted == y).sum()]
