@@ -108,6 +108,22 @@ COMMANDS: dict[str, list[str] | str] = {
         ["model.size=32", "model.width=0.25", "train.steps=3", "train.checkpoint_every=1"],
     "gems plan model=cosmoflow model.size=512 parallel.spatial=4 parallel.replicas=512 train.batch_size=512 "
     "cluster=perlmutter cluster.account=x plan.dry_run=true plan.dry_run_rank=1234": [],
+    # docs/data.md: the published sets are not here; tests/test_tfrecord.py and test_nifti.py run the same commands
+    # on files written by TensorFlow and nibabel
+    "gems data convert data.path=/data/cosmoUniverse_2019_05_4parE_tf_v2 data.out=/scratch/mlperf":
+        "needs MLPerf's 1.7 TB set (tests/test_tfrecord.py converts TensorFlow's own files the same way)",
+    "gems run model=cosmoflow_mlperf data=hdf5 data.path=/scratch/mlperf/train data.val_path=/scratch/mlperf/validation":
+        "needs MLPerf's set converted (tests/test_tfrecord.py trains on converted TensorFlow files)",
+    "gems run model=unet3d model.size=128 data=hdf5 data.path=/data/lits/train data.val_path=/data/lits/val":
+        "needs LiTS (tests/test_nifti.py trains the U-Net on nibabel's volumes)",
+    "gems data convert data.path=/data/lits_gz data.out=/data/lits":
+        "needs LiTS's .nii.gz (tests/test_nifti.py converts nibabel's the same way)",
+    "gems data synth data.kind=segmentation data.path=data/seg/train data.val_path=data/seg/val data.num_samples=16 "
+    "data.val_samples=4 model=unet3d model.size=32": ["data.num_samples=2", "data.val_samples=1", "model.size=16"],
+    "gems run model=unet3d model.size=32 model.width=0.25 data=hdf5 data.path=data/seg/train data.val_path=data/seg/val "
+    "train.batch_size=4 train.epochs=40 train.eval_every=4 train.optimizer=adam train.lr=0.003":
+        "the CPU-sized U-Net run, 4 minutes here: its figures are in docs/data.md (tests/test_nifti.py trains the same "
+        "way, on one rank and S = 2)",
 }
 
 #: commands that need the Slurm test cluster
