@@ -20,7 +20,8 @@ One universe, a pure function of ``(seed, index)`` (:func:`make_universe`):
    at each of :data:`REDSHIFTS` (D from colossus, 1 today): the 4 channels, as in CosmoFlow's data;
 5. the particles deposited cloud-in-cell, scaled to ``data.mean_count`` counts per cell on average (the
    lattice of one particle a cell carries the displacement; the scale keeps the rounding to int16 counts
-   below the field's fluctuations at z = 3), written as ExaLearn's ``full`` (4, N, N, N) int16.
+   below the field's fluctuations at z = 3), written as ExaLearn's ``full``: (N, N, N, 4) int16, channels last
+   (gems.data.universes).
 
 The deposit, the costly part, is split over processes by slabs of particle planes (:func:`deposit`): each
 deposits into a slab of the grid widened by the largest displacement and the slabs are summed, so a 512^3

@@ -2,7 +2,7 @@
 
 h5py runs every call under one global lock, so a rank that reads its batch through it reads one sample at a
 time on one core, however many threads ask. A dataset stored in one contiguous, unfiltered block (the
-ExaLearn files; ``gems data synth``'s) needs no HDF5 to read: its data lie at one byte offset of its file in C
+ExaLearn's and LBANN's files; ``gems data synth``'s) needs no HDF5 to read: its data lie at one byte offset of its file in C
 order, so a hyperslab of it is a regular grid of equal runs of bytes (one run per channel for a depth slab, one
 per (channel, plane) for a cut in height, one per row for a cut in width; the whole dataset, one run).
 :func:`grid` finds those runs; :class:`Reader` reads them with positional reads (``os.preadv``, which drops

@@ -199,7 +199,7 @@ def reader_rate(cfg: Any, spec: Any, slices: Any = None) -> tuple[float, int, st
 
 def read_files(itemsize: int, rate: float) -> Any:
     """Seconds a rank's reader takes for ``n`` samples of its ``part`` (C, *spatial) of counts of ``itemsize`` bytes
-    (the files' type: int16 in the ExaLearn layout) at ``rate`` bytes a second (:func:`reader_rate`); targets are
+    (the files' type: int16 in ExaLearn's universes) at ``rate`` bytes a second (:func:`reader_rate`); targets are
     small. The copy to a GPU runs on the reader's side stream, beside the step."""
 
     def data(part: Any, n: int, inp: bool, tgt: bool) -> float:
