@@ -218,3 +218,14 @@ def test_the_unet_on_nifti_volumes_s2_equals_one_rank(tmp_path: Path, volumes: P
     assert v1["cells"] == v2["cells"] == 2 * 16 ** 3 and len(v1["dice"]) == 3
     np.testing.assert_allclose([v2["loss"], v2["accuracy"]], [v1["loss"], v1["accuracy"]], rtol=1e-5)
     np.testing.assert_allclose([d or 0.0 for d in v2["dice"]], [d or 0.0 for d in v1["dice"]], rtol=1e-5)
+
+
+def test_gems_plan_names_the_layout_and_times_the_read_on_the_volumes(volumes: Path) -> None:
+    from gems.plan.make import make_plan
+
+    cfg = compose([*UNET, f"data.path={volumes / 'train'}", "data.readers=1", "data.prefetch=0"])
+    pr = make_plan(cfg, suggest=False).prediction
+    (said,) = [a for a in pr.assumptions if a.startswith("data read by 1 reader thread(s) timed here")]
+    assert "layout nifti, from the page cache" in said and said.endswith(" GB/s"), said
+    rate = float(said.rsplit(": ", 1)[1].split(" GB/s")[0]) * 1e9
+    assert pr.breakdown["data"] == pytest.approx(2 * 16 ** 3 * 2 / rate, rel=0.01)  # int16 voxels

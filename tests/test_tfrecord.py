@@ -215,3 +215,16 @@ def test_s2_equals_one_rank(tmp_path: Path, serial: dict, source: str) -> None:
     np.testing.assert_allclose(got["validation"][-1]["mae_per_target"], serial["validation"][-1]["mae_per_target"],
                                rtol=1e-5)
     assert f"layout {'tfrecord' if source == 'plain' else 'exalearn'}" in " ".join(got["notes"])
+
+
+def test_gems_plan_names_the_layout_and_times_the_read_on_the_files() -> None:
+    """`gems plan` on TFRecords names their layout, says they are read whole where they lie, and prices the read
+    at the rate it times on them."""
+    from gems.plan.make import make_plan
+
+    cfg = compose([*TINY, f"data.path={DATA / 'gzip' / 'train'}", "data.readers=1", "data.prefetch=0"])
+    pr = make_plan(cfg, suggest=False).prediction
+    (said,) = [a for a in pr.assumptions if a.startswith("data read by 1 reader thread(s) timed here")]
+    assert "layout tfrecord, from the page cache" in said and "read where they lie" in said, said
+    rate = float(said.rsplit(": ", 1)[1].split(" GB/s")[0]) * 1e9
+    assert pr.breakdown["data"] == pytest.approx(2 * 4 * 8 ** 3 * 2 / rate, rel=0.01)

@@ -371,9 +371,12 @@ class NiftiLayout(Layout):
         ext = ".nii.gz" if compress else ".nii"
         files = []
         for i, (voxels, labels) in enumerate(samples):
-            vol = np.asarray(voxels)
+            vol, lab = np.asarray(voxels), np.asarray(labels)
+            if vol.ndim not in (3, 4) or vol.ndim == 4 and vol.shape[0] != 1 or lab.shape != vol.shape[-3:]:
+                raise ValueError(f"CT volumes of one channel with a class a voxel, not values {list(vol.shape)} with "
+                                 f"targets {list(lab.shape)}")
             vol = vol.reshape(vol.shape[-3:])
-            for kind, arr, dt in (("volume", vol, np.int16), ("segmentation", np.asarray(labels), np.uint8)):
+            for kind, arr, dt in (("volume", vol, np.int16), ("segmentation", lab, np.uint8)):
                 final = out / f"{kind}-{i}{ext}"
                 tmp = out / f".{final.name}.tmp{ext}"
                 img = nib.Nifti1Image(np.asarray(arr, dtype=dt).T, affine)  # (z, y, x) in C order is (x, y, z) in F
