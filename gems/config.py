@@ -190,9 +190,12 @@ class TrainConf:
     tf32: Optional[bool] = key(None, "TF32 for fp32 convolutions and matmuls on GPUs (null: torch's defaults, "
                                      "convolutions in TF32; false: full fp32, for exact comparisons)")
     threads: int = key(1, "torch threads per rank on CPU (0: torch's default)", ge=0)
-    cuda_graphs: bool = key(True, "GPU ranks replay the model's forward and backward from CUDA graphs (no launch "
-                                  "a kernel) on the plain path: no pipeline, spatial parts or recomputation, where "
-                                  "the run says it stays eager (gems.rank.graphs); false: eager")
+    cuda_graphs: bool = key(True, "GPU ranks replay their step (forward, loss, backward, gradient sums, the sync) "
+                                  "from a CUDA graph on the plain path: no pipeline, spatial parts or recomputation, "
+                                  "where the run says it stays eager (gems.rank.graphs); false: eager")
+    graph_optimizer: bool = key(False, "with train.cuda_graphs, the optimizer's update inside the graph too (a "
+                                       "whole-step graph; its learning rate a tensor on the device, in eager runs "
+                                       "too, so both run the same kernels); off until a GPU measures it faster")
     host_memory: str = key("auto", "freed host memory stays in the process (auto: on CPU ranks)",
                            choices=("auto", "keep", "release"))
     checkpoint_every: int = key(0, "save every N steps (the last step too, where N divides it) so a preempted or "

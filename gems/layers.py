@@ -4,10 +4,13 @@ Layers whose randomness is a pure function of (seed, step, sample), so that
 every mesh draws the same dropout masks as the serial run.
 
 Plain ``nn.Dropout`` draws from each rank's RNG, so a run on 4 ranks and a run
-on 1 would train different networks. ``SampleDropout`` draws sample ``i``'s
-mask at step ``t`` from a generator seeded with ``(seed, t, i)``, on the
-activation's device (CPU runs and GPU runs draw different masks; every mesh of
-one kind of device draws the same). The runtime
+on 1 would train different networks. ``SampleDropout``'s mask of sample ``i``
+at step ``t`` is a pure function of ``(seed, t, i)`` and each value's index: a
+32-bit integer hash (:func:`sample_keys` on the host, two 32-bit keys a sample;
+:func:`keep_masks` on the device, integer operations only), so every mesh and
+every kind of device draws the same masks, the whole batch in one computation
+(no generator a sample), which a CUDA graph can replay: the keys are its one
+input (:func:`batch_context`'s ``keys``, a tensor on the device). The runtime
 that calls the model says which samples are in the batch with
 :func:`batch_context`; pipeline runtimes set it again around the backward of a
 micro-batch, so recomputation draws the same masks.
@@ -15,6 +18,7 @@ micro-batch, so recomputation draws the same masks.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -27,40 +31,80 @@ class _BatchInfo:
     seed: int
     step: int
     sample_ids: tuple[int, ...]
+    #: the samples' keys on the device (:func:`sample_keys`, shape (samples, 2)), where the caller made them (a CUDA
+    #: graph's static input); None: made from the fields above where a layer needs them
+    keys: torch.Tensor | None = None
 
 
 _CURRENT: list[_BatchInfo] = []
 
 
 @contextlib.contextmanager
-def batch_context(seed: int, step: int, sample_ids: Sequence[int]) -> Iterator[None]:
-    """Declare which global samples the next forward passes carry."""
-    _CURRENT.append(_BatchInfo(int(seed), int(step), tuple(int(i) for i in sample_ids)))
+def batch_context(seed: int, step: int, sample_ids: Sequence[int], keys: torch.Tensor | None = None) -> Iterator[None]:
+    """Declare which global samples the next forward passes carry; ``keys``: their :func:`sample_keys` already on
+    the device (a graph's static input, refilled before each replay)."""
+    _CURRENT.append(_BatchInfo(int(seed), int(step), tuple(int(i) for i in sample_ids), keys))
     try:
         yield
     finally:
         _CURRENT.pop()
 
 
-class SampleDropout(nn.Module):
-    """Dropout with masks drawn per global sample, identical on every mesh.
+_M32, _M64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
+#: the device hash's rounds: (shift, odd multiplier below 2^31, so that a 32-bit value times it stays below 2^63 and
+#: int64 arithmetic is exact on every device: no overflow, no rounding)
+_ROUNDS = ((16, 0x7FEB352D), (15, 0x2C1B3C6D), (16, 0x297A2D39))
 
-    Under a CUDA graph (gems.rank.graphs) the step's masks cannot be drawn inside the replay (the seeds are the
-    step's and the samples'): ``static_mask`` then holds them, drawn by :meth:`fill` before each replay with the
-    same generators, and the forward reads it."""
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def sample_keys(seed: int, step: int, sample_ids: Sequence[int]) -> list[list[int]]:
+    """Each sample's two 32-bit keys at ``step`` (host integers): a chain of splitmix64 over (seed, step, sample)."""
+    base = _splitmix64(_splitmix64(int(seed) & _M64) ^ (int(step) & _M64))
+    out = []
+    for i in sample_ids:
+        z = _splitmix64(base ^ (int(i) & _M64))
+        out.append([z >> 32, z & _M32])
+    return out
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of every value of ``x`` (int64 holding values in [0, 2^32))."""
+    for shift, mult in _ROUNDS:
+        x = x ^ (x >> shift)
+        x = (x * mult) & _M32
+    return x ^ (x >> 16)
+
+
+def keep_masks(keys: torch.Tensor, numel: int, p: float) -> torch.Tensor:
+    """Which of ``numel`` values of each sample dropout keeps (bool, (samples, numel)): a value's hash of its index
+    under the sample's two keys (``keys``: (samples, 2) int64 on the device), its top 24 bits at or above
+    ``p`` 2^24. Integers only, one batched computation: the same bits on every device, no host value inside."""
+    if numel >= 2**32:
+        raise ValueError(f"dropout over {numel} values a sample: at most 2^32 - 1")
+    index = torch.arange(numel, dtype=torch.int64, device=keys.device).unsqueeze(0)
+    h = _mix32(_mix32(index ^ keys[:, :1]) ^ keys[:, 1:])
+    return (h >> 8) >= math.ceil(p * 2**24)
+
+
+class SampleDropout(nn.Module):
+    """Dropout with masks a pure function of (seed, step, sample) and each value's index (module docstring),
+    identical on every mesh and device, drawn for the whole batch at once on the device."""
 
     def __init__(self, p: float = 0.5) -> None:
         super().__init__()
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout probability must be in [0, 1), got {p}")
         self.p = p
-        self.static_mask: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        if self.static_mask is not None:
-            return x * self.static_mask / (1.0 - self.p)
         if not _CURRENT:
             raise RuntimeError("SampleDropout needs gems.models.layers.batch_context(seed, step, sample_ids) around the forward")
         info = _CURRENT[-1]
@@ -70,21 +114,31 @@ class SampleDropout(nn.Module):
 
     def masks(self, info: _BatchInfo, shape: Sequence[int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """The batch's masks (one per sample of ``info``), 1 where a value is kept."""
-        masks = []
-        for i in info.sample_ids:  # drawn on the device: its generator (CUDA's is Philox), no host copy
-            g = torch.Generator(device=device).manual_seed((info.seed * 1_000_003 + info.step) * 1_000_033 + i)
-            masks.append(torch.rand(tuple(shape[1:]), generator=g, device=device) >= self.p)
-        return torch.stack(masks).to(dtype=dtype)
-
-    def fill(self, seed: int, step: int, sample_ids: Sequence[int]) -> None:
-        """Draw the masks of (``seed``, ``step``, ``sample_ids``) into ``static_mask`` (a graph's replay reads them)."""
-        assert self.static_mask is not None
-        info = _BatchInfo(int(seed), int(step), tuple(int(i) for i in sample_ids))
-        self.static_mask.copy_(self.masks(info, self.static_mask.shape, self.static_mask.device,
-                                          self.static_mask.dtype))
+        keep = keep_masks(_device_keys(info, device), math.prod(shape[1:]), self.p)
+        return keep.reshape(tuple(shape)).to(dtype=dtype)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
+
+
+def _device_keys(info: _BatchInfo, device: torch.device) -> torch.Tensor:
+    """``info``'s keys on ``device``: the caller's, or made from its samples (to a GPU through pinned memory, without
+    waiting for the device's queue)."""
+    if info.keys is not None:
+        return info.keys
+    if device.type == "meta" or _fake_mode():  # a traced or planned forward: shapes, not values
+        return torch.zeros((len(info.sample_ids), 2), dtype=torch.int64, device=device)
+    host = torch.tensor(sample_keys(info.seed, info.step, info.sample_ids), dtype=torch.int64).reshape(-1, 2)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _fake_mode() -> bool:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
 
 
 # ---- evaluation modes and BatchNorm's running statistics ------------------------------------------------------

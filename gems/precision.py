@@ -68,6 +68,15 @@ class LossScaler:
         """The loss the backward starts from."""
         return loss * self.value if self.enabled else loss
 
+    def scale_on_device(self, loss: torch.Tensor) -> torch.Tensor:
+        """:meth:`scale` by the scale's device copy (GradScaler's, which :meth:`step` keeps equal to the host value):
+        the same product, and one a CUDA graph replays with the scale of the step, not of its capture."""
+        if not self.enabled:
+            return loss
+        scale = self._scaler._scale  # (the one other private field read here; made in __init__)
+        assert scale is not None
+        return loss * scale
+
     def step(self, optimizer: Any, step: int, group: Any = None) -> bool:
         """Unscale this rank's (summed) gradients, agree on overflow over ``group`` (None: the world, when a
         process group exists), then step the optimizer unless some rank overflowed; True when it stepped."""
@@ -86,9 +95,9 @@ class LossScaler:
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         overflow = bool(flag.item() > 0)
-        if holds:
-            for v in found.values():  # what GradScaler.step reads: the world's verdict, not this rank's
-                v.copy_(flag.reshape(()).to(v.device))
+        if holds and not overflow:  # a skipped step calls no optimizer: a fused kernel told to skip a first step
+            for v in found.values():  # leaves its momentum buffer unwritten (torch's fused SGD), which later steps read
+                v.copy_(flag.reshape(()).to(v.device))  # what GradScaler.step reads: the world's verdict
             self._scaler.step(optimizer)
         if overflow:
             self.value *= self.backoff

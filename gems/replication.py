@@ -133,6 +133,8 @@ class _Bucket:
         self.launched = False
         # (tensor to sum, the parameters whose gradients it holds, copied back after the sum?, handle, host copy)
         self.parts: list[tuple[torch.Tensor, list[nn.Parameter], bool, Any, Any]] = []
+        #: the flattened buffer whose views are the small gradients' static tensors (GradientReducer.static_grads)
+        self.flat: torch.Tensor | None = None
 
 
 class _Tap(torch.autograd.Function):
@@ -428,7 +430,8 @@ class GradientReducer:
 
     def _launch(self, b: _Bucket) -> None:
         """Start the sums of bucket ``b``: large dense gradients in place (no copy: the hook fired after their
-        last accumulation, so autograd no longer writes them), the small ones flattened into one tensor."""
+        last accumulation, so autograd no longer writes them), the small ones flattened into one tensor (none to
+        make where they are the views of the bucket's flattened buffer: :meth:`static_grads`)."""
         b.launched = True
         small: list[nn.Parameter] = []
         tensors: list[tuple[torch.Tensor, list[nn.Parameter], bool]] = []
@@ -439,7 +442,9 @@ class GradientReducer:
                 tensors.append((p.grad, [p], False))
             else:
                 small.append(p)
-        if small:
+        if small and b.flat is not None and _views_of(b.flat, [_grad(p) for p in small]):
+            tensors.append((b.flat, small, False))  # the same layout as the copy below: the same sums, bit for bit
+        elif small:
             grads = [_grad(p) for p in small]
             flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
             tensors.append((flat, small, True))
@@ -479,19 +484,42 @@ class GradientReducer:
 
         return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True), None
 
-    def finish(self) -> float:
-        """Launch what the hooks did not, wait for every bucket, write sums back. Returns seconds waited."""
+    def finish(self, timed: bool = True) -> float:
+        """Launch what the hooks did not, wait for every bucket, write sums back. Returns seconds waited (0 with
+        ``timed=False``: inside a CUDA graph's capture, where no event may be timed)."""
         if not self.enabled:
             self._armed = False
             return 0.0
         device = self.params[0].device if self.params else None
-        t0 = timers.now(device)  # on GPUs the compute stream's stall, read at the step's end (gems.timers)
+        t0 = timers.now(device) if timed else None  # on GPUs the compute stream's stall, read at the step's end
         with waiting("gradient sum"):
             self._wait_all()
         self._armed = False
         self.wait_s = 0.0
-        timers.add_since(self.__dict__, "wait_s", t0)
+        if t0 is not None:
+            timers.add_since(self.__dict__, "wait_s", t0)
         return self.wait_s
+
+    def static_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Gradient tensors for a CUDA graph to own (gems.rank.graphs), one a parameter, in bucket order: a
+        gradient that :func:`summed_in_place` is its own tensor in the parameter's memory format; the small ones
+        of a bucket are views of one flattened buffer in the order :meth:`_launch` flattens them, which the sum
+        then reads in place (no copy in, none back). Allocated once; the graph zeroes and attaches them before
+        each backward."""
+        out: list[tuple[nn.Parameter, torch.Tensor]] = []
+        for b in self.buckets:
+            small = [p for p in b.params if not summed_in_place(p.numel() * p.element_size())]
+            b.flat = torch.zeros(sum(p.numel() for p in small), dtype=small[0].dtype, device=small[0].device) \
+                if small else None
+            off = 0
+            for p in b.params:
+                if summed_in_place(p.numel() * p.element_size()):
+                    out.append((p, torch.zeros_like(p)))
+                else:
+                    assert b.flat is not None
+                    out.append((p, b.flat[off:off + p.numel()].view(p.shape)))
+                    off += p.numel()
+        return out
 
     def _wait_all(self) -> None:
         for b in self.buckets:  # the rest, in bucket order: parameters that got no (or fewer) gradients this step
@@ -513,10 +541,64 @@ class GradientReducer:
                         off += n
             b.parts = []
 
+    def hook_ids(self) -> set[int]:
+        """The ids of the hooks this reducer placed on the layers (its points and taps)."""
+        return {h.id for h in self._hooks}
+
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def _views_of(flat: torch.Tensor, grads: list[torch.Tensor]) -> bool:
+    """Whether ``grads`` are, in order, the consecutive row-major views that make up ``flat``."""
+    base, off, item = flat.data_ptr(), 0, flat.element_size()
+    for g in grads:
+        if g.data_ptr() != base + off * item or not g.is_contiguous() or g.dtype != flat.dtype:
+            return False
+        off += g.numel()
+    return off == flat.numel()
+
+
+def average_buffers(buffers: list[torch.Tensor], group: Any, size: int, flat: torch.Tensor | None = None) -> None:
+    """Average floating buffers over ``group`` (``size`` ranks), so every copy keeps the same running statistics
+    (replicas and mirrored GEMS partitions see different samples): summed in one flattened fp32 tensor, divided,
+    copied back; where ``flat`` is given, the buffers are its views (:func:`flat_buffers`) and it is summed in
+    place (the same values: no copy in, none back)."""
+    import torch.distributed as dist
+
+    if flat is not None:
+        dist.all_reduce(flat, group=group)
+        flat /= size
+        return
+    flat = torch.cat([b.reshape(-1).float() for b in buffers])
+    dist.all_reduce(flat, group=group)
+    flat /= size
+    off = 0
+    for b in buffers:
+        b.copy_(flat[off:off + b.numel()].view_as(b))
+        off += b.numel()
+
+
+def flat_buffers(modules: list[nn.Module], buffers: list[torch.Tensor]) -> torch.Tensor | None:
+    """Make ``buffers`` (of ``modules``) the views of one flattened fp32 tensor, in order, values kept, so that
+    :func:`average_buffers` sums them in place (a graphed step); returns that tensor, or None where a buffer is not
+    fp32 (then the average copies, with the same result)."""
+    if not buffers or any(b.dtype != torch.float32 for b in buffers):
+        return None
+    flat = torch.cat([b.detach().reshape(-1) for b in buffers])
+    views, off, where = [], 0, {id(b): i for i, b in enumerate(buffers)}
+    for b in buffers:
+        views.append(flat[off:off + b.numel()].view(b.shape))
+        off += b.numel()
+    for root in modules:
+        for m in root.modules():
+            for name, t in list(m._buffers.items()):
+                if t is not None and id(t) in where:
+                    m._buffers[name] = views[where[id(t)]]
+    buffers[:] = views
+    return flat
 
 
 def _restore(swapped: list[tuple[nn.Module, str, nn.Parameter]], layer: nn.Module, args: Any, out: Any) -> None:

@@ -56,6 +56,11 @@ def settle() -> None:
     _PENDING.clear()
 
 
+def pending() -> bool:
+    """Whether spans measured by CUDA events wait to be read (:func:`settle`)."""
+    return bool(_PENDING)
+
+
 def add(name: str, seconds: float) -> None:
     _T[name] += seconds
 

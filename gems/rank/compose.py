@@ -26,7 +26,8 @@ from gems.precision import LossScaler, autocast, scaling_enabled
 from gems.rank import graphs
 from gems.rank.loss import Metric, make_loss_fn
 from gems.rank.optim import make_optimizer
-from gems.replication import GradientReducer, attach, mpi_group
+from gems.rank.sync import all_reduce_sum, step_sync
+from gems.replication import GradientReducer, attach, average_buffers, flat_buffers, mpi_group
 
 
 # ---------------------------------------------------------------------------- composition
@@ -69,8 +70,18 @@ class Parallel:
     #: the pipeline's rounds placed by its actions' measured times from the next step on (parallel.rounds_by=time:
     #: PipelineRunner.place_rounds_by_time); collective over every rank, called once, after the same step on each
     place_rounds: Callable[[], None] = field(default=lambda: None)
-    #: the model replayed from CUDA graphs (gems.rank.graphs.GraphedModel), None where the step runs eager
+    #: the step replayed from a CUDA graph (gems.rank.graphs.StepGraph), None where the step runs eager
     graph: Any = None
+    #: a graphed rank's step with its sync (its sums, BatchNorm's averages and the sync inside the graph):
+    #: (x, y, ids, step, stop) -> [global loss, stop, input finite, output finite] on the device, not read
+    synced_step: Callable[..., torch.Tensor] | None = None
+    #: whether the step averages the floating buffers over the copies itself (a graphed one), which ones
+    averages_buffers: bool = False
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    #: whether the step runs the optimizer's update itself (train.graph_optimizer), and how it is handed the
+    #: optimizer once made (set_up_rank)
+    optimizer_in_step: bool = False
+    adopt: Callable[[Any], None] = field(default=lambda opt: None)
 
 
 def parallelize(spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig,
@@ -237,13 +248,13 @@ class _Composition:
         graphed, why = graphs.decide(self.cfg, self.settings, self.mesh, self.world.device)
         if why:
             self.notes.append(why)
-        # a replayed backward runs no hooks inside the model: the sums start after it (graphs: module docstring)
-        reducer = _reducer(seq, self.mesh, self.world, self.cfg, overlap=not graphed)
+        # one reducer for every step, graphed or eager: its sums start at its points in the backward (a capture
+        # records them there), so the overlap is what the step runs
+        reducer = _reducer(seq, self.mesh, self.world, self.cfg)
         forward: Callable[[torch.Tensor], torch.Tensor] = seq
         if self.settings.checkpoint:  # pieces each recomputed in its backward (but the last), skips carried
             assert self.pieces is not None
             forward = checkpointed(seq, self.pieces)
-        graph = graphs.GraphedModel(seq, self.amp, self.notes) if graphed else None
         finite: dict[int, torch.Tensor | bool] = {}  # position -> all finite? (a device flag: no synchronisation)
 
         def plain_step(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int) -> torch.Tensor:
@@ -254,13 +265,13 @@ class _Composition:
             progress.mark("forward")
             with batch_context(seed, step, ids):
                 with self.amp():
-                    out = forward(x) if graph is None else graph.forward(x, seed, step, ids)
+                    out = forward(x)
                 finite[1] = all_finite(out)
                 loss = loss_fn(out, y)
                 progress.mark("backward")
                 scaler.scale(loss).backward()
             reducer.finish()
-            return loss.detach()  # read once, at the end of the step (gems.rank.loop.read_step)
+            return loss.detach()  # read once, at the end of the step (gems.rank.loop)
 
         def first_bad() -> int | None:
             return next((pos for pos, ok in sorted(finite.items()) if not bool(ok)), None)
@@ -273,9 +284,106 @@ class _Composition:
                 out = seq(x)
             return self.metric(out, y, ids)
 
-        return Parallel(plain_step, params, [seq], reducer, self.slices, True, True, self.settings.line_batch,
-                        self.halo_stats, first_nonfinite=first_bad, notes=self.notes, quiesce=self.quiesce,
-                        scaler=scaler, evaluate=plain_eval, metric=self.metric, graph=graph)
+        par = Parallel(plain_step, params, [seq], reducer, self.slices, True, True, self.settings.line_batch,
+                       self.halo_stats, first_nonfinite=first_bad, notes=self.notes, quiesce=self.quiesce,
+                       scaler=scaler, evaluate=plain_eval, metric=self.metric)
+        if graphed:
+            _Graphed(self, par, finite)
+        return par
+
+
+
+class _Graphed:
+    """The plain path's step as one function of static tensors, replayed from a CUDA graph (gems.rank.graphs):
+    the forward, the loss, the backward into the graph's own gradients, the sums (at the reducer's points), the
+    BatchNorm averages over the copies, the step's sync and (``train.graph_optimizer``) the update. A batch of
+    another shape, or a model with hooks a replay would skip (a fault injection's), runs the eager step with the
+    same sums, averages and sync, in the same order; :meth:`synced` is the step either way."""
+
+    def __init__(self, c: _Composition, par: Parallel, finite: dict[int, torch.Tensor | bool]) -> None:
+        self.c, self.par, self.finite = c, par, finite
+        reducer, mesh, cfg = par.reducer, c.mesh, c.cfg
+        self.grads = reducer.static_grads()  # the graph's own gradients: they never alias a buffer unsafely
+        self.zeroed = [b.flat for b in reducer.buckets if b.flat is not None] + \
+            [g for _, g in self.grads if g._base is None]
+        self.group = mesh.group("grad")
+        self.buffers = [b for b in c.seq.buffers() if b.is_floating_point()] if self.group is not None else []
+        self.flat = flat_buffers([c.seq], self.buffers)  # one sum in place over the copies
+        self.copies = len(mesh.ranks("grad"))
+        self.in_graph = bool(cfg.train.graph_optimizer) and not c.scaler.enabled  # fp16 decides its skip on the host
+        if bool(cfg.train.graph_optimizer) and c.scaler.enabled:
+            c.notes.append("train.graph_optimizer: fp16's skipped steps are decided on the host: the optimizer stays "
+                           "outside the graph")
+        self.optimizer: Any = None  # made after the composition (set_up_rank hands it over: Parallel.adopt)
+        self.graph = graphs.StepGraph(self.body, c.world.device, c.world.rank, self.touched)
+        self.own_hooks = reducer.hook_ids()
+        par.graph, par.synced_step, par.averages_buffers, par.buffers = self.graph, self.synced, True, self.buffers
+        par.optimizer_in_step = self.in_graph
+        par.adopt = self.adopt
+
+    def adopt(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+
+    def flag(self, ok: torch.Tensor | bool) -> torch.Tensor:
+        """A finiteness flag as float64 (a fill, not a copy from the host: capturable)."""
+        return ok.to(torch.float64).reshape(1) if isinstance(ok, torch.Tensor) else \
+            torch.full((1,), float(ok), dtype=torch.float64, device=self.c.world.device)
+
+    def body(self, s: graphs.Static) -> None:
+        c, reducer = self.c, self.par.reducer
+        reducer.start_step()
+        for p, g in self.grads:  # attached again each step: zero_grad in either form leaves them as they were made
+            p.grad = g
+        torch._foreach_zero_(self.zeroed)
+        ok_in = all_finite(s.x)
+        progress.mark("forward")
+        with batch_context(int(c.cfg.train.seed), 0, range(s.x.shape[0]), keys=s.keys):
+            with c.amp():
+                out = c.seq(s.x)
+            ok_out = all_finite(out)
+            loss = c.loss_fn(out, s.y)
+            progress.mark("backward")
+            c.scaler.scale_on_device(loss).backward()
+        reducer.finish(timed=False)  # (no event may be timed inside a capture)
+        if self.buffers:
+            average_buffers(self.buffers, self.group, self.copies, self.flat)
+        pair = torch.stack([loss.detach().reshape(()).to(torch.float64), s.stop.to(torch.float64)])
+        all_reduce_sum(pair, c.world)  # the step's sync (gems.rank.sync.step_sync's collective)
+        s.figures.copy_(torch.cat([pair, self.flag(ok_in), self.flag(ok_out)]))
+        if self.in_graph:
+            self.optimizer.step()
+
+    def eager(self, x: torch.Tensor, y: torch.Tensor, ids: list[int], step: int, stop: bool) -> torch.Tensor:
+        local = self.par.step(x, y, ids, step)
+        if self.buffers:
+            average_buffers(self.buffers, self.group, self.copies, self.flat)
+        pair = step_sync(local, stop, self.c.world)
+        if self.in_graph:
+            self.optimizer.step()
+        return torch.cat([pair, self.flag(self.finite[0]), self.flag(self.finite[1])])
+
+    def touched(self) -> list[torch.Tensor]:
+        """What a step changes beyond its outputs (the stand-in's capture puts it back)."""
+        out = list(self.c.seq.buffers())
+        if self.in_graph:
+            out += [p.detach() for p in self.par.params]
+            out += [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        return out
+
+    def synced(self, x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int,
+               stop: bool) -> torch.Tensor:
+        """The step with its sync: [global loss, stop, input finite, output finite] on the device."""
+        assert x is not None and y is not None
+        graph = self.graph
+        if graph.ran == 0 and not graph.refused:
+            foreign = graphs.hooked([self.c.seq], self.own_hooks)
+            if foreign:  # a replay runs no hook: the model's own (a fault injection) must run, eager
+                graph.refused = True
+                self.c.notes.append(f"train.cuda_graphs: the step runs eager: hooks on the model ({foreign}; a "
+                                    "replay would skip them)")
+        if graph.refused or not graph.fits(x, y):
+            return self.eager(x, y, ids, step, stop)
+        return graph.run(x, y, int(self.c.cfg.train.seed), step, ids, stop)
 
 
 def _pipeline_sample(spec: ModelSpec, ctx: Any, slices: tuple[slice, ...] | None) -> tuple[int, ...] | None:
@@ -295,7 +403,7 @@ def _pipeline_sample(spec: ModelSpec, ctx: Any, slices: tuple[slice, ...] | None
 def _reducer(model: nn.Sequential | dict[int, nn.Sequential], mesh: Mesh, world: World, cfg: DictConfig,
              overlap: bool = True) -> GradientReducer:
     """The gradient sum of ``model`` (the rank's layers, or its partitions by index) over the ``grad`` group;
-    ``overlap=False``: every sum starts after the backward (a graphed model's)."""
+    ``overlap=False``: every sum starts after the backward."""
     bucket = float(cfg.comm.bucket_mb)
     if world.grad_comm == "mpi":
         group: Any = mpi_group(world.mpi_comm, mesh, world.rank) if len(mesh.ranks("grad")) > 1 else None
@@ -313,6 +421,8 @@ def set_up_rank(cfg: DictConfig, world: World, mesh: Mesh, settings: ParallelSet
     torch.manual_seed(int(cfg.train.seed))
     spec = build_model(section(cfg, "model"))  # same seed everywhere: every copy starts from the same weights
     par = parallelize(spec, mesh, world, cfg, settings)
-    return coord, spec, par, make_optimizer(cfg, par.params)
+    opt = make_optimizer(cfg, par.params)
+    par.adopt(opt)
+    return coord, spec, par, opt
 
 

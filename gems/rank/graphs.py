@@ -1,65 +1,113 @@
-"""CUDA graphs on GPU ranks (``train.cuda_graphs``): the plain path's forward and backward replayed from graphs.
+"""CUDA graphs on GPU ranks (``train.cuda_graphs``): the plain path's step replayed from one graph.
 
 A small step on a GPU is launches: CosmoFlow's MLPerf model at one sample is about 130 kernels forward and
-backward, each paid 10-25 µs of Python, dispatcher and driver time (gems plan's 25 µs an op). A CUDA graph replays
-them as one launch. gems graphs the model with ``torch.cuda.make_graphed_callables``, not a capture of the whole
-step: the model's forward and its backward become two graphs inside one autograd function, and everything around
-them stays as it is, eager and one order on every rank by construction: the loss (a few ops), fp16's scaling and
-its skipped steps, the gradient sums (gems.replication: every bucket started after the backward, in bucket order;
-their overlap with the backward needs hooks inside the model, which a replay does not run), the optimizer, the
-watchdog's marks and the step's timing. torch.compile's ``reduce-overhead`` was the other candidate: it would
-compile the model's kernels anew (other kernels than eager's, so not bit-equal to the eager step) and needs a
-compile per shape; a graph of the eager kernels keeps the step exact.
+backward, each paid 10-25 µs of Python, dispatcher and driver time (gems plan's 25 µs an op). gems captures the
+step's work on the device as one CUDA graph and replays it: the forward with its finiteness checks, the loss, the
+backward into static gradients, the gradient sums over the ``grad`` group (NCCL's collectives captured where the
+reducer launches them: at its points during the backward, so the overlap is the eager step's), the average of the
+BatchNorm statistics over the copies, and the step's sync (the global loss and the stop flag, all-reduced); with
+``train.graph_optimizer`` the optimizer's update too (a whole-step graph, as NVIDIA's MLPerf CosmoFlow captures).
+Around the replay stay the copies of the step's input, target and host values (the stop flag, dropout's keys:
+one copy of one small tensor) into the graph's static tensors, the optimizer (one fused kernel) where it is not
+captured, and one asynchronous copy of the step's figures to the host, read a step late by the loop
+(gems.rank.loop: the host's work for the next step overlaps this one on the device). torch.compile's
+``reduce-overhead`` was the other candidate: it would compile the model's kernels anew (other kernels than eager's,
+so not bit-equal to the eager step) and needs a compile per shape; a graph of the eager kernels keeps the step
+exact.
 
-What a replay must see, and how it is kept:
+How a graphed rank runs its steps (:class:`StepGraph`):
 
-* **inputs** go through the graph's one static input, copied on the step's stream from the batch the reader's
-  side stream made (one device copy a step; the reader's batches stay its own, ``data.prefetch`` deep);
-* **dropout** (gems.layers.SampleDropout): its masks are functions of (seed, step, sample), which a replay cannot
-  draw; each dropout layer reads a static mask, drawn before every replay with the eager layer's generators;
-* **state the capture touches**: make_graphed_callables runs the model a few times before it captures (warm-up),
-  which moves BatchNorm's running statistics; every buffer and the device's generator are put back afterwards,
-  so the first graphed step starts from the state the eager step would;
-* **shapes**: one graph a batch shape; a step whose input has another shape runs eager.
+* the step is one function of static tensors (the body, built by gems.rank.compose): it reads the static input,
+  target and host values, writes the static figures, zeroes and fills the static gradients. Run eagerly it is the
+  step; captured, its replay is;
+* its first :data:`EAGER_STEPS` step(s) run the body eagerly on the capture's stream: the warm-up torch asks for
+  before a capture (cuBLAS and cuDNN initialised, NCCL's communicators made, the optimizer's state created), and
+  real steps, so nothing is put back afterwards. The next step captures the body (nothing runs) and replays it;
+* **gradients** are static tensors the graph owns (:meth:`gems.replication.GradientReducer.static_grads`: the
+  small ones views of their bucket's flattened buffer, which the sum reads in place, so no copy in or out). The
+  body zeroes them and attaches them to the parameters before its backward, and each step's backward writes its
+  own: ``zero_grad`` in either form, and anything left in ``.grad``, cannot double a gradient;
+* **dropout** (gems.layers.SampleDropout) hashes (seed, step, sample) on the device: the keys are host values
+  copied in with the stop flag, and the masks are drawn inside the graph;
+* **shapes**: one graph a batch shape; a step whose batch has another shape runs the eager step (with the same
+  sums and sync as the body, in the same order on every rank).
 
 Where a graph is not taken, the run says why in its notes and runs eager: CPU ranks (no CUDA graphs), a pipeline
 (its stages exchange messages between their pieces), spatial parts (halos inside the layers), recomputation
-(``parallel.checkpoint``: the forward runs again inside the backward), hooks on the model (a fault injection's:
-a replay would skip them), or a capture that failed (its error is in the note). The reader ahead pauses while the
-model is captured (:data:`CUDA_WORK`). What CPU tests check (tests/test_graphs.py): the decision, and the
-whole protocol around the capture, with a stand-in for make_graphed_callables that runs the same warm-up and
-returns the eager module (``GEMS_CPU_GRAPH_STAND_IN=1``): a graphed run equals the eager one bit for bit, dropout,
-BatchNorm and R = 2 included. What only a GPU shows: the capture itself, the replay's speed, and its results equal
-to eager's (scripts/gpu_check.sh runs the same comparison).
+(``parallel.checkpoint``: the forward runs again inside the backward), MPI's sums (run by the host), hooks on the
+model (a fault injection's: a replay would skip them).
+
+**A capture that fails stops the run** (exit 1, the record naming the rank and the cause, and
+``train.cuda_graphs=false`` as the way on). It does not fall back to eager: torch's ``capture_end`` raises before
+it hands the private pool back to the caching allocator, which then believes a capture is under way for the rest
+of the process (freed blocks that a side stream used are never reused: the reader's batches leak, then the device
+runs out of memory), and only private, version-bound calls undo that; and under R > 1 a rank that went eager while
+the others replay would issue its sums at other points than theirs. An eager run is half as fast on a small step;
+a user rather reads why and chooses. The message names the first error of the capture (the illegal call inside
+it), not ``capture_end``'s generic one that follows it.
+
+**Other threads during the capture.** The capture runs in CUDA's thread-local mode: a call of another thread is
+not checked against it. Of the rank's threads, only the reader ahead issues CUDA work (it pins, copies and draws on
+its side stream): it pauses while the body is captured (:data:`CUDA_WORK`), as in the eager warm-up before it.
+NCCL's watchdog queries the events of collectives issued outside captures (torch does not hand it those issued
+inside one), which global mode would count as an illegal call of the capture; gems's own watchdog and heartbeat
+threads make no CUDA call. A rank forked from gems's fork server (gems.launch.forkserver) carries none of the
+server's threads (a fork copies the calling thread only) and no CUDA context (the server never makes one). Python's
+garbage collector is off during the capture (a collected CUDA event or graph would be destroyed inside it).
+
+What CPU tests check (tests/test_graphs.py), with a stand-in for the capture (``GEMS_CPU_GRAPH_STAND_IN=1``): its
+capture runs the body once under a check that refuses what a capture cannot hold (a read of a device value on the
+host), puts back what that run changed, and each replay runs the body again, so the whole protocol runs and a
+graphed run equals the eager one bit for bit (dropout, BatchNorm, R = 2, fp16's skipped steps); the device ops
+launched outside the replay, counted in every run's record (:class:`DeviceOps`); a capture failing at its end
+(``GEMS_CPU_GRAPH_STAND_IN=fail_at_end``) and inside (a host read), and the capture's order of calls on a mock of
+torch.cuda. What only a GPU shows: the capture itself, the replay's speed, and its results equal to eager's
+(scripts/gpu_check.sh runs the same comparison).
 """
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import threading
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
-from gems.layers import SampleDropout, batch_context
+from gems.errors import RunError
+from gems.layers import sample_keys
 
-#: on a CPU rank, graph with a stand-in for make_graphed_callables (its warm-up, no graph): the protocol's test hook
+#: on a CPU rank, graph with a stand-in for the capture (the body run, checked and undone; each replay runs it
+#: again): ``1``; ``fail_at_end``: the stand-in's capture fails at its end, as CUDA's does when something during it
+#: invalidated the capture (the failure's test)
 STAND_IN_ENV = "GEMS_CPU_GRAPH_STAND_IN"
-WARMUP_ITERS = 3
+#: steps of the body run eagerly, on the capture's stream, before the capture: torch's warm-up (libraries
+#: initialised, NCCL's communicators made, the optimizer's state created); real steps, so nothing is put back
+EAGER_STEPS = 1
 #: held by a thread that issues CUDA work beside the step (the reader ahead: gems.rank.data.Prefetcher, which pins,
-#: allocates, copies and draws on its side stream) and by a capture: torch captures in CUDA's global mode, where
-#: another thread's allocation or event query while a stream captures fails the capture (or that thread's call)
+#: allocates, copies and draws on its side stream) and by a capture: a capture must not see another thread's work
 CUDA_WORK = threading.RLock()
+#: what the record says of a graphed run (gems.rank.loop)
+GRAPHED_NOTE = ("train.cuda_graphs: the step (forward, loss, backward, gradient sums, BatchNorm's averages and the "
+                "step's sync) was replayed from a CUDA graph after {eager} eager step(s) and the capture; around it "
+                "ran the copies of the batch and of the host values in, {optimizer}and one copy of the step's "
+                "figures out, read a step late")
+
+
+class CaptureFailed(RunError):
+    """A capture of the step failed: the run stops (module docstring: why not eager)."""
 
 
 def decide(cfg: Any, settings: Any, mesh: Any, device: torch.device) -> tuple[bool, str | None]:
-    """(whether this rank's step replays graphs, a note saying why not where it would have). ``train.cuda_graphs``:
-    auto (GPU ranks on the plain path: no pipeline, no spatial parts, no recomputation) or false."""
+    """(whether this rank's step replays a graph, a note saying why not where it would have). ``train.cuda_graphs``:
+    auto (GPU ranks on the plain path: no pipeline, no spatial parts, no recomputation, sums not over MPI) or
+    false."""
     if not bool(cfg.train.cuda_graphs):
         return False, None
-    stand_in = device.type == "cpu" and os.environ.get(STAND_IN_ENV) == "1"
-    if device.type != "cuda" and not stand_in:
+    if device.type != "cuda" and not (device.type == "cpu" and stand_in() is not None):
         return False, None  # CPU ranks have no CUDA graphs (gems plan and the docs say so; nothing to note a run)
     why = None
     if settings.pipelined:
@@ -68,155 +116,298 @@ def decide(cfg: Any, settings: Any, mesh: Any, device: torch.device) -> tuple[bo
         why = "spatial parts exchange halos inside their layers"
     elif bool(cfg.parallel.checkpoint):
         why = "recomputation (parallel.checkpoint) runs the forward again inside the backward"
+    elif str(getattr(getattr(cfg, "comm", None), "backend", "")) == "mpi":
+        why = "MPI's gradient sums (comm.backend=mpi) run from the host"
     return (True, None) if why is None else (False, f"train.cuda_graphs: the step runs eager: {why}")
 
 
-def stand_in_graphed(module: nn.Module, sample_args: tuple[torch.Tensor, ...],
-                     num_warmup_iters: int = WARMUP_ITERS) -> nn.Module:
-    """make_graphed_callables on a CPU, for the protocol's tests: the same checks (no hooks on the module, no buffer
-    that requires a gradient, every parameter used), the same warm-up (forwards and ``torch.autograd.grad`` over
-    the parameters, which moves BatchNorm's statistics as the real one does), and the eager module back."""
-    if module._backward_hooks or module._forward_hooks or module._forward_pre_hooks:
-        raise AssertionError("Modules must not have hooks registered at the time they are passed.")
-    if any(b.requires_grad for b in module.buffers()):
-        raise AssertionError("only parameters may be trainable. All buffers must have requires_grad=False.")
-    params = [p for p in module.parameters() if p.requires_grad]
-    for _ in range(num_warmup_iters):
-        out = module(*sample_args)
-        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if o.requires_grad]
-        torch.autograd.grad(outs, params, [torch.ones_like(o) for o in outs], allow_unused=False)
-    return module
+def stand_in() -> str | None:
+    """The stand-in's mode on a CPU rank (``GEMS_CPU_GRAPH_STAND_IN``): None (off), ``1`` or ``fail_at_end``."""
+    mode = os.environ.get(STAND_IN_ENV)
+    return mode if mode in ("1", "fail_at_end") else None
 
 
-class GraphedModel:
-    """The plain path's model replayed from CUDA graphs (module docstring); :meth:`forward` in place of the
-    model's call in the step."""
+# ---------------------------------------------------------------------------- the static tensors
+@dataclass
+class Static:
+    """What the body reads and writes; the same tensors at every step."""
 
-    def __init__(self, seq: nn.Sequential, amp: Callable[..., Any], notes: list[str],
-                 make: Callable[..., nn.Module] | None = None) -> None:
-        self.seq, self.amp, self.notes = seq, amp, notes
-        self.make = make or _make_graphed
-        self.shape: tuple[int, ...] | None = None  # the batch shape the graph was captured at
-        self.failed = False
-        self.dropouts = [m for m in seq.modules() if isinstance(m, SampleDropout) and m.p > 0]
+    x: torch.Tensor
+    y: torch.Tensor
+    #: host values of the step, int64: the stop flag, then each sample's two dropout keys (gems.layers.sample_keys)
+    scalars: torch.Tensor
+    #: the step's figures, float64: the global loss and the stop flag (summed over the ranks), then whether this
+    #: rank's input and output were finite (1.0 or 0.0)
+    figures: torch.Tensor
 
     @property
-    def replayed(self) -> bool:
-        """Whether the steps replay a captured graph (one was captured, and none failed)."""
-        return self.shape is not None and not self.failed
+    def keys(self) -> torch.Tensor:
+        return self.scalars[1:].view(-1, 2)
 
-    def forward(self, x: torch.Tensor, seed: int, step: int, ids: Sequence[int]) -> torch.Tensor:
-        """The model's output for ``x`` (inside the step's batch_context and autocast, as the eager call)."""
-        if self.failed or (self.shape is not None and tuple(x.shape) != self.shape):
-            return self._eager(x)
-        if self.shape is None and not self._capture(x, seed, step, ids):
-            return self._eager(x)
-        for d in self.dropouts:
-            d.fill(seed, step, ids)
-        return self.seq(x)
-
-    def _eager(self, x: torch.Tensor) -> torch.Tensor:
-        saved = [d.static_mask for d in self.dropouts]
-        for d in self.dropouts:  # the eager layers draw their own masks
-            d.static_mask = None
-        try:
-            # where the capture replaced the module's forward, its own (the graph is not this shape's); elsewhere
-            # the module's call, hooks included (a fault injection's)
-            return _original_forward(self.seq)(x) if "forward" in vars(self.seq) else self.seq(x)
-        finally:
-            for d, m in zip(self.dropouts, saved):
-                d.static_mask = m
-
-    def _capture(self, x: torch.Tensor, seed: int, step: int, ids: Sequence[int]) -> bool:
-        """Graph the model at ``x``'s shape, leaving its state as it was; False (and a note) where it fails."""
-        hooked = [m for m in self.seq.modules() if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks]
-        if hooked:  # a replay runs no hook: the model's own (a fault injection) must run, eager
-            self.failed = True
-            self.notes.append(f"train.cuda_graphs: the step runs eager: hooks on the model ({type(hooked[0]).__name__}"
-                              "; a replay would skip them)")
-            return False
-        state = _snapshot(self.seq, x.device)
-        try:
-            with CUDA_WORK, _cache_off(self.amp):
-                self._masks(x, seed, step, ids)
-                static = x.detach().clone()
-                self.make(self.seq, (static,), num_warmup_iters=WARMUP_ITERS)
-            self.shape = tuple(x.shape)
-            return True
-        except Exception as e:  # noqa: BLE001 - the run goes on eager, and says why
-            self.failed = True
-            for d in self.dropouts:
-                d.static_mask = None
-            self.notes.append(f"train.cuda_graphs: the model could not be captured ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:200]}); the step runs eager")
-            return False
-        finally:
-            _restore(self.seq, state)
-            if x.device.type == "cuda":  # the warm-up's blocks, cached for its side stream, back to the device
-                torch.cuda.empty_cache()
-
-    def _masks(self, x: torch.Tensor, seed: int, step: int, ids: Sequence[int]) -> None:
-        """A static mask for each dropout layer, shaped as its input at ``x`` (one forward without gradients)."""
-        if not self.dropouts:
-            return
-        shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
-        hooks = [d.register_forward_pre_hook(lambda m, a: shapes.__setitem__(id(m), (tuple(a[0].shape),
-                                                                                     a[0].dtype)))
-                 for d in self.dropouts]
-        try:
-            with torch.no_grad(), batch_context(seed, step, ids):
-                self.seq(x)
-        finally:
-            for h in hooks:
-                h.remove()
-        for d in self.dropouts:
-            shape, dtype = shapes[id(d)]
-            d.static_mask = torch.empty(shape, dtype=dtype, device=x.device)
-            d.fill(seed, step, ids)
+    @property
+    def stop(self) -> torch.Tensor:
+        return self.scalars[0]
 
 
-def _make_graphed(module: nn.Module, sample_args: tuple[torch.Tensor, ...], num_warmup_iters: int) -> nn.Module:
-    if next(module.parameters()).device.type == "cpu":
-        return stand_in_graphed(module, sample_args, num_warmup_iters)
-    graphed = torch.cuda.make_graphed_callables(module, sample_args, num_warmup_iters=num_warmup_iters)
-    assert isinstance(graphed, nn.Module)  # a module comes back with its forward replaced
-    return graphed
+class _HostRing:
+    """Host buffers the step's host values go through (pinned on a GPU rank), written through numpy (no device op)
+    and copied in with one non-blocking copy. Two, used in turn: the copy from one is done by the time the step two
+    later writes it again, since the loop reads every step's figures (after its copies) within one step."""
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.buffers = [torch.zeros(n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.turn = 0
+
+    def fill(self, values: Sequence[int]) -> torch.Tensor:
+        buf = self.buffers[self.turn]
+        self.turn ^= 1
+        buf.numpy()[:] = values
+        return buf
 
 
-def _original_forward(seq: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The module's own forward (make_graphed_callables replaces ``seq.forward`` with one that replays)."""
-    return lambda x: type(seq).forward(seq, x)
+# ---------------------------------------------------------------------------- counting the step's device ops
+_REPLAYING = threading.local()
+#: ops that launch nothing on the device: allocator and autograd bookkeeping
+_NO_KERNEL = {"detach", "lift_fresh", "alias", "record_stream", "empty", "empty_like", "empty_strided",
+              "new_empty", "new_empty_strided", "_has_compatible_shallow_copy_type", "set_"}
 
 
 @contextlib.contextmanager
-def _cache_off(amp: Callable[..., Any]) -> Any:
-    """The step's autocast with its cache off (make_graphed_callables refuses autocast's weight cache)."""
-    with amp():
-        if torch.is_autocast_enabled():
-            device = "cuda" if torch.is_autocast_enabled("cuda") else "cpu"
-            dtype = torch.get_autocast_dtype(device)
-            with torch.autocast(device, dtype=dtype, cache_enabled=False):
-                yield
+def replaying() -> Iterator[None]:
+    """Around a replay: what runs inside is the graph's (the stand-in runs the body there), not counted."""
+    before = getattr(_REPLAYING, "on", False)
+    _REPLAYING.on = True
+    try:
+        yield
+    finally:
+        _REPLAYING.on = before
+
+
+class DeviceOps(TorchDispatchMode):
+    """Counts the ops a step dispatches that launch work on the rank's device, outside a replay: an op with a tensor
+    of the device among its arguments or results, views, allocations and bookkeeping left out (they launch no
+    kernel). On a GPU rank these are the step's launches around the graph; the stand-in's replay is not counted."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device_type = device.type
+        self.count = 0
+        self.names: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if getattr(_REPLAYING, "on", False):
+            return out
+        name = func.overloadpacket.__name__
+        if name in _NO_KERNEL or getattr(func, "is_view", False):
+            return out
+        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        if any(t.device.type == self.device_type for t in tensors):
+            self.count += 1
+            self.names[name] = self.names.get(name, 0) + 1
+        return out
+
+
+class _NoHostReads(TorchDispatchMode):
+    """The stand-in's capture: refuses what a CUDA capture cannot hold, a device value read on the host."""
+
+    READS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "unique_dim", "_unique2"}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = func.overloadpacket.__name__
+        if name in self.READS:
+            raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing ({name} reads a device "
+                               "value on the host; stand-in capture)")
+        return func(*args, **(kwargs or {}))
+
+
+# ---------------------------------------------------------------------------- captures
+class _CudaCapture:
+    """The body captured on a side stream of the rank's GPU and replayed on the current stream (module docstring).
+    ``api`` is ``torch.cuda`` (a test passes a mock of it)."""
+
+    def __init__(self, device: torch.device, api: Any = None) -> None:
+        self.api = api if api is not None else torch.cuda
+        self.device = device
+        self.stream = self.api.Stream(device=device)
+        self.graph: Any = None
+
+    def eager(self, body: Callable[[], None]) -> None:
+        """The body as a step, on the capture's stream (torch's warm-up place), ordered with the current stream."""
+        current = self.api.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with CUDA_WORK, self.api.stream(self.stream):
+            body()
+        current.wait_stream(self.stream)
+
+    def capture(self, body: Callable[[], None]) -> None:
+        """Capture the body (nothing runs). The stream's capture always ends, and the current stream is always
+        restored, whatever failed; nothing else is called after a failure (no ``empty_cache``: the allocator is
+        mid-capture then, and asserts)."""
+        current = self.api.current_stream(self.device)
+        self.stream.wait_stream(current)
+        self.api.synchronize(self.device)  # nothing of the eager steps still queued while the capture begins
+        graph = self.api.CUDAGraph()
+        collecting = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            with CUDA_WORK, self.api.stream(self.stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    body()
+                finally:
+                    graph.capture_end()  # ends the stream's capture, after a failure inside it too
+        finally:
+            if collecting:
+                gc.enable()
+        current.wait_stream(self.stream)
+        self.graph = graph
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class _StandInCapture:
+    """The capture on a CPU rank: its capture runs the body once under :class:`_NoHostReads` and puts back every
+    tensor that run changed (a capture runs nothing); each replay runs the body again (not counted as the step's
+    own ops: :func:`replaying`). ``fail_at_end``: the capture fails at its end as CUDA's would after something
+    invalidated it."""
+
+    def __init__(self, touched: Callable[[], list[torch.Tensor]], fail_at_end: bool = False) -> None:
+        self.touched, self.fail_at_end = touched, fail_at_end
+        self.body: Callable[[], None] | None = None
+
+    def eager(self, body: Callable[[], None]) -> None:
+        body()
+
+    def capture(self, body: Callable[[], None]) -> None:
+        saved = [(t, t.detach().clone()) for t in self.touched()]
+        failed = False
+        try:
+            with _NoHostReads():
+                body()
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            with torch.no_grad():
+                for t, v in saved:
+                    t.copy_(v)
+            if failed or self.fail_at_end:  # as cudaStreamEndCapture answers an invalidated capture
+                raise RuntimeError("CUDA error: operation failed due to a previous error during capture"
+                                   + (" (stand-in: injected at the capture's end)" if self.fail_at_end else ""))
+        self.body = body
+
+    def replay(self) -> None:
+        assert self.body is not None
+        with replaying():
+            self.body()
+
+
+def cause(e: BaseException) -> str:
+    """The first error of a failed capture, and what followed it: CUDA's ``capture_end`` answers any failure with
+    a generic error, raised while the first one (the illegal call) is handled, so the first is the chain's root."""
+    chain = [e]
+    while chain[-1].__context__ is not None and len(chain) < 8:
+        chain.append(chain[-1].__context__)
+    root = chain[-1]
+
+    def line(x: BaseException) -> str:
+        text = str(x).strip().splitlines()
+        return f"{type(x).__name__}: {text[0][:300] if text else ''}"
+
+    if root is e:
+        return (f"{line(e)} (no error came before it: something outside the step's own calls invalidated the "
+                "capture; the reader and CUDA's global mode were kept out of its way)")
+    return f"{line(root)} (then {line(e)})"
+
+
+# ---------------------------------------------------------------------------- the graphed step
+class StepGraph:
+    """A graphed rank's step (module docstring): :meth:`run` copies the step's batch and host values into the static
+    tensors and runs the body: eagerly for the first :data:`EAGER_STEPS` step(s), then captured once and replayed.
+    ``body(static)`` is the step; ``touched()`` lists what it changes beyond its static outputs (the stand-in's
+    capture puts them back); ``capture`` makes the capture (default: CUDA's on a GPU, the stand-in on a CPU)."""
+
+    def __init__(self, body: Callable[[Static], None], device: torch.device, rank: int,
+                 touched: Callable[[], list[torch.Tensor]] = lambda: [], capture: Any = None,
+                 eager_steps: int = EAGER_STEPS) -> None:
+        self.body, self.device, self.rank, self.touched = body, device, rank, touched
+        self.eager_steps = int(eager_steps)
+        self._capture = capture
+        self.static: Static | None = None
+        self.host: _HostRing | None = None
+        self.ran = 0  # steps of the body (eager, then replays)
+        self.captured = False
+        self.replays = 0
+        self.refused = False  # the steps run eager (hooks on the model a replay would skip: the caller decides)
+
+    @property
+    def replayed(self) -> bool:
+        """Whether the steps replayed a captured graph."""
+        return self.replays > 0
+
+    @property
+    def shape(self) -> tuple[int, ...] | None:
+        return tuple(self.static.x.shape) if self.static is not None else None
+
+    def fits(self, x: torch.Tensor, y: torch.Tensor) -> bool:
+        """Whether the body takes this batch (the first one sets the shapes: one graph a shape)."""
+        s = self.static
+        return s is None or (s.x.shape == x.shape and s.x.dtype == x.dtype and s.y.shape == y.shape
+                             and s.y.dtype == y.dtype)
+
+    def run(self, x: torch.Tensor, y: torch.Tensor, seed: int, step: int, ids: Sequence[int],
+            stop: bool) -> torch.Tensor:
+        """The step's figures (:attr:`Static.figures`, on the device; not read): the batch and host values copied
+        in, then the body run, captured or replayed."""
+        if self.static is None:
+            self.static = Static(torch.empty_like(x), torch.empty_like(y),
+                                 torch.zeros(1 + 2 * len(ids), dtype=torch.int64, device=self.device),
+                                 torch.zeros(4, dtype=torch.float64, device=self.device))
+            self.host = _HostRing(1 + 2 * len(ids), self.device)
+        s, host = self.static, self.host
+        assert host is not None
+        s.x.copy_(x)
+        s.y.copy_(y)
+        values = [1 if stop else 0] + [k for pair in sample_keys(seed, step, ids) for k in pair]
+        s.scalars.copy_(host.fill(values), non_blocking=True)
+        cap = self._capturer()
+        if self.ran < self.eager_steps:
+            cap.eager(lambda: self.body(s))
         else:
-            yield
+            if not self.captured:
+                try:
+                    cap.capture(lambda: self.body(s))
+                except Exception as e:
+                    raise CaptureFailed(
+                        f"train.cuda_graphs: capturing the step failed on rank {self.rank} at step {step}: {cause(e)}. "
+                        "The run stops: a failed capture leaves CUDA's caching allocator mid-capture. "
+                        "train.cuda_graphs=false trains eager") from e
+                self.captured = True
+            cap.replay()
+            self.replays += 1
+        self.ran += 1
+        return s.figures
+
+    def _capturer(self) -> Any:
+        if self._capture is None:
+            mode = stand_in()
+            self._capture = (_CudaCapture(self.device) if self.device.type == "cuda" else
+                             _StandInCapture(self.touched, fail_at_end=mode == "fail_at_end"))
+        return self._capture
 
 
-def _snapshot(seq: nn.Module, device: torch.device) -> dict[str, Any]:
-    """Every buffer of ``seq`` and the generators' states (the host's, the rank's GPU's), before the capture's
-    warm-up."""
-    out: dict[str, Any] = {"buffers": [(b, b.detach().clone()) for b in seq.buffers()],
-                           "cpu_rng": torch.get_rng_state(), "device": device}
-    if device.type == "cuda":
-        out["cuda_rng"] = torch.cuda.get_rng_state(device)
-    return out
-
-
-def _restore(seq: nn.Module, state: dict[str, Any]) -> None:
-    if "cuda_rng" in state:
-        torch.cuda.synchronize(state["device"])  # the warm-up ran on a side stream
-    with torch.no_grad():
-        for b, saved in state["buffers"]:
-            b.copy_(saved)
-    torch.set_rng_state(state["cpu_rng"])
-    if "cuda_rng" in state:
-        torch.cuda.set_rng_state(state["cuda_rng"], state["device"])
+def hooked(modules: Sequence[torch.nn.Module], own: set[int] = frozenset()) -> str | None:  # type: ignore[assignment]
+    """The first module under ``modules`` with hooks a replay would not run (a fault injection's), by type name;
+    ``own``: the ids of hooks the step itself placed (the gradient sum's points and taps, whose work the capture
+    records where they place it)."""
+    for root in modules:
+        for m in root.modules():
+            for hooks in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks):
+                if any(k not in own for k in hooks):
+                    return type(m).__name__
+    return None

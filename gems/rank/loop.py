@@ -13,6 +13,7 @@ import socket
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -54,6 +55,8 @@ from gems.rank.data import (
     unstage,
 )
 from gems.rank.optim import LearningRate, WeightAverage
+from gems.rank.sync import Posted, Readout, step_sync
+from gems.replication import average_buffers
 from gems.results import record as rec
 from gems.results.mlperf import MLPerfLog
 
@@ -83,9 +86,23 @@ def start_watchdog(cfg: DictConfig, world: World, on_stall: Callable[[str, dict[
 
 
 BREAKDOWN = ("compute", "pipeline_comm", "halo", "allreduce", "bubble_or_wait", "data")
-#: a graphed run's note (gems.rank.graphs)
-GRAPHED_NOTE = ("train.cuda_graphs: the model's forward and backward were replayed from CUDA graphs from the first "
-                "step on; the loss, the gradient sums (after the backward) and the optimizer ran eager around them")
+
+
+@dataclass
+class _Done:
+    """A step whose work is queued, its figures still to be read (:meth:`Run.finish`): a graphed run's step is read
+    during the next one (gems.rank.sync)."""
+
+    step: int
+    begun: float  # the step's start on the host (the stall allowance)
+    t0: float  # after any preemption at its start: its timed span starts here
+    t_data: float
+    measured: bool
+    posted: Posted
+    start: Any = None  # a GPU rank's event at t0, when its time is read late (the device's span, not the host's)
+    host_s: float = 0.0  # the host's time from t0 to the step's end (a CPU rank's step is done when queued)
+    terms: dict[str, float] | None = None  # the step's timed terms, taken when it was queued (read late)
+    deferred: bool = False
 
 
 def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str, Any]:
@@ -141,6 +158,10 @@ class Run:
         self.measure_from = max(self.warm, min(2, self.steps - 1)) if world.device.type == "cpu" else self.warm
         if self.par.first_step_connects:  # the pipeline's first exchanges: no timed step makes one
             self.measure_from = max(self.measure_from, min(1, self.steps - 1))
+        self.profiled_to = self.measure_from  # (the steps before it were profiled for tensor memory, on CPU ranks)
+        self.readout = Readout(world.device)  # the steps' figures, copied to the host (gems.rank.sync)
+        self.pending: _Done | None = None  # a step queued whose figures are read during the next one
+        self.stopping = False  # a step read late asked to stop: the one queued since is read at once, then saved
         self.lr = LearningRate(t, self.sampler.steps_per_epoch if t.epochs is not None else 1, self.steps)
         self.val = make_data(cfg, spec, self.par.input_slices, validation=True, device=gpu, staged=self.staged)
         if t.eval_average_crops and self.val is not None:  # each file's crops averaged too (prepare checks hdf5)
@@ -152,9 +173,16 @@ class Run:
         par = self.par
         self.buffers = [b for m in par.modules for b in m.buffers() if b.is_floating_point()] \
             if mesh.group("grad") else []
+        if par.averages_buffers:  # the graphed step averages them itself (as the views of one tensor)
+            self.buffers = par.buffers
         self.hold = ckpt.Holding(par.names, par.params, self.opt)  # what checkpoints save and load, by whole names
         self.saver = ckpt.Saver(cfg, world, mesh, bool(t.checkpoint_async))
         self.resume()
+        if par.graph is not None:  # the graph's eager step(s) and its capture: left out of the timings too
+            self.graphed_from = min(self.start + par.graph.eager_steps + 1, self.steps - 1)
+            self.measure_from = max(self.measure_from, self.graphed_from)
+            if self.wd is not None:
+                self.wd.warm_until = max(self.wd.warm_until, self.measure_from)
         self.saver.restarts = self.restarts  # (a fault injected in a save acts in the job's first attempt only)
         self.ema = WeightAverage(float(t.ema), par.params, self.history) if t.ema else None  # saved with the history
         self.hold.average = self.ema.average if self.ema is not None else None
@@ -218,8 +246,10 @@ class Run:
         self.mlperf.run_start()
         try:
             for step in range(self.start, self.steps):
-                if self.one_step(step):
-                    break  # the target reached: every rank evaluated the same figures
+                with self.counting(step):
+                    if self.one_step(step):
+                        break  # the target reached: every rank evaluated the same figures
+            self.drain()
             self.mlperf.run_stop(reached=bool(self.history.get("target")))
         except BaseException:
             if self.staged is not None:  # a failure: the node's copies go with it (the others stop too)
@@ -237,6 +267,19 @@ class Run:
             record["model_file"] = str(model_file)
         unstage(self.staged, self.world, self.barrier)
         return record
+
+    @contextlib.contextmanager
+    def counting(self, step: int) -> Any:
+        """Around step ``step``: the first measured step's device ops are counted (gems.rank.graphs.DeviceOps: what
+        it launches outside a replay), for the record."""
+        if step != min(self.measure_from, self.steps - 1):
+            yield
+            return
+        from gems.rank.graphs import DeviceOps
+
+        with DeviceOps(self.world.device) as ops:
+            yield
+        self.history["device_ops"] = {"step": step, "per_step": ops.count, "ops": dict(sorted(ops.names.items()))}
 
     def export(self) -> Path | None:
         """The trained model in one file beside the record (rank 0 writes it; every rank takes part): the averaged
@@ -278,7 +321,9 @@ class Run:
                           raw=self.finisher() is not None)
 
     def one_step(self, step: int) -> bool:
-        """The step; True when an evaluation after it reached the run's target."""
+        """The step; True when an evaluation after it reached the run's target. A graphed run reads a step's
+        figures during the next step, once that one's work is queued (gems.rank.sync); at once where they are
+        needed (:meth:`read_now`)."""
         cfg, world, par, h = self.cfg, self.world, self.par, self.history
         progress.mark("data", step)
         begun = time.perf_counter()  # the whole step's wall time, for the stall allowance
@@ -287,39 +332,84 @@ class Run:
             self.mlperf.epoch(start=True, epoch=step // spe)
         inject.before_step(self.fault, world.rank, step, self.restarts)
         if self.fault.preempt_at_step == step and self.restarts == 0:
+            self.drain()
             self.settle_history()
             _preempt(world, step, self.saver, self.hold, h, self.wd, "fault injection: preempting the job",
                      self.staged)
-        t0 = time.perf_counter()  # the last step ended with its read of the loss: the GPU's queue has drained
+        t0 = time.perf_counter()
+        late = par.graph is not None  # a graphed run's figures are read late: the device's span is timed by events
+        start = _event() if late and world.device.type == "cuda" else None
         (ids, x, y), t_data = self.prefetch.get(step)  # t_data: what the step waited for (the exposed data time)
         x = inject.poison(self.fault, world.rank, step, x)
         h["lrs"].append(self.lr.apply(self.opt, step))
         timers.reset()
         profiling = bool(cfg.train.profile) and step == self.measure_from and self.steps - self.measure_from > 1
-        loss, stop = self.compute(step, ids, x, y, profiling)
+        figures = self.compute(step, ids, x, y, profiling)
         if self.ema is not None:
             self.ema.update(step)
         self.host_memory.after_step(world.rank)
         if par.scaler.enabled:
             h["loss_scale"] = par.scaler.state_dict()  # saved with every checkpoint
-        if self.buffers:
+        if self.buffers and not par.averages_buffers:
             with progress.waiting("gradient sum"):
-                _average_buffers(self.buffers, self.mesh)
-        dt = time.perf_counter() - t0  # compute() ended with the step's one read: its work is done
+                average_buffers(self.buffers, self.mesh.group("grad"), len(self.mesh.ranks("grad")))
+        done = _Done(step, begun, t0, t_data, step >= self.measure_from and not profiling,
+                     self.readout.post(figures), start)
+        reached = False
+        if self.pending is not None:  # the step before: its work is done or under way behind this one's
+            reached, self.pending = self.finish(self.pending), None
+        if late and not (self.stopping or reached or self.read_now(step)):
+            done.host_s, done.terms, done.deferred = time.perf_counter() - t0, self.terms(), True
+            self.pending = done
+            self.saver.poll()
+            return False
+        return self.finish(done) or reached
+
+    def read_now(self, step: int) -> bool:
+        """Whether step ``step``'s figures are read before the next step starts: what follows it needs them (an
+        evaluation, a checkpoint, the end of the run, of an epoch, of the warm-up whose times place the pipeline's
+        rounds, a profiled step), or its timed terms are CUDA events still to settle."""
+        spe = self.sampler.steps_per_epoch
+        return (step + 1 >= self.steps or self.evaluation_due(step) or step < self.measure_from
+                or (self.ckpt_every > 0 and (step + 1) % self.ckpt_every == 0) or (step + 1) % spe == 0
+                or step == max(self.start, self.warm - 1) or timers.pending())
+
+    def drain(self) -> None:
+        """Read the step still pending (before a preemption's save)."""
+        if self.pending is not None:
+            done, self.pending = self.pending, None
+            self.finish(done)
+
+    def finish(self, done: _Done) -> bool:
+        """Read step ``done``'s figures (waiting for its work where it is not done) and do what follows the step:
+        the loss kept and checked, the step timed, a stop, an evaluation, a checkpoint. True when an evaluation
+        reached the run's target."""
+        world, par, h, step = self.world, self.par, self.history, done.step
+        values = self.readout.read(done.posted)
+        loss, stop = values[0], values[1] > 0
+        if done.start is not None and done.posted.event is not None:  # the device's span of the step
+            dt = done.start.elapsed_time(done.posted.event) / 1e3
+        else:  # a CPU rank's step is done when queued; read at once, the read waited for its work
+            dt = done.host_s if done.deferred else time.perf_counter() - done.t0
         if self.wd is not None and step > self.start:  # the stall allowance grows with the run's slowest step
-            self.wd.saw_step(time.perf_counter() - begun)
+            self.wd.saw_step(time.perf_counter() - done.begun if not done.deferred else done.host_s)
         timers.settle()  # on GPUs the communication waits were CUDA events: read them now (gems.timers)
-        self.check_loss(step, loss)
+        self.check_loss(step, loss, first_bad=_first_bad(values))
         if world.rank == 0:
-            what = " (warm-up)" if step < self.warm else " (profiled for tensor memory)" if step < self.measure_from else ""
+            what = " (warm-up)" if step < self.warm else " (profiled for tensor memory)" if step < self.profiled_to \
+                else " (the graph's warm-up)" if step < self.measure_from else ""
             print(f"gems: step {step + 1}/{self.steps} {dt:.3f} s loss {loss:.6g}{what}", flush=True)
-        self.account(step, dt, t_data, measured=step >= self.measure_from and not profiling)
+        self.account(step, dt, done.t_data, measured=done.measured, terms=done.terms)
         if step == max(self.start, self.warm - 1):  # the last warm-up step (or this process's first): every rank
             par.place_rounds()  # places the pipeline's rounds by what its actions took so far (parallel.rounds_by)
         if stop and step + 1 < self.steps:  # Slurm's signal before the time limit (or a preemption notice)
+            if done.deferred:  # the next step is queued already: it is read at once, and saved after
+                self.stopping = True
+                return False
             self.settle_history()
             _preempt(world, step + 1, self.saver, self.hold, h, self.wd,
                      "the time limit is near: checkpointing and requeueing", self.staged)
+        spe = self.sampler.steps_per_epoch
         if (step + 1) % spe == 0:
             self.mlperf.epoch(start=False, epoch=step // spe)
         reached = self.evaluate(step) if self.evaluation_due(step) else False
@@ -400,7 +490,7 @@ class Run:
                 par.evaluate(x.to(dev) if x is not None else None, y.to(dev) if y is not None else None, ids,
                              batch_statistics=True)
         if self.buffers:
-            _average_buffers(self.buffers, self.mesh)
+            average_buffers(self.buffers, self.mesh.group("grad"), len(self.mesh.ranks("grad")))
         return n
 
     def target_reached(self, entry: dict[str, Any]) -> bool:
@@ -418,40 +508,52 @@ class Run:
             return True
         return False
 
-    def compute(self, step: int, ids: list[int], x: Any, y: Any, profiling: bool) -> tuple[float, bool]:
+    def compute(self, step: int, ids: list[int], x: Any, y: Any, profiling: bool) -> torch.Tensor:
         """The step's forward, backward, sync and update: under the profiler (``train.profile``), profiled for
-        tensor memory (CPU ranks, before ``measure_from``), or plain."""
+        tensor memory (CPU ranks, before ``measure_from``), or plain; its figures on the device (not read)."""
         context, par = self.context, self.par
         if profiling:
             return _profiled(self.cfg, self.world, lambda: context.step(x, y, ids, step, quiesce=True))
-        if step < self.measure_from and self.world.device.type == "cpu":
+        if step < self.profiled_to and self.world.device.type == "cpu":
             # the tensor memory a GPU would count (gems/memory.py); the largest over these steps
             held = persistent_bytes(par.params, self.opt, [b for m in par.modules for b in m.buffers()] +
                                     (self.ema.average if self.ema is not None else []) +  # train.ema's copy
                                     [t for t in (x, y) if t is not None])  # the batch: read before the step
-            box: list[tuple[float, bool]] = []
+            box: list[torch.Tensor] = []
             self.history["tensor_peaks"].append(held + step_peak_bytes(
                 lambda: box.append(context.step(x, y, ids, step, quiesce=True))))
             return box[0]
         return context.step(x, y, ids, step)
 
-    def check_loss(self, step: int, loss: float) -> None:
-        """Keep the step's global loss; a non-finite one stops every rank or is warned about (train.on_nonfinite)."""
+    def check_loss(self, step: int, loss: float, first_bad: int | None | bool = False) -> None:
+        """Keep the step's global loss; a non-finite one stops every rank or is warned about (train.on_nonfinite).
+        ``first_bad``: where this rank first saw a non-finite value in that step, where the step's figures say
+        (a graphed step's; False: ask the composition, whose flags are the last step's)."""
         self.history["losses"].append(loss)
         if math.isfinite(loss):
             return
         self.history["nonfinite_steps"].append(step)
         if str(self.cfg.train.on_nonfinite) == "stop":
-            self.context.stop_nonfinite(step, loss, self.history["losses"], self.restarts)
+            self.context.stop_nonfinite(step, loss, self.history["losses"], self.restarts, first_bad)
         elif self.world.rank == 0:
             print(f"gems: warning: the loss of step {step} is {loss} (train.on_nonfinite=warn: training goes on; "
                   f"the record says so)", file=sys.stderr, flush=True)
 
-    def account(self, step: int, dt: float, t_data: float, measured: bool) -> None:
-        """The step's time and its terms (only measured steps count; every step's time is kept)."""
-        par, h = self.par, self.history
+    def terms(self) -> dict[str, float]:
+        """The step's timed terms, read (and reset) now: its waits on the host's clock, or CUDA events settled."""
+        par = self.par
         t = timers.snapshot()
         extra = par.stats()  # read every step, so warm-up time is not carried into measured steps
+        out = {k: t.get(k, 0.0) + extra.get(k, 0.0) for k in ("halo", "pipeline_comm", "bubble_or_wait")}
+        out["allreduce"] = par.reducer.wait_s
+        return out
+
+    def account(self, step: int, dt: float, t_data: float, measured: bool,
+                terms: dict[str, float] | None = None) -> None:
+        """The step's time and its terms (only measured steps count; every step's time is kept); ``terms`` taken
+        when the step was queued (a step read late), else now."""
+        par, h = self.par, self.history
+        terms = self.terms() if terms is None else terms
         if par.transfers is not None:  # the measured steps' message times, split against the senders' at the end
             if measured:
                 self.run_sent.update(par.transfers.sent)
@@ -464,9 +566,8 @@ class Run:
         h["step_times"].append(dt)
         bd = h["breakdown"]
         bd["data"] += t_data
-        bd["allreduce"] += par.reducer.wait_s
-        for k in ("halo", "pipeline_comm", "bubble_or_wait"):
-            bd[k] += t.get(k, 0.0) + extra.get(k, 0.0)
+        for k, v in terms.items():
+            bd[k] += v
 
     # ---- the record --------------------------------------------------------------------------------------------
     def record(self) -> dict[str, Any]:
@@ -501,12 +602,12 @@ class Run:
         traced = bool(self.cfg.train.profile) and self.steps - self.measure_from > 1  # its trace step is left out too
         record["step_time_s"]["measured_from"] = self.measure_from + int(traced)
         if seen:
-            record["peak_memory_bytes"]["tensor_steps"] = list(range(min(self.measure_from, len(seen))))
+            record["peak_memory_bytes"]["tensor_steps"] = list(range(min(self.profiled_to, len(seen))))
         notes = list(par.notes) + self.notes(measured) + ([self.staged.note()] if self.staged else [])
         notes += data_notes(self.cfg, self.data)  # the files' layout, the readers' cap, a slow path taken
         replayed = bool(par.graph is not None and par.graph.replayed)  # the step replayed from a CUDA graph
         if replayed:  # what the replay covers, and what stays eager around it
-            notes.append(GRAPHED_NOTE)
+            notes.append(graphed_note(par))
         if notes:
             record["notes"] = notes
         if par.scaler.enabled:
@@ -526,6 +627,8 @@ class Run:
             record["nonfinite_steps"] = list(h["nonfinite_steps"])
         record.update(self.training_figures())
         record["cuda_graphs"] = replayed
+        if "device_ops" in h:  # what the first measured step launched outside a replay (gems.rank.graphs.DeviceOps)
+            record["device_ops"] = h["device_ops"]
         return record
 
     def training_figures(self) -> dict[str, Any]:
@@ -573,7 +676,10 @@ class Run:
     def notes(self, measured: int) -> list[str]:
         """What the record should say about how its figures were measured."""
         out = []
-        warm, start = self.warm, self.measure_from
+        warm, start = self.warm, self.profiled_to
+        if self.par.graph is not None and self.measure_from > max(warm, start):
+            out.append(f"step(s) {max(warm, start, self.start)}-{self.measure_from - 1} ran the graph's eager step(s) "
+                       "and its capture (gems.rank.graphs) and were left out of the timings")
         if self.par.first_step_connects and warm == 0 and start >= 1:
             out.append("step 0 made the pipeline's first exchanges at the sizes of its messages (the cut shapes "
                        "are learnt from headers where partitions cannot be traced) and was left out of the timings")
@@ -586,7 +692,7 @@ class Run:
                        "leaves that state out; train.steps>=3 profiles a step after the first update too")
         if measured < 3:
             out.append(f"the throughput rests on {measured} measured step(s) (train.steps - train.warmup_steps"
-                       f"{' - the profiled ones' if start > warm else ''}): one step's time is one sample of a "
+                       f"{' - the profiled ones' if self.measure_from > warm else ''}): one step's time is one sample of a "
                        "noisy machine; 3 or more give a median worth comparing")
             if self.world.rank == 0:
                 print(f"gems: warning: {out[-1]}", file=sys.stderr, flush=True)
@@ -625,7 +731,7 @@ class HostMemory:
                   f"{(self.budget or 0) / 2**30:.1f} GiB", file=sys.stderr, flush=True)
 
 
-def _profiled(cfg: DictConfig, world: World, fn: Callable[[], tuple[float, bool]]) -> tuple[float, bool]:
+def _profiled(cfg: DictConfig, world: World, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``train.profile``: run one step under torch.profiler and write this rank's chrome trace."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -649,30 +755,39 @@ class _StepContext:
         self.stop_on_nonfinite = str(cfg.train.on_nonfinite) == "stop"
 
     def step(self, x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int,
-             quiesce: bool = False) -> tuple[float, bool]:
-        """(the global loss of the step, whether any rank asked to stop for a checkpoint); ``quiesce``: the
-        step ends with none of this rank's messages in flight (a step run under the profiler).
+             quiesce: bool = False) -> torch.Tensor:
+        """The step's figures on the device, not read (gems.rank.sync: the global loss, whether any rank asked to
+        stop for a checkpoint, and a graphed step's finiteness flags); ``quiesce``: the step ends with none of
+        this rank's messages in flight (a step run under the profiler).
 
-        The step's one host synchronisation is its last line: the loss and the stop flag, summed over the ranks
-        on the device, are read after the optimizer's update is queued, so the GPU never waits for the host in
-        between (fp16 adds one: the loss scaler's verdict on overflow decides whether the update runs). A
-        non-finite loss is known only then: with ``train.on_nonfinite=stop`` the run stops after that update,
-        which nothing saves (checkpoints are written only after finite steps)."""
-        local = self.par.step(x, y, ids, step)  # this rank's weighted loss, on its device (not read)
-        if quiesce:
-            self.par.quiesce()
-        with progress.waiting("step sync"):
-            summed = _step_sync(local, ckpt.stop_requested(), self.world)
+        Nothing here waits for the device (fp16 adds one wait: the loss scaler's verdict on overflow decides
+        whether the update runs): the loop reads the figures after the optimizer's update is queued, a graphed
+        run's during the next step. A non-finite loss is known only then: with ``train.on_nonfinite=stop`` the
+        run stops after that update (and a graphed run after the next step's), which nothing saves (checkpoints
+        are written only after finite steps, read at once)."""
+        par, stop = self.par, ckpt.stop_requested()
+        if par.synced_step is not None:  # a graphed step: its sync is inside it (gems.rank.compose)
+            with progress.waiting("step sync"):
+                figures = par.synced_step(x, y, ids, step, stop)
+        else:
+            local = par.step(x, y, ids, step)  # this rank's weighted loss, on its device (not read)
+            if quiesce:
+                par.quiesce()
+            with progress.waiting("step sync"):
+                figures = step_sync(local, stop, self.world)
         progress.mark("optimizer")
-        self.par.scaler.step(self.opt, step)  # fp16: unscaled after the sum; skipped where any rank overflowed
+        if not par.optimizer_in_step:
+            par.scaler.step(self.opt, step)  # fp16: unscaled after the sum; skipped where any rank overflowed
         self.opt.zero_grad(set_to_none=True)
-        with progress.waiting("gpu queue"):  # a hang on the GPU shows as this wait in a stall report
-            return read_step(summed)
+        return figures
 
-    def stop_nonfinite(self, step: int, loss: float, losses: list[float], restarts: int) -> None:
+    def stop_nonfinite(self, step: int, loss: float, losses: list[float], restarts: int,
+                       first_bad: int | None | bool = False) -> None:
         """Every rank is here at the same step: find where the first non-finite value appeared, have rank 0
-        write the failed record, and stop."""
-        where, failure = _locate_nonfinite(self.par, self.world, self.mesh, step, self.B, self.R)
+        write the failed record, and stop. ``first_bad``: this rank's position where the step's figures give it
+        (False: the composition's flags)."""
+        pos = self.par.first_nonfinite() if first_bad is False else first_bad
+        where, failure = _locate_nonfinite(pos, self.world, self.mesh, step, self.B, self.R)
         msg = (f"the loss of step {step} is {loss} (train.on_nonfinite=stop); the first non-finite value was in "
                f"{where}")
         if self.world.rank == 0:
@@ -683,37 +798,35 @@ class _StepContext:
         raise NonFiniteLoss(msg)
 
 
-def _step_sync(local_loss: Any, stop: bool, world: World) -> torch.Tensor:
-    """The global loss of the step (the weighted local losses summed over every rank, docs/design.md) and
-    whether any rank was asked to stop, as one float64 pair on the rank's device: one small all-reduce, the same
-    result on every rank, nothing read on the host (:func:`read_step` reads it). The stop flag is filled on the
-    device: a host value copied to a GPU would synchronise it."""
-    loss = local_loss.detach().reshape(()).to(device=world.device, dtype=torch.float64) \
-        if isinstance(local_loss, torch.Tensor) else torch.full((), float(local_loss), dtype=torch.float64,
-                                                                 device=world.device)
-    t = torch.stack([loss, torch.full((), 1.0 if stop else 0.0, dtype=torch.float64, device=world.device)])
-    if world.size > 1:
-        import torch.distributed as dist
+def graphed_note(par: Parallel) -> str:
+    """What the record of a graphed run says the replay covered, and what ran around it."""
+    from gems.rank.graphs import GRAPHED_NOTE
 
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
+    return GRAPHED_NOTE.format(eager=par.graph.eager_steps,
+                               optimizer="" if par.optimizer_in_step else "the optimizer's update (one fused kernel), ")
 
 
-def read_step(summed: torch.Tensor) -> tuple[float, bool]:
-    """The step's one host read (:func:`_step_sync`'s pair): (global loss, any rank asked to stop)."""
-    from gems.fake import is_fake
-
-    if is_fake(summed):  # the dry run computes shapes, not values
-        return 0.0, False
-    loss, stops = summed.tolist()
-    return float(loss), stops > 0
+def _first_bad(values: list[float]) -> int | None | bool:
+    """Where a graphed step's figures say this rank first saw a non-finite value (0 its input, 1 its output, None
+    neither); False where the figures hold no flags (the composition's are asked)."""
+    if len(values) < 4:
+        return False
+    return 0 if values[2] < 1 else 1 if values[3] < 1 else None
 
 
-def _locate_nonfinite(par: Parallel, world: World, mesh: Mesh, step: int, B: int, R: int) -> tuple[str, dict[str, Any]]:
+def _event() -> Any:
+    """A timing event recorded now on the current CUDA stream."""
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
+
+
+def _locate_nonfinite(pos: int | None, world: World, mesh: Mesh, step: int, B: int,
+                      R: int) -> tuple[str, dict[str, Any]]:
     """Where the first non-finite value of this step appeared: the earliest position (input, then the
-    output of each pipeline partition, then the loss) and, there, the lowest rank. A collective."""
+    output of each pipeline partition, then the loss; ``pos``: this rank's first) and, there, the lowest rank.
+    A collective."""
     D = max(1, mesh.pipeline)
-    pos = par.first_nonfinite()
     key = float("inf") if pos is None else float(pos * world.size + world.rank)
     if world.size > 1:
         import torch.distributed as dist
@@ -742,20 +855,6 @@ def write_once(path: Any, record: dict[str, Any]) -> None:
         rec.write_record(path, record)
     except FileExistsError:  # a record is never replaced
         pass
-
-
-def _average_buffers(buffers: list[torch.Tensor], mesh: Mesh) -> None:
-    """Average floating buffers over the ``grad`` group, so every copy keeps the same running
-    statistics (replicas and mirrored GEMS partitions see different samples)."""
-    import torch.distributed as dist
-
-    flat = torch.cat([b.reshape(-1).float() for b in buffers])
-    dist.all_reduce(flat, group=mesh.group("grad"))
-    flat /= len(mesh.ranks("grad"))
-    off = 0
-    for b in buffers:
-        b.copy_(flat[off:off + b.numel()].view_as(b))
-        off += b.numel()
 
 
 def _preempt(world: World, step: int, saver: ckpt.Saver, hold: ckpt.Holding, history: dict[str, Any],

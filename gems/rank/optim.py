@@ -33,13 +33,24 @@ class _NoParameters:
         return None
 
 
-def make_optimizer(cfg: DictConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+def make_optimizer(cfg: DictConfig, params: list[nn.Parameter], capturable: bool = False) -> torch.optim.Optimizer:
+    """The run's optimizer over ``params``: torch's fused kernel (one launch a step on a GPU; on a CPU, SGD's
+    arithmetic is the loop's, Adam's rounds differently in the last place). With ``train.graph_optimizer`` (the
+    update inside a CUDA graph: gems.rank.graphs) its learning rate is a tensor on the parameters' device, which
+    :class:`LearningRate` fills each step, and Adam keeps its step count there (``capturable``) on a GPU, in eager
+    runs too, so that graphed and eager runs use the same kernels. ``capturable``: capturable without the tensor
+    rate (gems bench step's plain loop captured whole)."""
     t = cfg.train
     if not params:  # a partition without parameters is legitimate (time balance may give a rank pooling only)
         return _NoParameters()  # type: ignore[return-value]
+    device = params[0].device
+    in_graph = bool(t.graph_optimizer)
+    lr: Any = torch.tensor(float(t.lr), device=device) if in_graph else float(t.lr)
     if t.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=float(t.lr), momentum=float(t.momentum), weight_decay=float(t.weight_decay))
-    return torch.optim.Adam(params, lr=float(t.lr), weight_decay=float(t.weight_decay))
+        return torch.optim.SGD(params, lr=lr, momentum=float(t.momentum), weight_decay=float(t.weight_decay),
+                               fused=True)
+    capture = (in_graph or capturable) and device.type == "cuda"  # (CPU Adam has no capturable kernel)
+    return torch.optim.Adam(params, lr=lr, weight_decay=float(t.weight_decay), fused=True, capturable=capture)
 
 
 class LearningRate:
@@ -77,7 +88,10 @@ class LearningRate:
         """Set the rate of ``step`` on every parameter group; returns it."""
         lr = self.at(step)
         for g in optimizer.param_groups:
-            g["lr"] = lr
+            if isinstance(g["lr"], torch.Tensor):  # train.graph_optimizer: the graph reads it from the device
+                g["lr"].fill_(lr)
+            else:
+                g["lr"] = lr
         return lr
 
 
