@@ -58,6 +58,11 @@ def test_each_layout_is_detected_from_its_files_and_a_wrong_or_ambiguous_one_nam
                                           r"data.path=.* fit each of them, so name theirs"):
         layouts.detect(odd)
     assert layouts.detect(odd, "exalearn").name == "exalearn" and layouts.detect(odd, "gems").name == "gems"
+    from _cli import gems
+
+    out = gems("run", "data=hdf5", f"data.path={odd}", f"results.dir={tmp_path / 'res'}", timeout=300)
+    assert out.returncode == 2 and out.stderr.startswith("gems: error: data.layout=None: expected one of exalearn, "
+                                                         "gems") and len(out.stderr.strip().splitlines()) == 1, out.stderr
     (tmp_path / "none").mkdir()
     (tmp_path / "none" / "x.h5").write_bytes(b"not HDF5")
     with pytest.raises(ConfigError, match=r"^data.path=.*: expected a folder \(or file\) of samples in a layout gems "
