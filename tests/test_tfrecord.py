@@ -115,8 +115,10 @@ def test_an_example_without_mlperfs_features_is_named(tmp_path: Path) -> None:
 def _convert(src: Path, out: Path, *more: str) -> int:
     from gems.data.convert import convert_main
 
-    return convert_main(compose(["data=hdf5", f"data.path={src}", f"data.out={out}", "data.workers=1", *more],
-                                check=False))
+    given = {m.split("=", 1)[0] for m in more}
+    base = [a for a in ("data=hdf5", f"data.path={src}", f"data.out={out}", "data.workers=1")
+            if a.split("=", 1)[0] not in given]
+    return convert_main(compose([*base, *more], check=False))
 
 
 def test_convert_writes_exalearns_layout_bit_for_bit_and_resumes(tmp_path: Path) -> None:
@@ -149,12 +151,13 @@ def test_convert_stops_at_a_bad_record_names_it_and_keeps_what_it_wrote(tmp_path
     shutil.copytree(DATA / "plain" / "train", src)
     bad = sorted(src.iterdir())[2]
     _flip(bad, len(bad.read_bytes()) - 2)  # the data CRC itself
-    out = gems("data", "convert", f"data.path={src}", f"data.out={tmp_path / 'out'}", "data.workers=1", timeout=300)
+    out = gems("data", "convert", f"data.path={src}", f"data.out={tmp_path / 'out'}", "data.workers=2", timeout=300)
     assert out.returncode == 2, out.stderr
     err = out.stderr.strip()
     assert len(err.splitlines()) == 1 and err.startswith("gems: error: data.path=") and bad.name in err, err
-    assert "data CRC" in err and "2 other file(s) were converted" in err
-    assert len(list((tmp_path / "out").glob("*.hdf5"))) == 2
+    # on two processes, two files each in flight at most: all four started, the three good ones finished and kept
+    assert "data CRC" in err and "3 other file(s) were converted" in err
+    assert len(list((tmp_path / "out").glob("*.hdf5"))) == 3
 
 
 @pytest.mark.parametrize("args, key", [
@@ -228,3 +231,19 @@ def test_gems_plan_names_the_layout_and_times_the_read_on_the_files() -> None:
     assert "layout tfrecord, from the page cache" in said and "read where they lie" in said, said
     rate = float(said.rsplit(": ", 1)[1].split(" GB/s")[0]) * 1e9
     assert pr.breakdown["data"] == pytest.approx(2 * 4 * 8 ** 3 * 2 / rate, rel=0.01)
+
+
+@pytest.mark.slurm
+@pytest.mark.skipif(shutil.which("sinfo") is None, reason="no Slurm test cluster")
+def test_convert_as_a_slurm_job_shares_the_files_over_its_tasks(tmp_path: Path) -> None:
+    """Two tasks, each every other file of all of them (not of those left when it starts: a task that starts
+    later would skip one the other had just converted)."""
+    out = gems("data", "convert", f"data.path={DATA / 'gzip'}", f"data.out={tmp_path / 'out'}", "cluster=local_slurm",
+               "cluster.nodes=2", "cluster.tasks_per_node=1", f"results.dir={tmp_path / 'res'}", timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "Slurm job" in out.stdout and "over 2 task(s)" in out.stdout
+    files = sorted((tmp_path / "out").rglob("*.hdf5"))
+    assert len(files) == 6
+    for p in files:
+        with h5py.File(p) as f:
+            assert np.array_equal(f["full"][()], _expected(p.with_suffix(".tfrecord"))[0])

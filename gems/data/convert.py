@@ -34,12 +34,15 @@ class Work:
     workers: int
     channels: int
 
-    def left(self) -> list[tuple[str, Path, Path]]:
-        """The items whose converted file is not there yet (a file there is whole: module docstring)."""
+    def left(self, share: tuple[int, int] = (0, 1)) -> list[tuple[str, Path, Path]]:
+        """The items whose converted file is not there yet (a file there is whole: module docstring); ``share``
+        (k, n): of every n-th item from the k-th (a Slurm task's share: of all the items, so that the shares stay
+        apart while other tasks convert theirs)."""
         from gems.data.layouts import get
 
-        return [(n, src, out) for n, src, out in self.items
-                if not (out / getattr(get(n), "converted_name")(src)).is_file()]
+        k, n = share
+        return [(name, src, out) for name, src, out in self.items[k::n]
+                if not (out / getattr(get(name), "converted_name")(src)).is_file()]
 
 
 def plan_of(cfg: Any) -> Work:
@@ -103,6 +106,15 @@ def convert_one(item: tuple[str, Path, Path], channels: int) -> tuple[str, Any, 
     return None
 
 
+def _context() -> Any:
+    """How the worker processes start: forked where the system forks (nothing is open or running in this process
+    yet that a child could inherit half-way: the sources were only listed, no HDF5 file is open, torch has run
+    nothing), so that they start in milliseconds rather than importing torch again each; spawned elsewhere."""
+    import multiprocessing
+
+    return get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+
+
 def _init_worker() -> None:
     import torch
 
@@ -153,30 +165,34 @@ def convert_main(cfg: Any, job: Callable[..., int] | None = None) -> int:
 
 def _here(work: Work, left: list[tuple[str, Path, Path]]) -> int:
     """Convert ``left`` on ``work.workers`` processes (one: in this one), the first bad file ending it."""
-    bar = _Bar(len(left), "files")
     done = 0
     bad: tuple[str, Any, str] | None = None
-    try:
-        if work.workers == 1 or len(left) == 1:
+    if work.workers == 1 or len(left) == 1:
+        bar = _Bar(len(left), "files")
+        try:
             for item in left:
                 bad = convert_one(item, work.channels)
                 if bad is not None:
                     break
                 done += 1
                 bar.advance()
-        else:
-            with ProcessPoolExecutor(min(work.workers, len(left)), mp_context=get_context("spawn"),
-                                     initializer=_init_worker) as pool:
-                queue = iter(left)
-                running: set[Future] = set()
+        finally:
+            bar.close()
+    else:
+        with ProcessPoolExecutor(min(work.workers, len(left)), mp_context=_context(),
+                                 initializer=_init_worker) as pool:
+            queue = iter(left)
+            running: set[Future] = set()
 
-                def feed() -> None:
-                    for item in queue:
-                        running.add(pool.submit(convert_one, item, work.channels))
-                        if len(running) >= 2 * work.workers:
-                            return
+            def feed() -> None:
+                for item in queue:
+                    running.add(pool.submit(convert_one, item, work.channels))
+                    if len(running) >= 2 * work.workers:
+                        return
 
-                feed()
+            feed()  # the workers start here, all of them (a forked pool's), before the bar's thread does
+            bar = _Bar(len(left), "files")
+            try:
                 while running:
                     finished, _ = wait(running, return_when=FIRST_COMPLETED)
                     for f in finished:
@@ -189,8 +205,8 @@ def _here(work: Work, left: list[tuple[str, Path, Path]]) -> int:
                             bar.advance()
                     if bad is None:
                         feed()
-    finally:
-        bar.close()
+            finally:
+                bar.close()
     if bad is not None:
         key, value, expected = bad
         raise ConfigError(key, value, f"{expected} ({done} other file(s) were converted and are kept; run the same "
@@ -208,7 +224,7 @@ def task(cfg_yaml: str) -> int:
     cfg = OmegaConf.create(cfg_yaml)
     env = submitit.JobEnvironment()
     work = plan_of(cfg)
-    mine = work.left()[env.global_rank::env.num_tasks]
+    mine = work.left((env.global_rank, env.num_tasks))
     for item in mine:
         bad = convert_one(item, work.channels)
         if bad is not None:
