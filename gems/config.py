@@ -689,7 +689,8 @@ def validate(cfg: DictConfig, relations: bool = True) -> None:
     if cfg.parallel.get("balance_by") == "comm":
         check_comm_cut(int(cfg.parallel.pipeline))
     if cfg.data.name == "hdf5" and not cfg.data.path:
-        raise ConfigError("data.path", cfg.data.path, "a folder of .h5 sample files (write one with `gems data synth`)")
+        raise ConfigError("data.path", cfg.data.path, "a folder of sample files in a layout gems reads (docs/data.md; "
+                          "write one with `gems data synth`)")
 
 
 def check_comm_cut(stages: int, ranks: int | None = None) -> None:

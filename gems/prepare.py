@@ -49,7 +49,8 @@ def prepare(cfg: Any) -> Any:
         if not given:
             cfg.run_id = new_run_id(default_name(cfg))
     if cfg.data.name == "hdf5":
-        readable_dir("data.path", cfg.data.path, "a folder of .h5 samples (write one with `gems data synth data.path=...`)")
+        readable_dir("data.path", cfg.data.path, "a folder of sample files (docs/data.md; write one with "
+                     "`gems data synth data.path=...`)")
     if given:  # a run id of the user's: resume its checkpoint, never replace its record
         if record_path(cfg).exists():
             raise ConfigError("run_id", given, f"a new run id (the record {record_path(cfg)} exists, and records "
@@ -146,7 +147,7 @@ def eval_config(path: str, overrides: list[str], cfg: DictConfig) -> DictConfig:
         raise ConfigError("data.val_samples", 0, "the synthetic samples to evaluate (> 0; the model file names its "
                           "run's), or data=hdf5 data.path=DIR")
     if cfg.data.name == "hdf5" and not cfg.data.val_path:
-        raise ConfigError("data.path", cfg.data.path, "a folder of .h5 samples to evaluate")
+        raise ConfigError("data.path", cfg.data.path, "a folder of sample files to evaluate")
     ckpt.check_model(saved.shapes, model_shapes(cfg), "eval", path)
     if fresh:  # (said once every check has passed: bad input is one line)
         import sys
@@ -247,7 +248,7 @@ def check_data(cfg: DictConfig, spec: Any) -> None:
     if d.name == "hdf5":  # a file that does not match the model is named before launch
         make_data(cfg, spec).samples.check_all(steps * int(t.batch_size), spec.num_outputs)
         if d.val_path is not None:
-            readable_dir("data.val_path", d.val_path, "a folder of .h5 validation samples in the training set's layout")
+            readable_dir("data.val_path", d.val_path, "a folder of validation samples in the training set's layout")
             make_data(cfg, spec, validation=True).samples.check_all(None, spec.num_outputs)
     elif d.val_path is not None:
         raise ConfigError("data.val_path", d.val_path, "null with data=synthetic (data.val_samples holds samples out)")

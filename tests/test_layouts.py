@@ -352,3 +352,32 @@ def test_gems_plan_names_each_layout_and_times_its_read_rate(tmp_path):
         rate = float(said.rsplit(": ", 1)[1].split(" GB/s")[0]) * 1e9
         itemsize = 2 if name == "exalearn" else 4
         assert pr.breakdown["data"] == pytest.approx(2 * 4 * 32 ** 3 * itemsize / rate, rel=0.01)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU rank's copy with data.prefetch=0")
+def test_finding_8_with_prefetch_0_a_gpu_rank_copies_the_counts_and_finishes_them_on_its_gpu(same):
+    """Read in the step (data.prefetch=0), a GPU rank's counts are copied as they are (int16, channels last,
+    from pinned memory) and finished on its GPU, not made float32 on the host and copied from pageable memory;
+    the input equals the same counts copied and finished on the GPU by hand, bit for bit."""
+    from gems.rank.data import Prefetcher, _HDF5Batches
+
+    root, _ = same
+    device = torch.device("cuda", torch.cuda.current_device())
+    ds = HDF5Samples(root / "exalearn", (4, 6, 6, 6), slices=(slice(1, 5),), augment="cube", standardize=[1.0, 0.5])
+    data = _HDF5Batches(ds, pin=True)
+    ids, syms = [3, 9, 14, 0], [0, 41, 22, 47]
+    seen = []
+
+    def finish(x):
+        seen.append((x.is_cuda, x.data.dtype))
+        return data.finish(x)
+
+    pf = Prefetcher(lambda step: ([step], data.batch(ids, symmetries=syms, raw=True)[0], None), [0], 0, device, finish)
+    try:
+        (_, got, _), _ = pf.get(0)
+    finally:
+        pf.close()
+    assert seen == [(True, torch.int16)] and got.is_cuda
+    want = ds.finish(ds.read(ids, syms)[0].to(device))
+    assert torch.equal(got, want)
+    ds.close()
