@@ -20,6 +20,7 @@ import pytest
 import torch
 from _cli import gems, merged, records
 
+from gems.config import compose, section
 from gems.fault.reports import Exit, explain, write_report
 from gems.fault.watchdog import Beat, collective_timeout_s, diagnose
 from gems.progress import WAITS
@@ -42,10 +43,8 @@ def _alive_workers(job: str) -> list[int]:
     (["parallel.spatial=2"], 1, "forward", {"0": "halo"}),
 ])
 def test_a_stalled_rank_ends_the_job_with_its_rank_step_and_phase(tmp_path, mesh, stall_rank, cause_phase, waits):
-    t0 = time.monotonic()
     out = gems("run", f"results.dir={tmp_path}", *SMALL, *mesh, *STALL, "train.steps=8",
                f"fault.stall_rank={stall_rank}", "fault.at_step=3", timeout=240)
-    took = time.monotonic() - t0
     assert out.returncode == 1, out.stderr[-2000:]
     (r,) = records(str(tmp_path))
     f = r["failure"]
@@ -55,9 +54,10 @@ def test_a_stalled_rank_ends_the_job_with_its_rank_step_and_phase(tmp_path, mesh
     assert f"rank {stall_rank} made no progress" in r["error"] and f"rank {stall_rank} made no" in out.stderr
     assert f["seconds"] >= 4
     assert len(r["loss"]) == 0 or len(r["loss"]) <= 3
-    # ended within the stall timeout and a small margin of the stall (not gloo's 30 minutes); start-up here
-    # takes ~10 s, three steps ~2 s
-    assert took < 60, took
+    # the watchdog ended it, at the stall timeout, before the collectives' own timeout (the backstop) would have:
+    # both measured from the rank's last progress, whatever the machine's load
+    backstop = collective_timeout_s(section(compose(STALL), "comm"), section(compose(STALL), "fault"))
+    assert 4 <= f["seconds"] < backstop, (f["seconds"], backstop)
     assert not _alive_workers(r["run_id"])
 
 
@@ -81,7 +81,7 @@ def test_a_frozen_rank_0_is_named_by_the_others_and_the_launcher(tmp_path):
     assert p.returncode == 1, err
     (r,) = records(str(tmp_path))
     assert r["failure"]["ranks"] == [0] and "rank 0 stopped answering" in r["error"], r["error"]
-    _wait_for(lambda: not _alive_workers(job), timeout=10)
+    _wait_for(lambda: not _alive_workers(job), timeout=120)
 
 
 def test_a_stall_under_mpiexec_is_found_too(tmp_path):
@@ -189,7 +189,8 @@ def _start(tmp_path: Path, *extra: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def _wait_for(cond, timeout: float = 120.0) -> None:
+def _wait_for(cond, timeout: float = 300.0) -> None:
+    """Wait until ``cond()``: ``timeout`` is a guard against a hang only, never a figure the test holds."""
     t0 = time.monotonic()
     while not cond():
         assert time.monotonic() - t0 < timeout, "timed out"
@@ -204,10 +205,10 @@ def test_whatever_signal_ends_the_launcher_ends_its_ranks_and_the_record_says_ca
     (job,) = [d.name for d in tmp_path.glob(".jobs/*")]
     assert len(_alive_workers(job)) == 2
     p.send_signal(sig)
-    _, err = p.communicate(timeout=60)
+    _, err = p.communicate(timeout=120)
     assert p.returncode == 128 + sig, err
     assert f"cancelled by {signal.Signals(sig).name}" in err and "2 rank(s) were ended" in err
-    _wait_for(lambda: not _alive_workers(job), timeout=10)
+    _wait_for(lambda: not _alive_workers(job), timeout=120)
     (r,) = records(str(tmp_path))
     assert r["status"] == "failed" and r["failure"]["kind"] == "cancelled" and "cancelled" in r["error"]
 
@@ -222,7 +223,7 @@ def test_a_killed_launcher_leaves_no_rank_and_the_run_resumes_from_its_checkpoin
     (job,) = [d.name for d in tmp_path.glob(".jobs/*")]
     p.kill()
     p.wait()
-    _wait_for(lambda: not _alive_workers(job), timeout=15)
+    _wait_for(lambda: not _alive_workers(job), timeout=120)
     assert not records(str(tmp_path))
     args = ["run", f"results.dir={tmp_path}", f"run_id={job}", *SMALL, "parallel.replicas=2", "train.steps=12"]
     bad = gems(*merged(*args, "train.batch_size=8"))
@@ -330,13 +331,11 @@ slurm = pytest.mark.skipif(shutil.which("sinfo") is None, reason="Slurm is not i
 @pytest.mark.slurm
 @slurm
 def test_a_stall_on_slurm_cancels_the_job_and_names_the_rank(tmp_path):
-    t0 = time.monotonic()
     out = gems("run", f"results.dir={tmp_path}", "cluster=local_slurm", "cluster.nodes=2", "parallel.replicas=2",
                *SMALL, *STALL, "train.steps=8", "fault.stall_rank=1", "fault.at_step=3", timeout=400)
     assert out.returncode == 1, out.stderr[-2000:]
     (r,) = records(str(tmp_path))
     assert r["failure"]["kind"] == "stall" and r["failure"]["ranks"] == [1] and r["failure"]["step"] == 3, r["error"]
-    assert time.monotonic() - t0 < 120
     job = r["env"].get("slurm_job_id") or next(tmp_path.glob(".jobs/*/*_submission.sh")).name.split("_")[0]
     q = subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True, text=True)
     assert q.stdout.strip() in ("", "CANCELLED", "COMPLETED", "FAILED"), q.stdout
@@ -376,12 +375,12 @@ def test_ending_an_attached_run_on_slurm_cancels_its_job_and_says_which(tmp_path
     job = next(tmp_path.glob(".jobs/*/*_submission.sh")).name.split("_")[0]
     time.sleep(2)
     p.send_signal(signal.SIGTERM)
-    _, err = p.communicate(timeout=60)
+    _, err = p.communicate(timeout=120)
     assert p.returncode == 128 + signal.SIGTERM and f"cancelled Slurm job(s) {job}" in err, err
     (r,) = records(str(tmp_path))
     assert r["failure"]["kind"] == "cancelled" and r["env"]["slurm_job_id"] == job
     _wait_for(lambda: subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True,
-                                     text=True).stdout.strip() in ("", "CANCELLED", "COMPLETED"), timeout=60)
+                                     text=True).stdout.strip() in ("", "CANCELLED", "COMPLETED"), timeout=120)
 
 
 def test_a_local_run_that_would_outlast_the_launchers_wait_is_told_so_early(tmp_path):
@@ -389,12 +388,17 @@ def test_a_local_run_that_would_outlast_the_launchers_wait_is_told_so_early(tmp_
     steps in, the run's pace says it will not finish: a warning names the key and a value that gives it room,
     and the record of the ended run names the key that ended it."""
     r = gems("run", f"results.dir={tmp_path}", *SMALL, "train.steps=100", "fault.step_delay_s=1",
-             "cluster.timeout_min=0.3", timeout=120)
+             "cluster.timeout_min=0.3", timeout=600)
     assert r.returncode != 0
     warn = [ln for ln in r.stderr.splitlines() if ln.startswith("gems: warning: at this pace")]
     assert len(warn) == 1 and "longer than the 18 s the launcher waits (cluster.timeout_min=0.3)" in warn[0], r.stderr
     room = re.search(r"; cluster.timeout_min=(\d+) gives it room$", warn[0])
-    assert room and 2 <= int(room.group(1)) <= 4, warn  # 100 steps of a second and more, and a fifth more
+    need = re.search(r"the run takes about ([\d.]+) (s|min|h),", warn[0])
+    assert room and need, warn
+    # 100 steps of a second and more need two minutes at least; the room covers the time the pace it measured
+    # says the run needs (whatever this machine's load made that pace), and a fifth more
+    need_s = float(need.group(1)) * {"s": 1, "min": 60, "h": 3600}[need.group(2)]
+    assert int(room.group(1)) >= 2 and int(room.group(1)) * 60 >= need_s, warn
     (rec,) = records(str(tmp_path))
     assert rec["failure"] == {"kind": "timeout"} and rec["error"].startswith(
         "timed out after 0.3 min (cluster.timeout_min=0.3): the ranks were ended unfinished"), rec["error"]
