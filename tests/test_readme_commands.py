@@ -175,7 +175,7 @@ def test_the_studies_walkthrough_runs_in_order(tmp_path):
                                     env=env, capture_output=True, text=True, timeout=120)
                 if "pending" not in st.stdout and "running" not in st.stdout:
                     break
-                assert time.monotonic() - t0 < 300, st.stdout
+                assert time.monotonic() - t0 < 900, st.stdout  # a guard against a hang only
                 time.sleep(3)
     assert (tmp_path / "results" / "replication_weak" / "compare-replication_weak-vs-replication_weak_sgd.md").exists()
 

@@ -152,7 +152,7 @@ def _run(args: list[str], env: dict[str, str], timeout: int = 400) -> subprocess
                           timeout=timeout)
 
 
-def _until_done(tmp_path: Path, name: str, env: dict[str, str], limit: float = 300) -> str:
+def _until_done(tmp_path: Path, name: str, env: dict[str, str], limit: float = 900) -> str:
     t0 = time.monotonic()
     while True:
         out = _run(["status", name, f"results.dir={tmp_path}"], env)
@@ -168,15 +168,17 @@ def _until_done(tmp_path: Path, name: str, env: dict[str, str], limit: float = 3
 @pytest.mark.skipif(shutil.which("sinfo") is None, reason="no Slurm test cluster")
 def test_a_detached_sweep_returns_at_once_and_is_followed_to_its_table(tmp_path, _):
     env, log = _shim(tmp_path)
-    t0 = time.monotonic()
     out = _run(["sweep", f"results.dir={tmp_path}", "results.sweep=det", "cluster=local_slurm", *TINY,
                 "parallel.replicas=1,2", "train.batch_size=2", "results.repeats=2", "--detach"], env)
-    took = time.monotonic() - t0
+    returned = time.time()
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "gems status det" in out.stdout and took < 60, (took, out.stdout)
+    assert "gems status det" in out.stdout, out.stdout
     assert _calls(log) == 2  # two shapes (1 and 2 tasks), each a job array of its two repeats: two sbatch calls
     final = _until_done(tmp_path, "det", env)
     assert final.count("done") >= 4, final
+    # it returned at once: before any of its jobs ended (each job's rank 0 writes its record as it ends)
+    ends = [p.stat().st_mtime for p in (tmp_path / "det").glob("*.json") if '"gems.record/' in p.read_text()]
+    assert len(ends) == 4 and returned < min(ends), (returned, ends)
     res = _run(["results", str(tmp_path / "det")], env)
     assert res.returncode == 0, res.stderr
     rows = _rows(tmp_path / "det" / "table.md")
@@ -196,7 +198,7 @@ def test_an_interrupted_sweep_leaves_its_jobs_running_and_recoverable_and_cancel
                          text=True, env=env)
     t0 = time.monotonic()
     while _calls(log) < 2:
-        assert time.monotonic() - t0 < 120 and p.poll() is None
+        assert time.monotonic() - t0 < 600 and p.poll() is None  # a guard against a hang only
         time.sleep(0.5)
     time.sleep(3)
     p.send_signal(signal.SIGTERM)
