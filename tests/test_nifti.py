@@ -229,3 +229,9 @@ def test_gems_plan_names_the_layout_and_times_the_read_on_the_volumes(volumes: P
     assert "layout nifti, from the page cache" in said and said.endswith(" GB/s"), said
     rate = float(said.rsplit(": ", 1)[1].split(" GB/s")[0]) * 1e9
     assert pr.breakdown["data"] == pytest.approx(2 * 16 ** 3 * 2 / rate, rel=0.01)  # int16 voxels
+
+
+def test_a_model_of_target_vectors_is_refused_naming_the_folder(folder: Path) -> None:
+    with pytest.raises(ConfigError) as e:
+        layouts.get("nifti").open(folder, (1, 8, 8, 8))  # target: vector, CosmoFlow's
+    assert e.value.key == "data.path" and "model=unet3d" in str(e.value)

@@ -247,3 +247,9 @@ def test_convert_as_a_slurm_job_shares_the_files_over_its_tasks(tmp_path: Path) 
     for p in files:
         with h5py.File(p) as f:
             assert np.array_equal(f["full"][()], _expected(p.with_suffix(".tfrecord"))[0])
+
+
+def test_a_model_of_a_class_a_voxel_is_refused_naming_the_folder() -> None:
+    with pytest.raises(ConfigError) as e:
+        layouts.get("tfrecord").open(DATA / "gzip" / "train", (4, 8, 8, 8), target="dense")
+    assert e.value.key == "data.path" and "model=cosmoflow_mlperf" in str(e.value)

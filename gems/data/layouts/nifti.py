@@ -151,8 +151,9 @@ class NiftiSamples:
             raise ConfigError(self.key, self.path, "a folder of LiTS volumes, volume-N.nii with segmentation-N.nii "
                               "beside each (`gems data synth data.kind=segmentation` writes one)")
         if options.target != "dense":
-            raise ConfigError("model", "a model of vector targets", "model=unet3d (or another model of one class a "
-                              "voxel) for NIfTI volumes with labels")
+            raise ConfigError(self.key, self.path, "samples with a target vector each, as this model's loss takes "
+                              "them; these are NIfTI volumes with a class a voxel, for model=unet3d (or another model "
+                              "of one class a voxel)")
         if options.augment != "none":
             raise ConfigError("data.augment", options.augment, "none for NIfTI volumes (a CT scan's axes are not "
                               "interchangeable)")

@@ -193,8 +193,9 @@ class TFRecordSamples:
             raise ConfigError(self.key, self.path, "a folder of MLPerf's *.tfrecord files (its train/ or "
                               "validation/)")
         if options.target != "vector":
-            raise ConfigError("model", "a model of dense targets", "a model of vector targets for MLPerf's TFRecords "
-                              "(each carries one target vector `y`)")
+            raise ConfigError(self.key, self.path, "samples with a class a voxel, as this model's loss takes them; "
+                              "MLPerf's TFRecords carry one target vector `y` each, for model=cosmoflow_mlperf (or "
+                              "another model of vector targets)")
         expected = tuple(int(n) for n in shape) if shape is not None else None
         self.channels = expected[0] if expected is not None else CHANNELS
         first = read_file(self.files[0], self.channels, self.key)
