@@ -235,3 +235,15 @@ def test_a_model_of_target_vectors_is_refused_naming_the_folder(folder: Path) ->
     with pytest.raises(ConfigError) as e:
         layouts.get("nifti").open(folder, (1, 8, 8, 8))  # target: vector, CosmoFlow's
     assert e.value.key == "data.path" and "model=unet3d" in str(e.value)
+
+
+def test_a_volume_cut_short_under_a_run_is_named(tmp_path: Path, folder: Path) -> None:
+    for f in ("volume-0.nii", "segmentation-0.nii"):
+        shutil.copy(folder / f, tmp_path / f)
+    s = layouts.get("nifti").open(tmp_path, (1, 8, 8, 8), target="dense")
+    s.read([0])
+    data = (tmp_path / "volume-0.nii").read_bytes()
+    (tmp_path / "volume-0.nii").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ConfigError) as e:
+        s.read(list(range(len(s))))
+    assert e.value.key == "data.path" and "volume-0.nii" in str(e.value), str(e.value)

@@ -21,9 +21,23 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, cast
 
 from gems.errors import ConfigError
+
+
+class Converts(Protocol):
+    """What a layout that ``gems data convert`` converts has beside the protocol (gems.data.layouts)."""
+
+    def converted_name(self, source: Path) -> str: ...
+
+    def convert(self, source: Path, folder: Path, channels: int | None = None, key: str = "data.path") -> Path: ...
+
+
+def _converter(name: str) -> Converts:
+    from gems.data.layouts import get
+
+    return cast(Converts, get(name))
 
 
 @dataclass(frozen=True)
@@ -38,11 +52,9 @@ class Work:
         """The items whose converted file is not there yet (a file there is whole: module docstring); ``share``
         (k, n): of every n-th item from the k-th (a Slurm task's share: of all the items, so that the shares stay
         apart while other tasks convert theirs)."""
-        from gems.data.layouts import get
-
         k, n = share
         return [(name, src, out) for name, src, out in self.items[k::n]
-                if not (out / getattr(get(name), "converted_name")(src)).is_file()]
+                if not (out / _converter(name).converted_name(src)).is_file()]
 
 
 def plan_of(cfg: Any) -> Work:
@@ -96,11 +108,9 @@ def _holds_any(folder: Path) -> bool:
 def convert_one(item: tuple[str, Path, Path], channels: int) -> tuple[str, Any, str] | None:
     """Convert one source file; None, or the bad input it is as (key, value, expected) (a ConfigError does not
     cross a process's bounds)."""
-    from gems.data.layouts import get
-
     name, src, out = item
     try:
-        getattr(get(name), "convert")(src, out, channels=channels)
+        _converter(name).convert(src, out, channels=channels)
     except ConfigError as e:
         return e.key, e.value, e.expected
     return None

@@ -279,7 +279,12 @@ class NiftiSamples:
             buf = np.empty(tuple(s.stop - s.start for s in src), dtype=_native(g.dtype))
             self._read(g, src, buf, tasks, [])
             lab_bufs.append((r, v, dst, buf))
-        self.reader.run(tasks)
+        try:
+            self.reader.run(tasks)
+        except OSError as e:  # cut short, deleted or replaced since its header was read
+            raise ConfigError(self.key, self.path, "volumes that stay as they were when the run first read their "
+                              f"headers; {e.filename or e}: {e.strerror or 'could not be read as its header said'}"
+                              ) from None
         for into, buf in posts:
             into[...] = buf
         for r, v, dst, buf in lab_bufs:

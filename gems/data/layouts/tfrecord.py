@@ -216,7 +216,7 @@ class TFRecordSamples:
         if options.augment not in augmentation.KINDS:
             raise ConfigError("data.augment", options.augment, " | ".join(augmentation.KINDS))
         self.symmetries = augmentation.count(options.augment, 3)
-        self.targets: dict[int, np.ndarray] = {0: first.y}
+        self.targets: dict[int, np.ndarray] = {0: first.y}  # read for target() alone (a rank that reads no input)
         self.compression = compression(self.files[0], self.key)
         self.reader = preader.Reader(int(options.readers))
 
@@ -269,7 +269,6 @@ class TFRecordSamples:
 
     def _fill(self, row: np.ndarray, targets: np.ndarray, r: int, file: int, part: tuple[slice, ...]) -> None:
         rec = read_file(self.files[file], self.channels, self.key)
-        self.targets[file] = rec.y
         if rec.x.shape != (*self.file_shape[1:], self.channels) or rec.y.shape != targets.shape[1:]:
             raise ConfigError(self.key, self.path, f"crops shaped as the first file's, {list(self.file_shape)}, with "
                               f"{targets.shape[1]} targets; {self.files[file].name} holds {list(rec.x.shape)} (channels "
