@@ -202,9 +202,10 @@ def volumes(tmp_path_factory) -> Path:
 
 def test_the_unet_on_nifti_volumes_s2_equals_one_rank(tmp_path: Path, volumes: Path) -> None:
     """Two volumes of 16^2 x 12-16 voxels (a tile each, padded in depth), validation on two others: losses, accuracy
-    and Dice per class of S = 2 (each rank reads its slab) equal one rank's."""
+    and Dice per class of S = 2 (each rank reads its slab; the volumes staged to node-local storage first, their
+    labels with them) equal one rank's."""
     recs = []
-    for mesh in ([], ["parallel.spatial=2"]):
+    for mesh in ([], ["parallel.spatial=2", "data.stage=node", f"data.stage_dir={tmp_path / 'node'}"]):
         res = tmp_path / f"S{len(mesh) + 1}"
         out = gems("run", *UNET, f"data.path={volumes / 'train'}", f"data.val_path={volumes / 'val'}",
                    f"results.dir={res}", *mesh, timeout=600)
@@ -213,6 +214,7 @@ def test_the_unet_on_nifti_volumes_s2_equals_one_rank(tmp_path: Path, volumes: P
         recs.append(rec)
     one, two = recs
     assert "layout nifti" in " ".join(one["notes"])
+    assert "data.stage=node: 8 files" in " ".join(two["notes"]), two["notes"]  # 2 + 2 volumes and their labels
     np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-5)
     v1, v2 = one["validation"][-1], two["validation"][-1]
     assert v1["cells"] == v2["cells"] == 2 * 16 ** 3 and len(v1["dice"]) == 3

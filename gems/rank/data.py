@@ -169,7 +169,8 @@ def _listing(cfg: DictConfig, world: Any) -> list[tuple[str, str, int]]:
         for kind, src in (("train", d.path), ("val", d.val_path)):
             if src:
                 files = layouts.detect(str(src), d.get("layout"), "data.path" if kind == "train" else "data.val_path")
-                out += [(str(f), kind, f.stat().st_size) for f in files.files(str(src))]
+                out += [(str(g), kind, g.stat().st_size) for f in files.files(str(src))
+                        for g in (f, *files.companions(f))]
     if world.size > 1:
         import torch.distributed as dist
 

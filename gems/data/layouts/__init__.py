@@ -132,6 +132,11 @@ class Layout:
                           and f.is_file())
         return [p] if p.is_file() and p.name.endswith(self.suffixes) else []
 
+    def companions(self, file: Path) -> list[Path]:
+        """Files a sample file of :meth:`files` needs beside it (a NIfTI volume's labels), copied with it where a
+        run stages its files (``data.stage=node``): none by default."""
+        return []
+
     def holds(self, files: Sequence[Path]) -> bool:
         raise NotImplementedError
 

@@ -358,6 +358,9 @@ class NiftiLayout(Layout):
         found = [f for f in (p.iterdir() if p.is_dir() else [p]) if _VOLUME.match(f.name) and f.is_file()]
         return sorted(found, key=lambda f: (int(_VOLUME.match(f.name).group(1)), f.name))  # type: ignore[union-attr]
 
+    def companions(self, file: Path) -> list[Path]:
+        return [label_name(file)]
+
     def holds(self, files: Sequence[Path]) -> bool:
         return bool(files) and all(_VOLUME.match(f.name) for f in files)
 
