@@ -2,6 +2,8 @@
 bytes held across steps."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -59,14 +61,25 @@ def test_bench_modules_answer_help_and_reject_options_without_running():
         assert bad.returncode == 2 and "--steps=3" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def _results_files() -> dict[Path, int]:
+    """Every path under the repository's results/ and under results/ of the working directory (a run's default
+    results.dir), with the time it was last written."""
+    roots = {Path(__file__).resolve().parents[1] / "results", Path.cwd() / "results"}
+    return {p: p.stat().st_mtime_ns for root in roots if root.exists() for p in root.rglob("*")}
+
+
 def test_bench_data_writes_its_table_with_every_contender(tmp_path, monkeypatch):
     """A small `gems bench data` (32^3, S=1): the table and its environment written, the reader alone at each
     thread count beside its bound, both data kinds measured with every contender (the times themselves are the
-    benchmark's business, not a test's); GEMS_BENCH_DATA=reader writes the reader's part alone."""
+    benchmark's business, not a test's); GEMS_BENCH_DATA=reader writes the reader's part alone. The runs' records
+    and trained models stay in the bench's own temporary folder: nothing is written under the repository's results/
+    (they once left results/bench-data-32-1-*.model.pt there)."""
     from gems.bench.data import bench_data
     from gems.errors import ConfigError
 
+    before = _results_files()
     text = bench_data(tmp_path, sizes=(32,), spatials=(1,), rounds=1, reader_size=32, reader_rounds=1, quiet_s=0)
+    assert sorted(str(p) for p, t in _results_files().items() if before.get(p) != t) == []
     assert (tmp_path / "data.md").read_text() == text
     reader = [[c.strip() for c in line.split("|")[1:-1]] for line in text.split("### The step")[0].splitlines()
               if line.startswith("| ")][1:]

@@ -45,14 +45,16 @@ CONTENDERS = ("off", "on", "bound")
 STEPS, WARM, BATCH = 6, 2, 2
 
 
-def _cfg(size: int, spatial: int, data: str, path: str | None, contender: str) -> Any:
+def _cfg(size: int, spatial: int, data: str, path: str | None, contender: str, folder: str) -> Any:
+    """One run's configuration; its record and trained model go to ``folder`` (the bench's temporary folder), never
+    to the default results/ of wherever the bench was started."""
     from omegaconf import open_dict
 
     from gems.config import compose
 
     over = [f"model.size={size}", "model.width=1.0", f"parallel.spatial={spatial}", f"train.batch_size={BATCH}",
             f"train.steps={STEPS}", f"train.warmup_steps={WARM}", "train.profile=false",
-            f"data.prefetch={2 if contender == 'on' else 0}"]
+            f"data.prefetch={2 if contender == 'on' else 0}", f"results.dir={folder}"]
     over += ["data=hdf5", f"data.path={path}"] if data == "hdf5" else ["data.num_samples=64"]
     cfg = compose(over)
     with open_dict(cfg):
@@ -61,14 +63,15 @@ def _cfg(size: int, spatial: int, data: str, path: str | None, contender: str) -
 
 
 def bench_rank(rank: int, world_size: int, size: int, spatial: int, data: str, path: str | None,
-               contender: str) -> dict[str, float]:
-    """One run on this rank of a gloo world (gems.launch.world.run_world); rank 0's figures."""
+               contender: str, folder: str) -> dict[str, float]:
+    """One run on this rank of a gloo world (gems.launch.world.run_world), its files under ``folder``; rank 0's
+    figures."""
     import torch
 
     from gems.bootstrap import World
     from gems.rank.loop import Run
 
-    cfg = _cfg(size, spatial, data, path, contender)
+    cfg = _cfg(size, spatial, data, path, contender, folder)
     world = World(rank, world_size, rank, "127.0.0.1", 0, "single", torch.device("cpu"), "gloo", "torch", None,
                   "localhost")
 
@@ -401,7 +404,7 @@ def bench_data(out_dir: Path, sizes: tuple[int, ...] = (64, 128), spatials: tupl
                     for _ in range(rounds):  # alternated: every contender sees the same noise
                         for c in CONTENDERS:
                             got[c].append(run_world(bench_rank, spatial, size, spatial, data, path, c,
-                                                    timeout=1800)[0])
+                                                    str(Path(tmp) / "runs"), timeout=1800)[0])
                     fig = {c: {k: median([g[k] for g in got[c]]) for k in ("step", "exposed", "reader")}
                            for c in CONTENDERS}
                     reader = fig["off"]["reader"]

@@ -41,18 +41,22 @@ def _cfg(extra: list[str]):
 
 
 def gems_loop(per_rank_batch: int) -> float:
-    """Median step time of the gems worker loop on one rank (in this process)."""
+    """Median step time of the gems worker loop on one rank (in this process); its trained model is written to a
+    temporary folder, not to the results/ of wherever the bench was started."""
+    import tempfile
+
     from omegaconf import open_dict
 
     from gems.bootstrap import World
     from gems.rank.loop import train
 
-    cfg = _cfg([f"train.batch_size={per_rank_batch}"])
-    with open_dict(cfg):
-        cfg.run_id = "bench-overhead"
     world = World(0, 1, 0, "127.0.0.1", 0, "single", torch.device("cpu"), "gloo", "torch", None, "localhost")
-    with contextlib.redirect_stdout(io.StringIO()):  # the worker's per-step lines
-        record = train(cfg, world)
+    with tempfile.TemporaryDirectory(prefix="gems-bench-overhead-") as folder:
+        cfg = _cfg([f"train.batch_size={per_rank_batch}", f"results.dir={folder}"])
+        with open_dict(cfg):
+            cfg.run_id = "bench-overhead"
+        with contextlib.redirect_stdout(io.StringIO()):  # the worker's per-step lines
+            record = train(cfg, world)
     return float(record["step_time_s"]["median"])
 
 
