@@ -262,7 +262,8 @@ class _FakeCuda:
     """torch.cuda as the capture sees it, with a graph whose capture_end fails as CUDA's does after an error inside
     the capture: records every call, and which stream is current."""
 
-    def __init__(self) -> None:
+    def __init__(self, fail: bool = True) -> None:
+        self.fail = fail
         self.calls: list[Any] = []
         self.main = SimpleNamespace(name="main", wait_stream=lambda s: None)
         self.current = self.main
@@ -296,7 +297,8 @@ class _FakeCuda:
 
             def capture_end(self) -> None:
                 fake.calls.append(("capture_end", fake.current.name))
-                raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+                if fake.fail:
+                    raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
 
             def replay(self) -> None:
                 fake.calls.append("replay")
@@ -327,12 +329,50 @@ def test_a_capture_that_fails_stops_the_run_naming_its_cause_and_leaves_nothing_
                            "operation failed due to a previous error during capture)")
     assert "train.cuda_graphs=false" in text
     assert fake.calls == ["synchronize", ("capture_begin", "thread_local", "side"), ("capture_end", "side")]
+    assert "empty_cache" not in fake.calls
     assert fake.current is fake.main and gc.isenabled() and not g.captured and not g.replayed
-    free: list[bool] = []
-    probe = threading.Thread(target=lambda: free.append(graphs.CUDA_WORK.acquire(blocking=False)))
-    probe.start()
-    probe.join()
-    assert free == [True]
+    assert _free(graphs.CUDA_WORK)
+
+
+def test_a_capture_runs_its_eager_step_then_captures_once_and_replays_on_the_current_stream() -> None:
+    """The order of calls on a mock of torch.cuda: the eager step on the capture's stream, the capture there (CUDA's
+    thread-local mode) after a device synchronisation, the eager step's cached blocks released once the capture
+    ended, then replays; after every replay the graph's gradients are attached again for the optimizer outside it
+    (a replay runs none of the body's Python)."""
+    fake = _FakeCuda(fail=False)
+    w = nn.Parameter(torch.zeros(2))
+    ran: list[str] = []
+    static = torch.zeros(2)
+
+    def body(s: graphs.Static) -> None:
+        ran.append(fake.current.name)
+        w.grad = static
+
+    g = graphs.StepGraph(body, torch.device("cpu"), 0, capture=graphs._CudaCapture(torch.device("cpu"), api=fake),
+                         grads=[(w, static)])
+    for step in range(4):
+        w.grad = None  # the optimizer's zero_grad
+        g.run(torch.zeros(1, 1), torch.zeros(1, 1), 0, step, [0], False)
+        assert w.grad is static
+    assert ran == ["side", "side"]  # the eager step, and the capture (its Python runs once, recording)
+    assert fake.calls == ["synchronize", ("capture_begin", "thread_local", "side"), ("capture_end", "side"),
+                          "empty_cache", "replay", "replay", "replay"]
+    assert g.replays == 3 and fake.current is fake.main
+
+
+def _free(lock: Any) -> bool:
+    """Whether another thread can take ``lock`` now (it gives it back at once)."""
+    got: list[bool] = []
+
+    def probe() -> None:
+        got.append(lock.acquire(blocking=False))
+        if got[-1]:
+            lock.release()
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    return got == [True]
 
 
 def test_the_stand_ins_capture_refuses_a_host_read_and_puts_back_what_it_ran() -> None:
@@ -393,9 +433,7 @@ def test_the_reader_ahead_pauses_while_the_step_is_captured() -> None:
     class Probe(graphs._StandInCapture):
         def capture(self, body: Any) -> None:
             with graphs.CUDA_WORK:  # as _CudaCapture holds it
-                t = threading.Thread(target=lambda: held.append(not graphs.CUDA_WORK.acquire(blocking=False)))
-                t.start()
-                t.join()
+                held.append(not _free(graphs.CUDA_WORK))
                 super().capture(body)
 
     g = graphs.StepGraph(lambda s: None, torch.device("cpu"), 0, capture=Probe(lambda: []))

@@ -315,7 +315,7 @@ class _Graphed:
             c.notes.append("train.graph_optimizer: fp16's skipped steps are decided on the host: the optimizer stays "
                            "outside the graph")
         self.optimizer: Any = None  # made after the composition (set_up_rank hands it over: Parallel.adopt)
-        self.graph = graphs.StepGraph(self.body, c.world.device, c.world.rank, self.touched)
+        self.graph = graphs.StepGraph(self.body, c.world.device, c.world.rank, self.touched, grads=self.grads)
         self.own_hooks = reducer.hook_ids()
         par.graph, par.synced_step, par.averages_buffers, par.buffers = self.graph, self.synced, True, self.buffers
         par.optimizer_in_step = self.in_graph

@@ -265,6 +265,7 @@ class _CudaCapture:
                 gc.enable()
         current.wait_stream(self.stream)
         self.graph = graph
+        self.api.empty_cache()  # the eager step's blocks, cached for the capture's stream, back to the device
 
     def replay(self) -> None:
         self.graph.replay()
@@ -276,8 +277,9 @@ class _StandInCapture:
     own ops: :func:`replaying`). ``fail_at_end``: the capture fails at its end as CUDA's would after something
     invalidated it."""
 
-    def __init__(self, touched: Callable[[], list[torch.Tensor]], fail_at_end: bool = False) -> None:
-        self.touched, self.fail_at_end = touched, fail_at_end
+    def __init__(self, touched: Callable[[], list[torch.Tensor]], fail_at_end: bool = False,
+                 grads: Sequence[tuple[torch.nn.Parameter, torch.Tensor]] = ()) -> None:
+        self.touched, self.fail_at_end, self.grads = touched, fail_at_end, list(grads)
         self.body: Callable[[], None] | None = None
 
     def eager(self, body: Callable[[], None]) -> None:
@@ -302,9 +304,13 @@ class _StandInCapture:
         self.body = body
 
     def replay(self) -> None:
+        """The body again; then what a GPU's replay leaves of the host's side of it: nothing, so the gradients it
+        attached are taken off again (the step attaches them after a replay: :meth:`StepGraph.run`)."""
         assert self.body is not None
         with replaying():
             self.body()
+        for p, _ in self.grads:
+            p.grad = None
 
 
 def cause(e: BaseException) -> str:
@@ -334,8 +340,11 @@ class StepGraph:
 
     def __init__(self, body: Callable[[Static], None], device: torch.device, rank: int,
                  touched: Callable[[], list[torch.Tensor]] = lambda: [], capture: Any = None,
-                 eager_steps: int = EAGER_STEPS) -> None:
+                 eager_steps: int = EAGER_STEPS, grads: Sequence[tuple[torch.nn.Parameter, torch.Tensor]] = ()) -> None:
         self.body, self.device, self.rank, self.touched = body, device, rank, touched
+        #: (parameter, its static gradient): attached after each replay, for the optimizer (a replay writes the
+        #: static tensors and runs none of the body's Python)
+        self.grads = list(grads)
         self.eager_steps = int(eager_steps)
         self._capture = capture
         self.static: Static | None = None
@@ -390,6 +399,8 @@ class StepGraph:
                 self.captured = True
             cap.replay()
             self.replays += 1
+            for p, g in self.grads:
+                p.grad = g
         self.ran += 1
         return s.figures
 
@@ -397,7 +408,7 @@ class StepGraph:
         if self._capture is None:
             mode = stand_in()
             self._capture = (_CudaCapture(self.device) if self.device.type == "cuda" else
-                             _StandInCapture(self.touched, fail_at_end=mode == "fail_at_end"))
+                             _StandInCapture(self.touched, fail_at_end=mode == "fail_at_end", grads=self.grads))
         return self._capture
 
 
