@@ -125,7 +125,7 @@ def test_lbann_crops_are_the_universe_transposed(tmp_path):
 
 
 # ---------------------------------------------------------------------------- the findings of issue 65
-def test_finding_1_a_full_reached_through_an_external_link_is_read_from_the_file_that_holds_it(tmp_path):
+def test_finding_1_a_full_reached_through_an_external_link_is_read_from_the_file_that_holds_it(tmp_path, monkeypatch):
     values = _universes(1, edge=6)
     counts = values[0][0]
     with h5py.File(tmp_path / "data.h5", "w") as f:
@@ -140,6 +140,18 @@ def test_finding_1_a_full_reached_through_an_external_link_is_read_from_the_file
     assert head.offset is not None and head.source == str(tmp_path / "data.h5")
     assert torch.equal(ds.read([0])[0].data[0], torch.from_numpy(counts))
     ds.close()
+    # a relative data.path and a relative link, as a user types them
+    (tmp_path / "rel").mkdir()
+    with h5py.File(tmp_path / "rel" / "s.h5", "w") as f:
+        f["full"] = h5py.ExternalLink("../data.h5", "/full")
+        f["unitPar"] = values[0][1]
+    layouts.get("gems").write(tmp_path / "plain", values)
+    monkeypatch.chdir(tmp_path)
+    for folder in ("set", "rel", "plain"):
+        ds = HDF5Samples(folder, (4, 6, 6, 6), readers=2)
+        assert ds._header(0).source == str(tmp_path / ("plain/sample_00000.h5" if folder == "plain" else "data.h5"))
+        assert torch.equal(ds.read([0])[0].data[0], torch.from_numpy(counts))
+        ds.close()
 
 
 def test_finding_2_a_big_endian_first_file_keeps_the_int16_batch_and_the_positional_reads(tmp_path):

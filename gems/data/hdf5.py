@@ -251,6 +251,16 @@ def read_chunk(path: str, chunks: Chunks, k: int, dtype: np.dtype, ranges: Seque
     dst[tuple(to)] = arr[tuple(src)]
 
 
+def _source(file: Path, opened: str, holder: str) -> str:
+    """The file ``full``'s bytes lie in: ``file`` itself, or the one an external link led HDF5 to (``holder``, the
+    name HDF5 opened it by: relative to this process's folder, or else to the linking file's)."""
+    if holder == opened:
+        return os.path.realpath(file)
+    if os.path.isabs(holder) or os.path.exists(holder):
+        return os.path.realpath(holder)
+    return os.path.realpath(os.path.join(os.path.dirname(str(file)), holder))
+
+
 def stamp(path: str | os.PathLike) -> tuple[int, int, int, int]:
     """(device, inode, size, mtime in ns) of ``path``: what tells that a file was replaced, cut or rewritten."""
     st = os.stat(path)
@@ -436,7 +446,7 @@ class HDF5Samples:
                 found = None
                 if keep and meta["full"] is not None and meta["unitPar"] is not None:
                     ds = f["full"]
-                    source = os.path.realpath(os.path.join(os.path.dirname(str(file)), ds.file.filename))
+                    source = _source(file, f.filename, ds.file.filename)
                     offset, why = _offset(ds)
                     found = (offset, why, f["unitPar"][()], source, None if offset is not None else _chunks(ds))
         except OSError as e:  # not HDF5, truncated, unreadable
@@ -466,7 +476,8 @@ class HDF5Samples:
                       f"`unitPar` shaped {list(pshape or ())} of dtype {pdtype}")
         if found is not None:
             offset, why, par_values, source, chunks = found
-            paths = {str(file), source} if offset is not None or chunks is not None else {str(file)}
+            own = os.path.realpath(file)
+            paths = {own, source} if offset is not None or chunks is not None else {own}
             try:
                 stamps = tuple((q, stamp(q)) for q in sorted(paths))
             except OSError as e:
