@@ -203,3 +203,23 @@ def test_synth_as_a_slurm_job_splits_the_universes_over_its_tasks(tmp_path: Path
     with h5py.File(files[2]) as f:
         counts, unit, _ = cos.make_universe(cos.Universes(cells=32, box_mpc=128.0), 2)
         assert np.array_equal(f["full"][()], np.moveaxis(counts, 0, -1)) and np.array_equal(f["unitPar"][()], unit)
+
+
+def test_a_slurm_tasks_share_of_the_universes_is_cut_from_the_whole_set(tmp_path: Path) -> None:
+    """Tasks start at different moments: a task that starts after another has written some universes takes the
+    same share as if it had started first (every k-th of the whole set, less what is written), so no universe is
+    skipped and none is written by two tasks."""
+    from omegaconf import OmegaConf
+
+    from gems.config import compose
+    from gems.data.universes import plan_of, share, write_universe
+
+    cfg = compose(["data=hdf5", "data.kind=cosmology", f"data.path={tmp_path / 'train'}",
+                   f"data.val_path={tmp_path / 'val'}", "data.box_cells=32", "data.box_mpc=128",
+                   "data.universes=4", "data.val_universes=1"], check=False)
+    plan = plan_of(OmegaConf.create(OmegaConf.to_container(cfg)))
+    first = share(plan, 0, 2)
+    write_universe(plan.universes, *first[0])  # task 0 has written one when task 1 starts
+    second = share(plan, 1, 2)
+    assert set(first).isdisjoint(second) and set(first) | set(second) == set(plan.targets())
+    assert share(plan, 0, 2) == first[1:]  # and task 0 resumed takes the rest of its own

@@ -298,8 +298,17 @@ def _call(args: tuple[Callable[..., Any], tuple[Any, ...]]) -> Any:
 
 
 # ---------------------------------------------------------------------------- as a Slurm job
+def share(plan: Plan, rank: int, tasks: int) -> list[tuple[Path, int]]:
+    """Task ``rank`` of ``tasks``'s universes to write: every ``tasks``-th of the whole set, those not written yet."""
+    left = set(to_write(plan))
+    return [t for t in plan.targets()[rank::tasks] if t in left]
+
+
 def task(cfg_yaml: str) -> int:
-    """One Slurm task of the writing job: every k-th missing universe (k the job's tasks)."""
+    """One Slurm task of the writing job: every k-th universe of the whole data set (k the job's tasks) that is
+    not written yet. The share is cut from the whole set, which every task sees alike, never from what is missing
+    when the task starts: tasks start at different moments, and a share of a list that changed in between skips
+    a universe or gives one to two tasks."""
     import submitit
     from omegaconf import OmegaConf
 
@@ -307,7 +316,7 @@ def task(cfg_yaml: str) -> int:
     cfg = OmegaConf.create(cfg_yaml)
     env = submitit.JobEnvironment()
     plan = plan_of(cfg)
-    mine = to_write(plan)[env.global_rank::env.num_tasks]
+    mine = share(plan, env.global_rank, env.num_tasks)
     for folder, index in mine:
         write_universe(plan.universes, folder, index)
     return len(mine)
