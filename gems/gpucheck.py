@@ -126,7 +126,7 @@ def matrix(dry: bool = False) -> list[Run]:
     precisions = ["fp32"] if dry else ["fp32", "bf16", "fp16"]
     # fp16's reference sums its gradient over two micro-batches of 4, as every fp16 pipeline of the matrix does: a
     # convolution's fp16 weight gradient over 8 samples overflowed where over 4 it did not, so a one-pass reference
-    # skipped a step the pipelines took (H100, results/gpu/h100-2026-11-26.md); both obey the loss scaler's rule
+    # skipped a step the pipelines took (H100, results/gpu/h100-2026-11-26-rig.md); both obey the loss scaler's rule
     mb4 = ["parallel.schedule=gpipe", "parallel.micro_batches=2"]
     runs = [Run(f"1rank-{p}", [f"train.precision={p}"] + (mb4 if p == "fp16" else []), 1, p) for p in precisions]
     # CUDA graphs (gems.rank.graphs): the one-rank references replay their model (the default); the same runs eager

@@ -285,9 +285,9 @@ def up_group_wanted() -> bool:
     over gloo only. gloo runs a ``batch_isend_irecv`` as its operations one by one, and both directions of a pair of
     ranks on one connection under one lock, which its I/O thread holds while it reads a message in: a rank's send
     waited 2-4 ms for the peer's 2 MB activation coming the other way (gems bench pipeline's model, two ranks, timed
-    by hand; results/bench/pipeline-gloo-directions.md measures the change). A group of its own for each direction
-    gives each its own connection and thread. NCCL runs a batch as one group, which must be on one communicator; MPI
-    progresses both directions itself."""
+    by hand; results/history/pipeline-schedules.md#pipeline-gloo-directions measures the change). A group of its own
+    for each direction gives each its own connection and thread. NCCL runs a batch as one group, which must be on one
+    communicator; MPI progresses both directions itself."""
     import torch.distributed as dist
 
     return dist.is_initialized() and dist.get_backend() == "gloo"

@@ -27,10 +27,11 @@ prints each row's median, each of :data:`RATIOS` per commit (the median of the p
 bootstrap interval over the cycles), and each ratio of a later commit over the first's.
 
 It prints a markdown table of medians (step seconds for spatial and overhead, samples/s for pipeline; for pipeline
-also mast, master over lp and gems's 1F1B and interleaved over torch's as medians of the per-round ratios) and writes
-it to ``--out`` with the raw runs beside it (``.json``). results/bench/gradient-sum-points.md,
-pipeline-mirror-sums.md and pipeline-mirror-sums-inside.md were made this way. A wrong ``--models`` or ``--cycles``
-is exit 2 with one line. A REV that is a commit keeps the run fixed while the work tree changes; ``now`` does not.
+also mast, master over lp and gems's 1F1B and interleaved over torch's as medians of the per-round ratios) and
+writes it to ``--out`` with the raw runs beside it (``.json``). The side-by-side runs of commits in
+results/history/pipeline-schedules.md were made this way (gradient-sum-points, pipeline-mirror-sums and most
+sections after them). A wrong ``--models`` or ``--cycles`` is exit 2 with one line. A REV that is a commit keeps the
+run fixed while the work tree changes; ``now`` does not.
 """
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ Each round runs, for every lead in turn (the order reversed every other round), 
 enough). torch's rows do not depend on the lead: they show this machine's noise between the runs, and each gems
 schedule is also given over torch's same schedule in the same run. Prints a markdown table (samples/s, medians of
 the rounds) with the environment and writes it to ``--out`` with the raw runs beside it (``.json``). A wrong
-argument is exit 2 with one line. results/bench/pipeline-gloo-lead-sweep-second.md was made this way.
+argument is exit 2 with one line. The run in results/history/pipeline-schedules.md#pipeline-gloo-lead-sweep-second
+was made this way.
 """
 from __future__ import annotations
 

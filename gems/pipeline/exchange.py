@@ -42,16 +42,16 @@ before it adopts them: :meth:`gems.pipeline.runtime.PipelineRunner.place_rounds_
 clock, where a backward is not twice a forward or the stages are uneven (a cut by memory or by the smallest
 crossing). Integers keep ties exact: two messages the clock ends at one tick share a round on every rank alike.
 
-Over gloo a receive is a buffer waiting for its send, not a kernel that holds the rank's other communication,
-and a send whose receive is not posted yet waits for gloo's I/O thread, which shares the rank's core with its
-compute: a message of a round both ends reach at once arrived milliseconds late (GEMS-MAST's crossing activations,
-results/bench/pipeline-gloo-receive-lead.md). So over gloo a rank posts a round's receives :func:`receive_lead`
-actions before the round (never before its step, after the rounds already due there), and the round carries its
-sends. Each direction of a gloo line is a group of its own (:func:`gems.mesh.up_group_wanted`), so on each group a
-pair has one sender and one receiver, which issue that pair's messages in round order, the same order on both
-ends (the posts move by one count for every round, so they keep the rounds' order). Nothing else moves: the
-sends, sums and waits stay where the rounds put them, and a posted gloo receive holds nothing, so a run that
-completes as rounds completes with the receives posted earlier. :func:`check` checks both orders.
+Over gloo a receive is a buffer waiting for its send, not a kernel that holds the rank's other communication, and a
+send whose receive is not posted yet waits for gloo's I/O thread, which shares the rank's core with its compute: a
+message of a round both ends reach at once arrived milliseconds late (GEMS-MAST's crossing activations,
+results/history/pipeline-schedules.md#pipeline-gloo-receive-lead). So over gloo a rank posts a round's receives
+:func:`receive_lead` actions before the round (never before its step, after the rounds already due there), and the
+round carries its sends. Each direction of a gloo line is a group of its own (:func:`gems.mesh.up_group_wanted`), so
+on each group a pair has one sender and one receiver, which issue that pair's messages in round order, the same
+order on both ends (the posts move by one count for every round, so they keep the rounds' order). Nothing else
+moves: the sends, sums and waits stay where the rounds put them, and a posted gloo receive holds nothing, so a run
+that completes as rounds completes with the receives posted earlier. :func:`check` checks both orders.
 
 What this costs against posting every receive as early as gloo allows: a round ends only once every rank of it
 has reached it (on a GPU only the communication stream waits, the host and the compute stream go on), and a
@@ -85,7 +85,8 @@ def microseconds(seconds: float) -> int:
 #: One action covered a round both ends reach together; where the stages are uneven, or the clock the rounds are
 #: placed by is not the run's (the unit clock), a sender runs ahead of its receiver by more than one of the
 #: receiver's actions. Two brought interleaved 1F1B at the uneven cut from 0.97 of torch's to 1.03; three and
-#: four bought nothing more this machine could tell apart (results/bench/pipeline-gloo-lead-sweep-second.md,
+#: four bought nothing more this machine could tell apart
+#: (results/history/pipeline-schedules.md#pipeline-gloo-lead-sweep-second,
 #: scripts/sweep_gloo_lead.py) and hold more buffers, each counted by the memory plan
 #: (:meth:`ExchangePlan.held_during`)
 GLOO_LEAD = 2
