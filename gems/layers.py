@@ -6,11 +6,14 @@ every mesh draws the same dropout masks as the serial run.
 Plain ``nn.Dropout`` draws from each rank's RNG, so a run on 4 ranks and a run
 on 1 would train different networks. ``SampleDropout``'s mask of sample ``i``
 at step ``t`` is a pure function of ``(seed, t, i)`` and each value's index: a
-32-bit integer hash (:func:`sample_keys` on the host, two 32-bit keys a sample;
-:func:`keep_masks` on the device, integer operations only), so every mesh and
-every kind of device draws the same masks, the whole batch in one computation
-(no generator a sample), which a CUDA graph can replay: the keys are its one
-input (:func:`batch_context`'s ``keys``, a tensor on the device). The runtime
+32-bit integer hash (:func:`sample_keys`: two 32-bit keys a sample; then each
+value's index hashed under them), so every mesh and every kind of device draws
+the same masks. An eager step hashes the batch's masks on the host with numpy
+(:func:`host_keep_masks`) and copies them to the device at once (one copy, no
+generator a sample); inside a CUDA graph the same hash runs on the device in
+integer tensor operations (:func:`keep_masks`), its one input the keys, a
+static tensor refilled before each replay (:func:`batch_context`'s ``keys``).
+The two give the same bits (the tests compare them through whole runs). The runtime
 that calls the model says which samples are in the batch with
 :func:`batch_context`; pipeline runtimes set it again around the backward of a
 micro-batch, so recomputation draws the same masks.
@@ -92,6 +95,24 @@ def keep_masks(keys: torch.Tensor, numel: int, p: float) -> torch.Tensor:
     return (h >> 8) >= math.ceil(p * 2**24)
 
 
+def host_keep_masks(keys: Sequence[Sequence[int]], numel: int, p: float) -> Any:
+    """:func:`keep_masks` on the host (numpy, unsigned 64-bit integers: the same operations, the same bits)."""
+    import numpy as np
+
+    if numel >= 2**32:
+        raise ValueError(f"dropout over {numel} values a sample: at most 2^32 - 1")
+    k = np.array(keys, dtype=np.uint64).reshape(-1, 2)
+
+    def mix(x: Any) -> Any:
+        for shift, mult in _ROUNDS:
+            x = x ^ (x >> np.uint64(shift))
+            x = (x * np.uint64(mult)) & np.uint64(_M32)
+        return x ^ (x >> np.uint64(16))
+
+    h = mix(mix(np.arange(numel, dtype=np.uint64)[None, :] ^ k[:, :1]) ^ k[:, 1:])
+    return (h >> np.uint64(8)) >= np.uint64(math.ceil(p * 2**24))
+
+
 class SampleDropout(nn.Module):
     """Dropout with masks a pure function of (seed, step, sample) and each value's index (module docstring),
     identical on every mesh and device, drawn for the whole batch at once on the device."""
@@ -113,25 +134,22 @@ class SampleDropout(nn.Module):
         return x * self.masks(info, x.shape, x.device, x.dtype) / (1.0 - self.p)
 
     def masks(self, info: _BatchInfo, shape: Sequence[int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """The batch's masks (one per sample of ``info``), 1 where a value is kept."""
-        keep = keep_masks(_device_keys(info, device), math.prod(shape[1:]), self.p)
+        """The batch's masks (one per sample of ``info``), 1 where a value is kept: hashed on the device from the
+        keys a graph hands in, else on the host and copied over (to a GPU through pinned memory, without waiting
+        for its queue)."""
+        n = math.prod(shape[1:])
+        if info.keys is not None:
+            keep = keep_masks(info.keys, n, self.p)
+        elif device.type == "meta" or _fake_mode():  # a traced or planned forward: shapes, not values (one copy)
+            keep = torch.empty((len(info.sample_ids), n), dtype=torch.bool, device=device)
+        else:
+            keep = torch.from_numpy(host_keep_masks(sample_keys(info.seed, info.step, info.sample_ids), n, self.p))
+            if device.type != "cpu":
+                keep = keep.pin_memory().to(device, non_blocking=True)
         return keep.reshape(tuple(shape)).to(dtype=dtype)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
-
-
-def _device_keys(info: _BatchInfo, device: torch.device) -> torch.Tensor:
-    """``info``'s keys on ``device``: the caller's, or made from its samples (to a GPU through pinned memory, without
-    waiting for the device's queue)."""
-    if info.keys is not None:
-        return info.keys
-    if device.type == "meta" or _fake_mode():  # a traced or planned forward: shapes, not values
-        return torch.zeros((len(info.sample_ids), 2), dtype=torch.int64, device=device)
-    host = torch.tensor(sample_keys(info.seed, info.step, info.sample_ids), dtype=torch.int64).reshape(-1, 2)
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _fake_mode() -> bool:

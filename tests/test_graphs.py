@@ -139,11 +139,16 @@ def test_a_graphed_run_equals_the_eager_one_and_launches_few_ops_around_its_repl
     ["model=unet3d", "model.size=16", "model.width=0.125", "train.batch_size=2"],  # BatchNorm, skips
     ["model=cosmoflow", "model.width=0.25", "train.batch_size=2", "train.precision=fp16",
      "train.loss_scale_init=1e38"],  # fp16: skipped steps
-], ids=["unet-bn", "fp16-skips"])
+    ["model=cosmoflow", "model.width=0.25", "train.batch_size=2", "train.graph_optimizer=true"],  # the whole step
+], ids=["unet-bn", "fp16-skips", "whole-step"])
 def test_more_models_train_graphed_as_eager(tmp_path, extra) -> None:
+    """The U-Net (BatchNorm, skips), fp16's skipped steps, and the whole step in the graph (train.graph_optimizer:
+    Adam's update inside it, its rate a tensor the loop fills; eager with the same optimizer)."""
     args = ["model.size=32", "train.steps=4", "train.warmup_steps=1", "train.check_fit=false", *extra]
     on, off = _both(0, 1, args, str(tmp_path))
     assert on["loss"] == off["loss"] and on["cuda_graphs"] is True
+    if "train.graph_optimizer=true" in extra:  # no optimizer outside the replay: the copies in and out, the rate
+        assert "_fused_adam_" not in on["device_ops"]["ops"] and on["device_ops"]["per_step"] <= MAX_OPS
     if "train.precision=fp16" in extra:
         assert on["loss_scale"]["skipped_steps"] == off["loss_scale"]["skipped_steps"] and on["loss_scale"]["skipped_steps"]
 
@@ -446,3 +451,28 @@ def test_the_reader_ahead_pauses_while_the_step_is_captured() -> None:
 
     assert "with CUDA_WORK, torch.cuda.stream(self._side)" in inspect.getsource(Prefetcher._make)
     assert "with CUDA_WORK, self.api.stream(self.stream)" in inspect.getsource(graphs._CudaCapture.capture)
+
+
+def test_the_optimizer_a_capture_steps_is_capturable() -> None:
+    """gems bench step's control captures a plain loop's whole step, optimizer included: the configured optimizer
+    (Adam, the default) is made capturable there (it raised "capturable is False" inside the capture); with
+    train.graph_optimizer a run's optimizer is capturable with its rate on the device, in eager runs too. Built on
+    fake GPU tensors: a CPU has no capturable Adam."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from gems.config import compose
+    from gems.rank.optim import make_optimizer
+
+    with FakeTensorMode():
+        params = [nn.Parameter(torch.empty(3, device="cuda"))]
+        control = make_optimizer(compose([]), params, capturable=True)
+        plain = make_optimizer(compose([]), params)
+    assert type(control).__name__ == "Adam" and control.param_groups[0]["capturable"] is True
+    assert plain.param_groups[0]["capturable"] is False and plain.param_groups[0]["fused"] is True
+    whole = make_optimizer(compose(["train.graph_optimizer=true"]), [nn.Parameter(torch.zeros(3))])
+    assert isinstance(whole.param_groups[0]["lr"], torch.Tensor)  # (capturable on a GPU only: a CPU has none)
+    import inspect
+
+    from gems.bench.step import _plain
+
+    assert "make_optimizer(cfg, list(model.parameters()), capturable=graphed)" in inspect.getsource(_plain)

@@ -41,7 +41,8 @@ def _plan(*overrides: str, graphs: bool = False):  # type: ignore[no-untyped-def
 
 def test_a_graphed_plan_replays_its_kernels_and_holds_the_graphs_static_input() -> None:
     """train.cuda_graphs (the default): the model's ops at a replay's cost, not a launch's (planned: no lease has
-    timed one), the gradient sums after the backward, and one more input batch, the graph's static input."""
+    timed one), one more batch (the graph's static input and target), and, where the run evaluates, an evaluation's
+    forward beside the graph's pool (which keeps the step's tensors for the whole run)."""
     from gems.plan.devices import GRAPH_OP_OVERHEAD_S
 
     base = ["model=cosmoflow_mlperf", "train.batch_size=1", "train.precision=bf16", "cluster.gpu=h100"]
@@ -50,8 +51,13 @@ def test_a_graphed_plan_replays_its_kernels_and_holds_the_graphs_static_input() 
     assert graphed.prediction.step_s < 0.6 * eager.prediction.step_s
     assert any(a.startswith("the model's forward and backward replayed from CUDA graphs") and
                f"{GRAPH_OP_OVERHEAD_S * 1e6:.3g} us a kernel (planned" in a for a in graphed.prediction.assumptions)
-    one = 1 * 4 * 128 ** 3 * 4
+    one = 1 * 4 * 128 ** 3 * 4 + 1 * 4 * 4  # MLPerf's CosmoFlow: an fp32 input of 4 x 128^3, 4 targets
     assert graphed.positions[0].activations_detail["batch"] - eager.positions[0].activations_detail["batch"] == one
+    assert graphed.positions[0].activations_detail["evaluation_beside_graph"] == 0  # no validation set
+    validated = _plan(*base, "data.val_samples=8", graphs=True).positions[0]
+    # the first LeakyReLU's input and output (bf16, 32 x 128^3 each): the largest layer of a forward without gradients
+    assert validated.activations_detail["evaluation_beside_graph"] == 2 * 32 * 128 ** 3 * 2
+    assert validated.bytes.activations - graphed.positions[0].bytes.activations == 2 * 32 * 128 ** 3 * 2
     # a pipeline stays eager, and the plan says why
     piped = _plan("model=cosmoflow_mlperf", "train.batch_size=2", "cluster.gpu=h100", "parallel.pipeline=2",
                   graphs=True)
@@ -134,7 +140,14 @@ def test_the_planned_peak_is_what_cuda_allocated_on_the_h200(row: str) -> None:
                  f"train.precision={precision}", "data.prefetch=0").positions[0].activations_detail["batch"] == one_batch
 
 
-@pytest.mark.parametrize("row", sorted(ROWS))
+_OLD_DROPOUT = pytest.mark.xfail(strict=True, reason="measured by a gems that drew SampleDropout's masks a sample at a "
+                                 "time (a draw and a compare each, then a stack: 27 launches more a step at a batch of "
+                                 "4, 0.68 ms as planned); gems now copies the batch's masks in at once, so the 64^3 rows "
+                                 "plan at 0.66-0.71 of the measured 5.9-6.6 ms (0.78-0.82 with those launches). The "
+                                 "next lease measures again")
+
+
+@pytest.mark.parametrize("row", [pytest.param(r, marks=_OLD_DROPOUT) if ROWS[r][0] == 64 else r for r in sorted(ROWS)])
 def test_the_planned_step_is_within_a_quarter_of_the_h200s(row: str) -> None:
     """Every one-rank row, 64^3 to 256^3: the small steps (64^3, 6 ms) are made of their ops' per-kernel cost
     (gems.plan.devices.GPU_OP_OVERHEAD_S, one figure for every row and precision), the large ones of their memory

@@ -75,7 +75,8 @@ def _plain(overrides: list[str], device: torch.device, steps: int, warmup: int, 
     model = spec.module.to(device)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last_3d if len(spec.input_shape) == 4 else torch.channels_last)
-    opt = make_optimizer(cfg, list(model.parameters()))
+    # the configured optimizer; captured whole, a capturable one (Adam keeps its step count on the device)
+    opt = make_optimizer(cfg, list(model.parameters()), capturable=graphed)
     B = int(cfg.train.batch_size)
     x = torch.randn(B, *spec.input_shape, device=device)
     y = torch.randn(B, spec.num_outputs, device=device)

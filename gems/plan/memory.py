@@ -174,6 +174,8 @@ class _Stage:
     ckpt_layers: list[tuple[int, int]] = field(default_factory=list)  # checkpointed pieces (plain path)
     layer_work: list[_Affine] = field(default_factory=list)  # per layer: its backward's excess over ``saved``
     layer_convs: list[tuple[bool, list[tuple]]] = field(default_factory=list)  # per layer: (input grad, convs)
+    #: a forward without gradients (an evaluation's): the largest input and output of one layer together
+    forward: _Affine = field(default_factory=lambda: _Affine(0.0, 0.0))
 
     def working(self, chunk: int, workspace: Any = None, at_peak: bool = False,
                 span: tuple[int, int] | None = None, lines: Sequence[_Affine] | None = None) -> tuple[int, int]:
@@ -232,9 +234,16 @@ def _stages(t1: Trace, t2: Trace, bal: Sequence[int], layers: Sequence[nn.Module
                                                     if cls == "conv"))) for j in range(a, e)]
         out.append(_Stage(per, const, _affine(i1, i2), _affine(o1, o2), _affine(h1, h2),
                           _affine(g1, g2), sum(sizes), sum(b for b in sizes if not summed_in_place(b)),
-                          layer_work=[_affine(x1, x2) for x1, x2 in zip(lw1, lw2)], layer_convs=convs))
+                          layer_work=[_affine(x1, x2) for x1, x2 in zip(lw1, lw2)], layer_convs=convs,
+                          forward=_affine(_forward_set(t1, a, e), _forward_set(t2, a, e))))
         start = e
     return out
+
+
+def _forward_set(t: Trace, a: int, e: int) -> int:
+    """A forward without gradients over layers [a, e): each layer holds its input and its output, nothing saved."""
+    ins = [t.in_bytes, *t.out_bytes]
+    return max((ins[j] + t.out_bytes[j] for j in range(a, min(e, len(t.out_bytes)))), default=0)
 
 
 # ============================================================================ schedules
@@ -296,9 +305,11 @@ class Setup:
     calibration: Any = None
     #: bytes the reader ahead holds beside the batch it is making (reader_draw), on a rank that reads inputs
     reader_draw: int = 0
-    #: whether a GPU rank replays its model from CUDA graphs (gems.rank.graphs.decide): the graph's static input
-    #: holds one more batch, and its pool the step's tensors
+    #: whether a GPU rank replays its step from a CUDA graph (gems.rank.graphs.decide): the graph's static input
+    #: and target hold one more batch, and its pool the step's tensors for the whole run
     graphed: bool = False
+    #: whether the run evaluates (a validation set): a graphed rank's evaluation runs eager beside the graph's pool
+    evaluates: bool = False
 
     @property
     def kind(self) -> Any:
@@ -621,12 +632,17 @@ class Planner:
         in_per_sample = 4 * math.prod(local)
         batch_bytes = ((line * in_per_sample if first else 0) + (line * target_b if last_stage else 0)) \
             * (1 + st.batches_ahead) + (st.reader_draw if first else 0) \
-            + (line * in_per_sample if first and st.graphed else 0)  # the graph's static input
-        acts = peak + const + batch_bytes + self.blas
+            + ((line * in_per_sample if first else 0) + (line * target_b if last_stage else 0) if st.graphed
+               else 0)  # the graph's static input and target
+        # a graphed rank's pool keeps the step's tensors (the peak above) for the whole run, so an evaluation's
+        # forward, eager, allocates beside it rather than in what the step freed (gems.rank.graphs)
+        beside = max((stages[p].forward.at(chunk) for p in held), default=0) if st.graphed and st.evaluates else 0
+        acts = peak + const + batch_bytes + self.blas + beside
         halo = max((stages[p].halo.at(chunk) for p in held), default=0)
         # communication buffers
         grad_group = st.replicas * mesh.spatial * next(len(g) for g in st.settings.holder_groups if d in g)
-        comm = sum(stages[p].copied for p in held) if grad_group > 1 else 0
+        # (a graphed rank's small gradients are the views of its buckets' flattened buffers: nothing copied)
+        comm = sum(stages[p].copied for p in held) if grad_group > 1 and not st.graphed else 0
         if self.pipelined and D > 1:
             # messages received in a round (or posted ahead) before the action that needs them, beside the peak's
             # state (the one in use is the partition's input, counted as saved), plus a gradient in flight
@@ -636,7 +652,7 @@ class Planner:
         return Position(d, members, list(mesh.grid_of(members[0])), held, local, {int(k): int(v) for k, v in at.items()}, bd,
                         {"saved": int(peak - extra_at), "working": int(extra_at),
                          "batch": int(batch_bytes), "constant": int(const), "workspace": int(ws),
-                         "blas_workspace": int(self.blas)})
+                         "blas_workspace": int(self.blas), "evaluation_beside_graph": int(beside)})
 
     def positions(self, batch: int, profile: Any = None) -> tuple[list[int], list[Position]]:
         st = self.st
@@ -695,7 +711,8 @@ def setup(cfg: Any) -> Setup:
                   settings.balance_by, settings, rank_threads(cfg),
                   _setup_notes(cfg, settings, [n for n in (gather_note, eager_why) if n]),
                   device_batches_ahead(int(cfg.data.prefetch), str(cfg.data.name) == "hdf5") if gpu else 0,
-                  load_calibration(cfg) if gpu else None, reader_draw(cfg, spec) if gpu else 0, graphed)
+                  load_calibration(cfg) if gpu else None, reader_draw(cfg, spec) if gpu else 0, graphed,
+                  bool(cfg.data.val_path) or int(cfg.data.val_samples) > 0)
 
 
 def _setup_notes(cfg: Any, settings: Any, notes: list[str]) -> list[str]:

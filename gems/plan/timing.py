@@ -296,8 +296,9 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
     by default; ``prefetch``: the steps a reader makes ahead (``data.prefetch``): where communication and
     compute leave room (``rates.spare``), only what outlasts the step before is exposed. Data made on the
     rank's own device (``data_on_device``: synthetic samples drawn on a GPU) takes that device's time whatever
-    the reader: it is never hidden). ``graphed``: the model replayed from CUDA graphs (gems.rank.graphs): its ops
-    pay a replay's cost, not a launch (``GRAPH_OP_OVERHEAD_S``), and the gradient sums start after the backward."""
+    the reader: it is never hidden). ``graphed``: the step replayed from a CUDA graph (gems.rank.graphs): its ops
+    pay a replay's cost, not a launch (``GRAPH_OP_OVERHEAD_S``); the gradient sums start at their points in the
+    captured backward, as eager."""
     from dataclasses import replace
 
     from gems.plan.devices import GRAPH_OP_OVERHEAD_S, links
@@ -385,7 +386,7 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
             window = sum(cost(a) for a in last_b[-len(held):]) if last_b else 0.0
         else:
             comp, spat = per_stage[0].fwd + per_stage[0].bwd, per_stage[0].comm_fwd + per_stage[0].comm_bwd
-            window = 0.0 if graphed else per_stage[0].bwd  # a replayed backward starts no sum inside it
+            window = per_stage[0].bwd  # (a capture records the sums where the eager backward starts them)
         # gradients: a ring over the replicas, spatial parts and mirrored holders of these partitions
         params = sum(classes[0][2][p].params for p in held)
         holders = next((g for g in sched.holder_groups() if d in g), (d,)) if sched is not None else (0,)
@@ -411,8 +412,8 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
     said = _assumptions(rates, intra, inter, overlap, world, jitter, prefetch, data_on_device)
     if graphed:
         said.insert(2, f"the model's forward and backward replayed from CUDA graphs (train.cuda_graphs): "
-                       f"{GRAPH_OP_OVERHEAD_S * 1e6:.3g} us a kernel (planned: no lease has timed a replay yet), its "
-                       "gradient sums after the backward; the loss and the optimizer launch theirs")
+                       f"{GRAPH_OP_OVERHEAD_S * 1e6:.3g} us a kernel (planned: no lease has timed a replay yet), the "
+                       "loss, the gradient sums and the step's sync inside the replay; the optimizer launches its own")
     return Prediction(step, worst, batch / step if step > 0 else math.inf, worst_label, per_position, said)
 
 
