@@ -132,6 +132,8 @@ def matrix(dry: bool = False) -> list[Run]:
     # CUDA graphs (gems.rank.graphs): the one-rank references replay their model (the default); the same runs eager
     # must give their losses (the graphs' exactness), alone and as two replicas (R2 below runs graphed)
     runs.append(Run("1rank-eager", ["train.cuda_graphs=false"], 1))
+    if not dry:  # the whole step in the graph (the optimizer's update too: train.graph_optimizer), against the same
+        runs.append(Run("1rank-whole-step", ["train.graph_optimizer=true"], 1))  # reference (Adam's rate a tensor)
     # a short lease starts what matters most first (run_matrix starts in this order, none after its budget):
     # the strict mode, the hybrids, the precisions and the controls, then every schedule's grid
     if not dry:  # the strict mode: messages that do not fit NCCL's buffers, one connection a GPU
