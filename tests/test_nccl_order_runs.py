@@ -141,3 +141,23 @@ def test_a_graphed_replicas_run_with_checkpoints_replays_under_nccl_rules(tmp_pa
     assert len({c for _, c in comms}) >= 3 and any(fn == "scatter" for fn, _ in comms)
     for strict in (False, True):
         assert replay(logs, strict_sends=strict)["collectives"] > 0
+
+
+def test_a_graphed_replicas_step_read_a_step_late_replays_under_nccl_rules(tmp_path: Path, monkeypatch) -> None:
+    """Two replicas of CosmoFlow with BatchNorm and dropout, their steps graphed (the stand-in: the eager step, the
+    capture's run, then a replay a step, each the body's sums at the reducer's points in one-parameter buckets,
+    BatchNorm's averages and the step's sync) and their figures read a step late: every rank's calls replay under
+    NCCL's rules, strict sends too."""
+    from gems.rank.graphs import STAND_IN_ENV
+
+    monkeypatch.setenv(STAND_IN_ENV, "1")
+    logs_dir = tmp_path / "comm"
+    r = _logged_run(logs_dir, "parallel.replicas=2", *COSMO32[:2], "model.width=0.25", "model.norm=batch",
+                    "model.dropout=0.5", "comm.bucket_mb=0.0001", "train.batch_size=4", "train.steps=5",
+                    "train.warmup_steps=1", "train.check_fit=false", f"results.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    (rec,) = records(str(tmp_path))
+    assert rec["cuda_graphs"] is True and rec["device_ops"]["per_step"] <= 8
+    logs = load(logs_dir)
+    for strict in (False, True):
+        assert replay(logs, strict_sends=strict)["collectives"] > 0
