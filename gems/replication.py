@@ -561,6 +561,12 @@ def _views_of(flat: torch.Tensor, grads: list[torch.Tensor]) -> bool:
     return off == flat.numel()
 
 
+def averaged_buffers(modules: list[nn.Module], group: Any) -> list[torch.Tensor]:
+    """The buffers :func:`average_buffers` averages over the copies of ``modules``: every floating one (BatchNorm's
+    running statistics), where the gradient group holds more than this rank (``group`` not None)."""
+    return [b for m in modules for b in m.buffers() if b.is_floating_point()] if group is not None else []
+
+
 def average_buffers(buffers: list[torch.Tensor], group: Any, size: int, flat: torch.Tensor | None = None) -> None:
     """Average floating buffers over ``group`` (``size`` ranks), so every copy keeps the same running statistics
     (replicas and mirrored GEMS partitions see different samples): summed in one flattened fp32 tensor, divided,

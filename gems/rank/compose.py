@@ -27,7 +27,7 @@ from gems.rank import graphs
 from gems.rank.loss import Metric, make_loss_fn
 from gems.rank.optim import make_optimizer
 from gems.rank.sync import all_reduce_sum, step_sync
-from gems.replication import GradientReducer, attach, average_buffers, flat_buffers, mpi_group
+from gems.replication import GradientReducer, attach, average_buffers, averaged_buffers, flat_buffers, mpi_group
 
 
 # ---------------------------------------------------------------------------- composition
@@ -307,7 +307,7 @@ class _Graphed:
         self.zeroed = [b.flat for b in reducer.buckets if b.flat is not None] + \
             [g for _, g in self.grads if g._base is None]
         self.group = mesh.group("grad")
-        self.buffers = [b for b in c.seq.buffers() if b.is_floating_point()] if self.group is not None else []
+        self.buffers = averaged_buffers([c.seq], self.group)
         self.flat = flat_buffers([c.seq], self.buffers)  # one sum in place over the copies
         self.copies = len(mesh.ranks("grad"))
         self.in_graph = bool(cfg.train.graph_optimizer) and not c.scaler.enabled  # fp16 decides its skip on the host

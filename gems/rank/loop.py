@@ -56,7 +56,7 @@ from gems.rank.data import (
 )
 from gems.rank.optim import LearningRate, WeightAverage
 from gems.rank.sync import Posted, Readout, step_sync
-from gems.replication import average_buffers
+from gems.replication import average_buffers, averaged_buffers
 from gems.results import record as rec
 from gems.results.mlperf import MLPerfLog
 
@@ -171,10 +171,8 @@ class Run:
         self.ckpt_every = int(t.checkpoint_every or 0)
         # running statistics (BatchNorm) of the copies of a parameter's module see different samples
         par = self.par
-        self.buffers = [b for m in par.modules for b in m.buffers() if b.is_floating_point()] \
-            if mesh.group("grad") else []
-        if par.averages_buffers:  # the graphed step averages them itself (as the views of one tensor)
-            self.buffers = par.buffers
+        # (a graphed step averages them itself, as the views of one tensor: the same list)
+        self.buffers = par.buffers if par.averages_buffers else averaged_buffers(par.modules, mesh.group("grad"))
         self.hold = ckpt.Holding(par.names, par.params, self.opt)  # what checkpoints save and load, by whole names
         self.saver = ckpt.Saver(cfg, world, mesh, bool(t.checkpoint_async))
         self.resume()
