@@ -1,4 +1,8 @@
-"""Run the real `gems` command in a subprocess and read what it wrote."""
+"""Run the real `gems` command and read what it wrote: as a process of its own (:func:`gems`), or in this process
+through the same function the console script calls (:func:`gems_here`), for commands that launch no rank (bad
+input refused before anything starts, a plan, a render, the results' tables, a data command): no interpreter and
+imports to start, a few seconds each. A command that launches ranks runs as its own process (:func:`gems`): the
+console script forks its ranks from itself (gems/launch/forkserver.py), which a caller's process does not."""
 from __future__ import annotations
 
 import glob
@@ -12,6 +16,29 @@ def gems(*args: str, cwd: str | None = None, timeout: int = 300) -> subprocess.C
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run([sys.executable, "-m", "gems.cli", *args], capture_output=True, text=True,
                           cwd=cwd, timeout=timeout, env=env)
+
+
+def gems_here(*args: str, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """``gems ARGS`` run by ``gems.cli.main`` in this process, its exit status and what it printed as a
+    finished process's (ranks it launches are processes of their own, as under the console script)."""
+    import contextlib
+    import io
+
+    from gems.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:  # a command that exits (argparse's --help, say)
+                code = e.code if isinstance(e.code, int) else 1
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(["gems", *args], code, out.getvalue(), err.getvalue())
 
 
 def records(folder: str) -> list[dict]:
