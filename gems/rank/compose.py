@@ -338,7 +338,7 @@ class _Graphed:
         ok_in = all_finite(s.x)
         progress.mark("forward")
         with batch_context(int(c.cfg.train.seed), 0, range(s.x.shape[0]), keys=s.keys):
-            with c.amp():
+            with graphs.uncached(c.amp):
                 out = c.seq(s.x)
             ok_out = all_finite(out)
             loss = c.loss_fn(out, s.y)

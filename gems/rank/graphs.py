@@ -412,6 +412,19 @@ class StepGraph:
         return self._capture
 
 
+@contextlib.contextmanager
+def uncached(amp: Callable[[], Any]) -> Iterator[None]:
+    """The step's autocast (``amp()``) with its weight cache off: a capture must not keep casts in a cache that
+    outlives it (torch refuses autocast's cache in make_graphed_callables for this); the casts are the same."""
+    with amp():
+        if torch.is_autocast_enabled():
+            device = "cuda" if torch.is_autocast_enabled("cuda") else "cpu"
+            with torch.autocast(device, dtype=torch.get_autocast_dtype(device), cache_enabled=False):
+                yield
+        else:
+            yield
+
+
 def hooked(modules: Sequence[torch.nn.Module], own: set[int] = frozenset()) -> str | None:  # type: ignore[assignment]
     """The first module under ``modules`` with hooks a replay would not run (a fault injection's), by type name;
     ``own``: the ids of hooks the step itself placed (the gradient sum's points and taps, whose work the capture
