@@ -693,6 +693,25 @@ def validate(cfg: DictConfig, relations: bool = True) -> None:
                           "write one with `gems data synth`)")
 
 
+def serial(cfg: Any) -> DictConfig:
+    """``cfg`` on one rank, here: every ``parallel`` key at its schema default (one replica, one partition, one
+    part, ``lp``, no micro-batches, replica passes, virtual stages or recomputation: the defaults are the one-rank
+    values), the local launcher; the model, the data and the training as they are. What the model's own work is
+    counted on, whatever the mesh and schedule (gems.plan.roofline)."""
+    import dataclasses
+
+    from omegaconf import open_dict
+
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    with open_dict(out):
+        for f in dataclasses.fields(ParallelConf):
+            if f.default is not dataclasses.MISSING:
+                out.parallel[f.name] = f.default
+        out.cluster.launcher, out.cluster.name = "local", "local"
+        out.cluster.nodes = out.cluster.tasks_per_node = None
+    return out
+
+
 def check_comm_cut(stages: int, ranks: int | None = None) -> None:
     """``parallel.balance_by=comm`` picks the one cut of two partitions; anything else is bad input (checked here,
     where the key is, and by the pipeline's balance and :func:`gems.parallel.resolve` with the schedule's stages). ``ranks``:

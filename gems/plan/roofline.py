@@ -48,20 +48,15 @@ def _counted(ops: dict[int, Any], first: int) -> tuple[float, float]:
 def model_work(cfg: Any) -> Work:
     """The work of one training step of ``cfg``'s model at its global batch, from the planner's trace of the serial
     model at micro-batches 1 and 2 (cached as the planner's are), linear in the batch."""
-    from omegaconf import OmegaConf, open_dict
+    from omegaconf import open_dict
 
+    from gems.config import serial
     from gems.plan.memory import Planner, setup
 
-    serial = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-    with open_dict(serial):
-        serial.parallel.replicas = serial.parallel.pipeline = 1
-        serial.parallel.spatial, serial.parallel.spatial_dims = 1, [0]
-        serial.parallel.schedule, serial.parallel.micro_batches = "lp", 1
-        serial.parallel.checkpoint, serial.parallel.balance = False, None
-        serial.train.batch_size = 2
-        serial.cluster.launcher, serial.cluster.name = "local", "local"
-        serial.cluster.nodes = serial.cluster.tasks_per_node = None
-    pl = Planner(setup(serial), quick=True)
+    one = serial(cfg)  # every parallel key at its one-rank value: whatever options the schedule took
+    with open_dict(one):
+        one.train.batch_size = 2
+    pl = Planner(setup(one), quick=True)
     t1, t2 = pl._traced(0, 1), pl._traced(0, 2)
     first = min(t1.ops) if t1.ops else 0
     (f1, b1), (f2, b2) = _counted(t1.ops, first), _counted(t2.ops, first)
