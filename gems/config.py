@@ -703,6 +703,7 @@ def serial(cfg: Any) -> DictConfig:
     from omegaconf import open_dict
 
     out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    assert isinstance(out, DictConfig)
     with open_dict(out):
         for f in dataclasses.fields(ParallelConf):
             if f.default is not dataclasses.MISSING:
