@@ -196,6 +196,9 @@ class TrainConf:
     graph_optimizer: bool = key(False, "with train.cuda_graphs, the optimizer's update inside the graph too (a "
                                        "whole-step graph; its learning rate a tensor on the device, in eager runs "
                                        "too, so both run the same kernels); off until a GPU measures it faster")
+    graph_pieces: bool = key(False, "with train.cuda_graphs, a pipeline's partitions replay their forward and "
+                                    "backward of each micro-batch from graphs between the schedule's messages "
+                                    "(gems.rank.pieces); off until a GPU has run them")
     host_memory: str = key("auto", "freed host memory stays in the process (auto: on CPU ranks)",
                            choices=("auto", "keep", "release"))
     checkpoint_every: int = key(0, "save every N steps (the last step too, where N divides it) so a preempted or "

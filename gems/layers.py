@@ -42,6 +42,11 @@ class _BatchInfo:
 _CURRENT: list[_BatchInfo] = []
 
 
+def current_batch() -> _BatchInfo | None:
+    """The innermost :func:`batch_context`'s samples (None outside one)."""
+    return _CURRENT[-1] if _CURRENT else None
+
+
 @contextlib.contextmanager
 def batch_context(seed: int, step: int, sample_ids: Sequence[int], keys: torch.Tensor | None = None) -> Iterator[None]:
     """Declare which global samples the next forward passes carry; ``keys``: their :func:`sample_keys` already on

@@ -153,6 +153,68 @@ def test_more_models_train_graphed_as_eager(tmp_path, extra) -> None:
         assert on["loss_scale"]["skipped_steps"] == off["loss_scale"]["skipped_steps"] and on["loss_scale"]["skipped_steps"]
 
 
+PIPE = ["model=cosmoflow", "model.size=32", "model.width=0.25", "model.norm=batch", "model.dropout=0.5",
+        "train.steps=4", "train.warmup_steps=1", "train.check_fit=false", "train.graph_pieces=true",
+        "parallel.micro_batches=2"]
+
+
+@pytest.mark.parametrize("size,extra", [
+    (2, ["parallel.pipeline=2", "parallel.schedule=gpipe", "train.batch_size=4"]),
+    (2, ["parallel.pipeline=2", "parallel.schedule=mast", "train.batch_size=4", "parallel.micro_batches=1"]),
+    (4, ["parallel.replicas=2", "parallel.pipeline=2", "parallel.schedule=1f1b", "train.batch_size=8"]),
+], ids=["D2-gpipe", "D2-mast", "R2xD2-1f1b"])
+def test_a_pipelines_graphed_pieces_train_as_its_eager_stages(tmp_path, size, extra) -> None:
+    """train.graph_pieces: each partition's forward and backward of a micro-batch replayed (gems.rank.pieces) between
+    the schedule's messages, with BatchNorm and dropout: GPipe (every forward before the backwards: a slot a
+    micro-batch), GEMS-MAST (two partitions a rank, the mirrored copies' sums between the rounds) and 1F1B under two
+    replicas train as the eager run bit for bit, and the record says what was replayed."""
+    from gems.launch.world import run_world
+
+    results = run_world(_both, size, [*PIPE, *extra], str(tmp_path), timeout=300)
+    on, off = results[0]
+    assert on["loss"] == off["loss"] and len(on["loss"]) == 4
+    assert on["cuda_graphs"] is True and off["cuda_graphs"] is False
+    assert any("(train.graph_pieces)" in n for n in on["notes"])
+
+
+def test_a_piece_gives_the_partitions_gradients_never_its_own_buffers_and_a_failed_capture_names_it(monkeypatch) -> None:
+    """A slot's replay inside autograd (gems.rank.pieces): the output, the input's gradient and the parameters'
+    equal the partition's own; the parameters' .grad are copies (a zero_() on them leaves the next replay alone);
+    a capture failing at its end stops the run naming the stage and train.graph_pieces=false."""
+    from gems.rank import pieces as pc
+
+    torch.manual_seed(0)
+    part = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.ReLU(), SampleDropout(0.3), nn.Linear(4, 3))
+    twin = __import__("copy").deepcopy(part)
+    act = SimpleNamespace(stage=1, replica=0, micro_batch=0)
+    p = pc.Pieces(torch.device("cpu"), 0, contextlib.nullcontext, lambda: list(part.buffers()))
+    for step in range(3):
+        x = torch.randn(2, 5, generator=torch.Generator().manual_seed(step)).requires_grad_(True)
+        xt = x.detach().clone().requires_grad_(True)
+        p.begin_step(step)
+        with batch_context(7, step, [4, 9]):
+            y, yt = p(act, part, x), twin(xt)
+        (y * torch.arange(3.0)).sum().backward()
+        (yt * torch.arange(3.0)).sum().backward()
+        assert torch.equal(y, yt) and torch.equal(x.grad, xt.grad)
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(part.parameters(), twin.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(part.buffers(), twin.buffers()))
+        if step == 2:
+            slot = p.slots[(1, 0, 0)]
+            assert p.replays == 2 and not any(g is not None and g.data_ptr() == q.grad.data_ptr()
+                                              for g, q in zip(slot.grads[1:], part.parameters()))
+        for q in [*part.parameters(), *twin.parameters()]:
+            q.grad = None
+    monkeypatch.setenv(graphs.STAND_IN_ENV, "fail_at_end")
+    failing = pc.Pieces(torch.device("cpu"), 5, contextlib.nullcontext, lambda: [])
+    with batch_context(7, 0, [4, 9]):
+        failing(act, part, torch.randn(2, 5, requires_grad=True))
+    failing.begin_step(0)
+    with pytest.raises(graphs.CaptureFailed, match="capturing the piece of stage 1 failed on rank 5 at step 1: .*"
+                                                    "train.graph_pieces=false"):
+        failing.begin_step(1)
+
+
 def test_gradients_cannot_double_whatever_zero_grad_does(tmp_path, monkeypatch) -> None:
     """The graph owns its gradients and writes each step's afresh (issue 63, finding 5: make_graphed_callables's
     aliased a static buffer, and a zero_grad that zeroes instead of freeing doubled them): with zero_grad zeroing,

@@ -161,3 +161,23 @@ def test_a_graphed_replicas_step_read_a_step_late_replays_under_nccl_rules(tmp_p
     logs = load(logs_dir)
     for strict in (False, True):
         assert replay(logs, strict_sends=strict)["collectives"] > 0
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "mast"])
+def test_a_pipelines_graphed_pieces_replay_under_nccl_rules(tmp_path: Path, monkeypatch, schedule: str) -> None:
+    """train.graph_pieces (the stand-in): each partition's pieces replayed between the schedule's rounds, its sums
+    after each backward action (GEMS-MAST's mirrored ones between the rounds every holder shares), at R2 x D2: every
+    rank's calls replay under NCCL's rules, strict sends too."""
+    from gems.rank.graphs import STAND_IN_ENV
+
+    monkeypatch.setenv(STAND_IN_ENV, "1")
+    logs_dir = tmp_path / "comm"
+    r = _logged_run(logs_dir, "parallel.replicas=2", "parallel.pipeline=2", f"parallel.schedule={schedule}",
+                    "parallel.micro_batches=2", *COSMO32, "train.batch_size=8", "train.steps=3", "train.warmup_steps=1",
+                    "train.check_fit=false", "train.graph_pieces=true", f"results.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    (rec,) = records(str(tmp_path))
+    assert rec["cuda_graphs"] is True
+    logs = load(logs_dir)
+    for strict in (False, True):
+        assert replay(logs, strict_sends=strict)["messages"] > 0

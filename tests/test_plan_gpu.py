@@ -62,6 +62,9 @@ def test_a_graphed_plan_replays_its_kernels_and_holds_the_graphs_static_input() 
     piped = _plan("model=cosmoflow_mlperf", "train.batch_size=2", "cluster.gpu=h100", "parallel.pipeline=2",
                   graphs=True)
     assert any(n.startswith("train.cuda_graphs: the step runs eager: a pipeline") for n in piped.notes)
+    pieced = _plan("model=cosmoflow_mlperf", "train.batch_size=2", "cluster.gpu=h100", "parallel.pipeline=2",
+                   "train.graph_pieces=true", graphs=True)  # its pieces replayed, planned as eager launches for now
+    assert any(n.startswith("train.graph_pieces: the partitions' pieces are planned as eager") for n in pieced.notes)
     assert piped.prediction is not None and not any("replayed from CUDA graphs" in a
                                                     for a in piped.prediction.assumptions)
 

@@ -257,6 +257,9 @@ class PipelineRunner:
         self.scale_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
         self._memory_format = torch.contiguous_format
         self._gshape: dict[tuple[int, int], tuple[int, ...]] = {}  # (direction, stage) -> a spatial cut's global shape
+        #: a training forward of a partition: ``call_part(action, partition, x)`` (a graphed piece's replay:
+        #: gems.rank.pieces), else the partition's own call
+        self.call_part: Callable[[Action, nn.Module, torch.Tensor], torch.Tensor] = lambda a, part, x: part(x)
         #: called after every backward action (B, I, W), at the same place of the step on every rank running the
         #: same actions: the gradient sum launches what the action completed (GradientReducer.flush)
         self.after_backward: Callable[[], None] = lambda: None
@@ -612,7 +615,7 @@ class PipelineRunner:
             else:
                 if a.stage > 0 and x.is_floating_point():
                     x.requires_grad_(True)
-                y = part(x)
+                y = self.call_part(a, part, x)
                 live = _Live(x)
                 if last:
                     live.loss = self.loss_fn(y, target, self.chunk)

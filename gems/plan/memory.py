@@ -703,6 +703,9 @@ def setup(cfg: Any) -> Setup:
     gpu = plan_device(cfg) == "cuda"
     # whether a GPU rank replays its model from CUDA graphs, and where not, why (the plan's notes say so)
     graphed, eager_why = graphs_decide(cfg, settings, mesh, torch.device("cuda")) if gpu else (False, None)
+    if graphed and settings.pipelined:  # a pipeline's graphed pieces (gems.rank.pieces): planned as eager for now
+        graphed, eager_why = False, ("train.graph_pieces: the partitions' pieces are planned as eager launches and "
+                                     "memory (each slot's pool, its gradients and workspace, is not modelled yet)")
     if mesh.spatial > 1:
         from gems.spatial.context import SpatialContext  # noqa: F401 - fails early when spatial is unavailable
     return Setup(spec, model_key, mesh, sched, int(p.micro_batches), eta, bool(p.checkpoint), str(cfg.train.precision), gpu,

@@ -72,6 +72,8 @@ class Parallel:
     place_rounds: Callable[[], None] = field(default=lambda: None)
     #: the step replayed from a CUDA graph (gems.rank.graphs.StepGraph), None where the step runs eager
     graph: Any = None
+    #: a pipeline's partitions replayed from graphs between its messages (gems.rank.pieces.Pieces), or None
+    pieces: Any = None
     #: a graphed rank's step with its sync (its sums, BatchNorm's averages and the sync inside the graph):
     #: (x, y, ids, step, stop) -> [global loss, stop, input finite, output finite] on the device, not read
     synced_step: Callable[..., torch.Tensor] | None = None
@@ -199,14 +201,30 @@ class _Composition:
         runner.scale_loss = self.scaler.scale
         runner.memory_format = self.memory_format  # the cuts cross in the format the partitions compute in
         params = list(runner.parameters())
-        reducer = _reducer(runner.partitions, self.mesh, self.world, cfg)
+        graphed, why = graphs.decide(cfg, st, self.mesh, device)  # a partition's pieces replayed (gems.rank.pieces)
+        if why:
+            self.notes.append(why)
+        # replayed pieces run no points inside a partition: the sums start after each backward action (flush)
+        reducer = _reducer(runner.partitions, self.mesh, self.world, cfg, overlap=not graphed)
         attach(reducer, runner)
+        pieces = None
+        if graphed:
+            from gems.rank.pieces import Pieces
+
+            pieces = Pieces(device, self.world.rank, self.amp, lambda: list(runner.buffers()))
+            runner.call_part = pieces
         # a parameter is final after the last backward of its partition on this rank
         backwards = Counter(a.stage for a in runner.actions if a.kind.finishes_gradients)
         count = {id(q): backwards[s] for s, part in runner.partitions.items() for q in part.parameters()}
 
         def pipe_step(x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int) -> torch.Tensor:
             self.mark(x)
+            if pieces is not None:
+                if pieces.steps == 0 and graphs.hooked(list(runner.modules), reducer.hook_ids()):
+                    pieces.refused = True  # a replay runs no hook: the model's own (a fault injection) must run
+                    self.notes.append("train.cuda_graphs: the step runs eager: hooks on the model (a replay would "
+                                      "skip them)")
+                pieces.begin_step(step)
             reducer.start_step(expected=lambda q: count[id(q)])
             with self.amp():
                 loss = runner.step(x, y, ids, seed, step)
@@ -239,7 +257,7 @@ class _Composition:
                         balance=list(runner.balance), first_nonfinite=runner.first_nonfinite,
                         notes=self.notes, quiesce=self.quiesce, scaler=self.scaler, transfers=runner.transfers,
                         evaluate=pipe_eval, metric=self.metric, first_step_connects=not runner.connected,
-                        place_rounds=place_rounds)
+                        place_rounds=place_rounds, pieces=pieces)
 
     def whole(self) -> Parallel:
         """No pipeline: one forward and backward of the whole (spatial) model; 3. the gradient sum."""

@@ -96,28 +96,36 @@ GRAPHED_NOTE = ("train.cuda_graphs: the step (forward, loss, backward, gradient 
                 "ran the copies of the batch and of the host values in, {optimizer}and one copy of the step's "
                 "figures out, read a step late")
 
+#: what the record says of a pipeline whose pieces were replayed (gems.rank.pieces)
+PIECES_NOTE = ("train.cuda_graphs: each partition's forward and backward of a micro-batch was replayed from CUDA graphs "
+               "(train.graph_pieces) after an eager step and the capture; the schedule's messages, the loss, the "
+               "gradient sums (after each backward action) and the optimizer ran eager around them")
+
 
 class CaptureFailed(RunError):
     """A capture of the step failed: the run stops (module docstring: why not eager)."""
 
 
 def decide(cfg: Any, settings: Any, mesh: Any, device: torch.device) -> tuple[bool, str | None]:
-    """(whether this rank's step replays a graph, a note saying why not where it would have). ``train.cuda_graphs``:
-    auto (GPU ranks on the plain path: no pipeline, no spatial parts, no recomputation, sums not over MPI) or
-    false."""
+    """(whether this rank's step replays graphs, a note saying why not where it would have). ``train.cuda_graphs``:
+    auto (GPU ranks on the plain path: no pipeline, no spatial parts, no recomputation, sums not over MPI; a
+    pipeline's partitions too with ``train.graph_pieces``, but for a split backward: gems.rank.pieces) or false."""
     if not bool(cfg.train.cuda_graphs):
         return False, None
     if device.type != "cuda" and not (device.type == "cpu" and stand_in() is not None):
         return False, None  # CPU ranks have no CUDA graphs (gems plan and the docs say so; nothing to note a run)
     why = None
-    if settings.pipelined:
-        why = "a pipeline's stages exchange messages between their pieces (graphs of the pieces are not built yet)"
+    if settings.pipelined and not bool(getattr(cfg.train, "graph_pieces", False)):
+        why = ("a pipeline's stages exchange messages between their pieces (train.graph_pieces=true replays each "
+               "partition's pieces from graphs between them: gems.rank.pieces, off until a GPU has run them)")
     elif mesh.spatial > 1:
         why = "spatial parts exchange halos inside their layers"
     elif bool(cfg.parallel.checkpoint):
         why = "recomputation (parallel.checkpoint) runs the forward again inside the backward"
     elif str(getattr(getattr(cfg, "comm", None), "backend", "")) == "mpi":
         why = "MPI's gradient sums (comm.backend=mpi) run from the host"
+    elif settings.pipelined and settings.schedule.split:
+        why = "a split backward's weight gradients wait for their W action (gems.pipeline.deferred)"
     return (True, None) if why is None else (False, f"train.cuda_graphs: the step runs eager: {why}")
 
 
@@ -149,7 +157,7 @@ class Static:
         return self.scalars[0]
 
 
-class _HostRing:
+class HostRing:
     """Host buffers the step's host values go through (pinned on a GPU rank), written through numpy (no device op)
     and copied in with one non-blocking copy. Two, used in turn: the copy from one is done by the time the step two
     later writes it again, since the loop reads every step's figures (after its copies) within one step."""
@@ -210,7 +218,7 @@ class DeviceOps(TorchDispatchMode):
         return out
 
 
-class _NoHostReads(TorchDispatchMode):
+class NoHostReads(TorchDispatchMode):
     """The stand-in's capture: refuses what a CUDA capture cannot hold, a device value read on the host."""
 
     READS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "unique_dim", "_unique2"}
@@ -272,7 +280,7 @@ class _CudaCapture:
 
 
 class _StandInCapture:
-    """The capture on a CPU rank: its capture runs the body once under :class:`_NoHostReads` and puts back every
+    """The capture on a CPU rank: its capture runs the body once under :class:`NoHostReads` and puts back every
     tensor that run changed (a capture runs nothing); each replay runs the body again (not counted as the step's
     own ops: :func:`replaying`). ``fail_at_end``: the capture fails at its end as CUDA's would after something
     invalidated it."""
@@ -289,7 +297,7 @@ class _StandInCapture:
         saved = [(t, t.detach().clone()) for t in self.touched()]
         failed = False
         try:
-            with _NoHostReads():
+            with NoHostReads():
                 body()
         except BaseException:
             failed = True
@@ -348,7 +356,7 @@ class StepGraph:
         self.eager_steps = int(eager_steps)
         self._capture = capture
         self.static: Static | None = None
-        self.host: _HostRing | None = None
+        self.host: HostRing | None = None
         self.ran = 0  # steps of the body (eager, then replays)
         self.captured = False
         self.replays = 0
@@ -377,7 +385,7 @@ class StepGraph:
             self.static = Static(torch.empty_like(x), torch.empty_like(y),
                                  torch.zeros(1 + 2 * len(ids), dtype=torch.int64, device=self.device),
                                  torch.zeros(4, dtype=torch.float64, device=self.device))
-            self.host = _HostRing(1 + 2 * len(ids), self.device)
+            self.host = HostRing(1 + 2 * len(ids), self.device)
         s, host = self.static, self.host
         assert host is not None
         s.x.copy_(x)

@@ -176,8 +176,8 @@ class Run:
         self.hold = ckpt.Holding(par.names, par.params, self.opt)  # what checkpoints save and load, by whole names
         self.saver = ckpt.Saver(cfg, world, mesh, bool(t.checkpoint_async))
         self.resume()
-        if par.graph is not None:  # the graph's eager step(s) and its capture: left out of the timings too
-            self.graphed_from = min(self.start + par.graph.eager_steps + 1, self.steps - 1)
+        if par.graph is not None or par.pieces is not None:  # the graphs' eager step and their capture: untimed
+            self.graphed_from = min(self.start + 2, self.steps - 1)
             self.measure_from = max(self.measure_from, self.graphed_from)
             if self.wd is not None:
                 self.wd.warm_until = max(self.wd.warm_until, self.measure_from)
@@ -603,7 +603,8 @@ class Run:
             record["peak_memory_bytes"]["tensor_steps"] = list(range(min(self.profiled_to, len(seen))))
         notes = list(par.notes) + self.notes(measured) + ([self.staged.note()] if self.staged else [])
         notes += data_notes(self.cfg, self.data)  # the files' layout, the readers' cap, a slow path taken
-        replayed = bool(par.graph is not None and par.graph.replayed)  # the step replayed from a CUDA graph
+        # the step replayed from a CUDA graph, or a pipeline's pieces from theirs
+        replayed = any(g is not None and g.replayed for g in (par.graph, par.pieces))
         if replayed:  # what the replay covers, and what stays eager around it
             notes.append(graphed_note(par))
         if notes:
@@ -675,7 +676,7 @@ class Run:
         """What the record should say about how its figures were measured."""
         out = []
         warm, start = self.warm, self.profiled_to
-        if self.par.graph is not None and self.measure_from > max(warm, start):
+        if (self.par.graph is not None or self.par.pieces is not None) and self.measure_from > max(warm, start):
             out.append(f"step(s) {max(warm, start, self.start)}-{self.measure_from - 1} ran the graph's eager step(s) "
                        "and its capture (gems.rank.graphs) and were left out of the timings")
         if self.par.first_step_connects and warm == 0 and start >= 1:
@@ -798,9 +799,11 @@ class _StepContext:
 
 def graphed_note(par: Parallel) -> str:
     """What the record of a graphed run says the replay covered, and what ran around it."""
-    from gems.rank.graphs import GRAPHED_NOTE
+    from gems.rank.graphs import EAGER_STEPS, GRAPHED_NOTE, PIECES_NOTE
 
-    return GRAPHED_NOTE.format(eager=par.graph.eager_steps,
+    if par.graph is None:
+        return PIECES_NOTE
+    return GRAPHED_NOTE.format(eager=EAGER_STEPS,
                                optimizer="" if par.optimizer_in_step else "the optimizer's update (one fused kernel), ")
 
 

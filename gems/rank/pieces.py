@@ -1,0 +1,232 @@
+"""Graphed pieces of a pipeline's partitions (``train.graph_pieces``): each action's partition replayed from CUDA
+graphs between the schedule's messages, which stay eager.
+
+A pipeline's step is its schedule's actions, each a forward or a backward of one partition over one micro-batch,
+with exchange rounds between them (gems.pipeline.exchange); the whole step cannot be one graph (the rounds are
+NCCL's point-to-point groups, placed between the actions in one order on every rank, and the inputs of a forward
+arrive by them). So each *slot*, a (stage, replica pass, micro-batch) the rank runs, gets a pair of graphs, the
+partition's forward and its backward (as ``torch.cuda.make_graphed_callables`` makes them: the backward's graph
+takes the output's gradient and gives the input's and the parameters'), in a pool of its own (a slot's forward and
+backward replay in that order, between other slots'); the runtime calls them in place of the partition
+(``PipelineRunner.call_part``), and autograd routes the gradients: the input's to the message the runtime sends
+back, the parameters' (copied out of the graph: they never alias its buffers) to ``.grad`` through autograd's own
+accumulation, whose hooks the gradient sum counts. The loss of the last stage, fp16's scale, the messages, the
+sums (at the end of each backward action: points inside a replayed partition would not run) and the optimizer stay
+eager.
+
+The first step runs every partition eagerly (the slots and their shapes learnt; libraries and communicators
+initialised); the next step captures every slot before its first action (each after a warm-up of three forwards
+and backwards on its static input, BatchNorm's statistics put back after), then replays. Dropout's keys are a
+slot's static input too, copied in before its forward. A slot whose input has another shape runs eager.
+
+Off by default until a GPU has run them: every slot holds its own parameter gradients and its backward's
+workspace in its pool (``m`` micro-batches of a stage: ``m`` sets), which the planner does not count yet.
+Not for spatial parts (their halos exchange inside the layers), recomputation or a split backward (the weight
+gradients wait for their W action). Checked on CPU with the capture's stand-in (``GEMS_CPU_GRAPH_STAND_IN=1``:
+its capture runs a slot once under the host-read check and puts its buffers back; a replay runs the partition
+again): pipelines train as eager bit for bit and their messages replay under NCCL's rules (tests/test_graphs.py).
+"""
+from __future__ import annotations
+
+import gc
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from gems.layers import batch_context, current_batch, sample_keys
+from gems.rank.graphs import CUDA_WORK, CaptureFailed, HostRing, NoHostReads, cause, replaying, stand_in, uncached
+
+#: forwards and backwards on a slot's static input before its capture (torch's make_graphed_callables runs three)
+WARMUP = 3
+
+
+class _Slot:
+    """One (stage, replica pass, micro-batch): its static input, keys, output, output gradient and gradients, and
+    its two graphs (or, on a CPU, the stand-in's replay of them)."""
+
+    def __init__(self, part: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, needs_grad: bool, samples: int,
+                 device: torch.device, amp: Callable[[], Any]) -> None:
+        self.part, self.amp, self.device = part, amp, device
+        self.params = [p for p in part.parameters() if p.requires_grad]
+        self.x = torch.zeros(shape, dtype=dtype, device=device, requires_grad=needs_grad)
+        self.keys = torch.zeros((samples, 2), dtype=torch.int64, device=device)
+        self.host = HostRing(2 * samples, device)
+        self.inputs: list[torch.Tensor] = ([self.x] if needs_grad else []) + list(self.params)
+        self.y: torch.Tensor | None = None
+        self.gy: torch.Tensor | None = None
+        self.grads: list[torch.Tensor | None] = []
+        self.graphs: tuple[Any, Any] | None = None
+        self._live: torch.Tensor | None = None  # the stand-in's forward, for its backward
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return tuple(x.shape) == tuple(self.x.shape) and x.dtype == self.x.dtype and \
+            x.requires_grad == self.x.requires_grad
+
+    def _forward(self) -> torch.Tensor:
+        with batch_context(0, 0, range(self.keys.shape[0]), keys=self.keys), uncached(self.amp), torch.enable_grad():
+            return self.part(self.x)
+
+    def _grads(self, y: torch.Tensor, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return torch.autograd.grad(y, self.inputs, gy, allow_unused=True)
+
+    # ---- capture
+    def capture_cuda(self) -> None:
+        """The warm-up on a side stream, then the forward's graph and the backward's in one pool (the slot's)."""
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with CUDA_WORK, torch.cuda.stream(side):
+            for _ in range(WARMUP):
+                y = self._forward()
+                self._grads(y, torch.ones_like(y))
+            del y
+        torch.cuda.synchronize(self.device)
+        fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        collecting = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            with CUDA_WORK, torch.cuda.stream(side):
+                fwd.capture_begin(capture_error_mode="thread_local")
+                try:
+                    y = self._forward()
+                finally:
+                    fwd.capture_end()
+                self.gy = torch.empty_like(y)
+                bwd.capture_begin(pool=fwd.pool(), capture_error_mode="thread_local")
+                try:
+                    grads = self._grads(y, self.gy)
+                finally:
+                    bwd.capture_end()
+        finally:
+            if collecting:
+                gc.enable()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.y, self.grads, self.graphs = y.detach(), list(grads), (fwd, bwd)
+
+    def capture_stand_in(self) -> None:
+        """The stand-in: one forward and backward under the host-read check (what a capture refuses); the buffers
+        are put back by the caller."""
+        with NoHostReads():
+            y = self._forward()
+            grads = self._grads(y, torch.ones_like(y))
+        self.y, self.gy = torch.zeros_like(y), torch.zeros_like(y)
+        self.grads = [g if g is None else torch.zeros_like(g) for g in grads]
+        self.graphs = None
+
+    # ---- replay
+    def forward(self, x: torch.Tensor, keys: Sequence[int]) -> torch.Tensor:
+        with torch.no_grad():
+            self.x.copy_(x)
+            self.keys.view(-1).copy_(self.host.fill(keys), non_blocking=True)
+        if self.graphs is not None:
+            self.graphs[0].replay()
+        else:
+            with replaying():
+                self._live = self._forward()
+                assert self.y is not None
+                with torch.no_grad():
+                    self.y.copy_(self._live)
+        assert self.y is not None
+        return self.y
+
+    def backward(self, gy: torch.Tensor) -> list[torch.Tensor | None]:
+        assert self.gy is not None
+        with torch.no_grad():
+            self.gy.copy_(gy)
+        if self.graphs is not None:
+            self.graphs[1].replay()
+        else:
+            assert self._live is not None
+            with replaying():
+                got = self._grads(self._live, self.gy)
+                with torch.no_grad():
+                    for mine, g in zip(self.grads, got):
+                        if mine is not None and g is not None:
+                            mine.copy_(g)
+            self._live = None
+        return self.grads
+
+
+class _Piece(torch.autograd.Function):
+    """A slot's replay inside autograd: the forward's output (the slot's static output), and in the backward the
+    input's gradient (the static one: the runtime sends it before the slot replays again) and the parameters'
+    (copies: ``.grad`` never aliases the graph's buffers)."""
+
+    @staticmethod
+    def forward(ctx: Any, slot: _Slot, keys: list[int], x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.slot = slot
+        return slot.forward(x, keys).detach()
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:
+        slot: _Slot = ctx.slot
+        grads = slot.backward(gy)
+        gx = grads[0] if slot.x.requires_grad else None
+        params = grads[1:] if slot.x.requires_grad else grads
+        return (None, None, gx, *(g.clone() if g is not None else None for g in params))
+
+
+class Pieces:
+    """A pipeline rank's slots (module docstring): called in place of a partition (``PipelineRunner.call_part``);
+    :meth:`begin_step` before each step captures them once the first step has run them eagerly."""
+
+    def __init__(self, device: torch.device, rank: int, amp: Callable[[], Any],
+                 buffers: Callable[[], list[torch.Tensor]]) -> None:
+        self.device, self.rank, self.amp, self.buffers = device, rank, amp, buffers
+        self.slots: dict[tuple[int, int, int], _Slot] = {}
+        self.seen: dict[tuple[int, int, int], tuple[nn.Module, tuple[int, ...], torch.dtype, bool, int]] = {}
+        self.steps = 0
+        self.captured = False
+        self.replays = 0
+        self.refused = False  # hooks on a partition a replay would skip (the caller decides)
+
+    @property
+    def replayed(self) -> bool:
+        return self.replays > 0
+
+    def begin_step(self, step: int) -> None:
+        """Before a step's first action: capture every slot the first step ran (once)."""
+        if not self.refused and not self.captured and self.steps >= 1 and self.seen:
+            self._capture_all(step)
+        self.steps += 1
+
+    def _capture_all(self, step: int) -> None:
+        saved = [(b, b.detach().clone()) for b in self.buffers()]  # the warm-up moves BatchNorm's statistics
+        key: Any = None
+        try:
+            for key, (part, shape, dtype, needs_grad, samples) in sorted(self.seen.items()):
+                slot = _Slot(part, shape, dtype, needs_grad, samples, self.device, self.amp)
+                if self.device.type == "cuda":
+                    slot.capture_cuda()
+                else:
+                    slot.capture_stand_in()
+                    if stand_in() == "fail_at_end":
+                        raise RuntimeError("CUDA error: operation failed due to a previous error during capture "
+                                           "(stand-in: injected at the capture's end)")
+                self.slots[key] = slot
+        except Exception as e:
+            raise CaptureFailed(f"train.graph_pieces: capturing the piece of stage {key[0] if key else '?'} failed on "
+                                f"rank {self.rank} at step {step}: {cause(e)}. The run stops: a failed capture leaves "
+                                "CUDA's caching allocator mid-capture. train.graph_pieces=false trains eager") from e
+        finally:
+            with torch.no_grad():
+                for b, v in saved:
+                    b.copy_(v)
+        self.captured = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the warm-ups' blocks, cached for their side streams
+
+    def __call__(self, action: Any, part: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        key = (action.stage, action.replica, action.micro_batch)
+        info = current_batch()
+        if self.refused or not torch.is_grad_enabled() or info is None:
+            return part(x)
+        slot = self.slots.get(key)
+        if slot is None or not slot.fits(x) or slot.keys.shape[0] != len(info.sample_ids):
+            if not self.captured:
+                self.seen[key] = (part, tuple(x.shape), x.dtype, x.requires_grad, len(info.sample_ids))
+            return part(x)
+        keys = [k for pair in sample_keys(info.seed, info.step, info.sample_ids) for k in pair]
+        self.replays += 1
+        return _Piece.apply(slot, keys, x, *slot.params)
