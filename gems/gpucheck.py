@@ -134,6 +134,9 @@ def matrix(dry: bool = False) -> list[Run]:
     runs.append(Run("1rank-eager", ["train.cuda_graphs=false"], 1))
     if not dry:  # the whole step in the graph (the optimizer's update too: train.graph_optimizer), against the same
         runs.append(Run("1rank-whole-step", ["train.graph_optimizer=true"], 1))  # reference (Adam's rate a tensor)
+        # a pipeline's partitions replayed from graphs between its rounds (train.graph_pieces: gems.rank.pieces)
+        runs += [Run(f"pieces-{s}-D2-m2", ["parallel.pipeline=2", f"parallel.schedule={s}", "parallel.micro_batches=2",
+                                           "train.graph_pieces=true"], 2) for s in ("1f1b", "mast")]
     # a short lease starts what matters most first (run_matrix starts in this order, none after its budget):
     # the strict mode, the hybrids, the precisions and the controls, then every schedule's grid
     if not dry:  # the strict mode: messages that do not fit NCCL's buffers, one connection a GPU
