@@ -2,7 +2,10 @@
 plain PyTorch), checkpoints are the whole model's and resume on any other mesh with the uninterrupted run's
 losses, ``train.init_from`` starts from a model's weights, and ``gems eval`` gives the run's own validation figures
 on any mesh. Checked with a model the transparency suites do not run (tests/_custom_models.py: ``lifecycle``),
-through real ``gems run`` and ``gems eval`` processes; bad input exits 2 with one line and writes nothing."""
+through ``gems run`` and ``gems eval`` run by ``gems.cli.main`` in the test's process (tests/_cli.py's
+``gems_here``: the launcher's own code, its ranks real processes forked by multiprocessing's fork server, as for
+any program that calls ``main``; tests/test_cli.py and tests/test_forkserver.py hold the console script's own
+process); bad input exits 2 with one line and writes nothing."""
 from __future__ import annotations
 
 import json
@@ -13,17 +16,17 @@ from typing import Any
 
 import pytest
 import torch
-from _cli import gems, records
+from _cli import gems_here, records
 
 MODEL = ["model=custom", "model._target_=_custom_models.lifecycle", "model.input_shape=[2,16,16,16]",
          "model.num_outputs=3", "train.batch_size=4", "train.warmup_steps=1", "train.check_fit=false"]
 VAL = ["data.val_samples=8"]
 
 
-def _run(folder: Path, *args: str, timeout: int = 400) -> dict[str, Any]:
+def _run(folder: Path, *args: str) -> dict[str, Any]:
     given = {a.split("=", 1)[0] for a in args}
     base = [a for a in MODEL if a.split("=", 1)[0] not in given]
-    out = gems("run", f"results.dir={folder}", *base, *args, timeout=timeout)
+    out = gems_here("run", f"results.dir={folder}", *base, *args)
     assert out.returncode == 0, out.stderr[-3000:]
     (r,) = records(str(folder))
     assert r["status"] == "ok"
@@ -48,8 +51,9 @@ def _strict(d: dict[str, Any]) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One process, 8 steps, validated at the end: the losses every resumed chain must give."""
-    return _run(tmp_path_factory.mktemp("reference"), "train.steps=8", *VAL)
+    """One process, 8 steps, validated at the end, its checkpoint at the end: the losses every resumed chain must
+    give."""
+    return _run(tmp_path_factory.mktemp("reference"), "train.steps=8", "train.checkpoint_every=8", *VAL)
 
 
 def test_the_trained_model_is_one_file_of_the_whole_model_the_same_from_every_mesh(tmp_path: Path,
@@ -151,9 +155,8 @@ def test_init_from_takes_the_weights_on_another_mesh_with_a_fresh_optimizer(tmp_
         want = float(F.mse_loss(seq.train()(x), y))
     assert r["loss"][0] == pytest.approx(want, rel=1e-4)
     assert r["loss"][0] != pytest.approx(reference["loss"][0], rel=1e-3)  # not the fresh model's
-    ck = _run(tmp_path / "ckpt", "train.steps=8", "train.checkpoint_every=8")
-    c = _run(tmp_path / "from-ckpt", "train.steps=2", "parallel.replicas=2",
-             f"train.init_from={tmp_path / 'ckpt' / '.jobs' / ck['run_id'] / 'ckpt'}")
+    ck = Path(reference["_path"]).parent / ".jobs" / reference["run_id"] / "ckpt"  # the file's weights, at step 8
+    c = _run(tmp_path / "from-ckpt", "train.steps=2", "parallel.replicas=2", f"train.init_from={ck}")
     assert c["loss"][0] == pytest.approx(want, rel=1e-4)
 
 
@@ -166,7 +169,7 @@ def test_gems_eval_gives_the_runs_own_validation_figures_on_every_mesh(tmp_path:
     seen = []
     for mesh in ([], ["parallel.spatial=2"], ["parallel.pipeline=2", "parallel.schedule=gpipe",
                                               "parallel.micro_batches=2"]):
-        out = gems("eval", reference["model_file"], f"results.dir={tmp_path}", *mesh, timeout=300)
+        out = gems_here("eval", reference["model_file"], f"results.dir={tmp_path}", *mesh)
         assert out.returncode == 0, out.stderr[-3000:]
         line = [ln for ln in out.stdout.splitlines() if ln.startswith("gems eval:")]
         assert len(line) == 1 and "mae" in line[0] and "over 8 samples" in line[0], out.stdout
@@ -191,9 +194,9 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path: Path, refe
     data = Path(reference["model_file"]).read_bytes()
     truncated.write_bytes(data[: len(data) // 2])
     wide = tmp_path / "wide"
-    assert gems("data", "synth", f"data.path={wide}", "data.num_samples=2", "model.size=32").returncode == 0
+    assert gems_here("data", "synth", f"data.path={wide}", "data.num_samples=2", "model.size=32").returncode == 0
     ckpt_of_other = tmp_path / "other"
-    other = gems("run", f"results.dir={ckpt_of_other}", *cosmo[:4], "train.checkpoint_every=2")
+    other = gems_here("run", f"results.dir={ckpt_of_other}", *cosmo[:4], "train.checkpoint_every=2")
     assert other.returncode == 0, other.stderr[-2000:]
     (o,) = records(str(ckpt_of_other))
     other_ckpt = ckpt_of_other / ".jobs" / o["run_id"] / "ckpt"
@@ -211,7 +214,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path: Path, refe
          "no model override"),
     ]
     for args, key, what in cases:
-        out = gems(*args)
+        out = gems_here(*args)
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2, (args, out.stderr[-2000:])
         assert len(lines) == 1 and lines[0].startswith("gems: error: ") and key in lines[0] and what in lines[0], \
@@ -229,18 +232,18 @@ def test_the_sample_size_studys_points_are_reproduced_by_gems_eval(tmp_path: Pat
     evaluation), gives the point's figures again, on 1 rank and on S = 2: docs/science.md's way to re-evaluate the
     study's table."""
     data = tmp_path / "universes"
-    made = gems("data", "synth", "data.kind=cosmology", f"data.path={data}/train", f"data.val_path={data}/val",
+    made = gems_here("data", "synth", "data.kind=cosmology", f"data.path={data}/train", f"data.val_path={data}/val",
                 "data.universes=2", "data.val_universes=1", "data.box_cells=64", "data.box_mpc=512")
     assert made.returncode == 0, made.stderr[-2000:]
-    out = gems("run", "+experiment=cosmoflow_sample_size", f"data.path={data}/train", f"data.val_path={data}/val",
+    out = gems_here("run", "+experiment=cosmoflow_sample_size", f"data.path={data}/train", f"data.val_path={data}/val",
                "data.box_cells=64", "data.crop=32", "train.batch_size=8", "train.bn_recalibrate=2", "train.epochs=1",
-               "train.check_fit=false", f"results.dir={tmp_path / 'point'}", timeout=300)
+               "train.check_fit=false", f"results.dir={tmp_path / 'point'}")
     assert out.returncode == 0, out.stderr[-2000:]
     (r,) = records(str(tmp_path / "point"))
     want = r["validation"][-1]
     assert _model_file(r)["weights"] == "ema" and "mae_avg_crops" in want
     for mesh in ([], ["parallel.spatial=2"]):
-        ev = gems("eval", r["model_file"], f"results.dir={tmp_path / 'eval'}", *mesh, timeout=300)
+        ev = gems_here("eval", r["model_file"], f"results.dir={tmp_path / 'eval'}", *mesh)
         assert ev.returncode == 0, ev.stderr[-2000:]
         got = json.loads(Path(ev.stdout.strip().splitlines()[-1].rsplit("record: ", 1)[1]).read_text())["evaluation"]
         assert got["bn_recalibrate_batches"] == want["bn_recalibrate_batches"] == 2
@@ -252,8 +255,8 @@ def test_the_sample_size_studys_points_are_reproduced_by_gems_eval(tmp_path: Pat
 @pytest.mark.skipif(shutil.which("sinfo") is None, reason="Slurm is not installed (scripts/slurm_cluster.sh start)")
 def test_gems_eval_runs_on_the_slurm_test_cluster(tmp_path: Path, reference: dict[str, Any]) -> None:
     """`cluster=` as for gems run: a Slurm job of 2 tasks on 2 nodes (S = 2), the same figures as the run's own."""
-    out = gems("eval", reference["model_file"], f"results.dir={tmp_path}", "cluster=local_slurm", "cluster.nodes=2",
-               "cluster.tasks_per_node=1", "parallel.spatial=2", timeout=400)
+    out = gems_here("eval", reference["model_file"], f"results.dir={tmp_path}", "cluster=local_slurm", "cluster.nodes=2",
+               "cluster.tasks_per_node=1", "parallel.spatial=2")
     assert out.returncode == 0, out.stderr[-3000:]
     rec = json.loads(Path(out.stdout.strip().splitlines()[-1].rsplit("record: ", 1)[1]).read_text())
     assert rec["env"].get("launcher") == "slurm" or rec["nodes"] == 2, rec["env"]
@@ -269,8 +272,8 @@ def test_a_unet_model_evaluates_alike_on_a_pipeline_of_spatial_parts(tmp_path: P
     figures = []
     for mesh in ([], ["parallel.pipeline=2", "parallel.spatial=2"],
                  ["parallel.pipeline=2", "parallel.schedule=1f1b", "parallel.micro_batches=2"]):
-        out = gems("eval", r["model_file"], "data.val_samples=4", "train.batch_size=2",
-                   f"results.dir={tmp_path / 'eval'}", *mesh, timeout=300)
+        out = gems_here("eval", r["model_file"], "data.val_samples=4", "train.batch_size=2",
+                   f"results.dir={tmp_path / 'eval'}", *mesh)
         assert out.returncode == 0, out.stderr[-3000:]
         line = [ln for ln in out.stdout.splitlines() if ln.startswith("gems eval:")]
         assert len(line) == 1, out.stdout
