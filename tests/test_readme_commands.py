@@ -114,6 +114,13 @@ COMMANDS: dict[str, list[str] | str] = {
         "needs MLPerf's 1.7 TB set (tests/test_tfrecord.py converts TensorFlow's own files the same way)",
     "gems run model=cosmoflow_mlperf data=hdf5 data.path=/scratch/mlperf/train data.val_path=/scratch/mlperf/validation":
         "needs MLPerf's set converted (tests/test_tfrecord.py trains on converted TensorFlow files)",
+    "gems run model=cosmoflow model.size=512 data=hdf5 data.path=/data/cosmoUniverse_2019_05_4parE parallel.spatial=8 "
+    "cluster=perlmutter":
+        "needs ExaLearn's universes and submits to NERSC Perlmutter (tests/test_layouts.py reads ExaLearn's layout "
+        "a universe a sample)",
+    "gems run model=cosmoflow_mlperf model.size=128 data=hdf5 data.path=/data/cosmoUniverse_2019_05_4parE "
+    "data.crop=128 data.augment=cube":
+        "needs ExaLearn's universes (tests/test_layouts.py cuts crops of data.crop from ExaLearn's layout)",
     "gems run model=unet3d model.size=128 data=hdf5 data.path=/data/lits/train data.val_path=/data/lits/val":
         "needs LiTS (tests/test_nifti.py trains the U-Net on nibabel's volumes)",
     "gems data convert data.path=/data/lits_gz data.out=/data/lits":
