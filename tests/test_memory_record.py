@@ -1,26 +1,43 @@
-"""CPU records carry the tensor memory a GPU would count, and it falls with the spatial parts."""
+"""CPU records carry the tensor memory a GPU would count, and it falls with the spatial parts.
+
+The runs and plans go through ``gems.cli.main`` in the test's process (tests/_cli.py's ``gems_here``: the
+launcher's own code, its ranks real processes forked by multiprocessing's fork server); a run two tests read (the
+serial one, S = 2) runs once for the module."""
 from __future__ import annotations
 
 import pytest
-from _cli import gems, merged, records
+from _cli import gems_here, merged, records
 
 RUN = ["model.size=64", "model.width=0.5", "train.steps=3", "train.warmup_steps=1"]
 
 
 def _full(tmp, *args):
-    out = gems("run", f"results.dir={tmp}", *merged(*RUN, *args), timeout=300)
+    out = gems_here("run", f"results.dir={tmp}", *merged(*RUN, *args))
     assert out.returncode == 0, out.stderr[-3000:]
     (r,) = records(str(tmp))
     return r
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """The record of the run of some arguments, run once for the module (two tests read the serial run and S = 2)."""
+    cache = {}
+
+    def get(*args):
+        if args not in cache:
+            cache[args] = _full(tmp_path_factory.mktemp("run"), *args)
+        return cache[args]
+
+    return get
 
 
 def _record(tmp, *args):
     return _full(tmp, *args)["peak_memory_bytes"]
 
 
-def test_cpu_records_carry_tensor_memory_that_halves_with_two_parts(tmp_path):
-    one = _record(tmp_path / "s1")
-    two = _record(tmp_path / "s2", "parallel.spatial=2")
+def test_cpu_records_carry_tensor_memory_that_halves_with_two_parts(shared):
+    one = shared()["peak_memory_bytes"]
+    two = shared("parallel.spatial=2")["peak_memory_bytes"]
     assert one["kind"] == two["kind"] == "rss_growth"
     assert "cuda_requested_max" not in one and "cuda_requested_max" not in two  # GPU ranks' figure only
     assert len(two["tensor_per_rank"]) == 2 and two["tensor_max"] == max(two["tensor_per_rank"])
@@ -51,7 +68,7 @@ def test_a_two_step_run_says_its_tensor_memory_leaves_the_optimizer_state_out(tm
 def _planned(*args):
     import json
 
-    out = gems("plan", "plan.format=json", "plan.predict=false", *merged(*RUN, *args), timeout=300)  # memory only
+    out = gems_here("plan", "plan.format=json", "plan.predict=false", *merged(*RUN, *args))  # memory only
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)
 
@@ -73,10 +90,10 @@ UNET = ["model=unet3d", "model.size=32", "model.width=0.25"]
                                    "parallel.checkpoint=true"]],
                          ids=["serial", "S=2", "mast D=2", "1f1b D=2 m=2", "checkpoint", "unet D=2",
                               "unet checkpoint", "unet D=2 x S=2", "unet D=2 checkpoint", "1f1b D=2 m=2 checkpoint"])
-def test_gems_plan_bounds_the_measured_tensor_memory_closely(tmp_path, args):
+def test_gems_plan_bounds_the_measured_tensor_memory_closely(shared, args):
     """`gems plan` is an upper bound of what each rank's tensors really reach, and a close one (within 40%):
     the rank with the largest measured memory against the plan of its mesh position."""
-    got = _record(tmp_path, *args)["tensor_per_rank"]
+    got = shared(*args)["peak_memory_bytes"]["tensor_per_rank"]
     plan = _planned(*args)
     by_rank = {}
     for pos in plan["positions"]:
@@ -96,11 +113,11 @@ def test_the_plan_counts_the_workspace_a_cpu_convolution_backward_allocates(tmp_
     import json
 
     args = ["model=cosmoflow", "model.size=32", "train.batch_size=2", "parallel.spatial=2"]
-    out = gems("run", f"results.dir={tmp_path}", "train.steps=3", "train.warmup_steps=2", *args, timeout=300)
+    out = gems_here("run", f"results.dir={tmp_path}", "train.steps=3", "train.warmup_steps=2", *args)
     assert out.returncode == 0, out.stderr[-3000:]
     (r,) = records(str(tmp_path))
     got = r["peak_memory_bytes"]["tensor_per_rank"]
-    out = gems("plan", "plan.format=json", "plan.predict=false", *args, timeout=300)
+    out = gems_here("plan", "plan.format=json", "plan.predict=false", *args)
     assert out.returncode == 0, out.stderr[-2000:]
     plan = json.loads(out.stdout)
     by_rank = {s: pos for pos in plan["positions"] for s in pos["spatial"]}
