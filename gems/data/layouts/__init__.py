@@ -128,8 +128,7 @@ class Layout:
         """The files of this layout at ``path``: a folder's (sorted by name, hidden ones left out), or the file."""
         p = Path(path)
         if p.is_dir():
-            return sorted(f for f in p.iterdir() if f.name.endswith(self.suffixes) and not f.name.startswith(".")
-                          and f.is_file())
+            return [p / n for n in listing(p) if n.endswith(self.suffixes)]
         return [p] if p.is_file() and p.name.endswith(self.suffixes) else []
 
     def companions(self, file: Path) -> list[Path]:
@@ -173,6 +172,22 @@ class Layout:
         return f"<layout {self.name}>"
 
 
+_LISTINGS: dict[str, list[str]] | None = None  # while :func:`detect` asks every layout: each folder listed once
+
+
+def listing(folder: Path) -> list[str]:
+    """The names of ``folder``'s regular files, hidden ones left out, sorted, from its directory entries alone (a
+    data set may hold half a million files: none is looked at more); listed once while :func:`detect` asks every
+    layout."""
+    if _LISTINGS is not None and str(folder) in _LISTINGS:
+        return _LISTINGS[str(folder)]
+    with os.scandir(folder) as entries:
+        names = sorted(e.name for e in entries if not e.name.startswith(".") and e.is_file())
+    if _LISTINGS is not None:
+        _LISTINGS[str(folder)] = names
+    return names
+
+
 _REGISTRY: dict[str, Layout] = {}
 L = TypeVar("L", bound=type[Layout])
 
@@ -202,6 +217,15 @@ def get(name: str, key: str = "data.layout") -> Layout:
 def detect(path: str | os.PathLike, name: str | None = None, key: str = "data.path") -> Layout:
     """The layout of the files at ``path`` (``key`` names it): ``name`` (``data.layout``) where given, and then it
     must hold them; else the one layout that holds them (none, or several, is bad input naming the key to set)."""
+    global _LISTINGS
+    _LISTINGS = {}
+    try:
+        return _detect(path, name, key)
+    finally:
+        _LISTINGS = None
+
+
+def _detect(path: str | os.PathLike, name: str | None, key: str) -> Layout:
     layouts = registered()
     if name is not None:
         layout = get(name)
