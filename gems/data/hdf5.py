@@ -407,11 +407,12 @@ class HDF5Samples:
         for (why, how), n in sorted(self._slow.items()):
             if how == "h5py":
                 out.append(f"{self.key}: {n} file(s) {why}, read through h5py one at a time (its lock), not by "
-                           "positional reads on data.readers threads; `gems data convert` writes them contiguous")
+                           "positional reads on data.readers threads; HDF5's `h5repack -l CONTI` rewrites a file "
+                           "contiguous")
             else:
                 out.append(f"{self.key}: {n} file(s) {why}, read chunk by chunk on data.readers threads (each "
                            "chunk's bytes by position, inflated or unshuffled here); contiguous files need none of "
-                           "that (`gems data convert` writes them)")
+                           "that (HDF5's `h5repack -l CONTI` rewrites a file so)")
         return out
 
     def check_all(self, count: int | None = None, target_size: int | None = None) -> None:
