@@ -144,3 +144,23 @@ def test_a_gpu_meter_reads_the_peaks_of_allocated_and_of_requested_bytes(monkeyp
     stats.clear()  # a torch that does not count requests
     assert meter.requested_peak() is None
     assert MemoryMeter(torch.device("cpu")).requested_peak() is None
+
+
+def test_one_process_plans_the_unet_on_mesh_after_mesh(monkeypatch):
+    """The planner's traces leave the U-Net's skip store as they found it, so a process plans one mesh after
+    another (a program calling gems.cli.main, these tests): a later plan replayed a skip's pop from the layer memo
+    without popping, its stash stayed in the model's store, and the next trace of the model popped that stash (a
+    sample's, at another batch) in place of its own."""
+    import gems.plan.memory as pm
+    from gems.config import compose
+    from gems.models.skips import store_of
+    from gems.plan.fit import check_fit
+
+    monkeypatch.setenv("GEMS_CACHE_DIR", "")  # traced here, not read from the session's store
+    monkeypatch.setattr(pm, "_CACHE", {})
+    unet = ["model=unet3d", "model.size=16", "model.width=0.125", "train.batch_size=2"]
+    for mesh in (["parallel.checkpoint=true"], ["parallel.checkpoint=true", "parallel.spatial=2"],
+                 ["parallel.pipeline=2"]):
+        check_fit(compose([*unet, *mesh]))
+        (spec,) = [v for k, v in pm._CACHE.items() if k[0] == "model"]
+        assert len(store_of(list(spec.module))) == 0, mesh

@@ -75,6 +75,10 @@ class SkipStore:
 class _SkipLayer(nn.Module):
     """A layer of a skip connection: the model's shared store and the connection's name."""
 
+    #: the planner's traces run it every time, never a memo of its output (gems.pipeline.partition.structure): its
+    #: push or pop of the store is what the next layers of the trace need
+    replayable = False
+
     def __init__(self, store: SkipStore, name: str) -> None:
         super().__init__()
         self.store, self.name = store, name

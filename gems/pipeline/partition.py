@@ -144,14 +144,26 @@ def _plain(v: object, depth: int = 0) -> object:
 _LABELS = ("label", "tag")
 
 
+def _replayable(m: nn.Module) -> bool:
+    """Whether a memo may stand in for running ``m``: not where ``m``, or a layer it keeps as an attribute (a spatial
+    part's pointwise layer keeps its layer out of the module tree), says ``replayable = False``: a layer whose
+    forward changes state beside its output, such as a skip connection's stash or pop (gems.models.skips), which a
+    replay would skip (the pop's stash then stayed in the model's store, and a later trace of the same model in the
+    process popped it in place of its own)."""
+    if getattr(m, "replayable", True) is False:
+        return False
+    return all(_replayable(v) for v in vars(m).values() if isinstance(v, nn.Module) and v is not m)
+
+
 def structure(layer: nn.Module) -> tuple | None:
     """A key equal for layers that map equal input shapes to equal output shapes: per submodule its
     class, its plain attributes (:func:`_plain`), and the shapes and dtypes of its parameters and
     buffers. Any other attribute is compared by identity. None (never memoised) for a module with
-    hooks other than gems' own, which may change shapes unseen."""
+    hooks other than gems' own, which may change shapes unseen, and for one that is not
+    :func:`_replayable`."""
     key = []
     for name, m in layer.named_modules():
-        if m._forward_pre_hooks or getattr(m, "_forward_hooks_with_kwargs", None):
+        if m._forward_pre_hooks or getattr(m, "_forward_hooks_with_kwargs", None) or not _replayable(m):
             return None
         hooks = []
         for h in m._forward_hooks.values():
