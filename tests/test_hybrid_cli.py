@@ -5,10 +5,14 @@ with the single-process run of the same model on the same global batch:
 spatial parts (one and two cut dims), GEMS schedules, pipelines with
 micro-batches, data replicas on top, HDF5 input read as hyperslabs, U-Net
 with global BatchNorm, recomputed and pipelined, ResNet partitioned over a pipeline.
+
+``gems`` runs through ``gems.cli.main`` in the test's process (tests/_cli.py's ``gems_here``): the launcher's own
+code, its ranks real processes (gloo) forked by multiprocessing's fork server, as for any program that calls
+``main``; the console script's own process is tests/test_cli.py's and tests/test_forkserver.py's.
 """
 import pytest
 import torch
-from _cli import gems, merged, records
+from _cli import gems_here, merged, records
 
 COSMO = ["model.size=32", "model.width=0.5", "train.steps=3", "train.warmup_steps=1"]
 UNET = ["model=unet3d", "model.size=16", "model.width=0.125", "train.batch_size=2", "train.steps=3",
@@ -16,7 +20,7 @@ UNET = ["model=unet3d", "model.size=16", "model.width=0.125", "train.batch_size=
 
 
 def losses(tmp, *args):
-    out = gems("run", f"results.dir={tmp}", *args, timeout=400)
+    out = gems_here("run", f"results.dir={tmp}", *args)
     assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-1000:]
     (r,) = records(str(tmp))
     assert r["status"] == "ok"
@@ -81,7 +85,7 @@ def test_parallel_losses_equal_serial(tmp_path, serial, name, base, par):
         bal = r["mesh"]["balance"]
         n = sum(bal)
         assert bal != [n - n // 2, n // 2], "balanced by memory on the serial layers, not split by count"
-        plan = gems("plan", *base, *par, "plan.predict=false")
+        plan = gems_here("plan", *base, *par, "plan.predict=false")
         assert plan.returncode == 0 and f"balance {bal};" in plan.stdout, plan.stdout[-800:]
 
 
@@ -110,7 +114,7 @@ def test_sgd_gradients_are_summed_over_spatial_parts(tmp_path, serial, par):
 
 def test_hdf5_partitioned_input_trains_like_serial(tmp_path):
     data = tmp_path / "data"
-    out = gems("data", "synth", f"data.path={data}", "data.num_samples=4", "model.size=32", timeout=120)
+    out = gems_here("data", "synth", f"data.path={data}", "data.num_samples=4", "model.size=32")
     assert out.returncode == 0, out.stderr
     assert len(list(data.glob("*.h5"))) == 4
     base = COSMO + ["data=hdf5", f"data.path={data}", "train.batch_size=2"]
@@ -118,11 +122,11 @@ def test_hdf5_partitioned_input_trains_like_serial(tmp_path):
     par = losses(tmp_path / "s2", *base, "parallel.spatial=2", "parallel.replicas=2")
     torch.testing.assert_close(torch.tensor(par["loss"]), torch.tensor(ref["loss"]), rtol=2e-5, atol=1e-6)
     # files that do not match the model are named before anything starts
-    bad = gems("run", f"results.dir={tmp_path}/bad", *merged(*COSMO, "model.size=64"), "data=hdf5", f"data.path={data}")
+    bad = gems_here("run", f"results.dir={tmp_path}/bad", *merged(*COSMO, "model.size=64"), "data=hdf5", f"data.path={data}")
     assert bad.returncode == 2 and "sample_" in bad.stderr and "[4, 32, 32, 32]" in bad.stderr, bad.stderr
     assert not (tmp_path / "bad").exists()
     # synth refuses to overwrite what is there
-    again = gems("data", "synth", f"data.path={data}", "data.num_samples=4", "model.size=32")
+    again = gems_here("data", "synth", f"data.path={data}", "data.num_samples=4", "model.size=32")
     assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1
 
 
@@ -141,7 +145,7 @@ def test_hdf5_partitioned_input_trains_like_serial(tmp_path):
     # refused: tests/test_spatial_registry.py trains both exactly)
 ])
 def test_bad_parallel_input_exits_2_before_launch(tmp_path, args, key):
-    out = gems("run", f"results.dir={tmp_path}/r", *args)
+    out = gems_here("run", f"results.dir={tmp_path}/r", *args)
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and key in lines[0], out.stderr
@@ -165,9 +169,9 @@ def test_mirrored_copies_stay_identical_buffers_included(tmp_path):
     args = ["model=resnet", "model.depth=11", "model.size=32", "model.width=0.25", "train.batch_size=4",
             "train.steps=4", "train.warmup_steps=1", "parallel.pipeline=2", "parallel.schedule=mast",
             "data.val_samples=8"]
-    cut = gems("run", f"results.dir={tmp_path}/cut", *args, "fault.preempt_at_step=3", timeout=300)
+    cut = gems_here("run", f"results.dir={tmp_path}/cut", *args, "fault.preempt_at_step=3")
     assert cut.returncode == 0, cut.stderr[-2000:]
-    ref = gems("run", f"results.dir={tmp_path}/ref", *args, timeout=300)
+    ref = gems_here("run", f"results.dir={tmp_path}/ref", *args)
     assert ref.returncode == 0, ref.stderr[-2000:]
     (c,), (r,) = records(str(tmp_path / "cut")), records(str(tmp_path / "ref"))
     assert c["restarts"] == 1 and c["loss"] == r["loss"]
@@ -187,7 +191,7 @@ def test_a_resumed_pipeline_of_spatial_parts_restores_every_copy_from_one_file_a
     was not stopped."""
     args = ["model.size=32", "model.width=0.25", "train.batch_size=4", "train.steps=4", "train.warmup_steps=1",
             "parallel.pipeline=2", "parallel.spatial=2", "parallel.schedule=mast"]
-    cut = gems("run", f"results.dir={tmp_path}/cut", *args, "fault.preempt_at_step=2", timeout=400)
+    cut = gems_here("run", f"results.dir={tmp_path}/cut", *args, "fault.preempt_at_step=2")
     assert cut.returncode == 0, cut.stderr[-2000:]
     (ck,) = list((tmp_path / "cut").glob(".jobs/*/ckpt/step*"))
     # spatial part 0 of each position (ranks 0 and 2: the writers' group ranks 0 and 1) writes
@@ -195,7 +199,7 @@ def test_a_resumed_pipeline_of_spatial_parts_restores_every_copy_from_one_file_a
                                                     "history.pt"]
     sizes = [(ck / f"__{r}_0.distcp").stat().st_size for r in (0, 1)]
     assert min(sizes) > 0.3 * sum(sizes)
-    ref = gems("run", f"results.dir={tmp_path}/ref", *args, timeout=400)
+    ref = gems_here("run", f"results.dir={tmp_path}/ref", *args)
     assert ref.returncode == 0, ref.stderr[-2000:]
     (c,), (r,) = records(str(tmp_path / "cut")), records(str(tmp_path / "ref"))
     assert c["restarts"] == 1 and c["loss"] == r["loss"]
