@@ -1,6 +1,8 @@
 """Training to a result (issue 21): epochs walked in a shuffled order the same on every mesh, a reader ahead of
 the step that changes no loss, learning-rate schedules, validation on every mesh equal to one process, a target
-that stops the run with its time, and the bad input around them."""
+that stops the run with its time, and the bad input around them. ``gems`` runs through ``gems.cli.main`` in the
+test's process (tests/_cli.py's ``gems_here``: the launcher's own code, its ranks real processes forked by
+multiprocessing's fork server)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from _cli import gems, records
+from _cli import gems_here, records
 
 from gems.rank.data import Sampler
 from gems.rank.optim import LearningRate
@@ -164,7 +166,7 @@ def _with(*args: str) -> list[str]:
 
 
 def _run(tmp: Path, *args: str) -> dict:
-    r = gems("run", *_with(*args), f"results.dir={tmp}", timeout=600)
+    r = gems_here("run", *_with(*args), f"results.dir={tmp}")
     assert r.returncode == 0, r.stderr[-2000:]
     (rec,) = records(str(tmp))
     return rec
@@ -246,7 +248,7 @@ def test_the_steps_csv_has_the_learning_rate_and_the_evaluations(serial: dict) -
     (["data.augment=rotate"], "data.augment=rotate"),
 ])
 def test_bad_input_around_training_to_a_result(tmp_path: Path, args: list[str], key: str) -> None:
-    r = gems("run", *_with(*args), f"results.dir={tmp_path}")
+    r = gems_here("run", *_with(*args), f"results.dir={tmp_path}")
     assert r.returncode == 2 and r.stderr.startswith(f"gems: error: {key}"), r.stderr
     assert "Traceback" not in r.stderr and not list(tmp_path.rglob("*.json"))
 
@@ -256,7 +258,7 @@ def test_a_validation_folder_unlike_the_training_set_is_named(tmp_path: Path) ->
 
     write_synthetic(tmp_path / "train", 4, (4, 32, 32, 32), seed=1)
     write_synthetic(tmp_path / "val", 4, (4, 16, 16, 16), seed=2)
-    r = gems("run", *_with("data=hdf5"), f"data.path={tmp_path / 'train'}", f"data.val_path={tmp_path / 'val'}",
+    r = gems_here("run", *_with("data=hdf5"), f"data.path={tmp_path / 'train'}", f"data.val_path={tmp_path / 'val'}",
              f"results.dir={tmp_path / 'out'}")
     assert r.returncode == 2 and r.stderr.startswith("gems: error: data.val_path="), r.stderr
 
@@ -336,14 +338,12 @@ def test_mlperf_compliance_checker_accepts_a_run_that_reaches_the_target(tmp_pat
 
 
 def test_time_to_target_over_repeats_is_mlperfs_mean_without_the_fastest_and_slowest(tmp_path: Path) -> None:
-    from _cli import gems as run_gems
-
     from gems.results.table import time_to_target
 
     assert time_to_target([5.0, 1.0, 3.0, 100.0, 4.0]) == pytest.approx(4.0)  # 1 and 100 dropped
     assert time_to_target([2.0, 4.0]) == pytest.approx(3.0)
-    out = run_gems("sweep", f"results.dir={tmp_path}", "results.sweep=ttt", *_with("train.epochs=3",
-                   "data.val_samples=4", "train.target_mae=10", "results.repeats=3"), timeout=600)
+    out = gems_here("sweep", f"results.dir={tmp_path}", "results.sweep=ttt", *_with("train.epochs=3",
+                    "data.val_samples=4", "train.target_mae=10", "results.repeats=3"))
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [ln for ln in (tmp_path / "ttt" / "table.md").read_text().splitlines() if ln.startswith("| ")]
     head = [c.strip() for c in lines[0].strip("|").split("|")]
@@ -550,13 +550,13 @@ def test_the_weight_average_evaluates_alike_on_every_mesh_and_after_a_resume(tmp
     (["train.ema=0.9"], "train.ema=0.9: expected 0, or train.bn_recalibrate > 0 too"),
 ])
 def test_recalibration_and_the_weight_average_need_what_they_use(tmp_path: Path, args: list[str], says: str) -> None:
-    r = gems("run", *_with("model.norm=batch", "train.epochs=1", *args), f"results.dir={tmp_path}")
+    r = gems_here("run", *_with("model.norm=batch", "train.epochs=1", *args), f"results.dir={tmp_path}")
     assert r.returncode == 2 and r.stderr.startswith("gems: error: " + says), r.stderr
     assert not any(tmp_path.iterdir())
 
 
 def test_averaging_crops_needs_files_cut_into_crops(tmp_path: Path) -> None:
-    r = gems("run", *_with("train.eval_average_crops=true", "data.val_samples=4"), f"results.dir={tmp_path}")
+    r = gems_here("run", *_with("train.eval_average_crops=true", "data.val_samples=4"), f"results.dir={tmp_path}")
     assert r.returncode == 2 and r.stderr.startswith("gems: error: train.eval_average_crops=True"), r.stderr
 
 
@@ -585,8 +585,8 @@ def test_staged_copies_are_removed_when_a_run_fails_or_is_preempted(tmp_path: Pa
     args = ["data=hdf5", f"data.path={tmp_path / 'train'}", "train.steps=4", "train.warmup_steps=1",
             "data.stage=node", "parallel.replicas=2"]
     local = tmp_path / "node-local"
-    failed = gems("run", *_with(*args), f"data.stage_dir={local}", "fault.nan_rank=1", "fault.at_step=2",
-                  f"results.dir={tmp_path / 'failed'}", timeout=600)
+    failed = gems_here("run", *_with(*args), f"data.stage_dir={local}", "fault.nan_rank=1", "fault.at_step=2",
+                        f"results.dir={tmp_path / 'failed'}")
     assert failed.returncode == 1, failed.stderr[-2000:]
     assert local.is_dir() and not list(local.iterdir()), list(local.iterdir())
     resumed = _run(tmp_path / "preempted", *args, f"data.stage_dir={local}", "fault.preempt_at_step=2")
