@@ -227,6 +227,37 @@ def test_finding_4_a_file_of_another_type_is_named(tmp_path):
         ds.read([2])
 
 
+def test_unwritten_chunks_read_as_the_datasets_fill_value(tmp_path):
+    """A chunked file of which some chunks were never written: those read as the dataset's fill value, as h5py
+    reads them (they were taken for 0)."""
+    with h5py.File(tmp_path / "s0.h5", "w") as f:
+        ds = f.create_dataset("full", shape=(4, 6, 6, 6), dtype=np.int16, chunks=(1, 3, 6, 6), fillvalue=7)
+        ds[1, :3] = 1  # one chunk of 8
+        f["unitPar"] = np.zeros(4, np.float32)
+        want = torch.from_numpy(ds[()])
+    s = layouts.detect(tmp_path).open(tmp_path, (4, 6, 6, 6))
+    assert s._header(0).chunks is not None and not s._header(0).chunks.complete((4, 6, 6, 6))
+    assert torch.equal(s.read([0])[0].data[0], want) and int(want[0, 0, 0, 0]) == 7
+    s.close()
+
+
+def test_universes_in_subfolders_are_named_in_the_message(tmp_path):
+    """MLPerf's prepare.py walks a tree of universe folders; gems reads one folder: a data.path that holds only
+    subfolders of sample files says so and names them (it said only that it is no layout gems reads)."""
+    from gems.config import compose
+    from gems.models import build_model
+    from gems.rank.data import make_data
+
+    for sub in ("a", "b"):
+        layouts.get("exalearn").write(tmp_path / sub, _universes(2, edge=6), "univ_" + sub + "{:03d}")
+    (tmp_path / "notes").mkdir()
+    cfg = compose(["model.size=32", "data=hdf5", f"data.path={tmp_path}"], check=False)
+    with pytest.raises(ConfigError) as e:
+        make_data(cfg, build_model(cfg.model))
+    assert e.value.key == "data.path" and "it holds no sample file, but 2 subfolder(s) of them: a/ (2 .hdf5 file(s)), " \
+        "b/ (2 .hdf5 file(s)). gems reads the files of one folder, not its subfolders" in str(e.value), str(e.value)
+
+
 def test_finding_5_a_batch_of_more_files_than_the_process_may_open_is_read(tmp_path):
     values = _universes(1, edge=2)
     n = 80

@@ -47,13 +47,14 @@ def folder(tmp_path_factory) -> Path:
 
 
 def _tile(folder: Path, v: int, origin: tuple[int, ...], edge: int = 8) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """nibabel's stored voxels, scaled voxels and labels of one tile (z, y, x), padded as gems pads."""
+    """nibabel's stored voxels, scaled voxels and labels of one tile (z, y, x), padded as gems pads: stored 0, HU
+    below any window (0 once windowed), labels ignored (255)."""
     img = nib.load(str(folder / f"volume-{v}.nii"))
     stored = np.asarray(img.dataobj.get_unscaled()).T
     hu = np.asarray(img.get_fdata()).T
     lab = np.asarray(nib.load(str(folder / f"segmentation-{v}.nii")).get_fdata()).T
     big = [max(o + edge, n) for o, n in zip(origin, stored.shape)]
-    out = [np.full(big, np.iinfo(np.int16).min, np.int16), np.full(big, -1e9), np.zeros(big, np.int64)]
+    out = [np.zeros(big, stored.dtype), np.full(big, -1e9), np.full(big, 255, np.int64)]
     box = tuple(slice(0, n) for n in stored.shape)
     out[0][box], out[1][box], out[2][box] = stored, hu, lab
     sl = tuple(slice(o, o + edge) for o in origin)
@@ -93,7 +94,6 @@ def test_the_window_is_the_key_and_checked(folder: Path) -> None:
 @pytest.mark.parametrize("case, named", [
     ("missing", "segmentation-1.nii is missing for volume-1.nii"),
     ("shape", "segmentation-1.nii holds [8, 8, 8] voxels"),
-    ("dtype", "volume-1.nii holds float32"),
     ("broken", "volume-1.nii is not one"),
     ("gz", "volume-1.nii.gz is gzip-compressed"),
 ])
@@ -103,7 +103,7 @@ def test_bad_volumes_and_labels_are_named(tmp_path: Path, folder: Path, case: st
     vol, lab = np.zeros((6, 7, 8)), np.zeros((6, 7, 8))
     if case == "shape":
         lab = np.zeros((8, 8, 8))
-    _save(tmp_path / ("volume-1.nii" + (".gz" if case == "gz" else "")), vol, "float32" if case == "dtype" else "<i2")
+    _save(tmp_path / ("volume-1.nii" + (".gz" if case == "gz" else "")), vol, "<i2")
     if case != "missing":
         _save(tmp_path / ("segmentation-1.nii" + (".gz" if case == "gz" else "")), lab, "uint8")
     if case == "broken":
@@ -113,13 +113,75 @@ def test_bad_volumes_and_labels_are_named(tmp_path: Path, folder: Path, case: st
     assert e.value.key == "data.path" and named in str(e.value), str(e.value)
 
 
-def test_labels_outside_the_classes_are_named(tmp_path: Path) -> None:
-    _save(tmp_path / "volume-0.nii", np.zeros((8, 8, 8)), "<i2")
-    _save(tmp_path / "segmentation-0.nii", np.full((8, 8, 8), 3), "uint8")
-    s = layouts.get("nifti").open(tmp_path, (1, 8, 8, 8), target="dense")
-    s.check_all(None, 3)
-    with pytest.raises(ConfigError, match=r"labels 0 \.\. 2 .*segmentation-0.nii holds 3"):
-        s.read([0])
+def _run_set(folder: Path, *over: str, validation: bool = False):
+    """The set a run's rank reads (gems.rank.data.make_data) of the U-Net on 16^3 tiles of ``folder``."""
+    from gems.models import build_model
+    from gems.rank.data import make_data
+
+    cfg = compose(["model=unet3d", "model.size=16", "data=hdf5", f"data.path={folder}",
+                   *([f"data.val_path={folder}"] if validation else []), *over], check=False)
+    return make_data(cfg, build_model(cfg.model), validation=validation)
+
+
+def test_labels_outside_the_classes_are_named_by_the_runs_own_set(tmp_path: Path) -> None:
+    """A label at or over model.num_classes was read by the rank's set unchecked (only the pre-launch check's set
+    knew the classes) and the loss raised IndexError (exit 1): now the set the run reads names the file (exit 2)."""
+    _save(tmp_path / "volume-0.nii", np.zeros((16, 16, 16)), "<i2")
+    lab = np.zeros((16, 16, 16))
+    lab[3, 3, 3] = 3
+    _save(tmp_path / "segmentation-0.nii", lab, "uint8")
+    data = _run_set(tmp_path)
+    for want_input in (True, False):  # a rank that reads the input, and one that reads the targets alone
+        with pytest.raises(ConfigError, match=r"labels 0 \.\. 2 .*segmentation-0.nii holds 3"):
+            data.batch([0], want_input=want_input)
+    assert _run_set(tmp_path, "model.num_classes=4").batch([0])[1].max() == 3
+
+
+def test_a_volume_or_labels_replaced_under_a_run_are_named(tmp_path: Path, folder: Path) -> None:
+    """A volume replaced mid-run by another of the same size (another scaling, say) was read at its old offset and
+    scaling, silently: each file's identity is now looked at every batch."""
+    import os
+
+    for f in ("volume-0.nii", "segmentation-0.nii"):
+        shutil.copy(folder / f, tmp_path / f)
+    data = _run_set(tmp_path, "model.size=8")
+    data.batch([0])
+    for name in ("volume-0.nii", "segmentation-0.nii"):
+        img = nib.load(str(tmp_path / name))
+        other = tmp_path / f".other-{name}"
+        nib.save(nib.Nifti1Image(np.asarray(img.dataobj), img.affine, img.header), str(other))
+        os.replace(other, tmp_path / name)  # the same bytes, another file
+        with pytest.raises(ConfigError) as e:
+            data.batch([0])
+        assert e.value.key == "data.path" and f"{name} was replaced by another file" in str(e.value), str(e.value)
+        data = _run_set(tmp_path, "model.size=8")  # a new run reads it
+        data.batch([0])
+
+
+def test_volumes_of_mixed_types_are_read_as_float32(tmp_path: Path, folder: Path) -> None:
+    """int16 and uint8 volumes together were refused; they are read as float32, exactly, and the run says so. The
+    uint8 volume's padding (stored 0 is 0 HU, inside the window) is 0 in the network's input, as air."""
+    from gems.rank.data import data_notes
+
+    for f in ("volume-0.nii", "segmentation-0.nii"):
+        shutil.copy(folder / f, tmp_path / f)
+    rng = np.random.default_rng(1)
+    _save(tmp_path / "volume-1.nii", rng.integers(0, 256, (5, 6, 7)), "uint8")
+    _save(tmp_path / "segmentation-1.nii", rng.integers(0, 3, (5, 6, 7)), "uint8")
+    data = _run_set(tmp_path, "model.size=8")
+    s = data.samples
+    assert s.dtype == np.float32 and "volumes of 2 types (int16, uint8) read as float32" in " ".join(s.notes())
+    assert any("read as float32" in n for n in data_notes(compose(["data=hdf5"], check=False), data))
+    ids = list(range(len(s)))
+    voxels, labels = s.read(ids)
+    x = s.finish(voxels)
+    for i in ids:
+        v, origin = s.locate(i)
+        stored, hu, lab = _tile(tmp_path, v, origin)
+        assert np.array_equal(voxels.data[i].numpy(), stored.astype(np.float32)) and np.array_equal(labels[i], lab)
+        np.testing.assert_allclose(x[i, 0].numpy(), (np.clip(hu, -200, 250) + 200) / 450, atol=2e-7)
+    last = s.locate(ids[-1])[0]
+    assert last == 1 and float(x[-1, 0, 5:].abs().max()) == 0.0  # depth 5 of 8: padding, 0 after the window
 
 
 def test_nii_gz_converts_to_the_same_nii(tmp_path: Path, folder: Path) -> None:
@@ -185,6 +247,40 @@ def test_dice_per_class_is_sums_that_add_up_over_parts() -> None:
     assert r["accuracy"] == pytest.approx((p == t).mean()) and r["cells"] == y.numel()
 
 
+def test_padding_counts_nowhere_in_the_loss_accuracy_and_dice() -> None:
+    """A tile's padding was labelled background: it counted in the loss, the accuracy and background's Dice. Its
+    label is now ignored (255): the loss sums the other voxels over the constant divisor cells x batch (so S = 2's
+    parts still add up to it), the figures count the other voxels alone, and a sample's part of padding alone
+    writes no row of gems eval's predictions."""
+    import torch.nn.functional as F
+
+    from gems.rank.loss import Metric, make_loss_fn
+
+    spec = SimpleNamespace(loss="cross_entropy", target="dense", num_outputs=3, input_shape=(1, 4, 6, 6),
+                           spatial_end=None)
+    g = torch.Generator().manual_seed(0)
+    out, y = torch.randn(3, 3, 4, 6, 6, generator=g), torch.randint(0, 3, (3, 4, 6, 6), generator=g).to(torch.uint8)
+    y[1, 2:] = 255  # sample 1's far half in depth: padding
+    y[2] = 255  # sample 2: a last partial batch's filling
+    valid = y != 255
+    scores, labels = out.movedim(1, -1)[valid], y[valid].long()
+    loss = make_loss_fn(spec, SimpleNamespace(spatial_enabled=False, spatial=1), 3)  # type: ignore[arg-type]
+    whole = loss(out, y)
+    assert float(whole) == pytest.approx(float(F.cross_entropy(scores, labels, reduction="sum")) / (4 * 6 * 6 * 3))
+    assert float(loss(out[:, :, :2], y[:, :2]) + loss(out[:, :, 2:], y[:, 2:])) == pytest.approx(float(whole))
+    m = Metric(spec, None, True)  # type: ignore[arg-type]
+    m.keep = []
+    r = m.report(m(out, y, [0, 1, 2]))
+    p = scores.argmax(1)
+    assert r["cells"] == int(valid.sum()) and r["accuracy"] == pytest.approx(float((p == labels).float().mean()))
+    assert r["loss"] == pytest.approx(float(F.cross_entropy(scores, labels)), rel=1e-6)
+    for c in range(3):
+        want = 2 * float(((p == c) & (labels == c)).sum()) / float((p == c).sum() + (labels == c).sum())
+        assert r["dice"][c] == pytest.approx(want)
+    ((ids, rows, _),) = m.keep
+    assert ids == [0, 1] and rows[:, 2].tolist() == [4 * 6 * 6, 2 * 6 * 6]
+
+
 UNET = ["model=unet3d", "model.size=16", "model.width=0.125", "train.batch_size=2", "train.steps=3",
         "train.warmup_steps=1", "train.eval_every=3", "data=hdf5", "train.optimizer=adam", "train.lr=0.003"]
 
@@ -195,15 +291,16 @@ def volumes(tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("seg")
     synth_segmentation(compose(["data=hdf5", "data.kind=segmentation", f"data.path={out / 'train'}",
-                                f"data.val_path={out / 'val'}", "data.num_samples=2", "data.val_samples=2",
+                                f"data.val_path={out / 'val'}", "data.num_samples=2", "data.val_samples=3",
                                 "model=unet3d", "model.size=16"], check=False))
     return out
 
 
 def test_the_unet_on_nifti_volumes_s2_equals_one_rank(tmp_path: Path, volumes: Path) -> None:
-    """Two volumes of 16^2 x 12-16 voxels (a tile each, padded in depth), validation on two others: losses, accuracy
-    and Dice per class of S = 2 (each rank reads its slab; the volumes staged to node-local storage first, their
-    labels with them) equal one rank's."""
+    """Two volumes of 16^2 x 12-16 voxels (a tile each, padded in depth), validation on three others (batches of
+    two: the last one filled with a sample that counts nowhere): losses, accuracy and Dice per class of S = 2 (each
+    rank reads its slab; the volumes staged to node-local storage first, their labels with them) equal one rank's,
+    and the validation counts every voxel of the three volumes, no padding."""
     recs = []
     for mesh in ([], ["parallel.spatial=2", "data.stage=node", f"data.stage_dir={tmp_path / 'node'}"]):
         res = tmp_path / f"S{len(mesh) + 1}"
@@ -214,10 +311,11 @@ def test_the_unet_on_nifti_volumes_s2_equals_one_rank(tmp_path: Path, volumes: P
         recs.append(rec)
     one, two = recs
     assert "layout nifti" in " ".join(one["notes"])
-    assert "data.stage=node: 8 files" in " ".join(two["notes"]), two["notes"]  # 2 + 2 volumes and their labels
+    assert "data.stage=node: 10 files" in " ".join(two["notes"]), two["notes"]  # 2 + 3 volumes and their labels
     np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-5)
     v1, v2 = one["validation"][-1], two["validation"][-1]
-    assert v1["cells"] == v2["cells"] == 2 * 16 ** 3 and len(v1["dice"]) == 3
+    voxels = sum(nib.load(str(f)).dataobj.shape[2] * 16 ** 2 for f in (volumes / "val").glob("volume-*.nii"))
+    assert v1["cells"] == v2["cells"] == voxels < 3 * 16 ** 3 and len(v1["dice"]) == 3
     np.testing.assert_allclose([v2["loss"], v2["accuracy"]], [v1["loss"], v1["accuracy"]], rtol=1e-5)
     np.testing.assert_allclose([d or 0.0 for d in v2["dice"]], [d or 0.0 for d in v1["dice"]], rtol=1e-5)
 

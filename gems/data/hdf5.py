@@ -185,14 +185,16 @@ class Header:
 class Chunks:
     """A chunked dataset's chunks, each read by position and its filters undone here (deflate, shuffle), on the
     reader's threads (zlib and numpy let the GIL go): ``shape`` a chunk's, ``filters`` in the order they were
-    applied when written, ``index`` each written chunk's (logical offset, byte offset, bytes, filter mask)."""
+    applied when written, ``index`` each written chunk's (logical offset, byte offset, bytes, filter mask),
+    ``fill`` the dataset's fill value (what HDF5 reads where no chunk was written)."""
 
     shape: tuple[int, ...]
     filters: tuple[int, ...]
     index: tuple[tuple[tuple[int, ...], int, int, int], ...]
+    fill: Any = 0
 
     def complete(self, shape: Sequence[int]) -> bool:
-        """Whether every chunk of a dataset of ``shape`` is written (else the others hold the fill value, 0)."""
+        """Whether every chunk of a dataset of ``shape`` is written (else the others hold :attr:`fill`)."""
         return len(self.index) == math.prod(-(-int(n) // c) for n, c in zip(shape, self.shape))
 
 
@@ -215,7 +217,8 @@ def _chunks(ds: Any) -> Chunks | None:
         info = ds.id.get_chunk_info(i)
         index.append((tuple(int(o) for o in info.chunk_offset), int(info.byte_offset), int(info.size),
                       int(info.filter_mask)))
-    return Chunks(tuple(int(c) for c in ds.chunks), filters, tuple(index))
+    fill = ds.fillvalue  # (a scalar of the dataset's type; 0 unless the writer set one)
+    return Chunks(tuple(int(c) for c in ds.chunks), filters, tuple(index), fill.item() if hasattr(fill, "item") else fill)
 
 
 def read_chunk(path: str, chunks: Chunks, k: int, dtype: np.dtype, ranges: Sequence[range], dst: np.ndarray) -> None:
@@ -265,6 +268,20 @@ def stamp(path: str | os.PathLike) -> tuple[int, int, int, int]:
     """(device, inode, size, mtime in ns) of ``path``: what tells that a file was replaced, cut or rewritten."""
     st = os.stat(path)
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def change(path: str | os.PathLike, was: tuple[int, int, int, int]) -> str | None:
+    """How file ``path`` changed since its :func:`stamp` was ``was`` ("is gone", "was cut short", "grew", "was
+    replaced by another file", "was rewritten"), None where it did not."""
+    try:
+        now = stamp(path)
+    except OSError:
+        return "is gone (deleted or moved)"
+    if now == was:
+        return None
+    if now[2] != was[2]:
+        return "was cut short" if now[2] < was[2] else "grew"
+    return "was replaced by another file" if now[:2] != was[:2] else "was rewritten"
 
 
 def _offset(ds: Any) -> tuple[int | None, str | None]:
@@ -567,13 +584,8 @@ class HDF5Samples:
     def _still(self, index: int, head: Header) -> None:
         """File ``index`` (and the file its counts lie in) as its headers were read, else bad input naming it."""
         for path, was in head.stamps:
-            try:
-                now = stamp(path)
-            except OSError:
-                raise self._changed(index, f"is gone ({path} was deleted or moved while the run read it)") from None
-            if now != was:
-                how = ("was cut short" if now[2] < was[2] else "grew") if now[2] != was[2] else (
-                    "was replaced by another file" if now[:2] != was[:2] else "was rewritten")
+            how = change(path, was)
+            if how is not None:
                 raise self._changed(index, f"{how} while the run read it ({path})")
 
     def read(self, indices: Sequence[int], symmetries: Sequence[int] | None = None, pin: bool = False,
@@ -623,7 +635,7 @@ class HDF5Samples:
                 ranges = [range(*s.indices(n)) for s, n in zip(_full_sel(sel, head.shape), head.shape)]
                 dst = out[r].view(shapes[-1]).numpy()
                 if not head.chunks.complete(head.shape):
-                    dst[...] = 0  # (the fill value of chunks never written)
+                    dst[...] = head.chunks.fill  # (what chunks never written hold)
                 others += [functools.partial(read_chunk, head.source, head.chunks, k, head.dtype, ranges, dst)
                            for k, (o, _, _, _) in enumerate(head.chunks.index)
                            if all(g.start < a + c and a < g.stop for g, a, c in zip(ranges, o, head.chunks.shape))]

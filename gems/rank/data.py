@@ -52,10 +52,11 @@ def make_data(cfg: DictConfig, spec: ModelSpec, slices: tuple[slice, ...] | None
             return None
         layout = layouts.detect(path, d.get("layout"), key)
         readers, _ = layouts.reader_threads(int(d.readers))  # capped by the task's CPUs (notes: data_notes)
+        classes = int(spec.num_outputs) if spec.target == "dense" and spec.loss == "cross_entropy" else None
         return _HDF5Batches(layout.open(path, spec.input_shape, key=key, slices=slices, crop=d.crop,
                                         standardize=d.standardize, augment="none" if validation else d.augment,
-                                        readers=readers, target=spec.target, window=d.window),
-                            pin=device is not None and device.type == "cuda")
+                                        readers=readers, target=spec.target, window=d.window, classes=classes),
+                            pin=device is not None and device.type == "cuda", evaluated=validation)
     if d.augment != "none":
         raise ConfigError("data.augment", d.augment, "none for synthetic data (its samples are drawn, not read: "
                                                      "data=hdf5 reads files it can mirror)")
@@ -92,15 +93,37 @@ def dataset_size(cfg: DictConfig, spec: ModelSpec | None = None) -> int:
     return int(cfg.data.num_samples)
 
 
+def evaluation_batches(data: Any, batch: int) -> int:
+    """The batches of ``batch`` samples an evaluation of ``data`` runs: every sample of a set whose labels can be
+    ignored (``ignore``: dense classes read from files), its last partial batch filled with samples that count
+    nowhere (:meth:`_HDF5Batches.batch`: ids past the end); else its whole batches (a partial last one left out:
+    vector targets have no label to ignore, and a smaller batch would not split over every mesh alike)."""
+    n = len(data)
+    return -(-n // batch) if getattr(data, "fills", False) else n // batch
+
+
 class _HDF5Batches:
     """The worker's view of HDF5 samples: this rank's hyperslab, inputs or targets as needed."""
 
-    def __init__(self, samples: Any, pin: bool = False) -> None:
+    def __init__(self, samples: Any, pin: bool = False, evaluated: bool = False) -> None:
         self.samples = samples
         self.pin = pin  # a GPU rank's: batches of counts read into pinned memory, copied to the GPU as they are
+        # a validation set whose labels can be ignored: ids past its end are samples that count nowhere (a training
+        # set's wrap around to its first samples, as a run without epochs walks it)
+        self.fills = evaluated and getattr(samples, "ignore", None) is not None
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    def _past_end(self, indices: Sequence[int], y: torch.Tensor | None) -> torch.Tensor | None:
+        """``y`` with the labels of the samples past the set's end (:func:`evaluation_batches`' filling) ignored
+        (a validation set with ``ignore``; their inputs are the set's first samples, read as any)."""
+        past = [r for r, i in enumerate(indices) if i >= len(self.samples)] if self.fills else []
+        if y is None or not past:
+            return y
+        y = y.clone()
+        y[past] = self.samples.ignore
+        return y
 
     @property
     def symmetries(self) -> int:
@@ -114,9 +137,9 @@ class _HDF5Batches:
         symmetry (data.augment) still to apply, which :meth:`finish` applies there too; the Prefetcher copies
         them as it copies a tensor (their ``is_cuda``, ``pin_memory`` and ``to``)."""
         if not want_input:
-            return None, torch.stack([self.samples.target(i) for i in indices])
+            return None, self._past_end(indices, torch.stack([self.samples.target(i) for i in indices]))
         x, y = self.samples.read(indices, symmetries, pin=self.pin) if raw else self.samples.batch(indices, symmetries)
-        return x, (y if want_target else None)
+        return x, (self._past_end(indices, y) if want_target else None)
 
     def finish(self, x: Any) -> torch.Tensor:
         return self.samples.finish(x)

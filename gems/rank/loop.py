@@ -46,6 +46,7 @@ from gems.rank.data import (
     Sampler,
     Staged,
     data_notes,
+    evaluation_batches,
     finisher,
     make_data,
     replica_indices,
@@ -457,7 +458,7 @@ class Run:
         assert self.val is not None
         with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():  # train.ema's weights
             recalibrated = self.recalibrate()
-            for k in range(len(self.val) // B):  # whole batches of the training batch (a partial last one is left out)
+            for k in range(evaluation_batches(self.val, B)):  # batches of the training batch (data.py: the last)
                 ids = share(list(range(k * B, (k + 1) * B)), self.R, self.coord.replica)
                 x, y = self.val.batch(ids, par.input_slices, want_input=par.needs_input, want_target=par.needs_target)
                 got = par.evaluate(x.to(dev) if x is not None else None, y.to(dev) if y is not None else None, ids)

@@ -8,8 +8,15 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from gems.data.layouts import IGNORE
 from gems.mesh import Mesh
 from gems.models import ModelSpec
+
+
+def ignored(spec: ModelSpec) -> int:
+    """The label a model of dense classes leaves out of its loss and figures: :data:`gems.data.layouts.IGNORE`
+    (255: read volumes' padding) where it is not one of its classes, else none (-100, torch's default)."""
+    return IGNORE if int(spec.num_outputs) <= IGNORE else -100
 
 
 # ---------------------------------------------------------------------------- loss
@@ -20,10 +27,13 @@ def make_loss_fn(spec: ModelSpec, mesh: Mesh, global_batch: int) -> Callable[[to
 
     if spec.target == "dense":
         cells = math.prod(spec.input_shape[1:])
+        ignore = ignored(spec)
 
         def dense(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            if spec.loss == "cross_entropy":  # classes may come as uint8 (read labels: an eighth of the bytes)
-                s = F.cross_entropy(out.float(), y.long(), reduction="sum")
+            # classes may come as uint8 (read labels: an eighth of the bytes); a label of ``ignore`` (a tile's
+            # padding) adds nothing, and the divisor stays every cell of the batch: a sum over the parts on any mesh
+            if spec.loss == "cross_entropy":
+                s = F.cross_entropy(out.float(), y.long(), reduction="sum", ignore_index=ignore)
             else:
                 s = F.mse_loss(out.float(), y.float(), reduction="sum") / out.shape[1]
             return s / (cells * global_batch)
@@ -54,7 +64,9 @@ class Metric:
     The vector is ``[loss sum, count, (vector mse) |error| sum per target ... | (classification) correct]``:
     the loss is the training loss's per-sample (per-cell for dense outputs) mean; ``mae`` the mean absolute
     error over samples and targets, ``mae_per_target`` per target; ``accuracy`` the share of correct classes.
-    A classifier of each voxel (dense cross-entropy: the U-Net) also sums, per class, the voxels predicted and
+    A classifier of each voxel (dense cross-entropy: the U-Net) counts only the voxels whose label is not
+    ignored (:func:`ignored`: a read volume's padding, and the samples that fill a last partial batch): ``cells``,
+    the loss's and accuracy's divisor, are those. It also sums, per class, the voxels predicted and
     labelled that class and both (the confusion matrix's margins and diagonal): ``dice`` per class is
     ``2 |P & L| / (|P| + |L|)`` over the whole set (the voxels of every sample together: sums that add up over
     parts and replicas; None for a class neither predicted nor labelled), ``dice_foreground`` its mean over the
@@ -90,16 +102,25 @@ class Metric:
         out = out.float()
         if not self.counts:
             return torch.zeros(self.size, dtype=torch.float64, device=out.device)
-        if self.classes:
+        count: Any
+        if self.classes and self.dice:  # a class a voxel: its ignored labels count nowhere (class docstring)
             y = y.long()  # read labels come as uint8
+            ignore = ignored(self.spec)
+            loss = F.cross_entropy(out, y, reduction="sum", ignore_index=ignore)
+            predicted = out.argmax(dim=1)
+            valid = y != ignore
+            extra = [((predicted == y) & valid).sum()]
+            count = valid.sum()
+            # the confusion matrix (labelled x predicted) of the counted voxels: its diagonal and margins
+            k = int(self.spec.num_outputs)
+            conf = torch.bincount((y[valid] * k + predicted[valid]), minlength=k * k).reshape(k, k)
+            extra += [*conf.diagonal(), *conf.sum(dim=0), *conf.sum(dim=1)]
+        elif self.classes:
+            y = y.long()
             loss = F.cross_entropy(out, y, reduction="sum")
             predicted = out.argmax(dim=1)
             extra = [(predicted == y).sum()]
             count = y.numel()
-            if self.dice:  # the confusion matrix (labelled x predicted): its diagonal and margins
-                k = int(self.spec.num_outputs)
-                conf = torch.bincount((y * k + predicted).reshape(-1), minlength=k * k).reshape(k, k)
-                extra += [*conf.diagonal(), *conf.sum(dim=0), *conf.sum(dim=1)]
         else:
             err = out - y.float()
             loss = (err ** 2).mean(dim=1).sum() if self.spec.target != "dense" else (err ** 2).sum() / out.shape[1]
@@ -107,7 +128,7 @@ class Metric:
             count = y.shape[0] if self.spec.target != "dense" else y[:, 0].numel()
         if self.keep is not None:
             self.keep.append(self._rows(out, y, ids))
-        vec = torch.stack([v.double() for v in [loss, torch.tensor(float(count), device=out.device), *extra]])
+        vec = torch.stack([v.double() for v in [loss, torch.as_tensor(count, device=out.device), *extra]])
         if not self.groups:
             return vec
         if self.group_of is None or len(ids) != out.shape[0]:
@@ -125,15 +146,20 @@ class Metric:
         and cells), which add up over the parts."""
         n = out.shape[0]
         if self.spec.target == "dense":  # per sample: (loss sum, |error| sum or correct cells, cells) of this part
-            cells = torch.full((n,), float(y[0].numel() if self.classes else y[0, 0].numel()), device=out.device)
-            if self.classes:
-                loss = F.cross_entropy(out, y, reduction="none").flatten(1).sum(1)
-                second = (out.argmax(dim=1) == y).flatten(1).sum(1).float()
+            if self.classes:  # the counted cells (a sample's part of padding alone counts none: left out)
+                ignore = ignored(self.spec)
+                valid = y != ignore
+                cells = valid.flatten(1).sum(1).float()
+                loss = F.cross_entropy(out, y, reduction="none", ignore_index=ignore).flatten(1).sum(1)
+                second = ((out.argmax(dim=1) == y) & valid).flatten(1).sum(1).float()
             else:
+                cells = torch.full((n,), float(y[0, 0].numel()), device=out.device)
                 err = out - y.float()
                 loss = (err ** 2).flatten(2).sum(dim=(1, 2)) / out.shape[1]
                 second = err.abs().flatten(2).sum(dim=(1, 2)) / out.shape[1]
-            return list(ids), torch.stack([loss, second, cells], 1).double().cpu(), torch.zeros(0)
+            rows = torch.stack([loss, second, cells], 1).double().cpu()
+            kept = [k for k in range(n) if float(rows[k, 2]) > 0]
+            return ([ids[k] for k in kept] if len(ids) == n else list(ids)), rows[kept], torch.zeros(0)
         if self.classes:
             return list(ids), out.detach().double().cpu(), y.cpu()
         return list(ids), out.detach().double().cpu(), y.double().cpu()

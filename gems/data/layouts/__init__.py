@@ -21,8 +21,9 @@ when the package is) and its tests.
 * :meth:`Layout.open` ``(path, shape, **options)``: the samples of ``path`` as one rank reads them, a
   :class:`Samples` (below). ``shape`` is the model's input (C, *spatial); ``options`` are those of
   :class:`Options` (the rank's part ``slices``, ``crop``, ``standardize``, ``augment``, ``readers``, the
-  setting ``key`` that names the folder, ``target``: ``vector`` or ``dense``). A file that does not match is
-  a :class:`gems.errors.ConfigError` naming ``key`` and the file.
+  setting ``key`` that names the folder, ``target``: ``vector`` or ``dense``, ``classes``: a model of dense
+  classes' count, which every label read must be below). A file that does not match is a
+  :class:`gems.errors.ConfigError` naming ``key`` and the file.
 * :meth:`Layout.rate` ``(samples, ids, symmetries)``: bytes a second ``samples.read`` moves into a batch on
   this machine (default: timed, the second of two reads into one buffer, from the page cache).
 * :meth:`Layout.convert` ``(source, folder)`` and :meth:`Layout.converted_name` ``(source)``: for a layout that
@@ -49,6 +50,9 @@ when the package is) and its tests.
   transformed);
 * ``target(i)`` (sample i's target alone: a rank that computes the loss but reads no input), ``group(i)``
   (the file sample i is cut from: validation averages a file's crops);
+* ``ignore`` (dense classes only): the label of voxels that count nowhere, :data:`IGNORE` (a tile's padding);
+  a set that has it is evaluated to its last sample (gems.rank.data.evaluation_batches: a last partial batch
+  filled with samples of that label alone);
 * ``check_all(count=None, target_size=None)``: the headers of every file the first ``count`` samples read
   (ConfigError naming the first bad one), ``notes()`` (what the run and the plan must say: a slow path taken,
   a cap applied), ``close()``.
@@ -73,6 +77,9 @@ from gems.errors import ConfigError
 #: bytes a second one reader thread moves from the page cache into a batch, where no file is at hand to time: one
 #: thread of `gems bench data` here (results/bench/data.md)
 THREAD_RATE = 4.4e9
+#: the class of a voxel that counts nowhere (gems.rank.loss: the loss, accuracy and Dice leave it out): the
+#: padding of a volume's edge tiles, and every voxel of the samples that fill a last partial evaluation batch
+IGNORE = 255
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,7 @@ class Options:
     augment: str = "none"
     readers: int = 4  # threads a rank reads on (capped: reader_threads)
     target: str = "vector"  # the model's: vector (one per sample) or dense (a class per voxel)
+    classes: int | None = None  # a model of dense classes: its classes (labels at or over it are bad input)
     window: Sequence[float] | None = None  # data.window: CT volumes' [low, high] Hounsfield units (nifti)
 
 
@@ -143,10 +151,11 @@ class Layout:
         raise NotImplementedError
 
     def write(self, folder: str | os.PathLike, samples: Iterable[tuple[np.ndarray, np.ndarray]],
-              name: str = "sample_{:05d}", dtype: Any = None) -> list[Path]:
+              name: str = "sample_{:05d}", dtype: Any = None, *, sync: bool = False) -> list[Path]:
         """Files of this layout in ``folder`` (``name`` formatted with the sample's index, the layout's
         extension added), from (counts (C, *spatial), target) pairs, as the published tool writes them;
-        ``dtype``: the values' type where the tool lets one choose (None: the tool's default)."""
+        ``dtype``: the values' type where the tool lets one choose (None: the tool's default); ``sync``: each
+        file synced before its rename (gems.paths.commit: what ``gems data convert`` writes)."""
         raise NotImplementedError
 
     def converted_name(self, source: Path) -> str:
@@ -247,9 +256,32 @@ def _detect(path: str | os.PathLike, name: str | None, key: str) -> Layout:
                           f"{key}={path} fit each of them, so name theirs")
     listed = sorted({f for lay in layouts.values() for f in lay.files(path)})
     seen = f"; {listed[0].name} is none of them" if listed else ""
+    if not listed and (subs := holding_subfolders(path, layouts.values())):
+        shown = ", ".join(f"{p.name}/ ({n} {lay})" for p, n, lay in subs[:4]) + (", ..." if len(subs) > 4 else "")
+        seen = (f"; it holds no sample file, but {len(subs)} subfolder(s) of them: {shown}. gems reads the files of "
+                "one folder, not its subfolders (as MLPerf's prepare.py walks them): name one subfolder, or gather "
+                "the files into one folder (symbolic links will do)")
     raise ConfigError(key, str(path), "a folder (or file) of samples in a layout gems reads ("
                       + "; ".join(f"{lay.name}: {lay.about}" for lay in layouts.values())
                       + f"; `gems data synth` writes one){seen}")
+
+
+def holding_subfolders(path: str | os.PathLike, candidates: Iterable[Layout]) -> list[tuple[Path, int, str]]:
+    """(subfolder, files, what they are: their endings) of each folder right under ``path`` that holds files a layout of
+    ``candidates`` reads (a universe set split into folders: the message of a folder that holds only those)."""
+    p = Path(path)
+    if not p.is_dir():
+        return []
+    with os.scandir(p) as entries:
+        subs = sorted(Path(e.path) for e in entries if not e.name.startswith(".") and e.is_dir())
+    layouts = list(candidates)
+    out = []
+    for sub in subs:
+        found = {f for lay in layouts for f in lay.files(sub)}
+        if found:
+            kinds = sorted({"".join(f.suffixes[-2:]) if f.name.endswith(".gz") else f.suffix for f in found})
+            out.append((sub, len(found), "/".join(kinds) + " file(s)"))
+    return out
 
 
 def reader_threads(requested: int, cpus: int | None = None) -> tuple[int, str | None]:

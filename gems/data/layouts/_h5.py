@@ -77,11 +77,14 @@ class HDF5Layout(Layout):
         return counts if self.channels == "first" else np.moveaxis(counts, 0, -1)
 
     def write(self, folder: str | os.PathLike, samples: Iterable[tuple[np.ndarray, np.ndarray]],
-              name: str = "sample_{:05d}", dtype: Any = None) -> list[Path]:
+              name: str = "sample_{:05d}", dtype: Any = None, *, sync: bool = False) -> list[Path]:
         """One file a sample, as h5py writes a numpy array (contiguous, unfiltered, little-endian), each written
-        to a hidden name and renamed (a file is whole or not there); ``dtype``: the counts' type (default:
+        to a hidden name and renamed (a file is whole or not there; ``sync``: whole on the disk too, through a
+        crash: gems.paths.commit, what ``gems data convert`` writes); ``dtype``: the counts' type (default:
         theirs)."""
         import h5py
+
+        from gems.paths import commit
 
         out = Path(folder)
         out.mkdir(parents=True, exist_ok=True)
@@ -94,7 +97,7 @@ class HDF5Layout(Layout):
                 f["unitPar"] = np.asarray(target)
                 if self.stamp:
                     f.attrs["layout"] = self.name
-            os.replace(tmp, final)
+            commit(tmp, final, sync)
             files.append(final)
         return files
 

@@ -35,6 +35,6 @@ class LBANN(HDF5Layout):
         return np.moveaxis(counts, 0, -1).transpose()
 
     def write(self, folder: str | os.PathLike, samples: Iterable[tuple[np.ndarray, np.ndarray]],
-              name: str = "universe_{:05d}_0_0_0", dtype: Any = np.float32) -> list[Path]:
+              name: str = "universe_{:05d}_0_0_0", dtype: Any = np.float32, *, sync: bool = False) -> list[Path]:
         """As the split script: float32 by default (``dtype=np.int16`` as ``--datatype int16``)."""
-        return super().write(folder, samples, name, dtype)
+        return super().write(folder, samples, name, dtype, sync=sync)

@@ -10,10 +10,12 @@ spatial rank's depth slab is one contiguous run of bytes. Voxels are read as sto
 affine nor resampled to another spacing (do that beforehand where a study needs it).
 
 **Samples.** Each volume is cut into tiles of the model's input edge (``model.size``), row-major over (z, y, x);
-the tiles at a volume's far edges are padded to the full edge: voxels with the type's lowest value (below any CT
-window: air), labels with background (0). So every voxel of every volume is in exactly one sample, training sees
-every part of each volume, and validation's figures are those of the whole volumes (a sliding window without
-overlap, as nnU-Net and MONAI infer).
+the tiles at a volume's far edges are padded to the full edge: the network's input with 0 after windowing (the
+window's low end: air, whatever the file's type and scaling), labels with :data:`gems.data.layouts.IGNORE`
+(255), which the loss, accuracy and Dice leave out (gems.rank.loss). So every voxel of every volume is in exactly
+one sample and counts once, training sees every part of each volume, and validation's figures are those of the
+whole volumes' voxels, no padding among them (a sliding window without overlap, as nnU-Net and MONAI infer; the
+last partial batch is evaluated too, filled with samples of ignored labels alone).
 
 **CT windowing** (:func:`window`): each voxel's Hounsfield value (the stored value times ``scl_slope`` plus
 ``scl_inter``) is clipped to the window ``data.window`` (default [-200, 250] HU, the soft-tissue window liver
@@ -21,8 +23,11 @@ studies on LiTS use) and scaled to [0, 1]: the network's input, one channel. It 
 finished (on a GPU rank after the copy: the stored int16 voxels cross, half a float's bytes).
 
 ``volume-N.nii.gz`` is gzip-compressed: it cannot be read by position, so ``gems data convert`` writes the
-uncompressed ``.nii`` (the same bytes: a ``.nii.gz`` is the ``.nii`` gzip-compressed) first. A volume without its
-labels, labels of another shape, a corrupt gzip stream or volumes of mixed types are bad input naming the file.
+uncompressed ``.nii`` (the same bytes: a ``.nii.gz`` is the ``.nii`` gzip-compressed) first. Volumes of mixed types
+(int16 among uint8, say) are read as float32 (exact for integers of up to 16 bits and for float32; the run says
+so). A volume without its labels, labels of another shape or of a class at or over ``model.num_classes``, a
+corrupt gzip stream, or a volume or its labels changed while the run reads them (replaced, rewritten, cut short:
+each file's identity is taken with its header and looked at every batch) are bad input naming the file.
 """
 from __future__ import annotations
 
@@ -39,8 +44,9 @@ from typing import Any, ClassVar, Iterable, Sequence
 import numpy as np
 import torch
 
-from gems.data.layouts import Layout, Options, register
+from gems.data.layouts import IGNORE, Layout, Options, register
 from gems.errors import ConfigError
+from gems.paths import commit
 
 #: the CT window of liver studies on LiTS, in Hounsfield units: clipped to it and scaled to [0, 1]
 WINDOW = (-200.0, 250.0)
@@ -69,7 +75,8 @@ def window(value: Sequence[float] | None) -> tuple[float, float]:
 class Header:
     """What reading one NIfTI file needs, from nibabel's header: the voxels' ``shape`` as a C-order array
     (z, y, x), their ``dtype`` (the file's byte order), the byte ``offset`` of the block (None: compressed),
-    the scaling ``slope`` and ``inter``."""
+    the scaling ``slope`` and ``inter``, and the file's ``stamp`` (gems.data.hdf5.stamp, taken before the header
+    was read: a file replaced or rewritten since is named, not read at its old offset and scaling)."""
 
     path: Path
     shape: tuple[int, int, int]
@@ -77,13 +84,17 @@ class Header:
     offset: int | None
     slope: float
     inter: float
+    stamp: tuple[int, int, int, int] = (0, 0, 0, 0)
 
 
 def header(path: Path, key: str) -> Header:
     """File ``path``'s :class:`Header`; a file nibabel cannot read, or not a 3D volume, is bad input naming it."""
     import nibabel as nib
 
+    from gems.data.hdf5 import stamp
+
     try:
+        was = stamp(path)
         img: Any = nib.load(str(path))
         proxy = img.dataobj
         shape = tuple(int(n) for n in img.shape)
@@ -99,30 +110,50 @@ def header(path: Path, key: str) -> Header:
     dtype = np.dtype(proxy.dtype)
     if dtype.kind not in "iuf":
         raise ConfigError(key, str(path.parent), f"NIfTI voxels of integers or floats; {path.name} holds {dtype}")
-    return Header(path, (shape[2], shape[1], shape[0]), dtype, offset, slope, inter)
+    return Header(path, (shape[2], shape[1], shape[0]), dtype, offset, slope, inter, was)
 
 
 def _native(dtype: np.dtype) -> np.dtype:
     return dtype.newbyteorder("=") if dtype.byteorder in "<>" else dtype
 
 
+Box = tuple[tuple[int, int], ...]
+
+
 class Voxels:
     """A batch of CT voxels as :meth:`NiftiSamples.read` leaves them: ``data`` (N, *part) as stored, ``slope`` and
-    ``inter`` (N) each sample's scaling to Hounsfield units. Moves as a tensor does (what gems.rank.data.Prefetcher
-    asks of a batch it copies to the device)."""
+    ``inter`` (N) each sample's scaling to Hounsfield units, ``boxes`` (row, the volume's part of it: [lo, hi) a
+    dim) of each row that holds padding (0 where stored; 0 in the network's input: :meth:`NiftiSamples.finish`).
+    Moves as a tensor does (what gems.rank.data.Prefetcher asks of a batch it copies to the device)."""
 
-    def __init__(self, data: torch.Tensor, slope: torch.Tensor, inter: torch.Tensor) -> None:
-        self.data, self.slope, self.inter = data, slope, inter
+    def __init__(self, data: torch.Tensor, slope: torch.Tensor, inter: torch.Tensor,
+                 boxes: Sequence[tuple[int, Box]] = ()) -> None:
+        self.data, self.slope, self.inter, self.boxes = data, slope, inter, tuple(boxes)
 
     @property
     def is_cuda(self) -> bool:
         return bool(self.data.is_cuda)
 
     def pin_memory(self) -> Voxels:
-        return self if self.data.is_pinned() else Voxels(self.data.pin_memory(), self.slope, self.inter)
+        return self if self.data.is_pinned() else Voxels(self.data.pin_memory(), self.slope, self.inter, self.boxes)
 
     def to(self, device: Any, non_blocking: bool = False) -> Voxels:
-        return Voxels(self.data.to(device, non_blocking=non_blocking), self.slope.to(device), self.inter.to(device))
+        return Voxels(self.data.to(device, non_blocking=non_blocking), self.slope.to(device), self.inter.to(device),
+                      self.boxes)
+
+
+def padded(x: torch.Tensor, boxes: Sequence[tuple[int, Box]], value: float = 0.0) -> torch.Tensor:
+    """``x`` (N, C, *part) with every voxel of row ``r`` outside its box set to ``value``, for each (r, box) of
+    ``boxes``; in place."""
+    for r, box in boxes:
+        row = x[r]
+        for d, (lo, hi) in enumerate(box):
+            cut: list[Any] = [slice(None)] * row.dim()
+            cut[1 + d] = slice(0, lo)
+            row[tuple(cut)] = value
+            cut[1 + d] = slice(hi, None)
+            row[tuple(cut)] = value
+    return x
 
 
 def windowed(x: torch.Tensor, slope: torch.Tensor, inter: torch.Tensor, win: tuple[float, float]) -> torch.Tensor:
@@ -177,9 +208,6 @@ class NiftiSamples:
             if g.offset is None:
                 raise ConfigError(self.key, self.path, f"uncompressed .nii labels; {lab.name} is gzip-compressed "
                                   "(`gems data convert` writes them uncompressed)")
-            if _native(v.dtype) != _native(self.heads[0].dtype if self.heads else v.dtype):
-                raise ConfigError(self.key, self.path, f"volumes of one type (a batch holds them as stored); "
-                                  f"{f.name} holds {v.dtype}, {self.files[0].name} {self.heads[0].dtype}")
             self.heads.append(v)
             self.labels.append(g)
         edge = int(shape[1]) if shape is not None else max(max(h.shape) for h in self.heads)
@@ -190,22 +218,30 @@ class NiftiSamples:
             raise ConfigError("data.crop", options.crop, "the model's input edge, or null for it")
         self.grids = [tuple(-(-n // e) for n, e in zip(h.shape, self.shape[1:])) for h in self.heads]
         self.starts = np.cumsum([0] + [math.prod(g) for g in self.grids])
-        self.dtype = _native(self.heads[0].dtype)
+        types = sorted({_native(h.dtype) for h in self.heads}, key=str)
+        self.dtype = types[0] if len(types) == 1 else np.dtype(np.float32)  # a batch holds one type
+        self._notes = [] if len(types) == 1 else [
+            f"{self.key}: volumes of {len(types)} types ({', '.join(map(str, types))}) read as float32 (a batch holds "
+            "one type): exact for integers of up to 16 bits and for float32"
+            + ("" if all(t.itemsize <= 2 or t == np.float32 for t in types) else
+               f", rounded to float32's 24 bits for {', '.join(str(t) for t in types if t.itemsize > 2 and t != np.float32)}")]
         self.raw = raw_dtype(self.dtype)
         self.slices = _full_slices(options.slices or (), self.shape[1:])
         self.symmetries = 1
-        self.classes: int | None = None
+        self.classes: int | None = int(options.classes) if options.classes is not None else None
+        self.ignore = IGNORE  # the label of padding: the loss, accuracy and Dice leave it out (gems.rank.loss)
         self.reader = preader.Reader(int(options.readers))
 
     def __len__(self) -> int:
         return int(self.starts[-1])
 
     def notes(self) -> list[str]:
-        return []
+        return list(self._notes)
 
     def check_all(self, count: int | None = None, target_size: int | None = None) -> None:
         """Every volume's headers were checked when the set was opened (its tiles need its shape); ``target_size``
-        (the model's classes) is kept: labels at or over it are named when read."""
+        (the model's classes, as ``classes`` the set was opened with: the run's own set has them) is kept: labels
+        at or over it are named when read."""
         if target_size is not None:
             self.classes = int(target_size)
 
@@ -250,29 +286,45 @@ class NiftiSamples:
         if not direct:
             posts.append((into, buf))
 
+    def _still(self, v: int) -> None:
+        """Volume ``v`` and its labels as their headers were read, else bad input naming the file (module
+        docstring)."""
+        from gems.data.hdf5 import change
+
+        for head in (self.heads[v], self.labels[v]):
+            how = change(head.path, head.stamp)
+            if how is not None:
+                raise ConfigError(self.key, self.path, f"volumes and labels that stay as they were when the run first "
+                                  f"read their headers; {head.path.name} {how} while the run read it")
+
     def read(self, indices: Sequence[int], symmetries: Sequence[int] | None = None, pin: bool = False,
              out: torch.Tensor | None = None, want_input: bool = True) -> tuple[Any, torch.Tensor]:
-        """This rank's part of each sample's voxels as stored (:class:`Voxels`; padding the type's lowest value)
-        and of its labels (uint8 classes, padding background; the loss takes them as they are), by positional reads
-        on the reader's threads."""
+        """This rank's part of each sample's voxels as stored (:class:`Voxels`; padding 0 and its box, for
+        :meth:`finish`) and of its labels (uint8 classes, padding :data:`~gems.data.layouts.IGNORE`; the loss takes
+        them as they are), by positional reads on the reader's threads, each file looked at first (:meth:`_still`)."""
         part = self.part_shape()[1:]
         shape = (len(indices), *part)
         if out is None and want_input:
             out = torch.empty(shape, dtype=self.raw, pin_memory=pin)
         elif out is not None and (tuple(out.shape) != shape or out.dtype != self.raw or not out.is_contiguous()):
             raise ValueError(f"out: a contiguous host tensor of {shape} {self.raw}, not {tuple(out.shape)} {out.dtype}")
-        labels = np.zeros(shape, dtype=np.uint8)  # classes; made long where the loss takes them
+        labels = np.full(shape, IGNORE, dtype=np.uint8)  # classes; made long where the loss takes them
         tasks: list = []
         posts: list = []
         lab_bufs = []
+        boxes: list[tuple[int, Box]] = []
         slope, inter = np.ones(len(indices)), np.zeros(len(indices))
+        seen: set[int] = set()
         for r, i in enumerate(indices):
             v, src, dst = self._box(i)
-            padded = any(d.stop - d.start != n for d, n in zip(dst, part))
+            if v not in seen:
+                self._still(v)
+                seen.add(v)
             if out is not None:
                 row = out.numpy()[r]
-                if padded:
-                    row[...] = _lowest(row.dtype)
+                if any(d.stop - d.start != n for d, n in zip(dst, part)):
+                    row[...] = 0
+                    boxes.append((r, tuple((d.start, d.stop) for d in dst)))
                 self._read(self.heads[v], src, row[dst], tasks, posts)
                 slope[r], inter[r] = self.heads[v].slope, self.heads[v].inter
             g = self.labels[v]
@@ -289,15 +341,16 @@ class NiftiSamples:
             into[...] = buf
         for r, v, dst, buf in lab_bufs:
             labels[r][dst] = self._classes(buf, v)
-        raw = Voxels(out, torch.from_numpy(slope), torch.from_numpy(inter)) if out is not None else None
+        raw = Voxels(out, torch.from_numpy(slope), torch.from_numpy(inter), boxes) if out is not None else None
         return raw, torch.from_numpy(labels)
 
     def _classes(self, stored: np.ndarray, v: int) -> np.ndarray:
         """Labels as classes (uint8): the stored values scaled as the file says, whole numbers from 0 below the
-        model's classes (where known; 256 at most), else bad input naming the file."""
+        model's classes (where known; below :data:`~gems.data.layouts.IGNORE` at most), else bad input naming the
+        file."""
         g = self.labels[v]
         values = stored if (g.slope, g.inter) == (1.0, 0.0) else stored * g.slope + g.inter
-        top = min(self.classes or 256, 256)
+        top = min(self.classes or IGNORE, IGNORE)
         if values.size and (values.min() < 0 or values.max() >= top
                             or (values.dtype.kind == "f" and not np.array_equal(values, np.round(values)))):
             bad = values[(values < 0) | (values >= top) | (values != np.round(values))]
@@ -306,8 +359,9 @@ class NiftiSamples:
         return values.astype(np.uint8, copy=False)
 
     def finish(self, x: Any) -> torch.Tensor:
+        """The network's input (:func:`windowed`), each row's padding 0 (the window's low end)."""
         if isinstance(x, Voxels):
-            return windowed(x.data, x.slope, x.inter, self.window)
+            return padded(windowed(x.data, x.slope, x.inter, self.window), x.boxes)
         return windowed(x, torch.ones(x.shape[0]), torch.zeros(x.shape[0]), self.window)
 
     def batch(self, indices: Sequence[int], symmetries: Sequence[int] | None = None, raw: bool = False,
@@ -322,14 +376,9 @@ class NiftiSamples:
         self.reader.close()
 
 
-def _lowest(dtype: np.dtype) -> Any:
-    """The padding of stored voxels: the type's lowest value (below any window: air), 0 for unsigned types."""
-    return np.finfo(dtype).min if dtype.kind == "f" else np.iinfo(dtype).min
-
-
 def gunzip(source: Path, target: Path, key: str = "data.path") -> None:
-    """Write ``source`` (a ``.nii.gz``) uncompressed to ``target`` (a hidden name, then renamed); a corrupt gzip
-    stream is bad input naming the file."""
+    """Write ``source`` (a ``.nii.gz``) uncompressed to ``target`` (a hidden name, synced, then renamed:
+    gems.paths.commit); a corrupt gzip stream is bad input naming the file."""
     tmp = target.with_name(f".{target.name}.tmp")
     try:
         with gzip.open(source, "rb") as src, open(tmp, "wb") as dst:
@@ -338,7 +387,7 @@ def gunzip(source: Path, target: Path, key: str = "data.path") -> None:
         tmp.unlink(missing_ok=True)
         raise ConfigError(key, str(source.parent), f".nii.gz files that are whole gzip streams; {source.name} is a "
                           f"corrupt gzip stream ({type(e).__name__}: {e})") from None
-    os.replace(tmp, target)
+    commit(tmp, target)
 
 
 @register
@@ -368,7 +417,8 @@ class NiftiLayout(Layout):
         return NiftiSamples(self, path, shape, Options(**options))
 
     def write(self, folder: str | os.PathLike, samples: Iterable[tuple[np.ndarray, np.ndarray]],
-              name: str = "volume-{}", compress: bool = False, spacing: Sequence[float] = (0.8, 0.8, 1.5)) -> list[Path]:
+              name: str = "volume-{}", compress: bool = False, spacing: Sequence[float] = (0.8, 0.8, 1.5), *,
+              sync: bool = False) -> list[Path]:
         """``volume-N.nii`` and ``segmentation-N.nii`` (``.nii.gz`` with ``compress``) through nibabel, N counting
         from 0, from (voxels (1, z, y, x) or (z, y, x) in Hounsfield units, labels (z, y, x)) pairs: int16
         voxels and uint8 labels, a diagonal affine of ``spacing`` (x, y, z) mm; returns the volumes' paths."""
@@ -391,7 +441,7 @@ class NiftiLayout(Layout):
                 img = nib.Nifti1Image(np.asarray(arr, dtype=dt).T, affine)  # (z, y, x) in C order is (x, y, z) in F
                 img.header.set_xyzt_units("mm")
                 nib.save(img, str(tmp))
-                os.replace(tmp, final)
+                commit(tmp, final, sync)
             files.append(out / f"volume-{i}{ext}")
         return files
 
@@ -413,5 +463,5 @@ class NiftiLayout(Layout):
             else:
                 tmp = dst.with_name(f".{dst.name}.tmp")
                 shutil.copyfile(src, tmp)
-                os.replace(tmp, dst)
+                commit(tmp, dst)
         return folder / self.converted_name(source)

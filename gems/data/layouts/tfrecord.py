@@ -353,12 +353,14 @@ class TFRecordLayout(Layout):
         return TFRecordSamples(self, path, shape, Options(**options))
 
     def write(self, folder: str | os.PathLike, samples: Iterable[tuple[np.ndarray, np.ndarray]],
-              name: str = "sample_{:05d}", compress: bool = True) -> list[Path]:
+              name: str = "sample_{:05d}", compress: bool = True, *, sync: bool = False) -> list[Path]:
         """One Example a file as MLPerf's prepare.py writes them (``x`` the int16 counts channels last, ``y`` the
         target), through the ``tfrecord`` package's writer (TensorFlow's format: the tests' files come from
         TensorFlow's own, scripts/tfrecord_fixtures.py), gzip-compressed as the published set with ``compress``;
         each written to a hidden name and renamed."""
         from tfrecord.writer import TFRecordWriter
+
+        from gems.paths import commit
 
         out = Path(folder)
         out.mkdir(parents=True, exist_ok=True)
@@ -372,7 +374,7 @@ class TFRecordLayout(Layout):
             w.close()
             if compress:
                 tmp.write_bytes(gzip.compress(tmp.read_bytes()))
-            os.replace(tmp, final)
+            commit(tmp, final, sync)
             files.append(final)
         return files
 
@@ -383,12 +385,13 @@ class TFRecordLayout(Layout):
         return source.name[: -len(".tfrecord")] + str(getattr(layouts.get(CONVERTED), "extension", ".h5"))
 
     def convert(self, source: Path, folder: Path, channels: int | None = None, key: str = "data.path") -> Path:
-        """Write file ``source``'s sample into ``folder`` in the :data:`CONVERTED` layout (hidden name, then
-        renamed: a file there is whole): ``full`` the record's int16 counts (D, H, W, C) as they are, ``unitPar``
-        its target."""
+        """Write file ``source``'s sample into ``folder`` in the :data:`CONVERTED` layout (hidden name, synced, then
+        renamed: a file there is whole, through a crash too): ``full`` the record's int16 counts (D, H, W, C) as
+        they are, ``unitPar`` its target."""
         from gems.data import layouts
 
         rec = read_file(source, channels or CHANNELS, key)
         target = layouts.get(CONVERTED)
-        (path,) = target.write(folder, [(np.moveaxis(rec.x, -1, 0), rec.y)], name=Path(self.converted_name(source)).stem)
+        (path,) = target.write(folder, [(np.moveaxis(rec.x, -1, 0), rec.y)], name=Path(self.converted_name(source)).stem,
+                               sync=True)
         return path
