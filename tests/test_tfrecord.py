@@ -9,6 +9,7 @@ import gzip
 import importlib.util
 import shutil
 import struct
+import zlib
 from pathlib import Path
 
 import h5py
@@ -76,6 +77,8 @@ def _flip(path: Path, at: int) -> None:
     ("gzip-flip", "corrupt gzip stream"),
     ("empty", "is empty"),
     ("two", "holds more"),
+    ("zlib", "is ZLIB-compressed (compression_type='ZLIB'), which gems does not read: write the files with "
+             "compression_type='GZIP' or none"),
 ])
 def test_a_bad_file_is_named(tmp_path: Path, how: str, said: str) -> None:
     path = _copy(tmp_path, "gzip" if how.startswith("gzip") else "plain")
@@ -93,6 +96,8 @@ def test_a_bad_file_is_named(tmp_path: Path, how: str, said: str) -> None:
         path.write_bytes(b"")
     elif how == "two":  # two records in one file (TFRecord files concatenate)
         path.write_bytes(path.read_bytes() * 2)
+    elif how == "zlib":  # TensorFlow's other compression (it was taken for a plain file whose length CRC is wrong)
+        path.write_bytes(zlib.compress(path.read_bytes()))
     with pytest.raises(ConfigError) as e:
         tfr.read_file(path)
     assert path.name in str(e.value) and said in str(e.value), str(e.value)
@@ -170,6 +175,50 @@ def test_convert_refuses_bad_input(tmp_path: Path, args: list[str], key: str) ->
         _convert(DATA / "gzip" / "train", tmp_path / "out", *(a.replace("{tmp}", str(tmp_path)) for a in args))
     assert e.value.key == key
     assert not (tmp_path / "out").exists()
+
+
+def test_convert_says_what_it_does_not_convert_and_names_a_zlib_file(tmp_path: Path) -> None:
+    """`gems data convert` of a folder of HDF5 files (read where they lie) exited 1 with NotImplementedError: it says
+    there is nothing to convert, exit 2. A ZLIB-compressed TFRecord is named with what would work."""
+    from _cli import gems_here
+
+    layouts.get("exalearn").write(tmp_path / "univ", [(np.ones((4, 8, 8, 8), np.int16), np.zeros(4, np.float32))])
+    out = gems_here("data", "convert", f"data.path={tmp_path / 'univ'}", f"data.out={tmp_path / 'out'}")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "these are exalearn files" in out.stderr and "nothing to convert" in out.stderr, out.stderr
+    assert not (tmp_path / "out").exists()
+    src = tmp_path / "zlib"
+    src.mkdir()
+    first = sorted((DATA / "plain" / "train").iterdir())[0]
+    (src / first.name).write_bytes(zlib.compress(first.read_bytes()))
+    out = gems_here("data", "convert", f"data.path={src}", f"data.out={tmp_path / 'out'}", "data.workers=1")
+    assert out.returncode == 2 and f"{first.name} is ZLIB-compressed" in out.stderr, out.stderr
+
+
+def test_a_long_check_says_how_far_it_is_and_the_slurm_progress_lists_a_folder_once(tmp_path: Path, monkeypatch,
+                                                                                 capsys) -> None:
+    """The pre-launch check of MLPerf's half a million files takes minutes: it prints its progress. The progress of
+    a conversion as a Slurm job lists each output folder once, not a stat a file."""
+    from gems.data.convert import plan_of
+    from gems.models import build_model
+    from gems.prepare import check_data
+
+    monkeypatch.setattr(layouts, "PROGRESS_S", 0.0)
+    cfg = compose([*TINY, f"data.path={DATA / 'gzip' / 'train'}", f"data.val_path={DATA / 'gzip' / 'validation'}"],
+                  check=False)
+    check_data(cfg, build_model(cfg.model))
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("gems: checking")]
+    assert any(ln.startswith("gems: checking the first bytes of data.path's files: 4/4 files") for ln in lines), lines
+    assert lines[-1].startswith("gems: checking the first bytes of data.val_path's files: 2/2 files"), lines
+    assert _convert(DATA / "gzip", tmp_path / "out") == 6
+    (tmp_path / "out" / "train" / "univ_ics_2019-03_a10000668_001.hdf5").unlink()
+    work = plan_of(compose(["data=hdf5", f"data.path={DATA / 'gzip'}", f"data.out={tmp_path / 'out'}"], check=False))
+
+    def no_stat(self: Path) -> bool:
+        raise AssertionError(f"a stat of {self}")
+
+    monkeypatch.setattr(Path, "is_file", no_stat)
+    assert [src.name for _, src, _ in work.left()] == ["univ_ics_2019-03_a10000668_001.tfrecord"]
 
 
 def test_the_masked_crc_is_tensorflows() -> None:

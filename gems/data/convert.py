@@ -51,10 +51,16 @@ class Work:
     def left(self, share: tuple[int, int] = (0, 1)) -> list[tuple[str, Path, Path]]:
         """The items whose converted file is not there yet (a file there is whole: module docstring); ``share``
         (k, n): of every n-th item from the k-th (a Slurm task's share: of all the items, so that the shares stay
-        apart while other tasks convert theirs)."""
+        apart while other tasks convert theirs). Each output folder is listed once (one scandir, no stat a file:
+        the progress of a Slurm conversion of half a million files asks this every update)."""
+        from gems.data.layouts import listing
+
         k, n = share
+        there: dict[Path, set[str]] = {}
+        for out in {out for _, _, out in self.items}:
+            there[out] = set(listing(out)) if out.is_dir() else set()
         return [(name, src, out) for name, src, out in self.items[k::n]
-                if not (out / _converter(name).converted_name(src)).is_file()]
+                if _converter(name).converted_name(src) not in there[out]]
 
 
 def plan_of(cfg: Any) -> Work:
@@ -77,9 +83,17 @@ def plan_of(cfg: Any) -> Work:
     name = d.get("layout")
     folders = [src] if _holds_any(src) else sorted(p for p in src.iterdir() if p.is_dir() and _holds_any(p))
     if not folders:
-        raise ConfigError("data.path", str(src), "a folder of files gems data convert converts, or of such folders "
-                          "(MLPerf's train/ and validation/): " + "; ".join(
-                              f"{lay.name}: {lay.about}" for lay in layouts.registered().values() if _converts(lay)))
+        what = ("a folder of files gems data convert converts, or of such folders (MLPerf's train/ and "
+                "validation/): " + "; ".join(f"{lay.name}: {lay.about}" for lay in layouts.registered().values()
+                                             if _converts(lay)))
+        try:  # files of a layout read where they lie (HDF5's): say so
+            held = layouts.detect(src, name, "data.path")
+        except ConfigError:
+            held = None
+        if held is not None:
+            raise ConfigError("data.path", str(src), f"{what}; these are {held.name} files ({held.about}), which gems "
+                              f"run reads where they lie: nothing to convert (data=hdf5 data.path={src})")
+        raise ConfigError("data.path", str(src), what)
     items = []
     for folder in folders:
         layout = layouts.detect(folder, name, "data.path")
@@ -94,9 +108,12 @@ def plan_of(cfg: Any) -> Work:
 
 
 def _converts(layout: Any) -> bool:
-    """Whether gems data convert converts ``layout``'s files (it has ``convert``: MLPerf's TFRecords, LiTS's
-    volumes, whose ``.nii`` ones it copies as they are beside the ``.nii.gz`` it decompresses)."""
-    return callable(getattr(layout, "convert", None))
+    """Whether gems data convert converts ``layout``'s files: its class has a ``convert`` of its own, not the
+    protocol's (MLPerf's TFRecords, LiTS's volumes, whose ``.nii`` ones it copies as they are beside the
+    ``.nii.gz`` it decompresses; not the HDF5 layouts, read where they lie)."""
+    from gems.data.layouts import Layout
+
+    return getattr(type(layout), "convert", Layout.convert) is not Layout.convert
 
 
 def _holds_any(folder: Path) -> bool:

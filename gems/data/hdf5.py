@@ -435,11 +435,15 @@ class HDF5Samples:
     def check_all(self, count: int | None = None, target_size: int | None = None) -> None:
         """Check the metadata of every file the first ``count`` samples read (all files when None),
         in order: the first bad one is a :class:`ConfigError` naming it. Only headers are read
-        (the datasets' shapes and dtypes), never the samples; ``target_size``: the length
-        ``unitPar`` must have (the model's outputs)."""
+        (the datasets' shapes and dtypes), never the samples, with a progress line when it takes long
+        (gems.data.layouts.Looking); ``target_size``: the length ``unitPar`` must have (the model's outputs)."""
+        from gems.data.layouts import Looking
+
         n = len(self.files) if count is None else min(len(self.files), -(-max(0, int(count)) // self.crops))
+        tick = Looking(n, f"the headers of {self.key}'s files")
         for i in range(n):
             self._check(i, target_size)
+            tick(i + 1)
         self._checked.update(range(n))
 
     def _where(self, index: int) -> str:

@@ -181,6 +181,29 @@ class Layout:
         return f"<layout {self.name}>"
 
 
+#: seconds a look at many files (a pre-launch check of every file's headers) goes on before it prints its progress,
+#: and between its lines
+PROGRESS_S = 10.0
+
+
+class Looking:
+    """The progress of a long look at ``total`` files (``what``: the files, for the line): nothing for the first
+    :data:`PROGRESS_S` seconds, then a line every :data:`PROGRESS_S` (``gems: checking ...: 120000/524288 files, 41
+    s``) and one at the end; :meth:`__call__` with the files done so far. A check of MLPerf's half a million files
+    takes minutes on a parallel filesystem: the line says it is moving."""
+
+    def __init__(self, total: int, what: str) -> None:
+        self.total, self.what = int(total), what
+        self.t0 = self.last = time.perf_counter()
+        self.said = False
+
+    def __call__(self, done: int) -> None:
+        now = time.perf_counter()
+        if now - self.last >= PROGRESS_S or (self.said and done >= self.total):
+            self.last, self.said = now, True
+            print(f"gems: checking {self.what}: {done}/{self.total} files, {now - self.t0:.0f} s", flush=True)
+
+
 _LISTINGS: dict[str, list[str]] | None = None  # while :func:`detect` asks every layout: each folder listed once
 
 

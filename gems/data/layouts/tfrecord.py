@@ -15,8 +15,9 @@ the Example is parsed by protobuf with the schema the ``tfrecord`` package ships
 package's own reader is not used: it skips the CRCs, and finds a gzip file's end by decompressing it once more.
 Whether a file is compressed is read from the file itself (:func:`compression`): the first 12 bytes of a plain
 file are a length and its CRC, which a gzip stream's header never matches. A file that is not a TFRecord, a
-corrupt gzip stream, a record cut short, a CRC that does not match, or an Example without ``x`` and ``y`` is a
-:class:`~gems.errors.ConfigError` naming the file (exit 2).
+corrupt gzip stream, a ZLIB-compressed file (TensorFlow's other compression, told by its zlib header), a record cut
+short, a CRC that does not match, or an Example without ``x`` and ``y`` is a :class:`~gems.errors.ConfigError`
+naming the file (exit 2).
 
 Read where they lie (:class:`TFRecordSamples`) the files are a first look: a record is checked against its CRC
 as a whole, so every rank reads, decompresses and checks each of its samples' records whole and keeps its
@@ -63,14 +64,32 @@ def masked_crc(data: Any) -> int:
 
 
 def compression(path: str | os.PathLike, key: str = "data.path") -> str:
-    """``gzip`` or ``none``: how the TFRecord file ``path`` is stored, from its first bytes (a gzip stream's magic
-    number, unless they are a record's length and its CRC); an empty file is bad input naming it."""
+    """``gzip``, ``zlib`` or ``none``: how the TFRecord file ``path`` is stored, from its first bytes (a gzip
+    stream's magic number, or a zlib stream's header: 0x78 and a check that makes the first two bytes a multiple
+    of 31, unless they are a record's length and its CRC); an empty file is bad input naming it. gems reads gzip
+    and none (:func:`readable`)."""
     with open(path, "rb") as f:
         head = f.read(12)
     if not head:
         raise ConfigError(key, str(path), f"TFRecord files of one record at least; {Path(path).name} is empty")
-    plain = len(head) == 12 and masked_crc(head[:8]) == struct.unpack("<I", head[8:])[0]
-    return "gzip" if head[:2] == b"\x1f\x8b" and not plain else "none"
+    if len(head) == 12 and masked_crc(head[:8]) == struct.unpack("<I", head[8:])[0]:
+        return "none"
+    if head[:2] == b"\x1f\x8b":
+        return "gzip"
+    return "zlib" if len(head) >= 2 and head[0] == 0x78 and (head[0] << 8 | head[1]) % 31 == 0 else "none"
+
+
+def readable(path: str | os.PathLike, key: str = "data.path") -> str:
+    """:func:`compression` of a file gems reads (gzip or none); a ZLIB-compressed one (TensorFlow's other
+    compression_type) is bad input naming it and what would work."""
+    kind = compression(path, key)
+    if kind == "zlib":
+        name = Path(path).name
+        raise ConfigError(key, str(path), f"TFRecord files gzip-compressed (as MLPerf's set is) or uncompressed; {name} "
+                          "is ZLIB-compressed (compression_type='ZLIB'), which gems does not read: write the files with "
+                          f"compression_type='GZIP' or none (zlib.decompress of {name}'s bytes is the uncompressed "
+                          "file)")
+    return kind
 
 
 def _read_exactly(f: BinaryIO, buf: memoryview) -> int:
@@ -93,7 +112,7 @@ def records(path: str | os.PathLike, key: str = "data.path") -> Iterator[memoryv
 
     buf = bytearray(0)
     head, tail = bytearray(12), bytearray(4)
-    zipped = compression(p, key) == "gzip"
+    zipped = readable(p, key) == "gzip"
     try:
         with open(p, "rb") as raw, (gzip.GzipFile(fileobj=raw, mode="rb") if zipped else raw) as f:
             n = 0
@@ -237,9 +256,13 @@ class TFRecordSamples:
         if target_size is not None and self.targets[0].size != int(target_size):
             raise ConfigError(self.key, self.path, f"`{Y_KEY}` of {int(target_size)} numbers (one per model output); "
                               f"{self.files[0].name} has {self.targets[0].size}")
+        from gems.data.layouts import Looking
+
         n = len(self.files) if count is None else min(len(self.files), -(-max(0, int(count)) // self.crops))
-        for f in self.files[:n]:
-            compression(f, self.key)
+        tick = Looking(n, f"the first bytes of {self.key}'s files")
+        for i, f in enumerate(self.files[:n]):
+            readable(f, self.key)
+            tick(i + 1)
 
     def locate(self, index: int) -> tuple[int, tuple[int, ...]]:
         """(file, the crop's origin per spatial dim) of sample ``index``."""
