@@ -707,17 +707,23 @@ def load(d: Path, hold: Holding, what: tuple[str, ...] = ("model", "optim", "ema
     for p in hold.params:
         n = hold.name_of(p)
         if opt_keys.get(n):
-            # a scalar (Adam's step count) stays where torch keeps it, the host
-            hold.opt.state[p] = {k: _like(want[f"optim.{n}.{k}"], p) for k in opt_keys[n]}
+            group: dict[str, Any] = next((g for g in hold.opt.param_groups if any(q is p for q in g["params"])), {})
+            hold.opt.state[p] = {k: _like(want[f"optim.{n}.{k}"], p, k, group) for k in opt_keys[n]}
     meta = read_meta(d)
     meta["average"] = [_like(want[f"ema.{hold.name_of(p)}"], p) for p in hold.params] if has_ema else []
     return meta
 
 
-def _like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+def _like(t: torch.Tensor, p: torch.Tensor, key: str = "", group: dict[str, Any] | None = None) -> torch.Tensor:
     """A loaded per-parameter tensor on its parameter's device in its memory format (channels-last weights keep
-    their optimizer state channels-last: torch's foreach updates need one layout), a scalar where it was read."""
+    their optimizer state channels-last: torch's fused and foreach updates need one layout). A scalar (Adam's step
+    count) goes where torch's own loading puts it (``Optimizer._process_value_according_to_param_policy``): on
+    the parameter's device as float32 in a fused or capturable group (their kernels read it on the device: a host
+    one beside a GPU's parameters would be read there as a device address; inside a captured step it would not
+    count), on the host otherwise."""
     if t.dim() == 0:
+        if key == "step" and group is not None and (group.get("fused") or group.get("capturable")):
+            return t.to(device=p.device, dtype=torch.float32)
         return t
     out = torch.empty_like(p, dtype=t.dtype) if t.shape == p.shape else torch.empty(t.shape, dtype=t.dtype,
                                                                                          device=p.device)

@@ -444,9 +444,9 @@ class GradientReducer:
                 small.append(p)
         if small and b.flat is not None and _views_of(b.flat, [_grad(p) for p in small]):
             tensors.append((b.flat, small, False))  # the same layout as the copy below: the same sums, bit for bit
-        elif small:
-            grads = [_grad(p) for p in small]
-            flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
+        elif small:  # each gradient's memory in its order (a channels-last one as it lies), as the static views
+            grads = [row_major(_grad(p)).reshape(-1) for p in small]
+            flat = torch.cat(grads) if len(grads) > 1 else grads[0].clone()
             tensors.append((flat, small, True))
         if self.is_mpi:
             # MPI reads the buffer from the host's side: staged (gems.replication._Staged) and launched in
@@ -504,7 +504,10 @@ class GradientReducer:
         """Gradient tensors for a CUDA graph to own (gems.rank.graphs), one a parameter, in bucket order: a
         gradient that :func:`summed_in_place` is its own tensor in the parameter's memory format; the small ones
         of a bucket are views of one flattened buffer in the order :meth:`_launch` flattens them, which the sum
-        then reads in place (no copy in, none back). Allocated once; the graph zeroes and attaches them before
+        then reads in place (no copy in, none back). Every one has its parameter's strides (a channels-last
+        weight's view is laid out channels-last over its span of the buffer: :func:`_segment`), as autograd's
+        gradients have and torch's fused optimizers require on a GPU (their CUDA kernels check that parameters,
+        gradients and state share sizes and strides). Allocated once; the graph zeroes and attaches them before
         each backward."""
         out: list[tuple[nn.Parameter, torch.Tensor]] = []
         for b in self.buckets:
@@ -517,7 +520,7 @@ class GradientReducer:
                     out.append((p, torch.zeros_like(p)))
                 else:
                     assert b.flat is not None
-                    out.append((p, b.flat[off:off + p.numel()].view(p.shape)))
+                    out.append((p, _segment(b.flat, off, p)))
                     off += p.numel()
         return out
 
@@ -536,8 +539,8 @@ class GradientReducer:
                     off = 0
                     for p in ps:
                         n = p.numel()
-                        g = _grad(p)
-                        g.copy_(t[off:off + n].view_as(g))
+                        g = row_major(_grad(p))  # (a view: written in the order it was flattened)
+                        g.copy_(t[off:off + n].view(g.shape))
                         off += n
             b.parts = []
 
@@ -551,11 +554,19 @@ class GradientReducer:
         self._hooks.clear()
 
 
+def _segment(flat: torch.Tensor, off: int, p: torch.Tensor) -> torch.Tensor:
+    """``flat[off:off + p.numel()]`` as a tensor of ``p``'s shape and strides (``p`` dense in some order of its
+    dims: its memory is that span in that order); row-major where ``p`` is not dense (autograd's layout then)."""
+    span = flat[off:off + p.numel()]
+    return span.as_strided(p.shape, p.stride()) if dense(p) else span.view(p.shape)
+
+
 def _views_of(flat: torch.Tensor, grads: list[torch.Tensor]) -> bool:
-    """Whether ``grads`` are, in order, the consecutive row-major views that make up ``flat``."""
+    """Whether ``grads`` are, in order, consecutive dense views that make up ``flat``, each covering its span in
+    its own order (:func:`_segment`: the order :meth:`GradientReducer._launch` flattens a copy in)."""
     base, off, item = flat.data_ptr(), 0, flat.element_size()
     for g in grads:
-        if g.data_ptr() != base + off * item or not g.is_contiguous() or g.dtype != flat.dtype:
+        if g.data_ptr() != base + off * item or not dense(g) or g.dtype != flat.dtype:
             return False
         off += g.numel()
     return off == flat.numel()

@@ -11,6 +11,7 @@ import contextlib
 import gc
 import io
 import threading
+import warnings
 from types import SimpleNamespace
 from typing import Any
 
@@ -84,10 +85,12 @@ def _train(rank: int, size: int, args: list[str], stand_in: str | None, folder: 
     from gems.config import compose
     from gems.rank.loop import train
 
-    if stand_in is None:
+    if stand_in is None:  # the eager run: in the stand-in's layout (a GPU's), so that both compute the same bits
         os.environ.pop(graphs.STAND_IN_ENV, None)
+        os.environ[graphs.LAYOUT_ENV] = "1"
     else:
         os.environ[graphs.STAND_IN_ENV] = stand_in
+        os.environ.pop(graphs.LAYOUT_ENV, None)
     cfg = compose([*args, f"results.dir={folder}"] + ([] if stand_in else ["train.cuda_graphs=false"]))
     with open_dict(cfg):
         cfg.run_id = f"graphs-{stand_in or 'eager'}"
@@ -104,6 +107,7 @@ def _both(rank: int, size: int, args: list[str], folder: str) -> tuple[dict[str,
         import os
 
         os.environ.pop(graphs.STAND_IN_ENV, None)
+        os.environ.pop(graphs.LAYOUT_ENV, None)
 
 
 @pytest.mark.parametrize("size,extra", [
@@ -126,7 +130,9 @@ def test_a_graphed_run_equals_the_eager_one_and_launches_few_ops_around_its_repl
     graphed, eager = on["device_ops"], off["device_ops"]
     print(f"device ops a step ({'R2' if size == 2 else 'R1'}, {extra[-1]}): graphed {graphed['per_step']} "
           f"{graphed['ops']}, eager {eager['per_step']}")
-    assert graphed["step"] == eager["step"] == 2
+    # counted on the last step before the timed ones (a dispatch mode counts them, slowly): a replay when graphed
+    assert graphed["step"] == on["step_time_s"]["measured_from"] - 1 == 2
+    assert eager["step"] == off["step_time_s"]["measured_from"] - 1 == 1
     assert graphed["per_step"] <= MAX_OPS < eager["per_step"]
     from gems.rank.loop import graphed_note
 
@@ -228,6 +234,53 @@ def test_gradients_cannot_double_whatever_zero_grad_does(tmp_path, monkeypatch) 
     assert on["loss"] == off["loss"]
 
 
+SMALL = [*BN_DROPOUT[:5], "train.batch_size=2", "train.steps=3", "train.warmup_steps=1", "train.check_fit=false"]
+
+
+def test_graphed_gradients_have_their_parameters_strides_as_a_gpus_fused_optimizer_requires(tmp_path,
+                                                                                            monkeypatch) -> None:
+    """A GPU rank's model is channels-last, and torch's fused SGD and Adam CUDA kernels refuse a gradient whose
+    strides are not its parameter's (a CPU kernel takes it). The stand-in computes in that layout and checks the
+    fused optimizer before every step as CUDA does (gems.rank.graphs.check_fused): after every replay each gradient
+    has its parameter's strides, the small ones too (views of their bucket's buffer, each laid out as its
+    parameter over its span); row-major views of channels-last weights are refused; and the eager sum's flattened
+    copy lies in memory order as the views do (the same positions in the summed buffer: the same sums at R >= 3,
+    where a ring's chunks sum in an order that depends on the position)."""
+    from gems import replication
+    from gems.layout import row_major
+
+    monkeypatch.setenv(graphs.STAND_IN_ENV, "1")  # (restored after the test)
+    seen: list[tuple[Any, ...]] = []
+    real = graphs.StepGraph.run
+
+    def run(self, *a, **k):  # type: ignore[no-untyped-def]
+        out = real(self, *a, **k)
+        if self.replays:
+            seen.extend((p.grad.stride(), p.stride(), p.is_contiguous()) for p, _ in self.grads)
+        return out
+
+    monkeypatch.setattr(graphs.StepGraph, "run", run)
+    args = [*SMALL, "train.optimizer=sgd"]
+    assert _train(0, 1, args, "1", str(tmp_path / "views"))["cuda_graphs"] is True
+    assert seen and all(g == p for g, p, _ in seen) and any(not c for *_, c in seen)  # channels-last weights too
+    monkeypatch.setattr(replication, "_segment", lambda flat, off, p: flat[off:off + p.numel()].view(p.shape))
+    with pytest.raises(RuntimeError, match=r"the fused SGD of a GPU refuses this step: a parameter of shape "
+                                           r"\(4, 4, 3, 3, 3\) and strides \(108, 1, 36, 12, 4\) has a gradient of "
+                                           r"strides \(108, 27, 9, 3, 1\)"):
+        with warnings.catch_warnings():  # (autograd warns of the layout these views break)
+            warnings.simplefilter("ignore")
+            _train(0, 1, args, "1", str(tmp_path / "row-major"))
+    monkeypatch.undo()
+    weights = [torch.empty(3, 4, 2, 2, 2).to(memory_format=torch.channels_last_3d), torch.empty(5)]
+    flat = torch.zeros(sum(w.numel() for w in weights))
+    views = [replication._segment(flat, 0, weights[0]), replication._segment(flat, weights[0].numel(), weights[1])]
+    grads = [torch.randn_like(w) for w in weights]
+    for v, g in zip(views, grads):
+        v.copy_(g)
+    assert [v.stride() for v in views] == [w.stride() for w in weights] and replication._views_of(flat, views)
+    assert torch.equal(flat, torch.cat([row_major(g).reshape(-1) for g in grads]))  # the eager copy's order
+
+
 def test_a_nan_in_a_step_read_late_is_placed_by_that_steps_own_flags(tmp_path) -> None:
     """A graphed step's figures carry its finiteness flags: a NaN input at step 3, whose figures the loop reads
     during step 4 (step 4's flags are finite then), is still placed in step 3's input, and the run stops there."""
@@ -312,16 +365,28 @@ def test_a_graphed_step_reads_nothing_from_the_device_and_its_figures_a_step_lat
     reads = []
     monkeypatch.setattr(Readout, "read", staticmethod(lambda posted, _r=Readout.read: reads.append(1) or _r(posted)))
     try:
-        record = _train(0, 1, [*BN_DROPOUT, "train.optimizer=sgd"], "1", str(tmp_path))
+        record = _train(0, 1, [*BN_DROPOUT, "train.optimizer=sgd", "train.steps=6"], "1", str(tmp_path))
     finally:
         import os
 
         os.environ.pop(graphs.STAND_IN_ENV, None)
     assert record["cuda_graphs"] is True
-    assert sorted(syncs) == [2, 3, 4] and all(not where for where in syncs.values()), syncs
-    assert order == [("eager", 0), ("read", 0), ("replay", 1), ("read", 1), ("replay", 2), ("replay", 3),
-                     ("read", 2), ("replay", 4), ("read", 3), ("read", 4)]
-    assert len(reads) == 5  # one read of each step's figures
+    assert sorted(syncs) == [3, 4, 5] and all(not where for where in syncs.values()), syncs
+    assert order == [("eager", 0), ("read", 0), ("replay", 1), ("read", 1), ("replay", 2), ("read", 2),
+                     ("replay", 3), ("replay", 4), ("read", 3), ("replay", 5), ("read", 4), ("read", 5)]
+    assert len(reads) == 6  # one read of each step's figures
+
+
+def test_the_watchdog_allows_a_step_read_late_what_the_device_took() -> None:
+    """The stall allowance grows with the slowest step: a graphed step read a step late gives it the device's span
+    of the step (its events), not the host's millisecond of launches; a step read at once, its wall time."""
+    from gems.rank.loop import _Done, _took
+
+    late = _Done(4, begun=10.0, t0=10.0, t_data=0.0, measured=True, posted=None,  # type: ignore[arg-type]
+                 host_s=0.001, deferred=True)
+    assert _took(late, 0.5, now=99.0) == 0.5 and _took(late, 0.0001, now=99.0) == 0.001
+    at_once = _Done(4, begun=10.0, t0=10.0, t_data=0.0, measured=True, posted=None)  # type: ignore[arg-type]
+    assert _took(at_once, 0.5, now=12.0) == 2.0
 
 
 # ---- a capture that fails ------------------------------------------------------------------------------------------
@@ -336,6 +401,7 @@ class _FakeCuda:
         self.current = self.main
 
     def Stream(self, device: Any) -> Any:  # noqa: N802 - torch.cuda's name
+        self.calls.append("Stream")
         return SimpleNamespace(name="side", wait_stream=lambda s: None)
 
     def current_stream(self, device: Any) -> Any:
@@ -359,8 +425,11 @@ class _FakeCuda:
         fake = self
 
         class Graph:
-            def capture_begin(self, capture_error_mode: str = "global") -> None:
+            def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
                 fake.calls.append(("capture_begin", capture_error_mode, fake.current.name))
+
+            def pool(self) -> Any:
+                return id(self)
 
             def capture_end(self) -> None:
                 fake.calls.append(("capture_end", fake.current.name))
@@ -395,17 +464,18 @@ def test_a_capture_that_fails_stops_the_run_naming_its_cause_and_leaves_nothing_
                            "error: operation not permitted when stream is capturing (then RuntimeError: CUDA error: "
                            "operation failed due to a previous error during capture)")
     assert "train.cuda_graphs=false" in text
-    assert fake.calls == ["synchronize", ("capture_begin", "thread_local", "side"), ("capture_end", "side")]
-    assert "empty_cache" not in fake.calls
+    assert fake.calls == ["Stream", "synchronize", "empty_cache", ("capture_begin", "thread_local", "side"),
+                          ("capture_end", "side")]  # nothing after the failure (empty_cache would assert)
     assert fake.current is fake.main and gc.isenabled() and not g.captured and not g.replayed
     assert _free(graphs.CUDA_WORK)
 
 
 def test_a_capture_runs_its_eager_step_then_captures_once_and_replays_on_the_current_stream() -> None:
     """The order of calls on a mock of torch.cuda: the eager step on the capture's stream, the capture there (CUDA's
-    thread-local mode) after a device synchronisation, the eager step's cached blocks released once the capture
-    ended, then replays; after every replay the graph's gradients are attached again for the optimizer outside it
-    (a replay runs none of the body's Python)."""
+    thread-local mode) after a device synchronisation and the eager step's cached blocks released (before the
+    capture, as torch.cuda.graph does: during a capture the allocator releases no cached block, and the graph's
+    pool would be allocated beside them), then replays; after every replay the graph's gradients are attached again
+    for the optimizer outside it (a replay runs none of the body's Python)."""
     fake = _FakeCuda(fail=False)
     w = nn.Parameter(torch.zeros(2))
     ran: list[str] = []
@@ -422,9 +492,29 @@ def test_a_capture_runs_its_eager_step_then_captures_once_and_replays_on_the_cur
         g.run(torch.zeros(1, 1), torch.zeros(1, 1), 0, step, [0], False)
         assert w.grad is static
     assert ran == ["side", "side"]  # the eager step, and the capture (its Python runs once, recording)
-    assert fake.calls == ["synchronize", ("capture_begin", "thread_local", "side"), ("capture_end", "side"),
-                          "empty_cache", "replay", "replay", "replay"]
+    assert fake.calls == ["Stream", "synchronize", "empty_cache", ("capture_begin", "thread_local", "side"),
+                          ("capture_end", "side"), "replay", "replay", "replay"]
     assert g.replays == 3 and fake.current is fake.main
+
+
+def test_a_pipelines_pieces_are_captured_from_one_side_stream_each_after_the_cache_is_released() -> None:
+    """On a mock of torch.cuda: every slot of a pipeline's pieces warms up on one side stream (a stream a slot would
+    keep each warm-up's cached blocks apart, none reused by the next) and is captured after the cached blocks are
+    released (during a capture the allocator releases none): one Stream, then for each slot a synchronisation, the
+    cache emptied, the forward's capture and the backward's."""
+    from gems.rank import pieces as pc
+
+    fake = _FakeCuda(fail=False)
+    part = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3))
+    p = pc.Pieces(torch.device("cpu"), 0, contextlib.nullcontext, lambda: [], api=fake)
+    with batch_context(7, 0, [4, 9]):
+        for mb in range(3):
+            p(SimpleNamespace(stage=0, replica=0, micro_batch=mb), part, torch.randn(2, 5, requires_grad=True))
+    p.begin_step(0)
+    p.begin_step(1)
+    slot = ["synchronize", "empty_cache", ("capture_begin", "thread_local", "side"), ("capture_end", "side"),
+            ("capture_begin", "thread_local", "side"), ("capture_end", "side")]
+    assert fake.calls == ["Stream", *slot, *slot, *slot] and p.captured and len(p.slots) == 3
 
 
 def _free(lock: Any) -> bool:
@@ -460,6 +550,59 @@ def test_the_stand_ins_capture_refuses_a_host_read_and_puts_back_what_it_ran() -
     assert buf.tolist() == [1.0, 1.0, 1.0]  # put back
 
 
+@pytest.mark.parametrize("body,why", [
+    (lambda s: s.figures.add_(torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)),
+     "lift_fresh: a tensor made from Python data"),
+    (lambda s: s.figures[:1].add_(torch.bincount(s.scalars[:1])), "bincount reads a device value on the host"),
+    (lambda s: s.figures.copy_(torch.repeat_interleave(s.figures, torch.ones(4, dtype=torch.int64))),
+     "repeat_interleave reads a device value on the host"),
+    (lambda s: s.figures.masked_fill_(s.figures > 0, s.figures[0]), "masked_fill_ with a tensor value reads it"),
+], ids=["torch.tensor", "bincount", "repeat_interleave", "masked_fill"])
+def test_the_stand_ins_capture_refuses_what_a_cuda_capture_refuses_where_a_cpu_kernel_hides_it(body, why) -> None:
+    """A CUDA capture refuses a copy from pageable host memory (a tensor made from Python data in the body) and a
+    kernel that reads a device value on the host (an output's size: bincount, repeat_interleave without its size; a
+    tensor value: masked_fill). A CPU kernel does these below the dispatcher, where no check sees them: the
+    stand-in's capture refuses the ops themselves, and the run stops naming them."""
+    g = graphs.StepGraph(body, torch.device("cpu"), 0)
+    x, y = torch.zeros(1, 2), torch.zeros(1, 1)
+    g.run(x, y, 0, 0, [0], False)  # the eager step runs them
+    with pytest.raises(graphs.CaptureFailed, match=f"{why}.*stand-in capture"):
+        g.run(x, y, 0, 1, [0], False)
+
+
+def test_the_stand_in_holds_every_replay_to_what_its_capture_recorded() -> None:
+    """A GPU's replay runs the kernels its capture recorded, with the values the host gave them then, on the tensors
+    they read then; the stand-in's replay runs the body's Python again. So it records the capture's ops (their
+    non-tensor arguments, the graph's tensors they read) and holds every replay to them: a rate the host gives the
+    body as a number each step, frozen into a GPU's graph, fails the replay that differs, as does a tensor of the
+    graph replaced by another; the same rate read from a tensor the host fills replays."""
+    x, y = torch.zeros(1, 2), torch.zeros(1, 1)
+    rate = [0.5]
+    g = graphs.StepGraph(lambda s: s.figures.add_(1.0).mul_(rate[0]), torch.device("cpu"), 0)
+    for step in range(3):
+        g.run(x, y, 0, step, [0], False)
+    rate[0] = 0.25
+    with pytest.raises(RuntimeError, match=r"the replay dispatched other work than the capture recorded at op 1: "
+                                           r"aten.mul_.Tensor\(float64\[4\] \(the graph's at 0x[0-9a-f]+\+0\), 0.25\), "
+                                           r"where the capture had aten.mul_.Tensor\(.*, 0.5\)"):
+        g.run(x, y, 0, 3, [0], False)
+    held = [torch.zeros(4, dtype=torch.float64)]
+    g = graphs.StepGraph(lambda s: s.figures.add_(held[0]), torch.device("cpu"), 0, static=lambda: held)
+    for step in range(3):
+        g.run(x, y, 0, step, [0], False)
+    old, held[0] = held[0], torch.ones(4, dtype=torch.float64)  # (the old one kept: its memory not reused)
+    with pytest.raises(RuntimeError, match="the replay dispatched other work than the capture recorded at op 0"):
+        g.run(x, y, 0, 3, [0], False)
+    device_rate = torch.tensor(0.5, dtype=torch.float64)
+    g = graphs.StepGraph(lambda s: s.figures.add_(1.0).mul_(device_rate), torch.device("cpu"), 0,
+                         static=lambda: [device_rate])
+    for step in range(4):
+        device_rate.fill_(0.5 ** step)
+        figures = g.run(x, y, 0, step, [0], False)
+    assert figures.tolist() == [((((0 + 1) * 1 + 1) * 0.5 + 1) * 0.25 + 1) * 0.125] * 4  # each step's rate
+    assert g.replays == 3 and old is not None
+
+
 def test_a_run_whose_capture_fails_exits_1_naming_the_cause(tmp_path, monkeypatch) -> None:
     """A real `gems run` whose capture fails at its end (the stand-in's injection, as CUDA's capture_end answers a
     capture something invalidated): exit 1, and the failed record names the rank, the cause and the way on."""
@@ -492,6 +635,29 @@ def test_a_model_with_hooks_runs_eager_and_its_hooks_run(tmp_path, monkeypatch) 
     assert "train.cuda_graphs: the step runs eager: hooks on the model (BatchNorm3d; a replay would skip them)" in on["notes"]
 
 
+def _stand_in_run(rank: int, size: int, args: list[str], folder: str) -> dict[str, Any]:
+    try:
+        return _train(rank, size, args, "1", folder)
+    finally:
+        import os
+
+        os.environ.pop(graphs.STAND_IN_ENV, None)
+
+
+def test_a_hook_on_one_rank_makes_every_rank_run_eager(tmp_path) -> None:
+    """fault.stall_rank's hook sits on one rank's model, and a replay would skip it there; NCCL asks that a
+    collective be captured on every rank or on none (the body's sums and sync): so the ranks agree before their
+    first step (one all-reduce), and every rank runs eager, each saying why."""
+    from gems.launch.world import run_world
+
+    args = [*SMALL, "train.optimizer=sgd", "parallel.replicas=2", "train.batch_size=4", "fault.stall_rank=1",
+            "fault.at_step=99"]
+    ranks = run_world(_stand_in_run, 2, args, str(tmp_path), timeout=300)
+    assert [r["cuda_graphs"] for r in ranks] == [False, False]
+    assert any(n.startswith("train.cuda_graphs: the step runs eager: hooks on another rank's model") and
+               "every rank runs it eager" for n in ranks[0]["notes"])
+
+
 def test_the_reader_ahead_pauses_while_the_step_is_captured() -> None:
     """Of the rank's threads only the reader ahead issues CUDA work: the capture holds the lock its work takes
     (gems.rank.data.Prefetcher)."""
@@ -507,12 +673,45 @@ def test_the_reader_ahead_pauses_while_the_step_is_captured() -> None:
     for step in range(2):
         g.run(torch.zeros(1, 1), torch.zeros(1, 1), 0, step, [0], False)
     assert held == [True] and g.replayed
-    import inspect
 
+
+def test_the_reader_and_the_capture_issue_their_cuda_work_under_one_lock(monkeypatch) -> None:
+    """The lock's two holders, run on mocks of torch.cuda: the reader ahead holds it while it reads, copies and
+    draws on its side stream and records its event (gems.rank.data.Prefetcher), and CUDA's capture holds it from
+    before the capture begins until it ends (gems.rank.graphs._CudaCapture), each probed from another thread."""
     from gems.rank.data import Prefetcher
 
-    assert "with CUDA_WORK, torch.cuda.stream(self._side)" in inspect.getsource(Prefetcher._make)
-    assert "with CUDA_WORK, self.api.stream(self.stream)" in inspect.getsource(graphs._CudaCapture.capture)
+    held: list[tuple[str, bool]] = []
+
+    def probe(what: str) -> None:
+        held.append((what, not _free(graphs.CUDA_WORK)))
+
+    @contextlib.contextmanager
+    def stream(s: Any) -> Any:
+        probe("stream")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "Event", lambda: SimpleNamespace(record=lambda s: probe("event")))
+    reader = Prefetcher(lambda step: (probe("read"), ([step], None, None))[1], [], 0, torch.device("cpu"))
+    reader._side = "side"  # (a GPU rank's reader ahead has its side stream)
+    (ids, x, y), event = reader._make(3)
+    assert ids == [3] and held == [("stream", True), ("read", True), ("event", True)] and _free(graphs.CUDA_WORK)
+    held.clear()
+    fake = _FakeCuda(fail=False)
+    real_graph = fake.CUDAGraph
+
+    def graph() -> Any:
+        g = real_graph()
+        begin, end = g.capture_begin, g.capture_end
+        g.capture_begin = lambda **k: (probe("capture_begin"), begin(**k))[1]
+        g.capture_end = lambda: (probe("capture_end"), end())[1]
+        return g
+
+    fake.CUDAGraph = graph  # type: ignore[method-assign]
+    cap = graphs._CudaCapture(torch.device("cpu"), api=fake)
+    cap.capture(lambda: probe("body"))
+    assert held == [("capture_begin", True), ("body", True), ("capture_end", True)] and _free(graphs.CUDA_WORK)
 
 
 def test_the_optimizer_a_capture_steps_is_capturable() -> None:
@@ -533,8 +732,102 @@ def test_the_optimizer_a_capture_steps_is_capturable() -> None:
     assert plain.param_groups[0]["capturable"] is False and plain.param_groups[0]["fused"] is True
     whole = make_optimizer(compose(["train.graph_optimizer=true"]), [nn.Parameter(torch.zeros(3))])
     assert isinstance(whole.param_groups[0]["lr"], torch.Tensor)  # (capturable on a GPU only: a CPU has none)
-    import inspect
 
-    from gems.bench.step import _plain
 
-    assert "make_optimizer(cfg, list(model.parameters()), capturable=graphed)" in inspect.getsource(_plain)
+def test_a_capturable_optimizer_stepped_outside_a_capture_does_not_warn(monkeypatch) -> None:
+    """gems makes Adam capturable where it chose to (train.graph_optimizer, the bench's control) and steps it
+    eagerly too (the warm-up, a graphed run's eager steps): torch's check before every step, run as on a GPU that
+    is not capturing, warns of nothing (torch sets its warned-once flag when it makes the optimizer), and refuses
+    a non-capturable one inside a capture."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from gems.config import compose
+    from gems.rank.optim import make_optimizer
+
+    with FakeTensorMode():
+        control = make_optimizer(compose([]), [nn.Parameter(torch.empty(3, device="cuda"))], capturable=True)
+        plain = make_optimizer(compose([]), [nn.Parameter(torch.empty(3, device="cuda"))])
+    capturing = [False]
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: CUDA)
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda *a: SimpleNamespace(
+        is_capturing=lambda: capturing[0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        control._accelerator_graph_capture_health_check()
+    capturing[0] = True
+    control._accelerator_graph_capture_health_check()
+    with pytest.raises(RuntimeError, match="capturable is False"):
+        plain._accelerator_graph_capture_health_check()
+
+
+def test_the_bench_control_steps_a_capturable_optimizer_inside_its_capture(monkeypatch) -> None:
+    """gems bench step's control (the plain loop's whole step captured) run on a mock of torch.cuda: the optimizer
+    it steps inside the capture was made capturable (Adam's step raised "capturable is False" there), and the
+    steps after replay the graph."""
+    from gems.bench import step as bench
+    from gems.rank import optim
+
+    made: list[dict[str, Any]] = []
+    capturing = [False]
+    stepped: list[bool] = []
+    real = optim.make_optimizer
+
+    def make(cfg: Any, params: Any, capturable: bool = False) -> Any:
+        opt = real(cfg, params, capturable=capturable)
+        made.append({"capturable": capturable, "optimizer": cfg.train.optimizer})
+        opt.register_step_post_hook(lambda o, a, k: stepped.append(capturing[0]))
+        return opt
+
+    @contextlib.contextmanager
+    def graph(g: Any) -> Any:
+        capturing[0] = True
+        try:
+            yield
+        finally:
+            capturing[0] = False
+
+    replays: list[int] = []
+    side = SimpleNamespace(wait_stream=lambda s: None)
+    for name, value in [("Stream", lambda *a, **k: side), ("current_stream", lambda *a, **k: side),
+                        ("stream", lambda s: contextlib.nullcontext()), ("graph", graph),
+                        ("CUDAGraph", lambda: SimpleNamespace(replay=lambda: replays.append(1)))]:
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(optim, "make_optimizer", make)
+    bench._plain(["model=cosmoflow", "model.size=32", "model.width=0.125", "model.dropout=0", "train.batch_size=1"],
+                 torch.device("cpu"), 2, 1, True)
+    assert made == [{"capturable": True, "optimizer": "adam"}]
+    assert stepped == [False, False, False, True] and len(replays) == 2  # three warm-ups, the capture, two replays
+
+
+def test_a_loaded_fused_or_capturable_adam_keeps_its_step_count_on_its_parameters_device(tmp_path) -> None:
+    """Every Adam of a run is fused (and capturable with train.graph_optimizer on a GPU), and their kernels read the
+    step count on the parameters' device: a checkpoint's step count goes there as float32, as torch's own
+    load_state_dict puts it (a host one beside a GPU's parameters would be read by the kernel as a device address);
+    a plain Adam's stays on the host. Loaded onto parameters on the meta device (a GPU's stand-in here)."""
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+
+    from gems import checkpoint as ckpt
+
+    m = nn.Linear(2, 3)
+    opt = torch.optim.Adam(m.parameters(), fused=True)
+    m(torch.randn(4, 2)).sum().backward()
+    opt.step()
+    for p in m.parameters():
+        opt.state[p]["step"] = opt.state[p]["step"].double()  # (saved as another dtype: loaded as the kernel's)
+    hold = ckpt.Holding({"weight": (m, "weight"), "bias": (m, "bias")}, list(m.parameters()), opt)
+    with warnings.catch_warnings():  # (DCP warns that it saves in one process)
+        warnings.simplefilter("ignore")
+        dcp.save(hold.state(), checkpoint_id=str(tmp_path), no_dist=True)
+    for kind, device, dtype in [({"fused": True}, "meta", torch.float32),
+                                ({"capturable": True, "foreach": False}, "meta", torch.float32),
+                                ({"foreach": False}, "cpu", torch.float64)]:
+        meta = nn.Linear(2, 3, device="meta")
+        loaded = torch.optim.Adam(meta.parameters(), **kind)  # type: ignore[arg-type]
+        ckpt.load(Path(tmp_path), ckpt.Holding({"weight": (meta, "weight"), "bias": (meta, "bias")},
+                                               list(meta.parameters()), loaded), what=("model", "optim"))
+        for p in meta.parameters():
+            step = loaded.state[p]["step"]
+            assert (step.device.type, step.dtype, step.dim()) == (device, dtype, 0), kind
+            assert loaded.state[p]["exp_avg"].device.type == "meta"

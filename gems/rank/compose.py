@@ -166,7 +166,7 @@ class _Composition:
         device, seq = self.world.device, self.seq
         if any(t.device != device for t in [*seq.parameters(), *seq.buffers()]):  # (fake parameters cannot be moved)
             seq = seq.to(device)
-        if device.type == "cuda" and self.spec.spatial_ndim in (2, 3):
+        if (device.type == "cuda" or graphs.gpu_layout(device)) and self.spec.spatial_ndim in (2, 3):
             self.memory_format = torch.channels_last if self.spec.spatial_ndim == 2 else torch.channels_last_3d
             seq = seq.to(memory_format=self.memory_format)  # type: ignore[call-overload]
         self.seq = seq
@@ -333,7 +333,8 @@ class _Graphed:
             c.notes.append("train.graph_optimizer: fp16's skipped steps are decided on the host: the optimizer stays "
                            "outside the graph")
         self.optimizer: Any = None  # made after the composition (set_up_rank hands it over: Parallel.adopt)
-        self.graph = graphs.StepGraph(self.body, c.world.device, c.world.rank, self.touched, grads=self.grads)
+        self.graph = graphs.StepGraph(self.body, c.world.device, c.world.rank, self.touched, grads=self.grads,
+                                      static=self.static)
         self.own_hooks = reducer.hook_ids()
         par.graph, par.synced_step, par.averages_buffers, par.buffers = self.graph, self.synced, True, self.buffers
         par.optimizer_in_step = self.in_graph
@@ -380,6 +381,15 @@ class _Graphed:
             self.optimizer.step()
         return torch.cat([pair, self.flag(self.finite[0]), self.flag(self.finite[1])])
 
+    def static(self) -> list[torch.Tensor]:
+        """What the body reads that outlives it, besides what it changes: the parameters, the sums' buffers, the
+        optimizer's rate where it is a tensor (the stand-in holds each replay to these: gems.rank.graphs.Trace)."""
+        out = [p.detach() for p in self.par.params] + [b.flat for b in self.par.reducer.buckets if b.flat is not None]
+        out += [self.flat] if self.flat is not None else []
+        if self.optimizer is not None:
+            out += [g["lr"] for g in self.optimizer.param_groups if isinstance(g.get("lr"), torch.Tensor)]
+        return out
+
     def touched(self) -> list[torch.Tensor]:
         """What a step changes beyond its outputs (the stand-in's capture puts it back)."""
         out = list(self.c.seq.buffers())
@@ -395,13 +405,39 @@ class _Graphed:
         graph = self.graph
         if graph.ran == 0 and not graph.refused:
             foreign = graphs.hooked([self.c.seq], self.own_hooks)
-            if foreign:  # a replay runs no hook: the model's own (a fault injection) must run, eager
+            hooks, shapes = self.agree(foreign is not None, x, y)
+            if hooks or shapes:  # every rank's step eager
                 graph.refused = True
-                self.c.notes.append(f"train.cuda_graphs: the step runs eager: hooks on the model ({foreign}; a "
-                                    "replay would skip them)")
+                why = (f"hooks on the model ({foreign}; a replay would skip them)" if foreign else
+                       "hooks on another rank's model (a replay would skip them there)" if hooks else
+                       "the ranks' batches differ in shape")
+                every = ("; every rank runs it eager (NCCL asks that a collective be captured on every rank or on "
+                         "none)") if self.c.world.size > 1 else ""
+                self.c.notes.append(f"train.cuda_graphs: the step runs eager: {why}{every}")
         if graph.refused or not graph.fits(x, y):
             return self.eager(x, y, ids, step, stop)
         return graph.run(x, y, int(self.c.cfg.train.seed), step, ids, stop)
+
+    def agree(self, hooked: bool, x: torch.Tensor, y: torch.Tensor) -> tuple[bool, bool]:
+        """Before the first step, alike on every rank: (whether some rank's model has hooks a replay would skip,
+        whether the ranks' batches differ in shape). Whether a collective is captured must be the same on every
+        rank that takes part in it (NCCL's rule; the body's sums and sync span the world), so one rank's reason to
+        run eager (a fault injection's hook is on one rank) is every rank's: one all-reduce over the world, at the
+        first step (not timed). A later batch of another shape is another shape on every rank: every rank trains
+        whole batches in equal shares of one data set (gems.rank.data), so a rank runs that step eager where all
+        do."""
+        world = self.c.world
+        if world.size == 1:
+            return hooked, False
+        import zlib
+
+        import torch.distributed as dist
+
+        shape = zlib.crc32(repr((tuple(x.shape), x.dtype, tuple(y.shape), y.dtype)).encode())
+        t = torch.tensor([int(hooked), shape, -shape], dtype=torch.int64, device=world.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        got = t.tolist()
+        return got[0] > 0, got[1] != -got[2]
 
 
 def _pipeline_sample(spec: ModelSpec, ctx: Any, slices: tuple[slice, ...] | None) -> tuple[int, ...] | None:

@@ -24,9 +24,10 @@ How a graphed rank runs its steps (:class:`StepGraph`):
   before a capture (cuBLAS and cuDNN initialised, NCCL's communicators made, the optimizer's state created), and
   real steps, so nothing is put back afterwards. The next step captures the body (nothing runs) and replays it;
 * **gradients** are static tensors the graph owns (:meth:`gems.replication.GradientReducer.static_grads`: the
-  small ones views of their bucket's flattened buffer, which the sum reads in place, so no copy in or out). The
-  body zeroes them and attaches them to the parameters before its backward, and each step's backward writes its
-  own: ``zero_grad`` in either form, and anything left in ``.grad``, cannot double a gradient;
+  small ones views of their bucket's flattened buffer, which the sum reads in place, so no copy in or out; each of
+  its parameter's strides, a channels-last weight's too, as torch's fused optimizers require on a GPU). The body
+  zeroes them and attaches them to the parameters before its backward, and each step's backward writes its own:
+  ``zero_grad`` in either form, and anything left in ``.grad``, cannot double a gradient;
 * **dropout** (gems.layers.SampleDropout) hashes (seed, step, sample) on the device: the keys are host values
   copied in with the stop flag, and the masks are drawn inside the graph;
 * **shapes**: one graph a batch shape; a step whose batch has another shape runs the eager step (with the same
@@ -35,7 +36,9 @@ How a graphed rank runs its steps (:class:`StepGraph`):
 Where a graph is not taken, the run says why in its notes and runs eager: CPU ranks (no CUDA graphs), a pipeline
 (its stages exchange messages between their pieces), spatial parts (halos inside the layers), recomputation
 (``parallel.checkpoint``: the forward runs again inside the backward), MPI's sums (run by the host), hooks on the
-model (a fault injection's: a replay would skip them).
+model (a fault injection's: a replay would skip them). Whether a collective is captured must be the same on every
+rank (NCCL's rule), so the ranks agree before their first step (gems.rank.compose: one all-reduce): a hook on one
+rank's model, or batches of other shapes on different ranks, make every rank run eager.
 
 **A capture that fails stops the run** (exit 1, the record naming the rank and the cause, and
 ``train.cuda_graphs=false`` as the way on). It does not fall back to eager: torch's ``capture_end`` raises before
@@ -55,14 +58,20 @@ threads make no CUDA call. A rank forked from gems's fork server (gems.launch.fo
 server's threads (a fork copies the calling thread only) and no CUDA context (the server never makes one). Python's
 garbage collector is off during the capture (a collected CUDA event or graph would be destroyed inside it).
 
-What CPU tests check (tests/test_graphs.py), with a stand-in for the capture (``GEMS_CPU_GRAPH_STAND_IN=1``): its
-capture runs the body once under a check that refuses what a capture cannot hold (a read of a device value on the
-host), puts back what that run changed, and each replay runs the body again, so the whole protocol runs and a
-graphed run equals the eager one bit for bit (dropout, BatchNorm, R = 2, fp16's skipped steps); the device ops
-launched outside the replay, counted in every run's record (:class:`DeviceOps`); a capture failing at its end
-(``GEMS_CPU_GRAPH_STAND_IN=fail_at_end``) and inside (a host read), and the capture's order of calls on a mock of
-torch.cuda. What only a GPU shows: the capture itself, the replay's speed, and its results equal to eager's
-(scripts/gpu_check.sh runs the same comparison).
+What CPU tests check (tests/test_graphs.py), with a stand-in for the capture (``GEMS_CPU_GRAPH_STAND_IN=1``): the
+rank computes in a GPU's layout (channels-last convolutions) and checks its fused optimizer before every step as
+torch's CUDA kernels do (:func:`check_fused`: parameters, gradients and state of one layout); the capture runs the
+body once under a check that refuses what a capture cannot hold (:class:`NoHostReads`: a device value read on the
+host, by the op or inside its CUDA kernel; a tensor made from Python data or copied between host and device),
+records its ops (:class:`Trace`) and puts back what that run changed; each replay runs the body again and must
+dispatch the ops recorded, with the same host values and the same tensors of the graph's (what a GPU's replay
+would freeze). So the whole protocol runs and a graphed run equals the eager one bit for bit (dropout, BatchNorm,
+R = 2, fp16's skipped steps); the device ops launched outside the replay, counted in every run's record
+(:class:`DeviceOps`); a capture failing at its end (``GEMS_CPU_GRAPH_STAND_IN=fail_at_end``) and inside (a host
+read), and the capture's order of calls on a mock of torch.cuda. What only a GPU shows (docs/gpu.md): the capture
+itself, the replay's speed and its results equal to eager's (scripts/gpu_check.sh runs the same comparison),
+syncs inside kernels the stand-in does not name, a tensor made on the host by a factory in the body (the stand-in's
+host is its device), the memory a capture takes, and NCCL's collectives inside a graph.
 """
 from __future__ import annotations
 
@@ -84,6 +93,8 @@ from gems.layers import sample_keys
 #: again): ``1``; ``fail_at_end``: the stand-in's capture fails at its end, as CUDA's does when something during it
 #: invalidated the capture (the failure's test)
 STAND_IN_ENV = "GEMS_CPU_GRAPH_STAND_IN"
+#: on a CPU rank, compute in a GPU rank's layout without the stand-in (:func:`gpu_layout`)
+LAYOUT_ENV = "GEMS_CPU_GPU_LAYOUT"
 #: steps of the body run eagerly, on the capture's stream, before the capture: torch's warm-up (libraries
 #: initialised, NCCL's communicators made, the optimizer's state created); real steps, so nothing is put back
 EAGER_STEPS = 1
@@ -133,6 +144,13 @@ def stand_in() -> str | None:
     """The stand-in's mode on a CPU rank (``GEMS_CPU_GRAPH_STAND_IN``): None (off), ``1`` or ``fail_at_end``."""
     mode = os.environ.get(STAND_IN_ENV)
     return mode if mode in ("1", "fail_at_end") else None
+
+
+def gpu_layout(device: torch.device) -> bool:
+    """Whether a CPU rank computes in a GPU rank's layout (gems.rank.compose: channels-last convolutions) and checks
+    its fused optimizer as a GPU's kernel does (:func:`check_fused`): under the stand-in, and with
+    ``GEMS_CPU_GPU_LAYOUT=1`` (the eager run a test compares a stand-in's with: the same layout, the same bits)."""
+    return device.type == "cpu" and (stand_in() is not None or os.environ.get(LAYOUT_ENV) == "1")
 
 
 # ---------------------------------------------------------------------------- the static tensors
@@ -219,16 +237,145 @@ class DeviceOps(TorchDispatchMode):
 
 
 class NoHostReads(TorchDispatchMode):
-    """The stand-in's capture: refuses what a CUDA capture cannot hold, a device value read on the host."""
+    """The stand-in's capture: refuses what a CUDA capture cannot hold: a device value read on the host, by the op
+    itself or inside its CUDA kernel (a CPU kernel reads it below the dispatcher, where no mode sees it: those ops
+    are named here), and a tensor made from Python data (``torch.tensor``: on a GPU, a copy from pageable host
+    memory, which a capture refuses) or copied between the host and the device."""
 
-    READS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "unique_dim", "_unique2"}
+    READS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "unique_dim", "_unique2",
+             # CUDA kernels that read a device value on the host (an output's size, a checked value)
+             "_unique", "unique_consecutive", "unique_dim_consecutive", "bincount", "histc",
+             "embedding_dense_backward", "_linalg_check_errors"}
+    #: ops that read a 0-dim tensor argument on the host in their CUDA kernel (``value.item()``)
+    TENSOR_VALUE = {"masked_fill", "masked_fill_", "index_fill", "index_fill_"}
+    FROM_HOST = {"lift_fresh", "lift_fresh_copy"}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if name in self.READS:
-            raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing ({name} reads a device "
-                               "value on the host; stand-in capture)")
-        return func(*args, **(kwargs or {}))
+        why = None
+        if name in self.READS or (name == "repeat_interleave" and kwargs.get("output_size") is None
+                                  and isinstance(args[0], torch.Tensor)):
+            why = f"{name} reads a device value on the host"
+        elif name in self.TENSOR_VALUE and len(args) > 2 and isinstance(args[-1], torch.Tensor):
+            why = f"{name} with a tensor value reads it on the host"
+        elif name in self.FROM_HOST:
+            why = f"{name}: a tensor made from Python data (torch.tensor) is copied from pageable host memory"
+        elif name in ("_to_copy", "copy_"):
+            devices = {t.device.type for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            target = kwargs.get("device")
+            if len(devices) > 1 or (target is not None and torch.device(target).type not in devices):
+                why = f"{name} copies between the host and the device"
+        if why is not None:
+            raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing ({why}; stand-in "
+                               "capture)")
+        return func(*args, **kwargs)
+
+
+def _value(v: Any) -> Any:
+    """A non-tensor argument as a replay compares it: its value where it is one (a number, a dtype, a device), else
+    its type (a process group, an op's handle: objects a replay may make anew)."""
+    if v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                   torch.memory_format)):
+        return repr(v)
+    return type(v).__name__
+
+
+class Trace(TorchDispatchMode):
+    """The stand-in's record of a body's work, to hold every replay to its capture: a GPU's replay runs the kernels
+    the capture recorded, with the values the host gave them then, on the tensors they read then; the stand-in's
+    replay runs the body's Python again. So the capture records each op it dispatches with its non-tensor arguments
+    and the tensors of ``static`` it reads (by storage and view: the graph's own tensors, alive throughout), and each
+    replay must dispatch the same: a host value read in the body (a float the host computes each step, a branch on
+    a counter), frozen into a GPU's graph, fails it, as does a static tensor replaced by another."""
+
+    def __init__(self, static: Callable[[], list[torch.Tensor]], reference: list[Any] | None = None) -> None:
+        super().__init__()
+        self.static = {t.untyped_storage().data_ptr() for t in static() if t.numel()}
+        self.reference = reference
+        self.ops: list[Any] = []
+
+    def _tensor(self, t: torch.Tensor) -> Any:
+        ptr = t.untyped_storage().data_ptr() if t.numel() else None
+        where = (ptr, t.storage_offset(), tuple(t.stride())) if ptr in self.static else "made in the body"
+        return (str(t.dtype), tuple(t.shape), where)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        flat, _ = tree_flatten((args, kwargs))
+        entry = (str(func), tuple(self._tensor(a) if isinstance(a, torch.Tensor) else _value(a) for a in flat))
+        if self.reference is not None:
+            i = len(self.ops)
+            if i >= len(self.reference) or self.reference[i] != entry:
+                was = _show(self.reference[i]) if i < len(self.reference) else "nothing (the capture ended there)"
+                raise RuntimeError(f"stand-in: the replay dispatched other work than the capture recorded at op {i}: "
+                                   f"{_show(entry)}, where the capture had {was}. A GPU's replay runs what was "
+                                   "captured: a value the host gives the body each step must be in a tensor of the "
+                                   "graph's, and the body must read the same tensors each step")
+        self.ops.append(entry)
+        return func(*args, **kwargs)
+
+    def check_complete(self) -> None:
+        if self.reference is not None and len(self.ops) != len(self.reference):
+            raise RuntimeError(f"stand-in: the replay dispatched {len(self.ops)} ops where the capture recorded "
+                               f"{len(self.reference)} (the first missing: {_show(self.reference[len(self.ops)])})")
+
+
+def _show(entry: Any) -> str:
+    """An op of a :class:`Trace` as a message shows it: its name, and its arguments (a tensor by its dtype, shape
+    and whether it is one of the graph's, at which address)."""
+    name, args = entry
+
+    def arg(a: Any) -> str:
+        if not isinstance(a, tuple):
+            return str(a)
+        dtype, shape, where = a
+        at = "made in the body" if isinstance(where, str) else f"the graph's at {where[0]:#x}+{where[1]}"
+        return f"{dtype.replace('torch.', '')}{list(shape)} ({at})"
+
+    return f"{name}({', '.join(arg(a) for a in args)})"
+
+
+#: the per-parameter state torch's fused SGD and Adam kernels read beside the parameters and their gradients
+_FUSED_STATE = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def _shares_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch's ``_check_tensors_share_sizes_and_strides``: the same sizes, and the same strides but where a size
+    is 1."""
+    return a.shape == b.shape and all(n == 1 or x == y for n, x, y in zip(a.shape, a.stride(), b.stride()))
+
+
+def check_fused(optimizer: Any) -> None:
+    """What torch's fused SGD and Adam CUDA kernels check before they run (``check_fast_path_restrictions``): each
+    parameter, its gradient and its state (momentum, moments) on one device, of one dtype, dense, and of the same
+    sizes and strides; and Adam's step count a float32 tensor on the parameter's device (a host one would be read
+    by the kernel on the device). CPU kernels take what these refuse (a row-major gradient of a channels-last
+    weight), so a CPU rank in a GPU's layout (:func:`gpu_layout`) runs this check before every step."""
+    from gems.layout import dense
+
+    for group in optimizer.param_groups:
+        if not group.get("fused"):
+            continue
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = optimizer.state.get(p, {})
+            tensors = [("gradient", p.grad)] + [(k, state[k]) for k in _FUSED_STATE if isinstance(state.get(k),
+                                                                                                 torch.Tensor)]
+            for what, t in tensors:
+                if not (_shares_layout(p, t) and dense(t) and dense(p) and t.device == p.device
+                        and (t.dtype == p.dtype or what != "gradient")):
+                    raise RuntimeError(
+                        f"the fused {type(optimizer).__name__} of a GPU refuses this step: a parameter of shape "
+                        f"{tuple(p.shape)} and strides {p.stride()} has a {what} of strides {t.stride()} "
+                        f"({t.dtype}, {t.device}; torch's CUDA kernel checks that parameters, gradients and state "
+                        "share dtype, device, sizes and strides; stand-in check)")
+            step = state.get("step")
+            if isinstance(step, torch.Tensor) and (step.device != p.device or step.dtype != torch.float32):
+                raise RuntimeError(f"the fused {type(optimizer).__name__} of a GPU reads its step count on the "
+                                   f"device: it is {step.dtype} on {step.device}, the parameter on {p.device} "
+                                   "(stand-in check)")
 
 
 # ---------------------------------------------------------------------------- captures
@@ -253,10 +400,13 @@ class _CudaCapture:
     def capture(self, body: Callable[[], None]) -> None:
         """Capture the body (nothing runs). The stream's capture always ends, and the current stream is always
         restored, whatever failed; nothing else is called after a failure (no ``empty_cache``: the allocator is
-        mid-capture then, and asserts)."""
+        mid-capture then, and asserts). The eager step's cached blocks are released before the capture begins,
+        as ``torch.cuda.graph`` does: during a capture the allocator releases none of them (its private pool
+        would be allocated beside them: twice the step's memory)."""
         current = self.api.current_stream(self.device)
         self.stream.wait_stream(current)
         self.api.synchronize(self.device)  # nothing of the eager steps still queued while the capture begins
+        self.api.empty_cache()  # the eager step's blocks, cached for the capture's stream, back to the device
         graph = self.api.CUDAGraph()
         collecting = gc.isenabled()
         gc.collect()
@@ -273,31 +423,36 @@ class _CudaCapture:
                 gc.enable()
         current.wait_stream(self.stream)
         self.graph = graph
-        self.api.empty_cache()  # the eager step's blocks, cached for the capture's stream, back to the device
 
     def replay(self) -> None:
         self.graph.replay()
 
 
 class _StandInCapture:
-    """The capture on a CPU rank: its capture runs the body once under :class:`NoHostReads` and puts back every
-    tensor that run changed (a capture runs nothing); each replay runs the body again (not counted as the step's
-    own ops: :func:`replaying`). ``fail_at_end``: the capture fails at its end as CUDA's would after something
-    invalidated it."""
+    """The capture on a CPU rank: its capture runs the body once under :class:`NoHostReads`, records its ops
+    (:class:`Trace`) and puts back every tensor of the graph's that run changed (a capture runs nothing); each
+    replay runs the body again (not counted as the step's own ops: :func:`replaying`), held to the recorded ops.
+    ``fail_at_end``: the capture fails at its end as CUDA's would after something invalidated it."""
 
     def __init__(self, touched: Callable[[], list[torch.Tensor]], fail_at_end: bool = False,
-                 grads: Sequence[tuple[torch.nn.Parameter, torch.Tensor]] = ()) -> None:
-        self.touched, self.fail_at_end, self.grads = touched, fail_at_end, list(grads)
+                 grads: Sequence[tuple[torch.nn.Parameter, torch.Tensor]] = (),
+                 static: Callable[[], list[torch.Tensor]] = lambda: []) -> None:
+        self.touched, self.fail_at_end, self.grads, self.static = touched, fail_at_end, list(grads), static
         self.body: Callable[[], None] | None = None
+        self.recorded: list[Any] = []  # the capture's ops (:class:`Trace`), which every replay must dispatch
+
+    def _static(self) -> list[torch.Tensor]:
+        return [*self.static(), *self.touched(), *(g for _, g in self.grads)]
 
     def eager(self, body: Callable[[], None]) -> None:
         body()
 
     def capture(self, body: Callable[[], None]) -> None:
-        saved = [(t, t.detach().clone()) for t in self.touched()]
+        saved = [(t, t.detach().clone()) for t in {id(t): t for t in self._static()}.values()]
         failed = False
+        trace = Trace(self._static)
         try:
-            with NoHostReads():
+            with NoHostReads(), trace:
                 body()
         except BaseException:
             failed = True
@@ -309,14 +464,17 @@ class _StandInCapture:
             if failed or self.fail_at_end:  # as cudaStreamEndCapture answers an invalidated capture
                 raise RuntimeError("CUDA error: operation failed due to a previous error during capture"
                                    + (" (stand-in: injected at the capture's end)" if self.fail_at_end else ""))
-        self.body = body
+        self.body, self.recorded = body, trace.ops
 
     def replay(self) -> None:
-        """The body again; then what a GPU's replay leaves of the host's side of it: nothing, so the gradients it
-        attached are taken off again (the step attaches them after a replay: :meth:`StepGraph.run`)."""
+        """The body again, held to the capture's ops (:class:`Trace`); then what a GPU's replay leaves of the host's
+        side of it: nothing, so the gradients it attached are taken off again (the step attaches them after a
+        replay: :meth:`StepGraph.run`)."""
         assert self.body is not None
-        with replaying():
+        trace = Trace(self._static, reference=self.recorded)
+        with replaying(), trace:
             self.body()
+        trace.check_complete()
         for p, _ in self.grads:
             p.grad = None
 
@@ -348,8 +506,11 @@ class StepGraph:
 
     def __init__(self, body: Callable[[Static], None], device: torch.device, rank: int,
                  touched: Callable[[], list[torch.Tensor]] = lambda: [], capture: Any = None,
-                 eager_steps: int = EAGER_STEPS, grads: Sequence[tuple[torch.nn.Parameter, torch.Tensor]] = ()) -> None:
+                 eager_steps: int = EAGER_STEPS, grads: Sequence[tuple[torch.nn.Parameter, torch.Tensor]] = (),
+                 static: Callable[[], list[torch.Tensor]] = lambda: []) -> None:
         self.body, self.device, self.rank, self.touched = body, device, rank, touched
+        #: tensors the body reads that outlive it (the parameters, the sums' buffers): a replay reads the same ones
+        self.more_static = static
         #: (parameter, its static gradient): attached after each replay, for the optimizer (a replay writes the
         #: static tensors and runs none of the body's Python)
         self.grads = list(grads)
@@ -412,11 +573,16 @@ class StepGraph:
         self.ran += 1
         return s.figures
 
+    def _statics(self) -> list[torch.Tensor]:
+        s = self.static
+        return self.more_static() + ([] if s is None else [s.x, s.y, s.scalars, s.figures])
+
     def _capturer(self) -> Any:
         if self._capture is None:
             mode = stand_in()
             self._capture = (_CudaCapture(self.device) if self.device.type == "cuda" else
-                             _StandInCapture(self.touched, fail_at_end=mode == "fail_at_end", grads=self.grads))
+                             _StandInCapture(self.touched, fail_at_end=mode == "fail_at_end", grads=self.grads,
+                                             static=self._statics))
         return self._capture
 
 

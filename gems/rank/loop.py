@@ -177,11 +177,17 @@ class Run:
         self.hold = ckpt.Holding(par.names, par.params, self.opt)  # what checkpoints save and load, by whole names
         self.saver = ckpt.Saver(cfg, world, mesh, bool(t.checkpoint_async))
         self.resume()
-        if par.graph is not None or par.pieces is not None:  # the graphs' eager step and their capture: untimed
+        graphed = par.graph is not None or par.pieces is not None
+        if graphed:  # the graphs' eager step, their capture and a replay whose device ops are counted: untimed
             self.graphed_from = min(self.start + 2, self.steps - 1)
-            self.measure_from = max(self.measure_from, self.graphed_from)
+            self.measure_from = max(self.measure_from, min(self.graphed_from + 1, self.steps - 1))
             if self.wd is not None:
                 self.wd.warm_until = max(self.wd.warm_until, self.measure_from)
+        # the step whose device ops are counted (gems.rank.graphs.DeviceOps): the last before the timed ones (a
+        # dispatch mode slows it), a replay in a graphed run; none where there is no such step
+        self.count_at: int | None = self.measure_from - 1 if self.measure_from > self.start else None
+        if graphed and self.count_at is not None and self.count_at < self.graphed_from:
+            self.count_at = None
         self.saver.restarts = self.restarts  # (a fault injected in a save acts in the job's first attempt only)
         self.ema = WeightAverage(float(t.ema), par.params, self.history) if t.ema else None  # saved with the history
         self.hold.average = self.ema.average if self.ema is not None else None
@@ -269,9 +275,10 @@ class Run:
 
     @contextlib.contextmanager
     def counting(self, step: int) -> Any:
-        """Around step ``step``: the first measured step's device ops are counted (gems.rank.graphs.DeviceOps: what
-        it launches outside a replay), for the record."""
-        if step != min(self.measure_from, self.steps - 1):
+        """Around step ``step``: the device ops of the last step before the timed ones are counted
+        (gems.rank.graphs.DeviceOps: what it launches outside a replay), for the record; the count's dispatch mode
+        slows the step it counts, which is therefore never timed."""
+        if step != self.count_at:
             yield
             return
         from gems.rank.graphs import DeviceOps
@@ -391,7 +398,7 @@ class Run:
         else:  # a CPU rank's step is done when queued; read at once, the read waited for its work
             dt = done.host_s if done.deferred else time.perf_counter() - done.t0
         if self.wd is not None and step > self.start:  # the stall allowance grows with the run's slowest step
-            self.wd.saw_step(time.perf_counter() - done.begun if not done.deferred else done.host_s)
+            self.wd.saw_step(_took(done, dt, time.perf_counter()))
         timers.settle()  # on GPUs the communication waits were CUDA events: read them now (gems.timers)
         self.check_loss(step, loss, first_bad=_first_bad(values))
         if world.rank == 0:
@@ -627,7 +634,7 @@ class Run:
             record["nonfinite_steps"] = list(h["nonfinite_steps"])
         record.update(self.training_figures())
         record["cuda_graphs"] = replayed
-        if "device_ops" in h:  # what the first measured step launched outside a replay (gems.rank.graphs.DeviceOps)
+        if "device_ops" in h:  # what the last untimed step launched outside a replay (gems.rank.graphs.DeviceOps)
             record["device_ops"] = h["device_ops"]
         return record
 
@@ -678,8 +685,9 @@ class Run:
         out = []
         warm, start = self.warm, self.profiled_to
         if (self.par.graph is not None or self.par.pieces is not None) and self.measure_from > max(warm, start):
-            out.append(f"step(s) {max(warm, start, self.start)}-{self.measure_from - 1} ran the graph's eager step(s) "
-                       "and its capture (gems.rank.graphs) and were left out of the timings")
+            out.append(f"step(s) {max(warm, start, self.start)}-{self.measure_from - 1} ran the graph's eager step(s), "
+                       "its capture and a replay whose device ops were counted (gems.rank.graphs) and were left out "
+                       "of the timings")
         if self.par.first_step_connects and warm == 0 and start >= 1:
             out.append("step 0 made the pipeline's first exchanges at the sizes of its messages (the cut shapes "
                        "are learnt from headers where partitions cannot be traced) and was left out of the timings")
@@ -806,6 +814,13 @@ def graphed_note(par: Parallel) -> str:
         return PIECES_NOTE
     return GRAPHED_NOTE.format(eager=EAGER_STEPS,
                                optimizer="" if par.optimizer_in_step else "the optimizer's update (one fused kernel), ")
+
+
+def _took(done: _Done, dt: float, now: float) -> float:
+    """What step ``done`` took, for the watchdog's allowance: a step read at once, its wall time on the host; one
+    read late (a graphed step), the longer of the device's span ``dt`` and the host's time to queue it (the host's
+    alone is its launches, about a millisecond, where the device may take far longer)."""
+    return max(dt, done.host_s) if done.deferred else now - done.begun
 
 
 def _first_bad(values: list[float]) -> int | None | bool:

@@ -47,10 +47,22 @@ def make_optimizer(cfg: DictConfig, params: list[nn.Parameter], capturable: bool
     in_graph = bool(t.graph_optimizer)
     lr: Any = torch.tensor(float(t.lr), device=device) if in_graph else float(t.lr)
     if t.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=float(t.momentum), weight_decay=float(t.weight_decay),
-                               fused=True)
+        return _checked(torch.optim.SGD(params, lr=lr, momentum=float(t.momentum),
+                                        weight_decay=float(t.weight_decay), fused=True))
     capture = (in_graph or capturable) and device.type == "cuda"  # (CPU Adam has no capturable kernel)
-    return torch.optim.Adam(params, lr=lr, weight_decay=float(t.weight_decay), fused=True, capturable=capture)
+    return _checked(torch.optim.Adam(params, lr=lr, weight_decay=float(t.weight_decay), fused=True,
+                                     capturable=capture))
+
+
+def _checked(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``opt``, checked before every step as a GPU's fused kernel checks its tensors where a CPU rank computes in a
+    GPU's layout (gems.rank.graphs.check_fused: the CPU kernels take what CUDA's refuse)."""
+    from gems.rank.graphs import check_fused, gpu_layout
+
+    device = opt.param_groups[0]["params"][0].device
+    if gpu_layout(device):
+        opt.register_step_pre_hook(lambda o, args, kwargs: check_fused(o))
+    return opt
 
 
 class LearningRate:

@@ -45,11 +45,12 @@ class _Slot:
     """One (stage, replica pass, micro-batch): its static input, keys, output, output gradient and gradients, and
     its two graphs (or, on a CPU, the stand-in's replay of them)."""
 
-    def __init__(self, part: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, needs_grad: bool, samples: int,
-                 device: torch.device, amp: Callable[[], Any]) -> None:
+    def __init__(self, part: nn.Module, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype,
+                 needs_grad: bool, samples: int, device: torch.device, amp: Callable[[], Any]) -> None:
         self.part, self.amp, self.device = part, amp, device
         self.params = [p for p in part.parameters() if p.requires_grad]
-        self.x = torch.zeros(shape, dtype=dtype, device=device, requires_grad=needs_grad)
+        # in the input's layout (a channels-last cut on a GPU): another layout would run other kernels than eager's
+        self.x = torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_().requires_grad_(needs_grad)
         self.keys = torch.zeros((samples, 2), dtype=torch.int64, device=device)
         self.host = HostRing(2 * samples, device)
         self.inputs: list[torch.Tensor] = ([self.x] if needs_grad else []) + list(self.params)
@@ -60,8 +61,8 @@ class _Slot:
         self._live: torch.Tensor | None = None  # the stand-in's forward, for its backward
 
     def fits(self, x: torch.Tensor) -> bool:
-        return tuple(x.shape) == tuple(self.x.shape) and x.dtype == self.x.dtype and \
-            x.requires_grad == self.x.requires_grad
+        return (tuple(x.shape) == tuple(self.x.shape) and x.stride() == self.x.stride() and x.dtype == self.x.dtype
+                and x.requires_grad == self.x.requires_grad)
 
     def _forward(self) -> torch.Tensor:
         with batch_context(0, 0, range(self.keys.shape[0]), keys=self.keys), uncached(self.amp), torch.enable_grad():
@@ -71,22 +72,24 @@ class _Slot:
         return torch.autograd.grad(y, self.inputs, gy, allow_unused=True)
 
     # ---- capture
-    def capture_cuda(self) -> None:
-        """The warm-up on a side stream, then the forward's graph and the backward's in one pool (the slot's)."""
-        side = torch.cuda.Stream(device=self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with CUDA_WORK, torch.cuda.stream(side):
+    def capture_cuda(self, side: Any, api: Any) -> None:
+        """The warm-up on the pieces' side stream (``side``, one for every slot, so that what a slot's warm-up
+        cached serves the next), its cached blocks released, then the forward's graph and the backward's in one
+        pool (the slot's). ``api``: ``torch.cuda`` (a test passes a mock of it)."""
+        side.wait_stream(api.current_stream(self.device))
+        with CUDA_WORK, api.stream(side):
             for _ in range(WARMUP):
                 y = self._forward()
                 self._grads(y, torch.ones_like(y))
             del y
-        torch.cuda.synchronize(self.device)
-        fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        api.synchronize(self.device)
+        api.empty_cache()  # as torch.cuda.graph does: during a capture the allocator releases no cached block
+        fwd, bwd = api.CUDAGraph(), api.CUDAGraph()
         collecting = gc.isenabled()
         gc.collect()
         gc.disable()
         try:
-            with CUDA_WORK, torch.cuda.stream(side):
+            with CUDA_WORK, api.stream(side):
                 fwd.capture_begin(capture_error_mode="thread_local")
                 try:
                     y = self._forward()
@@ -101,7 +104,7 @@ class _Slot:
         finally:
             if collecting:
                 gc.enable()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        api.current_stream(self.device).wait_stream(side)
         self.y, self.grads, self.graphs = y.detach(), list(grads), (fwd, bwd)
 
     def capture_stand_in(self) -> None:
@@ -172,10 +175,14 @@ class Pieces:
     :meth:`begin_step` before each step captures them once the first step has run them eagerly."""
 
     def __init__(self, device: torch.device, rank: int, amp: Callable[[], Any],
-                 buffers: Callable[[], list[torch.Tensor]]) -> None:
+                 buffers: Callable[[], list[torch.Tensor]], api: Any = None) -> None:
         self.device, self.rank, self.amp, self.buffers = device, rank, amp, buffers
+        #: CUDA's capture where the device is a GPU (``api``: a mock of torch.cuda, in a test), else the stand-in
+        self.api = api if api is not None else torch.cuda if device.type == "cuda" else None
         self.slots: dict[tuple[int, int, int], _Slot] = {}
-        self.seen: dict[tuple[int, int, int], tuple[nn.Module, tuple[int, ...], torch.dtype, bool, int]] = {}
+        #: (stage, replica pass, micro-batch) -> (partition, input shape, its strides, dtype, needs grad, samples)
+        self.seen: dict[tuple[int, int, int], tuple[nn.Module, tuple[int, ...], tuple[int, ...], torch.dtype, bool,
+                                                    int]] = {}
         self.steps = 0
         self.captured = False
         self.replays = 0
@@ -194,11 +201,12 @@ class Pieces:
     def _capture_all(self, step: int) -> None:
         saved = [(b, b.detach().clone()) for b in self.buffers()]  # the warm-up moves BatchNorm's statistics
         key: Any = None
+        side = self.api.Stream(device=self.device) if self.api is not None else None
         try:
-            for key, (part, shape, dtype, needs_grad, samples) in sorted(self.seen.items()):
-                slot = _Slot(part, shape, dtype, needs_grad, samples, self.device, self.amp)
-                if self.device.type == "cuda":
-                    slot.capture_cuda()
+            for key, (part, shape, stride, dtype, needs_grad, samples) in sorted(self.seen.items()):
+                slot = _Slot(part, shape, stride, dtype, needs_grad, samples, self.device, self.amp)
+                if self.api is not None:
+                    slot.capture_cuda(side, self.api)
                 else:
                     slot.capture_stand_in()
                     if stand_in() == "fail_at_end":
@@ -214,8 +222,6 @@ class Pieces:
                 for b, v in saved:
                     b.copy_(v)
         self.captured = True
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the warm-ups' blocks, cached for their side streams
 
     def __call__(self, action: Any, part: nn.Module, x: torch.Tensor) -> torch.Tensor:
         key = (action.stage, action.replica, action.micro_batch)
@@ -225,7 +231,7 @@ class Pieces:
         slot = self.slots.get(key)
         if slot is None or not slot.fits(x) or slot.keys.shape[0] != len(info.sample_ids):
             if not self.captured:
-                self.seen[key] = (part, tuple(x.shape), x.dtype, x.requires_grad, len(info.sample_ids))
+                self.seen[key] = (part, tuple(x.shape), x.stride(), x.dtype, x.requires_grad, len(info.sample_ids))
             return part(x)
         keys = [k for pair in sample_keys(info.seed, info.step, info.sample_ids) for k in pair]
         self.replays += 1
