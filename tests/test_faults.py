@@ -1,9 +1,12 @@
 """Reliability at scale: stalls end the job with the stalled rank named, non-finite losses stop the
 run at their step, failures are told by their cause, signals end every rank, time limits requeue.
 
-Real processes throughout (gloo, mpiexec, the Slurm test cluster); the watchdog's diagnosis and the
-failure explanation are also tested as pure functions on heartbeats and reports that a real cluster
-cannot be put into on demand (a frozen process, a rank that never started)."""
+Real ranks throughout (gloo, mpiexec, the Slurm test cluster). Where the launcher's own process is what is
+tested (a signal to it, its death, a frozen rank seen from outside, a Slurm run ended by a signal) it is a
+``gems`` process of its own; elsewhere ``gems`` runs through ``gems.cli.main`` in the test's process
+(tests/_cli.py's ``gems_here``: the launcher's own code, its ranks forked by multiprocessing's fork server). The
+watchdog's diagnosis and the failure explanation are also tested as pure functions on heartbeats and reports that a
+real cluster cannot be put into on demand (a frozen process, a rank that never started)."""
 from __future__ import annotations
 
 import os
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _cli import gems, merged, records
+from _cli import gems_here, merged, records
 
 from gems.config import compose, section
 from gems.fault.reports import Exit, explain, write_report
@@ -43,8 +46,8 @@ def _alive_workers(job: str) -> list[int]:
     (["parallel.spatial=2"], 1, "forward", {"0": "halo"}),
 ])
 def test_a_stalled_rank_ends_the_job_with_its_rank_step_and_phase(tmp_path, mesh, stall_rank, cause_phase, waits):
-    out = gems("run", f"results.dir={tmp_path}", *SMALL, *mesh, *STALL, "train.steps=8",
-               f"fault.stall_rank={stall_rank}", "fault.at_step=3", timeout=240)
+    out = gems_here("run", f"results.dir={tmp_path}", *SMALL, *mesh, *STALL, "train.steps=8",
+                    f"fault.stall_rank={stall_rank}", "fault.at_step=3")
     assert out.returncode == 1, out.stderr[-2000:]
     (r,) = records(str(tmp_path))
     f = r["failure"]
@@ -85,8 +88,8 @@ def test_a_frozen_rank_0_is_named_by_the_others_and_the_launcher(tmp_path):
 
 
 def test_a_stall_under_mpiexec_is_found_too(tmp_path):
-    out = gems("run", f"results.dir={tmp_path}", *SMALL, *STALL, "comm=mpi", "parallel.replicas=2", "train.steps=8",
-               "fault.stall_rank=1", "fault.at_step=2", timeout=240)
+    out = gems_here("run", f"results.dir={tmp_path}", *SMALL, *STALL, "comm=mpi", "parallel.replicas=2", "train.steps=8",
+                    "fault.stall_rank=1", "fault.at_step=2")
     assert out.returncode == 1, out.stderr[-2000:]
     (r,) = records(str(tmp_path))
     assert r["failure"]["kind"] == "stall" and r["failure"]["ranks"] == [1] and r["failure"]["step"] == 2
@@ -96,8 +99,8 @@ def test_a_stall_under_mpiexec_is_found_too(tmp_path):
 def test_without_stall_detection_the_collective_timeout_still_ends_a_stall(tmp_path):
     """fault.stall_timeout_s=null: the collectives' own timeout (comm.timeout_s) raises; the rank that
     raised is named with its error (an echo of the stall), never a hang."""
-    out = gems("run", f"results.dir={tmp_path}", *SMALL, "parallel.replicas=2", "train.steps=8",
-               "fault.stall_timeout_s=null", "comm.timeout_s=8", "fault.stall_rank=1", "fault.at_step=2", timeout=240)
+    out = gems_here("run", f"results.dir={tmp_path}", *SMALL, "parallel.replicas=2", "train.steps=8",
+                    "fault.stall_timeout_s=null", "comm.timeout_s=8", "fault.stall_rank=1", "fault.at_step=2")
     assert out.returncode == 1, out.stderr[-2000:]
     (r,) = records(str(tmp_path))
     assert r["status"] == "failed" and "rank 0" in r["error"], r["error"]
@@ -105,8 +108,8 @@ def test_without_stall_detection_the_collective_timeout_still_ends_a_stall(tmp_p
 
 # ---------------------------------------------------------------------------- non-finite losses
 def test_a_nan_loss_stops_the_run_at_its_step_and_keeps_the_last_good_checkpoint(tmp_path):
-    out = gems("run", f"results.dir={tmp_path}", *SMALL, "parallel.replicas=2", "train.steps=6",
-               "train.checkpoint_every=1", "fault.nan_rank=1", "fault.at_step=3", timeout=240)
+    out = gems_here("run", f"results.dir={tmp_path}", *SMALL, "parallel.replicas=2", "train.steps=6",
+                    "train.checkpoint_every=1", "fault.nan_rank=1", "fault.at_step=3")
     assert out.returncode == 1, out.stderr[-2000:]
     (r,) = records(str(tmp_path))
     f = r["failure"]
@@ -120,21 +123,21 @@ def test_a_nan_loss_stops_the_run_at_its_step_and_keeps_the_last_good_checkpoint
 
 
 def test_a_nan_in_a_pipeline_is_placed_in_the_partition_that_made_it(tmp_path):
-    out = gems("run", f"results.dir={tmp_path}", *SMALL, "parallel.pipeline=2", "parallel.schedule=1f1b",
-               "parallel.micro_batches=2", "train.steps=4", "fault.nan_rank=0", "fault.at_step=2", timeout=240)
+    out = gems_here("run", f"results.dir={tmp_path}", *SMALL, "parallel.pipeline=2", "parallel.schedule=1f1b",
+                    "parallel.micro_batches=2", "train.steps=4", "fault.nan_rank=0", "fault.at_step=2")
     assert out.returncode == 1, out.stderr[-2000:]
     (r,) = records(str(tmp_path))
     assert r["failure"]["where"] == "input" and r["failure"]["rank"] == 0 and r["failure"]["step"] == 2
 
 
 def test_on_nonfinite_warn_keeps_going_and_results_show_no_throughput(tmp_path):
-    out = gems("run", f"results.dir={tmp_path}", *SMALL, "train.steps=4", "train.on_nonfinite=warn",
-               "fault.nan_rank=0", "fault.at_step=1", "results.sweep=w", timeout=240)
+    out = gems_here("run", f"results.dir={tmp_path}", *SMALL, "train.steps=4", "train.on_nonfinite=warn",
+                    "fault.nan_rank=0", "fault.at_step=1", "results.sweep=w")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "train.on_nonfinite=warn" in out.stderr
     (r,) = records(str(tmp_path))
     assert r["status"] == "ok" and r["diverged"] is True and r["nonfinite_steps"][0] == 1
-    res = gems("results", str(tmp_path))
+    res = gems_here("results", str(tmp_path))
     assert res.returncode == 0, res.stderr
     # the table of study w, beside its record, where `gems results` says it wrote it
     table = Path(next(ln for ln in res.stdout.splitlines() if ln.startswith("table: "))[len("table: "):])
@@ -149,9 +152,9 @@ def test_on_nonfinite_warn_keeps_going_and_results_show_no_throughput(tmp_path):
 
 # ---------------------------------------------------------------------------- causes, not echoes
 def test_the_rank_that_failed_is_named_with_its_own_error_not_the_echo(tmp_path):
-    out = gems("run", f"results.dir={tmp_path}", "model=custom", "model._target_=_custom_models.failing",
-               "model.input_shape=[1,8,8]", "model.num_outputs=3", "parallel.replicas=2", "train.batch_size=4",
-               "train.steps=5", "train.warmup_steps=1", timeout=240)
+    out = gems_here("run", f"results.dir={tmp_path}", "model=custom", "model._target_=_custom_models.failing",
+                    "model.input_shape=[1,8,8]", "model.num_outputs=3", "parallel.replicas=2", "train.batch_size=4",
+                    "train.steps=5", "train.warmup_steps=1")
     assert out.returncode == 1, out.stderr[-2000:]
     (r,) = records(str(tmp_path))
     assert r["error"].startswith("rank 1 failed: ValueError: the user's layer refuses this batch"), r["error"]
@@ -160,8 +163,8 @@ def test_the_rank_that_failed_is_named_with_its_own_error_not_the_echo(tmp_path)
 
 
 def test_a_rank_killed_by_a_signal_says_which_and_its_memory(tmp_path):
-    out = gems("run", f"results.dir={tmp_path}", *SMALL, "parallel.replicas=2", "train.steps=5",
-               "fault.kill_rank=1", "fault.at_step=2", timeout=240)
+    out = gems_here("run", f"results.dir={tmp_path}", *SMALL, "parallel.replicas=2", "train.steps=5",
+                    "fault.kill_rank=1", "fault.at_step=2")
     assert out.returncode == 1, out.stderr[-2000:]
     (r,) = records(str(tmp_path))
     assert "rank 1 was killed by signal 9 (SIGKILL" in r["error"] and "out-of-memory killer" in r["error"], r["error"]
@@ -172,9 +175,9 @@ def test_a_partition_without_parameters_trains_like_serial(tmp_path):
     """1F1B at D = 3 with partition 1 = LeakyReLU + AvgPool3d: no parameters on rank 1 (the time balance
     can give a rank such a partition)."""
     common = [*SMALL, "train.steps=3", "train.optimizer=sgd", "train.lr=0.01"]
-    ser = gems("run", f"results.dir={tmp_path}/s", *common)
-    par = gems("run", f"results.dir={tmp_path}/p", *common, "parallel.pipeline=3", "parallel.schedule=1f1b",
-               "parallel.micro_batches=2", "parallel.balance=[1,2,19]", timeout=240)
+    ser = gems_here("run", f"results.dir={tmp_path}/s", *common)
+    par = gems_here("run", f"results.dir={tmp_path}/p", *common, "parallel.pipeline=3", "parallel.schedule=1f1b",
+                    "parallel.micro_batches=2", "parallel.balance=[1,2,19]")
     assert ser.returncode == 0 and par.returncode == 0, par.stderr[-2000:]
     (s,), (p,) = records(str(tmp_path / "s")), records(str(tmp_path / "p"))
     assert p["mesh"]["balance"] == [1, 2, 19]
@@ -226,24 +229,24 @@ def test_a_killed_launcher_leaves_no_rank_and_the_run_resumes_from_its_checkpoin
     _wait_for(lambda: not _alive_workers(job), timeout=120)
     assert not records(str(tmp_path))
     args = ["run", f"results.dir={tmp_path}", f"run_id={job}", *SMALL, "parallel.replicas=2", "train.steps=12"]
-    bad = gems(*merged(*args, "train.batch_size=8"))
+    bad = gems_here(*merged(*args, "train.batch_size=8"))
     assert bad.returncode == 2 and "train.batch_size=8" in bad.stderr and "expected 4" in bad.stderr, bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
-    again = gems(*args, timeout=240)
+    again = gems_here(*args)
     assert again.returncode == 0, again.stderr[-2000:]
     (r,) = records(str(tmp_path))
-    ref = gems("run", f"results.dir={tmp_path}/ref", *SMALL, "parallel.replicas=2", "train.steps=12")
+    ref = gems_here("run", f"results.dir={tmp_path}/ref", *SMALL, "parallel.replicas=2", "train.steps=12")
     assert ref.returncode == 0, ref.stderr[-2000:]
     (f,) = records(str(tmp_path / "ref"))
     assert r["restarts"] == 1 and r["loss"] == f["loss"]
-    dup = gems(*args)
+    dup = gems_here(*args)
     assert dup.returncode == 2 and f"run_id={job}" in dup.stderr and "records are never replaced" in dup.stderr
 
 
 # ---------------------------------------------------------------------------- nothing leaks
 def test_job_folders_checkpoints_and_logs_are_the_owners_alone_records_stay_readable(tmp_path):
-    out = gems("run", f"results.dir={tmp_path}", *SMALL, "parallel.replicas=2", "train.steps=3",
-               "train.checkpoint_every=1")
+    out = gems_here("run", f"results.dir={tmp_path}", *SMALL, "parallel.replicas=2", "train.steps=3",
+                    "train.checkpoint_every=1")
     assert out.returncode == 0, out.stderr[-2000:]
     (r,) = records(str(tmp_path))
     mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
@@ -331,8 +334,8 @@ slurm = pytest.mark.skipif(shutil.which("sinfo") is None, reason="Slurm is not i
 @pytest.mark.slurm
 @slurm
 def test_a_stall_on_slurm_cancels_the_job_and_names_the_rank(tmp_path):
-    out = gems("run", f"results.dir={tmp_path}", "cluster=local_slurm", "cluster.nodes=2", "parallel.replicas=2",
-               *SMALL, *STALL, "train.steps=8", "fault.stall_rank=1", "fault.at_step=3", timeout=400)
+    out = gems_here("run", f"results.dir={tmp_path}", "cluster=local_slurm", "cluster.nodes=2", "parallel.replicas=2",
+                    *SMALL, *STALL, "train.steps=8", "fault.stall_rank=1", "fault.at_step=3")
     assert out.returncode == 1, out.stderr[-2000:]
     (r,) = records(str(tmp_path))
     assert r["failure"]["kind"] == "stall" and r["failure"]["ranks"] == [1] and r["failure"]["step"] == 3, r["error"]
@@ -350,15 +353,14 @@ def test_the_time_limit_checkpoints_requeues_and_resumes_to_identical_losses(tmp
     any machine (70 did once, on a slower one whose signal came late); the resumed job runs the rest at its
     own pace (fault.step_delay_once: the test took two minutes when every step of both jobs slept)."""
     common = merged(*SMALL, "parallel.replicas=2", "train.steps=100", "train.batch_size=2")
-    out = gems("run", f"results.dir={tmp_path}/slurm", "cluster=local_slurm", "cluster.nodes=2", *common,
-               "cluster.time_min=2", "cluster.signal_margin_s=30", "fault.step_delay_s=1", "fault.step_delay_once=true",
-               timeout=500)
+    out = gems_here("run", f"results.dir={tmp_path}/slurm", "cluster=local_slurm", "cluster.nodes=2", *common,
+                    "cluster.time_min=2", "cluster.signal_margin_s=30", "fault.step_delay_s=1", "fault.step_delay_once=true")
     assert out.returncode == 0, out.stderr[-3000:]
     (r,) = records(str(tmp_path / "slurm"))
     assert r["status"] == "ok" and r["restarts"] >= 1 and len(r["loss"]) == 100, r.get("error")
     logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "slurm").glob(".jobs/*/*_0_log.err"))
     assert "the time limit is near: checkpointing and requeueing" in logs
-    ref = gems("run", f"results.dir={tmp_path}/ref", *common, timeout=300)
+    ref = gems_here("run", f"results.dir={tmp_path}/ref", *common)
     assert ref.returncode == 0, ref.stderr[-2000:]
     (f,) = records(str(tmp_path / "ref"))
     assert r["loss"] == f["loss"]
@@ -387,8 +389,8 @@ def test_a_local_run_that_would_outlast_the_launchers_wait_is_told_so_early(tmp_
     """The local launcher ends a run at cluster.timeout_min (default: cluster.time_min and 5 minutes). Five
     steps in, the run's pace says it will not finish: a warning names the key and a value that gives it room,
     and the record of the ended run names the key that ended it."""
-    r = gems("run", f"results.dir={tmp_path}", *SMALL, "train.steps=100", "fault.step_delay_s=1",
-             "cluster.timeout_min=0.3", timeout=600)
+    r = gems_here("run", f"results.dir={tmp_path}", *SMALL, "train.steps=100", "fault.step_delay_s=1",
+                  "cluster.timeout_min=0.3")
     assert r.returncode != 0
     warn = [ln for ln in r.stderr.splitlines() if ln.startswith("gems: warning: at this pace")]
     assert len(warn) == 1 and "longer than the 18 s the launcher waits (cluster.timeout_min=0.3)" in warn[0], r.stderr
@@ -473,8 +475,8 @@ def test_the_stall_allowance_grows_with_the_runs_slowest_step():
 def test_a_run_of_steps_longer_than_the_stall_timeout_finishes(tmp_path):
     """Every step 2.5 s (fault.step_delay_s, in its data phase) against fault.stall_timeout_s=2: a fixed allowance
     ended this run at its first step after warm-up; 10x its slowest step lets it finish, with its losses."""
-    out = gems("run", f"results.dir={tmp_path}", *SMALL, "train.steps=5", "fault.stall_timeout_s=2",
-               "fault.warmup_timeout_s=60", "fault.step_delay_s=2.5", timeout=240)
+    out = gems_here("run", f"results.dir={tmp_path}", *SMALL, "train.steps=5", "fault.stall_timeout_s=2",
+                    "fault.warmup_timeout_s=60", "fault.step_delay_s=2.5")
     assert out.returncode == 0, out.stderr[-2000:]
     (r,) = records(str(tmp_path))
     assert r["status"] == "ok" and len(r["loss"]) == 5
