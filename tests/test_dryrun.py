@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from _cli import gems
+from _cli import gems_here
 
 from gems.config import compose
 from gems.mesh import mesh_from_config
@@ -20,7 +20,7 @@ PIPE = ["model=resnet", "model.depth=110", "model.size=256", "parallel.pipeline=
 
 
 def _dry(overrides: list[str], rank: int):
-    out = gems("plan", *overrides, "plan.dry_run=true", f"plan.dry_run_rank={rank}", "plan.format=json", timeout=600)
+    out = gems_here("plan", *overrides, "plan.dry_run=true", f"plan.dry_run_rank={rank}", "plan.format=json")
     return out, (json.loads(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else None)
 
 
@@ -60,7 +60,7 @@ def test_the_rank_where_the_real_code_fails_is_named():
 
     preflight(compose(base))
     # gems plan itself traces every distinct part: it names the layer, the part and the error in one line
-    out = gems("plan", *base, timeout=300)
+    out = gems_here("plan", *base)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-800:]
     assert out.stderr.strip().splitlines()[-1].startswith(
         "gems: error: layer 1 (RefusesPartOf) on spatial part 1 of 2 raised on its input of shape")
@@ -68,7 +68,7 @@ def test_the_rank_where_the_real_code_fails_is_named():
 
 
 def test_a_rank_outside_the_world_is_bad_input():
-    out = gems("plan", *COSMO, "plan.dry_run=true", "plan.dry_run_rank=2048")
+    out = gems_here("plan", *COSMO, "plan.dry_run=true", "plan.dry_run_rank=2048")
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].startswith("gems: error: plan.dry_run_rank=2048")
     assert "0..2047" in out.stderr and "Traceback" not in out.stderr

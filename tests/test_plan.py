@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _cli import gems
+from _cli import gems_here
 
 from gems.config import compose, section
 from gems.errors import ConfigError
@@ -210,7 +210,7 @@ def test_bf16_activations_are_smaller_on_gpu_targets():
 
 
 def test_json_and_table_from_the_cli_at_a_large_world():
-    out = gems("plan", "model=resnet", "model.depth=110", "model.size=512", "cluster=slurm", "cluster.nodes=256",
+    out = gems_here("plan", "model=resnet", "model.depth=110", "model.size=512", "cluster=slurm", "cluster.nodes=256",
                "cluster.tasks_per_node=4", "parallel.replicas=256", "parallel.pipeline=4", "parallel.schedule=mast",
                "train.batch_size=512", "cluster.gpu_memory_gb=80", "plan.format=json", "cluster.gpu=h100",
                "cluster.intra_node_GBps=300", "cluster.intra_node_latency_us=3", "cluster.inter_node_GBps=25",
@@ -229,7 +229,7 @@ def test_json_and_table_from_the_cli_at_a_large_world():
     assert pred["total"] == pytest.approx(sum(pred["breakdown"].values()))
     assert obj["predicted_throughput_samples_per_s"] == pytest.approx(512 / pred["total"])
     assert pred["breakdown"]["allreduce"] > 0  # 256 replicas over nodes
-    out = gems("plan", *SMALL, "parallel.spatial=2")
+    out = gems_here("plan", *SMALL, "parallel.spatial=2")
     assert out.returncode == 0, out.stderr
     assert "d=0,s=0" in out.stdout and "total GiB" in out.stdout and "fits: peak" in out.stdout
 
@@ -244,7 +244,7 @@ def test_bad_input_names_the_key():
     with pytest.raises(ConfigError) as e:
         make_plan(compose(SMALL + ["parallel.spatial=64"]))
     assert e.value.key == "parallel.spatial"
-    out = gems("plan", "model.name=nope")
+    out = gems_here("plan", "model.name=nope")
     assert out.returncode == 2 and "model" in out.stderr and "Traceback" not in out.stderr
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from _cli import gems
+from _cli import gems_here
 
 from gems.config import compose, section
 from gems.errors import ConfigError
@@ -354,14 +354,14 @@ def test_bad_input_for_the_prediction_exits_2_with_one_line(tmp_path):
         (["plan.efficiency={tensor: 0.5}"], "plan.efficiency.tensor"),
     ]
     for extra, key in cases:
-        out = gems("plan", "model=cosmoflow", "model.size=32", "model.width=0.25", "train.batch_size=2", *extra,
-                   cwd=str(tmp_path))
+        out = gems_here("plan", "model=cosmoflow", "model.size=32", "model.width=0.25", "train.batch_size=2", *extra,
+                        cwd=tmp_path)
         assert out.returncode == 2, (extra, out.stderr[-1500:])
         assert key in out.stderr and "Traceback" not in out.stderr, out.stderr
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     # a configuration that does not fit is an answer, not an error
-    out = gems("plan", "model=cosmoflow", "model.size=512", "cluster.gpu_memory_gb=16", "cluster.gpu=v100-16gb",
-               "train.batch_size=8", "plan.format=json", cwd=str(tmp_path))
+    out = gems_here("plan", "model=cosmoflow", "model.size=512", "cluster.gpu_memory_gb=16", "cluster.gpu=v100-16gb",
+                    "train.batch_size=8", "plan.format=json", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     obj = json.loads(out.stdout)
     assert obj["fits"] is False and obj["predicted_step_time_s"]["total"] > 0
@@ -483,7 +483,7 @@ def test_a_study_is_predicted_point_by_point_into_the_table_gems_results_writes(
     files = ["data=hdf5", "data.path=/staged"]
     args = ["plan", "+experiment=cosmoflow512_weak", "cluster=perlmutter", "cluster.account=x", *files]
     for _ in range(2):
-        out = gems(*args, cwd=str(tmp_path), timeout=600)
+        out = gems_here(*args, cwd=tmp_path)
         assert out.returncode == 0, out.stderr[-2000:]
     # the assumptions behind every point, said once for the study (not once a point)
     said = [ln.strip() for ln in out.stdout.splitlines() if ln.startswith("  ")]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from _cli import gems, records
+from _cli import gems, gems_here, records
 
 from gems.config import compose
 from gems.plan import roofline
@@ -61,15 +61,15 @@ def test_a_runs_record_table_and_plan_say_how_far_its_step_is_from_the_device(tm
 
     (row,) = rows_for([r], sweep=False)
     assert row["TFLOP/s/gpu"] == pytest.approx(hw["flops_per_s_per_rank"] / 1e12)
-    plan = gems("plan", "model=cosmoflow_mlperf", "train.batch_size=1", "train.precision=bf16", "cluster.gpu=h100",
-                "plan.format=json", timeout=300)
+    plan = gems_here("plan", "model=cosmoflow_mlperf", "train.batch_size=1", "train.precision=bf16", "cluster.gpu=h100",
+                     "plan.format=json")
     assert plan.returncode == 0, plan.stderr[-2000:]
     got = json.loads(plan.stdout)["predicted_hardware"]
     step = json.loads(plan.stdout)["predicted_step_time_s"]["total"]
     assert got["device"] == "h100" and got["peak_flops_per_s"] == 989.5e12
     assert got["flops_fraction"] == pytest.approx(got["model_flops_per_step"] / step / 989.5e12)
-    text = gems("plan", "model=cosmoflow_mlperf", "train.batch_size=1", "train.precision=bf16", "cluster.gpu=h100",
-                timeout=300).stdout
+    text = gems_here("plan", "model=cosmoflow_mlperf", "train.batch_size=1", "train.precision=bf16",
+                     "cluster.gpu=h100").stdout
     assert "predicted on the device: the model's" in text and "of h100's 989.5 TFLOP/s" in text
 
 
