@@ -85,6 +85,10 @@ def test_bench_data_writes_its_table_with_every_contender(tmp_path, monkeypatch)
               if line.startswith("| ")][1:]
     by = {(r[0], r[2]): r for r in reader}  # a row a layout and thread count (issue 65): the HDF5 layouts at least
     assert {("gems", "1"), ("gems", "2"), ("exalearn", "1"), ("exalearn", "2"), ("lbann", "1")} <= set(by)
+    # crops of a larger universe, the path MLPerf's crops of ExaLearn's universes take, beside the planner's rule
+    assert ("exalearn, 16^3 crops of 64^3", "1") in by and by[("exalearn, 16^3 crops of 64^3", "1")][3] == "-"
+    assert "crops, whose rows are 128 B runs 512 B apart; the reader reads" in text, text
+    assert "measured / rule" in text and "the plan takes 1.11 GB/s a thread from 4.4" in text, text
     for r in by.values():  # the bound is the best of its ways to move the bytes; every figure measured
         ways = [float(v) for v in r[3:6] if v != "-"]
         assert float(r[6].split()[0]) == max(ways) and min(ways) > 0

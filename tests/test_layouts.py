@@ -397,6 +397,31 @@ def test_gems_plan_names_each_layout_and_times_its_read_rate(tmp_path):
         assert pr.breakdown["data"] == pytest.approx(2 * 4 * 32 ** 3 * itemsize / rate, rel=0.01)
 
 
+def test_the_plan_prices_crops_of_universes_it_cannot_time_by_the_bytes_the_reader_reads():
+    """Where no file is at hand, MLPerf's 128^3 crops of ExaLearn's 512^3 universes were priced at a whole file's
+    rate (4.4 GB/s a thread); a crop's rows are 1 KiB runs 4 KiB apart, and the reader reads 4x its bytes: the
+    plan's rate is the whole file's times that share, one rule with gems bench data's crop row
+    (gems.data.reader.read_share), and says so. The reader no longer reads over the gaps between a crop's planes
+    (64^3 crops of 256^3 read 10x their bytes)."""
+    from gems.config import compose
+    from gems.plan.make import make_plan
+
+    assert layouts.get("exalearn").fallback_rate((4, 128, 128, 128))[1] == (
+        "128x128x128 crops of the published 512x512x512 files: a part's rows are 1024 B runs 4096 B apart, the "
+        "reader reads 4x its bytes")
+    cfg = compose(["model.size=32", "model.width=0.25", "train.batch_size=2", "data=hdf5",
+                   "data.path=/nowhere/universes", "data.layout=exalearn", "data.readers=1", "data.prefetch=0"])
+    pr = make_plan(cfg, suggest=False).prediction
+    (said,) = [a for a in pr.assumptions if a.startswith("data read by 1 reader thread(s) at")]
+    share = (32 * 256) / (31 * 4096 + 256)
+    assert said.startswith(f"data read by 1 reader thread(s) at {layouts.THREAD_RATE * share / 1e9:.2g} GB/s each "
+                           "(layout exalearn, 32x32x32 crops of the published 512x512x512 files: a part's rows are "
+                           "256 B runs 4096 B apart, the reader reads 16x its bytes"), said
+    assert pr.breakdown["data"] == pytest.approx(2 * 4 * 32 ** 3 * 2 / (layouts.THREAD_RATE * share), rel=1e-6)
+    assert preader.read_share((256, 256, 256, 4), 2, [slice(0, 64)] * 3)[0] == pytest.approx(
+        64 * 512 / (63 * 2048 + 512))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU rank's copy with data.prefetch=0")
 def test_finding_8_with_prefetch_0_a_gpu_rank_copies_the_counts_and_finishes_them_on_its_gpu(same):
     """Read in the step (data.prefetch=0), a GPU rank's counts are copied as they are (int16, channels last,

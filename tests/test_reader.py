@@ -44,17 +44,20 @@ def cube(tmp_path_factory):
     return root
 
 
-@pytest.fixture(params=[(256, 64, 64), (1000, 16, 4096), (4096, 8, 1 << 16),
-                        (preader.PIECE, preader.SMALL_RUN, preader.MEDIUM_RUN)],
-                ids=["256B", "1000B-gather", "4KiB-gather", "default"])
+@pytest.fixture(params=[(256, 64, 64, 1 << 16), (1000, 16, 4096, 1 << 16), (4096, 8, 1 << 16, 1 << 16),
+                        (4096, 4096, 1 << 16, 0),
+                        (preader.PIECE, preader.SMALL_RUN, preader.MEDIUM_RUN, preader.GAP)],
+                ids=["256B", "1000B-gather", "4KiB-gather", "4KiB-no-gap", "default"])
 def small_pieces(monkeypatch, request):
     """Tasks of 256, 1000 or 4096 bytes (and the default): even these small files are read by every thread, long
     runs cut in many pieces, short runs read in blocks through a buffer (one row set, or several planes and a
-    share of a channel's), runs of a middle size gathered by one call each share of a row set."""
-    piece, small, medium = request.param
+    share of a channel's; or, no gap read between them, a row set a block), runs of a middle size gathered by one
+    call each share of a row set."""
+    piece, small, medium, gap = request.param
     monkeypatch.setattr(preader, "PIECE", piece)
     monkeypatch.setattr(preader, "SMALL_RUN", small)
     monkeypatch.setattr(preader, "MEDIUM_RUN", medium)
+    monkeypatch.setattr(preader, "GAP", gap)
 
 
 def test_grid_finds_the_runs_of_a_c_order_hyperslab():

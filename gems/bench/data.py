@@ -21,8 +21,11 @@ batches of 4 by the layout's ``read`` on 1, 2, ... threads (``data.readers``), i
 bound of the same files at the same thread count: the fastest way this machine moves those bytes from the page
 cache into a pre-touched buffer (the best of each whole file by one positional read, the reader's own byte runs
 by one positional read each, and a memory copy out of the files mapped), the files held open as the reader
-holds its own; a plain memory copy beside it, as a ceiling. Every contender of every layout is measured in
-each round, the rounds alternated; the ratios are each round's, side by side. Goal (issues 59 and 65): the
+holds its own; a plain memory copy beside it, as a ceiling. A row more reads crops of a larger ExaLearn universe
+(64^3 of 256^3), the path MLPerf's 128^3 crops of ExaLearn's 512^3 universes take (a crop's rows short runs far
+apart), set beside the planner's rule for crops where no file is at hand (gems.data.layouts: fallback_rate).
+Every contender of every layout is measured in each round, the rounds alternated; the ratios are each round's,
+side by side. Goal (issues 59 and 65): the
 reader at >= 0.7 of the bound with one thread on channels-last files and on gems's own, and two threads >=
 1.6x one. ``GEMS_BENCH_DATA=reader`` runs only this part (written to ``data-reader.md``).
 """
@@ -32,12 +35,13 @@ import contextlib
 import functools
 import io
 import itertools
+import math
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from gems.bench.common import env_block, md_table, median, write
 
@@ -157,10 +161,28 @@ def _values(size: int, n: int) -> list[tuple[Any, Any]]:
     return [make_sample(0, i, (4, size, size, size)) for i in range(n)]
 
 
-def layout_folders(root: Path, size: int, n: int = 16) -> tuple[dict[str, Path], dict[str, str]]:
+class Source(NamedTuple):
+    """A row's files: ``layout``'s, in ``folder``, read as samples of 4 x ``edge``^3 (crops where a file is
+    larger)."""
+
+    layout: str
+    folder: Path
+    edge: int
+
+
+def crop_row(size: int) -> str:
+    """The name of the row of crops of a larger universe (:func:`layout_folders`)."""
+    return f"exalearn, {size // 2}^3 crops of {2 * size}^3"
+
+
+def layout_folders(root: Path, size: int, n: int = 16) -> tuple[dict[str, Source], dict[str, str]]:
     """The same ``n`` samples written in every registered layout that writes them (gems.data.layouts: each as its
     published tool writes them) under ``root``, a folder each; and why a layout has none (it writes no such
-    samples, or does not read them back as 4 x ``size``^3 counts with a target vector)."""
+    samples, or does not read them back as 4 x ``size``^3 counts with a target vector). Beside them, the row
+    :func:`crop_row`: one ExaLearn universe of (2 ``size``)^3 read as crops of (``size`` / 2)^3, the same bytes
+    as ``n`` / 2 samples, whose rows lie as MLPerf's 128^3 crops of a 512^3 universe do (channels last: runs a
+    quarter of their stride apart, 512 B in 2 KiB at ``size`` 128, 1 KiB in 4 KiB there): the path crops of a
+    universe take, which a file a sample does not."""
     from gems.data import layouts
     from gems.errors import ConfigError
 
@@ -175,7 +197,13 @@ def layout_folders(root: Path, size: int, n: int = 16) -> tuple[dict[str, Path],
         except (NotImplementedError, ConfigError, ValueError, TypeError) as e:  # no such samples in this layout
             skipped[name] = _oneline(str(e)) or "writes no such samples"
             continue
-        folders[name] = folder
+        folders[name] = Source(name, folder, size)
+    folder = root / f"universe{2 * size}"
+    if not folder.exists():
+        from gems.data.synth import make_sample
+
+        layouts.get("exalearn").write(folder, [make_sample(0, 0, (4, 2 * size, 2 * size, 2 * size))])
+    folders[crop_row(size)] = Source("exalearn", folder, size // 2)
     return folders, skipped
 
 
@@ -206,22 +234,23 @@ class _ReaderBench:
         self.layout = layout
         self.files = layout.files(folder)
         self.shape = (4, size, size, size)
-        self.n = len(self.files) - len(self.files) % READER_BATCH
-        self.batches = [list(range(b, b + READER_BATCH)) for b in range(0, self.n, READER_BATCH)]
         for f in self.files:  # into the page cache
             with open(f, "rb") as h:
                 while h.read(1 << 24):
                     pass
-        self.sizes = [f.stat().st_size for f in self.files]
-        self.slot = max(self.sizes)
-        self.buffer = np.ones(READER_BATCH * self.slot, np.uint8)  # the bound's batch, made once and touched
         self.sets = {t: layout.open(folder, self.shape, readers=t) for t in threads}
         self.parts = {t: layout.open(folder, self.shape, readers=t, augment="cube", slices=(slice(0, size // 2),))
                       for t in threads}
         first = self.sets[threads[0]]
+        self.whole = len(first) == len(self.files)  # a file a sample (else crops of a universe: no whole file)
+        self.n = len(first) - len(first) % READER_BATCH
+        self.batches = [list(range(b, b + READER_BATCH)) for b in range(0, self.n, READER_BATCH)]
         self.out = first.read(self.batches[0])[0].data  # the reader's batch, made once (and touched)
         self.half = self.parts[threads[0]].read(self.batches[0])[0].data
         self.sample = self.out[0].numel() * self.out.element_size()
+        self.sizes = [f.stat().st_size for f in self.files]
+        self.slot = max(self.sizes) if self.whole else self.sample
+        self.buffer = np.ones(READER_BATCH * self.slot, np.uint8)  # the bound's batch, made once and touched
         self.dtype = str(np.dtype(first.dtype))
         gen = torch.Generator().manual_seed(0)
         self.syms = [torch.randint(0, 48, (READER_BATCH,), generator=gen).tolist() for _ in self.batches]
@@ -245,6 +274,14 @@ class _ReaderBench:
             with open(f, "rb") as h:
                 mm = mmap.mmap(h.fileno(), 0, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
             self.maps.append((mm, np.frombuffer(mm, np.uint8)))
+        self.crops: list[Any] = []  # (crops) each sample's cells in its mapped universe, a strided view
+        if not self.whole:
+            for i in range(self.n):
+                f, origin = first.locate(i)
+                head = first._header(f)
+                full = self.maps[f][1][head.offset:head.offset + math.prod(head.shape) * head.dtype.itemsize]
+                cells = full.view(head.dtype).reshape(head.shape)
+                self.crops.append(cells[tuple(slice(o, o + size) for o in origin)])
         self.source = np.ones_like(self.buffer)  # the plain copy's source, in memory
         self.pool = ThreadPoolExecutor(max(threads))
 
@@ -259,6 +296,10 @@ class _ReaderBench:
         import numpy as np
 
         k = i % READER_BATCH
+        if not self.whole:  # the crop's cells copied out of the mapped universe
+            crop = self.crops[i]
+            np.copyto(self.buffer[k * self.slot:(k + 1) * self.slot].view(crop.dtype).reshape(crop.shape), crop)
+            return
         np.copyto(self.buffer[k * self.slot:k * self.slot + self.sizes[i]], self.maps[i][1])
 
     def _copy(self, k: int) -> None:
@@ -283,37 +324,43 @@ class _ReaderBench:
                     self.parts[threads].read(b, syms, out=self.half)
                 else:
                     self.sets[threads].read(b, out=self.out)
-        nbytes = {"whole file": sum(self.sizes[:self.n]), "mapped": sum(self.sizes[:self.n]),
-                  "runs": self.run_bytes, "part": self.n * self.sample // 2}.get(contender, self.n * self.sample)
+        files = sum(self.sizes[:self.n]) if self.whole else self.n * self.sample
+        nbytes = {"whole file": files, "mapped": files,  # (the runs: the samples' bytes, not the gaps read too)
+                  "part": self.n * self.sample // 2}.get(contender, self.n * self.sample)
         return READER_PASSES * nbytes / 1e9 / (time.perf_counter() - t0)
 
     def contenders(self) -> tuple[str, ...]:
-        return (*(b for b in BOUNDS if b != "runs" or self.positional), "memcpy", "reader", "part")
+        return (*(b for b in BOUNDS if (b != "runs" or self.positional) and (b != "whole file" or self.whole)),
+                "memcpy", "reader", "part")
 
     def close(self) -> None:
         for ds in (*self.sets.values(), *self.parts.values()):
             ds.close()
         for fd in self.fds.values():
             os.close(fd)
+        self.crops.clear()
         for mm, arr in self.maps:
             del arr
         self.maps.clear()
         self.pool.shutdown()
 
 
-def bench_reader(folders: dict[str, Path], threads: Sequence[int] | None = None, rounds: int = 7,
+def bench_reader(folders: dict[str, Source], threads: Sequence[int] | None = None, rounds: int = 7,
                  size: int = READER_SIZE, quiet_s: float = 2.0,
                  skipped: dict[str, str] | None = None) -> tuple[list[list[Any]], str]:
     """Each layout's reader against the page-cache bound of its own files (module docstring), ``folders``: a
-    layout's name -> its files (4 x ``size``^3 samples, :func:`layout_folders`): the table's rows and its text;
-    ``quiet_s``: the most each round waits for idle cores first. Every contender of every layout is measured in
-    each round (alternated, each round in the other order), so that the ratios are each round's, side by side."""
+    row's name -> its files (:func:`layout_folders`: 4 x ``size``^3 samples, and crops of a universe): the
+    table's rows and its text; ``quiet_s``: the most each round waits for idle cores first. Every contender of
+    every row is measured in each round (alternated, each round in the other order), so that the ratios are each
+    round's, side by side. The crop row is set beside the planner's rule for crops where no file is at hand (a
+    whole file's rate times the share of the bytes read that a crop holds: gems.data.reader.read_share)."""
     from statistics import median as med
 
     from gems.data import layouts
 
     threads = list(threads or thread_counts())
-    benches = {name: _ReaderBench(layouts.get(name), folder, threads, size) for name, folder in folders.items()}
+    benches = {name: _ReaderBench(layouts.get(src.layout), src.folder, threads, src.edge)
+               for name, src in folders.items()}
     names = [(lay, t, c) for lay, b in benches.items() for t in threads for c in b.contenders()]
     got: dict[tuple[str, int, str], list[float]] = {k: [] for k in names}
     try:
@@ -365,14 +412,45 @@ def bench_reader(folders: dict[str, Path], threads: Sequence[int] | None = None,
             "names the file: the reader does not map), and reader / its own one thread. *S=2 half, cube*: a rank's "
             "depth half under `data.augment=cube`, each sample's symmetry drawn (the half read from a slab cut in "
             "depth, height or width), symmetries and the channels' move applied later (on a GPU rank's device); "
-            "GB/s of the half's bytes.\n\n")
+            f"GB/s of the half's bytes. *{crop_row(size)}*: one ExaLearn universe of {2 * size}^3 x 4 read as "
+            f"crops of {size // 2}^3, the path MLPerf's 128^3 crops of a 512^3 universe take (a crop's rows are runs "
+            "a quarter of their stride apart, as there), which a file a sample never takes; its bound has no "
+            "*whole file* (a file is no sample), its *mapped* copies each crop's cells out of the mapped universe."
+            "\n\n")
     if skipped:
         text += "Not measured: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()) + ".\n\n"
     text += md_table(["layout", "type", "threads", *(f"{c} GB/s" for c in BOUNDS), "bound GB/s", "memcpy GB/s",
                       "reader GB/s", "reader / bound", "reader / best read", "reader / 1 thread", "goal",
                       "S=2 half, cube: GB/s",
                       "its / bound"], rows)
+    crops = crop_row(size)
+    if crops in benches and "exalearn" in benches:
+        text += "\n" + _crop_rule(benches[crops], [got[("exalearn", 1, "reader")], got[(crops, 1, "reader")]])
     return rows, text
+
+
+def _crop_rule(bench: _ReaderBench, rates: Sequence[Sequence[float]]) -> str:
+    """The crop row against the planner's rule (:func:`bench_reader`): ``rates`` each round's one-thread reader on
+    whole ExaLearn files and on the crops."""
+    from statistics import median as med
+
+    from gems.data import layouts
+    from gems.data.reader import read_share
+
+    first = bench.sets[min(bench.sets)]
+    head = first._header(0)
+    share, g = read_share(head.shape, head.dtype.itemsize, [slice(0, n) for n in bench.shape[1:]])
+    whole, crops = rates
+    ratio = med([c / (w * share) for w, c in zip(whole, crops)])
+    exa = layouts.get("exalearn")
+    mlperf, said = exa.fallback_rate((4, 128, 128, 128))
+    return (f"*{crop_row(bench.shape[1] * 2)}*: one universe's {bench.n} crops, whose rows are {g.run} B runs "
+            f"{g.strides[-1]} B apart; the reader reads {1 / share:.2f}x a crop's bytes (gems.data.reader.read_share). "
+            "The planner's rule where no file is at hand (gems.data.layouts' fallback_rate: a whole file's rate "
+            f"times that share) gives {med(whole) * share:.2f} GB/s a thread from this run's whole ExaLearn files, "
+            f"against {med(crops):.2f} measured: measured / rule {ratio:.2f} (each round's). For MLPerf's 128^3 crops "
+            f"of 512^3 universes ({said}) the plan takes {mlperf / 1e9:.2f} GB/s a thread from "
+            f"{exa.thread_rate / 1e9:.2g}.\n")
 
 
 def bench_data(out_dir: Path, sizes: tuple[int, ...] = (64, 128), spatials: tuple[int, ...] = (1, 2),

@@ -672,7 +672,7 @@ class HDF5Samples:
                 continue
             g = preader.grid(head.shape, itemsize, _spatial(self.channels, hyperslab, len(head.shape)))
             for blocks in preader.pieces(preader.Grid(0, g.run, g.counts, g.strides), preader.PIECE,
-                                         preader.SMALL_RUN, preader.MEDIUM_RUN):
+                                         preader.SMALL_RUN, preader.MEDIUM_RUN, preader.GAP):
                 out += [(head.source, head.offset + g.start + b.at, b.span) for b in blocks]
         return out
 

@@ -145,8 +145,9 @@ def gpu_synthetic(rates: Any, sample: Any, ahead: bool = True) -> Any:
     return data
 
 
-#: bytes a second one reader thread moves into a batch where no file is at hand (gems.data.layouts.THREAD_RATE)
-READER_BYTES_PER_S = 4.4e9
+#: (tests/test_plan_timing.py's name for gems.data.layouts.THREAD_RATE, the one figure: to go with its next change)
+from gems.data.layouts import THREAD_RATE as READER_BYTES_PER_S  # noqa: E402,F401
+
 _READ_RATES: dict[tuple, tuple[float, int, str]] = {}
 
 
@@ -156,8 +157,10 @@ def reader_rate(cfg: Any, spec: Any, slices: Any = None) -> tuple[float, int, st
     (gems.data.layouts: detected, or ``data.layout``) timed by its own ``rate`` (its samples read with the rank's
     reader threads, part ``slices`` and ``data.augment``'s symmetries: the second read, from the page cache into
     the first's buffer), with what it says of them (a slow path); else the reader threads x the layout's
-    ``thread_rate`` (``data.layout``'s, else gems bench data's one thread here), of int16 counts. The threads are
-    ``data.readers`` capped by a task's CPUs (``cluster.cpus_per_task`` on Slurm, this machine's here)."""
+    ``fallback_rate`` (``data.layout``'s: its ``thread_rate``, scaled by the share of the bytes read that a crop of
+    a larger published file holds, ExaLearn's 512^3 universes; else gems bench data's one thread here,
+    gems.data.layouts.THREAD_RATE, a file a sample), of int16 counts. The threads are ``data.readers`` capped by a
+    task's CPUs (``cluster.cpus_per_task`` on Slurm, this machine's here)."""
     from pathlib import Path
 
     import torch
@@ -171,8 +174,12 @@ def reader_rate(cfg: Any, spec: Any, slices: Any = None) -> tuple[float, int, st
     path, name = cfg.data.path, cfg.data.get("layout")
     if not path or not Path(str(path)).exists():
         layout = layouts.get(str(name)) if name else None
-        per = layout.thread_rate if layout is not None else layouts.THREAD_RATE
-        what = f"layout {layout.name}" if layout is not None else "no file at data.path to time or detect"
+        if layout is not None:
+            per, assumed = layout.fallback_rate(spec.input_shape, slices)
+            what = f"layout {layout.name}, {assumed}"
+        else:
+            per, what = layouts.THREAD_RATE, ("no file at data.path to time or detect: a file a sample (data.layout="
+                                              "exalearn takes crops of its published universes)")
         return readers * per, 2, (f"{readers} reader thread(s){cap} at {per / 1e9:.2g} GB/s each ({what}; "
                                   "gems bench data's one thread here)")
     key = (str(path), name, readers, str(slices), str(cfg.data.augment), tuple(spec.input_shape), str(cfg.data.crop))

@@ -25,7 +25,9 @@ when the package is) and its tests.
   classes' count, which every label read must be below). A file that does not match is a
   :class:`gems.errors.ConfigError` naming ``key`` and the file.
 * :meth:`Layout.rate` ``(samples, ids, symmetries)``: bytes a second ``samples.read`` moves into a batch on
-  this machine (default: timed, the second of two reads into one buffer, from the page cache).
+  this machine (default: timed, the second of two reads into one buffer, from the page cache);
+  :meth:`Layout.fallback_rate` ``(shape, slices)``: the planner's figure where no file is at hand
+  (``thread_rate``, scaled where a sample is a crop of a larger published file: the HDF5 layouts).
 * :meth:`Layout.convert` ``(source, folder)`` and :meth:`Layout.converted_name` ``(source)``: for a layout that
   is not ``fast``, ``gems data convert``'s writing of one file into a fast layout, and the name it gets.
 * :meth:`Layout.write` ``(folder, samples)``: files of this layout, written the way the published tool writes
@@ -166,6 +168,12 @@ class Layout:
         """``gems data convert``: file ``source`` written into ``folder`` in a fast layout, whole or not at all
         (a hidden name, then renamed); its path. ``key`` names the folder in messages."""
         raise NotImplementedError
+
+    def fallback_rate(self, shape: Sequence[int], slices: Sequence[slice] | None = None) -> tuple[float, str]:
+        """(bytes a second one reader thread moves into a batch of samples of (C, *spatial) ``shape``, this rank's
+        part ``slices`` of each, where no file is at hand to time; what that assumes): :attr:`thread_rate`, a file a
+        sample."""
+        return self.thread_rate, "a file a sample"
 
     def rate(self, samples: Samples, ids: Sequence[int], symmetries: Sequence[int] | None = None) -> float:
         """Bytes a second ``samples.read`` moves into a batch here: the second of two reads of ``ids`` into one

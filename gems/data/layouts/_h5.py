@@ -21,6 +21,9 @@ class HDF5Layout(Layout):
     channels: ClassVar[str] = "first"
     extension: ClassVar[str] = ".h5"  # of the files :meth:`write` writes
     stamp: ClassVar[bool] = False  # whether :meth:`write` names the layout in a ``layout`` attribute (gems's own)
+    #: the spatial edge of the files of the published set, where a file is a universe cut into crops (ExaLearn's:
+    #: 512): what the planner takes a file to be where none is at hand (:meth:`fallback_rate`)
+    published_edge: ClassVar[int | None] = None
 
     def headers(self, files: Sequence[Path]) -> dict[str, Any] | None:
         """The first file's ``full`` (shape, dtype), whether it has ``unitPar``, its attributes and where its
@@ -71,6 +74,32 @@ class HDF5Layout(Layout):
                               "(these files carry one target vector per sample), or data=synthetic")
         return HDF5Samples(path, shape, slices=o.slices, key=o.key, crop=o.crop, standardize=o.standardize,
                            augment=o.augment, readers=o.readers, layout=self)
+
+    def fallback_rate(self, shape: Sequence[int], slices: Sequence[slice] | None = None) -> tuple[float, str]:
+        """:attr:`thread_rate` (whole files) times the share of the bytes the reader reads that this rank's part of
+        a sample holds (gems.data.reader.read_share: one rule with ``gems bench data``'s crop row): a sample is a
+        crop of a file of :attr:`published_edge` where the model's edge is smaller and divides it (MLPerf's 128^3
+        crops of ExaLearn's 512^3 universes: a crop's rows are 1 KiB runs 4 KiB apart, the reader reads 4x its
+        bytes), else a file; int16 counts."""
+        from gems.data.hdf5 import _full_slices
+        from gems.data.reader import read_share
+
+        channels, spatial = int(shape[0]), [int(n) for n in shape[1:]]
+        edge = self.published_edge
+        crop = edge is not None and all(n < edge and edge % n == 0 for n in spatial)
+        files = [edge] * len(spatial) if crop and edge is not None else spatial
+        part = list(_full_slices(slices or (), spatial))
+        if self.channels == "last":
+            file_shape, sel = [*files, channels], [*part, slice(None)]
+        else:
+            file_shape, sel = [channels, *files], [slice(None), *part]
+        share, g = read_share(file_shape, 2, sel)
+        what = (f"{'x'.join(map(str, spatial))} crops of the published {'x'.join(map(str, files))} files"
+                if crop else "a file a sample")
+        if share < 0.999:
+            what += (f": a part's rows are {g.run} B runs {g.strides[-1] if g.strides else g.run} B apart, the "
+                     f"reader reads {1 / share:.2g}x its bytes")
+        return self.thread_rate * share, what
 
     def arrange(self, counts: np.ndarray) -> np.ndarray:
         """A sample's counts (C, *spatial) as this layout's ``full`` holds them."""

@@ -16,3 +16,4 @@ class ExaLearn(HDF5Layout):
     about = "ExaLearn's universes: .hdf5 (or .h5) files, `full` (N, N, N, C) channels last and `unitPar`"
     channels = "last"
     extension = ".hdf5"
+    published_edge = 512  # cosmoUniverse_2019_05_4parE's universes
