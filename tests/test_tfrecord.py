@@ -221,6 +221,33 @@ def test_a_long_check_says_how_far_it_is_and_the_slurm_progress_lists_a_folder_o
     assert [src.name for _, src, _ in work.left()] == ["univ_ics_2019-03_a10000668_001.tfrecord"]
 
 
+def test_converted_files_are_synced_before_and_after_their_rename(tmp_path: Path, monkeypatch) -> None:
+    """A resumed conversion takes a file that is there as finished: each is synced before its rename and the
+    rename after (a crash could leave a name on half a file); `.nii.gz` volumes and their labels alike."""
+    import os
+
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert _convert(DATA / "gzip" / "validation", tmp_path / "out") == 2
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert sorted(Path(p).name for p in synced if not Path(p).is_dir()) == sorted(f".{n}.tmp" for n in names)
+    assert sum(Path(p) == tmp_path / "out" for p in synced) == 2  # each rename
+    from gems.data.layouts.nifti import NiftiLayout
+
+    src = tmp_path / "lits"
+    NiftiLayout().write(src, [(np.zeros((4, 4, 4), np.int16), np.zeros((4, 4, 4), np.uint8))], compress=True)
+    synced.clear()
+    assert _convert(src, tmp_path / "nii") == 1
+    assert sorted(Path(p).name for p in synced if not Path(p).is_dir()) == [".segmentation-0.nii.tmp",
+                                                                          ".volume-0.nii.tmp"]
+
+
 def test_the_masked_crc_is_tensorflows() -> None:
     """The first record's header of a file TensorFlow wrote: its length and the masked CRC32C TensorFlow put
     beside it."""
