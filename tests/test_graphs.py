@@ -221,6 +221,35 @@ def test_a_piece_gives_the_partitions_gradients_never_its_own_buffers_and_a_fail
         failing.begin_step(1)
 
 
+def test_a_pieces_replays_are_held_to_the_first(monkeypatch) -> None:
+    """A piece's graphs would freeze what the host gave its partition at the capture: the stand-in holds each
+    replay of a slot's forward and backward to its first, so a partition that reads a host value each step (a
+    factor here) fails the replay where the value changed."""
+    from gems.rank import pieces as pc
+
+    factor = [2.0]
+
+    class Scale(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * factor[0]
+
+    part = nn.Sequential(nn.Linear(5, 3), Scale())
+    act = SimpleNamespace(stage=0, replica=0, micro_batch=0)
+    p = pc.Pieces(torch.device("cpu"), 0, contextlib.nullcontext, lambda: [])
+    for step in range(4):
+        if step == 3:
+            factor[0] = 3.0
+        p.begin_step(step)
+        with batch_context(7, step, [4, 9]):
+            try:
+                p(act, part, torch.randn(2, 5, requires_grad=True)).sum().backward()
+            except RuntimeError as e:
+                assert step == 3 and "the replay dispatched other work than the capture recorded at op 2: " \
+                    "aten.mul.Tensor(float32[2, 3] (made in the body), 3.0)" in str(e), e
+                return
+    raise AssertionError("the changed factor replayed")
+
+
 def test_gradients_cannot_double_whatever_zero_grad_does(tmp_path, monkeypatch) -> None:
     """The graph owns its gradients and writes each step's afresh (issue 63, finding 5: make_graphed_callables's
     aliased a static buffer, and a zero_grad that zeroes instead of freeing doubled them): with zero_grad zeroing,
@@ -330,11 +359,14 @@ class _Syncs:
             setattr(owner, name, real)
 
 
-def test_a_graphed_step_reads_nothing_from_the_device_and_its_figures_a_step_late(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_graphed_step_reads_nothing_from_the_device_and_its_figures_a_step_late(tmp_path, monkeypatch,
+                                                                                  precision) -> None:
     """Issue 63, item 2: in the measured steps of a graphed run nothing in the step's path reads the device; the
     loop reads a step's figures (the loss, the stop flag: one asynchronous copy to the host) during the next step,
     after that step's replay is queued, so on a GPU the host's work for the next step overlaps this one; the steps
-    something needs at once (the last) are read in their own step."""
+    something needs at once (the last) are read in their own step. fp16's overflow verdict too: decided on the
+    device (its fused optimizer handed it) and read with the figures."""
     import gems.rank.loop as loop
     from gems.rank.sync import Readout
 
@@ -365,7 +397,8 @@ def test_a_graphed_step_reads_nothing_from_the_device_and_its_figures_a_step_lat
     reads = []
     monkeypatch.setattr(Readout, "read", staticmethod(lambda posted, _r=Readout.read: reads.append(1) or _r(posted)))
     try:
-        record = _train(0, 1, [*BN_DROPOUT, "train.optimizer=sgd", "train.steps=6"], "1", str(tmp_path))
+        record = _train(0, 1, [*BN_DROPOUT, "train.optimizer=sgd", "train.steps=6", f"train.precision={precision}",
+                               "train.loss_scale_init=1024"], "1", str(tmp_path))
     finally:
         import os
 
@@ -375,6 +408,8 @@ def test_a_graphed_step_reads_nothing_from_the_device_and_its_figures_a_step_lat
     assert order == [("eager", 0), ("read", 0), ("replay", 1), ("read", 1), ("replay", 2), ("read", 2),
                      ("replay", 3), ("replay", 4), ("read", 3), ("replay", 5), ("read", 4), ("read", 5)]
     assert len(reads) == 6  # one read of each step's figures
+    if precision == "fp16":
+        assert record["loss_scale"] == {"final_scale": 1024.0, "skipped_steps": []}
 
 
 def test_the_watchdog_allows_a_step_read_late_what_the_device_took() -> None:
@@ -831,3 +866,44 @@ def test_a_loaded_fused_or_capturable_adam_keeps_its_step_count_on_its_parameter
             step = loaded.state[p]["step"]
             assert (step.device.type, step.dtype, step.dim()) == (device, dtype, 0), kind
             assert loaded.state[p]["exp_avg"].device.type == "meta"
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_fp16s_skip_decided_on_the_device_equals_the_hosts(optimizer) -> None:
+    """fp16's overflow verdict need not be read on the host each step: after the step that makes the optimizer's
+    state, the world's verdict goes to torch's fused kernel as found_inf (which then leaves parameters and state
+    alone) and the scale moves on the device by GradScaler's rule (gems.precision.LossScaler.step_late); the
+    host's record follows when the figures are read (settle). Against the verdict read at once (step): the same
+    parameters, optimizer state, scales and skipped steps, bit for bit, with overflows at the first step (decided
+    on the host: a skipped first step of fused SGD would leave its momentum unwritten), and later."""
+    from gems.precision import LossScaler
+
+    def run(late: bool) -> tuple[Any, ...]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 2))
+        opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True) if optimizer == "sgd" else
+               torch.optim.Adam(model.parameters(), lr=0.01, fused=True))
+        scaler = LossScaler(torch.device("cpu"), True, init_scale=2.0 ** 8, growth_interval=2)
+        decided = []
+        for step in range(8):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+            if step in (0, 3, 4):
+                x[0, 0] = float("inf")  # its gradients overflow
+            scaler.scale(model(x).square().mean()).backward()
+            if late:
+                verdict = scaler.step_late(opt, step)
+                decided.append(verdict is not None)
+                if verdict is not None:
+                    scaler.settle(step, bool(verdict.item() > 0))  # (the loop reads it with the step's figures)
+            else:
+                scaler.step(opt, step)
+            opt.zero_grad(set_to_none=True)
+        state = [v.clone() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        return ([p.detach().clone() for p in model.parameters()], state, scaler.state_dict(),
+                float(scaler._scaler._scale), int(scaler._scaler._growth_tracker), decided)
+
+    host, device = run(False), run(True)
+    assert device[5] == [False, False] + [True] * 6  # on the host until a step made the state, then on the device
+    assert all(torch.equal(a, b) for a, b in zip(host[0], device[0])) and len(host[1]) == len(device[1])
+    assert all(torch.equal(a, b) for a, b in zip(host[1], device[1]))
+    assert host[2] == device[2] and host[2]["skipped"] == [0, 3, 4] and host[3:5] == device[3:5]

@@ -104,6 +104,7 @@ class _Done:
     host_s: float = 0.0  # the host's time from t0 to the step's end (a CPU rank's step is done when queued)
     terms: dict[str, float] | None = None  # the step's timed terms, taken when it was queued (read late)
     deferred: bool = False
+    verdict: bool = False  # its figures end with fp16's overflow verdict, decided on the device (LossScaler.settle)
 
 
 def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str, Any]:
@@ -354,13 +355,11 @@ class Run:
         if self.ema is not None:
             self.ema.update(step)
         self.host_memory.after_step(world.rank)
-        if par.scaler.enabled:
-            h["loss_scale"] = par.scaler.state_dict()  # saved with every checkpoint
         if self.buffers and not par.averages_buffers:
             with progress.waiting("gradient sum"):
                 average_buffers(self.buffers, self.mesh.group("grad"), len(self.mesh.ranks("grad")))
         done = _Done(step, begun, t0, t_data, step >= self.measure_from and not profiling,
-                     self.readout.post(figures), start)
+                     self.readout.post(figures), start, verdict=self.context.verdict)
         reached = False
         if self.pending is not None:  # the step before: its work is done or under way behind this one's
             reached, self.pending = self.finish(self.pending), None
@@ -393,6 +392,10 @@ class Run:
         world, par, h, step = self.world, self.par, self.history, done.step
         values = self.readout.read(done.posted)
         loss, stop = values[0], values[1] > 0
+        if done.verdict:  # fp16: the step's skip was decided on the device; the host's record of it now
+            par.scaler.settle(step, values[-1] > 0)
+        if par.scaler.enabled:
+            h["loss_scale"] = par.scaler.state_dict()  # saved with every checkpoint
         if done.start is not None and done.posted.event is not None:  # the device's span of the step
             dt = done.start.elapsed_time(done.posted.event) / 1e3
         else:  # a CPU rank's step is done when queued; read at once, the read waited for its work
@@ -761,6 +764,7 @@ class _StepContext:
                  B: int, R: int) -> None:
         self.cfg, self.world, self.mesh, self.par, self.opt, self.B, self.R = cfg, world, mesh, par, opt, B, R
         self.stop_on_nonfinite = str(cfg.train.on_nonfinite) == "stop"
+        self.verdict = False  # whether the last step's figures end with fp16's verdict (gems.precision.LossScaler)
 
     def step(self, x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int,
              quiesce: bool = False) -> torch.Tensor:
@@ -768,8 +772,10 @@ class _StepContext:
         stop for a checkpoint, and a graphed step's finiteness flags); ``quiesce``: the step ends with none of
         this rank's messages in flight (a step run under the profiler).
 
-        Nothing here waits for the device (fp16 adds one wait: the loss scaler's verdict on overflow decides
-        whether the update runs): the loop reads the figures after the optimizer's update is queued, a graphed
+        Nothing here waits for the device (fp16 decides whether the update runs on the device, its fused kernel
+        handed the world's overflow verdict, which travels with the figures; only a step that makes the
+        optimizer's state reads it at once: gems.precision.LossScaler.step_late): the loop reads the figures after
+        the optimizer's update is queued, a graphed
         run's during the next step. A non-finite loss is known only then: with ``train.on_nonfinite=stop`` the
         run stops after that update (and a graphed run after the next step's), which nothing saves (checkpoints
         are written only after finite steps, read at once)."""
@@ -784,10 +790,12 @@ class _StepContext:
             with progress.waiting("step sync"):
                 figures = step_sync(local, stop, self.world)
         progress.mark("optimizer")
-        if not par.optimizer_in_step:
-            par.scaler.step(self.opt, step)  # fp16: unscaled after the sum; skipped where any rank overflowed
+        verdict = None
+        if not par.optimizer_in_step:  # fp16: unscaled after the sum; skipped where any rank overflowed, decided on
+            verdict = par.scaler.step_late(self.opt, step)  # the device after the first step (read with the figures)
         self.opt.zero_grad(set_to_none=True)
-        return figures
+        self.verdict = verdict is not None
+        return figures if verdict is None else torch.cat([figures, verdict])
 
     def stop_nonfinite(self, step: int, loss: float, losses: list[float], restarts: int,
                        first_bad: int | None | bool = False) -> None:

@@ -28,14 +28,15 @@ again): pipelines train as eager bit for bit and their messages replay under NCC
 """
 from __future__ import annotations
 
+import contextlib
 import gc
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from gems.layers import batch_context, current_batch, sample_keys
-from gems.rank.graphs import CUDA_WORK, CaptureFailed, HostRing, NoHostReads, cause, replaying, stand_in, uncached
+from gems.rank.graphs import CUDA_WORK, CaptureFailed, HostRing, NoHostReads, Trace, cause, replaying, stand_in, uncached
 
 #: forwards and backwards on a slot's static input before its capture (torch's make_graphed_callables runs three)
 WARMUP = 3
@@ -59,6 +60,9 @@ class _Slot:
         self.grads: list[torch.Tensor | None] = []
         self.graphs: tuple[Any, Any] | None = None
         self._live: torch.Tensor | None = None  # the stand-in's forward, for its backward
+        #: the stand-in's first replay of the forward and of the backward, which every later one must dispatch
+        #: (gems.rank.graphs.Trace: what a GPU's graphs would freeze)
+        self.traces: dict[str, list[Any]] = {}
 
     def fits(self, x: torch.Tensor) -> bool:
         return (tuple(x.shape) == tuple(self.x.shape) and x.stride() == self.x.stride() and x.dtype == self.x.dtype
@@ -125,13 +129,26 @@ class _Slot:
         if self.graphs is not None:
             self.graphs[0].replay()
         else:
-            with replaying():
+            with self._traced("forward"):
                 self._live = self._forward()
                 assert self.y is not None
                 with torch.no_grad():
                     self.y.copy_(self._live)
         assert self.y is not None
         return self.y
+
+    @contextlib.contextmanager
+    def _traced(self, what: str) -> Iterator[None]:
+        """The stand-in's replay of ``what``, held to its first (:class:`gems.rank.graphs.Trace`)."""
+        trace = Trace(self._static, reference=self.traces.get(what))
+        with replaying(), trace:
+            yield
+        trace.check_complete()
+        self.traces.setdefault(what, trace.ops)
+
+    def _static(self) -> list[torch.Tensor]:
+        return [t for t in (self.x, self.keys, self.y, self.gy, *self.params, *self.part.buffers(), *self.grads)
+                if t is not None]
 
     def backward(self, gy: torch.Tensor) -> list[torch.Tensor | None]:
         assert self.gy is not None
@@ -141,7 +158,7 @@ class _Slot:
             self.graphs[1].replay()
         else:
             assert self._live is not None
-            with replaying():
+            with self._traced("backward"):
                 got = self._grads(self._live, self.gy)
                 with torch.no_grad():
                     for mine, g in zip(self.grads, got):
