@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _cli import records
+from _cli import gems_here, records
 
 ROOT = Path(__file__).resolve().parents[1]
 FEWER = ["train.steps=1", "train.warmup_steps=0"]
@@ -48,13 +48,17 @@ COMMANDS: dict[str, list[str] | str] = {
     "gems run model=cosmoflow_mlperf data=hdf5 data.path=/scratch/cosmo data.val_path=/scratch/cosmo/val "
     "train.epochs=128 train.target_mae=0.124": ["train.epochs=1", "train.warmup_steps=1", "model.size=64"],
     "gems run comm=mpi parallel.replicas=2": FEWER,
-    "gems sweep +experiment=replication_weak": FEWER,
+    "gems sweep +experiment=replication_weak": "the command jobs/replication_weak.sh runs (`exec gems sweep "
+                                               "+experiment=replication_weak \"$@\"`), which runs here: its three "
+                                               "points are checked there",
     "gems run cluster=local_slurm cluster.nodes=2 parallel.replicas=4": FEWER,
     "gems sweep +experiment=cosmoflow512_weak cluster=perlmutter cluster.account=m1234":
         "submits to NERSC Perlmutter (its render is tested in test_render.py)",
     "gems render cluster=juwels_booster cluster.account=myproj parallel.spatial=8 parallel.replicas=8 train.batch_size=64": [],
     "jobs/replication_weak.sh": FEWER,
-    "jobs/replication_weak.sh cluster=local_slurm": FEWER,
+    "jobs/replication_weak.sh cluster=local_slurm":
+        "the script runs here as jobs/replication_weak.sh (the sweep it execs); the same study on the Slurm test "
+        "cluster, waited for, is the walkthrough's second sweep (test_the_studies_walkthrough_runs_in_order)",
     "ACCOUNT=m1234 jobs/cosmoflow512_weak.sh cluster=perlmutter": "submits to NERSC Perlmutter",
     "gems plan model=cosmoflow model.size=512 cluster.gpu_memory_gb=40 train.batch_size=1": [],
     # the studies walkthrough: one after the other in one folder (test_the_studies_walkthrough_runs_in_order)
@@ -135,6 +139,9 @@ COMMANDS: dict[str, list[str] | str] = {
 
 #: commands that need the Slurm test cluster
 SLURM = ("cluster=local_slurm",)
+#: `gems` commands that launch no rank: run in this process through gems.cli.main, the console script's own function
+#: (tests/_cli.gems_here); the others (run, sweep) and the scripts are processes of their own, as a user's
+HERE = ("plan", "render", "data", "results", "status", "cancel")
 
 
 #: the documents whose commands are listed in COMMANDS
@@ -171,15 +178,17 @@ def test_the_studies_walkthrough_runs_in_order(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for cmd in WALKTHROUGH:
         words = shlex.split(cmd)
-        extra = FEWER if words[1] == "sweep" else []
-        out = subprocess.run([sys.executable, "-m", "gems.cli", *words[1:], *extra], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=600)
+        if words[1] == "sweep":  # a process of its own, as a user's: it submits the study's points to Slurm
+            out = subprocess.run([sys.executable, "-m", "gems.cli", *words[1:], *FEWER], cwd=tmp_path, env=env,
+                                 capture_output=True, text=True, timeout=600)
+        else:  # status, results, cancel: they launch nothing (gems.cli.main here)
+            out = gems_here(*words[1:], cwd=tmp_path)
         assert out.returncode == 0, f"{cmd}\n{out.stderr[-3000:]}\n{out.stdout[-1500:]}"
         if "--detach" in words:  # wait for the detached study, as a user would with gems status
             t0 = time.monotonic()
             while True:
-                st = subprocess.run([sys.executable, "-m", "gems.cli", "status", "replication_weak"], cwd=tmp_path,
-                                    env=env, capture_output=True, text=True, timeout=120)
+                st = gems_here("status", "replication_weak", cwd=tmp_path)
+                assert st.returncode == 0, st.stderr[-1500:]
                 if "pending" not in st.stdout and "running" not in st.stdout:
                     break
                 assert time.monotonic() - t0 < 900, st.stdout  # a guard against a hang only
@@ -196,6 +205,9 @@ def _marks(cmd: str) -> list:
 @pytest.mark.parametrize("cmd", [pytest.param(c, marks=_marks(c)) for c in RUN if "/scratch/cosmo" not in c])
 def test_the_documented_command_runs(tmp_path, cmd):
     out = _run(tmp_path, cmd, COMMANDS[cmd])
+    if cmd == "jobs/replication_weak.sh":  # the sweep it execs, `gems sweep +experiment=replication_weak`: R = 1, 2, 4
+        recs = records(str(tmp_path / "results" / "replication_weak"))
+        assert sorted(r["world_size"] for r in recs) == [1, 2, 4], [r["_path"] for r in recs]
     if cmd.startswith("UNIVERSES") and "cluster=local_slurm" in cmd:  # the study's cluster writes the universes too
         assert "gems data synth: Slurm job" in out.stdout, out.stdout[-1500:]
 
@@ -207,18 +219,23 @@ def test_the_documented_hdf5_commands_run_one_after_the_other(tmp_path):
 
 def _run(tmp_path: Path, cmd: str, extra: list[str]) -> subprocess.CompletedProcess[str]:
     words = shlex.split(cmd.split("&&")[-1])
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    given = {}  # the variables the command line sets (UNIVERSES=8 jobs/...)
     while words and "=" in words[0] and not words[0].startswith(("gems", "jobs/")):
         k, _, v = words.pop(0).partition("=")
-        env[k] = v
-    if words[0] == "gems":
-        argv = [sys.executable, "-m", "gems.cli", *words[1:]]
-    else:  # a study script: it calls `gems` on PATH
-        argv = ["bash", str(ROOT / words[0]), *words[1:]]
-        env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+        given[k] = v
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **given)
     keys = {e.split("=", 1)[0] for e in extra}
-    argv = [a for a in argv if a.split("=", 1)[0] not in keys] + list(extra)  # the test's value of a key
-    out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    args = [a for a in words[1:] if a.split("=", 1)[0] not in keys] + list(extra)  # the test's value of a key
+    if words[0] == "gems" and words[1] in HERE:
+        assert not given, cmd  # (this process's environment is the test's)
+        out = gems_here(*args, cwd=tmp_path)
+    else:
+        if words[0] == "gems":
+            argv = [sys.executable, "-m", "gems.cli", *args]
+        else:  # a study script: it calls `gems` on PATH
+            argv = ["bash", str(ROOT / words[0]), *args]
+            env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+        out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, f"{cmd}\n{out.stderr[-3000:]}\n{out.stdout[-1500:]}"
     if words[0] in ("jobs/replication_weak.sh",) or words[1] in ("run", "sweep"):
         recs = records(str(tmp_path / "results"))
