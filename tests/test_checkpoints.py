@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from _cli import gems, records
+from _cli import gems_here, records
 
 from gems import checkpoint as ckpt
 
@@ -22,8 +22,8 @@ R4 = ["parallel.replicas=4"]
 R2D2 = ["parallel.replicas=2", "parallel.pipeline=2", "parallel.schedule=1f1b", "parallel.micro_batches=2"]
 
 
-def _run(folder: Path, *args: str, timeout: int = 400) -> dict[str, Any]:
-    out = gems("run", f"results.dir={folder}", *SMALL, *args, timeout=timeout)
+def _run(folder: Path, *args: str) -> dict[str, Any]:
+    out = gems_here("run", f"results.dir={folder}", *SMALL, *args)
     assert out.returncode == 0, out.stderr[-3000:]
     (r,) = records(str(folder))
     assert r["status"] == "ok"
@@ -180,9 +180,8 @@ def test_a_checkpoint_holds_one_file_a_writer_and_resumes_on_one_rank(tmp_path: 
 
 def test_a_rank_killed_mid_save_leaves_the_last_complete_checkpoint_to_resume_from(tmp_path: Path,
                                                                                   reference: dict[str, Any]) -> None:
-    out = gems("run", f"results.dir={tmp_path / 'cut'}", *SMALL, "parallel.replicas=2", "train.steps=6",
-               "train.checkpoint_every=2", "fault.kill_rank=1", "fault.kill_in_save=true", "fault.at_step=4",
-               timeout=400)
+    out = gems_here("run", f"results.dir={tmp_path / 'cut'}", *SMALL, "parallel.replicas=2", "train.steps=6",
+                    "train.checkpoint_every=2", "fault.kill_rank=1", "fault.kill_in_save=true", "fault.at_step=4")
     assert out.returncode == 1, out.stderr[-2000:]
     root = _job(tmp_path / "cut") / "ckpt"
     assert ckpt.latest_step(root) == 2 and ckpt.complete(root / "step00000002")
@@ -219,8 +218,8 @@ def test_at_1024_ranks_a_checkpoint_is_a_few_files_of_one_small_group(overrides:
     tensors): the only group made for checkpoints holds 8 writers a position, a checkpoint is at most 8 files a
     position and three more, a writer writes 1/8 of its position, and the model file takes the model's bytes on
     rank 0's host (an earlier gems put world x largest bytes on rank 0's GPU)."""
-    out = gems("plan", *overrides, "cluster=perlmutter", "cluster.account=x", "plan.dry_run=true",
-               f"plan.dry_run_rank={rank}", "plan.format=json", timeout=600)
+    out = gems_here("plan", *overrides, "cluster=perlmutter", "cluster.account=x", "plan.dry_run=true",
+                    f"plan.dry_run_rank={rank}", "plan.format=json")
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["world_size"] == 1024
@@ -244,18 +243,20 @@ def test_at_1024_ranks_a_checkpoint_is_a_few_files_of_one_small_group(overrides:
 # ---------------------------------------------------------------------------- the first thing a user tries
 def test_gems_run_then_gems_eval_of_its_model_file_works_with_no_data_keys(tmp_path: Path) -> None:
     """The default job names no validation data: gems eval draws fresh samples of its kind from another seed, says
-    how many and which keys choose them, and evaluates; the same keys given by hand give the same figures."""
-    run = gems("run", f"results.dir={tmp_path}", timeout=400)
+    how many and which keys choose them, and evaluates; the same keys given by hand give the same figures. (The
+    default job on the smallest CosmoFlow, its steps cut to two: no data key given either.)"""
+    run = gems_here("run", f"results.dir={tmp_path}", "model.size=32", "model.width=0.25", "train.steps=2",
+                    "train.warmup_steps=1")
     assert run.returncode == 0, run.stderr[-2000:]
     (r,) = records(str(tmp_path))
-    ev = gems("eval", r["model_file"], f"results.dir={tmp_path / 'eval'}", timeout=400)
+    ev = gems_here("eval", r["model_file"], f"results.dir={tmp_path / 'eval'}")
     assert ev.returncode == 0, ev.stderr[-2000:]
     assert "evaluating 16 fresh synthetic samples of its run's kind, drawn from train.seed=1" in ev.stderr
     assert "data.val_samples=N train.seed=S" in ev.stderr
     (e,) = records(str(tmp_path / "eval"))
     assert e["evaluation"]["samples"] == 16 and math.isfinite(e["evaluation"]["mae"])
-    by_hand = gems("eval", r["model_file"], f"results.dir={tmp_path / 'hand'}", "data.val_samples=16",
-                   "train.seed=1", timeout=400)
+    by_hand = gems_here("eval", r["model_file"], f"results.dir={tmp_path / 'hand'}", "data.val_samples=16",
+                        "train.seed=1")
     assert by_hand.returncode == 0 and "fresh synthetic" not in by_hand.stderr, by_hand.stderr[-2000:]
     (h,) = records(str(tmp_path / "hand"))
     assert h["evaluation"]["mae"] == e["evaluation"]["mae"]
@@ -268,16 +269,15 @@ def test_a_unet_on_replicas_of_spatial_parts_is_written_by_part_0_of_each_replic
     norms: a replica's BatchNorm normalises over its own samples, so R = 2 with it is not one rank's step.)"""
     unet = ["model=unet3d", "model.size=16", "model.width=0.125", "model.norm=none", "train.batch_size=2",
             "train.warmup_steps=1"]
-    out = gems("run", f"results.dir={tmp_path / 'cut'}", *unet, "train.steps=2", "train.checkpoint_every=2",
-               "parallel.replicas=2", "parallel.spatial=2", timeout=400)
+    out = gems_here("run", f"results.dir={tmp_path / 'cut'}", *unet, "train.steps=2", "train.checkpoint_every=2",
+                    "parallel.replicas=2", "parallel.spatial=2")
     assert out.returncode == 0, out.stderr[-2000:]
     ck = _job(tmp_path / "cut") / "ckpt" / "step00000002"
     data = sorted(f.name for f in ck.glob("*.distcp"))
     assert data == ["__0_0.distcp", "__1_0.distcp"] and all((ck / n).stat().st_size > 0 for n in data)
     assert sorted(f.name for f in ck.iterdir()) == sorted([".metadata", ckpt.META, ckpt.HISTORY, *data])
-    one = gems("run", f"results.dir={tmp_path / 'one'}", *unet, "train.steps=4", f"train.resume_from={ck}",
-               timeout=400)
-    ref = gems("run", f"results.dir={tmp_path / 'ref'}", *unet, "train.steps=4", timeout=400)
+    one = gems_here("run", f"results.dir={tmp_path / 'one'}", *unet, "train.steps=4", f"train.resume_from={ck}")
+    ref = gems_here("run", f"results.dir={tmp_path / 'ref'}", *unet, "train.steps=4")
     assert one.returncode == 0 and ref.returncode == 0, (one.stderr + ref.stderr)[-2000:]
     (a,), (b,) = records(str(tmp_path / "one")), records(str(tmp_path / "ref"))
     _close(a["loss"], b["loss"])

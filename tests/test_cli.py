@@ -3,7 +3,7 @@ import json
 import time
 
 import pytest
-from _cli import gems, records
+from _cli import gems, gems_here, records
 
 from gems.results.record import REQUIRED, validate_record, write_record
 
@@ -23,8 +23,8 @@ def test_default_run_prints_its_row_and_writes_a_valid_record(tmp_path):
 
 
 def test_sweep_writes_records_table_and_plot(tmp_path):
-    out = gems("sweep", f"results.dir={tmp_path}", "results.sweep=s1", "model.size=32", "model.width=0.25",
-               "train.steps=3", "train.warmup_steps=1", "parallel.replicas=1,2", "train.batch_size=2")
+    out = gems_here("sweep", f"results.dir={tmp_path}", "results.sweep=s1", "model.size=32", "model.width=0.25",
+                    "train.steps=3", "train.warmup_steps=1", "parallel.replicas=1,2", "train.batch_size=2")
     assert out.returncode == 0, out.stderr + out.stdout
     recs = [r for r in records(str(tmp_path)) if r.get("sweep") == "s1"]
     assert sorted(r["world_size"] for r in recs) == [1, 2]
@@ -35,14 +35,14 @@ def test_sweep_writes_records_table_and_plot(tmp_path):
     assert csv[0].startswith("name,status,world") and len(csv) == 3
     # gems results regenerates the same tables from the records alone
     (tmp_path / "s1" / "table.md").unlink()
-    out = gems("results", str(tmp_path))
+    out = gems_here("results", str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "s1" / "table.md").read_text() == table
 
 
 def test_a_killed_rank_is_a_failed_record_and_exit_1(tmp_path):
-    out = gems("run", f"results.dir={tmp_path}", "model.size=32", "model.width=0.25", "parallel.replicas=2",
-               "train.batch_size=2", "fault.kill_rank=1", "fault.at_step=1", "comm.timeout_s=30", timeout=180)
+    out = gems_here("run", f"results.dir={tmp_path}", "model.size=32", "model.width=0.25", "parallel.replicas=2",
+                    "train.batch_size=2", "fault.kill_rank=1", "fault.at_step=1", "comm.timeout_s=30")
     assert out.returncode == 1, out.stderr
     assert "rank 1" in out.stderr
     (r,) = records(str(tmp_path))
@@ -61,7 +61,7 @@ def test_a_killed_rank_is_a_failed_record_and_exit_1(tmp_path):
     (["frobnicate"], "command=frobnicate"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
-    out = gems(*args, cwd=str(tmp_path))
+    out = gems_here(*args, cwd=str(tmp_path))
     assert out.returncode == 2, out.stderr + out.stdout
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in out.stderr, out.stderr
@@ -84,9 +84,9 @@ def _double(n: int = 8):
 
 
 def test_custom_model_runs(tmp_path):
-    out = gems("run", f"results.dir={tmp_path}", "model=custom", "model._target_=test_cli._double",
-               "model.input_shape=[1,8,8]", "model.num_outputs=3", "model.loss=cross_entropy",
-               "parallel.replicas=2", "train.batch_size=4")
+    out = gems_here("run", f"results.dir={tmp_path}", "model=custom", "model._target_=test_cli._double",
+                    "model.input_shape=[1,8,8]", "model.num_outputs=3", "model.loss=cross_entropy",
+                    "parallel.replicas=2", "train.batch_size=4")
     assert out.returncode == 0, out.stderr + out.stdout
     (r,) = records(str(tmp_path))
     assert r["status"] == "ok" and r["world_size"] == 2
@@ -95,7 +95,7 @@ def test_custom_model_runs(tmp_path):
 def test_a_preempted_run_resumes_and_trains_like_an_uninterrupted_one(tmp_path):
     args = ["model.size=32", "model.width=0.25", "parallel.replicas=2", "train.batch_size=2", "train.steps=5",
             "train.warmup_steps=1"]
-    out = gems("run", f"results.dir={tmp_path}/pre", *args, "fault.preempt_at_step=2")
+    out = gems_here("run", f"results.dir={tmp_path}/pre", *args, "fault.preempt_at_step=2")
     assert out.returncode == 0, out.stderr
     # the model and optimizer state once, each replica writing half of it; one history for every rank
     (ck,) = list((tmp_path / "pre").glob(".jobs/*/ckpt/step*"))
@@ -103,7 +103,7 @@ def test_a_preempted_run_resumes_and_trains_like_an_uninterrupted_one(tmp_path):
                                                     "history.pt"]
     sizes = [(ck / f"__{r}_0.distcp").stat().st_size for r in (0, 1)]
     assert min(sizes) > 0.4 * sum(sizes)
-    ref = gems("run", f"results.dir={tmp_path}/ref", *args)
+    ref = gems_here("run", f"results.dir={tmp_path}/ref", *args)
     assert ref.returncode == 0, ref.stderr
     (p,), (r,) = records(str(tmp_path / "pre")), records(str(tmp_path / "ref"))
     assert p["restarts"] == 1 and r["restarts"] == 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
-from _cli import gems, records
+from _cli import gems_here, records
 from _worlds import loss_scaling
 
 from gems.launch.world import run_world
@@ -51,8 +51,8 @@ def test_the_gradscaler_field_read_exists() -> None:
 
 def test_fp16_trains_on_two_replicas(tmp_path) -> None:
     """`gems run train.precision=fp16` (CPU autocast to fp16 here): finite losses, the scale in the record."""
-    r = gems("run", "model=resnet", "model.depth=11", "model.size=16", "model.width=0.25", "parallel.replicas=2",
-             "train.precision=fp16", "train.steps=3", "train.warmup_steps=1", f"results.dir={tmp_path}")
+    r = gems_here("run", "model=resnet", "model.depth=11", "model.size=16", "model.width=0.25", "parallel.replicas=2",
+                  "train.precision=fp16", "train.steps=3", "train.warmup_steps=1", f"results.dir={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
     (rec,) = records(str(tmp_path))
     assert rec["status"] == "ok" and all(math.isfinite(v) for v in rec["loss"]), rec["loss"]
@@ -63,9 +63,9 @@ def test_steps_whose_scaled_gradients_overflow_are_skipped_and_counted_in_the_re
     """A first loss scale too large for this model's fp16 gradients (2^20; 2^16 is not): the first steps'
     gradients overflow, every rank skips them (their updates are dropped), the scale halves each time, and the
     record lists the skipped steps."""
-    r = gems("run", "model=resnet", "model.depth=11", "model.size=16", "model.width=0.25", "parallel.replicas=2",
-             "train.precision=fp16", "train.steps=8", "train.warmup_steps=1", "train.loss_scale_init=1048576",
-             "train.optimizer=sgd", f"results.dir={tmp_path}")
+    r = gems_here("run", "model=resnet", "model.depth=11", "model.size=16", "model.width=0.25", "parallel.replicas=2",
+                  "train.precision=fp16", "train.steps=8", "train.warmup_steps=1", "train.loss_scale_init=1048576",
+                  "train.optimizer=sgd", f"results.dir={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
     (rec,) = records(str(tmp_path))
     skipped = rec["loss_scale"]["skipped_steps"]

@@ -6,7 +6,7 @@ with the single-process run.
 """
 import pytest
 import torch
-from _cli import gems, records
+from _cli import gems_here, records
 
 from gems.launch.world import run_world
 
@@ -14,7 +14,7 @@ SMALL = ["model.size=32", "model.width=0.5", "train.batch_size=4", "train.steps=
 
 
 def _run(tmp, *extra):
-    out = gems("run", f"results.dir={tmp}", *SMALL, *extra)
+    out = gems_here("run", f"results.dir={tmp}", *SMALL, *extra)
     assert out.returncode == 0, out.stderr + out.stdout
     (r,) = records(str(tmp))
     assert r["status"] == "ok"

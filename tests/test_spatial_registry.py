@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _cli import gems, records
+from _cli import gems_here, records
 from torch import nn
 
 from gems.cut_rules import rule_for
@@ -22,7 +22,7 @@ def serial(tmp_path_factory):
     def get(*args):
         if args not in cache:
             d = tmp_path_factory.mktemp("serial")
-            out = gems("run", f"results.dir={d}", *args)
+            out = gems_here("run", f"results.dir={d}", *args)
             assert out.returncode == 0, out.stderr[-2000:]
             (r,) = records(str(d))
             cache[args] = r["loss"]
@@ -45,7 +45,7 @@ def serial(tmp_path_factory):
 def test_models_with_global_pooling_or_uncut_layers_train_like_serial(tmp_path, serial, target, shape, par, note):
     base = [*COMMON, f"model._target_={target}", f"model.input_shape={shape}"]
     ref = serial(*base)
-    out = gems("run", f"results.dir={tmp_path}", *base, *par, timeout=300)
+    out = gems_here("run", f"results.dir={tmp_path}", *base, *par)
     assert out.returncode == 0, out.stderr[-2000:]
     (r,) = records(str(tmp_path))
     torch.testing.assert_close(torch.tensor(r["loss"]), torch.tensor(ref), rtol=1e-5, atol=1e-7)
@@ -90,7 +90,7 @@ def test_a_registration_is_all_a_new_layer_type_needs():
 
 
 def test_a_dense_model_is_refused_when_a_layer_cannot_be_cut(tmp_path):
-    out = gems("run", f"results.dir={tmp_path}", "model=custom", "model._target_=_custom_models.dense_own",
-               "model.input_shape=[1,8,8,8]", "model.target=dense", "model.loss=cross_entropy", "model.num_outputs=2",
-               "parallel.spatial=2")
+    out = gems_here("run", f"results.dir={tmp_path}", "model=custom", "model._target_=_custom_models.dense_own",
+                    "model.input_shape=[1,8,8,8]", "model.target=dense", "model.loss=cross_entropy", "model.num_outputs=2",
+                    "parallel.spatial=2")
     assert out.returncode == 2 and "model=custom" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr

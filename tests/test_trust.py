@@ -8,7 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from _cli import gems, records
+from _cli import gems_here, records
 
 from gems.pipeline.runtime import split_waits
 from gems.results.table import markdown, plot, rows_for
@@ -18,13 +18,13 @@ SMALL_RESNET = ["model=resnet", "model.depth=11", "model.size=16", "model.width=
 
 # ---- the planner before the run ---------------------------------------------------------------------------
 def test_a_run_that_cannot_fit_stops_before_it_starts(tmp_path: Path) -> None:
-    r = gems("run", "cluster.mem_gb=0.01", f"results.dir={tmp_path}")
+    r = gems_here("run", "cluster.mem_gb=0.01", f"results.dir={tmp_path}")
     assert r.returncode == 2, r.stderr
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("gems: error: train.check_fit=true") and "does not fit" in line, line
     assert not list(tmp_path.rglob("*")), "nothing is written for a point that cannot fit"
-    r = gems("run", "cluster.mem_gb=0.01", "train.check_fit=false", "train.steps=2", "train.warmup_steps=0",
-             f"results.dir={tmp_path}")
+    r = gems_here("run", "cluster.mem_gb=0.01", "train.check_fit=false", "train.steps=2", "train.warmup_steps=0",
+                  f"results.dir={tmp_path}")
     assert r.returncode == 0, r.stderr[-1500:]
 
 
@@ -38,8 +38,8 @@ def test_waits_split_into_transfer_and_bubble_as_the_planner_does() -> None:
 
 
 def test_a_pipeline_run_measures_its_transfers(tmp_path: Path) -> None:
-    r = gems("run", "parallel.pipeline=2", "parallel.schedule=gpipe", "parallel.micro_batches=2", *SMALL_RESNET,
-             "train.steps=5", "train.warmup_steps=2", f"results.dir={tmp_path}")
+    r = gems_here("run", "parallel.pipeline=2", "parallel.schedule=gpipe", "parallel.micro_batches=2", *SMALL_RESNET,
+                  "train.steps=5", "train.warmup_steps=2", f"results.dir={tmp_path}")
     assert r.returncode == 0, r.stderr[-1500:]
     (rec,) = records(str(tmp_path))
     bd = rec["time_breakdown_s"]
@@ -55,7 +55,7 @@ def test_tensor_memory_counts_a_step_after_the_first_optimizer_step(tmp_path: Pa
     peaks = {}
     for warm in (1, 2):
         out = tmp_path / f"w{warm}"
-        r = gems("run", "train.batch_size=2", "train.steps=4", f"train.warmup_steps={warm}", f"results.dir={out}")
+        r = gems_here("run", "train.batch_size=2", "train.steps=4", f"train.warmup_steps={warm}", f"results.dir={out}")
         assert r.returncode == 0, r.stderr[-1500:]
         (rec,) = records(str(out))
         mem = rec["peak_memory_bytes"]
@@ -67,7 +67,7 @@ def test_tensor_memory_counts_a_step_after_the_first_optimizer_step(tmp_path: Pa
 
 
 def test_a_throughput_on_one_step_says_so(tmp_path: Path) -> None:
-    r = gems("run", *SMALL_RESNET, "train.steps=3", "train.warmup_steps=2", f"results.dir={tmp_path}")
+    r = gems_here("run", *SMALL_RESNET, "train.steps=3", "train.warmup_steps=2", f"results.dir={tmp_path}")
     assert r.returncode == 0, r.stderr[-1500:]
     assert "rests on 1 measured step(s)" in r.stderr
     (rec,) = records(str(tmp_path))
@@ -139,14 +139,14 @@ def test_the_plan_warns_when_data_is_most_of_the_step() -> None:
 
 # ---- the small lies of the command line -------------------------------------------------------------------
 def test_help_shows_what_a_run_would_use() -> None:
-    r = gems("run", "--help")
+    r = gems_here("run", "--help")
     assert "  model.size=64 " in r.stdout and "  model.name=cosmoflow " in r.stdout  # not the schema's 128
-    r = gems("run", "model=resnet", "--help")
+    r = gems_here("run", "model=resnet", "--help")
     assert "  model.name=resnet " in r.stdout and "  model.size=512 " in r.stdout
 
 
 def test_render_of_a_study_writes_every_point(tmp_path: Path) -> None:
-    r = gems("render", "+experiment=spatial_weak", "cluster=local_slurm", f"results.dir={tmp_path}")
+    r = gems_here("render", "+experiment=spatial_weak", "cluster=local_slurm", f"results.dir={tmp_path}")
     assert r.returncode == 0, r.stderr
     assert "2 points of spatial_weak" in r.stderr
     lines = r.stdout.strip().splitlines()
@@ -160,12 +160,12 @@ def test_render_of_a_study_writes_every_point(tmp_path: Path) -> None:
     (["plan", "train.steps=3", "train.steps=4"], "train.steps"),
 ])
 def test_a_key_given_twice_is_bad_input(args: list[str], key: str) -> None:
-    r = gems(*args)
+    r = gems_here(*args)
     assert r.returncode == 2 and r.stderr.startswith(f"gems: error: {key}="), r.stderr
 
 
 def test_a_sweep_names_the_point_that_cannot_fit_and_submits_nothing(tmp_path: Path) -> None:
-    r = gems("sweep", "model.size=32,512", "model=cosmoflow", "cluster.mem_gb=4", f"results.dir={tmp_path}")
+    r = gems_here("sweep", "model.size=32,512", "model=cosmoflow", "cluster.mem_gb=4", f"results.dir={tmp_path}")
     assert r.returncode == 2, r.stderr[-2000:]
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("gems: error: train.check_fit=true") and "[point model.size=512 of 2" in line, line
