@@ -310,6 +310,19 @@ def test_graphed_gradients_have_their_parameters_strides_as_a_gpus_fused_optimiz
     assert torch.equal(flat, torch.cat([row_major(g).reshape(-1) for g in grads]))  # the eager copy's order
 
 
+def test_three_replicas_sum_the_graphs_gradient_views_as_the_eager_copy(tmp_path) -> None:
+    """At R = 3 a ring's chunks sum in an order that depends on an element's position in the summed buffer, so the
+    graph's views of a bucket (each gradient laid out as its parameter, channels-last weights too) and the eager
+    step's flattened copy must put every element at the same position (memory order, both): the graphed run equals
+    the eager one bit for bit (with the copy in logical order it did not: its third step differed)."""
+    from gems.launch.world import run_world
+
+    args = [*SMALL[:5], "train.batch_size=3", "train.steps=4", "train.warmup_steps=1", "train.check_fit=false",
+            "train.optimizer=sgd", "parallel.replicas=3", "comm.bucket_mb=0.5"]
+    on, off = run_world(_both, 3, args, str(tmp_path), timeout=300)[0]
+    assert on["cuda_graphs"] is True and on["loss"] == off["loss"]
+
+
 def test_a_nan_in_a_step_read_late_is_placed_by_that_steps_own_flags(tmp_path) -> None:
     """A graphed step's figures carry its finiteness flags: a NaN input at step 3, whose figures the loop reads
     during step 4 (step 4's flags are finite then), is still placed in step 3's input, and the run stops there."""
