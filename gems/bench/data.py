@@ -250,7 +250,6 @@ class _ReaderBench:
         self.sample = self.out[0].numel() * self.out.element_size()
         self.sizes = [f.stat().st_size for f in self.files]
         self.slot = max(self.sizes) if self.whole else self.sample
-        self.buffer = np.ones(READER_BATCH * self.slot, np.uint8)  # the bound's batch, made once and touched
         self.dtype = str(np.dtype(first.dtype))
         gen = torch.Generator().manual_seed(0)
         self.syms = [torch.randint(0, 48, (READER_BATCH,), generator=gen).tolist() for _ in self.batches]
@@ -269,6 +268,10 @@ class _ReaderBench:
             self.runs.append(plan)
         self.run_bytes = sum(n for p in self.runs for _, _, n, _ in p)
         self.positional = bool(self.run_bytes)
+        # the bound's batch, made once and touched: a batch's files, or the spans its runs read (a crop's: with the
+        # gaps between its rows, several times its bytes)
+        spans = max((sum(n for _, _, n, _ in p) for p in self.runs), default=0)
+        self.buffer = np.ones(max(READER_BATCH * self.slot, spans), np.uint8)
         self.maps = []
         for f in self.files:
             with open(f, "rb") as h:
