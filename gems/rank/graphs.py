@@ -62,7 +62,7 @@ What CPU tests check (tests/test_graphs.py), with a stand-in for the capture (``
 rank computes in a GPU's layout (channels-last convolutions) and checks its fused optimizer before every step as
 torch's CUDA kernels do (:func:`check_fused`: parameters, gradients and state of one layout); the capture runs the
 body once under a check that refuses what a capture cannot hold (:class:`NoHostReads`: a device value read on the
-host, by the op or inside its CUDA kernel; a tensor made from Python data or copied between host and device),
+host, by the op or inside its CUDA kernel; a tensor made from Python data),
 records its ops (:class:`Trace`) and puts back what that run changed; each replay runs the body again and must
 dispatch the ops recorded, with the same host values and the same tensors of the graph's (what a GPU's replay
 would freeze). So the whole protocol runs and a graphed run equals the eager one bit for bit (dropout, BatchNorm,
@@ -240,7 +240,8 @@ class NoHostReads(TorchDispatchMode):
     """The stand-in's capture: refuses what a CUDA capture cannot hold: a device value read on the host, by the op
     itself or inside its CUDA kernel (a CPU kernel reads it below the dispatcher, where no mode sees it: those ops
     are named here), and a tensor made from Python data (``torch.tensor``: on a GPU, a copy from pageable host
-    memory, which a capture refuses) or copied between the host and the device."""
+    memory, which a capture refuses). A copy of another host tensor to the device cannot show here: the stand-in's
+    host is its device."""
 
     READS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "unique_dim", "_unique2",
              # CUDA kernels that read a device value on the host (an output's size, a checked value)
@@ -261,11 +262,6 @@ class NoHostReads(TorchDispatchMode):
             why = f"{name} with a tensor value reads it on the host"
         elif name in self.FROM_HOST:
             why = f"{name}: a tensor made from Python data (torch.tensor) is copied from pageable host memory"
-        elif name in ("_to_copy", "copy_"):
-            devices = {t.device.type for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-            target = kwargs.get("device")
-            if len(devices) > 1 or (target is not None and torch.device(target).type not in devices):
-                why = f"{name} copies between the host and the device"
         if why is not None:
             raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing ({why}; stand-in "
                                "capture)")
