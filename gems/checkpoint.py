@@ -239,18 +239,10 @@ def _write_text(path: Path, text: str) -> None:
 
 def _commit(tmp: Path, path: Path) -> None:
     """``tmp`` synced to the disk, renamed to ``path``, and the rename synced (the folder's entry): a crash at any
-    moment leaves the old file or the new one."""
-    _fsync(tmp)
-    os.replace(tmp, path)
-    _fsync(path.parent)
+    moment leaves the old file or the new one (gems.paths.commit: one rule with the data files gems writes)."""
+    from gems.paths import commit
 
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    commit(tmp, path)
 
 
 # ---- what a rank holds ---------------------------------------------------------------------------------------
