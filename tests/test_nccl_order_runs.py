@@ -7,7 +7,8 @@ sums run in one-parameter buckets, so they start all through the backward, betwe
 
 The README's own example, ``gems run parallel.spatial=2``, hung in this replay before the reducer launched its
 sums at points every part reaches in the same order (gems.replication): part 0 issued a gradient sum before a
-backward halo that part 1 issued first.
+backward halo that part 1 issued first. Its run is the documented command's own, logged and replayed the same way in
+tests/test_readme_commands.py (test_the_documented_command_runs[gems run parallel.spatial=2]).
 
 Also: under bf16 the pipeline's activations cross at bf16 (traced under the run's autocast; they went as fp32,
 twice the bytes)."""
@@ -33,8 +34,6 @@ RUNS = {
     "gpipe-bf16": ["parallel.pipeline=2", "parallel.schedule=gpipe", "parallel.micro_batches=2",
                    "train.precision=bf16", *SMALL_RESNET],
     "mast-x-spatial": ["parallel.pipeline=2", "parallel.spatial=2", "parallel.schedule=mast", *COSMO32],
-    # the README's example as it stands: the default CosmoFlow 64^3, batch 4, the default buckets
-    "readme-S2": ["parallel.spatial=2"],
     "cosmoflow128-S2": ["model.size=128", "parallel.spatial=2", "train.batch_size=2", *FEW],
     "cosmoflow128-R2xS2": ["model.size=128", "parallel.replicas=2", "parallel.spatial=2", "train.batch_size=2",
                            *FEW],

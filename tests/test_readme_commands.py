@@ -28,7 +28,9 @@ COMMANDS: dict[str, list[str] | str] = {
     "bash scripts/test.sh": "this test suite itself",
     "bash scripts/gpu_check.sh": "needs a GPU (its summary is committed under results/gpu/ where one was lent)",
     "bash scripts/gpu_check.sh --dry": "tests/test_gpu_check.py runs it (its 1F1B part, to keep the suite short)",
-    "gems run parallel.spatial=2": FEWER,
+    # a warm-up step and a measured one, every rank's messages and collectives logged and replayed under NCCL's rules
+    # (REPLAYED below)
+    "gems run parallel.spatial=2": ["train.steps=2", "train.warmup_steps=1"],
     "gems run parallel.spatial=[2,2] parallel.spatial_dims=[0,1]": FEWER,
     "gems run parallel.pipeline=2 parallel.schedule=mast": FEWER,
     "gems run parallel.pipeline=4 parallel.schedule=mast parallel.balance_by=time": FEWER,
@@ -139,6 +141,9 @@ COMMANDS: dict[str, list[str] | str] = {
 
 #: commands that need the Slurm test cluster
 SLURM = ("cluster=local_slurm",)
+#: documented runs whose ranks log every message and collective (GEMS_COMM_LOG) and replay them under NCCL's rules
+#: (gems.commlog), as tests/test_nccl_order_runs.py's runs do: the README's own example hung in that replay once
+REPLAYED = ("gems run parallel.spatial=2",)
 #: `gems` commands that launch no rank: run in this process through gems.cli.main, the console script's own function
 #: (tests/_cli.gems_here); the others (run, sweep) and the scripts are processes of their own, as a user's
 HERE = ("plan", "render", "data", "results", "status", "cancel")
@@ -168,6 +173,9 @@ def test_every_documented_command_is_listed_here():
 
 RUN = [c for c, how in COMMANDS.items() if isinstance(how, list)]
 WALKTHROUGH = [c for c, how in COMMANDS.items() if how == WALK]
+#: the walkthrough's two studies: one step a point, and two of the study's three points, R = 1 and 2 (each point a
+#: Slurm job; R = 4 over two nodes is `gems run cluster=local_slurm cluster.nodes=2 parallel.replicas=4` above)
+WALK_SWEEP = [*FEWER, "parallel.replicas=1,2"]
 
 
 @pytest.mark.slurm
@@ -179,7 +187,7 @@ def test_the_studies_walkthrough_runs_in_order(tmp_path):
     for cmd in WALKTHROUGH:
         words = shlex.split(cmd)
         if words[1] == "sweep":  # a process of its own, as a user's: it submits the study's points to Slurm
-            out = subprocess.run([sys.executable, "-m", "gems.cli", *words[1:], *FEWER], cwd=tmp_path, env=env,
+            out = subprocess.run([sys.executable, "-m", "gems.cli", *words[1:], *WALK_SWEEP], cwd=tmp_path, env=env,
                                  capture_output=True, text=True, timeout=600)
         else:  # status, results, cancel: they launch nothing (gems.cli.main here)
             out = gems_here(*words[1:], cwd=tmp_path)
@@ -204,7 +212,17 @@ def _marks(cmd: str) -> list:
 
 @pytest.mark.parametrize("cmd", [pytest.param(c, marks=_marks(c)) for c in RUN if "/scratch/cosmo" not in c])
 def test_the_documented_command_runs(tmp_path, cmd):
-    out = _run(tmp_path, cmd, COMMANDS[cmd])
+    logged = {"GEMS_COMM_LOG": str(tmp_path / "comm")} if cmd in REPLAYED else {}
+    out = _run(tmp_path, cmd, COMMANDS[cmd], logged)
+    if logged:  # every rank's calls, set-up to the record's, replay under NCCL's rules, strict sends too
+        from gems.commlog import load, replay
+
+        (rec,) = records(str(tmp_path / "results"))
+        logs = load(tmp_path / "comm")
+        assert sorted(logs) == list(range(rec["world_size"])) and rec["world_size"] > 1
+        for strict in (False, True):
+            ran = replay(logs, strict_sends=strict)
+            assert ran["messages"] > 0 and ran["collectives"] > 0
     if cmd == "jobs/replication_weak.sh":  # the sweep it execs, `gems sweep +experiment=replication_weak`: R = 1, 2, 4
         recs = records(str(tmp_path / "results" / "replication_weak"))
         assert sorted(r["world_size"] for r in recs) == [1, 2, 4], [r["_path"] for r in recs]
@@ -217,17 +235,19 @@ def test_the_documented_hdf5_commands_run_one_after_the_other(tmp_path):
         _run(tmp_path, cmd.replace("/scratch/cosmo", str(tmp_path / "cosmo")), COMMANDS[cmd])
 
 
-def _run(tmp_path: Path, cmd: str, extra: list[str]) -> subprocess.CompletedProcess[str]:
+def _run(tmp_path: Path, cmd: str, extra: list[str], environ: dict[str, str] | None = None
+         ) -> subprocess.CompletedProcess[str]:
+    """``cmd`` as documented, with the test's ``extra`` overrides and ``environ`` (for a process of its own)."""
     words = shlex.split(cmd.split("&&")[-1])
     given = {}  # the variables the command line sets (UNIVERSES=8 jobs/...)
     while words and "=" in words[0] and not words[0].startswith(("gems", "jobs/")):
         k, _, v = words.pop(0).partition("=")
         given[k] = v
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **given)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **given, **(environ or {}))
     keys = {e.split("=", 1)[0] for e in extra}
     args = [a for a in words[1:] if a.split("=", 1)[0] not in keys] + list(extra)  # the test's value of a key
     if words[0] == "gems" and words[1] in HERE:
-        assert not given, cmd  # (this process's environment is the test's)
+        assert not given and not environ, cmd  # (this process's environment is the test's)
         out = gems_here(*args, cwd=tmp_path)
     else:
         if words[0] == "gems":
