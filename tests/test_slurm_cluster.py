@@ -31,6 +31,11 @@ def _cfg(tmp_path: Path, *extra: str):
     return compose(["cluster=local_slurm", "parallel.replicas=4", f"results.dir={tmp_path / 'results'}", *extra])
 
 
+# a gems.worker job's run: the smallest CosmoFlow a record needs (the default 64^3 x 6 steps on 4 ranks of 2 cores
+# took most of the job's time)
+SMALL = ["model.size=32", "model.width=0.25", "train.steps=3", "train.warmup_steps=1"]
+
+
 def _jobs_in_queue(under: Path) -> set[str]:
     """The jobs Slurm knows of whose batch script lies under ``under`` (a test's results.dir: the
     suite's other tests submit jobs of their own at the same time)."""
@@ -67,12 +72,12 @@ def _state(job_id: str) -> str:
 
 
 def test_timeout_cancels_and_reports_when_asked_to(tmp_path: Path) -> None:
-    run = slurm.submit(_cfg(tmp_path, "cluster.timeout_min=0.15", "cluster.cancel_on_timeout=true"),
+    run = slurm.submit(_cfg(tmp_path, "cluster.timeout_min=0.05", "cluster.cancel_on_timeout=true"),
                        fn=ranks.sleep_forever)
     [out] = watch.wait(run, progress=False)
     assert not out.ok and out.state == "TIMEOUT"
     assert "cluster.timeout_min" in (out.error or "") and "cancelled" in (out.error or "")
-    # the clock ran from the moment the job was seen running, its 9 s whole (and the job never ends by itself)
+    # the clock ran from the moment the job was seen running, its 3 s whole (and the job never ends by itself)
     assert run.ended_at is not None and run.started_at is not None and run.ended_at - run.started_at >= run.timeout_s
     t0 = time.monotonic()  # cancelled: Slurm says so once its controller has handled the cancel
     while _state(out.job_id) not in ("", "CANCELLED", "COMPLETING"):
@@ -83,7 +88,7 @@ def test_timeout_cancels_and_reports_when_asked_to(tmp_path: Path) -> None:
 def test_stopping_to_wait_leaves_a_running_job_running(tmp_path: Path) -> None:
     """Past cluster.timeout_min of running the launcher stops waiting and says how to follow the job; the job
     goes on (it is the user's place in the queue and their allocation) and no record is written for it."""
-    run = slurm.submit(_cfg(tmp_path, "cluster.timeout_min=0.15"), fn=ranks.sleep_forever)
+    run = slurm.submit(_cfg(tmp_path, "cluster.timeout_min=0.05"), fn=ranks.sleep_forever)
     try:
         [out] = watch.wait(run, progress=False)
         assert not out.ok and out.state == "LEFT"
@@ -108,12 +113,14 @@ def test_a_job_waiting_in_the_queue_past_its_wait_is_still_waited_for_and_runs_w
 
     from gems.launch.jobs import task_outcomes
 
-    run = slurm.submit(_cfg(tmp_path, "cluster.timeout_min=0.1", "cluster.additional={begin: now+600}"),
+    run = slurm.submit(_cfg(tmp_path, "cluster.timeout_min=0.05", "cluster.additional={begin: now+600}"),
                        fn=ranks.allreduce_rank)
     clock = run.timeout_s
-    assert clock == 6.0
+    assert clock == 3.0
     got: list = []
-    waiter = threading.Thread(target=lambda: got.extend(watch.wait(run, progress=False, poll_s=1.0)), daemon=True)
+    # polled often enough to see the released job running (for seconds): backed off to 5 s while it waited, the
+    # launcher once saw it only ended, with no start to time it from
+    waiter = threading.Thread(target=lambda: got.extend(watch.wait(run, progress=False, poll_s=0.25)), daemon=True)
     try:
         waiter.start()
         time.sleep(3 * clock)  # three times the launcher's clock, in the queue
@@ -127,7 +134,7 @@ def test_a_job_waiting_in_the_queue_past_its_wait_is_still_waited_for_and_runs_w
         assert run.started_at is not None and run.ended_at is not None
         ran = run.ended_at - run.started_at  # how long the launcher saw it running
         if out.state == "LEFT":  # it ran longer than the clock on this machine now
-            assert ran > clock and "stopped waiting after 0.1 min running" in (out.error or ""), (ran, out.error)
+            assert ran > clock and "stopped waiting after 0.05 min running" in (out.error or ""), (ran, out.error)
             t0 = time.monotonic()
             while _state(run.job_id) not in ("", "COMPLETED"):  # it goes on, to its end
                 assert time.monotonic() - t0 < 600, _state(run.job_id)
@@ -176,9 +183,11 @@ def test_no_sbatch_on_path_is_a_config_error(tmp_path: Path, monkeypatch: pytest
 
 def test_controller_not_answering_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     conf = Path(os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf")).read_text()
-    dead = "\n".join("SlurmctldPort=17999" if ln.startswith("SlurmctldPort=") else ln for ln in conf.splitlines())
+    dead = "\n".join("SlurmctldPort=17999" if ln.startswith("SlurmctldPort=") else ln for ln in conf.splitlines()
+                     if not ln.startswith("MessageTimeout="))
     if "SlurmctldPort=17999" not in dead:
         dead += "\nSlurmctldPort=17999\n"
+    dead += "\nMessageTimeout=2\n"  # the client gives up on a dead port after 1 s, not the default's 9 s of retries
     (tmp_path / "slurm.conf").write_text(dead)
     monkeypatch.setenv("SLURM_CONF", str(tmp_path / "slurm.conf"))
     with pytest.raises(ConfigError) as e:
@@ -188,7 +197,7 @@ def test_controller_not_answering_is_a_config_error(tmp_path: Path, monkeypatch:
 
 
 def test_gems_worker_through_submitit_writes_its_record(tmp_path: Path) -> None:
-    record = slurm.launch(_cfg(tmp_path), progress=False)
+    record = slurm.launch(_cfg(tmp_path, *SMALL), progress=False)
     assert record["status"] == "ok", record.get("error")
     assert record["world_size"] == 4
     assert record["env"].get("slurm_job_id")
@@ -198,7 +207,7 @@ def test_rendered_script_runs_when_submitted_by_hand(tmp_path: Path) -> None:
     from gems.launch.render import write_job
     from gems.results import record as rec
 
-    cfg = options.prepare(_cfg(tmp_path, f"cluster.python={sys.executable}"))
+    cfg = options.prepare(_cfg(tmp_path, *SMALL, f"cluster.python={sys.executable}"))
     script = write_job(cfg)
     out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60,
                          cwd=tmp_path)
