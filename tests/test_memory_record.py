@@ -18,15 +18,16 @@ def _full(tmp, *args):
     return r
 
 
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    """The record of the run of some arguments, run once for the module (two tests read the serial run and S = 2)."""
-    cache = {}
+_RUNS: dict = {}  # the module's runs by their arguments, for the session (a worker may set a module's fixtures up twice)
 
+
+@pytest.fixture
+def shared(tmp_path_factory):
+    """The record of the run of some arguments, run once (two tests read the serial run and S = 2)."""
     def get(*args):
-        if args not in cache:
-            cache[args] = _full(tmp_path_factory.mktemp("run"), *args)
-        return cache[args]
+        if args not in _RUNS:
+            _RUNS[args] = _full(tmp_path_factory.mktemp("run"), *args)
+        return _RUNS[args]
 
     return get
 

@@ -17,14 +17,19 @@ pytestmark = [pytest.mark.slurm,
 SMALL = ["model.size=32", "model.width=0.5", "train.batch_size=4", "train.steps=4", "train.warmup_steps=1"]
 
 
-@pytest.fixture(scope="module")
+_SWEEP: dict = {}  # its folder, for the session (a worker may set a module's fixtures up twice)
+
+
+@pytest.fixture
 def sweep(tmp_path_factory):
-    """A 2-point sweep on 2 nodes: R = 2 (a task a node) and R = 4 (two tasks a node); its folder."""
-    tmp = tmp_path_factory.mktemp("sweep")
-    out = gems_here("sweep", f"results.dir={tmp}", "results.sweep=slurm_sweep", "cluster=local_slurm",
-                    "cluster.nodes=2", "parallel.replicas=2,4", *SMALL)
-    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
-    return tmp / "slurm_sweep"
+    """A 2-point sweep on 2 nodes: R = 2 (a task a node) and R = 4 (two tasks a node), run once; its folder."""
+    if "folder" not in _SWEEP:
+        tmp = tmp_path_factory.mktemp("sweep")
+        out = gems_here("sweep", f"results.dir={tmp}", "results.sweep=slurm_sweep", "cluster=local_slurm",
+                        "cluster.nodes=2", "parallel.replicas=2,4", *SMALL)
+        assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
+        _SWEEP["folder"] = tmp / "slurm_sweep"
+    return _SWEEP["folder"]
 
 
 def test_two_nodes_two_tasks_reach_a_record_with_the_serial_losses(tmp_path, sweep):
