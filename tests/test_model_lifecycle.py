@@ -233,11 +233,11 @@ def test_the_sample_size_studys_points_are_reproduced_by_gems_eval(tmp_path: Pat
     study's table."""
     data = tmp_path / "universes"
     made = gems_here("data", "synth", "data.kind=cosmology", f"data.path={data}/train", f"data.val_path={data}/val",
-                "data.universes=2", "data.val_universes=1", "data.box_cells=64", "data.box_mpc=512")
+                     "data.universes=2", "data.val_universes=1", "data.box_cells=64", "data.box_mpc=512")
     assert made.returncode == 0, made.stderr[-2000:]
     out = gems_here("run", "+experiment=cosmoflow_sample_size", f"data.path={data}/train", f"data.val_path={data}/val",
-               "data.box_cells=64", "data.crop=32", "train.batch_size=8", "train.bn_recalibrate=2", "train.epochs=1",
-               "train.check_fit=false", f"results.dir={tmp_path / 'point'}")
+                    "data.box_cells=64", "data.crop=32", "train.batch_size=8", "train.bn_recalibrate=2", "train.epochs=1",
+                    "train.check_fit=false", f"results.dir={tmp_path / 'point'}")
     assert out.returncode == 0, out.stderr[-2000:]
     (r,) = records(str(tmp_path / "point"))
     want = r["validation"][-1]
@@ -256,7 +256,7 @@ def test_the_sample_size_studys_points_are_reproduced_by_gems_eval(tmp_path: Pat
 def test_gems_eval_runs_on_the_slurm_test_cluster(tmp_path: Path, reference: dict[str, Any]) -> None:
     """`cluster=` as for gems run: a Slurm job of 2 tasks on 2 nodes (S = 2), the same figures as the run's own."""
     out = gems_here("eval", reference["model_file"], f"results.dir={tmp_path}", "cluster=local_slurm", "cluster.nodes=2",
-               "cluster.tasks_per_node=1", "parallel.spatial=2")
+                    "cluster.tasks_per_node=1", "parallel.spatial=2")
     assert out.returncode == 0, out.stderr[-3000:]
     rec = json.loads(Path(out.stdout.strip().splitlines()[-1].rsplit("record: ", 1)[1]).read_text())
     assert rec["env"].get("launcher") == "slurm" or rec["nodes"] == 2, rec["env"]
@@ -273,7 +273,7 @@ def test_a_unet_model_evaluates_alike_on_a_pipeline_of_spatial_parts(tmp_path: P
     for mesh in ([], ["parallel.pipeline=2", "parallel.spatial=2"],
                  ["parallel.pipeline=2", "parallel.schedule=1f1b", "parallel.micro_batches=2"]):
         out = gems_here("eval", r["model_file"], "data.val_samples=4", "train.batch_size=2",
-                   f"results.dir={tmp_path / 'eval'}", *mesh)
+                        f"results.dir={tmp_path / 'eval'}", *mesh)
         assert out.returncode == 0, out.stderr[-3000:]
         line = [ln for ln in out.stdout.splitlines() if ln.startswith("gems eval:")]
         assert len(line) == 1, out.stdout

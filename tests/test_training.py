@@ -259,7 +259,7 @@ def test_a_validation_folder_unlike_the_training_set_is_named(tmp_path: Path) ->
     write_synthetic(tmp_path / "train", 4, (4, 32, 32, 32), seed=1)
     write_synthetic(tmp_path / "val", 4, (4, 16, 16, 16), seed=2)
     r = gems_here("run", *_with("data=hdf5"), f"data.path={tmp_path / 'train'}", f"data.val_path={tmp_path / 'val'}",
-             f"results.dir={tmp_path / 'out'}")
+                  f"results.dir={tmp_path / 'out'}")
     assert r.returncode == 2 and r.stderr.startswith("gems: error: data.val_path="), r.stderr
 
 
