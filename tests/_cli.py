@@ -1,8 +1,9 @@
 """Run the real `gems` command and read what it wrote: as a process of its own (:func:`gems`), or in this process
-through the same function the console script calls (:func:`gems_here`), for commands that launch no rank (bad
-input refused before anything starts, a plan, a render, the results' tables, a data command): no interpreter and
-imports to start, a few seconds each. A command that launches ranks runs as its own process (:func:`gems`): the
-console script forks its ranks from itself (gems/launch/forkserver.py), which a caller's process does not."""
+through the same function the console script calls (:func:`gems_here`): no interpreter, torch's import or fork
+server to start for each command. A command run here that launches ranks gets them as real processes from
+multiprocessing's fork server (as any program calling ``gems.cli.main`` does), and the launcher's own code runs
+here: its watch, records, restarts and signals. What only the console script's own process shows (its signals,
+a SIGKILL, forking its ranks from itself: gems/launch/forkserver.py) is tested with :func:`gems`."""
 from __future__ import annotations
 
 import glob
@@ -20,7 +21,7 @@ def gems(*args: str, cwd: str | None = None, timeout: int = 300) -> subprocess.C
 
 def gems_here(*args: str, cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
     """``gems ARGS`` run by ``gems.cli.main`` in this process, its exit status and what it printed as a
-    finished process's (ranks it launches are processes of their own, as under the console script)."""
+    finished process's (ranks it launches are processes of their own, from multiprocessing's fork server)."""
     import contextlib
     import io
 
