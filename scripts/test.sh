@@ -36,6 +36,7 @@ if command -v sinfo >/dev/null 2>&1 && ! timeout 20 sinfo -h >/dev/null 2>&1; th
     echo "test.sh: start the test cluster with: sudo scripts/slurm_cluster.sh start" >&2
 fi
 
+began=$SECONDS  # the suite's own time, printed at its end (set-up not included)
 if [[ $# -eq 0 ]]; then  # the whole suite: the lint and type checks first (pyproject.toml configures both)
     echo "test.sh: ruff check gems tests; mypy (gems)"
     "$PY" -m ruff check gems tests || exit 1
@@ -52,6 +53,9 @@ fi
 # the 25 slowest tests are listed at the end of every run: where the suite's time goes (CI's aim is under 30 minutes)
 "$PY" -m pytest -q -x --timeout=600 --durations=25 "$@"
 rc=$?
+took=$((SECONDS - began))
+printf 'test.sh: the suite took %d:%02d (exit status %d; the aim is under 30 minutes on 2 cores)\n' \
+    $((took / 60)) $((took % 60)) "$rc"
 if [[ $rc -eq 5 ]]; then
     echo "test.sh: pytest collected no tests: that is a failure" >&2
     exit 1

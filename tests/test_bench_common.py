@@ -74,7 +74,7 @@ def test_bench_data_writes_its_table_with_every_contender(tmp_path, monkeypatch)
     benchmark's business, not a test's); GEMS_BENCH_DATA=reader writes the reader's part alone. The runs' records
     and trained models stay in the bench's own temporary folder: nothing is written under the repository's results/
     (they once left results/bench-data-32-1-*.model.pt there)."""
-    from gems.bench.data import bench_data
+    from gems.bench.data import GOAL_ROWS, bench_data
     from gems.errors import ConfigError
 
     before = _results_files()
@@ -84,15 +84,19 @@ def test_bench_data_writes_its_table_with_every_contender(tmp_path, monkeypatch)
     reader = [[c.strip() for c in line.split("|")[1:-1]] for line in text.split("### The step")[0].splitlines()
               if line.startswith("| ")][1:]
     by = {(r[0], r[2]): r for r in reader}  # a row a layout and thread count (issue 65): the HDF5 layouts at least
-    assert {("gems", "1"), ("gems", "2"), ("exalearn", "1"), ("exalearn", "2"), ("lbann", "1")} <= set(by)
+    assert {("gems", "1"), ("gems", "2"), ("exalearn", "1"), ("exalearn", "2"), ("lbann", "1"), ("nifti", "1"),
+            ("tfrecord", "1"), ("tfrecord, converted", "1")} <= set(by), sorted(by)
+    assert "uint8 labels" in by[("nifti", "1")][1] and "Not measured" not in text
+    assert "Converted TFRecords against `gems data synth`'s files" in text
     # crops of a larger universe, the path MLPerf's crops of ExaLearn's universes take, beside the planner's rule
     assert ("exalearn, 16^3 crops of 64^3", "1") in by and by[("exalearn, 16^3 crops of 64^3", "1")][3] == "-"
     assert "crops, whose rows are 128 B runs 512 B apart; the reader reads" in text, text
     assert "measured / rule" in text and "the plan takes 1.11 GB/s a thread from 4.4" in text, text
-    for r in by.values():  # the bound is the best of its ways to move the bytes; every figure measured
-        ways = [float(v) for v in r[3:6] if v != "-"]
-        assert float(r[6].split()[0]) == max(ways) and min(ways) > 0
-        assert r[0] not in ("gems", "exalearn", "lbann") or min(float(r[i]) for i in (7, 8, 9, 10, 11, 13)) > 0
+    for r in by.values():  # the bound is the best of the positional reads; every figure measured, the mapped copy too
+        reads = [float(v) for v in r[3:5] if v != "-"]
+        assert float(r[6].split()[0]) == max(reads) and min(reads) > 0 and float(r[5]) > 0
+        assert min(float(r[i]) for i in (7, 8, 9, 10, 11, 13)) > 0
+        assert ("reader >= 0.7 of the bound" in r[12]) == (r[2] == "1" and r[0] in GOAL_ROWS), r
     monkeypatch.setenv("GEMS_BENCH_DATA", "reader")
     alone = bench_data(tmp_path, reader_size=32, reader_rounds=1, quiet_s=0)
     assert (tmp_path / "data-reader.md").read_text() == alone and "### The step" not in alone

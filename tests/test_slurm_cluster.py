@@ -131,7 +131,11 @@ def test_a_job_waiting_in_the_queue_past_its_wait_is_still_waited_for_and_runs_w
         waiter.join(timeout=600)  # a guard against a hang only
         assert not waiter.is_alive()
         [out] = got
-        assert run.started_at is not None and run.ended_at is not None
+        assert run.ended_at is not None
+        if run.started_at is None:  # it ran between two looks (squeue slowed by the load): to its end, in any clock
+            assert out.ok and out.state == "COMPLETED", out.error
+            assert sorted(r["rank"] for r in out.results) == [0, 1, 2, 3]
+            return
         ran = run.ended_at - run.started_at  # how long the launcher saw it running
         if out.state == "LEFT":  # it ran longer than the clock on this machine now
             assert ran > clock and "stopped waiting after 0.05 min running" in (out.error or ""), (ran, out.error)

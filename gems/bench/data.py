@@ -15,19 +15,21 @@ is faster than the compute (reader time < bound). The runs are gems's own traini
 on real gloo ranks, one compute thread per rank; on this 2-core machine an S = 2 run's ranks take both cores,
 so the reader's thread there competes with the compute instead of using an idle core, and the table says so.
 
-First, the reader alone (:func:`bench_reader`), a row a layout (gems.data.layouts: every registered layout
-that writes the bench's samples, each as its published tool writes them): CosmoFlow's 128^3 x 4 counts read in
-batches of 4 by the layout's ``read`` on 1, 2, ... threads (``data.readers``), in GB/s, beside the page-cache
-bound of the same files at the same thread count: the fastest way this machine moves those bytes from the page
-cache into a pre-touched buffer (the best of each whole file by one positional read, the reader's own byte runs
-by one positional read each, and a memory copy out of the files mapped), the files held open as the reader
-holds its own; a plain memory copy beside it, as a ceiling. A row more reads crops of a larger ExaLearn universe
+First, the reader alone (:func:`bench_reader`), a row a layout (gems.data.layouts: every registered layout, each
+file written as its published tool writes it; NIfTI's CT volumes with their labels), and a row more for what ``gems
+data convert`` writes of a layout that is not read fast where it lies (MLPerf's TFRecords): the samples read in
+batches of 4 by the layout's ``read`` on 1, 2, ... threads (``data.readers``), in GB/s, beside the page-cache bound
+of the same files at the same thread count: the faster of two positional reads that move those bytes from the page
+cache into a pre-touched buffer (each whole file by one read, and the reader's own byte runs by one read each), the
+files held open as the reader holds its own. Beside the bound, a memory copy out of the files mapped (faster here,
+but no reader of gems maps a file: one cut under a mapping kills the process with SIGBUS, where a read fails and the
+run names the file) and a plain memory copy (a ceiling). A row more reads crops of a larger ExaLearn universe
 (64^3 of 256^3), the path MLPerf's 128^3 crops of ExaLearn's 512^3 universes take (a crop's rows short runs far
 apart), set beside the planner's rule for crops where no file is at hand (gems.data.layouts: fallback_rate).
 Every contender of every layout is measured in each round, the rounds alternated; the ratios are each round's,
-side by side. Goal (issues 59 and 65): the
-reader at >= 0.7 of the bound with one thread on channels-last files and on gems's own, and two threads >=
-1.6x one. ``GEMS_BENCH_DATA=reader`` runs only this part (written to ``data-reader.md``).
+side by side. Goals (issues 59 and 65), for the files a run reads by position: the reader at >= 0.7 of the bound
+with one thread on channels-last files and on gems's own, and two threads >= 1.6x one; converted TFRecords read at
+the rate of ``gems data synth``'s files. ``GEMS_BENCH_DATA=reader`` runs only this part (written to ``data-reader.md``).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import io
 import itertools
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -163,11 +166,38 @@ def _values(size: int, n: int) -> list[tuple[Any, Any]]:
 
 class Source(NamedTuple):
     """A row's files: ``layout``'s, in ``folder``, read as samples of 4 x ``edge``^3 (crops where a file is
-    larger)."""
+    larger), or with ``dense``, CT volumes of 1 x ``edge``^3 with a class a voxel (their labels read beside
+    them)."""
 
     layout: str
     folder: Path
     edge: int
+    dense: bool = False
+
+
+#: the classes of the CT volumes' labels (background, liver, tumour: gems.data.segmentation)
+CT_CLASSES = 3
+
+
+def _volumes(size: int, n: int) -> list[tuple[Any, Any]]:
+    """``n`` CT volumes of ``size``^3 int16 Hounsfield units with their uint8 labels (gems data synth
+    data.kind=segmentation's, their slices filled to ``size`` with air)."""
+    import numpy as np
+
+    from gems.data.segmentation import AIR, make_volume
+
+    out = []
+    for i in range(n):
+        hu, labels = make_volume(0, i, size)
+        fill = size - hu.shape[0]
+        out.append((np.pad(hu, ((0, fill), (0, 0), (0, 0)), constant_values=int(AIR)),
+                    np.pad(labels, ((0, fill), (0, 0), (0, 0)))))
+    return out
+
+
+def converted_row(name: str) -> str:
+    """The name of the row of a layout's files after ``gems data convert`` (:func:`layout_folders`)."""
+    return f"{name}, converted"
 
 
 def crop_row(size: int) -> str:
@@ -194,10 +224,23 @@ def layout_folders(root: Path, size: int, n: int = 16) -> tuple[dict[str, Source
             if not folder.exists():
                 layout.write(folder, values)
             layout.open(folder, (4, size, size, size)).close()
+            folders[name] = Source(name, folder, size)
         except (NotImplementedError, ConfigError, ValueError, TypeError) as e:  # no such samples in this layout
-            skipped[name] = _oneline(str(e)) or "writes no such samples"
-            continue
-        folders[name] = Source(name, folder, size)
+            try:  # CT volumes with a class a voxel (NIfTI's)
+                shutil.rmtree(folder, ignore_errors=True)
+                layout.write(folder, _volumes(size, n))
+                layout.open(folder, (1, size, size, size), target="dense", classes=CT_CLASSES).close()
+                folders[name] = Source(name, folder, size, dense=True)
+            except (NotImplementedError, ConfigError, ValueError, TypeError):
+                skipped[name] = _oneline(str(e)) or "writes no such samples"
+                continue
+        if not layout.fast:  # what gems data convert writes of them, read as a run reads it
+            out = root / f"{name}-converted{size}"
+            if not out.exists():
+                for f in layout.files(folder):
+                    layout.convert(f, out)
+            fast = layouts.detect(out)
+            folders[converted_row(name)] = Source(fast.name, out, size, dense=folders[name].dense)
     folder = root / f"universe{2 * size}"
     if not folder.exists():
         from gems.data.synth import make_sample
@@ -212,19 +255,26 @@ def _oneline(text: str) -> str:
     return text if len(text) <= 160 else text[:157] + "..."
 
 
-BOUNDS = ("whole file", "runs", "mapped")
+#: the bound's ways to move a batch's bytes from the page cache: positional reads, as every reader of gems's reads
+READS = ("whole file", "runs")
+#: the rows whose files a run reads by position, which the reader's goals are for
+GOAL_ROWS = ("exalearn", "gems", "lbann", converted_row("tfrecord"))
+#: every way timed: the reads, and a copy out of the files mapped (faster here, but a way no reader of gems takes:
+#: a file cut under a mapping kills the process with SIGBUS, where a read fails and names the file)
+WAYS = (*READS, "mapped")
 
 
 class _ReaderBench:
     """The contenders of :func:`bench_reader` on one layout's files in ``folder``, each a pass over every batch:
-    the reader (``samples.read`` into a batch made once), a rank's half under ``data.augment=cube``, and the
-    bound's ways to move the same bytes from the page cache into a pre-touched buffer (:data:`BOUNDS`), with
-    the files held open (the reader holds its own open too): each whole file by one ``os.preadv``; the byte
-    ranges the reader reads (``samples.runs``: its pieces), each by one ``os.preadv`` straight to its place;
-    each file mapped (``mmap``, populated) and copied by numpy (a memory copy out of the page cache); beside
-    them a plain memory copy of the batch's bytes in memory (no page cache: a ceiling)."""
+    the reader (``samples.read`` into a batch made once), a rank's half (under ``data.augment=cube`` where the
+    layout has the cube's symmetries), the ways to move the same bytes from the page cache into a pre-touched
+    buffer (:data:`WAYS`), with the files held open (the reader holds its own open too): each whole file by one
+    ``os.preadv`` (with its companions: a CT volume's labels); the byte ranges the reader reads (``samples.runs``:
+    its pieces), each by one ``os.preadv`` straight to its place; each file mapped (``mmap``, populated) and copied
+    by numpy (a memory copy out of the page cache); beside them a plain memory copy of the batch's bytes in memory
+    (no page cache: a ceiling). ``dense``: CT volumes of one channel with their labels (a class a voxel)."""
 
-    def __init__(self, layout: Any, folder: Path, threads: Sequence[int], size: int) -> None:
+    def __init__(self, layout: Any, folder: Path, threads: Sequence[int], size: int, dense: bool = False) -> None:
         import mmap
         from concurrent.futures import ThreadPoolExecutor
 
@@ -233,28 +283,35 @@ class _ReaderBench:
 
         self.layout = layout
         self.files = layout.files(folder)
-        self.shape = (4, size, size, size)
-        for f in self.files:  # into the page cache
+        self.groups = [[f, *layout.companions(f)] for f in self.files]  # a sample's files: a volume and its labels
+        self.shape = (1 if dense else 4, size, size, size)
+        opts: dict[str, Any] = dict(target="dense", classes=CT_CLASSES) if dense else {}
+        for f in (g for group in self.groups for g in group):  # into the page cache
             with open(f, "rb") as h:
                 while h.read(1 << 24):
                     pass
-        self.sets = {t: layout.open(folder, self.shape, readers=t) for t in threads}
-        self.parts = {t: layout.open(folder, self.shape, readers=t, augment="cube", slices=(slice(0, size // 2),))
-                      for t in threads}
+        self.sets = {t: layout.open(folder, self.shape, readers=t, **opts) for t in threads}
+        self.parts = {t: layout.open(folder, self.shape, readers=t, augment="none" if dense else "cube",
+                                     slices=(slice(0, size // 2),), **opts) for t in threads}
         first = self.sets[threads[0]]
         self.whole = len(first) == len(self.files)  # a file a sample (else crops of a universe: no whole file)
         self.n = len(first) - len(first) % READER_BATCH
         self.batches = [list(range(b, b + READER_BATCH)) for b in range(0, self.n, READER_BATCH)]
-        self.out = first.read(self.batches[0])[0].data  # the reader's batch, made once (and touched)
+        raw, labels = first.read(self.batches[0])
+        self.out = raw.data  # the reader's batch, made once (and touched)
         self.half = self.parts[threads[0]].read(self.batches[0])[0].data
-        self.sample = self.out[0].numel() * self.out.element_size()
-        self.sizes = [f.stat().st_size for f in self.files]
+        # the bytes of a sample the reader moves: its values, and its labels where they are a class a voxel
+        self.sample = self.out[0].numel() * self.out.element_size() + (labels[0].numel() * labels.element_size()
+                                                                       if dense else 0)
+        self.sizes = [sum(g.stat().st_size for g in group) for group in self.groups]
         self.slot = max(self.sizes) if self.whole else self.sample
-        self.dtype = str(np.dtype(first.dtype))
+        self.dtype = str(np.dtype(first.dtype)) + (" + uint8 labels" if dense else "")
+        self.symmetric = not dense
         gen = torch.Generator().manual_seed(0)
-        self.syms = [torch.randint(0, 48, (READER_BATCH,), generator=gen).tolist() for _ in self.batches]
+        self.syms = [torch.randint(0, 48, (READER_BATCH,), generator=gen).tolist() if self.symmetric else None
+                     for _ in self.batches]
         runs = getattr(first, "runs", None)
-        self.fds = {str(f): os.open(f, os.O_RDONLY) for f in self.files}
+        self.fds = {str(g): os.open(g, os.O_RDONLY) for group in self.groups for g in group}
         self.runs: list[list[tuple[int, int, int, int]]] = []  # per batch: (fd, offset, bytes, to) the reader reads
         for b in self.batches:
             got = runs(b) if runs is not None else []
@@ -272,25 +329,31 @@ class _ReaderBench:
         # gaps between its rows, several times its bytes)
         spans = max((sum(n for _, _, n, _ in p) for p in self.runs), default=0)
         self.buffer = np.ones(max(READER_BATCH * self.slot, spans), np.uint8)
-        self.maps = []
-        for f in self.files:
-            with open(f, "rb") as h:
-                mm = mmap.mmap(h.fileno(), 0, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            self.maps.append((mm, np.frombuffer(mm, np.uint8)))
+        self.maps: list[list[tuple[Any, Any]]] = []  # a sample's files, each mapped
+        for group in self.groups:
+            maps = []
+            for g in group:
+                with open(g, "rb") as h:
+                    mm = mmap.mmap(h.fileno(), 0, prot=mmap.PROT_READ,
+                                   flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                maps.append((mm, np.frombuffer(mm, np.uint8)))
+            self.maps.append(maps)
         self.crops: list[Any] = []  # (crops) each sample's cells in its mapped universe, a strided view
         if not self.whole:
             for i in range(self.n):
                 f, origin = first.locate(i)
                 head = first._header(f)
-                full = self.maps[f][1][head.offset:head.offset + math.prod(head.shape) * head.dtype.itemsize]
+                full = self.maps[f][0][1][head.offset:head.offset + math.prod(head.shape) * head.dtype.itemsize]
                 cells = full.view(head.dtype).reshape(head.shape)
                 self.crops.append(cells[tuple(slice(o, o + size) for o in origin)])
         self.source = np.ones_like(self.buffer)  # the plain copy's source, in memory
         self.pool = ThreadPoolExecutor(max(threads))
 
     def _whole_file(self, i: int) -> None:
-        k = i % READER_BATCH
-        os.preadv(self.fds[str(self.files[i])], [self.buffer[k * self.slot:k * self.slot + self.sizes[i]]], 0)
+        at = (i % READER_BATCH) * self.slot
+        for g, (_, arr) in zip(self.groups[i], self.maps[i]):
+            os.preadv(self.fds[str(g)], [self.buffer[at:at + arr.size]], 0)
+            at += arr.size
 
     def _run(self, fd: int, off: int, nbytes: int, to: int) -> None:
         os.preadv(fd, [self.buffer[to:to + nbytes]], off)
@@ -303,7 +366,10 @@ class _ReaderBench:
             crop = self.crops[i]
             np.copyto(self.buffer[k * self.slot:(k + 1) * self.slot].view(crop.dtype).reshape(crop.shape), crop)
             return
-        np.copyto(self.buffer[k * self.slot:k * self.slot + self.sizes[i]], self.maps[i][1])
+        at = k * self.slot
+        for _, arr in self.maps[i]:
+            np.copyto(self.buffer[at:at + arr.size], arr)
+            at += arr.size
 
     def _copy(self, k: int) -> None:
         import numpy as np
@@ -333,7 +399,7 @@ class _ReaderBench:
         return READER_PASSES * nbytes / 1e9 / (time.perf_counter() - t0)
 
     def contenders(self) -> tuple[str, ...]:
-        return (*(b for b in BOUNDS if (b != "runs" or self.positional) and (b != "whole file" or self.whole)),
+        return (*(b for b in WAYS if (b != "runs" or self.positional) and (b != "whole file" or self.whole)),
                 "memcpy", "reader", "part")
 
     def close(self) -> None:
@@ -342,9 +408,7 @@ class _ReaderBench:
         for fd in self.fds.values():
             os.close(fd)
         self.crops.clear()
-        for mm, arr in self.maps:
-            del arr
-        self.maps.clear()
+        self.maps.clear()  # (each map closes once no view of it is left)
         self.pool.shutdown()
 
 
@@ -362,7 +426,7 @@ def bench_reader(folders: dict[str, Source], threads: Sequence[int] | None = Non
     from gems.data import layouts
 
     threads = list(threads or thread_counts())
-    benches = {name: _ReaderBench(layouts.get(src.layout), src.folder, threads, src.edge)
+    benches = {name: _ReaderBench(layouts.get(src.layout), src.folder, threads, src.edge, src.dense)
                for name, src in folders.items()}
     names = [(lay, t, c) for lay, b in benches.items() for t in threads for c in b.contenders()]
     got: dict[tuple[str, int, str], list[float]] = {k: [] for k in names}
@@ -377,8 +441,8 @@ def bench_reader(folders: dict[str, Source], threads: Sequence[int] | None = Non
         for b in benches.values():
             b.close()
 
-    def bound(lay: str, t: int) -> list[float]:  # each round's best way to move the bytes
-        return [max(xs) for xs in zip(*(got[(lay, t, c)] for c in BOUNDS if (lay, t, c) in got))]
+    def best_of(lay: str, t: int, ways: Sequence[str]) -> list[float]:  # each round's best of these ways
+        return [max(xs) for xs in zip(*(got[(lay, t, c)] for c in ways if (lay, t, c) in got))]
 
     def ratio(xs: Sequence[float], ys: Sequence[float]) -> float:  # the median of each round's ratio
         return med([x / y for x, y in zip(xs, ys)])
@@ -386,46 +450,57 @@ def bench_reader(folders: dict[str, Source], threads: Sequence[int] | None = Non
     rows = []
     for lay, b in benches.items():
         for t in threads:
-            best, reader = bound(lay, t), got[(lay, t, "reader")]
+            best, reader = best_of(lay, t, READS), got[(lay, t, "reader")]
             share, speedup = ratio(reader, best), ratio(reader, got[(lay, 1, "reader")])
-            goal = (f"reader >= 0.7 of the bound: {'yes' if share >= 0.7 else 'no'}" if t == 1 else
-                    f"2 threads >= 1.6x 1: {'yes' if speedup >= 1.6 else 'no'}" if t == 2 else "")
-            which = max(BOUNDS, key=lambda c: med(got[(lay, t, c)]) if (lay, t, c) in got else 0.0)
-            reads = [max(xs) for xs in zip(*(got[(lay, t, c)] for c in ("whole file", "runs") if (lay, t, c) in got))]
+            goal = (f"reader >= 0.7 of the bound: {'yes' if share >= 0.7 else 'no'}" if t == 1 and lay in GOAL_ROWS
+                    else f"2 threads >= 1.6x 1: {'yes' if speedup >= 1.6 else 'no'}" if t == 2 and lay in GOAL_ROWS
+                    else "")
+            which = max(READS, key=lambda c: med(got[(lay, t, c)]) if (lay, t, c) in got else 0.0)
+            mapped = got.get((lay, t, "mapped"))
             rows.append([lay, b.dtype, t, *(f"{med(got[(lay, t, c)]):.2f}" if (lay, t, c) in got else "-"
-                                            for c in BOUNDS),
+                                            for c in WAYS),
                          f"{med(best):.2f} ({which})", f"{med(got[(lay, t, 'memcpy')]):.2f}", f"{med(reader):.2f}",
-                         f"{share:.2f}", f"{ratio(reader, reads):.2f}", f"{speedup:.2f}", goal,
+                         f"{share:.2f}", f"{ratio(reader, mapped):.2f}" if mapped else "-", f"{speedup:.2f}", goal,
                          f"{med(got[(lay, t, 'part')]):.2f}", f"{ratio(got[(lay, t, 'part')], best):.2f}"])
     first = next(iter(benches.values()))
     text = ("### The reader alone, a row a layout\n\n"
             f"The same {first.n} samples of `gems data synth` (4 x {size}^3 counts, int16 where the layout's tool "
-            "keeps them, float32 in LBANN's default) written in each layout as its published tool writes it "
-            "(gems.data.layouts: h5py, contiguous), in the page cache, read in batches of "
-            f"{READER_BATCH} by the layout's `read` on `data.readers` threads into a batch made once (as a rank's "
-            f"are in effect), {READER_PASSES} passes a measurement, median of {rounds} rounds, every contender of "
-            "every layout in each round, alternated (each round in the other order; each round after up to "
-            f"{quiet_s:g} s of waiting for idle cores). *bound*: the fastest of three ways to move the same files' "
-            "bytes from the page cache into a pre-touched buffer on as many threads, the files held open: each "
-            "*whole file* by one `os.preadv`; the byte *runs* the reader reads (its pieces), each by one "
-            "`os.preadv` to its place; each file *mapped* (`mmap`, populated) and copied out by numpy. *memcpy*: "
-            "the batch's bytes copied in memory, no page cache (a ceiling no read reaches). Ratios are each "
-            "round's, side by side: reader / bound, reader / the best of the two positional reads (the mapped copy "
-            "is faster than any read system call, but a file cut under a mapping kills the process, where a read "
-            "names the file: the reader does not map), and reader / its own one thread. *S=2 half, cube*: a rank's "
-            "depth half under `data.augment=cube`, each sample's symmetry drawn (the half read from a slab cut in "
-            "depth, height or width), symmetries and the channels' move applied later (on a GPU rank's device); "
-            f"GB/s of the half's bytes. *{crop_row(size)}*: one ExaLearn universe of {2 * size}^3 x 4 read as "
-            f"crops of {size // 2}^3, the path MLPerf's 128^3 crops of a 512^3 universe take (a crop's rows are runs "
-            "a quarter of their stride apart, as there), which a file a sample never takes; its bound has no "
-            "*whole file* (a file is no sample), its *mapped* copies each crop's cells out of the mapped universe."
-            "\n\n")
+            "keeps them, float32 in LBANN's default; for NIfTI, CT volumes of 1 x "
+            f"{size}^3 int16 Hounsfield units with their uint8 labels, `gems data synth data.kind=segmentation`'s) "
+            "written in each layout as its published tool writes it "
+            "(gems.data.layouts: h5py, contiguous; tfrecord's writer, gzip; nibabel), in the page cache, read in "
+            f"batches of {READER_BATCH} by the layout's `read` on `data.readers` threads into a batch made once (as "
+            f"a rank's are in effect), {READER_PASSES} passes a measurement, median of {rounds} rounds, every "
+            "contender of every layout in each round, alternated (each round in the other order; each round after "
+            f"up to {quiet_s:g} s of waiting for idle cores). *bound*: the faster of two positional reads of the "
+            "same files' bytes from the page cache into a pre-touched buffer on as many threads, the files held "
+            "open: each *whole file* by one `os.preadv` (a volume's labels too); the byte *runs* the reader reads "
+            "(its pieces), each by one `os.preadv` to its place. Beside it, *mapped*: each file mapped (`mmap`, "
+            "populated) and copied out by numpy, faster than any read system call here but a way no reader of "
+            "gems takes (a file cut under a mapping kills the process with SIGBUS, where a read fails and the run "
+            "names the file, exit 2); and *memcpy*: the batch's bytes copied in memory, no page cache (a ceiling "
+            "no read reaches). Ratios are each round's, side by side: reader / bound, reader / mapped, and reader / "
+            "its own one thread. The goals (issues 59 and 65) are those of the files a run reads by position "
+            f"({', '.join(GOAL_ROWS)}): the reader at 0.7 of the bound or more on one thread, two threads 1.6x one "
+            "or more. *S=2 half, cube*: a rank's depth half under `data.augment=cube` (NIfTI: no symmetry), each "
+            "sample's symmetry drawn (the half read from a slab cut in depth, height or width), symmetries and the "
+            f"channels' move applied later (on a GPU rank's device); GB/s of the half's bytes. *{crop_row(size)}*: "
+            f"one ExaLearn universe of {2 * size}^3 x 4 read as crops of {size // 2}^3, the path MLPerf's 128^3 "
+            "crops of a 512^3 universe take (a crop's rows are runs a quarter of their stride apart, as there), "
+            "which a file a sample never takes; it has no *whole file* (a file is no sample), its *mapped* copies "
+            f"each crop's cells out of the mapped universe. *{converted_row('tfrecord')}*: the TFRecords after "
+            "`gems data convert` (ExaLearn's layout, a file a sample).\n\n")
     if skipped:
         text += "Not measured: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()) + ".\n\n"
-    text += md_table(["layout", "type", "threads", *(f"{c} GB/s" for c in BOUNDS), "bound GB/s", "memcpy GB/s",
-                      "reader GB/s", "reader / bound", "reader / best read", "reader / 1 thread", "goal",
-                      "S=2 half, cube: GB/s",
-                      "its / bound"], rows)
+    text += md_table(["layout", "type", "threads", *(f"{c} GB/s" for c in WAYS), "bound GB/s", "memcpy GB/s",
+                      "reader GB/s", "reader / bound", "reader / mapped", "reader / 1 thread", "goal",
+                      "S=2 half, cube: GB/s", "its / bound"], rows)
+    conv = converted_row("tfrecord")
+    if conv in benches and "gems" in benches:
+        said = ", ".join(f"{t} thread(s) {ratio(got[(conv, t, 'reader')], got[('gems', t, 'reader')]):.2f}"
+                         for t in threads)
+        text += (f"\nConverted TFRecords against `gems data synth`'s files (the same samples; goal: their rate), "
+                 f"the reader's GB/s, each round's ratio: {said}.\n")
     crops = crop_row(size)
     if crops in benches and "exalearn" in benches:
         text += "\n" + _crop_rule(benches[crops], [got[("exalearn", 1, "reader")], got[(crops, 1, "reader")]])
