@@ -2,7 +2,8 @@
 gems itself never imports TensorFlow):
 
     python3 -m venv /tmp/tfenv && /tmp/tfenv/bin/pip install tensorflow-cpu
-    /tmp/tfenv/bin/python scripts/tfrecord_fixtures.py tests/data/tfrecord
+    /tmp/tfenv/bin/python scripts/tfrecord_fixtures.py tests/data/tfrecord          # the tests' files (8^3 crops)
+    /tmp/tfenv/bin/python scripts/tfrecord_fixtures.py /tmp/mlperf128 --edge 128    # MLPerf's size, 12 files
 
 Each file holds one ``tf.train.Example`` as MLPerf HPC's ``prepare.py`` writes it: ``x``, the raw bytes of an int16
 crop shaped (D, H, W, C) (channels last), and ``y``, the universe's 4 ``unitPar`` floats; one crop a file, named
@@ -41,7 +42,7 @@ def name(universe: int, index: int) -> str:
     return f"univ_ics_2019-03_a{universe}_{index:03d}.tfrecord"
 
 
-def main(out: str) -> None:
+def main(out: str, edge: int = EDGE) -> None:
     import tensorflow as tf
 
     root = Path(out)
@@ -50,7 +51,7 @@ def main(out: str) -> None:
             folder = root / kind / split
             folder.mkdir(parents=True, exist_ok=True)
             for i in range(crops):
-                x, y = crop(universe, i)
+                x, y = crop(universe, i, edge)
                 feature = dict(x=tf.train.Feature(bytes_list=tf.train.BytesList(value=[x.tobytes()])),
                                y=tf.train.Feature(float_list=tf.train.FloatList(value=y)))
                 example = tf.train.Example(features=tf.train.Features(feature=feature))
@@ -67,4 +68,10 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "tests/data/tfrecord")
+    import argparse
+
+    p = argparse.ArgumentParser(description="MLPerf HPC CosmoFlow TFRecords written with TensorFlow's own writer")
+    p.add_argument("out", nargs="?", default="tests/data/tfrecord", help="the folder (plain/ and gzip/ under it)")
+    p.add_argument("--edge", type=int, default=EDGE, help=f"a crop's edge in cells (default {EDGE}; MLPerf's is 128)")
+    a = p.parse_args()
+    main(a.out, a.edge)

@@ -344,9 +344,9 @@ RUN = ["model.size=32", "model.width=0.25", "train.batch_size=4", "train.steps=3
 
 
 def _run(tmp, folder, *args):
-    from _cli import gems, records
+    from _cli import gems_here, records
 
-    out = gems("run", *RUN, f"data.path={folder}", f"results.dir={tmp}", *args, timeout=600)
+    out = gems_here("run", *RUN, f"data.path={folder}", f"results.dir={tmp}", *args)
     assert out.returncode == 0, out.stderr[-2000:]
     (rec,) = records(str(tmp))
     return rec
@@ -371,6 +371,51 @@ def test_published_layouts_train_through_gems_run_and_s2_equals_s1(tmp_path):
     lb2 = _run(tmp_path / "l2", tmp_path / "lbann", "parallel.spatial=2")
     assert lb2["loss"] == pytest.approx(lb1["loss"], rel=1e-5, abs=1e-6)
     assert any(n.startswith("data: 4 file(s) of layout lbann") for n in lb1["notes"]), lb1["notes"]
+
+
+@pytest.mark.parametrize("how", ["rewritten", "cut short", "deleted"])
+def test_finding_6_a_file_that_changes_under_gems_run_ends_it_with_exit_2_naming_the_file(tmp_path, how):
+    """Finding 6 end to end: `gems run` reads ExaLearn's universes a batch a step (no read ahead); once its second
+    step is done every file is rewritten by h5py in place (a data set written anew where it lies: the same size),
+    cut short, or deleted. The run ends with exit 2 and one line naming the key and a file, no traceback, and its
+    record says bad input (not exit 1 and a rank's OSError, nor a silent read at the old offsets)."""
+    import subprocess
+    import sys
+    import time
+
+    from _cli import records
+
+    folder = tmp_path / "universes"
+    values = _universes(4, edge=32, seed=5)
+    files = layouts.get("exalearn").write(folder, values)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, "-m", "gems.cli", "run", "model.size=32", "model.width=0.25",
+                          "train.batch_size=2", "train.steps=400", "train.warmup_steps=1", "data=hdf5",
+                          f"data.path={folder}", "data.prefetch=0", "fault.step_delay_s=0.2",
+                          f"results.dir={tmp_path / 'out'}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    t0 = time.monotonic()
+    while not any("gems: step 2/" in log.read_text(errors="replace")
+                  for log in (tmp_path / "out").glob(".jobs/*/rank0.log")):
+        assert p.poll() is None and time.monotonic() - t0 < 300, "the run ended or hung before its second step"
+        time.sleep(0.2)
+    for f, (counts, target) in zip(files, values[::-1]):
+        if how == "rewritten":
+            with h5py.File(f, "w") as h:  # truncated and written again, as a data set made anew
+                h["full"] = np.moveaxis(counts, 0, -1)
+                h["unitPar"] = target
+        elif how == "cut short":
+            os.truncate(f, f.stat().st_size // 2)
+        else:
+            f.unlink()
+    _, err = p.communicate(timeout=300)
+    lines = err.strip().splitlines()
+    assert p.returncode == 2, err[-3000:]
+    assert lines[-1].startswith("gems: error: ") and "failed: ConfigError: data.path=" in lines[-1], err[-3000:]
+    assert "Traceback" not in err and "expected files that stay as they were" in lines[-1], err[-3000:]
+    assert any(f.name in lines[-1] for f in files) or how == "deleted" and "universes" in lines[-1], lines[-1]
+    (rec,) = records(str(tmp_path / "out"))
+    assert rec["status"] == "failed" and rec["failure"]["exception"] == "ConfigError", rec["failure"]
 
 
 def test_gems_plan_names_each_layout_and_times_its_read_rate(tmp_path):
