@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from _cli import gems, records
+from _cli import gems, gems_here, records
 
 from gems.config import compose
 from gems.data import layouts
@@ -262,8 +262,8 @@ TINY = ["model=custom", "model._target_=_custom_models.cosmo_tiny", "model.input
 
 
 def _run(tmp: Path, folder: Path, *args: str) -> dict:
-    out = gems("run", *TINY, f"data.path={folder / 'train'}", f"data.val_path={folder / 'validation'}",
-               f"results.dir={tmp}", *args, timeout=600)
+    out = gems_here("run", *TINY, f"data.path={folder / 'train'}", f"data.val_path={folder / 'validation'}",
+                    f"results.dir={tmp}", *args)
     assert out.returncode == 0, out.stderr[-3000:]
     (rec,) = records(str(tmp))
     return rec
@@ -290,6 +290,18 @@ def test_s2_equals_one_rank(tmp_path: Path, serial: dict) -> None:
     np.testing.assert_allclose(got["validation"][-1]["mae_per_target"], serial["validation"][-1]["mae_per_target"],
                                rtol=1e-5)
     assert "layout tfrecord" in " ".join(got["notes"])
+
+
+def test_converted_files_train_as_the_records_on_s2(tmp_path: Path, serial: dict) -> None:
+    """What `gems data convert` writes of the gzip files (ExaLearn's layout) trains through `gems run` cut over
+    S = 2 as the records read whole by one rank; the run names the converted layout."""
+    conv = gems_here("data", "convert", f"data.path={DATA / 'gzip'}", f"data.out={tmp_path / 'conv'}")
+    assert conv.returncode == 0, conv.stderr[-2000:]
+    got = _run(tmp_path / "run", tmp_path / "conv", "parallel.spatial=2")
+    np.testing.assert_allclose(got["loss"], serial["loss"], rtol=1e-5)
+    np.testing.assert_allclose(got["validation"][-1]["mae_per_target"], serial["validation"][-1]["mae_per_target"],
+                               rtol=1e-5)
+    assert "layout exalearn" in " ".join(got["notes"]) and "layout tfrecord" not in " ".join(got["notes"])
 
 
 def test_gems_plan_names_the_layout_and_times_the_read_on_the_files() -> None:
