@@ -80,11 +80,12 @@ COMMANDS: dict[str, list[str] | str] = {
         ["data.universes=2", "data.val_universes=1", "data.box_cells=32"],
     "jobs/cosmoflow_sample_size.sh": "the study itself, about an hour here: its result is committed in "
                                      "results/cosmoflow_sample_size",
-    "UNIVERSES=8 VAL_UNIVERSES=4 jobs/cosmoflow_sample_size.sh data.crop=32 train.epochs=1 "
-    "results.sweep=sample_size_taste": "the same script, study and arguments as its cluster=local_slurm line, which "
-                                       "runs here (2-3 minutes; the ranks of every other test run this way)",
-    "UNIVERSES=8 VAL_UNIVERSES=4 jobs/cosmoflow_sample_size.sh cluster=local_slurm data.crop=32 train.epochs=1 "
-    "results.sweep=sample_size_taste": [],
+    "UNIVERSES=8 VAL_UNIVERSES=4 BOX_CELLS=64 jobs/cosmoflow_sample_size.sh data.crop=32 train.epochs=1 "
+    "train.bn_recalibrate=2 results.sweep=sample_size_taste":
+        "the same script, study and arguments as its cluster=local_slurm line, which runs here (1-2 minutes; the "
+        "ranks of every other test run this way)",
+    "UNIVERSES=8 VAL_UNIVERSES=4 BOX_CELLS=64 jobs/cosmoflow_sample_size.sh cluster=local_slurm data.crop=32 "
+    "train.epochs=1 train.bn_recalibrate=2 results.sweep=sample_size_taste": [],
     "gems run +experiment=cosmoflow_sample_size data.crop=64 model.norm=batch data.augment=none "
     "train.batch_size=8 train.epochs=4 \"train.lr_decay_boundaries=[2.8,3.6]\" data.path=data/cosmology/train "
     "data.val_path=data/cosmology/val":
