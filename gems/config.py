@@ -191,14 +191,18 @@ class TrainConf:
                                      "convolutions in TF32; false: full fp32, for exact comparisons)")
     threads: int = key(1, "torch threads per rank on CPU (0: torch's default)", ge=0)
     cuda_graphs: bool = key(True, "GPU ranks replay their step (forward, loss, backward, gradient sums, the sync) "
-                                  "from a CUDA graph on the plain path: no pipeline, spatial parts or recomputation, "
-                                  "where the run says it stays eager (gems.rank.graphs); false: eager")
+                                  "from a CUDA graph on the plain path: no pipeline, recomputation or spatial parts "
+                                  "(but with train.graph_spatial), where the run says it stays eager "
+                                  "(gems.rank.graphs); false: eager")
     graph_optimizer: bool = key(False, "with train.cuda_graphs, the optimizer's update inside the graph too (a "
                                        "whole-step graph; its learning rate a tensor on the device, in eager runs "
                                        "too, so both run the same kernels); off until a GPU measures it faster")
     graph_pieces: bool = key(False, "with train.cuda_graphs, a pipeline's partitions replay their forward and "
                                     "backward of each micro-batch from graphs between the schedule's messages "
                                     "(gems.rank.pieces); off until a GPU has run them")
+    graph_spatial: bool = key(False, "with train.cuda_graphs, spatial parts replay their whole step from one graph "
+                                     "as the plain path, their halo messages captured in it (gems.rank.graphs); off "
+                                     "until a GPU has run it")
     host_memory: str = key("auto", "freed host memory stays in the process (auto: on CPU ranks)",
                            choices=("auto", "keep", "release"))
     checkpoint_every: int = key(0, "save every N steps (the last step too, where N divides it) so a preempted or "

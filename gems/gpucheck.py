@@ -137,6 +137,8 @@ def matrix(dry: bool = False) -> list[Run]:
         # a pipeline's partitions replayed from graphs between its rounds (train.graph_pieces: gems.rank.pieces)
         runs += [Run(f"pieces-{s}-D2-m2", ["parallel.pipeline=2", f"parallel.schedule={s}", "parallel.micro_batches=2",
                                            "train.graph_pieces=true"], 2) for s in ("1f1b", "mast")]
+        # spatial parts' whole step with its halo exchanges in the graph (train.graph_spatial: gems.rank.graphs)
+        runs.append(Run("graphed-S2", ["parallel.spatial=2", "train.graph_spatial=true"], 2))
     # a short lease starts what matters most first (run_matrix starts in this order, none after its budget):
     # the strict mode, the hybrids, the precisions and the controls, then every schedule's grid
     if not dry:  # the strict mode: messages that do not fit NCCL's buffers, one connection a GPU

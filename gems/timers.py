@@ -29,8 +29,12 @@ _PENDING: list[tuple[MutableMapping[str, float], str, Any, Any]] = []  # (into, 
 
 
 def now(device: torch.device | None) -> Any:
-    """The start of a span on ``device``'s clock: the host's time, or an event on the current CUDA stream."""
+    """The start of a span on ``device``'s clock: the host's time, or an event on the current CUDA stream; None
+    while that stream is being captured into a CUDA graph (gems.rank.graphs: no event may be timed inside a
+    capture, and a replay runs no Python to time it: its spans are the graph's, timed whole by the loop)."""
     if device is not None and device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return None
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
         return ev
@@ -39,7 +43,10 @@ def now(device: torch.device | None) -> Any:
 
 def add_since(into: MutableMapping[str, float], key: str, start: Any) -> None:
     """Add the seconds since ``start`` (:func:`now`) to ``into[key]``: at once on the host's clock; at
-    :func:`settle` for a CUDA event (an end event is recorded on the current stream now)."""
+    :func:`settle` for a CUDA event (an end event is recorded on the current stream now); nothing for a span
+    begun inside a capture (None)."""
+    if start is None:
+        return
     if isinstance(start, float):
         into[key] = into.get(key, 0.0) + time.perf_counter() - start
         return

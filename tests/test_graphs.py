@@ -26,9 +26,9 @@ from gems.rank import graphs
 CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it here
 
 
-def _cfg(graphs_on: bool = True, checkpoint: bool = False, backend: str = "auto") -> Any:
-    return SimpleNamespace(train=SimpleNamespace(cuda_graphs=graphs_on), parallel=SimpleNamespace(checkpoint=checkpoint),
-                           comm=SimpleNamespace(backend=backend))
+def _cfg(graphs_on: bool = True, checkpoint: bool = False, backend: str = "auto", spatial: bool = False) -> Any:
+    return SimpleNamespace(train=SimpleNamespace(cuda_graphs=graphs_on, graph_spatial=spatial),
+                           parallel=SimpleNamespace(checkpoint=checkpoint), comm=SimpleNamespace(backend=backend))
 
 
 def _mesh(spatial: int = 1) -> Any:
@@ -44,6 +44,13 @@ def test_gpu_ranks_graph_the_plain_path_and_say_why_the_others_stay_eager(monkey
                                      (_cfg(backend="mpi"), plain, _mesh(), "MPI")]:
         ok, note = graphs.decide(cfg, settings, mesh, CUDA)
         assert not ok and note is not None and note.startswith("train.cuda_graphs: the step runs eager") and why in note
+    assert graphs.decide(_cfg(spatial=True), plain, _mesh(2), CUDA) == (True, None)  # halos captured with the step
+    ok, note = graphs.decide(_cfg(checkpoint=True, spatial=True), plain, _mesh(2), CUDA)
+    assert not ok and note is not None and "recomputation" in note
+    pieces = SimpleNamespace(train=SimpleNamespace(cuda_graphs=True, graph_spatial=True, graph_pieces=True),
+                             parallel=SimpleNamespace(checkpoint=False), comm=SimpleNamespace(backend="auto"))
+    ok, note = graphs.decide(pieces, piped, _mesh(2), CUDA)  # a spatial pipeline's pieces: not built yet
+    assert not ok and note is not None and "a pipeline's spatial parts" in note
     monkeypatch.delenv(graphs.STAND_IN_ENV, raising=False)
     assert graphs.decide(_cfg(), plain, _mesh(), torch.device("cpu")) == (False, None)  # CPU ranks: eager, quietly
     monkeypatch.setenv(graphs.STAND_IN_ENV, "1")
@@ -157,6 +164,47 @@ def test_more_models_train_graphed_as_eager(tmp_path, extra) -> None:
         assert "_fused_adam_" not in on["device_ops"]["ops"] and on["device_ops"]["per_step"] <= MAX_OPS
     if "train.precision=fp16" in extra:
         assert on["loss_scale"]["skipped_steps"] == off["loss_scale"]["skipped_steps"] and on["loss_scale"]["skipped_steps"]
+
+
+@pytest.mark.parametrize("size,extra", [
+    (2, [*BN_DROPOUT, "parallel.spatial=2", "train.optimizer=sgd"]),
+    (4, [*BN_DROPOUT, "parallel.replicas=2", "parallel.spatial=2", "train.precision=bf16"]),
+    (2, ["model=unet3d", "model.size=16", "model.width=0.125", "train.batch_size=2", "train.steps=4",
+         "train.warmup_steps=1", "train.check_fit=false", "parallel.spatial=2"]),
+], ids=["S2-fp32-sgd", "R2xS2-bf16-adam", "unet-S2"])
+def test_spatial_parts_graphed_with_their_halos_train_as_eager(tmp_path, size, extra) -> None:
+    """train.graph_spatial: a spatial part's whole step replayed from one graph, its halo exchanges (and BatchNorm's
+    global statistics) captured in it as the gradient sums are: CosmoFlow with BatchNorm and dropout cut in depth,
+    alone and under two replicas in bf16, and the U-Net (its skips across the cut) train as the eager parts bit for
+    bit, with at most 8 device ops outside the replay (the eager step's hundreds), and the record says the halos
+    were replayed."""
+    from gems.launch.world import run_world
+
+    results = run_world(_both, size, [*extra, "train.graph_spatial=true"], str(tmp_path), timeout=300)
+    on, off = results[0]
+    assert on["loss"] == off["loss"] and on["cuda_graphs"] is True and off["cuda_graphs"] is False
+    assert on["device_ops"]["per_step"] <= MAX_OPS < off["device_ops"]["per_step"], (on["device_ops"],
+                                                                                      off["device_ops"])
+    assert any("with its halo exchanges (train.graph_spatial)" in n for n in on["notes"]), on["notes"]
+
+
+def test_no_event_is_timed_inside_a_capture(monkeypatch) -> None:
+    """A halo's or a stage's wait is timed by CUDA events on a GPU rank (gems.timers), which no capture may hold:
+    inside one the span is not started (the graph's replay is timed whole by the loop), and nothing is added."""
+    from gems import timers
+
+    made: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kw: made.append(1))
+    into: dict[str, float] = {}
+    t0 = timers.now(CUDA)
+    timers.add_since(into, "halo", t0)
+    assert t0 is None and not made and into == {} and not timers.pending()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kw: SimpleNamespace(record=lambda: made.append(1)))
+    timers.add_since(into, "halo", timers.now(CUDA))
+    assert len(made) == 2 and timers.pending()
+    timers._PENDING.clear()
 
 
 PIPE = ["model=cosmoflow", "model.size=32", "model.width=0.25", "model.norm=batch", "model.dropout=0.5",

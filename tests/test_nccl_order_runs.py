@@ -162,6 +162,26 @@ def test_a_graphed_replicas_step_read_a_step_late_replays_under_nccl_rules(tmp_p
         assert replay(logs, strict_sends=strict)["collectives"] > 0
 
 
+def test_graphed_spatial_parts_replay_under_nccl_rules(tmp_path: Path, monkeypatch) -> None:
+    """train.graph_spatial (the stand-in): R2 x S2, each part's step one graph with its halo messages, BatchNorm's
+    global statistics and the gradient sums captured in it in the eager step's order: every rank's calls replay
+    under NCCL's rules, strict sends too."""
+    from gems.rank.graphs import STAND_IN_ENV
+
+    monkeypatch.setenv(STAND_IN_ENV, "1")
+    logs_dir = tmp_path / "comm"
+    r = _logged_run(logs_dir, "parallel.replicas=2", "parallel.spatial=2", *COSMO32[:2], "model.width=0.25",
+                    "model.norm=batch", "train.batch_size=4", "train.steps=4", "train.warmup_steps=1",
+                    "train.check_fit=false", "train.graph_spatial=true", f"results.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    (rec,) = records(str(tmp_path))
+    assert rec["cuda_graphs"] is True and rec["device_ops"]["per_step"] <= 8
+    logs = load(logs_dir)
+    for strict in (False, True):
+        ran = replay(logs, strict_sends=strict)
+        assert ran["messages"] > 0 and ran["collectives"] > 0
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "mast"])
 def test_a_pipelines_graphed_pieces_replay_under_nccl_rules(tmp_path: Path, monkeypatch, schedule: str) -> None:
     """train.graph_pieces (the stand-in): each partition's pieces replayed between the schedule's rounds, its sums

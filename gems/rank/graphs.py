@@ -33,8 +33,18 @@ How a graphed rank runs its steps (:class:`StepGraph`):
 * **shapes**: one graph a batch shape; a step whose batch has another shape runs the eager step (with the same
   sums and sync as the body, in the same order on every rank).
 
+**Spatial parts** (``train.graph_spatial``, off until a GPU has run it) capture their halo exchanges in the step's
+graph with the rest: the exchanges are NCCL point-to-point groups launched inside each layer, between the interior
+that computes while they travel and the boundary that needs them, in one order on every rank (the layers' order,
+forward then backward), as the gradient sums are collectives launched at their points. Graphed pieces between
+the messages, as a pipeline's, were the other way: they would cut every convolution into three graphs (the
+interior, the boundary, the gradient's), keep its launches around them, and lose the interior's overlap with the
+messages, which a capture keeps (the side stream a layer posts on is forked from and joined to the captured
+stream). Inside a capture no span is timed by CUDA events (gems.timers: the halo's time is the graph's, timed
+whole); BatchNorm's global statistics are all-reduces captured too.
+
 Where a graph is not taken, the run says why in its notes and runs eager: CPU ranks (no CUDA graphs), a pipeline
-(its stages exchange messages between their pieces), spatial parts (halos inside the layers), recomputation
+(its stages exchange messages between their pieces), spatial parts without ``train.graph_spatial``, recomputation
 (``parallel.checkpoint``: the forward runs again inside the backward), MPI's sums (run by the host), hooks on the
 model (a fault injection's: a replay would skip them). Whether a collective is captured must be the same on every
 rank (NCCL's rule), so the ranks agree before their first step (gems.rank.compose: one all-reduce): a hook on one
@@ -66,12 +76,13 @@ host, by the op or inside its CUDA kernel; a tensor made from Python data),
 records its ops (:class:`Trace`) and puts back what that run changed; each replay runs the body again and must
 dispatch the ops recorded, with the same host values and the same tensors of the graph's (what a GPU's replay
 would freeze). So the whole protocol runs and a graphed run equals the eager one bit for bit (dropout, BatchNorm,
-R = 2, fp16's skipped steps); the device ops launched outside the replay, counted in every run's record
-(:class:`DeviceOps`); a capture failing at its end (``GEMS_CPU_GRAPH_STAND_IN=fail_at_end``) and inside (a host
-read), and the capture's order of calls on a mock of torch.cuda. What only a GPU shows (docs/gpu.md): the capture
-itself, the replay's speed and its results equal to eager's (scripts/gpu_check.sh runs the same comparison),
-syncs inside kernels the stand-in does not name, a tensor made on the host by a factory in the body (the stand-in's
-host is its device), the memory a capture takes, and NCCL's collectives inside a graph.
+R = 2, fp16's skipped steps, spatial parts with their halos); the device ops launched outside the replay, counted
+in every run's record (:class:`DeviceOps`); a capture failing at its end (``GEMS_CPU_GRAPH_STAND_IN=fail_at_end``)
+and inside (a host read), and the capture's order of calls on a mock of torch.cuda. What only a GPU shows
+(docs/gpu.md): the capture itself, the replay's speed and its results equal to eager's (scripts/gpu_check.sh runs
+the same comparison), syncs inside kernels the stand-in does not name, a tensor made on the host by a factory in the
+body (the stand-in's host is its device), the memory a capture takes, and NCCL's collectives and point-to-point
+messages inside a graph.
 """
 from __future__ import annotations
 
@@ -102,7 +113,7 @@ EAGER_STEPS = 1
 #: allocates, copies and draws on its side stream) and by a capture: a capture must not see another thread's work
 CUDA_WORK = threading.RLock()
 #: what the record says of a graphed run (gems.rank.loop)
-GRAPHED_NOTE = ("train.cuda_graphs: the step (forward, loss, backward, gradient sums, BatchNorm's averages and the "
+GRAPHED_NOTE = ("train.cuda_graphs: the step (forward{halos}, loss, backward, gradient sums, BatchNorm's averages and the "
                 "step's sync) was replayed from a CUDA graph after {eager} eager step(s) and the capture; around it "
                 "ran the copies of the batch and of the host values in, {optimizer}and one copy of the step's "
                 "figures out, read a step late")
@@ -119,8 +130,9 @@ class CaptureFailed(RunError):
 
 def decide(cfg: Any, settings: Any, mesh: Any, device: torch.device) -> tuple[bool, str | None]:
     """(whether this rank's step replays graphs, a note saying why not where it would have). ``train.cuda_graphs``:
-    auto (GPU ranks on the plain path: no pipeline, no spatial parts, no recomputation, sums not over MPI; a
-    pipeline's partitions too with ``train.graph_pieces``, but for a split backward: gems.rank.pieces) or false."""
+    auto (GPU ranks on the plain path: no pipeline, no recomputation, sums not over MPI, no spatial parts unless
+    ``train.graph_spatial`` captures their halos; a pipeline's partitions too with ``train.graph_pieces``, but for a
+    split backward: gems.rank.pieces) or false."""
     if not bool(cfg.train.cuda_graphs):
         return False, None
     if device.type != "cuda" and not (device.type == "cpu" and stand_in() is not None):
@@ -129,8 +141,12 @@ def decide(cfg: Any, settings: Any, mesh: Any, device: torch.device) -> tuple[bo
     if settings.pipelined and not bool(getattr(cfg.train, "graph_pieces", False)):
         why = ("a pipeline's stages exchange messages between their pieces (train.graph_pieces=true replays each "
                "partition's pieces from graphs between them: gems.rank.pieces, off until a GPU has run them)")
-    elif mesh.spatial > 1:
-        why = "spatial parts exchange halos inside their layers"
+    elif settings.pipelined and mesh.spatial > 1:
+        why = ("a pipeline's spatial parts exchange halos inside their pieces (train.graph_pieces replays the pieces "
+               "of a pipeline without spatial parts; train.graph_spatial the step of spatial parts without a pipeline)")
+    elif mesh.spatial > 1 and not bool(getattr(cfg.train, "graph_spatial", False)):
+        why = ("spatial parts exchange halos inside their layers (train.graph_spatial=true captures the messages in "
+               "the step's graph: off until a GPU has run it)")
     elif bool(cfg.parallel.checkpoint):
         why = "recomputation (parallel.checkpoint) runs the forward again inside the backward"
     elif str(getattr(getattr(cfg, "comm", None), "backend", "")) == "mpi":

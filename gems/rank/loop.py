@@ -617,7 +617,7 @@ class Run:
         # the step replayed from a CUDA graph, or a pipeline's pieces from theirs
         replayed = any(g is not None and g.replayed for g in (par.graph, par.pieces))
         if replayed:  # what the replay covers, and what stays eager around it
-            notes.append(graphed_note(par))
+            notes.append(graphed_note(par, self.mesh.spatial > 1))
         if notes:
             record["notes"] = notes
         if par.scaler.enabled:
@@ -814,13 +814,14 @@ class _StepContext:
         raise NonFiniteLoss(msg)
 
 
-def graphed_note(par: Parallel) -> str:
-    """What the record of a graphed run says the replay covered, and what ran around it."""
+def graphed_note(par: Parallel, spatial: bool = False) -> str:
+    """What the record of a graphed run says the replay covered, and what ran around it (``spatial``: a spatial
+    part's step, its halo exchanges captured in the graph: train.graph_spatial)."""
     from gems.rank.graphs import EAGER_STEPS, GRAPHED_NOTE, PIECES_NOTE
 
     if par.graph is None:
         return PIECES_NOTE
-    return GRAPHED_NOTE.format(eager=EAGER_STEPS,
+    return GRAPHED_NOTE.format(eager=EAGER_STEPS, halos=" with its halo exchanges (train.graph_spatial)" if spatial else "",
                                optimizer="" if par.optimizer_in_step else "the optimizer's update (one fused kernel), ")
 
 
