@@ -69,11 +69,35 @@ def test_a_graphed_plan_replays_its_kernels_and_holds_the_graphs_static_input() 
     piped = _plan("model=cosmoflow_mlperf", "train.batch_size=2", "cluster.gpu=h100", "parallel.pipeline=2",
                   graphs=True)
     assert any(n.startswith("train.cuda_graphs: the step runs eager: a pipeline") for n in piped.notes)
-    pieced = _plan("model=cosmoflow_mlperf", "train.batch_size=2", "cluster.gpu=h100", "parallel.pipeline=2",
-                   "train.graph_pieces=true", graphs=True)  # its pieces replayed, planned as eager launches for now
-    assert any(n.startswith("train.graph_pieces: the partitions' pieces are planned as eager") for n in pieced.notes)
     assert piped.prediction is not None and not any("replayed from CUDA graphs" in a
                                                     for a in piped.prediction.assumptions)
+
+
+def test_a_pipelines_graphed_pieces_are_planned_with_every_slots_pool() -> None:
+    """train.graph_pieces (gems.rank.pieces): a slot (a stage's micro-batch on the rank) keeps its pool for the whole
+    run, its forward's saved set, its output's gradient, its backward's working set and its parameters' gradients:
+    the plan holds every slot's at once (no pool hands memory to another), where the eager schedule's peak holds
+    the micro-batches in flight; its kernels at a replay's cost."""
+    from gems.plan.memory import Planner, setup
+
+    base = ["model=cosmoflow_mlperf", "train.batch_size=8", "train.precision=bf16", "cluster.gpu=h100",
+            "parallel.pipeline=2", "parallel.schedule=1f1b", "parallel.micro_batches=4"]
+    eager, pieced = _plan(*base, graphs=True), _plan(*base, "train.graph_pieces=true", graphs=True)
+    assert not any("runs eager" in n for n in pieced.notes), pieced.notes
+    assert pieced.prediction is not None and any("replayed from CUDA graphs" in a for a in pieced.prediction.assumptions)
+    st = setup(compose([*base, "train.graph_pieces=true", "train.cuda_graphs=true"]))
+    planner = Planner(st)
+    chunk = planner.chunk_of(8)
+    _, classes = planner.profile(chunk)
+    (_, _, stages, _), = classes
+    for d in (0, 1):
+        e, p = eager.positions[d], pieced.positions[d]
+        slots = p.in_flight  # every slot of the rank: 4 micro-batches of its stage
+        assert slots == {d: 4}, slots
+        work = stages[d].working(chunk, planner.workspace, True)[0]
+        held = 4 * (stages[d].saved.at(chunk) + stages[d].out.at(chunk) + work + stages[d].params)
+        assert p.activations_detail["saved"] + p.activations_detail["working"] == held
+        assert p.bytes.activations > e.bytes.activations
 
 
 # ---- the device ------------------------------------------------------------------------------------------

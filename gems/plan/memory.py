@@ -113,6 +113,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -557,11 +558,27 @@ class Planner:
             out.append((members, local, stages, t1.target_bytes))
         return bal, out
 
+    def _graphed_slots(self, stages: list[_Stage], slots: dict[int, int],
+                       chunk: int) -> tuple[int, int, dict[int, int], int]:
+        """A pipeline's graphed pieces (gems.rank.pieces): every slot (a stage's forward of one micro-batch and
+        replica pass on this rank, ``slots``: how many a stage) holds its own pool for the whole run, which keeps
+        what its two graphs allocated: the forward's saved set (its static input and output in it), the output's
+        gradient, the backward's working set and its parameters' gradients (copied out to ``.grad`` after each
+        replay). Every slot's together, not the schedule's in-flight peak: no pool hands memory to another.
+        (peak, its working part, micro-batches alive per stage, the workspace in it)."""
+        peak = extra = ws = 0
+        for q, n in sorted(slots.items()):
+            work, w = stages[q].working(chunk, self.workspace, self.st.gpu)
+            peak += n * (stages[q].saved.at(chunk) + stages[q].out.at(chunk) + work + stages[q].params)
+            extra, ws = extra + n * work, max(ws, w)
+        return int(peak), int(extra), dict(slots), int(ws)
+
     def position(self, d: int, members: list[int], local: list[int], stages: list[_Stage], target_b: int,
-                 chunk: int, flights: list[Flight], held: list[int]) -> Position:
+                 chunk: int, flights: list[Flight], held: list[int], slots: dict[int, int] | None = None) -> Position:
         """The memory of pipeline position ``d`` for spatial ``members``; each of ``flights`` (:func:`_in_flight`)
         with the messages the position holds beside that state, received or posted before the action that needs
-        them (:meth:`gems.pipeline.exchange.ExchangePlan.held_during`)."""
+        them (:meth:`gems.pipeline.exchange.ExchangePlan.held_during`); ``slots``: a graphed pipeline's pieces a
+        stage on this rank (:meth:`_graphed_slots`)."""
         st = self.st
         mesh = st.mesh
         D = mesh.pipeline
@@ -634,6 +651,8 @@ class Planner:
             * (1 + st.batches_ahead) + (st.reader_draw if first else 0) \
             + ((line * in_per_sample if first else 0) + (line * target_b if last_stage else 0) if st.graphed
                else 0)  # the graph's static input and target
+        if st.graphed and self.pipelined and slots:  # a pipeline's graphed pieces (gems.rank.pieces)
+            peak, extra_at, at, ws = self._graphed_slots(stages, slots, chunk)
         # a graphed rank's pool keeps the step's tensors (the peak above) for the whole run, so an evaluation's
         # forward, eager, allocates beside it rather than in what the step freed (gems.rank.graphs)
         beside = max((stages[p].forward.at(chunk) for p in held), default=0) if st.graphed and st.evaluates else 0
@@ -672,10 +691,11 @@ class Planner:
                 # NCCL's completes with its round (a meeting) and is freed after the next action
                 unsent = exchanges.unconfirmed(d) if backend == "gloo" else []
                 flights = _in_flight(sched, d, exchanges.held_during(d, lead), unsent)
+                slots = dict(Counter(a.stage for a in sched.actions[d] if a.kind.forward))
             else:
-                held, flights = [0], []
+                held, flights, slots = [0], [], {}
             for members, local, stages, target_b in classes:
-                out.append(self.position(d, members, local, stages, target_b, chunk, flights, held))
+                out.append(self.position(d, members, local, stages, target_b, chunk, flights, held, slots))
         return bal, out
 
 
@@ -703,9 +723,6 @@ def setup(cfg: Any) -> Setup:
     gpu = plan_device(cfg) == "cuda"
     # whether a GPU rank replays its model from CUDA graphs, and where not, why (the plan's notes say so)
     graphed, eager_why = graphs_decide(cfg, settings, mesh, torch.device("cuda")) if gpu else (False, None)
-    if graphed and settings.pipelined:  # a pipeline's graphed pieces (gems.rank.pieces): planned as eager for now
-        graphed, eager_why = False, ("train.graph_pieces: the partitions' pieces are planned as eager launches and "
-                                     "memory (each slot's pool, its gradients and workspace, is not modelled yet)")
     if mesh.spatial > 1:
         from gems.spatial.context import SpatialContext  # noqa: F401 - fails early when spatial is unavailable
     return Setup(spec, model_key, mesh, sched, int(p.micro_batches), eta, bool(p.checkpoint), str(cfg.train.precision), gpu,

@@ -20,7 +20,8 @@ and backwards on its static input, BatchNorm's statistics put back after), then 
 slot's static input too, copied in before its forward. A slot whose input has another shape runs eager.
 
 Off by default until a GPU has run them: every slot holds its own parameter gradients and its backward's
-workspace in its pool (``m`` micro-batches of a stage: ``m`` sets), which the planner does not count yet.
+workspace in its pool (``m`` micro-batches of a stage: ``m`` sets), which the planner holds all at once
+(gems.plan.memory: ``Planner._graphed_slots``).
 Not for spatial parts (their halos exchange inside the layers), recomputation or a split backward (the weight
 gradients wait for their W action). Checked on CPU with the capture's stand-in (``GEMS_CPU_GRAPH_STAND_IN=1``:
 its capture runs a slot once under the host-read check and puts its buffers back; a replay runs the partition
