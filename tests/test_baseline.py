@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _cli import gems
+from _cli import gems_here
 
 from gems.data import spectrum as ps
 from gems.results.table import write_studies
@@ -72,13 +72,13 @@ def test_the_information_table_finds_each_target_in_its_own_channel_and_scales()
 
 
 def test_the_command_writes_the_study_s_baseline_and_gems_results_sets_it_beside_the_runs(tmp_path: Path) -> None:
-    out = gems("data", "synth", "data.kind=cosmology", f"data.path={tmp_path / 'train'}",
+    out = gems_here("data", "synth", "data.kind=cosmology", f"data.path={tmp_path / 'train'}",
                f"data.val_path={tmp_path / 'val'}", "data.box_cells=32", "data.box_mpc=128", "data.universes=12",
-               "data.val_universes=3", "data.workers=2", timeout=300)
+               "data.val_universes=3", "data.workers=2")
     assert out.returncode == 0, out.stderr[-2000:]
     res = tmp_path / "results"
-    out = gems("data", "baseline", f"data.path={tmp_path / 'train'}", f"data.val_path={tmp_path / 'val'}",
-               f"results.dir={res}", "results.sweep=sizes", timeout=300)
+    out = gems_here("data", "baseline", f"data.path={tmp_path / 'train'}", f"data.val_path={tmp_path / 'val'}",
+               f"results.dir={res}", "results.sweep=sizes")
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads((res / "sizes" / "baseline.json").read_text())
     assert got["schema"] == "gems.baseline/1" and got["box"] == 32 and got["train_universes"] == 12
@@ -95,12 +95,12 @@ def test_the_command_writes_the_study_s_baseline_and_gems_results_sets_it_beside
     assert "where the targets are" in out.stdout
     assert "baseline:" in out.stdout and " 16 " in out.stdout
     written = (res / "sizes" / "baseline.json").stat().st_mtime_ns
-    again = gems("data", "baseline", f"data.path={tmp_path / 'train'}", f"data.val_path={tmp_path / 'val'}",
-                 f"results.dir={res}", "results.sweep=sizes", timeout=300)
+    again = gems_here("data", "baseline", f"data.path={tmp_path / 'train'}", f"data.val_path={tmp_path / 'val'}",
+                 f"results.dir={res}", "results.sweep=sizes")
     assert again.returncode == 0 and "up to date" in again.stdout
     assert (res / "sizes" / "baseline.json").stat().st_mtime_ns == written  # the same universes: not recomputed
     # bad input: exit 2, one line naming the key, nothing written
-    bad = gems("data", "baseline", f"data.path={tmp_path / 'nowhere'}", f"data.val_path={tmp_path / 'val'}",
+    bad = gems_here("data", "baseline", f"data.path={tmp_path / 'nowhere'}", f"data.val_path={tmp_path / 'val'}",
                f"results.dir={tmp_path / 'other'}")
     assert bad.returncode == 2 and "data.path" in bad.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "other").exists()
@@ -113,11 +113,11 @@ def test_the_command_writes_the_study_s_baseline_and_gems_results_sets_it_beside
             f["full"], f["unitPar"] = np.ones((4, 16, 16, 16), dtype=np.int16), np.zeros(4, dtype=np.float32)
     for args, key in (([f"data.path={tmp_path / 'train'}", f"data.val_path={odd}"], "data.val_path"),
                       ([f"data.path={odd}", f"data.val_path={tmp_path / 'val'}"], "data.val_path")):
-        bad = gems("data", "baseline", *args, f"results.dir={tmp_path / 'other'}")
+        bad = gems_here("data", "baseline", *args, f"results.dir={tmp_path / 'other'}")
         line = bad.stderr.strip().splitlines()[-1]
         assert bad.returncode == 2 and line.startswith(f"gems: error: {key}="), line
     (odd / "u1.h5").write_text("not HDF5")
-    bad = gems("data", "baseline", f"data.path={odd}", f"data.val_path={tmp_path / 'val'}",
+    bad = gems_here("data", "baseline", f"data.path={odd}", f"data.val_path={tmp_path / 'val'}",
                f"results.dir={tmp_path / 'other'}")
     line = bad.stderr.strip().splitlines()[-1]
     assert bad.returncode == 2 and line.startswith("gems: error: data.path=") and "u1.h5" in line, line
@@ -139,12 +139,12 @@ def test_the_command_writes_the_study_s_baseline_and_gems_results_sets_it_beside
 
 
 def test_universes_too_small_for_any_crop_are_bad_input(tmp_path: Path) -> None:
-    out = gems("data", "synth", "data.kind=cosmology", f"data.path={tmp_path / 'train'}",
+    out = gems_here("data", "synth", "data.kind=cosmology", f"data.path={tmp_path / 'train'}",
                f"data.val_path={tmp_path / 'val'}", "data.box_cells=8", "data.box_mpc=64", "data.universes=3",
-               "data.val_universes=2", "data.workers=1", timeout=300)
+               "data.val_universes=2", "data.workers=1")
     assert out.returncode == 0, out.stderr[-2000:]
-    bad = gems("data", "baseline", f"data.path={tmp_path / 'train'}", f"data.val_path={tmp_path / 'val'}",
-               f"results.dir={tmp_path / 'results'}", timeout=300)
+    bad = gems_here("data", "baseline", f"data.path={tmp_path / 'train'}", f"data.val_path={tmp_path / 'val'}",
+               f"results.dir={tmp_path / 'results'}")
     assert bad.returncode == 2, bad.stderr[-2000:]
     assert bad.stderr.strip().splitlines()[-1].startswith("gems: error: data.path=") and "at least 16 cells" in bad.stderr
     assert not (tmp_path / "results").exists()

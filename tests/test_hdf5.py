@@ -171,14 +171,14 @@ def _folder(root, n=4, bad=None, **kw):
 def test_run_names_the_first_bad_file_before_launch(tmp_path, kw, found):
     """The 3rd of 4 files is bad: `gems run` names it in one line, exit 2, before any rank starts
     (today's workers would fail on it at step 2 with exit 1)."""
-    from _cli import gems
+    from _cli import gems_here
 
     data = _folder(tmp_path / "data", bad=2, **kw)
     results = tmp_path / "results"
     results.mkdir()
     (results / "earlier.json").write_text("{}")  # what is there stays, and nothing is added
-    out = gems("run", f"results.dir={results}", "model.size=32", "model.width=0.25", "train.batch_size=2",
-               "train.steps=2", "train.warmup_steps=1", "data=hdf5", f"data.path={data}", timeout=120)
+    out = gems_here("run", f"results.dir={results}", "model.size=32", "model.width=0.25", "train.batch_size=2",
+                    "train.steps=2", "train.warmup_steps=1", "data=hdf5", f"data.path={data}")
     assert out.returncode == 2, out.stderr + out.stdout
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr

@@ -14,7 +14,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
-from _cli import gems, records
+from _cli import gems_here, records
 
 from gems.config import compose
 from gems.data import layouts
@@ -304,8 +304,8 @@ def test_the_unet_on_nifti_volumes_s2_equals_one_rank(tmp_path: Path, volumes: P
     recs = []
     for mesh in ([], ["parallel.spatial=2", "data.stage=node", f"data.stage_dir={tmp_path / 'node'}"]):
         res = tmp_path / f"S{len(mesh) + 1}"
-        out = gems("run", *UNET, f"data.path={volumes / 'train'}", f"data.val_path={volumes / 'val'}",
-                   f"results.dir={res}", *mesh, timeout=600)
+        out = gems_here("run", *UNET, f"data.path={volumes / 'train'}", f"data.val_path={volumes / 'val'}",
+                        f"results.dir={res}", *mesh)
         assert out.returncode == 0, out.stderr[-3000:]
         (rec,) = records(str(res))
         recs.append(rec)

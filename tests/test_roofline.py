@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from _cli import gems, gems_here, records
+from _cli import gems_here, records
 
 from gems.config import compose
 from gems.plan import roofline
@@ -47,8 +47,8 @@ def test_the_peak_is_the_data_sheets_at_the_runs_precision() -> None:
 
 
 def test_a_runs_record_table_and_plan_say_how_far_its_step_is_from_the_device(tmp_path) -> None:
-    out = gems("run", f"results.dir={tmp_path}", "model.size=32", "model.width=0.25", "train.batch_size=2",
-               "train.steps=3", "train.warmup_steps=1", timeout=300)
+    out = gems_here("run", f"results.dir={tmp_path}", "model.size=32", "model.width=0.25", "train.batch_size=2",
+                    "train.steps=3", "train.warmup_steps=1")
     assert out.returncode == 0, out.stderr[-2000:]
     (r,) = records(str(tmp_path))
     hw = r["hardware"]

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _cli import gems, gems_here, records
+from _cli import gems_here, records
 
 from gems.config import compose, serial
 from gems.pipeline.schedules import registered
@@ -92,8 +92,8 @@ def test_every_schedules_record_gets_its_hardware_section(name: str) -> None:
 def test_a_gems_master_run_writes_its_hardware_section(tmp_path: Path) -> None:
     """The regression a user met: a GEMS-MASTER run with parallel.gems_replicas above 1 (its record's hardware held
     an error, its table no TFLOP/s)."""
-    out = gems("run", f"results.dir={tmp_path}", *MODEL, *options("master"), "train.steps=2",
-               "train.warmup_steps=1", timeout=600)
+    out = gems_here("run", f"results.dir={tmp_path}", *MODEL, *options("master"), "train.steps=2",
+                    "train.warmup_steps=1")
     assert out.returncode == 0, out.stderr[-2000:]
     (r,) = records(str(tmp_path))
     hw = r["hardware"]

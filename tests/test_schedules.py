@@ -306,11 +306,11 @@ def test_the_planner_bounds_a_looped_bfs_run_closely(tmp_path):
     sent and held)."""
     import json
 
-    from _cli import gems, gems_here, merged, records
+    from _cli import gems_here, merged, records
 
     args = merged("model.size=64", "model.width=0.5", "train.steps=3", "train.warmup_steps=1", "train.batch_size=4",
                   "parallel.pipeline=2", "parallel.schedule=loopedbfs", "parallel.micro_batches=4")
-    out = gems("run", f"results.dir={tmp_path}", *args, timeout=300)
+    out = gems_here("run", f"results.dir={tmp_path}", *args)
     assert out.returncode == 0, out.stderr[-3000:]
     (rec,) = records(str(tmp_path))
     measured = rec["peak_memory_bytes"]["tensor_per_rank"]
