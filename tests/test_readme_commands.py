@@ -72,7 +72,8 @@ COMMANDS: dict[str, list[str] | str] = {
     "gems results --compare results/replication_weak results/replication_weak_sgd": WALK,
     "gems cancel replication_weak": WALK,
     "gems plan model=cosmoflow model.size=512 parallel.spatial=8 cluster=perlmutter cluster.account=x": [],
-    "gems plan model=resnet model.depth=1001 model.size=512 parallel.pipeline=4 parallel.schedule=mast": [],
+    "gems plan model=resnet model.depth=1001 model.size=512 parallel.pipeline=4 parallel.schedule=mast "
+    "cluster.gpu=h100": [],
     "gems plan +experiment=cosmoflow512_weak cluster=perlmutter cluster.account=x": [],
     # the sample-size study (docs/science.md): the universes at the smallest size, the study's taste as documented
     "gems data synth data.kind=cosmology data.path=data/cosmology/train data.val_path=data/cosmology/val "
