@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _cli import gems, records
+from _cli import gems_here, records
 
 from gems.commlog import load, replay
 
@@ -67,11 +67,12 @@ RUNS = {
 
 
 def _logged_run(logs_dir: Path, *args: str) -> Any:
-    """``gems run ARGS`` with every rank's communication logged under ``logs_dir`` (GEMS_COMM_LOG)."""
+    """``gems run ARGS`` with every rank's communication logged under ``logs_dir`` (GEMS_COMM_LOG), run by
+    ``gems.cli.main`` in this process (the ranks real processes, given the launcher's environment)."""
     env_before = os.environ.get("GEMS_COMM_LOG")
     os.environ["GEMS_COMM_LOG"] = str(logs_dir)
     try:
-        return gems("run", *args, timeout=600)
+        return gems_here("run", *args)
     finally:
         if env_before is None:
             os.environ.pop("GEMS_COMM_LOG")
