@@ -146,9 +146,11 @@ SLURM = ("cluster=local_slurm",)
 #: documented runs whose ranks log every message and collective (GEMS_COMM_LOG) and replay them under NCCL's rules
 #: (gems.commlog), as tests/test_nccl_order_runs.py's runs do: the README's own example hung in that replay once
 REPLAYED = ("gems run parallel.spatial=2",)
-#: `gems` commands that launch no rank: run in this process through gems.cli.main, the console script's own function
-#: (tests/_cli.gems_here); the others (run, sweep) and the scripts are processes of their own, as a user's
-HERE = ("plan", "render", "data", "results", "status", "cancel")
+#: `gems` commands run in this process through gems.cli.main, the console script's own function (tests/_cli.gems_here):
+#: every one; the ranks a run or a sweep launches are real processes (multiprocessing's fork server; Slurm's, mpiexec's),
+#: given the launcher's environment. The study scripts are processes of their own (bash calls `gems`); what only the
+#: console script's own process does (forking its ranks from itself) is tests/test_cli.py's and test_forkserver.py's
+HERE = ("plan", "render", "data", "results", "status", "cancel", "run", "sweep", "eval")
 
 
 #: the documents whose commands are listed in COMMANDS
@@ -237,6 +239,21 @@ def test_the_documented_hdf5_commands_run_one_after_the_other(tmp_path):
         _run(tmp_path, cmd.replace("/scratch/cosmo", str(tmp_path / "cosmo")), COMMANDS[cmd])
 
 
+def _here(args: list[str], cwd: Path, environ: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``gems ARGS`` in this process, with ``environ`` set for it (the launcher hands its environment to the ranks)
+    and put back after."""
+    before = {k: os.environ.get(k) for k in environ}
+    os.environ.update(environ)
+    try:
+        return gems_here(*args, cwd=cwd)
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _run(tmp_path: Path, cmd: str, extra: list[str], environ: dict[str, str] | None = None
          ) -> subprocess.CompletedProcess[str]:
     """``cmd`` as documented, with the test's ``extra`` overrides and ``environ`` (for a process of its own)."""
@@ -249,8 +266,7 @@ def _run(tmp_path: Path, cmd: str, extra: list[str], environ: dict[str, str] | N
     keys = {e.split("=", 1)[0] for e in extra}
     args = [a for a in words[1:] if a.split("=", 1)[0] not in keys] + list(extra)  # the test's value of a key
     if words[0] == "gems" and words[1] in HERE:
-        assert not given and not environ, cmd  # (this process's environment is the test's)
-        out = gems_here(*args, cwd=tmp_path)
+        out = _here(args, tmp_path, {**given, **(environ or {})})
     else:
         if words[0] == "gems":
             argv = [sys.executable, "-m", "gems.cli", *args]
