@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from _cli import gems
+from _cli import gems_here
 
 from gems.data import cosmology as cos
 from gems.data.universes import VAL_BASE
@@ -128,8 +128,8 @@ def test_memory_bound_covers_what_a_universe_takes(parts: int) -> None:
 
 # ---- gems data synth data.kind=cosmology ------------------------------------------------------------------------
 def _synth(tmp: Path, *args: str):
-    return gems("data", "synth", "data.kind=cosmology", f"data.path={tmp / 'train'}", f"data.val_path={tmp / 'val'}",
-                "data.box_cells=32", "data.box_mpc=128", "data.workers=2", *args, timeout=300)
+    return gems_here("data", "synth", "data.kind=cosmology", f"data.path={tmp / 'train'}",
+                     f"data.val_path={tmp / 'val'}", "data.box_cells=32", "data.box_mpc=128", "data.workers=2", *args)
 
 
 def test_synth_writes_train_and_val_universes_resumably(tmp_path: Path) -> None:
@@ -183,8 +183,8 @@ def test_nothing_is_overwritten(tmp_path: Path) -> None:
     before = {p: p.read_bytes() for p in (tmp_path / "train").glob("*.hdf5")}
     other = _synth(tmp_path, "data.universes=2", "data.val_universes=1", "data.box_mpc=200")
     assert other.returncode == 2 and "written with other ones" in other.stderr
-    same = gems("data", "synth", "data.kind=cosmology", f"data.path={tmp_path / 'train'}",
-                f"data.val_path={tmp_path / 'train'}", timeout=120)
+    same = gems_here("data", "synth", "data.kind=cosmology", f"data.path={tmp_path / 'train'}",
+                     f"data.val_path={tmp_path / 'train'}")
     assert same.returncode == 2 and "data.val_path" in same.stderr
     (tmp_path / "val" / "mine.h5").write_bytes(b"x")
     foreign = _synth(tmp_path, "data.universes=2", "data.val_universes=1")

@@ -295,7 +295,8 @@ def test_s2_equals_one_rank(tmp_path: Path, serial: dict) -> None:
 def test_converted_files_train_as_the_records_on_s2(tmp_path: Path, serial: dict) -> None:
     """What `gems data convert` writes of the gzip files (ExaLearn's layout) trains through `gems run` cut over
     S = 2 as the records read whole by one rank; the run names the converted layout."""
-    conv = gems_here("data", "convert", f"data.path={DATA / 'gzip'}", f"data.out={tmp_path / 'conv'}")
+    conv = gems_here("data", "convert", f"data.path={DATA / 'gzip'}", f"data.out={tmp_path / 'conv'}",
+                     "data.workers=1")  # (in this process: no worker forked from the test's threads)
     assert conv.returncode == 0, conv.stderr[-2000:]
     got = _run(tmp_path / "run", tmp_path / "conv", "parallel.spatial=2")
     np.testing.assert_allclose(got["loss"], serial["loss"], rtol=1e-5)
