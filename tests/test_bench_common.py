@@ -48,17 +48,35 @@ def test_persistent_bytes_counts_parameters_gradients_and_optimizer_state_once()
     assert tensor_bytes([v, v[:10], v.view(10, 100)]) == 4000  # views of one storage count once
 
 
-def test_bench_modules_answer_help_and_reject_options_without_running():
-    import subprocess
+def _module(name: str, *argv: str) -> tuple[int, str, str]:
+    """``python -m NAME ARGV`` in this process (runpy, as ``-m`` runs it): exit status, stdout, stderr."""
+    import contextlib
+    import io
+    import runpy
     import sys
+    import warnings
 
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    saved = sys.argv
+    sys.argv = [name, *argv]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # (runpy: the module was imported before, as a package's)
+            try:
+                runpy.run_module(name, run_name="__main__")
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_bench_modules_answer_help_and_reject_options_without_running():
     for name in ("overhead", "spatial", "pipeline", "data", "checkpoint", "step"):
-        ok = subprocess.run([sys.executable, "-m", f"gems.bench.{name}", "--help"], capture_output=True, text=True,
-                            timeout=60)
-        assert ok.returncode == 0 and f"gems.bench.{name} [OUT_DIR]" in ok.stdout
-        bad = subprocess.run([sys.executable, "-m", f"gems.bench.{name}", "--steps=3"], capture_output=True, text=True,
-                             timeout=60)
-        assert bad.returncode == 2 and "--steps=3" in bad.stderr and "Traceback" not in bad.stderr
+        code, out, _ = _module(f"gems.bench.{name}", "--help")
+        assert code == 0 and f"gems.bench.{name} [OUT_DIR]" in out
+        code, _, err = _module(f"gems.bench.{name}", "--steps=3")
+        assert code == 2 and "--steps=3" in err and "Traceback" not in err
 
 
 def _results_files() -> dict[Path, int]:
