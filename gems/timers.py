@@ -33,12 +33,20 @@ def now(device: torch.device | None) -> Any:
     while that stream is being captured into a CUDA graph (gems.rank.graphs: no event may be timed inside a
     capture, and a replay runs no Python to time it: its spans are the graph's, timed whole by the loop)."""
     if device is not None and device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
+        if _capturing():
             return None
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
         return ev
     return time.perf_counter()
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is being captured (never in a build of torch without CUDA, which raises)."""
+    try:
+        return bool(torch.cuda.is_current_stream_capturing())
+    except (RuntimeError, AssertionError):
+        return False
 
 
 def add_since(into: MutableMapping[str, float], key: str, start: Any) -> None:
