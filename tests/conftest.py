@@ -28,3 +28,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("slurm"))
         elif item.get_closest_marker("both_cores") is not None:
             item.add_marker(pytest.mark.xdist_group("both_cores"))
+
+
+@pytest.fixture(autouse=True)
+def _gems_environment_kept():
+    """gems's own variables (GEMS_*) as they were before each test, whatever it set: a run launched by a later test
+    hands the process's environment to its ranks, so a variable one test left (the CUDA graphs' stand-in, a comm log)
+    would change what the next test's runs do, and the suite's result would hang on its order."""
+    before = {k: v for k, v in os.environ.items() if k.startswith("GEMS_")}
+    yield
+    for k in [k for k in os.environ if k.startswith("GEMS_") and k not in before]:
+        del os.environ[k]
+    os.environ.update(before)
