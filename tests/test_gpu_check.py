@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _cli import gems_here
 
 from gems.errors import ConfigError
 from gems.gpucheck import TOLERANCE, compare, matrix
@@ -114,8 +115,7 @@ def test_bench_overhead_refuses_overrides_without_a_gpu(tmp_path: Path) -> None:
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the overrides set the GPU mode's job")
-    r = subprocess.run([sys.executable, "-m", "gems.cli", "bench", "overhead", "model.size=64", f"out={tmp_path}"],
-                       capture_output=True, text=True, timeout=120)
+    r = gems_here("bench", "overhead", "model.size=64", f"out={tmp_path}")
     assert r.returncode == 2 and "bench option=model.size=64" in r.stderr and "GPU mode" in r.stderr
     assert "Traceback" not in r.stderr
 
@@ -149,9 +149,9 @@ def test_the_lease_scripts_science_point_writes_universes_trains_beside_a_phase_
     lease = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(lease)
     point = lease.science_commands(tmp_path / "work", True, 1)[1]
-    point = [a for a in point if not a.startswith(("results.dir=", "run_id="))]
-    again = subprocess.run(point + [f"results.dir={tmp_path / 'again'}", "run_id=again"], capture_output=True,
-                           text=True, timeout=300, env=env, cwd=ROOT)
+    point = [a for a in point[3:] if not a.startswith(("results.dir=", "run_id="))]  # gems run's own arguments
+    assert point[0] == "run"
+    again = gems_here(*point, f"results.dir={tmp_path / 'again'}", "run_id=again", cwd=ROOT)  # ranks as processes
     assert again.returncode == 0, again.stderr[-3000:]
     rerun = json.loads((tmp_path / "again" / "again.json").read_text())
     assert rerun["loss"] == record["loss"] and rerun["validation"][-1]["mae"] == record["validation"][-1]["mae"]
