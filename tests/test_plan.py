@@ -262,7 +262,7 @@ def test_to_json_round_trips():
                                     "parallel.schedule=mast"]],
                          ids=["mast D=2", "bf16 checkpoint", "1f1b D=4", "S=2", "2x2 pencils mast D=2"])
 def test_the_layer_memo_plans_exactly_what_tracing_every_layer_plans(extra, monkeypatch):
-    # ResNet-56's 18 blocks are a handful of kinds; the planner traces each kind once and replays the
+    # ResNet-110's 36 blocks are a handful of kinds; the planner traces each kind once and replays the
     # rest (spatial blocks with their halo and gather logs and global shapes). The plan must be the one
     # a trace of every layer gives, and the same on every call: the memo empty, and the memo as the call
     # before left it (a process that plans again, as a sweep's points and the suggestion's variants do).
@@ -280,7 +280,7 @@ def test_the_layer_memo_plans_exactly_what_tracing_every_layer_plans(extra, monk
         return real(self, x)
 
     monkeypatch.setattr(resnet.PreActBottleneck, "forward", counted)
-    cfg = ["model=resnet", "model.depth=56", "model.width=0.25", "model.size=32", "train.batch_size=8", *extra]
+    cfg = ["model=resnet", "model.depth=110", "model.width=0.25", "model.size=32", "train.batch_size=8", *extra]
     keep = T._LAYER_MEMO_MAX, Q._SHAPE_MEMO_MAX
     plans, blocks = [], []
     try:
