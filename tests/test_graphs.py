@@ -92,27 +92,20 @@ def _train(rank: int, size: int, args: list[str], stand_in: str | None, folder: 
     from gems.config import compose
     from gems.rank.loop import train
 
-    before = {k: os.environ.get(k) for k in (graphs.STAND_IN_ENV, graphs.LAYOUT_ENV)}
+    # the variables stay set for the rest of this process: a rank's process ends with its run, and a test's own
+    # process has them put back after the test (tests/conftest.py's _gems_environment_kept)
     if stand_in is None:  # the eager run: in the stand-in's layout (a GPU's), so that both compute the same bits
         os.environ.pop(graphs.STAND_IN_ENV, None)
         os.environ[graphs.LAYOUT_ENV] = "1"
     else:
         os.environ[graphs.STAND_IN_ENV] = stand_in
         os.environ.pop(graphs.LAYOUT_ENV, None)
-    try:
-        cfg = compose([*args, f"results.dir={folder}"] + ([] if stand_in else ["train.cuda_graphs=false"]))
-        with open_dict(cfg):
-            cfg.run_id = f"graphs-{stand_in or 'eager'}"
-        world = World(rank, size, rank, "127.0.0.1", 0, "single", torch.device("cpu"), "gloo", "torch", None,
-                      "localhost")
-        with contextlib.redirect_stdout(io.StringIO()):
-            return dict(train(cfg, world))
-    finally:  # the process's environment as it was: a later test's runs (forked with it) must not replay graphs
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    cfg = compose([*args, f"results.dir={folder}"] + ([] if stand_in else ["train.cuda_graphs=false"]))
+    with open_dict(cfg):
+        cfg.run_id = f"graphs-{stand_in or 'eager'}"
+    world = World(rank, size, rank, "127.0.0.1", 0, "single", torch.device("cpu"), "gloo", "torch", None, "localhost")
+    with contextlib.redirect_stdout(io.StringIO()):
+        return dict(train(cfg, world))
 
 
 def _both(rank: int, size: int, args: list[str], folder: str) -> tuple[dict[str, Any], dict[str, Any]]:
