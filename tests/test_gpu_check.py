@@ -120,19 +120,31 @@ def test_bench_overhead_refuses_overrides_without_a_gpu(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
-def test_the_lease_scripts_science_point_writes_universes_trains_beside_a_phase_and_is_archived(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def dry_lease(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One dry lease (scripts/gpu_lease.py --dry) of every phase but the rig (the dry rig has its test above):
+    gems bench step's plumbing, a one-rank row, the calibration, and the science point trained in the background
+    beside them. Its folder: work/ (the lease's scratch) and out/ (what a device call brings back)."""
+    tmp = tmp_path_factory.mktemp("lease")
+    env = dict(os.environ, OMP_NUM_THREADS="1", GEMS_LEASE_WORK=str(tmp / "work"))
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_lease.py"), "--dry", "--phases",
+                        "step,rows,bench,science", "--out", str(tmp / "out")], capture_output=True, text=True,
+                       timeout=480, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return tmp
+
+
+@pytest.mark.xdist_group("dry_lease")  # one worker runs both: the lease runs once
+def test_the_lease_scripts_science_point_writes_universes_trains_beside_a_phase_and_is_archived(
+        dry_lease: Path, tmp_path: Path) -> None:
     """The science phase on CPU (--dry): universes written with the study's generator, the sample-size study's
     point trained on them in the background while the rows phase runs, its record and validations in the archive;
     the same universes and recipe train to the same figures as a plain `gems run` of the point (HDF5 counts read
     raw and finished where the step runs)."""
     import tarfile
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", GEMS_LEASE_WORK=str(tmp_path / "work"))
-    out = tmp_path / "out"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_lease.py"), "--dry", "--phases",
-                        "rows,science", "--out", str(out)], capture_output=True, text=True, timeout=400, env=env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    phases = json.loads((tmp_path / "work" / "phases.json").read_text())
+    out = dry_lease / "out"
+    phases = json.loads((dry_lease / "work" / "phases.json").read_text())
     science = next(x for x in phases if x["label"] == "science")
     assert science["rc"] == 0 and science["background"] is True
     with tarfile.open(out / "lease.tgz") as tar:
@@ -148,7 +160,7 @@ def test_the_lease_scripts_science_point_writes_universes_trains_beside_a_phase_
     assert spec is not None and spec.loader is not None
     lease = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(lease)
-    point = lease.science_commands(tmp_path / "work", True, 1)[1]
+    point = lease.science_commands(dry_lease / "work", True, 1)[1]
     point = [a for a in point[3:] if not a.startswith(("results.dir=", "run_id="))]  # gems run's own arguments
     assert point[0] == "run"
     again = gems_here(*point, f"results.dir={tmp_path / 'again'}", "run_id=again", cwd=ROOT)  # ranks as processes
@@ -157,17 +169,16 @@ def test_the_lease_scripts_science_point_writes_universes_trains_beside_a_phase_
     assert rerun["loss"] == record["loss"] and rerun["validation"][-1]["mae"] == record["validation"][-1]["mae"]
 
 
-def test_the_lease_script_writes_rows_in_the_gpu_files_schema_and_refuses_a_bad_phase(tmp_path: Path) -> None:
+@pytest.mark.xdist_group("dry_lease")  # one worker runs both: the lease runs once
+def test_the_lease_script_writes_rows_in_the_gpu_files_schema_and_refuses_a_bad_phase(
+        dry_lease: Path, tmp_path: Path) -> None:
     """scripts/gpu_lease.py's plumbing on CPU: a one-rank row through a real `gems run`, in the schema
     tests/test_plan_gpu.py reads from results/gpu/, a calibration, and everything in the one archive a device call
     brings back; a phase it does not know is exit 2 and writes nothing."""
     import tarfile
 
     env = dict(os.environ, OMP_NUM_THREADS="1", GEMS_LEASE_WORK=str(tmp_path / "work"))
-    out = tmp_path / "out"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_lease.py"), "--dry", "--phases",
-                        "step,rows,bench", "--out", str(out)], capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = dry_lease / "out"
     # gems bench step's table (here its plumbing's) and every gems record of it come back
     assert "gems bench step on cpu" in (out / "step-cpu.md").read_text()
     assert {x["contender"] for x in json.loads((out / "step-records.json").read_text())} == {"gems", "gems eager"}
