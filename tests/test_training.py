@@ -404,7 +404,9 @@ def test_crops_of_universes_train_and_validate_alike_on_every_mesh(tmp_path: Pat
     assert one["loss"][0] == pytest.approx(plain["loss"][0], rel=0.5) and one["loss"][1:] != plain["loss"][1:]
     assert one["steps"] == 4 and [v["step"] for v in one["validation"]] == [2, 4]
     last = one["validation"][-1]
-    assert last["samples"] == 16 and last["groups"] == 2 and last["mae_avg_crops"] <= last["mae"] + 1e-9
+    # (to float32's rounding: where every crop is predicted alike the two are equal, and either may round up;
+    # this machine's AVX-512 kernels put the mean 3e-9 over, an eighth of float32's step at 0.27)
+    assert last["samples"] == 16 and last["groups"] == 2 and last["mae_avg_crops"] <= last["mae"] * (1 + 1e-6)
     for mesh in (["parallel.spatial=2"], ["parallel.replicas=2"], ["parallel.pipeline=2", "parallel.schedule=mast"]):
         got = _run(tmp_path / "_".join(mesh).replace("=", ""), *args, *mesh)
         np.testing.assert_allclose(got["loss"], one["loss"], rtol=1e-5, err_msg=str(mesh))
