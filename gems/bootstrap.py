@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from gems import capture
 from gems.config import section
 from gems.errors import ConfigError
 
@@ -250,6 +251,8 @@ def init_world(cfg: Any) -> World:
         kw: dict[str, Any] = {}
         if backend == "nccl":
             kw["device_id"] = device
+            if bool(cfg.train.cuda_graphs):  # no stream recorded on a tensor a captured collective holds
+                capture.avoid_record_streams()
             if sharing_gpu():  # the test aid: every rank its own NCCL host, messages over loopback sockets
                 os.environ["NCCL_HOSTID"] = f"gems-test-rank{rank}"
                 for k, v in SHARE_GPU_NCCL.items():

@@ -73,6 +73,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from gems import capture
+
 __all__ = ["Recorder", "replay", "OrderError", "load", "install_from_env", "recording", "COLLECTIVES"]
 
 #: the collectives the recorder logs (object collectives log the tensor collectives they are made of)
@@ -158,16 +160,19 @@ class Recorder:
         for name in COLLECTIVES:
             if hasattr(c10d, name):
                 wrappers[name] = self._collective(name, getattr(c10d, name))
+        wrappers["destroy_process_group"] = self._destroy(c10d.destroy_process_group)
         for name, fn in wrappers.items():
             for mod in (c10d, dist):
                 if hasattr(mod, name):
                     self._saved.append((mod, name, getattr(mod, name)))
                     setattr(mod, name, fn)
         _ACTIVE.append(self)
+        capture.LOG_HOOKS.append(self._event)  # a graph's reset, in order with the messages (gems.capture)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         _ACTIVE[:] = [r for r in _ACTIVE if r is not self]
+        capture.LOG_HOOKS[:] = [h for h in capture.LOG_HOOKS if h != self._event]
         for mod, name, fn in reversed(self._saved):
             setattr(mod, name, fn)
         self._saved.clear()
@@ -205,11 +210,22 @@ class Recorder:
         i = next(self._ids)
         if self._batch is not None:
             self._batch_ids.append(i)
-        self._event({"e": "post", "id": i, "kind": kind, "fn": fn, "comm": comm, "ranks": list(ranks), "peer": peer,
-                     "batch": self._batch, "bytes": sum(t.numel() * t.element_size() for t in tensors),
-                     "dtype": ",".join(sorted({str(t.dtype).replace("torch.", "") for t in tensors})),
-                     "device": self._check(fn, tensors)})
+        ev = {"e": "post", "id": i, "kind": kind, "fn": fn, "comm": comm, "ranks": list(ranks), "peer": peer,
+              "batch": self._batch, "bytes": sum(t.numel() * t.element_size() for t in tensors),
+              "dtype": ",".join(sorted({str(t.dtype).replace("torch.", "") for t in tensors})),
+              "device": self._check(fn, tensors)}
+        link = capture.linked()  # inside a graph: which one, and whether ordered after the launch before it
+        if link is not None:
+            ev.update(link)
+        self._event(ev)
         return i
+
+    def _destroy(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+            self._event({"e": "destroy", "graphs_alive": len(capture.GRAPHS)})
+            return orig(*args, **kwargs)
+
+        return destroy_process_group
 
     def _p2p(self, name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
         send = name in ("isend", "send")
@@ -466,6 +482,7 @@ class _Replay:
 def replay(logs: dict[int, list[dict[str, Any]]], strict_sends: bool = False) -> dict[str, int]:
     """Run the logged orders under NCCL's rules (module docstring); raise :class:`OrderError` where they
     hang or mismatch, else return counts of what ran (``ops``, ``messages``, ``collectives``)."""
+    unordered(logs)
     run = _Replay(logs, strict_sends)
     while run.advance_hosts() | run.advance_streams():
         pass
@@ -479,6 +496,21 @@ def replay(logs: dict[int, list[dict[str, Any]]], strict_sends: bool = False) ->
     ops = run.ops.values()
     return {"ops": len(run.ops), "messages": sum(op.kind == "send" for op in ops),
             "collectives": sum(op.kind == "coll" for op in ops)}
+
+
+def unordered(logs: dict[int, list[dict[str, Any]]]) -> None:
+    """Raise :class:`OrderError` where a rank launched NCCL work inside a CUDA graph without ordering it after its
+    launch before (gems.capture.launch): in a replay the graph's kernels run in the order of its dependencies
+    only, so two such launches on different communicators may run concurrently, or in one order on one rank and
+    the other on another, where NCCL promises no progress (NVIDIA/nccl#783). Eagerly the issue order is the
+    stream's; inside a graph nothing is assumed that an edge does not make."""
+    for r, events in sorted(logs.items()):
+        for ev in events:
+            if ev.get("e") == "post" and ev.get("graph") is not None and not ev.get("chained"):
+                raise OrderError(f"rank {r} launched {ev['fn']} on {ev['comm']} (post {ev['id']}) inside CUDA graph "
+                                 f"{ev['graph']} without an order after its launch before (gems.capture.launch): in "
+                                 "a replay it may run concurrently with NCCL work on another communicator, or in "
+                                 "another order on another rank")
 
 
 def records(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

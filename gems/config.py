@@ -190,6 +190,10 @@ class TrainConf:
     tf32: Optional[bool] = key(None, "TF32 for fp32 convolutions and matmuls on GPUs (null: torch's defaults, "
                                      "convolutions in TF32; false: full fp32, for exact comparisons)")
     threads: int = key(1, "torch threads per rank on CPU (0: torch's default)", ge=0)
+    deterministic: bool = key(False, "deterministic kernels (cuDNN's, torch's where it has them, cuBLAS's workspace "
+                                     "fixed): two runs of one configuration, graphed or eager, give the same bits on a "
+                                     "GPU; without it a GPU's atomic-add backward kernels (pooling, upsampling, weight "
+                                     "gradients) round differently from run to run")
     cuda_graphs: bool = key(True, "GPU ranks replay their step (forward, loss, backward, gradient sums, the sync) "
                                   "from a CUDA graph on the plain path: no pipeline, recomputation or spatial parts "
                                   "(but with train.graph_spatial), where the run says it stays eager "
@@ -203,6 +207,10 @@ class TrainConf:
     graph_spatial: bool = key(False, "with train.cuda_graphs, spatial parts replay their whole step from one graph "
                                      "as the plain path, their halo messages captured in it (gems.rank.graphs); off "
                                      "until a GPU has run it")
+    graph_collectives: bool = key(False, "with train.cuda_graphs, a multi-rank step's graph holds its NCCL work "
+                                         "(gradient sums, the step's sync, halos with train.graph_spatial); off "
+                                         "until a lent GPU has run such graphs to their end: those runs step eager "
+                                         "and say so (one-rank steps and a pipeline's pieces, which hold none, graph)")
     host_memory: str = key("auto", "freed host memory stays in the process (auto: on CPU ranks)",
                            choices=("auto", "keep", "release"))
     checkpoint_every: int = key(0, "save every N steps (the last step too, where N divides it) so a preempted or "

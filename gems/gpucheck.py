@@ -6,7 +6,8 @@ sockets, with NCCL's real matching, stream and connection rules, so a message or
 here as it would on many GPUs. Timings of shared runs mean nothing; whether a run finishes and its losses do.
 
 The matrix (:func:`matrix`): the one-rank run eager against the same run replaying its model from CUDA graphs
-(train.cuda_graphs, the default: the graphs' exactness; R = 2 replays too), every registered schedule x D in {2, 4}
+(train.cuda_graphs, the default: the graphs' exactness within fp32's tolerance, and bit for bit where both run
+deterministic kernels, train.deterministic), every registered schedule x D in {2, 4}
 x m in {1, 2, 4} (a combination a schedule refuses is listed as skipped, with its reason), GEMS-MAST and -MASTER at
 R2 x D2 x S2, S = 2, R = 2, pipelines at fp16 and bf16,
 and the strict mode (:data:`STRICT_NCCL`: NCCL's buffers too small for any halo, one
@@ -17,6 +18,10 @@ compared step by step with the one-rank run of the same model, batch and precisi
 (``train.tf32=false``: an exact comparison). As a control, ``torch.distributed.pipelining``'s ``Schedule1F1B``
 and ``ScheduleGPipe`` train the same module on the same rig against their own one-rank run: if they hang too,
 the rig is at fault, not gems.
+Last come the graphs that hold NCCL work (:func:`graphed_points`: R = 2, S = 2 with its halos, R2 x S2;
+``train.graph_collectives``, off by default until these have run to their end): each under a short limit of its own
+with ``NCCL_DEBUG=WARN``, and one that hangs runs once more with ``NCCL_GRAPH_MIXING_SUPPORT=0``; the summary says
+which setting its result is from.
 
     python -m gems.gpucheck [--dry] [--out DIR] [--budget S] [--limit S] [--ranks N] [--only TEXT[,TEXT...]]
 
@@ -55,6 +60,14 @@ class Run:
     skipped: str = ""  # why the point is not run (a combination the schedule refuses)
     env: dict[str, str] = field(default_factory=dict)  # what the run's environment adds (the strict mode's NCCL)
     family: str = ""  # another model than the default job's, with a one-rank reference of its own ("unet")
+    #: the run's own time limit (the graphed multi-rank points: a hang must not eat the lease), else the rig's
+    limit_s: float | None = None
+    #: where the run hit its limit (a hang), it runs once more with these added to its environment
+    retry_env: dict[str, str] = field(default_factory=dict)
+    #: the one-rank run it is compared with, where not the one of its precision and family
+    reference_run: str = ""
+    #: equal means bit for bit (train.deterministic on both sides), not within the precision's tolerance
+    exact: bool = False
     # filled in when it ran
     status: str = "not run"
     wall_s: float | None = None
@@ -63,9 +76,15 @@ class Run:
     max_rel_diff: float | None = None
     equal: bool | None = None
     error: str = ""
+    #: which environment the result is from: "as set" or the retry's (NCCL_GRAPH_MIXING_SUPPORT=0 after a hang)
+    setting: str = "as set"
+    #: what the first try ended with, where it was retried
+    first_try: str = ""
 
     @property
     def reference_label(self) -> str:
+        if self.reference_run:
+            return self.reference_run
         if self.control:
             return f"control-{self.control}-1rank"
         return f"1rank-{self.precision}" + (f"-{self.family}" if self.family else "")
@@ -137,8 +156,10 @@ def matrix(dry: bool = False) -> list[Run]:
         # a pipeline's partitions replayed from graphs between its rounds (train.graph_pieces: gems.rank.pieces)
         runs += [Run(f"pieces-{s}-D2-m2", ["parallel.pipeline=2", f"parallel.schedule={s}", "parallel.micro_batches=2",
                                            "train.graph_pieces=true"], 2) for s in ("1f1b", "mast")]
-        # spatial parts' whole step with its halo exchanges in the graph (train.graph_spatial: gems.rank.graphs)
-        runs.append(Run("graphed-S2", ["parallel.spatial=2", "train.graph_spatial=true"], 2))
+        # graphed against eager bit for bit where the kernels are deterministic (train.deterministic on both)
+        runs += [Run("1rank-deterministic-eager", ["train.deterministic=true", "train.cuda_graphs=false"], 1),
+                 Run("1rank-deterministic-graphed", ["train.deterministic=true"], 1,
+                     reference_run="1rank-deterministic-eager", exact=True)]
     # a short lease starts what matters most first (run_matrix starts in this order, none after its budget):
     # the strict mode, the hybrids, the precisions and the controls, then every schedule's grid
     if not dry:  # the strict mode: messages that do not fit NCCL's buffers, one connection a GPU
@@ -181,7 +202,27 @@ def matrix(dry: bool = False) -> list[Run]:
         except ConfigError as e:
             why = str(e)
         runs.append(Run(label, args, D, skipped=why))
+    if not dry:
+        runs += graphed_points()
     return runs
+
+
+#: graphs holding NCCL work (train.graph_collectives, off by default until these run to their end): each point
+#: under a short limit of its own, NCCL's warnings on; one that hangs runs once more with NCCL's graph mixing off
+GRAPHED_LIMIT_S = 75.0
+GRAPHED_ENV = {"NCCL_DEBUG": "WARN"}
+GRAPHED_RETRY = {"NCCL_GRAPH_MIXING_SUPPORT": "0"}
+
+
+def graphed_points() -> list[Run]:
+    """The graphed multi-rank points, last in the matrix (a hang there costs no other point its run): R = 2, S = 2
+    (its halos in the graph) and R2 x S2, each against the one-rank run."""
+    on = ["train.graph_collectives=true"]
+    points = [("graphed-R2", ["parallel.replicas=2", *on], 2),
+              ("graphed-S2", ["parallel.spatial=2", "train.graph_spatial=true", *on], 2),
+              ("graphed-R2xS2", ["parallel.replicas=2", "parallel.spatial=2", "train.graph_spatial=true", *on], 4)]
+    return [Run(label, args, n, env=dict(GRAPHED_ENV), limit_s=GRAPHED_LIMIT_S, retry_env=dict(GRAPHED_RETRY))
+            for label, args, n in points]
 
 
 def _command(run: Run, out: Path, dry: bool) -> list[str]:
@@ -246,29 +287,34 @@ def run_matrix(runs: list[Run], out: Path, dry: bool, budget_s: float, ranks: in
     while todo or live:
         for item in list(live):
             run, proc, t0, log = item
-            over = time.monotonic() - t0 > limit
+            mine = run.limit_s if run.limit_s is not None else limit
+            over = time.monotonic() - t0 > mine
             if proc.poll() is None and not over:
                 continue
             if over and proc.poll() is None:
-                proc.kill()
-                proc.wait()
+                _kill(proc)
             log.close()
             live.remove(item)
             run.wall_s = round(time.monotonic() - t0, 1)
             run.status, run.losses, run.error = _losses(run, out)
             if over:
-                run.status, run.error = "timeout", f"killed after {limit:.0f} s" + (f"; {run.error}" if run.error else "")
+                run.status, run.error = "timeout", f"killed after {mine:.0f} s" + (f"; {run.error}" if run.error else "")
             elif proc.returncode != 0 and run.status == "ok":
                 run.status, run.error = "failed", f"exit status {proc.returncode}"
+            if over and run.retry_env and run.setting == "as set":  # a hang: once more, the retry's setting
+                run.first_try, run.setting = run.error, " ".join(f"{k}={v}" for k, v in run.retry_env.items())
+                run.env = {**run.env, **run.retry_env}
+                _clear(out / "runs" / run.label)
+                todo.insert(0, run)
         busy = sum(r.ranks for r, *_ in live)
         while todo and time.monotonic() - start < budget_s:
             run = todo[0]
             if busy + run.ranks > ranks and live:
                 break
             todo.pop(0)
-            log = open(out / "logs" / f"{run.label}.txt", "wb")
+            log = open(out / "logs" / f"{run.label}.txt", "ab")
             proc = subprocess.Popen(_command(run, out, dry), stdout=log, stderr=subprocess.STDOUT,
-                                    env={**env, **run.env})
+                                    env={**env, **run.env}, start_new_session=True)
             live.append((run, proc, time.monotonic(), log))
             busy += run.ranks
         if todo and time.monotonic() - start >= budget_s and not live:
@@ -282,8 +328,28 @@ def run_matrix(runs: list[Run], out: Path, dry: bool, budget_s: float, ranks: in
         if run.status == "ok" and run.label != run.reference_label:
             run.reference = refs.get(run.reference_label, [])
             run.max_rel_diff = compare(run.losses, run.reference)
-            run.equal = run.max_rel_diff is not None and run.max_rel_diff <= TOLERANCE[run.precision]
+            run.equal = run.max_rel_diff is not None and run.max_rel_diff <= (0.0 if run.exact else
+                                                                              TOLERANCE[run.precision])
     return runs
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    """A run past its limit, with every process it started (its ranks: a session of their own)."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        proc.kill()
+    proc.wait()
+
+
+def _clear(folder: Path) -> None:
+    """A hung try's record (the launcher may have written a failed one) goes before the retry writes its own."""
+    import shutil
+
+    if folder.exists():
+        shutil.rmtree(folder)
 
 
 def _machine() -> dict[str, Any]:
@@ -316,6 +382,8 @@ def write_summary(runs: list[Run], out: Path, dry: bool, wall_s: float) -> dict[
     for r in runs:
         diff = f"{r.max_rel_diff:.1e}" if r.max_rel_diff is not None else ""
         note = (r.skipped or r.error).replace("|", "/")[:120]
+        if r.first_try:  # retried after a hang: which setting the result is from
+            note = f"ran with {r.setting} after a hang ({r.first_try[:60]}); {note}"[:160]
         rows.append(f"| {r.label} | {r.ranks} | {r.precision} | {'skipped' if r.skipped else r.status} | "
                     f"{r.wall_s if r.wall_s is not None else ''} | {diff} | "
                     f"{'' if r.equal is None else ('yes' if r.equal else 'NO')} | {note} |")

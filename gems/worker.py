@@ -12,6 +12,7 @@ writes its failure report before the error leaves it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import traceback
@@ -19,6 +20,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from gems import capture as rules
 from gems import checkpoint as ckpt
 from gems import commlog, progress
 from gems.bootstrap import (
@@ -39,47 +41,74 @@ def run_rank(cfg_yaml: str) -> dict[str, Any] | None:
     A rank that fails writes its failure report (:mod:`gems.fault.reports`) before
     the error leaves it, so the launcher can tell the cause from the echoes.
     """
-    import torch.distributed as dist
-
     ckpt.install_time_limit_handler()  # first: Slurm's signal may come while the rank starts
     cfg = typed(OmegaConf.create(cfg_yaml))  # the typed settings every module below reads (gems.config.typed)
     rank = _env_rank()
     wd: Watchdog | None = None
-    try:
-        world = init_world(cfg)
-        rank = world.rank
+    world: Any = None
+    # the message log spans the rank's end: its graphs' release and its process groups' destruction are logged
+    with contextlib.ExitStack() as logged:
+        try:
+            world = init_world(cfg)
+            rank = world.rank
 
-        def on_stall(message: str, failure: dict[str, Any]) -> None:
-            write_once(rec.record_path(cfg), rec.failed_record(cfg, message, failure=failure,
-                                                                restarts=ckpt.restart_count()))
+            def on_stall(message: str, failure: dict[str, Any]) -> None:
+                write_once(rec.record_path(cfg), rec.failed_record(cfg, message, failure=failure,
+                                                                    restarts=ckpt.restart_count()))
 
-        wd = start_watchdog(cfg, world, on_stall)
-        with commlog.install_from_env(world.rank, world.device):  # GEMS_COMM_LOG=DIR: every message, in order
+            wd = start_watchdog(cfg, world, on_stall)
+            logged.enter_context(commlog.install_from_env(world.rank, world.device))  # GEMS_COMM_LOG=DIR
             # gems eval: a trained model evaluated on the ranks a training run would have (gems.rank.evaluate)
             record = evaluate_model(cfg, world, wd) if cfg.eval.path else train(cfg, world, wd)
-        if wd is not None:
-            wd.stop()
-        if world.rank == 0:
-            progress.mark("record")
-            hardware(cfg, world, record)
-            rec.write_record(rec.record_path(cfg), record)
-            rec.write_steps(rec.record_path(cfg), record)
-            return record
-        return None
-    except NonFiniteLoss:
-        raise  # the record says it all
-    except BaseException as e:
-        if not isinstance(e, (KeyboardInterrupt, SystemExit)) and rank is not None:
-            reports.report_exception(rec.job_dir(cfg), rank, e)
-        raise
-    finally:
-        if wd is not None:
-            wd.stop()
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # the peer may already be gone; the record says why
-                pass
+            release_graphs(world)  # while the watchdog still watches: the device's queue may wait for peers
+            if wd is not None:
+                wd.stop()
+            if world.rank == 0:
+                progress.mark("record")
+                hardware(cfg, world, record)
+                rec.write_record(rec.record_path(cfg), record)
+                rec.write_steps(rec.record_path(cfg), record)
+                return record
+            return None
+        except NonFiniteLoss:
+            raise  # the record says it all
+        except BaseException as e:
+            if not isinstance(e, (KeyboardInterrupt, SystemExit)) and rank is not None:
+                reports.report_exception(rec.job_dir(cfg), rank, e)
+            raise
+        finally:
+            end_rank(world, wd)
+
+
+def release_graphs(world: Any) -> bool:
+    """The rank's CUDA graphs released (gems.capture.release: its device's queue finished, every graph reset, the
+    garbage collected), before anything destroys its process groups. False where that failed (a device in error):
+    then nothing may wait on NCCL's teardown."""
+    try:
+        rules.release(world.device if world is not None else None, waiting=lambda: progress.waiting("gpu queue"))
+        return True
+    except Exception as e:  # a device that failed cannot finish its queue: say so, and end without NCCL's teardown
+        print(f"gems: rank {getattr(world, 'rank', '?')}: its CUDA graphs could not be released "
+              f"({type(e).__name__}: {str(e)[:200]}); its process groups are left to the process's end",
+              file=sys.stderr, flush=True)
+        return False
+
+
+def end_rank(world: Any, wd: Watchdog | None) -> None:
+    """How every rank ends, whatever ended it (done, failed, preempted, a failed capture): its graphs released,
+    with the watchdog still watching (a device whose queue waits for a hung peer ends the process there, by the
+    watchdog's path, never by waiting on NCCL), then the watchdog stopped, then its process groups destroyed: NCCL's
+    teardown waits for every graph holding its work (gems.capture), so it comes after them."""
+    import torch.distributed as dist
+
+    released = release_graphs(world)
+    if wd is not None:
+        wd.stop()
+    if released and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # the peer may already be gone; the record says why
+            pass
 
 
 def hardware(cfg: Any, world: Any, record: dict[str, Any]) -> None:

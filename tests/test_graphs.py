@@ -26,13 +26,15 @@ from gems.rank import graphs
 CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it here
 
 
-def _cfg(graphs_on: bool = True, checkpoint: bool = False, backend: str = "auto", spatial: bool = False) -> Any:
-    return SimpleNamespace(train=SimpleNamespace(cuda_graphs=graphs_on, graph_spatial=spatial),
+def _cfg(graphs_on: bool = True, checkpoint: bool = False, backend: str = "auto", spatial: bool = False,
+         collectives: bool = True) -> Any:
+    return SimpleNamespace(train=SimpleNamespace(cuda_graphs=graphs_on, graph_spatial=spatial,
+                                                 graph_collectives=collectives),
                            parallel=SimpleNamespace(checkpoint=checkpoint), comm=SimpleNamespace(backend=backend))
 
 
-def _mesh(spatial: int = 1) -> Any:
-    return SimpleNamespace(spatial=spatial)
+def _mesh(spatial: int = 1, size: int = 1) -> Any:
+    return SimpleNamespace(spatial=spatial, size=max(size, spatial))
 
 
 def test_gpu_ranks_graph_the_plain_path_and_say_why_the_others_stay_eager(monkeypatch) -> None:
@@ -100,7 +102,9 @@ def _train(rank: int, size: int, args: list[str], stand_in: str | None, folder: 
     else:
         os.environ[graphs.STAND_IN_ENV] = stand_in
         os.environ.pop(graphs.LAYOUT_ENV, None)
-    cfg = compose([*args, f"results.dir={folder}"] + ([] if stand_in else ["train.cuda_graphs=false"]))
+    # (a multi-rank graph holds NCCL work: graphed only with train.graph_collectives, which the stand-in runs here)
+    cfg = compose([*args, f"results.dir={folder}", "train.graph_collectives=true"]
+                  + ([] if stand_in else ["train.cuda_graphs=false"]))
     with open_dict(cfg):
         cfg.run_id = f"graphs-{stand_in or 'eager'}"
     world = World(rank, size, rank, "127.0.0.1", 0, "single", torch.device("cpu"), "gloo", "torch", None, "localhost")

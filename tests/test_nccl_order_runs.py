@@ -66,6 +66,19 @@ RUNS = {
 }
 
 
+def released_before_destroyed(logs: dict[int, list[dict[str, Any]]], captured: bool = True) -> None:
+    """Every rank reset its graphs before it destroyed its process groups, none left alive then (gems.capture: NCCL's
+    teardown waits for every graph holding its work), and where NCCL work was captured (``captured``) every launch
+    inside a graph was chained after the one before (the replay refuses one that was not: gems.commlog.unordered)."""
+    for r, events in logs.items():
+        kinds = [e["e"] for e in events]
+        assert kinds.count("destroy") == 1 and "graph_reset" in kinds, (r, kinds[-5:])
+        end = kinds.index("destroy")
+        assert "graph_reset" not in kinds[end:] and events[end]["graphs_alive"] == 0, (r, kinds[end - 3:])
+        inside = [e for e in events if e.get("e") == "post" and e.get("graph") is not None]
+        assert bool(inside) == captured and all(e["chained"] for e in inside), r
+
+
 def _logged_run(logs_dir: Path, *args: str) -> Any:
     """``gems run ARGS`` with every rank's communication logged under ``logs_dir`` (GEMS_COMM_LOG), run by
     ``gems.cli.main`` in this process (the ranks real processes, given the launcher's environment)."""
@@ -128,7 +141,8 @@ def test_a_graphed_replicas_run_with_checkpoints_replays_under_nccl_rules(tmp_pa
 
     monkeypatch.setenv(STAND_IN_ENV, "1")
     logs_dir = tmp_path / "comm"
-    r = _logged_run(logs_dir, "parallel.replicas=2", *RESNET, "train.batch_size=4", "train.steps=3",
+    r = _logged_run(logs_dir, "parallel.replicas=2", "train.graph_collectives=true", *RESNET, "train.batch_size=4",
+                    "train.steps=3",
                     "train.warmup_steps=1", "train.check_fit=false", "train.checkpoint_every=1",
                     f"results.dir={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -141,6 +155,7 @@ def test_a_graphed_replicas_run_with_checkpoints_replays_under_nccl_rules(tmp_pa
     assert len({c for _, c in comms}) >= 3 and any(fn == "scatter" for fn, _ in comms)
     for strict in (False, True):
         assert replay(logs, strict_sends=strict)["collectives"] > 0
+    released_before_destroyed(logs)
 
 
 def test_a_graphed_replicas_step_read_a_step_late_replays_under_nccl_rules(tmp_path: Path, monkeypatch) -> None:
@@ -152,7 +167,8 @@ def test_a_graphed_replicas_step_read_a_step_late_replays_under_nccl_rules(tmp_p
 
     monkeypatch.setenv(STAND_IN_ENV, "1")
     logs_dir = tmp_path / "comm"
-    r = _logged_run(logs_dir, "parallel.replicas=2", *COSMO32[:2], "model.width=0.25", "model.norm=batch",
+    r = _logged_run(logs_dir, "parallel.replicas=2", "train.graph_collectives=true", *COSMO32[:2], "model.width=0.25",
+                    "model.norm=batch",
                     "model.dropout=0.5", "comm.bucket_mb=0.0001", "train.batch_size=4", "train.steps=5",
                     "train.warmup_steps=1", "train.check_fit=false", f"results.dir={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -161,6 +177,7 @@ def test_a_graphed_replicas_step_read_a_step_late_replays_under_nccl_rules(tmp_p
     logs = load(logs_dir)
     for strict in (False, True):
         assert replay(logs, strict_sends=strict)["collectives"] > 0
+    released_before_destroyed(logs)
 
 
 def test_graphed_spatial_parts_replay_under_nccl_rules(tmp_path: Path, monkeypatch) -> None:
@@ -171,7 +188,8 @@ def test_graphed_spatial_parts_replay_under_nccl_rules(tmp_path: Path, monkeypat
 
     monkeypatch.setenv(STAND_IN_ENV, "1")
     logs_dir = tmp_path / "comm"
-    r = _logged_run(logs_dir, "parallel.replicas=2", "parallel.spatial=2", *COSMO32[:2], "model.width=0.25",
+    r = _logged_run(logs_dir, "parallel.replicas=2", "parallel.spatial=2", "train.graph_collectives=true",
+                    *COSMO32[:2], "model.width=0.25",
                     "model.norm=batch", "train.batch_size=4", "train.steps=4", "train.warmup_steps=1",
                     "train.check_fit=false", "train.graph_spatial=true", f"results.dir={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -181,6 +199,9 @@ def test_graphed_spatial_parts_replay_under_nccl_rules(tmp_path: Path, monkeypat
     for strict in (False, True):
         ran = replay(logs, strict_sends=strict)
         assert ran["messages"] > 0 and ran["collectives"] > 0
+    released_before_destroyed(logs)
+    sends = [e for e in logs[0] if e.get("e") == "post" and e["kind"] == "send" and e.get("graph") is not None]
+    assert sends and {e["fn"] for e in logs[0] if e.get("graph") is not None} >= {"all_reduce", "isend"}
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "mast"])
@@ -201,3 +222,4 @@ def test_a_pipelines_graphed_pieces_replay_under_nccl_rules(tmp_path: Path, monk
     logs = load(logs_dir)
     for strict in (False, True):
         assert replay(logs, strict_sends=strict)["messages"] > 0
+    released_before_destroyed(logs, captured=False)  # a piece holds no NCCL work: the messages stay eager

@@ -20,6 +20,7 @@ import pickle
 import traceback
 from typing import Any, Callable
 
+from gems import capture
 from gems.bootstrap import free_port as bootstrap_free_port
 
 
@@ -48,6 +49,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         queue.put((rank, False, traceback.format_exc()))
         raise SystemExit(1)
     finally:
+        capture.release(None)  # a stand-in's graphs, as a rank's end releases them (gems.worker.end_rank)
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -319,7 +319,10 @@ class _Graphed:
     same sums, averages and sync, in the same order; :meth:`synced` is the step either way."""
 
     def __init__(self, c: _Composition, par: Parallel, finite: dict[int, torch.Tensor | bool]) -> None:
-        self.c, self.par, self.finite = c, par, finite
+        # what it needs of ``par``, not ``par``: par holds this object's methods (synced_step, adopt), and a cycle
+        # would keep the graph alive past the rank's release (gems.capture: NCCL's teardown waits for it)
+        self.c, self.finite = c, finite
+        self.reducer, self.plain, self.params = par.reducer, par.step, par.params
         reducer, mesh, cfg = par.reducer, c.mesh, c.cfg
         self.grads = reducer.static_grads()  # the graph's own gradients: they never alias a buffer unsafely
         self.zeroed = [b.flat for b in reducer.buckets if b.flat is not None] + \
@@ -349,7 +352,7 @@ class _Graphed:
             torch.full((1,), float(ok), dtype=torch.float64, device=self.c.world.device)
 
     def body(self, s: graphs.Static) -> None:
-        c, reducer = self.c, self.par.reducer
+        c, reducer = self.c, self.reducer
         reducer.start_step()
         for p, g in self.grads:  # attached again each step: zero_grad in either form leaves them as they were made
             p.grad = g
@@ -373,7 +376,7 @@ class _Graphed:
             self.optimizer.step()
 
     def eager(self, x: torch.Tensor, y: torch.Tensor, ids: list[int], step: int, stop: bool) -> torch.Tensor:
-        local = self.par.step(x, y, ids, step)
+        local = self.plain(x, y, ids, step)
         if self.buffers:
             average_buffers(self.buffers, self.group, self.copies, self.flat)
         pair = step_sync(local, stop, self.c.world)
@@ -384,7 +387,7 @@ class _Graphed:
     def static(self) -> list[torch.Tensor]:
         """What the body reads that outlives it, besides what it changes: the parameters, the sums' buffers, the
         optimizer's rate where it is a tensor (the stand-in holds each replay to these: gems.rank.graphs.Trace)."""
-        out = [p.detach() for p in self.par.params] + [b.flat for b in self.par.reducer.buckets if b.flat is not None]
+        out = [p.detach() for p in self.params] + [b.flat for b in self.reducer.buckets if b.flat is not None]
         out += [self.flat] if self.flat is not None else []
         if self.optimizer is not None:
             out += [g["lr"] for g in self.optimizer.param_groups if isinstance(g.get("lr"), torch.Tensor)]
@@ -394,7 +397,7 @@ class _Graphed:
         """What a step changes beyond its outputs (the stand-in's capture puts it back)."""
         out = list(self.c.seq.buffers())
         if self.in_graph:
-            out += [p.detach() for p in self.par.params]
+            out += [p.detach() for p in self.params]
             out += [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
         return out
 

@@ -97,13 +97,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from gems import capture as rules
 from gems.errors import RunError
 from gems.layers import sample_keys
 
 #: on a CPU rank, graph with a stand-in for the capture (the body run, checked and undone; each replay runs it
 #: again): ``1``; ``fail_at_end``: the stand-in's capture fails at its end, as CUDA's does when something during it
-#: invalidated the capture (the failure's test)
+#: invalidated the capture; ``fail_after_body``: an error of the body's own after its NCCL work, the capture ending
+#: well (its graph made, to be reset before the error leaves); ``fail_at_replay``: the first replay fails (the
+#: failures' tests)
 STAND_IN_ENV = "GEMS_CPU_GRAPH_STAND_IN"
+STAND_IN_MODES = ("1", "fail_at_end", "fail_after_body", "fail_at_replay")
 #: on a CPU rank, compute in a GPU rank's layout without the stand-in (:func:`gpu_layout`)
 LAYOUT_ENV = "GEMS_CPU_GPU_LAYOUT"
 #: steps of the body run eagerly, on the capture's stream, before the capture: torch's warm-up (libraries
@@ -132,7 +136,9 @@ def decide(cfg: Any, settings: Any, mesh: Any, device: torch.device) -> tuple[bo
     """(whether this rank's step replays graphs, a note saying why not where it would have). ``train.cuda_graphs``:
     auto (GPU ranks on the plain path: no pipeline, no recomputation, sums not over MPI, no spatial parts unless
     ``train.graph_spatial`` captures their halos; a pipeline's partitions too with ``train.graph_pieces``, but for a
-    split backward: gems.rank.pieces) or false."""
+    split backward: gems.rank.pieces) or false. A step whose graph would hold NCCL work (more than one rank on the
+    plain path) graphs only with ``train.graph_collectives``: no lent GPU has run such a graph to its end yet
+    (issue 74: the default captures no NCCL work until a lease's records turn it on)."""
     if not bool(cfg.train.cuda_graphs):
         return False, None
     if device.type != "cuda" and not (device.type == "cpu" and stand_in() is not None):
@@ -153,13 +159,17 @@ def decide(cfg: Any, settings: Any, mesh: Any, device: torch.device) -> tuple[bo
         why = "MPI's gradient sums (comm.backend=mpi) run from the host"
     elif settings.pipelined and settings.schedule.split:
         why = "a split backward's weight gradients wait for their W action (gems.pipeline.deferred)"
+    elif not settings.pipelined and mesh.size > 1 and not bool(getattr(cfg.train, "graph_collectives", False)):
+        why = ("its graph would hold NCCL work (the gradient sums and the step's sync"
+               + (", the halo messages" if mesh.spatial > 1 else "") + ") and no lent GPU has yet run such a graph "
+               "to its end (train.graph_collectives=true captures it: gems.capture)")
     return (True, None) if why is None else (False, f"train.cuda_graphs: the step runs eager: {why}")
 
 
 def stand_in() -> str | None:
     """The stand-in's mode on a CPU rank (``GEMS_CPU_GRAPH_STAND_IN``): None (off), ``1`` or ``fail_at_end``."""
     mode = os.environ.get(STAND_IN_ENV)
-    return mode if mode in ("1", "fail_at_end") else None
+    return mode if mode in STAND_IN_MODES else None
 
 
 def gpu_layout(device: torch.device) -> bool:
@@ -419,17 +429,29 @@ class _CudaCapture:
         self.stream.wait_stream(current)
         self.api.synchronize(self.device)  # nothing of the eager steps still queued while the capture begins
         self.api.empty_cache()  # the eager step's blocks, cached for the capture's stream, back to the device
-        graph = self.api.CUDAGraph()
+        graph = rules.made(self.api.CUDAGraph())  # registered first: whatever happens, the rank resets it
         collecting = gc.isenabled()
         gc.collect()
         gc.disable()
+        ended = False
         try:
             with CUDA_WORK, self.api.stream(self.stream):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    body()
+                    with rules.region(self.device, self.api):  # NCCL launched in one order (gems.capture)
+                        body()
                 finally:
                     graph.capture_end()  # ends the stream's capture, after a failure inside it too
+                    ended = True
+        except BaseException:
+            # the capture ended but the body failed after it launched NCCL work: the graph is reset before the error
+            # leaves (a traceback would keep it alive, and NCCL's teardown waits for it); where capture_end itself
+            # failed no graph was made, and nothing is called on a mid-capture allocator
+            if ended:
+                rules.reset(graph)
+            else:
+                rules.GRAPHS[:] = [g for g in rules.GRAPHS if g is not graph]
+            raise
         finally:
             if collecting:
                 gc.enable()
@@ -446,11 +468,12 @@ class _StandInCapture:
     replay runs the body again (not counted as the step's own ops: :func:`replaying`), held to the recorded ops.
     ``fail_at_end``: the capture fails at its end as CUDA's would after something invalidated it."""
 
-    def __init__(self, touched: Callable[[], list[torch.Tensor]], fail_at_end: bool = False,
+    def __init__(self, touched: Callable[[], list[torch.Tensor]], mode: str = "1",
                  grads: Sequence[tuple[torch.nn.Parameter, torch.Tensor]] = (),
                  static: Callable[[], list[torch.Tensor]] = lambda: []) -> None:
-        self.touched, self.fail_at_end, self.grads, self.static = touched, fail_at_end, list(grads), static
+        self.touched, self.mode, self.grads, self.static = touched, mode, list(grads), static
         self.body: Callable[[], None] | None = None
+        self.graph: Any = None
         self.recorded: list[Any] = []  # the capture's ops (:class:`Trace`), which every replay must dispatch
 
     def _static(self) -> list[torch.Tensor]:
@@ -463,9 +486,12 @@ class _StandInCapture:
         saved = [(t, t.detach().clone()) for t in {id(t): t for t in self._static()}.values()]
         failed = False
         trace = Trace(self._static)
+        graph = rules.made(rules.StandInGraph("step"))
         try:
-            with NoHostReads(), trace:
+            with NoHostReads(), trace, rules.region(torch.device("cpu")):
                 body()
+            if self.mode == "fail_after_body":  # the body's own error after its NCCL work; the capture ends well
+                raise RuntimeError("stand-in: an error of the step's own after its NCCL work was captured")
         except BaseException:
             failed = True
             raise
@@ -473,25 +499,32 @@ class _StandInCapture:
             with torch.no_grad():
                 for t, v in saved:
                     t.copy_(v)
-            if failed or self.fail_at_end:  # as cudaStreamEndCapture answers an invalidated capture
+            if failed and self.mode == "fail_after_body":
+                rules.reset(graph)  # as the CUDA capture does where capture_end succeeded
+            elif failed or self.mode == "fail_at_end":  # as cudaStreamEndCapture answers an invalidated capture
+                rules.GRAPHS[:] = [g for g in rules.GRAPHS if g is not graph]
                 raise RuntimeError("CUDA error: operation failed due to a previous error during capture"
-                                   + (" (stand-in: injected at the capture's end)" if self.fail_at_end else ""))
-        self.body, self.recorded = body, trace.ops
+                                   + (" (stand-in: injected at the capture's end)" if self.mode == "fail_at_end"
+                                      else ""))
+        self.body, self.recorded, self.graph = body, trace.ops, graph
 
     def replay(self) -> None:
         """The body again, held to the capture's ops (:class:`Trace`); then what a GPU's replay leaves of the host's
         side of it: nothing, so the gradients it attached are taken off again (the step attaches them after a
         replay: :meth:`StepGraph.run`)."""
         assert self.body is not None
+        if self.mode == "fail_at_replay":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (stand-in: injected at the first "
+                               "replay)")
         trace = Trace(self._static, reference=self.recorded)
-        with replaying(), trace:
+        with replaying(), trace, rules.region(torch.device("cpu")):
             self.body()
         trace.check_complete()
         for p, _ in self.grads:
             p.grad = None
 
 
-def cause(e: BaseException) -> str:
+def cause(e: BaseException, in_capture: bool = True) -> str:
     """The first error of a failed capture, and what followed it: CUDA's ``capture_end`` answers any failure with
     a generic error, raised while the first one (the illegal call) is handled, so the first is the chain's root."""
     chain = [e]
@@ -505,7 +538,7 @@ def cause(e: BaseException) -> str:
 
     if root is e:
         return (f"{line(e)} (no error came before it: something outside the step's own calls invalidated the "
-                "capture; the reader and CUDA's global mode were kept out of its way)")
+                "capture; the reader and CUDA's global mode were kept out of its way)") if in_capture else line(e)
     return f"{line(root)} (then {line(e)})"
 
 
@@ -578,7 +611,14 @@ class StepGraph:
                         "The run stops: a failed capture leaves CUDA's caching allocator mid-capture. "
                         "train.cuda_graphs=false trains eager") from e
                 self.captured = True
-            cap.replay()
+            try:
+                cap.replay()
+            except Exception as e:
+                if self.replays:
+                    raise
+                raise CaptureFailed(
+                    f"train.cuda_graphs: the first replay of the step failed on rank {self.rank} at step {step}: "
+                    f"{cause(e, in_capture=False)}. The run stops. train.cuda_graphs=false trains eager") from e
             self.replays += 1
             for p, g in self.grads:
                 p.grad = g
@@ -593,8 +633,7 @@ class StepGraph:
         if self._capture is None:
             mode = stand_in()
             self._capture = (_CudaCapture(self.device) if self.device.type == "cuda" else
-                             _StandInCapture(self.touched, fail_at_end=mode == "fail_at_end", grads=self.grads,
-                                             static=self._statics))
+                             _StandInCapture(self.touched, mode=mode or "1", grads=self.grads, static=self._statics))
         return self._capture
 
 

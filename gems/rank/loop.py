@@ -20,8 +20,8 @@ from typing import Any, Callable
 import torch
 from omegaconf import DictConfig
 
+from gems import capture, progress, timers
 from gems import checkpoint as ckpt
-from gems import progress, timers
 from gems.bootstrap import (
     KEEP_GROWTH,
     World,
@@ -133,6 +133,8 @@ class Run:
             torch.set_num_threads(int(t.threads))
         if t.tf32 is not None:  # GPU ranks: fp32 convolutions and matmuls in TF32 or not (CPUs have no TF32)
             torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = bool(t.tf32)
+        if t.deterministic:  # the same bits from run to run (graphed against eager on a GPU: docs/gpu.md)
+            deterministic()
         self.mesh = mesh = mesh_from_config(cfg, world.size)
         self.mlperf = MLPerfLog(cfg, world.rank)  # a run with a target: MLPerf HPC's log, from init start
         self.mlperf.init_start(_device_name(world.device), world.size)
@@ -893,6 +895,9 @@ def _preempt(world: World, step: int, saver: ckpt.Saver, hold: ckpt.Holding, his
         staged.discard(world)
     if world.rank == 0:
         print(f"gems: {why} (checkpoint before step {step})", file=sys.stderr, flush=True)
+    # its CUDA graphs released, as every way a rank ends does (gems.capture; gems.worker.end_rank): the watchdog
+    # still watches the device's queue
+    capture.release(world.device, waiting=lambda: progress.waiting("gpu queue"))
     if wd is not None:
         wd.stop()  # waiting to be ended is no stall
     if world.source == "slurm" or os.environ.get("SLURM_JOB_ID"):
@@ -902,6 +907,15 @@ def _preempt(world: World, step: int, saver: ckpt.Saver, hold: ckpt.Holding, his
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(ckpt.PREEMPTED_EXIT)
+
+
+def deterministic() -> None:
+    """train.deterministic: cuDNN's deterministic kernels and no benchmark's choice, torch's deterministic
+    algorithms where it has them (a warning where it has none), cuBLAS's workspace fixed (before its first use)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def _device_name(device: torch.device) -> str:

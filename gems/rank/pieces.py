@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from gems import capture as rules
 from gems.layers import batch_context, current_batch, sample_keys
 from gems.rank.graphs import CUDA_WORK, CaptureFailed, HostRing, NoHostReads, Trace, cause, replaying, stand_in, uncached
 
@@ -60,6 +61,8 @@ class _Slot:
         self.gy: torch.Tensor | None = None
         self.grads: list[torch.Tensor | None] = []
         self.graphs: tuple[Any, Any] | None = None
+        self.replayed = False  # whether its graphs replayed once (a failure of the first says what to do)
+        self.name = "a piece"  # for the messages (Pieces names it: its stage and rank)
         self._live: torch.Tensor | None = None  # the stand-in's forward, for its backward
         #: the stand-in's first replay of the forward and of the backward, which every later one must dispatch
         #: (gems.rank.graphs.Trace: what a GPU's graphs would freeze)
@@ -89,7 +92,9 @@ class _Slot:
             del y
         api.synchronize(self.device)
         api.empty_cache()  # as torch.cuda.graph does: during a capture the allocator releases no cached block
-        fwd, bwd = api.CUDAGraph(), api.CUDAGraph()
+        # registered first (gems.capture: whatever happens, the rank resets them before NCCL's teardown)
+        fwd, bwd = rules.made(api.CUDAGraph()), rules.made(api.CUDAGraph())
+        ended: list[Any] = []
         collecting = gc.isenabled()
         gc.collect()
         gc.disable()
@@ -97,15 +102,26 @@ class _Slot:
             with CUDA_WORK, api.stream(side):
                 fwd.capture_begin(capture_error_mode="thread_local")
                 try:
-                    y = self._forward()
+                    with rules.region(self.device, api):
+                        y = self._forward()
                 finally:
                     fwd.capture_end()
+                    ended.append(fwd)
                 self.gy = torch.empty_like(y)
                 bwd.capture_begin(pool=fwd.pool(), capture_error_mode="thread_local")
                 try:
-                    grads = self._grads(y, self.gy)
+                    with rules.region(self.device, api):
+                        grads = self._grads(y, self.gy)
                 finally:
                     bwd.capture_end()
+                    ended.append(bwd)
+        except BaseException:
+            for g in (fwd, bwd):  # a graph made is reset before the error leaves; one whose capture failed is not
+                if any(g is e for e in ended):
+                    rules.reset(g)
+                else:
+                    rules.GRAPHS[:] = [x for x in rules.GRAPHS if x is not g]
+            raise
         finally:
             if collecting:
                 gc.enable()
@@ -115,12 +131,24 @@ class _Slot:
     def capture_stand_in(self) -> None:
         """The stand-in: one forward and backward under the host-read check (what a capture refuses); the buffers
         are put back by the caller."""
-        with NoHostReads():
+        rules.made(rules.StandInGraph("piece"))
+        with NoHostReads(), rules.region(torch.device("cpu")):
             y = self._forward()
             grads = self._grads(y, torch.ones_like(y))
         self.y, self.gy = torch.zeros_like(y), torch.zeros_like(y)
         self.grads = [g if g is None else torch.zeros_like(g) for g in grads]
         self.graphs = None
+
+    def _first(self, replay: Callable[[], None]) -> None:
+        """A replay; the first one's failure stops the run with the capture's named message."""
+        try:
+            replay()
+        except Exception as e:
+            if self.replayed:
+                raise
+            raise CaptureFailed(f"train.graph_pieces: the first replay of {self.name} failed: {cause(e, False)}. The run "
+                                "stops. train.graph_pieces=false trains eager") from e
+        self.replayed = True
 
     # ---- replay
     def forward(self, x: torch.Tensor, keys: Sequence[int]) -> torch.Tensor:
@@ -128,21 +156,27 @@ class _Slot:
             self.x.copy_(x)
             self.keys.view(-1).copy_(self.host.fill(keys), non_blocking=True)
         if self.graphs is not None:
-            self.graphs[0].replay()
+            self._first(self.graphs[0].replay)
         else:
-            with self._traced("forward"):
-                self._live = self._forward()
-                assert self.y is not None
-                with torch.no_grad():
-                    self.y.copy_(self._live)
+            self._first(self._stand_in_forward)
         assert self.y is not None
         return self.y
+
+    def _stand_in_forward(self) -> None:
+        if not self.replayed and stand_in() == "fail_at_replay":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (stand-in: injected at the first "
+                               "replay)")
+        with self._traced("forward"):
+            self._live = self._forward()
+            assert self.y is not None
+            with torch.no_grad():
+                self.y.copy_(self._live)
 
     @contextlib.contextmanager
     def _traced(self, what: str) -> Iterator[None]:
         """The stand-in's replay of ``what``, held to its first (:class:`gems.rank.graphs.Trace`)."""
         trace = Trace(self._static, reference=self.traces.get(what))
-        with replaying(), trace:
+        with replaying(), trace, rules.region(torch.device("cpu")):
             yield
         trace.check_complete()
         self.traces.setdefault(what, trace.ops)
@@ -223,6 +257,7 @@ class Pieces:
         try:
             for key, (part, shape, stride, dtype, needs_grad, samples) in sorted(self.seen.items()):
                 slot = _Slot(part, shape, stride, dtype, needs_grad, samples, self.device, self.amp)
+                slot.name = f"the piece of stage {key[0]} (replica pass {key[1]}, micro-batch {key[2]}) on rank {self.rank}"
                 if self.api is not None:
                     slot.capture_cuda(side, self.api)
                 else:

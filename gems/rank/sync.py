@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from gems import capture
 from gems.progress import waiting
 
 
@@ -37,7 +38,7 @@ def all_reduce_sum(t: torch.Tensor, world: Any) -> None:
     if world.size > 1:
         import torch.distributed as dist
 
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        capture.launch(lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM))
 
 
 @dataclass

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from gems import capture
 from gems.errors import ConfigError
 from gems.fake import is_fake
 from gems.mesh import ravel, unravel
@@ -91,7 +92,7 @@ class SpatialContext:
                              f"receives from {[p for p, _ in recv]}")
         ops = [dist.P2POp(dist.irecv, t, peer, group=self.group, tag=tag) for peer, t in recv]
         ops += [dist.P2POp(dist.isend, t, peer, group=self.group, tag=tag) for peer, t in send]
-        works = dist.batch_isend_irecv(ops) if ops else []
+        works = capture.launch(lambda: dist.batch_isend_irecv(ops)) if ops else []  # one order inside a graph
         return Posted(works, len(recv), len(send), [t for _, t in [*recv, *send]])
 
     def avg_pool(self, nd: int) -> Callable[..., torch.Tensor]:
@@ -234,7 +235,7 @@ class SpatialContext:
                     v[j] = int(x.shape[2 + j])
             t = torch.tensor(v, dtype=torch.int64, device=x.device)
             with waiting("spatial collective"):
-                dist.all_reduce(t, group=self.group)
+                capture.launch(lambda: dist.all_reduce(t, group=self.group))
             g = tuple(int(n) for n in t.tolist())
         self.mark(x, g)
         return g
@@ -284,7 +285,7 @@ class SpatialContext:
         y = x.detach().clone().contiguous()
         if self.size > 1:
             with waiting("spatial collective"):
-                dist.all_reduce(y, op=op, group=self.group)  # on the rank's device: its group's backend takes it
+                capture.launch(lambda: dist.all_reduce(y, op=op, group=self.group))  # on the rank's device
         return y
 
 
@@ -313,7 +314,7 @@ class _Gather(torch.autograd.Function):
         xp = F.pad(x, pad).contiguous() if any(pad) else x.contiguous()
         bufs = [torch.empty_like(xp) for _ in range(sctx.size)]
         with waiting("spatial collective"):
-            dist.all_gather(bufs, xp, group=sctx.group)
+            capture.launch(lambda: dist.all_gather(bufs, xp, group=sctx.group))
         full = x.new_empty((x.shape[0], x.shape[1], *gshape))
         for b, buf in zip(boxes, bufs):
             full[(slice(None), slice(None), *(slice(lo, hi) for lo, hi in b))] = \
@@ -325,7 +326,7 @@ class _Gather(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         g = g.contiguous().clone()
         with waiting("spatial collective"):
-            dist.all_reduce(g, group=ctx.sctx.group)
+            capture.launch(lambda: dist.all_reduce(g, group=ctx.sctx.group))
         return g[(slice(None), slice(None), *(slice(lo, hi) for lo, hi in ctx.box))].contiguous(), None, None
 
 
@@ -334,7 +335,7 @@ class _AllReduceSum(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, sctx: SpatialContext) -> torch.Tensor:
         y = x.detach().clone().contiguous()
         with waiting("spatial collective"):
-            dist.all_reduce(y, group=sctx.group)
+            capture.launch(lambda: dist.all_reduce(y, group=sctx.group))
         ctx.sctx = sctx
         return y
 
@@ -342,5 +343,5 @@ class _AllReduceSum(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         g = g.contiguous().clone()
         with waiting("spatial collective"):
-            dist.all_reduce(g, group=ctx.sctx.group)
+            capture.launch(lambda: dist.all_reduce(g, group=ctx.sctx.group))
         return g, None

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gems import timers
+from gems import capture, timers
 from gems.progress import waiting
 from gems.spatial.context import SpatialContext
 from gems.spatial.geometry import Box, intersect, is_empty, local_index, shape_of
@@ -97,7 +97,7 @@ class Pending:
             self.stream.wait_stream(main)  # x is ready on the compute stream
             with torch.cuda.stream(self.stream):
                 self._post(x)
-            x.record_stream(self.stream)
+            capture.keep(x, self.stream)  # (inside a graph: held, not recorded: gems.capture)
         else:
             self._post(x)
         timers.add_since(sctx.halo_seconds, label, t0)
@@ -118,7 +118,7 @@ class Pending:
             main = torch.cuda.current_stream(self.stream.device)
             main.wait_stream(self.stream)
             for b in self.bufs:
-                b.record_stream(main)
+                capture.keep(b, main)
         else:
             _wait([*self.posted.receives, *self.posted.sends])
         self.posted = None
