@@ -72,6 +72,12 @@ class MemoryMeter:
         value = torch.cuda.memory_stats(self.device).get("requested_bytes.all.peak")
         return None if value is None else int(value)
 
+    def reserved_peak(self) -> int | None:
+        """On GPU, the most the caching allocator held from the device (``max_memory_reserved``: its pools, a CUDA
+        graph's private pool among them, with what they cache), None on CPU: what a graph's pool takes beside
+        the tensors the plan counts (docs/gpu.md, "Graphs and NCCL")."""
+        return int(torch.cuda.max_memory_reserved(self.device)) if self.device.type == "cuda" else None
+
 
 def tensor_bytes(tensors: Any) -> int:
     """Bytes held by distinct tensor storages among ``tensors`` (an iterable of tensors; views count once)."""

@@ -238,6 +238,8 @@ def row_of(record: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
             "cuda_max_allocated_bytes": peak.get("max") if peak.get("kind") == "cuda_max_allocated" else None,
             # the most the tensors asked for (before the allocator's rounding and unsplit blocks): gems.memory
             "cuda_max_requested_bytes": peak.get("cuda_requested_max"),
+            # what the allocator held from the device, a graph's pool too (docs/gpu.md, "Graphs and NCCL")
+            "cuda_max_reserved_bytes": peak.get("cuda_reserved_max"),
             "peak_kind": peak.get("kind"), "time_breakdown_s": record.get("time_breakdown_s"),
             "loss": record.get("loss"), "error": record.get("error")}
 

@@ -723,16 +723,24 @@ def setup(cfg: Any) -> Setup:
     gpu = plan_device(cfg) == "cuda"
     # whether a GPU rank replays its model from CUDA graphs, and where not, why (the plan's notes say so)
     graphed, eager_why = graphs_decide(cfg, settings, mesh, torch.device("cuda")) if gpu else (False, None)
+    pool_note = GRAPHED_SPATIAL_POOL if graphed and mesh.spatial > 1 else None
     if mesh.spatial > 1:
         from gems.spatial.context import SpatialContext  # noqa: F401 - fails early when spatial is unavailable
     return Setup(spec, model_key, mesh, sched, int(p.micro_batches), eta, bool(p.checkpoint), str(cfg.train.precision), gpu,
                   int(cfg.train.batch_size), mesh.replicas, factor, float(cfg.comm.bucket_mb), p.overlap,
                   str(p.bn_stats), list(p.balance) if p.balance else None,
                   settings.balance_by, settings, rank_threads(cfg),
-                  _setup_notes(cfg, settings, [n for n in (gather_note, eager_why) if n]),
+                  _setup_notes(cfg, settings, [n for n in (gather_note, eager_why, pool_note) if n]),
                   device_batches_ahead(int(cfg.data.prefetch), str(cfg.data.name) == "hdf5") if gpu else 0,
                   load_calibration(cfg) if gpu else None, reader_draw(cfg, spec) if gpu else 0, graphed,
                   bool(cfg.data.val_path) or int(cfg.data.val_samples) > 0)
+
+
+#: what the plan of a graphed spatial step assumes of the graph's pool (issue 74, item 2)
+GRAPHED_SPATIAL_POOL = ("train.graph_spatial: the graph's pool is planned as the eager step's peak: no block freed "
+                        "during the capture is held back for the halos' second stream (gems.capture: no stream "
+                        "recorded inside a capture, TORCH_NCCL_AVOID_RECORD_STREAMS=1); planned, not measured (the "
+                        "rig's graphed S = 2 point records max_memory_reserved beside it)")
 
 
 def _setup_notes(cfg: Any, settings: Any, notes: list[str]) -> list[str]:

@@ -414,6 +414,8 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
         said.insert(2, f"the model's forward and backward replayed from CUDA graphs (train.cuda_graphs): "
                        f"{GRAPH_OP_OVERHEAD_S * 1e6:.3g} us a kernel (planned: no lease has timed a replay yet), the "
                        "loss, the gradient sums and the step's sync inside the replay; the optimizer launches its own")
+    elif rates.kind == "gpu":  # the cost a launch was fit to rows that no longer measure the code (issue 74)
+        said.insert(2, STALE_LAUNCH_FIT)
     return Prediction(step, worst, batch / step if step > 0 else math.inf, worst_label, per_position, said)
 
 
@@ -465,6 +467,13 @@ def _gradient_sum(params: float, p: int, link: Link | None, bucket_mb: float, wi
     nb = max(1, math.ceil(params / max(1.0, bucket_mb * 2**20)))
     full = allreduce(params, p, link, nb)
     return (max(full - window, full / nb) if spare else full) + rendezvous_wait(replicas, compute, jitter)
+
+
+#: what an eager GPU plan says of its cost a launch until a lease measures today's code (issue 74, item 7)
+STALE_LAUNCH_FIT = ("the cost a launch (kernels: above) was fit to GPU rows measured by a gems whose dropout drew its "
+                    "masks a sample at a time (27 launches more a step at a batch of 4); today's code launches fewer "
+                    "and no lent GPU has measured it since: a small eager step, made mostly of launches, may be "
+                    "planned short of what it takes (planned, not measured)")
 
 
 def _assumptions(rates: Rates, intra: Link | None, inter: Link | None, overlap: bool, world: int,

@@ -605,9 +605,12 @@ class Run:
             tensor_peaks=tensor_peaks if all(t is not None for t in tensor_peaks) else None, balance=par.balance,
             machines=machines,
         )
-        asked = [r for r in requested if r is not None]
+        asked = [r[0] for r in requested if r[0] is not None]
         if asked and len(asked) == len(requested):  # GPU ranks: what the tensors asked for, beside what CUDA counted
             record["peak_memory_bytes"].update(cuda_requested_max=max(asked), cuda_requested_per_rank=asked)
+        held = [r[1] for r in requested if r[1] is not None]
+        if held and len(held) == len(requested):  # and what the allocator held (a graph's pool too)
+            record["peak_memory_bytes"].update(cuda_reserved_max=max(held), cuda_reserved_per_rank=held)
         record["host_memory"] = self.host_memory.summary
         record["step_time_s"]["every"] = h["every_step_time"]  # every step's time, warm-up and profiled ones too
         traced = bool(self.cfg.train.profile) and self.steps - self.measure_from > 1  # its trace step is left out too
@@ -660,14 +663,14 @@ class Run:
         return out
 
     def gather(self, tensor_peak: int | None, measured: int) -> tuple[list[int], list[str], list[Any], list[str],
-                                                                         list[float], list[int | None]]:
+                                                                         list[float], list[tuple[int | None, int | None]]]:
         """Every rank's peak memory, host and tensor peak, the step times as the slowest rank took them, rank 0's
         pipeline waits split against every rank's send times (the planner's pipeline_comm), and every rank's peak
-        of requested bytes (GPU ranks; None on CPU)."""
+        of requested bytes and of reserved ones (GPU ranks; None on CPU)."""
         import torch.distributed as dist
 
         world, bd = self.world, self.history["breakdown"]
-        peak, requested = self.meter.peak(), self.meter.requested_peak()
+        peak, requested = self.meter.peak(), (self.meter.requested_peak(), self.meter.reserved_peak())
         times = torch.tensor(self.history["step_times"], dtype=torch.float64, device=world.device)  # NCCL: on device
         if world.size == 1:
             return [peak], [world.hostname], [tensor_peak], [socket.gethostname()], times.tolist(), [requested]
