@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _cli import gems_here
@@ -48,6 +49,44 @@ def test_the_matrix_covers_every_schedule_the_hybrids_and_the_precisions() -> No
     assert {"control-1f1b", "control-gpipe"} <= set(labels)
     from gems.gpucheck import _base
     assert "train.tf32=false" in _base(dry=False) and "train.device=cuda" in _base(dry=False)
+
+
+def test_graphs_holding_nccl_work_run_last_and_a_hung_one_runs_again_with_graph_mixing_off(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graphed multi-rank points come last in the matrix, each with a short limit of its own and NCCL's warnings
+    on; the deterministic pair compares graphed against eager bit for bit. A point that hangs (a command that
+    sleeps past its limit here, as a hang on a GPU would) is killed with what it started and runs once more with
+    NCCL_GRAPH_MIXING_SUPPORT=0, and the summary says which setting its result is from; one that hangs again is a
+    timeout. The hang itself is a GPU's: this drives the rig's handling of it with commands that stand for it."""
+    import gems.gpucheck as gc
+
+    runs = matrix(dry=False)
+    graphed = [r for r in runs if r.label.startswith("graphed-")]
+    assert [r.label for r in graphed] == ["graphed-R2", "graphed-S2", "graphed-R2xS2"]
+    assert runs[-len(graphed):] == graphed and all("train.graph_collectives=true" in r.args for r in graphed)
+    assert all(r.limit_s and r.limit_s < 100 and r.env["NCCL_DEBUG"] == "WARN" for r in graphed)
+    exact = next(r for r in runs if r.label == "1rank-deterministic-graphed")
+    assert exact.exact and exact.reference_label == "1rank-deterministic-eager"
+
+    def command(run: Any, out: Path, dry: bool) -> list[str]:  # hangs unless graph mixing is off (or it is "twice")
+        folder = out / "runs" / run.label
+        body = ("import os, sys, time, json, pathlib\n"
+                "if run.env.get('NCCL_GRAPH_MIXING_SUPPORT') != '0' or 'twice' in label: time.sleep(30)\n")
+        body = body.replace("run.env", "os.environ").replace("label", repr(run.label))
+        body += f"pathlib.Path({str(folder)!r}).mkdir(parents=True, exist_ok=True)\n"
+        body += f"pathlib.Path({str(folder / 'losses.json')!r}).write_text(json.dumps([1.0, 0.5]))\n"
+        return [sys.executable, "-c", body]
+
+    monkeypatch.setattr(gc, "_command", command)
+    ref = gc.Run("control-1f1b-1rank", [], 1, control="1f1b", env={"NCCL_GRAPH_MIXING_SUPPORT": "0"})
+    hung = gc.Run("graphed-R2", [], 1, control="1f1b", limit_s=2.0, retry_env=dict(gc.GRAPHED_RETRY))
+    twice = gc.Run("graphed-twice", [], 1, control="1f1b", limit_s=2.0, retry_env=dict(gc.GRAPHED_RETRY))
+    gc.run_matrix([ref, hung, twice], tmp_path, dry=True, budget_s=60, ranks=4)
+    assert hung.status == "ok" and hung.equal and hung.setting == "NCCL_GRAPH_MIXING_SUPPORT=0"
+    assert hung.first_try.startswith("killed after 2 s")
+    assert twice.status == "timeout" and twice.setting == "NCCL_GRAPH_MIXING_SUPPORT=0"
+    gc.write_summary([ref, hung, twice], tmp_path, dry=True, wall_s=1.0)
+    assert "ran with NCCL_GRAPH_MIXING_SUPPORT=0 after a hang" in (tmp_path / "summary.md").read_text()
 
 
 def test_the_comparison_names_a_difference_and_refuses_unequal_lengths() -> None:
