@@ -55,7 +55,8 @@ def make_data(cfg: DictConfig, spec: ModelSpec, slices: tuple[slice, ...] | None
         classes = int(spec.num_outputs) if spec.target == "dense" and spec.loss == "cross_entropy" else None
         return _HDF5Batches(layout.open(path, spec.input_shape, key=key, slices=slices, crop=d.crop,
                                         standardize=d.standardize, augment="none" if validation else d.augment,
-                                        readers=readers, target=spec.target, window=d.window, classes=classes),
+                                        readers=readers, target=spec.target, window=d.window, classes=classes,
+                                        orientation=str(d.orientation)),
                             pin=device is not None and device.type == "cuda", evaluated=validation)
     if d.augment != "none":
         raise ConfigError("data.augment", d.augment, "none for synthetic data (its samples are drawn, not read: "

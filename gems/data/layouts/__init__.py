@@ -97,6 +97,7 @@ class Options:
     target: str = "vector"  # the model's: vector (one per sample) or dense (a class per voxel)
     classes: int | None = None  # a model of dense classes: its classes (labels at or over it are bad input)
     window: Sequence[float] | None = None  # data.window: CT volumes' [low, high] Hounsfield units (nifti)
+    orientation: str = "stored"  # data.orientation: volumes read as stored, or in RAS+ (nifti)
 
 
 class Samples(Protocol):

@@ -85,6 +85,9 @@ class Header:
     slope: float
     inter: float
     stamp: tuple[int, int, int, int] = (0, 0, 0, 0)
+    #: the voxel-to-world affine nibabel gives (the sform where set, else the qform): index (x, y, z) to mm
+    affine: tuple[tuple[float, ...], ...] = ((1.0, 0.0, 0.0, 0.0), (0.0, 1.0, 0.0, 0.0), (0.0, 0.0, 1.0, 0.0),
+                                             (0.0, 0.0, 0.0, 1.0))
 
 
 def header(path: Path, key: str) -> Header:
@@ -110,7 +113,123 @@ def header(path: Path, key: str) -> Header:
     dtype = np.dtype(proxy.dtype)
     if dtype.kind not in "iuf":
         raise ConfigError(key, str(path.parent), f"NIfTI voxels of integers or floats; {path.name} holds {dtype}")
-    return Header(path, (shape[2], shape[1], shape[0]), dtype, offset, slope, inter, was)
+    affine = tuple(tuple(float(v) for v in row) for row in np.asarray(img.affine, dtype=np.float64))
+    return Header(path, (shape[2], shape[1], shape[0]), dtype, offset, slope, inter, was, affine)
+
+
+# ---------------------------------------------------------------------------- grids: a file against the sample's
+#: how far (in voxels) two affines may differ and still be one grid: NIfTI stores them as float32, whose rounding of
+#: an origin 500 mm out is 3e-5 mm
+ALIGN_TOL = 1e-3
+
+
+@dataclass(frozen=True)
+class Grid:
+    """How a file's voxels lie against the sample's grid (both as C-order (z, y, x) arrays): ``axes[a]`` is the
+    file's axis that the sample's axis ``a`` runs along, ``flips[a]`` whether it runs the other way. The identity
+    for a volume read as stored; a segmentation saved with an axis flipped or its axes permuted (and its affine to
+    match: the same labels in the same place) is read through its grid onto its volume's, exactly."""
+
+    axes: tuple[int, int, int] = (0, 1, 2)
+    flips: tuple[bool, bool, bool] = (False, False, False)
+
+    @property
+    def identity(self) -> bool:
+        return self.axes == (0, 1, 2) and not any(self.flips)
+
+    def shape(self, file_shape: Sequence[int]) -> tuple[int, int, int]:
+        """The sample grid's shape of a file of (C-order) ``file_shape``."""
+        return tuple(int(file_shape[a]) for a in self.axes)  # type: ignore[return-value]
+
+    def box(self, src: Sequence[slice], file_shape: Sequence[int]) -> tuple[slice, ...]:
+        """The file's box (C order) that holds the sample's box ``src``."""
+        out: list[slice] = [slice(0, 0)] * 3
+        for a, s in enumerate(src):
+            f, n = self.axes[a], int(file_shape[self.axes[a]])
+            out[f] = slice(n - s.stop, n - s.start) if self.flips[a] else slice(s.start, s.stop)
+        return tuple(out)
+
+    def orient(self, block: np.ndarray) -> np.ndarray:
+        """A block read from the file's box as the sample's (a view: transposed, then flipped)."""
+        view = block.transpose(self.axes)
+        flipped = tuple(a for a in range(3) if self.flips[a])
+        return np.flip(view, flipped) if flipped else view
+
+    def then(self, other: "Grid") -> "Grid":
+        """This grid (sample -> file A) followed by ``other`` (file A's grid -> file B): sample -> file B."""
+        return Grid(tuple(other.axes[self.axes[a]] for a in range(3)),  # type: ignore[arg-type]
+                    tuple(self.flips[a] != other.flips[self.axes[a]] for a in range(3)))  # type: ignore[arg-type]
+
+    def describe(self) -> str:
+        names = "zyx"
+        parts = []
+        if self.axes != (0, 1, 2):
+            parts.append("axes (z, y, x) read from its (" + ", ".join(names[a] for a in self.axes) + ")")
+        flipped = [names[a] for a in range(3) if self.flips[a]]
+        if flipped:
+            parts.append(" and ".join(flipped) + " flipped")
+        return "; ".join(parts) or "as stored"
+
+
+def _affine_text(affine: Any) -> str:
+    return "[" + "; ".join(" ".join(f"{v:.4g}" for v in row) for row in np.asarray(affine)[:3]) + "]"
+
+
+def lined_up(volume: Header, labels: Header, key: str) -> Grid:
+    """The grid that reads ``labels`` onto ``volume``'s voxels: where their affines differ by flips and
+    permutations of the axes only (within :data:`ALIGN_TOL` voxels), the labels lie on the same grid in another
+    order and are read in the volume's, exactly; any other difference (spacing, origin, shear, shape) is bad input
+    naming both files and both affines: labels trained against voxels they do not belong to, silently, are worse
+    than a refusal."""
+    av, al = np.asarray(volume.affine, dtype=np.float64), np.asarray(labels.affine, dtype=np.float64)
+    nv = np.array(volume.shape[::-1])  # (x, y, z): NIfTI's index order, the affine's
+    try:
+        m = np.linalg.solve(al, av)  # a volume index (x, y, z, 1) -> the labels' index
+    except np.linalg.LinAlgError:
+        m = np.full((4, 4), np.nan)
+    rot, shift = m[:3, :3], m[:3, 3]
+    perm = np.round(rot)
+    ok = bool(np.all(np.isfinite(m)) and np.allclose(rot, perm, atol=ALIGN_TOL)
+              and all(sorted(np.abs(perm[:, a]).tolist()) == [0, 0, 1] for a in range(3))
+              and all(sorted(np.abs(perm[b, :]).tolist()) == [0, 0, 1] for b in range(3)))
+    why = "more than a flip or permutation of the axes (other spacing, a rotation or a shear)"
+    if ok:
+        src = [int(np.argmax(np.abs(perm[b]))) for b in range(3)]  # the labels' axis b runs along the volume's src[b]
+        back = [bool(perm[b, src[b]] < 0) for b in range(3)]
+        want = np.array([nv[src[b]] - 1 if back[b] else 0 for b in range(3)], dtype=np.float64)
+        nl = np.array(labels.shape[::-1])
+        if not np.allclose(shift, want, atol=10 * ALIGN_TOL):
+            ok, why = False, f"another origin: the labels' grid is shifted by {_affine_vec(shift - want)} voxels"
+        elif any(int(nl[b]) != int(nv[src[b]]) for b in range(3)):
+            ok, why = False, "another shape once the axes are lined up"
+    if not ok:
+        raise ConfigError(key, str(volume.path.parent), f"labels on their volume's voxel grid (the same affine, or one "
+                          f"that flips or permutes its axes); {labels.path.name}'s affine {_affine_text(al)} and "
+                          f"{volume.path.name}'s {_affine_text(av)} differ by {why}: resample the labels onto the "
+                          "volume's grid")
+    # in C order (z, y, x): the sample's axis a is NIfTI's 2 - a
+    axes = tuple(2 - next(b for b in range(3) if src[b] == 2 - a) for a in range(3))
+    flips = tuple(back[2 - axes[a]] for a in range(3))
+    return Grid(axes, flips)  # type: ignore[arg-type]
+
+
+def _affine_vec(v: Any) -> str:
+    return "(" + ", ".join(f"{float(x):.3g}" for x in v) + ")"
+
+
+def canonical(volume: Header) -> Grid:
+    """The grid that reads ``volume`` in RAS+ orientation (``data.orientation=RAS``, as MONAI's ``Orientationd``
+    and nibabel's ``as_closest_canonical``): x towards the right, y anterior, z superior, each axis of the sample
+    the file's axis nearest to it (nibabel's ``io_orientation``)."""
+    import nibabel as nib
+
+    ornt = nib.orientations.io_orientation(np.asarray(volume.affine))  # per file axis (x, y, z): world axis, sign
+    axes, flips = [0, 0, 0], [False, False, False]
+    for f in range(3):
+        w, sign = int(ornt[f, 0]), float(ornt[f, 1])
+        a = 2 - w  # the sample's C-order axis of world axis w (R, A, S -> x, y, z -> C axes 2, 1, 0)
+        axes[a], flips[a] = 2 - f, sign < 0
+    return Grid(tuple(axes), tuple(flips))  # type: ignore[arg-type]
 
 
 def _native(dtype: np.dtype) -> np.dtype:
@@ -191,6 +310,9 @@ class NiftiSamples:
         self.window = window(options.window)
         self.heads: list[Header] = []
         self.labels: list[Header] = []
+        self.grids_of: list[tuple[Grid, Grid]] = []  # (the volume's, its labels') grid against the sample's
+        self._notes: list[str] = []
+        turned: list[str] = []
         for f in self.files:
             v = header(f, self.key)
             if v.offset is None:
@@ -202,25 +324,38 @@ class NiftiSamples:
                 raise ConfigError(self.key, self.path, f"labels beside every volume (LiTS: segmentation-N.nii by "
                                   f"volume-N.nii); {lab.name} is missing for {f.name}")
             g = header(lab, self.key)
-            if g.shape != v.shape:
-                raise ConfigError(self.key, self.path, f"labels of their volume's shape; {lab.name} holds "
-                                  f"{list(g.shape[::-1])} voxels (x, y, z), {f.name} {list(v.shape[::-1])}")
             if g.offset is None:
                 raise ConfigError(self.key, self.path, f"uncompressed .nii labels; {lab.name} is gzip-compressed "
                                   "(`gems data convert` writes them uncompressed)")
+            if sorted(g.shape) != sorted(v.shape):
+                raise ConfigError(self.key, self.path, f"labels of their volume's shape; {lab.name} holds "
+                                  f"{list(g.shape[::-1])} voxels (x, y, z), {f.name} {list(v.shape[::-1])}")
+            on_volume = lined_up(v, g, self.key)  # refused where the labels are not on the volume's grid
+            vgrid = canonical(v) if options.orientation == "RAS" else Grid()
             self.heads.append(v)
             self.labels.append(g)
-        edge = int(shape[1]) if shape is not None else max(max(h.shape) for h in self.heads)
+            self.grids_of.append((vgrid, vgrid.then(on_volume)))
+            if not on_volume.identity:
+                turned.append(f"{lab.name} ({on_volume.describe()})")
+        if turned:
+            self._notes.append(f"{self.key}: labels reoriented onto their volume's voxel grid by their affines, "
+                               f"exactly: {', '.join(turned[:4])}" + (f" and {len(turned) - 4} more" if len(turned) > 4
+                                                                      else ""))
+        if options.orientation == "RAS":
+            self._notes.append(f"{self.key}: volumes and labels read in RAS+ orientation (data.orientation=RAS)")
+        #: each volume's shape (z, y, x) on the sample's grid (as stored, or RAS+)
+        self.shapes = [vg.shape(h.shape) for h, (vg, _) in zip(self.heads, self.grids_of)]
+        edge = int(shape[1]) if shape is not None else max(max(h) for h in self.shapes)
         self.shape = (1, edge, edge, edge) if shape is None else tuple(int(n) for n in shape)
         if len(self.shape) != 4 or self.shape[0] != 1:
             raise ConfigError("model.in_channels", self.shape[0], "1 for CT volumes (one value a voxel)")
         if options.crop is not None and any(int(options.crop) != n for n in self.shape[1:]):
             raise ConfigError("data.crop", options.crop, "the model's input edge, or null for it")
-        self.grids = [tuple(-(-n // e) for n, e in zip(h.shape, self.shape[1:])) for h in self.heads]
+        self.grids = [tuple(-(-n // e) for n, e in zip(h, self.shape[1:])) for h in self.shapes]
         self.starts = np.cumsum([0] + [math.prod(g) for g in self.grids])
         types = sorted({_native(h.dtype) for h in self.heads}, key=str)
         self.dtype = types[0] if len(types) == 1 else np.dtype(np.float32)  # a batch holds one type
-        self._notes = [] if len(types) == 1 else [
+        self._notes += [] if len(types) == 1 else [
             f"{self.key}: volumes of {len(types)} types ({', '.join(map(str, types))}) read as float32 (a batch holds "
             "one type): exact for integers of up to 16 bits and for float32"
             + ("" if all(t.itemsize <= 2 or t == np.float32 for t in types) else
@@ -263,28 +398,31 @@ class NiftiSamples:
         part clipped to the volume (the rest is padding)."""
         v, origin = self.locate(index)
         src, dst = [], []
-        for o, s, n in zip(origin, self.slices, self.heads[v].shape):
+        for o, s, n in zip(origin, self.slices, self.shapes[v]):
             lo, hi = min(n, o + s.start), min(n, o + s.stop)
             src.append(slice(lo, hi))
             dst.append(slice(lo - o - s.start, hi - o - s.start))
         return v, tuple(src), tuple(dst)
 
-    def _read(self, head: Header, src: tuple[slice, ...], into: np.ndarray, tasks: list, posts: list) -> None:
-        """Queue the positional reads of ``src`` of file ``head`` into ``into`` (a C-order part of a row): straight
-        there where it is contiguous and of the file's type, else into a buffer copied over after the reads."""
+    def _read(self, head: Header, src: tuple[slice, ...], into: np.ndarray, tasks: list, posts: list,
+              grid: Grid = Grid()) -> None:
+        """Queue the positional reads of ``src`` (the sample's grid) of file ``head`` into ``into`` (a C-order part
+        of a row): straight there where it is contiguous, of the file's type and the file lies on the sample's
+        grid, else into a buffer of the file's box (:meth:`Grid.box`) copied over, oriented, after the reads."""
         from gems.data import reader as preader
 
         if not into.size:
             return
         native = _native(head.dtype)
-        direct = into.flags.c_contiguous and into.dtype == native
-        buf = into if direct else np.empty(into.shape, dtype=native)
+        direct = into.flags.c_contiguous and into.dtype == native and grid.identity
+        box = src if grid.identity else grid.box(src, head.shape)
+        buf = into if direct else np.empty(tuple(b.stop - b.start for b in box), dtype=native)
         swap = native if not head.dtype.isnative and native.itemsize > 1 else None
         assert head.offset is not None
-        tasks += preader.tasks(str(head.path), head.offset, preader.grid(head.shape, native.itemsize, src),
+        tasks += preader.tasks(str(head.path), head.offset, preader.grid(head.shape, native.itemsize, box),
                                buf.reshape(-1).view(np.uint8), swap)
         if not direct:
-            posts.append((into, buf))
+            posts.append((into, grid.orient(buf)))
 
     def _still(self, v: int) -> None:
         """Volume ``v`` and its labels as their headers were read, else bad input naming the file (module
@@ -325,11 +463,11 @@ class NiftiSamples:
                 if any(d.stop - d.start != n for d, n in zip(dst, part)):
                     row[...] = 0
                     boxes.append((r, tuple((d.start, d.stop) for d in dst)))
-                self._read(self.heads[v], src, row[dst], tasks, posts)
+                self._read(self.heads[v], src, row[dst], tasks, posts, self.grids_of[v][0])
                 slope[r], inter[r] = self.heads[v].slope, self.heads[v].inter
             g = self.labels[v]
             buf = np.empty(tuple(s.stop - s.start for s in src), dtype=_native(g.dtype))
-            self._read(g, src, buf, tasks, [])
+            self._read(g, src, buf, tasks, posts, self.grids_of[v][1])
             lab_bufs.append((r, v, dst, buf))
         try:
             self.reader.run(tasks)
