@@ -230,6 +230,8 @@ class TrainConf:
                                            "schedule and micro-batches: the same losses at the same global batch")
     init_from: Optional[str] = key(None, "start from another run's weights (a model file results/<run_id>.model.pt "
                                          "or a checkpoint), any mesh, a fresh optimizer at step 0")
+    resume_stopped: bool = key(True, "a run of the same configuration that stopped on a bad file (its checkpoint and "
+                                     "model kept) is resumed from its checkpoint, saying so; false starts over")
     on_nonfinite: str = key("stop", "a NaN or Inf global loss stops the run (stop) or is recorded (warn)",
                             choices=("stop", "warn"))
     profile: bool = key(False, "one torch.profiler chrome trace per rank of the first measured step, in the run's "

@@ -5,6 +5,7 @@ input stops with exit 2 before a job is written or queued (not on every rank of 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,6 +58,7 @@ def prepare(cfg: Any) -> Any:
                               "are never replaced)")
         if ckpt.has_checkpoint(cfg):
             ckpt.check_fingerprint(cfg)
+    resume_stopped(cfg)
     check_starting_point(cfg)
     preflight(cfg)  # model, spatial cut and schedule: bad input fails here, before launching
     if cfg.train.check_fit:
@@ -69,6 +71,51 @@ def model_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
     """{name: shape} of the configured model's ``state_dict``, built on the meta device (nothing allocated)."""
     with torch.device("meta"):
         return {n: tuple(t.shape) for n, t in build_model(section(cfg, "model")).module.state_dict().items()}
+
+
+def resume_stopped(cfg: Any) -> None:
+    """The same command as a run that stopped on a bad file (gems.rank.loop.Run.stop_on_bad_data: its checkpoint
+    and model kept, its record in ``results.dir``) resumes from that run's checkpoint, the latest such, and says so
+    (``train.resume_stopped=false`` starts over). The same command: the same configuration but for the run id and
+    the checkpoint it resumed from."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    t = cfg.train
+    if not t.get("resume_stopped", True) or t.resume_from or t.init_from or ckpt.has_checkpoint(cfg):
+        return
+    folder = Path(str(cfg.results.dir))
+    if not folder.is_dir():
+        return
+
+    def same(c: dict[str, Any]) -> dict[str, Any]:
+        c = json.loads(json.dumps(c))
+        c.pop("run_id", None)
+        (c.get("train") or {}).pop("resume_from", None)
+        return c
+
+    now = same(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+    best: tuple[int, float, str, str] | None = None
+    for path in folder.glob("*.json"):
+        try:
+            r = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        failure = r.get("failure") if isinstance(r, dict) else None
+        if not isinstance(failure, dict) or failure.get("kind") != "bad_data" or not failure.get("checkpoint"):
+            continue
+        if not Path(failure["checkpoint"]).is_dir() or same(r.get("config") or {}) != now:
+            continue
+        key = (int(failure.get("step") or 0), path.stat().st_mtime, failure["checkpoint"], str(r.get("run_id")))
+        best = key if best is None or key[:2] > best[:2] else best
+    if best is None:
+        return
+    step, _, where, run = best
+    with open_dict(cfg):
+        t.resume_from = where
+    print(f"gems: note: run {run} of this configuration stopped on a bad file after step {step}; resuming from its "
+          f"checkpoint ({where}; train.resume_stopped=false starts over)", file=sys.stderr, flush=True)
 
 
 def check_starting_point(cfg: Any) -> None:

@@ -375,7 +375,7 @@ class _Graphed:
         if self.in_graph:
             self.optimizer.step()
 
-    def eager(self, x: torch.Tensor, y: torch.Tensor, ids: list[int], step: int, stop: bool) -> torch.Tensor:
+    def eager(self, x: torch.Tensor, y: torch.Tensor, ids: list[int], step: int, stop: int) -> torch.Tensor:
         local = self.plain(x, y, ids, step)
         if self.buffers:
             average_buffers(self.buffers, self.group, self.copies, self.flat)
@@ -402,7 +402,7 @@ class _Graphed:
         return out
 
     def synced(self, x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int,
-               stop: bool) -> torch.Tensor:
+               stop: int) -> torch.Tensor:
         """The step with its sync: [global loss, stop, input finite, output finite] on the device."""
         assert x is not None and y is not None
         graph = self.graph

@@ -368,6 +368,8 @@ class Prefetcher:
         self.fetch, self.steps, self.depth, self.device = fetch, list(steps), int(depth), device
         self.finish = finish  # raw inputs to the network's, where the batch lands (finisher)
         self.reader_s = 0.0  # seconds the reader spent making batches (all steps)
+        self.peek_s = 0.0  # seconds the step waited in :meth:`failed_ahead` (data time the step took)
+        self._later = set(self.steps)
         self._q: queue.Queue[tuple[int, Any]] = queue.Queue(maxsize=max(1, self.depth))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -446,6 +448,30 @@ class Prefetcher:
             x = x.to(self.device, non_blocking=True) if x is not None else None
             y = y.to(self.device, non_blocking=True) if y is not None else None
         return (ids, x, y), time.perf_counter() - t0
+
+    def failed_ahead(self, step: int, ahead: int = 1) -> BaseException | None:
+        """The error the reader met making step ``step + ahead``'s batch, waiting until it is made (its time added
+        to :attr:`peek_s`); None where it was made, where the run ends before it, or where no reader runs ahead far
+        enough (``data.prefetch`` under ``ahead``: the queue would never hold it). A rank that finds a bad file this
+        way says so in a step's sync before it needs the batch, so that every rank stops together after that step
+        (gems.rank.loop: nothing trained is lost)."""
+        target = step + ahead
+        if self._thread is None or self.depth < ahead or target not in self._later:
+            return None
+        t0 = time.perf_counter()
+        q = self._q
+        try:
+            with q.not_empty:
+                while True:
+                    pending = list(q.queue)
+                    for got, item in pending:
+                        if got == target or isinstance(item, BaseException):
+                            return item if isinstance(item, BaseException) else None
+                    if not self._thread.is_alive() or self._stop.is_set():
+                        return None
+                    q.not_empty.wait(0.2)
+        finally:
+            self.peek_s += time.perf_counter() - t0
 
     def close(self) -> None:
         self._stop.set()

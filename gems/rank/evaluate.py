@@ -40,6 +40,8 @@ def evaluate_model(cfg: DictConfig, world: World, wd: Watchdog | None = None) ->
     t_eval = time.perf_counter()
     try:
         figures, recalibrated = run.measure()
+        if figures is None:  # a bad file on some rank: every rank stops, naming it
+            raise run.agreed_error()[0]
     except BaseException:
         if run.staged is not None:  # data.stage=node: the node's copies go with a failure too
             run.staged.discard(world)

@@ -584,7 +584,7 @@ class StepGraph:
                              and s.y.dtype == y.dtype)
 
     def run(self, x: torch.Tensor, y: torch.Tensor, seed: int, step: int, ids: Sequence[int],
-            stop: bool) -> torch.Tensor:
+            stop: int) -> torch.Tensor:
         """The step's figures (:attr:`Static.figures`, on the device; not read): the batch and host values copied
         in, then the body run, captured or replayed."""
         if self.static is None:
@@ -596,7 +596,7 @@ class StepGraph:
         assert host is not None
         s.x.copy_(x)
         s.y.copy_(y)
-        values = [1 if stop else 0] + [k for pair in sample_keys(seed, step, ids) for k in pair]
+        values = [int(stop)] + [k for pair in sample_keys(seed, step, ids) for k in pair]
         s.scalars.copy_(host.fill(values), non_blocking=True)
         cap = self._capturer()
         if self.ran < self.eager_steps:

@@ -67,6 +67,10 @@ class NonFiniteLoss(RunError):
     """The global loss of a step was NaN or Inf and ``train.on_nonfinite=stop``: every rank stops at that step."""
 
 
+#: a rank's stop flag for a bad file met ahead (Run.bad_ahead): over any count of ranks asking for a checkpoint
+BAD_DATA = 1 << 20
+
+
 def start_watchdog(cfg: DictConfig, world: World, on_stall: Callable[[str, dict[str, Any]], None]) -> Watchdog | None:
     """This rank's heartbeat thread (``fault.stall_timeout_s``; null switches stall detection off)."""
     f = section(cfg, "fault")
@@ -195,6 +199,9 @@ class Run:
         self.ema = WeightAverage(float(t.ema), par.params, self.history) if t.ema else None  # saved with the history
         self.hold.average = self.ema.average if self.ema is not None else None
         self.context = _StepContext(cfg, world, mesh, par, self.opt, self.B, self.R)
+        self.context.bad_ahead = self.bad_ahead
+        self.bad_data: BaseException | None = None  # what this rank's reader met ahead of the step (bad_ahead)
+        self.bad_stop = False  # a step read late said that a rank met a bad file: the next one read stops the run
         # (a resumed run splits the pipeline waits of the steps after its restart only: the rest stay bubble_or_wait)
         self.run_sent: dict[tuple[int, ...], float] = {}
         self.run_received: dict[tuple[int, ...], tuple[float, float]] = {}
@@ -348,12 +355,21 @@ class Run:
         t0 = time.perf_counter()
         late = par.graph is not None  # a graphed run's figures are read late: the device's span is timed by events
         start = _event() if late and world.device.type == "cuda" else None
-        (ids, x, y), t_data = self.prefetch.get(step)  # t_data: what the step waited for (the exposed data time)
+        try:
+            (ids, x, y), t_data = self.prefetch.get(step)  # t_data: the exposed data time
+        except ConfigError as e:  # a bad file: where this rank alone trains, nothing else need agree to keep it all
+            if world.size > 1:
+                raise  # (the ranks agree before the batch is needed where a reader runs ahead: bad_ahead)
+            self.drain()
+            self.bad_data = e
+            self.stop_on_bad_data(step)
         x = inject.poison(self.fault, world.rank, step, x)
         h["lrs"].append(self.lr.apply(self.opt, step))
         timers.reset()
         profiling = bool(cfg.train.profile) and step == self.measure_from and self.steps - self.measure_from > 1
         figures = self.compute(step, ids, x, y, profiling)
+        t_data += self.prefetch.peek_s  # the wait for a batch ahead (bad_ahead): data time too
+        self.prefetch.peek_s = 0.0
         if self.ema is not None:
             self.ema.update(step)
         self.host_memory.after_step(world.rank)
@@ -394,6 +410,7 @@ class Run:
         world, par, h, step = self.world, self.par, self.history, done.step
         values = self.readout.read(done.posted)
         loss, stop = values[0], values[1] > 0
+        self.bad_stop = self.bad_stop or values[1] >= BAD_DATA  # a rank met a bad file ahead: every rank stops
         if done.verdict:  # fp16: the step's skip was decided on the device; the host's record of it now
             par.scaler.settle(step, values[-1] > 0)
         if par.scaler.enabled:
@@ -418,6 +435,8 @@ class Run:
                 self.stopping = True
                 return False
             self.settle_history()
+            if self.bad_stop:  # a rank met a bad file ahead (bad_ahead): saved, the model written, then stopped
+                self.stop_on_bad_data(step + 1)
             _preempt(world, step + 1, self.saver, self.hold, h, self.wd,
                      "the time limit is near: checkpointing and requeueing", self.staged)
         spe = self.sampler.steps_per_epoch
@@ -431,6 +450,67 @@ class Run:
             self.saver.save(step + 1, self.hold, h)
         self.saver.poll()
         return reached
+
+    # ---- a bad file met after training started: nothing trained is lost -----------------------------------
+    def bad_ahead(self, step: int) -> bool:
+        """Whether this rank's reader met a bad file in a batch the run will need after step ``step``, asked before
+        the step's sync (gems.rank.loop._StepContext): the batch after it, or the one after that where the step's
+        figures are read a step late (a graphed step: the next is queued before they are read). Every rank then
+        stops after the same step, with its checkpoint and model file (:meth:`stop_on_bad_data`). A one-rank run
+        stops where the read fails (:meth:`one_step`); with ``data.prefetch`` under what is needed, no reader runs
+        that far ahead and a bad file ends the run where a rank reads it, as a failed rank does."""
+        if self.world.size == 1:
+            return False
+        if self.bad_data is None:
+            self.bad_data = self.prefetch.failed_ahead(step, 2 if self.par.graph is not None else 1)
+        return self.bad_data is not None and isinstance(self.bad_data, ConfigError)
+
+    def stop_on_bad_data(self, step: int, during: str = "training") -> None:
+        """A rank met a bad file (its :attr:`bad_data`) and every rank is here, before step ``step``: the run keeps
+        what it trained (a checkpoint of its state before ``step``, the trained model file), rank 0 writes the
+        failed record saying which step it reached and which file stopped it, and every rank raises the file's
+        ConfigError (exit 2). The same command, once the file is mended, resumes from the checkpoint
+        (gems.prepare.resume_stopped); ``during``: training or validation."""
+        world, h = self.world, self.history
+        error, found = self.agreed_error()
+        key = error.key if isinstance(error, ConfigError) else None
+        progress.mark("checkpoint")
+        self.settle_history()
+        self.saver.save(step, self.hold, h, wait=True)
+        self.saver.finish()
+        model_file = self.export()
+        folder = ckpt.ckpt_dir(self.cfg) / f"step{step:08d}"
+        message = (f"{error} (met by rank {found} during {during} after step {step}: the run stopped there and kept "
+                   f"its checkpoint, {folder}, and its trained model, {model_file}; mend the file and run the same "
+                   "command again to resume from the checkpoint)")
+        if world.rank == 0:
+            record = rec.failed_record(self.cfg, message, failure={
+                "kind": "bad_data", "exception": type(error).__name__, "rank": found, "step": step, "during": during,
+                "key": key, "checkpoint": str(folder)}, losses=h["losses"], restarts=self.restarts)
+            record["model_file"] = str(model_file) if model_file is not None else None
+            record["validation"] = h["validation"]
+            write_once(rec.record_path(self.cfg), record)
+        self.barrier()  # the record is there before any rank ends (the launcher reads it then)
+        if isinstance(error, ConfigError):
+            raise ConfigError(error.key, error.value, f"{error.expected} (the run stopped after step {step}, its "
+                              "checkpoint and trained model kept: mend the file and run the same command again)")
+        raise error
+
+    def agreed_error(self) -> tuple[Exception, int]:
+        """(the bad file's error, the rank that met it), the same on every rank: the first rank's that met one (its
+        :attr:`bad_data`), gathered from every rank (one collective; every rank is here)."""
+        import torch.distributed as dist
+
+        mine = self.bad_data
+        said = None if mine is None else ((mine.key, mine.value, mine.expected) if isinstance(mine, ConfigError)
+                                          else (None, None, str(mine)))
+        gathered: list[Any] = [said]
+        if self.world.size > 1:
+            gathered = [None] * self.world.size
+            dist.all_gather_object(gathered, said)
+        found = next((r for r, g in enumerate(gathered) if g is not None), 0)
+        key, value, expected = gathered[found] or ("data.path", None, "readable files")
+        return (ConfigError(key, value, expected) if key is not None else RunError(expected)), found
 
     # ---- evaluation --------------------------------------------------------------------------------------------
     def evaluation_due(self, step: int) -> bool:
@@ -449,6 +529,10 @@ class Run:
         self.mlperf.evaluation(epochs_done, None, start=True)
         t0 = time.perf_counter()
         figures, recalibrated = self.measure()
+        if figures is None:  # a bad validation file: the training is kept (its checkpoint and model), then it stops
+            self.settle_history()
+            self.stop_on_bad_data(step + 1, during="validation")
+        assert figures is not None
         entry = {"step": step + 1, "epoch": round(self.sampler.epoch_of(step + 1), 6), **figures,
                  "seconds": time.perf_counter() - t0}
         if self.cfg.train.bn_recalibrate:
@@ -460,9 +544,12 @@ class Run:
             print(f"gems: validation after step {step + 1}: {shown}", flush=True)
         return self.target_reached(entry)
 
-    def measure(self) -> tuple[dict[str, Any], int]:
+    def measure(self) -> tuple[dict[str, Any] | None, int]:
         """The validation set's figures on this mesh (every rank takes part; the same on every rank), and how many
-        batches recalibrated BatchNorm first."""
+        batches recalibrated BatchNorm first. A bad validation file on any rank: no figures (None; the rank that met
+        it keeps its error in :attr:`bad_data`). That rank evaluates a training batch in its place, whose figures
+        count nowhere, so that every rank's collectives still meet, and the world's sum carries whether any rank
+        met one."""
         import torch.distributed as dist
 
         par, B, dev = self.par, self.B, self.world.device
@@ -470,15 +557,24 @@ class Run:
         assert self.val is not None
         with self.ema.swapped() if self.ema is not None else contextlib.nullcontext():  # train.ema's weights
             recalibrated = self.recalibrate()
+            bad = False
             for k in range(evaluation_batches(self.val, B)):  # batches of the training batch (data.py: the last)
                 ids = share(list(range(k * B, (k + 1) * B)), self.R, self.coord.replica)
-                x, y = self.val.batch(ids, par.input_slices, want_input=par.needs_input, want_target=par.needs_target)
+                want = dict(want_input=par.needs_input, want_target=par.needs_target)
+                try:
+                    x, y = self.val.batch(ids, par.input_slices, **want)
+                except ConfigError as e:  # a bad file: a training batch in its place, its figures counting nowhere
+                    self.bad_data, bad = self.bad_data or e, True
+                    x, y = self.data.batch(share(list(range(B)), self.R, self.coord.replica), par.input_slices, **want)
                 got = par.evaluate(x.to(dev) if x is not None else None, y.to(dev) if y is not None else None, ids)
                 if got is not None:
                     total += got
+        total = torch.cat([total, torch.full((1,), float(bad), dtype=torch.float64, device=dev)])
         if self.world.size > 1:
             dist.all_reduce(total)
-        return par.metric.report(total), recalibrated
+        if total[-1].item() > 0:
+            return None, recalibrated
+        return par.metric.report(total[:-1]), recalibrated
 
     def recalibrate(self) -> int:
         """``train.bn_recalibrate``: BatchNorm's running statistics recomputed from that many batches of the
@@ -769,6 +865,8 @@ class _StepContext:
                  B: int, R: int) -> None:
         self.cfg, self.world, self.mesh, self.par, self.opt, self.B, self.R = cfg, world, mesh, par, opt, B, R
         self.stop_on_nonfinite = str(cfg.train.on_nonfinite) == "stop"
+        #: whether this rank met a bad file in a batch ahead (Run.bad_ahead)
+        self.bad_ahead: Callable[[int], bool] = lambda step: False
         self.verdict = False  # whether the last step's figures end with fp16's verdict (gems.precision.LossScaler)
 
     def step(self, x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], step: int,
@@ -784,14 +882,16 @@ class _StepContext:
         run's during the next step. A non-finite loss is known only then: with ``train.on_nonfinite=stop`` the
         run stops after that update (and a graphed run after the next step's), which nothing saves (checkpoints
         are written only after finite steps, read at once)."""
-        par, stop = self.par, ckpt.stop_requested()
+        par = self.par
         if par.synced_step is not None:  # a graphed step: its sync is inside it (gems.rank.compose)
+            stop = self.stop(step)
             with progress.waiting("step sync"):
                 figures = par.synced_step(x, y, ids, step, stop)
         else:
             local = par.step(x, y, ids, step)  # this rank's weighted loss, on its device (not read)
             if quiesce:
                 par.quiesce()
+            stop = self.stop(step)  # (asked after the backward: the reader had the step to make the next batch)
             with progress.waiting("step sync"):
                 figures = step_sync(local, stop, self.world)
         progress.mark("optimizer")
@@ -801,6 +901,11 @@ class _StepContext:
         self.opt.zero_grad(set_to_none=True)
         self.verdict = verdict is not None
         return figures if verdict is None else torch.cat([figures, verdict])
+
+    def stop(self, step: int) -> int:
+        """This rank's stop flag in the step's sync (summed over the ranks): 1 for a checkpoint before the time
+        limit or a preemption, :data:`BAD_DATA` more for a bad file met ahead (Run.bad_ahead)."""
+        return int(ckpt.stop_requested()) + (BAD_DATA if self.bad_ahead(step) else 0)
 
     def stop_nonfinite(self, step: int, loss: float, losses: list[float], restarts: int,
                        first_bad: int | None | bool = False) -> None:

@@ -20,7 +20,7 @@ from gems import capture
 from gems.progress import waiting
 
 
-def step_sync(local_loss: Any, stop: bool, world: Any) -> torch.Tensor:
+def step_sync(local_loss: Any, stop: int, world: Any) -> torch.Tensor:
     """The global loss of the step (the weighted local losses summed over every rank, docs/design.md) and
     whether any rank was asked to stop, as one float64 pair on the rank's device: one small all-reduce, the same
     result on every rank, nothing read on the host. The stop flag is filled on the device: a host value copied
@@ -28,7 +28,7 @@ def step_sync(local_loss: Any, stop: bool, world: Any) -> torch.Tensor:
     loss = local_loss.detach().reshape(()).to(device=world.device, dtype=torch.float64) \
         if isinstance(local_loss, torch.Tensor) else torch.full((), float(local_loss), dtype=torch.float64,
                                                                  device=world.device)
-    t = torch.stack([loss, torch.full((), 1.0 if stop else 0.0, dtype=torch.float64, device=world.device)])
+    t = torch.stack([loss, torch.full((), float(stop), dtype=torch.float64, device=world.device)])
     all_reduce_sum(t, world)
     return t
 
