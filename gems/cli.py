@@ -216,24 +216,26 @@ def print_rows(records: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from gems.results.table import rows_for
+    from gems.results.table import columns, rows_for
 
     cols: tuple[str, ...] = ("name", "status", "world", "mesh", "schedule", "batch", "samples/s", "samples/s/gpu",
                              "step_s", "TFLOP/s/gpu", "peak_mem_MiB", "final_loss")
     if any((r.get("hardware") or {}).get("flops_fraction") is not None for r in records):
         cols += ("flops_frac", "bytes_frac")
-    if any(r.get("validation") for r in records):
+    rows = rows_for(records, sweep=False)
+    if any(isinstance(row.get("val_mae"), float) for row in rows):  # a regression's error; a segmentation's Dice
         cols += ("val_mae",)
+    cols += tuple(c for c in columns(rows) if c.startswith("dice_"))
     if any(r.get("target") for r in records):
         cols += ("time_to_target_s", "target_reached")
     cols += ("note",)
     t = Table(show_header=True, header_style="bold")
     for c in cols:
         t.add_column(c)
-    for row in rows_for(records, sweep=False):
+    for row in rows:
         if row.get("error"):  # a failed run says why where the notes go, not in the loss's column
             row["note"] = f"{row['note']}; {row['error']}" if row["note"] else row["error"]
-        t.add_row(*[f"{row[c]:.4g}" if isinstance(row[c], float) else str(row[c]) for c in cols])
+        t.add_row(*[f"{row.get(c, ''):.4g}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in cols])
     Console(width=None if sys.stdout.isatty() else 200).print(t)
 
 

@@ -19,6 +19,17 @@ from typing import Any
 from gems.errors import ConfigError
 
 
+def cache_root() -> Path | None:
+    """Where gems keeps what it may compute again (the planner's traces, the data sets ``gems data check`` passed):
+    ``$GEMS_CACHE_DIR``, else ``$XDG_CACHE_HOME/gems`` or ``~/.cache/gems``; None where ``GEMS_CACHE_DIR`` is set
+    empty (nothing kept)."""
+    given = os.environ.get("GEMS_CACHE_DIR")
+    if given is not None:
+        return Path(os.path.expanduser(given)) if given.strip() else None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "gems"
+
+
 def _nearest_existing(p: Path) -> Path:
     for cand in (p, *p.parents):
         if cand.exists():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import resource
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -378,7 +379,8 @@ def test_finding_6_a_file_that_changes_under_gems_run_ends_it_with_exit_2_naming
     """Finding 6 end to end: `gems run` reads ExaLearn's universes a batch a step (no read ahead); once its second
     step is done every file is rewritten by h5py in place (a data set written anew where it lies: the same size),
     cut short, or deleted. The run ends with exit 2 and one line naming the key and a file, no traceback, and its
-    record says bad input (not exit 1 and a rank's OSError, nor a silent read at the old offsets)."""
+    record says bad input (not exit 1 and a rank's OSError, nor a silent read at the old offsets); what it trained
+    is kept (its checkpoint and model file)."""
     import subprocess
     import sys
     import time
@@ -411,11 +413,13 @@ def test_finding_6_a_file_that_changes_under_gems_run_ends_it_with_exit_2_naming
     _, err = p.communicate(timeout=300)
     lines = err.strip().splitlines()
     assert p.returncode == 2, err[-3000:]
-    assert lines[-1].startswith("gems: error: ") and "failed: ConfigError: data.path=" in lines[-1], err[-3000:]
+    assert lines[-1].startswith("gems: error: ") and "failed: data.path=" in lines[-1], err[-3000:]
     assert "Traceback" not in err and "expected files that stay as they were" in lines[-1], err[-3000:]
     assert any(f.name in lines[-1] for f in files) or how == "deleted" and "universes" in lines[-1], lines[-1]
     (rec,) = records(str(tmp_path / "out"))
     assert rec["status"] == "failed" and rec["failure"]["exception"] == "ConfigError", rec["failure"]
+    # (issue 71: what it trained is kept, its checkpoint and model file, the step it reached said)
+    assert "kept its checkpoint" in lines[-1] and Path(rec["model_file"]).is_file() and rec["failure"]["step"] >= 2
 
 
 def test_gems_plan_names_each_layout_and_times_its_read_rate(tmp_path):

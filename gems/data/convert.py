@@ -57,10 +57,12 @@ class Work:
 
         k, n = share
         there: dict[Path, set[str]] = {}
-        for out in {out for _, _, out in self.items}:
-            there[out] = set(listing(out)) if out.is_dir() else set()
+        for name, src, out in self.items:  # each folder a converted file lands in (a Decathlon task's imagesTr/)
+            folder = (out / _converter(name).converted_name(src)).parent
+            if folder not in there:
+                there[folder] = set(listing(folder)) if folder.is_dir() else set()
         return [(name, src, out) for name, src, out in self.items[k::n]
-                if _converter(name).converted_name(src) not in there[out]]
+                if (out / (c := _converter(name).converted_name(src))).name not in there[(out / c).parent]]
 
 
 def plan_of(cfg: Any) -> Work:
@@ -93,6 +95,11 @@ def plan_of(cfg: Any) -> Work:
         if held is not None:
             raise ConfigError("data.path", str(src), f"{what}; these are {held.name} files ({held.about}), which gems "
                               f"run reads where they lie: nothing to convert (data=hdf5 data.path={src})")
+        subs = layouts.holding_subfolders(src, layouts.registered().values())
+        if subs:  # folders of files read where they lie (HDF5 universes split into train/ and val/)
+            shown = ", ".join(f"{s.name}/ ({n} {kind})" for s, n, kind in subs[:4])
+            raise ConfigError("data.path", str(src), f"{what}; its subfolders {shown} hold files gems run reads where "
+                              f"they lie: nothing to convert (data=hdf5 data.path={subs[0][0]})")
         raise ConfigError("data.path", str(src), what)
     items = []
     for folder in folders:
@@ -142,10 +149,36 @@ def _context() -> Any:
     return get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
 
 
+#: the pid of the process whose workers these are (set before the pool starts: a worker checks it is still there)
+_PARENT: list[int] = []
+
+
 def _init_worker() -> None:
     import torch
 
+    die_with_parent(_PARENT[0] if _PARENT else None)
     torch.set_num_threads(1)
+
+
+def die_with_parent(parent: int | None) -> None:
+    """A worker process ends when the process that started it does, however that one ends (the out-of-memory
+    killer's SIGKILL too, which leaves a pool's workers waiting on their queue forever): Linux's parent-death
+    signal, then a look at whether the parent went before it was set. Elsewhere nothing (the pool's own pipes end
+    the workers of a parent that exits)."""
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if parent is not None and os.getppid() != parent:  # the parent went between the fork and the line above
+        os._exit(1)
 
 
 class _Bar:
@@ -206,6 +239,7 @@ def _here(work: Work, left: list[tuple[str, Path, Path]]) -> int:
         finally:
             bar.close()
     else:
+        _PARENT[:] = [os.getpid()]
         with ProcessPoolExecutor(min(work.workers, len(left)), mp_context=_context(),
                                  initializer=_init_worker) as pool:
             queue = iter(left)

@@ -264,6 +264,30 @@ def _source(file: Path, opened: str, holder: str) -> str:
     return os.path.realpath(os.path.join(os.path.dirname(str(file)), holder))
 
 
+def absent(file: str | os.PathLike, name: str) -> str:
+    """Why dataset ``name`` of HDF5 file ``file`` is not there, for a message: an external link to a file that is
+    missing (named), or no such dataset."""
+    broken = external_target(file, name)
+    return f"`{name}` as an external link to {broken}, which is missing" if broken else f"no `{name}` dataset"
+
+
+def external_target(file: str | os.PathLike, name: str) -> str | None:
+    """Where ``name`` in HDF5 file ``file`` links to when it is an external link whose file is missing
+    (``other.h5:/path``), else None."""
+    h5 = _h5()
+    try:
+        with h5.File(file, "r") as f:
+            link = f.get(name, getlink=True)
+    except OSError:
+        return None
+    if not isinstance(link, h5.ExternalLink):
+        return None
+    target = Path(link.filename)
+    if not target.is_absolute():
+        target = Path(file).parent / target
+    return None if target.exists() else f"{link.filename}:{link.path}"
+
+
 def stamp(path: str | os.PathLike) -> tuple[int, int, int, int]:
     """(device, inode, size, mtime in ns) of ``path``: what tells that a file was replaced, cut or rewritten."""
     st = os.stat(path)
@@ -475,7 +499,7 @@ class HDF5Samples:
             raise bad(layout, f"an unreadable file ({type(e).__name__}: {e})") from None
         full, par = meta["full"], meta["unitPar"]
         if full is None or par is None:
-            raise bad(layout, f"no `{'full' if full is None else 'unitPar'}` dataset")
+            raise bad(layout, absent(file, "full" if full is None else "unitPar"))
         (raw_shape, dtype), (pshape, pdtype) = full, par
         raw_shape = tuple(int(n) for n in raw_shape or ())  # shape None: an empty (null) dataspace
         shape = canonical(raw_shape, self.channels)

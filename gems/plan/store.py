@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from gems.paths import cache_root
+
 __all__ = ["cache_dir", "source_digest", "cached", "cpu_identity"]
 
 T = TypeVar("T")
@@ -41,11 +43,8 @@ T = TypeVar("T")
 
 def cache_dir() -> Path | None:
     """Where the traces are kept, or None when ``GEMS_CACHE_DIR`` is set empty."""
-    given = os.environ.get("GEMS_CACHE_DIR")
-    if given is not None:
-        return Path(os.path.expanduser(given)) / "traces" if given.strip() else None
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "gems" / "traces"
+    root = cache_root()
+    return root / "traces" if root is not None else None
 
 
 @functools.lru_cache(maxsize=1)

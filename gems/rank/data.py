@@ -82,6 +82,16 @@ def data_notes(cfg: DictConfig, data: Any) -> list[str]:
     return out + ([why] if why else []) + list(samples.notes())
 
 
+def class_names(data: Any, metric: Any) -> list[str] | None:
+    """The classes' names by label where the metric counts Dice a class (a class a voxel): the data set's (LiTS's,
+    a Decathlon task's dataset.json) where it names as many, else ``class K``; None for other models."""
+    if metric is None or not getattr(metric, "dice", False):
+        return None
+    n = int(metric.spec.num_outputs)
+    names = getattr(getattr(data, "samples", None), "class_names", None)
+    return list(names) if names and len(names) == n else [f"class {k}" for k in range(n)]
+
+
 def dataset_size(cfg: DictConfig, spec: ModelSpec | None = None) -> int:
     """Samples in the training set, without reading them (HDF5: the crops of the files in data.path, from the
     first file's header)."""
@@ -183,8 +193,9 @@ def stage_root(cfg: DictConfig, run_id: str) -> Path:
 
 
 def _listing(cfg: DictConfig, world: Any) -> list[tuple[str, str, int]]:
-    """(file, train|val, bytes) of every file the job reads, listed once by rank 0 and sent to every rank (a
-    parallel filesystem answers one rank's glob and stats, not every rank's)."""
+    """(file, where it goes under the node's folder: train|val/its path under its folder, bytes) of every file the
+    job reads, listed once by rank 0 and sent to every rank (a parallel filesystem answers one rank's glob and
+    stats, not every rank's)."""
     d = cfg.data
     out: list[tuple[str, str, int]] = []
     if world.rank == 0:
@@ -192,9 +203,10 @@ def _listing(cfg: DictConfig, world: Any) -> list[tuple[str, str, int]]:
 
         for kind, src in (("train", d.path), ("val", d.val_path)):
             if src:
-                files = layouts.detect(str(src), d.get("layout"), "data.path" if kind == "train" else "data.val_path")
-                out += [(str(g), kind, g.stat().st_size) for f in files.files(str(src))
-                        for g in (f, *files.companions(f))]
+                lay = layouts.detect(str(src), d.get("layout"), "data.path" if kind == "train" else "data.val_path")
+                base = Path(str(src)) if Path(str(src)).is_dir() else Path(str(src)).parent
+                kept = [g for f in lay.files(str(src)) for g in (f, *lay.companions(f))] + lay.folder_files(str(src))
+                out += [(str(g), f"{kind}/{g.relative_to(base)}", g.stat().st_size) for g in kept]
     if world.size > 1:
         import torch.distributed as dist
 
@@ -237,15 +249,15 @@ def stage(cfg: DictConfig, world: Any, run_id: str) -> Staged | None:
     per_node, me = max(1, ranks_on_this_node()), world.local_rank
     listing = _listing(cfg, world)
     t0, done, nbytes = time.perf_counter(), 0, sum(n for _, _, n in listing)
-    for i, (name, kind, size) in enumerate(listing):
+    for i, (name, where, size) in enumerate(listing):
         if i % per_node != me:
             continue
-        f, dst = Path(name), root / kind
-        dst.mkdir(parents=True, exist_ok=True)
-        if not ((dst / f.name).is_file() and (dst / f.name).stat().st_size == size):
-            tmp = dst / f".{f.name}.part"
+        f, to = Path(name), root / where  # its place under its folder kept (a Decathlon task's imagesTr/, labelsTr/)
+        to.parent.mkdir(parents=True, exist_ok=True)
+        if not (to.is_file() and to.stat().st_size == size):
+            tmp = to.with_name(f".{to.name}.part")
             shutil.copyfile(f, tmp)
-            tmp.rename(dst / f.name)  # a reader never sees half a file
+            tmp.rename(to)  # a reader never sees half a file
         done += 1
         progress.mark("staging")
         if me == 0 and world.rank == 0 and (done % max(1, len(listing) // (10 * per_node)) == 0):

@@ -21,7 +21,9 @@ from omegaconf import DictConfig
 from gems import progress
 from gems.bootstrap import World
 from gems.fault.watchdog import Watchdog
+from gems.rank.data import class_names
 from gems.rank.loop import Run
+from gems.rank.loss import described
 
 
 def evaluate_model(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str, Any]:
@@ -69,8 +71,10 @@ def evaluate_model(cfg: DictConfig, world: World, wd: Watchdog | None = None) ->
     if keep:
         path = rec.record_path(cfg).with_suffix(".predictions.csv")
         record["predictions_file"] = str(write_predictions(path, gathered, par.metric))
-    shown = ", ".join(f"{k} {v:.4g}" for k, v in figures.items() if isinstance(v, float))
-    print(f"gems: eval {cfg.eval.path}: {shown}", flush=True)
+    names = class_names(run.val, par.metric)
+    if names:
+        record["classes"] = names
+    print(f"gems: eval {cfg.eval.path}: {described(figures, names)}", flush=True)
     return record
 
 

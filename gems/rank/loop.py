@@ -45,6 +45,7 @@ from gems.rank.data import (
     Prefetcher,
     Sampler,
     Staged,
+    class_names,
     data_notes,
     evaluation_batches,
     finisher,
@@ -55,6 +56,7 @@ from gems.rank.data import (
     step_batch,
     unstage,
 )
+from gems.rank.loss import described
 from gems.rank.optim import LearningRate, WeightAverage
 from gems.rank.sync import Posted, Readout, step_sync
 from gems.replication import average_buffers, averaged_buffers
@@ -540,7 +542,7 @@ class Run:
         self.history["validation"].append(entry)
         self.mlperf.evaluation(epochs_done, figures.get(str(self.cfg.train.target_metric)), start=False)
         if self.world.rank == 0:
-            shown = ", ".join(f"{k} {v:.4g}" for k, v in figures.items() if isinstance(v, float))
+            shown = described(figures, class_names(self.val, self.par.metric))
             print(f"gems: validation after step {step + 1}: {shown}", flush=True)
         return self.target_reached(entry)
 
@@ -737,6 +739,9 @@ class Run:
             record["diverged"] = True
             record["nonfinite_steps"] = list(h["nonfinite_steps"])
         record.update(self.training_figures())
+        names = class_names(self.val if self.val is not None else self.data, par.metric)
+        if names:
+            record["classes"] = names  # the Dice columns' names, by label (gems.results.table)
         record["cuda_graphs"] = replayed
         if "device_ops" in h:  # what the last untimed step launched outside a replay (gems.rank.graphs.DeviceOps)
             record["device_ops"] = h["device_ops"]

@@ -191,3 +191,13 @@ class Metric:
             out["mae_avg_crops"] = float(err.mean())
             out["groups"] = int(seen.sum())
         return out
+
+
+def described(figures: dict[str, Any], names: list[str] | None = None) -> str:
+    """A validation's figures in one line: every float, then each class's Dice by name (``names``, by label)."""
+    shown = [f"{k} {v:.4g}" for k, v in figures.items() if isinstance(v, float)]
+    dice = figures.get("dice")
+    if isinstance(dice, list):
+        labels = names if names and len(names) == len(dice) else [f"class {k}" for k in range(len(dice))]
+        shown.append("Dice " + ", ".join(f"{n} {'-' if d is None else format(d, '.4g')}" for n, d in zip(labels, dice)))
+    return ", ".join(shown)

@@ -286,6 +286,7 @@ def _training(ok: list[dict[str, Any]]) -> dict[str, Any]:
     maes = [float(v[-1]["mae"]) for x in ok if (v := x.get("validation")) and "mae" in v[-1]]
     if maes:
         out["val_mae"] = _median(maes)
+    out.update(dice_of(ok))
     targeted = [x for x in ok if x.get("target")]
     if targeted:
         hit = [float(x["time_to_target_s"]) for x in targeted if x["target"].get("reached")]
@@ -293,6 +294,39 @@ def _training(ok: list[dict[str, Any]]) -> dict[str, Any]:
         if hit:
             out.update(time_to_target_s=time_to_target(hit), ttt_min_s=min(hit), ttt_max_s=max(hit))
     return out
+
+
+def dice_names(r: dict[str, Any]) -> list[str]:
+    """The Dice columns of a record of a class a voxel (its ``classes``: names by label; ``class K`` where a record
+    names none), empty for other records."""
+    v = r.get("validation") or []
+    dice = v[-1].get("dice") if v and isinstance(v[-1], dict) else None
+    if not isinstance(dice, list):
+        return []
+    names = r.get("classes")
+    names = names if isinstance(names, list) and len(names) == len(dice) else [f"class {k}" for k in range(len(dice))]
+    return [f"dice_{n}" for n in names]
+
+
+def dice_of(ok: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each class's Dice of a point's last validation, by name (:func:`dice_names`), the median over its repeats
+    (a class neither predicted nor labelled in a run counts in none)."""
+    out: dict[str, Any] = {}
+    for x in ok:
+        for col, d in zip(dice_names(x), (x.get("validation") or [{}])[-1].get("dice") or []):
+            if isinstance(d, (int, float)):
+                out.setdefault(col, []).append(float(d))
+    return {col: _median(vs) for col, vs in out.items()}
+
+
+def columns(rows: list[dict[str, Any]]) -> list[str]:
+    """The table's columns: :data:`COLUMNS`, and each Dice column a row holds after ``val_mae`` (segmentation)."""
+    extra: list[str] = []
+    for row in rows:
+        extra += [c for c in row if c.startswith("dice_") and c not in extra]
+    cols = list(COLUMNS)
+    at = cols.index("val_mae") + 1
+    return cols[:at] + extra + cols[at:]
 
 
 def measured_steps(r: dict[str, Any]) -> int:
@@ -365,19 +399,21 @@ def markdown(rows: list[dict[str, Any]], title: str = "") -> str:
         buf.write(f"### {title}\n\n")
     if rows and all(r.get("_predicted") for r in rows if r.get("status")):
         buf.write("Predicted by `gems plan`, not measured: every figure below is the planner's.\n\n")
-    buf.write("| " + " | ".join(COLUMNS) + " |\n")
-    buf.write("|" + "|".join("---" for _ in COLUMNS) + "|\n")
+    cols = columns(rows)
+    buf.write("| " + " | ".join(cols) + " |\n")
+    buf.write("|" + "|".join("---" for _ in cols) + "|\n")
     for row in rows:
-        buf.write("| " + " | ".join(_fmt(row[c]) for c in COLUMNS) + " |\n")
+        buf.write("| " + " | ".join(_fmt(row.get(c, "")) for c in cols) + " |\n")
     return buf.getvalue()
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(COLUMNS)
+        cols = columns(rows)
+        w.writerow(cols)
         for row in rows:
-            w.writerow([row[c] if not isinstance(row[c], float) else repr(row[c]) for c in COLUMNS])
+            w.writerow([row.get(c, "") if not isinstance(row.get(c), float) else repr(row[c]) for c in cols])
 
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str, compare: list[tuple[str, list[dict[str, Any]]]] | None = None

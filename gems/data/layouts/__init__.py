@@ -14,6 +14,9 @@ when the package is) and its tests.
   (bytes a second one reader thread moves into a batch, where no file is at hand to time: the planner's
   figure), ``fast`` (whether ``gems data convert`` has nothing to gain: read where it lies at the page cache's
   rate).
+* :meth:`Layout.companions` ``(file)`` (files a sample file needs beside it: a volume's labels) and
+  :meth:`Layout.folder_files` ``(path)`` (files of the folder as a whole: a Decathlon task's ``dataset.json``),
+  copied with the samples where a run stages them (their places under the folder kept).
 * :meth:`Layout.holds` ``(files)``: whether these files (listed by :meth:`Layout.files`) are of this layout, from
   the first file's headers at most; never raises for a foreign file (it answers False). Detection
   (:func:`detect`) takes the one layout that holds a folder; where none or several do it is bad input naming
@@ -147,6 +150,11 @@ class Layout:
         run stages its files (``data.stage=node``): none by default."""
         return []
 
+    def folder_files(self, path: str | os.PathLike) -> list[Path]:
+        """Files of the folder ``path`` as a whole, not of one sample (a Decathlon task's ``dataset.json``): copied
+        with the samples where a run stages its files (``data.stage=node``). None by default."""
+        return []
+
     def holds(self, files: Sequence[Path]) -> bool:
         raise NotImplementedError
 
@@ -266,7 +274,21 @@ def detect(path: str | os.PathLike, name: str | None = None, key: str = "data.pa
         _LISTINGS = None
 
 
+def dangling(path: str | os.PathLike, key: str = "data.path") -> None:
+    """A symbolic link in the folder ``path`` whose target is missing is bad input naming it: the docs advise
+    gathering files with links, and one that points nowhere would leave its samples out of the set silently."""
+    p = Path(path)
+    if not p.is_dir():
+        return
+    with os.scandir(p) as entries:
+        for e in entries:
+            if not e.name.startswith(".") and e.is_symlink() and not os.path.exists(e.path):
+                raise ConfigError(key, str(p), f"files that are there; {e.name} is a symbolic link to "
+                                  f"{os.readlink(e.path)}, which is missing (mend or remove the link)")
+
+
 def _detect(path: str | os.PathLike, name: str | None, key: str) -> Layout:
+    dangling(path, key)
     layouts = registered()
     if name is not None:
         layout = get(name)
@@ -286,16 +308,45 @@ def _detect(path: str | os.PathLike, name: str | None, key: str) -> Layout:
     if found:
         raise ConfigError("data.layout", None, f"one of {', '.join(lay.name for lay in found)}: the files at "
                           f"{key}={path} fit each of them, so name theirs")
+    raise ConfigError(key, str(path), f"a folder (or file) of samples in a layout gems reads ({', '.join(layouts)}: "
+                      f"docs/data.md; `gems data synth` writes one); {closest(path, layouts, key)}")
+
+
+#: names of a training set's and a validation set's folders, as published sets split them
+_TRAIN, _VAL = ("train", "training"), ("validation", "val", "valid")
+
+
+def closest(path: str | os.PathLike, layouts: dict[str, Layout], key: str = "data.path") -> str:
+    """What a folder no layout holds comes closest to, in a few words (the refusal's end): the layout whose files
+    it holds under other names, the subfolders that hold samples (a training and a validation folder: the keys
+    that name them), or that it holds nothing gems reads."""
     listed = sorted({f for lay in layouts.values() for f in lay.files(path)})
-    seen = f"; {listed[0].name} is none of them" if listed else ""
-    if not listed and (subs := holding_subfolders(path, layouts.values())):
-        shown = ", ".join(f"{p.name}/ ({n} {lay})" for p, n, lay in subs[:4]) + (", ..." if len(subs) > 4 else "")
-        seen = (f"; it holds no sample file, but {len(subs)} subfolder(s) of them: {shown}. gems reads the files of "
-                "one folder, not its subfolders (as MLPerf's prepare.py walks them): name one subfolder, or gather "
-                "the files into one folder (symbolic links will do)")
-    raise ConfigError(key, str(path), "a folder (or file) of samples in a layout gems reads ("
-                      + "; ".join(f"{lay.name}: {lay.about}" for lay in layouts.values())
-                      + f"; `gems data synth` writes one){seen}")
+    if listed:
+        if listed[0].suffix in (".h5", ".hdf5"):  # a dataset that is an external link to a missing file
+            from gems.data.hdf5 import external_target
+
+            broken = external_target(listed[0], "full")
+            if broken:
+                return f"{listed[0].name}'s `full` is an external link to {broken}, which is missing"
+        return f"{listed[0].name} is none of them"
+    p = Path(path)
+    subs = holding_subfolders(path, layouts.values())
+    if subs:
+        names = {s.name.lower(): s for s, _, _ in subs}
+        train = next((names[n] for n in _TRAIN if n in names), None)
+        val = next((names[n] for n in _VAL if n in names), None)
+        if train is not None and val is not None and key == "data.path":
+            return (f"it holds no sample file but a training and a validation folder: data.path={train} "
+                    f"data.val_path={val}")
+        shown = ", ".join(f"{s.name}/ ({n} {what})" for s, n, what in subs[:4]) + (", ..." if len(subs) > 4 else "")
+        return (f"it holds no sample file but {len(subs)} subfolder(s) of them, {shown}: name one, or gather their "
+                "files into one folder (symbolic links will do)")
+    if p.is_dir():  # files a layout reads, by their ending, under names or places it does not take
+        near = [(lay, n) for lay in layouts.values() for n in listing(p) if n.endswith(lay.suffixes)]
+        if near:
+            lay, n = near[0]
+            return f"it comes closest to {lay.name} ({lay.about}), whose files end as {n} does"
+    return "it holds no file any of them reads"
 
 
 def holding_subfolders(path: str | os.PathLike, candidates: Iterable[Layout]) -> list[tuple[Path, int, str]]:

@@ -58,6 +58,20 @@ def label_name(volume: Path) -> Path:
     return volume.with_name("segmentation-" + volume.name[len("volume-"):])
 
 
+#: LiTS's classes (and gems data synth's segmentation volumes')
+LITS_CLASSES = ("background", "liver", "tumour")
+
+
+def missing_labels(volume: Path, labels: Path, key: str, how: str) -> ConfigError:
+    """A volume whose labels are not where the layout puts them (``how``: where that is): bad input naming both,
+    and the labels' other compression where that is there instead."""
+    other = labels.with_name(labels.name[:-3]) if labels.name.endswith(".gz") else labels.with_name(labels.name + ".gz")
+    there = (f" ({other.name} is there: `gems data convert` writes volumes and labels alike, uncompressed)"
+             if other.is_file() else "")
+    return ConfigError(key, str(volume.parent), f"labels for every volume ({how}); {labels.name} is missing for "
+                       f"{volume.name}{there}")
+
+
 def window(value: Sequence[float] | None) -> tuple[float, float]:
     """``data.window``, checked: [low, high] Hounsfield units with low < high (None: :data:`WINDOW`)."""
     if value is None:
@@ -113,6 +127,12 @@ def header(path: Path, key: str) -> Header:
     dtype = np.dtype(proxy.dtype)
     if dtype.kind not in "iuf":
         raise ConfigError(key, str(path.parent), f"NIfTI voxels of integers or floats; {path.name} holds {dtype}")
+    if offset is not None:  # the voxels the header promises, against the bytes the file holds
+        need = offset + math.prod(shape) * dtype.itemsize
+        if was[2] < need:
+            raise ConfigError(key, str(path.parent), f"whole NIfTI files; {path.name} is cut short: its header puts "
+                              f"{math.prod(shape) * dtype.itemsize} bytes of voxels from byte {offset} ({need} in "
+                              f"all), the file holds {was[2]}")
     affine = tuple(tuple(float(v) for v in row) for row in np.asarray(img.affine, dtype=np.float64))
     return Header(path, (shape[2], shape[1], shape[0]), dtype, offset, slope, inter, was, affine)
 
@@ -289,17 +309,17 @@ class NiftiSamples:
     """The tiles of a folder of LiTS volumes as one rank reads them (gems.data.layouts' ``Samples``; module
     docstring): raw voxels (:class:`Voxels`) and per-voxel classes, this rank's part of each."""
 
-    def __init__(self, layout: Layout, path: str | os.PathLike, shape: Sequence[int] | None,
+    def __init__(self, layout: NiftiLayout, path: str | os.PathLike, shape: Sequence[int] | None,
                  options: Options) -> None:
         from gems.data import reader as preader
         from gems.data.hdf5 import _full_slices, raw_dtype
 
-        self.layout: Layout = layout
+        self.layout: Any = layout
         self.key, self.path = options.key, str(path)
         self.files = layout.files(path)
         if not self.files:
-            raise ConfigError(self.key, self.path, "a folder of LiTS volumes, volume-N.nii with segmentation-N.nii "
-                              "beside each (`gems data synth data.kind=segmentation` writes one)")
+            raise ConfigError(self.key, self.path, f"a folder of {layout.about} (`gems data synth "
+                              "data.kind=segmentation` writes LiTS's)")
         if options.target != "dense":
             raise ConfigError(self.key, self.path, "samples with a target vector each, as this model's loss takes "
                               "them; these are NIfTI volumes with a class a voxel, for model=unet3d (or another model "
@@ -319,10 +339,9 @@ class NiftiSamples:
                 raise ConfigError(self.key, self.path, f"uncompressed .nii volumes, read by slab; {f.name} is "
                                   f"gzip-compressed: `gems data convert data.path={self.path} data.out=DIR` writes "
                                   "them uncompressed")
-            lab = label_name(f)
+            lab = layout.companions(f)[0]
             if not lab.is_file():
-                raise ConfigError(self.key, self.path, f"labels beside every volume (LiTS: segmentation-N.nii by "
-                                  f"volume-N.nii); {lab.name} is missing for {f.name}")
+                raise missing_labels(f, lab, self.key, layout.labels_where)
             g = header(lab, self.key)
             if g.offset is None:
                 raise ConfigError(self.key, self.path, f"uncompressed .nii labels; {lab.name} is gzip-compressed "
@@ -341,6 +360,7 @@ class NiftiSamples:
             self._notes.append(f"{self.key}: labels reoriented onto their volume's voxel grid by their affines, "
                                f"exactly: {', '.join(turned[:4])}" + (f" and {len(turned) - 4} more" if len(turned) > 4
                                                                       else ""))
+        self._notes += layout.folder_notes(path, self.key)
         if options.orientation == "RAS":
             self._notes.append(f"{self.key}: volumes and labels read in RAS+ orientation (data.orientation=RAS)")
         #: each volume's shape (z, y, x) on the sample's grid (as stored, or RAS+)
@@ -364,6 +384,9 @@ class NiftiSamples:
         self.slices = _full_slices(options.slices or (), self.shape[1:])
         self.symmetries = 1
         self.classes: int | None = int(options.classes) if options.classes is not None else None
+        #: each class's name, by its label (the Dice columns'): the layout's (LiTS's, a Decathlon task's
+        #: dataset.json), where it names as many as the model has
+        self.class_names: list[str] | None = layout.class_names(path)
         self.ignore = IGNORE  # the label of padding: the loss, accuracy and Dice leave it out (gems.rank.loss)
         self.reader = preader.Reader(int(options.readers))
 
@@ -492,8 +515,9 @@ class NiftiSamples:
         if values.size and (values.min() < 0 or values.max() >= top
                             or (values.dtype.kind == "f" and not np.array_equal(values, np.round(values)))):
             bad = values[(values < 0) | (values >= top) | (values != np.round(values))]
-            raise ConfigError(self.key, self.path, f"labels 0 .. {(self.classes or 3) - 1} (background, liver, tumour: "
-                              f"model.num_classes); {g.path.name} holds {bad.flat[0]}")
+            named = f" ({', '.join(self.class_names)})" if self.class_names else ""
+            raise ConfigError(self.key, self.path, f"labels 0 .. {(self.classes or 3) - 1}{named}: model.num_classes; "
+                              f"{g.path.name} holds {bad.flat[0]}")
         return values.astype(np.uint8, copy=False)
 
     def finish(self, x: Any) -> torch.Tensor:
@@ -545,8 +569,20 @@ class NiftiLayout(Layout):
         found = [f for f in (p.iterdir() if p.is_dir() else [p]) if _VOLUME.match(f.name) and f.is_file()]
         return sorted(found, key=lambda f: (int(_VOLUME.match(f.name).group(1)), f.name))  # type: ignore[union-attr]
 
+    #: where a volume's labels lie, for messages
+    labels_where: ClassVar[str] = "LiTS: segmentation-N.nii beside volume-N.nii"
+
     def companions(self, file: Path) -> list[Path]:
+        """The volume's labels (always the first: NiftiSamples reads them)."""
         return [label_name(file)]
+
+    def class_names(self, path: str | os.PathLike) -> list[str] | None:
+        """The classes' names by label: LiTS's."""
+        return list(LITS_CLASSES)
+
+    def folder_notes(self, path: str | os.PathLike, key: str) -> list[str]:
+        """What a run over the folder says of it beyond its volumes (a Decathlon task's test volumes left out)."""
+        return []
 
     def holds(self, files: Sequence[Path]) -> bool:
         return bool(files) and all(_VOLUME.match(f.name) for f in files)
@@ -590,10 +626,9 @@ class NiftiLayout(Layout):
         """A ``.nii.gz`` volume and its labels written uncompressed into ``folder`` (a ``.nii`` as is: copied);
         returns the volume's path (written last: once it is there, so are its labels)."""
         folder.mkdir(parents=True, exist_ok=True)
-        lab = label_name(source)
+        lab = self.companions(source)[0]
         if not lab.is_file():
-            raise ConfigError(key, str(source.parent), f"labels beside every volume; {lab.name} is missing for "
-                              f"{source.name}")
+            raise missing_labels(source, lab, key, self.labels_where)
         for src in (lab, source):
             dst = folder / self.converted_name(src)
             if src.name.endswith(".gz"):

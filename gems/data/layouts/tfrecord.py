@@ -79,6 +79,28 @@ def compression(path: str | os.PathLike, key: str = "data.path") -> str:
     return "zlib" if len(head) >= 2 and head[0] == 0x78 and (head[0] << 8 | head[1]) % 31 == 0 else "none"
 
 
+def framed(path: str | os.PathLike, key: str = "data.path") -> None:
+    """An uncompressed TFRecord file's framing walked with seeks (no data read): each record's length header and
+    its CRC, and its end at the next record or the file's end, one record as MLPerf's files hold. A file cut short,
+    padded, or of more records than one is bad input naming it; what lies inside each record (its data CRC, its
+    Example) is read when a rank reads the file, or by ``gems data check``."""
+    p = Path(path)
+    size = p.stat().st_size
+    with open(p, "rb") as f:
+        head = f.read(12)
+    if len(head) < 12 or masked_crc(head[:8]) != struct.unpack_from("<I", head, 8)[0]:
+        raise ConfigError(key, str(p), f"TFRecord files whose records match their CRCs; {p.name} has a length CRC "
+                          "that does not match in record 1 (a corrupt file)")
+    (length,) = struct.unpack_from("<Q", head)
+    end = 12 + length + 4
+    if size < end:
+        raise ConfigError(key, str(p), f"TFRecord files whose records match their CRCs; {p.name} ends inside record "
+                          f"1 (a truncated file: {size} bytes, its header promises {end})")
+    if size > end:
+        raise ConfigError(key, str(p), "one tf.train.Example a file, as MLPerf's prepare.py writes them; "
+                          f"{p.name} holds {size - end} bytes more after its first record")
+
+
 def readable(path: str | os.PathLike, key: str = "data.path") -> str:
     """:func:`compression` of a file gems reads (gzip or none); a ZLIB-compressed one (TensorFlow's other
     compression_type) is bad input naming it and what would work."""
@@ -237,15 +259,20 @@ class TFRecordSamples:
         self.symmetries = augmentation.count(options.augment, 3)
         self.targets: dict[int, np.ndarray] = {0: first.y}  # read for target() alone (a rank that reads no input)
         self.compression = compression(self.files[0], self.key)
+        self.kinds: set[str] = set()  # the compressions of the files read so far (the notes say them all)
+        self._kind_of: dict[int, str] = {}
         self.reader = preader.Reader(int(options.readers))
 
     def __len__(self) -> int:
         return len(self.files) * self.crops
 
     def notes(self) -> list[str]:
-        kind = "gzip-compressed " if self.compression == "gzip" else ""
+        kinds = self.kinds or {self.compression}
+        kind = ("gzip-compressed " if kinds == {"gzip"} else "uncompressed " if kinds == {"none"} else
+                "gzip-compressed and uncompressed ")
         return [f"{self.key}: MLPerf's {kind}TFRecords read where they lie, a first look: every rank reads"
-                f"{', decompresses' if kind else ''} and checks each of its samples' records whole and keeps its part; "
+                f"{', decompresses' if 'gzip' in kinds else ''} and checks each of its samples' records whole and keeps "
+                "its part; "
                 "`gems data convert` writes them as contiguous HDF5 (ExaLearn's layout), read by part at the page "
                 "cache's rate"]
 
@@ -261,7 +288,8 @@ class TFRecordSamples:
         n = len(self.files) if count is None else min(len(self.files), -(-max(0, int(count)) // self.crops))
         tick = Looking(n, f"the first bytes of {self.key}'s files")
         for i, f in enumerate(self.files[:n]):
-            readable(f, self.key)
+            if readable(f, self.key) == "none":  # a plain file's framing too, by seeks (cheap: no data read)
+                framed(f, self.key)
             tick(i + 1)
 
     def locate(self, index: int) -> tuple[int, tuple[int, ...]]:
@@ -292,6 +320,9 @@ class TFRecordSamples:
 
     def _fill(self, row: np.ndarray, targets: np.ndarray, r: int, file: int, part: tuple[slice, ...]) -> None:
         rec = read_file(self.files[file], self.channels, self.key)
+        if file not in self._kind_of:  # (each file's first bytes once)
+            self._kind_of[file] = compression(self.files[file], self.key)
+            self.kinds.add(self._kind_of[file])
         if rec.x.shape != (*self.file_shape[1:], self.channels) or rec.y.shape != targets.shape[1:]:
             raise ConfigError(self.key, self.path, f"crops shaped as the first file's, {list(self.file_shape)}, with "
                               f"{targets.shape[1]} targets; {self.files[file].name} holds {list(rec.x.shape)} (channels "
