@@ -35,8 +35,10 @@ commands:
   plan [OVERRIDES]       memory plan per rank without starting the world
   data synth [OVERRIDES] write a synthetic HDF5 dataset (data.path, data.num_samples; data.kind=cosmology:
                          universes, data.path and data.val_path; data.kind=segmentation: CT volumes with labels)
-  data convert [OVERRIDES] write MLPerf's TFRecords (or LiTS's .nii.gz) at data.path into a layout read by
-                         position, at data.out (resumable; data.workers processes or a Slurm job)
+  data convert [OVERRIDES] write MLPerf's TFRecords (or LiTS's .nii.gz, a Decathlon task) at data.path into a
+                         layout read by position, at data.out (resumable; data.workers processes or a Slurm job)
+  data check [OVERRIDES] read every file of data.path (and data.val_path) whole, as a run would: each bad one
+                         named (exit 2); data.workers processes or a Slurm job
   bench NAME             side-by-side benchmark: overhead, spatial, pipeline, plan, data, checkpoint, step;
                          calibrate (the GPU's rates for gems plan)
 
@@ -523,10 +525,11 @@ def cmd_plan(overrides: list[str]) -> int:
 def cmd_data(args: list[str]) -> int:
     from gems.errors import ConfigError
 
-    if not args or args[0] not in ("synth", "baseline", "convert"):
+    if not args or args[0] not in ("synth", "baseline", "convert", "check"):
         raise ConfigError("data", args[0] if args else "", "`gems data synth data.path=DIR [data.num_samples=N] "
-                          "[model.size=N]`, `gems data convert data.path=DIR data.out=DIR` or `gems data baseline "
-                          "data.path=DIR data.val_path=DIR results.dir=DIR`")
+                          "[model.size=N]`, `gems data convert data.path=DIR data.out=DIR`, `gems data check "
+                          "data.path=DIR [data.val_path=DIR]` or `gems data baseline data.path=DIR data.val_path=DIR "
+                          "results.dir=DIR`")
     from gems.config import compose
     from gems.data.synth import synth_main
 
@@ -543,6 +546,11 @@ def cmd_data(args: list[str]) -> int:
 
         convert_main(cfg, job=convert_tasks)
         return 0
+    if args[0] == "check":  # every file read whole before a long run (gems/data/check.py)
+        from gems.data.check import check_main
+        from gems.launch.tasks import run_tasks as check_tasks
+
+        return check_main(cfg, job=check_tasks)
     if cfg.data.kind == "segmentation":  # CT volumes with labels in LiTS's layout (gems/data/segmentation.py)
         from gems.data.segmentation import synth_segmentation
 

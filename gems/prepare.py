@@ -14,6 +14,7 @@ from omegaconf import DictConfig, open_dict
 from gems import checkpoint as ckpt
 from gems.bootstrap import check_launch
 from gems.config import section
+from gems.data.check import unchecked_note
 from gems.errors import ConfigError
 from gems.layers import keeps_running_statistics
 from gems.mesh import mesh_from_config
@@ -293,10 +294,18 @@ def check_data(cfg: DictConfig, spec: Any) -> None:
     if t.warmup_steps >= steps:
         raise ConfigError("train.warmup_steps", t.warmup_steps, f"fewer than the run's {steps} steps")
     if d.name == "hdf5":  # a file that does not match the model is named before launch
-        make_data(cfg, spec).samples.check_all(steps * int(t.batch_size), spec.num_outputs)
+        train = make_data(cfg, spec).samples
+        train.check_all(steps * int(t.batch_size), spec.num_outputs)
+        sets = [("data.path", str(d.path), train.files)]
         if d.val_path is not None:
             readable_dir("data.val_path", d.val_path, "a folder of validation samples in the training set's layout")
-            make_data(cfg, spec, validation=True).samples.check_all(None, spec.num_outputs)
+            val = make_data(cfg, spec, validation=True).samples
+            val.check_all(None, spec.num_outputs)
+            sets.append(("data.val_path", str(d.val_path), val.files))
+        for key, path, files in sets:  # a large set gems data check has not passed: said once
+            note = unchecked_note(key, path, files)
+            if note:
+                print(f"gems: note: {note}", file=sys.stderr, flush=True)
     elif d.val_path is not None:
         raise ConfigError("data.val_path", d.val_path, "null with data=synthetic (data.val_samples holds samples out)")
     if t.eval_average_crops and (d.name != "hdf5" or d.val_path is None or spec.target != "vector"

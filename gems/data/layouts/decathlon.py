@@ -35,7 +35,9 @@ _NII = re.compile(r"^[^.].*\.nii(\.gz)?$")
 
 
 def _task(path: str | os.PathLike) -> Path:
-    return Path(path)
+    """The task folder of ``path``: the folder itself, or the one a training volume (``imagesTr/NAME``) lies in."""
+    p = Path(path)
+    return p.parent.parent if p.is_file() else p
 
 
 def manifest(path: str | os.PathLike, key: str = "data.path") -> dict[str, Any] | None:
@@ -79,7 +81,9 @@ class DecathlonLayout(NiftiLayout):
     def files(self, path: str | os.PathLike) -> list[Path]:
         """The training volumes of the task folder at ``path`` (``imagesTr/``; not its labels, not ``imagesTs/``),
         by name."""
-        p = _task(path)
+        p = Path(path)
+        if p.is_file():  # one volume of a task (gems data check reads it alone)
+            return [p] if p.parent.name == IMAGES and _NII.match(p.name) else []
         images = p / IMAGES
         if not (images.is_dir() and (p / LABELS).is_dir()):
             return []

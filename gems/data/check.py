@@ -1,0 +1,267 @@
+"""``gems data check``: a data set checked whole before a long run, every file read as a run would read it.
+
+The check before launch (gems.prepare) reads what is cheap: each file's headers, a NIfTI file's size against its
+header, a plain TFRecord's framing. What lies inside the files (a record's data CRC and its Example, a label of a
+class over the model's, a block of an HDF5 file that cannot be read) is found when a rank reads it, hours into a run
+over MLPerf's 524,288 files; the run then stops with what it trained kept (gems.rank.loop), but a check first costs
+nothing of the run. ``gems data check data.path=DIR [data.val_path=DIR]`` reads every file of each set through the
+reader the run uses (its layout's samples, one file a set, every sample of it read: every TFRecord's CRCs and
+Example, every HDF5 file's shape, type and bytes, every NIfTI volume's size against its header, its labels lined up
+with it and every label against the classes), on ``data.workers`` processes here with a progress bar, or over the
+tasks of one Slurm job (``cluster=...``, as ``gems data convert``). It goes on past a bad file and ends with one
+line: the files checked, and each bad one named with what is wrong with it (exit 2 where any is).
+
+The classes a label must be below are the model's (``model.num_classes`` where the model takes a class a voxel),
+else the data set's own (a Decathlon task's dataset.json, LiTS's three). A set that passes is remembered in gems's
+cache (gems.paths.cache_root: the folder, its files' names and the folder's modification time), and a run over a
+large set that has not passed says once that the check exists (:func:`unchecked_note`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from pathlib import Path
+from typing import Any, Callable
+
+from gems.errors import ConfigError
+
+#: a set this large (bytes, estimated from its first file) that has not passed the check is named once by a run
+LARGE_BYTES = 8 * 2**30
+
+
+def _options(layout: Any, classes: int | None) -> dict[str, Any]:
+    dense = layout.name in ("nifti", "decathlon") or getattr(layout, "target", "vector") == "dense"
+    return {"target": "dense" if dense else "vector", "classes": classes}
+
+
+def check_file(name: str, file: str, key: str, classes: int | None) -> tuple[str, str] | None:
+    """Read file ``file`` of layout ``name`` whole, as a run's reader reads it (a set of that one file, every
+    sample of it); None where it is good, else (the file, what is wrong: the refusal's words)."""
+    from gems.data import layouts
+
+    layout = layouts.get(name)
+    try:
+        samples = layout.open(file, None, key=key, **_options(layout, classes))
+        try:
+            samples.check_all(None, None)
+            for i in range(len(samples)):
+                samples.read([i])
+        finally:
+            samples.close()
+    except ConfigError as e:
+        return file, e.expected
+    except (OSError, ValueError, RuntimeError) as e:  # what no refusal foresaw: said, not raised
+        return file, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    return None
+
+
+def _classes(cfg: Any, layout: Any, path: str) -> int | None:
+    """The classes a label must be below: the model's where it takes a class a voxel, else the set's own."""
+    m = cfg.model
+    if str(m.get("name", "")) == "unet3d" and m.get("num_classes") is not None:
+        return int(m.num_classes)
+    names = layout.class_names(path) if hasattr(layout, "class_names") else None
+    return len(names) if names else None
+
+
+def work_of(cfg: Any) -> list[tuple[str, str, str, int | None]]:
+    """(layout, file, key, classes) of every file of ``data.path`` and ``data.val_path``; bad input (no such folder,
+    no layout that holds it) is a ConfigError naming the key."""
+    from gems.data import layouts
+
+    d = cfg.data
+    if d.path in (None, "", "???"):
+        raise ConfigError("data.path", d.path, "the folder of files to check, e.g. data.path=/data/Task03_Liver")
+    items = []
+    for key, path in (("data.path", d.path), ("data.val_path", d.val_path)):
+        if path in (None, ""):
+            continue
+        if not Path(str(path)).exists():
+            raise ConfigError(key, str(path), "a folder (or file) of samples to check")
+        layout = layouts.detect(str(path), d.get("layout"), key)
+        classes = _classes(cfg, layout, str(path))
+        items += [(layout.name, str(f), key, classes) for f in layout.files(str(path))]
+    return items
+
+
+def _one(item: tuple[str, str, str, int | None]) -> tuple[str, str] | None:
+    name, file, key, classes = item
+    return check_file(name, file, key, classes)
+
+
+def check_main(cfg: Any, job: Callable[..., int] | None = None) -> int:
+    """``gems data check``: every file checked (module docstring); the exit status (0 all good, 2 any bad)."""
+    from gems.data.convert import _Bar
+
+    items = work_of(cfg)
+    here = cfg.cluster.launcher != "slurm"
+    workers = min(int(cfg.data.workers) or (os.cpu_count() or 1), max(1, len(items)))
+    print(f"gems data check: {len(items)} file(s) to read whole on "
+          f"{f'{workers} process(es)' if here else 'the tasks of a Slurm job'}", flush=True)
+    t0 = time.perf_counter()
+    if here:
+        bad = _here(items, workers, _Bar)
+    elif job is not None:
+        bad = _on_slurm(cfg, items, job)
+    else:
+        raise ConfigError("cluster", cfg.cluster.name, "cluster=local here (a Slurm job is submitted by the "
+                          "`gems data check` command)")
+    print(summary(len(items), bad, time.perf_counter() - t0), flush=True)
+    if bad:
+        return 2
+    for key, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
+        if path not in (None, ""):
+            remember(str(path))
+    return 0
+
+
+def summary(total: int, bad: list[tuple[str, str]], seconds: float) -> str:
+    """The check's last line: the files checked, each bad one named with what is wrong."""
+    if not bad:
+        return f"gems data check: {total} file(s) checked in {seconds:.1f} s, all good"
+    shown = "; ".join(f"{Path(f).name}: {why}" for f, why in sorted(bad)[:20])
+    more = f"; and {len(bad) - 20} more" if len(bad) > 20 else ""
+    return f"gems data check: {total} file(s) checked in {seconds:.1f} s, {len(bad)} bad: {shown}{more}"
+
+
+def _here(items: list[Any], workers: int, bar_of: Any) -> list[tuple[str, str]]:
+    """Every item checked on ``workers`` processes (one: in this one), each bad one kept."""
+    from gems.data import convert
+
+    bad: list[tuple[str, str]] = []
+    if workers == 1 or len(items) == 1:
+        bar = bar_of(len(items), "files")
+        try:
+            for item in items:
+                got = _one(item)
+                if got is not None:
+                    bad.append(got)
+                bar.advance()
+        finally:
+            bar.close()
+        return bad
+    convert._PARENT[:] = [os.getpid()]  # the workers end with this process (gems.data.convert.die_with_parent)
+    with ProcessPoolExecutor(workers, mp_context=convert._context(), initializer=convert._init_worker) as pool:
+        queue = iter(items)
+        running: set[Future] = set()
+
+        def feed() -> None:
+            for item in queue:
+                running.add(pool.submit(_one, item))
+                if len(running) >= 2 * workers:
+                    return
+
+        feed()
+        bar = bar_of(len(items), "files")
+        try:
+            while running:
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for f in finished:
+                    running.discard(f)
+                    got = f.result()
+                    if got is not None:
+                        bad.append(got)
+                    bar.advance()
+                feed()
+        finally:
+            bar.close()
+    return bad
+
+
+def task(cfg_yaml: str) -> int:
+    """One Slurm task of the check: every k-th file (k the job's tasks), what it found written to the job's
+    folder (``task<K>.json``), which the command reads once the job is done."""
+    import submitit
+    from omegaconf import OmegaConf
+
+    from gems.data.convert import _init_worker
+
+    _init_worker()
+    cfg = OmegaConf.create(cfg_yaml)
+    env = submitit.JobEnvironment()
+    mine = work_of(cfg)[env.global_rank::env.num_tasks]
+    bad = [got for item in mine if (got := _one(item)) is not None]
+    out = Path(str(cfg.data.out))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"task{env.global_rank}.json").write_text(json.dumps(bad))
+    return len(mine)
+
+
+def _on_slurm(cfg: Any, items: list[Any], job: Callable[..., int]) -> list[tuple[str, str]]:
+    from omegaconf import open_dict
+
+    from gems.results.record import job_dir
+
+    with open_dict(cfg):
+        cfg.run_id = f"check-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        cfg.data.out = str(job_dir(cfg) / "found")
+    tasks = job(cfg, task, "check", f"{len(items)} file(s)")
+    bad: list[tuple[str, str]] = []
+    for k in range(tasks):
+        f = Path(str(cfg.data.out)) / f"task{k}.json"
+        if not f.is_file():
+            raise ConfigError("cluster", cfg.cluster.name, f"a job whose every task reports; task {k} wrote nothing "
+                              f"({f})")
+        bad += [tuple(b) for b in json.loads(f.read_text())]  # type: ignore[misc]
+    return bad
+
+
+# ---------------------------------------------------------------------------- sets that passed
+def _digest(path: str) -> tuple[str, str]:
+    """(where a passed check of the set at ``path`` is kept, what the set is now: its files' names and the folder's
+    modification time; a file added, removed or renamed changes it)."""
+    p = Path(path).resolve()
+    h = hashlib.sha256()
+    if p.is_dir():
+        with os.scandir(p) as entries:
+            for name in sorted(e.name for e in entries):
+                h.update(name.encode() + b"\0")
+    st = p.stat()
+    h.update(str(st.st_mtime_ns).encode())
+    return hashlib.sha256(str(p).encode()).hexdigest()[:24], h.hexdigest()
+
+
+def remember(path: str) -> None:
+    """The set at ``path`` passed the check (kept in gems's cache; nothing where the cache is off)."""
+    from gems.paths import cache_root
+
+    root = cache_root()
+    if root is None:
+        return
+    name, now = _digest(path)
+    folder = root / "checked"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.json").write_text(json.dumps({"path": str(Path(path).resolve()), "digest": now,
+                                                     "when": time.strftime("%Y-%m-%d %H:%M:%S")}))
+
+
+def passed(path: str) -> bool:
+    """Whether the set at ``path``, as it is now, passed the check."""
+    from gems.paths import cache_root
+
+    root = cache_root()
+    if root is None:
+        return False
+    name, now = _digest(path)
+    try:
+        return bool(json.loads((root / "checked" / f"{name}.json").read_text()).get("digest") == now)
+    except (OSError, ValueError):
+        return False
+
+
+def unchecked_note(key: str, path: str, files: list[Path]) -> str | None:
+    """What a run says once of a large set (:data:`LARGE_BYTES`, estimated from its first file) that has not passed
+    the check, else None."""
+    if not files:
+        return None
+    try:
+        size = files[0].stat().st_size * len(files)
+    except OSError:
+        return None
+    if size < LARGE_BYTES or passed(path):
+        return None
+    return (f"{key}: {len(files)} file(s), about {size / 2**30:.0f} GiB, not checked whole: a bad file met after the "
+            f"launch stops the run there (its training kept); `gems data check {key}={path}` reads every file first")
