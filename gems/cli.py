@@ -233,7 +233,7 @@ def print_rows(records: list[dict[str, Any]]) -> None:
     cols += ("note",)
     t = Table(show_header=True, header_style="bold")
     for c in cols:
-        t.add_column(c)
+        t.add_column(c, min_width=len(c) if c.startswith("dice_") else None)  # a class's name whole
     for row in rows:
         if row.get("error"):  # a failed run says why where the notes go, not in the loss's column
             row["note"] = f"{row['note']}; {row['error']}" if row["note"] else row["error"]
@@ -298,8 +298,10 @@ def cmd_eval(args: list[str]) -> int:
     if record.get("status") != "ok":
         _err(f"eval {cfg.run_id} failed: {record.get('error')}")
         return 1
+    from gems.rank.loss import described
+
     figures = record.get("evaluation") or {}
-    shown = ", ".join(f"{k} {v:.4g}" for k, v in figures.items() if isinstance(v, float) and k != "seconds")
+    shown = described({k: v for k, v in figures.items() if k != "seconds"}, record.get("classes"))
     count = figures.get("samples", figures.get("cells"))
     print(f"gems eval: {path}: {shown} over {count} {'cells' if 'cells' in figures else 'samples'} on "
           f"{record['world_size']} rank(s); record: {record_path(cfg)}", flush=True)

@@ -146,3 +146,99 @@ def test_a_flipped_and_permuted_segmentation_trains_as_the_aligned_one_and_a_shi
     assert out.returncode == 2 and not (tmp_path / "r" / "shifted").exists()
     (line,) = [ln for ln in out.stderr.splitlines() if ln.startswith("gems: error:")]
     assert "segmentation-1.nii's affine" in line and "volume-1.nii's" in line and "data.path" in line
+
+
+# ---- the smaller findings (issue 71, item 6), each with its test ----------------------------------------------------
+def test_a_dangling_link_in_data_path_is_refused_naming_it(tmp_path: Path) -> None:
+    rng = np.random.default_rng(6)
+    for i in range(2):
+        _case(tmp_path / "src", i, rng, (6, 8, 8))
+    folder = tmp_path / "linked"
+    folder.mkdir()
+    for f in (tmp_path / "src").iterdir():
+        (folder / f.name).symlink_to(f)
+    (tmp_path / "src" / "volume-1.nii").unlink()
+    with pytest.raises(ConfigError) as e:
+        layouts.detect(folder)
+    assert e.value.key == "data.path" and "volume-1.nii is a symbolic link to" in str(e.value), str(e.value)
+
+
+def test_a_volume_beside_compressed_labels_names_the_gz_file(tmp_path: Path) -> None:
+    import gzip
+
+    _case(tmp_path, 0, np.random.default_rng(7), (6, 8, 8))
+    lab = tmp_path / "segmentation-0.nii"
+    (tmp_path / "segmentation-0.nii.gz").write_bytes(gzip.compress(lab.read_bytes()))
+    lab.unlink()
+    with pytest.raises(ConfigError) as e:
+        layouts.get("nifti").open(tmp_path, (1, 8, 8, 8), target="dense")
+    assert "segmentation-0.nii is missing for volume-0.nii (segmentation-0.nii.gz is there" in str(e.value), str(e.value)
+
+
+def test_a_dangling_external_link_is_named_by_detection(tmp_path: Path) -> None:
+    import h5py
+
+    layouts.get("gems").write(tmp_path, [(np.zeros((4, 8, 8, 8), np.int16), np.zeros(4, np.float32))])
+    (f,) = tmp_path.glob("*.h5")
+    with h5py.File(f, "r+") as h:
+        del h["full"]
+        h["full"] = h5py.ExternalLink("gone.h5", "/full")
+    with pytest.raises(ConfigError) as e:
+        layouts.detect(tmp_path)
+    assert f"{f.name}'s `full` is an external link to gone.h5:/full, which is missing" in str(e.value), str(e.value)
+
+
+def test_mixed_plain_and_gzip_tfrecords_are_said_as_both(tmp_path: Path) -> None:
+    data = Path(__file__).parent / "data" / "tfrecord"
+    for kind in ("plain", "gzip"):
+        for f in sorted((data / kind / "train").iterdir())[:2]:
+            shutil.copy(f, tmp_path / f"{kind}_{f.name}")
+    s = layouts.get("tfrecord").open(tmp_path, None)
+    s.read(list(range(len(s))))
+    assert "gzip-compressed and uncompressed TFRecords" in s.notes()[0], s.notes()
+
+
+def test_convert_of_a_parent_of_hdf5_folders_says_there_is_nothing_to_convert(tmp_path: Path) -> None:
+    for sub in ("train", "val"):
+        layouts.get("exalearn").write(tmp_path / "src" / sub, [(np.zeros((4, 8, 8, 8), np.int16),
+                                                                np.zeros(4, np.float32))])
+    out = gems_here("data", "convert", f"data.path={tmp_path / 'src'}", f"data.out={tmp_path / 'out'}")
+    assert out.returncode == 2 and "nothing to convert" in out.stderr and "train/" in out.stderr, out.stderr
+
+
+def test_workers_die_with_the_process_that_started_them(tmp_path: Path) -> None:
+    """gems data convert's (and check's) pool: its parent killed by SIGKILL (as the out-of-memory killer ends it),
+    the workers, which would wait on their queue forever, end too (Linux's parent-death signal)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = ("import os, sys, time\n"
+              "from concurrent.futures import ProcessPoolExecutor\n"
+              "from gems.data import convert\n"
+              "convert._PARENT[:] = [os.getpid()]\n"
+              "pool = ProcessPoolExecutor(2, mp_context=convert._context(), initializer=convert._init_worker)\n"
+              "futures = [pool.submit(time.sleep, 600) for _ in range(2)]\n"
+              "time.sleep(2)\n"
+              "print(' '.join(str(p) for p in pool._processes), flush=True)\n"
+              "time.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    workers = [int(w) for w in p.stdout.readline().split()]
+    assert len(workers) == 2 and all(os.path.exists(f"/proc/{w}") for w in workers)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(_alive(w) for w in workers):
+        time.sleep(0.2)
+    assert not any(_alive(w) for w in workers)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie has ended (its parent is gone: init reaps it)
+    except OSError:
+        return False
