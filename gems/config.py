@@ -110,6 +110,10 @@ class DataConf:
     workers: int = key(0, "gems data synth and convert: processes writing (0: this machine's cores)", ge=0)
     window: Optional[list] = key(None, "NIfTI CT volumes: [low, high] Hounsfield units each voxel is clipped to, then "
                                        "scaled to [0, 1] (null: [-200, 250], the liver window)")
+    tile: Optional[int] = key(None, "gems data convert of NIfTI volumes (LiTS's, a Decathlon task's): each case "
+                                    "written tile by tile, tiles of this edge (the model's input size: a tile then "
+                                    "reads as one block), one HDF5 file a case (layout tiles); null: uncompressed "
+                                    ".nii", ge=1)
     orientation: str = key("stored", "NIfTI volumes: read as stored (stored), or every case in RAS+ orientation "
                                      "(RAS: x right, y anterior, z superior, each axis the file's nearest to it, as "
                                      "MONAI's Orientationd); labels are read onto their volume's grid either way",

@@ -205,6 +205,36 @@ def crop_row(size: int) -> str:
     return f"exalearn, {size // 2}^3 crops of {2 * size}^3"
 
 
+#: the in-plane edge of a CT volume as LiTS publishes them (its rows: :func:`inplane_rows`)
+INPLANE = 512
+
+
+def inplane_rows(size: int) -> tuple[str, str]:
+    """The rows of one CT volume of 512^2 in-plane (LiTS's) and ``size`` slices read as tiles of ``size``^3: as
+    NIfTI stores it, and as ``gems data convert data.tile=size`` stores it (:func:`layout_folders`)."""
+    return (f"nifti, {size}^3 tiles of {INPLANE}^2 x {size}", f"tiles, {size}^3 tiles of {INPLANE}^2 x {size}")
+
+
+def _inplane(root: Path, size: int) -> tuple[Path, Path]:
+    """One CT volume of 512 x 512 in-plane and ``size`` slices (gems data synth's organs at ``size``^3, repeated) as
+    nibabel writes it, and what gems data convert data.tile=``size`` writes of it."""
+    from gems.data import layouts
+    from gems.data.segmentation import make_volume
+
+    nii, tiles = root / f"inplane{size}", root / f"inplane{size}-tiles"
+    if not nii.exists():  # a size^3 volume's organs, 4 x 4 of them in-plane (what lies there does not change a read)
+        import numpy as np
+
+        hu, labels = make_volume(0, 0, size)
+        depth = hu.shape[0]
+        reps = (-(-size // depth), INPLANE // size, INPLANE // size)
+        layouts.get("nifti").write(nii, [(np.tile(hu, reps)[:size], np.tile(labels, reps)[:size])])
+    if not tiles.exists():
+        for f in layouts.get("nifti").files(nii):
+            layouts.get("nifti").convert(f, tiles, tile=size)
+    return nii, tiles
+
+
 def layout_folders(root: Path, size: int, n: int = 16) -> tuple[dict[str, Source], dict[str, str]]:
     """The same ``n`` samples written in every registered layout that writes them (gems.data.layouts: each as its
     published tool writes them) under ``root``, a folder each; and why a layout has none (it writes no such
@@ -247,6 +277,9 @@ def layout_folders(root: Path, size: int, n: int = 16) -> tuple[dict[str, Source
 
         layouts.get("exalearn").write(folder, [make_sample(0, 0, (4, 2 * size, 2 * size, 2 * size))])
     folders[crop_row(size)] = Source("exalearn", folder, size // 2)
+    nii, tiles = _inplane(root, size)
+    slow, fast = inplane_rows(size)
+    folders[slow], folders[fast] = Source("nifti", nii, size, dense=True), Source("tiles", tiles, size, dense=True)
     return folders, skipped
 
 
@@ -258,7 +291,7 @@ def _oneline(text: str) -> str:
 #: the bound's ways to move a batch's bytes from the page cache: positional reads, as every reader of gems's reads
 READS = ("whole file", "runs")
 #: the rows whose files a run reads by position, which the reader's goals are for
-GOAL_ROWS = ("exalearn", "gems", "lbann", converted_row("tfrecord"))
+GOAL_ROWS = ("exalearn", "gems", "lbann", converted_row("tfrecord"), inplane_rows(READER_SIZE)[1])
 #: every way timed: the reads, and a copy out of the files mapped (faster here, but a way no reader of gems takes:
 #: a file cut under a mapping kills the process with SIGBUS, where a read fails and names the file)
 WAYS = (*READS, "mapped")
@@ -339,7 +372,7 @@ class _ReaderBench:
                 maps.append((mm, np.frombuffer(mm, np.uint8)))
             self.maps.append(maps)
         self.crops: list[Any] = []  # (crops) each sample's cells in its mapped universe, a strided view
-        if not self.whole:
+        if not self.whole and hasattr(first, "_header"):  # (HDF5 universes; a CT volume's tiles have no mapped row)
             for i in range(self.n):
                 f, origin = first.locate(i)
                 head = first._header(f)
@@ -399,8 +432,8 @@ class _ReaderBench:
         return READER_PASSES * nbytes / 1e9 / (time.perf_counter() - t0)
 
     def contenders(self) -> tuple[str, ...]:
-        return (*(b for b in WAYS if (b != "runs" or self.positional) and (b != "whole file" or self.whole)),
-                "memcpy", "reader", "part")
+        return (*(b for b in WAYS if (b != "runs" or self.positional) and (b != "whole file" or self.whole)
+                  and (b != "mapped" or self.whole or self.crops)), "memcpy", "reader", "part")
 
     def close(self) -> None:
         for ds in (*self.sets.values(), *self.parts.values()):

@@ -29,9 +29,10 @@ from gems.errors import ConfigError
 class Converts(Protocol):
     """What a layout that ``gems data convert`` converts has beside the protocol (gems.data.layouts)."""
 
-    def converted_name(self, source: Path) -> str: ...
+    def converted_name(self, source: Path, tile: int | None = None) -> str: ...
 
-    def convert(self, source: Path, folder: Path, channels: int | None = None, key: str = "data.path") -> Path: ...
+    def convert(self, source: Path, folder: Path, channels: int | None = None, key: str = "data.path",
+                tile: int | None = None) -> Path: ...
 
 
 def _converter(name: str) -> Converts:
@@ -47,6 +48,7 @@ class Work:
     items: tuple[tuple[str, Path, Path], ...]
     workers: int
     channels: int
+    tile: int | None = None  # data.tile: labelled volumes written tile by tile (gems.data.layouts.tiles)
 
     def left(self, share: tuple[int, int] = (0, 1)) -> list[tuple[str, Path, Path]]:
         """The items whose converted file is not there yet (a file there is whole: module docstring); ``share``
@@ -58,11 +60,11 @@ class Work:
         k, n = share
         there: dict[Path, set[str]] = {}
         for name, src, out in self.items:  # each folder a converted file lands in (a Decathlon task's imagesTr/)
-            folder = (out / _converter(name).converted_name(src)).parent
+            folder = (out / _converter(name).converted_name(src, self.tile)).parent
             if folder not in there:
                 there[folder] = set(listing(folder)) if folder.is_dir() else set()
         return [(name, src, out) for name, src, out in self.items[k::n]
-                if (out / (c := _converter(name).converted_name(src))).name not in there[(out / c).parent]]
+                if (out / (c := _converter(name).converted_name(src, self.tile))).name not in there[(out / c).parent]]
 
 
 def plan_of(cfg: Any) -> Work:
@@ -111,7 +113,14 @@ def plan_of(cfg: Any) -> Work:
         writable_dir("data.out", str(dest), "a folder gems can create or write the converted files into")
         items += [(layout.name, f, dest) for f in layout.files(folder)]
     workers = int(d.workers) or (os.cpu_count() or 1)
-    return Work(tuple(items), workers, int(cfg.model.in_channels))
+    tile = d.get("tile")
+    if tile is not None:
+        labelled = {"nifti", "decathlon"}
+        other = sorted({name for name, _, _ in items} - labelled)
+        if other:
+            raise ConfigError("data.tile", tile, f"null for {other[0]} files (tiles are of labelled volumes: LiTS's "
+                              "NIfTI volumes, a Decathlon task)")
+    return Work(tuple(items), workers, int(cfg.model.in_channels), int(tile) if tile is not None else None)
 
 
 def _converts(layout: Any) -> bool:
@@ -129,12 +138,12 @@ def _holds_any(folder: Path) -> bool:
     return any(lay.files(folder) and _converts(lay) for lay in layouts.registered().values())
 
 
-def convert_one(item: tuple[str, Path, Path], channels: int) -> tuple[str, Any, str] | None:
+def convert_one(item: tuple[str, Path, Path], channels: int, tile: int | None = None) -> tuple[str, Any, str] | None:
     """Convert one source file; None, or the bad input it is as (key, value, expected) (a ConfigError does not
     cross a process's bounds)."""
     name, src, out = item
     try:
-        _converter(name).convert(src, out, channels=channels)
+        _converter(name).convert(src, out, channels=channels, tile=tile)
     except ConfigError as e:
         return e.key, e.value, e.expected
     return None
@@ -231,7 +240,7 @@ def _here(work: Work, left: list[tuple[str, Path, Path]]) -> int:
         bar = _Bar(len(left), "files")
         try:
             for item in left:
-                bad = convert_one(item, work.channels)
+                bad = convert_one(item, work.channels, work.tile)
                 if bad is not None:
                     break
                 done += 1
@@ -247,7 +256,7 @@ def _here(work: Work, left: list[tuple[str, Path, Path]]) -> int:
 
             def feed() -> None:
                 for item in queue:
-                    running.add(pool.submit(convert_one, item, work.channels))
+                    running.add(pool.submit(convert_one, item, work.channels, work.tile))
                     if len(running) >= 2 * work.workers:
                         return
 
@@ -287,7 +296,7 @@ def task(cfg_yaml: str) -> int:
     work = plan_of(cfg)
     mine = work.left((env.global_rank, env.num_tasks))
     for item in mine:
-        bad = convert_one(item, work.channels)
+        bad = convert_one(item, work.channels, work.tile)
         if bad is not None:
             raise ConfigError(*bad)
     return len(mine)

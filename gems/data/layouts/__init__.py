@@ -169,13 +169,16 @@ class Layout:
         file synced before its rename (gems.paths.commit: what ``gems data convert`` writes)."""
         raise NotImplementedError
 
-    def converted_name(self, source: Path) -> str:
-        """The name of what ``gems data convert`` writes of file ``source`` (a layout that is not ``fast``)."""
+    def converted_name(self, source: Path, tile: int | None = None) -> str:
+        """The name of what ``gems data convert`` writes of file ``source`` (a layout that is not ``fast``), under
+        its output folder; ``tile``: stored tile by tile (``data.tile``, labelled volumes' layouts only)."""
         raise NotImplementedError
 
-    def convert(self, source: Path, folder: Path, channels: int | None = None, key: str = "data.path") -> Path:
+    def convert(self, source: Path, folder: Path, channels: int | None = None, key: str = "data.path",
+                tile: int | None = None) -> Path:
         """``gems data convert``: file ``source`` written into ``folder`` in a fast layout, whole or not at all
-        (a hidden name, then renamed); its path. ``key`` names the folder in messages."""
+        (a hidden name, then renamed); its path. ``key`` names the folder in messages; ``tile``: the tiled layout
+        of that edge (gems.data.layouts.tiles: labelled volumes; a layout without it refuses ``data.tile``)."""
         raise NotImplementedError
 
     def fallback_rate(self, shape: Sequence[int], slices: Sequence[slice] | None = None) -> tuple[float, str]:

@@ -110,13 +110,18 @@ class DecathlonLayout(NiftiLayout):
         said = f" ({task['name']})" if isinstance(task.get("name"), str) else ""
         return [f"{key}: the Decathlon task{said}: {TEST}/ ({n} volumes without labels) left out"] if n else []
 
-    def converted_name(self, source: Path) -> str:
+    def converted_name(self, source: Path, tile: int | None = None) -> str:
+        if tile:
+            return super().converted_name(source, tile)
         return f"{IMAGES}/{source.name[:-3] if source.name.endswith('.gz') else source.name}"
 
-    def convert(self, source: Path, folder: Path, channels: int | None = None, key: str = "data.path") -> Path:
+    def convert(self, source: Path, folder: Path, channels: int | None = None, key: str = "data.path",
+                tile: int | None = None) -> Path:
         """A training volume and its labels written uncompressed into the task folder ``folder`` (``imagesTr/``,
-        ``labelsTr/``; ``dataset.json`` beside them, once); returns the volume's path (written last: once it is
-        there, so are its labels)."""
+        ``labelsTr/``; ``dataset.json`` beside them, once), or with ``tile`` one case of the tiled layout (its
+        classes dataset.json's); returns the volume's path (written last: once it is there, so are its labels)."""
+        if tile:
+            return super().convert(source, folder, channels, key, tile)
         lab = self.companions(source)[0]
         if not lab.is_file():
             raise missing_labels(source, lab, key, self.labels_where)

@@ -102,6 +102,9 @@ class Header:
     #: the voxel-to-world affine nibabel gives (the sform where set, else the qform): index (x, y, z) to mm
     affine: tuple[tuple[float, ...], ...] = ((1.0, 0.0, 0.0, 0.0), (0.0, 1.0, 0.0, 0.0), (0.0, 0.0, 1.0, 0.0),
                                              (0.0, 0.0, 0.0, 1.0))
+    #: the voxels stored in chunks (gems.data.hdf5.Chunks: the tiled layout's), each read by position, where
+    #: ``offset`` is None
+    chunks: Any = None
 
 
 def header(path: Path, key: str) -> Header:
@@ -334,28 +337,13 @@ class NiftiSamples:
         self._notes: list[str] = []
         turned: list[str] = []
         for f in self.files:
-            v = header(f, self.key)
-            if v.offset is None:
-                raise ConfigError(self.key, self.path, f"uncompressed .nii volumes, read by slab; {f.name} is "
-                                  f"gzip-compressed: `gems data convert data.path={self.path} data.out=DIR` writes "
-                                  "them uncompressed")
-            lab = layout.companions(f)[0]
-            if not lab.is_file():
-                raise missing_labels(f, lab, self.key, layout.labels_where)
-            g = header(lab, self.key)
-            if g.offset is None:
-                raise ConfigError(self.key, self.path, f"uncompressed .nii labels; {lab.name} is gzip-compressed "
-                                  "(`gems data convert` writes them uncompressed)")
-            if sorted(g.shape) != sorted(v.shape):
-                raise ConfigError(self.key, self.path, f"labels of their volume's shape; {lab.name} holds "
-                                  f"{list(g.shape[::-1])} voxels (x, y, z), {f.name} {list(v.shape[::-1])}")
-            on_volume = lined_up(v, g, self.key)  # refused where the labels are not on the volume's grid
+            v, g, on_volume = layout.pair(f, self.key, self.path)
             vgrid = canonical(v) if options.orientation == "RAS" else Grid()
             self.heads.append(v)
             self.labels.append(g)
             self.grids_of.append((vgrid, vgrid.then(on_volume)))
             if not on_volume.identity:
-                turned.append(f"{lab.name} ({on_volume.describe()})")
+                turned.append(f"{g.path.name} ({on_volume.describe()})")
         if turned:
             self._notes.append(f"{self.key}: labels reoriented onto their volume's voxel grid by their affines, "
                                f"exactly: {', '.join(turned[:4])}" + (f" and {len(turned) - 4} more" if len(turned) > 4
@@ -389,6 +377,7 @@ class NiftiSamples:
         self.class_names: list[str] | None = layout.class_names(path)
         self.ignore = IGNORE  # the label of padding: the loss, accuracy and Dice leave it out (gems.rank.loss)
         self.reader = preader.Reader(int(options.readers))
+        self._chunk_maps: dict[Any, dict[tuple[int, ...], int]] = {}
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -441,11 +430,59 @@ class NiftiSamples:
         box = src if grid.identity else grid.box(src, head.shape)
         buf = into if direct else np.empty(tuple(b.stop - b.start for b in box), dtype=native)
         swap = native if not head.dtype.isnative and native.itemsize > 1 else None
-        assert head.offset is not None
-        tasks += preader.tasks(str(head.path), head.offset, preader.grid(head.shape, native.itemsize, box),
-                               buf.reshape(-1).view(np.uint8), swap)
+        if head.chunks is not None:
+            self._chunked(head, box, buf, tasks, posts)
+        else:
+            assert head.offset is not None
+            tasks += preader.tasks(str(head.path), head.offset, preader.grid(head.shape, native.itemsize, box),
+                                   buf.reshape(-1).view(np.uint8), swap)
         if not direct:
             posts.append((into, grid.orient(buf)))
+
+    def _chunked(self, head: Header, box: tuple[slice, ...], buf: np.ndarray, tasks: list, posts: list) -> None:
+        """Queue the reads of ``box`` of a file stored in chunks (the tiled layout) into ``buf``: each chunk's part
+        by position, straight there where one chunk holds the whole box (a tile of the chunks' edge: one block, or
+        a rank's part of it), else into a buffer of the chunk's part copied over after the reads. Chunks the
+        writer compressed are not the tiled layout's; a chunk not written reads as the fill value."""
+        from gems.data import reader as preader
+
+        chunks = head.chunks
+        native = buf.dtype
+        where = self._chunk_index(head)
+        firsts = [range(b.start // c * c, b.stop, c) for b, c in zip(box, chunks.shape)]
+        for origin in np.ndindex(*(len(r) for r in firsts)):
+            at = tuple(r[i] for r, i in zip(firsts, origin))
+            local = tuple(slice(max(b.start, o) - o, min(b.stop, o + c) - o) for b, o, c in zip(box, at, chunks.shape))
+            to = tuple(slice(o + s.start - b.start, o + s.stop - b.start) for b, o, s in zip(box, at, local))
+            k = where.get(at)
+            if k is None:
+                buf[to] = chunks.fill
+                continue
+            _, byte, _, _ = chunks.index[k]
+            whole = all(t.stop - t.start == n for t, n in zip(to, buf.shape))
+            into = buf if whole else np.empty(tuple(s.stop - s.start for s in local), dtype=native)
+            tasks += preader.tasks(str(head.path), byte, preader.grid(chunks.shape, native.itemsize, local),
+                                   into.reshape(-1).view(np.uint8))
+            if not whole:
+                posts.append((buf[to], into))
+
+    def _chunk_index(self, head: Header) -> dict[tuple[int, ...], int]:
+        """Each written chunk's place in ``head.chunks.index``, by its origin (made once a file)."""
+        key = str(head.path), id(head.chunks)
+        if key not in self._chunk_maps:
+            self._chunk_maps[key] = {tuple(o): k for k, (o, _, _, _) in enumerate(head.chunks.index)}
+        return self._chunk_maps[key]
+
+    def runs(self, indices: Sequence[int], symmetries: Sequence[int] | None = None) -> list[tuple[str, int, int]]:
+        """The byte ranges (file, offset, bytes) :meth:`read` reads by position for ``indices``, volumes and labels
+        (the gaps its gathered or buffered blocks read too): what gems bench data's per-run bound reads."""
+        tasks: list = []
+        for i in indices:
+            v, src, _ = self._box(i)
+            shape = tuple(s.stop - s.start for s in src)
+            for head, grid in zip((self.heads[v], self.labels[v]), self.grids_of[v]):
+                self._read(head, src, np.empty(shape, dtype=_native(head.dtype)), tasks, [], grid)
+        return [(t.path, t.base + b.at, b.span) for t in tasks for b in t.blocks]
 
     def _still(self, v: int) -> None:
         """Volume ``v`` and its labels as their headers were read, else bad input naming the file (module
@@ -469,10 +506,10 @@ class NiftiSamples:
             out = torch.empty(shape, dtype=self.raw, pin_memory=pin)
         elif out is not None and (tuple(out.shape) != shape or out.dtype != self.raw or not out.is_contiguous()):
             raise ValueError(f"out: a contiguous host tensor of {shape} {self.raw}, not {tuple(out.shape)} {out.dtype}")
-        labels = np.full(shape, IGNORE, dtype=np.uint8)  # classes; made long where the loss takes them
+        labels = np.empty(shape, dtype=np.uint8)  # classes; made long where the loss takes them
         tasks: list = []
         posts: list = []
-        lab_bufs = []
+        lab_bufs: list[tuple[int, int, tuple[slice, ...], np.ndarray | None]] = []
         boxes: list[tuple[int, Box]] = []
         slope, inter = np.ones(len(indices)), np.zeros(len(indices))
         seen: set[int] = set()
@@ -481,17 +518,24 @@ class NiftiSamples:
             if v not in seen:
                 self._still(v)
                 seen.add(v)
+            padded_row = any(d.stop - d.start != n for d, n in zip(dst, part))
             if out is not None:
                 row = out.numpy()[r]
-                if any(d.stop - d.start != n for d, n in zip(dst, part)):
+                if padded_row:
                     row[...] = 0
                     boxes.append((r, tuple((d.start, d.stop) for d in dst)))
                 self._read(self.heads[v], src, row[dst], tasks, posts, self.grids_of[v][0])
                 slope[r], inter[r] = self.heads[v].slope, self.heads[v].inter
+            if padded_row:
+                labels[r] = IGNORE
             g = self.labels[v]
-            buf = np.empty(tuple(s.stop - s.start for s in src), dtype=_native(g.dtype))
-            self._read(g, src, buf, tasks, posts, self.grids_of[v][1])
-            lab_bufs.append((r, v, dst, buf))
+            if _native(g.dtype) == np.uint8 and (g.slope, g.inter) == (1.0, 0.0):  # classes as they lie: read in place
+                self._read(g, src, labels[r][dst], tasks, posts, self.grids_of[v][1])
+                lab_bufs.append((r, v, dst, None))
+            else:
+                buf = np.empty(tuple(s.stop - s.start for s in src), dtype=_native(g.dtype))
+                self._read(g, src, buf, tasks, posts, self.grids_of[v][1])
+                lab_bufs.append((r, v, dst, buf))
         try:
             self.reader.run(tasks)
         except OSError as e:  # cut short, deleted or replaced since its header was read
@@ -500,8 +544,11 @@ class NiftiSamples:
                               ) from None
         for into, buf in posts:
             into[...] = buf
-        for r, v, dst, buf in lab_bufs:
-            labels[r][dst] = self._classes(buf, v)
+        for r, v, dst, stored in lab_bufs:
+            if stored is None:
+                self._classes(labels[r][dst], v)  # (checked where they were read)
+            else:
+                labels[r][dst] = self._classes(stored, v)
         raw = Voxels(out, torch.from_numpy(slope), torch.from_numpy(inter), boxes) if out is not None else None
         return raw, torch.from_numpy(labels)
 
@@ -512,7 +559,7 @@ class NiftiSamples:
         g = self.labels[v]
         values = stored if (g.slope, g.inter) == (1.0, 0.0) else stored * g.slope + g.inter
         top = min(self.classes or IGNORE, IGNORE)
-        if values.size and (values.min() < 0 or values.max() >= top
+        if values.size and ((values.dtype.kind != "u" and values.min() < 0) or values.max() >= top
                             or (values.dtype.kind == "f" and not np.array_equal(values, np.round(values)))):
             bad = values[(values < 0) | (values >= top) | (values != np.round(values))]
             named = f" ({', '.join(self.class_names)})" if self.class_names else ""
@@ -572,6 +619,26 @@ class NiftiLayout(Layout):
     #: where a volume's labels lie, for messages
     labels_where: ClassVar[str] = "LiTS: segmentation-N.nii beside volume-N.nii"
 
+    def pair(self, volume: Path, key: str, path: str) -> tuple[Header, Header, Grid]:
+        """(the volume's :class:`Header`, its labels', the grid that reads the labels onto the volume's voxels):
+        both uncompressed NIfTI files, the labels there and of the volume's shape, lined up by their affines
+        (:func:`lined_up`); else bad input naming the file."""
+        v = header(volume, key)
+        if v.offset is None:
+            raise ConfigError(key, path, f"uncompressed .nii volumes, read by slab; {volume.name} is gzip-compressed: "
+                              f"`gems data convert data.path={path} data.out=DIR` writes them uncompressed")
+        lab = self.companions(volume)[0]
+        if not lab.is_file():
+            raise missing_labels(volume, lab, key, self.labels_where)
+        g = header(lab, key)
+        if g.offset is None:
+            raise ConfigError(key, path, f"uncompressed .nii labels; {lab.name} is gzip-compressed (`gems data "
+                              "convert` writes them uncompressed)")
+        if sorted(g.shape) != sorted(v.shape):
+            raise ConfigError(key, path, f"labels of their volume's shape; {lab.name} holds {list(g.shape[::-1])} "
+                              f"voxels (x, y, z), {volume.name} {list(v.shape[::-1])}")
+        return v, g, lined_up(v, g, key)  # refused where the labels are not on the volume's grid
+
     def companions(self, file: Path) -> list[Path]:
         """The volume's labels (always the first: NiftiSamples reads them)."""
         return [label_name(file)]
@@ -583,6 +650,36 @@ class NiftiLayout(Layout):
     def folder_notes(self, path: str | os.PathLike, key: str) -> list[str]:
         """What a run over the folder says of it beyond its volumes (a Decathlon task's test volumes left out)."""
         return []
+
+    def _tiled(self, source: Path, lab: Path, folder: Path, tile: int, key: str) -> Path:
+        """``source`` and its labels ``lab`` (either compression) as one case of the tiled layout in ``folder``:
+        the voxels as stored with their scaling, the labels read onto their grid by the affines (:func:`lined_up`,
+        refused where they are on another grid) as classes (whole numbers from 0, under 255)."""
+        import nibabel as nib
+
+        from gems.data.layouts.tiles import write_case
+
+        v, g = header(source, key), header(lab, key)
+        on_volume = lined_up(v, g, key)
+        try:
+            img: Any = nib.load(str(source))
+            seg: Any = nib.load(str(lab))
+            voxels = np.asarray(img.dataobj.get_unscaled())
+            labels = np.asarray(seg.dataobj)
+        except (EOFError, zlib.error, OSError) as e:  # a corrupt gzip stream, a file cut short
+            raise ConfigError(key, str(source.parent), f"whole NIfTI files; {source.name} or {lab.name} cannot be read "
+                              f"({type(e).__name__}: {' '.join(str(e).split())[:120]})") from None
+        voxels = voxels.reshape(voxels.shape[:3]).T  # (x, y, z) in F order: (z, y, x) in C
+        labels = on_volume.orient(labels.reshape(labels.shape[:3]).T)
+        if labels.size and (labels.min() < 0 or labels.max() >= IGNORE or not np.array_equal(labels, np.round(labels))):
+            bad = labels[(labels < 0) | (labels >= IGNORE) | (labels != np.round(labels))]
+            raise ConfigError(key, str(source.parent), f"labels that are classes 0 .. {IGNORE - 1}; {lab.name} holds "
+                              f"{bad.flat[0]}")
+        names = self.class_names(source)
+        out = folder / self.converted_name(source, tile)
+        write_case(out, np.ascontiguousarray(voxels), np.ascontiguousarray(labels, dtype=np.uint8), tile,
+                   v.slope, v.inter, np.asarray(v.affine), names)
+        return out
 
     def holds(self, files: Sequence[Path]) -> bool:
         return bool(files) and all(_VOLUME.match(f.name) for f in files)
@@ -619,16 +716,23 @@ class NiftiLayout(Layout):
             files.append(out / f"volume-{i}{ext}")
         return files
 
-    def converted_name(self, source: Path) -> str:
+    def converted_name(self, source: Path, tile: int | None = None) -> str:
+        if tile:  # one case of the tiled layout (gems.data.layouts.tiles)
+            return re.sub(r"\.nii(\.gz)?$", ".h5", source.name)
         return source.name[:-3] if source.name.endswith(".gz") else source.name
 
-    def convert(self, source: Path, folder: Path, channels: int | None = None, key: str = "data.path") -> Path:
+    def convert(self, source: Path, folder: Path, channels: int | None = None, key: str = "data.path",
+                tile: int | None = None) -> Path:
         """A ``.nii.gz`` volume and its labels written uncompressed into ``folder`` (a ``.nii`` as is: copied);
-        returns the volume's path (written last: once it is there, so are its labels)."""
+        with ``tile``, one case of the tiled layout (gems.data.layouts.tiles: the stored voxels, the labels lined
+        up onto them, tiles of that edge); returns the volume's path (written last: once it is there, so are its
+        labels)."""
         folder.mkdir(parents=True, exist_ok=True)
         lab = self.companions(source)[0]
         if not lab.is_file():
             raise missing_labels(source, lab, key, self.labels_where)
+        if tile:
+            return self._tiled(source, lab, folder, int(tile), key)
         for src in (lab, source):
             dst = folder / self.converted_name(src)
             if src.name.endswith(".gz"):

@@ -432,13 +432,14 @@ class TFRecordLayout(Layout):
             files.append(final)
         return files
 
-    def converted_name(self, source: Path) -> str:
+    def converted_name(self, source: Path, tile: int | None = None) -> str:
         """The name ``gems data convert`` gives file ``source``'s sample (in the :data:`CONVERTED` layout)."""
         from gems.data import layouts
 
         return source.name[: -len(".tfrecord")] + str(getattr(layouts.get(CONVERTED), "extension", ".h5"))
 
-    def convert(self, source: Path, folder: Path, channels: int | None = None, key: str = "data.path") -> Path:
+    def convert(self, source: Path, folder: Path, channels: int | None = None, key: str = "data.path",
+                tile: int | None = None) -> Path:
         """Write file ``source``'s sample into ``folder`` in the :data:`CONVERTED` layout (hidden name, synced, then
         renamed: a file there is whole, through a crash too): ``full`` the record's int16 counts (D, H, W, C) as
         they are, ``unitPar`` its target."""
