@@ -522,7 +522,13 @@ def bench_reader(folders: dict[str, Source], threads: Sequence[int] | None = Non
             "crops of a 512^3 universe take (a crop's rows are runs a quarter of their stride apart, as there), "
             "which a file a sample never takes; it has no *whole file* (a file is no sample), its *mapped* copies "
             f"each crop's cells out of the mapped universe. *{converted_row('tfrecord')}*: the TFRecords after "
-            "`gems data convert` (ExaLearn's layout, a file a sample).\n\n")
+            "`gems data convert` (ExaLearn's layout, a file a sample). "
+            f"*{inplane_rows(size)[0]}*: one CT volume of {INPLANE} x {INPLANE} in-plane (LiTS's) and {size} slices "
+            f"with its labels, as nibabel writes it, read as tiles of {size}^3 (a tile's rows are {2 * size} B runs "
+            f"{2 * INPLANE} B apart); *{inplane_rows(size)[1]}*: the same volume after `gems data convert "
+            f"data.tile={size}` (layout tiles: a case's image and labels in unfiltered {size}^3 chunks, a tile one "
+            "block each), the issue-71 goal's row (0.7 of the bound on one thread). Neither has a *whole file* or a "
+            "*mapped* copy (a volume is many samples).\n\n")
     if skipped:
         text += "Not measured: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()) + ".\n\n"
     text += md_table(["layout", "type", "threads", *(f"{c} GB/s" for c in WAYS), "bound GB/s", "memcpy GB/s",
