@@ -79,6 +79,10 @@ def test_the_task_trains_with_dice_by_class_name_and_gems_eval_says_it(task: Pat
     assert "dice_background" in header and "dice_cancer" in header and "val_mae" not in header, header
     (rec,) = records(str(tmp_path))
     assert rec["classes"] == ["background", "liver", "cancer"] and len(rec["validation"][-1]["dice"]) == 3
+    from gems.results.table import markdown, rows_for
+
+    table = markdown(rows_for([rec], sweep=False)).splitlines()  # gems results' tables
+    assert all(f"dice_{c}" in table[0] for c in rec["classes"]) and table[2].count("|") == table[0].count("|")
     assert any("imagesTs/ (1 volumes without labels) left out" in n for n in rec["notes"]), rec["notes"]
     log = (tmp_path / ".jobs" / rec["run_id"] / "rank0.log").read_text()
     assert "Dice background" in log and ", liver " in log, log[-800:]  # the validation line

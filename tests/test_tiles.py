@@ -76,6 +76,17 @@ def test_the_unet_trains_on_tiles_as_on_the_volumes(volumes: Path, tiles: Path, 
     assert losses[0] == losses[1] and len(losses[0]) == 3
 
 
+def test_gems_plan_names_the_tiles_and_times_their_read(tiles: Path) -> None:
+    from gems.config import compose
+    from gems.plan.make import make_plan
+
+    cfg = compose(["model=unet3d", "model.size=8", "model.width=0.125", "train.batch_size=2", "model.norm=none", "data=hdf5",
+                   f"data.path={tiles}", "data.readers=1", "data.prefetch=0"])
+    pr = make_plan(cfg, suggest=False).prediction
+    (said,) = [a for a in pr.assumptions if a.startswith("data read by 1 reader thread(s) timed here")]
+    assert "layout tiles" in said, said
+
+
 def test_tiles_of_a_case_whose_labels_are_on_another_grid_are_refused_at_conversion(tmp_path: Path) -> None:
     import nibabel as nib
 
