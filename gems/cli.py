@@ -521,7 +521,7 @@ def cmd_plan(overrides: list[str]) -> int:
         from gems.plan.curves import predict_study
 
         return predict_study(combos, meta["experiment"])
-    return int(plan_main(compose(overrides)) or 0)
+    return int(plan_main(compose(overrides), overrides) or 0)
 
 
 def cmd_data(args: list[str]) -> int:

@@ -124,6 +124,13 @@ class DataConf:
 
 @dataclass
 class ParallelConf:
+    auto: bool = key(False, "choose the mesh (R x D x S, schedule and options) for parallel.world ranks: gems plan "
+                            "ranks every candidate, gems run and gems sweep run the best (parallel=auto; "
+                            "docs/planner.md, Choosing a mesh)")
+    world: Optional[int] = key(None, "with parallel=auto: the ranks to choose a mesh for (null: cluster.nodes x the "
+                                     "preset's GPUs a node)", ge=1)
+    chosen: Any = key(None, "set by parallel=auto when it chose the mesh: by which search, of how many candidates, "
+                            "the chosen's and the runner-up's predictions (the record keeps it)")
     replicas: int = key(1, "R: data-parallel copies", ge=1)
     pipeline: int = key(1, "D: model partitions", ge=1)
     spatial: Any = key(1, "S: an int, or a list of parts per cut dim ([2,2])")
@@ -555,7 +562,24 @@ def compose(overrides: list[str] | tuple[str, ...] = (), return_hydra_config: bo
         validate(cfg, relations=check)
     except ConfigError as e:
         raise _with_value(e, overrides) from None
+    if cfg.get("parallel") is not None and cfg.parallel.get("auto"):
+        chosen_by_hand(overrides)
     return cfg
+
+
+#: the keys of a mesh that parallel=auto chooses (gems.plan.search): one given beside it is refused
+MESH_KEYS = ("parallel.replicas", "parallel.pipeline", "parallel.spatial", "parallel.spatial_dims",
+             "parallel.schedule", "parallel.micro_batches", "parallel.gems_replicas", "parallel.virtual_stages",
+             "parallel.split_backward", "parallel.checkpoint", "parallel.balance")
+
+
+def chosen_by_hand(overrides: Any) -> None:
+    """A mesh key given on the command line beside ``parallel=auto`` is bad input naming it."""
+    for ov in overrides:
+        k, _, v = str(ov).lstrip("+~").partition("=")
+        if k in MESH_KEYS:
+            raise ConfigError(k, v, "unset with parallel=auto, which chooses the mesh (drop parallel=auto to set it by "
+                              "hand, or give parallel.world=N and let the search choose)")
 
 
 def _with_value(err: ConfigError, overrides: Any) -> ConfigError:
@@ -663,6 +687,8 @@ def typed(cfg: Any) -> DictConfig:
     (written once, in the dataclasses above), and a misspelt or mistyped key fails here, naming itself. The
     worker, the planner and the dry run take their configuration through this once; nothing below them reads a
     key with a fallback of its own."""
+    if isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is GemsConf:
+        return cfg  # typed already (a plan of a typed configuration: gems.plan.search plans thousands)
     base = OmegaConf.structured(GemsConf)
     try:
         out = OmegaConf.merge(base, cfg)
@@ -697,7 +723,8 @@ def validate(cfg: DictConfig, relations: bool = True) -> None:
     B, R = cfg.train.batch_size, mesh.replicas
     if B % R:
         raise ConfigError("train.batch_size", B, f"a multiple of parallel.replicas={R} (the global batch is split over replicas)")
-    if cfg.cluster.launcher == "slurm" or cfg.cluster.name != "local":
+    if (cfg.cluster.launcher == "slurm" or cfg.cluster.name != "local") and not cfg.parallel.get("auto"):
+        # (with parallel=auto the mesh is not chosen yet: each candidate is placed when it is planned)
         nodes, tasks = place(cfg.cluster, mesh.size, mesh.describe())
         from omegaconf import open_dict
 

@@ -47,6 +47,8 @@ def prepare(cfg: Any) -> Any:
     """Fill in the run id and check everything the run needs (the model, the mesh, the files it reads and
     the folders it writes), so that bad input stops here with exit 2, before anything is written."""
     given = cfg.get("run_id")
+    if cfg.parallel.get("auto"):  # the mesh chosen first: the run's name and everything after are of that mesh
+        choose_mesh(cfg)
     with open_dict(cfg):
         if not given:
             cfg.run_id = new_run_id(default_name(cfg))
@@ -66,6 +68,31 @@ def prepare(cfg: Any) -> Any:
         check_fit(cfg)  # memory: a point the planner says cannot fit is bad input (gems/plan/fit.py)
     writable_dir("results.dir", cfg.results.dir, "a folder for the run's records")
     return cfg
+
+
+def choose_mesh(cfg: Any) -> None:
+    """``parallel=auto``: the best candidate of gems plan's search (gems.plan.search) set on ``cfg``, placed on
+    nodes as any run of its size, and the choice kept for the record (``parallel.chosen``); said in one line."""
+    from omegaconf import OmegaConf
+
+    from gems.config import place
+    from gems.plan.search import choose
+
+    overrides, chosen = choose(cfg)
+    with open_dict(cfg):
+        for k, v in overrides.items():
+            OmegaConf.update(cfg, k, v, merge=False)
+        cfg.parallel.auto, cfg.parallel.world, cfg.parallel.chosen = False, None, chosen
+        if cfg.cluster.launcher == "slurm" or cfg.cluster.name != "local":
+            size = mesh_from_config(cfg).size
+            cfg.cluster.nodes, cfg.cluster.tasks_per_node = place(cfg.cluster, size)
+            cfg.cluster.ntasks = size
+    runner = chosen["runner_up"]
+    print(f"gems: note: parallel=auto chose {chosen['mesh']} ({chosen['options']}; {' '.join(chosen['overrides'])}): "
+          f"{chosen['predicted_samples_per_s']:.3g} samples/s predicted"
+          + (f", the runner-up {runner['mesh']} ({runner['options']}) {runner['predicted_samples_per_s']:.3g}"
+             if runner else "") + f" ({chosen['candidates']} candidates in {chosen['seconds']:.1f} s)",
+          file=sys.stderr, flush=True)
 
 
 def model_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:

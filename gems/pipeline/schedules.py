@@ -62,6 +62,7 @@ test.
 from __future__ import annotations
 
 import enum
+import heapq
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -348,6 +349,20 @@ class _ListScheduler:
             for i in range(shape.micro_batches):
                 for s in range(S):
                     self.todo[shape.rank_of(p, s)] |= {Action(k, p, i, s) for k in (Kind.F, *backward_kinds(split))}
+        # what each action waits for, once (needs() makes new Actions: the loop below asks millions of times)
+        self.needs = {a: needs(a, S) for todo in self.todo for a in todo}
+        # the forwards each rank has left per direction of the passes, by (pass, micro-batch): a forward enters only
+        # after the earlier ones of its direction (admits), the smallest left found at once (a heap, lazily pruned)
+        self.left: dict[tuple[int, int], dict[tuple[int, int], int]] = {}
+        self.heaps: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for r, todo in enumerate(self.todo):
+            for a in todo:
+                if a.kind.forward:
+                    key, at = (r, shape.direction(a.replica)), (a.replica, a.micro_batch)
+                    counts = self.left.setdefault(key, {})
+                    counts[at] = counts.get(at, 0) + 1
+        for key, counts in self.left.items():
+            self.heaps[key] = sorted(counts)
         self.done_at: dict[Action, int] = {}
         self.busy_until = [0] * R
         # micro-batches in flight per (rank, direction, stage): a rank's one stage per direction in the schedules
@@ -357,10 +372,13 @@ class _ListScheduler:
         self.t = 0
 
     def ready_time(self, a: Action) -> int | None:
-        ts = [self.done_at.get(d) for d in needs(a, self.S)]
-        if any(x is None or x > self.t for x in ts):
-            return None
-        return max([x for x in ts if x is not None], default=0)
+        latest = 0
+        for d in self.needs[a]:
+            x = self.done_at.get(d)
+            if x is None or x > self.t:
+                return None
+            latest = max(latest, x)
+        return latest
 
     def admits(self, r: int, a: Action) -> bool:
         """A forward enters only within the in-flight limit, and after the earlier passes of its direction."""
@@ -369,8 +387,14 @@ class _ListScheduler:
         direction = self.shape.direction(a.replica)
         if self.inflight.get((r, direction, a.stage), 0) >= self.limit(a.stage):
             return False
-        return not any(b.kind.forward and self.shape.direction(b.replica) == direction
-                       and (b.replica, b.micro_batch) < (a.replica, a.micro_batch) for b in self.todo[r])
+        return self._first_left((r, direction)) >= (a.replica, a.micro_batch)
+
+    def _first_left(self, key: tuple[int, int]) -> tuple[int, int]:
+        """The smallest (pass, micro-batch) of a forward rank and direction ``key`` has left."""
+        heap, counts = self.heaps[key], self.left[key]
+        while counts.get(heap[0], 0) == 0:
+            heapq.heappop(heap)
+        return heap[0]
 
     def pick(self, r: int) -> Action | None:
         """The action rank ``r`` runs next: ready and admitted; the preferred kind first, weight gradients last."""
@@ -394,6 +418,8 @@ class _ListScheduler:
                     continue
                 self.todo[r].discard(a)
                 self.orders[r].append(a)
+                if a.kind.forward:
+                    self.left[(r, self.shape.direction(a.replica))][(a.replica, a.micro_batch)] -= 1
                 key = (r, self.shape.direction(a.replica), a.stage)
                 if a.kind.forward:
                     self.inflight[key] = self.inflight.get(key, 0) + 1
@@ -662,7 +688,24 @@ SCHEDULES = tuple(_REGISTRY)
 
 def make_schedule(name: str, D: int, micro_batches: int = 1, gems_replicas: int | None = None,
                   virtual_stages: int | None = None, split_backward: bool = False) -> Schedule:
-    """The schedule named by ``parallel.schedule``, validated against what its registration says it takes."""
+    """The schedule named by ``parallel.schedule``, validated against what its registration says it takes. A
+    schedule is a value (frozen): one made once for its arguments is handed out again (gems plan's mesh search
+    asks for the same schedules thousands of times; generating one of many micro-batches takes milliseconds)."""
+    key = (name, D, micro_batches, gems_replicas, virtual_stages, bool(split_backward))
+    made = _MADE.get(key)
+    if made is None:
+        made = _make_schedule(name, D, micro_batches, gems_replicas, virtual_stages, split_backward)
+        if len(_MADE) < 4096:
+            _MADE[key] = made
+    return made
+
+
+#: schedules made, by their arguments (make_schedule); a refusal is not kept (it raises anew)
+_MADE: dict[tuple[Any, ...], Schedule] = {}
+
+
+def _make_schedule(name: str, D: int, micro_batches: int = 1, gems_replicas: int | None = None,
+                   virtual_stages: int | None = None, split_backward: bool = False) -> Schedule:
     kind = _REGISTRY.get(name)
     if kind is None:
         raise ConfigError("parallel.schedule", name, "one of " + ", ".join(_REGISTRY))

@@ -16,17 +16,19 @@ __all__ = ["make_plan"]
 
 
 def make_plan(cfg: Any, suggest: bool = True, quick: bool = False, available: bool = False,
-              workspace: bool = True) -> MemoryPlan:
+              workspace: bool = True, largest: bool = True, hardware: bool = True, notes: bool = True) -> MemoryPlan:
     """The plan of the composed configuration ``cfg`` (no process group, no allocation).
 
     ``suggest``: when it does not fit, search the smallest change that does.
     ``quick``: only whether the configured batch fits (one trace of the middle spatial part; no batch search,
-    no prediction). ``available`` and ``workspace``: as :func:`gems.plan.memory.plan_memory` takes them.
+    no prediction). ``available``, ``workspace`` and ``largest``: as :func:`gems.plan.memory.plan_memory` takes
+    them; ``hardware``: the predicted step's distance to the device too (:func:`predicted_hardware`); ``notes``:
+    the notes that plan a variant of their own (where recomputation saves nothing).
     """
     t0 = time.perf_counter()
     cfg = typed(cfg)  # the typed settings the planner's modules read (gems.config.typed)
-    plan, pl, prof = plan_memory(cfg, quick, available, workspace)
-    if not quick and (note := recompute_note(cfg, plan)):
+    plan, pl, prof = plan_memory(cfg, quick, available, workspace, largest)
+    if not quick and notes and (note := recompute_note(cfg, plan)):
         plan.notes.append(note)
     if not plan.fits and suggest:
         plan.suggestion = suggest_change(cfg, pl.st)
@@ -35,9 +37,9 @@ def make_plan(cfg: Any, suggest: bool = True, quick: bool = False, available: bo
                          "to fit")
     if not quick and bool(cfg.plan.predict):
         plan.prediction = predict_step(cfg, pl, prof, plan.global_batch, plan.device, plan.world_size)
-        if plan.prediction is not None:
+        if plan.prediction is not None and hardware:
             plan.hardware = predicted_hardware(cfg, plan)
-    if not quick:  # (the quick path searches no batch: there is no maximum to give)
+    if not quick and largest:  # (the quick path searches no batch: there is no maximum to give)
         bits = f"max global batch that fits: {plan.max_global_batch}"
         if plan.min_gems_replicas is not None:
             bits += f"; gems_replicas >= {plan.min_gems_replicas} fits train.batch_size={plan.global_batch}"

@@ -780,6 +780,17 @@ def rank_threads(cfg: Any) -> int:
     return int(cfg.train.threads or cfg.cluster.cpus_per_task or 1)
 
 
+def _largest(pl: Planner, quick: bool, largest: bool, usable: float, chunk: int) -> tuple[int, Any]:
+    """(the largest micro-batch that fits, the profile the plan reuses): none and no profile for a quick plan, the
+    profile alone without ``largest``; on GPU ranks ``usable`` is what the fixed parts leave over (1 + the
+    fragmentation) x the peak."""
+    if quick:
+        return -1, None
+    if not largest:
+        return -1, pl.profile(max(1, chunk))
+    return _max_chunk(pl, int(usable), chunk)
+
+
 def _max_chunk(pl: Planner, usable: int, chunk0: int) -> tuple[int, Any]:
     """The largest micro-batch (samples per chunk) whose plan fits ``usable`` bytes, with the profile reused."""
     prof = pl.profile(max(1, chunk0))
@@ -841,7 +852,7 @@ def _fmt(b: float) -> str:
 
 
 def plan_memory(cfg: Any, quick: bool = False, available: bool = False,
-                workspace: bool = True) -> tuple[MemoryPlan, Planner, Any]:
+                workspace: bool = True, largest: bool = True) -> tuple[MemoryPlan, Planner, Any]:
     """The memory plan of the composed configuration ``cfg`` (no process group, no allocation), with the planner
     and the profile it measured (what the step-time prediction reuses, :mod:`gems.plan.predict`). No
     suggestion and no prediction: :func:`gems.plan.make.make_plan` adds them.
@@ -851,6 +862,8 @@ def plan_memory(cfg: Any, quick: bool = False, available: bool = False,
     (the check before a run: other processes hold the rest).
     ``workspace``: CPU ranks count their convolutions' backward workspaces (measured: seconds per new shape;
     without them the plan is a lower bound, what the check before a run tries first: gems.plan.fit).
+    ``largest``: search the largest batch that fits (``max_global_batch``; -1 without: a mesh search plans
+    thousands of candidates at the user's batch, gems.plan.search).
     """
     t0 = time.perf_counter()
     st = setup(cfg)
@@ -877,10 +890,7 @@ def plan_memory(cfg: Any, quick: bool = False, available: bool = False,
     # CPU ranks: what train.host_memory costs in resident memory over the tensor peak (kept freed memory)
     policy = str(cfg.train.host_memory) if dev["kind"] == "cpu" else None
     growth = KEEP_GROWTH if policy == "keep" else 1.0
-    if quick:
-        max_chunk, prof = -1, None
-    else:  # GPU ranks: the peak and its fragmentation, (1 + frag) x the peak, within what the fixed parts leave
-        max_chunk, prof = _max_chunk(pl, usable / growth / (1.0 + frag), chunk)
+    max_chunk, prof = _largest(pl, quick, largest, usable / growth / (1.0 + frag), chunk)
     bal, positions = pl.positions(st.batch, prof)
     worst = max(positions, key=lambda p: p.bytes.total)
     if reserve is not None:

@@ -135,11 +135,17 @@ def reserve_line(dev: dict[str, Any]) -> str:
             "plan.reserve_gb=<GiB> replaces it")
 
 
-def plan_main(cfg: Any) -> int:
-    """``gems plan``: print the plan as ``plan.format`` says; 0 whether or not it fits (bad input raises ConfigError)."""
+def plan_main(cfg: Any, given: list[str] | None = None) -> int:
+    """``gems plan``: print the plan as ``plan.format`` says; 0 whether or not it fits (bad input raises ConfigError).
+    With ``parallel=auto`` every mesh of the world, ranked (gems.plan.search; ``given``: the command's overrides,
+    for the command line that runs the best)."""
     fmt = str(cfg.plan.format)
     if fmt not in ("table", "json"):
         raise ConfigError("plan.format", fmt, "table or json")
+    if cfg.parallel.get("auto"):
+        from gems.plan.search import search_main
+
+        return search_main(cfg, given)
     if bool(cfg.plan.dry_run):
         return _dry_run_main(cfg, fmt)
     plan = make_plan(cfg)

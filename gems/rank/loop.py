@@ -743,6 +743,10 @@ class Run:
         if names:
             record["classes"] = names  # the Dice columns' names, by label (gems.results.table)
         record["cuda_graphs"] = replayed
+        if self.cfg.parallel.get("chosen"):  # parallel=auto: the mesh was chosen by gems plan's search
+            from omegaconf import OmegaConf
+
+            record["chosen"] = OmegaConf.to_container(self.cfg.parallel.chosen, resolve=True)
         if "device_ops" in h:  # what the last untimed step launched outside a replay (gems.rank.graphs.DeviceOps)
             record["device_ops"] = h["device_ops"]
         return record

@@ -284,6 +284,10 @@ class Voxels:
                       self.boxes)
 
 
+def _box_key(src: Sequence[slice]) -> tuple[tuple[int, int], ...]:
+    return tuple((int(s.start), int(s.stop)) for s in src)
+
+
 def padded(x: torch.Tensor, boxes: Sequence[tuple[int, Box]], value: float = 0.0) -> torch.Tensor:
     """``x`` (N, C, *part) with every voxel of row ``r`` outside its box set to ``value``, for each (r, box) of
     ``boxes``; in place."""
@@ -378,6 +382,9 @@ class NiftiSamples:
         self.ignore = IGNORE  # the label of padding: the loss, accuracy and Dice leave it out (gems.rank.loss)
         self.reader = preader.Reader(int(options.readers))
         self._chunk_maps: dict[Any, dict[tuple[int, ...], int]] = {}
+        #: (volume, the part of it) whose labels were checked against the classes: the files are the same ones for
+        #: the run (their stamps are looked at every batch), so a part read again is not checked again
+        self._checked: set[tuple[int, tuple[tuple[int, int], ...]]] = set()
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -531,7 +538,8 @@ class NiftiSamples:
             g = self.labels[v]
             if _native(g.dtype) == np.uint8 and (g.slope, g.inter) == (1.0, 0.0):  # classes as they lie: read in place
                 self._read(g, src, labels[r][dst], tasks, posts, self.grids_of[v][1])
-                lab_bufs.append((r, v, dst, None))
+                if (v, _box_key(src)) not in self._checked:  # (a part's labels checked once: a change is named anyway)
+                    lab_bufs.append((r, v, dst, None))
             else:
                 buf = np.empty(tuple(s.stop - s.start for s in src), dtype=_native(g.dtype))
                 self._read(g, src, buf, tasks, posts, self.grids_of[v][1])
@@ -547,6 +555,7 @@ class NiftiSamples:
         for r, v, dst, stored in lab_bufs:
             if stored is None:
                 self._classes(labels[r][dst], v)  # (checked where they were read)
+                self._checked.add((v, _box_key(self._box(indices[r])[1])))
             else:
                 labels[r][dst] = self._classes(stored, v)
         raw = Voxels(out, torch.from_numpy(slope), torch.from_numpy(inter), boxes) if out is not None else None

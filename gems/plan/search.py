@@ -1,0 +1,528 @@
+"""``parallel=auto``: every mesh of a world that runs the same global batch exactly, planned and ranked.
+
+``gems plan parallel=auto`` answers the question a user with N GPUs has before "does this mesh fit": which mesh.
+The world is ``parallel.world``, else ``cluster.nodes`` times the GPUs a node of the preset holds. Every candidate
+trains like one process on the user's global batch and precision (gems's contract: docs/design.md), so they differ
+only in speed and memory, and the planner's model of both (:func:`gems.plan.make.make_plan`, the same a single
+plan makes: memory a rank, the step's time broken down as a record breaks it, each candidate placed on nodes as the
+launcher would place it: gems.plan.suggest.variant) ranks them:
+
+* **R x D x S**: every factorisation of the world with ``R`` dividing the global batch;
+* **S**, every cut the model might take: depth only, pencils, cubes (2D models: rows, tiles), each cut's parts in
+  non-increasing order over the dims (a cube's permutations plan alike; the one that cuts depth most is kept: a
+  depth slab is the reader's cheapest part). A cut the model refuses (a part thinner than a layer's halo, a layer
+  that cannot be cut there) is rejected as such, by the planner's own check;
+* **D**, every registered schedule (gems.pipeline.schedules: its registration says what it takes) with its options:
+  micro-batches (divisors of what a replica line runs a pass), GEMS-MASTER's replica passes, an interleaved
+  schedule's virtual stages, a split backward; the partitions balanced as a run balances them;
+* **recomputation** (``parallel.checkpoint``) where a candidate does not fit without it (it never makes a step
+  faster: the planner prices its second forward), and CUDA graphs as a run of that mesh decides them
+  (gems.rank.graphs.decide: the same rule, the plan's notes).
+
+**Pruning**, where the candidates outgrow what a login node plans in a minute: micro-batch counts are tried in
+increasing order, each schedule's only up to where its predicted step stops falling (after the first that fits);
+a split backward and a schedule's other virtual stages only at the best count; recomputation only where the
+candidate does not fit. The tests hold a pruned search to the exhaustive one on small worlds.
+
+Each candidate is kept with its overrides (``key=value`` strings that, added to the user's command, run it), its
+predicted samples/s, its peak bytes a rank and whether it fits; rejected ones with their reason. ``gems run
+parallel=auto`` and ``gems sweep parallel=auto`` run the best (gems.prepare: the record says so, and the runner-up's
+prediction).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from gems.errors import ConfigError, RunError
+
+#: rejection reasons, by the key a refusal names
+_REASONS = {"parallel.spatial": "the model refuses the cut", "parallel.spatial_dims": "the model refuses the cut",
+            "model.size": "the model refuses the cut", "parallel.micro_batches": "the batch does not divide",
+            "train.batch_size": "the batch does not divide", "parallel.gems_replicas": "the batch does not divide",
+            "parallel.pipeline": "the layers do not split into the stages",
+            "parallel.balance": "the layers do not split into the stages",
+            "parallel.virtual_stages": "the layers do not split into the stages"}
+NOT_FIT = "does not fit"
+
+
+@dataclass
+class Candidate:
+    """One mesh and its options: ``overrides`` (key -> value) on the user's configuration, its plan (None where the
+    planner refused it), and why it is out where it is (:data:`NOT_FIT`, or a refusal's class and its words)."""
+
+    overrides: dict[str, Any]
+    plan: Any = None
+    reason: str | None = None
+    detail: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None and bool(self.plan.fits)
+
+    @property
+    def throughput(self) -> float:
+        p = self.plan
+        return float(p.prediction.throughput) if p is not None and p.prediction is not None else 0.0
+
+    @property
+    def peak(self) -> int | None:
+        return int(self.plan.worst.bytes.total) if self.plan is not None else None
+
+    def args(self) -> list[str]:
+        """The ``key=value`` strings that, added to the user's command, run this candidate."""
+        return [f"{k}={_text(v)}" for k, v in self.overrides.items()]
+
+    def mesh(self) -> str:
+        o = self.overrides
+        spatial = o["parallel.spatial"]
+        s = (f"S{spatial}" if isinstance(spatial, int) else "S" + "x".join(map(str, spatial)))
+        return f"R{o['parallel.replicas']} x D{o['parallel.pipeline']} x {s}"
+
+    def options(self) -> str:
+        o = self.overrides
+        if o["parallel.pipeline"] == 1:
+            bits = ["plain"]
+        else:
+            bits = [str(o["parallel.schedule"]), f"m={o['parallel.micro_batches']}"]
+            if o.get("parallel.gems_replicas"):
+                bits.append(f"eta={o['parallel.gems_replicas']}")
+            if o.get("parallel.virtual_stages"):
+                bits.append(f"v={o['parallel.virtual_stages']}")
+            if o.get("parallel.split_backward"):
+                bits.append("split")
+        if o.get("parallel.checkpoint"):
+            bits.append("recompute")
+        return " ".join(bits)
+
+
+def _text(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(map(str, v)) + "]"
+    return "null" if v is None else str(v)
+
+
+@dataclass
+class Search:
+    """What a search found: every candidate, best first (those that fit, by predicted samples/s; then those that
+    do not, the least memory first; then the rejected), how long it took, and the world it searched."""
+
+    world: int
+    candidates: list[Candidate] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ranked(self) -> list[Candidate]:
+        ok = sorted((c for c in self.candidates if c.fits), key=lambda c: -c.throughput)
+        tight = sorted((c for c in self.candidates if c.plan is not None and not c.fits), key=lambda c: c.peak or 0)
+        out = sorted((c for c in self.candidates if c.plan is None), key=lambda c: c.reason or "")
+        return ok + tight + out
+
+    @property
+    def best(self) -> Candidate | None:
+        r = self.ranked
+        return r[0] if r and r[0].fits else None
+
+    def rejected(self) -> dict[str, int]:
+        """How many candidates were rejected, by reason."""
+        out: dict[str, int] = {}
+        for c in self.candidates:
+            if not c.fits:
+                why = c.reason or NOT_FIT
+                out[why] = out.get(why, 0) + 1
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+# ---------------------------------------------------------------------------- the world and its meshes
+def world_of(cfg: Any) -> int:
+    """The ranks to search over: ``parallel.world``, else ``cluster.nodes`` x the preset's GPUs a node."""
+    p, c = cfg.parallel, cfg.cluster
+    if p.get("world") is not None:
+        return int(p.world)
+    if c.get("nodes") and int(c.get("gpus_per_node") or 0) > 0:
+        return int(c.nodes) * int(c.gpus_per_node)
+    raise ConfigError("parallel.world", None, "the ranks to choose a mesh for with parallel=auto: parallel.world=N, "
+                      "or cluster.nodes=K on a preset whose nodes hold GPUs (cluster=perlmutter cluster.nodes=16)")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def cuts(S: int, extents: list[int]) -> list[tuple[list[int], list[int]]]:
+    """(parts per cut dim, the dims) of every way to cut a sample in ``S`` parts over its first k dims, the parts
+    non-increasing over the dims and at most each dim's extent (module docstring)."""
+    if S == 1:
+        return [([1], [0])]
+    out = []
+    for k in range(1, len(extents) + 1):
+        for parts in _factor(S, k):
+            if all(p >= 2 for p in parts) and list(parts) == sorted(parts, reverse=True) and \
+                    all(p <= e for p, e in zip(parts, extents)):
+                out.append((list(parts), list(range(k))))
+    return out
+
+
+def _factor(n: int, k: int) -> Iterator[tuple[int, ...]]:
+    if k == 1:
+        yield (n,)
+        return
+    for d in divisors(n):
+        for rest in _factor(n // d, k - 1):
+            yield (d, *rest)
+
+
+def schedule_options(name: str, kind: Any, D: int, line: int, layers: int) -> list[dict[str, Any]]:
+    """Every option set of schedule ``name`` at ``D`` stages for a replica line of ``line`` samples a step (before
+    the micro-batches, which the search walks itself): GEMS-MASTER's passes, an interleaved schedule's virtual
+    stages (as many stages as the layers allow), a split backward where it is optional."""
+    passes = {"one": [None], "two": [None]}.get(kind.passes, [e for e in (2, 4) if line % e == 0])
+    virtual = [v for v in (2, 4) if D * v <= layers] if kind.virtual else [None]
+    split = [False, True] if kind.split == "optional" else [False]
+    out = []
+    for eta, v, sp in itertools.product(passes, virtual, split):
+        o: dict[str, Any] = {"parallel.schedule": name}
+        if eta is not None:
+            o["parallel.gems_replicas"] = eta
+        if v is not None:
+            o["parallel.virtual_stages"] = v
+        if sp:
+            o["parallel.split_backward"] = True
+        out.append(o)
+    return out
+
+
+# ---------------------------------------------------------------------------- planning one
+class _Planner:
+    """Plans candidates on the user's configuration (each once)."""
+
+    def __init__(self, cfg: Any, layers: int) -> None:
+        from omegaconf import open_dict
+
+        from gems.config import typed
+
+        self.base = typed(cfg).copy()
+        with open_dict(self.base):
+            self.base.parallel.auto = False
+            self.base.parallel.world = None
+        self.layers = layers
+        self.done: dict[tuple[Any, ...], Candidate] = {}
+
+    def plan(self, overrides: dict[str, Any]) -> Candidate:
+        key = tuple(sorted((k, _text(v)) for k, v in overrides.items()))
+        if key in self.done:
+            return self.done[key]
+        cand = Candidate(dict(overrides))
+        try:
+            cand.plan = _plan(self.base, overrides, self.layers)
+            if not cand.plan.fits:
+                cand.reason, cand.detail = NOT_FIT, cand.plan.verdict
+        except ConfigError as e:
+            cand.reason, cand.detail = _REASONS.get(e.key, f"refused ({e.key})"), str(e)
+        except RunError as e:
+            cand.reason, cand.detail = "the model refuses the cut", str(e)
+        self.done[key] = cand
+        return cand
+
+
+def _plan(base: Any, overrides: dict[str, Any], layers: int) -> Any:
+    """The plan of the typed ``base`` with ``overrides`` (a mesh and its options), placed as the launcher places
+    it."""
+    import copy
+
+    from omegaconf import OmegaConf, open_dict
+
+    from gems.config import place
+    from gems.mesh import mesh_from_config
+    from gems.parallel import resolve
+    from gems.plan.make import make_plan
+
+    c = copy.deepcopy(base)
+    with open_dict(c):
+        for k, v in overrides.items():
+            OmegaConf.update(c, k, v, merge=False)
+        if c.cluster.launcher == "slurm" or c.cluster.name != "local":  # placed like any run of that many ranks
+            size = mesh_from_config(c).size
+            c.cluster.nodes, c.cluster.tasks_per_node = place(c.cluster, size)
+            c.cluster.ntasks = size
+    resolve(c).check_layers(layers)  # the schedule, the batch over passes and micro-batches, the stages
+    return make_plan(c, suggest=False, largest=False, hardware=False, notes=False)
+
+
+# ---------------------------------------------------------------------------- the search
+#: meshes whose every schedule and option is planned, the best first (the others: their representative only)
+REFINED = 12
+
+
+def search(cfg: Any, exhaustive: bool = False) -> Search:
+    """Every candidate of ``cfg``'s world (module docstring); ``exhaustive``: no pruning (the tests' reference).
+
+    Two passes. First every mesh (R, D, the cut) is planned once: a D = 1 mesh plainly, a pipeline with 1F1B at
+    the micro-batch count where its step stops falling (its representative). Then the best :data:`REFINED`
+    meshes, and every pipeline mesh whose representative fits nowhere, are planned with every registered schedule
+    and its options. Pruned: where a schedule's step stops falling with its micro-batches, and a schedule's other
+    options (a split backward, virtual stages, GEMS-MASTER's passes) only at its best count."""
+    from gems.config import section
+    from gems.models import build_model
+
+    t0 = time.perf_counter()
+    N = world_of(cfg)
+    B = int(cfg.train.batch_size)
+    spec = build_model(section(cfg, "model"))
+    layers = len(spec.module)
+    extents = [int(n) for n in spec.input_shape[1:1 + int(spec.spatial_ndim)]] if spec.spatial_ndim else []
+    planner = _Planner(cfg, layers)
+    out = Search(N)
+    meshes: list[tuple[dict[str, Any], Candidate | None]] = []
+    for R in divisors(N):
+        if B % R:
+            out.candidates.append(Candidate(_mesh(R, N // R, 1, [1], [0]), reason="the batch does not divide",
+                                            detail=f"train.batch_size={B} over {R} replicas"))
+            continue
+        M = N // R
+        for D in divisors(M):
+            if D > layers:
+                continue
+            S = M // D
+            for parts, dims in cuts(S, extents) if extents else ([([1], [0])] if S == 1 else []):
+                base = _mesh(R, D, S, parts, dims)
+                if D == 1:
+                    meshes.append((base, _with_recompute(planner, out, base)))
+                elif exhaustive:
+                    meshes.append((base, None))
+                else:
+                    meshes.append((base, _representative(planner, out, base, B // R)))
+    ranked = sorted(meshes, key=lambda m: -(m[1].throughput if m[1] is not None and m[1].fits else -1.0))
+    for k, (base, rep) in enumerate(ranked):
+        if base["parallel.pipeline"] == 1 or (rep is not None and rep.overrides.get("parallel.schedule") == "lp"
+                                              and not rep.fits):
+            continue  # (a pipeline mesh where the lightest candidate does not fit: none of its schedules does)
+        if exhaustive or k < REFINED or rep is None or not rep.fits:
+            _every_schedule(planner, out, base, B // base["parallel.replicas"], layers, exhaustive)
+    seen: dict[tuple[Any, ...], Candidate] = {}
+    for c in out.candidates:  # each candidate once (a walk may meet one twice)
+        seen[tuple(sorted((k, _text(v)) for k, v in c.overrides.items()))] = c
+    out.candidates = list(seen.values())
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def _representative(planner: _Planner, out: Search, base: dict[str, Any], line: int) -> Candidate | None:
+    """A pipeline mesh's one candidate of the first pass: where even its lightest candidate (layer parallelism:
+    one micro-batch in flight, at the most micro-batches, recomputing) does not fit, that one (no schedule of the
+    mesh fits); else 1F1B at the micro-batch count where its step stops falling."""
+    light = planner.plan({**base, "parallel.micro_batches": line, "parallel.checkpoint": True})
+    if light.plan is None or not light.fits:
+        out.candidates.append(light)
+        return light if light.plan is not None else None
+    return _walk(planner, out, {**base, "parallel.schedule": "1f1b"}, line, False)
+
+
+def _every_schedule(planner: _Planner, out: Search, base: dict[str, Any], line: int, layers: int,
+                    exhaustive: bool) -> None:
+    """Every registered schedule of a pipeline mesh: its micro-batch counts walked with its first option set, its
+    other option sets at the best count (all at every count where ``exhaustive``)."""
+    from gems.pipeline.schedules import registered
+
+    D = base["parallel.pipeline"]
+    for name, kind in registered().items():
+        if D < kind.min_ranks:
+            continue
+        options = schedule_options(name, kind, D, line, layers)
+        if not options:
+            continue
+        if exhaustive:
+            for o in options:
+                _walk(planner, out, {**base, **o}, line, True)
+            continue
+        first = _walk(planner, out, {**base, **options[0]}, line, False)
+        m = first.overrides["parallel.micro_batches"] if first is not None else None
+        for o in options[1:]:
+            if "parallel.gems_replicas" in o or m is None:  # other passes: another line a pass, walked afresh
+                _walk(planner, out, {**base, **o}, line, False)
+            else:
+                _with_recompute(planner, out, {**base, **o, "parallel.micro_batches": m})
+
+
+def _mesh(R: int, D: int, S: int, parts: list[int], dims: list[int]) -> dict[str, Any]:
+    return {"parallel.replicas": R, "parallel.pipeline": D,
+            "parallel.spatial": parts[0] if len(parts) == 1 else list(parts),
+            "parallel.spatial_dims": list(dims) if S > 1 else None, "parallel.schedule": "lp",
+            "parallel.micro_batches": 1}
+
+
+def _with_recompute(planner: _Planner, out: Search, o: dict[str, Any]) -> Candidate:
+    """Plan ``o``; where it does not fit, its recomputing variant too (both kept); the better of the two."""
+    cand = planner.plan(o)
+    out.candidates.append(cand)
+    if cand.plan is not None and not cand.fits:
+        again = planner.plan({**o, "parallel.checkpoint": True})
+        out.candidates.append(again)
+        return again if again.fits else cand
+    return cand
+
+
+def _walk(planner: _Planner, out: Search, o: dict[str, Any], line: int, exhaustive: bool) -> Candidate | None:
+    """A schedule's micro-batch counts in increasing order (divisors of a pass's samples), up to where its step
+    stops falling after the first that fits (module docstring); all of them where ``exhaustive``. The best
+    candidate met (one that fits, else the last planned), None where no count was planned."""
+    passes = int(o.get("parallel.gems_replicas") or (2 if o["parallel.schedule"] == "mast" else 1))
+    if line % passes:
+        return None
+    best: Candidate | None = None
+    last: Candidate | None = None
+    for m in divisors(line // passes):
+        cand = _with_recompute(planner, out, {**o, "parallel.micro_batches": m})
+        last = cand if cand.plan is not None else last
+        if cand.fits:
+            if best is not None and cand.throughput <= best.throughput and not exhaustive:
+                break
+            if best is None or cand.throughput > best.throughput:
+                best = cand
+    return best if best is not None else last
+
+
+# ---------------------------------------------------------------------------- what it says
+#: the breakdown's terms, as a record's (gems.plan.timing)
+TERMS = ("compute", "halo", "pipeline_comm", "allreduce", "bubble_or_wait", "data")
+
+
+def command(given: list[str] | None, cand: Candidate) -> str:
+    """The one command line that runs ``cand``: the user's overrides but ``parallel=auto`` and ``parallel.world``,
+    then the candidate's."""
+    kept = [o for o in (given or []) if o != "parallel=auto" and not o.startswith("parallel.world=")]
+    return " ".join(["gems run", *kept, *cand.args()])
+
+
+def hardware_of(cfg: Any, cand: Candidate) -> dict[str, Any] | None:
+    """The predicted step's distance to the device of one candidate (computed for those shown only)."""
+    if cand.plan is None or cand.plan.prediction is None:
+        return None
+    if cand.plan.hardware is None:
+        from gems.plan.make import predicted_hardware
+
+        planner = _Planner(cfg, 0)
+        c = planner.base
+        import copy
+
+        from omegaconf import OmegaConf, open_dict
+
+        c = copy.deepcopy(c)
+        with open_dict(c):
+            for k, v in cand.overrides.items():
+                OmegaConf.update(c, k, v, merge=False)
+        cand.plan.hardware = predicted_hardware(c, cand.plan)
+    return cand.plan.hardware
+
+
+def as_json(cfg: Any, s: Search, given: list[str] | None = None) -> dict[str, Any]:
+    """Every candidate, best first (schema ``gems.search/1``): ``overrides`` (``key=value`` strings that, added to
+    the user's command, run it), ``mesh``, ``options``, ``samples_per_s``, ``step_s``, ``breakdown``,
+    ``peak_bytes``, ``fits``, ``reason``; and ``world``, ``tried``, ``rejected`` (by reason), ``seconds``,
+    ``command`` (the best's), ``best`` (its index: 0, or null where nothing fits)."""
+    ranked = s.ranked
+    out = []
+    for i, c in enumerate(ranked):
+        pr = c.plan.prediction if c.plan is not None else None
+        item = {"rank": i + 1, "overrides": c.args(), "mesh": c.mesh(), "options": c.options(),
+                "samples_per_s": c.throughput if pr is not None else None,
+                "step_s": pr.step_s if pr is not None else None,
+                "breakdown": {k: float(pr.breakdown.get(k, 0.0)) for k in TERMS} if pr is not None else None,
+                "peak_bytes": c.peak, "fits": c.fits, "reason": c.reason, "detail": c.detail if c.reason else ""}
+        if i < 10:
+            item["hardware"] = hardware_of(cfg, c)
+        out.append(item)
+    best = s.best
+    return {"schema": "gems.search/1", "world": s.world, "tried": len(s.candidates), "rejected": s.rejected(),
+            "seconds": round(s.seconds, 2), "best": 0 if best is not None else None,
+            "command": command(given, best) if best is not None else None, "candidates": out}
+
+
+def render(cfg: Any, s: Search, given: list[str] | None = None, top: int = 10) -> str:
+    """The ranked table of the best ``top``, then what was tried, what was rejected and why, and the command."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"gems plan parallel=auto: {s.world} ranks, global batch {int(cfg.train.batch_size)}, "
+                    f"{cfg.train.precision}", show_header=True, header_style="bold")
+    for col in ("#", "mesh", "schedule", "samples/s", "step s", *TERMS, "peak GiB", "fits", "TFLOP/s frac"):
+        t.add_column(col, justify="right" if col not in ("mesh", "schedule") else "left")
+    for i, c in enumerate(s.ranked[:top]):
+        pr = c.plan.prediction if c.plan is not None else None
+        hw = hardware_of(cfg, c) or {}
+        frac = hw.get("flops_fraction")
+        t.add_row(str(i + 1), c.mesh(), c.options(), f"{c.throughput:.3g}" if pr is not None else "-",
+                  f"{pr.step_s:.3g}" if pr is not None else "-",
+                  *((f"{pr.breakdown.get(k, 0.0):.3g}" if pr is not None else "-") for k in TERMS),
+                  f"{c.peak / 2**30:.2f}" if c.peak is not None else "-", "yes" if c.fits else "no",
+                  f"{frac:.3g}" if isinstance(frac, (int, float)) else "-")
+    buf = io.StringIO()
+    Console(file=buf, width=200, force_terminal=False).print(t)
+    rej = "; ".join(f"{why}: {n}" for why, n in s.rejected().items()) or "none"
+    buf.write(f"{len(s.candidates)} candidate(s) tried in {s.seconds:.1f} s; rejected: {rej}\n")
+    best = s.best
+    if best is not None:
+        buf.write(f"best: {command(given, best)}\n")
+    return buf.getvalue()
+
+
+def closest_refusal(cfg: Any, s: Search) -> ConfigError:
+    """Nothing fits: bad input naming the closest candidate (the least memory a rank) and what it lacks, or, where
+    no mesh could even be planned, the batches that would split."""
+    planned = [c for c in s.candidates if c.plan is not None]
+    if planned:
+        c = min(planned, key=lambda c: c.peak or 0)
+        dev = c.plan.device
+        need, have = c.peak or 0, int(dev.get("usable_bytes") or dev.get("memory_bytes") or 0)
+        return ConfigError("parallel.world", s.world, f"a world where a mesh fits; the closest, {c.mesh()} "
+                           f"{c.options()} ({' '.join(c.args())}), needs {need / 2**30:.1f} GiB a rank, the device "
+                           f"holds {have / 2**30:.1f} (more ranks, train.precision=bf16, or a smaller batch)")
+    B = int(cfg.train.batch_size)
+    if any(c.reason == "the batch does not divide" for c in s.candidates):
+        works = sorted({k * s.world for k in range(1, 4)} | {k * r for r in divisors(s.world) if r > 1
+                                                             for k in range(1, 3) if k * r > B})[:6]
+        return ConfigError("train.batch_size", B, f"a batch that the {s.world} ranks' meshes split, such as "
+                           f"{', '.join(map(str, works))} (a multiple of the replicas R: {s.world} is one replica a "
+                           "rank)")
+    why = "; ".join(f"{k}: {n}" for k, n in s.rejected().items())
+    return ConfigError("parallel.world", s.world, f"a world this model's meshes can take ({why})")
+
+
+def search_main(cfg: Any, given: list[str] | None = None) -> int:
+    """``gems plan parallel=auto``: the ranked table (or ``plan.format=json``), then exit 0; where nothing fits,
+    the table, then bad input naming the closest candidate."""
+    import json
+
+    s = search(cfg)
+    if str(cfg.plan.format) == "json":
+        print(json.dumps(as_json(cfg, s, given)))
+    else:
+        print(render(cfg, s, given), end="")
+    if s.best is None:
+        raise closest_refusal(cfg, s)
+    return 0
+
+
+def choose(cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What ``gems run parallel=auto`` runs: (the best candidate's overrides, what the record keeps of the choice:
+    by which search, of how many candidates, the chosen's and the runner-up's predictions); bad input where
+    nothing fits."""
+    s = search(cfg)
+    best = s.best
+    if best is None:
+        raise closest_refusal(cfg, s)
+    ranked = [c for c in s.ranked if c.fits]
+    runner = ranked[1] if len(ranked) > 1 else None
+    chosen = {"by": "gems plan's search (parallel=auto: gems/plan/search.py)", "world": s.world,
+              "candidates": len(s.candidates), "seconds": round(s.seconds, 2), "mesh": best.mesh(),
+              "options": best.options(), "overrides": best.args(), "predicted_samples_per_s": best.throughput,
+              "runner_up": None if runner is None else {"mesh": runner.mesh(), "options": runner.options(),
+                                                        "overrides": runner.args(),
+                                                        "predicted_samples_per_s": runner.throughput}}
+    return dict(best.overrides), chosen
