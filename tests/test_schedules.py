@@ -655,3 +655,16 @@ def test_a_send_is_known_delivered_once_its_receiver_has_answered():
                         needing = next(i for i, a in enumerate(order)
                                        if (n := receives(a, S)) and (n[0], a.replica, a.micro_batch, n[1]) == k)
                         assert needing < making
+
+
+def test_layer_parallelism_in_closed_form_is_the_list_schedulers_and_schedules_are_kept_once_made() -> None:
+    """lp's orders are written in closed form (each micro-batch's forward then backward, in turn: the search plans
+    pipelines of many micro-batches, where the list scheduler took seconds); they are what the list scheduler
+    gives at an in-flight limit of one. A schedule made is a value handed out again for the same arguments."""
+    from gems.pipeline.schedules import _generate, lp, make_schedule
+
+    for D in (1, 2, 3, 5):
+        for m in (1, 2, 3, 7):
+            assert lp(D, m).actions == _generate("lp", D, 1, m, False, "B", lambda s: 1).actions
+    assert make_schedule("1f1b", 3, 4) is make_schedule("1f1b", 3, 4)
+    assert make_schedule("1f1b", 3, 4, split_backward=True) is not make_schedule("1f1b", 3, 4)

@@ -451,8 +451,12 @@ def lp(D: int, m: int = 1) -> Schedule:
         rank1  .     FA0s1 BA0s1 .     .     .     .     FA1s1 BA1s1 .     .     .
 
     (drawn by :func:`draw`; a backward takes two ticks, ``.`` is idle)
+
+    Its orders in closed form: every rank runs each micro-batch's forward then its backward, in turn (what the
+    list scheduler gives for an in-flight limit of one: tests/test_schedules.py holds the two equal).
     """
-    return _generate("lp", D, 1, m, False, "B", lambda s: 1)
+    return Schedule("lp", D, 1, m, False, tuple(tuple(Action(k, 0, i, r) for i in range(m) for k in (Kind.F, Kind.B))
+                                                for r in range(D)))
 
 
 @register("gpipe", split="optional", in_flight="all", about="GPipe: all forwards, then all backwards")

@@ -31,7 +31,9 @@ prediction).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -114,6 +116,8 @@ class Search:
     world: int
     candidates: list[Candidate] = field(default_factory=list)
     seconds: float = 0.0
+    #: pipeline meshes not planned: their bound under the best throughput found (gems.plan.search.bound)
+    pruned: int = 0
 
     @property
     def ranked(self) -> list[Candidate]:
@@ -197,8 +201,13 @@ def schedule_options(name: str, kind: Any, D: int, line: int, layers: int) -> li
 
 
 # ---------------------------------------------------------------------------- planning one
+#: the keys a candidate sets besides its own: where its ranks go (placed as the launcher places them)
+_PLACED = ("cluster.nodes", "cluster.tasks_per_node", "cluster.ntasks")
+
+
 class _Planner:
-    """Plans candidates on the user's configuration (each once)."""
+    """Plans candidates on the user's configuration (each once): one typed configuration, each candidate's keys
+    set on it for its plan and put back after (a copy a candidate cost more than its plan)."""
 
     def __init__(self, cfg: Any, layers: int) -> None:
         from omegaconf import open_dict
@@ -211,6 +220,32 @@ class _Planner:
             self.base.parallel.world = None
         self.layers = layers
         self.done: dict[tuple[Any, ...], Candidate] = {}
+        self.plain: dict[tuple[Any, ...], float | None] = {}
+
+    @contextlib.contextmanager
+    def configured(self, overrides: dict[str, Any]) -> Iterator[Any]:
+        """The base configuration with ``overrides`` set and its ranks placed, put back as it was afterwards."""
+        from omegaconf import OmegaConf, open_dict
+
+        from gems.config import place
+        from gems.mesh import mesh_from_config
+
+        c = self.base
+        keys = [*overrides, *_PLACED]
+        was = {k: OmegaConf.select(c, k) for k in keys}
+        try:
+            with open_dict(c):
+                for k, v in overrides.items():
+                    OmegaConf.update(c, k, v, merge=False)
+                if c.cluster.launcher == "slurm" or c.cluster.name != "local":  # placed like any run of its size
+                    size = mesh_from_config(c).size
+                    c.cluster.nodes, c.cluster.tasks_per_node = place(c.cluster, size)
+                    c.cluster.ntasks = size
+            yield c
+        finally:
+            with open_dict(c):
+                for k in keys:
+                    OmegaConf.update(c, k, was[k], merge=False)
 
     def plan(self, overrides: dict[str, Any]) -> Candidate:
         key = tuple(sorted((k, _text(v)) for k, v in overrides.items()))
@@ -218,7 +253,8 @@ class _Planner:
             return self.done[key]
         cand = Candidate(dict(overrides))
         try:
-            cand.plan = _plan(self.base, overrides, self.layers)
+            with self.configured(overrides) as c:
+                cand.plan = _plan(c, self.layers)
             if not cand.plan.fits:
                 cand.reason, cand.detail = NOT_FIT, cand.plan.verdict
         except ConfigError as e:
@@ -228,44 +264,55 @@ class _Planner:
         self.done[key] = cand
         return cand
 
+    def compute(self, base: dict[str, Any]) -> float | None:
+        """The compute seconds a step of the plain mesh of ``base``'s replicas and cut (no pipeline: R x S ranks)
+        takes on a rank, planned once (None where the planner refuses it): what bounds every pipeline of that cut
+        from below (:func:`bound`)."""
+        key = (base["parallel.replicas"], _text(base["parallel.spatial"]), _text(base["parallel.spatial_dims"]))
+        if key not in self.plain:
+            plain = {**base, "parallel.pipeline": 1, "parallel.schedule": "lp", "parallel.micro_batches": 1}
+            try:
+                with self.configured(plain) as c:
+                    got = _plan(c, self.layers)
+                pr = got.prediction
+                self.plain[key] = float(pr.breakdown["compute"]) if pr is not None else None
+            except (ConfigError, RunError):
+                self.plain[key] = None
+        return self.plain[key]
 
-def _plan(base: Any, overrides: dict[str, Any], layers: int) -> Any:
-    """The plan of the typed ``base`` with ``overrides`` (a mesh and its options), placed as the launcher places
-    it."""
-    import copy
 
-    from omegaconf import OmegaConf, open_dict
-
-    from gems.config import place
-    from gems.mesh import mesh_from_config
+def _plan(c: Any, layers: int) -> Any:
+    """The plan of the typed configuration ``c`` (a candidate's), checked as a run checks its schedule first."""
     from gems.parallel import resolve
     from gems.plan.make import make_plan
 
-    c = copy.deepcopy(base)
-    with open_dict(c):
-        for k, v in overrides.items():
-            OmegaConf.update(c, k, v, merge=False)
-        if c.cluster.launcher == "slurm" or c.cluster.name != "local":  # placed like any run of that many ranks
-            size = mesh_from_config(c).size
-            c.cluster.nodes, c.cluster.tasks_per_node = place(c.cluster, size)
-            c.cluster.ntasks = size
     resolve(c).check_layers(layers)  # the schedule, the batch over passes and micro-batches, the stages
     return make_plan(c, suggest=False, largest=False, hardware=False, notes=False)
 
 
+def bound(planner: _Planner, base: dict[str, Any], batch: int) -> float:
+    """The most samples a second any pipeline of ``base``'s mesh (R x D x S) can reach: its step takes at least its
+    busiest stage's compute, at least 1/D of one replica line's compute on its S parts (a stage's micro-batches
+    take no less than its share of the whole batch: a kernel's time falls at most linearly with its batch, and a
+    stage holds at least 1/D of the layers' work where it is the busiest), which the plain mesh R x S plans.
+    Infinite where that plan is refused (no bound: the pipeline is planned)."""
+    t = planner.compute(base)
+    return math.inf if t is None or t <= 0 else batch * base["parallel.pipeline"] / t
+
+
 # ---------------------------------------------------------------------------- the search
-#: meshes whose every schedule and option is planned, the best first (the others: their representative only)
-REFINED = 12
+#: pipeline meshes whose every schedule and option is planned, the best representatives first (module docstring)
+REFINED = 6
 
 
 def search(cfg: Any, exhaustive: bool = False) -> Search:
     """Every candidate of ``cfg``'s world (module docstring); ``exhaustive``: no pruning (the tests' reference).
 
-    Two passes. First every mesh (R, D, the cut) is planned once: a D = 1 mesh plainly, a pipeline with 1F1B at
-    the micro-batch count where its step stops falling (its representative). Then the best :data:`REFINED`
-    meshes, and every pipeline mesh whose representative fits nowhere, are planned with every registered schedule
-    and its options. Pruned: where a schedule's step stops falling with its micro-batches, and a schedule's other
-    options (a split backward, virtual stages, GEMS-MASTER's passes) only at its best count."""
+    The plain meshes (D = 1) first, each planned (recomputing where it does not fit). Then the pipeline meshes in
+    the order of their :func:`bound`, the highest first: one whose bound is under the best throughput found so
+    far cannot win and is not planned (counted as pruned); the others get a representative (:func:`_representative`).
+    Last, the :data:`REFINED` best representatives' meshes, and those whose representative does not fit but whose
+    lightest candidate does, each still above the best found, with every registered schedule and option."""
     from gems.config import section
     from gems.models import build_model
 
@@ -277,7 +324,8 @@ def search(cfg: Any, exhaustive: bool = False) -> Search:
     extents = [int(n) for n in spec.input_shape[1:1 + int(spec.spatial_ndim)]] if spec.spatial_ndim else []
     planner = _Planner(cfg, layers)
     out = Search(N)
-    meshes: list[tuple[dict[str, Any], Candidate | None]] = []
+    plains: list[dict[str, Any]] = []
+    pipes: list[dict[str, Any]] = []
     for R in divisors(N):
         if B % R:
             out.candidates.append(Candidate(_mesh(R, N // R, 1, [1], [0]), reason="the batch does not divide",
@@ -289,20 +337,14 @@ def search(cfg: Any, exhaustive: bool = False) -> Search:
                 continue
             S = M // D
             for parts, dims in cuts(S, extents) if extents else ([([1], [0])] if S == 1 else []):
-                base = _mesh(R, D, S, parts, dims)
-                if D == 1:
-                    meshes.append((base, _with_recompute(planner, out, base)))
-                elif exhaustive:
-                    meshes.append((base, None))
-                else:
-                    meshes.append((base, _representative(planner, out, base, B // R)))
-    ranked = sorted(meshes, key=lambda m: -(m[1].throughput if m[1] is not None and m[1].fits else -1.0))
-    for k, (base, rep) in enumerate(ranked):
-        if base["parallel.pipeline"] == 1 or (rep is not None and rep.overrides.get("parallel.schedule") == "lp"
-                                              and not rep.fits):
-            continue  # (a pipeline mesh where the lightest candidate does not fit: none of its schedules does)
-        if exhaustive or k < REFINED or rep is None or not rep.fits:
-            _every_schedule(planner, out, base, B // base["parallel.replicas"], layers, exhaustive)
+                (plains if D == 1 else pipes).append(_mesh(R, D, S, parts, dims))
+    for base in plains:
+        _with_recompute(planner, out, base)
+    if exhaustive:
+        for base in pipes:
+            _every_schedule(planner, out, base, B // base["parallel.replicas"], layers, True)
+    else:
+        _pipelines(planner, out, pipes, B, layers)
     seen: dict[tuple[Any, ...], Candidate] = {}
     for c in out.candidates:  # each candidate once (a walk may meet one twice)
         seen[tuple(sorted((k, _text(v)) for k, v in c.overrides.items()))] = c
@@ -311,15 +353,27 @@ def search(cfg: Any, exhaustive: bool = False) -> Search:
     return out
 
 
-def _representative(planner: _Planner, out: Search, base: dict[str, Any], line: int) -> Candidate | None:
-    """A pipeline mesh's one candidate of the first pass: where even its lightest candidate (layer parallelism:
-    one micro-batch in flight, at the most micro-batches, recomputing) does not fit, that one (no schedule of the
-    mesh fits); else 1F1B at the micro-batch count where its step stops falling."""
-    light = planner.plan({**base, "parallel.micro_batches": line, "parallel.checkpoint": True})
-    if light.plan is None or not light.fits:
-        out.candidates.append(light)
-        return light if light.plan is not None else None
-    return _walk(planner, out, {**base, "parallel.schedule": "1f1b"}, line, False)
+def _best(out: Search) -> float:
+    return max((c.throughput for c in out.candidates if c.fits), default=0.0)
+
+
+def _pipelines(planner: _Planner, out: Search, pipes: list[dict[str, Any]], B: int, layers: int) -> None:
+    """The pipeline meshes, pruned by their bounds (:func:`search`)."""
+    bounded = sorted(((bound(planner, b, B), k, b) for k, b in enumerate(pipes)), key=lambda t: (-t[0], t[1]))
+    reps: list[tuple[Candidate, dict[str, Any], float]] = []
+    for bnd, _, base in bounded:
+        if bnd < _best(out):
+            out.pruned += 1
+            continue
+        rep = _representative(planner, out, base, B // base["parallel.replicas"])
+        if rep is not None and (rep.fits or rep.overrides.get("parallel.schedule") != "lp"):
+            reps.append((rep, base, bnd))  # (an lp representative that does not fit: no schedule of the mesh does)
+    reps.sort(key=lambda r: -(r[0].throughput if r[0].fits else -1.0))
+    for k, (rep, base, bnd) in enumerate(reps):
+        if (k < REFINED or not rep.fits) and bnd >= _best(out):
+            _every_schedule(planner, out, base, B // base["parallel.replicas"], layers, False)
+        else:
+            out.pruned += 1
 
 
 def _every_schedule(planner: _Planner, out: Search, base: dict[str, Any], line: int, layers: int,
@@ -346,6 +400,17 @@ def _every_schedule(planner: _Planner, out: Search, base: dict[str, Any], line: 
                 _walk(planner, out, {**base, **o}, line, False)
             else:
                 _with_recompute(planner, out, {**base, **o, "parallel.micro_batches": m})
+
+
+def _representative(planner: _Planner, out: Search, base: dict[str, Any], line: int) -> Candidate | None:
+    """A pipeline mesh's one candidate of the first pass: where even its lightest candidate (layer parallelism:
+    one micro-batch in flight, at the most micro-batches, recomputing) does not fit, that one (no schedule of the
+    mesh fits); else 1F1B at the micro-batch count where its step stops falling."""
+    light = planner.plan({**base, "parallel.micro_batches": line, "parallel.checkpoint": True})
+    if light.plan is None or not light.fits:
+        out.candidates.append(light)
+        return light if light.plan is not None else None
+    return _walk(planner, out, {**base, "parallel.schedule": "1f1b"}, line, False)
 
 
 def _mesh(R: int, D: int, S: int, parts: list[int], dims: list[int]) -> dict[str, Any]:
@@ -405,17 +470,8 @@ def hardware_of(cfg: Any, cand: Candidate) -> dict[str, Any] | None:
     if cand.plan.hardware is None:
         from gems.plan.make import predicted_hardware
 
-        planner = _Planner(cfg, 0)
-        c = planner.base
-        import copy
-
-        from omegaconf import OmegaConf, open_dict
-
-        c = copy.deepcopy(c)
-        with open_dict(c):
-            for k, v in cand.overrides.items():
-                OmegaConf.update(c, k, v, merge=False)
-        cand.plan.hardware = predicted_hardware(c, cand.plan)
+        with _Planner(cfg, 0).configured(cand.overrides) as c:
+            cand.plan.hardware = predicted_hardware(c, cand.plan)
     return cand.plan.hardware
 
 
@@ -438,7 +494,7 @@ def as_json(cfg: Any, s: Search, given: list[str] | None = None) -> dict[str, An
         out.append(item)
     best = s.best
     return {"schema": "gems.search/1", "world": s.world, "tried": len(s.candidates), "rejected": s.rejected(),
-            "seconds": round(s.seconds, 2), "best": 0 if best is not None else None,
+            "pruned": s.pruned, "seconds": round(s.seconds, 2), "best": 0 if best is not None else None,
             "command": command(given, best) if best is not None else None, "candidates": out}
 
 
@@ -465,7 +521,8 @@ def render(cfg: Any, s: Search, given: list[str] | None = None, top: int = 10) -
     buf = io.StringIO()
     Console(file=buf, width=200, force_terminal=False).print(t)
     rej = "; ".join(f"{why}: {n}" for why, n in s.rejected().items()) or "none"
-    buf.write(f"{len(s.candidates)} candidate(s) tried in {s.seconds:.1f} s; rejected: {rej}\n")
+    buf.write(f"{len(s.candidates)} candidate(s) tried in {s.seconds:.1f} s; rejected: {rej}; {s.pruned} pipeline "
+              "mesh(es) pruned (their bound under the best found)\n")
     best = s.best
     if best is not None:
         buf.write(f"best: {command(given, best)}\n")
