@@ -74,8 +74,9 @@ class Candidate:
         return int(self.plan.worst.bytes.total) if self.plan is not None else None
 
     def args(self) -> list[str]:
-        """The ``key=value`` strings that, added to the user's command, run this candidate."""
-        return [f"{k}={_text(v)}" for k, v in self.overrides.items()]
+        """The ``key=value`` strings that, added to the user's command, run this candidate (a key at its default
+        left out: the command holds no mesh key beside parallel=auto)."""
+        return [f"{k}={_text(v)}" for k, v in self.overrides.items() if _text(v) != _DEFAULTS.get(k)]
 
     def mesh(self) -> str:
         o = self.overrides
@@ -98,6 +99,12 @@ class Candidate:
         if o.get("parallel.checkpoint"):
             bits.append("recompute")
         return " ".join(bits)
+
+
+#: the mesh keys' defaults, as text (gems.config.ParallelConf)
+_DEFAULTS = {"parallel.replicas": "1", "parallel.pipeline": "1", "parallel.spatial": "1", "parallel.spatial_dims": "null",
+             "parallel.schedule": "lp", "parallel.micro_batches": "1", "parallel.checkpoint": "false",
+             "parallel.split_backward": "false"}
 
 
 def _text(v: Any) -> str:

@@ -1,0 +1,129 @@
+"""gems chooses the mesh (gems/plan/search.py, issue 72): `gems plan parallel=auto` ranks every R x D x S mesh,
+cut, schedule and option of a world by the planner's own model; pruning never drops the best of the exhaustive
+search on small worlds; every candidate's overrides are accepted by `gems run`; `gems run parallel=auto` runs the
+best and its record says so; bad input is one line, exit 2. The searches here plan GPU ranks (cluster.gpu=h100:
+nothing measured, the same figures every time); `gems run parallel=auto` plans this machine's CPU ranks."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _cli import gems_here, records
+
+from gems.config import compose
+from gems.plan import search as S
+
+GPU = ["cluster.gpu=h100", "train.device=cuda"]
+SMALL = ["model=cosmoflow_small", "model.size=32", "model.width=0.25"]
+UNET = ["model=unet3d", "model.size=32", "model.width=0.25"]
+
+
+def _search(*over: str, exhaustive: bool = False) -> S.Search:
+    return S.search(compose(["parallel=auto", *over]), exhaustive=exhaustive)
+
+
+def test_the_candidates_are_every_mesh_cut_and_schedule_of_the_world() -> None:
+    """World 4, batch 8, a 3-D model: R in {1, 2, 4}, D x S the rest; S cut in depth, pencils and cubes (parts
+    non-increasing over the dims); every registered schedule at D >= its least ranks; recomputation where a
+    candidate does not fit; and the cuts' helper itself."""
+    from gems.pipeline.schedules import registered
+
+    assert S.cuts(8, [32, 32, 32]) == [([8], [0]), ([4, 2], [0, 1]), ([2, 2, 2], [0, 1, 2])]
+    assert S.cuts(4, [2, 32]) == [([2, 2], [0, 1])]  # (4 parts refused by a 2-voxel depth)
+    s = _search(*SMALL, *GPU, "parallel.world=4", "train.batch_size=8", exhaustive=True)
+    meshes = {c.mesh() for c in s.candidates if c.plan is not None}
+    assert {"R4 x D1 x S1", "R2 x D2 x S1", "R2 x D1 x S2", "R1 x D4 x S1", "R1 x D2 x S2", "R1 x D1 x S4",
+            "R1 x D1 x S2x2"} <= meshes, sorted(meshes)
+    schedules = {c.overrides["parallel.schedule"] for c in s.candidates if c.overrides["parallel.pipeline"] > 1}
+    assert schedules == set(registered())
+    splits = [c for c in s.candidates if c.overrides.get("parallel.split_backward")]
+    assert splits and all(registered()[c.overrides["parallel.schedule"]].split == "optional" for c in splits)
+    ranked = s.ranked
+    assert ranked[0].fits and all(a.throughput >= b.throughput for a, b in zip(ranked, ranked[1:]) if b.fits)
+    assert len(s.candidates) == len({tuple(sorted(c.args())) for c in s.candidates})
+
+
+@pytest.mark.parametrize("world,model", [(2, SMALL), (4, SMALL), (4, UNET), (8, SMALL)],
+                         ids=["cosmoflow-2", "cosmoflow-4", "unet-4", "cosmoflow-8"])
+def test_pruning_never_drops_the_best_of_the_exhaustive_search(world: int, model: list[str]) -> None:
+    over = [*model, *GPU, f"parallel.world={world}", "train.batch_size=8"]
+    pruned, every = _search(*over), _search(*over, exhaustive=True)
+    assert pruned.best is not None and every.best is not None
+    assert pruned.best.throughput == pytest.approx(every.best.throughput, rel=1e-9), (pruned.best.args(),
+                                                                                       every.best.args())
+    assert len(pruned.candidates) <= len(every.candidates)
+
+
+def test_every_candidates_overrides_are_accepted_by_gems_run(tmp_path: Path) -> None:
+    """The overrides of every candidate that fits (as plan.format=json hands them), added to the user's command:
+    composed, placed on a preset's nodes and checked as `gems run` checks a configuration before launch."""
+    from gems.prepare import preflight
+
+    on = ["cluster=perlmutter", "cluster.account=x"]  # a GPU cluster the check before launch takes
+    out = gems_here("plan", "parallel=auto", *SMALL, *on, "parallel.world=4", "train.batch_size=8",
+                    "plan.format=json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    assert got["schema"] == "gems.search/1" and got["world"] == 4 and got["best"] == 0
+    assert got["command"].startswith("gems run ") and "parallel=auto" not in got["command"]
+    fits = [c for c in got["candidates"] if c["fits"]]
+    assert fits and [c["samples_per_s"] for c in fits] == sorted((c["samples_per_s"] for c in fits), reverse=True)
+    for c in fits:
+        assert set(c) >= {"overrides", "samples_per_s", "peak_bytes", "fits", "breakdown", "mesh"}
+        cfg = compose([*SMALL, *on, "train.batch_size=8", *c["overrides"]])
+        preflight(cfg)
+    assert got["tried"] == len(got["candidates"]) and got["rejected"]
+
+
+def test_bad_input_is_one_line_naming_the_key(tmp_path: Path) -> None:
+    """A mesh key beside parallel=auto; no world to search; a world where nothing fits (the closest candidate
+    named with what it lacks)."""
+    out = gems_here("plan", "parallel=auto", "parallel.world=2", "parallel.replicas=2")
+    assert out.returncode == 2 and "parallel.replicas=2: expected unset with parallel=auto" in out.stderr
+    out = gems_here("plan", "parallel=auto")
+    assert out.returncode == 2 and "parallel.world=None: expected the ranks to choose a mesh for" in out.stderr
+    out = gems_here("plan", "parallel=auto", *SMALL, *GPU, "cluster.gpu_memory_gb=0.01", "parallel.world=2",
+                    "train.batch_size=8")
+    assert out.returncode == 2, out.stderr[-1000:]
+    (line,) = [ln for ln in out.stderr.splitlines() if ln.startswith("gems: error:")]
+    assert "parallel.world=2: expected a world where a mesh fits; the closest" in line and "GiB a rank" in line
+
+
+def test_gems_run_parallel_auto_runs_the_best_and_its_record_says_so(tmp_path: Path) -> None:
+    out = gems_here("run", "parallel=auto", "parallel.world=2", *SMALL, "train.batch_size=4", "train.steps=3",
+                    "train.warmup_steps=1", "train.check_fit=false", f"results.dir={tmp_path}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    (rec,) = records(str(tmp_path))
+    chosen = rec["chosen"]
+    assert rec["world_size"] == 2 and chosen["world"] == 2 and chosen["by"].startswith("gems plan's search")
+    assert chosen["runner_up"] is not None and chosen["predicted_samples_per_s"] >= \
+        chosen["runner_up"]["predicted_samples_per_s"]
+    mesh = rec["mesh"]
+    assert f"R{mesh['replicas']} x D{mesh['pipeline']}" in chosen["mesh"]
+    assert "parallel=auto chose" in out.stderr
+
+
+@pytest.mark.parametrize("where", ["here", "slurm"])
+def test_gems_sweep_parallel_auto_over_worlds_runs_each_points_best_and_the_table_shows_its_mesh(tmp_path: Path,
+                                                                                              where: str) -> None:
+    """Weak scaling by world with the mesh chosen at each point: `gems sweep parallel=auto parallel.world=1,2`, on
+    this machine and on the Slurm test cluster (its jobs' ranks on the cluster's nodes); each point's record says
+    its mesh was chosen, and the study's table shows each point's mesh."""
+    import shutil
+
+    if where == "slurm" and shutil.which("sinfo") is None:
+        pytest.skip("Slurm is not installed (scripts/slurm_cluster.sh start)")
+    cluster = ["cluster=local_slurm", "cluster.timeout_min=6"] if where == "slurm" else []
+    out = gems_here("sweep", "parallel=auto", "parallel.world=1,2", *SMALL, *cluster, "train.batch_size=4",
+                    "train.steps=3", "train.warmup_steps=1", "train.check_fit=false", f"results.dir={tmp_path}",
+                    "results.sweep=auto")
+    assert out.returncode == 0, out.stderr[-3000:] + out.stdout[-2000:]
+    recs = sorted(records(str(tmp_path)), key=lambda r: r["world_size"])
+    assert [r["world_size"] for r in recs] == [1, 2] and all(r["status"] == "ok" and r["chosen"] for r in recs)
+    table = (tmp_path / "auto" / "table.md").read_text()
+    for r in recs:
+        m = r["mesh"]
+        assert f"{m['replicas']}x{m['pipeline']}x{m['spatial']}" in table.replace(" ", ""), table
+    if where == "slurm":
+        assert all(r["env"]["slurm_job_id"] for r in recs)
