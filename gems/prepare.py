@@ -71,28 +71,11 @@ def prepare(cfg: Any) -> Any:
 
 
 def choose_mesh(cfg: Any) -> None:
-    """``parallel=auto``: the best candidate of gems plan's search (gems.plan.search) set on ``cfg``, placed on
-    nodes as any run of its size, and the choice kept for the record (``parallel.chosen``); said in one line."""
-    from omegaconf import OmegaConf
+    """``parallel=auto``: the best candidate of gems plan's search set on ``cfg`` (gems.plan.search.apply_choice:
+    placed on nodes as any run of its size, the choice kept for the record), said in one line."""
+    from gems.plan.search import apply_choice, said
 
-    from gems.config import place
-    from gems.plan.search import choose
-
-    overrides, chosen = choose(cfg)
-    with open_dict(cfg):
-        for k, v in overrides.items():
-            OmegaConf.update(cfg, k, v, merge=False)
-        cfg.parallel.auto, cfg.parallel.world, cfg.parallel.chosen = False, None, chosen
-        if cfg.cluster.launcher == "slurm" or cfg.cluster.name != "local":
-            size = mesh_from_config(cfg).size
-            cfg.cluster.nodes, cfg.cluster.tasks_per_node = place(cfg.cluster, size)
-            cfg.cluster.ntasks = size
-    runner = chosen["runner_up"]
-    print(f"gems: note: parallel=auto chose {chosen['mesh']} ({chosen['options']}; {' '.join(chosen['overrides'])}): "
-          f"{chosen['predicted_samples_per_s']:.3g} samples/s predicted"
-          + (f", the runner-up {runner['mesh']} ({runner['options']}) {runner['predicted_samples_per_s']:.3g}"
-             if runner else "") + f" ({chosen['candidates']} candidates in {chosen['seconds']:.1f} s)",
-          file=sys.stderr, flush=True)
+    print(f"gems: note: {said(apply_choice(cfg))}", file=sys.stderr, flush=True)
 
 
 def model_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:

@@ -280,7 +280,24 @@ def _message(sched: Schedule, a: Action) -> Message | None:
 
 def plan_exchanges(sched: Schedule, forward_only: bool = False, costs: Costs | None = None) -> ExchangePlan:
     """The exchange rounds of ``sched`` (module docstring); ``forward_only``: of its forwards alone, in their
-    order (an evaluation); ``costs``: the clock's time of each (kind, stage) (:data:`Costs`; None: unit costs)."""
+    order (an evaluation); ``costs``: the clock's time of each (kind, stage) (:data:`Costs`; None: unit costs).
+    On the unit clock a schedule's rounds are planned once (schedules are values, made once for their arguments:
+    gems.pipeline.schedules.make_schedule; gems plan's mesh search asks for the same ones again and again)."""
+    if costs is not None:
+        return _plan_exchanges(sched, forward_only, costs)
+    got = _UNIT.get((id(sched), forward_only))
+    if got is None or got[0] is not sched:
+        got = (sched, _plan_exchanges(sched, forward_only, None))
+        if len(_UNIT) < 4096:
+            _UNIT[(id(sched), forward_only)] = got
+    return got[1]
+
+
+#: unit-clock exchange plans by (the schedule's identity, forward only), the schedule held with it (ids stay unique)
+_UNIT: dict[tuple[int, bool], tuple[Schedule, ExchangePlan]] = {}
+
+
+def _plan_exchanges(sched: Schedule, forward_only: bool, costs: Costs | None) -> ExchangePlan:
     orders = tuple(tuple(a for a in order if a.kind.forward or not forward_only) for order in sched.actions)
     if costs is not None:
         table = dict(costs)

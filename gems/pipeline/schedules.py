@@ -62,6 +62,7 @@ test.
 from __future__ import annotations
 
 import enum
+import functools
 import heapq
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -757,8 +758,21 @@ def simulate(sched: Schedule, f_cost: int = F_COST, b_cost: int = B_COST, cost: 
     (pass, micro-batch, stage) forward and backward appears exactly once, on
     the rank that holds that stage for that pass.
     """
-    check_complete(sched)
+    if id(sched) not in _CHECKED or _CHECKED[id(sched)] is not sched:  # (a schedule is a value: checked once)
+        check_complete(sched)
+        if len(_CHECKED) < 4096:
+            _CHECKED[id(sched)] = sched
     return run_orders(sched, sched.actions, f_cost, b_cost, cost, transfer, start)
+
+
+#: the schedules found complete (simulate), by identity, each held with its id
+_CHECKED: dict[int, Schedule] = {}
+
+
+@functools.lru_cache(maxsize=1 << 17)
+def _needs(a: Action, stages: int) -> tuple[Action, ...]:
+    """:func:`needs` of ``a``, kept (the clock below asks for every action's at every simulation)."""
+    return tuple(needs(a, stages))
 
 
 def check_complete(sched: Schedule) -> None:
@@ -795,7 +809,7 @@ def run_orders(sched: Schedule, orders: Sequence[Sequence[Action]], f_cost: int 
         for r in range(R):
             while pos[r] < len(orders[r]):
                 a = orders[r][pos[r]]
-                need = needs(a, S)
+                need = _needs(a, S)
                 if any(n not in end for n in need):
                     break
                 ready = [end[n] + (transfer(n) if transfer is not None and sched.rank_of(n.replica, n.stage) != r else 0)

@@ -63,6 +63,10 @@ def predict_study(combos: list[list[str]], experiment: str | None) -> int:
         cfg = compose(combo)
         with open_dict(cfg):
             cfg.results.sweep = sweep
+        if cfg.parallel.get("auto"):  # the point's mesh chosen as gems sweep parallel=auto would choose it
+            from gems.plan.search import apply_choice, said
+
+            print(f"{point_name(combo, base)}: {said(apply_choice(cfg))}", flush=True)
         plan = make_plan(cfg, suggest=False)
         if plan.prediction is None:
             raise ConfigError("cluster.gpu", None, "the GPU model of the cluster (e.g. cluster.gpu=a100-40gb): a "

@@ -16,18 +16,20 @@ __all__ = ["make_plan"]
 
 
 def make_plan(cfg: Any, suggest: bool = True, quick: bool = False, available: bool = False,
-              workspace: bool = True, largest: bool = True, hardware: bool = True, notes: bool = True) -> MemoryPlan:
+              workspace: bool = True, largest: bool = True, hardware: bool = True, notes: bool = True,
+              parts: str = "every") -> MemoryPlan:
     """The plan of the composed configuration ``cfg`` (no process group, no allocation).
 
     ``suggest``: when it does not fit, search the smallest change that does.
     ``quick``: only whether the configured batch fits (one trace of the middle spatial part; no batch search,
     no prediction). ``available``, ``workspace`` and ``largest``: as :func:`gems.plan.memory.plan_memory` takes
     them; ``hardware``: the predicted step's distance to the device too (:func:`predicted_hardware`); ``notes``:
-    the notes that plan a variant of their own (where recomputation saves nothing).
+    the notes that plan a variant of their own (where recomputation saves nothing); ``parts``: as
+    :func:`gems.plan.memory.plan_memory` takes it.
     """
     t0 = time.perf_counter()
     cfg = typed(cfg)  # the typed settings the planner's modules read (gems.config.typed)
-    plan, pl, prof = plan_memory(cfg, quick, available, workspace, largest)
+    plan, pl, prof = plan_memory(cfg, quick, available, workspace, largest, parts)
     if not quick and notes and (note := recompute_note(cfg, plan)):
         plan.notes.append(note)
     if not plan.fits and suggest:

@@ -390,9 +390,11 @@ def _world(cfg: Any) -> int | None:
 class Planner:
     """Traces (cached per spatial class and micro-batch) and the memory arithmetic on top."""
 
-    def __init__(self, st: Setup, quick: bool = False) -> None:
+    def __init__(self, st: Setup, quick: bool = False, parts: str = "every") -> None:
         self.st = st
         self.quick = quick
+        #: ``every`` spatial class traced, or its ``largest`` only (gems.plan.search: :meth:`classes`)
+        self.parts = parts
         self._ckpt_batches = (1, 2)
         self.amp = precision_context(st.precision, st.gpu)
         self.notes: list[str] = list(st.notes)
@@ -450,16 +452,27 @@ class Planner:
             shapes += trunk() if spec.name == "custom" else cached(kept, trunk)
         except Exception:  # a trunk that cannot run serially on fake tensors: key by the input only (not kept)
             pass
+        memo = ("classes", self.st.model_key, mesh.parts, mesh.spatial_dims, self.parts)
+        if memo in _CACHE:
+            return [list(c) for c in _CACHE[memo]]
+        # per cut dim, each grid index's key (first, last, its part's extent at every layer): computed once a dim
+        per_dim = []
+        for d, p in zip(mesh.spatial_dims, mesh.parts):
+            bounds = [split_bounds(int(sh[d]), p) for sh in shapes if d < len(sh)]
+            per_dim.append([(g == 0, g == p - 1, tuple(b[g][1] - b[g][0] for b in bounds)) for g in range(p)])
         keys: dict[tuple, list[int]] = {}
         for s in range(mesh.spatial):
             g = mesh.grid_of(s)
-            key = []
-            for k, (d, p) in enumerate(zip(mesh.spatial_dims, mesh.parts)):
-                sizes = tuple(split_bounds(int(sh[d]), p)[g[k]][1] - split_bounds(int(sh[d]), p)[g[k]][0]
-                              for sh in shapes if d < len(sh))
-                key.append((g[k] == 0, g[k] == p - 1, sizes))
-            keys.setdefault(tuple(key), []).append(s)
-        return list(keys.values())
+            keys.setdefault(tuple(per_dim[k][g[k]] for k in range(len(per_dim))), []).append(s)
+        if self.parts == "largest":  # one class, the largest part's, standing for every part (module docstring)
+            def size(key: tuple) -> tuple[int, int]:
+                return (sum(sum(sizes) for _, _, sizes in key), -sum(first or last for first, last, _ in key))
+
+            rep = max(keys, key=size)
+            _CACHE[memo] = [keys[rep] + [s for k, members in keys.items() if k != rep for s in members]]
+        else:
+            _CACHE[memo] = list(keys.values())
+        return [list(c) for c in _CACHE[memo]]
 
     def layers_for(self, s: int) -> tuple[list[nn.Module], Any, list[int]]:
         """The (spatial) layer list of spatial index ``s``, its stand-in context and local input shape."""
@@ -852,7 +865,7 @@ def _fmt(b: float) -> str:
 
 
 def plan_memory(cfg: Any, quick: bool = False, available: bool = False,
-                workspace: bool = True, largest: bool = True) -> tuple[MemoryPlan, Planner, Any]:
+                workspace: bool = True, largest: bool = True, parts: str = "every") -> tuple[MemoryPlan, Planner, Any]:
     """The memory plan of the composed configuration ``cfg`` (no process group, no allocation), with the planner
     and the profile it measured (what the step-time prediction reuses, :mod:`gems.plan.predict`). No
     suggestion and no prediction: :func:`gems.plan.make.make_plan` adds them.
@@ -863,12 +876,14 @@ def plan_memory(cfg: Any, quick: bool = False, available: bool = False,
     ``workspace``: CPU ranks count their convolutions' backward workspaces (measured: seconds per new shape;
     without them the plan is a lower bound, what the check before a run tries first: gems.plan.fit).
     ``largest``: search the largest batch that fits (``max_global_batch``; -1 without: a mesh search plans
-    thousands of candidates at the user's batch, gems.plan.search).
+    thousands of candidates at the user's batch, gems.plan.search). ``parts``: ``every`` spatial class traced, or
+    the ``largest`` part's alone standing for all (the mesh search: the part with the most cells and neighbours,
+    an interior one where the cut is even, is the one that sets the peak and the step in every plan gems makes).
     """
     t0 = time.perf_counter()
     st = setup(cfg)
     mesh = st.mesh
-    pl = Planner(st, quick)
+    pl = Planner(st, quick, parts)
     if not workspace:
         pl.workspace = None
     if st.spec.spatial_ndim > 0:

@@ -35,11 +35,18 @@ def computing_at_once(pl: Planner, tasks_per_node: int) -> int:
     if not pl.pipelined:
         return max(1, tasks_per_node)
     sched = pl.sched()
-    spans = simulate(sched, cost=lambda a: float(a.kind.unit_cost), transfer=lambda a: 0.0)
-    busy = sum(e - b for b, e in spans.values())
-    span = max(e for _, e in spans.values()) - min(b for b, _ in spans.values())
-    per_line = busy / span if span > 0 else 1.0  # of the line's sched.ranks ranks, how many are busy at a time
-    return max(1, round(tasks_per_node * per_line / sched.ranks))
+    got = _BUSY.get(id(sched))
+    if got is None or got[0] is not sched:  # (a schedule's unit-clock share, once: it is a value made once)
+        spans = simulate(sched, cost=lambda a: float(a.kind.unit_cost), transfer=lambda a: 0.0)
+        busy = sum(e - b for b, e in spans.values())
+        span = max(e for _, e in spans.values()) - min(b for b, _ in spans.values())
+        got = (sched, busy / span if span > 0 else 1.0)  # of the line's ranks, how many are busy at a time
+        _BUSY[id(sched)] = got
+    return max(1, round(tasks_per_node * got[1] / sched.ranks))
+
+
+#: each schedule's share of its line's ranks busy at a time on the unit clock, by its identity (held with it)
+_BUSY: dict[int, tuple[Any, float]] = {}
 
 
 def predict_step(cfg: Any, pl: Planner, prof: Any, batch: int, dev: dict[str, Any], world: int) -> Prediction | None:

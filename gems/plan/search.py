@@ -222,9 +222,8 @@ class _Planner:
         from gems.config import typed
 
         self.base = typed(cfg).copy()
-        with open_dict(self.base):
+        with open_dict(self.base):  # (parallel.world stays: a study's batch may be written in terms of it)
             self.base.parallel.auto = False
-            self.base.parallel.world = None
         self.layers = layers
         self.done: dict[tuple[Any, ...], Candidate] = {}
         self.plain: dict[tuple[Any, ...], float | None] = {}
@@ -288,13 +287,15 @@ class _Planner:
         return self.plain[key]
 
 
-def _plan(c: Any, layers: int) -> Any:
-    """The plan of the typed configuration ``c`` (a candidate's), checked as a run checks its schedule first."""
+def _plan(c: Any, layers: int, parts: str = "largest") -> Any:
+    """The plan of the typed configuration ``c`` (a candidate's), checked as a run checks its schedule first;
+    ``parts``: its spatial parts planned by the largest one (the search) or every one (:func:`gems.plan.make`'s
+    single plan: the candidates shown)."""
     from gems.parallel import resolve
     from gems.plan.make import make_plan
 
     resolve(c).check_layers(layers)  # the schedule, the batch over passes and micro-batches, the stages
-    return make_plan(c, suggest=False, largest=False, hardware=False, notes=False)
+    return make_plan(c, suggest=False, largest=False, hardware=False, notes=False, parts=parts)
 
 
 def bound(planner: _Planner, base: dict[str, Any], batch: int) -> float:
@@ -356,8 +357,29 @@ def search(cfg: Any, exhaustive: bool = False) -> Search:
     for c in out.candidates:  # each candidate once (a walk may meet one twice)
         seen[tuple(sorted((k, _text(v)) for k, v in c.overrides.items()))] = c
     out.candidates = list(seen.values())
+    _every_part(planner, out)
     out.seconds = time.perf_counter() - t0
     return out
+
+
+#: the best candidates planned again with every spatial part, as a single plan plans them (what the table shows)
+SHOWN = 10
+
+
+def _every_part(planner: _Planner, out: Search) -> None:
+    """The :data:`SHOWN` best candidates (by the largest part's plan) planned again part by part: their figures are
+    then those ``gems plan`` gives each, and the ranking among them (the best included) is by those."""
+    for c in [c for c in out.ranked if c.fits][:SHOWN]:
+        if c.overrides["parallel.spatial"] == 1:
+            continue  # (one part: the same plan)
+        try:
+            with planner.configured(c.overrides) as cfg:
+                c.plan = _plan(cfg, planner.layers, "every")
+        except (ConfigError, RunError) as e:
+            c.plan, c.reason, c.detail = None, "the model refuses the cut", str(e)
+            continue
+        if not c.plan.fits:
+            c.reason, c.detail = NOT_FIT, c.plan.verdict
 
 
 def _best(out: Search) -> float:
@@ -571,6 +593,37 @@ def search_main(cfg: Any, given: list[str] | None = None) -> int:
     if s.best is None:
         raise closest_refusal(cfg, s)
     return 0
+
+
+def apply_choice(cfg: Any) -> dict[str, Any]:
+    """``parallel=auto`` made concrete on ``cfg``: the best candidate's mesh set, its ranks placed on nodes as any
+    run of its size, the choice kept (``parallel.chosen``, which the record keeps); returns the choice. Bad input
+    where nothing fits."""
+    from omegaconf import OmegaConf, open_dict
+
+    from gems.config import place
+    from gems.mesh import mesh_from_config
+
+    overrides, chosen = choose(cfg)
+    with open_dict(cfg):
+        for k, v in overrides.items():
+            OmegaConf.update(cfg, k, v, merge=False)
+        cfg.parallel.auto, cfg.parallel.chosen = False, chosen
+        if cfg.cluster.launcher == "slurm" or cfg.cluster.name != "local":
+            size = mesh_from_config(cfg).size
+            cfg.cluster.nodes, cfg.cluster.tasks_per_node = place(cfg.cluster, size)
+            cfg.cluster.ntasks = size
+    return chosen
+
+
+def said(chosen: dict[str, Any]) -> str:
+    """The choice in one line (what ``gems run parallel=auto`` and ``gems plan`` of a study print)."""
+    runner = chosen["runner_up"]
+    keys = " ".join(chosen["overrides"]) or "the defaults"
+    return (f"parallel=auto chose {chosen['mesh']} ({chosen['options']}; {keys}): "
+            f"{chosen['predicted_samples_per_s']:.3g} samples/s predicted"
+            + (f", the runner-up {runner['mesh']} ({runner['options']}) {runner['predicted_samples_per_s']:.3g}"
+               if runner else "") + f" ({chosen['candidates']} candidates in {chosen['seconds']:.1f} s)")
 
 
 def choose(cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
