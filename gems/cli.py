@@ -39,7 +39,7 @@ commands:
                          layout read by position, at data.out (resumable; data.workers processes or a Slurm job)
   data check [OVERRIDES] read every file of data.path (and data.val_path) whole, as a run would: each bad one
                          named (exit 2); data.workers processes or a Slurm job
-  bench NAME             side-by-side benchmark: overhead, spatial, pipeline, plan, data, checkpoint, step;
+  bench NAME             side-by-side benchmark: overhead, spatial, pipeline, plan, data, checkpoint, step, search;
                          calibrate (the GPU's rates for gems plan)
 
 overrides: key=value (train.steps=10), group=option (model=unet3d cluster=local_slurm),
@@ -577,6 +577,7 @@ BENCHES = {
     "checkpoint": ("gems.bench.checkpoint", "bench_checkpoint"),
     "step": ("gems.bench.step", "bench_step"),
     "calibrate": ("gems.bench.calibrate", "bench_calibrate"),
+    "search": ("gems.bench.search", "bench_search"),
 }
 #: the benchmarks that take Hydra overrides (the model, the batch, the precision ...) beside out=DIR
 BENCH_OVERRIDES = {"calibrate", "overhead", "step"}

@@ -31,6 +31,8 @@ def test_the_candidates_are_every_mesh_cut_and_schedule_of_the_world() -> None:
 
     assert S.cuts(8, [32, 32, 32]) == [([8], [0]), ([4, 2], [0, 1]), ([2, 2, 2], [0, 1, 2])]
     assert S.cuts(4, [2, 32]) == [([2, 2], [0, 1])]  # (4 parts refused by a 2-voxel depth)
+    assert S.cuts(16, [32, 32, 32]) == [([16], [0]), ([4, 4], [0, 1]), ([4, 2, 2], [0, 1, 2])]  # the most even
+    assert ([8, 2], [0, 1]) in S.cuts(16, [32, 32, 32], every=True)
     s = _search(*SMALL, *GPU, "parallel.world=4", "train.batch_size=8", exhaustive=True)
     meshes = {c.mesh() for c in s.candidates if c.plan is not None}
     assert {"R4 x D1 x S1", "R2 x D2 x S1", "R2 x D1 x S2", "R1 x D4 x S1", "R1 x D2 x S2", "R1 x D1 x S4",
@@ -44,8 +46,8 @@ def test_the_candidates_are_every_mesh_cut_and_schedule_of_the_world() -> None:
     assert len(s.candidates) == len({tuple(sorted(c.args())) for c in s.candidates})
 
 
-@pytest.mark.parametrize("world,model", [(2, SMALL), (4, SMALL), (4, UNET), (8, SMALL)],
-                         ids=["cosmoflow-2", "cosmoflow-4", "unet-4", "cosmoflow-8"])
+@pytest.mark.parametrize("world,model", [(2, SMALL), (4, SMALL), (4, UNET), (8, SMALL), (16, SMALL)],
+                         ids=["cosmoflow-2", "cosmoflow-4", "unet-4", "cosmoflow-8", "cosmoflow-16"])
 def test_pruning_never_drops_the_best_of_the_exhaustive_search(world: int, model: list[str]) -> None:
     over = [*model, *GPU, f"parallel.world={world}", "train.batch_size=8"]
     pruned, every = _search(*over), _search(*over, exhaustive=True)

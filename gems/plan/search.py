@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -164,18 +165,28 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def cuts(S: int, extents: list[int]) -> list[tuple[list[int], list[int]]]:
-    """(parts per cut dim, the dims) of every way to cut a sample in ``S`` parts over its first k dims, the parts
-    non-increasing over the dims and at most each dim's extent (module docstring)."""
+def cuts(S: int, extents: list[int], every: bool = False) -> list[tuple[list[int], list[int]]]:
+    """(parts per cut dim, the dims) of the ways to cut a sample in ``S`` parts over its first k dims, the parts
+    non-increasing over the dims and at most each dim's extent (module docstring): for each k, the cut whose parts
+    are the most even (the others hold more halo cells, on as many neighbours, in parts of the same cells), or
+    with ``every`` each of them (the exhaustive search)."""
     if S == 1:
         return [([1], [0])]
     out = []
     for k in range(1, len(extents) + 1):
-        for parts in _factor(S, k):
-            if all(p >= 2 for p in parts) and list(parts) == sorted(parts, reverse=True) and \
-                    all(p <= e for p, e in zip(parts, extents)):
-                out.append((list(parts), list(range(k))))
+        ways = [list(parts) for parts in _factor(S, k)
+                if all(p >= 2 for p in parts) and list(parts) == sorted(parts, reverse=True)
+                and all(p <= e for p, e in zip(parts, extents))]
+        if not every and ways:
+            ways = [min(ways, key=lambda parts: _spread(parts, extents))]
+        out += [(parts, list(range(k))) for parts in ways]
     return out
+
+
+def _spread(parts: list[int], extents: list[int]) -> float:
+    """How uneven a cut's parts are: the largest of their edges over the smallest, over the cut dims."""
+    edges = [e / p for p, e in zip(parts, extents)]
+    return max(edges) / min(edges)
 
 
 def _factor(n: int, k: int) -> Iterator[tuple[int, ...]]:
@@ -344,8 +355,9 @@ def search(cfg: Any, exhaustive: bool = False) -> Search:
             if D > layers:
                 continue
             S = M // D
-            for parts, dims in cuts(S, extents) if extents else ([([1], [0])] if S == 1 else []):
+            for parts, dims in cuts(S, extents, exhaustive) if extents else ([([1], [0])] if S == 1 else []):
                 (plains if D == 1 else pipes).append(_mesh(R, D, S, parts, dims))
+    warm(planner, plains + pipes)
     for base in plains:
         _with_recompute(planner, out, base)
     if exhaustive:
@@ -380,6 +392,57 @@ def _every_part(planner: _Planner, out: Search) -> None:
             continue
         if not c.plan.fits:
             c.reason, c.detail = NOT_FIT, c.plan.verdict
+
+
+def warm(planner: _Planner, meshes: list[dict[str, Any]], workers: int | None = None) -> int:
+    """Trace every cut of ``meshes`` once, on worker processes (this machine's cores): a cut's largest part at the
+    two batches the plan reads (gems.plan.memory.Planner.profile), written to gems's trace cache on disk
+    (gems.plan.store), where the search's own plans then find them. The traces are what a first search spends its
+    time on (a part of a 3D U-Net on fake tensors: about a second each); nothing where the cache is off
+    (``GEMS_CACHE_DIR=``), on one core, or for fewer than two cuts. Returns the cuts traced so."""
+    from gems.paths import cache_root
+
+    cuts_of: dict[tuple[str, str], dict[str, Any]] = {}
+    for base in meshes:
+        if base["parallel.spatial"] != 1:
+            key = (_text(base["parallel.spatial"]), _text(base["parallel.spatial_dims"]))
+            cuts_of.setdefault(key, {**base, "parallel.replicas": 1, "parallel.pipeline": 1, "parallel.schedule": "lp",
+                                     "parallel.micro_batches": 1})
+    n = min(workers or (os.cpu_count() or 1), len(cuts_of))
+    if cache_root() is None or n < 2:
+        return 0
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    _WARMING[:] = [planner]
+    try:
+        with ProcessPoolExecutor(n, mp_context=get_context("fork"), initializer=_init_warm) as pool:
+            list(pool.map(_warm_one, cuts_of.values()))
+    finally:
+        _WARMING.clear()
+    return len(cuts_of)
+
+
+#: the planner whose cuts the warm-up's workers trace (forked: they find it here)
+_WARMING: list[_Planner] = []
+
+
+def _init_warm() -> None:
+    import torch
+
+    from gems.data.convert import die_with_parent
+
+    die_with_parent(None)
+    torch.set_num_threads(1)
+
+
+def _warm_one(base: dict[str, Any]) -> None:
+    planner = _WARMING[0]
+    try:
+        with planner.configured(base) as c:
+            _plan(c, planner.layers)
+    except (ConfigError, RunError):  # (a cut the model refuses: the search says so when it plans it)
+        pass
 
 
 def _best(out: Search) -> float:
