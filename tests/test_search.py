@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _cli import gems_here, records
@@ -129,3 +130,26 @@ def test_gems_sweep_parallel_auto_over_worlds_runs_each_points_best_and_the_tabl
         assert f"{m['replicas']}x{m['pipeline']}x{m['spatial']}" in table.replace(" ", ""), table
     if where == "slurm":
         assert all(r["env"]["slurm_job_id"] for r in recs)
+
+
+def test_the_benchmarks_rank_correlation_families_and_picks() -> None:
+    """gems bench search's arithmetic: Spearman's rank correlation (ties at their mean rank), a candidate's mesh
+    family, and what it runs of a ranking (the top four and the best of every family not among them)."""
+    from types import SimpleNamespace
+
+    from gems.bench.search import family, picked, spearman
+
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3], [5, 5, 9]) == pytest.approx(0.8660254, rel=1e-6)
+
+    def cand(R: int, D: int, S: Any) -> Any:
+        return SimpleNamespace(fits=True, overrides={"parallel.replicas": R, "parallel.pipeline": D,
+                                                     "parallel.spatial": S})
+
+    assert [family(cand(2, 1, 1).overrides), family(cand(1, 2, 1).overrides), family(cand(1, 1, [2, 2]).overrides)] == \
+        ["replicas", "pipeline", "spatial"]
+    ranked = [cand(2, 1, 1), cand(2, 1, 1), cand(2, 1, 1), cand(2, 1, 1), cand(2, 1, 1), cand(1, 1, 2), cand(1, 2, 1),
+              cand(1, 1, 2)]
+    got = picked(ranked)
+    assert got[:4] == ranked[:4] and got[4:] == [ranked[6], ranked[5]]
