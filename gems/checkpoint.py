@@ -63,6 +63,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from gems.config import FILES
 from gems.errors import ConfigError
 
 PREEMPTED_EXIT = 75
@@ -180,7 +181,7 @@ def fingerprint(cfg: Any) -> dict[str, Any]:
             for k, v in sorted(val.items()):
                 out[f"{key}.{k}"] = v
         else:
-            out[key] = val
+            out[key] = "files" if key == "data.name" and val in FILES else val  # (hdf5: files' older name)
     return json.loads(json.dumps(out))  # tuples -> lists: compares equal to what was saved
 
 

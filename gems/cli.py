@@ -56,11 +56,28 @@ def _err(msg: str) -> None:
 CONFIGURED = ("run", "sweep", "plan", "render")
 
 
+#: the commands that compose a configuration: the registries that own keys' values and group options are loaded
+#: first (gems.config.owned, gems.config.offered)
+COMPOSING = (*CONFIGURED, "eval", "data", "bench")
+
+
+def load_registries() -> None:
+    """Import the registries above the configuration that hand it keys' values and group options: the schedules,
+    the data's symmetries, the models (a model registered without a YAML is composed from its registration)."""
+    import gems.data.augment  # noqa: F401
+    import gems.pipeline.schedules  # noqa: F401
+    from gems.data.layouts import registered as layouts
+    from gems.models.registry import registered as models
+
+    layouts()
+    models()
+
+
 def _print_help(cmd: str, rest: list[str]) -> None:
     if cmd in CONFIGURED:
-        import gems.data.augment  # noqa: F401 - the registries that own keys' values (gems.config.owned)
-        import gems.pipeline.schedules  # noqa: F401
         from gems.config import help_text
+
+        load_registries()
 
         print(help_text(cmd, [a for a in rest if a not in ("-h", "--help")]))
     else:
@@ -100,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in rest or "--help" in rest:
         _print_help(cmd, rest)
         return 0
+    if cmd in COMPOSING:
+        load_registries()
     if cmd in CONFIGURED and "--cfg" in rest:  # as Hydra users expect: the composed job
         return _print_job(rest)
     if cmd in CONFIGURED:
@@ -535,7 +554,7 @@ def cmd_data(args: list[str]) -> int:
     from gems.config import compose
     from gems.data.synth import synth_main
 
-    overrides = args[1:] if any(a.startswith("data=") for a in args[1:]) else ["data=hdf5", *args[1:]]
+    overrides = args[1:] if any(a.startswith("data=") for a in args[1:]) else ["data=files", *args[1:]]
     cfg = compose(overrides, check=False)  # a dataset needs no mesh
     if args[0] == "baseline":  # the power-spectrum reference of the sample-size study (gems/data/spectrum.py)
         from gems.data.spectrum import write_baseline
@@ -552,7 +571,7 @@ def cmd_data(args: list[str]) -> int:
         from gems.data.check import check_main
         from gems.launch.tasks import run_tasks as check_tasks
 
-        return check_main(cfg, job=check_tasks)
+        return check_main(cfg, job=check_tasks, classes=_model(cfg).classes)
     if cfg.data.kind == "segmentation":  # CT volumes with labels in LiTS's layout (gems/data/segmentation.py)
         from gems.data.segmentation import synth_segmentation
 
@@ -564,8 +583,16 @@ def cmd_data(args: list[str]) -> int:
 
         synth_universes(cfg, job=run_tasks)
     else:
-        synth_main(cfg)
+        synth_main(cfg, _model(cfg).input_shape)  # the samples the model takes
     return 0
+
+
+def _model(cfg: Any) -> Any:
+    """The configured model's spec (gems.models.build_model)."""
+    from gems.config import section
+    from gems.models import build_model
+
+    return build_model(section(cfg, "model"))
 
 
 BENCHES = {

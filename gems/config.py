@@ -38,7 +38,7 @@ def key(default: Any = MISSING, help: str = "", *, choices: tuple[str, ...] | Ca
 
 @dataclass
 class ModelConf:
-    name: str = key(MISSING, "the model: cosmoflow, cosmoflow_mlperf, unet3d, resnet or custom")
+    name: str = key(MISSING, "the model: a registered one (gems.models.registry)")
     size: int = key(128, "the input's edge length", ge=1)
     width: float = key(1.0, "channel multiplier (1.0 = the published model)", gt=0)
     dropout: float = key(0.2, "dropout probability of cosmoflow and cosmoflow_mlperf (whose preset gives MLPerf's 0.5)",
@@ -59,39 +59,53 @@ class ModelConf:
                                      ge=0)
 
 
+#: ``data.name`` of sample files in a layout gems reads (``data=files``); ``hdf5``, its older name, is an alias
+FILES = ("files", "hdf5")
+
+
+def reads_files(data: Any) -> bool:
+    """Whether the ``data`` section reads sample files (``data=files``, or its older name ``data=hdf5``)."""
+    return str(data.name) in FILES
+
+
 @dataclass
 class DataConf:
-    name: str = key("synthetic", "synthetic (a function of train.seed) or hdf5 (data.path)",
-                    choices=("synthetic", "hdf5"))
-    path: Optional[str] = key(None, "hdf5: a folder of sample files in a layout gems reads (docs/data.md)")
-    layout: Optional[str] = key(None, "hdf5: the files' layout (gems, exalearn, lbann, ...: gems.data.layouts); "
-                                      "null: detected from the files (docs/data.md)")
+    name: str = key("synthetic", "synthetic (a function of train.seed) or files (data.path, in any layout gems "
+                                 "reads; hdf5 is its older name, kept as an alias)", choices=("synthetic", "files", "hdf5"))
+    path: Optional[str] = key(None, "files, every layout: a folder (or file) of samples in a layout gems reads "
+                                    "(docs/data.md)")
+    layout: Optional[str] = key(None, "files: the files' layout (a registered one: gems.data.layouts); null: "
+                                      "detected from the files (docs/data.md)")
     num_samples: int = key(64, "synthetic: size of the training set (without train.epochs indices wrap around)", ge=1)
-    int16: bool = key(True, "hdf5 files hold int16 counts; log(x+1) is applied when read")
+    int16: bool = key(True, "not read (kept so that older configurations compose): every layout reads the type its "
+                            "files hold, and counts (exalearn, gems, lbann, tfrecord) become log(1+x) when read")
     prefetch: int = key(2, "steps of samples a background reader prepares ahead of the step (0: read in the step)",
                         ge=0)
-    readers: int = key(4, "hdf5: threads a rank reads its samples' files on (positional reads of contiguous "
+    readers: int = key(4, "files, every layout: threads a rank reads its samples' files on (positional reads of contiguous "
                           "datasets, straight into the batch; chunked ones chunk by chunk, gzip undone here; other "
                           "filters through h5py, one at a time), at most a Slurm task's CPUs: gems bench data "
                           "measures each count", ge=1)
     shuffle: bool = key(True, "with train.epochs: each epoch walks the training set in an order drawn from "
                               "(train.seed, epoch), the same on every rank")
-    val_path: Optional[str] = key(None, "hdf5: a folder of validation samples in the training set's layout")
+    val_path: Optional[str] = key(None, "files, every layout: a folder of validation samples in the training set's "
+                                        "layout")
     val_samples: int = key(0, "synthetic: held-out validation samples (indices after the training set's)", ge=0)
-    stage: str = key("none", "hdf5: copy the files once at job start to node-local storage (node), split over "
+    stage: str = key("none", "files, every layout: copy the files once at job start to node-local storage (node), split over "
                              "the node's ranks, and read them there; removed at the end", choices=("none", "node"))
     stage_dir: Optional[str] = key(None, "where data.stage=node copies to (null: the job's $TMPDIR, else /dev/shm)")
-    standardize: Optional[list] = key(None, "hdf5: [mean, std]: inputs become (log(1+counts) - mean) / std (null: "
-                                            "log(1+counts), as MLPerf's reference); gems data synth "
-                                            "data.kind=cosmology prints its universes' figures")
-    crop: Optional[int] = key(None, "hdf5: the edge of the samples cut from each file, as hyperslabs (the paper "
-                                    "cut 512^3 universes into 128^3 crops); null: the model's input size. Files "
-                                    "larger than a sample are cut into crops of the model's size", ge=1)
-    augment: str = key("none", "hdf5, training set: each sample mirrored (flip: along any of its dims) or also its "
-                               "axes swapped (cube: the 48 symmetries of a 3D box), drawn from (train.seed, epoch, "
-                               "sample); the target is kept, so only for data whose statistics have those "
-                               "symmetries (a universe's do): gems.data.augment",
-)
+    standardize: Optional[list] = key(None, "files of counts (exalearn, gems, lbann, tfrecord): [mean, std]: inputs "
+                                            "become (log(1+counts) - mean) / std (null: log(1+counts), as MLPerf's "
+                                            "reference); gems data synth data.kind=cosmology prints its universes' "
+                                            "figures. CT volumes (nifti, decathlon, tiles) take data.window")
+    crop: Optional[int] = key(None, "files of universes (exalearn, gems, lbann): the edge of the samples cut from "
+                                    "each file, as hyperslabs (the paper cut 512^3 universes into 128^3 crops); null: "
+                                    "the model's input size. Files larger than a sample are cut into crops of the "
+                                    "model's size (tfrecord and the CT layouts take only the model's edge)", ge=1)
+    augment: str = key("none", "files of universes (exalearn, gems, lbann, tfrecord), training set: each sample "
+                               "mirrored (flip: along any of its dims) or also its axes swapped (cube: the 48 "
+                               "symmetries of a 3D box), drawn from (train.seed, epoch, sample); the target is kept, "
+                               "so only for data whose statistics have those symmetries (a universe's do): "
+                               "gems.data.augment")
     kind: str = key("lognormal", "gems data synth: lognormal (a quick stand-in, a field a sample), cosmology "
                                  "(universes moved by the Zel'dovich approximation from colossus's power "
                                  "spectrum: docs/science.md) or segmentation (CT volumes with liver and tumour "
@@ -151,6 +165,9 @@ class ParallelConf:
     checkpoint: bool = key(False, "recompute activations in the backward: a pipeline partition whole, the plain path "
                                   "in pieces weighed on the model (gems plan notes where it saves no memory)")
     bn_stats: str = key("global", "BatchNorm statistics over spatial parts", choices=("global", "local"))
+    gather_uncut: bool = key(False, "a layer gems cannot cut into spatial parts: true gathers the activation before "
+                                    "it (the rest runs whole on every part, and the record's notes say so); false "
+                                    "refuses it, naming the layer")
     overlap: Optional[bool] = key(None, "interior/halo overlap (null: on GPU only)")
 
 
@@ -462,6 +479,17 @@ def owned(name: str, values: Callable[[], Any]) -> None:
     _OWNED[name] = lambda: tuple(values())
 
 
+#: group options a registry above the configuration offers (the models), handed here when it is imported
+#: (:func:`offered`): composed as ``group=NAME`` where ``conf/<group>/NAME.yaml`` is absent
+_OFFERED: dict[str, Callable[[], dict[str, dict[str, Any]]]] = {}
+
+
+def offered(group: str, options: Callable[[], dict[str, dict[str, Any]]]) -> None:
+    """Declare that the registry calling this offers options of ``group``: ``options()`` maps each name to what
+    ``group=NAME`` sets (a YAML file of that name, where one exists, is the preset instead)."""
+    _OFFERED[group] = options
+
+
 def choices_of(name: str) -> tuple[str, ...] | None:
     """The values a key takes, where the schema or the registry that owns the key (:func:`owned`) lists them."""
     if name in _OWNED:
@@ -515,6 +543,11 @@ def register_schemas() -> None:
     cs.store(name="base_config", node=GemsConf)
     for group, schema in GROUP_SCHEMAS.items():
         cs.store(group=group, name=f"base_{group}", node=schema)
+    for group, options in _OFFERED.items():
+        files = {p.stem for p in (conf_dir() / group).glob("*.yaml")}
+        for name, node in options().items():
+            if name not in files:
+                cs.store(group=group, name=name, node=node)
 
 
 def conf_dir() -> Path:
@@ -531,7 +564,8 @@ def conf_dir() -> Path:
 
 def _group_options(group: str) -> list[str]:
     d = conf_dir() / group
-    return sorted(p.stem for p in d.glob("*.yaml")) if d.is_dir() else []
+    files = {p.stem for p in d.glob("*.yaml")} if d.is_dir() else set()
+    return sorted(files | set(_OFFERED[group]() if group in _OFFERED else ()))
 
 
 def compose(overrides: list[str] | tuple[str, ...] = (), return_hydra_config: bool = False,
@@ -740,7 +774,7 @@ def validate(cfg: DictConfig, relations: bool = True) -> None:
                           f"(= {60 * int(cfg.cluster.time_min)} s) holds")
     if cfg.parallel.get("balance_by") == "comm":
         check_comm_cut(int(cfg.parallel.pipeline))
-    if cfg.data.name == "hdf5" and not cfg.data.path:
+    if reads_files(cfg.data) and not cfg.data.path:
         raise ConfigError("data.path", cfg.data.path, "a folder of sample files in a layout gems reads (docs/data.md; "
                           "write one with `gems data synth`)")
 

@@ -162,19 +162,21 @@ def balance_rule(by: str, schedule: str, D: int) -> str:
     return resolve_balance_by(s)
 
 
-def spatial_model(spec: Any, mesh: Mesh, bn_stats: str = "global") -> tuple[Any, str | None]:
+def spatial_model(spec: Any, mesh: Mesh, bn_stats: str = "global", gather_uncut: bool = False) -> tuple[Any, str | None]:
     """The model as spatial parallelism runs it: ``spec`` with ``spatial_end`` where the trunk really ends
     (:func:`gems.spatial.gather_point`: before the first layer gems cannot cut, or after a global pooling),
     and the note that says so (None when the model's own ``spatial_end`` holds). The worker, the preflight
     and the planner all take the model from here, so they agree on the gather, the loss weights and the
-    balance."""
+    balance. A layer gems cannot cut is refused, naming it, unless ``gather_uncut`` (``parallel.gather_uncut``)."""
     import dataclasses
 
     if mesh.spatial == 1:
         return spec, None
     from gems.spatial import gather_point
 
-    end, note = gather_point(spec.module, spec.spatial_end, mesh.parts, mesh.spatial_dims, bn_stats)
+    if spec.target == "dense":  # its output is cut like its input: nothing may be gathered (the refusal below)
+        gather_uncut = True
+    end, note = gather_point(spec.module, spec.spatial_end, mesh.parts, mesh.spatial_dims, bn_stats, gather_uncut)
     if note is None:
         return spec, None
     if spec.target == "dense":

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, open_dict
 
 from gems import checkpoint as ckpt
 from gems.bootstrap import check_launch
-from gems.config import section
+from gems.config import FILES, reads_files, section
 from gems.data.check import unchecked_note
 from gems.errors import ConfigError
 from gems.layers import keeps_running_statistics
@@ -52,7 +52,7 @@ def prepare(cfg: Any) -> Any:
     with open_dict(cfg):
         if not given:
             cfg.run_id = new_run_id(default_name(cfg))
-    if cfg.data.name == "hdf5":
+    if reads_files(cfg.data):
         readable_dir("data.path", cfg.data.path, "a folder of sample files (docs/data.md; write one with "
                      "`gems data synth data.path=...`)")
     if given:  # a run id of the user's: resume its checkpoint, never replace its record
@@ -165,7 +165,7 @@ EVAL_SAMPLES = 16
 def eval_config(path: str, overrides: list[str], cfg: DictConfig) -> DictConfig:
     """The configuration of ``gems eval PATH OVERRIDES`` (``cfg``: the overrides composed): the model of the file or
     checkpoint, and, unless the overrides say otherwise, the data, seed and batch of the run that trained it, so the
-    evaluated set is that run's validation set. ``data=hdf5 data.path=DIR`` evaluates the files in DIR."""
+    evaluated set is that run's validation set. ``data=files data.path=DIR`` evaluates the files in DIR."""
     from omegaconf import OmegaConf
 
     from gems.config import validate
@@ -203,8 +203,8 @@ def eval_config(path: str, overrides: list[str], cfg: DictConfig) -> DictConfig:
     validate(cfg)
     if cfg.data.name == "synthetic" and not cfg.data.val_samples:
         raise ConfigError("data.val_samples", 0, "the synthetic samples to evaluate (> 0; the model file names its "
-                          "run's), or data=hdf5 data.path=DIR")
-    if cfg.data.name == "hdf5" and not cfg.data.val_path:
+                          "run's), or data=files data.path=DIR")
+    if reads_files(cfg.data) and not cfg.data.val_path:
         raise ConfigError("data.path", cfg.data.path, "a folder of sample files to evaluate")
     ckpt.check_model(saved.shapes, model_shapes(cfg), "eval", path)
     if fresh:  # (said once every check has passed: bad input is one line)
@@ -213,7 +213,7 @@ def eval_config(path: str, overrides: list[str], cfg: DictConfig) -> DictConfig:
         print(f"gems eval: {path} names no validation data: evaluating {cfg.data.val_samples} fresh synthetic "
               f"samples of its run's kind, drawn from train.seed={cfg.train.seed} (its run trained on "
               f"{trained.get('seed', 'another')}); choose them with data.val_samples=N train.seed=S, or evaluate "
-              "files with data=hdf5 data.path=DIR", file=sys.stderr, flush=True)
+              "files with data=files data.path=DIR", file=sys.stderr, flush=True)
     return cfg
 
 
@@ -234,7 +234,7 @@ def _eval_data(cfg: Any, trained: dict[str, Any] | None, given: list[str]) -> st
                 OmegaConf.update(base, k[len("data."):], OmegaConf.select(cfg, k), merge=False)
         if "data" in given:
             base.name = cfg.data.name
-        if asked is not None and trained.get("name") == "hdf5" and trained.get("path") and Path(trained["path"]).is_dir():
+        if asked is not None and str(trained.get("name")) in FILES and trained.get("path") and Path(trained["path"]).is_dir():
             base.path = trained["path"]
         cfg.data = OmegaConf.merge(cfg.data, base)
     return None if asked is None else str(asked)
@@ -252,8 +252,7 @@ def preflight(cfg: DictConfig) -> None:
 
     mesh = mesh_from_config(cfg)
     spec = build_model(section(cfg, "model"))
-    if spec.name == "custom":  # the built-in models fit their declared input by construction
-        check_shapes(spec)
+    check_shapes(spec)  # every layer takes what reaches it, the output fits the targets: on meta tensors
     p = cfg.parallel
     seq = spec.module
     check_data(cfg, spec)
@@ -267,7 +266,7 @@ def preflight(cfg: DictConfig) -> None:
                                   f"dims below {spec.spatial_ndim}: {spec.name} has {spec.spatial_ndim} spatial dims")
         ctx = SpatialContext(None, list(range(mesh.spatial)), mesh.parts, mesh.spatial_dims, (0,) * len(mesh.parts))
         ctx.local_slices(spec.input_shape[1:])
-        spec, note = spatial_model(spec, mesh, p.bn_stats)
+        spec, note = spatial_model(spec, mesh, p.bn_stats, bool(p.gather_uncut))
         if note:
             print(f"gems: note: {note}", file=sys.stderr, flush=True)
         seq = apply_spatial(copy.deepcopy(spec.module), ctx, spec.spatial_end, bn_stats=p.bn_stats)
@@ -303,7 +302,7 @@ def check_data(cfg: DictConfig, spec: Any) -> None:
     steps = run_steps(cfg)  # (a batch larger than the training set with train.epochs is refused here)
     if t.warmup_steps >= steps:
         raise ConfigError("train.warmup_steps", t.warmup_steps, f"fewer than the run's {steps} steps")
-    if d.name == "hdf5":  # a file that does not match the model is named before launch
+    if reads_files(d):  # a file that does not match the model is named before launch
         train = make_data(cfg, spec).samples
         train.check_all(steps * int(t.batch_size), spec.num_outputs)
         sets = [("data.path", str(d.path), train.files)]
@@ -318,9 +317,9 @@ def check_data(cfg: DictConfig, spec: Any) -> None:
                 print(f"gems: note: {note}", file=sys.stderr, flush=True)
     elif d.val_path is not None:
         raise ConfigError("data.val_path", d.val_path, "null with data=synthetic (data.val_samples holds samples out)")
-    if t.eval_average_crops and (d.name != "hdf5" or d.val_path is None or spec.target != "vector"
+    if t.eval_average_crops and (not reads_files(d) or d.val_path is None or spec.target != "vector"
                                  or spec.loss != "mse"):
-        raise ConfigError("train.eval_average_crops", True, "false, or data=hdf5 with a validation folder "
+        raise ConfigError("train.eval_average_crops", True, "false, or data=files with a validation folder "
                           "(data.val_path) whose files are cut into crops, for a model of vector targets")
     val = make_data(cfg, spec, validation=True)
     _check_evaluated_weights(cfg, spec, val is not None)

@@ -45,8 +45,13 @@ LR = 0.05
 
 
 def build(model: str) -> ModelSpec:
-    """The model through the registry, as ``gems run`` builds it; the same weights on every rank."""
+    """The model through the registry, as ``gems run`` builds it; the same weights on every rank. ``registered:NAME``
+    is a registered model at its registration's example size (gems.models.registry.ModelKind.example)."""
     torch.manual_seed(0)
+    if model.startswith("registered:"):
+        from gems.models import registered
+
+        return build_model(ModelConf(**registered()[model.split(":", 1)[1]].example))
     if model == "cosmoflow":
         node: dict[str, Any] = dict(name="cosmoflow", size=32, width=0.125, dropout=0.3)
     elif model == "unet":  # skip connections across every cut (gems.models.skips carries them)
@@ -61,12 +66,12 @@ def _kind(spec: ModelSpec) -> str:
     return "mse" if spec.loss == "mse" else ("dense" if spec.target == "dense" else "ce")
 
 
-def batch(step: int, B: int, shape: tuple[int, ...], loss: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def batch(step: int, B: int, shape: tuple[int, ...], loss: str, outputs: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randn(B, *shape, generator=g)
     if loss == "dense":  # a class per voxel
-        return x, torch.randint(0, 3, (B, *shape[1:]), generator=g), list(range(step * B, (step + 1) * B))
-    y = torch.randn(B, 4, generator=g) if loss == "mse" else torch.randint(0, 5, (B,), generator=g)
+        return x, torch.randint(0, outputs, (B, *shape[1:]), generator=g), list(range(step * B, (step + 1) * B))
+    y = torch.randn(B, outputs, generator=g) if loss == "mse" else torch.randint(0, outputs, (B,), generator=g)
     return x, y, list(range(step * B, (step + 1) * B))
 
 
@@ -230,7 +235,7 @@ def _run_case(rank: int, world: int, c: dict[str, Any]) -> dict[str, Any]:
     timed: tuple[str | None, Any] | None = None
     with steps_recorded, _restored(PipelineRunner, "_exchange", real_exchange):
         for t in range(c["steps"]):
-            x, y, ids = batch(t, B, shape, kind)
+            x, y, ids = batch(t, B, shape, kind, spec.num_outputs)
             x, y = x[share], y[share]
             if me.slices is not None:  # this rank's part of every sample, as the data reader hands it over
                 x = x[(slice(None), slice(None), *me.slices)].contiguous()
@@ -278,7 +283,7 @@ def serial_case(c: dict[str, Any]) -> dict[str, Any]:
     gradients, the initial and final parameters and the final buffers. Cases that cut the batch alike
     share one reference (the caller must not modify it).
     """
-    eta = 2 if c["schedule"] == "mast" else (c.get("eta") or 1)
+    eta = make_schedule(c["schedule"], c["D"], c["m"], c.get("eta"), c.get("v"), c.get("split", False)).replicas
     return _serial(c["model"], c["B"], c["R"] * eta * c["m"], c["steps"])
 
 
@@ -293,7 +298,7 @@ def _serial(model: str, B: int, chunks: int, steps: int) -> dict[str, Any]:
     opt = torch.optim.SGD(params, lr=LR)
     losses, grads0 = [], []
     for t in range(steps):
-        x, y, ids = batch(t, B, shape, kind)
+        x, y, ids = batch(t, B, shape, kind, spec.num_outputs)
         opt.zero_grad(set_to_none=False)
         total = 0.0
         for j in range(chunks):

@@ -156,6 +156,17 @@ def _registry_cases() -> list[dict[str, Any]]:
 WORLD2 = WORLD2 + _registry_cases()
 
 
+def _model_cases() -> list[dict[str, Any]]:
+    """One D = 2 x S = 2 case for every registered model, at its registration's example size (1F1B, 2 micro-batches,
+    composed as ``gems run`` composes it): a new model runs against the serial model with no change to this file."""
+    from gems.models import registered as models
+
+    return [case(f"registered:{name}", "1f1b", 2, m=2, S=2, B=4, steps=2, via="worker") for name in models()]
+
+
+WORLD4 = WORLD4 + _model_cases()
+
+
 def label_of(c: dict[str, Any]) -> str:
     return (f"{c['model']}/{c['schedule']} R={c['R']} D={c['D']} S={c['S']} m={c['m']} eta={c['eta']} "
             f"ckpt={c['checkpoint']} via={c['via']}" + (" one batch a round" if c.get("one_batch") else ""))
@@ -174,6 +185,8 @@ def check(results: list[list[dict[str, Any]]], cases: list[dict[str, Any]]) -> N
     world = len(results)
     for ci, c in enumerate(cases):
         label = label_of(c)
+        # the schedule's properties choose the checks (its placement: copies of a partition on several ranks)
+        sched = make_schedule(c["schedule"], c["D"], c["m"], c.get("eta"), c.get("v"), c.get("split", False))
         per_rank = [results[r][ci] for r in range(world)]
         balance = per_rank[0]["balance"]
         assert all(p["balance"] == balance for p in per_rank), label
@@ -194,19 +207,17 @@ def check(results: list[list[dict[str, Any]]], cases: list[dict[str, Any]]) -> N
                 # every BatchNorm forward runs once per chunk, recomputation or not
                 want = c["steps"] * p["forwards"][i]
                 assert all(n == want for n in p["tracked"][i]), f"{label}: part {i} tracked {p['tracked'][i]}, expected {want}"
-                if c["R"] == 1 and c["schedule"] not in ("mast", "master"):  # the serial chunk order
+                if c["R"] == 1 and not sched.holds_copies:  # the serial chunk order
                     for k, b in p["buffers"][i]:
                         torch.testing.assert_close(b, ref["buffers"][k], rtol=1e-4, atol=1e-6,
                                                    msg=lambda m: f"{label} buffer {k} of part {i}: {m}")
-        stages = make_schedule(c["schedule"], c["D"], c["m"], c.get("eta"), c.get("v"), c.get("split", False)).stages
-        assert sorted(copies) == list(range(stages)), label  # D partitions, or v x D interleaved
+        assert sorted(copies) == list(range(sched.stages)), label  # D partitions, or v x D interleaved
         if c["model"] == "resnet_bn":  # the BatchNorm checks above saw BatchNorm layers
             assert any(p["tracked"][i] and p["buffers"][i] for p in per_rank for i in p["tracked"]), label
         assert sorted(k for ks in index.values() for k in ks) == list(range(len(ref["params"]))), \
             f"{label}: the partitions do not hold every parameter exactly once"
-        mirrored = c["schedule"] in ("mast", "master")
-        for i, sets in copies.items():
-            expect = c["R"] * c["S"] * (2 if mirrored and 2 * i != c["D"] - 1 else 1)
+        for i, sets in copies.items():  # a line's copies of a partition: the ranks its placement puts it on
+            expect = c["R"] * c["S"] * len({row[i] for row in sched.placement})
             assert len(sets) == expect, f"{label}: partition {i} has {len(sets)} copies, expected {expect}"
             for other in sets[1:]:
                 assert all(torch.equal(a, b) for a, b in zip(sets[0], other)), f"{label}: copies of part {i} differ"

@@ -1,6 +1,7 @@
 """Layers by registration: the spatial converter learns layer types from registrations (the models' and
-the user's), cuts global pooling exactly, and gathers automatically before a layer it cannot cut, saying
-so in the record, instead of refusing the model. Every case trains like the serial run."""
+the user's), cuts global pooling exactly, and refuses a layer it cannot cut, naming it, unless the user asks for
+the activation to be gathered before it (``parallel.gather_uncut=true``), which the record then says. Every case
+trains like the serial run."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +10,7 @@ from _cli import gems_here, records
 from torch import nn
 
 from gems.cut_rules import rule_for
+from gems.errors import ConfigError
 from gems.spatial import CannotCut, gather_point, register_layer
 
 COMMON = ["model=custom", "model.num_outputs=3", "train.batch_size=4", "train.steps=3", "train.warmup_steps=1",
@@ -36,8 +38,10 @@ def serial(tmp_path_factory):
     ("_custom_models.resnet_head_2d", "[1,8,8]", ["parallel.spatial=[2,2]", "parallel.spatial_dims=[0,1]"], None),
     ("_custom_models.max_head_3d", "[1,8,8,8]", ["parallel.spatial=2"], None),
     ("_custom_models.global_pool", "[1,8,8,8]", ["parallel.spatial=[2,2]", "model.spatial_end=3"], None),
-    ("_custom_models.adaptive_3", "[1,8,8,8]", ["parallel.spatial=2"], "layer 2 AdaptiveAvgPool3d(output_size=2)"),
-    ("_custom_models.own_layer", "[1,8,8,8]", ["parallel.spatial=2"], "layer 1 Normalize()"),
+    ("_custom_models.adaptive_3", "[1,8,8,8]", ["parallel.spatial=2", "parallel.gather_uncut=true"],
+     "layer 2 AdaptiveAvgPool3d(output_size=2)"),
+    ("_custom_models.own_layer", "[1,8,8,8]", ["parallel.spatial=2", "parallel.gather_uncut=true"],
+     "layer 1 Normalize()"),
     ("_custom_models.registered_own", "[1,8,8,8]", ["parallel.spatial=2"], None),
     ("_custom_models.resnet_head_2d", "[1,8,8]", ["parallel.spatial=2", "parallel.pipeline=2",
                                                   "parallel.schedule=mast"], None),
@@ -94,3 +98,16 @@ def test_a_dense_model_is_refused_when_a_layer_cannot_be_cut(tmp_path):
                     "model.input_shape=[1,8,8,8]", "model.target=dense", "model.loss=cross_entropy", "model.num_outputs=2",
                     "parallel.spatial=2")
     assert out.returncode == 2 and "model=custom" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_layer_gems_cannot_cut_is_refused_unless_gathered_by_request(tmp_path):
+    """A block the spatial code does not know is not gathered silently (an equivalence test would then pass while
+    nothing was cut): the run is refused before launch, naming the layer and the key that gathers it."""
+    out = gems_here("run", f"results.dir={tmp_path}", *COMMON, "model._target_=_custom_models.own_layer",
+                    "model.input_shape=[1,8,8,8]", "parallel.spatial=2")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "parallel.gather_uncut=False" in out.stderr and "layer 1 Normalize()" in out.stderr, out.stderr
+    assert not list(tmp_path.glob("*.json"))
+    seq = nn.Sequential(nn.Conv3d(1, 2, 3, padding=1), nn.AdaptiveAvgPool3d(2), nn.Flatten(), nn.Linear(16, 3))
+    with pytest.raises(ConfigError, match="layer 1 AdaptiveAvgPool3d"):
+        gather_point(seq, 2, (2,), (0,), gather_uncut=False)

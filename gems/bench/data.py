@@ -62,7 +62,7 @@ def _cfg(size: int, spatial: int, data: str, path: str | None, contender: str, f
     over = [f"model.size={size}", "model.width=1.0", f"parallel.spatial={spatial}", f"train.batch_size={BATCH}",
             f"train.steps={STEPS}", f"train.warmup_steps={WARM}", "train.profile=false",
             f"data.prefetch={2 if contender == 'on' else 0}", f"results.dir={folder}"]
-    over += ["data=hdf5", f"data.path={path}"] if data == "hdf5" else ["data.num_samples=64"]
+    over += ["data=files", f"data.path={path}"] if data == "hdf5" else ["data.num_samples=64"]
     cfg = compose(over)
     with open_dict(cfg):
         cfg.run_id = f"bench-data-{size}-{spatial}-{data}-{contender}"
@@ -259,8 +259,18 @@ def layout_folders(root: Path, size: int, n: int = 16) -> tuple[dict[str, Source
             try:  # CT volumes with a class a voxel (NIfTI's)
                 shutil.rmtree(folder, ignore_errors=True)
                 layout.write(folder, _volumes(size, n))
-                layout.open(folder, (1, size, size, size), target="dense", classes=CT_CLASSES).close()
-                folders[name] = Source(name, folder, size, dense=True)
+                dense = (1, size, size, size)
+                try:
+                    layout.open(folder, dense, target="dense", classes=CT_CLASSES).close()
+                    folders[name] = Source(name, folder, size, dense=True)
+                except ConfigError:  # as published they are read only once converted (the Decathlon's .nii.gz)
+                    out = root / f"{name}-converted{size}"
+                    if not out.exists():
+                        for f in layout.files(folder):
+                            layout.convert(f, out)
+                    layout.open(out, dense, target="dense", classes=CT_CLASSES).close()
+                    folders[converted_row(name)] = Source(name, out, size, dense=True)
+                    continue
             except (NotImplementedError, ConfigError, ValueError, TypeError):
                 skipped[name] = _oneline(str(e)) or "writes no such samples"
                 continue

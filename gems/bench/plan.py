@@ -58,7 +58,7 @@ EOS = ["cluster=slurm", "cluster.account=x", "cluster.gpu=h100", "cluster.gpus_p
 PERLMUTTER = ["cluster=perlmutter", "cluster.account=x"]
 # the published runs read their samples from files staged on the nodes (gems's synthetic generator, on the
 # host, would cost more than these steps: gems plan says so for data=synthetic); the path is never read
-STAGED = ["data=hdf5", "data.path=/staged"]
+STAGED = ["data=files", "data.path=/staged"]
 GEMS_RESNET = ["+experiment=gems_resnet1001", "model.size=256", *STAGED]
 COSMO512 = ["+experiment=cosmoflow512_weak", "train.precision=fp32", *STAGED]
 MLPERF = ["model=cosmoflow_mlperf", *STAGED, "parallel.replicas=512", "train.batch_size=512", "train.precision=bf16"]

@@ -42,7 +42,7 @@ from gems.bench.common import env_block, md_table, median, write
 from gems.config import section
 
 JOB = ["model=cosmoflow_mlperf", "model.dropout=0", "train.precision=bf16", "train.check_fit=false"]
-SCIENCE = ["model=cosmoflow", "model.size=128", "train.batch_size=4", "train.precision=fp32", "data=hdf5",
+SCIENCE = ["model=cosmoflow", "model.size=128", "train.batch_size=4", "train.precision=fp32", "data=files",
            "data.augment=cube", "train.check_fit=false"]
 GOAL_RATE, GOAL_RATIO, GOAL_DATA, GOAL_SCIENCE_S = 224.0, 0.95, 0.05, 0.020
 
@@ -147,7 +147,7 @@ def bench_step(out_dir: Path, overrides: list[str] | None = None, rounds: int = 
     given = list(overrides or [])
     rows, records = [], []
     with tempfile.TemporaryDirectory(prefix="gems-bench-step-") as tmp:
-        data = ["data=hdf5", f"data.path={_files(Path(tmp), size, files)}"]
+        data = ["data=files", f"data.path={_files(Path(tmp), size, files)}"]
         for B in batches:
             base = [*JOB, f"model.size={size}", f"train.batch_size={B}", *given]
             got: dict[str, list[Any]] = {k: [] for k in ("gems", "gems eager", "gems whole step", "plain",

@@ -11,7 +11,7 @@ with it and every label against the classes), on ``data.workers`` processes here
 tasks of one Slurm job (``cluster=...``, as ``gems data convert``). It goes on past a bad file and ends with one
 line: the files checked, and each bad one named with what is wrong with it (exit 2 where any is).
 
-The classes a label must be below are the model's (``model.num_classes`` where the model takes a class a voxel),
+The classes a label must be below are the model's (where the model takes a class a voxel: the command hands them in),
 else the data set's own (a Decathlon task's dataset.json, LiTS's three). A set that passes is remembered in gems's
 cache (gems.paths.cache_root: the folder, its files' names and the folder's modification time), and a run over a
 large set that has not passed says once that the check exists (:func:`unchecked_note`).
@@ -33,8 +33,7 @@ LARGE_BYTES = 8 * 2**30
 
 
 def _options(layout: Any, classes: int | None) -> dict[str, Any]:
-    dense = layout.name in ("nifti", "decathlon") or getattr(layout, "target", "vector") == "dense"
-    return {"target": "dense" if dense else "vector", "classes": classes}
+    return {"target": layout.target, "classes": classes}
 
 
 def check_file(name: str, file: str, key: str, classes: int | None) -> tuple[str, str] | None:
@@ -59,10 +58,11 @@ def check_file(name: str, file: str, key: str, classes: int | None) -> tuple[str
 
 
 def _classes(cfg: Any, layout: Any, path: str) -> int | None:
-    """The classes a label must be below: the model's where it takes a class a voxel, else the set's own."""
-    m = cfg.model
-    if str(m.get("name", "")) == "unet3d" and m.get("num_classes") is not None:
-        return int(m.num_classes)
+    """The classes a label must be below: the model's where it takes a class a voxel (``data.model_classes``,
+    which :func:`check_main` sets), else the set's own."""
+    given = cfg.data.get("model_classes")
+    if given is not None:
+        return int(given)
     names = layout.class_names(path) if hasattr(layout, "class_names") else None
     return len(names) if names else None
 
@@ -92,10 +92,16 @@ def _one(item: tuple[str, str, str, int | None]) -> tuple[str, str] | None:
     return check_file(name, file, key, classes)
 
 
-def check_main(cfg: Any, job: Callable[..., int] | None = None) -> int:
-    """``gems data check``: every file checked (module docstring); the exit status (0 all good, 2 any bad)."""
+def check_main(cfg: Any, job: Callable[..., int] | None = None, classes: int | None = None) -> int:
+    """``gems data check``: every file checked (module docstring); the exit status (0 all good, 2 any bad).
+    ``classes``: the configured model's (:attr:`gems.models.ModelSpec.classes`), kept on ``cfg`` for a Slurm
+    job's tasks."""
+    from omegaconf import open_dict
+
     from gems.data.convert import _Bar
 
+    with open_dict(cfg):
+        cfg.data.model_classes = classes
     items = work_of(cfg)
     here = cfg.cluster.launcher != "slurm"
     workers = min(int(cfg.data.workers) or (os.cpu_count() or 1), max(1, len(items)))

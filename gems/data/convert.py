@@ -96,12 +96,12 @@ def plan_of(cfg: Any) -> Work:
             held = None
         if held is not None:
             raise ConfigError("data.path", str(src), f"{what}; these are {held.name} files ({held.about}), which gems "
-                              f"run reads where they lie: nothing to convert (data=hdf5 data.path={src})")
+                              f"run reads where they lie: nothing to convert (data=files data.path={src})")
         subs = layouts.holding_subfolders(src, layouts.registered().values())
         if subs:  # folders of files read where they lie (HDF5 universes split into train/ and val/)
             shown = ", ".join(f"{s.name}/ ({n} {kind})" for s, n, kind in subs[:4])
             raise ConfigError("data.path", str(src), f"{what}; its subfolders {shown} hold files gems run reads where "
-                              f"they lie: nothing to convert (data=hdf5 data.path={subs[0][0]})")
+                              f"they lie: nothing to convert (data=files data.path={subs[0][0]})")
         raise ConfigError("data.path", str(src), what)
     items = []
     for folder in folders:

@@ -69,9 +69,10 @@ def write_synthetic(path: str | os.PathLike, n_samples: int, shape: Sequence[int
     return files
 
 
-def synth_main(cfg: Any) -> list[Path]:
-    """``gems data synth``: ``data.path``, ``data.num_samples`` (default 8), ``model.size``,
-    ``model.in_channels`` (default 4), ``train.seed``; 2D samples for ``model=resnet``."""
+def synth_main(cfg: Any, shape: Sequence[int] | None = None) -> list[Path]:
+    """``gems data synth``: ``data.path``, ``data.num_samples`` (default 8), ``train.seed``; samples of the
+    model's input ``shape`` (C, *spatial: the command hands in the configured model's), else ``model.in_channels``
+    (default 4) x ``model.size``^3."""
 
     def get(node: Any, key: str, default: Any) -> Any:
         if node is None:
@@ -85,11 +86,11 @@ def synth_main(cfg: Any) -> list[Path]:
     n = get(data, "num_samples", 8)
     if not isinstance(n, int) or n < 1:
         raise ConfigError("data.num_samples", n, "a positive number of samples")
-    size = get(model, "size", None)
-    if not isinstance(size, int) or size < 1:
-        raise ConfigError("model.size", size, "the sample edge in cells, e.g. 128")
-    channels = int(get(model, "in_channels", 4))
-    ndim = 2 if get(model, "name", "") == "resnet" else 3
+    if shape is None:
+        size = get(model, "size", None)
+        if not isinstance(size, int) or size < 1:
+            raise ConfigError("model.size", size, "the sample edge in cells, e.g. 128")
+        shape = (int(get(model, "in_channels", 4)), size, size, size)
     from gems.paths import writable_dir
 
     writable_dir("data.path", path, "a folder gems can create or write the samples into")
@@ -97,6 +98,6 @@ def synth_main(cfg: Any) -> list[Path]:
     if existing:
         raise ConfigError("data.path", str(path), f"a new or empty directory (it holds {len(existing)} sample files; "
                                                   "nothing was overwritten)")
-    files = write_synthetic(path, n, (channels, *[size] * ndim), int(get(train, "seed", 0)))
-    print(f"wrote {len(files)} samples of shape {[channels, *[size] * ndim]} (int16) to {path}")
+    files = write_synthetic(path, n, tuple(shape), int(get(train, "seed", 0)))
+    print(f"wrote {len(files)} samples of shape {list(shape)} (int16) to {path}")
     return files

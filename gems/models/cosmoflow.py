@@ -20,12 +20,15 @@ partitioning can see every layer. The convolutional trunk ends at the
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
 
+from gems.config import ModelConf
 from gems.cut_rules import register_pointwise
 from gems.layers import SampleDropout
+from gems.models.registry import ModelSpec, first_flatten, register_model, sized
 
 
 @register_pointwise  # the spatial converter cuts it (gems/cut_rules.py)
@@ -113,3 +116,27 @@ def cosmoflow_mlperf(size: int = 128, width: float = 1.0, dropout: float = 0.5, 
                nn.Linear(_ch(128, width), _ch(64, width)), nn.LeakyReLU(slope), SampleDropout(dropout),
                nn.Linear(_ch(64, width), num_outputs), nn.Tanh(), Scale(1.2)]
     return nn.Sequential(*layers)
+
+
+def _build(name: str, allowed: str) -> Any:
+    """The builder of ``model=NAME`` (the paper's variant or MLPerf's): 4 x size^3 in, 4 parameters out, MSE."""
+
+    def build(m: ModelConf) -> ModelSpec:
+        kw: dict[str, Any] = dict(width=float(m.width), dropout=float(m.dropout))
+        if name == "cosmoflow" and m.norm is not None:
+            kw["norm"] = m.norm
+        seq = sized(allowed, cosmoflow if name == "cosmoflow" else cosmoflow_mlperf, int(m.size), **kw)
+        return ModelSpec(seq, name, (4, *[int(m.size)] * 3), 4, "mse", "vector", first_flatten(seq))
+
+    build.__qualname__ = f"build_{name}"
+    return build
+
+
+register_model("cosmoflow", _build("cosmoflow", "a power of two >= 32 (the paper uses 128, 256, 512)"),
+               "CosmoFlow as the strong-scaling paper trains it: seven 3D convolutions, pools, a dense head; 4 "
+               "cosmological parameters a sample (MSE)", "4 x N^3, N a power of two >= 32",
+               {"size": 32, "width": 0.125, "dropout": 0.3}, benchmark="cosmoflow")
+register_model("cosmoflow_mlperf", _build("cosmoflow_mlperf", "a power of two >= 32 (MLPerf uses 128)"),
+               "CosmoFlow as MLPerf HPC's reference trains it: five conv + max-pool blocks, tanh x 1.2",
+               "4 x N^3, N a power of two >= 32 (MLPerf: 128)", {"size": 32, "width": 0.0625, "dropout": 0.3},
+               benchmark="cosmoflow")

@@ -17,20 +17,16 @@ sample.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from gems.config import ModelConf
 from gems.cut_rules import register_container
 from gems.errors import ConfigError
+from gems.models.registry import ModelSpec, register_model
 
 #: ``model.norm`` when the configuration leaves it null
 DEFAULT_NORM = "batch"
-
-if TYPE_CHECKING:
-    from gems.models import ModelSpec
 
 __all__ = ["PreActBottleneck", "resnet_v2", "build_resnet"]
 
@@ -95,8 +91,6 @@ def resnet_v2(depth: int = 110, in_channels: int = 3, num_classes: int = 10, wid
 def build_resnet(m: ModelConf) -> ModelSpec:
     """``model=resnet``: keys depth, size, in_channels, num_classes, width, norm (batch | group | none; null:
     batch)."""
-    from gems.models import ModelSpec  # at call time: gems.models imports this module lazily too
-
     depth = m.depth
     if not isinstance(depth, int) or depth < 11 or (depth - 2) % 9:
         raise ConfigError("model.depth", depth, "9n+2, e.g. 110 or 1001")
@@ -111,3 +105,9 @@ def build_resnet(m: ModelConf) -> ModelSpec:
     pool = next(i for i, layer in enumerate(seq) if isinstance(layer, nn.AdaptiveAvgPool2d))
     return ModelSpec(seq, "resnet", (in_channels, size, size), num_classes, "cross_entropy", "vector", pool,
                      extra={"depth": depth, "blocks_per_stage": (depth - 2) // 9})
+
+
+register_model("resnet", build_resnet, "ResNet-v2 of depth 9n+2 (110, 1001) on large 2D images, as GEMS trains "
+               "it: pre-activation bottleneck blocks; one class a sample (cross-entropy)",
+               "in_channels x N^2, N >= 4 (GEMS: 512 to 2048)",
+               {"depth": 11, "size": 16, "in_channels": 3, "num_classes": 5, "width": 0.25})

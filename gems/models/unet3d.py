@@ -17,21 +17,17 @@ partition carry the skips that cross their boundaries
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torch import nn
 
 from gems.config import ModelConf
 from gems.errors import ConfigError
+from gems.models.registry import ModelSpec, register_model
 from gems.models.skips import PopAdd, PopConcat, SkipStore, Stash
 
 __all__ = ["unet3d", "build_unet3d", "SkipStore", "Stash", "PopConcat", "PopAdd"]
 
 #: ``model.norm`` when the configuration leaves it null
 DEFAULT_NORM = "batch"
-
-if TYPE_CHECKING:
-    from gems.models import ModelSpec
 
 
 def _ch(c: int, width: float) -> int:
@@ -67,8 +63,6 @@ def unet3d(in_channels: int = 1, num_classes: int = 3, width: float = 1.0, norm:
 
 def build_unet3d(m: ModelConf) -> ModelSpec:
     """``model=unet3d``: keys size, width, in_channels, num_classes, norm (batch | none; null: batch)."""
-    from gems.models import ModelSpec
-
     size = m.size
     if not isinstance(size, int) or size < 8 or size % 8:
         raise ConfigError("model.size", size, "a multiple of 8 (three 2x poolings), e.g. 64 or 128")
@@ -81,3 +75,8 @@ def build_unet3d(m: ModelConf) -> ModelSpec:
     in_channels, num_classes = int(m.in_channels), int(m.num_classes)
     seq = unet3d(in_channels, num_classes, width, norm)
     return ModelSpec(seq, "unet3d", (in_channels, size, size, size), num_classes, "cross_entropy", "dense", None)
+
+
+register_model("unet3d", build_unet3d, "the 3D U-Net of the strong-scaling paper: four levels down and up, skips "
+               "concatenated; one class per voxel (cross-entropy)", "in_channels x N^3, N a multiple of 8",
+               {"size": 16, "width": 0.0625, "in_channels": 1, "num_classes": 3})

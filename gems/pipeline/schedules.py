@@ -34,19 +34,11 @@ schedule for completeness, order and deadlock freedom).
 
 Most orders are produced by one list-scheduling simulation with unit costs
 (forward 1 tick, backward 2) and a bound on the micro-batches whose
-activations a rank keeps per placement row (its *in-flight limit*):
-
-=========  ===========================  ===============  ===================
-schedule   passes x micro-batches       prefers          in-flight limit
-=========  ===========================  ===============  ===================
-lp         1 x m                        backward         1
-gpipe      1 x m                        forward          m
-1f1b       1 x m                        backward         min(D - s, m)
-mast       2 x m (mirrored)             backward         min(D - s, m) per
-master     eta x m (mirrored)           backward         direction
-=========  ===========================  ===============  ===================
-
-``s`` is the stage a rank holds in that direction. With ``m = 1`` ``mast`` is
+activations a rank keeps per placement row (its *in-flight limit*: 1 for ``lp``, every micro-batch for ``gpipe``,
+``min(D - s, m)`` for ``1f1b`` and, per direction, for ``mast`` and ``master``; ``s`` is the stage a rank holds in
+that direction; :attr:`ScheduleKind.in_flight` reads it off the action lists). The registered schedules, each with
+its line, are what ``gems run --help`` lists under ``parallel.schedule`` and docs/parallelism.md's table holds
+(tests/test_registries.py keeps both to the registry). With ``m = 1`` ``mast`` is
 GEMS-MAST and ``master`` is GEMS-MASTER (one pass per direction in flight: the
 memory of MAST, whatever eta); with ``m > 1`` they are the Chimera
 generalisation (at most ``D + 1`` micro-batches of activations per rank).
@@ -282,10 +274,27 @@ class ScheduleKind:
     virtual: bool = False  # takes parallel.virtual_stages
     about: str = ""
     split: str = "no"  # "no" | "optional" (parallel.split_backward) | "always"
-    #: micro-batches a stage keeps in flight: "one" (lp: they take turns), "all" (gpipe: every forward first),
-    #: "depth" (1F1B's bound, min(D - s, m) per direction); the planner walks the real action lists, this is
-    #: what the suggestion search asks (does cutting the batch finer shrink what is kept?)
-    in_flight: str = "depth"
+
+    @property
+    def in_flight(self) -> str:
+        """Micro-batches a stage keeps in flight, read off the schedule's own action lists (one built at 8
+        micro-batches): "one" (lp: they take turns), "all" (gpipe: every forward of a rank before its first
+        backward), "depth" (1F1B's bound, min(D - s, m) per direction). The planner walks the real action lists;
+        this is what the suggestion search asks (does cutting the batch finer shrink what is kept?)."""
+        got = _IN_FLIGHT.get(self.name)
+        if got is None:
+            sched = make_schedule(self.name, max(2, self.min_ranks), 8, None, 2 if self.virtual else None,
+                                  self.split == "always")
+            kept, every = [], True
+            for rank, order in enumerate(sched.actions):
+                peak = in_flight(sched, rank)
+                forwards = [0] * len(peak)
+                for a in order:
+                    forwards[sched.direction(a.replica)] += a.kind.forward
+                kept += peak
+                every = every and all(p == f for p, f in zip(peak, forwards) if f)
+            got = _IN_FLIGHT[self.name] = "one" if max(kept) == 1 else "all" if every else "depth"
+        return got
 
     @property
     def overlaps(self) -> bool:
@@ -299,17 +308,20 @@ class ScheduleKind:
 
 
 _REGISTRY: dict[str, ScheduleKind] = {}
+#: each schedule's :attr:`ScheduleKind.in_flight`, read off its action lists once
+_IN_FLIGHT: dict[str, str] = {}
 
 
 Builder = Callable[[int, int, int, int, bool], Schedule]
 
 
 def register(name: str, *, passes: str = "one", min_ranks: int = 1, virtual: bool = False, split: str = "no",
-             in_flight: str = "depth", about: str = "") -> Callable[[Builder], Builder]:
+             about: str = "") -> Callable[[Builder], Builder]:
     """Register a schedule builder ``(ranks, micro_batches, passes, virtual_stages, split) -> Schedule`` under
     ``name`` (the value of ``parallel.schedule``)."""
     def deco(fn: Builder) -> Builder:
-        _REGISTRY[name] = ScheduleKind(name, fn, passes, min_ranks, virtual, about, split, in_flight)
+        _REGISTRY[name] = ScheduleKind(name, fn, passes, min_ranks, virtual, about, split)
+        _IN_FLIGHT.pop(name, None)
         return fn
     return deco
 
@@ -437,7 +449,7 @@ class _ListScheduler:
         return self.orders
 
 
-@register("lp", in_flight="one", about="layer parallelism: one micro-batch in the pipeline at a time")
+@register("lp", about="layer parallelism: one micro-batch in the pipeline at a time")
 def _lp(D: int, m: int, passes: int, v: int, split: bool) -> Schedule:
     return lp(D, m)
 
@@ -460,7 +472,7 @@ def lp(D: int, m: int = 1) -> Schedule:
                                                 for r in range(D)))
 
 
-@register("gpipe", split="optional", in_flight="all", about="GPipe: all forwards, then all backwards")
+@register("gpipe", split="optional", about="GPipe: all forwards, then all backwards")
 def _gpipe(D: int, m: int, passes: int, v: int, split: bool) -> Schedule:
     return gpipe(D, m, split)
 
@@ -655,7 +667,7 @@ def interleaved_zero_bubble(D: int, v: int, m: int) -> Schedule:
     return _generate("interleavedzb", D, 1, m, False, "F", lambda s: min(S - s, m), True, placement)
 
 
-@register("loopedbfs", min_ranks=2, virtual=True, in_flight="all",
+@register("loopedbfs", min_ranks=2, virtual=True,
           about="looped breadth-first: v stages per rank (parallel.virtual_stages), every micro-batch through a "
                 "rank's stage before its next; no multiple-of-D rule")
 def _looped_bfs(D: int, m: int, passes: int, v: int, split: bool) -> Schedule:

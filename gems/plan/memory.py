@@ -121,7 +121,7 @@ import torch
 from torch import nn
 
 from gems.bootstrap import KEEP_GROWTH, backend_for, keeps_host_memory_within, node_memory_bytes, plan_device
-from gems.config import job_tasks, section
+from gems.config import job_tasks, reads_files, section
 from gems.errors import ConfigError
 from gems.layers import Recompute
 from gems.parallel import recompute_pieces, resolve, spatial_model, stage_balance
@@ -449,7 +449,7 @@ class Planner:
         kept = ("trunk shapes", self.st.model_key, end)
         shapes = [tuple(spec.input_shape[1:])]
         try:
-            shapes += trunk() if spec.name == "custom" else cached(kept, trunk)
+            shapes += cached(kept, trunk) if spec.source_known else trunk()
         except Exception:  # a trunk that cannot run serially on fake tensors: key by the input only (not kept)
             pass
         memo = ("classes", self.st.model_key, mesh.parts, mesh.spatial_dims, self.parts)
@@ -501,7 +501,7 @@ class Planner:
             self.notes.append("parallel.balance_by=time is measured at run time; planned with the memory balance")
             by = "memory"
         s = st.settings
-        if st.spec.name == "custom" or s.balance is not None:
+        if not st.spec.source_known or s.balance is not None:
             return stage_balance(s, st.spec, chunk, by)
         # a decided balance traces the model on fake tensors: kept on disk by what stage_balance reads
         key = ("balance", st.model_key, s.stages, by, s.chunk if chunk is None else int(chunk), s.mesh.parts,
@@ -523,7 +523,7 @@ class Planner:
             def make() -> list[tuple[int, int]]:
                 return recompute_pieces(self.st.spec, self.st.mesh)
 
-            _CACHE[key] = make() if self.st.spec.name == "custom" else cached(key, make)
+            _CACHE[key] = cached(key, make) if self.st.spec.source_known else make()
         return _CACHE[key]
 
     def _traced(self, s: int, batch: int) -> Trace:
@@ -535,8 +535,8 @@ class Planner:
                 return trace_layers(self.st.spec, layers, batch, local, self.st.spec.input_shape[1:], sctx, self.amp,
                                     memo=(self.st.precision, self.st.gpu))
 
-            # kept on disk between processes (gems/plan/store.py), but a custom model's source is not digested
-            _CACHE[key] = make() if self.st.spec.name == "custom" else cached(key, make)
+            # kept on disk between processes (gems/plan/store.py), where gems's source digest covers the model's
+            _CACHE[key] = cached(key, make) if self.st.spec.source_known else make()
         return _CACHE[key]
 
     def profile(self, chunk: int) -> tuple[list[int], list[tuple[list[int], list[int], list[_Stage], int]]]:
@@ -727,7 +727,7 @@ def setup(cfg: Any) -> Setup:
         spec.module.train()
         _CACHE[("model", model_key)] = spec
     spec = _CACHE[("model", model_key)]
-    spec, gather_note = spatial_model(spec, mesh, str(p.bn_stats))
+    spec, gather_note = spatial_model(spec, mesh, str(p.bn_stats), bool(p.gather_uncut))
     sched = str(p.schedule)
     eta = settings.schedule.replicas if settings.schedule is not None else 1
     opt = str(cfg.train.optimizer)
@@ -744,7 +744,7 @@ def setup(cfg: Any) -> Setup:
                   str(p.bn_stats), list(p.balance) if p.balance else None,
                   settings.balance_by, settings, rank_threads(cfg),
                   _setup_notes(cfg, settings, [n for n in (gather_note, eager_why, pool_note) if n]),
-                  device_batches_ahead(int(cfg.data.prefetch), str(cfg.data.name) == "hdf5") if gpu else 0,
+                  device_batches_ahead(int(cfg.data.prefetch), reads_files(cfg.data)) if gpu else 0,
                   load_calibration(cfg) if gpu else None, reader_draw(cfg, spec) if gpu else 0, graphed,
                   bool(cfg.data.val_path) or int(cfg.data.val_samples) > 0)
 
@@ -781,7 +781,7 @@ def reader_draw(cfg: Any, spec: Any) -> int:
     for the U-Net at 64^3, 4 MiB for CosmoFlow),
     while the step runs. Read files (``hdf5``) hold their counts instead (:func:`device_batches_ahead`); with no
     reader ahead (``data.prefetch=0``) the step draws its batch before its own tensors exist."""
-    if str(cfg.data.name) == "hdf5" or int(cfg.data.prefetch) <= 0:
+    if reads_files(cfg.data) or int(cfg.data.prefetch) <= 0:
         return 0
     from gems.data.synthetic import draw_bytes
 
@@ -938,7 +938,7 @@ def plan_memory(cfg: Any, quick: bool = False, available: bool = False,
                f"on {where}")
     _checkpoint_host(cfg, st, positions, dev, pl.notes)
     plan = MemoryPlan(
-        model=st.spec.name + (f"{st.spec.input_shape[1]}" if st.spec.name.startswith("cosmoflow") else ""),
+        model=st.spec.name,
         input_shape=list(st.spec.input_shape), world_size=world,
         mesh={"replicas": mesh.replicas, "pipeline": mesh.pipeline, "spatial": mesh.spatial, "parts": list(mesh.parts),
               "spatial_dims": list(mesh.spatial_dims)},

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from gems.config import reads_files
 from gems.pipeline.schedules import simulate
 from gems.plan.devices import cpu_rates, efficiency, gpu_rates, synthetic_seconds
 from gems.plan.memory import Planner, rank_threads
@@ -88,7 +89,7 @@ def predict_step(cfg: Any, pl: Planner, prof: Any, batch: int, dev: dict[str, An
             return share * n * synthetic_seconds(pl.st.spec, list(part), inp, tgt, threads)
 
         made = f"synthetic samples generated on the host as fast as here ({threads} thread(s))"
-    elif str(cfg.data.name) == "hdf5":  # read by the rank's reader threads (gems.data.reader), at their rate
+    elif reads_files(cfg.data):  # read by the rank's reader threads (gems.data.reader), at their rate
         sctx = pl._layers(pl.st.mesh.spatial // 2)[1]  # the middle part's, which the quick plan traces
         rate, itemsize, how = reader_rate(cfg, pl.st.spec, sctx.local_slices(pl.st.spec.input_shape[1:])
                                           if sctx is not None else None)
@@ -96,7 +97,7 @@ def predict_step(cfg: Any, pl: Planner, prof: Any, batch: int, dev: dict[str, An
     pred = predict(pl, prof, batch, rates, c, nodes, tpn, data, int(cfg.data.prefetch), on_device,
                    graphed=pl.st.graphed)
     pred.assumptions.append(made)
-    if cfg.data.name == "hdf5" and cfg.data.stage == "node":
+    if reads_files(cfg.data) and cfg.data.stage == "node":
         from gems.errors import ConfigError
         from gems.plan.devices import links
 

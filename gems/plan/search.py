@@ -19,10 +19,17 @@ launcher would place it: gems.plan.suggest.variant) ranks them:
   faster: the planner prices its second forward), and CUDA graphs as a run of that mesh decides them
   (gems.rank.graphs.decide: the same rule, the plan's notes).
 
-**Pruning**, where the candidates outgrow what a login node plans in a minute: micro-batch counts are tried in
-increasing order, each schedule's only up to where its predicted step stops falling (after the first that fits);
-a split backward and a schedule's other virtual stages only at the best count; recomputation only where the
-candidate does not fit. The tests hold a pruned search to the exhaustive one on small worlds.
+**Pruning**, where the candidates outgrow what a login node plans in a minute (the tests hold a pruned search to
+the exhaustive one on small worlds):
+
+* each count of cut dims keeps its most even cut (the others hold more halo cells on as many neighbours);
+* a cut is planned by its largest part (the one that sets the peak and the step), and the ten the table shows
+  planned again part by part, as a single plan plans them;
+* micro-batch counts are tried in increasing order, each schedule's only up to where its predicted step stops
+  falling (after the first that fits); a split backward and a schedule's other virtual stages only at the best
+  count; recomputation only where the candidate does not fit;
+* a pipeline mesh whose bound (its plain mesh's compute over D: no schedule beats it) is under the best found is
+  not planned; of the others, the :data:`REFINED` best by one representative schedule get every schedule.
 
 Each candidate is kept with its overrides (``key=value`` strings that, added to the user's command, run it), its
 predicted samples/s, its peak bytes a rank and whether it fits; rejected ones with their reason. ``gems run
@@ -527,7 +534,10 @@ def _walk(planner: _Planner, out: Search, o: dict[str, Any], line: int, exhausti
     """A schedule's micro-batch counts in increasing order (divisors of a pass's samples), up to where its step
     stops falling after the first that fits (module docstring); all of them where ``exhaustive``. The best
     candidate met (one that fits, else the last planned), None where no count was planned."""
-    passes = int(o.get("parallel.gems_replicas") or (2 if o["parallel.schedule"] == "mast" else 1))
+    from gems.pipeline.schedules import registered
+
+    kind = registered()[o["parallel.schedule"]]  # (its passes: what its registration says it takes)
+    passes = int(o.get("parallel.gems_replicas") or (2 if kind.passes == "two" else 1))
     if line % passes:
         return None
     best: Candidate | None = None

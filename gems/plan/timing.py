@@ -34,7 +34,7 @@ The model, term by term:
 * **data**: each rank makes its data at the start of a step, before its first action (inputs where it runs
   a first stage, targets where it runs a last one, for its spatial part): synthetic samples as long as the
   real generator takes here (:func:`gems.plan.devices.synthetic_seconds`; GPU ranks generate on the host
-  too), files (``data=hdf5``) read from the page cache and copied (:func:`copied`). The simulated
+  too), files (``data=files``) read from the page cache and copied (:func:`copied`). The simulated
   schedule starts each rank once its data is made, so a first stage's data delays the ranks after it.
 
 Every term is a pure function of the trace, the schedule and the rate tables, so it is tested against
@@ -73,7 +73,7 @@ def data_warning(cfg: Any, share: float) -> str:
     """What to say when data is more than :data:`DATA_WARN` of a predicted step, and what to change."""
     kind = cfg.data.name if cfg is not None else "synthetic"
     ahead = "a reader ahead of the step (data.prefetch=2, the default)"
-    fix = (f"{ahead}, GPU ranks (synthetic samples are drawn on the GPU), or staged files (data=hdf5 data.path=...)"
+    fix = (f"{ahead}, GPU ranks (synthetic samples are drawn on the GPU), or staged files (data=files data.path=...)"
            if kind == "synthetic" else f"{ahead}, files staged to node-local storage (data.stage=node), or faster "
            "storage")
     return (f"data is {100 * share:.0f}% of the predicted step (more than {100 * DATA_WARN:.0f}%): the run would "

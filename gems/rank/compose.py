@@ -126,7 +126,7 @@ class _Composition:
 
     def __init__(self, spec: ModelSpec, mesh: Mesh, world: World, cfg: DictConfig, settings: ParallelSettings) -> None:
         self.mesh, self.world, self.cfg, self.settings = mesh, world, cfg, settings
-        self.spec, gather_note = spatial_model(spec, mesh, cfg.parallel.bn_stats)
+        self.spec, gather_note = spatial_model(spec, mesh, cfg.parallel.bn_stats, bool(cfg.parallel.gather_uncut))
         self.notes = [n for n in (gather_note, settings.norm_note(self.spec.module)) if n]
         self.loss_fn = make_loss_fn(self.spec, mesh, int(cfg.train.batch_size))
         self.seq: nn.Sequential = self.spec.module

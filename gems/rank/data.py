@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from omegaconf import DictConfig
 
-from gems.config import DEFAULT_STEPS, section
+from gems.config import DEFAULT_STEPS, reads_files, section
 from gems.errors import ConfigError
 from gems.models import ModelSpec
 
@@ -41,7 +41,7 @@ def make_data(cfg: DictConfig, spec: ModelSpec, slices: tuple[slice, ...] | None
     synthetic inputs are drawn on ``device`` (a GPU rank's GPU: gems.data.synthetic.sample_input); ``staged``:
     read from the node-local copies (:func:`stage`)."""
     d = cfg.data
-    if d.name == "hdf5":  # files in a layout gems reads (gems.data.layouts: detected, or data.layout)
+    if reads_files(d):  # files in a layout gems reads (gems.data.layouts: detected, or data.layout)
         from gems.data import layouts
 
         path = d.val_path if validation else d.path
@@ -52,7 +52,7 @@ def make_data(cfg: DictConfig, spec: ModelSpec, slices: tuple[slice, ...] | None
             return None
         layout = layouts.detect(path, d.get("layout"), key)
         readers, _ = layouts.reader_threads(int(d.readers))  # capped by the task's CPUs (notes: data_notes)
-        classes = int(spec.num_outputs) if spec.target == "dense" and spec.loss == "cross_entropy" else None
+        classes = spec.classes
         return _HDF5Batches(layout.open(path, spec.input_shape, key=key, slices=slices, crop=d.crop,
                                         standardize=d.standardize, augment="none" if validation else d.augment,
                                         readers=readers, target=spec.target, window=d.window, classes=classes,
@@ -60,7 +60,7 @@ def make_data(cfg: DictConfig, spec: ModelSpec, slices: tuple[slice, ...] | None
                             pin=device is not None and device.type == "cuda", evaluated=validation)
     if d.augment != "none":
         raise ConfigError("data.augment", d.augment, "none for synthetic data (its samples are drawn, not read: "
-                                                     "data=hdf5 reads files it can mirror)")
+                                                     "data=files reads files it can mirror)")
     from gems.data.synthetic import SyntheticData
 
     if validation:  # held out: the indices after the training set's, which no step trains on
@@ -95,7 +95,7 @@ def class_names(data: Any, metric: Any) -> list[str] | None:
 def dataset_size(cfg: DictConfig, spec: ModelSpec | None = None) -> int:
     """Samples in the training set, without reading them (HDF5: the crops of the files in data.path, from the
     first file's header)."""
-    if cfg.data.name == "hdf5":
+    if reads_files(cfg.data):
         if spec is None:
             from gems.models import build_model
 
@@ -243,7 +243,7 @@ def stage(cfg: DictConfig, world: Any, run_id: str) -> Staged | None:
     from gems.bootstrap import ranks_on_this_node
 
     d = cfg.data
-    if d.stage != "node" or d.name != "hdf5":
+    if d.stage != "node" or not reads_files(d):
         return None
     root = stage_root(cfg, run_id)
     per_node, me = max(1, ranks_on_this_node()), world.local_rank

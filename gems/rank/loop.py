@@ -37,7 +37,7 @@ from gems.fault.watchdog import Watchdog
 from gems.layers import recalibrating
 from gems.memory import MemoryMeter, peak_rss_bytes, persistent_bytes, step_peak_bytes
 from gems.mesh import Mesh, mesh_from_config
-from gems.models import build_model
+from gems.models import build_model, registered
 from gems.parallel import resolve
 from gems.pipeline.runtime import split_waits
 from gems.rank.compose import Parallel, set_up_rank
@@ -143,7 +143,9 @@ class Run:
             deterministic()
         self.mesh = mesh = mesh_from_config(cfg, world.size)
         self.mlperf = MLPerfLog(cfg, world.rank)  # a run with a target: MLPerf HPC's log, from init start
-        self.mlperf.init_start(_device_name(world.device), world.size)
+        kind = registered().get(str(cfg.model.name))  # the MLPerf HPC benchmark the model is a version of
+        self.mlperf.init_start(_device_name(world.device), world.size,
+                               (kind.benchmark if kind is not None else None) or str(cfg.model.name))
         settings = resolve(cfg)
         if world.size > 1:
             mesh.build_groups(world.rank, groups=settings.holder_groups, timeout=world.timeout)

@@ -57,14 +57,13 @@ class MLPerfLog:
             self.log = None
 
     # ---- the events, in the order a run makes them --------------------------------------------------------------
-    def init_start(self, device_name: str, ranks: int) -> None:
+    def init_start(self, device_name: str, ranks: int, benchmark: str) -> None:
         if self.log is None or self.resumed:
             return
         c, cfg = self.c, self.cfg
         nodes = int(os.environ.get("SLURM_JOB_NUM_NODES") or cfg.cluster.nodes or 1)
         per_node = max(1, ranks // nodes)
-        name = str(cfg.model.name)
-        self.log.event(key=c.SUBMISSION_BENCHMARK, value="cosmoflow" if name.startswith("cosmoflow") else name)
+        self.log.event(key=c.SUBMISSION_BENCHMARK, value=benchmark)
         self.log.event(key=c.SUBMISSION_ORG, value="gems")
         self.log.event(key=c.SUBMISSION_DIVISION, value="open")
         self.log.event(key=c.SUBMISSION_STATUS, value="research")

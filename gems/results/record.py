@@ -41,7 +41,7 @@ def default_name(cfg: Any) -> str:
     p = cfg.parallel
     sp = p.spatial if isinstance(p.spatial, int) else "x".join(str(s) for s in p.spatial)
     size = cfg.model.size
-    model = f"{cfg.model.name}{size}" if size and cfg.model.name != "custom" else cfg.model.name
+    model = cfg.model.name if not size or getattr(cfg.model, "input_shape", None) else f"{cfg.model.name}{size}"
     return f"{model}-R{p.replicas}D{p.pipeline}S{sp}-{p.schedule}"
 
 

@@ -209,14 +209,16 @@ def _describe(m: nn.Module) -> str:
 
 
 def gather_point(seq: nn.Sequential, spatial_end: int | None, parts: Any, dims: Any,
-                 bn_stats: str = "global") -> tuple[int | None, str | None]:
+                 bn_stats: str = "global", gather_uncut: bool = True) -> tuple[int | None, str | None]:
     """Where the spatial trunk of ``seq`` really ends, and why when it is not ``spatial_end``.
 
     The layers before ``spatial_end`` (all of them when it is None) are converted in order on a stand-in
     context: the first layer gems cannot cut ends the trunk before it (the activation is gathered there
     and the rest runs whole on every part); a global pooling ends it after itself (its output is already
     whole). Returns ``(end, note)``: ``end`` is ``spatial_end`` itself when every layer before it is cut,
-    with ``note`` None.
+    with ``note`` None. Without ``gather_uncut`` (``parallel.gather_uncut=false``, the run's default) a layer that
+    cannot be cut is refused, naming it: gathered silently, a block gems does not know would run whole on every
+    part, and a check against one process would pass while nothing was cut.
     """
     layers = list(seq)
     end = len(layers) if spatial_end is None else int(spatial_end)
@@ -233,8 +235,13 @@ def gather_point(seq: nn.Sequential, spatial_end: int | None, parts: Any, dims: 
             conv(m, f"{names[i]}:{type(m).__name__}")
         except CannotCut as e:
             why = f": {e.why}" if e.why else f" (gems cuts {SUPPORTED})"
+            if not gather_uncut:
+                raise ConfigError("parallel.gather_uncut", False,
+                                  f"true to gather the activation before layer {i} and run layers {i}.. whole on "
+                                  f"every part, or a rule that cuts it (gems.spatial.register_layer, "
+                                  f"register_container): layer {i} {_describe(m)} cannot be cut into parts{why}")
             return i, (f"layer {i} {_describe(m)} cannot be cut into parts{why}; the activation is gathered "
-                       f"before it and layers {i}.. run whole on every part")
+                       f"before it and layers {i}.. run whole on every part (parallel.gather_uncut=true)")
         if conv.trunk_ends:
             if i + 1 == end:
                 return end, None

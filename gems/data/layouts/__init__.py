@@ -77,6 +77,7 @@ from typing import Any, ClassVar, Iterable, Protocol, Sequence, TypeVar
 
 import numpy as np
 
+from gems.config import owned
 from gems.errors import ConfigError
 
 #: bytes a second one reader thread moves from the page cache into a batch, where no file is at hand to time: one
@@ -137,6 +138,8 @@ class Layout:
     suffixes: ClassVar[tuple[str, ...]] = ()
     thread_rate: ClassVar[float] = THREAD_RATE
     fast: ClassVar[bool] = True
+    #: what a sample's target is: a vector (one per sample) or dense (a class per voxel: labelled volumes)
+    target: ClassVar[str] = "vector"
 
     def files(self, path: str | os.PathLike) -> list[Path]:
         """The files of this layout at ``path``: a folder's (sorted by name, hidden ones left out), or the file."""
@@ -403,3 +406,5 @@ def _load() -> None:
         if not mod.startswith("_"):
             importlib.import_module(f"{__name__}.{mod}")
 
+
+owned("data.layout", lambda: registered())  # the configuration checks and lists them (gems.config.owned)

@@ -614,6 +614,7 @@ class NiftiLayout(Layout):
     about: ClassVar[str] = ("LiTS's CT volumes with labels: volume-N.nii and segmentation-N.nii (NIfTI; .nii.gz "
                             "through gems data convert), for model=unet3d")
     suffixes: ClassVar[tuple[str, ...]] = (".nii", ".nii.gz")
+    target: ClassVar[str] = "dense"
     #: bytes of voxels a second one thread reads into a batch (labels beside them) where no file is at hand: 128^3
     #: tiles of 512 x 512 x 128 int16 volumes from the page cache here, 0.14-0.24 GB/s on this loaded 2-core machine
     #: (a tile's rows are 256-byte runs of a 1 KiB row: the reader reads the rows' span and copies them out)

@@ -1,0 +1,136 @@
+"""The model registry: each model module registers its builder where the model is defined, as schedules
+(gems.pipeline.schedules) and data layouts (gems.data.layouts) register theirs.
+
+A registration names the model (``model=NAME``), its builder (the typed ``model`` section -> :class:`ModelSpec`),
+one line about it, the shapes it takes, and what ``model=NAME`` sets where ``conf/model/NAME.yaml`` is absent (the
+YAML is optional: a preset with comments where it exists). Every module of the ``gems.models`` package is imported
+once when the registry is first read (:func:`registered`), so a new model module is found without a list to edit.
+Nothing outside this package decides by a model's name: what other layers need of a model is a property of its
+:class:`ModelSpec` (its dims from its input shape, the key that sets that shape, whether its source is gems's own).
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from torch import nn
+
+from gems.config import ModelConf, offered, owned
+from gems.errors import ConfigError
+
+
+@dataclass
+class ModelSpec:
+    """A model and its contract with the data and the loss.
+
+    ``target`` is ``"vector"`` (one vector of ``num_outputs`` per sample,
+    e.g. CosmoFlow's 4 parameters) or ``"dense"`` (one class per voxel, shaped
+    like the input's spatial dims, e.g. U-Net). ``spatial_end`` is the index of
+    the first layer that needs the whole sample (spatial parallelism gathers
+    the activation before it); None when the model is spatial to the end.
+    ``shape_key`` is the key that sets the input's shape (what a refusal of the shape names), and
+    ``source_known`` whether the model's layers are gems's own source (the planner keeps their traces on disk,
+    keyed by gems's source digest: a user's callable is traced afresh).
+    """
+
+    module: nn.Sequential
+    name: str
+    input_shape: tuple[int, ...]  # (C, *spatial)
+    num_outputs: int
+    loss: str  # "mse" | "cross_entropy"
+    target: str = "vector"
+    spatial_end: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    shape_key: str = "model.size"
+    source_known: bool = True
+
+    @property
+    def spatial_ndim(self) -> int:
+        return len(self.input_shape) - 1
+
+    @property
+    def classes(self) -> int | None:
+        """The classes a voxel's label must be below where the model takes one class a voxel, else None."""
+        return int(self.num_outputs) if self.target == "dense" and self.loss == "cross_entropy" else None
+
+    @property
+    def shape_value(self) -> Any:
+        """The value of :attr:`shape_key` this model was built from."""
+        return list(self.input_shape) if self.shape_key == "model.input_shape" else self.input_shape[1]
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    """A registered model: ``build`` makes its :class:`ModelSpec` from the typed section; ``about`` is its line in
+    ``--help`` and the docs; ``shapes`` the inputs it takes (words); ``config`` what ``model=NAME`` sets where no
+    YAML of that name exists; ``example`` the model's keys at a size seconds train on a CPU (what the tests build
+    every registered model at, S = 2 and D = 2 against one process); ``benchmark`` the MLPerf HPC benchmark it is
+    a version of (what a run's MLPerf log names), None for none."""
+
+    name: str
+    build: Callable[[ModelConf], ModelSpec]
+    about: str
+    shapes: str
+    config: Mapping[str, Any]
+    example: Mapping[str, Any]
+    benchmark: str | None = None
+
+
+_REGISTRY: dict[str, ModelKind] = {}
+_FOUND = False
+
+
+def register_model(name: str, build: Callable[[ModelConf], ModelSpec], about: str, shapes: str,
+                   example: Mapping[str, Any], config: Mapping[str, Any] | None = None,
+                   benchmark: str | None = None) -> None:
+    """Register a model under ``name`` (``model=NAME``); called by the module that defines it, at import
+    (:class:`ModelKind` says what each argument is)."""
+    old = _REGISTRY.get(name)
+    if old is not None and (old.build.__module__, old.build.__qualname__) != (build.__module__, build.__qualname__):
+        raise ValueError(f"model {name!r} is registered twice ({old.build.__module__} and {build.__module__})")
+    _REGISTRY[name] = ModelKind(name, build, about, shapes, {"name": name, **dict(config or {})},
+                                {"name": name, **dict(example)}, benchmark)
+
+
+def registered() -> dict[str, ModelKind]:
+    """Every registered model by name, sorted; the first call imports every module of this package."""
+    global _FOUND
+    if not _FOUND:
+        import gems.models as pkg
+
+        for mod in pkgutil.iter_modules(pkg.__path__):
+            if not mod.name.startswith("_"):
+                importlib.import_module(f"{pkg.__name__}.{mod.name}")
+        _FOUND = True
+    return dict(sorted(_REGISTRY.items()))
+
+
+def names_text() -> str:
+    """The registered names, for a refusal: "one of a, b or c"."""
+    names = list(registered())
+    return "one of " + (", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0])
+
+
+def first_flatten(seq: nn.Sequential) -> int | None:
+    """The index of ``seq``'s first ``nn.Flatten`` (where a model's spatial trunk ends by default), None if none."""
+    for i, layer in enumerate(seq):
+        if isinstance(layer, nn.Flatten):
+            return i
+    return None
+
+
+def sized(allowed: str, fn: Callable[..., nn.Sequential], size: int, **kw: Any) -> nn.Sequential:
+    """``fn(size=size, **kw)``, its ValueError the refusal of ``model.size`` with what it allows."""
+    try:
+        return fn(size=size, **kw)
+    except ValueError:
+        raise ConfigError("model.size", size, allowed) from None
+
+
+
+# the configuration checks model.name against the registry, lists it in --help, and composes model=NAME from a
+# registration where conf/model/NAME.yaml is absent (gems.config.owned, gems.config.offered)
+owned("model.name", lambda: registered())
+offered("model", lambda: {k.name: dict(k.config) for k in registered().values()})
