@@ -237,7 +237,7 @@ def test_json_and_table_from_the_cli_at_a_large_world():
 def test_bad_input_names_the_key():
     with pytest.raises(ConfigError) as e:
         make_plan(compose(["model.name=nope"]))
-    assert e.value.key == "model"
+    assert e.value.key == "model.name"  # (the registry owns the key: gems.models.registry)
     with pytest.raises(ConfigError) as e:
         compose(["cluster=slurm", "cluster.nodes=2", "cluster.tasks_per_node=3", "parallel.spatial=4"])
     assert e.value.key == "cluster.tasks_per_node"

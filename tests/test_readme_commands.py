@@ -43,11 +43,11 @@ COMMANDS: dict[str, list[str] | str] = {
     # the HDF5 commands at 64^3 instead of 128^3 (the same reads, cuts and recipe; a quarter of the time)
     "gems data synth data.path=/scratch/cosmo data.num_samples=64 model.size=128":
         ["data.num_samples=8", "model.size=64"],
-    "gems run model=cosmoflow data=hdf5 data.path=/scratch/cosmo parallel.spatial=4": [*FEWER, "model.size=64"],
+    "gems run model=cosmoflow data=files data.path=/scratch/cosmo parallel.spatial=4": [*FEWER, "model.size=64"],
     "gems data synth data.path=/scratch/cosmo/val data.num_samples=16 model.size=128 train.seed=1":
         ["data.num_samples=4", "model.size=64"],
     # one epoch of the 8 samples the test writes instead of 128 epochs of 64, the evaluation on 4
-    "gems run model=cosmoflow_mlperf data=hdf5 data.path=/scratch/cosmo data.val_path=/scratch/cosmo/val "
+    "gems run model=cosmoflow_mlperf data=files data.path=/scratch/cosmo data.val_path=/scratch/cosmo/val "
     "train.epochs=128 train.target_mae=0.124": ["train.epochs=1", "train.warmup_steps=1", "model.size=64"],
     "gems run comm=mpi parallel.replicas=2": FEWER,
     "gems sweep +experiment=replication_weak": "the command jobs/replication_weak.sh runs (`exec gems sweep "
@@ -120,22 +120,38 @@ COMMANDS: dict[str, list[str] | str] = {
     # on files written by TensorFlow and nibabel
     "gems data convert data.path=/data/cosmoUniverse_2019_05_4parE_tf_v2 data.out=/scratch/mlperf":
         "needs MLPerf's 1.7 TB set (tests/test_tfrecord.py converts TensorFlow's own files the same way)",
-    "gems run model=cosmoflow_mlperf data=hdf5 data.path=/scratch/mlperf/train data.val_path=/scratch/mlperf/validation":
+    "gems run model=cosmoflow_mlperf data=files data.path=/scratch/mlperf/train data.val_path=/scratch/mlperf/validation":
         "needs MLPerf's set converted (tests/test_tfrecord.py trains on converted TensorFlow files)",
-    "gems run model=cosmoflow model.size=512 data=hdf5 data.path=/data/cosmoUniverse_2019_05_4parE parallel.spatial=8 "
+    "gems run model=cosmoflow model.size=512 data=files data.path=/data/cosmoUniverse_2019_05_4parE parallel.spatial=8 "
     "cluster=perlmutter":
         "needs ExaLearn's universes and submits to NERSC Perlmutter (tests/test_layouts.py reads ExaLearn's layout "
         "a universe a sample)",
-    "gems run model=cosmoflow_mlperf model.size=128 data=hdf5 data.path=/data/cosmoUniverse_2019_05_4parE "
+    "gems run model=cosmoflow_mlperf model.size=128 data=files data.path=/data/cosmoUniverse_2019_05_4parE "
     "data.crop=128 data.augment=cube":
         "needs ExaLearn's universes (tests/test_layouts.py cuts crops of data.crop from ExaLearn's layout)",
-    "gems run model=unet3d model.size=128 data=hdf5 data.path=/data/lits/train data.val_path=/data/lits/val":
+    "gems run model=unet3d model.size=128 data=files data.path=/data/lits/train data.val_path=/data/lits/val":
         "needs LiTS (tests/test_nifti.py trains the U-Net on nibabel's volumes)",
     "gems data convert data.path=/data/lits_gz data.out=/data/lits":
         "needs LiTS's .nii.gz (tests/test_nifti.py converts nibabel's the same way)",
+    "gems data convert data.path=/data/lits_gz data.out=/data/lits_tiles data.tile=128":
+        "needs LiTS's .nii.gz (tests/test_tiles.py converts nibabel's into tiles the same way)",
+    "gems data convert data.path=/data/Task03_Liver data.out=/data/Task03_Liver_nii":
+        "needs the Decathlon's Task03_Liver (tests/test_decathlon.py converts a task folder written as it ships)",
+    "gems run model=unet3d model.size=128 data=files data.path=/data/Task03_Liver_nii data.val_path=/data/Task03_Liver_val":
+        "needs the Decathlon's Task03_Liver converted (tests/test_decathlon.py trains on a converted task folder)",
+    "gems data check data.path=/data/Task03_Liver cluster=perlmutter cluster.nodes=4":
+        "needs the Decathlon's task and submits to NERSC Perlmutter (tests/test_data_check.py checks as a Slurm job on "
+        "the test cluster)",
+    "gems data check data.path=/data/cosmoUniverse_2019_05_4parE_tf_v2/train data.workers=16":
+        "needs MLPerf's set (tests/test_data_check.py checks TensorFlow's own files, good and bad)",
+    # docs/planner.md: the search at 2048 GPUs takes most of a minute on this machine's first call
+    "gems plan parallel=auto parallel.world=2048 model=unet3d model.size=256 train.batch_size=64 cluster=perlmutter "
+    "cluster.account=x":
+        "the search at 2048 GPUs, timed by `gems bench search` (results/bench/search.md); tests/test_search.py holds "
+        "the same search to the exhaustive one on small worlds",
     "gems data synth data.kind=segmentation data.path=data/seg/train data.val_path=data/seg/val data.num_samples=16 "
     "data.val_samples=4 model=unet3d model.size=32": ["data.num_samples=2", "data.val_samples=1", "model.size=16"],
-    "gems run model=unet3d model.size=32 model.width=0.25 data=hdf5 data.path=data/seg/train data.val_path=data/seg/val "
+    "gems run model=unet3d model.size=32 model.width=0.25 data=files data.path=data/seg/train data.val_path=data/seg/val "
     "train.batch_size=4 train.epochs=40 train.eval_every=4 train.optimizer=adam train.lr=0.003":
         "the CPU-sized U-Net run, 4 minutes here: its figures are in docs/data.md (tests/test_nifti.py trains the same "
         "way, on one rank and S = 2)",

@@ -58,9 +58,9 @@ def check_file(name: str, file: str, key: str, classes: int | None) -> tuple[str
 
 
 def _classes(cfg: Any, layout: Any, path: str) -> int | None:
-    """The classes a label must be below: the model's where it takes a class a voxel (``data.model_classes``,
-    which :func:`check_main` sets), else the set's own."""
-    given = cfg.data.get("model_classes")
+    """The classes a label must be below: the model's where it takes a class a voxel (``check_classes``, which
+    :func:`check_main` sets on the configuration a Slurm job's tasks get), else the set's own."""
+    given = cfg.get("check_classes")
     if given is not None:
         return int(given)
     names = layout.class_names(path) if hasattr(layout, "class_names") else None
@@ -101,7 +101,7 @@ def check_main(cfg: Any, job: Callable[..., int] | None = None, classes: int | N
     from gems.data.convert import _Bar
 
     with open_dict(cfg):
-        cfg.data.model_classes = classes
+        cfg.check_classes = classes
     items = work_of(cfg)
     here = cfg.cluster.launcher != "slurm"
     workers = min(int(cfg.data.workers) or (os.cpu_count() or 1), max(1, len(items)))

@@ -57,5 +57,5 @@ def build_model(model: ModelConf | Mapping[str, Any]) -> ModelSpec:
     m: ModelConf = model if isinstance(model, ModelConf) else section({"model": model}, "model")
     kind = registered().get(m.name)
     if kind is None:
-        raise ConfigError("model", m.name, names_text())
+        raise ConfigError("model.name", m.name, names_text())
     return kind.build(m)

@@ -345,8 +345,8 @@ def closest(path: str | os.PathLike, layouts: dict[str, Layout], key: str = "dat
             return (f"it holds no sample file but a training and a validation folder: data.path={train} "
                     f"data.val_path={val}")
         shown = ", ".join(f"{s.name}/ ({n} {what})" for s, n, what in subs[:4]) + (", ..." if len(subs) > 4 else "")
-        return (f"it holds no sample file but {len(subs)} subfolder(s) of them, {shown}: name one, or gather their "
-                "files into one folder (symbolic links will do)")
+        return (f"it holds no sample file, but {len(subs)} subfolder(s) of them: {shown}. gems reads the files of one "
+                "folder, not its subfolders: name one, or gather their files into one folder (symbolic links will do)")
     if p.is_dir():  # files a layout reads, by their ending, under names or places it does not take
         near = [(lay, n) for lay in layouts.values() for n in listing(p) if n.endswith(lay.suffixes)]
         if near:
