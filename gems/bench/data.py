@@ -353,11 +353,10 @@ class _ReaderBench:
         gen = torch.Generator().manual_seed(0)
         self.syms = [torch.randint(0, 48, (READER_BATCH,), generator=gen).tolist() if self.symmetric else None
                      for _ in self.batches]
-        runs = getattr(first, "runs", None)
         self.fds = {str(g): os.open(g, os.O_RDONLY) for group in self.groups for g in group}
         self.runs: list[list[tuple[int, int, int, int]]] = []  # per batch: (fd, offset, bytes, to) the reader reads
         for b in self.batches:
-            got = runs(b) if runs is not None else []
+            got = first.runs(b) or []
             for path, _, _ in got:
                 if path not in self.fds:
                     self.fds[path] = os.open(path, os.O_RDONLY)

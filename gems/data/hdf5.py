@@ -39,7 +39,15 @@ import torch
 
 from gems.data import augment as augmentation
 from gems.data import reader as preader
+from gems.data.layouts import FileSamples
+from gems.data.samples import RAW_DTYPES as _RAW_DTYPES
+from gems.data.samples import Counts, change, raw_dtype, stamp, transform
+from gems.data.samples import full_slices as _full_slices
+from gems.data.samples import native as _native
+from gems.data.samples import standardize as _standardize
 from gems.errors import ConfigError
+
+__all__ = ["Counts", "HDF5Samples", "change", "raw_dtype", "read_sample", "sample_shape", "stamp", "transform"]
 
 Source = str | os.PathLike | BinaryIO
 
@@ -53,11 +61,6 @@ def _h5() -> Any:
 def _name(source: Source) -> str:
     return str(source) if isinstance(source, (str, os.PathLike)) else str(getattr(source, "name", source))
 
-
-def _native(dtype: Any) -> np.dtype:
-    """``dtype`` in this machine's byte order (the values a file of either order holds are the same)."""
-    dt = np.dtype(dtype)
-    return dt.newbyteorder("=") if dt.byteorder in "<>" else dt
 
 
 def _spatial(channels: str, slices: Sequence[slice] | None, ndim: int) -> tuple[slice, ...]:
@@ -81,12 +84,6 @@ def sample_shape(source: Source, channels: str = "first") -> tuple[int, ...]:
         if "full" not in f:
             raise ConfigError("data.path", _name(source), "HDF5 files with a `full` dataset of counts and `unitPar`")
         return canonical(f["full"].shape, channels)
-
-
-#: the file dtypes a sample's counts keep until :func:`transform` (torch holds them, in either byte order); others
-#: become float32 at once
-_RAW_DTYPES = {np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.int32, np.int64, np.float16, np.float32,
-                                     np.float64)}
 
 
 def read_sample(source: Source, slices: Sequence[slice] | None = None, log1p: bool = True,
@@ -125,28 +122,6 @@ def read_into(slot: torch.Tensor, source: Source, slices: Sequence[slice] | None
         return torch.from_numpy(np.asarray(f["unitPar"][()], dtype=np.float32).reshape(-1))
 
 
-def raw_dtype(dtype: np.dtype) -> torch.dtype:
-    """The type a file's counts of ``dtype`` are held in until :func:`transform`: their own (in this machine's
-    byte order) where torch holds it, else float32."""
-    native = _native(dtype)
-    return torch.from_numpy(np.empty(0, dtype=native if native in _RAW_DTYPES else np.float32)).dtype
-
-
-def transform(x: torch.Tensor, log1p: bool = True, standardize: tuple[float, float] | None = None,
-              inplace: bool = False) -> torch.Tensor:
-    """Counts to the network's input, elementwise on whatever device ``x`` is on: float32, ``log(x+1)`` when
-    ``log1p``, then ``(x - mean) / std``. The same operations in the same order on every path, so a batch
-    transformed on the host after stacking equals one whose samples were transformed one by one, bit for bit.
-    One full-size tensor at most, the result (``inplace`` and float32 ``x``: none, ``x`` becomes it)."""
-    x = x.to(torch.float32, copy=not inplace)
-    if log1p:
-        x.log1p_()
-    if standardize is not None:
-        mean, std = standardize
-        x.sub_(float(mean)).div_(float(std))
-    return x
-
-
 def read_target(source: Source) -> torch.Tensor:
     """Only the ``unitPar`` target of a sample (for ranks that compute the loss but read no input)."""
     with _h5().File(source, "r") as f:
@@ -167,9 +142,9 @@ class Header:
     """What reading a file needs from its headers, read once: the byte ``offset`` of ``full``'s data in the file
     ``source`` that holds them (the file itself, or the one an external link leads to), None where they are not
     one contiguous, unfiltered block (``why``: chunked, compressed, external, virtual or unwritten: read through
-    h5py), its ``shape`` (the file's order) and ``dtype``, the sample's ``target`` (``unitPar``), and the
-    identity of the files read (``stamps``: path -> (device, inode, size, mtime): a file that changes under
-    the run is named, not read at its old offset)."""
+    h5py), its ``shape`` (the file's order) and ``dtype``, and the sample's ``target`` (``unitPar``). The files
+    read are stamped by the samples (gems.data.layouts.FileSamples.remember): a file that changes under the run
+    is named, not read at its old offset."""
 
     offset: int | None
     shape: tuple[int, ...]
@@ -177,7 +152,6 @@ class Header:
     target: np.ndarray
     source: str = ""
     why: str | None = None
-    stamps: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
     chunks: Chunks | None = None
 
 
@@ -288,26 +262,6 @@ def external_target(file: str | os.PathLike, name: str) -> str | None:
     return None if target.exists() else f"{link.filename}:{link.path}"
 
 
-def stamp(path: str | os.PathLike) -> tuple[int, int, int, int]:
-    """(device, inode, size, mtime in ns) of ``path``: what tells that a file was replaced, cut or rewritten."""
-    st = os.stat(path)
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def change(path: str | os.PathLike, was: tuple[int, int, int, int]) -> str | None:
-    """How file ``path`` changed since its :func:`stamp` was ``was`` ("is gone", "was cut short", "grew", "was
-    replaced by another file", "was rewritten"), None where it did not."""
-    try:
-        now = stamp(path)
-    except OSError:
-        return "is gone (deleted or moved)"
-    if now == was:
-        return None
-    if now[2] != was[2]:
-        return "was cut short" if now[2] < was[2] else "grew"
-    return "was replaced by another file" if now[:2] != was[:2] else "was rewritten"
-
-
 def _offset(ds: Any) -> tuple[int | None, str | None]:
     """Where dataset ``ds``'s data lie in its file, if they are one plain block there, else why not (module
     docstring)."""
@@ -335,54 +289,7 @@ def _filter_name(info: Any) -> str:
     return text.split()[0].lower() if text.strip() else f"filter {info[0]}"
 
 
-class Counts:
-    """A batch of counts as :meth:`HDF5Samples.read` leaves it: row ``i`` of ``data`` holds sample ``i``'s
-    counts as read, from the hyperslab its symmetry ``symmetries[i]`` takes them from
-    (gems.data.augment.source_slices), in that hyperslab's own shape ``shapes[i]`` and the file's C order
-    (``channels_last``: the channels last). The symmetries, and the move of the channels to the front, are
-    applied by :meth:`oriented`, where the batch is finished: on a GPU rank after the copy to its device (a
-    permutation and mirrors move values without changing them, so it equals the host's batch bit for bit). It
-    moves as a tensor does (``is_cuda``, ``pin_memory``, ``to``: what gems.rank.data.Prefetcher asks of a batch
-    it copies to the device)."""
-
-    def __init__(self, data: torch.Tensor, symmetries: Sequence[int], shapes: Sequence[tuple[int, ...]],
-                 channels_last: bool = False) -> None:
-        self.data, self.symmetries, self.shapes = data, tuple(int(k) for k in symmetries), tuple(shapes)
-        self.channels_last = bool(channels_last)
-
-    @property
-    def is_cuda(self) -> bool:
-        return bool(self.data.is_cuda)
-
-    def pin_memory(self) -> Counts:
-        return self if self.data.is_pinned() else Counts(self.data.pin_memory(), self.symmetries, self.shapes,
-                                                         self.channels_last)
-
-    def to(self, device: Any, non_blocking: bool = False) -> Counts:
-        return Counts(self.data.to(device, non_blocking=non_blocking), self.symmetries, self.shapes,
-                      self.channels_last)
-
-    def oriented(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The counts of each sample transformed by its symmetry, channels first (N, C, *part), on ``data``'s
-        device; ``dtype``: a new tensor of that type (one pass: the conversion is the copy), else ``data``
-        itself where there is nothing to move."""
-        if dtype is None and not any(self.symmetries) and not self.channels_last:
-            return self.data
-        n = self.data.shape[0]
-        if self.channels_last:  # the row holds (*part, C): the batch's shape is (C, *part)
-            shape = (n, self.data.shape[-1], *self.data.shape[1:-1])
-        else:
-            shape = tuple(self.data.shape)
-        out = torch.empty(shape, dtype=dtype or self.data.dtype, device=self.data.device)
-        for row, dst, k, sh in zip(self.data, out, self.symmetries, self.shapes):
-            v = row.view(sh)
-            if self.channels_last:
-                v = v.movedim(-1, 0)
-            dst.copy_(augmentation.apply(k, v, contiguous=False))
-        return out
-
-
-class HDF5Samples:
+class HDF5Samples(FileSamples):
     """The samples under ``path`` (a directory of sample files, sorted by name, or one file).
 
     ``expected_shape`` (C, *spatial) is the model's input. A file of that shape is one sample; a file larger by
@@ -403,20 +310,17 @@ class HDF5Samples:
                  readers: int = 4, layout: Any = None) -> None:
         from gems.data import layouts
 
-        p = Path(path)
-        self.path, self.is_dir, self.key = str(path), p.is_dir(), key  # key: the setting that names the folder
-        self.layout = layout if isinstance(layout, layouts.Layout) else layouts.detect(path, layout, key)
+        found = layout if isinstance(layout, layouts.Layout) else layouts.detect(path, layout, key)
+        super().__init__(found, path, key, readers, "a directory of HDF5 sample files (`gems data synth` writes one)")
         self.channels = str(getattr(self.layout, "channels", "first"))
-        self.files = self.layout.files(path)
-        if not self.files:
-            raise ConfigError(key, str(path), "a directory of HDF5 sample files (`gems data synth` writes one)")
         self.expected = tuple(int(n) for n in expected_shape) if expected_shape is not None else None
-        if crop is not None and self.expected is not None and any(int(crop) != n for n in self.expected[1:]):
-            raise ConfigError("data.crop", crop, f"the model's input edge ({'x'.join(map(str, self.expected[1:]))}: "
-                              "a crop is one sample), or null for it")
+        if self.expected is not None:
+            self.shape = self.expected
+            self.crop(crop)
         self.file_shape: tuple[int, ...] | None = None
         self.file_dtype = np.dtype(np.float32)  # the first file's counts' type, native order (set by _check)
         self.file_shape = self._check(0)  # (C, *spatial) of a file, whatever its order
+        self.dtype = self.file_dtype  # the counts' type as read (the protocol's name for it)
         self.shape = self.expected if self.expected is not None else self.file_shape  # one sample's (C, *spatial)
         self.grid = tuple(f // s for f, s in zip(self.file_shape[1:], self.shape[1:]))  # crops per spatial dim
         self.crops = math.prod(self.grid)
@@ -424,23 +328,9 @@ class HDF5Samples:
         self.standardize = _standardize(standardize)
         self.slices = tuple(slices) if slices is not None else (ctx.local_slices(self.shape[1:]) if ctx is not None else None)
         self._checked = {0}
-        edges = self.shape[1:]
-        if augment not in augmentation.KINDS:
-            raise ConfigError("data.augment", augment, " | ".join(augmentation.KINDS))
-        if augment == "cube" and len(set(edges)) > 1:
-            raise ConfigError("data.augment", augment, f"flip or none (a sample of {'x'.join(map(str, edges))} is not "
-                                                       "a cube: swapping its axes changes its shape)")
-        self.symmetries = augmentation.count(augment, len(edges))  # data.augment draws among these
-        if isinstance(readers, bool) or not isinstance(readers, int) or readers < 1:
-            raise ConfigError("data.readers", readers, "a positive number of threads reading a rank's samples")
-        self.reader = preader.Reader(readers)  # no thread or open file before the first read
+        self.symmetries = self.augmenting(augment)  # data.augment draws among these
         self._headers: dict[int, Header] = {}
         self._slow: dict[tuple[str, str], int] = {}  # (why, how) -> files not read by one positional read (notes)
-
-    @property
-    def dtype(self) -> np.dtype:
-        """The counts' type as read (the protocol's name for :attr:`file_dtype`)."""
-        return self.file_dtype
 
     def notes(self) -> list[str]:
         """What the run and the plan say of this set: files read through h5py, one at a time, and why."""
@@ -456,23 +346,11 @@ class HDF5Samples:
                            "that (HDF5's `h5repack -l CONTI` rewrites a file so)")
         return out
 
-    def check_all(self, count: int | None = None, target_size: int | None = None) -> None:
-        """Check the metadata of every file the first ``count`` samples read (all files when None),
-        in order: the first bad one is a :class:`ConfigError` naming it. Only headers are read
-        (the datasets' shapes and dtypes), never the samples, with a progress line when it takes long
-        (gems.data.layouts.Looking); ``target_size``: the length ``unitPar`` must have (the model's outputs)."""
-        from gems.data.layouts import Looking
-
-        n = len(self.files) if count is None else min(len(self.files), -(-max(0, int(count)) // self.crops))
-        tick = Looking(n, f"the headers of {self.key}'s files")
-        for i in range(n):
-            self._check(i, target_size)
-            tick(i + 1)
-        self._checked.update(range(n))
-
-    def _where(self, index: int) -> str:
-        file = self.files[index]
-        return f"{file.name} (file {index + 1} of {len(self.files)})" if self.is_dir else "the file"
+    def check_file(self, index: int, target_size: int | None) -> None:
+        """File ``index``'s headers (the datasets' shapes and dtypes, never the samples) against the set's
+        (:meth:`FileSamples.check_all`); ``target_size``: the length ``unitPar`` must have (the model's outputs)."""
+        self._check(index, target_size)
+        self._checked.add(index)
 
     def _check(self, index: int, target_size: int | None = None, keep: bool = False) -> tuple[int, ...]:
         """(C, *spatial) of file ``index``, after checking its layout (headers only) against the model;
@@ -481,7 +359,7 @@ class HDF5Samples:
         h5 = _h5()
 
         def bad(expected: str, found: str) -> ConfigError:
-            return ConfigError(self.key, self.path, f"{expected}; {self._where(index)} has {_oneline(found)}")
+            return ConfigError(self.key, self.path, f"{expected}; {self.where(index)} has {_oneline(found)}")
 
         order = "(*spatial, C)" if self.channels == "last" else "(C, *spatial)"
         layout = f"HDF5 sample files, each with a `full` dataset {order} of counts and a `unitPar` target vector"
@@ -525,35 +403,17 @@ class HDF5Samples:
             own = os.path.realpath(file)
             paths = {own, source} if offset is not None or chunks is not None else {own}
             try:
-                stamps = tuple((q, stamp(q)) for q in sorted(paths))
+                self.remember(index, sorted(paths))
             except OSError as e:
                 raise bad(layout, f"an unreadable file ({type(e).__name__}: {e})") from None
             if not raw_shape:
                 offset, why = None, "empty"
             self._headers[index] = Header(offset, raw_shape, np.dtype(dtype),
-                                          np.asarray(par_values, dtype=np.float32).reshape(-1), source, why, stamps,
-                                          chunks)
+                                          np.asarray(par_values, dtype=np.float32).reshape(-1), source, why, chunks)
             if why is not None:
                 how = "by chunk" if chunks is not None else "h5py"
                 self._slow[(why, how)] = self._slow.get((why, how), 0) + 1
         return shape
-
-    def __len__(self) -> int:
-        return len(self.files) * self.crops
-
-    def locate(self, index: int) -> tuple[int, tuple[int, ...]]:
-        """(file, the crop's origin per spatial dim) of sample ``index``."""
-        i = index % len(self)
-        file, crop = divmod(i, self.crops)
-        origin, rest = [], crop
-        for n, edge in zip(reversed(self.grid), reversed(self.shape[1:])):
-            rest, k = divmod(rest, n)
-            origin.append(k * edge)
-        return file, tuple(reversed(origin))
-
-    def group(self, index: int) -> int:
-        """The file (universe) sample ``index`` is cut from: validation averages a file's crops."""
-        return self.locate(index)[0]
 
     def _header(self, i: int) -> Header:
         """File ``i``'s :class:`Header`, from its headers the first time (checked then, if it was not yet)."""
@@ -581,11 +441,6 @@ class HDF5Samples:
         whole = self.crops == 1 and self.slices is None  # the symmetry of a whole sample is read from all of it
         return file, None if whole else parts
 
-    def part_shape(self) -> tuple[int, ...]:
-        """(C, *this rank's part) of every sample."""
-        edges = self.shape[1:]
-        return (self.shape[0], *(s.stop - s.start for s in _full_slices(self.slices or (), edges)))
-
     def __getitem__(self, index: int, symmetry: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample ``index`` (this rank's part of it), transformed by the box's ``symmetry`` (gems.data.augment:
         the part it comes from is the hyperslab read)."""
@@ -605,17 +460,6 @@ class HDF5Samples:
         """Only the target of sample ``index`` (a rank that computes the loss but reads no input)."""
         return torch.from_numpy(self._header(self.locate(index)[0]).target.copy())
 
-    def _changed(self, index: int, what: str) -> ConfigError:
-        return ConfigError(self.key, self.path, f"files that stay as they were when the run first read them; "
-                           f"{self._where(index)} {_oneline(what)}")
-
-    def _still(self, index: int, head: Header) -> None:
-        """File ``index`` (and the file its counts lie in) as its headers were read, else bad input naming it."""
-        for path, was in head.stamps:
-            how = change(path, was)
-            if how is not None:
-                raise self._changed(index, f"{how} while the run read it ({path})")
-
     def read(self, indices: Sequence[int], symmetries: Sequence[int] | None = None, pin: bool = False,
              out: torch.Tensor | None = None) -> tuple[Counts, torch.Tensor]:
         """The counts of the samples ``indices`` (this rank's part of each) as :class:`Counts`, and their targets
@@ -630,13 +474,7 @@ class HDF5Samples:
         syms = [int(k) for k in symmetries] if symmetries is not None else [0] * len(indices)
         part = self.part_shape()
         shape = (len(indices), *(part[1:] + part[:1] if self.channels == "last" else part))
-        dtype = raw_dtype(self.file_dtype)
-        if out is None:  # (numpy's host memory: it asks the kernel for huge pages, which the copies into it run
-            # faster on, ~1.3x here; torch's pinned memory for a GPU rank)
-            out = (torch.empty(shape, dtype=dtype, pin_memory=True) if pin else
-                   torch.from_numpy(np.empty(shape, dtype=torch.empty(0, dtype=dtype).numpy().dtype)))
-        elif tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous() or out.device.type != "cpu":
-            raise ValueError(f"out: a contiguous host tensor of {shape} {dtype}, not {tuple(out.shape)} {out.dtype}")
+        out = self.batch_buffer(shape, raw_dtype(self.file_dtype), pin, out)
         flat = out.numpy().reshape(-1).view(np.uint8)
         kind = out.numpy().dtype
         row_bytes = flat.nbytes // max(1, len(indices))
@@ -648,7 +486,7 @@ class HDF5Samples:
             f, hyperslab = self._hyperslab(i, k)
             head = self._header(f)
             if f not in seen:
-                self._still(f, head)
+                self.still(f)
                 seen.add(f)
             sel = _spatial(self.channels, hyperslab, len(head.shape))
             shapes.append(_sel_shape(head.shape, sel))
@@ -656,9 +494,8 @@ class HDF5Samples:
             if not row_bytes:
                 continue
             if head.offset is not None and _native(head.dtype) == kind:
-                swap = kind if not head.dtype.isnative and kind.itemsize > 1 else None
-                tasks += preader.tasks(head.source, head.offset, preader.grid(head.shape, kind.itemsize, sel),
-                                       flat[r * row_bytes:(r + 1) * row_bytes], swap)
+                tasks += preader.array_reads(head.source, head.offset, head.dtype, head.shape, sel,
+                                             flat[r * row_bytes:(r + 1) * row_bytes])
             elif head.chunks is not None and _native(head.dtype) == kind:  # chunk by chunk, on the threads
                 ranges = [range(*s.indices(n)) for s, n in zip(_full_sel(sel, head.shape), head.shape)]
                 dst = out[r].view(shapes[-1]).numpy()
@@ -670,15 +507,7 @@ class HDF5Samples:
             else:  # through h5py
                 others.append(functools.partial(read_into, out[r].view(shapes[-1]), self.files[f], hyperslab,
                                                 self.channels))
-        try:
-            self.reader.run(tasks, others)
-        except OSError as e:  # cut short or gone between the look above and the read
-            name = getattr(e, "filename", None) or str(e)
-            where = next((j for j, p in enumerate(self.files) if str(p) in str(name) or
-                          (j in self._headers and self._headers[j].source in str(name))), None)
-            if where is None:
-                raise
-            raise self._changed(where, f"could not be read as its headers said ({type(e).__name__}: {e})") from None
+        self.run(tasks, others)  # (a file cut short or gone between the look above and the read: named)
         return (Counts(out, syms, shapes, self.channels == "last"),
                 torch.stack(targets) if targets else torch.empty(0, 0))
 
@@ -700,42 +529,11 @@ class HDF5Samples:
                 out += [(head.source, head.offset + g.start + b.at, b.span) for b in blocks]
         return out
 
-    def batch(self, indices: Sequence[int], symmetries: Sequence[int] | None = None, raw: bool = False,
-              pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stacked parts ``(N, C, *part)`` and targets ``(N, 4)`` of the samples ``indices``, each transformed by
-        its symmetry in ``symmetries`` (None: none): :meth:`read` (into pinned memory with ``pin``), then
-        :meth:`finish` on the host; ``raw``: the counts, each sample's symmetry applied (:meth:`Counts.oriented`)."""
-        counts, targets = self.read(indices, symmetries, pin)
-        return (counts.oriented() if raw else self.finish(counts)), targets
-
-    def close(self) -> None:
-        """Stop the reader's threads and close its files (a later read opens them again)."""
-        self.reader.close()
-
-
-def _standardize(value: Sequence[float] | None) -> tuple[float, float] | None:
-    """``data.standardize``, checked: [mean, std] with std > 0, or None."""
-    if value is None:
-        return None
-    try:
-        mean, std = (float(v) for v in value)
-    except (TypeError, ValueError):
-        raise ConfigError("data.standardize", value, "[mean, std] of log(1+counts), or null") from None
-    if not std > 0:
-        raise ConfigError("data.standardize", [mean, std], "[mean, std] with std > 0")
-    return mean, std
-
 
 def _holds_crops(shape: Sequence[int], sample: Sequence[int]) -> bool:
     """A file of ``shape`` is samples of ``sample``'s shape: the same channels, and whole multiples of it."""
     return (len(shape) == len(sample) and shape[0] == sample[0]
             and all(f >= s > 0 and f % s == 0 for f, s in zip(shape[1:], sample[1:])))
-
-
-def _full_slices(parts: Sequence[slice], spatial: Sequence[int]) -> tuple[slice, ...]:
-    """``parts`` with explicit bounds, one per spatial dim."""
-    full = list(parts) + [slice(None)] * (len(spatial) - len(parts))
-    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(full, spatial))
 
 
 def _oneline(text: str) -> str:

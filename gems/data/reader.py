@@ -424,3 +424,17 @@ def tasks(path: str, base: int, g: Grid, out: np.ndarray, swap: np.dtype | None 
     """The tasks that read grid ``g`` of the dataset at byte ``base`` of ``path`` into ``out`` (its bytes)."""
     for blocks in pieces(Grid(0, g.run, g.counts, g.strides), PIECE, SMALL_RUN, MEDIUM_RUN, GAP):
         yield Task(path, base + g.start, blocks, out, swap)
+
+
+def array_reads(path: str | os.PathLike, offset: int, dtype: Any, shape: Sequence[int], sel: Sequence[slice],
+                out: np.ndarray) -> list[Task]:
+    """The one way a layout reads an array that lies at byte ``offset`` of file ``path`` (C order, ``shape``, of
+    ``dtype`` in either byte order): the tasks that read its hyperslab ``sel`` (one slice per leading dim, the
+    rest whole) by position into ``out`` (a C-contiguous array of the hyperslab's shape, or its bytes), each
+    value swapped to this machine's byte order where the file's is the other. Never a mapping of the file
+    (gems.data.layouts: the readers' rules)."""
+    stored = np.dtype(dtype)
+    native = stored.newbyteorder("=") if stored.byteorder in "<>" else stored
+    swap = native if not stored.isnative and native.itemsize > 1 else None
+    into = out.reshape(-1).view(np.uint8)
+    return list(tasks(str(path), int(offset), grid(shape, native.itemsize, sel), into, swap))

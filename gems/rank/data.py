@@ -88,7 +88,8 @@ def class_names(data: Any, metric: Any) -> list[str] | None:
     if metric is None or not getattr(metric, "dice", False):
         return None
     n = int(metric.spec.num_outputs)
-    names = getattr(getattr(data, "samples", None), "class_names", None)
+    samples = getattr(data, "samples", None)  # (synthetic data has no files)
+    names = samples.class_names if samples is not None else None
     return list(names) if names and len(names) == n else [f"class {k}" for k in range(n)]
 
 
@@ -121,7 +122,7 @@ class _HDF5Batches:
         self.pin = pin  # a GPU rank's: batches of counts read into pinned memory, copied to the GPU as they are
         # a validation set whose labels can be ignored: ids past its end are samples that count nowhere (a training
         # set's wrap around to its first samples, as a run without epochs walks it)
-        self.fills = evaluated and getattr(samples, "ignore", None) is not None
+        self.fills = evaluated and samples.ignore is not None
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -37,7 +37,8 @@ when the package is) and its tests.
   them (its library, dtype, compression, byte order), from (counts (C, *spatial), target) pairs; for tests,
   ``gems bench data``'s row and, for the layout ``gems data convert`` writes, convert.
 
-**Samples** (what ``open`` returns; gems.data.hdf5.HDF5Samples is the reference implementation):
+**Samples** (what ``open`` returns: a subclass of :class:`FileSamples`, which holds every member below but
+``read``, ``finish`` and ``target``; gems.data.hdf5.HDF5Samples, TFRecordSamples and NiftiSamples extend it):
 
 * ``layout`` (its :class:`Layout`), ``files`` (the sorted paths), ``shape`` (C, *spatial) of one sample,
   ``dtype`` (numpy: the values as read, native byte order), ``symmetries`` (how many ``data.augment`` draws
@@ -62,8 +63,20 @@ when the package is) and its tests.
   (ConfigError naming the first bad one), ``notes()`` (what the run and the plan must say: a slow path taken,
   a cap applied), ``close()``.
 
-Bad input is a ConfigError naming the key and the file: a wrong key or layout, mixed dtypes, a file that
-changes under a run. See docs/data.md for the table of layouts.
+* optional members, with the base's defaults where they do not apply: ``runs(ids, symmetries)`` (the byte
+  ranges ``read`` reads by position: ``gems bench data``'s bound; None where reads are not ranges of files),
+  ``ignore`` (above; None), ``class_names`` (dense classes: each class's name by label where the files name
+  them; None).
+
+**The rules** every reader keeps (the base keeps those it can; docs/data.md, "Adding a layout"):
+
+* no file is mapped (mmap): a file cut short under a mapping kills the process with SIGBUS at the first lost
+  page, where a positional read fails and names the file; an array at a byte offset is read by
+  gems.data.reader.array_reads (positional reads on the rank's threads), or through a library's own reads;
+* each file is stamped where its headers are read (:meth:`FileSamples.remember`) and looked at before a batch
+  reads it (:meth:`FileSamples.still`); a read that fails all the same (:meth:`FileSamples.run`) is that refusal;
+* bad input is a ConfigError naming the key and the file: a wrong key or layout, mixed dtypes, a label outside
+  the model's classes, a file that changes under a run. See docs/data.md for the table of layouts.
 """
 from __future__ import annotations
 
@@ -73,12 +86,15 @@ import pkgutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Protocol, Sequence, TypeVar
 
 import numpy as np
 
 from gems.config import owned
 from gems.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 #: bytes a second one reader thread moves from the page cache into a batch, where no file is at hand to time: one
 #: thread of `gems bench data` here (results/bench/data.md)
@@ -225,6 +241,208 @@ class Looking:
         if now - self.last >= PROGRESS_S or (self.said and done >= self.total):
             self.last, self.said = now, True
             print(f"gems: checking {self.what}: {done}/{self.total} files, {now - self.t0:.0f} s", flush=True)
+
+
+class FileSamples:
+    """The base of a layout's samples (the protocol's ``Samples``: module docstring). A subclass sets ``shape``,
+    ``dtype`` and ``symmetries`` (and ``grid``/``crops`` where a file holds several samples) in its constructor,
+    after this one's, and writes :meth:`read`, :meth:`finish` and :meth:`target`; where its files hold one sample
+    each, or a row-major grid of crops, :meth:`locate` is done. The base keeps the rules every reader keeps:
+
+    * the files are the layout's at ``path`` (none: bad input naming ``key``, with what ``wanted`` says);
+    * each file is stamped where its headers are read (:meth:`remember`) and looked at before a batch reads it
+      (:meth:`still`), so a file cut, deleted, replaced or rewritten under a run is bad input naming it, never
+      read at its old offsets; a read that fails all the same (:meth:`run`) is that refusal, never a traceback;
+    * reads are positional (gems.data.reader.array_reads, or a library's own reads), never a mapping;
+    * :meth:`check_all` looks at every file the first ``count`` samples read, with a progress line where that takes
+      long (:class:`Looking`), through :meth:`check_targets` (once) and :meth:`check_file` (a file);
+    * :meth:`batch`, :meth:`group`, :meth:`part_shape`, :meth:`notes` and :meth:`close` as the protocol says."""
+
+    #: what :meth:`check_all` looks at in each file (its progress line)
+    looks_at: ClassVar[str] = "the headers"
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    symmetries: int = 1
+    grid: tuple[int, ...] = ()
+    crops: int = 1
+    #: dense classes only: the label of voxels that count nowhere (:data:`IGNORE`: a tile's padding); a set that has
+    #: one is evaluated to its last sample (gems.rank.data.evaluation_batches). None: every target counts
+    ignore: int | None = None
+    #: dense classes only: each class's name by its label where the files name them (the Dice columns'), else None
+    class_names: list[str] | None = None
+
+    def __init__(self, layout: Layout, path: str | os.PathLike, key: str = "data.path", readers: Any = 4,
+                 wanted: str = "") -> None:
+        from gems.data import reader as preader
+
+        self.layout: Any = layout
+        self.key, self.path, self.is_dir = key, str(path), Path(path).is_dir()
+        self.files = layout.files(path)
+        if not self.files:
+            raise ConfigError(key, self.path, wanted or f"a folder of {layout.about}")
+        if isinstance(readers, bool) or not isinstance(readers, int) or readers < 1:
+            raise ConfigError("data.readers", readers, "a positive number of threads reading a rank's samples")
+        self.reader = preader.Reader(readers)  # no thread or open file before the first read
+        self.slices: tuple[slice, ...] | None = None  # this rank's part of each spatial dim (None: all)
+        self._notes: list[str] = []
+        self._stamps: dict[int, tuple[tuple[str, tuple[int, int, int, int]], ...]] = {}
+
+    # -- the set's shape
+    def __len__(self) -> int:
+        return len(self.files) * self.crops
+
+    def locate(self, index: int) -> tuple[int, tuple[int, ...]]:
+        """(file, the origin of sample ``index``'s crop in it per spatial dim): crop ``i % crops`` of file
+        ``i // crops``, the crops in row-major order over ``grid``."""
+        file, rest = divmod(index % len(self), self.crops)
+        origin: list[int] = []
+        for n, edge in zip(reversed(self.grid or (1,) * len(self.shape[1:])), reversed(self.shape[1:])):
+            rest, k = divmod(rest, n)
+            origin.append(k * edge)
+        return file, tuple(reversed(origin))
+
+    def group(self, index: int) -> int:
+        """The file sample ``index`` is cut from: validation averages a file's crops."""
+        return self.locate(index)[0]
+
+    def part_shape(self) -> tuple[int, ...]:
+        """(C, *this rank's part) of every sample."""
+        from gems.data.samples import full_slices
+
+        return (self.shape[0], *(s.stop - s.start for s in full_slices(self.slices or (), self.shape[1:])))
+
+    def crop(self, value: int | None) -> None:
+        """``data.crop`` (a file holds crops of this edge) must be the model's input edge, or null."""
+        if value is not None and any(int(value) != n for n in self.shape[1:]):
+            raise ConfigError("data.crop", value, f"the model's input edge ({'x'.join(map(str, self.shape[1:]))}: "
+                              "a crop is one sample), or null for it")
+
+    def augmenting(self, augment: str) -> int:
+        """How many symmetries ``data.augment`` draws among for samples of this set's shape (bad input where a
+        kind does not fit them)."""
+        from gems.data import augment as augmentation
+
+        edges = self.shape[1:]
+        if augment not in augmentation.KINDS:
+            raise ConfigError("data.augment", augment, " | ".join(augmentation.KINDS))
+        if augment == "cube" and len(set(edges)) > 1:
+            raise ConfigError("data.augment", augment, f"flip or none (a sample of {'x'.join(map(str, edges))} is not "
+                                                       "a cube: swapping its axes changes its shape)")
+        return augmentation.count(augment, len(edges))
+
+    # -- files that change under a run
+    def where(self, index: int) -> str:
+        """File ``index`` in a message: its name and place in the folder."""
+        return f"{self.files[index].name} (file {index + 1} of {len(self.files)})" if self.is_dir else "the file"
+
+    def remember(self, index: int, paths: Iterable[str | os.PathLike | tuple[str | os.PathLike, Any]]) -> None:
+        """Stamp the files sample file ``index`` reads (itself, its labels, the file its values lie in), each a
+        path or (path, the stamp taken where its headers were read: gems.data.samples.stamp)."""
+        from gems.data.samples import stamp
+
+        self._stamps[index] = tuple((str(p[0]), tuple(p[1])) if isinstance(p, tuple) else (str(p), stamp(p))
+                                    for p in paths)
+
+    def changed(self, index: int, what: str) -> ConfigError:
+        """The refusal of file ``index`` (or one it reads) that ``what`` happened to under the run."""
+        return ConfigError(self.key, self.path, "files that stay as they were when the run first read them; "
+                           f"{self.where(index)} {' '.join(str(what).split())}")
+
+    def still(self, index: int) -> None:
+        """The files of sample file ``index`` as they were stamped (:meth:`remember`), else bad input naming the
+        one that changed."""
+        from gems.data.samples import change
+
+        own = os.path.realpath(self.files[index])
+        for path, was in self._stamps.get(index, ()):
+            how = change(path, was)  # type: ignore[arg-type]
+            if how is not None:
+                other = "" if os.path.realpath(path) == own else f" ({path})"
+                raise self.changed(index, f"{how} while the run read it{other}")
+
+    def run(self, tasks: Sequence[Any], others: Sequence[Any] = ()) -> None:
+        """Do a batch's reads on the reader's threads (gems.data.reader.Reader.run); a read that fails (a file cut
+        short or gone between :meth:`still` and the read) is the refusal naming the file."""
+        try:
+            self.reader.run(tasks, others)
+        except OSError as e:
+            name = str(getattr(e, "filename", None) or e)
+            where = next((i for i, f in enumerate(self.files) if str(f) in name or
+                          any(p in name for p, _ in self._stamps.get(i, ()))), None)
+            what = f"could not be read as its headers said ({type(e).__name__}: {e})"
+            if where is None:
+                raise ConfigError(self.key, self.path, "files that stay as they were when the run first read "
+                                  f"them; {' '.join(what.split())}") from None
+            raise self.changed(where, what) from None
+
+    # -- looking before the run
+    def check_all(self, count: int | None = None, target_size: int | None = None) -> None:
+        """Look at every file the first ``count`` samples read (all where None), in order, without reading the
+        samples: :meth:`check_targets` once, then :meth:`check_file` a file, the first bad one a ConfigError
+        naming it; a progress line where it takes long. ``target_size``: the model's outputs (a vector target's
+        length, or a dense model's classes)."""
+        self.check_targets(target_size)
+        total = len(self)
+        if count is None or int(count) >= total:
+            n = len(self.files)
+        else:
+            n = self.locate(int(count) - 1)[0] + 1 if int(count) > 0 else 0
+        tick = Looking(n, f"{self.looks_at} of {self.key}'s files")
+        for i in range(n):
+            self.check_file(i, target_size)
+            tick(i + 1)
+
+    def check_targets(self, target_size: int | None) -> None:
+        """The set's targets against the model's outputs, once (:meth:`check_all`): none by default."""
+
+    def check_file(self, index: int, target_size: int | None) -> None:
+        """File ``index`` against the set, from its headers at most (:meth:`check_all`): none by default."""
+
+    # -- reading
+    def batch_buffer(self, shape: Sequence[int], dtype: torch.dtype, pin: bool = False,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """The host tensor a batch of ``shape`` and ``dtype`` is read into: ``out`` (a previous batch's, checked),
+        else a new one, pinned with ``pin`` (a GPU rank's), else numpy's memory (it asks the kernel for huge
+        pages, which the copies into it run faster on, ~1.3x here)."""
+        import torch
+
+        shape = tuple(int(n) for n in shape)
+        if out is None:
+            return (torch.empty(shape, dtype=dtype, pin_memory=True) if pin else
+                    torch.from_numpy(np.empty(shape, dtype=torch.empty(0, dtype=dtype).numpy().dtype)))
+        if tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError(f"out: a contiguous host tensor of {shape} {dtype}, not {tuple(out.shape)} {out.dtype}")
+        return out
+
+    def read(self, indices: Sequence[int], symmetries: Sequence[int] | None = None, pin: bool = False,
+             out: Any = None) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def finish(self, x: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def target(self, index: int) -> Any:
+        raise NotImplementedError
+
+    def runs(self, indices: Sequence[int], symmetries: Sequence[int] | None = None) -> list[tuple[str, int, int]] | None:
+        """The byte ranges (file, offset, bytes) :meth:`read` reads by position for ``indices``: what ``gems bench
+        data``'s bound reads with no reader around it. None where a layout's reads are not ranges of its files
+        (TFRecords: each record read whole and decoded)."""
+        return None
+
+    def batch(self, indices: Sequence[int], symmetries: Sequence[int] | None = None, raw: bool = False,
+              pin: bool = False) -> tuple[Any, Any]:
+        """:meth:`read` (into pinned memory with ``pin``), then :meth:`finish` on the host; ``raw``: the values as
+        stored, each sample's symmetry applied, channels first (the raw batch's ``oriented()``)."""
+        x, targets = self.read(indices, symmetries, pin)
+        return (x.oriented() if raw else self.finish(x)), targets
+
+    def notes(self) -> list[str]:
+        return list(self._notes)
+
+    def close(self) -> None:
+        """Stop the reader's threads and close its files (a later read opens them again)."""
+        self.reader.close()
 
 
 _LISTINGS: dict[str, list[str]] | None = None  # while :func:`detect` asks every layout: each folder listed once

@@ -44,7 +44,9 @@ from typing import Any, ClassVar, Iterable, Sequence
 import numpy as np
 import torch
 
-from gems.data.layouts import IGNORE, Layout, Options, register
+from gems.data.layouts import IGNORE, FileSamples, Layout, Options, register
+from gems.data.samples import native as _native
+from gems.data.samples import stamp
 from gems.errors import ConfigError
 from gems.paths import commit
 
@@ -89,7 +91,7 @@ def window(value: Sequence[float] | None) -> tuple[float, float]:
 class Header:
     """What reading one NIfTI file needs, from nibabel's header: the voxels' ``shape`` as a C-order array
     (z, y, x), their ``dtype`` (the file's byte order), the byte ``offset`` of the block (None: compressed),
-    the scaling ``slope`` and ``inter``, and the file's ``stamp`` (gems.data.hdf5.stamp, taken before the header
+    the scaling ``slope`` and ``inter``, and the file's ``stamp`` (gems.data.samples.stamp, taken before the header
     was read: a file replaced or rewritten since is named, not read at its old offset and scaling)."""
 
     path: Path
@@ -110,8 +112,6 @@ class Header:
 def header(path: Path, key: str) -> Header:
     """File ``path``'s :class:`Header`; a file nibabel cannot read, or not a 3D volume, is bad input naming it."""
     import nibabel as nib
-
-    from gems.data.hdf5 import stamp
 
     try:
         was = stamp(path)
@@ -255,10 +255,6 @@ def canonical(volume: Header) -> Grid:
     return Grid(tuple(axes), tuple(flips))  # type: ignore[arg-type]
 
 
-def _native(dtype: np.dtype) -> np.dtype:
-    return dtype.newbyteorder("=") if dtype.byteorder in "<>" else dtype
-
-
 Box = tuple[tuple[int, int], ...]
 
 
@@ -282,6 +278,10 @@ class Voxels:
     def to(self, device: Any, non_blocking: bool = False) -> Voxels:
         return Voxels(self.data.to(device, non_blocking=non_blocking), self.slope.to(device), self.inter.to(device),
                       self.boxes)
+
+    def oriented(self) -> torch.Tensor:
+        """The voxels as stored, channels first (N, 1, *part): a batch's ``raw`` form."""
+        return self.data.unsqueeze(1)
 
 
 def _box_key(src: Sequence[slice]) -> tuple[tuple[int, int], ...]:
@@ -312,21 +312,16 @@ def windowed(x: torch.Tensor, slope: torch.Tensor, inter: torch.Tensor, win: tup
     return hu.clamp_(lo, hi).sub_(lo).div_(hi - lo).unsqueeze(1)
 
 
-class NiftiSamples:
+class NiftiSamples(FileSamples):
     """The tiles of a folder of LiTS volumes as one rank reads them (gems.data.layouts' ``Samples``; module
     docstring): raw voxels (:class:`Voxels`) and per-voxel classes, this rank's part of each."""
 
     def __init__(self, layout: NiftiLayout, path: str | os.PathLike, shape: Sequence[int] | None,
                  options: Options) -> None:
-        from gems.data import reader as preader
-        from gems.data.hdf5 import _full_slices, raw_dtype
+        from gems.data.samples import full_slices, raw_dtype
 
-        self.layout: Any = layout
-        self.key, self.path = options.key, str(path)
-        self.files = layout.files(path)
-        if not self.files:
-            raise ConfigError(self.key, self.path, f"a folder of {layout.about} (`gems data synth "
-                              "data.kind=segmentation` writes LiTS's)")
+        super().__init__(layout, path, options.key, options.readers, f"a folder of {layout.about} (`gems data synth "
+                         "data.kind=segmentation` writes LiTS's)")
         if options.target != "dense":
             raise ConfigError(self.key, self.path, "samples with a target vector each, as this model's loss takes "
                               "them; these are NIfTI volumes with a class a voxel, for model=unet3d (or another model "
@@ -342,6 +337,7 @@ class NiftiSamples:
         turned: list[str] = []
         for f in self.files:
             v, g, on_volume = layout.pair(f, self.key, self.path)
+            self.remember(len(self.heads), [(v.path, v.stamp), (g.path, g.stamp)])
             vgrid = canonical(v) if options.orientation == "RAS" else Grid()
             self.heads.append(v)
             self.labels.append(g)
@@ -361,8 +357,7 @@ class NiftiSamples:
         self.shape = (1, edge, edge, edge) if shape is None else tuple(int(n) for n in shape)
         if len(self.shape) != 4 or self.shape[0] != 1:
             raise ConfigError("model.in_channels", self.shape[0], "1 for CT volumes (one value a voxel)")
-        if options.crop is not None and any(int(options.crop) != n for n in self.shape[1:]):
-            raise ConfigError("data.crop", options.crop, "the model's input edge, or null for it")
+        self.crop(options.crop)
         self.grids = [tuple(-(-n // e) for n, e in zip(h, self.shape[1:])) for h in self.shapes]
         self.starts = np.cumsum([0] + [math.prod(g) for g in self.grids])
         types = sorted({_native(h.dtype) for h in self.heads}, key=str)
@@ -373,14 +368,13 @@ class NiftiSamples:
             + ("" if all(t.itemsize <= 2 or t == np.float32 for t in types) else
                f", rounded to float32's 24 bits for {', '.join(str(t) for t in types if t.itemsize > 2 and t != np.float32)}")]
         self.raw = raw_dtype(self.dtype)
-        self.slices = _full_slices(options.slices or (), self.shape[1:])
+        self.slices = full_slices(options.slices or (), self.shape[1:])
         self.symmetries = 1
         self.classes: int | None = int(options.classes) if options.classes is not None else None
         #: each class's name, by its label (the Dice columns'): the layout's (LiTS's, a Decathlon task's
         #: dataset.json), where it names as many as the model has
         self.class_names: list[str] | None = layout.class_names(path)
         self.ignore = IGNORE  # the label of padding: the loss, accuracy and Dice leave it out (gems.rank.loss)
-        self.reader = preader.Reader(int(options.readers))
         self._chunk_maps: dict[Any, dict[tuple[int, ...], int]] = {}
         #: (volume, the part of it) whose labels were checked against the classes: the files are the same ones for
         #: the run (their stamps are looked at every batch), so a part read again is not checked again
@@ -389,10 +383,7 @@ class NiftiSamples:
     def __len__(self) -> int:
         return int(self.starts[-1])
 
-    def notes(self) -> list[str]:
-        return list(self._notes)
-
-    def check_all(self, count: int | None = None, target_size: int | None = None) -> None:
+    def check_targets(self, target_size: int | None) -> None:
         """Every volume's headers were checked when the set was opened (its tiles need its shape); ``target_size``
         (the model's classes, as ``classes`` the set was opened with: the run's own set has them) is kept: labels
         at or over it are named when read."""
@@ -406,18 +397,12 @@ class NiftiSamples:
         tile = np.unravel_index(i - int(self.starts[v]), self.grids[v])
         return v, tuple(int(t) * e for t, e in zip(tile, self.shape[1:]))  # type: ignore[return-value]
 
-    def group(self, index: int) -> int:
-        return self.locate(index)[0]
-
-    def part_shape(self) -> tuple[int, ...]:
-        return (1, *(s.stop - s.start for s in self.slices))
-
     def _box(self, index: int) -> tuple[int, tuple[slice, ...], tuple[slice, ...]]:
         """(volume, the part of it this rank's part of sample ``index`` holds, where that lies in the part): the
         part clipped to the volume (the rest is padding)."""
         v, origin = self.locate(index)
         src, dst = [], []
-        for o, s, n in zip(origin, self.slices, self.shapes[v]):
+        for o, s, n in zip(origin, self.slices or (), self.shapes[v]):
             lo, hi = min(n, o + s.start), min(n, o + s.stop)
             src.append(slice(lo, hi))
             dst.append(slice(lo - o - s.start, hi - o - s.start))
@@ -436,13 +421,11 @@ class NiftiSamples:
         direct = into.flags.c_contiguous and into.dtype == native and grid.identity
         box = src if grid.identity else grid.box(src, head.shape)
         buf = into if direct else np.empty(tuple(b.stop - b.start for b in box), dtype=native)
-        swap = native if not head.dtype.isnative and native.itemsize > 1 else None
         if head.chunks is not None:
             self._chunked(head, box, buf, tasks, posts)
         else:
             assert head.offset is not None
-            tasks += preader.tasks(str(head.path), head.offset, preader.grid(head.shape, native.itemsize, box),
-                                   buf.reshape(-1).view(np.uint8), swap)
+            tasks += preader.array_reads(head.path, head.offset, head.dtype, head.shape, box, buf)
         if not direct:
             posts.append((into, grid.orient(buf)))
 
@@ -468,8 +451,7 @@ class NiftiSamples:
             _, byte, _, _ = chunks.index[k]
             whole = all(t.stop - t.start == n for t, n in zip(to, buf.shape))
             into = buf if whole else np.empty(tuple(s.stop - s.start for s in local), dtype=native)
-            tasks += preader.tasks(str(head.path), byte, preader.grid(chunks.shape, native.itemsize, local),
-                                   into.reshape(-1).view(np.uint8))
+            tasks += preader.array_reads(head.path, byte, native, chunks.shape, local, into)
             if not whole:
                 posts.append((buf[to], into))
 
@@ -491,28 +473,15 @@ class NiftiSamples:
                 self._read(head, src, np.empty(shape, dtype=_native(head.dtype)), tasks, [], grid)
         return [(t.path, t.base + b.at, b.span) for t in tasks for b in t.blocks]
 
-    def _still(self, v: int) -> None:
-        """Volume ``v`` and its labels as their headers were read, else bad input naming the file (module
-        docstring)."""
-        from gems.data.hdf5 import change
-
-        for head in (self.heads[v], self.labels[v]):
-            how = change(head.path, head.stamp)
-            if how is not None:
-                raise ConfigError(self.key, self.path, f"volumes and labels that stay as they were when the run first "
-                                  f"read their headers; {head.path.name} {how} while the run read it")
-
     def read(self, indices: Sequence[int], symmetries: Sequence[int] | None = None, pin: bool = False,
              out: torch.Tensor | None = None, want_input: bool = True) -> tuple[Any, torch.Tensor]:
         """This rank's part of each sample's voxels as stored (:class:`Voxels`; padding 0 and its box, for
         :meth:`finish`) and of its labels (uint8 classes, padding :data:`~gems.data.layouts.IGNORE`; the loss takes
-        them as they are), by positional reads on the reader's threads, each file looked at first (:meth:`_still`)."""
+        them as they are), by positional reads on the reader's threads, each file looked at first (:meth:`FileSamples.still`)."""
         part = self.part_shape()[1:]
         shape = (len(indices), *part)
-        if out is None and want_input:
-            out = torch.empty(shape, dtype=self.raw, pin_memory=pin)
-        elif out is not None and (tuple(out.shape) != shape or out.dtype != self.raw or not out.is_contiguous()):
-            raise ValueError(f"out: a contiguous host tensor of {shape} {self.raw}, not {tuple(out.shape)} {out.dtype}")
+        if want_input or out is not None:
+            out = self.batch_buffer(shape, self.raw, pin, out)
         labels = np.empty(shape, dtype=np.uint8)  # classes; made long where the loss takes them
         tasks: list = []
         posts: list = []
@@ -523,7 +492,7 @@ class NiftiSamples:
         for r, i in enumerate(indices):
             v, src, dst = self._box(i)
             if v not in seen:
-                self._still(v)
+                self.still(v)
                 seen.add(v)
             padded_row = any(d.stop - d.start != n for d, n in zip(dst, part))
             if out is not None:
@@ -544,12 +513,7 @@ class NiftiSamples:
                 buf = np.empty(tuple(s.stop - s.start for s in src), dtype=_native(g.dtype))
                 self._read(g, src, buf, tasks, posts, self.grids_of[v][1])
                 lab_bufs.append((r, v, dst, buf))
-        try:
-            self.reader.run(tasks)
-        except OSError as e:  # cut short, deleted or replaced since its header was read
-            raise ConfigError(self.key, self.path, "volumes that stay as they were when the run first read their "
-                              f"headers; {e.filename or e}: {e.strerror or 'could not be read as its header said'}"
-                              ) from None
+        self.run(tasks)  # (a file cut short, deleted or replaced since its header was read: named)
         for into, buf in posts:
             into[...] = buf
         for r, v, dst, stored in lab_bufs:
@@ -582,16 +546,8 @@ class NiftiSamples:
             return padded(windowed(x.data, x.slope, x.inter, self.window), x.boxes)
         return windowed(x, torch.ones(x.shape[0]), torch.zeros(x.shape[0]), self.window)
 
-    def batch(self, indices: Sequence[int], symmetries: Sequence[int] | None = None, raw: bool = False,
-              pin: bool = False) -> tuple[Any, torch.Tensor]:
-        voxels, labels = self.read(indices, symmetries, pin)
-        return (voxels.data.unsqueeze(1) if raw else self.finish(voxels)), labels
-
     def target(self, index: int) -> torch.Tensor:
         return self.read([index], want_input=False)[1][0]
-
-    def close(self) -> None:
-        self.reader.close()
 
 
 def gunzip(source: Path, target: Path, key: str = "data.path") -> None:

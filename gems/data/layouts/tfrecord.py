@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from gems.data import augment as augmentation
-from gems.data.layouts import Layout, Options, register
+from gems.data.layouts import FileSamples, Layout, Options, register
 from gems.errors import ConfigError
 
 MASK_DELTA = 0xA282EAD8
@@ -217,22 +217,19 @@ def read_file(path: str | os.PathLike, channels: int = CHANNELS, key: str = "dat
 
 
 # ---------------------------------------------------------------------------- read where they lie
-class TFRecordSamples:
+class TFRecordSamples(FileSamples):
     """The samples of a folder of MLPerf TFRecords as one rank reads them (gems.data.layouts' ``Samples``): each
     file a crop, cut into samples of the model's edge where it is a whole multiple of it (as HDF5 universes are:
     sample ``i`` is crop ``i % k`` of file ``i // k``); each rank keeps its spatial part of each."""
 
+    looks_at = "the first bytes"
+
     def __init__(self, layout: Layout, path: str | os.PathLike, shape: Sequence[int] | None,
                  options: Options) -> None:
-        from gems.data import reader as preader
-        from gems.data.hdf5 import _standardize
+        from gems.data.samples import standardize
 
-        self.layout: Layout = layout
-        self.key, self.path = options.key, str(path)
-        self.files = layout.files(path)
-        if not self.files:
-            raise ConfigError(self.key, self.path, "a folder of MLPerf's *.tfrecord files (its train/ or "
-                              "validation/)")
+        super().__init__(layout, path, options.key, options.readers, "a folder of MLPerf's *.tfrecord files (its "
+                         "train/ or validation/)")
         if options.target != "vector":
             raise ConfigError(self.key, self.path, "samples with a class a voxel, as this model's loss takes them; "
                               "MLPerf's TFRecords carry one target vector `y` each, for model=cosmoflow_mlperf (or "
@@ -242,9 +239,7 @@ class TFRecordSamples:
         first = read_file(self.files[0], self.channels, self.key)
         self.file_shape = (self.channels, *first.x.shape[:-1])  # (C, *spatial)
         self.shape = expected if expected is not None else self.file_shape
-        if options.crop is not None and any(int(options.crop) != n for n in self.shape[1:]):
-            raise ConfigError("data.crop", options.crop, f"the model's input edge ({'x'.join(map(str, self.shape[1:]))}: "
-                              "a crop is one sample), or null for it")
+        self.crop(options.crop)
         if len(self.shape) != 4 or any(f % s for f, s in zip(self.file_shape[1:], self.shape[1:])) or \
                 any(s > f for f, s in zip(self.file_shape[1:], self.shape[1:])):
             raise ConfigError(self.key, self.path, f"crops of {list(self.shape)} (C, D, H, W) to match the model, or a "
@@ -253,18 +248,12 @@ class TFRecordSamples:
         self.crops = math.prod(self.grid)
         self.dtype = np.dtype(np.int16)
         self.slices = tuple(options.slices) if options.slices is not None else None
-        self.standardize = _standardize(options.standardize)
-        if options.augment not in augmentation.KINDS:
-            raise ConfigError("data.augment", options.augment, " | ".join(augmentation.KINDS))
-        self.symmetries = augmentation.count(options.augment, 3)
+        self.standardize = standardize(options.standardize)
+        self.symmetries = self.augmenting(options.augment)
         self.targets: dict[int, np.ndarray] = {0: first.y}  # read for target() alone (a rank that reads no input)
         self.compression = compression(self.files[0], self.key)
         self.kinds: set[str] = set()  # the compressions of the files read so far (the notes say them all)
         self._kind_of: dict[int, str] = {}
-        self.reader = preader.Reader(int(options.readers))
-
-    def __len__(self) -> int:
-        return len(self.files) * self.crops
 
     def notes(self) -> list[str]:
         kinds = self.kinds or {self.compression}
@@ -276,44 +265,25 @@ class TFRecordSamples:
                 "`gems data convert` writes them as contiguous HDF5 (ExaLearn's layout), read by part at the page "
                 "cache's rate"]
 
-    def check_all(self, count: int | None = None, target_size: int | None = None) -> None:
-        """The first file's record (read whole when the set was opened) against the model's outputs; every other
-        file the first ``count`` samples read is a TFRecord, from its first bytes (a record is checked whole, and
-        against its CRCs, when it is read)."""
+    def check_targets(self, target_size: int | None) -> None:
+        """The first file's record (read whole when the set was opened) against the model's outputs."""
         if target_size is not None and self.targets[0].size != int(target_size):
             raise ConfigError(self.key, self.path, f"`{Y_KEY}` of {int(target_size)} numbers (one per model output); "
                               f"{self.files[0].name} has {self.targets[0].size}")
-        from gems.data.layouts import Looking
 
-        n = len(self.files) if count is None else min(len(self.files), -(-max(0, int(count)) // self.crops))
-        tick = Looking(n, f"the first bytes of {self.key}'s files")
-        for i, f in enumerate(self.files[:n]):
-            if readable(f, self.key) == "none":  # a plain file's framing too, by seeks (cheap: no data read)
-                framed(f, self.key)
-            tick(i + 1)
-
-    def locate(self, index: int) -> tuple[int, tuple[int, ...]]:
-        """(file, the crop's origin per spatial dim) of sample ``index``."""
-        file, crop = divmod(index % len(self), self.crops)
-        origin = np.unravel_index(crop, self.grid) if self.crops > 1 else (0,) * len(self.grid)
-        return file, tuple(int(k) * e for k, e in zip(origin, self.shape[1:]))
-
-    def group(self, index: int) -> int:
-        return self.locate(index)[0]
-
-    def part_shape(self) -> tuple[int, ...]:
-        from gems.data.hdf5 import _full_slices
-
-        edges = self.shape[1:]
-        return (self.shape[0], *(s.stop - s.start for s in _full_slices(self.slices or (), edges)))
+    def check_file(self, index: int, target_size: int | None) -> None:
+        """File ``index`` is a TFRecord, from its first bytes (a record is checked whole, and against its CRCs,
+        when it is read); a plain file's framing too, by seeks (cheap: no data read)."""
+        if readable(self.files[index], self.key) == "none":
+            framed(self.files[index], self.key)
 
     def _source(self, index: int, symmetry: int) -> tuple[int, tuple[slice, ...]]:
         """(file, the spatial part of its crop to keep) of sample ``index`` under ``symmetry``."""
-        from gems.data.hdf5 import _full_slices
+        from gems.data.samples import full_slices
 
         file, origin = self.locate(index)
         edges = self.shape[1:]
-        parts = _full_slices(self.slices or (), edges)
+        parts = full_slices(self.slices or (), edges)
         if symmetry:
             parts = augmentation.source_slices(symmetry, parts, edges)
         return file, tuple(slice(o + s.start, o + s.stop) for o, s in zip(origin, parts))
@@ -334,17 +304,13 @@ class TFRecordSamples:
     def read(self, indices: Sequence[int], symmetries: Sequence[int] | None = None, pin: bool = False,
              out: torch.Tensor | None = None) -> tuple[Any, torch.Tensor]:
         """This rank's part of each sample's counts as read (channels last, each from the part its symmetry takes
-        it from: gems.data.hdf5.Counts applies the symmetries and moves the channels where the batch is
+        it from: gems.data.samples.Counts applies the symmetries and moves the channels where the batch is
         finished), and the targets; each file read whole on the reader's threads."""
-        from gems.data.hdf5 import Counts
+        from gems.data.samples import Counts
 
         syms = [int(k) for k in symmetries] if symmetries is not None else [0] * len(indices)
         part = self.part_shape()
-        shape = (len(indices), *part[1:], part[0])
-        if out is None:
-            out = torch.empty(shape, dtype=torch.int16, pin_memory=pin)
-        elif tuple(out.shape) != shape or out.dtype != torch.int16 or not out.is_contiguous():
-            raise ValueError(f"out: a contiguous host tensor of {shape} int16, not {tuple(out.shape)} {out.dtype}")
+        out = self.batch_buffer((len(indices), *part[1:], part[0]), torch.int16, pin, out)
         targets = np.empty((len(indices), self.targets[0].size), dtype=np.float32)
         rows = out.numpy()
         jobs, shapes = [], []
@@ -353,29 +319,21 @@ class TFRecordSamples:
             sh = (*(s.stop - s.start for s in src), self.channels)
             shapes.append(sh)
             jobs.append(functools.partial(self._fill, rows[r].reshape(sh), targets, r, file, src))
-        self.reader.run([], jobs)
+        self.run([], jobs)
         return Counts(out, syms, shapes, channels_last=True), torch.from_numpy(targets)
 
     def finish(self, x: Any) -> torch.Tensor:
-        from gems.data.hdf5 import Counts, transform
+        from gems.data.samples import Counts, transform
 
         if isinstance(x, Counts):
             return transform(x.oriented(torch.float32), True, self.standardize, inplace=True)
         return transform(x, True, self.standardize)
-
-    def batch(self, indices: Sequence[int], symmetries: Sequence[int] | None = None, raw: bool = False,
-              pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        counts, targets = self.read(indices, symmetries, pin)
-        return (counts.oriented() if raw else self.finish(counts)), targets
 
     def target(self, index: int) -> torch.Tensor:
         file = self.locate(index)[0]
         if file not in self.targets:
             self.targets[file] = read_file(self.files[file], self.channels, self.key).y
         return torch.from_numpy(self.targets[file].copy())
-
-    def close(self) -> None:
-        self.reader.close()
 
 
 # ---------------------------------------------------------------------------- the layout

@@ -64,7 +64,8 @@ def _headers(path: Path, key: str) -> tuple[Header, Header, list[str] | None, in
     is not one is bad input naming it."""
     import h5py
 
-    from gems.data.hdf5 import _chunks, stamp
+    from gems.data.hdf5 import _chunks
+    from gems.data.samples import stamp
 
     try:
         was = stamp(path)
