@@ -257,7 +257,7 @@ def test_a_file_that_changes_under_a_run_is_named(tmp_path):
     late._header(0)
     with open(files[0], "r+b") as h:
         h.truncate(late._header(0).offset + 1000)
-    late._still = lambda *a: None  # the look passed before the cut
+    late.still = lambda *a: None  # the look passed before the cut (gems.data.layouts.FileSamples.still)
     with pytest.raises(ConfigError, match=r"sample_00000\.h5 \(file 1 of 1\) could not be read as its headers "
                                           r"said \(OSError: .*ends at byte"):
         late.read([0])

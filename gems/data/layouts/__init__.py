@@ -356,9 +356,13 @@ class FileSamples:
         own = os.path.realpath(self.files[index])
         for path, was in self._stamps.get(index, ()):
             how = change(path, was)  # type: ignore[arg-type]
-            if how is not None:
-                other = "" if os.path.realpath(path) == own else f" ({path})"
-                raise self.changed(index, f"{how} while the run read it{other}")
+            if how is None:
+                continue
+            if os.path.realpath(path) == own:
+                raise self.changed(index, f"{how} while the run read it")
+            raise ConfigError(self.key, self.path, "files that stay as they were when the run first read them; "
+                              f"{Path(path).name} {how} while the run read it (it is read with {self.where(index)}: "
+                              f"{path})")
 
     def run(self, tasks: Sequence[Any], others: Sequence[Any] = ()) -> None:
         """Do a batch's reads on the reader's threads (gems.data.reader.Reader.run); a read that fails (a file cut

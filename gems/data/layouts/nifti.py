@@ -383,6 +383,10 @@ class NiftiSamples(FileSamples):
     def __len__(self) -> int:
         return int(self.starts[-1])
 
+    def where(self, index: int) -> str:
+        """Volume ``index`` in a message: its name (a volume is many samples, not a file of the folder's count)."""
+        return self.files[index].name
+
     def check_targets(self, target_size: int | None) -> None:
         """Every volume's headers were checked when the set was opened (its tiles need its shape); ``target_size``
         (the model's classes, as ``classes`` the set was opened with: the run's own set has them) is kept: labels
