@@ -119,9 +119,10 @@ def test_the_replay_flags_the_runtime_that_hung_on_the_h200() -> None:
     at step 0 on an H200 (../shared/measurements/h200-2026-11-26.json). The replay must call every pipelined
     log a hang, and pass the data-parallel and spatial runs that completed there."""
     logs = _golden_logs()
-    from gems.pipeline.schedules import registered
-
-    assert {label.split()[0] for label in logs} >= set(registered())
+    # the schedules registered when the log was recorded (78aa722), each in it: the log is that runtime's, which
+    # cannot be recorded again, so a schedule registered since has none here (its replay: test_pipeline_transparency)
+    recorded = {"lp", "gpipe", "1f1b", "mast", "master", "interleaved1f1b", "zbh1", "interleavedzb", "loopedbfs"}
+    assert {label.split()[0] for label in logs} >= recorded
     for label, per in logs.items():
         for strict in (False, True):
             if label.startswith("none"):  # R = 2 and S = 2 without a pipeline: they ran on the H200

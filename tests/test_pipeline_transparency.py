@@ -146,11 +146,18 @@ WORLD8 = [  # R = 2 x D = 2 x S = 2 and R = 2 x D = 4
 
 
 def _registry_cases() -> list[dict[str, Any]]:
-    """One D = 2 case for every registered schedule the lists above do not run: a new registration runs against
-    the serial model (and is replayed under NCCL's rules) with no change to this file."""
-    listed = {c["schedule"] for c in WORLD2 + WORLD3 + WORLD4 + WORLD8}
-    return [case("cosmoflow", name, 2, m=2, eta=2 if kind.passes == "eta" else None, v=2 if kind.virtual else None,
-                 steps=2) for name, kind in registered().items() if name not in listed]
+    """One D = 2 case for every registered schedule the lists above do not run, and one split where the schedule
+    offers a split backward and none is listed: a new registration runs against the serial model (and is replayed
+    under NCCL's rules) with no change to this file."""
+    listed = WORLD2 + WORLD3 + WORLD4 + WORLD8
+    out = []
+    for name, kind in registered().items():
+        shape = dict(m=2, eta=2 if kind.passes == "eta" else None, v=2 if kind.virtual else None, steps=2)
+        if not any(c["schedule"] == name for c in listed):
+            out.append(case("cosmoflow", name, 2, **shape))
+        if kind.split == "optional" and not any(c["schedule"] == name and c["split"] for c in listed):
+            out.append(case("cosmoflow", name, 2, split=True, **shape))
+    return out
 
 
 WORLD2 = WORLD2 + _registry_cases()

@@ -130,3 +130,41 @@ def _compared(root: Path, names: set[str], skip: str | None = None, only_if: boo
 def test_no_layer_decides_by_a_model_name_and_no_test_by_a_schedule_name():
     assert _compared(ROOT / "gems", set(models()), skip="gems/models") == []
     assert _compared(ROOT / "tests", set(schedules()), only_if=True) == []
+
+
+def test_every_registered_layout_keeps_the_readers_rules(tmp_path):
+    """The rules docs/data.md states for a layout, held to every registered one (a new layout is held to them with
+    no change here): its module maps no file (mmap, numpy's memmap or mmap_mode); what it writes opens as a
+    FileSamples (the base that stamps files and turns a failed read into the one-line refusal); and a file cut short
+    after the set was opened is refused naming it, a ConfigError (exit 2), never an OSError or a read of what is
+    left. The files are `gems bench data`'s, each layout's as its published tool writes them."""
+    import inspect
+    import os
+
+    from gems.bench.data import layout_folders
+    from gems.data.layouts import FileSamples
+    from gems.errors import ConfigError
+
+    for name, layout in layouts().items():
+        text = Path(inspect.getsourcefile(type(layout)) or "").read_text()
+        assert not re.search(r"\bmmap\b|memmap|mmap_mode", text), f"layout {name} maps its files"
+    folders, skipped = layout_folders(tmp_path, 8, n=2)
+    assert not skipped, skipped
+    opened = {}
+    for row, src in folders.items():
+        layout = layouts()[src.layout]
+        dense = dict(target="dense", classes=3) if src.dense else {}
+        edge = src.edge
+        samples = layout.open(src.folder, (1 if src.dense else 4, edge, edge, edge), **dense)
+        assert isinstance(samples, FileSamples), (row, type(samples))
+        samples.batch([0])
+        opened.setdefault(src.layout, (samples, src))
+    assert set(opened) == set(layouts()), sorted(set(layouts()) - set(opened))
+    for name, (samples, src) in opened.items():
+        first = samples.files[samples.locate(0)[0]]
+        with open(first, "r+b") as f:
+            f.truncate(os.path.getsize(first) // 2)
+        with pytest.raises(ConfigError) as e:
+            samples.batch([0])
+        assert e.value.key in ("data.path",) and first.name in str(e.value), (name, str(e.value))
+        samples.close()

@@ -139,7 +139,7 @@ def _here(items: list[Any], workers: int, bar_of: Any) -> list[tuple[str, str]]:
 
     bad: list[tuple[str, str]] = []
     if workers == 1 or len(items) == 1:
-        bar = bar_of(len(items), "files")
+        bar = bar_of(len(items), "files", "gems data check")
         try:
             for item in items:
                 got = _one(item)
@@ -161,7 +161,7 @@ def _here(items: list[Any], workers: int, bar_of: Any) -> list[tuple[str, str]]:
                     return
 
         feed()
-        bar = bar_of(len(items), "files")
+        bar = bar_of(len(items), "files", "gems data check")
         try:
             while running:
                 finished, _ = wait(running, return_when=FIRST_COMPLETED)

@@ -193,11 +193,11 @@ def die_with_parent(parent: int | None) -> None:
 class _Bar:
     """rich's progress bar of the files converted (a plain line at the end where the output is no terminal)."""
 
-    def __init__(self, total: int, what: str) -> None:
+    def __init__(self, total: int, what: str, command: str = "gems data convert") -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.total, self.t0 = total, time.perf_counter()
-        self.progress = Progress(TextColumn("gems data convert"), BarColumn(), MofNCompleteColumn(),
+        self.progress = Progress(TextColumn(command), BarColumn(), MofNCompleteColumn(),
                                  TimeRemainingColumn(), transient=False)
         self.task = self.progress.add_task(what, total=total)
         self.progress.start()

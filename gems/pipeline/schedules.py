@@ -27,10 +27,11 @@ Schedules are registered by name (:func:`register`); ``parallel.schedule``
 accepts exactly the registered names, and "does this schedule put copies of a
 partition on several pipeline ranks" is answered by the placement
 (:meth:`Schedule.holder_groups`), not by the name. To add one: write a function
-of ``(ranks, micro_batches, passes, virtual_stages)`` that returns a
+of ``(ranks, micro_batches, passes, virtual_stages, split)`` that returns a
 :class:`Schedule`, decorate it with ``@register(name, ...)``, draw it in its
-docstring, and give it tests (tests/test_schedules.py checks every registered
-schedule for completeness, order and deadlock freedom).
+docstring, give it tests (tests/test_schedules.py checks every registered
+schedule for completeness, order and deadlock freedom) and a row in
+docs/parallelism.md's table.
 
 Most orders are produced by one list-scheduling simulation with unit costs
 (forward 1 tick, backward 2) and a bound on the micro-batches whose
