@@ -17,7 +17,7 @@ __all__ = ["make_plan"]
 
 def make_plan(cfg: Any, suggest: bool = True, quick: bool = False, available: bool = False,
               workspace: bool = True, largest: bool = True, hardware: bool = True, notes: bool = True,
-              parts: str = "every") -> MemoryPlan:
+              parts: str = "every", predict_unfit: bool = True) -> MemoryPlan:
     """The plan of the composed configuration ``cfg`` (no process group, no allocation).
 
     ``suggest``: when it does not fit, search the smallest change that does.
@@ -25,7 +25,9 @@ def make_plan(cfg: Any, suggest: bool = True, quick: bool = False, available: bo
     no prediction). ``available``, ``workspace`` and ``largest``: as :func:`gems.plan.memory.plan_memory` takes
     them; ``hardware``: the predicted step's distance to the device too (:func:`predicted_hardware`); ``notes``:
     the notes that plan a variant of their own (where recomputation saves nothing); ``parts``: as
-    :func:`gems.plan.memory.plan_memory` takes it.
+    :func:`gems.plan.memory.plan_memory` takes it; ``predict_unfit``: the step predicted where the plan does not
+    fit too (the mesh search's candidates that do not fit are rejected on their memory alone: most of a large
+    world's candidates, whose timing would be half the search's time).
     """
     t0 = time.perf_counter()
     cfg = typed(cfg)  # the typed settings the planner's modules read (gems.config.typed)
@@ -37,7 +39,7 @@ def make_plan(cfg: Any, suggest: bool = True, quick: bool = False, available: bo
         plan.verdict += (f"; try {plan.suggestion}" if plan.suggestion else
                          "; no single change of checkpoint, micro-batches, precision, spatial parts or pipeline found "
                          "to fit")
-    if not quick and bool(cfg.plan.predict):
+    if not quick and bool(cfg.plan.predict) and (plan.fits or predict_unfit):
         plan.prediction = predict_step(cfg, pl, prof, plan.global_batch, plan.device, plan.world_size)
         if plan.prediction is not None and hardware:
             plan.hardware = predicted_hardware(cfg, plan)

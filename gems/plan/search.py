@@ -297,7 +297,7 @@ class _Planner:
             plain = {**base, "parallel.pipeline": 1, "parallel.schedule": "lp", "parallel.micro_batches": 1}
             try:
                 with self.configured(plain) as c:
-                    got = _plan(c, self.layers)
+                    got = _plan(c, self.layers, timed=True)
                 pr = got.prediction
                 self.plain[key] = float(pr.breakdown["compute"]) if pr is not None else None
             except (ConfigError, RunError):
@@ -305,15 +305,17 @@ class _Planner:
         return self.plain[key]
 
 
-def _plan(c: Any, layers: int, parts: str = "largest") -> Any:
+def _plan(c: Any, layers: int, parts: str = "largest", timed: bool = False) -> Any:
     """The plan of the typed configuration ``c`` (a candidate's), checked as a run checks its schedule first;
     ``parts``: its spatial parts planned by the largest one (the search) or every one (:func:`gems.plan.make`'s
-    single plan: the candidates shown)."""
+    single plan: the candidates shown). A candidate planned by its largest part that does not fit is rejected on
+    its memory, its step not predicted, but where ``timed`` (a plain mesh's compute: the pipelines' bound)."""
     from gems.parallel import resolve
     from gems.plan.make import make_plan
 
     resolve(c).check_layers(layers)  # the schedule, the batch over passes and micro-batches, the stages
-    return make_plan(c, suggest=False, largest=False, hardware=False, notes=False, parts=parts)
+    return make_plan(c, suggest=False, largest=False, hardware=False, notes=False, parts=parts,
+                     predict_unfit=timed or parts != "largest")
 
 
 def bound(planner: _Planner, base: dict[str, Any], batch: int) -> float:
