@@ -576,9 +576,10 @@ class Run:
         total = torch.cat([total, torch.full((1,), float(bad), dtype=torch.float64, device=dev)])
         if self.world.size > 1:
             dist.all_reduce(total)
-        if total[-1].item() > 0:
+        values = total.tolist()  # (one read of the device: the figures and the bad-file flag together)
+        if values[-1] > 0:
             return None, recalibrated
-        return par.metric.report(total[:-1]), recalibrated
+        return par.metric.report(values[:-1]), recalibrated
 
     def recalibrate(self) -> int:
         """``train.bn_recalibrate``: BatchNorm's running statistics recomputed from that many batches of the

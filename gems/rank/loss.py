@@ -164,10 +164,12 @@ class Metric:
             return list(ids), out.detach().double().cpu(), y.cpu()
         return list(ids), out.detach().double().cpu(), y.double().cpu()
 
-    def report(self, total: torch.Tensor) -> dict[str, Any]:
-        """The figures of a summed vector: ``loss``, and ``mae`` with ``mae_per_target`` or ``accuracy``; with
-        groups ``mae_avg_crops`` and ``mae_avg_crops_per_target`` too."""
-        v = [float(x) for x in total[:self.base].tolist()]
+    def report(self, total: torch.Tensor | list[float]) -> dict[str, Any]:
+        """The figures of a summed vector (a tensor, or its values already read to the host: one read of the
+        device an evaluation): ``loss``, and ``mae`` with ``mae_per_target`` or ``accuracy``; with groups
+        ``mae_avg_crops`` and ``mae_avg_crops_per_target`` too."""
+        values = [float(x) for x in (total if isinstance(total, list) else total.tolist())]
+        v = values[:self.base]
         loss, n = v[0], max(v[1], 1.0)
         if self.classes and self.dice:
             k = int(self.spec.num_outputs)
@@ -184,11 +186,11 @@ class Metric:
         out: dict[str, Any] = {"loss": loss / n, "mae": sum(per) / len(per), "mae_per_target": per, "samples": int(n)}
         if self.groups:
             t = int(self.spec.num_outputs)
-            g = total[self.base:].reshape(self.groups, 2 * t + 1).double()
+            g = torch.tensor(values[self.base:], dtype=torch.float64).reshape(self.groups, 2 * t + 1)
             seen = g[:, -1] > 0
-            err = (g[seen, :t] / g[seen, -1:] - g[seen, t:2 * t] / g[seen, -1:]).abs().mean(dim=0)
-            out["mae_avg_crops_per_target"] = [float(e) for e in err]
-            out["mae_avg_crops"] = float(err.mean())
+            err = (g[seen, :t] / g[seen, -1:] - g[seen, t:2 * t] / g[seen, -1:]).abs().mean(dim=0).tolist()
+            out["mae_avg_crops_per_target"] = err
+            out["mae_avg_crops"] = sum(err) / len(err) if err else float("nan")
             out["groups"] = int(seen.sum())
         return out
 
