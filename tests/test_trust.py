@@ -132,7 +132,7 @@ def test_the_plan_warns_when_data_is_most_of_the_step() -> None:
     pr = SimpleNamespace(step_s=1.33, breakdown={"compute": 0.03, "data": 1.30})
     assert data_share(pr) > DATA_WARN
     text = data_warning(SimpleNamespace(data=SimpleNamespace(name="synthetic")), data_share(pr))
-    assert "98%" in text and "data=hdf5" in text and "data.prefetch" in text
+    assert "98%" in text and "data=files" in text and "data.prefetch" in text
     files = data_warning(SimpleNamespace(data=SimpleNamespace(name="hdf5")), data_share(pr))
     assert "data.stage=node" in files and "data.prefetch" in files
 
