@@ -374,10 +374,12 @@ class FileSamples:
             where = next((i for i, f in enumerate(self.files) if str(f) in name or
                           any(p in name for p, _ in self._stamps.get(i, ()))), None)
             what = f"could not be read as its headers said ({type(e).__name__}: {e})"
-            if where is None:
+            if where is not None:
+                raise self.changed(where, what) from None
+            if getattr(e, "filename", None):  # a file of the set's, not one of the folder's list (a label file)
                 raise ConfigError(self.key, self.path, "files that stay as they were when the run first read "
-                                  f"them; {' '.join(what.split())}") from None
-            raise self.changed(where, what) from None
+                                  f"them; {Path(str(e.filename)).name} {' '.join(what.split())}") from None
+            raise  # not a file's failure (out of file descriptors, say): not the data's fault
 
     # -- looking before the run
     def check_all(self, count: int | None = None, target_size: int | None = None) -> None:
