@@ -490,6 +490,19 @@ def offered(group: str, options: Callable[[], dict[str, dict[str, Any]]]) -> Non
     _OFFERED[group] = options
 
 
+def import_modules(package: str) -> None:
+    """Import every module of ``package`` whose name does not start with ``_``, in name order: a registry's package
+    (the models, the data layouts), each of whose modules registers what it defines, so that a new module is found
+    without a list to edit."""
+    import importlib
+    import pkgutil
+
+    pkg = importlib.import_module(package)
+    for mod in sorted(m.name for m in pkgutil.iter_modules(pkg.__path__)):
+        if not mod.startswith("_"):
+            importlib.import_module(f"{package}.{mod}")
+
+
 def choices_of(name: str) -> tuple[str, ...] | None:
     """The values a key takes, where the schema or the registry that owns the key (:func:`owned`) lists them."""
     if name in _OWNED:

@@ -318,9 +318,8 @@ class HDF5Samples(FileSamples):
             self.shape = self.expected
             self.crop(crop)
         self.file_shape: tuple[int, ...] | None = None
-        self.file_dtype = np.dtype(np.float32)  # the first file's counts' type, native order (set by _check)
+        self.dtype = np.dtype(np.float32)  # the first file's counts' type, native order (set by _check)
         self.file_shape = self._check(0)  # (C, *spatial) of a file, whatever its order
-        self.dtype = self.file_dtype  # the counts' type as read (the protocol's name for it)
         self.shape = self.expected if self.expected is not None else self.file_shape  # one sample's (C, *spatial)
         self.grid = tuple(f // s for f, s in zip(self.file_shape[1:], self.shape[1:]))  # crops per spatial dim
         self.crops = math.prod(self.grid)
@@ -331,6 +330,11 @@ class HDF5Samples(FileSamples):
         self.symmetries = self.augmenting(augment)  # data.augment draws among these
         self._headers: dict[int, Header] = {}
         self._slow: dict[tuple[str, str], int] = {}  # (why, how) -> files not read by one positional read (notes)
+
+    @property
+    def file_dtype(self) -> np.dtype:
+        """:attr:`dtype` by its older name (the counts' type as read)."""
+        return self.dtype
 
     def notes(self) -> list[str]:
         """What the run and the plan say of this set: files read through h5py, one at a time, and why."""
@@ -384,9 +388,9 @@ class HDF5Samples(FileSamples):
         if dtype.kind not in "iuf":
             raise bad("`full` of integer or float counts (int16 in ExaLearn's files)", f"`full` of dtype {dtype}")
         if self.file_shape is None:
-            self.file_dtype = _native(dtype)
-        elif _native(dtype) != self.file_dtype:  # every file as the first: a type converted would change values
-            raise bad(f"`full` of the first file's type, {self.file_dtype} (mixed types would be converted: "
+            self.dtype = _native(dtype)
+        elif _native(dtype) != self.dtype:  # every file as the first: a type converted would change values
+            raise bad(f"`full` of the first file's type, {self.dtype} (mixed types would be converted: "
                       "2.7 read into an int16 batch is 2)", f"`full` of dtype {dtype}")
         if self.file_shape is not None and shape != self.file_shape:  # every file as the first
             raise bad(f"`full` shaped {list(self.file_shape)} as the first file", str(list(shape)))
@@ -474,7 +478,7 @@ class HDF5Samples(FileSamples):
         syms = [int(k) for k in symmetries] if symmetries is not None else [0] * len(indices)
         part = self.part_shape()
         shape = (len(indices), *(part[1:] + part[:1] if self.channels == "last" else part))
-        out = self.batch_buffer(shape, raw_dtype(self.file_dtype), pin, out)
+        out = self.batch_buffer(shape, raw_dtype(self.dtype), pin, out)
         flat = out.numpy().reshape(-1).view(np.uint8)
         kind = out.numpy().dtype
         row_bytes = flat.nbytes // max(1, len(indices))
@@ -516,7 +520,7 @@ class HDF5Samples(FileSamples):
         gathered or buffered blocks read too): what gems bench data's per-run bound reads, with no reader
         around it; none for a file read through h5py."""
         syms = [int(k) for k in symmetries] if symmetries is not None else [0] * len(indices)
-        itemsize = self.file_dtype.itemsize
+        itemsize = self.dtype.itemsize
         out: list[tuple[str, int, int]] = []
         for i, k in zip(indices, syms):
             f, hyperslab = self._hyperslab(i, k)

@@ -10,14 +10,12 @@ Nothing outside this package decides by a model's name: what other layers need o
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from torch import nn
 
-from gems.config import ModelConf, offered, owned
+from gems.config import ModelConf, import_modules, offered, owned
 from gems.errors import ConfigError
 
 
@@ -98,11 +96,7 @@ def registered() -> dict[str, ModelKind]:
     """Every registered model by name, sorted; the first call imports every module of this package."""
     global _FOUND
     if not _FOUND:
-        import gems.models as pkg
-
-        for mod in pkgutil.iter_modules(pkg.__path__):
-            if not mod.name.startswith("_"):
-                importlib.import_module(f"{pkg.__name__}.{mod.name}")
+        import_modules("gems.models")
         _FOUND = True
     return dict(sorted(_REGISTRY.items()))
 

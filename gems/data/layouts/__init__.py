@@ -80,9 +80,7 @@ when the package is) and its tests.
 """
 from __future__ import annotations
 
-import importlib
 import os
-import pkgutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,7 +88,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Protocol, Sequence, T
 
 import numpy as np
 
-from gems.config import owned
+from gems.config import import_modules, owned
 from gems.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -344,25 +342,27 @@ class FileSamples:
                                     for p in paths)
 
     def changed(self, index: int, what: str) -> ConfigError:
-        """The refusal of file ``index`` (or one it reads) that ``what`` happened to under the run."""
+        """The refusal of file ``index`` that ``what`` happened to under the run."""
+        return self._refusal(self.where(index), what)
+
+    def _refusal(self, subject: str, what: str) -> ConfigError:
+        """The one refusal of a file (``subject``: it in a message) that changed or failed a read under the run."""
         return ConfigError(self.key, self.path, "files that stay as they were when the run first read them; "
-                           f"{self.where(index)} {' '.join(str(what).split())}")
+                           f"{subject} {' '.join(str(what).split())}")
 
     def still(self, index: int) -> None:
         """The files of sample file ``index`` as they were stamped (:meth:`remember`), else bad input naming the
         one that changed."""
         from gems.data.samples import change
 
-        own = os.path.realpath(self.files[index])
         for path, was in self._stamps.get(index, ()):
             how = change(path, was)  # type: ignore[arg-type]
             if how is None:
                 continue
-            if os.path.realpath(path) == own:
+            if os.path.realpath(path) == os.path.realpath(self.files[index]):
                 raise self.changed(index, f"{how} while the run read it")
-            raise ConfigError(self.key, self.path, "files that stay as they were when the run first read them; "
-                              f"{Path(path).name} {how} while the run read it (it is read with {self.where(index)}: "
-                              f"{path})")
+            raise self._refusal(Path(path).name, f"{how} while the run read it (it is read with {self.where(index)}: "
+                                f"{path})")
 
     def run(self, tasks: Sequence[Any], others: Sequence[Any] = ()) -> None:
         """Do a batch's reads on the reader's threads (gems.data.reader.Reader.run); a read that fails (a file cut
@@ -377,8 +377,7 @@ class FileSamples:
             if where is not None:
                 raise self.changed(where, what) from None
             if getattr(e, "filename", None):  # a file of the set's, not one of the folder's list (a label file)
-                raise ConfigError(self.key, self.path, "files that stay as they were when the run first read "
-                                  f"them; {Path(str(e.filename)).name} {' '.join(what.split())}") from None
+                raise self._refusal(Path(str(e.filename)).name, what) from None
             raise  # not a file's failure (out of file descriptors, say): not the data's fault
 
     # -- looking before the run
@@ -626,9 +625,7 @@ def _load() -> None:
     if _loaded:
         return
     _loaded = True
-    for mod in sorted(m.name for m in pkgutil.iter_modules(__path__)):
-        if not mod.startswith("_"):
-            importlib.import_module(f"{__name__}.{mod}")
+    import_modules(__name__)
 
 
 owned("data.layout", lambda: registered())  # the configuration checks and lists them (gems.config.owned)
