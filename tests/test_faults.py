@@ -308,6 +308,38 @@ def test_explain_prefers_the_rank_that_failed_on_its_own(tmp_path):
     assert head.startswith("rank 3 was killed by signal 9") and "3.00 GiB" in head and f["signal"] == 9
 
 
+
+def test_a_slurm_task_that_died_first_without_python_is_named_not_a_peer_that_raised_after_it(tmp_path):
+    """srun ends the step when task 1 exits 3 (--kill-on-bad-exit); task 2, whose rendezvous lost its peers, may
+    raise before it is killed (the race CI met). The job folder is laid out by submitit's own helpers, as a real
+    job leaves it; the order srun saw decides, not which task left a Python error."""
+    from types import SimpleNamespace
+
+    from submitit.core import utils
+
+    from gems.launch.diagnose import error_of
+    from gems.launch.jobs import SlurmRun
+
+    cfg = compose(["cluster=local_slurm", "parallel.replicas=4", f"results.dir={tmp_path}", "run_id=r"])
+    run = SlurmRun(cfg, SimpleNamespace(job_id="7"), tmp_path / "job", 0.0, 60.0)
+
+    def paths(t: int):
+        p = utils.JobPaths(run.job_dir, job_id="7", task_id=t)
+        p.stderr.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    srun = ["srun: error: node2: task 1: Exited with exit code 3", "srun: error: node2: task 2: Exited with exit code 1",
+            "srun: error: node1: task 0: Killed"]
+    paths(0).stderr.write_text("\n".join(srun) + "\n")
+    paths(1).stderr.write_text("rank 1: dying on purpose with status 3\n")
+    trace = "Traceback (most recent call last):\nDistNetworkError: Failed to recv, got 0 bytes."
+    utils.cloudpickle_dump(("error", trace), paths(2).result_pickle)
+    err = error_of(run, "FAILED") or ""
+    assert err.startswith("the job ended FAILED: task 1 exited with status 3") and "dying on purpose" in err, err
+    # a task that raised first is named with its own exception
+    paths(0).stderr.write_text("\n".join([srun[1], srun[0], srun[2]]) + "\n")
+    assert (error_of(run, "FAILED") or "").startswith("task 2 raised DistNetworkError"), error_of(run, "FAILED")
+
 def test_collective_timeouts_leave_room_for_the_watchdog():
     """The collective timeout is comm.timeout_s, else the warm-up allowance plus the stall timeout; with stall
     detection off (null) the schema's default stall allowance still bounds it. The sections arrive typed

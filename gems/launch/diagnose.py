@@ -1,8 +1,10 @@
 """Diagnosis: why a Slurm job failed, from what it left behind.
 
 The ranks' own failure reports (:func:`gems.fault.reports.explain`) come first; else a task's Python
-exception from submitit's result files; else the job's state with the tail of the error stream of the
-first task that ended badly (srun's messages in task 0's stream name it). :func:`outcome` puts it together.
+exception from submitit's result files, unless srun saw another task end badly before it (a task that died
+with a bare exit status takes its peers' rendezvous down, and one may raise before srun kills it); else the
+job's state with the tail of the error stream of the first task that ended badly (srun's messages in task
+0's stream name it). :func:`outcome` puts it together.
 """
 from __future__ import annotations
 
@@ -115,8 +117,13 @@ def error_of(run: SlurmRun, state: str) -> str | None:
     cause = _cause(run)
     if cause is not None:
         return cause[0]
-    if errors:
-        t, trace = errors[0]
+    # the task that failed first, as srun saw it (a killed task is a consequence): when it died without a Python
+    # error (an exit status, a signal), a peer's exception after it (its connection closed) is not the cause
+    first = next((e.rank for e in _srun_exits(run) if e.code != -9), None)
+    raised = dict(errors)
+    if errors and (first is None or first in raised):
+        t = first if first is not None else errors[0][0]
+        trace = raised[t]
         last = [ln for ln in str(trace).strip().splitlines() if ln.strip()]
         head = f"task {t} raised {last[-1] if last else 'an exception'}"
         return head + "\n" + "\n".join(last[-12:])
