@@ -291,7 +291,7 @@ def test_the_trace_counts_a_convolutions_flops_by_the_formula():
     cfg = compose(["model=custom", "model._target_=_custom_models.tiny_cnn", "model.input_shape=[3,16,16]",
                    "model.num_outputs=4", "train.batch_size=2"])
     pl = Planner(setup(cfg))
-    t1, t2 = pl._traced(0, 1), pl._traced(0, 2)
+    t1, t2 = pl.traced(0, 1), pl.traced(0, 2)
     layers, _, _ = pl._layers(0)
     conv = next(i for i, m in enumerate(layers) if isinstance(m, torch.nn.Conv2d))
     c = layers[conv]
@@ -311,7 +311,7 @@ def test_the_counts_of_any_micro_batch_are_the_line_through_the_traced_ones(mode
     from gems.trace.ops import scaled
 
     pl = Planner(setup(compose([*model, "train.batch_size=4"])))
-    t1, t2, t4 = pl._traced(0, 1), pl._traced(0, 2), pl._traced(0, 4)
+    t1, t2, t4 = pl.traced(0, 1), pl.traced(0, 2), pl.traced(0, 4)
     assert set(t4.ops) == set(t1.ops) and any(cls == "conv" for ops in t4.ops.values() for cls, _ in ops)
     for j, ops in t4.ops.items():
         line = scaled(t1.ops[j], t2.ops[j], 1, 2, 4)
@@ -536,7 +536,7 @@ def test_spatial_parts_meet_at_every_layer_so_a_stage_is_the_sum_of_its_slowest_
     rates = gpu_rates("a100-40gb", "fp32", efficiency(None))
     parts = []
     for members, *_ in classes:
-        t1, t2 = pl._traced(members[0], 1), pl._traced(members[0], 2)
+        t1, t2 = pl.traced(members[0], 1), pl.traced(members[0], 2)
         n = len(t1.out_bytes) - 1
         parts.append(_stage_times(t1.ops, t2.ops, 1, 2, 1, t1.comm, t2.comm, 0, n, True, n, rates, 3, LINK, False))
     met = _meet(parts)

@@ -353,31 +353,51 @@ def _generate(name: str, D: int, passes: int, m: int, mirrored: bool, prefer: st
 
 
 class _ListScheduler:
-    """The state of :func:`_generate`: what each rank has left, when it is free, what it keeps in flight."""
+    """The state of :func:`_generate`: what each rank has left, when it is free, what it keeps in flight.
+
+    Event-driven: an action joins its rank's ready set when the last action it waits for has ended (each action
+    counts its unmet needs; the ends are a heap, taken as the clock reaches them), so a rank chooses among the
+    actions it could start now, not among all it has left (a schedule of many micro-batches asked millions of
+    readiness questions). What it chooses is the same: the ready and admitted action of the least (preferred
+    kind, ready time, pass, micro-batch)."""
 
     def __init__(self, shape: Schedule, prefer: str, limit: Callable[[int], int], split: bool) -> None:
         R, S = shape.ranks, shape.stages
         self.shape, self.prefer, self.limit, self.R, self.S = shape, prefer, limit, R, S
-        self.todo: list[set[Action]] = [set() for _ in range(R)]
+        self.left_todo = [0] * R
+        rank_of: dict[Action, int] = {}
         for p in range(shape.replicas):
             for i in range(shape.micro_batches):
                 for s in range(S):
-                    self.todo[shape.rank_of(p, s)] |= {Action(k, p, i, s) for k in (Kind.F, *backward_kinds(split))}
-        # what each action waits for, once (needs() makes new Actions: the loop below asks millions of times)
-        self.needs = {a: needs(a, S) for todo in self.todo for a in todo}
+                    r = shape.rank_of(p, s)
+                    for k in (Kind.F, *backward_kinds(split)):
+                        rank_of[Action(k, p, i, s)] = r
+                        self.left_todo[r] += 1
+        self.rank_of = rank_of
+        # what each action waits for, counted; who waits for each action
+        self.unmet: dict[Action, int] = {}
+        self.waiting: dict[Action, list[Action]] = {}
+        self.ready_at: dict[Action, int] = {}  # the latest end among an action's needs met so far
+        self.ready: list[dict[Action, int]] = [{} for _ in range(R)]  # per rank: action -> ready time
+        for a in rank_of:
+            ns = set(needs(a, S))
+            self.unmet[a] = len(ns)
+            for d in ns:
+                self.waiting.setdefault(d, []).append(a)
+            if not ns:
+                self.ready[rank_of[a]][a] = 0
         # the forwards each rank has left per direction of the passes, by (pass, micro-batch): a forward enters only
         # after the earlier ones of its direction (admits), the smallest left found at once (a heap, lazily pruned)
         self.left: dict[tuple[int, int], dict[tuple[int, int], int]] = {}
         self.heaps: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        for r, todo in enumerate(self.todo):
-            for a in todo:
-                if a.kind.forward:
-                    key, at = (r, shape.direction(a.replica)), (a.replica, a.micro_batch)
-                    counts = self.left.setdefault(key, {})
-                    counts[at] = counts.get(at, 0) + 1
+        for a, r in rank_of.items():
+            if a.kind.forward:
+                key, at = (r, shape.direction(a.replica)), (a.replica, a.micro_batch)
+                counts = self.left.setdefault(key, {})
+                counts[at] = counts.get(at, 0) + 1
         for key, counts in self.left.items():
             self.heaps[key] = sorted(counts)
-        self.done_at: dict[Action, int] = {}
+        self.ends: list[tuple[int, Action]] = []  # (end tick, action) of the actions started, not yet taken
         self.busy_until = [0] * R
         # micro-batches in flight per (rank, direction, stage): a rank's one stage per direction in the schedules
         # that hold one (the limit per direction), each of its stages where it holds several
@@ -385,14 +405,16 @@ class _ListScheduler:
         self.orders: list[list[Action]] = [[] for _ in range(R)]
         self.t = 0
 
-    def ready_time(self, a: Action) -> int | None:
-        latest = 0
-        for d in self.needs[a]:
-            x = self.done_at.get(d)
-            if x is None or x > self.t:
-                return None
-            latest = max(latest, x)
-        return latest
+    def _take_ends(self) -> None:
+        """The actions that have ended by now: those waiting for them that wait for nothing more are ready."""
+        while self.ends and self.ends[0][0] <= self.t:
+            end, d = heapq.heappop(self.ends)
+            for a in self.waiting.get(d, ()):
+                self.unmet[a] -= 1
+                at = max(self.ready_at.get(a, 0), end)
+                self.ready_at[a] = at
+                if self.unmet[a] == 0:
+                    self.ready[self.rank_of[a]][a] = at
 
     def admits(self, r: int, a: Action) -> bool:
         """A forward enters only within the in-flight limit, and after the earlier passes of its direction."""
@@ -413,24 +435,25 @@ class _ListScheduler:
     def pick(self, r: int) -> Action | None:
         """The action rank ``r`` runs next: ready and admitted; the preferred kind first, weight gradients last."""
         cands = []
-        for a in self.todo[r]:
-            rt = self.ready_time(a)
-            if rt is None or not self.admits(r, a):
+        for a, rt in self.ready[r].items():
+            if not self.admits(r, a):
                 continue
             rank = 2 if a.kind is Kind.W else (0 if a.kind.forward == (self.prefer == "F") else 1)
             cands.append((rank, rt, a.replica, a.micro_batch, a))
         return min(cands)[-1] if cands else None
 
     def run(self) -> list[list[Action]]:
-        while any(self.todo):
+        while any(self.left_todo):
+            self._take_ends()
             progressed = False
             for r in range(self.R):
-                if self.busy_until[r] > self.t or not self.todo[r]:
+                if self.busy_until[r] > self.t or not self.left_todo[r]:
                     continue
                 a = self.pick(r)
                 if a is None:
                     continue
-                self.todo[r].discard(a)
+                del self.ready[r][a]
+                self.left_todo[r] -= 1
                 self.orders[r].append(a)
                 if a.kind.forward:
                     self.left[(r, self.shape.direction(a.replica))][(a.replica, a.micro_batch)] -= 1
@@ -440,7 +463,7 @@ class _ListScheduler:
                 elif a.kind.frees:
                     self.inflight[key] -= 1
                 self.busy_until[r] = self.t + a.kind.unit_cost
-                self.done_at[a] = self.busy_until[r]
+                heapq.heappush(self.ends, (self.busy_until[r], a))
                 progressed = True
             if not progressed:
                 future = [b for b in self.busy_until if b > self.t]

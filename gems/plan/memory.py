@@ -526,7 +526,9 @@ class Planner:
             _CACHE[key] = cached(key, make) if self.st.spec.source_known else make()
         return _CACHE[key]
 
-    def _traced(self, s: int, batch: int) -> Trace:
+    def traced(self, s: int, batch: int) -> Trace:
+        """The trace of spatial part ``s`` at micro-batch ``batch`` (kept in this process, and on disk where the
+        model's source is known: gems.plan.store)."""
         key = ("trace", self.st.model_key, self.st.mesh.parts, self.st.mesh.spatial_dims, s, self.st.overlap,
                self.st.gpu, self.st.bn_stats, self.st.precision, batch)
         if key not in _CACHE:
@@ -555,9 +557,9 @@ class Planner:
             if not bal:
                 bal = self.balance(len(layers), chunk)
             if self.quick:
-                t1 = t2 = self._traced(members[0], max(1, chunk))
+                t1 = t2 = self.traced(members[0], max(1, chunk))
             else:
-                t1, t2 = self._traced(members[0], 1), self._traced(members[0], 2)
+                t1, t2 = self.traced(members[0], 1), self.traced(members[0], 2)
             stages = _stages(t1, t2, bal, layers)
             if not self.pipelined and self.st.checkpoint:  # the plain path's recomputed pieces, as the run cuts them
                 n = len(layers)
@@ -833,7 +835,7 @@ def _blas_workspaces(cfg: Any, pl: Planner, dev: dict[str, Any]) -> int:
     gems.plan.devices.blas_workspace_bytes), else 0."""
     if dev["kind"] != "gpu":
         return 0
-    t = pl._traced(0, 1)
+    t = pl.traced(0, 1)
     if not any(cls == "matmul" for ops in t.ops.values() for (cls, _sig) in ops):
         return 0
     return blas_workspace_bytes(cfg.cluster.gpu, dev.get("sm90"), dev.get("rocm"))

@@ -57,7 +57,7 @@ def model_work(cfg: Any) -> Work:
     with open_dict(one):
         one.train.batch_size = 2
     pl = Planner(setup(one), quick=True)
-    t1, t2 = pl._traced(0, 1), pl._traced(0, 2)
+    t1, t2 = pl.traced(0, 1), pl.traced(0, 2)
     first = min(t1.ops) if t1.ops else 0
     (f1, b1), (f2, b2) = _counted(t1.ops, first), _counted(t2.ops, first)
     R, B = int(cfg.parallel.replicas), int(cfg.train.batch_size)

@@ -389,8 +389,11 @@ SHOWN = 10
 
 def _every_part(planner: _Planner, out: Search) -> None:
     """The :data:`SHOWN` best candidates (by the largest part's plan) planned again part by part: their figures are
-    then those ``gems plan`` gives each, and the ranking among them (the best included) is by those."""
-    for c in [c for c in out.ranked if c.fits][:SHOWN]:
+    then those ``gems plan`` gives each, and the ranking among them (the best included) is by those. Their cuts'
+    parts are traced first on the warm-up's workers (:func:`warm`), each cut's classes shared among them."""
+    shown = [c for c in out.ranked if c.fits][:SHOWN]
+    warm(planner, [c.overrides for c in shown], parts="every")
+    for c in shown:
         if c.overrides["parallel.spatial"] == 1:
             continue  # (one part: the same plan)
         try:
@@ -403,12 +406,14 @@ def _every_part(planner: _Planner, out: Search) -> None:
             c.reason, c.detail = NOT_FIT, c.plan.verdict
 
 
-def warm(planner: _Planner, meshes: list[dict[str, Any]], workers: int | None = None) -> int:
-    """Trace every cut of ``meshes`` once, on worker processes (this machine's cores): a cut's largest part at the
-    two batches the plan reads (gems.plan.memory.Planner.profile), written to gems's trace cache on disk
-    (gems.plan.store), where the search's own plans then find them. The traces are what a first search spends its
-    time on (a part of a 3D U-Net on fake tensors: about a second each); nothing where the cache is off
-    (``GEMS_CACHE_DIR=``), on one core, or for fewer than two cuts. Returns the cuts traced so."""
+def warm(planner: _Planner, meshes: list[dict[str, Any]], workers: int | None = None, parts: str = "largest") -> int:
+    """Trace every cut of ``meshes`` once, on worker processes (this machine's cores), written to gems's trace
+    cache on disk (gems.plan.store), where the search's own plans then find them: a cut's ``largest`` part (the
+    search's plans), or its ``every`` part (the candidates shown), each at the two batches the plan reads
+    (gems.plan.memory.Planner.profile); a cut's parts are shared among the workers, its classes dealt in turn. The
+    traces are what a first search spends its time on (a part of a 3D U-Net on fake tensors: about a second each);
+    nothing where the cache is off (``GEMS_CACHE_DIR=``), on one core, or where there is less than one worker's
+    share of work. Returns the cuts traced so."""
     from gems.paths import cache_root
 
     cuts_of: dict[tuple[str, str], dict[str, Any]] = {}
@@ -417,7 +422,10 @@ def warm(planner: _Planner, meshes: list[dict[str, Any]], workers: int | None = 
             key = (_text(base["parallel.spatial"]), _text(base["parallel.spatial_dims"]))
             cuts_of.setdefault(key, {**base, "parallel.replicas": 1, "parallel.pipeline": 1, "parallel.schedule": "lp",
                                      "parallel.micro_batches": 1})
-    n = min(workers or (os.cpu_count() or 1), len(cuts_of))
+    cores = workers or (os.cpu_count() or 1)
+    shares = cores if parts == "every" else 1  # a cut's every part: its classes dealt over the workers
+    jobs = [(base, parts, k, shares) for base in cuts_of.values() for k in range(shares)]
+    n = min(cores, len(jobs))
     if cache_root() is None or n < 2:
         return 0
     from concurrent.futures import ProcessPoolExecutor
@@ -426,7 +434,7 @@ def warm(planner: _Planner, meshes: list[dict[str, Any]], workers: int | None = 
     _WARMING[:] = [planner]
     try:
         with ProcessPoolExecutor(n, mp_context=get_context("fork"), initializer=_init_warm) as pool:
-            list(pool.map(_warm_one, cuts_of.values()))
+            list(pool.map(_warm_one, jobs))
     finally:
         _WARMING.clear()
     return len(cuts_of)
@@ -445,11 +453,22 @@ def _init_warm() -> None:
     torch.set_num_threads(1)
 
 
-def _warm_one(base: dict[str, Any]) -> None:
+def _warm_one(job: tuple[dict[str, Any], str, int, int]) -> None:
+    """One worker's share of a cut (:func:`warm`): its largest part planned as the search plans it, or the ``k``-th
+    of every ``n`` of its spatial classes traced at the two batches a plan reads."""
+    base, parts, k, n = job
     planner = _WARMING[0]
     try:
         with planner.configured(base) as c:
-            _plan(c, planner.layers)
+            if parts == "largest":
+                _plan(c, planner.layers)
+                return
+            from gems.plan.memory import Planner, setup
+
+            pl = Planner(setup(c), parts="every")
+            for members in pl.classes()[k::n]:
+                for batch in (1, 2):
+                    pl.traced(members[0], batch)
     except (ConfigError, RunError):  # (a cut the model refuses: the search says so when it plans it)
         pass
 

@@ -430,7 +430,7 @@ def _stage_list(pl: Any, classes: Any, bal: Sequence[int], chunk: int, rates: Ra
         start = e
         parts = []
         for members, _local, _stages, _tb in classes:
-            t1, t2 = pl._traced(members[0], 1), pl._traced(members[0], 2)
+            t1, t2 = pl.traced(members[0], 1), pl.traced(members[0], 2)
             n_layers = len(t1.out_bytes) - 1
             parts.append(_stage_times(t1.ops, t2.ops, t1.batch, t2.batch, chunk, t1.comm, t2.comm, a, e,
                                       p == len(bal) - 1, n_layers, rates, S, spatial_link, overlap, jitter))
