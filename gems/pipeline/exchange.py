@@ -179,6 +179,12 @@ class ExchangePlan:
         """Per action of ``position`` (in its order), how many messages it holds received or posted while that
         action runs, other than the action's own input: what the memory plan adds to the state the action runs in
         (gems.plan.memory), so that buffers posted ahead count where they are alive, not at every state."""
+        memo = self.__dict__.setdefault("_held_memo", {})  # (a plan is a value: each position's counted once)
+        if (position, lead) not in memo:
+            memo[(position, lead)] = self._held_during(position, lead)
+        return list(memo[(position, lead)])
+
+    def _held_during(self, position: int, lead: int) -> list[int]:
         needed = _needed(self.schedule, self.orders[position])
         posts = self.posts(position, lead)
         early = {id(r) for slot in posts for r in slot}

@@ -183,6 +183,10 @@ class Schedule:
     def holder_groups(self) -> list[tuple[int, ...]]:
         """Pipeline ranks that hold copies of the same partitions (their gradients are summed together):
         ``(d, D-1-d)`` pairs under GEMS, every rank alone in a plain or interleaved pipeline."""
+        return list(self._holder_groups)
+
+    @functools.cached_property
+    def _holder_groups(self) -> tuple[tuple[int, ...], ...]:  # (a schedule is a value: found once)
         groups: list[set[int]] = []
         for s in range(self.stages):
             holders = {row[s] for row in self.placement}
@@ -190,7 +194,7 @@ class Schedule:
                 holders |= g
                 groups.remove(g)
             groups.append(holders)
-        return sorted(tuple(sorted(g)) for g in groups)
+        return tuple(sorted(tuple(sorted(g)) for g in groups))
 
     def links(self) -> list[tuple[int, int]]:
         """(sending rank, receiving rank) of every message the schedule sends, sorted: the directed links of its

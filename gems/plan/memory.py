@@ -251,6 +251,10 @@ def _forward_set(t: Trace, a: int, e: int) -> int:
 Flight = tuple[str, int, dict[int, int], int, tuple[int, ...]]
 
 
+#: each pipeline rank's states (_in_flight) by its exchange plan's identity (held with it), rank, lead and backend
+_FLIGHTS: dict[tuple[int, int, int, str], tuple[Any, list[Flight]]] = {}
+
+
 def _in_flight(schedule: Any, d: int, held: Sequence[int] = (),
                unsent: Sequence[tuple[tuple[int, int], ...]] = ()) -> list[Flight]:
     """The distinct states of rank ``d``'s action list that can set its peak: (F for a forward, B for the
@@ -704,8 +708,15 @@ class Planner:
                 # each state with the messages held beside it, the receives gloo posts ahead included
                 # and the sends it holds not known delivered: over gloo, whose send is done only once waited for;
                 # NCCL's completes with its round (a meeting) and is freed after the next action
-                unsent = exchanges.unconfirmed(d) if backend == "gloo" else []
-                flights = _in_flight(sched, d, exchanges.held_during(d, lead), unsent)
+                # (the unit-clock plans are values, kept: each rank's states walked once a plan)
+                memo = (id(exchanges), d, lead, backend)
+                got = _FLIGHTS.get(memo)
+                if got is None or got[0] is not exchanges:
+                    unsent = exchanges.unconfirmed(d) if backend == "gloo" else []
+                    got = (exchanges, _in_flight(sched, d, exchanges.held_during(d, lead), unsent))
+                    if len(_FLIGHTS) < 1 << 14:
+                        _FLIGHTS[memo] = got
+                flights = got[1]
                 slots = dict(Counter(a.stage for a in sched.actions[d] if a.kind.forward))
             else:
                 held, flights, slots = [0], [], {}
@@ -729,7 +740,10 @@ def setup(cfg: Any) -> Setup:
         spec.module.train()
         _CACHE[("model", model_key)] = spec
     spec = _CACHE[("model", model_key)]
-    spec, gather_note = spatial_model(spec, mesh, str(p.bn_stats), bool(p.gather_uncut))
+    cut = ("spatial model", model_key, mesh.parts, mesh.spatial_dims, str(p.bn_stats), bool(p.gather_uncut))
+    if cut not in _CACHE:  # (where the trunk ends under this cut: the same for every candidate of the cut)
+        _CACHE[cut] = spatial_model(spec, mesh, str(p.bn_stats), bool(p.gather_uncut))
+    spec, gather_note = _CACHE[cut]
     sched = str(p.schedule)
     eta = settings.schedule.replicas if settings.schedule is not None else 1
     opt = str(cfg.train.optimizer)

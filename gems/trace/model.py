@@ -233,6 +233,16 @@ class Trace:
         return sum(self.out_bytes[s] for s, p in self.skips if any(s < c <= p for c in cuts))
 
     def stage_by_layer(self, a: int, e: int, last: bool, packed: bool = True) -> tuple[int, int, list[int], int]:
+        """:meth:`_stage_by_layer`, kept per trace (a trace is a value once made: the mesh search asks for the same
+        stages of one trace thousands of times)."""
+        memo = self.__dict__.setdefault("_stages_memo", {})
+        key = (a, e, last, packed)
+        if key not in memo:
+            memo[key] = self._stage_by_layer(a, e, last, packed)
+        total, in_b, work, out_b = memo[key]
+        return total, in_b, list(work), out_b
+
+    def _stage_by_layer(self, a: int, e: int, last: bool, packed: bool = True) -> tuple[int, int, list[int], int]:
         """(saved bytes kept by layers [a, e) incl. its input and output, input bytes, each layer's working set,
         output bytes).
 
