@@ -12,7 +12,7 @@ from gems.config import compose, section
 from gems.errors import ConfigError
 from gems.pipeline.schedules import make_schedule
 from gems.plan import make_plan, to_json
-from gems.plan.devices import GPUS, Link, Rates, gpu_rates
+from gems.plan.devices import GPUS, Link, Rates, gpu_rates, matmul_rows
 from gems.plan.timing import (
     TERMS,
     all_gather,
@@ -393,6 +393,14 @@ def test_cpu_rates_are_measured_here():
     assert (*sig, 2) in r.measured and (*sig, 16) not in r.measured
     layer_time({("conv", sig): [1e9, 0.0, 1]}, r, False, 16)
     assert (*sig, 16) in r.measured  # timed at the batch it runs at
+    # a matmul is timed at its own rows (a dense layer's: the micro-batch), at the nearest power of two up to 256:
+    # a few rows read the whole weight for little work, so its rate there is not the rate at many
+    mm = ("matmul", 512, 256)
+    assert [matmul_rows(mm, 2.0 * rows * 512 * 256) for rows in (1, 3, 4, 5, 6, 100, 256, 4096)] == \
+        [1, 4, 4, 4, 8, 128, 256, 256]
+    t2 = layer_time({("matmul", mm): [2.0 * 2 * 512 * 256, 0.0, 1]}, r, False, 2)
+    assert (*mm, 2) in r.measured and (*mm, 256) not in r.measured
+    assert t2 == pytest.approx(r.in_step * (2.0 * 2 * 512 * 256 / r.measured_rate((*mm, 2), False) + r.op_overhead_s))
 
 
 def test_ranks_that_compute_at_once_are_timed_at_once(monkeypatch):

@@ -267,6 +267,8 @@ class Rates:
             work = flops if cls in ("conv", "matmul") else nbytes
             if cls == "conv":
                 sig = (*sig, _measure_batch(sig, batch))
+            elif cls == "matmul":
+                sig = (*sig, matmul_rows(sig, flops))
             elif cls == "memory":
                 sig = (*sig, _memory_elements(nbytes))
             alone = work / self.measured_rate(sig, backward) + self.op_overhead_s * (2 if backward else 1)
@@ -448,6 +450,21 @@ def _measure_batch(sig: tuple, batch: int) -> int:
     return max(1, min(int(batch), MEASURE_ELEMENTS // max(1, cin * math.prod(extent))))
 
 
+#: the most rows a matmul is timed at (its rate no longer grows with them)
+MEASURE_ROWS = 256
+
+
+def matmul_rows(sig: tuple, flops: float) -> int:
+    """The rows a matmul of signature ``("matmul", k, n)`` and ``flops`` is timed at on CPU ranks: its own (the
+    micro-batch's samples, for a dense layer), at the power of two nearest them, up to :data:`MEASURE_ROWS`. A few
+    rows read the whole ``k x n`` weight for little work: a 4096^2 dense layer at 4 rows ran at a fraction of its
+    rate at 256, so a step of two micro-batches of 2 rows took longer than one of 4, which a rate timed at 256 rows
+    (the planner's before) could not see."""
+    _, k, n = sig[:3]
+    rows = max(1.0, flops / (2.0 * k * n))
+    return int(min(MEASURE_ROWS, 2 ** round(math.log2(rows))))
+
+
 def _cube(elements: int, nd: int) -> list[int]:
     """``nd`` extents of about equal powers of two whose product is ``elements`` (a power of two)."""
     side = 2 ** max(2, round(math.log2(max(elements, 1)) / nd))
@@ -474,10 +491,10 @@ def _measure_op(sig: tuple) -> tuple[float, float]:
         fwd, bwd = _fwd_bwd(f, inputs)
         return nbytes / fwd, nbytes / bwd
     if kind == "matmul":
-        _, k, n = sig
-        a = torch.randn(256, k, requires_grad=True)
+        _, k, n, rows = sig
+        a = torch.randn(rows, k, requires_grad=True)
         w = torch.randn(k, n, requires_grad=True)
-        flops = 2.0 * 256 * k * n
+        flops = 2.0 * rows * k * n
         fwd, bwd = _fwd_bwd(lambda a, w: a @ w, [a, w])
         return flops / fwd, flops / bwd
     f, inputs, flops = _conv_case(sig)
