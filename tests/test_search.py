@@ -137,7 +137,7 @@ def test_the_benchmarks_rank_correlation_families_and_picks() -> None:
     family, and what it runs of a ranking (the top four and the best of every family not among them)."""
     from types import SimpleNamespace
 
-    from gems.bench.search import family, picked, spearman
+    from gems.bench.search import family, ordered_pairs, picked, spearman
 
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
@@ -153,3 +153,11 @@ def test_the_benchmarks_rank_correlation_families_and_picks() -> None:
               cand(1, 1, 2)]
     got = picked(ranked)
     assert got[:4] == ranked[:4] and got[4:] == [ranked[6], ranked[5]]
+    # the pairs measured apart (every round of one faster than every round of the other) and how many the prediction
+    # orders alike, a tie (predictions within 2%) half
+    rows = [{"predicted": 100.0, "rounds": [10.0, 11.0]}, {"predicted": 90.0, "rounds": [12.0, 13.0]},
+            {"predicted": 101.0, "rounds": [5.0, 6.0]}, {"predicted": 150.0, "rounds": [10.5, 12.5]},
+            {"predicted": 60.0, "rounds": []}]
+    # apart: (0, 1) the faster predicted 90 < 100: wrong; (0, 2) 100 against 101, within 2%: half; (1, 2) 90 < 101:
+    # wrong; (3, 2) 150 > 101: right; (0, 3) and (1, 3) overlap; the last was not measured
+    assert ordered_pairs(rows) == (1.5, 4)

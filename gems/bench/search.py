@@ -88,6 +88,33 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
     return cov / (vx * vy) if vx > 0 and vy > 0 else float("nan")
 
 
+#: predictions within this fraction of each other are a tie: the planner does not claim to order them
+TIE = 0.02
+
+
+def ordered_pairs(rows: Sequence[dict[str, Any]]) -> tuple[float, int]:
+    """(the pairs the prediction orders as measured, the pairs the measurement orders): over the pairs of candidates
+    whose rounds do not overlap (every round of one faster than every round of the other, so this machine's noise
+    did not order them), how many the prediction puts in the same order, a tie (predictions within :data:`TIE`)
+    counting half. What Spearman's rank correlation cannot say where most candidates are measured within their
+    noise of each other."""
+    agree, n = 0.0, 0
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            if not a["rounds"] or not b["rounds"]:
+                continue
+            if min(a["rounds"]) > max(b["rounds"]):
+                fast, slow = a, b
+            elif min(b["rounds"]) > max(a["rounds"]):
+                fast, slow = b, a
+            else:
+                continue
+            n += 1
+            p, q = fast["predicted"], slow["predicted"]
+            agree += 0.5 if abs(p - q) <= TIE * max(p, q) else float(p > q)
+    return agree, n
+
+
 def family(overrides: dict[str, Any]) -> str:
     """The mesh family of a candidate: replicas, pipeline or spatial (the axis its world goes to; a hybrid by its
     largest)."""
@@ -155,13 +182,14 @@ def bench_model(label: str, over: list[str], tmp: Path, rounds: int = ROUNDS) ->
     for k, c in enumerate(runs):
         rows.append({"mesh": c.mesh(), "options": c.options(), "family": family(c.overrides),
                      "predicted": c.throughput, "measured": measured.get(k), "chosen": c is chosen,
-                     "overrides": c.args()})
+                     "overrides": c.args(), "rounds": list(got[k])})
     ok = [r for r in rows if r["measured"] is not None]
     best = max((r["measured"] for r in ok), default=None)
     mine = next((r["measured"] for r in ok if r["chosen"]), None)
     return {"label": label, "overrides": over, "candidates": len(s.candidates), "seconds": s.seconds, "rows": rows,
             "chosen_over_best": (mine / best) if mine and best else None,
-            "spearman": spearman([r["predicted"] for r in ok], [r["measured"] for r in ok]) if len(ok) > 1 else None}
+            "spearman": spearman([r["predicted"] for r in ok], [r["measured"] for r in ok]) if len(ok) > 1 else None,
+            "pairs": ordered_pairs(ok)}
 
 
 def search_time(over: list[str], world: int) -> tuple[float, float, int]:
@@ -197,16 +225,21 @@ def bench_search(out_dir: Path, rounds: int = ROUNDS, big: bool = True) -> str:
         summary.append([m["label"], m["candidates"], f"{m['seconds']:.1f}",
                         f"{ratio:.2f}" if ratio is not None else "-", "yes" if ratio is not None and ratio >= 0.9
                         else "no", f"{rho:.2f}" if rho is not None else "-",
-                        "yes" if rho is not None and rho >= 0.8 else "no"])
+                        "yes" if rho is not None and rho >= 0.8 else "no",
+                        f"{m['pairs'][0]:g} of {m['pairs'][1]}" if m["pairs"][1] else "none"])
     text = ("## gems bench search\n\n"
             f"The mesh `gems plan parallel=auto` chooses, against the meshes it ranked, measured: a world of {WORLD} "
             f"CPU ranks on this machine (one compute thread a rank, gloo), each candidate a real `gems run` of its "
             f"overrides ({STEPS} steps, the median of the {STEPS - WARM} after {WARM} warm-up steps), the median over "
             f"{rounds} rounds that alternate the candidates. Run: the search's top four and the best-ranked of every "
             "mesh family (replicas, pipeline, spatial) not among them. Goals (issue 72): the chosen one at 0.9 of "
-            "the best measured or more on every model; predicted and measured in the same order (Spearman >= 0.8).\n\n")
+            "the best measured or more on every model; predicted and measured in the same order (Spearman >= 0.8). "
+            "Pairs measured apart: the pairs of candidates whose rounds do not overlap (every round of one faster "
+            "than every round of the other: an order this machine's noise did not make), and how many of them the "
+            f"prediction orders alike (a tie, predictions within {100 * TIE:g}% of each other, counting half); the "
+            "rounds of each candidate are in search.json.\n\n")
     text += md_table(["model", "candidates planned", "search s", "chosen / best measured", ">= 0.9",
-                      "Spearman", ">= 0.8"], summary)
+                      "Spearman", ">= 0.8", "pairs measured apart: ordered alike"], summary)
     text += "\n" + md_table(["model", "mesh", "schedule", "family", "predicted samples/s", "measured samples/s",
                              "", "overrides"], rows)
     if big:

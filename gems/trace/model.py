@@ -233,8 +233,9 @@ class Trace:
         return sum(self.out_bytes[s] for s, p in self.skips if any(s < c <= p for c in cuts))
 
     def stage_by_layer(self, a: int, e: int, last: bool, packed: bool = True) -> tuple[int, int, list[int], int]:
-        """:meth:`_stage_by_layer`, kept per trace (a trace is a value once made: the mesh search asks for the same
-        stages of one trace thousands of times)."""
+        """:meth:`_stage_by_layer`, kept per trace (a trace is a value once made, never changed after: the mesh
+        search asks for the same stages of one trace thousands of times; a changed trace is a new one,
+        ``dataclasses.replace``)."""
         memo = self.__dict__.setdefault("_stages_memo", {})
         key = (a, e, last, packed)
         if key not in memo:
