@@ -42,9 +42,33 @@ def test_the_candidates_are_every_mesh_cut_and_schedule_of_the_world() -> None:
     assert schedules == set(registered())
     splits = [c for c in s.candidates if c.overrides.get("parallel.split_backward")]
     assert splits and all(registered()[c.overrides["parallel.schedule"]].split == "optional" for c in splits)
-    ranked = s.ranked
-    assert ranked[0].fits and all(a.throughput >= b.throughput for a, b in zip(ranked, ranked[1:]) if b.fits)
+    ranked, same = s.ranked, s.same()
+    distinct = [c for i, c in enumerate(ranked) if i not in same]  # (one program under several names: once)
+    assert ranked[0].fits and all(a.throughput >= b.throughput for a, b in zip(distinct, distinct[1:]) if b.fits)
     assert len(s.candidates) == len({tuple(sorted(c.args())) for c in s.candidates})
+
+
+def test_one_program_under_several_names_is_shown_once_and_named_in_the_json() -> None:
+    """At one micro-batch GPipe, 1F1B and ZB-H1 with a split backward run the same action lists: one run. The ranking
+    puts each program once among those that fit (its shortest command), the others after them with ``same_as`` in
+    the JSON; the table shows distinct programs and counts the others; they plan alike."""
+    from gems.pipeline.schedules import make_schedule
+
+    assert make_schedule("gpipe", 2, 1, None, None, True).actions == make_schedule("zbh1", 2, 1).actions
+    cfg = compose(["parallel=auto", *SMALL, *GPU, "parallel.world=2", "train.batch_size=2"])
+    s = S.search(cfg)
+    ranked, same = s.ranked, s.same()
+    assert same, "no program under two names at world 2"
+    firsts = [c for i, c in enumerate(ranked) if c.fits and i not in same]
+    assert len({c.program() for c in firsts}) == len(firsts)
+    for i, j in same.items():
+        assert j < i and ranked[i].program() == ranked[j].program()
+        assert ranked[i].throughput == ranked[j].throughput and len(ranked[j].args()) <= len(ranked[i].args())
+        assert all(k in same or not c.fits or k < i for k, c in enumerate(ranked[:i]))  # after every distinct one
+    got = S.as_json(cfg, s)["candidates"]
+    assert {k: c["same_as"] - 1 for k, c in enumerate(got) if c["same_as"]} == same
+    table = S.render(cfg, s)
+    assert f"{len(same)} that fit run the action lists of one above under another name" in table
 
 
 @pytest.mark.parametrize("world,model", [(2, SMALL), (4, SMALL), (4, UNET), (8, SMALL), (16, SMALL)],
@@ -71,7 +95,8 @@ def test_every_candidates_overrides_are_accepted_by_gems_run(tmp_path: Path) -> 
     assert got["schema"] == "gems.search/1" and got["world"] == 4 and got["best"] == 0
     assert got["command"].startswith("gems run ") and "parallel=auto" not in got["command"]
     fits = [c for c in got["candidates"] if c["fits"]]
-    assert fits and [c["samples_per_s"] for c in fits] == sorted((c["samples_per_s"] for c in fits), reverse=True)
+    firsts = [c["samples_per_s"] for c in fits if c["same_as"] is None]
+    assert firsts and firsts == sorted(firsts, reverse=True)
     for c in fits:
         assert set(c) >= {"overrides", "samples_per_s", "peak_bytes", "fits", "breakdown", "mesh"}
         cfg = compose([*SMALL, *on, "train.batch_size=8", *c["overrides"]])

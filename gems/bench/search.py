@@ -167,7 +167,8 @@ def bench_model(label: str, over: list[str], tmp: Path, rounds: int = ROUNDS) ->
 
     s = search(compose(["parallel=auto", f"parallel.world={WORLD}", *over]))
     chosen = s.best
-    runs = picked(s.ranked)
+    same = s.same()  # (a program run under another name is not run again)
+    runs = picked([c for i, c in enumerate(s.ranked) if i not in same])
     got: dict[int, list[float]] = {k: [] for k in range(len(runs))}
     for r in range(rounds):
         order = list(range(len(runs)))

@@ -149,7 +149,7 @@ def _here(items: list[Any], workers: int, bar_of: Any) -> list[tuple[str, str]]:
         finally:
             bar.close()
         return bad
-    convert._PARENT[:] = [os.getpid()]  # the workers end with this process (gems.data.convert.die_with_parent)
+    convert._PARENT[:] = [os.getpid()]  # the workers end with this process (gems.pools.die_with_parent)
     with ProcessPoolExecutor(workers, mp_context=convert._context(), initializer=convert._init_worker) as pool:
         queue = iter(items)
         running: set[Future] = set()

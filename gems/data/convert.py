@@ -163,31 +163,9 @@ _PARENT: list[int] = []
 
 
 def _init_worker() -> None:
-    import torch
+    from gems.pools import start_worker
 
-    die_with_parent(_PARENT[0] if _PARENT else None)
-    torch.set_num_threads(1)
-
-
-def die_with_parent(parent: int | None) -> None:
-    """A worker process ends when the process that started it does, however that one ends (the out-of-memory
-    killer's SIGKILL too, which leaves a pool's workers waiting on their queue forever): Linux's parent-death
-    signal, then a look at whether the parent went before it was set. Elsewhere nothing (the pool's own pipes end
-    the workers of a parent that exits)."""
-    import signal
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if parent is not None and os.getppid() != parent:  # the parent went between the fork and the line above
-        os._exit(1)
+    start_worker(_PARENT[0] if _PARENT else None)
 
 
 class _Bar:

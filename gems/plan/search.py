@@ -81,6 +81,22 @@ class Candidate:
     def peak(self) -> int | None:
         return int(self.plan.worst.bytes.total) if self.plan is not None else None
 
+    def program(self) -> tuple[Any, ...]:
+        """What its ranks run: the mesh, recomputation and, on a pipeline, the schedule's action lists and placement.
+        Two candidates with one program are one run under two names (at one micro-batch GPipe, 1F1B and ZB-H1 with
+        a split backward are the same lists): the search shows the one with the shorter command (:attr:`Search.ranked`)."""
+        from gems.pipeline.schedules import make_schedule
+
+        o = self.overrides
+        mesh = (o["parallel.replicas"], o["parallel.pipeline"], _text(o["parallel.spatial"]),
+                _text(o["parallel.spatial_dims"]), bool(o.get("parallel.checkpoint")))
+        if o["parallel.pipeline"] == 1 and o.get("parallel.schedule", "lp") == "lp":
+            return mesh
+        sched = make_schedule(str(o["parallel.schedule"]), int(o["parallel.pipeline"]), int(o["parallel.micro_batches"]),
+                              o.get("parallel.gems_replicas"), o.get("parallel.virtual_stages"),
+                              bool(o.get("parallel.split_backward")))
+        return (*mesh, sched.actions, sched.placement, sched.split)
+
     def args(self) -> list[str]:
         """The ``key=value`` strings that, added to the user's command, run this candidate (a key at its default
         left out: the command holds no mesh key beside parallel=auto)."""
@@ -136,10 +152,36 @@ class Search:
 
     @property
     def ranked(self) -> list[Candidate]:
-        ok = sorted((c for c in self.candidates if c.fits), key=lambda c: -c.throughput)
+        """Those that fit, by predicted samples/s (of one program, the shortest command: :meth:`Candidate.program`);
+        then those that fit but run the program of one above (:meth:`same`); then those that do not fit, the least
+        memory first; then the rejected."""
+        ok = sorted((c for c in self.candidates if c.fits), key=lambda c: (-c.throughput, len(c.args())))
+        firsts: dict[tuple[Any, ...], Candidate] = {}
+        again = []
+        for c in ok:
+            key = c.program()
+            if key in firsts:
+                again.append(c)
+            else:
+                firsts[key] = c
         tight = sorted((c for c in self.candidates if c.plan is not None and not c.fits), key=lambda c: c.peak or 0)
         out = sorted((c for c in self.candidates if c.plan is None), key=lambda c: c.reason or "")
-        return ok + tight + out
+        return list(firsts.values()) + again + tight + out
+
+    def same(self) -> dict[int, int]:
+        """Of :attr:`ranked`, each candidate that runs the program of one ranked before it: its index -> that one's."""
+        ranked = self.ranked
+        first: dict[tuple[Any, ...], int] = {}
+        out = {}
+        for i, c in enumerate(ranked):
+            if not c.fits:
+                break
+            key = c.program()
+            if key in first:
+                out[i] = first[key]
+            else:
+                first[key] = i
+        return out
 
     @property
     def best(self) -> Candidate | None:
@@ -393,6 +435,9 @@ def _every_part(planner: _Planner, out: Search) -> None:
     parts are traced first on the warm-up's workers (:func:`warm`), each cut's classes shared among them."""
     shown = [c for c in out.ranked if c.fits][:SHOWN]
     warm(planner, [c.overrides for c in shown], parts="every")
+    # (and those that run one of their programs under another name: planned alike, so they rank beside it)
+    programs = {c.program() for c in shown}
+    shown += [c for c in out.candidates if c.fits and c not in shown and c.program() in programs]
     for c in shown:
         if c.overrides["parallel.spatial"] == 1:
             continue  # (one part: the same plan)
@@ -431,9 +476,11 @@ def warm(planner: _Planner, meshes: list[dict[str, Any]], workers: int | None = 
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
+    from gems.pools import start_worker
+
     _WARMING[:] = [planner]
     try:
-        with ProcessPoolExecutor(n, mp_context=get_context("fork"), initializer=_init_warm) as pool:
+        with ProcessPoolExecutor(n, mp_context=get_context("fork"), initializer=start_worker) as pool:
             list(pool.map(_warm_one, jobs))
     finally:
         _WARMING.clear()
@@ -442,15 +489,6 @@ def warm(planner: _Planner, meshes: list[dict[str, Any]], workers: int | None = 
 
 #: the planner whose cuts the warm-up's workers trace (forked: they find it here)
 _WARMING: list[_Planner] = []
-
-
-def _init_warm() -> None:
-    import torch
-
-    from gems.data.convert import die_with_parent
-
-    die_with_parent(None)
-    torch.set_num_threads(1)
 
 
 def _warm_one(job: tuple[dict[str, Any], str, int, int]) -> None:
@@ -604,10 +642,12 @@ def as_json(cfg: Any, s: Search, given: list[str] | None = None) -> dict[str, An
     ``peak_bytes``, ``fits``, ``reason``; and ``world``, ``tried``, ``rejected`` (by reason), ``seconds``,
     ``command`` (the best's), ``best`` (its index: 0, or null where nothing fits)."""
     ranked = s.ranked
+    same = s.same()
     out = []
     for i, c in enumerate(ranked):
         pr = c.plan.prediction if c.plan is not None else None
-        item = {"rank": i + 1, "overrides": c.args(), "mesh": c.mesh(), "options": c.options(),
+        item = {"rank": i + 1, "same_as": same[i] + 1 if i in same else None, "overrides": c.args(), "mesh": c.mesh(),
+                "options": c.options(),
                 "samples_per_s": c.throughput if pr is not None else None,
                 "step_s": pr.step_s if pr is not None else None,
                 "breakdown": {k: float(pr.breakdown.get(k, 0.0)) for k in TERMS} if pr is not None else None,
@@ -632,7 +672,8 @@ def render(cfg: Any, s: Search, given: list[str] | None = None, top: int = 10) -
                     f"{cfg.train.precision}", show_header=True, header_style="bold")
     for col in ("#", "mesh", "schedule", "samples/s", "step s", *TERMS, "peak GiB", "fits", "TFLOP/s frac"):
         t.add_column(col, justify="right" if col not in ("mesh", "schedule") else "left")
-    for i, c in enumerate(s.ranked[:top]):
+    same = s.same()
+    for i, c in enumerate([c for i, c in enumerate(s.ranked) if i not in same][:top]):
         pr = c.plan.prediction if c.plan is not None else None
         hw = hardware_of(cfg, c) or {}
         frac = hw.get("flops_fraction")
@@ -645,7 +686,9 @@ def render(cfg: Any, s: Search, given: list[str] | None = None, top: int = 10) -
     Console(file=buf, width=200, force_terminal=False).print(t)
     rej = "; ".join(f"{why}: {n}" for why, n in s.rejected().items()) or "none"
     buf.write(f"{len(s.candidates)} candidate(s) tried in {s.seconds:.1f} s; rejected: {rej}; {s.pruned} pipeline "
-              "mesh(es) pruned (their bound under the best found)\n")
+              "mesh(es) pruned (their bound under the best found)"
+              + (f"; {len(same)} that fit run the action lists of one above under another name (not shown; "
+                 "plan.format=json: same_as)" if same else "") + "\n")
     best = s.best
     if best is not None:
         buf.write(f"best: {command(given, best)}\n")
