@@ -437,7 +437,8 @@ def _every_part(planner: _Planner, out: Search) -> None:
     warm(planner, [c.overrides for c in shown], parts="every")
     # (and those that run one of their programs under another name: planned alike, so they rank beside it)
     programs = {c.program() for c in shown}
-    shown += [c for c in out.candidates if c.fits and c not in shown and c.program() in programs]
+    ids = {id(c) for c in shown}
+    shown += [c for c in out.candidates if c.fits and id(c) not in ids and c.program() in programs]
     for c in shown:
         if c.overrides["parallel.spatial"] == 1:
             continue  # (one part: the same plan)
