@@ -29,10 +29,6 @@ def _tail(path: Path, lines: int) -> list[str]:
 _SRUN_EXIT = re.compile(r"tasks? ([0-9,\-]+): (Exited with exit code (\d+)|Killed|Segmentation fault|Aborted)")
 
 
-def _first_task(spec: str) -> int:
-    return int(re.split(r"[,\-]", spec)[0])
-
-
 def _is_slurm_line(line: str) -> bool:
     return line.startswith(("srun:", "slurmstepd"))
 
@@ -49,15 +45,12 @@ def stderr_tail(run: SlurmRun, lines: int = 15) -> tuple[str, str]:
         return utils.JobPaths(run.job_dir, job_id=run.job_id, task_id=t).stderr
 
     srun_lines = [ln for ln in _tail(err_path(0), 400) if _is_slurm_line(ln)]
-    culprit: int | None = None
+    first = _first_bad(run)
+    culprit = first.rank if first is not None else None
     headline = ""
-    for ln in srun_lines:
-        m = _SRUN_EXIT.search(ln)
-        if m and m.group(2) != "Killed":
-            culprit = _first_task(m.group(1))
-            code = m.group(3)
-            headline = f"task {culprit} " + (f"exited with status {code}" if code else m.group(2).lower())
-            break
+    if first is not None:
+        headline = f"task {first.rank} " + (f"exited with status {first.code}" if first.code >= 0
+                                            else _SIGNAL_NAMES[first.code])
     if culprit is None:
         results = task_outcomes(run)
         culprit = next((t for t, r in enumerate(results) if r is None or r[0] != "success"), None)
@@ -71,6 +64,13 @@ def stderr_tail(run: SlurmRun, lines: int = 15) -> tuple[str, str]:
 
 
 _SIGNALS = {"Killed": -9, "Segmentation fault": -11, "Aborted": -6}
+_SIGNAL_NAMES = {v: k.lower() for k, v in _SIGNALS.items()}
+
+
+def _first_bad(run: SlurmRun) -> Exit | None:
+    """The first task srun saw end badly on its own: an exit status or a signal, not srun's own kill of the others
+    after it (``Killed``)."""
+    return next((e for e in _srun_exits(run) if e.code != _SIGNALS["Killed"]), None)
 
 
 def _srun_exits(run: SlurmRun) -> list[Exit]:
@@ -119,7 +119,8 @@ def error_of(run: SlurmRun, state: str) -> str | None:
         return cause[0]
     # the task that failed first, as srun saw it (a killed task is a consequence): when it died without a Python
     # error (an exit status, a signal), a peer's exception after it (its connection closed) is not the cause
-    first = next((e.rank for e in _srun_exits(run) if e.code != -9), None)
+    bad = _first_bad(run)
+    first = bad.rank if bad is not None else None
     raised = dict(errors)
     if errors and (first is None or first in raised):
         t = first if first is not None else errors[0][0]
