@@ -155,33 +155,28 @@ class Search:
         """Those that fit, by predicted samples/s (of one program, the shortest command: :meth:`Candidate.program`);
         then those that fit but run the program of one above (:meth:`same`); then those that do not fit, the least
         memory first; then the rejected."""
-        ok = sorted((c for c in self.candidates if c.fits), key=lambda c: (-c.throughput, len(c.args())))
-        firsts: dict[tuple[Any, ...], Candidate] = {}
-        again = []
-        for c in ok:
-            key = c.program()
-            if key in firsts:
-                again.append(c)
-            else:
-                firsts[key] = c
-        tight = sorted((c for c in self.candidates if c.plan is not None and not c.fits), key=lambda c: c.peak or 0)
-        out = sorted((c for c in self.candidates if c.plan is None), key=lambda c: c.reason or "")
-        return list(firsts.values()) + again + tight + out
+        return self._ranking()[0]
 
     def same(self) -> dict[int, int]:
         """Of :attr:`ranked`, each candidate that runs the program of one ranked before it: its index -> that one's."""
-        ranked = self.ranked
-        first: dict[tuple[Any, ...], int] = {}
-        out = {}
-        for i, c in enumerate(ranked):
-            if not c.fits:
-                break
+        return self._ranking()[1]
+
+    def _ranking(self) -> tuple[list[Candidate], dict[int, int]]:
+        ok = sorted((c for c in self.candidates if c.fits), key=lambda c: (-c.throughput, len(c.args())))
+        firsts: dict[tuple[Any, ...], int] = {}  # program -> its place among the distinct ones
+        distinct: list[Candidate] = []
+        again: list[tuple[Candidate, int]] = []
+        for c in ok:
             key = c.program()
-            if key in first:
-                out[i] = first[key]
+            if key in firsts:
+                again.append((c, firsts[key]))
             else:
-                first[key] = i
-        return out
+                firsts[key] = len(distinct)
+                distinct.append(c)
+        tight = sorted((c for c in self.candidates if c.plan is not None and not c.fits), key=lambda c: c.peak or 0)
+        out = sorted((c for c in self.candidates if c.plan is None), key=lambda c: c.reason or "")
+        same = {len(distinct) + k: first for k, (_, first) in enumerate(again)}
+        return distinct + [c for c, _ in again] + tight + out, same
 
     @property
     def best(self) -> Candidate | None:
