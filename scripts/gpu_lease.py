@@ -101,6 +101,12 @@ GRAPHED_ROWS: list[tuple[str, list[str]]] = [
     ("one_default_graphed", ["train.cuda_graphs=true"]),
     ("p128_bf16_graphed", ["model=cosmoflow", "model.size=128", "train.batch_size=8", "train.steps=20",
                            "train.warmup_steps=5", "train.precision=bf16", "train.cuda_graphs=true"]),
+    # the rest of the H200 file's five rows graphed (issue 74: the five measured again, eager and graphed)
+    ("one_bf16_graphed", ["train.precision=bf16", "train.cuda_graphs=true"]),
+    ("p128_fp32_graphed", ["model=cosmoflow", "model.size=128", "train.batch_size=8", "train.steps=20",
+                           "train.warmup_steps=5", "train.cuda_graphs=true"]),
+    ("m256_graphed", ["model=cosmoflow", "model.size=256", "train.batch_size=4", "train.steps=4",
+                      "train.warmup_steps=1", "train.cuda_graphs=true"]),
 ]
 #: the phases, in the order a lease runs them by default (science only when named); step: gems bench step
 PHASES = ("step", "rig", "rows", "bench", "science", "probe")
@@ -274,8 +280,8 @@ def rows_phase(lease: Lease, dry: bool, keep_s: float, env_info: dict[str, Any],
     rows: dict[str, Any] = {}
     base = ["train.check_fit=false", "train.cuda_graphs=false"] + (["train.device=cpu"] if dry else [])
     labels = [x for x in only.split(",") if x]
-    every = GRAPHED_ROWS + ROWS  # the graphed rows first: the planner's new model is what they hold
-    for label, overrides in (DRY_ROWS if dry else [r for r in every if not labels or r[0] in labels]):
+    every = dict(GRAPHED_ROWS + ROWS)  # by default the graphed rows first: the planner's new model is what they hold
+    for label, overrides in (DRY_ROWS if dry else [(r, every[r]) for r in labels] if labels else every.items()):
         if lease.left() < keep_s + ROW_S:  # a row may take ROW_S: it never eats what the phases after it keep
             rows[label] = {"status": "not run", "error": "the lease's deadline"}
             continue
@@ -343,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry", action="store_true", help="the plumbing on CPU")
     p.add_argument("--phases", default="step,rig,rows,bench", help="which phases, in this order (step, rig, rows, "
                    "bench, science: it starts at once and trains beside the phases before it)")
-    p.add_argument("--rows", default="", help="the one-rank rows to run, by label (comma-separated; default all)")
+    p.add_argument("--rows", default="", help="the one-rank rows to run, by label, in this order (comma-separated; "
+                   "default all)")
     p.add_argument("--science-epochs", type=int, default=SCIENCE_EPOCHS, help="the science point's epochs")
     p.add_argument("--only", default="", help="the rig's points whose label holds one of these texts (comma-separated)")
     a = p.parse_args(argv)
