@@ -41,6 +41,7 @@ import torch
 from gems import capture
 from gems.config import section
 from gems.errors import ConfigError
+from gems.memory import limit_gpu, rank_cap_bytes
 
 
 @dataclass
@@ -224,6 +225,7 @@ def init_world(cfg: Any) -> World:
     backend_cfg = cfg.comm.backend
     rank, size, local_rank, addr, port, source, mpi_comm = discover(backend_cfg)
     device = pick_device(cfg.train.device, local_rank)
+    limit_gpu(rank_cap_bytes(cfg), device)  # cluster.rank_memory_gb: the allocator held to it, as the plan counts it
     if backend_cfg == "nccl" and device.type != "cuda":
         raise ConfigError("comm.backend", "nccl", "gloo or auto on CPU nodes (nccl needs GPUs)")
     if backend_cfg == "gloo" and device.type == "cuda":

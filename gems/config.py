@@ -289,6 +289,12 @@ class ClusterConf:
                                     "plan). For HBM GPUs that figure is binary, GiB not 10^9 bytes; the planner "
                                     "counts what CUDA reports for it: cluster.gpu's measured total when it names a "
                                     "GPU of this size, else this many GiB less 1.5% for the driver", ge=0)
+    rank_memory_gb: Optional[float] = key(None, "the most memory one rank's tensors may take, in GiB, on CPU and GPU "
+                                                "ranks alike: gems plan counts it as the rank's device (its whole "
+                                                "memory on a CPU rank, no interpreter reserve beside it), and the run "
+                                                "holds every rank to it (a GPU rank's caching allocator is limited to "
+                                                "it; a CPU rank's tensor peak, measured in its profiled steps, past it "
+                                                "fails the run); null: the device's own memory", gt=0)
     gpu: Optional[str] = key(None, "the GPU model, for gems plan's step-time prediction (a100-40gb, a100-64gb, "
                                    "a100-80gb, h100, h200, gh200, mi250x-gcd, v100-16gb, v100-32gb; null: CPU "
                                    "ranks, measured on the spot)")

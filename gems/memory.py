@@ -79,6 +79,36 @@ class MemoryMeter:
         return int(torch.cuda.max_memory_reserved(self.device)) if self.device.type == "cuda" else None
 
 
+def rank_cap_bytes(cfg: Any) -> int | None:
+    """``cluster.rank_memory_gb`` in bytes (None where unset): the most one rank's tensors may take. One rule for the
+    plan, which counts it as the rank's device (gems.plan.memory), and for the run, which holds every rank to it
+    (:func:`limit_gpu`, :func:`over_cap`)."""
+    value = cfg.cluster.rank_memory_gb
+    return None if value is None else int(float(value) * 2**30)
+
+
+def limit_gpu(cap: int | None, device: torch.device) -> float | None:
+    """A GPU rank's caching allocator held to ``cap`` bytes (``torch.cuda.set_per_process_memory_fraction`` of the
+    device's total; a cap past the device leaves it whole): an allocation past it raises CUDA's out-of-memory error,
+    as a smaller GPU would. The fraction set, or None (a CPU rank, no cap). The CUDA context and NCCL's buffers lie
+    outside the allocator, so the plan, which counts them against the cap too, errs on the safe side."""
+    if cap is None or device.type != "cuda":
+        return None
+    fraction = min(1.0, cap / torch.cuda.get_device_properties(device).total_memory)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
+
+
+def over_cap(cap: int | None, peaks: list[int]) -> tuple[int, int] | None:
+    """(rank, its tensor peak) of the rank whose measured tensor peak went furthest past ``cap`` bytes, None where
+    every rank kept within it (or no cap is set): a CPU rank's counterpart of a GPU's out-of-memory error, judged on
+    what the plan counts (the tensors' peak, :func:`step_peak_bytes` over the profiled steps)."""
+    if cap is None or not peaks:
+        return None
+    rank = max(range(len(peaks)), key=lambda r: peaks[r])
+    return (rank, peaks[rank]) if peaks[rank] > cap else None
+
+
 def tensor_bytes(tensors: Any) -> int:
     """Bytes held by distinct tensor storages among ``tensors`` (an iterable of tensors; views count once)."""
     seen: dict[int, int] = {}

@@ -31,7 +31,7 @@ from gems.errors import ConfigError
 from gems.fault import reports
 from gems.fault.watchdog import Watchdog
 from gems.rank.evaluate import evaluate_model
-from gems.rank.loop import NonFiniteLoss, start_watchdog, train, write_once
+from gems.rank.loop import Stopped, start_watchdog, train, write_once
 from gems.results import record as rec
 
 
@@ -70,7 +70,7 @@ def run_rank(cfg_yaml: str) -> dict[str, Any] | None:
                 rec.write_steps(rec.record_path(cfg), record)
                 return record
             return None
-        except NonFiniteLoss:
+        except Stopped:
             raise  # the record says it all
         except BaseException as e:
             if not isinstance(e, (KeyboardInterrupt, SystemExit)) and rank is not None:
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"gems: error: {e}", file=sys.stderr, flush=True)
         return 2
-    except NonFiniteLoss as e:
+    except Stopped as e:  # every rank stopped at one step, the record written: one line
         print(f"gems: error: {e}", file=sys.stderr, flush=True)
         return 1
     except Exception:

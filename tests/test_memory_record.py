@@ -165,3 +165,64 @@ def test_one_process_plans_the_unet_on_mesh_after_mesh(monkeypatch):
         check_fit(compose([*unet, *mesh]))
         (spec,) = [v for k, v in pm._CACHE.items() if k[0] == "model"]
         assert len(store_of(list(spec.module))) == 0, mesh
+
+
+# ---- a rank's memory capped: cluster.rank_memory_gb, planned and held alike --------------------------------------
+def test_a_rank_memory_cap_is_planned_as_the_device_and_held_by_the_run(shared, tmp_path):
+    """The cap is a CPU rank's whole memory in the plan (no interpreter reserve: it counts tensors, as a GPU's
+    allocator does), and the run measures every rank's tensors against it: a mesh planned past it is refused before
+    launch (train.check_fit), run anyway it stops every rank after its profiled steps with one line and a record
+    naming the rank, and a cap at the plan's peak runs to its end."""
+    S2 = "parallel.spatial=2"
+    measured = shared(S2)["peak_memory_bytes"]["tensor_max"]
+    peak = max(p["bytes"]["total"] for p in _planned(S2)["positions"])
+    assert peak >= measured  # the plan bounds it (test_gems_plan_bounds_the_measured_tensor_memory_closely)
+    under, at = f"{0.9 * measured / 2**30:.4f}", f"{peak / 2**30 + 1e-4:.4f}"
+    small = _planned(S2, f"cluster.rank_memory_gb={under}")
+    dev = small["device"]
+    assert not small["fits"] and dev["capped"] and dev["memory_bytes"] == int(float(under) * 2**30)
+    assert dev["reserve_bytes"] == 0 and "cluster.rank_memory_gb" in dev["memory_source"]
+    assert _planned(S2, f"cluster.rank_memory_gb={at}")["fits"]
+
+    refused = gems_here("run", f"results.dir={tmp_path / 'refused'}", *merged(*RUN, S2, f"cluster.rank_memory_gb={under}"))
+    assert refused.returncode == 2 and "train.check_fit" in refused.stderr, refused.stderr[-2000:]
+    assert not (tmp_path / "refused").exists() or not records(str(tmp_path / "refused"))
+
+    out = gems_here("run", f"results.dir={tmp_path / 'over'}",
+                    *merged(*RUN, S2, f"cluster.rank_memory_gb={under}", "train.check_fit=false"))
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    (r,) = records(str(tmp_path / "over"))
+    f = r["failure"]
+    assert r["status"] == "failed" and f["kind"] == "memory" and f["rank"] in (0, 1), r["error"]
+    assert f["tensor_peak_bytes"] > f["cap_bytes"] == int(float(under) * 2**30) and f["step"] == 1
+    assert f"past cluster.rank_memory_gb={float(under):g}" in r["error"] and "rank_memory_gb" in out.stderr
+    assert len(r["loss"]) == 2  # the two profiled steps ran; nothing after them
+
+    ok = gems_here("run", f"results.dir={tmp_path / 'at'}", *merged(*RUN, S2, f"cluster.rank_memory_gb={at}"))
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    (r,) = records(str(tmp_path / "at"))
+    assert r["status"] == "ok" and max(r["peak_memory_bytes"]["tensor_per_rank"]) <= float(at) * 2**30
+
+
+def test_a_gpu_ranks_allocator_is_held_to_the_cap_and_planned_under_it(monkeypatch):
+    """On GPU ranks the caching allocator is limited to the cap (a fraction of the device's total; a cap past the
+    device leaves it whole), and the plan counts the capped memory, the context and NCCL's buffers inside it. No GPU
+    here: torch.cuda's two calls stand in for the device."""
+    import torch
+
+    from gems.memory import limit_gpu
+
+    calls: list = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 80 * 2**30}))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append((f, d)))
+    gpu = torch.device("cuda", 0)
+    assert limit_gpu(8 * 2**30, gpu) == 0.1 and calls == [(0.1, gpu)]
+    assert limit_gpu(100 * 2**30, gpu) == 1.0
+    assert limit_gpu(None, gpu) is None and limit_gpu(2**30, torch.device("cpu")) is None and len(calls) == 2
+    monkeypatch.undo()
+    h100 = ["model.size=32", "model.width=0.25", "train.batch_size=2", "cluster.gpu=h100", "train.device=cuda"]
+    whole = _planned(*h100)["device"]
+    capped = _planned(*h100, "cluster.rank_memory_gb=2")["device"]
+    assert capped["memory_bytes"] == 2 * 2**30 < whole["memory_bytes"] and capped["capped"]
+    assert capped["reserve_bytes"] > 0  # the context and the allocator's share, counted against the cap
+    assert _planned(*h100, "cluster.rank_memory_gb=500")["device"]["memory_bytes"] == whole["memory_bytes"]

@@ -124,13 +124,14 @@ from gems.bootstrap import KEEP_GROWTH, backend_for, keeps_host_memory_within, n
 from gems.config import job_tasks, reads_files, section
 from gems.errors import ConfigError
 from gems.layers import Recompute
+from gems.memory import rank_cap_bytes
 from gems.parallel import recompute_pieces, resolve, spatial_model, stage_balance
 from gems.pipeline.exchange import plan_exchanges, receive_lead
 from gems.pipeline.partition import trace_shapes
 from gems.pipeline.schedules import GRAD, registered
 from gems.plan.calibration import load_calibration
 from gems.plan.devices import GPUS, blas_workspace_bytes, gpu_memory_bytes, gpu_reserve, rank_communicators
-from gems.plan.schema import SCHEMA, Breakdown, GiB, MemoryPlan, Position
+from gems.plan.schema import SCHEMA, Breakdown, GiB, MemoryPlan, Position, gib
 from gems.plan.store import cached
 from gems.rank.graphs import decide as graphs_decide
 from gems.replication import summed_in_place
@@ -324,7 +325,26 @@ class Setup:
 
 def _device(cfg: Any, world: int, available: bool = False) -> dict[str, Any]:
     """The device a rank runs on: its memory in bytes (``memory_bytes``) and, on CPU ranks, the reserve; a GPU
-    rank's reserve is modelled once the mesh is known (:func:`_gpu_reserve`)."""
+    rank's reserve is modelled once the mesh is known (:func:`_gpu_reserve`). ``cluster.rank_memory_gb``
+    (:func:`gems.memory.rank_cap_bytes`) caps it: a CPU rank's whole memory, with no reserve beside it (the run
+    measures its tensors against the cap, as a GPU's allocator counts them); a GPU's memory where the cap is less
+    (the run limits its allocator to the cap; the plan still counts the context and NCCL's buffers against it)."""
+    dev = _device_itself(cfg, world, available)
+    cap = rank_cap_bytes(cfg)
+    if cap is None:
+        return dev
+    given = f"cluster.rank_memory_gb={float(cfg.cluster.rank_memory_gb):g} GiB"
+    if dev["kind"] == "gpu":
+        if cap < dev["memory_bytes"]:
+            dev.update(name=f"{dev['name']}, capped", memory_bytes=cap, memory_source=given, capped=True)
+        return dev
+    return {"kind": "cpu", "name": "a rank capped", "memory_bytes": cap, "memory_source": given, "capped": True,
+            "reserve_bytes": 0, "reserve": {"source": "cluster.rank_memory_gb (the cap counts tensors)", "bytes": 0,
+                                            "parts": {}}}
+
+
+def _device_itself(cfg: Any, world: int, available: bool) -> dict[str, Any]:
+    """The device as it is, before ``cluster.rank_memory_gb``."""
     c = cfg.cluster
     override = cfg.plan.reserve_gb
     nominal = float(c.gpu_memory_gb or 0.0)
@@ -876,10 +896,6 @@ def _checkpoint_host(cfg: Any, st: Any, positions: list[Any], dev: dict[str, Any
                  f"{staged / 2**20:.1f} MiB")
 
 
-def _fmt(b: float) -> str:
-    return f"{b / GiB:.1f} GiB"
-
-
 def plan_memory(cfg: Any, quick: bool = False, available: bool = False,
                 workspace: bool = True, largest: bool = True, parts: str = "every") -> tuple[MemoryPlan, Planner, Any]:
     """The memory plan of the composed configuration ``cfg`` (no process group, no allocation), with the planner
@@ -919,7 +935,8 @@ def plan_memory(cfg: Any, quick: bool = False, available: bool = False,
         usable, frag = dev["memory_bytes"] - dev["reserve_bytes"], 0.0
     chunk = pl.chunk_of(st.batch)
     # CPU ranks: what train.host_memory costs in resident memory over the tensor peak (kept freed memory)
-    policy = str(cfg.train.host_memory) if dev["kind"] == "cpu" else None
+    # (a capped CPU rank: the cap counts the tensors themselves, as the run measures them)
+    policy = str(cfg.train.host_memory) if dev["kind"] == "cpu" and not dev.get("capped") else None
     growth = KEEP_GROWTH if policy == "keep" else 1.0
     max_chunk, prof = _largest(pl, quick, largest, usable / growth / (1.0 + frag), chunk)
     bal, positions = pl.positions(st.batch, prof)
@@ -946,11 +963,11 @@ def plan_memory(cfg: Any, quick: bool = False, available: bool = False,
                 break
     where = f"rank position {worst.label}"
     if growth > 1.0:  # kept freed memory: the resident size is what the node must hold
-        where += (f" (resident {_fmt(resident)}: train.host_memory={policy} keeps freed memory, "
-                  f"{KEEP_GROWTH} x the tensor peak; train.host_memory=release needs {_fmt(worst.bytes.total)})")
+        where += (f" (resident {gib(resident)}: train.host_memory={policy} keeps freed memory, "
+                  f"{KEEP_GROWTH} x the tensor peak; train.host_memory=release needs {gib(worst.bytes.total)})")
     elif policy == "auto":
         where += " (train.host_memory=auto will release freed memory: keeping it would not fit)"
-    verdict = (f"{'fits' if fits else 'does not fit'}: peak {_fmt(worst.bytes.total)} of {_fmt(dev['memory_bytes'])} "
+    verdict = (f"{'fits' if fits else 'does not fit'}: peak {gib(worst.bytes.total)} of {gib(dev['memory_bytes'])} "
                f"on {where}")
     _checkpoint_host(cfg, st, positions, dev, pl.notes)
     plan = MemoryPlan(

@@ -116,6 +116,8 @@ def reserve_line(dev: dict[str, Any]) -> str:
     r = dev.get("reserve") or {"source": "plan.reserve_gb", "bytes": dev["reserve_bytes"]}
     g = lambda v: f"{v / GiB:.2f}"  # noqa: E731
     usable = f"; usable {g(dev['usable_bytes'])} GiB" if "usable_bytes" in dev else ""
+    if dev.get("capped") and dev["kind"] == "cpu":
+        return f"reserve: none (the cap, cluster.rank_memory_gb, counts the tensors alone, as the run measures them){usable}"
     if r["source"] != "modelled":
         why = "CPU ranks: the interpreter and allocator, " if dev["kind"] == "cpu" else ""
         bound = ", at most 0.5" if dev["kind"] == "cpu" else ""

@@ -33,6 +33,13 @@ __all__ = ["SCHEMA", "GiB", "Breakdown", "Position", "MemoryPlan"]
 SCHEMA = "gems.plan/1"
 GiB = float(2**30)
 
+
+def gib(b: float) -> str:
+    """Bytes as GiB for a verdict: a tenth of a GiB from 10 GiB up, else three significant figures (a cap of 0.29 GiB
+    and a peak of 0.295 told apart)."""
+    v = b / GiB
+    return f"{v:.1f} GiB" if v >= 10 else f"{v:.3g} GiB"
+
 @dataclass
 class Breakdown:
     """Bytes of one rank by what holds them."""

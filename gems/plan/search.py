@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from gems.errors import ConfigError, RunError
+from gems.plan.schema import gib
 
 #: rejection reasons, by the key a refusal names
 _REASONS = {"parallel.spatial": "the model refuses the cut", "parallel.spatial_dims": "the model refuses the cut",
@@ -699,9 +700,11 @@ def closest_refusal(cfg: Any, s: Search) -> ConfigError:
         c = min(planned, key=lambda c: c.peak or 0)
         dev = c.plan.device
         need, have = c.peak or 0, int(dev.get("usable_bytes") or dev.get("memory_bytes") or 0)
+        capped = f" under cluster.rank_memory_gb={float(cfg.cluster.rank_memory_gb):g}" if dev.get("capped") else ""
         return ConfigError("parallel.world", s.world, f"a world where a mesh fits; the closest, {c.mesh()} "
-                           f"{c.options()} ({' '.join(c.args())}), needs {need / 2**30:.1f} GiB a rank, the device "
-                           f"holds {have / 2**30:.1f} (more ranks, train.precision=bf16, or a smaller batch)")
+                           f"{c.options()} ({' '.join(c.args())}), needs {gib(need)} a rank, the device holds "
+                           f"{gib(have)}{capped} (more ranks, train.precision=bf16, or a smaller batch"
+                           + (", or a larger cap)" if capped else ")"))
     B = int(cfg.train.batch_size)
     if any(c.reason == "the batch does not divide" for c in s.candidates):
         works = sorted({k * s.world for k in range(1, 4)} | {k * r for r in divisors(s.world) if r > 1

@@ -35,7 +35,7 @@ from gems.errors import ConfigError, RunError
 from gems.fault import inject, reports
 from gems.fault.watchdog import Watchdog
 from gems.layers import recalibrating
-from gems.memory import MemoryMeter, peak_rss_bytes, persistent_bytes, step_peak_bytes
+from gems.memory import MemoryMeter, over_cap, peak_rss_bytes, persistent_bytes, rank_cap_bytes, step_peak_bytes
 from gems.mesh import Mesh, mesh_from_config
 from gems.models import build_model, registered
 from gems.parallel import resolve
@@ -65,8 +65,18 @@ from gems.results.mlperf import MLPerfLog
 
 
 # ---------------------------------------------------------------------------- the run
-class NonFiniteLoss(RunError):
+class Stopped(RunError):
+    """Every rank stopped at one step for one reason, and rank 0 wrote the failed record saying why: the rank ends
+    with that one line and exit status 1, no traceback (the record holds it all)."""
+
+
+class NonFiniteLoss(Stopped):
     """The global loss of a step was NaN or Inf and ``train.on_nonfinite=stop``: every rank stops at that step."""
+
+
+class OverMemoryCap(Stopped):
+    """A CPU rank's tensors took more than ``cluster.rank_memory_gb`` in the profiled steps: every rank stops there,
+    as a GPU of that memory would have run out (:meth:`Run.hold_to_cap`)."""
 
 
 #: a rank's stop flag for a bad file met ahead (Run.bad_ahead): over any count of ranks asking for a checkpoint
@@ -427,6 +437,8 @@ class Run:
             self.wd.saw_step(_took(done, dt, time.perf_counter()))
         timers.settle()  # on GPUs the communication waits were CUDA events: read them now (gems.timers)
         self.check_loss(step, loss, first_bad=_first_bad(values))
+        if step == self.profiled_to - 1 and world.device.type == "cpu":  # the last step profiled for its tensors
+            self.hold_to_cap(step)
         if world.rank == 0:
             what = " (warm-up)" if step < self.warm else " (profiled for tensor memory)" if step < self.profiled_to \
                 else " (the graph's warm-up)" if step < self.measure_from else ""
@@ -636,6 +648,35 @@ class Run:
                 lambda: box.append(context.step(x, y, ids, step, quiesce=True))))
             return box[0]
         return context.step(x, y, ids, step)
+
+    def hold_to_cap(self, step: int) -> None:
+        """CPU ranks under ``cluster.rank_memory_gb``, after the steps profiled for their tensors (every rank here
+        at step ``step``): every rank's tensor peak gathered (one collective of every rank, the same on each), and
+        where one went past the cap, rank 0 writes the failed record naming it and every rank stops
+        (:class:`OverMemoryCap`). A GPU rank's allocator holds to the cap itself (gems.memory.limit_gpu)."""
+        import torch.distributed as dist
+
+        cap = rank_cap_bytes(self.cfg)
+        if cap is None:
+            return
+        peaks = torch.zeros(self.world.size, dtype=torch.float64)
+        peaks[self.world.rank] = float(max(self.history["tensor_peaks"], default=0))
+        if self.world.size > 1:
+            dist.all_reduce(peaks)
+        over = over_cap(cap, [int(v) for v in peaks.tolist()])
+        if over is None:
+            return
+        rank, peak = over
+        gib = 2.0 ** 30
+        msg = (f"rank {rank}'s tensors took {peak / gib:.3f} GiB in the steps profiled for them (to step {step}), "
+               f"past cluster.rank_memory_gb={float(self.cfg.cluster.rank_memory_gb):g}: a device of that memory "
+               "would have run out (gems plan parallel=auto finds a mesh that fits it)")
+        if self.world.rank == 0:
+            write_once(rec.record_path(self.cfg), rec.failed_record(
+                self.cfg, msg, failure={"kind": "memory", "rank": rank, "step": step, "tensor_peak_bytes": peak,
+                                        "cap_bytes": cap}, losses=self.history["losses"], restarts=self.restarts))
+        self.barrier()  # the record is there before any rank ends (the launcher reads it then)
+        raise OverMemoryCap(msg)
 
     def check_loss(self, step: int, loss: float, first_bad: int | None | bool = False) -> None:
         """Keep the step's global loss; a non-finite one stops every rank or is warned about (train.on_nonfinite).
