@@ -8,10 +8,11 @@ different meshes should win:
 * **a large dense head**: a few convolutions and a 4096 x 4096 dense head (64 MiB of fp32 weights), where summing
   the gradients over replicas costs more than the step's compute;
 * **one sample a step**: CosmoFlow at 64^3 and a batch of 1, where no replica split exists (S or D);
-* **the U-Net**: 3D U-Net at 64^3, a batch of 2: skips across the cut and the pipeline's stages, halos at every
-  level. (A memory cap cannot tell the meshes apart in a world of two: at a batch of 2 a replica's one sample, a
-  spatial part's two halves and a pipeline stage's layers peak within 20% of each other, 0.30-0.36 GiB, and at a
-  batch of 1 the spatial and pipeline meshes within 0.03 GiB; tests/test_search.py holds the search to what fits.)
+* **the U-Net under a memory cap**: 3D U-Net at 64^3, a batch of 2 (skips across the cut and the pipeline's
+  stages, halos at every level), each rank capped at 0.29 GiB (``cluster.rank_memory_gb``, planned and held by the
+  run alike): the meshes that win without it (two replicas, GEMS-MAST, two spatial parts; 0.30-0.36 GiB a rank)
+  do not fit, and the search must find what does (recomputation, or a pipeline with micro-batches). The closest
+  mesh the cap rules out is run too, launched past the fit check: the run must stop at the cap, as the plan said.
 
 For each, the search ranks the world's candidates; the benchmark runs its top four, and the best-ranked candidate
 of every mesh family (replicas, pipeline, spatial) not among them, each a real ``gems run`` of the candidate's
@@ -42,7 +43,8 @@ MODELS: list[tuple[str, list[str]]] = [
     ("large dense head", ["model=custom", "model._target_=gems.bench.search.dense_head", "model.input_shape=[4,16,16,16]",
                           "model.num_outputs=4", "train.batch_size=4"]),
     ("one sample a step", ["model=cosmoflow", "model.size=64", "model.width=0.25", "train.batch_size=1"]),
-    ("3D U-Net", ["model=unet3d", "model.size=64", "model.width=0.25", "train.batch_size=2"]),
+    ("3D U-Net, 0.29 GiB a rank", ["model=unet3d", "model.size=64", "model.width=0.25", "train.batch_size=2",
+                                   "cluster.rank_memory_gb=0.29"]),
 ]
 WORLD, STEPS, WARM, ROUNDS = 2, 8, 3, 3
 #: the worlds the search's own time is measured at (issue 72: under a minute each on this machine)
@@ -145,19 +147,43 @@ def picked(ranked: list[Any], top: int = 4) -> list[Any]:
     return out
 
 
-def _run(args: list[str], folder: Path) -> float | None:
-    """One ``gems run`` of ``args``: its samples/s (the median of its measured steps), None where it failed."""
+def _record(args: list[str], folder: Path) -> dict[str, Any] | None:
+    """One ``gems run`` of ``args`` and its record (None where it wrote none)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "gems.cli", "run", *args, f"train.steps={STEPS}", f"train.warmup_steps={WARM}",
            "train.threads=1", f"results.dir={folder}"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    recs = [json.loads(p.read_text()) for p in folder.glob("*.json")]
-    rec = next((r for r in recs if r.get("status") == "ok"), None)
-    if done.returncode != 0 or rec is None:
+    rec = next((json.loads(p.read_text()) for p in folder.glob("*.json")), None)
+    if done.returncode != 0 or rec is None or rec.get("status") != "ok":
         print(f"gems bench search: a run failed ({' '.join(args)}): {done.stderr.strip().splitlines()[-1:]}",
               file=sys.stderr, flush=True)
+    return rec
+
+
+def _run(args: list[str], folder: Path) -> float | None:
+    """One ``gems run`` of ``args``: its samples/s (the median of its measured steps), None where it failed."""
+    rec = _record(args, folder)
+    return float(rec["throughput_samples_per_s"]) if rec is not None and rec.get("status") == "ok" else None
+
+
+def past_the_cap(s: Any, over: list[str], folder: Path) -> dict[str, Any] | None:
+    """Under ``cluster.rank_memory_gb``: the candidate the cap rules out that comes closest to fitting (the least
+    planned peak among those planned not to fit), run once past the fit check (``train.check_fit=false``). What its
+    run did: stopped at the cap (the record's failure of kind ``memory``: the rank and its measured tensor peak) as
+    the plan said, or not. None where no cap is set or it rules nothing out."""
+    if not any(o.startswith("cluster.rank_memory_gb=") for o in over):
         return None
-    return float(rec["throughput_samples_per_s"])
+    out = [c for c in s.candidates if c.plan is not None and not c.fits]
+    if not out:
+        return None
+    c = min(out, key=lambda c: c.peak or 0)
+    rec = _record([*over, *c.args(), "train.check_fit=false"], folder) or {}
+    shutil.rmtree(folder, ignore_errors=True)
+    failure = rec.get("failure") or {}
+    return {"mesh": c.mesh(), "options": c.options(), "overrides": c.args(), "planned_peak_bytes": c.peak,
+            "cap_bytes": int(c.plan.device["memory_bytes"]), "ruled_out": len(out), "status": rec.get("status"),
+            "stopped_at_cap": failure.get("kind") == "memory", "measured_peak_bytes": failure.get("tensor_peak_bytes"),
+            "error": rec.get("error")}
 
 
 def bench_model(label: str, over: list[str], tmp: Path, rounds: int = ROUNDS) -> dict[str, Any]:
@@ -188,9 +214,29 @@ def bench_model(label: str, over: list[str], tmp: Path, rounds: int = ROUNDS) ->
     best = max((r["measured"] for r in ok), default=None)
     mine = next((r["measured"] for r in ok if r["chosen"]), None)
     return {"label": label, "overrides": over, "candidates": len(s.candidates), "seconds": s.seconds, "rows": rows,
+            "past_cap": past_the_cap(s, over, tmp / f"{abs(hash(label))}-cap"),
             "chosen_over_best": (mine / best) if mine and best else None,
             "spearman": spearman([r["predicted"] for r in ok], [r["measured"] for r in ok]) if len(ok) > 1 else None,
             "pairs": ordered_pairs(ok)}
+
+
+def cap_line(m: dict[str, Any]) -> str:
+    """What the cap ruled out, and what the closest of those did when run past the fit check (a paragraph; empty
+    where the model has no cap)."""
+    cap = m.get("past_cap")
+    if not cap:
+        return ""
+    g = 2.0 ** 30
+    measured = cap["measured_peak_bytes"]
+    did = (f"it stopped at the cap, a rank's tensors measured at {measured / g:.3f} GiB, as planned"
+           if cap["stopped_at_cap"] and measured else
+           f"it did not stop at the cap (status {cap['status']}: {cap['error'] or 'no error'}): the plan was wrong")
+    fitting = sum(1 for r in m["rows"] if r["measured"] is not None)
+    return (f"\n{m['label']}: the cap ({cap['cap_bytes'] / g:.3g} GiB a rank) rules out {cap['ruled_out']} of the "
+            f"{m['candidates']} candidates planned; every candidate run above fits it and ran under it "
+            f"({fitting} of {len(m['rows'])} completed). The closest ruled out, {cap['mesh']} {cap['options']} "
+            f"(`{' '.join(cap['overrides'])}`, planned at {cap['planned_peak_bytes'] / g:.3f} GiB), was run past the "
+            f"fit check (`train.check_fit=false`): {did}.\n")
 
 
 def search_time(over: list[str], world: int) -> tuple[float, float, int]:
@@ -241,6 +287,8 @@ def bench_search(out_dir: Path, rounds: int = ROUNDS, big: bool = True) -> str:
             "rounds of each candidate are in search.json.\n\n")
     text += md_table(["model", "candidates planned", "search s", "chosen / best measured", ">= 0.9",
                       "Spearman", ">= 0.8", "pairs measured apart: ordered alike"], summary)
+    for m in models:
+        text += cap_line(m)
     text += "\n" + md_table(["model", "mesh", "schedule", "family", "predicted samples/s", "measured samples/s",
                              "", "overrides"], rows)
     if big:

@@ -540,6 +540,17 @@ class Planner:
             _CACHE[key] = self.layers_for(s)
         return _CACHE[key]
 
+    def recomputed(self, n_layers: int) -> frozenset[int]:
+        """The layers whose forward runs again in the backward (``parallel.checkpoint``): on a pipeline every layer
+        and the loss (index ``n_layers``: each partition is replayed whole, gems.pipeline.runtime), on the plain path
+        the layers of every piece but the last (gems.models.skips.checkpointed); none without recomputation. The
+        step's time counts their forward, and its exchanges, a second time (gems.plan.timing)."""
+        if not self.st.checkpoint:
+            return frozenset()
+        if self.pipelined:
+            return frozenset(range(n_layers + 1))
+        return frozenset(j for a, e in self._pieces()[:-1] for j in range(a, e))
+
     def _pieces(self) -> list[tuple[int, int]]:
         """The plain path's recomputed pieces, as the run cuts them (one trace of the serial model: kept)."""
         key = ("pieces", self.st.model_key, self.st.mesh.parts, self.st.mesh.spatial_dims, self.st.spec.spatial_end)

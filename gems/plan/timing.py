@@ -222,7 +222,10 @@ def _meet(parts: Sequence[_StageTime]) -> _StageTime:
 def _stage_times(ops1: dict[int, LayerOps], ops2: dict[int, LayerOps], b1: int, b2: int, chunk: int,
                  comm1: list[tuple[int, str, int, int]], comm2: list[tuple[int, str, int, int]],
                  a: int, e: int, last: bool, n_layers: int, rates: Rates, parts: int, link: Link | None,
-                 overlap: bool, jitter: float = 0.0) -> _StageTime:
+                 overlap: bool, jitter: float = 0.0, again: frozenset[int] = frozenset()) -> _StageTime:
+    """A stage's times, layer by layer (its loss with the last stage); ``again``: the layers recomputed in the
+    backward (parallel.checkpoint, :meth:`gems.plan.memory.Planner.recomputed`), whose forward and its exchanges
+    the backward runs once more."""
     per: list[tuple[float, float, float, float]] = []
     meets: list[bool] = []
     layers = list(range(a, e)) + ([n_layers] if last else [])  # the loss with the last stage
@@ -242,6 +245,8 @@ def _stage_times(ops1: dict[int, LayerOps], ops2: dict[int, LayerOps], b1: int, 
                 cf, cb = max(0.0, halo - tf) + rest, max(0.0, halo - tb) + rest
             else:
                 cf, cb = halo + rest, halo + rest
+        if j in again:  # its forward runs again before its backward (the same exchanges, in the same order)
+            tb, cb = tb + tf, cb + cf
         per.append((tf, tb, cf, cb))
         meets.append(met)
     if jitter > 0 and any(meets):  # each exchange waits for the slowest part's noise since the last one
@@ -433,7 +438,8 @@ def _stage_list(pl: Any, classes: Any, bal: Sequence[int], chunk: int, rates: Ra
             t1, t2 = pl.traced(members[0], 1), pl.traced(members[0], 2)
             n_layers = len(t1.out_bytes) - 1
             parts.append(_stage_times(t1.ops, t2.ops, t1.batch, t2.batch, chunk, t1.comm, t2.comm, a, e,
-                                      p == len(bal) - 1, n_layers, rates, S, spatial_link, overlap, jitter))
+                                      p == len(bal) - 1, n_layers, rates, S, spatial_link, overlap, jitter,
+                                      pl.recomputed(n_layers)))
         out.append(_meet(parts))
     return out
 
