@@ -21,9 +21,10 @@ deadline (``--seconds``, default 530) and each gets what is left of it, in this 
    epochs than a CPU allows. Its universes are written at the lease's start and it trains beside the rig (the rig's
    timings mean nothing anyway), so it ends before the one-rank rows, which have the GPU alone.
 
-At most 8 files come back from a device call, so it writes seven: ``step.md`` and ``step-records.json`` (gems
-bench step), ``summary.json``, ``summary.md`` (the rig), ``rows.json``, ``overhead-gpu.md`` and ``lease.tgz``
-(every log, record and calibration, and the environment). The one-rank rows run eager
+At most 8 files come back from a device call, so it writes eight at most: ``step.md`` and ``step-records.json``
+(gems bench step), ``summary.json``, ``summary.md`` (the rig), ``rows.json``, ``overhead-gpu.md``, ``search-gpu.md``
+(gems bench search's GPU half, phase ``search``: issue 72) and ``lease.tgz`` (every log, record and calibration, and
+the environment). The one-rank rows run eager
 (``train.cuda_graphs=false``, as every earlier file's), and a few graphed beside them (``GRAPHED_ROWS``).
 The machine lacks gems's pure-Python dependencies: run ``bash scripts/gpu_check.sh --prepare`` here first and
 carry ``.gpu`` (the script puts ``.gpu/site`` on the path).
@@ -108,8 +109,11 @@ GRAPHED_ROWS: list[tuple[str, list[str]]] = [
     ("m256_graphed", ["model=cosmoflow", "model.size=256", "train.batch_size=4", "train.steps=4",
                       "train.warmup_steps=1", "train.cuda_graphs=true"]),
 ]
-#: the phases, in the order a lease runs them by default (science only when named); step: gems bench step
-PHASES = ("step", "rig", "rows", "bench", "science", "probe")
+#: the phases, in the order a lease runs them by default (science and search only when named); step: gems bench
+#: step; search: gems bench search's GPU half (issue 72: the search's choice on one GPU, as it is and under a cap)
+PHASES = ("step", "rig", "rows", "bench", "science", "probe", "search")
+#: the most gems bench search's GPU half may take (two models, each searched twice, its picks in two rounds)
+SEARCH_S = 240.0
 #: the most gems bench step may take (4 contenders x 2 batches x 3 rounds of 40 steps, and the science point)
 STEP_S = 240.0
 #: the file that marks a folder as a lease's scratch, which the next lease clears
@@ -325,6 +329,22 @@ def bench_phase(lease: Lease, dry: bool) -> None:
         (lease.out / "overhead-gpu.md").write_bytes((bench / "overhead-gpu.md").read_bytes())
 
 
+def search_phase(lease: Lease, dry: bool) -> None:
+    """gems bench search's GPU half (gems.bench.search.bench_search_gpu): its table back, its JSON in lease.tgz."""
+    folder = lease.work / "search"
+    if lease.left() < (30 if dry else 60):
+        print(f"gpu_lease: {lease.left():.0f} s left: no gems bench search", flush=True)
+        return
+    if dry:  # the GPU mode's plumbing on this CPU
+        code = f"from pathlib import Path; from gems.bench.search import bench_search_gpu; " \
+               f"bench_search_gpu(Path({str(folder)!r}), rounds=1, dry=True)"
+        lease.run("bench-search", [sys.executable, "-c", code], SEARCH_S)
+    else:
+        lease.run("bench-search", [sys.executable, "-m", "gems.cli", "bench", "search", f"out={folder}"], SEARCH_S)
+    if (folder / "search-gpu.md").exists():
+        (lease.out / "search-gpu.md").write_bytes((folder / "search-gpu.md").read_bytes())
+
+
 def archive(lease: Lease) -> None:
     """Every log, record and calibration in lease.tgz (no weights or checkpoints)."""
     work = lease.work
@@ -335,7 +355,8 @@ def archive(lease: Lease) -> None:
 
     runs = work / "check" / "runs"
     with tarfile.open(lease.out / "lease.tgz", "w:gz") as tar:
-        for name in ("logs", "environment.json", "phases.json", "rows", "check/logs", "bench", "science/run"):
+        for name in ("logs", "environment.json", "phases.json", "rows", "check/logs", "bench", "science/run",
+                     "search"):
             if (work / name).exists():
                 tar.add(work / name, arcname=name, filter=small)
         for rec in sorted(runs.rglob("*.json")) if runs.is_dir() else []:
@@ -406,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
                                     str(lease.out / "large-tensors.json")], PROBE_S)
         elif phase == "science":
             lease.finish("science", keep_s)
+        elif phase == "search":
+            search_phase(lease, a.dry)
         else:
             bench_phase(lease, a.dry)
     archive(lease)

@@ -162,12 +162,13 @@ def test_bench_overhead_refuses_overrides_without_a_gpu(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def dry_lease(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One dry lease (scripts/gpu_lease.py --dry) of every phase but the rig (the dry rig has its test above):
-    gems bench step's plumbing, a one-rank row, the calibration, and the science point trained in the background
-    beside them. Its folder: work/ (the lease's scratch) and out/ (what a device call brings back)."""
+    gems bench step's plumbing, a one-rank row, the calibration, gems bench search's GPU half, and the science point
+    trained in the background beside them. Its folder: work/ (the lease's scratch) and out/ (what a device call
+    brings back)."""
     tmp = tmp_path_factory.mktemp("lease")
     env = dict(os.environ, OMP_NUM_THREADS="1", GEMS_LEASE_WORK=str(tmp / "work"))
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_lease.py"), "--dry", "--phases",
-                        "step,rows,bench,science", "--out", str(tmp / "out")], capture_output=True, text=True,
+                        "step,rows,bench,search,science", "--out", str(tmp / "out")], capture_output=True, text=True,
                        timeout=480, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return tmp
@@ -208,7 +209,21 @@ def test_the_lease_scripts_science_point_writes_universes_trains_beside_a_phase_
     assert rerun["loss"] == record["loss"] and rerun["validation"][-1]["mae"] == record["validation"][-1]["mae"]
 
 
-@pytest.mark.xdist_group("dry_lease")  # one worker runs both: the lease runs once
+@pytest.mark.xdist_group("dry_lease")  # one worker runs these: the lease runs once
+def test_the_lease_searches_one_gpus_steps_as_they_are_and_under_a_cap(dry_lease: Path) -> None:
+    """gems bench search's GPU half (the lease's search phase, issue 72) on CPU (--dry): one rank's plain step is
+    chosen and run as it is; under a cap halfway between its planned peak and its recomputing step's, the recomputing
+    step is chosen and runs, and the plain step run past the fit check stops at the cap, as planned."""
+    plain, capped = json.loads((dry_lease / "work" / "search" / "search-gpu.json").read_text())
+    assert [(r["options"], r["chosen"]) for r in plain["rows"]] == [("plain", True)] and plain["rows"][0]["measured"]
+    assert [(r["options"], r["chosen"]) for r in capped["rows"]] == [("plain recompute", True)]
+    assert capped["rows"][0]["measured"] and "cluster.rank_memory_gb=" in " ".join(capped["overrides"])
+    past = capped["past_cap"]
+    assert past["options"] == "plain" and past["stopped_at_cap"] and past["measured_peak_bytes"] > past["cap_bytes"]
+    assert "stopped at the cap" in (dry_lease / "out" / "search-gpu.md").read_text()
+
+
+@pytest.mark.xdist_group("dry_lease")  # one worker runs these: the lease runs once
 def test_the_lease_script_writes_rows_in_the_gpu_files_schema_and_refuses_a_bad_phase(
         dry_lease: Path, tmp_path: Path) -> None:
     """scripts/gpu_lease.py's plumbing on CPU: a one-rank row through a real `gems run`, in the schema

@@ -182,16 +182,18 @@ def past_the_cap(s: Any, over: list[str], folder: Path) -> dict[str, Any] | None
     failure = rec.get("failure") or {}
     return {"mesh": c.mesh(), "options": c.options(), "overrides": c.args(), "planned_peak_bytes": c.peak,
             "cap_bytes": int(c.plan.device["memory_bytes"]), "ruled_out": len(out), "status": rec.get("status"),
-            "stopped_at_cap": failure.get("kind") == "memory", "measured_peak_bytes": failure.get("tensor_peak_bytes"),
+            # a CPU rank stops past the cap (failure kind memory); a GPU's allocator runs out under it
+            "stopped_at_cap": failure.get("kind") == "memory" or "out of memory" in str(rec.get("error") or ""),
+            "measured_peak_bytes": failure.get("tensor_peak_bytes"),
             "error": rec.get("error")}
 
 
-def bench_model(label: str, over: list[str], tmp: Path, rounds: int = ROUNDS) -> dict[str, Any]:
+def bench_model(label: str, over: list[str], tmp: Path, rounds: int = ROUNDS, world: int = WORLD) -> dict[str, Any]:
     """One model: the search, its picked candidates run in alternating rounds, and the figures."""
     from gems.config import compose
     from gems.plan.search import search
 
-    s = search(compose(["parallel=auto", f"parallel.world={WORLD}", *over]))
+    s = search(compose(["parallel=auto", f"parallel.world={world}", *over]))
     chosen = s.best
     same = s.same()  # (a program run under another name is not run again)
     runs = picked([c for i, c in enumerate(s.ranked) if i not in same])
@@ -229,7 +231,8 @@ def cap_line(m: dict[str, Any]) -> str:
     g = 2.0 ** 30
     measured = cap["measured_peak_bytes"]
     did = (f"it stopped at the cap, a rank's tensors measured at {measured / g:.3f} GiB, as planned"
-           if cap["stopped_at_cap"] and measured else
+           if cap["stopped_at_cap"] and measured else "it ran out of memory under the cap, as planned"
+           if cap["stopped_at_cap"] else
            f"it did not stop at the cap (status {cap['status']}: {cap['error'] or 'no error'}): the plan was wrong")
     fitting = sum(1 for r in m["rows"] if r["measured"] is not None)
     return (f"\n{m['label']}: the cap ({cap['cap_bytes'] / g:.3g} GiB a rank) rules out {cap['ruled_out']} of the "
@@ -257,7 +260,86 @@ def search_time(over: list[str], world: int) -> tuple[float, float, int]:
     return out[0], out[1], cands
 
 
+#: on a GPU (``gems bench search`` where torch sees one: a lease, scripts/gpu_lease.py's search phase), models a GPU
+#: trains, each searched twice: as it is, and under a cap between its plain step's planned peak and its recomputing
+#: step's (``cluster.rank_memory_gb``: the GPU's allocator limited to it)
+GPU_MODELS: list[tuple[str, list[str]]] = [
+    ("3D U-Net 128^3, batch 2", ["model=unet3d", "model.size=128", "train.batch_size=2"]),
+    ("CosmoFlow 256^3, batch 4", ["model=cosmoflow", "model.size=256", "train.batch_size=4"]),
+]
+#: the plumbing of the GPU mode on a CPU (``bench_search_gpu(dry=True)``: tests/test_search.py)
+DRY_GPU_MODELS: list[tuple[str, list[str]]] = [
+    ("3D U-Net 32^3, batch 2", ["model=unet3d", "model.size=32", "model.width=0.25", "train.batch_size=2"]),
+]
+
+
+def capped_between(over: list[str]) -> float | None:
+    """A cap (GiB) halfway between the planned peak of one rank's recomputing step and of its plain step, None where
+    recomputation saves under a tenth (no cap would tell the two apart)."""
+    from gems.config import compose
+    from gems.plan import make_plan
+
+    plain, again = (make_plan(compose([*over, f"parallel.checkpoint={c}"]), suggest=False).worst.bytes.total
+                    for c in ("false", "true"))
+    return None if again > 0.9 * plain else (plain + again) / 2 / 2**30
+
+
+def bench_search_gpu(out_dir: Path, rounds: int = 2, dry: bool = False) -> str:
+    """The GPU half: on one GPU the world is one rank (ranks sharing a GPU would measure shares of it, not GPUs), so
+    a model's candidates are its plain step and its recomputing one. Each model is searched as it is and under a cap
+    that only the recomputing step fits; the picked candidates run in alternating rounds, and under the cap the plain
+    step runs past the fit check and must run out of memory, as planned. Writes ``search-gpu.md`` (``dry``: the
+    plumbing on this machine's CPU, a small model)."""
+    import torch
+
+    from gems.plan.roofline import gpu_named
+
+    on: list[str] = []
+    if not dry:
+        name = torch.cuda.get_device_name(0)
+        on = ["train.device=cuda", f"cluster.gpu={gpu_named(name) or name}"]
+    models = []
+    with tempfile.TemporaryDirectory(prefix="gems-bench-search-gpu-") as tmp:
+        for label, over in (DRY_GPU_MODELS if dry else GPU_MODELS):
+            base = [*over, *on]
+            cap = capped_between(base)
+            models.append(bench_model(label, base, Path(tmp), rounds, world=1))
+            if cap is not None:
+                models.append(bench_model(f"{label}, {cap:.3g} GiB a rank", [*base, f"cluster.rank_memory_gb={cap:.4f}"],
+                                          Path(tmp), rounds, world=1))
+    rows = []
+    for m in models:
+        for r in m["rows"]:
+            rows.append([m["label"], r["options"], f"{r['predicted']:.3g}",
+                         f"{r['measured']:.3g}" if r["measured"] is not None else "failed",
+                         f"{r['measured'] / r['predicted']:.2f}" if r["measured"] and r["predicted"] else "-",
+                         "chosen" if r["chosen"] else "", " ".join(r["overrides"]) or "(defaults)"])
+    device = "this machine's CPU (dry: the plumbing only)" if dry else torch.cuda.get_device_name(0)
+    text = (f"## gems bench search on one GPU ({device})\n\n"
+            "One GPU holds a world of one rank: its candidates are the plain step and its recomputation (ranks "
+            "sharing the GPU would measure shares of it, not GPUs). Each model is searched as it is and under a "
+            "cap halfway between the two steps' planned peaks (`cluster.rank_memory_gb`: the GPU's caching allocator "
+            "limited to it), where only the recomputing step fits; the candidates that fit run as real `gems run`s "
+            f"({STEPS} steps, the median of those after {WARM} warm-up, CUDA graphs as the run decides), the median "
+            f"over {rounds} alternating rounds. Under the cap the plain step is then run past the fit check "
+            "(`train.check_fit=false`): it must run out of memory, as the plan says.\n\n")
+    text += md_table(["model", "step", "predicted samples/s", "measured samples/s", "measured / predicted", "",
+                      "overrides"], rows)
+    for m in models:
+        text += cap_line(m)
+    text += "\n" + env_block("gems bench search (on a machine with a GPU)")
+    write(out_dir, "search-gpu", text)
+    (out_dir / "search-gpu.json").write_text(json.dumps(models, indent=1, default=str))
+    return text
+
+
 def bench_search(out_dir: Path, rounds: int = ROUNDS, big: bool = True) -> str:
+    """The CPU benchmark (a world of two CPU ranks), or on a machine with a GPU its GPU half
+    (:func:`bench_search_gpu`)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return bench_search_gpu(out_dir)
     models = []
     with tempfile.TemporaryDirectory(prefix="gems-bench-search-") as tmp:
         for label, over in MODELS:

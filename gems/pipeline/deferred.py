@@ -224,14 +224,21 @@ for _base in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
 _SWAP[nn.Linear] = _DeferrableLinear
 
 
+def deferrable(module: nn.Module) -> list[nn.Module]:
+    """The modules of ``module`` that :func:`make_deferrable` makes deferrable (or made so): its convolutions
+    (Conv1d/2d/3d) and linear layers of exactly those types; subclasses with their own forward, transposed
+    convolutions and gems' spatial layers compute their weight gradients in ``I``. The planner counts what their W
+    holds (gems.plan.memory)."""
+    return [m for m in module.modules() if type(m) in _SWAP or type(m) in _SWAP.values()]
+
+
 def make_deferrable(module: nn.Module) -> int:
-    """Make ``module``'s convolutions (Conv1d/2d/3d) and linear layers deferrable (exact types only: subclasses
-    with their own forward, transposed convolutions, gems' spatial layers are left alone, computing their
-    weight gradients in ``I``); returns how many. The same objects, parameters and state dict."""
+    """Make ``module``'s :func:`deferrable` modules deferrable; returns how many. The same objects, parameters and
+    state dict."""
     n = 0
-    for m in module.modules():
+    for m in deferrable(module):
         cls = _SWAP.get(type(m))
         if cls is not None:
             m.__class__ = cls
-            n += 1
+        n += 1
     return n

@@ -126,6 +126,7 @@ from gems.errors import ConfigError
 from gems.layers import Recompute
 from gems.memory import rank_cap_bytes
 from gems.parallel import recompute_pieces, resolve, spatial_model, stage_balance
+from gems.pipeline.deferred import deferrable
 from gems.pipeline.exchange import plan_exchanges, receive_lead
 from gems.pipeline.partition import trace_shapes
 from gems.pipeline.schedules import GRAD, registered
@@ -178,9 +179,15 @@ class _Stage:
     layer_convs: list[tuple[bool, list[tuple]]] = field(default_factory=list)  # per layer: (input grad, convs)
     #: a forward without gradients (an evaluation's): the largest input and output of one layer together
     forward: _Affine = field(default_factory=lambda: _Affine(0.0, 0.0))
+    #: per micro-batch, what a split backward's W holds from its I (gems.pipeline.deferred): each deferrable layer's
+    #: input and its output's gradient; the rest of the micro-batch's activations are freed by the I
+    held_for_w: _Affine = field(default_factory=lambda: _Affine(0.0, 0.0))
+    #: the same layer by layer (none for a layer without deferrable modules), for the I's working set
+    kept_for_w: list[_Affine] = field(default_factory=list)
 
     def working(self, chunk: int, workspace: Any = None, at_peak: bool = False,
-                span: tuple[int, int] | None = None, lines: Sequence[_Affine] | None = None) -> tuple[int, int]:
+                span: tuple[int, int] | None = None, lines: Sequence[_Affine] | None = None,
+                keeping: bool = False) -> tuple[int, int]:
         """(the backward's working set at micro-batch ``chunk``, the part of it that is its ops' own workspace).
 
         ``workspace(signature, batch, input_grad)``: the bytes a convolution allocates for itself. CPU ranks
@@ -193,6 +200,9 @@ class _Stage:
         ``span``, ``lines``: the layers [a, e) of a checkpointed segment and their working sets over the segment's
         own saved set (the plain path recomputes one segment at a time, so the stage's set is not what they top)."""
         layer_work = self.layer_work if lines is None else list(lines)
+        if keeping and self.kept_for_w:  # a split backward's I: what it keeps for its W of the layers after each
+            kept = [k.at(chunk) for k in self.kept_for_w]
+            layer_work = [_Affine(w.c + sum(kept[j:]), w.k) for j, w in enumerate(layer_work)]
         layer_convs = self.layer_convs if span is None else self.layer_convs[span[0]:span[1]]
         # the worst layer at ``chunk``, not the line through the worst at the traced batches: which layer is worst
         # changes with the batch (CosmoFlow 64^3: the dense head's at 1 and 2 samples, the first convolution's at
@@ -234,12 +244,24 @@ def _stages(t1: Trace, t2: Trace, bal: Sequence[int], layers: Sequence[nn.Module
         sizes = [p.numel() * p.element_size() for layer in layers[a:e] for p in layer.parameters()]
         convs = [(t1.in_grad[j], list(dict.fromkeys(sig for (cls, sig) in [*t1.ops.get(j, {}), *t2.ops.get(j, {})]
                                                     if cls == "conv"))) for j in range(a, e)]
+        # (the last layer's output gradient is the received buffer, the skips' packed with it: a view keeps it all)
+        kept = [_affine(_held_for_w(t1, j, o1 if j == e - 1 else None), _held_for_w(t2, j, o2 if j == e - 1 else None))
+                if deferrable(layers[j]) else _Affine(0.0, 0.0) for j in range(a, e)]
         out.append(_Stage(per, const, _affine(i1, i2), _affine(o1, o2), _affine(h1, h2),
                           _affine(g1, g2), sum(sizes), sum(b for b in sizes if not summed_in_place(b)),
                           layer_work=[_affine(x1, x2) for x1, x2 in zip(lw1, lw2)], layer_convs=convs,
-                          forward=_affine(_forward_set(t1, a, e), _forward_set(t2, a, e))))
+                          forward=_affine(_forward_set(t1, a, e), _forward_set(t2, a, e)),
+                          held_for_w=_Affine(sum(k.c for k in kept), sum(k.k for k in kept)), kept_for_w=kept))
         start = e
     return out
+
+
+def _held_for_w(t: Trace, j: int, out: int | None = None) -> int:
+    """What a split backward's W holds of one micro-batch (gems.pipeline.deferred) for layer ``j``, one with
+    deferrable modules: its input and its output's gradient, the size of its output (``out``: the stage's output as
+    it crosses the cut, where the gradient is that buffer); the model's input, a view of the batch, counted as the
+    batch. A layer of several such modules is counted by its own input and output."""
+    return (t.out_bytes[j - 1] if j > 0 else 0) + (t.out_bytes[j] if out is None else out)
 
 
 def _forward_set(t: Trace, a: int, e: int) -> int:
@@ -249,7 +271,9 @@ def _forward_set(t: Trace, a: int, e: int) -> int:
 
 
 # ============================================================================ schedules
-Flight = tuple[str, int, dict[int, int], int, tuple[int, ...]]
+#: (F or B, the partition, micro-batches alive per partition, those between their I and their W per partition,
+#: messages held, the receiving stages of input gradients sent and held)
+Flight = tuple[str, int, dict[int, int], dict[int, int], int, tuple[int, ...]]
 
 
 #: each pipeline rank's states (_in_flight) by its exchange plan's identity (held with it), rank, lead and backend
@@ -266,20 +290,29 @@ def _in_flight(schedule: Any, d: int, held: Sequence[int] = (),
     none where not given). ``unsent``: per action, the sends whose buffers it still holds
     (:meth:`~gems.pipeline.exchange.ExchangePlan.unconfirmed`; an activation's is the micro-batch's output, counted
     with it). A long schedule's steady state repeats itself, so the distinct states stay few."""
-    steps: dict[tuple[str, int, tuple[tuple[int, int], ...], int, tuple[int, ...]], None] = {}
+    Key = tuple[str, int, tuple[tuple[int, int], ...], tuple[tuple[int, int], ...], int, tuple[int, ...]]
+    steps: dict[Key, None] = {}
     live: dict[int, int] = {}
+    after_i: dict[int, int] = {}  # a split backward's micro-batches between their I and their W
+
+    def state() -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+        return tuple(sorted(live.items())), tuple(sorted((q, n) for q, n in after_i.items() if n))
+
     for k, a in enumerate(schedule.actions[d]):
         h = held[k] if k < len(held) else 0
         grads = tuple(stage for kind, stage in (unsent[k] if k < len(unsent) else ()) if kind == GRAD)
         if a.kind.forward:
             live[a.stage] = live.get(a.stage, 0) + 1
-            steps[("F", a.stage, tuple(sorted(live.items())), h, grads)] = None
+            steps[("F", a.stage, *state(), h, grads)] = None
         else:
-            if a.kind.input_gradient:  # the backward's working set is live while it runs
-                steps[("B", a.stage, tuple(sorted(live.items())), h, grads)] = None
-            if a.kind.frees:
+            if a.kind.input_gradient:  # the backward's working set is live while it runs (an I's: "I")
+                steps[("B" if a.kind.frees else "I", a.stage, *state(), h, grads)] = None
                 live[a.stage] -= 1
-    return [(k, p, dict(alive), h, g) for k, p, alive, h, g in steps]
+                if not a.kind.frees:  # an I: what its W needs stays
+                    after_i[a.stage] = after_i.get(a.stage, 0) + 1
+            elif a.kind.frees:  # a W
+                after_i[a.stage] -= 1
+    return [(k, p, dict(alive), dict(waiting_w), h, g) for k, p, alive, waiting_w, h, g in steps]
 
 
 # ============================================================================ the plan
@@ -668,9 +701,12 @@ class Planner:
             const = s0.const.at(chunk)
         else:
             const = sum(stages[p].const.at(chunk) for p in held)
-            for kind, p, live, waiting, unsent in flights:
+            for kind, p, live, after_i, waiting, unsent in flights:
                 # the input gradients sent and not yet known delivered (into stage s: stage s + 1's input's size)
                 keep = sum(stages[s + 1].inp.at(chunk) for s in unsent)
+                # a split backward's micro-batches between their I and their W: what the W needs, whether or not
+                # the stage recomputes (the I's recomputed activations are those the W takes)
+                keep += sum(n * stages[q].held_for_w.at(chunk) for q, n in after_i.items())
                 for q, n in live.items():
                     if not st.checkpoint:
                         keep += n * stages[q].saved.at(chunk)
@@ -682,8 +718,10 @@ class Planner:
                     if q != st.settings.stages - 1:
                         keep += (n - (q == p)) * stages[q].out.at(chunk)
                 w = 0
-                if kind == "B" or not st.checkpoint:
-                    work, w = stages[p].working(chunk, self.workspace, st.gpu)
+                if kind != "F" or not st.checkpoint:
+                    # an I keeps what its W will need of each layer it has passed (the output gradient, and the
+                    # input the layer's saved set would have let go) beside the working set of the layer it is at
+                    work, w = stages[p].working(chunk, self.workspace, st.gpu, keeping=kind == "I")
                     # recomputed: its saved set again, and the random state's copy while it replays; the saved set
                     # holds the micro-batch's input, the storage kept above (counted twice before: CosmoFlow's second
                     # stage of 1F1B at D=2 and m=2 planned at 1.41 of its measured memory, 1.20 without recomputation)
