@@ -235,11 +235,14 @@ def cap_line(m: dict[str, Any]) -> str:
            if cap["stopped_at_cap"] else
            f"it did not stop at the cap (status {cap['status']}: {cap['error'] or 'no error'}): the plan was wrong")
     fitting = sum(1 for r in m["rows"] if r["measured"] is not None)
+    ran = (f"all {fitting} ran to their end under it" if fitting == len(m["rows"]) else
+           f"{fitting} of {len(m['rows'])} ran to their end under it (a failed one went past the cap: the plan was "
+           "wrong)")
+    named = " ".join(cap["overrides"]) or "no mesh key"
     return (f"\n{m['label']}: the cap ({cap['cap_bytes'] / g:.3g} GiB a rank) rules out {cap['ruled_out']} of the "
-            f"{m['candidates']} candidates planned; every candidate run above fits it and ran under it "
-            f"({fitting} of {len(m['rows'])} completed). The closest ruled out, {cap['mesh']} {cap['options']} "
-            f"(`{' '.join(cap['overrides'])}`, planned at {cap['planned_peak_bytes'] / g:.3f} GiB), was run past the "
-            f"fit check (`train.check_fit=false`): {did}.\n")
+            f"{m['candidates']} candidates planned; the candidates run above were planned to fit it, and {ran}. "
+            f"The closest ruled out, {cap['mesh']} {cap['options']} (`{named}`, planned at "
+            f"{cap['planned_peak_bytes'] / g:.3f} GiB), was run past the fit check (`train.check_fit=false`): {did}.\n")
 
 
 def search_time(over: list[str], world: int) -> tuple[float, float, int]:
