@@ -355,9 +355,9 @@ def bench_search(out_dir: Path, rounds: int = ROUNDS, big: bool = True) -> str:
                          "chosen" if r["chosen"] else "", " ".join(r["overrides"]) or "(defaults)"])
         ratio, rho = m["chosen_over_best"], m["spearman"]
         summary.append([m["label"], m["candidates"], f"{m['seconds']:.1f}",
-                        f"{ratio:.2f}" if ratio is not None else "-", "yes" if ratio is not None and ratio >= 0.9
+                        f"{ratio:.2f}" if ratio is not None else "-", "yes" if ratio is not None and ratio >= 0.9 - 1e-9
                         else "no", f"{rho:.2f}" if rho is not None else "-",
-                        "yes" if rho is not None and rho >= 0.8 else "no",
+                        "yes" if rho is not None and rho >= 0.8 - 1e-9 else "no",  # (0.8 itself, in floats)
                         f"{m['pairs'][0]:g} of {m['pairs'][1]}" if m["pairs"][1] else "none"])
     text = ("## gems bench search\n\n"
             f"The mesh `gems plan parallel=auto` chooses, against the meshes it ranked, measured: a world of {WORLD} "
