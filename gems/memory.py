@@ -83,18 +83,19 @@ def rank_cap_bytes(cfg: Any) -> int | None:
     """``cluster.rank_memory_gb`` in bytes (None where unset): the most one rank's tensors may take. One rule for the
     plan, which counts it as the rank's device (gems.plan.memory), and for the run, which holds every rank to it
     (:func:`limit_gpu`, :func:`over_cap`)."""
-    value = cfg.cluster.rank_memory_gb
+    value = getattr(getattr(cfg, "cluster", None), "rank_memory_gb", None)  # (a configuration without the section)
     return None if value is None else int(float(value) * 2**30)
 
 
 def limit_gpu(cap: int | None, device: torch.device) -> float | None:
     """A GPU rank's caching allocator held to ``cap`` bytes (``torch.cuda.set_per_process_memory_fraction`` of the
     device's total; a cap past the device leaves it whole): an allocation past it raises CUDA's out-of-memory error,
-    as a smaller GPU would. The fraction set, or None (a CPU rank, no cap). The CUDA context and NCCL's buffers lie
-    outside the allocator, so the plan, which counts them against the cap too, errs on the safe side."""
-    if cap is None or device.type != "cuda":
+    as a smaller GPU would; no cap sets the whole device (a process that set up a capped rank before keeps no limit).
+    The fraction set, or None (a CPU rank). The CUDA context and NCCL's buffers lie outside the allocator, so the
+    plan, which counts them against the cap too, errs on the safe side."""
+    if device.type != "cuda":
         return None
-    fraction = min(1.0, cap / torch.cuda.get_device_properties(device).total_memory)
+    fraction = 1.0 if cap is None else min(1.0, cap / torch.cuda.get_device_properties(device).total_memory)
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     return fraction
 

@@ -21,7 +21,8 @@ deadline (``--seconds``, default 530) and each gets what is left of it, in this 
    epochs than a CPU allows. Its universes are written at the lease's start and it trains beside the rig (the rig's
    timings mean nothing anyway), so it ends before the one-rank rows, which have the GPU alone.
 
-At most 8 files come back from a device call, so it writes eight at most: ``step.md`` and ``step-records.json``
+At most 8 files come back from a device call; it writes these (``large-tensors.json`` too with ``probe``: name no
+more than seven of the phases that write one, or one comes back missing): ``step.md`` and ``step-records.json``
 (gems bench step), ``summary.json``, ``summary.md`` (the rig), ``rows.json``, ``overhead-gpu.md``, ``search-gpu.md``
 (gems bench search's GPU half, phase ``search``: issue 72) and ``lease.tgz`` (every log, record and calibration, and
 the environment). The one-rank rows run eager

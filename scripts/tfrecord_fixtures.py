@@ -16,7 +16,6 @@ compares what gems reads with them bit for bit. The script reads every file back
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np

@@ -227,7 +227,8 @@ def test_a_gpu_ranks_allocator_is_held_to_the_cap_and_planned_under_it(monkeypat
     gpu = torch.device("cuda", 0)
     assert limit_gpu(8 * 2**30, gpu) == 0.1 and calls == [(0.1, gpu)]
     assert limit_gpu(100 * 2**30, gpu) == 1.0
-    assert limit_gpu(None, gpu) is None and limit_gpu(2**30, torch.device("cpu")) is None and len(calls) == 2
+    assert limit_gpu(None, gpu) == 1.0 and calls[-1] == (1.0, gpu)  # no cap: the whole device, set again
+    assert limit_gpu(2**30, torch.device("cpu")) is None and len(calls) == 3
     monkeypatch.undo()
     h100 = ["model.size=32", "model.width=0.25", "train.batch_size=2", "cluster.gpu=h100", "train.device=cuda"]
     whole = _planned(*h100)["device"]

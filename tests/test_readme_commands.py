@@ -27,6 +27,8 @@ COMMANDS: dict[str, list[str] | str] = {
     "bash scripts/setup.sh && gems run": [],  # the set-up is CI's first step: the test runs `gems run`
     "bash scripts/test.sh": "this test suite itself",
     "bash scripts/gpu_check.sh": "needs a GPU (its summary is committed under results/gpu/ where one was lent)",
+    "bash scripts/gpu_check.sh --prepare": "copies this machine's installed pure-Python packages into .gpu/site (git "
+        "ignores it) for a GPU machine that lacks them; the dry lease (tests/test_gpu_check.py) runs what it carries",
     "bash scripts/gpu_check.sh --dry": "tests/test_gpu_check.py runs it (its 1F1B part, to keep the suite short)",
     # a warm-up step and a measured one, every rank's messages and collectives logged and replayed under NCCL's rules
     # (REPLAYED below)

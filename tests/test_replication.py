@@ -407,3 +407,7 @@ def test_a_w_hands_its_weight_gradients_to_the_accumulators_without_a_copy():
         ref(x).pow(2).sum().backward()
         assert torch.equal(lin.weight.grad, ref.weight.grad) and torch.equal(lin.bias.grad, ref.bias.grad)
         assert len(fired) == 2 * (k + 1)
+    # outside deferring() the same layer computes both gradients in its backward (autograd's grad mode off there)
+    lin(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    assert torch.equal(lin.weight.grad, ref.weight.grad) and len(fired) == 6

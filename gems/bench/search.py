@@ -277,13 +277,19 @@ DRY_GPU_MODELS: list[tuple[str, list[str]]] = [
 
 
 def capped_between(over: list[str]) -> float | None:
-    """A cap (GiB) halfway between the planned peak of one rank's recomputing step and of its plain step, None where
-    recomputation saves under a tenth (no cap would tell the two apart)."""
+    """A cap (GiB) halfway between what one rank's recomputing step and its plain step need of their device, None
+    where recomputation saves under a tenth (no cap would tell the two apart). A GPU rank needs its planned peak and
+    its reserve (the context, NCCL's buffers, fragmentation: counted inside the cap); a capped CPU rank its peak."""
     from gems.config import compose
     from gems.plan import make_plan
 
-    plain, again = (make_plan(compose([*over, f"parallel.checkpoint={c}"]), suggest=False).worst.bytes.total
-                    for c in ("false", "true"))
+    def need(checkpoint: str) -> float:
+        plan = make_plan(compose([*over, f"parallel.checkpoint={checkpoint}"]), suggest=False)
+        dev = plan.device
+        reserve = dev["memory_bytes"] - dev["usable_bytes"] if dev["kind"] == "gpu" else 0
+        return float(plan.worst.bytes.total + reserve)
+
+    plain, again = need("false"), need("true")
     return None if again > 0.9 * plain else (plain + again) / 2 / 2**30
 
 
@@ -301,15 +307,25 @@ def bench_search_gpu(out_dir: Path, rounds: int = 2, dry: bool = False) -> str:
     if not dry:
         name = torch.cuda.get_device_name(0)
         on = ["train.device=cuda", f"cluster.gpu={gpu_named(name) or name}"]
-    models = []
+    models: list[dict[str, Any]] = []
+    text = ""
     with tempfile.TemporaryDirectory(prefix="gems-bench-search-gpu-") as tmp:
         for label, over in (DRY_GPU_MODELS if dry else GPU_MODELS):
             base = [*over, *on]
             cap = capped_between(base)
             models.append(bench_model(label, base, Path(tmp), rounds, world=1))
+            text = _gpu_table(out_dir, models, rounds, dry)  # written after each: a lease's deadline keeps what ran
             if cap is not None:
                 models.append(bench_model(f"{label}, {cap:.3g} GiB a rank", [*base, f"cluster.rank_memory_gb={cap:.4f}"],
                                           Path(tmp), rounds, world=1))
+                text = _gpu_table(out_dir, models, rounds, dry)
+    return text
+
+
+def _gpu_table(out_dir: Path, models: list[dict[str, Any]], rounds: int, dry: bool) -> str:
+    """``search-gpu.md`` and ``search-gpu.json`` of the models measured so far."""
+    import torch
+
     rows = []
     for m in models:
         for r in m["rows"]:
@@ -321,7 +337,7 @@ def bench_search_gpu(out_dir: Path, rounds: int = 2, dry: bool = False) -> str:
     text = (f"## gems bench search on one GPU ({device})\n\n"
             "One GPU holds a world of one rank: its candidates are the plain step and its recomputation (ranks "
             "sharing the GPU would measure shares of it, not GPUs). Each model is searched as it is and under a "
-            "cap halfway between the two steps' planned peaks (`cluster.rank_memory_gb`: the GPU's caching allocator "
+            "cap halfway between what the two steps need of the device (`cluster.rank_memory_gb`: the GPU's allocator "
             "limited to it), where only the recomputing step fits; the candidates that fit run as real `gems run`s "
             f"({STEPS} steps, the median of those after {WARM} warm-up, CUDA graphs as the run decides), the median "
             f"over {rounds} alternating rounds. Under the cap the plain step is then run past the fit check "

@@ -102,7 +102,8 @@ def _accumulate(params: list[torch.Tensor | None], make: Callable[[], list[torch
         made = make()
         return [made[i] for i in held]
 
-    torch.autograd.backward(_Handed.apply(grads, *taken))
+    with torch.enable_grad():  # (run inside a backward, outside deferring(): autograd turned grad mode off there)
+        torch.autograd.backward(_Handed.apply(grads, *taken))
 
 
 def _queue_or_run(weight_grad: Callable[[], None]) -> None:

@@ -371,6 +371,9 @@ def _device(cfg: Any, world: int, available: bool = False) -> dict[str, Any]:
         if cap < dev["memory_bytes"]:
             dev.update(name=f"{dev['name']}, capped", memory_bytes=cap, memory_source=given, capped=True)
         return dev
+    if cap > dev["memory_bytes"]:  # a CPU rank's share of its node's memory is all it has, whatever the cap
+        given += f", past the rank's share of its node ({dev['memory_source']})"
+        cap = int(dev["memory_bytes"])
     return {"kind": "cpu", "name": "a rank capped", "memory_bytes": cap, "memory_source": given, "capped": True,
             "reserve_bytes": 0, "reserve": {"source": "cluster.rank_memory_gb (the cap counts tensors)", "bytes": 0,
                                             "parts": {}}}

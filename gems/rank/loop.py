@@ -659,7 +659,7 @@ class Run:
         cap = rank_cap_bytes(self.cfg)
         if cap is None:
             return
-        peaks = torch.zeros(self.world.size, dtype=torch.float64)
+        peaks = torch.zeros(self.world.size, dtype=torch.float64, device=self.world.device)
         peaks[self.world.rank] = float(max(self.history["tensor_peaks"], default=0))
         if self.world.size > 1:
             dist.all_reduce(peaks)
