@@ -631,6 +631,14 @@ def test_recomputation_is_timed_as_the_forward_of_every_layer_it_runs_again():
         assert q == ((p[0], p[1] + p[0], p[2], p[3] + p[2]) if j in again else p), j
     assert sum(once.layers[j][2] for j in again) > 0  # halos of the recomputed layers exchanged again
     assert twice.bwd == pytest.approx(once.bwd + sum(once.layers[j][0] for j in again))
+    # a split backward's I replays that forward whole before its input gradients; the W does none of it
+    from gems.pipeline.schedules import Kind
+
+    replay = sum(once.layers[j][0] for j in again)
+    assert twice.replay == pytest.approx(replay) and twice.backward(Kind.B) == (twice.bwd, twice.comm_bwd)
+    assert twice.backward(Kind.I)[0] == pytest.approx(once.bwd / 2 + replay)
+    assert twice.backward(Kind.W)[0] == pytest.approx(once.bwd / 2)
+    assert sum(twice.backward(Kind.I)) + sum(twice.backward(Kind.W)) == pytest.approx(twice.bwd + twice.comm_bwd)
     piped = Planner(setup(compose([*base, "parallel.spatial=1", "parallel.pipeline=2", "parallel.checkpoint=true"])))
     assert piped.recomputed(n) == frozenset(range(n + 1))  # each partition replayed whole, the loss too
     assert Planner(setup(compose(base))).recomputed(n) == frozenset()

@@ -245,8 +245,9 @@ def _stages(t1: Trace, t2: Trace, bal: Sequence[int], layers: Sequence[nn.Module
         convs = [(t1.in_grad[j], list(dict.fromkeys(sig for (cls, sig) in [*t1.ops.get(j, {}), *t2.ops.get(j, {})]
                                                     if cls == "conv"))) for j in range(a, e)]
         # (the last layer's output gradient is the received buffer, the skips' packed with it: a view keeps it all)
-        kept = [_affine(_held_for_w(t1, j, o1 if j == e - 1 else None), _held_for_w(t2, j, o2 if j == e - 1 else None))
-                if deferrable(layers[j]) else _Affine(0.0, 0.0) for j in range(a, e)]
+        counts = [len(deferrable(layers[j])) for j in range(a, e)]
+        kept = [_affine(_held_for_w(t1, j, o1 if j == e - 1 else None, n), _held_for_w(t2, j, o2 if j == e - 1 else None, n))
+                if n else _Affine(0.0, 0.0) for j, n in zip(range(a, e), counts)]
         out.append(_Stage(per, const, _affine(i1, i2), _affine(o1, o2), _affine(h1, h2),
                           _affine(g1, g2), sum(sizes), sum(b for b in sizes if not summed_in_place(b)),
                           layer_work=[_affine(x1, x2) for x1, x2 in zip(lw1, lw2)], layer_convs=convs,
@@ -256,12 +257,18 @@ def _stages(t1: Trace, t2: Trace, bal: Sequence[int], layers: Sequence[nn.Module
     return out
 
 
-def _held_for_w(t: Trace, j: int, out: int | None = None) -> int:
+def _held_for_w(t: Trace, j: int, out: int | None = None, modules: int = 1) -> int:
     """What a split backward's W holds of one micro-batch (gems.pipeline.deferred) for layer ``j``, one with
     deferrable modules: its input and its output's gradient, the size of its output (``out``: the stage's output as
     it crosses the cut, where the gradient is that buffer); the model's input, a view of the batch, counted as the
-    batch. A layer of several such modules is counted by its own input and output."""
-    return (t.out_bytes[j - 1] if j > 0 else 0) + (t.out_bytes[j] if out is None else out)
+    batch. A layer of several such ``modules`` (a residual block's convolutions) also holds the inputs of those
+    inside it and their output gradients: counted as twice what the layer saves beside its own input."""
+    own = (t.out_bytes[j - 1] if j > 0 else 0) + (t.out_bytes[j] if out is None else out)
+    if modules < 2:
+        return own
+    entry = t.out_keys[j - 1] if j > 0 else t.in_key
+    inside = sum(nb for key, (nb, users) in t.saved.items() if j in users and key != entry)
+    return own + 2 * inside
 
 
 def _forward_set(t: Trace, a: int, e: int) -> int:

@@ -200,6 +200,20 @@ class _StageTime:
     comm_fwd: float  # exposed spatial messages
     comm_bwd: float
     layers: list[tuple[float, float, float, float]] = field(default_factory=list)  # (fwd, bwd, comm_fwd, comm_bwd)
+    #: of ``bwd`` and ``comm_bwd``, the recomputed layers' forward run again (parallel.checkpoint) and its messages
+    replay: float = 0.0
+    replay_comm: float = 0.0
+
+    def backward(self, kind: Any) -> tuple[float, float]:
+        """(compute, exposed messages) of a backward action of ``kind`` (gems.pipeline.schedules.Kind): a B all of
+        the stage's backward; an I and a W half each of what is not the recomputed forward, and the I that forward
+        whole (it replays it before its input gradients)."""
+        share = float(kind.backward_share)
+        if share >= 1.0:
+            return self.bwd, self.comm_bwd
+        first = 1.0 if kind.input_gradient else 0.0
+        return ((self.bwd - self.replay) * share + first * self.replay,
+                (self.comm_bwd - self.replay_comm) * share + first * self.replay_comm)
 
 
 def _meet(parts: Sequence[_StageTime]) -> _StageTime:
@@ -216,7 +230,8 @@ def _meet(parts: Sequence[_StageTime]) -> _StageTime:
         fwd, bwd = fwd + f, bwd + b
         cf += max(x[0] + x[2] for x in layer) - f
         cb += max(x[1] + x[3] for x in layer) - b
-    return _StageTime(fwd, bwd, cf, cb)
+    return _StageTime(fwd, bwd, cf, cb, replay=max(p.replay for p in parts),
+                      replay_comm=max(p.replay_comm for p in parts))
 
 
 def _stage_times(ops1: dict[int, LayerOps], ops2: dict[int, LayerOps], b1: int, b2: int, chunk: int,
@@ -228,6 +243,7 @@ def _stage_times(ops1: dict[int, LayerOps], ops2: dict[int, LayerOps], b1: int, 
     the backward runs once more."""
     per: list[tuple[float, float, float, float]] = []
     meets: list[bool] = []
+    replay = replay_comm = 0.0
     layers = list(range(a, e)) + ([n_layers] if last else [])  # the loss with the last stage
     for j in layers:
         ops = scaled(ops1.get(j, {}), ops2.get(j, {}), b1, b2, chunk)
@@ -247,12 +263,13 @@ def _stage_times(ops1: dict[int, LayerOps], ops2: dict[int, LayerOps], b1: int, 
                 cf, cb = halo + rest, halo + rest
         if j in again:  # its forward runs again before its backward (the same exchanges, in the same order)
             tb, cb = tb + tf, cb + cf
+            replay, replay_comm = replay + tf, replay_comm + cf
         per.append((tf, tb, cf, cb))
         meets.append(met)
     if jitter > 0 and any(meets):  # each exchange waits for the slowest part's noise since the last one
         per = _with_waits(per, meets, parts, jitter)
     return _StageTime(sum(x[0] for x in per), sum(x[1] for x in per), sum(x[2] for x in per),
-                      sum(x[3] for x in per), per)
+                      sum(x[3] for x in per), per, replay, replay_comm)
 
 
 def _with_waits(per: list[tuple[float, float, float, float]], meets: list[bool], parts: int,
@@ -351,7 +368,7 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
             t = per_stage[act.stage]
             if act.kind.forward:
                 return t.fwd + t.comm_fwd
-            return (t.bwd + t.comm_bwd) * act.kind.backward_share  # B all of it, I or W half each
+            return sum(t.backward(act.kind))  # B all of it, I or W half each (the I any recomputed forward)
 
         def transfer(act: Any) -> float:
             nxt = act.stage + 1 if act.kind.forward else act.stage - 1
@@ -383,10 +400,10 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
     for d in ranks:
         held = sched.partitions_of(d) if sched is not None else [0]
         if actions is not None:
-            comp = sum((per_stage[a.stage].fwd if a.kind.forward else per_stage[a.stage].bwd * a.kind.backward_share)
+            comp = sum((per_stage[a.stage].fwd if a.kind.forward else per_stage[a.stage].backward(a.kind)[0])
                        for a in actions[d])
-            spat = sum((per_stage[a.stage].comm_fwd if a.kind.forward else
-                        per_stage[a.stage].comm_bwd * a.kind.backward_share) for a in actions[d])
+            spat = sum((per_stage[a.stage].comm_fwd if a.kind.forward else per_stage[a.stage].backward(a.kind)[1])
+                       for a in actions[d])
             last_b = [a for a in actions[d] if a.kind.frees]
             window = sum(cost(a) for a in last_b[-len(held):]) if last_b else 0.0
         else:
