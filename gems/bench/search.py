@@ -171,10 +171,8 @@ def past_the_cap(s: Any, over: list[str], folder: Path) -> dict[str, Any] | None
     planned peak among those planned not to fit), run once past the fit check (``train.check_fit=false``). What its
     run did: stopped at the cap (the record's failure of kind ``memory``: the rank and its measured tensor peak) as
     the plan said, or not. None where no cap is set or it rules nothing out."""
-    if not any(o.startswith("cluster.rank_memory_gb=") for o in over):
-        return None
     out = [c for c in s.candidates if c.plan is not None and not c.fits]
-    if not out:
+    if not out or not out[0].plan.device.get("capped"):  # (the plan's own word for a cap that is set)
         return None
     c = min(out, key=lambda c: c.peak or 0)
     rec = _record([*over, *c.args(), "train.check_fit=false"], folder) or {}

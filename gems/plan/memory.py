@@ -179,11 +179,15 @@ class _Stage:
     layer_convs: list[tuple[bool, list[tuple]]] = field(default_factory=list)  # per layer: (input grad, convs)
     #: a forward without gradients (an evaluation's): the largest input and output of one layer together
     forward: _Affine = field(default_factory=lambda: _Affine(0.0, 0.0))
-    #: per micro-batch, what a split backward's W holds from its I (gems.pipeline.deferred): each deferrable layer's
-    #: input and its output's gradient; the rest of the micro-batch's activations are freed by the I
-    held_for_w: _Affine = field(default_factory=lambda: _Affine(0.0, 0.0))
-    #: the same layer by layer (none for a layer without deferrable modules), for the I's working set
+    #: per micro-batch and layer, what a split backward's W holds from its I (gems.pipeline.deferred): each
+    #: deferrable layer's input and its output's gradient (none for a layer without deferrable modules)
     kept_for_w: list[_Affine] = field(default_factory=list)
+
+    @property
+    def held_for_w(self) -> _Affine:
+        """Per micro-batch, all a split backward's W holds from its I (:attr:`kept_for_w` summed); the rest of the
+        micro-batch's activations are freed by the I."""
+        return _Affine(sum(k.c for k in self.kept_for_w), sum(k.k for k in self.kept_for_w))
 
     def working(self, chunk: int, workspace: Any = None, at_peak: bool = False,
                 span: tuple[int, int] | None = None, lines: Sequence[_Affine] | None = None,
@@ -251,8 +255,7 @@ def _stages(t1: Trace, t2: Trace, bal: Sequence[int], layers: Sequence[nn.Module
         out.append(_Stage(per, const, _affine(i1, i2), _affine(o1, o2), _affine(h1, h2),
                           _affine(g1, g2), sum(sizes), sum(b for b in sizes if not summed_in_place(b)),
                           layer_work=[_affine(x1, x2) for x1, x2 in zip(lw1, lw2)], layer_convs=convs,
-                          forward=_affine(_forward_set(t1, a, e), _forward_set(t2, a, e)),
-                          held_for_w=_Affine(sum(k.c for k in kept), sum(k.k for k in kept)), kept_for_w=kept))
+                          forward=_affine(_forward_set(t1, a, e), _forward_set(t2, a, e)), kept_for_w=kept))
         start = e
     return out
 
@@ -278,7 +281,7 @@ def _forward_set(t: Trace, a: int, e: int) -> int:
 
 
 # ============================================================================ schedules
-#: (F or B, the partition, micro-batches alive per partition, those between their I and their W per partition,
+#: (F, B or I, the partition, micro-batches alive per partition, those between their I and their W per partition,
 #: messages held, the receiving stages of input gradients sent and held)
 Flight = tuple[str, int, dict[int, int], dict[int, int], int, tuple[int, ...]]
 
@@ -290,8 +293,9 @@ _FLIGHTS: dict[tuple[int, int, int, str], tuple[Any, list[Flight]]] = {}
 def _in_flight(schedule: Any, d: int, held: Sequence[int] = (),
                unsent: Sequence[tuple[tuple[int, int], ...]] = ()) -> list[Flight]:
     """The distinct states of rank ``d``'s action list that can set its peak: (F for a forward, B for the
-    backward's working set, the partition, micro-batches alive per partition then, messages held beside them, the
-    receiving stage of each input gradient sent and held beside them), walked with what each kind of action does
+    backward's working set, I for a split backward's input half, the partition, micro-batches alive per partition
+    then, those between their I and their W per partition, messages held beside them, the receiving stage of each
+    input gradient sent and held beside them), walked with what each kind of action does
     (:class:`gems.pipeline.schedules.Kind`): whatever the schedule, no name is asked. ``held``: per action, the
     messages received or posted ahead that it runs beside (:meth:`gems.pipeline.exchange.ExchangePlan.held_during`;
     none where not given). ``unsent``: per action, the sends whose buffers it still holds
