@@ -76,7 +76,7 @@ class _Handed(torch.autograd.Function):
     """The W's weight gradients, made inside this backward and handed to the parameters' accumulators by autograd.
     Made here, the engine holds the only reference to each, so the accumulator takes it as it is; given to
     ``torch.autograd.backward`` from Python, each is referenced twice and the accumulator copies it (a 4096^2 dense
-    layer's 64 MiB gradient copied at every W: 15 ms a W on this machine's CPU, and a second copy's memory)."""
+    layer's 64 MiB gradient copied at every W, with a second copy's memory)."""
 
     @staticmethod
     def forward(ctx: Any, make: Callable[[], list[torch.Tensor | None]], *params: torch.Tensor) -> torch.Tensor:
