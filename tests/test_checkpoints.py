@@ -1,4 +1,4 @@
-"""Checkpoints and the trained model at scale (gems/checkpoint.py): every copy of a pipeline position writes its
+"""Checkpoints and the trained model at scale (gems/checkpoint/): every copy of a pipeline position writes its
 share (up to train.checkpoint_writers), no rank writes an empty file or a file of its own, the model file goes
 through the disk and rank 0's host and no collective carries its tensors, the bookkeeping is atomic, cleanup
 never touches a checkpoint being written, and a crash mid-save or a preemption during an async save resumes from

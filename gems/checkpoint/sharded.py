@@ -1,48 +1,14 @@
-"""Checkpoints that do not depend on the mesh, the trained model's file, and resuming on any mesh.
+"""Checkpoints under the whole model's names, written by the writers through DCP and read back on any mesh.
 
-gems's meshes are transparent: every R x D x S computes what one process computes, and every rank holds the
-serial model's own tensors (the spatial layers adopt them, the partitions slice the sequence). So a checkpoint
-is written under the *whole model's names* (the keys of the serial model's ``state_dict``:
-``gems.rank.compose.whole_names``), and any mesh reads it back:
-
-* ``model.<name>``: parameters and persistent buffers;
-* ``optim.<name>.<key>``: the optimizer's state of each parameter (Adam's moments and step, SGD's momentum);
-* ``ema.<name>``: ``train.ema``'s average of each parameter.
-
-The tensors go through ``torch.distributed.checkpoint`` (DCP). The first ``train.checkpoint_writers`` replicas of
-each pipeline position (spatial part 0 of each: :func:`share_of`) write it, each an equal run of its position's
-bytes (:func:`layout`: rows cut at equal bytes, given to DCP as chunks of their tensors), in parallel, each into
-one file, over one gloo group of the writers (:meth:`Saver.group`); a mirrored GEMS position holds the same
-partitions as its mirror, so the two give the same chunks and DCP keeps each once. A rank with nothing to write
-writes no file. Loading reshards: each rank reads the names it holds, alone, whatever mesh wrote them. Written by
-hand, beside the tensors, only what DCP does not hold: ``gems.json`` (rank 0: the step, the configuration that
-shapes the state, the mesh and global batch that wrote it, the model section) and ``history.pt`` (rank 0: one
-history for every rank, :func:`gathered_history`), plain data a resumed run reads back as it was, each written
-under a temporary name, synced and renamed. ``train.checkpoint_async`` saves through DCP's ``async_save``: the
-step waits only while a writer's share is copied to host memory (that copy is what it costs, counted by ``gems
-plan``); a thread writes the files, and ``latest`` moves once they are complete.
-
-A Slurm job can be preempted or requeued at any time; ``fault.preempt_at_step`` does it on purpose, and a job's
-time limit does it for certain: gems asks Slurm for ``SIGUSR2`` ``cluster.signal_margin_s`` before the limit
-(``--signal=USR2@margin``); :func:`install_time_limit_handler` turns it into a request that the worker's
-per-step sync shares with every rank, so all of them save after the same step, and rank 0 requeues the job.
-Once every writer's files are complete, rank 0 points ``latest`` at the step and removes the complete older ones
-(:func:`retire`; never a newer one, which the next save may be writing), so a crash while saving leaves the
-previous checkpoint whole, and a job that starts removes what such a crash left (:func:`tidy`). The launchers
-restart a preempted job: Slurm requeues it
-(``scontrol requeue``; ``SLURM_RESTART_COUNT`` counts), the local launcher starts the ranks again with
-``GEMS_RESTART_COUNT`` set. Exit status 75 (EX_TEMPFAIL) tells the local launcher that a rank stopped to be
-resumed.
-
-``train.resume_from=PATH`` continues another run's training on the mesh now given (the same global batch gives
-the same losses: data and dropout are pure functions of (seed, step, sample)); ``train.init_from=PATH`` takes the
-weights only. At the end of a run rank 0 writes the trained model (:func:`export`): one file that
-``torch.load(path, weights_only=True)`` reads into ``{"model": the model section, "state_dict": ...}``, which loads
-strictly into ``gems.models.build_model(d["model"]).module``; it goes through the disk and rank 0's host, never a
-device (:func:`export`).
-
-Why one module of this length: the format is one decision (what a checkpoint, a model file and their readers
-agree on), and the time-limit and requeue protocol that writes it is read beside it.
+Every rank holds the serial model's own tensors, so a checkpoint is written under the keys of the serial
+model's ``state_dict`` (``gems.rank.compose.whole_names``): ``model.<name>``, ``optim.<name>.<key>`` (the
+optimizer's state of each parameter) and ``ema.<name>`` (``train.ema``'s average). The first
+``train.checkpoint_writers`` replicas of each pipeline position (spatial part 0 of each: :func:`share_of`) write
+it, each an equal run of its position's bytes (:func:`layout`), into one file a writer, over one gloo group of
+the writers (:meth:`Saver.group`); loading reshards, each rank reading the names it holds, alone. Beside the
+tensors, rank 0 writes ``gems.json`` (:func:`write_meta`) and ``history.pt`` (:func:`gathered_history`). Once
+every writer's files are complete, ``latest`` moves to the step and older complete ones go (:func:`retire`); a
+job that starts removes what a crash while saving left (:func:`tidy`).
 """
 from __future__ import annotations
 
@@ -51,11 +17,8 @@ import json
 import math
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -66,17 +29,14 @@ from torch import nn
 from gems.config import FILES
 from gems.errors import ConfigError
 
-PREEMPTED_EXIT = 75
 #: the keys a job's own checkpoint must be resumed with (a requeued job comes back with them; the mesh, the
 #: schedule and the micro-batches may change: the state is the whole model's). Another run's checkpoint
 #: (train.resume_from) asks only for its model and optimizer, and a different global batch is said in the record
 FINGERPRINT_KEYS = ("model", "train.batch_size", "train.optimizer", "train.precision", "train.seed", "data.name",
                     "data.num_samples")
 META = "gems.json"
-MODEL_FILE_FORMAT = "gems.model/1"
 #: history entries that are the rank's own timings: a run resumed on another mesh starts them afresh
 TIMINGS = ("step_times", "every_step_time", "tensor_peaks", "breakdown", "reader_s", "elapsed_s")
-_STOP: dict[str, Any] = {"requested": False, "signal": None}
 
 
 @dataclass(frozen=True)
@@ -154,14 +114,6 @@ def layout(entries: dict[str, tuple[tuple[int, ...], int]], writers: int) -> lis
     return out
 
 
-def restart_count() -> int:
-    for key in ("SLURM_RESTART_COUNT", "GEMS_RESTART_COUNT"):
-        val = os.environ.get(key)
-        if val:
-            return int(val)
-    return 0
-
-
 def ckpt_dir(cfg: Any) -> Path:
     from gems.results.record import job_dir
 
@@ -223,7 +175,7 @@ def read_meta(d: Path) -> dict[str, Any]:
         return {}
 
 
-def _write(obj: Any, path: Path) -> None:
+def save_file(obj: Any, path: Path) -> None:
     """``torch.save`` under a temporary name, flushed and synced, then renamed: a reader finds the whole file or
     none (:func:`_commit`)."""
     tmp = path.parent / f".{path.name}.tmp"
@@ -303,7 +255,7 @@ def chunks_of(state: dict[str, torch.Tensor], share: Share) -> dict[str, tuple[t
 
 
 @contextlib.contextmanager
-def _quiet() -> Any:
+def quiet() -> Any:
     """DCP without a process group warns that it assumes one process, which is what gems asks of it there."""
     import warnings
 
@@ -447,7 +399,7 @@ class Saver:
                                                                                       state.items()}),
               "process_group": group, "no_dist": group is None}
         local = {k: v for k, (v, _) in chunks.items()}
-        with _quiet():
+        with quiet():
             if asynchronous:
                 return dcp.async_save(local, **kw)
             dcp.save(local, **kw)
@@ -467,7 +419,7 @@ class Saver:
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.chmod(root, 0o700)
             write_meta(d, self.cfg, step, self.world.size)
-            _write({"step": step, "history": kept, "world_size": self.world.size}, d / HISTORY)
+            save_file({"step": step, "history": kept, "world_size": self.world.size}, d / HISTORY)
         if self.share.writes:
             fut = self.write(hold.state(), d, step, asynchronous=self.asynchronous and not wait)
             if fut is not None:
@@ -616,19 +568,6 @@ def find(path: str | os.PathLike[str], key: str) -> Path:
     return p
 
 
-def is_model_file(p: Path) -> bool:
-    """Whether ``p`` names a model file (else a checkpoint: a folder, or a run's ``latest`` file)."""
-    return p.is_file() and p.name != "latest"
-
-
-def resolve(path: str | os.PathLike[str], key: str) -> Path:
-    """What ``path`` names, absolute: a model file as it is, a checkpoint as its step's folder (:func:`find`)."""
-    p = Path(path).expanduser()
-    if is_model_file(p):
-        return p.resolve()
-    return find(p, key).resolve()
-
-
 def entries(d: Path, key: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The tensors of the checkpoint in ``d``: {entry: (shape, dtype)} (its metadata only)."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -643,22 +582,6 @@ def entries(d: Path, key: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]
         if size is not None and props is not None:
             out[k] = (tuple(size), props.dtype)
     return out
-
-
-def check_model(have: dict[str, tuple[tuple[int, ...], Any]], want: dict[str, tuple[int, ...]], key: str,
-                path: Any) -> None:
-    """A ConfigError naming the first entry in which a model's ``state_dict`` (``want``: {name: shape}) and the saved
-    one (``have``) differ: missing, extra, or another shape."""
-    for name in list(want) + [n for n in have if n not in want]:
-        if name not in have:
-            raise ConfigError(key, str(path), f"a model of this configuration's architecture: the saved one has no "
-                              f"{name} (of shape {list(want[name])})")
-        if name not in want:
-            raise ConfigError(key, str(path), f"a model of this configuration's architecture: the saved one has "
-                              f"{name} (shape {list(have[name][0])}), which this model has not")
-        if tuple(have[name][0]) != tuple(want[name]):
-            raise ConfigError(key, str(path), f"a model of this configuration's architecture: {name} is "
-                              f"{list(have[name][0])} there, {list(want[name])} here")
 
 
 def load(d: Path, hold: Holding, what: tuple[str, ...] = ("model", "optim", "ema"), key: str = "train.resume_from"
@@ -691,7 +614,7 @@ def load(d: Path, hold: Holding, what: tuple[str, ...] = ("model", "optim", "ema
     if missing:
         raise ConfigError(key, str(d), f"a checkpoint of this model: it has no {missing[0]}")
     if want:  # each rank alone, from the metadata and the chunks it needs: no collective at any scale
-        with _quiet():
+        with quiet():
             dcp.load(want, checkpoint_id=str(d), no_dist=True)
     with torch.no_grad():
         for n, t in tensors.items():
@@ -751,44 +674,6 @@ def load_history(d: Path, rank: int, same_mesh: bool) -> dict[str, Any]:
     return h
 
 
-# ---- the trained model ---------------------------------------------------------------------------------------
-def export(cfg: Any, world: Any, hold: Holding, saver: Saver, step: int, path: Path, order: list[str]) -> Path | None:
-    """The trained model in one file (``train.ema``'s averaged weights where a run keeps them), through host
-    memory and the disk: the writers write their shares of the model's tensors as a checkpoint beside the file
-    (``.<name>.parts``, :meth:`Saver.write`), rank 0 reads it back into host memory (the model's bytes, once) and
-    writes the file, then removes the parts. No device holds more than its own tensors, and no collective but
-    the writers' gloo group's carries a byte of them. ``order``: the serial ``state_dict``'s keys. Every rank
-    calls it (the group is made by all)."""
-    from omegaconf import OmegaConf
-
-    import gems
-
-    ema = bool(hold.average)
-    parts = path.parent / f".{path.name}.parts"
-    saver.group()
-    if saver.share.writes:  # (a killed export's stale files: overwritten or not named by the new metadata)
-        mine = {k[len("model."):]: v for k, v in hold.state(ema_weights=ema).items() if k.startswith("model.")}
-        saver.write(mine, parts, step, faults=False)  # DCP's coordinator (rank 0) returns once every writer's are
-    if world.rank != 0:
-        return None
-    have = entries(parts, "model file")
-    missing = [k for k in order if k not in have]
-    if missing:
-        raise RuntimeError(f"the trained model misses {missing[:3]}: no rank wrote them")
-    state = OrderedDict((k, torch.empty(have[k][0], dtype=have[k][1])) for k in order)
-    import torch.distributed.checkpoint as dcp
-
-    with _quiet():
-        dcp.load(state, checkpoint_id=str(parts), no_dist=True)
-    out = {"format": MODEL_FILE_FORMAT, "model": OmegaConf.to_container(cfg.model, resolve=True),
-           "state_dict": state, "weights": "ema" if ema else "last", "step": int(step), "run_id": str(cfg.run_id),
-           "trained_on": trained_on(cfg), "gems": gems.__version__}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _write(out, path)
-    shutil.rmtree(parts, ignore_errors=True)
-    return path
-
-
 def trained_on(cfg: Any) -> dict[str, Any]:
     """What a model file and a checkpoint say of the run that trained the model: the defaults of ``gems eval`` (its
     data, so that the evaluated set is the run's validation set, its seed, batch and evaluation settings)."""
@@ -797,96 +682,3 @@ def trained_on(cfg: Any) -> dict[str, Any]:
     return {"data": OmegaConf.to_container(cfg.data, resolve=True), "seed": int(cfg.train.seed),
             "global_batch": int(cfg.train.batch_size), "bn_recalibrate": int(cfg.train.bn_recalibrate),
             "eval_average_crops": bool(cfg.train.eval_average_crops)}
-
-
-def read_model_file(path: str | os.PathLike[str], key: str) -> dict[str, Any]:
-    """A model file written by :func:`export`, read as plain data (``weights_only``); a ConfigError naming ``key``
-    for a path that does not exist, a truncated or corrupt file, or a file that is not a gems model."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise ConfigError(key, str(path), "an existing model file (results/<run_id>.model.pt) or checkpoint folder")
-    try:
-        d = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ConfigError(key, str(path), f"a readable model file (torch.load: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:160]})") from None
-    if not isinstance(d, dict) or d.get("format") != MODEL_FILE_FORMAT or not isinstance(d.get("state_dict"), dict) \
-            or not isinstance(d.get("model"), dict):
-        raise ConfigError(key, str(path), f"a gems model file (format {MODEL_FILE_FORMAT}: a dict with model and "
-                          "state_dict)")
-    return d
-
-
-def weights(path: str | os.PathLike[str], key: str, averaged: bool = False) -> Callable[[Holding], None]:
-    """What ``train.init_from`` and ``gems eval`` load from ``path`` (a model file or a checkpoint): a function that
-    loads its weights into a rank's holding. ``averaged``: a checkpoint's ``train.ema`` average in place of its last
-    weights, where it has one (a model file holds the average already)."""
-    p = Path(path).expanduser()
-    if is_model_file(p):
-        state = read_model_file(p, key)["state_dict"]
-
-        def from_file(hold: Holding) -> None:
-            with torch.no_grad():
-                for n, t in hold.tensors().items():
-                    t.copy_(state[n])
-
-        return from_file
-    folder = find(p, key)
-
-    def from_checkpoint(hold: Holding) -> None:
-        got = load(folder, hold, what=("model", "ema") if averaged else ("model",), key=key)
-        with torch.no_grad():
-            for p, a in zip(hold.params, got["average"]):
-                p.copy_(a)
-
-    return from_checkpoint
-
-
-@dataclass(frozen=True)
-class Saved:
-    """What a model file or checkpoint says before anything is loaded (the CLI's checks, gems eval's defaults): its
-    model section, the run that trained it (:func:`trained_on`), and its model's {name: (shape, dtype)}."""
-
-    model: dict[str, Any]
-    trained_on: dict[str, Any]
-    shapes: dict[str, tuple[tuple[int, ...], Any]]
-
-
-def inspect(path: str | os.PathLike[str], key: str) -> Saved:
-    """:class:`Saved` of ``path``, read once: a model file whole, a checkpoint's ``gems.json`` and metadata only."""
-    p = Path(path).expanduser()
-    if is_model_file(p):
-        d = read_model_file(p, key)
-        shapes = {n: (tuple(t.shape), t.dtype) for n, t in d["state_dict"].items() if isinstance(t, torch.Tensor)}
-        return Saved(dict(d["model"]), dict(d.get("trained_on") or {}), shapes)
-    folder = find(p, key)
-    meta = read_meta(folder)
-    shapes = {k[len("model."):]: v for k, v in entries(folder, key).items() if k.startswith("model.")}
-    return Saved(dict(meta.get("model") or {}), dict(meta.get("trained_on") or {}), shapes)
-
-
-def request_requeue() -> bool:
-    """Ask Slurm to requeue this job (it restarts with SLURM_RESTART_COUNT + 1). False off Slurm."""
-    job = os.environ.get("SLURM_JOB_ID")
-    if not job:
-        return False
-    out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
-    return out.returncode == 0
-
-
-# ---- the time limit ------------------------------------------------------------------------------------------
-def install_time_limit_handler(sig: int = signal.SIGUSR2) -> None:
-    """``sig`` (Slurm's warning before the time limit, or a preemption notice) asks for a checkpoint."""
-
-    def handler(signum: int, frame: Any) -> None:
-        _STOP["requested"], _STOP["signal"] = True, signum
-
-    signal.signal(sig, handler)
-
-
-def stop_requested() -> bool:
-    return bool(_STOP["requested"])
-
-
-def clear_stop() -> None:
-    _STOP["requested"], _STOP["signal"] = False, None
