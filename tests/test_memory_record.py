@@ -118,7 +118,7 @@ def test_gems_plan_bounds_the_measured_tensor_memory_closely(shared, args):
 def test_the_plan_counts_the_workspace_a_cpu_convolution_backward_allocates(tmp_path):
     """At 32^3 CosmoFlow's 256-channel convolutions dominate: oneDNN's backward allocates about 4x their weights
     for itself (27 MiB at batch 2, whatever the extent), a quarter of a rank's tensors. The plan measures it
-    (gems.plan.devices.conv_workspace) and lands within 10% of each rank's measured tensor peak, both ways;
+    (gems.plan.cpu.conv_workspace) and lands within 10% of each rank's measured tensor peak, both ways;
     without that term it would be more than 10% short."""
     import json
 

@@ -303,7 +303,7 @@ def test_the_layer_memo_plans_exactly_what_tracing_every_layer_plans(extra, monk
 def test_conv_workspace_is_measured_at_1_2_4_and_drawn_on_lines_between_and_beyond(monkeypatch, tmp_path):
     """The batches conv_workspace measures and how it fills in the rest (the measurement itself is checked
     against real runs in test_memory_record)."""
-    import gems.plan.devices as dv
+    import gems.plan.cpu as dv
 
     monkeypatch.setenv("GEMS_CACHE_DIR", str(tmp_path))  # (the suite's store may hold these shapes, measured)
     asked = []
@@ -328,8 +328,8 @@ def test_conv_workspace_is_measured_at_1_2_4_and_drawn_on_lines_between_and_beyo
 
 def test_gpu_targets_count_cudnns_workspace_and_cpu_targets_onednns():
     """CPU ranks measure oneDNN's backward workspace on the spot; GPU ranks count cuDNN's, modelled as a fraction
-    of the largest convolution's larger operand (gems.plan.devices.cudnn_workspace), not the CPU's."""
-    from gems.plan.devices import CUDNN_WORKSPACE_FRACTION
+    of the largest convolution's larger operand (gems.plan.reserve.cudnn_workspace), not the CPU's."""
+    from gems.plan.reserve import CUDNN_WORKSPACE_FRACTION
 
     cpu = make_plan(compose(SMALL + ["plan.predict=false"]), suggest=False)
     gpu = make_plan(compose(SMALL + ["plan.predict=false", "cluster.gpu_memory_gb=16"]), suggest=False)

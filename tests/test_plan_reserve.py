@@ -10,10 +10,10 @@ import pytest
 
 from gems.config import compose
 from gems.plan import GiB, make_plan, render_table, to_json
-from gems.plan.devices import (
+from gems.plan.devices import GPUS, gpu_memory_bytes
+from gems.plan.reserve import (
     CUDA_CONTEXT_BYTES,
     FRAGMENTATION,
-    GPUS,
     NCCL_BUFFSIZE,
     NCCL_CHANNELS,
     NCCL_CONNECTIONS,
@@ -21,7 +21,6 @@ from gems.plan.devices import (
     NCCL_LL128_BUFFSIZE,
     NCCL_LL_BUFFSIZE,
     blas_workspace_bytes,
-    gpu_memory_bytes,
     nccl_communicator_bytes,
     rank_communicators,
 )

@@ -121,7 +121,7 @@ def test_a_custom_model_is_never_kept(tmp_path: Path) -> None:
 
 WORKSPACE = """
 import json, sys
-import gems.plan.devices as dv
+import gems.plan.cpu as dv
 measured = []
 real = dv._backward_workspace
 dv._backward_workspace = lambda sig, grad: measured.append(sig[-1]) or real(sig, grad)
@@ -144,7 +144,7 @@ def test_a_convolutions_workspace_is_measured_once_per_cpu(tmp_path: Path, monke
     assert first["measured"] == [1, 1, 2, 2, 4, 4] and max(first["bytes"]) > 0  # 3: between 2 and 4; each grad or not
     second = run()
     assert second == {"bytes": first["bytes"], "measured": []}
-    import gems.plan.devices as dv
+    import gems.plan.cpu as dv
 
     monkeypatch.setenv("GEMS_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(dv, "_WORKSPACE", {})

@@ -12,7 +12,8 @@ from gems.config import compose, section
 from gems.errors import ConfigError
 from gems.pipeline.schedules import make_schedule
 from gems.plan import make_plan, to_json
-from gems.plan.devices import GPUS, Link, Rates, gpu_rates, matmul_rows
+from gems.plan.cpu import matmul_rows
+from gems.plan.devices import GPUS, Link, Rates, gpu_rates
 from gems.plan.timing import (
     TERMS,
     all_gather,
@@ -220,7 +221,7 @@ def test_jitter_adds_waits_at_exchanges_and_where_replicas_meet():
 def test_synthetic_data_is_timed_on_the_generator_scaled_by_its_planes(monkeypatch):
     from types import SimpleNamespace
 
-    import gems.plan.devices as devices
+    import gems.plan.cpu as cpu
     from gems.data.synthetic import SyntheticData
 
     spec = SimpleNamespace(input_shape=(4, 64, 256, 256), target="vector", num_outputs=4, loss="mse")
@@ -233,21 +234,21 @@ def test_synthetic_data_is_timed_on_the_generator_scaled_by_its_planes(monkeypat
         return x, y
 
     monkeypatch.setattr(SyntheticData, "batch", batch)
-    monkeypatch.setattr(devices, "_timed", lambda fn: (fn(), 0.02)[1])  # one real call, a known time
-    devices.forget_cpu_rates()
+    monkeypatch.setattr(cpu, "_timed", lambda fn: (fn(), 0.02)[1])  # one real call, a known time
+    cpu.forget_cpu_rates()
     # a plane is 4 x 256 x 256 elements: 16 planes stay within DATA_ELEMENTS, so 16 of a part's 64 are made
     # (the real generator, a new sample) and the time scaled by 64 / 16
-    assert devices.DATA_ELEMENTS // (4 * 256 * 256) == 16
-    assert devices.synthetic_seconds(spec, [4, 64, 256, 128], True, False) == pytest.approx(0.02 * 4)
+    assert cpu.DATA_ELEMENTS // (4 * 256 * 256) == 16
+    assert cpu.synthetic_seconds(spec, [4, 64, 256, 128], True, False) == pytest.approx(0.02 * 4)
     assert made == [((1, 4, 16, 256, 128), False)]
     # a part thinner than that is made whole; targets alone, and nothing when the rank needs neither
-    assert devices.synthetic_seconds(spec, [4, 8, 256, 256], True, True) == pytest.approx(0.02)
+    assert cpu.synthetic_seconds(spec, [4, 8, 256, 256], True, True) == pytest.approx(0.02)
     assert made[-1] == ((1, 4, 8, 256, 256), True)
-    assert devices.synthetic_seconds(spec, [4, 8, 256, 256], False, True) == pytest.approx(0.02)
+    assert cpu.synthetic_seconds(spec, [4, 8, 256, 256], False, True) == pytest.approx(0.02)
     assert made[-1] == (None, True)
-    assert devices.synthetic_seconds(spec, [4, 8, 256, 256], False, False) == 0.0
+    assert cpu.synthetic_seconds(spec, [4, 8, 256, 256], False, False) == 0.0
     assert len(made) == 3
-    devices.forget_cpu_rates()
+    cpu.forget_cpu_rates()
 
 
 def test_mast_fills_the_bubble_lp_leaves():
@@ -374,7 +375,7 @@ def test_without_a_gpu_model_the_plan_says_how_to_get_a_prediction():
 
 
 def test_cpu_rates_are_measured_here():
-    from gems.plan.devices import cpu_rates
+    from gems.plan.cpu import cpu_rates
 
     r = cpu_rates(1)
     assert isinstance(r, Rates) and r.kind == "cpu" and 0 < r.op_overhead_s < 1e-3
@@ -406,8 +407,8 @@ def test_cpu_rates_are_measured_here():
 def test_ranks_that_compute_at_once_are_timed_at_once(monkeypatch):
     import threading
 
-    import gems.plan.devices as dv
-    from gems.plan.devices import _crowded
+    import gems.plan.cpu as dv
+    from gems.plan.cpu import _crowded
 
     meet, lock, seen = threading.Barrier(3, timeout=30), threading.Lock(), []
 
@@ -450,7 +451,7 @@ def test_ranks_that_compute_at_once_are_timed_at_once(monkeypatch):
 
 
 def test_a_pool_is_counted_and_timed_with_its_kernel_and_stride():
-    from gems.plan.devices import cpu_rates
+    from gems.plan.cpu import cpu_rates
     from gems.trace.ops import OpCounter
 
     cur = [0]
@@ -472,14 +473,14 @@ def test_a_pool_is_counted_and_timed_with_its_kernel_and_stride():
 def test_a_padded_part_thinner_than_its_kernel_is_timed_at_its_own_extent():
     # CosmoFlow's 256-channel layers at S = 2 run on 1x2x2 parts with a 3^3 kernel and padding 1: timed on a
     # 3^3 input they did 27 outputs' work where the part has 4, at several times the real rate
-    from gems.plan.devices import _conv_case
+    from gems.plan.cpu import conv_case
 
     sig = ("conv", 3, 8, 8, (3, 3, 3), (1, 1, 1), 1, False, (1, 1, 1), (1, 2, 2), 2)
-    f, (x, w), flops = _conv_case(sig)
+    f, (x, w), flops = conv_case(sig)
     assert tuple(x.shape) == (2, 8, 1, 2, 2)
     assert f(x, w).shape == (2, 8, 1, 2, 2) and flops == 2 * 8 * 27 * (2 * 8 * 1 * 2 * 2)
     # unpadded along a dim, the input is as large as the kernel needs there, and no larger
-    _, (x, _), flops = _conv_case((*sig[:8], (0, 1, 1), (1, 2, 2), 2))
+    _, (x, _), flops = conv_case((*sig[:8], (0, 1, 1), (1, 2, 2), 2))
     assert tuple(x.shape) == (2, 8, 3, 2, 2) and flops == 2 * 8 * 27 * (2 * 8 * 1 * 2 * 2)
 
 
@@ -488,7 +489,8 @@ def test_the_reference_block_is_counted_layer_by_layer_as_a_model_is():
     # convolution's FLOPs cost (1 PFLOP/s at full width, memory free, no overhead) "alone" is the four
     # convolutions' forwards, each at its channels' share of the rate, their backwards at twice that, except the
     # first layer's, which computes no input gradient
-    from gems.plan.devices import REFERENCE_BATCH, conv_width_factor, reference_alone
+    from gems.plan.cpu import REFERENCE_BATCH, reference_alone
+    from gems.plan.devices import conv_width_factor
 
     rates = Rates("gpu", "test", {"conv": 1e15, "matmul": 1e15}, 1e30, 0.0)
     n = REFERENCE_BATCH

@@ -69,9 +69,9 @@ def _workspace(fn: Callable[[], Any], result_bytes: int, device: torch.device) -
 
 def _conv(sig: tuple, batch: int, input_grad: bool, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     """The forward, input-gradient and weight-gradient seconds and the workspace of one convolution."""
-    from gems.plan.devices import _conv_case
+    from gems.plan.cpu import conv_case
 
-    f, inputs, flops = _conv_case((*sig, batch), input_grad)
+    f, inputs, flops = conv_case((*sig, batch), input_grad)
     nd = sig[1]
     fmt = {3: torch.channels_last_3d, 2: torch.channels_last}.get(nd, torch.contiguous_format)
     x, w = (t.detach().to(device=device, dtype=dtype) for t in inputs)

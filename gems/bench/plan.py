@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gems.bench.common import env_block, md_table
-from gems.plan.devices import forget_cpu_rates
+from gems.plan.cpu import forget_cpu_rates
 
 COMMAND = "gems bench plan   (or: python -m gems.bench.plan [OUT_DIR])"
 

@@ -11,7 +11,9 @@ and throughput), at any world size, in one process.
 - :mod:`gems.plan.make`: ``make_plan``, the three composed in one place;
 - :mod:`gems.plan.fit`: the check before a run launches;
 - :mod:`gems.plan.report`: the table, the JSON object and ``gems plan``'s entry point;
-- :mod:`gems.plan.devices`: named GPUs' rates, CPU rates measured on the spot, the links of a preset;
+- :mod:`gems.plan.devices`: named GPUs' rates and memory, the links of a preset;
+- :mod:`gems.plan.cpu`: CPU rates measured on the spot;
+- :mod:`gems.plan.reserve`: what a GPU rank holds beside its tensors;
 - :mod:`gems.plan.timing`: the step time from those, with the schedule's real action lists simulated;
 - :mod:`gems.plan.curves`: every point of a study predicted (``gems plan +experiment=NAME``).
 """

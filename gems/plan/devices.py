@@ -1,5 +1,6 @@
-"""The rates the performance model runs on: named GPUs from their vendors' data sheets, CPU ranks measured
-on the spot, and the links of a cluster preset.
+"""The devices the performance model runs on: named GPUs from their vendors' data sheets, their rates and what
+gems's kernels reach of them (:class:`Rates`), their memory, and the links of a cluster preset. A CPU rank's
+rates are measured on the spot (:mod:`gems.plan.cpu`).
 
 GPU figures are per device (per GCD for the MI250X), dense (no structured sparsity), in TFLOP/s and GB/s
 (10^9 bytes/s, as data sheets give bandwidths):
@@ -25,36 +26,22 @@ has 40 GiB = 40960 MiB (nvidia-smi's total), an H100 "80 GB" 81559 MiB. What a p
 less: the total the CUDA (ROCm) runtime reports, ``cudaGetDeviceProperties().totalGlobalMem`` =
 ``torch.cuda.get_device_properties().total_memory``, which leaves out what the driver keeps. The planner
 counts that total (:data:`GPUS` ``.memory_bytes``, :func:`gpu_memory_bytes`); the sources are at
-:data:`GPUS`. The reserve the planner sets aside in it is modelled from its parts below
-(:func:`gpu_reserve`).
+:data:`GPUS`. The reserve the planner sets aside in it is modelled from its parts in :mod:`gems.plan.reserve`.
 
 PyTorch runs fp32 convolutions in TF32 by default on Ampere and later (``torch.backends.cudnn.allow_tf32``)
 and fp32 matmuls in fp32 (``torch.backends.cuda.matmul.allow_tf32`` is off), so an fp32 convolution is timed
 at the tf32 rate where there is one. What a kernel reaches of the peak is an efficiency per op class
 (``plan.efficiency``: conv, matmul, memory, pool; measured by ``gems bench calibrate``).
-
-Why one file of this length: it is a catalogue, the devices' table and each cluster preset's links one entry
-each, with the CPU measured beside them; split, one table would live in several places.
 """
 from __future__ import annotations
 
 import math
-import os
-import sys
-import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
-import torch
-import torch.nn.functional as F
-
-from gems.bootstrap import keep_host_memory
 from gems.errors import ConfigError
-from gems.plan.store import cached, cpu_identity
 
-__all__ = ["GPUS", "Rates", "Link", "gpu_rates", "cpu_rates", "forget_cpu_rates", "conv_workspace",
-           "synthetic_seconds", "links", "DEFAULT_EFFICIENCY", "efficiency", "gpu_memory_bytes", "Communicator",
-           "rank_communicators", "gpu_reserve", "Reserve"]
+__all__ = ["GPUS", "Rates", "Link", "gpu_rates", "links", "DEFAULT_EFFICIENCY", "efficiency", "gpu_memory_bytes"]
 
 
 @dataclass(frozen=True)
@@ -216,11 +203,7 @@ class Rates:
     op_overhead_s: float
     #: GPU: bytes/s pools reach (None: ``bandwidth``), counted as their input and output once
     pool_bandwidth: float | None = None
-    measured: dict[tuple, tuple[float, float]] | None = None  # CPU: conv signature -> (forward, backward) FLOP/s
     about: str = ""
-    threads: int = 1  # CPU: the rank's threads, for measuring
-    crowd: int = 1  # CPU: ranks of a node that compute at once: ops are timed that many at a time (_crowded)
-    in_step: float = 1.0  # CPU: how much longer ops take inside a training step than timed alone (cpu_rates)
     share: float = 1.0  # ranks that take turns on one core's worth of compute (oversubscribed CPU nodes)
     #: whether communication runs on resources of its own beside the compute (GPUs: copy engines, NCCL's
     #: kernels; CPU ranks only where the node has cores no rank computes on: else gloo's copies and sums
@@ -255,24 +238,13 @@ class Rates:
                 and conv_sample_elements(sig, flops, batch) >= LARGE_SAMPLE_ELEMENTS)
 
     def time(self, cls: str, sig: tuple, flops: float, nbytes: float, backward: bool, batch: int = 1) -> float:
-        """One op's time at micro-batch ``batch``. Measured rates (CPU) give forward and backward directly (a
-        backward rate is the forward's work over the backward's time; a convolution is timed at its batch);
-        data-sheet rates (GPU) give a roofline, the larger of compute and memory time, with a backward costing
-        twice its forward (input and weight gradients)."""
+        """One op's time at micro-batch ``batch``: data-sheet rates (GPU) give a roofline, the larger of compute and
+        memory time, with a backward costing twice its forward (input and weight gradients); a convolution that
+        ``gems bench calibrate`` timed, its measured rates. (A CPU's measured rates: :class:`gems.plan.cpu.CpuRates`.)"""
         if self.calibrated and cls == "conv" and sig in self.calibrated:
             # timed alone between CUDA events: the call's launches are in the measured time already
             fwd, bwd = self.calibrated[sig]
             return self.share * flops / (bwd if backward else fwd)
-        if self.measured is not None:
-            work = flops if cls in ("conv", "matmul") else nbytes
-            if cls == "conv":
-                sig = (*sig, _measure_batch(sig, batch))
-            elif cls == "matmul":
-                sig = (*sig, matmul_rows(sig, flops))
-            elif cls == "memory":
-                sig = (*sig, _memory_elements(nbytes))
-            alone = work / self.measured_rate(sig, backward) + self.op_overhead_s * (2 if backward else 1)
-            return self.share * self.in_step * alone
         k = 2.0 if backward else 1.0
         if self.large_sample is not None and self.large(cls, sig, flops, batch):
             self.large_seen.add(tuple(sig[1:4]))
@@ -290,15 +262,6 @@ class Rates:
         from dataclasses import replace
 
         return replace(self, share=share, about=self.about + f"; {share:.3g} ranks' threads per core (oversubscribed)")
-
-    def measured_rate(self, sig: tuple, backward: bool) -> float:
-        """CPU: the rate of this signature (FLOP/s of a convolution or matmul, bytes/s of a kind of memory-bound
-        op), measured the first time it is asked for, with the rank's threads."""
-        assert self.measured is not None
-        if sig not in self.measured:
-            self.measured[sig] = _with_threads(self.threads, lambda: _crowded(self.crowd, lambda: _measure_op(sig)))
-        fwd, bwd = self.measured[sig]
-        return bwd if backward else fwd
 
 
 def efficiency(cfg_eff: Any, gpu: str | None = None, precision: str = "fp32") -> dict[str, float]:
@@ -354,361 +317,6 @@ def gpu_rates(name: str, precision: str, eff: dict[str, float], calibration: Any
                  large_sample=LARGE_SAMPLE_CONV_FLOPS.get(precision))
 
 
-# ---- CPU ranks: measured here --------------------------------------------------------------------------------
-_CPU: dict[tuple, Rates] = {}
-
-
-def _with_threads(threads: int, fn: Any) -> Any:
-    """``fn()`` with torch using ``threads`` threads (a rank's), as before afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads))
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
-
-
-def _crowded(k: int, fn: Any) -> Any:
-    """``fn()`` (a measurement returning a tuple of rates, or one time) run by ``k`` threads at once, each
-    on tensors of its own, as ``k`` ranks of a node compute at once: they share its memory bandwidth and
-    caches (two ranks of CosmoFlow 64^3 on this project's VM each ran 1.3x slower than one alone). The mean
-    over the threads; ``k = 1``: ``fn()``."""
-    if k <= 1:
-        return fn()
-    import threading
-
-    start = threading.Barrier(k)
-    out: list[Any] = [None] * k
-
-    def run(i: int) -> None:
-        start.wait()
-        out[i] = fn()
-
-    workers = [threading.Thread(target=run, args=(i,)) for i in range(1, k)]
-    for w in workers:
-        w.start()
-    run(0)
-    for w in workers:
-        w.join()
-    if isinstance(out[0], tuple):
-        return tuple(sum(o[j] for o in out) / k for j in range(len(out[0])))
-    return sum(out) / k
-
-
-def _timed(fn: Any, min_s: float = 0.02, reps: int = 3) -> float:
-    """The best of ``reps`` averages over at least ``min_s`` each (a shared machine only ever slows a call)."""
-    fn()  # warm up (oneDNN picks and caches its kernel)
-    best = math.inf
-    for _ in range(reps):
-        n, t0 = 0, time.perf_counter()
-        while True:
-            fn()
-            n += 1
-            dt = time.perf_counter() - t0
-            if dt >= min_s:
-                break
-        best = min(best, dt / n)
-    return best
-
-
-def _fwd_bwd(f: Any, inputs: list[torch.Tensor]) -> tuple[float, float]:
-    """Seconds of ``f(*inputs)`` and of its backward (to every input that needs a gradient)."""
-    fwd = _timed(lambda: f(*inputs))
-    out = f(*inputs)
-    g = torch.ones_like(out)
-    need = [t for t in inputs if t.requires_grad]
-    bwd = _timed(lambda: torch.autograd.grad(out, need, g, retain_graph=True))
-    return fwd, bwd
-
-
-#: the memory-bound kinds CPU ranks time (gems.trace.ops.memory_group), on about as many elements as the op
-#: moves (in the caches or past them: 2-3x apart) in 16 channels, with the affine weights a model's
-#: normalisation layers have: f(x, channel weight, channel bias)
-_MEMORY_OPS: dict[str, Any] = {
-    "elementwise": lambda x, w, b: F.leaky_relu(x, 0.01),
-    "pool": lambda x, w, b: F.avg_pool3d(x, 2),
-    "batch_norm": lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
-    "group_norm": lambda x, w, b: F.group_norm(x, 8, w, b),
-    "layer_norm": lambda x, w, b: F.layer_norm(x.view(-1, 16), (16,), w, b),
-}
-
-
-#: the most input elements a convolution is timed on (its batch is cut to stay within it): 32 MiB of fp32
-MEASURE_ELEMENTS = 2**23
-
-
-def _memory_elements(nbytes: float) -> int:
-    """The elements a memory-bound op of ``nbytes`` (read and written) is timed on: a power of two near its
-    fp32 operand's size, from 16 Ki (below, the per-op overhead dominates) to 4 Mi (past every cache)."""
-    return 2 ** min(22, max(14, round(math.log2(max(nbytes, 1.0) / 8))))
-
-
-def _measure_batch(sig: tuple, batch: int) -> int:
-    """The batch a convolution of signature ``sig`` (gems.trace.ops) is timed at for micro-batch ``batch``: its
-    own, or fewer samples where that many would pass MEASURE_ELEMENTS (the rate no longer depends on it)."""
-    cin, extent = sig[2], sig[-1]
-    return max(1, min(int(batch), MEASURE_ELEMENTS // max(1, cin * math.prod(extent))))
-
-
-#: the most rows a matmul is timed at (its rate no longer grows with them)
-MEASURE_ROWS = 256
-
-
-def matmul_rows(sig: tuple, flops: float) -> int:
-    """The rows a matmul of signature ``("matmul", k, n)`` and ``flops`` is timed at on CPU ranks: its own (the
-    micro-batch's samples, for a dense layer), at the power of two nearest them, up to :data:`MEASURE_ROWS`. A few
-    rows read the whole ``k x n`` weight for little work: a 4096^2 dense layer at 4 rows ran at a fraction of its
-    rate at 256, so a step of two micro-batches of 2 rows took longer than one of 4, which a rate timed at 256 rows
-    (the planner's before) could not see."""
-    _, k, n = sig[:3]
-    rows = max(1.0, flops / (2.0 * k * n))
-    return int(min(MEASURE_ROWS, 2 ** round(math.log2(rows))))
-
-
-def _cube(elements: int, nd: int) -> list[int]:
-    """``nd`` extents of about equal powers of two whose product is ``elements`` (a power of two)."""
-    side = 2 ** max(2, round(math.log2(max(elements, 1)) / nd))
-    return [side] * (nd - 1) + [max(1, elements // side ** (nd - 1))]
-
-
-def _measure_op(sig: tuple) -> tuple[float, float]:
-    """(forward rate, backward rate) of one signature on this machine: FLOP/s for a convolution or matmul
-    (timed at its own channels, kernel and, up to gems.trace.ops.MEASURE_EXTENT, its own extent), bytes/s
-    for a kind of memory-bound op; a backward rate is the forward's work over the backward's seconds."""
-    kind = sig[0]
-    if kind == "memory":
-        f: Any
-        if len(sig) > 3:  # a pool of known kernel, stride and padding (gems.trace.ops.memory_signature)
-            _, _, pool, nd, kernel, stride, padding, elements = sig
-            op = getattr(F, f"{pool}_pool{nd}d")
-            inputs = [torch.randn(1, 16, *_cube(elements // 16, nd), requires_grad=True)]
-            f = lambda x: op(x, kernel, stride, padding)  # noqa: E731
-        else:
-            f = _MEMORY_OPS[sig[1]]
-            inputs = [torch.randn(1, 16, 4, 4, sig[2] // 256, requires_grad=True),
-                      *(torch.randn(16, requires_grad=sig[1].endswith("_norm")) for _ in range(2))]
-        nbytes = 4.0 * (inputs[0].numel() + f(*inputs).numel())
-        fwd, bwd = _fwd_bwd(f, inputs)
-        return nbytes / fwd, nbytes / bwd
-    if kind == "matmul":
-        _, k, n, rows = sig
-        a = torch.randn(rows, k, requires_grad=True)
-        w = torch.randn(k, n, requires_grad=True)
-        flops = 2.0 * rows * k * n
-        fwd, bwd = _fwd_bwd(lambda a, w: a @ w, [a, w])
-        return flops / fwd, flops / bwd
-    f, inputs, flops = _conv_case(sig)
-    fwd, bwd = _fwd_bwd(f, inputs)
-    return flops / fwd, flops / bwd
-
-
-def _conv_case(sig: tuple, input_grad: bool = True) -> tuple[Any, list[torch.Tensor], float]:
-    """(f, inputs, FLOPs of one call) of the convolution of signature ``sig`` (gems.trace.ops, with the batch it
-    is measured at appended), on random tensors: what its rate and its backward's workspace are measured on.
-    ``input_grad``: whether its input needs a gradient (a model's first layer does not)."""
-    _, nd, cin, cout, kernel, stride, groups, transposed, padding, extent, batch = sig
-    # its own extent: only a convolution whose padded input is smaller than its kernel is timed on the
-    # smallest input it accepts (timing a 1x2x2 part on 3x3x3 counted 27 outputs' work where it has 4, at a
-    # rate several times the real one: CosmoFlow's 256-channel layers at S = 2)
-    size = [max(e, 1 if transposed else k - 2 * p) for e, k, p in zip(extent, kernel, padding)]
-    x = torch.randn(batch, cin, *size, requires_grad=input_grad)
-    if transposed:
-        conv = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[nd - 1]
-        w = torch.randn(cin, cout // groups, *kernel, requires_grad=True)
-        flops = 2.0 * (cout // groups) * math.prod(kernel) * x.numel()
-        return (lambda x, w: conv(x, w, None, stride, 0, 0, groups)), [x, w], flops
-    # through the spatial layers' kernel choice: at a reduced extent torch's heuristic can pick its slow
-    # reference kernel where the full-size convolution gets oneDNN (gems.spatial.conv_backend.conv_nd)
-    from gems.spatial.conv_backend import conv_nd
-
-    w = torch.randn(cout, cin // groups, *kernel, requires_grad=True)
-    ones = [1] * nd
-    out = conv_nd(x, w, None, stride, padding, ones, groups)
-    flops = 2.0 * (cin // groups) * math.prod(kernel) * out.numel()
-    return (lambda x, w: conv_nd(x, w, None, stride, padding, ones, groups)), [x, w], flops
-
-
-_WORKSPACE: dict[tuple, int] = {}
-
-
-def _onednn_isa_cap() -> tuple[str, ...]:  # oneDNN reads a cap on the instruction sets it uses from these
-    return tuple(os.environ.get(v, "") for v in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"))
-
-
-def conv_workspace(sig: tuple, batch: int, input_grad: bool, threads: int = 1) -> int:
-    """Bytes a CPU convolution's backward allocates for itself at micro-batch ``batch``: its peak over the
-    gradients it returns (oneDNN's scratchpad and weight-gradient buffers in its own layout: about 4x the
-    weights for a 256-channel 3^3 convolution, whatever the extent and batch; torch's reference kernel, which
-    it picks for one small sample: the unfolded input, 27x the input for a 3^3 one). A GPU's counterpart,
-    cuDNN's workspace, takes what the caching allocator has free (:data:`CUDNN_WORKSPACE_BYTES`).
-
-    Measured on random tensors from the CPU allocator's events (:func:`gems.memory.step_peak_bytes`, as a
-    run's record counts tensor memory), once per signature and input gradient at batches 1, 2 and 4 (those
-    within MEASURE_ELEMENTS elements of input or output): exact there, on the line between them at 3, and
-    beyond the last on the line through the last two, never decreasing. Kept on disk between processes
-    (:mod:`gems.plan.store`), keyed by the CPU's model and instruction sets and by any cap set on oneDNN's."""
-    per_sample = max(sig[2], sig[3]) * math.prod(sig[-1])  # the larger of its input and (stride 1) output
-    points = [q for q in (1, 2, 4) if q == 1 or q * per_sample <= MEASURE_ELEMENTS]
-
-    def at(q: int) -> int:
-        key = (sig, q, input_grad, threads)
-        if key not in _WORKSPACE:  # bytes, not time: kept on disk for this CPU (gems.plan.store)
-            _WORKSPACE[key] = cached(("conv_workspace", *key, cpu_identity(), _onednn_isa_cap()),
-                                     lambda: _with_threads(threads, lambda: _backward_workspace((*sig, q), input_grad)))
-        return _WORKSPACE[key]
-
-    batch = max(1, int(batch))
-    if batch in points:
-        return at(batch)
-    if len(points) == 1:
-        return at(1) * batch
-    lo, hi = (2, 4) if batch < points[-1] else (points[-2], points[-1])
-    slope = (at(hi) - at(lo)) / (hi - lo)
-    if batch > hi:
-        slope = max(0.0, slope)
-    return int(round(at(hi) + slope * (batch - hi)))
-
-
-def _backward_workspace(sig: tuple, input_grad: bool) -> int:
-    from gems.memory import step_peak_bytes
-
-    f, inputs, _ = _conv_case(sig, input_grad)
-    need = [t for t in inputs if t.requires_grad]
-    out = f(*inputs)
-    g = torch.ones_like(out)
-    torch.autograd.grad(out, need, g, retain_graph=True)  # oneDNN picks and caches its kernel
-    # the profiler's start and stop lines on stderr are not the planner's output
-    sys.stderr.flush()
-    err = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            peak = step_peak_bytes(lambda: torch.autograd.grad(out, need, g, retain_graph=True))
-    finally:
-        os.dup2(err, 2)
-        os.close(err)
-    return max(0, peak - sum(t.numel() * t.element_size() for t in need))
-
-
-#: the most input elements :func:`synthetic_seconds` generates to time a part (whole planes: at least one)
-DATA_ELEMENTS = 2**22
-_DATA: dict[tuple, float] = {}
-
-
-def synthetic_seconds(spec: Any, part: list[int], want_input: bool, want_target: bool, threads: int = 1) -> float:
-    """Seconds to make one sample of synthetic data (:mod:`gems.data.synthetic`) for a rank whose spatial part
-    has the extents ``part`` = (C, *spatial): its input part (``want_input``) and target (``want_target``),
-    as :meth:`SyntheticData.batch` makes them at every step, on the host (CPU ranks; GPU ranks draw on their GPU:
-    :func:`gems.plan.predict.gpu_synthetic`).
-
-    Timed here with the real generator, which makes each aligned block of planes along spatial dim 0 whole from
-    its own seeded generator (so a cut along the other dims saves nothing): on as many of the part's planes as stay within
-    DATA_ELEMENTS, scaled to all of them. Memoised per shape."""
-    key = (tuple(spec.input_shape), spec.target, tuple(part), want_input, want_target, threads)
-    if not (want_input or want_target):
-        return 0.0
-    if key not in _DATA:
-        from gems.data.synthetic import SyntheticData
-
-        plane = max(1, math.prod(spec.input_shape) // max(1, spec.input_shape[1]))
-        planes = max(1, int(part[1]))
-        timed = max(1, min(planes, DATA_ELEMENTS // plane))
-        slices = [slice(0, timed), *[slice(0, int(n)) for n in part[2:]]]
-        data = SyntheticData(spec, 0, 1 << 20)
-        idx = iter(range(1 << 20))  # a new sample each call, as a step draws new ones
-        t = _with_threads(threads, lambda: _timed(
-            lambda: data.batch([next(idx)], slices, want_input=want_input, want_target=want_target)))
-        _DATA[key] = t * planes / timed
-    return _DATA[key]
-
-
-def cpu_rates(threads: int, crowd: int = 1) -> Rates:
-    """This machine's rates for a rank of ``threads`` threads, ``crowd`` ranks of a node computing at once
-    (ops and the reference block timed that many at a time: :func:`_crowded`): the per-op overhead measured
-    now; each convolution shape and kind of memory-bound op when the model first needs it (tens of
-    milliseconds each).
-
-    Ops are timed with freed host memory kept in the process (:func:`gems.bootstrap.keep_host_memory`, from
-    the first measurement on), as a training step reuses the memory of the one before: timed with glibc's
-    defaults, an op whose output is past its mmap threshold faults each output page in anew, which on this
-    project's VM made a 1x1 convolution 8x slower than inside a step (a run under ``train.host_memory=keep``
-    or ``auto`` reuses it; one that gives memory back also pays those faults for tensors past glibc's 32 MiB
-    limit, which the prediction does not count)."""
-    # ranks of several threads each are timed alone: one process has one intra-op pool, so threads standing
-    # for such ranks would share it rather than each have their own cores
-    crowd = max(1, crowd) if threads <= 1 else 1
-    key = (threads, crowd)
-    if key in _CPU:
-        return _CPU[key]
-    keep_host_memory()  # from now on, as a training step reuses its memory (the docstring's why)
-    small = torch.randn(8)
-    over = _with_threads(threads, lambda: _timed(lambda: torch.relu(small), min_s=0.005))
-    r = Rates("cpu", f"this machine's CPU, {threads} thread(s) a rank", {"conv": 1e10, "matmul": 1e10}, 1e10, over,
-              measured={}, threads=threads, crowd=crowd)
-    r.in_step = _with_threads(threads, lambda: _in_step_factor(r))
-    r.about = (f"CPU measured here per convolution shape and kind of op, {over * 1e6:.1f} us per op ({threads} "
-               f"thread(s) a rank, freed host memory reused as a step reuses it"
-               + (f", {crowd} ranks computing at once" if crowd > 1 else "") + "); ops inside a step take "
-               f"{r.in_step:.2f}x their time alone (a reference convolution block, measured now)")
-    _CPU[key] = r
-    return r
-
-
-def forget_cpu_rates() -> None:
-    """Time this machine anew at the next :func:`cpu_rates` (a benchmark times them beside each run)."""
-    _CPU.clear()
-    _WORKSPACE.clear()
-    _DATA.clear()
-
-
-def _reference_block() -> torch.nn.Sequential:
-    """The block :func:`_in_step_factor` trains: convolutions, normalisations and activations of a small CNN."""
-    nn = torch.nn
-    return nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU(),
-                         nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.LeakyReLU(0.1),
-                         nn.Conv2d(16, 32, 1, stride=2), nn.GroupNorm(8, 32), nn.ReLU(),
-                         nn.Conv2d(32, 32, 3, padding=1), nn.ReLU())
-
-
-#: the batch :func:`_reference_block` is trained at (of 8 channels, 64^2 pixels)
-REFERENCE_BATCH = 8
-
-
-def _in_step_factor(rates: Rates) -> float:
-    """How much longer a forward and backward take than the sum of their ops timed alone (the rates' own
-    measurements): inside a step the autograd engine runs between ops, caches hold other tensors and
-    layouts are converted, which no op timed alone sees. Measured on :func:`_reference_block` at a batch of 8
-    and 64^2 pixels, its ops counted by the planner's own op counter layer by layer, as a model's are (the
-    first layer's backward computes no input gradient); kept within [0.5, 3] so a disturbed measurement
-    cannot dominate a prediction."""
-    def real() -> float:
-        block, x = _reference_block(), torch.randn(REFERENCE_BATCH, 8, 64, 64)
-        return _timed(lambda: block(x).sum().backward(), min_s=0.05, reps=3)
-
-    return min(3.0, max(0.5, _crowded(rates.crowd, real) / reference_alone(rates)))
-
-
-def reference_alone(rates: Rates) -> float:
-    """Seconds the forward and backward of :func:`_reference_block`'s ops take at these rates, timed alone: its
-    ops counted on a fake run, layer by layer as the planner counts a model's (the first layer's backward
-    computes no input gradient: only its convolution's backward is halved)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from gems.trace.ops import OpCounter
-
-    cur = [0]
-    counter = OpCounter(cur)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        h = torch.empty(REFERENCE_BATCH, 8, 64, 64)
-        block = _reference_block()
-        with counter:
-            for i, layer in enumerate(block):
-                cur[0] = i
-                h = layer(h)
-    return sum(rates.layer_time(counter.take(i), False, REFERENCE_BATCH) +
-               rates.layer_time(counter.take(i), True, REFERENCE_BATCH, first=i == 0) for i in range(len(block)))
-
-
 # ---- links ------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Link:
@@ -739,7 +347,7 @@ def links(cluster: Any, nodes: int) -> tuple[Link, Link | None]:
     return intra, Link(need("inter_node_GBps") * 1e9, need("inter_node_latency_us") * 1e-6, "inter-node")
 
 
-# ---- GPU memory: the device's total and the reserve set aside in it -------------------------------------------
+# ---- GPU memory: the device's total -----------------------------------------------------------------------------
 GiB = 2**30
 
 
@@ -754,221 +362,3 @@ def gpu_memory_bytes(nominal_gb: float, gpu: str | None) -> tuple[int, str]:
     return (int(nominal_gb * GiB * (1 - DRIVER_KEEPS)),
             f"{nominal_gb:g} GiB less the {100 * DRIVER_KEEPS:.1f}% a driver keeps")
 
-
-# The reserve: what a GPU rank's process holds beside the tensors the plan counts, from its parts. Each part is
-# per rank and in bytes; gpu_reserve adds them up.
-
-#: (a) The CUDA context: the driver's state, the kernels of torch, cuDNN and cuBLAS it loads, the handles.
-#: torch sets CUDA_MODULE_LOADING=LAZY unless the user did (github.com/pytorch/pytorch/pull/86509, since
-#: 1.13), so kernels load as they are first used. Measured with lazy loading: 287047680 bytes after one tensor
-#: (that pull request; 666632192 eager), "~300MB" and "around 400MB if CUDA >= 11.7 is used and lazy module
-#: loading enabled" (torch's ptrblck in pytorch/pytorch#107667 and #109888), 426 MiB on an RTX 6000 Ada with
-#: torch 2.10 / CUDA 13.0 (unslothai/unsloth-zoo#1053); before CUDA 11.7 (every kernel loaded) over 1000 MB.
-#: No figure per GPU generation was found; a training step also loads cuDNN's and cuBLAS's kernels for its
-#: shapes, so the largest measured figure is rounded up to 512 MiB for every GPU (an assumption: no GPU here).
-CUDA_CONTEXT_BYTES = 512 * MiB
-
-#: (b) cuBLAS's workspace, per (handle, stream), when CUBLAS_WORKSPACE_CONFIG is unset: torch's default is
-#: ":4096:8" (32 MiB) on sm90 GPUs (Hopper) and ":4096:2:16:8" (8 MiB + 128 KiB) on the others
-#: (aten/src/ATen/cuda/CublasHandlePool.cpp, parseChosenWorkspaceSize); cuBLASLt shares it
-#: (TORCH_CUBLASLT_UNIFIED_WORKSPACE, on by default), while torch's ROCm builds give hipBLASLt 76 MiB of its
-#: own (parseCUDABlasLtWorkspaceSize, same file). It comes from the caching allocator, so CUDA counts it as
-#: allocated: the plan adds it to the peak of a rank whose model runs matmuls (``activations_detail.blas_workspace``),
-#: not to the reserve. The H200's 64^3 rows (results/gpu/h200-2026-11-26.json) allocated 55-69 MB more than the
-#: plan counted without it, 2 x 32 MiB.
-CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8
-CUBLAS_WORKSPACE_SM90_BYTES = 4096 * 1024 * 8
-HIPBLASLT_WORKSPACE_BYTES = 76 * MiB
-#: handles a rank's matmuls run on: cuBLAS handles are per thread (CublasHandlePool.cpp's thread-local pool),
-#: and a step runs its forward on the main thread and its backward on autograd's thread for the device
-BLAS_HANDLES = 2
-SM90 = frozenset({"h100", "h200", "gh200"})
-ROCM = frozenset({"mi250x-gcd"})
-ARM_HOSTS = frozenset({"gh200"})  # Grace: NCCL's SIMPLE buffer is 1 MiB on Arm hosts (below)
-
-#: cuDNN's convolution workspace is not reserved apart: torch allocates it through the caching allocator for the
-#: call that needs it (aten/src/ATen/native/cudnn/Conv_v8.cpp), so it counts in ``max_memory_allocated`` at the
-#: layer that runs, and the activation model adds it there (:func:`cudnn_workspace`,
-#: ``activations_detail.workspace``) rather than to the reserve.
-CUDNN_WORKSPACE_BYTES = 0
-#: cuDNN's workspace of a convolution's forward or backward, as a fraction of the larger of its input and output
-#: at the micro-batch, where ``gems bench calibrate`` has not measured it on the GPU at hand: fit to the H200's
-#: figures (results/gpu/h200-2026-11-26.json: the six one-rank rows, CosmoFlow 64^3 at batch 4 in fp32, fp16 and
-#: bf16, 128^3 at batch 8 in fp32 and bf16, 256^3 at batch 4, with cuBLAS's workspaces and the allocator's
-#: rounding counted: the smallest fraction that leaves none of the six planned peaks under what CUDA allocated,
-#: set by the 64^3 fp16 row, whose 10 MB over the bf16 row's nothing else here explains).
-CUDNN_WORKSPACE_FRACTION = 0.30
-
-
-def cudnn_workspace(sig: tuple, batch: int, input_grad: bool, elem_bytes: int, calibration: Any = None,
-                    precision: str | None = None) -> int:
-    """Bytes cuDNN's workspace takes for the convolution of signature ``sig`` (gems.trace.ops) at micro-batch
-    ``batch``: measured on the GPU by ``gems bench calibrate`` where the calibration has its signature (per
-    sample, so scaled by the batch), else :data:`CUDNN_WORKSPACE_FRACTION` of its larger operand."""
-    per_sample = None if calibration is None else calibration.workspace_per_sample(sig, precision)
-    if per_sample is None:
-        per_sample = CUDNN_WORKSPACE_FRACTION * max(sig[2], sig[3]) * math.prod(sig[-1]) * elem_bytes
-    return int(per_sample * max(1, int(batch)))
-
-#: (c) The caching allocator's fragmentation, as a fraction of the rank's tensor peak: an assumption (no GPU run
-#: of gems measured reserved against allocated memory). The allocator rounds requests above 1 MiB up to
-#: 2 MiB, serves 1-10 MiB ones from 20 MiB segments and keeps freed blocks cached
-#: (c10/cuda/CUDACachingAllocator.cpp: kRoundLarge, kLargeBuffer, kMinLargeAlloc); cuDNN's workspaces go in
-#: the gaps.
-FRAGMENTATION = 0.10
-
-#: (d) NCCL's buffers. Per communicator, every channel connects to its peers, and each connection holds one
-#: buffer per protocol: SIMPLE, NCCL_BUFFSIZE, 4 MiB by default (NCCL's environment-variable documentation,
-#: docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-buffsize; src/init.cc computeBuffSizes:
-#: DEFAULT_BUFFSIZE 1 << 22, DEFAULT_BUFFSIZE_ARM 1 << 20 on Arm hosts); LL128,
-#: NCCL_LL128_ELEMS_PER_THREAD x NCCL_LL128_MAX_NTHREADS x NCCL_STEPS x 8 = 120 x 640 x 8 x 8 bytes; LL,
-#: NCCL_LL_LINES_PER_THREAD x NCCL_LL_MAX_NTHREADS x NCCL_STEPS x sizeof(ncclLLFifoLine) = 8 x 512 x 8 x 16
-#: bytes (src/include/device.h). "The memory usage is linearly tied to the number of channels", "Ring uses a
-#: limited amount of memory as it only has 2 connections regardless of the scale", and more communicators
-#: use more memory unless split with shared resources (NCCL's sjeaugey in NVIDIA/nccl#864, quoted in #986;
-#: that issue measured about 1.6 GB for one communicator with an all-reduce, 6 GB for three).
-NCCL_BUFFSIZE = 4 * MiB
-NCCL_BUFFSIZE_ARM = 1 * MiB
-NCCL_LL128_BUFFSIZE = 120 * 640 * 8 * 8
-NCCL_LL_BUFFSIZE = 8 * 512 * 8 * 16
-#: channels per communicator: NCCL picks them from the topology, up to MAXCHANNELS = 64 (src/include/device.h;
-#: NCCL_MIN_NCHANNELS / NCCL_MAX_NCHANNELS bound them) and prints them with NCCL_DEBUG=INFO ("N coll
-#: channels"): 24-32 in logs of 8-GPU NVLink/NVSwitch nodes, 2-8 between nodes with a NIC or two
-#: (NVIDIA/nccl#687: 2; #1189: 8). Assumed: 16, between the two (a rank's groups span 4-GPU nodes or nodes).
-NCCL_CHANNELS = 16
-#: connections a channel of a collective communicator holds: a ring's two, from the previous rank and to the
-#: next (trees, which NCCL picks for small messages, add up to three more: left out). On the pipeline's
-#: communicator each directed link a rank sends or receives on is one point-to-point connection a channel
-#: (its point-to-point channels to the peer, "p2p channels per peer" in NCCL_DEBUG=INFO's log, taken as many
-#: as NCCL_CHANNELS).
-NCCL_CONNECTIONS = 2
-NCCL_LINK_CONNECTIONS = 1
-#: NCCL connects a communicator's peers when an operation first needs them, not when it is created
-#: (NCCL_RUNTIME_CONNECT, on by default since NCCL 2.22, listed in the environment-variable documentation
-#: above; torch 2.7 ships NCCL 2.26.2), so a communicator the rank joins but never uses holds no buffers
-#: (TensorRT-LLM sets NCCL_RUNTIME_CONNECT=0 "for accurate KV cache size estimation" for that reason). With an
-#: older NCCL, or NCCL_RUNTIME_CONNECT=0, the idle ones hold buffers too: plan.reserve_gb then.
-
-
-def nccl_communicator_bytes(arm_host: bool = False, connections: int = NCCL_CONNECTIONS,
-                            channels: int = NCCL_CHANNELS) -> int:
-    """Bytes of NCCL buffers one communicator a rank uses holds on its GPU: channels x connections x the three
-    protocols' buffers."""
-    simple = NCCL_BUFFSIZE_ARM if arm_host else NCCL_BUFFSIZE
-    return channels * connections * (simple + NCCL_LL128_BUFFSIZE + NCCL_LL_BUFFSIZE)
-
-
-@dataclass(frozen=True)
-class Communicator:
-    """One NCCL communicator a rank joins: what it is for, its ranks, whether gems runs anything on it."""
-
-    name: str
-    size: int
-    used: bool
-    why: str = ""
-    connections: int = NCCL_CONNECTIONS  # a channel's connections (a ring's two; a one-way pipeline link's one)
-
-
-def rank_communicators(replicas: int, pipeline: int, spatial: int, grad_size: int,
-                       links: Sequence[tuple[int, int]] = ()) -> list[Communicator]:
-    """The NCCL communicators a rank joins (:meth:`gems.mesh.Mesh.build_groups`), each only where it has more
-    than one rank. gems binds each rank's device when it creates the world (``device_id``, gems.bootstrap), so
-    torch creates every group's communicator at once, split from the world's, for the ranks in it
-    (torch.distributed.distributed_c10d: ``eager_connect_single_device``, ``split_from``): the world, the
-    spatial, pipeline and replica groups and the gradient group. ``links``: the directed (sending, receiving)
-    pipeline positions this rank's schedule sends or receives on (:meth:`gems.pipeline.schedules.Schedule.links`):
-    every pipeline message goes on the line's ``pipeline`` group in exchange rounds (gems.pipeline.exchange),
-    each directed link one point-to-point connection a channel there; the halo exchange batches its operations
-    on the spatial group's."""
-    world = replicas * pipeline * spatial
-    out = [
-        Communicator("world", world, True, "the step-time all-reduce and the record's all-gather (gems.worker)"),
-        Communicator("spatial", spatial, True, "halo exchanges, the spatial all-reduces and the gather"),
-        Communicator("pipeline", pipeline, bool(links),
-                     "the stages' messages, exchange rounds" if links else "created, but this schedule sends nothing",
-                     NCCL_LINK_CONNECTIONS * max(1, len(set(links)))),
-        Communicator("replica", replicas, False, "created, but gradients are summed over the gradient group"),
-        Communicator("grad", grad_size, True, "the gradient all-reduce (gems.replication)"),
-    ]
-    return [c for c in out if c.size > 1]
-
-
-@dataclass
-class Reserve:
-    """The reserve of a GPU rank, from its parts (bytes), or ``plan.reserve_gb`` when set."""
-
-    source: str  # "modelled" or "plan.reserve_gb"
-    cuda_context: int = 0
-    cublas_workspace: int = 0
-    cudnn_workspace: int = 0
-    nccl: int = 0
-    fragmentation: int = 0  # FRAGMENTATION x the tensor peak (set once the peak is known)
-    fragmentation_fraction: float = 0.0
-    override: int = 0  # plan.reserve_gb, which replaces the parts
-    communicators: list[Communicator] | None = None
-    arm_host: bool = False  # NCCL's SIMPLE buffer is NCCL_BUFFSIZE_ARM
-    pipeline_position: int = 0  # where the communicators were counted (the position whose buffers are largest)
-
-    @property
-    def fixed(self) -> int:
-        """The parts that do not grow with the tensors."""
-        return self.override + self.cuda_context + self.cublas_workspace + self.cudnn_workspace + self.nccl
-
-    @property
-    def total(self) -> int:
-        return self.fixed + self.fragmentation
-
-    def parts(self) -> dict[str, int]:
-        if self.source != "modelled":
-            return {"plan.reserve_gb": self.override}
-        return {"cuda_context": self.cuda_context, "cublas_workspace": self.cublas_workspace,
-                "cudnn_workspace": self.cudnn_workspace, "nccl": self.nccl, "fragmentation": self.fragmentation}
-
-    def communicator_bytes(self, c: Communicator) -> int:
-        """NCCL buffers of one of this rank's communicators: none unless gems runs something on it."""
-        return nccl_communicator_bytes(self.arm_host, c.connections) if c.used else 0
-
-    def with_peak(self, peak: int) -> Reserve:
-        """The reserve once the tensor peak is known (its fragmentation part)."""
-        self.fragmentation = int(math.ceil(self.fragmentation_fraction * peak))
-        return self
-
-    def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"source": self.source, "bytes": self.total, "parts": self.parts()}
-        if self.source == "modelled":
-            comms = self.communicators or []
-            out.update({
-                "fragmentation_fraction": self.fragmentation_fraction,
-                "pipeline_position": self.pipeline_position,
-                "communicators": [{"name": c.name, "size": c.size, "used": c.used, "why": c.why,
-                                   "connections": c.connections, "bytes": self.communicator_bytes(c)}
-                                  for c in comms],
-                "assumed": {"nccl_channels": NCCL_CHANNELS, "nccl_connections_per_channel": NCCL_CONNECTIONS,
-                            "nccl_link_connections_per_channel": NCCL_LINK_CONNECTIONS,
-                            "cuda_context_bytes": CUDA_CONTEXT_BYTES, "blas_handles": BLAS_HANDLES},
-            })
-        return out
-
-
-def blas_workspace_bytes(gpu: str | None, sm90: bool | None = None, rocm: bool | None = None) -> int:
-    """cuBLAS (and hipBLASLt) workspaces of one rank: BLAS_HANDLES x torch's default for the GPU."""
-    sm90 = (gpu in SM90) if sm90 is None else sm90
-    rocm = (gpu in ROCM) if rocm is None else rocm
-    per = (CUBLAS_WORKSPACE_SM90_BYTES if sm90 else CUBLAS_WORKSPACE_BYTES) + (HIPBLASLT_WORKSPACE_BYTES if rocm else 0)
-    return BLAS_HANDLES * per
-
-
-def gpu_reserve(communicators_by_position: dict[int, list[Communicator]], gpu: str | None = None,
-                override_gib: float | None = None, sm90: bool | None = None, rocm: bool | None = None) -> Reserve:
-    """A GPU rank's reserve: ``plan.reserve_gb`` GiB when set (``override_gib``), else the CUDA context, the BLAS
-    workspaces, NCCL's buffers of the communicators the rank uses (at the pipeline position that uses the
-    most) and a fragmentation part, FRAGMENTATION x the tensor peak (filled in by :meth:`Reserve.with_peak`)."""
-    if override_gib is not None:
-        return Reserve("plan.reserve_gb", override=int(float(override_gib) * GiB))
-    r = Reserve("modelled", cuda_context=CUDA_CONTEXT_BYTES, cublas_workspace=0,  # in the peak (above)
-                cudnn_workspace=CUDNN_WORKSPACE_BYTES, fragmentation_fraction=FRAGMENTATION, arm_host=gpu in ARM_HOSTS)
-    nccl = {d: sum(r.communicator_bytes(c) for c in comms) for d, comms in communicators_by_position.items()}
-    if nccl:
-        r.pipeline_position = max(nccl, key=lambda d: (nccl[d], -d))
-        r.communicators, r.nccl = communicators_by_position[r.pipeline_position], nccl[r.pipeline_position]
-    return r

@@ -57,9 +57,9 @@ How the estimate is made:
   CosmoFlow 32^3 rank's tensors); torch's reference kernel, which it picks
   for one small sample, unfolds the input (27x it for a 3^3 kernel). CPU
   ranks measure it per convolution on the spot
-  (:func:`gems.plan.devices.conv_workspace`); on GPU ranks cuDNN's
+  (:func:`gems.plan.cpu.conv_workspace`); on GPU ranks cuDNN's
   workspace takes what the caching allocator has free (the reserve's
-  fragmentation part, :data:`gems.plan.devices.CUDNN_WORKSPACE_BYTES`).
+  fragmentation part, :data:`gems.plan.reserve.CUDNN_WORKSPACE_BYTES`).
 * **Other terms**: parameters (fp32), gradients (fp32), optimizer state
   (Adam 2x parameters, SGD with momentum 1x); halo buffers (the largest layer's
   received and packed slabs, from the real exchange plan of the cut); comm
@@ -85,7 +85,7 @@ How the estimate is made:
   GPU's measured total; else the local GPU's total. CPU ranks: this machine's
   RAM shared by the ranks of a node.
 * **Reserve**: what a GPU rank holds beside the tensors counted above, from
-  its parts (:func:`gems.plan.devices.gpu_reserve`, sources there): the CUDA
+  its parts (:func:`gems.plan.reserve.gpu_reserve`, sources there): the CUDA
   context, cuBLAS's workspaces, NCCL's buffers for each communicator the rank
   uses (the world, spatial, pipeline and gradient groups, each where it has
   more than one rank and the rank runs something on it; the replica group is
@@ -131,7 +131,8 @@ from gems.pipeline.exchange import plan_exchanges, receive_lead
 from gems.pipeline.partition import trace_shapes
 from gems.pipeline.schedules import GRAD, registered
 from gems.plan.calibration import load_calibration
-from gems.plan.devices import GPUS, blas_workspace_bytes, gpu_memory_bytes, gpu_reserve, rank_communicators
+from gems.plan.devices import GPUS, gpu_memory_bytes
+from gems.plan.reserve import blas_workspace_bytes, gpu_reserve, rank_communicators
 from gems.plan.schema import SCHEMA, Breakdown, GiB, MemoryPlan, Position, gib
 from gems.plan.store import cached
 from gems.rank.graphs import decide as graphs_decide
@@ -195,9 +196,9 @@ class _Stage:
         """(the backward's working set at micro-batch ``chunk``, the part of it that is its ops' own workspace).
 
         ``workspace(signature, batch, input_grad)``: the bytes a convolution allocates for itself. CPU ranks
-        (:func:`gems.plan.devices.conv_workspace`, measured): it is added at each layer, so the worst layer is
+        (:func:`gems.plan.cpu.conv_workspace`, measured): it is added at each layer, so the worst layer is
         the one where the saved set, the gradients and the workspace together are largest. ``at_peak`` (GPU
-        ranks: cuDNN's, :func:`gems.plan.devices.cudnn_workspace`): the largest convolution's is added at the
+        ranks: cuDNN's, :func:`gems.plan.reserve.cudnn_workspace`): the largest convolution's is added at the
         worst layer, as an allowance (measured on an H200, CUDA allocated a few percent more than the saved
         set and the worst layer's gradients, more than a workspace at its own layer explains).
 
@@ -434,7 +435,7 @@ def _device_itself(cfg: Any, world: int, available: bool) -> dict[str, Any]:
 
 
 def _gpu_reserve(cfg: Any, pl: Planner, dev: dict[str, Any]) -> Any:
-    """A GPU rank's reserve (:func:`gems.plan.devices.gpu_reserve`): ``plan.reserve_gb`` when set, else its parts,
+    """A GPU rank's reserve (:func:`gems.plan.reserve.gpu_reserve`): ``plan.reserve_gb`` when set, else its parts,
     with NCCL's communicators counted for every pipeline position from the mesh and the schedule."""
     st, mesh = pl.st, pl.st.mesh
     override = cfg.plan.reserve_gb
@@ -472,20 +473,20 @@ class Planner:
         self._ckpt: dict[int, list[tuple[tuple[int, int, list[int], int], tuple[int, int, list[int], int]]]] = {}
         self._ckpt_skips: dict[int, tuple[int, int]] = {}  # the skips crossing the pieces, at the two traced batches
         # a convolution's backward allocates a workspace of its own: CPU ranks measure it here; GPU ranks take
-        # cuDNN's, measured on the GPU (gems bench calibrate) or modelled (gems.plan.devices.cudnn_workspace)
+        # cuDNN's, measured on the GPU (gems bench calibrate) or modelled (gems.plan.reserve.cudnn_workspace)
         self.workspace: Any = None
         if not st.gpu:
-            from gems.plan.devices import conv_workspace
+            from gems.plan.cpu import conv_workspace
 
             self.workspace = lambda sig, batch, grad: conv_workspace(sig, batch, grad, st.threads)
         else:
-            from gems.plan.devices import cudnn_workspace
+            from gems.plan.reserve import cudnn_workspace
 
             elem = 4 if st.precision == "fp32" else 2
             self.workspace = lambda sig, batch, grad: cudnn_workspace(sig, batch, grad, elem, st.calibration,
                                                                       st.precision)
         #: GPU ranks whose model runs matmuls: cuBLAS's workspaces, allocated by the caching allocator and so in
-        #: what CUDA counts as allocated (set by plan_memory: gems.plan.devices.blas_workspace_bytes)
+        #: what CUDA counts as allocated (set by plan_memory: gems.plan.reserve.blas_workspace_bytes)
         self.blas = 0
 
     # ---- structure ------------------------------------------------------------------
@@ -929,7 +930,7 @@ def _max_chunk(pl: Planner, usable: int, chunk0: int) -> tuple[int, Any]:
 
 def _blas_workspaces(cfg: Any, pl: Planner, dev: dict[str, Any]) -> int:
     """cuBLAS's workspaces on a GPU rank whose model's trace holds a matmul (it creates the handles that hold them;
-    gems.plan.devices.blas_workspace_bytes), else 0."""
+    gems.plan.reserve.blas_workspace_bytes), else 0."""
     if dev["kind"] != "gpu":
         return 0
     t = pl.traced(0, 1)

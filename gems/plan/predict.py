@@ -12,7 +12,8 @@ import numpy as np
 
 from gems.config import reads_files
 from gems.pipeline.schedules import simulate
-from gems.plan.devices import cpu_rates, efficiency, gpu_rates, synthetic_seconds
+from gems.plan.cpu import cpu_rates, synthetic_seconds
+from gems.plan.devices import efficiency, gpu_rates
 from gems.plan.memory import Planner, rank_threads
 from gems.plan.timing import Prediction, predict, staging
 

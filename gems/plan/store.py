@@ -12,7 +12,7 @@ trace, and the folders of other versions untouched for a week are removed when a
 ``GEMS_CACHE_DIR=`` (empty) turns it off. The files are pickles, read back as code would be: the folder must be
 one only its user writes (the default is).
 
-It also keeps what a CPU rank's convolution backward allocates for itself (``gems.plan.devices.conv_workspace``):
+It also keeps what a CPU rank's convolution backward allocates for itself (``gems.plan.cpu.conv_workspace``):
 bytes, not time, a pure function of the convolution, the batch, the threads, torch's version and the CPU's
 instruction sets (oneDNN picks its kernels by them: :func:`cpu_identity` is in the key). Measuring them took
 3-7 s of every ``gems plan`` of a CPU mesh.

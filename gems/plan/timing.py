@@ -33,7 +33,7 @@ The model, term by term:
   their time from the compute and the whole all-reduce counts.
 * **data**: each rank makes its data at the start of a step, before its first action (inputs where it runs
   a first stage, targets where it runs a last one, for its spatial part): synthetic samples as long as the
-  real generator takes here (:func:`gems.plan.devices.synthetic_seconds`; GPU ranks generate on the host
+  real generator takes here (:func:`gems.plan.cpu.synthetic_seconds`; GPU ranks generate on the host
   too), files (``data=files``) read from the page cache and copied (:func:`copied`). The simulated
   schedule starts each rank once its data is made, so a first stage's data delays the ranks after it.
 
