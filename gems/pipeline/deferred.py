@@ -116,30 +116,34 @@ def _queue_or_run(weight_grad: Callable[[], None]) -> None:
         weight_grad()
 
 
-class _Conv(torch.autograd.Function):
-    """The parameters come in detached: autograd must not reach their accumulators in the I (it would run
-    their post-accumulate hooks, and the gradient sum would start on gradients that are not there yet);
-    the weight gradients are accumulated through autograd when the W runs."""
+class _Deferred(torch.autograd.Function):
+    """A deferrable layer's op, a convolution's or a linear layer's (its ``_op``, ``_input_grad`` and
+    ``_weight_grads``; the last reads the weight only where ``_w_reads_weight``, so a W keeps no weight, nor its
+    autocast copy, that it does not need). The parameters come in detached: autograd must not reach their
+    accumulators in the I (it would run their post-accumulate hooks, and the gradient sum would start on gradients
+    that are not there yet); the weight gradients are accumulated through autograd when the W runs."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, conv: Any, anchor: Any) -> torch.Tensor:
-        xc, wc, bc = _detached_operands(x, conv)
+    def forward(ctx: Any, x: torch.Tensor, layer: Any, anchor: Any) -> torch.Tensor:
+        xc, wc, bc = _detached_operands(x, layer)
         with torch.autocast(x.device.type, enabled=False):
-            y = conv._op(xc, wc, bc)
+            y = layer._op(xc, wc, bc)
         ctx.save_for_backward(xc, wc)
-        ctx.conv, ctx.xdtype = conv, x.dtype
+        ctx.layer, ctx.xdtype = layer, x.dtype
         return y
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:
         xc, wc = ctx.saved_tensors
-        conv = ctx.conv
-        gx = conv._backward(gy, xc, wc, (True, False, False))[0].to(ctx.xdtype) if ctx.needs_input_grad[0] else None
-        w, b = conv.weight, conv.bias
-        mask = (False, w.requires_grad, b is not None and b.requires_grad)
-        if mask[1] or mask[2]:
+        layer = ctx.layer
+        gx = layer._input_grad(gy, xc, wc).to(ctx.xdtype) if ctx.needs_input_grad[0] else None
+        w, b = layer.weight, layer.bias
+        want = (w.requires_grad, b is not None and b.requires_grad)
+        if any(want):
+            kept = wc if layer._w_reads_weight else None
+
             def weight_grad() -> None:
-                _accumulate([w, b], lambda: list(conv._backward(gy, xc, wc, mask)[1:]))
+                _accumulate([w, b], lambda: layer._weight_grads(gy, xc, kept, want))
 
             _queue_or_run(weight_grad)
         return gx, None, None
@@ -154,7 +158,9 @@ def _anchor(x: torch.Tensor, m: nn.Module) -> torch.Tensor | None:
 
 
 class _DeferrableConv:
-    """Mixin of the deferrable convolutions (forward through :class:`_Conv`)."""
+    """Mixin of the deferrable convolutions (forward through :class:`_Deferred`)."""
+
+    _w_reads_weight = True
 
     def _op(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         return self._conv_forward(x, w, b)  # type: ignore[attr-defined]
@@ -166,12 +172,19 @@ class _DeferrableConv:
         return torch.ops.aten.convolution_backward(gy, x, w, [w.shape[0]], list(m.stride), pad, list(m.dilation),
                                                    False, [0] * (w.dim() - 2), m.groups, list(mask))
 
+    def _input_grad(self, gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self._backward(gy, x, w, (True, False, False))[0]
+
+    def _weight_grads(self, gy: torch.Tensor, x: torch.Tensor, w: Any,
+                      want: tuple[bool, bool]) -> list[torch.Tensor | None]:
+        return list(self._backward(gy, x, w, (False, *want))[1:])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m: Any = self
         if m.padding_mode != "zeros" or isinstance(m.padding, str) and m.padding == "same" and _uneven_same(m):
             base: Any = type(self).__mro__[2]
             return base.forward(self, x)  # the layer's own path (exact, not deferred)
-        return _Conv.apply(x, self, _anchor(x, m))
+        return _Deferred.apply(x, self, _anchor(x, m))
 
 
 def _same_padding(m: Any) -> list[int]:
@@ -184,39 +197,24 @@ def _uneven_same(m: Any) -> bool:
     return any((d * (k - 1)) % 2 for d, k in zip(m.dilation, m.kernel_size))
 
 
-class _Linear(torch.autograd.Function):
-    """As :class:`_Conv`, for ``nn.Linear``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, lin: nn.Linear, anchor: Any) -> torch.Tensor:
-        xc, wc, bc = _detached_operands(x, lin)
-        with torch.autocast(x.device.type, enabled=False):
-            y = F.linear(xc, wc, bc)
-        ctx.save_for_backward(xc, wc)
-        ctx.lin, ctx.xdtype = lin, x.dtype
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, gy: torch.Tensor) -> tuple[Any, ...]:
-        xc, wc = ctx.saved_tensors
-        gx = (gy @ wc).to(ctx.xdtype) if ctx.needs_input_grad[0] else None
-        w, b = ctx.lin.weight, ctx.lin.bias
-        want_w, want_b = w.requires_grad, b is not None and b.requires_grad
-        if want_w or want_b:
-            def made() -> list[torch.Tensor | None]:
-                g2, x2 = gy.reshape(-1, gy.shape[-1]), xc.reshape(-1, xc.shape[-1])
-                return [g2.t() @ x2 if want_w else None, g2.sum(0) if want_b else None]
-
-            def weight_grad() -> None:
-                _accumulate([w, b], made)
-
-            _queue_or_run(weight_grad)
-        return gx, None, None
-
-
 class _DeferrableLinear(nn.Linear):
+    """The deferrable ``nn.Linear`` (forward through :class:`_Deferred`)."""
+
+    _w_reads_weight = False
+
+    def _op(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, w, b)
+
+    def _input_grad(self, gy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return gy @ w
+
+    def _weight_grads(self, gy: torch.Tensor, x: torch.Tensor, w: Any,
+                      want: tuple[bool, bool]) -> list[torch.Tensor | None]:
+        g2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
+        return [g2.t() @ x2 if want[0] else None, g2.sum(0) if want[1] else None]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Linear.apply(x, self, _anchor(x, self))
+        return _Deferred.apply(x, self, _anchor(x, self))
 
 
 _SWAP: dict[type, type] = {}
