@@ -57,7 +57,7 @@ def dry_run(cfg: Any) -> dict[str, Any]:
             # synthetic samples of the configured shapes: the dry run reads no files
             data = SyntheticData(spec, int(cfg.train.seed), max(B, int(cfg.data.num_samples)))
             ids, x, y = step_batch(data, par, 0, B, mesh.replicas, coord.replica)
-            par.step(x, y, ids, 0)
+            par.forward_backward(x, y, ids, 0)
             par.quiesce()
             opt.step()
             opt.zero_grad(set_to_none=True)

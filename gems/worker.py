@@ -3,11 +3,9 @@
 ``run_rank(cfg_yaml)`` is the entry on every launcher (local processes,
 submitit tasks, ``srun``/``mpiexec`` via ``python -m gems.worker --config``).
 It bootstraps the world (gems/bootstrap.py), starts the rank's watchdog and,
-with ``GEMS_COMM_LOG``, its message log, and runs :func:`gems.rank.loop.train`
-(or, for ``gems eval``, :func:`gems.rank.evaluate.evaluate_model`)
-(which composes the strategies in :func:`gems.rank.compose.parallelize` and
-runs the step loop); rank 0 writes the results record. A rank that fails
-writes its failure report before the error leaves it.
+with ``GEMS_COMM_LOG``, its message log, and runs :func:`gems.rank.loop.train` (or, for ``gems eval``,
+:func:`gems.rank.evaluate.evaluate_model`); rank 0 writes the results record.
+A rank that fails writes its failure report before the error leaves it.
 """
 from __future__ import annotations
 
@@ -26,12 +24,12 @@ from gems import commlog, progress
 from gems.bootstrap import (
     init_world,
 )
-from gems.config import typed
+from gems.config import section, typed
 from gems.errors import ConfigError
 from gems.fault import reports
 from gems.fault.watchdog import Watchdog
 from gems.rank.evaluate import evaluate_model
-from gems.rank.loop import Stopped, start_watchdog, train, write_once
+from gems.rank.loop import Stopped, train, write_once
 from gems.results import record as rec
 
 
@@ -78,6 +76,25 @@ def run_rank(cfg_yaml: str) -> dict[str, Any] | None:
             raise
         finally:
             end_rank(world, wd)
+
+
+def start_watchdog(cfg: Any, world: Any, on_stall: Any) -> Watchdog | None:
+    """This rank's heartbeat thread (``fault.stall_timeout_s``; null switches stall detection off)."""
+    f = section(cfg, "fault")
+    if f.stall_timeout_s is None:
+        return None
+    jd = rec.job_dir(cfg)
+
+    def report(message: str, failure: dict[str, Any]) -> None:
+        reports.write_report(jd, world.rank, message, echo=world.rank not in failure.get("ranks", []),
+                             kind=failure.get("kind", "stall"), blame=failure.get("blame"))
+
+    launcher = os.environ.get("GEMS_LAUNCHER_PID")
+    return Watchdog(world.rank, world.size, stall_s=f.stall_timeout_s, warmup_s=f.warmup_timeout_s,
+                    addr=os.environ.get("MASTER_ADDR", world.master_addr),
+                    port=int(os.environ.get("MASTER_PORT", world.master_port)),
+                    on_stall=on_stall if world.rank == 0 else None, on_report=report,
+                    launcher_pid=int(launcher) if launcher else None).start()
 
 
 def release_graphs(world: Any) -> bool:

@@ -197,7 +197,7 @@ class _Worker(_Rank):
     def step(self, x: torch.Tensor | None, y: torch.Tensor | None, ids: list[int], t: int) -> float:
         for p in self.params:
             p.grad = None  # as the worker leaves them (zero_grad(set_to_none=True))
-        return self.par.step(x, y, ids, t)
+        return self.par.forward_backward(x, y, ids, t)
 
     def place_rounds(self, how: str, rank: int) -> tuple[str | None, Any]:
         assert how == "real", "the worker's runner measures its own actions"

@@ -473,7 +473,7 @@ def test_the_watchdog_gives_every_warm_up_and_profiled_step_the_warm_up_allowanc
 
     from gems.bootstrap import World
     from gems.config import compose
-    from gems.rank.loop import Run
+    from gems.rank.setup import set_up
 
     cfg = compose(["model.size=32", "model.width=0.25", "train.steps=5", "train.warmup_steps=1",
                    "train.check_fit=false"])
@@ -482,8 +482,8 @@ def test_the_watchdog_gives_every_warm_up_and_profiled_step_the_warm_up_allowanc
         cfg.results.dir = str(tmp_path)
     wd = SimpleNamespace(warm_until=1)
     world = World(0, 1, 0, "127.0.0.1", 0, "single", torch.device("cpu"), "gloo", "torch", None, "localhost")
-    run = Run(cfg, world, wd)  # type: ignore[arg-type]
-    assert run.measure_from == 2 and wd.warm_until == 2
+    state = set_up(cfg, world, wd)  # type: ignore[arg-type]
+    assert state.plan.measure_from == 2 and wd.warm_until == 2
 
 
 def test_the_stall_allowance_grows_with_the_runs_slowest_step():

@@ -221,30 +221,34 @@ def _count_reads(rank: int, size: int, extra: list[str]) -> dict[str, dict[int, 
         cfg.results.dir = f"/tmp/gems-test-sync-count-{size}"
     world = World(rank, size, rank, "127.0.0.1", 0, "single", torch.device("cpu"), "gloo", "torch", None, "localhost")
     seen: dict[str, dict[int, list[str]]] = {"step": {}, "evaluate": {}}
-    real_step, real_eval = loop.Run.one_step, loop.Run.evaluate
+    from gems.rank.hooks import Evaluation
+
+    real_step, real_eval = loop.Loop.one_step, Evaluation.after_step
 
     def counted(self, step):  # type: ignore[no-untyped-def]
-        if step < self.measure_from:  # CPU ranks profile their first steps' tensor memory: not a GPU's step
+        if step < self.state.plan.measure_from:  # CPU ranks profile their first steps' tensor memory: not a GPU's
             return real_step(self, step)
         # torch's Adam keeps each parameter's step count on the host, on GPU ranks too: reading it waits for nothing
-        host = {id(st["step"]) for st in self.opt.state.values() if isinstance(st.get("step"), torch.Tensor)}
+        host = {id(st["step"]) for st in self.state.opt.state.values() if isinstance(st.get("step"), torch.Tensor)}
         with _HostReads(host) as reads:
             out = real_step(self, step)
         seen["step"][step] = reads.where
         return out
 
-    def evaluated(self, step):  # type: ignore[no-untyped-def]
+    def evaluated(self, result):  # type: ignore[no-untyped-def]
+        if not self.state.plan.evaluates(result.step):
+            return real_eval(self, result)
         with _HostReads() as reads:
-            out = real_eval(self, step)
-        seen["evaluate"][step] = reads.where
+            out = real_eval(self, result)
+        seen["evaluate"][result.step] = reads.where
         return out
 
-    loop.Run.one_step, loop.Run.evaluate = counted, evaluated
+    loop.Loop.one_step, Evaluation.after_step = counted, evaluated  # type: ignore[method-assign]
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             loop.train(cfg, world)
     finally:
-        loop.Run.one_step, loop.Run.evaluate = real_step, real_eval
+        loop.Loop.one_step, Evaluation.after_step = real_step, real_eval  # type: ignore[method-assign]
     return seen
 
 

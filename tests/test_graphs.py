@@ -147,11 +147,8 @@ def test_a_graphed_run_equals_the_eager_one_and_launches_few_ops_around_its_repl
     assert graphed["step"] == on["step_time_s"]["measured_from"] - 1 == 2
     assert eager["step"] == off["step_time_s"]["measured_from"] - 1 == 1
     assert graphed["per_step"] <= MAX_OPS < eager["per_step"]
-    from gems.rank.loop import graphed_note
-
     assert any(n.startswith("train.cuda_graphs: the step (forward, loss, backward") for n in on["notes"])
     assert not any("cuda_graphs" in n for n in off.get("notes", []))
-    assert graphed_note  # (the note's one source)
 
 
 @pytest.mark.parametrize("extra", [
@@ -439,27 +436,27 @@ def test_a_graphed_step_reads_nothing_from_the_device_and_its_figures_a_step_lat
 
     order: list[tuple[str, int]] = []
     syncs: dict[int, list[str]] = {}
-    real_step, real_finish, real_run = loop.Run.one_step, loop.Run.finish, graphs.StepGraph.run
+    real_step, real_after, real_run = loop.Loop.one_step, loop.Loop.after, graphs.StepGraph.run
 
     def one_step(self, step):  # type: ignore[no-untyped-def]
-        if step < self.measure_from:
+        if step < self.state.plan.measure_from:
             return real_step(self, step)
         with _Syncs() as seen:
             out = real_step(self, step)
         syncs[step] = seen.where
         return out
 
-    def finish(self, done):  # type: ignore[no-untyped-def]
-        order.append(("read", done.step))
-        return real_finish(self, done)
+    def after(self, queued):  # type: ignore[no-untyped-def]
+        order.append(("read", queued.step))
+        return real_after(self, queued)
 
     def run(self, x, y, seed, step, ids, stop):  # type: ignore[no-untyped-def]
         out = real_run(self, x, y, seed, step, ids, stop)
         order.append(("replay" if self.replays else "eager", step))
         return out
 
-    monkeypatch.setattr(loop.Run, "one_step", one_step)
-    monkeypatch.setattr(loop.Run, "finish", finish)
+    monkeypatch.setattr(loop.Loop, "one_step", one_step)
+    monkeypatch.setattr(loop.Loop, "after", after)
     monkeypatch.setattr(graphs.StepGraph, "run", run)
     reads = []
     monkeypatch.setattr(Readout, "read", staticmethod(lambda posted, _r=Readout.read: reads.append(1) or _r(posted)))
@@ -482,13 +479,13 @@ def test_a_graphed_step_reads_nothing_from_the_device_and_its_figures_a_step_lat
 def test_the_watchdog_allows_a_step_read_late_what_the_device_took() -> None:
     """The stall allowance grows with the slowest step: a graphed step read a step late gives it the device's span
     of the step (its events), not the host's millisecond of launches; a step read at once, its wall time."""
-    from gems.rank.loop import _Done, _took
+    from gems.rank.loop import Queued, took
 
-    late = _Done(4, begun=10.0, t0=10.0, t_data=0.0, measured=True, posted=None,  # type: ignore[arg-type]
-                 host_s=0.001, deferred=True)
-    assert _took(late, 0.5, now=99.0) == 0.5 and _took(late, 0.0001, now=99.0) == 0.001
-    at_once = _Done(4, begun=10.0, t0=10.0, t_data=0.0, measured=True, posted=None)  # type: ignore[arg-type]
-    assert _took(at_once, 0.5, now=12.0) == 2.0
+    late = Queued(4, begun=10.0, t0=10.0, data_s=0.0, posted=None, verdict=False,  # type: ignore[arg-type]
+                  host_s=0.001, deferred=True)
+    assert took(late, 0.5, now=99.0) == 0.5 and took(late, 0.0001, now=99.0) == 0.001
+    at_once = Queued(4, begun=10.0, t0=10.0, data_s=0.0, posted=None, verdict=False)  # type: ignore[arg-type]
+    assert took(at_once, 0.5, now=12.0) == 2.0
 
 
 # ---- a capture that fails ------------------------------------------------------------------------------------------

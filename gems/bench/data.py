@@ -11,7 +11,7 @@ sees the same machine noise:
 
 Each row gives the exposed data time per step (what the step waited for), the reader's own time per step, the
 step times, and on / bound. Goal: with prefetch on, the step within 5% of its bound wherever the reader alone
-is faster than the compute (reader time < bound). The runs are gems's own training loop (gems.rank.loop.Run)
+is faster than the compute (reader time < bound). The runs are gems's own training loop (gems.rank.loop.Loop)
 on real gloo ranks, one compute thread per rank; on this 2-core machine an S = 2 run's ranks take both cores,
 so the reader's thread there competes with the compute instead of using an idle core, and the table says so.
 
@@ -76,13 +76,14 @@ def bench_rank(rank: int, world_size: int, size: int, spatial: int, data: str, p
     import torch
 
     from gems.bootstrap import World
-    from gems.rank.loop import Run
+    from gems.rank.loop import Loop
+    from gems.rank.setup import set_up
 
     cfg = _cfg(size, spatial, data, path, contender, folder)
     world = World(rank, world_size, rank, "127.0.0.1", 0, "single", torch.device("cpu"), "gloo", "torch", None,
                   "localhost")
 
-    class Bound(Run):
+    class Bound(Loop):
         """The run without a data path: the first batch, read before the first step, every step."""
 
         def finisher(self) -> None:  # the batch read once, finished once: nothing of the data path in the step
@@ -93,7 +94,7 @@ def bench_rank(rank: int, world_size: int, size: int, spatial: int, data: str, p
                 self._once = super().fetch(0)
             return self._once
 
-    run = (Bound if contender == "bound" else Run)(cfg, world, None)
+    run = (Bound if contender == "bound" else Loop)(set_up(cfg, world, None))
     if contender == "bound":
         run.fetch(0)  # read before the clock starts
     with contextlib.redirect_stdout(io.StringIO()):  # the per-step lines

@@ -30,7 +30,7 @@ from gems.errors import ConfigError
 from gems.models import ModelSpec
 
 if TYPE_CHECKING:
-    from gems.rank.compose import Parallel
+    from gems.rank.steppers import Stepper
 
 
 
@@ -348,7 +348,7 @@ def replica_indices(step: int, batch: int, replicas: int, replica: int) -> list[
     return Sampler(batch, batch, 0).replica_indices(step, replicas, replica)
 
 
-def step_batch(data: Any, par: Parallel, step: int, batch: int, replicas: int, replica: int,
+def step_batch(data: Any, par: Stepper, step: int, batch: int, replicas: int, replica: int,
                sampler: Sampler | None = None,
                raw: bool = False) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
     """(sample indices, input, target) of ``step`` on a rank: its replica's samples, its spatial part of the

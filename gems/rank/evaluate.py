@@ -1,12 +1,5 @@
-"""``gems eval``: a trained model evaluated on a dataset, on any mesh, with the figures of a run's validation.
-
-The ranks are set up as a training run's (:class:`gems.rank.loop.Run`: the mesh, the composed model, the readers),
-the model's weights read from the model file or checkpoint ``eval.path`` names (a checkpoint's weight average where
-it has one, as the run evaluated), and the validation set evaluated once with the run's own code
-(:meth:`~gems.rank.loop.Run.measure`: the same weighted sums, BatchNorm recalibrated first where
-``train.bn_recalibrate`` says so), so the figures equal one process's and the run's own last validation entry on
-the same set. Each counted sample's prediction and target are gathered to rank 0, which writes them beside the
-record (``<run_id>.predictions.csv``; for dense outputs each sample's loss and error over its cells).
+"""``gems eval``: a trained model evaluated on a dataset, on any mesh, with the figures of a run's validation (the
+ranks set up as a training run's, the figures computed by its code), and each sample's prediction beside the record.
 """
 from __future__ import annotations
 
@@ -22,8 +15,11 @@ from gems import progress
 from gems.bootstrap import World
 from gems.fault.watchdog import Watchdog
 from gems.rank.data import class_names
-from gems.rank.loop import Run
+from gems.rank.hooks.faults import agreed_error
 from gems.rank.loss import described
+from gems.rank.setup import set_up
+from gems.rank.validation import Validation
+from gems.results.recorder import Recorder
 
 
 def evaluate_model(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str, Any]:
@@ -34,32 +30,38 @@ def evaluate_model(cfg: DictConfig, world: World, wd: Watchdog | None = None) ->
     from gems.results import record as rec
 
     t0 = time.time()
-    run = Run(cfg, world, wd)
-    par = run.par
+    state = set_up(cfg, world, wd)  # the model's weights from eval.path (gems.rank.setup.resume)
+    metric = state.stepper.metric
     keep = bool(cfg.eval.predictions)
-    par.metric.keep = [] if keep else None
+    metric.keep = [] if keep else None
     progress.mark("evaluate")
     t_eval = time.perf_counter()
+    validation = Validation(state)
     try:
-        figures, recalibrated = run.measure()
+        figures, recalibrated = validation.figures()
         if figures is None:  # a bad file on some rank: every rank stops, naming it
-            raise run.agreed_error()[0]
+            raise agreed_error(world, validation.met)[0]
     except BaseException:
-        if run.staged is not None:  # data.stage=node: the node's copies go with a failure too
-            run.staged.discard(world)
+        if state.staged is not None:  # data.stage=node: the node's copies go with a failure too
+            state.staged.discard(world)
         raise
     seconds = time.perf_counter() - t_eval
-    unstage(run.staged, world, run.barrier)
-    rows = par.metric.keep or []
-    par.metric.keep = None
+
+    def barrier() -> None:
+        if world.size > 1:
+            dist.barrier()
+
+    unstage(state.staged, world, barrier)
+    rows = metric.keep or []
+    metric.keep = None
     gathered: list[Any] = [rows]
     if world.size > 1:
         gathered = [None] * world.size if world.rank == 0 else []
         dist.gather_object(rows, gathered if world.rank == 0 else None, dst=0)
-    peaks, hosts, _, machines, _, _ = run.gather(None, 0)
+    peaks, hosts, _, machines, _, _ = Recorder(state.history).gather(world, state.meter, None, 0)
     if world.rank != 0:
         return {}
-    record = rec.build_record(cfg, world, run.mesh, losses=[], step_times=[], global_batch=int(cfg.train.batch_size),
+    record = rec.build_record(cfg, world, state.mesh, losses=[], step_times=[], global_batch=int(cfg.train.batch_size),
                               breakdown={}, peaks=peaks, hosts=hosts, wall_s=time.time() - t0, machines=machines)
     entry = {**figures, "seconds": seconds}
     if cfg.train.bn_recalibrate:
@@ -70,8 +72,8 @@ def evaluate_model(cfg: DictConfig, world: World, wd: Watchdog | None = None) ->
     record["validation"] = [entry]
     if keep:
         path = rec.record_path(cfg).with_suffix(".predictions.csv")
-        record["predictions_file"] = str(write_predictions(path, gathered, par.metric))
-    names = class_names(run.val, par.metric)
+        record["predictions_file"] = str(write_predictions(path, gathered, metric))
+    names = class_names(state.val, metric)
     if names:
         record["classes"] = names
     print(f"gems: eval {cfg.eval.path}: {described(figures, names)}", flush=True)

@@ -1,23 +1,67 @@
 """The step's sync over every rank, and its figures on the host: read at once, or a step late.
 
-A step ends with one small all-reduce (:func:`step_sync`): the weighted local losses summed into the global loss
-(docs/design.md), and whether any rank was asked to stop, as float64 on the device. The host needs these values
-only to print, keep and check them, to stop for a checkpoint and for the record. Reading them right after the
-step would leave the GPU idle through all the host's work before the next step (gems's own host work, the reader's
-hand-over, the next step's launches); so the figures go to the host by one asynchronous copy (:class:`Readout`:
-pinned host memory on a GPU, an event after the copy), and the loop reads a step's figures during the next step,
-once that one's work is queued (gems.rank.loop: a graphed run's steps; those a checkpoint, an evaluation, the
-last step or a stop need read at once).
+A step ends with one small all-reduce (:func:`step_sync`): the global loss and the stop requests of every rank, as
+float64 on the device, copied to the host without waiting (:class:`Readout`) and read as a :class:`StepFigures`. How
+the figures are packed into one tensor is this module's alone.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from gems import capture
 from gems.progress import waiting
+
+#: a rank's stop request for a bad file met ahead, over any count of ranks asking for a checkpoint (summed)
+_BAD_DATA = 1 << 20
+
+
+def stop_request(checkpoint: bool, bad_data: bool) -> int:
+    """This rank's stop request in the step's sync (summed over the ranks): a checkpoint before the time limit or a
+    preemption, and a bad file met in a batch ahead (:class:`StepFigures` reads the sum)."""
+    return int(checkpoint) + (_BAD_DATA if bad_data else 0)
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """A step's figures as the host reads them, the same on every rank.
+
+    - ``loss``: the global loss (the weighted local losses summed over every rank);
+    - ``stop``: some rank asked to stop after this step (a checkpoint before the time limit, a bad file);
+    - ``bad_data``: some rank met a bad file in a batch ahead;
+    - ``first_bad``: where a graphed step says this rank first saw a non-finite value (0 its input, 1 its output,
+      None neither); False where the step holds no such flags (the stepper is asked);
+    - ``overflow``: fp16's verdict where the device decided the step's skip (None where the host did).
+    """
+
+    loss: float
+    stop: bool
+    bad_data: bool
+    first_bad: int | None | bool
+    overflow: bool | None
+
+    @staticmethod
+    def read(values: Sequence[float], verdict: bool) -> "StepFigures":
+        """From the vector :func:`step_sync` (or a graphed step) made, with fp16's verdict last where ``verdict``."""
+        overflow = values[-1] > 0 if verdict else None
+        flags = list(values[:-1] if verdict else values)
+        first_bad: int | None | bool = False
+        if len(flags) >= 4:
+            first_bad = 0 if flags[2] < 1 else 1 if flags[3] < 1 else None
+        return StepFigures(values[0], values[1] > 0, values[1] >= _BAD_DATA, first_bad, overflow)
+
+
+def with_flags(pair: torch.Tensor, ok_in: torch.Tensor, ok_out: torch.Tensor) -> torch.Tensor:
+    """A graphed step's figures: :func:`step_sync`'s pair, then whether this rank's input and output were finite
+    (float64 flags of one element)."""
+    return torch.cat([pair, ok_in, ok_out])
+
+
+def with_verdict(figures: torch.Tensor, verdict: torch.Tensor | None) -> torch.Tensor:
+    """The figures with fp16's overflow verdict last, where the device decided it."""
+    return figures if verdict is None else torch.cat([figures, verdict])
 
 
 def step_sync(local_loss: Any, stop: int, world: Any) -> torch.Tensor:
