@@ -101,18 +101,26 @@ def test_mirrored_schedules_fill_the_bubbles():
         assert S.busy_fraction(S.one_f_one_b(D, m)) == pytest.approx(m / (m + D - 1))
 
 
-def _doc_tables(fn) -> list[str]:
-    doc = inspect.getdoc(fn) or ""
-    blocks = re.findall(r"::\n\n((?:    .*\n?)+)", doc)
-    return ["\n".join(line[4:].rstrip() for line in b.rstrip().splitlines()) for b in blocks]
+def drawn_tables() -> dict[str, list[tuple[str, str, str]]]:
+    """The clock tables the docstrings of gems/pipeline/schedules.py draw, by the name of the schedule that the call
+    written before each (``gpipe(2, 3)``::) builds: {name: [(the call, the table drawn, what draw() gives now)]}."""
+    out: dict[str, list[tuple[str, str, str]]] = {}
+    for fn in vars(S).values():
+        doc = inspect.getdoc(fn) if inspect.isfunction(fn) and fn.__module__ == S.__name__ else None
+        for block in re.finditer(r"::\n\n((?:    .*\n?)+)", doc or ""):
+            fname, args = re.findall(r"``(\w+)\(([\d, ]*)\)``", doc[:block.start()])[-1]  # type: ignore[index]
+            sched = getattr(S, fname)(*(int(a) for a in args.split(",")))
+            table = "\n".join(line[4:].rstrip() for line in block.group(1).rstrip().splitlines())
+            out.setdefault(sched.name, []).append((f"{fname}({args})", table, draw(sched)))
+    return out
 
 
-@pytest.mark.parametrize("fn,args", [(S.lp, (2, 2)), (S.gpipe, (2, 3)), (S.one_f_one_b, (3, 4)), (S.mast, (4,)),
-                                     (S.master, (2, 4))])
-def test_docstring_tables_are_what_the_generators_produce(fn, args):
-    tables = _doc_tables(fn)
-    assert tables, f"{fn.__name__} has no clock table"
-    assert tables[0] == draw(fn(*args))
+@pytest.mark.parametrize("name", list(S.registered()))
+def test_every_registered_schedule_is_drawn_in_its_docstring_as_it_builds(name):
+    drawn = drawn_tables()
+    assert name in drawn, f"{name} has no clock table in a docstring of gems/pipeline/schedules.py"
+    for call, table, now in drawn[name]:
+        assert table == now, f"{call} draws\n{now}"
 
 
 def test_simulator_finds_cross_rank_deadlock():
@@ -160,6 +168,12 @@ def test_make_schedule_validates():
     assert make_schedule("master", 2, 1, 6).replicas == 6
     assert make_schedule("master", 2).replicas == 2
     assert make_schedule("lp", 1).actions == ((Action("F", 0, 0, 0), Action("B", 0, 0, 0)),)
+
+
+def test_a_schedule_built_under_another_name_than_its_registration_is_refused_naming_both(monkeypatch):
+    monkeypatch.setitem(S._REGISTRY, "lp2", S.ScheduleKind("lp2", lambda D, m, passes, v, split: S.lp(D, m)))
+    with pytest.raises(ValueError, match="registered as 'lp2' builds one named 'lp'"):
+        make_schedule("lp2", 2)
 
 
 # ---- the registry, placement as data, interleaved stages ---------------------------------------------------
@@ -220,10 +234,6 @@ def test_interleaved_options_are_checked():
     assert make_schedule("interleaved1f1b", 2, 2).stages == 4  # two stages per rank by default
 
 
-def test_interleaved_docstring_table_is_what_the_generator_produces():
-    assert _doc_tables(S.interleaved_1f1b)[0] == draw(S.interleaved_1f1b(2, 2, 2))
-
-
 # ---- the backward split into input and weight gradients ------------------------------------------------------
 #: every registered schedule that takes parallel.split_backward, on a grid of sizes (a new one is checked too)
 SPLIT_CASES = [(name, D, m, (4 if m == 1 else 2) if kind.passes == "eta" else None)
@@ -248,20 +258,18 @@ def test_split_backward_schedules_are_complete_and_fill_bubbles_at_the_same_memo
     assert S.bubble_fraction(split) <= S.bubble_fraction(whole) + 1e-9
 
 
-def test_zero_bubble_shrinks_1f1b_bubble_and_its_docstring_table_is_drawn():
+def test_zero_bubble_shrinks_1f1b_bubble_at_its_memory():
     for D, m in ((2, 4), (3, 4), (4, 8)):
         assert S.bubble_fraction(S.zero_bubble_h1(D, m)) < S.bubble_fraction(S.one_f_one_b(D, m))
         assert S.in_flight(S.zero_bubble_h1(D, m), 0) == S.in_flight(S.one_f_one_b(D, m), 0)
-    assert _doc_tables(S.zero_bubble_h1)[0] == draw(S.zero_bubble_h1(3, 4))
     with pytest.raises(ConfigError) as e:
         make_schedule("lp", 2, split_backward=True)
     assert e.value.key == "parallel.split_backward" and "zbh1" in str(e.value)
 
 
-def test_interleaved_zero_bubble_is_drawn_beats_zbh1_and_keeps_less_than_megatron_at_d4():
-    """The registration added with this test alone: its docstring table is what it generates; against ZB-H1 a
-    smaller bubble at every size, against interleaved 1F1B (v = 2) the figures its docstring gives."""
-    assert _doc_tables(S.interleaved_zero_bubble)[0] == draw(S.interleaved_zero_bubble(2, 2, 2))
+def test_interleaved_zero_bubble_beats_zbh1_and_keeps_less_than_megatron_at_d4():
+    """The registration added with this test alone: against ZB-H1 a smaller bubble at every size, against
+    interleaved 1F1B (v = 2) the figures its docstring gives."""
 
     def kept(sched):  # the most stage activations a rank keeps at once
         return max(sum(S.in_flight(sched, r)) for r in range(sched.ranks))
@@ -280,10 +288,9 @@ def test_interleaved_zero_bubble_is_drawn_beats_zbh1_and_keeps_less_than_megatro
 
 
 # ---- looped breadth-first: added with one registration (gems/pipeline/schedules.py) and this test alone ------
-def test_looped_bfs_is_drawn_takes_any_micro_batches_and_keeps_every_one():
-    """Its docstring table is what it builds; interleaved 1F1B's bubble where m is a multiple of D, GPipe's
-    memory (every micro-batch on every stage of a rank), and any m (interleaved 1F1B refuses m = 3 at D = 2)."""
-    assert _doc_tables(S.looped_bfs)[0] == draw(S.looped_bfs(2, 2, 2))
+def test_looped_bfs_takes_any_micro_batches_and_keeps_every_one():
+    """Interleaved 1F1B's bubble where m is a multiple of D, GPipe's memory (every micro-batch on every stage of a
+    rank), and any m (interleaved 1F1B refuses m = 3 at D = 2)."""
     for D, m in ((2, 4), (3, 6), (4, 8)):
         bfs = make_schedule("loopedbfs", D, m)
         assert bfs.stages == 2 * D and bfs.kind.keeps_all_in_flight

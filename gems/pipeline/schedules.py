@@ -28,10 +28,10 @@ accepts exactly the registered names, and "does this schedule put copies of a
 partition on several pipeline ranks" is answered by the placement
 (:meth:`Schedule.holder_groups`), not by the name. To add one: write a function
 of ``(ranks, micro_batches, passes, virtual_stages, split)`` that returns a
-:class:`Schedule`, decorate it with ``@register(name, ...)``, draw it in its
-docstring, give it tests (tests/test_schedules.py checks every registered
-schedule for completeness, order and deadlock freedom) and a row in
-docs/parallelism.md's table.
+:class:`Schedule` of that name, decorate it with ``@register(name, ...)``, draw
+it in its docstring, give it tests (tests/test_schedules.py checks every
+registered schedule for completeness, order, deadlock freedom and its drawing)
+and a row in docs/parallelism.md's table.
 
 Most orders are produced by one list-scheduling simulation with unit costs
 (forward 1 tick, backward 2) and a bound on the micro-batches whose
@@ -47,17 +47,13 @@ generalisation (at most ``D + 1`` micro-batches of activations per rank).
 :func:`simulate` re-checks any schedule (every forward before its backward,
 stage order, each action exactly once, no deadlock under the point-to-point
 pattern) and :func:`draw` prints the clock table each docstring shows.
-
-Why one file of this length: it is the registry, every schedule's builder (one short function each) beside the
-types they share and the simulator that checks them, so that a new schedule is one registration here plus its
-test.
 """
 from __future__ import annotations
 
 import enum
 import functools
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from gems.config import owned
@@ -532,7 +528,7 @@ def one_f_one_b(D: int, m: int, split: bool = False) -> Schedule:
         rank1  .     FA0s1 FA1s1 .     .     BA0s1 .     FA2s1 BA1s1 .     FA3s1 BA2s1 .     .     BA3s1 .     .     .
         rank2  .     .     FA0s2 BA0s2 .     FA1s2 BA1s2 .     FA2s2 BA2s2 .     FA3s2 BA3s2 .     .     .     .     .
     """
-    return _generate("zbh1" if split else "1f1b", D, 1, m, False, "B", lambda s: min(D - s, m), split)
+    return _generate("1f1b", D, 1, m, False, "B", lambda s: min(D - s, m), split)
 
 
 @register("mast", passes="two", min_ranks=2, split="optional",
@@ -663,7 +659,7 @@ def zero_bubble_h1(D: int, m: int) -> Schedule:
 
     (``I`` and ``W``: the input and weight halves of a backward)
     """
-    return one_f_one_b(D, m, split=True)
+    return replace(one_f_one_b(D, m, split=True), name="zbh1")
 
 
 @register("interleavedzb", min_ranks=2, virtual=True, split="always",
@@ -776,7 +772,11 @@ def _make_schedule(name: str, D: int, micro_batches: int = 1, gems_replicas: int
         raise ConfigError("parallel.split_backward", True, f"false for schedule={name}; {takes} split the backward")
     passes = {"one": 1, "two": 2}.get(kind.passes, 2 if gems_replicas is None else int(gems_replicas))
     v = int(virtual_stages) if virtual_stages is not None else (2 if kind.virtual else 1)
-    return kind.build(D, micro_batches, passes, v, kind.split == "always" or bool(split_backward))
+    sched = kind.build(D, micro_batches, passes, v, kind.split == "always" or bool(split_backward))
+    if sched.name != name:  # a new schedule's slip: everything after looks its registration up by its name
+        raise ValueError(f"the schedule registered as {name!r} builds one named {sched.name!r} "
+                         f"({kind.build.__qualname__}): name the Schedule {name!r} as it is registered")
+    return sched
 
 
 # ---- checking and drawing ----------------------------------------------------------------------------------
