@@ -1,7 +1,10 @@
 """Every schedule gives the serial losses and gradients, on real gloo worlds.
 
 Cases are batched into one world per size (processes are the slow part on two
-cores). Each case trains a few SGD steps; per step the global loss must equal
+cores); each schedule's cases in a world are a test of their own (``-k zbh1``:
+that schedule's, in every world that runs it; ``-k D2-mast``: its cases in the
+D = 2 world), and a world runs once, with the cases of the schedules selected.
+Each case trains a few SGD steps; per step the global loss must equal
 the serial one (gradient accumulation over the same chunks), the step-0
 gradient of every partition on every rank must equal the serial gradient
 after the sum over the ``grad`` group, the parameters' updates over the run
@@ -285,7 +288,7 @@ def check_timed(results: list[list[dict[str, Any]]], cases: list[dict[str, Any]]
         assert all(layout == want.layout() for _, layout in got), label_of(c)
         note = got[0][0]
         assert (want is timed) == (note is not None and "a step's" in note), (label_of(c), note)
-    assert not fakes or adopted, "no case of this world adopted its timed rounds"
+    assert not fakes or adopted, "no case adopted its timed rounds"
 
 def test_cases_cover_every_registered_schedule() -> None:
     """The worlds below run (and replay) every schedule of the registry, split variants included."""
@@ -297,10 +300,39 @@ def test_cases_cover_every_registered_schedule() -> None:
     assert any(c["S"] > 1 and c["D"] > 1 for c in cases) and any(c["R"] > 1 and c["S"] > 1 for c in cases)
 
 
-@pytest.mark.parametrize("world,cases", [(2, WORLD2), (3, WORLD3), (4, WORLD4), (8, WORLD8)],
-                         ids=["D2", "D3", "D4-R2xD2-D2xS2", "R2xD2xS2-R2xD4"])
-def test_every_schedule_matches_serial(world: int, cases: list[dict[str, Any]]) -> None:
-    results = run_world(pipeline_cases, world, cases, timeout=300)
+#: the worlds, by the id their tests carry: (ranks, cases)
+WORLDS = {"D2": (2, WORLD2), "D3": (3, WORLD3), "D4-R2xD2-D2xS2": (4, WORLD4), "R2xD2xS2-R2xD4": (8, WORLD8)}
+
+
+def _world_schedules() -> list[Any]:
+    """(world, schedule) for every schedule a world runs, with the id ``<world>-<schedule>``."""
+    return [pytest.param(w, name, id=f"{w}-{name}") for w, (_, cases) in WORLDS.items()
+            for name in dict.fromkeys(c["schedule"] for c in cases)]
+
+
+@pytest.fixture(scope="module")
+def worlds_run() -> dict[str, Any]:
+    """Each world's run, made by its first test for every schedule selected in it: {world: (cases, results, the
+    schedules not checked yet)}, dropped once they all are."""
+    return {}
+
+
+@pytest.mark.parametrize("world,schedule", _world_schedules())
+def test_every_schedule_matches_serial(world: str, schedule: str, worlds_run: dict[str, Any],
+                                       request: pytest.FixtureRequest) -> None:
+    if world not in worlds_run:
+        size, cases = WORLDS[world]
+        chosen = {item.callspec.params["schedule"] for item in request.session.items
+                  if isinstance(item, pytest.Function) and item.originalname == request.node.originalname
+                  and item.module is request.module and item.callspec.params["world"] == world}
+        cases = [c for c in cases if c["schedule"] in chosen]
+        worlds_run[world] = (cases, run_world(pipeline_cases, size, cases, timeout=300), chosen)
+    cases, results, unchecked = worlds_run[world]
+    unchecked.discard(schedule)
+    if not unchecked:
+        del worlds_run[world]
+    mine = [i for i, c in enumerate(cases) if c["schedule"] == schedule]
+    results, cases = [[per_rank[i] for i in mine] for per_rank in results], [cases[i] for i in mine]
     check(results, cases)
     check_nccl_order(results, cases)
     check_timed(results, cases)
