@@ -5,9 +5,6 @@ given (``key=value``, ``group=option``, ``+experiment=NAME``). Exit status:
 0 done; 2 bad input, reported as one line naming the key, the value and what
 would work, before anything is submitted or written; 1 a run that failed
 after it started.
-
-Why one file of this length: it is the command line itself, one short function a subcommand (each hands its
-work to the module that owns it), their usage text and the one place exit statuses are decided.
 """
 from __future__ import annotations
 

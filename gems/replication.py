@@ -69,8 +69,7 @@ once the kernels that make it have run (an event on the producing stream),
 and without CUDA-aware MPI it is copied to pinned host memory on a side
 stream; the hooks poll those events and launch the sums in bucket order, so
 the backward is never drained for them (:class:`_Staged`).
-Why one module of this length: one reducer serves every strategy and both transports, and the points, the taps
-and the buckets they launch are one mechanism, read (and checked against docs/design.md's argument) in one place.
+
 DDP would do the torch path for plain replication, but not the MPI path, the
 mirrored partitions or the multi-pass schedules; one reducer keeps them equal.
 """

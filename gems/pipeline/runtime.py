@@ -53,9 +53,6 @@ partition keeps only its input between forward and backward and runs the
 forward again in the backward, under the first forward's random state and
 autocast; BatchNorm buffers are restored after the recomputation so running
 statistics are updated once (:class:`gems.layers.Recompute`).
-
-Why one file of this length: one executor for every schedule, with the bookkeeping of its messages (rounds,
-headers, buffers) and their timing; split, one state machine would be read in pieces.
 """
 from __future__ import annotations
 

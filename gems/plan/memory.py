@@ -104,9 +104,6 @@ once).
 
 The plan's output types and JSON keys are in :mod:`gems.plan.schema`; the suggestion and the step-time
 prediction are added by :func:`gems.plan.make.make_plan`.
-
-Why one file of this length: the memory model of every kind of rank (stages, spatial parts, mirrored copies,
-optimizer state, workspaces) in one place, term for term against the run's measured categories.
 """
 from __future__ import annotations
 

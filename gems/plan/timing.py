@@ -39,9 +39,6 @@ The model, term by term:
 
 Every term is a pure function of the trace, the schedule and the rate tables, so it is tested against
 hand-computed values; ``gems bench plan`` holds it against measured steps.
-
-Why one file of this length: it is the step-time model, one function per term above beside the rendezvous and
-link arithmetic the terms share, so the terms are read (and checked against a record's) in one place.
 """
 from __future__ import annotations
 

@@ -25,8 +25,6 @@ contention, not scaling).
 References (``results.reference``) bound a point's throughput, efficiency or
 step time: each point is marked pass or fail, and :func:`aggregate` reports
 the failures (``gems results`` exits 1).
-
-Why one file of this length: the rows of a study, and the markdown, CSV and plot made from them, are one output.
 """
 from __future__ import annotations
 
@@ -43,7 +41,8 @@ from gems.errors import ConfigError
 from gems.results import accuracy
 
 COLUMNS = ("name", "status", "world", "nodes", "mesh", "schedule", "batch", "samples/s", "samples/s/gpu",
-           "TFLOP/s/gpu", "flops_frac", "GB/s/gpu", "bytes_frac", "speedup", "efficiency", "step_s", "compute_s", "halo_s", "pipe_comm_s", "allreduce_s", "wait_s",
+           "TFLOP/s/gpu", "flops_frac", "GB/s/gpu", "bytes_frac", "speedup", "efficiency", "step_s", "compute_s",
+           "halo_s", "pipe_comm_s", "allreduce_s", "wait_s",
            "data_s", "peak_mem_MiB", "tensor_mem_MiB", "final_loss", "val_mae", "time_to_target_s", "ttt_min_s",
            "ttt_max_s", "target_reached", "n", "samples/s_min", "samples/s_max", "reference", "note", "error")
 #: an efficiency above this is flagged: super-linear scaling usually means a slow baseline, not a fast point

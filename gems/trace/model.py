@@ -2,9 +2,6 @@
 layer on fake tensors at a rank's local shapes, with a shape-only stand-in for its spatial context and CUDA
 autocast's casting rules on GPU targets; what autograd saves, per layer (:mod:`gems.plan.memory` adds it up,
 :mod:`gems.trace.ops` counts its ops, :func:`piece_costs` weighs the run's recomputed pieces on it).
-
-Why one file of this length: the fake-tensor trace and the shape-only spatial stand-in it needs are one
-mechanism; the memory and cost models that read it live apart.
 """
 from __future__ import annotations
 
