@@ -331,6 +331,12 @@ class ClusterConf:
                                              "starts the clock again)", gt=0)
     cancel_on_timeout: bool = key(False, "cancel a job the launcher stops waiting for (cluster.timeout_min); by "
                                          "default it goes on, and gems status follows it")
+    exclude: list = key(help="nodes the job must not run on (sbatch --exclude), e.g. [nid001234]", factory=list)
+    exclude_bad_nodes: bool = key(False, "on Slurm, a job a node's failed health check stopped (health.check) is "
+                                         "submitted once more without that node (added to cluster.exclude), and its "
+                                         "record and gems status say so")
+    resubmitted: Optional[str] = key(None, "set by the launcher: why this job was submitted again (the job before it, "
+                                           "the nodes it leaves out and what was found on them)")
 
     def wait_s(self) -> float:
         """How long a launcher waits for a job once it runs: ``timeout_min``, or the time limit and 5 minutes."""
@@ -424,6 +430,33 @@ class EvalConf:
 
 
 @dataclass
+class HealthConf:
+    check: str = key("auto", "each node's GPUs checked through NVML before the rendezvous, once a node: auto where the "
+                             "job's ranks use GPUs, always (a CPU job then imports pynvml), never",
+                     choices=("auto", "always", "never"))
+    gpus: bool = key(True, "check the GPUs a task sees against those the job asked for (false skips it)")
+    ecc: bool = key(True, "check for uncorrected ECC errors since the driver loaded (false skips it)")
+    retired_pages: bool = key(True, "check for pages waiting to be retired (false skips it)")
+    row_remap: bool = key(True, "check for a failed row remap, or remaps waiting for a reset (false skips it)")
+    memory: bool = key(True, "check for GPU memory held by processes that are not this job's (false skips it)")
+    throttle: bool = key(True, "check for clocks held down at idle: hardware slowdown, thermal, power brake (false "
+                               "skips it)")
+    pcie: bool = key(True, "check for a PCIe link below its maximum width or generation (false skips it)")
+    driver: bool = key(True, "check the driver's CUDA against the CUDA torch was built for (false skips it)")
+
+
+@dataclass
+class TelemetryConf:
+    interval_s: Optional[float] = key(0.25, "how often a rank's sampler reads its GPU through NVML (power, clocks, "
+                                            "throttle reasons, temperature, utilisation, memory) or its node's RAPL "
+                                            "counters; null: no sampler (the energy is still read at the measured "
+                                            "steps' bounds)", gt=0)
+    trace_points: int = key(2000, "the most samples a rank keeps for the record's trace (the power and SM clock "
+                                  "plot); past it every other one goes", ge=2)
+    straggler_window: int = key(10, "steps a window of the straggler scores spans", ge=1)
+
+
+@dataclass
 class GemsConf:
     model: ModelConf = field(default_factory=ModelConf)
     data: DataConf = field(default_factory=DataConf)
@@ -435,6 +468,8 @@ class GemsConf:
     plan: PlanConf = field(default_factory=PlanConf)
     fault: FaultConf = field(default_factory=FaultConf)
     eval: EvalConf = field(default_factory=EvalConf)
+    health: HealthConf = field(default_factory=HealthConf)
+    telemetry: TelemetryConf = field(default_factory=TelemetryConf)
     run_id: Optional[str] = None  # set by the launcher
 
 
@@ -447,31 +482,76 @@ GROUP_SCHEMAS = {
     "comm": CommConf,
 }
 #: every node of the configuration and its schema
-SECTIONS = {**GROUP_SCHEMAS, "results": ResultsConf, "plan": PlanConf, "fault": FaultConf, "eval": EvalConf}
+SECTIONS = {**GROUP_SCHEMAS, "results": ResultsConf, "plan": PlanConf, "fault": FaultConf, "eval": EvalConf,
+            "health": HealthConf, "telemetry": TelemetryConf}
 
 
 def section(cfg: Any, name: str) -> Any:
     """Section ``name`` of ``cfg`` (a DictConfig or a mapping) as an instance of its schema's dataclass
-    (:data:`SECTIONS`): typed values, and the schema's default for a key the configuration leaves out. What a
-    module below an entry point takes instead of the whole configuration (``inject.arm(section(cfg, "fault"),
-    ...)``); no fallback default of its own."""
+    (:func:`schema_of`: the model's own where a model extends it): typed values, and the schema's default for a key
+    the configuration leaves out. What a module below an entry point takes instead of the whole configuration
+    (``inject.arm(section(cfg, "fault"), ...)``); no fallback default of its own."""
     node = cfg.get(name) if hasattr(cfg, "get") else None
     try:
         if isinstance(node, DictConfig):  # resolved where it sits: an interpolation may name another section
             node = OmegaConf.to_container(node, resolve=True)
-        merged = OmegaConf.merge(OmegaConf.structured(SECTIONS[name]), node if node is not None else {})
+        merged = OmegaConf.merge(OmegaConf.structured(schema_of(name, node)), node if node is not None else {})
         return OmegaConf.to_object(merged)
     except ConfigError:
         raise
     except Exception as e:  # a key the schema does not have, a value of the wrong type, an interpolation
-        raise _omegaconf_error(e) from None
+        raise _omegaconf_error(e, within=name) from None
 
 
-def schema_keys() -> dict[str, Any]:
-    """``section.key`` -> the dataclass field (default, ``metadata``: help, choices, bounds)."""
+#: sections whose options declare keys of their own (each model: gems/models/registry.py): composed open to keys the
+#: section's schema lacks, then typed by the option's schema where its registry is loaded (:func:`compose`,
+#: :func:`typed`), else where the option is built (:func:`section`)
+OPEN_SECTIONS = ("model",)
+#: the schema of each option of an open section, handed here by its registry when it is imported (:func:`extended`)
+_EXTENDED: dict[str, Callable[[Any], Optional[type]]] = {}
+
+
+def extended(sec: str, schema: Callable[[Any], Optional[type]]) -> None:
+    """Declare that the registry calling this extends section ``sec``'s schema (one of :data:`OPEN_SECTIONS`):
+    ``schema(node)`` is the dataclass (a subclass of the section's) that a section ``node`` (a mapping) is typed by,
+    for the option its ``name`` names; None where that option is not registered. The registry owns ``sec.name``'s
+    values too (:func:`owned`)."""
+    assert sec in OPEN_SECTIONS, sec
+    _EXTENDED[sec] = schema
+
+
+def schema_of(sec: str, node: Any = None) -> type:
+    """The dataclass that section ``sec`` is typed by: its schema (:data:`SECTIONS`), or, where a registry extends
+    it (:func:`extended`: the model), the schema of the option that the section ``node`` names."""
+    got = _EXTENDED[sec](node) if sec in _EXTENDED and node is not None else None
+    return got if got is not None else SECTIONS[sec]
+
+
+def extensions(sec: str) -> dict[str, type]:
+    """Every registered option of section ``sec`` whose schema extends the section's, by name (the models that
+    declare keys of their own)."""
+    names = choices_of(f"{sec}.name") if sec in _EXTENDED else None
+    return {n: schema_of(sec, {"name": n}) for n in names or () if schema_of(sec, {"name": n}) is not SECTIONS[sec]}
+
+
+def own_fields(schema: type, sec: str) -> list[Any]:
+    """The fields ``schema`` adds to section ``sec``'s (a model's own keys)."""
     from dataclasses import fields
 
-    return {f"{sec}.{f.name}": f for sec, cls in SECTIONS.items() for f in fields(cls)}
+    common = {f.name for f in fields(SECTIONS[sec])}
+    return [f for f in fields(schema) if f.name not in common]
+
+
+def _node(cfg: Any, sec: str) -> Any:
+    return cfg.get(sec) if cfg is not None and hasattr(cfg, "get") else None
+
+
+def schema_keys(cfg: Any = None) -> dict[str, Any]:
+    """``section.key`` -> the dataclass field (default, ``metadata``: help, choices, bounds); with ``cfg``, a section
+    a registry extends has the keys of the option ``cfg`` names (the model's own)."""
+    from dataclasses import fields
+
+    return {f"{sec}.{f.name}": f for sec in SECTIONS for f in fields(schema_of(sec, _node(cfg, sec)))}
 
 
 #: keys whose values a registry above the configuration owns (the schedules, the data's symmetries), handed here by
