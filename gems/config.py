@@ -488,70 +488,26 @@ SECTIONS = {**GROUP_SCHEMAS, "results": ResultsConf, "plan": PlanConf, "fault": 
 
 def section(cfg: Any, name: str) -> Any:
     """Section ``name`` of ``cfg`` (a DictConfig or a mapping) as an instance of its schema's dataclass
-    (:func:`schema_of`: the model's own where a model extends it): typed values, and the schema's default for a key
-    the configuration leaves out. What a module below an entry point takes instead of the whole configuration
-    (``inject.arm(section(cfg, "fault"), ...)``); no fallback default of its own."""
+    (:data:`SECTIONS`): typed values, and the schema's default for a key the configuration leaves out. What a
+    module below an entry point takes instead of the whole configuration (``inject.arm(section(cfg, "fault"),
+    ...)``); no fallback default of its own."""
     node = cfg.get(name) if hasattr(cfg, "get") else None
     try:
         if isinstance(node, DictConfig):  # resolved where it sits: an interpolation may name another section
             node = OmegaConf.to_container(node, resolve=True)
-        merged = OmegaConf.merge(OmegaConf.structured(schema_of(name, node)), node if node is not None else {})
+        merged = OmegaConf.merge(OmegaConf.structured(SECTIONS[name]), node if node is not None else {})
         return OmegaConf.to_object(merged)
     except ConfigError:
         raise
     except Exception as e:  # a key the schema does not have, a value of the wrong type, an interpolation
-        raise _omegaconf_error(e, within=name) from None
+        raise _omegaconf_error(e) from None
 
 
-#: sections whose options declare keys of their own (each model: gems/models/registry.py): composed open to keys the
-#: section's schema lacks, then typed by the option's schema where its registry is loaded (:func:`compose`,
-#: :func:`typed`), else where the option is built (:func:`section`)
-OPEN_SECTIONS = ("model",)
-#: the schema of each option of an open section, handed here by its registry when it is imported (:func:`extended`)
-_EXTENDED: dict[str, Callable[[Any], Optional[type]]] = {}
-
-
-def extended(sec: str, schema: Callable[[Any], Optional[type]]) -> None:
-    """Declare that the registry calling this extends section ``sec``'s schema (one of :data:`OPEN_SECTIONS`):
-    ``schema(node)`` is the dataclass (a subclass of the section's) that a section ``node`` (a mapping) is typed by,
-    for the option its ``name`` names; None where that option is not registered. The registry owns ``sec.name``'s
-    values too (:func:`owned`)."""
-    assert sec in OPEN_SECTIONS, sec
-    _EXTENDED[sec] = schema
-
-
-def schema_of(sec: str, node: Any = None) -> type:
-    """The dataclass that section ``sec`` is typed by: its schema (:data:`SECTIONS`), or, where a registry extends
-    it (:func:`extended`: the model), the schema of the option that the section ``node`` names."""
-    got = _EXTENDED[sec](node) if sec in _EXTENDED and node is not None else None
-    return got if got is not None else SECTIONS[sec]
-
-
-def extensions(sec: str) -> dict[str, type]:
-    """Every registered option of section ``sec`` whose schema extends the section's, by name (the models that
-    declare keys of their own)."""
-    names = choices_of(f"{sec}.name") if sec in _EXTENDED else None
-    return {n: schema_of(sec, {"name": n}) for n in names or () if schema_of(sec, {"name": n}) is not SECTIONS[sec]}
-
-
-def own_fields(schema: type, sec: str) -> list[Any]:
-    """The fields ``schema`` adds to section ``sec``'s (a model's own keys)."""
+def schema_keys() -> dict[str, Any]:
+    """``section.key`` -> the dataclass field (default, ``metadata``: help, choices, bounds)."""
     from dataclasses import fields
 
-    common = {f.name for f in fields(SECTIONS[sec])}
-    return [f for f in fields(schema) if f.name not in common]
-
-
-def _node(cfg: Any, sec: str) -> Any:
-    return cfg.get(sec) if cfg is not None and hasattr(cfg, "get") else None
-
-
-def schema_keys(cfg: Any = None) -> dict[str, Any]:
-    """``section.key`` -> the dataclass field (default, ``metadata``: help, choices, bounds); with ``cfg``, a section
-    a registry extends has the keys of the option ``cfg`` names (the model's own)."""
-    from dataclasses import fields
-
-    return {f"{sec}.{f.name}": f for sec in SECTIONS for f in fields(schema_of(sec, _node(cfg, sec)))}
+    return {f"{sec}.{f.name}": f for sec, cls in SECTIONS.items() for f in fields(cls)}
 
 
 #: keys whose values a registry above the configuration owns (the schedules, the data's symmetries), handed here by
