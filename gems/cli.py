@@ -1,4 +1,4 @@
-"""The ``gems`` command: run, sweep, results, render, plan, data, bench.
+"""The ``gems`` command: run, sweep, results, render, plan, data, nodes, bench.
 
 Every subcommand composes ``conf/config.yaml`` with the Hydra overrides
 given (``key=value``, ``group=option``, ``+experiment=NAME``). Exit status:
@@ -36,6 +36,9 @@ commands:
                          layout read by position, at data.out (resumable; data.workers processes or a Slurm job)
   data check [OVERRIDES] read every file of data.path (and data.val_path) whole, as a run would: each bad one
                          named (exit 2); data.workers processes or a Slurm job
+  nodes check [OVERRIDES] every GPU of this node (or of an allocation's nodes: cluster=..., one task a node)
+                         checked through NVML: ECC, retired pages, row remaps, other jobs' memory, throttling
+                         at idle, PCIe, the driver; each failure named (exit 2)
   bench NAME             side-by-side benchmark: overhead, spatial, pipeline, plan, data, checkpoint, step, search;
                          calibrate (the GPU's rates for gems plan)
 
@@ -55,7 +58,7 @@ CONFIGURED = ("run", "sweep", "plan", "render")
 
 #: the commands that compose a configuration: the registries that own keys' values and group options are loaded
 #: first (gems.config.owned, gems.config.offered)
-COMPOSING = (*CONFIGURED, "eval", "data", "bench")
+COMPOSING = (*CONFIGURED, "eval", "data", "nodes", "bench")
 
 
 def load_registries() -> None:
@@ -128,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     commands: dict[str, Callable[[list[str]], int]] = {
         "run": cmd_run, "eval": cmd_eval, "sweep": cmd_sweep, "results": cmd_results, "render": cmd_render,
-        "plan": cmd_plan, "data": cmd_data, "bench": cmd_bench, "status": cmd_status, "cancel": cmd_cancel,
+        "plan": cmd_plan, "data": cmd_data, "nodes": cmd_nodes, "bench": cmd_bench, "status": cmd_status,
+        "cancel": cmd_cancel,
     }
     if cmd not in commands:
         _err(f"command={cmd}: expected one of {', '.join(commands)}")
@@ -234,13 +238,14 @@ def print_rows(records: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from gems.results.table import columns, rows_for
+    from gems.results.table import ENERGY_COLUMNS, columns, rows_for
 
     cols: tuple[str, ...] = ("name", "status", "world", "mesh", "schedule", "batch", "samples/s", "samples/s/gpu",
                              "step_s", "TFLOP/s/gpu", "peak_mem_MiB", "final_loss")
     if any((r.get("hardware") or {}).get("flops_fraction") is not None for r in records):
         cols += ("flops_frac", "bytes_frac")
     rows = rows_for(records, sweep=False)
+    cols += tuple(c for c in ENERGY_COLUMNS if any(isinstance(row.get(c), float) for row in rows))  # telemetry
     if any(isinstance(row.get("val_mae"), float) for row in rows):  # a regression's error; a segmentation's Dice
         cols += ("val_mae",)
     cols += tuple(c for c in columns(rows) if c.startswith("dice_"))
@@ -259,8 +264,10 @@ def print_rows(records: list[dict[str, Any]]) -> None:
 
 def failed_status(record: dict[str, Any]) -> int:
     """The exit status of a failed run: 2 where a rank met bad input after the start (a ConfigError: a data file
-    that changed under the run, or one whose headers no check reads before the launch), else 1."""
-    return 2 if (record.get("failure") or {}).get("exception") == "ConfigError" else 1
+    that changed under the run, or one whose headers no check reads before the launch) or a node failed its health
+    check before it (gems/telemetry/health.py), else 1."""
+    failure = record.get("failure") or {}
+    return 2 if failure.get("exception") == "ConfigError" or failure.get("kind") == "bad_node" else 1
 
 
 def cmd_run(overrides: list[str]) -> int:
@@ -372,10 +379,22 @@ def cmd_sweep(args: list[str]) -> int:
     study.save(plan)  # the manifest before the first job: a study interrupted now is still found
     if to_run and to_run[0].cfg.cluster.launcher == "slurm":
         from gems.launch import slurm, watch
+        from gems.launch.resubmit import retry_bad_nodes
 
         runs = slurm.submit_all([q.cfg for q in to_run])
-        study.save(plan, {(q.point, q.repeat): {"job_id": r.job_id, "job_dir": str(r.job_dir), "run_id": r.run_id}
-                          for q, r in zip(to_run, runs)})
+
+        def submitted(*_: Any) -> dict[tuple[str, int], dict[str, Any]]:
+            return {(q.point, q.repeat): {"job_id": r.job_id, "job_dir": str(r.job_dir), "run_id": r.run_id,
+                                          "resubmitted": r.resubmitted} for q, r in zip(to_run, runs)}
+
+        saved = submitted()
+        study.save(plan, saved)
+
+        def resaved(*_: Any) -> None:  # a job submitted again (cluster.exclude_bad_nodes): the manifest follows it
+            nonlocal saved
+            if submitted() != saved:
+                saved = submitted()
+                study.save(plan, saved)
         shares = _shared_cores_note(to_run)
         if shares:
             print(f"gems: note: {shares}", file=sys.stderr, flush=True)
@@ -384,7 +403,7 @@ def cmd_sweep(args: list[str]) -> int:
                   + study.follow_text(plan.sweep, results_dir), flush=True)
             return 0
         try:
-            outcomes = watch.wait(runs, on_cancel="leave")
+            outcomes = watch.wait(runs, on_cancel="leave", retry=retry_bad_nodes, on_update=resaved)
         except Cancelled as c:
             c.detail = f"{c.detail}; {study.follow_text(plan.sweep, results_dir)}"
             raise
@@ -582,6 +601,20 @@ def cmd_data(args: list[str]) -> int:
     else:
         synth_main(cfg, _model(cfg).input_shape)  # the samples the model takes
     return 0
+
+
+def cmd_nodes(args: list[str]) -> int:
+    """``gems nodes check [OVERRIDES]``: this node's GPUs, or every node of a Slurm job's (gems/telemetry/health.py)."""
+    from gems.config import compose
+    from gems.errors import ConfigError
+
+    if not args or args[0] != "check":
+        raise ConfigError("nodes", args[0] if args else "", "`gems nodes check [OVERRIDES]` (cluster=... checks the "
+                          "nodes of a Slurm job, one task a node; health.KEY=false skips a check)")
+    from gems.launch.tasks import run_tasks
+    from gems.telemetry.health import nodes_main
+
+    return nodes_main(compose(args[1:], check=False), job=run_tasks)  # a check needs no mesh
 
 
 def _model(cfg: Any) -> Any:

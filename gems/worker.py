@@ -23,6 +23,8 @@ from gems import checkpoint as ckpt
 from gems import commlog, progress
 from gems.bootstrap import (
     init_world,
+    job_device,
+    ranks_on_this_node,
 )
 from gems.config import section, typed
 from gems.errors import ConfigError
@@ -31,6 +33,7 @@ from gems.fault.watchdog import Watchdog
 from gems.rank.evaluate import evaluate_model
 from gems.rank.loop import Stopped, train, write_once
 from gems.results import record as rec
+from gems.telemetry.health import check_node
 
 
 def run_rank(cfg_yaml: str) -> dict[str, Any] | None:
@@ -47,6 +50,8 @@ def run_rank(cfg_yaml: str) -> dict[str, Any] | None:
     # the message log spans the rank's end: its graphs' release and its process groups' destruction are logged
     with contextlib.ExitStack() as logged:
         try:
+            # the node's GPUs, before the rendezvous (once a node: gems/telemetry/health.py)
+            check_node(cfg, job_device(cfg), ranks_on_this_node(), rec.job_dir(cfg))
             world = init_world(cfg)
             rank = world.rank
 

@@ -16,6 +16,7 @@ from typing import Any
 from gems.fault.reports import Exit, explain, read_reports
 from gems.launch.jobs import Outcome, SlurmRun, task_outcomes
 from gems.launch.options import default_job_dir
+from gems.telemetry.health import failure_of
 
 
 def _tail(path: Path, lines: int) -> list[str]:
@@ -137,7 +138,8 @@ def error_of(run: SlurmRun, state: str) -> str | None:
 
 
 def outcome(run: SlurmRun, state: str, error: str | None) -> Outcome:
-    """The :class:`Outcome` of a job that ended in ``state`` (``error`` None: it ended well), with its cause."""
+    """The :class:`Outcome` of a job that ended in ``state`` (``error`` None: it ended well), with its cause: a
+    node's failed health check first (its own line and the node, gems/telemetry/health.py)."""
     results = [r[1] if r is not None and r[0] == "success" else None for r in task_outcomes(run)]
     rp = run.record_path if run.record_path.exists() else None
     end = run.ended_at or time.time()
@@ -146,6 +148,9 @@ def outcome(run: SlurmRun, state: str, error: str | None) -> Outcome:
         cause = _cause(run)
         failure = cause[1] if cause is not None else {"kind": {"TIMEOUT": "timeout", "CANCELLED": "cancelled"}.get(
             state, "exit"), "state": state}
+        bad = failure_of(default_job_dir(run.cfg))
+        if bad is not None:
+            error, failure = bad
     return Outcome(run.run_id, run.job_id, error is None, state, error, results, rp, run.job_dir,
                    end - run.submitted_at, failure)
 

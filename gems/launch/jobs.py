@@ -49,6 +49,9 @@ class SlurmRun:
     started_at: float | None = None
     ended_at: float | None = None
     error_seen_at: float | None = None
+    #: the jobs this run was before it was submitted again (gems.launch.resubmit): each one's id, the nodes it left
+    #: out and why
+    resubmitted: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def job_id(self) -> str:

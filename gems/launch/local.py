@@ -37,6 +37,7 @@ from gems.launch import cancel_on_signals
 from gems.launch.forkserver import Forked, start_worker
 from gems.mesh import mesh_from_config
 from gems.results import record as rec
+from gems.telemetry.health import failure_of
 
 GRACE_S = 5.0  # after the first failure, how long the other ranks get to end (and report) by themselves
 
@@ -121,7 +122,7 @@ def launch(cfg: DictConfig, on_progress: Callable[[str], None] | None = None) ->
         failure = {"kind": "timeout"}
     else:
         who = "rank" if cfg.comm.backend != "mpi" else "MPI rank"
-        error, failure = explain(jd, watch.exits, who)
+        error, failure = failure_of(jd) or explain(jd, watch.exits, who)  # a node's failed health check first
     record = rec.failed_record(cfg, error, failure=failure)
     record["logs"] = [str(x) for x in watch.logs]
     return _keep(path, record)

@@ -72,6 +72,9 @@ def sbatch_parameters(cfg: DictConfig) -> dict[str, Any]:
         val = _cluster_value(cfg, key)
         if val not in (None, ""):
             params[key] = str(val)
+    exclude = [str(n) for n in (c.get("exclude") or [])]  # nodes kept out (cluster.exclude_bad_nodes adds to them)
+    if exclude:
+        params["exclude"] = ",".join(exclude)
     setup = [str(s) for s in (c.setup or [])]
     if setup:
         params["setup"] = setup

@@ -142,7 +142,8 @@ def launch(cfg: DictConfig, on_progress: Callable[[str], None] | None = None, pr
 
 def launch_all(cfgs: Sequence[DictConfig], on_progress: Callable[[str], None] | None = None,
                progress: bool = True) -> list[dict[str, Any]]:
-    """A sweep on Slurm: submit every job (nothing when one is bad), wait for all, return their records."""
+    """A sweep on Slurm: submit every job (nothing when one is bad), wait for all, return their records; a job a
+    node's health check stopped goes once more without that node where ``cluster.exclude_bad_nodes`` says so."""
     runs = submit_all(cfgs)
 
     def report(rs: Sequence[SlurmRun], done: dict[str, Outcome]) -> None:
@@ -150,7 +151,9 @@ def launch_all(cfgs: Sequence[DictConfig], on_progress: Callable[[str], None] | 
             states = ", ".join(f"{r.job_id}:{(done[r.job_id].state if r.job_id in done else r.state).lower()}" for r in rs)
             on_progress(f"{len(done)}/{len(rs)} done ({states})")
 
-    outcomes = wait(runs, progress=progress, on_update=report)
+    from gems.launch.resubmit import retry_bad_nodes
+
+    outcomes = wait(runs, progress=progress, on_update=report, retry=retry_bad_nodes)
     return [record_of(r, o) for r, o in zip(runs, outcomes)]
 
 

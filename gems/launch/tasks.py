@@ -1,10 +1,10 @@
 """Work spread over the tasks of one Slurm job, for the commands that are not training runs (``gems data synth``
-of universes, ``gems data convert``): the job sized by ``cluster.nodes`` x ``cluster.tasks_per_node``, every task
-calling the same function, which picks its share by ``submitit.JobEnvironment()`` (its ``global_rank`` of
-``num_tasks``), and the launcher's usual wait with progress.
+of universes, ``gems data convert``, ``gems nodes check``): the job sized by ``cluster.nodes`` x
+``cluster.tasks_per_node``, every task calling the same function, which picks its share by
+``submitit.JobEnvironment()`` (its ``global_rank`` of ``num_tasks``), and the launcher's usual wait with progress.
 
-The data commands lie below the launchers and never import them: the command line hands :func:`run_tasks` to
-them (``job=``), as it hands them their configuration.
+The data commands and the nodes' check lie below the launchers and never import them: the command line hands
+:func:`run_tasks` to them (``job=``), as it hands them their configuration.
 """
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from gems.errors import RunError
 
 
 def run_tasks(cfg: Any, fn: Callable[[str], Any], command: str, work: str,
-              on_update: Callable[..., None] | None = None) -> int:
-    """Submit ``fn(cfg_yaml)`` to every task of one Slurm job of ``cfg`` for ``gems data COMMAND`` (``work``: what
-    the tasks share, as the command says it), wait for it, calling ``on_update`` at each poll, and return its tasks'
-    count. A job that does not complete is a
+              on_update: Callable[..., None] | None = None, prefix: str = "gems data") -> int:
+    """Submit ``fn(cfg_yaml)`` to every task of one Slurm job of ``cfg`` for ``gems data COMMAND`` (``prefix``: the
+    command's first words, ``gems nodes`` for its check; ``work``: what the tasks share, as the command says it), wait
+    for it, calling ``on_update`` at each poll, and return its tasks' count. A job that does not complete is a
     :class:`~gems.errors.RunError` that says what ended it; what its tasks wrote stays (the commands resume)."""
     from omegaconf import open_dict
 
@@ -30,9 +30,9 @@ def run_tasks(cfg: Any, fn: Callable[[str], Any], command: str, work: str,
         cfg.results.name = command
     run = submit(cfg, fn=fn)
     tasks = int(cfg.cluster.nodes) * int(cfg.cluster.tasks_per_node)
-    print(f"gems data {command}: Slurm job {run.job_id}: {work} over {tasks} task(s)", flush=True)
+    print(f"{prefix} {command}: Slurm job {run.job_id}: {work} over {tasks} task(s)", flush=True)
     (out,) = wait(run, progress=False, on_update=on_update)
     if out.state != "COMPLETED":
-        raise RunError(f"the data job {run.job_id} ended {out.state}: {out.error or 'no message'} (what it wrote is "
-                       "kept; run the same command again to do the rest)")
+        raise RunError(f"the {prefix.split()[-1]} job {run.job_id} ended {out.state}: {out.error or 'no message'} (what "
+                       "it wrote is kept; run the same command again to do the rest)")
     return tasks

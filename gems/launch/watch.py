@@ -80,10 +80,12 @@ class Watcher:
     """What Slurm says of a set of jobs. Each :meth:`poll` asks once for every job not yet finished and
     moves the ones that ended into :attr:`finished` (by job id), a cache that is never asked about again."""
 
-    def __init__(self, runs: Sequence[SlurmRun], error_grace_s: float = 30.0) -> None:
+    def __init__(self, runs: Sequence[SlurmRun], error_grace_s: float = 30.0,
+                 retry: Callable[[SlurmRun, Outcome], bool] | None = None) -> None:
         self.runs = list(runs)
         self.finished: dict[str, Outcome] = {}
         self.error_grace_s = error_grace_s
+        self.retry = retry  # given a failed job: True where it submitted it again (gems.launch.resubmit)
 
     @property
     def unfinished(self) -> list[SlurmRun]:
@@ -132,7 +134,7 @@ class Watcher:
             if run.state == "COMPLETED" and any(r is None for r in results) and now - run.ended_at < 15:
                 return
             state = "COMPLETED" if run.state == "GONE" and all(r is not None for r in results) else run.state
-            self.finished[run.job_id] = outcome(run, state, error_of(run, state))
+            self._finish(run, outcome(run, state, error_of(run, state)))
             return
         if any(r is not None and r[0] == "error" for r in results):
             # a task raised while its peers still run (they may wait forever on it): give them a grace period
@@ -140,11 +142,18 @@ class Watcher:
             if now - run.error_seen_at > self.error_grace_s:
                 _cancel(run)
                 run.ended_at = now
-                self.finished[run.job_id] = outcome(run, "FAILED", error_of(run, "FAILED"))
+                self._finish(run, outcome(run, "FAILED", error_of(run, "FAILED")))
                 return
         if run.started_at is not None and now - run.started_at > run.timeout_s:
             run.ended_at = now
             self.finished[run.job_id] = _stop_waiting(run)
+
+    def _finish(self, run: SlurmRun, out: Outcome) -> None:
+        """``run`` ended with ``out``, unless :attr:`retry` submits a failed one again: then ``run`` is its new job,
+        waited for as any other."""
+        if not out.ok and self.retry is not None and self.retry(run, out):
+            return
+        self.finished[run.job_id] = out
 
 
 def _stop_waiting(run: SlurmRun) -> Outcome:
@@ -228,20 +237,22 @@ def _record_cancelled(run: SlurmRun, signum: int) -> None:
 
 def wait(runs: SlurmRun | Sequence[SlurmRun], progress: bool = True, poll_s: float | None = None,
          on_update: Callable[[Sequence[SlurmRun], dict[str, Outcome]], None] | None = None,
-         on_cancel: str = "cancel") -> list[Outcome]:
+         on_cancel: str = "cancel", retry: Callable[[SlurmRun, Outcome], bool] | None = None) -> list[Outcome]:
     """Wait until every job has ended (ok or failed); outcomes in the order of ``runs``.
 
     Waits as long as a job waits in the queue; once it runs, at most ``cluster.timeout_min`` (default
     ``cluster.time_min + 5``, again from each requeue), then stops waiting: the job goes on and its outcome
     (``LEFT``) says how to follow it, unless ``cluster.cancel_on_timeout=true`` cancels it. SIGINT, SIGTERM or
     SIGHUP raise :class:`~gems.errors.Cancelled`: with ``on_cancel="cancel"`` the jobs still queued or
-    running are cancelled first and recorded so; with ``"leave"`` they go on (a detached study).
+    running are cancelled first and recorded so; with ``"leave"`` they go on (a detached study). ``retry``: a
+    failed job's policy (:func:`gems.launch.resubmit.retry_bad_nodes`); where it submits the job again, its
+    :class:`SlurmRun` becomes the new job and is waited for.
     """
     runs = [runs] if isinstance(runs, SlurmRun) else list(runs)
     if not runs:
         return []
     step = float(poll_s if poll_s is not None else min(section(r.cfg, "cluster").poll_s for r in runs))
-    watcher = Watcher(runs)
+    watcher = Watcher(runs, retry=retry)
     view = LiveView(watcher) if progress else None
     try:
         with cancel_on_signals():

@@ -1,5 +1,6 @@
 """The plan's outputs: the JSON object (schema ``gems.plan/1``, keys in :mod:`gems.plan.memory`), the table
-with its verdict and predicted step, and ``gems plan``'s entry point.
+with its verdict, predicted step and the run's cost (GPU-hours, node-hours, an energy bound), and ``gems plan``'s
+entry point.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from gems.pipeline.schedules import registered
 from gems.plan.make import make_plan
 from gems.plan.schema import SCHEMA, GiB, MemoryPlan
 from gems.plan.timing import DATA_WARN, data_share, data_warning
+from gems.telemetry.limits import power_limit_w
 
 
 # ============================================================================ output
@@ -93,9 +95,54 @@ def render_table(plan: MemoryPlan, width: int = 120, cfg: Any = None) -> str:
                       soft_wrap=True)
         for a in pr.assumptions:
             con.print(f"  assumed: {a}", soft_wrap=True)
+        spent = cost(cfg, plan) if cfg is not None else None
+        if spent is not None:
+            con.print(cost_line(spent), soft_wrap=True)
         if data_share(pr) > DATA_WARN:
             con.print(f"warning: {data_warning(cfg, data_share(pr))}", soft_wrap=True)
     return buf.getvalue()
+
+
+def cost(cfg: Any, plan: MemoryPlan) -> dict[str, Any] | None:
+    """What the run costs at its predicted step: its steps (``train.steps``, or its epochs of the training set) x the
+    step, and the staging once, on its nodes (``cluster.nodes``, or as the launcher places the ranks): GPU-hours (its
+    ranks, on GPUs), node-hours, and an energy bound (every GPU at its model's power limit the whole time,
+    :mod:`gems.telemetry.limits`). None without a prediction, or where the steps cannot be counted here."""
+    from gems.config import place
+    from gems.rank.data import Sampler, dataset_size
+
+    pr = plan.prediction
+    if pr is None:
+        return None
+    t = cfg.train
+    try:
+        steps = Sampler(dataset_size(cfg), int(t.batch_size), int(t.seed), t.epochs, t.steps).total
+        nodes, _ = place(cfg.cluster, plan.world_size)
+    except (ConfigError, OSError):  # a data set not here to count: no cost line
+        return None
+    seconds = steps * pr.step_s + pr.staging_s
+    out: dict[str, Any] = {"steps": steps, "seconds": seconds, "ranks": plan.world_size, "nodes": nodes,
+                           "node_hours": nodes * seconds / 3600}
+    if plan.device.get("kind") == "gpu":
+        out["gpu_hours"] = plan.world_size * seconds / 3600
+        limit = power_limit_w(cfg.cluster.gpu)
+        if limit is not None:
+            out.update(gpu=str(cfg.cluster.gpu), power_limit_w=limit, energy_bound_j=limit * plan.world_size * seconds)
+    return out
+
+
+def cost_line(c: dict[str, Any], what: str = "the run") -> str:
+    """A cost (:func:`cost`, or several summed) in words."""
+    text = f"cost of {what}: {c['steps']} step(s) in {c['seconds'] / 3600:.3g} h"
+    if "gpu_hours" in c:
+        text += f"; {c['gpu_hours']:.3g} GPU-hours ({c['ranks']} GPUs)"
+    text += f"; {c['node_hours']:.3g} node-hours ({c['nodes']} node(s))"
+    if "energy_bound_j" in c:
+        text += (f"; energy at most {c['energy_bound_j'] / 3.6e6:.3g} kWh (every GPU at the {c['gpu']}'s "
+                 f"{c['power_limit_w']:g} W limit)")
+    elif "gpu_hours" in c:
+        text += "; no energy bound (cluster.gpu names no GPU of gems.telemetry.limits)"
+    return text
 
 
 def hardware_line(hw: dict[str, Any], what: str) -> str:
@@ -152,7 +199,7 @@ def plan_main(cfg: Any, given: list[str] | None = None) -> int:
         return _dry_run_main(cfg, fmt)
     plan = make_plan(cfg)
     if fmt == "json":
-        print(json.dumps(to_json(plan)))
+        print(json.dumps({**to_json(plan), "cost": cost(cfg, plan)}))
     else:
         print(render_table(plan, cfg=cfg), end="")
     return 0

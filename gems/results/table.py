@@ -22,6 +22,11 @@ comparison: it is plotted as labelled bars. Points whose ranks outnumber their
 node's cores or GPUs are marked oversubscribed (their timings measure
 contention, not scaling).
 
+Energy (a record's ``telemetry`` section, gems/telemetry/figures.py): ``J/sample``
+and ``W/gpu`` beside the efficiency, where the records hold them (a study's
+energy per sample against its GPUs); each record with a trace gets its power and
+SM clock over the steps, one line a rank (``<run_id>.power.png`` beside it).
+
 References (``results.reference``) bound a point's throughput, efficiency or
 step time: each point is marked pass or fail, and :func:`aggregate` reports
 the failures (``gems results`` exits 1).
@@ -45,6 +50,8 @@ COLUMNS = ("name", "status", "world", "nodes", "mesh", "schedule", "batch", "sam
            "halo_s", "pipe_comm_s", "allreduce_s", "wait_s",
            "data_s", "peak_mem_MiB", "tensor_mem_MiB", "final_loss", "val_mae", "time_to_target_s", "ttt_min_s",
            "ttt_max_s", "target_reached", "n", "samples/s_min", "samples/s_max", "reference", "note", "error")
+#: the energy columns, after ``efficiency`` where a row holds them: the run's J a sample and mean W a device
+ENERGY_COLUMNS = ("J/sample", "W/gpu")
 #: an efficiency above this is flagged: super-linear scaling usually means a slow baseline, not a fast point
 SUPERLINEAR = 1.05
 #: fewer measured steps than this and a throughput is flagged (one step's time is one sample of a noisy machine)
@@ -237,17 +244,23 @@ def _row_of(rs: list[dict[str, Any]]) -> dict[str, Any]:
         row["_spread"] = (min(thr), max(thr))
         row.update(_training(ok))
         row.update(_hardware(r))
+        row.update(_energy(ok))
     elif status == "diverged":
         steps_nf = [s for x in rs for s in (x.get("nonfinite_steps") or [])]
         row["final_loss"] = f"non-finite loss at step(s) {', '.join(str(s) for s in sorted(set(steps_nf))[:5])}"
     else:  # a failed point's error goes in its own column, not in the loss's
         row["error"] = (next((x.get("error") for x in rs if x.get("error")), "") or "")[:120]
     row["_predicted"] = bool(r.get("predicted"))
+    again = ((r.get("config") or {}).get("cluster") or {}).get("resubmitted")
+    if again:  # a node's failed health check (cluster.exclude_bad_nodes): the job ran without it
+        _note(row, str(again).rsplit("; ", 1)[-1])
     if row["_over"]:
         _note(row, "oversubscribed: ranks share cores")
     if row["_predicted"]:
         fits = (r.get("peak_memory_bytes") or {}).get("fits")
-        _note(row, "predicted by gems plan, not measured" + ("" if fits is not False else "; does not fit"))
+        _note(row, "predicted by gems plan, not measured" + ("" if fits is not False else "; does not fit")
+              + ("; J/sample and W/gpu at the GPUs' power limit (a bound)" if (r.get("telemetry") or {}).get("bound")
+                 else ""))
         row["final_loss"] = ""
     elif row["_ok"]:
         few = min(measured_steps(x) for x in ok)
@@ -266,6 +279,16 @@ def _hardware(r: dict[str, Any]) -> dict[str, Any]:
         v = hw.get(key)
         if isinstance(v, (int, float)):
             out[col] = float(v) / scale
+    return out
+
+
+def _energy(ok: list[dict[str, Any]]) -> dict[str, Any]:
+    """A point's J a sample and W a device (``telemetry``), the medians over its repeats that hold them."""
+    out: dict[str, Any] = {}
+    for col, key in zip(ENERGY_COLUMNS, ("j_per_sample", "w_per_device")):
+        got = [float(v) for x in ok if isinstance(v := (x.get("telemetry") or {}).get(key), (int, float))]
+        if got:
+            out[col] = _median(got)
     return out
 
 
@@ -319,13 +342,17 @@ def dice_of(ok: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def columns(rows: list[dict[str, Any]]) -> list[str]:
-    """The table's columns: :data:`COLUMNS`, and each Dice column a row holds after ``val_mae`` (segmentation)."""
+    """The table's columns: :data:`COLUMNS`, each Dice column a row holds after ``val_mae`` (segmentation), and the
+    energy columns after ``efficiency`` where a row holds them."""
     extra: list[str] = []
     for row in rows:
         extra += [c for c in row if c.startswith("dice_") and c not in extra]
     cols = list(COLUMNS)
     at = cols.index("val_mae") + 1
-    return cols[:at] + extra + cols[at:]
+    cols = cols[:at] + extra + cols[at:]
+    energy = [c for c in ENERGY_COLUMNS if any(isinstance(row.get(c), float) for row in rows)]
+    at = cols.index("efficiency") + 1
+    return cols[:at] + energy + cols[at:]
 
 
 def measured_steps(r: dict[str, Any]) -> int:
@@ -417,8 +444,9 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
 
 def plot(rows: list[dict[str, Any]], path: Path, title: str, compare: list[tuple[str, list[dict[str, Any]]]] | None = None
          ) -> None:
-    """Throughput (with its spread over repeats) and efficiency against the world; labelled bars when every
-    point has the same world (a comparison, not a scaling curve). ``compare``: more studies on the same axes."""
+    """Throughput (with its spread over repeats) and efficiency against the world, and the energy a sample where the
+    records hold it; labelled bars when every point has the same world (a comparison, not a scaling curve).
+    ``compare``: more studies on the same axes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -426,7 +454,11 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, compare: list[tuple
 
     studies = [(title, rows)] + list(compare or [])
     ok_all = [r for _, rs in studies for r in rs if r.get("_ok")]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    energy = [r for r in ok_all if isinstance(r.get("J/sample"), float)]
+    fig, axes = plt.subplots(1, 2 + bool(energy), figsize=(11 + 5.5 * bool(energy), 4.2))
+    a1, a2 = axes[0], axes[1]
+    if energy:
+        energy_panel(axes[-1], studies)
     worlds = {r["world"] for r in ok_all}
     if ok_all and len(worlds) == 1:  # a comparison at one world size: labelled bars
         labels = [f"{name}: {r['_label']}" if compare else str(r["_label"]) for name, rs in studies for r in rs if r["_ok"]]
@@ -492,6 +524,61 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, compare: list[tuple
     plt.close(fig)
 
 
+def energy_panel(ax: Any, studies: list[tuple[str, list[dict[str, Any]]]]) -> None:
+    """J a sample against the world, one line a study (its points that hold it)."""
+    for name, rs in studies:
+        pts = sorted((r["world"], r["J/sample"]) for r in rs if r.get("_ok") and isinstance(r.get("J/sample"), float))
+        if pts:
+            ax.plot(*zip(*pts), "o-", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs / ranks")
+    ax.set_ylabel("J/sample")
+    ax.set_title("energy a sample")
+    ax.legend(fontsize=8)
+
+
+def trace_plot(record: dict[str, Any], path: Path) -> bool:
+    """The record's power and SM clock over the steps, one line a rank (``telemetry.trace``); False where it has
+    none. A step's samples are spread over it in the order read."""
+    trace = (record.get("telemetry") or {}).get("trace") or {}
+    if not trace:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (pw, sm) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    for rank, rows in sorted(trace.items(), key=lambda kv: int(kv[0])):
+        xs = _over_steps([int(r[1]) for r in rows])
+        for ax, k in ((pw, 2), (sm, 3)):
+            pts = [(x, r[k]) for x, r in zip(xs, rows) if r[k] is not None]
+            if pts:
+                ax.plot(*zip(*pts), "-", lw=1, label=f"rank {rank}")
+    pw.set_ylabel("power (W)")
+    sm.set_ylabel("SM clock (MHz)")
+    sm.set_xlabel("step")
+    pw.legend(fontsize=7, ncol=4)
+    fig.suptitle(f"{record.get('run_id')}: power and SM clock, one line a rank")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _over_steps(steps: list[int]) -> list[float]:
+    """Each sample's place on a step axis: a step's samples spread evenly over it."""
+    out: list[float] = []
+    i = 0
+    while i < len(steps):
+        j = i
+        while j < len(steps) and steps[j] == steps[i]:
+            j += 1
+        out += [steps[i] + (k - i) / (j - i) for k in range(i, j)]
+        i = j
+    return out
+
+
 @dataclass
 class Study:
     """One table: the records of a sweep in one folder, or the single runs of a folder."""
@@ -549,5 +636,9 @@ def write_studies(root: Path | str, only_sweep: str | None = None) -> tuple[list
         if s.sweep is not None:
             plot(s.rows, s.folder / "scaling.png", s.title)
             accuracy.write(s.records, s.folder, s.title)  # a study of accuracy against sample size
+        for r in s.records:  # a run's power and clock over its steps, once
+            png = Path(r["_path"]).with_suffix(".power.png")
+            if not png.exists():
+                trace_plot(r, png)
         out.append(s)
     return out, skipped
