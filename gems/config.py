@@ -38,25 +38,17 @@ def key(default: Any = MISSING, help: str = "", *, choices: tuple[str, ...] | Ca
 
 @dataclass
 class ModelConf:
+    """The keys every model takes. A model's own keys are declared beside its builder, in a dataclass extending this
+    one (``register_model(..., options=...)``: gems/models/registry.py), and typed with it wherever the section is
+    (:func:`schema_of`)."""
+
     name: str = key(MISSING, "the model: a registered one (gems.models.registry)")
+    module: Optional[str] = key(None, "the module that registers model.name where it is not one of gems/models (set "
+                                      "by model=NAME; every rank imports it to find the model)")
     size: int = key(128, "the input's edge length", ge=1)
     width: float = key(1.0, "channel multiplier (1.0 = the published model)", gt=0)
-    dropout: float = key(0.2, "dropout probability of cosmoflow and cosmoflow_mlperf (whose preset gives MLPerf's 0.5)",
-                         ge=0, lt=1)
-    depth: int = key(110, "resnet depth, 9n+2 (110, 1001)", ge=11)
-    num_classes: int = key(3, "unet3d / resnet classes", ge=1)
+    num_classes: int = key(3, "classes (of a sample, or of each voxel)", ge=1)
     in_channels: int = key(4, "input channels", ge=1)
-    norm: Optional[str] = key(None, "normalisation after each convolution of resnet, unet3d and cosmoflow (null: "
-                                    "the model's own, none for cosmoflow as the paper's model, batch for resnet "
-                                    "and unet3d)", choices=("batch", "group", "none"))
-    _target_: Optional[str] = key(None, "custom: dotted path of a callable returning nn.Sequential")
-    kwargs: Any = key(None, "custom: arguments of that callable, e.g. {n:8} (a mapping)")
-    input_shape: Optional[list] = key(None, "custom: [C, *spatial] of one sample")
-    num_outputs: int = key(4, "outputs per sample (vector targets)", ge=1)
-    loss: str = key("mse", "the loss", choices=("mse", "cross_entropy"))
-    target: str = key("vector", "vector (one per sample) or dense (one class per voxel)", choices=("vector", "dense"))
-    spatial_end: Optional[int] = key(None, "custom: first layer that needs the whole sample (null: the first Flatten)",
-                                     ge=0)
 
 
 #: ``data.name`` of sample files in a layout gems reads (``data=files``); ``hdf5``, its older name, is an alias
@@ -488,26 +480,70 @@ SECTIONS = {**GROUP_SCHEMAS, "results": ResultsConf, "plan": PlanConf, "fault": 
 
 def section(cfg: Any, name: str) -> Any:
     """Section ``name`` of ``cfg`` (a DictConfig or a mapping) as an instance of its schema's dataclass
-    (:data:`SECTIONS`): typed values, and the schema's default for a key the configuration leaves out. What a
-    module below an entry point takes instead of the whole configuration (``inject.arm(section(cfg, "fault"),
-    ...)``); no fallback default of its own."""
+    (:func:`schema_of`: the model's own where a model extends it): typed values, and the schema's default for a key
+    the configuration leaves out. What a module below an entry point takes instead of the whole configuration
+    (``inject.arm(section(cfg, "fault"), ...)``); no fallback default of its own."""
     node = cfg.get(name) if hasattr(cfg, "get") else None
     try:
         if isinstance(node, DictConfig):  # resolved where it sits: an interpolation may name another section
             node = OmegaConf.to_container(node, resolve=True)
-        merged = OmegaConf.merge(OmegaConf.structured(SECTIONS[name]), node if node is not None else {})
+        merged = OmegaConf.merge(OmegaConf.structured(schema_of(name, node)), node if node is not None else {})
         return OmegaConf.to_object(merged)
     except ConfigError:
         raise
     except Exception as e:  # a key the schema does not have, a value of the wrong type, an interpolation
-        raise _omegaconf_error(e) from None
+        raise _omegaconf_error(e, within=name) from None
 
 
-def schema_keys() -> dict[str, Any]:
-    """``section.key`` -> the dataclass field (default, ``metadata``: help, choices, bounds)."""
+#: sections whose options declare keys of their own (each model: gems/models/registry.py): composed open to keys the
+#: section's schema lacks, then typed by the option's schema where its registry is loaded (:func:`compose`,
+#: :func:`typed`), else where the option is built (:func:`section`)
+OPEN_SECTIONS = ("model",)
+#: the schema of each option of an open section, handed here by its registry when it is imported (:func:`extended`)
+_EXTENDED: dict[str, Callable[[Any], Optional[type]]] = {}
+
+
+def extended(sec: str, schema: Callable[[Any], Optional[type]]) -> None:
+    """Declare that the registry calling this extends section ``sec``'s schema (one of :data:`OPEN_SECTIONS`):
+    ``schema(node)`` is the dataclass (a subclass of the section's) that a section ``node`` (a mapping) is typed by,
+    for the option its ``name`` names; None where that option is not registered. The registry owns ``sec.name``'s
+    values too (:func:`owned`)."""
+    assert sec in OPEN_SECTIONS, sec
+    _EXTENDED[sec] = schema
+
+
+def schema_of(sec: str, node: Any = None) -> type:
+    """The dataclass that section ``sec`` is typed by: its schema (:data:`SECTIONS`), or, where a registry extends
+    it (:func:`extended`: the model), the schema of the option that the section ``node`` names."""
+    got = _EXTENDED[sec](node) if sec in _EXTENDED and node is not None else None
+    return got if got is not None else SECTIONS[sec]
+
+
+def extensions(sec: str) -> dict[str, type]:
+    """Every registered option of section ``sec`` whose schema extends the section's, by name (the models that
+    declare keys of their own)."""
+    names = choices_of(f"{sec}.name") if sec in _EXTENDED else None
+    return {n: schema_of(sec, {"name": n}) for n in names or () if schema_of(sec, {"name": n}) is not SECTIONS[sec]}
+
+
+def own_fields(schema: type, sec: str) -> list[Any]:
+    """The fields ``schema`` adds to section ``sec``'s (a model's own keys)."""
     from dataclasses import fields
 
-    return {f"{sec}.{f.name}": f for sec, cls in SECTIONS.items() for f in fields(cls)}
+    common = {f.name for f in fields(SECTIONS[sec])}
+    return [f for f in fields(schema) if f.name not in common]
+
+
+def _node(cfg: Any, sec: str) -> Any:
+    return cfg.get(sec) if cfg is not None and hasattr(cfg, "get") else None
+
+
+def schema_keys(cfg: Any = None) -> dict[str, Any]:
+    """``section.key`` -> the dataclass field (default, ``metadata``: help, choices, bounds); with ``cfg``, a section
+    a registry extends has the keys of the option ``cfg`` names (the model's own)."""
+    from dataclasses import fields
+
+    return {f"{sec}.{f.name}": f for sec in SECTIONS for f in fields(schema_of(sec, _node(cfg, sec)))}
 
 
 #: keys whose values a registry above the configuration owns (the schedules, the data's symmetries), handed here by
@@ -545,11 +581,12 @@ def import_modules(package: str) -> None:
             importlib.import_module(f"{package}.{mod}")
 
 
-def choices_of(name: str) -> tuple[str, ...] | None:
-    """The values a key takes, where the schema or the registry that owns the key (:func:`owned`) lists them."""
+def choices_of(name: str, f: Any = None) -> tuple[str, ...] | None:
+    """The values a key takes, where the schema (its field ``f``, for a model's own key) or the registry that owns
+    the key (:func:`owned`) lists them."""
     if name in _OWNED:
         return _OWNED[name]()
-    f = schema_keys().get(name)
+    f = f if f is not None else schema_keys().get(name)
     got = f.metadata.get("choices") if f is not None else None
     return tuple(got()) if callable(got) else got
 
@@ -565,13 +602,14 @@ def _bounds_text(meta: Any) -> str:
     return " and ".join(parts)
 
 
-def check_key(name: str, val: Any) -> None:
-    """ConfigError when ``val`` is outside the choices or bounds the schema declares for ``name``."""
-    f = schema_keys().get(name)
+def check_key(name: str, val: Any, f: Any = None) -> None:
+    """ConfigError when ``val`` is outside the choices or bounds the schema declares for ``name`` (in its field
+    ``f``, for a model's own key)."""
+    f = f if f is not None else schema_keys().get(name)
     if f is None or val is None:
         return
     meta = f.metadata
-    choices = choices_of(name)
+    choices = choices_of(name, f)
     if choices and val not in choices:
         raise ConfigError(name, val, "one of " + ", ".join(choices))
     if isinstance(val, bool) or not isinstance(val, (int, float)):
@@ -581,6 +619,15 @@ def check_key(name: str, val: Any) -> None:
     if bad:
         kind = "an integer" if f.type in (int, "int", "Optional[int]") else "a number"
         raise ConfigError(name, val, f"{kind} {_bounds_text(meta)}" + (f" ({meta['help']})" if meta.get("help") else ""))
+
+
+def check_section(sec: str, values: Any) -> None:
+    """:func:`check_key` for every key of ``values``, section ``sec`` as its schema's dataclass (what the Python
+    API's mapping becomes: :func:`section`)."""
+    from dataclasses import fields
+
+    for f in fields(values):
+        check_key(f"{sec}.{f.name}", getattr(values, f.name), f)
 
 
 def register_schemas() -> None:
@@ -595,7 +642,10 @@ def register_schemas() -> None:
     OmegaConf.register_new_resolver("pow", lambda a, b: int(a) ** int(b), replace=True)
 
     cs = ConfigStore.instance()
-    cs.store(name="base_config", node=GemsConf)
+    base = OmegaConf.structured(GemsConf)
+    for sec in OPEN_SECTIONS:  # a model's own keys compose; compose() types them by the model's schema
+        OmegaConf.set_struct(base[sec], False)
+    cs.store(name="base_config", node=base)
     for group, schema in GROUP_SCHEMAS.items():
         cs.store(group=group, name=f"base_{group}", node=schema)
     for group, options in _OFFERED.items():
@@ -648,7 +698,10 @@ def compose(overrides: list[str] | tuple[str, ...] = (), return_hydra_config: bo
     finally:
         GlobalHydra.instance().clear()
     try:
+        type_options(cfg)
         validate(cfg, relations=check)
+        if check:
+            place_job(cfg)
     except ConfigError as e:
         raise _with_value(e, overrides) from None
     if cfg.get("parallel") is not None and cfg.parallel.get("auto"):
@@ -707,12 +760,19 @@ def _hint_for(msg: str) -> str:
     return msg
 
 
-def _omegaconf_error(e: BaseException) -> ConfigError:
+def _omegaconf_error(e: BaseException, within: str = "") -> ConfigError:
+    """The ConfigError of omegaconf's error ``e``, naming the key (in section ``within``, where ``e`` was raised
+    merging that section alone)."""
     import re
 
-    key = getattr(e, "full_key", None) or "config"
+    key = getattr(e, "full_key", None) or (within or "config")
+    if within and key != within and not str(key).startswith(within + "."):
+        key = f"{within}.{key}"
     msg = str(e).splitlines()[0]
     if "not in struct" in msg or "Missing key" in msg or "Key '" in msg:
+        own = _extension_of(str(key), getattr(e, "object_type", None))
+        if own is not None:  # a key the model does not take: its keys named
+            return _not_the_models(str(key), own, getattr(e, "parent_node", None))
         near = nearest_key(str(key))
         hint = f"{near}, the nearest key" if near else "a key that exists in the schema (gems/config.py)"
         return ConfigError(key, "?", f"{hint} (`gems run --help` lists them; new keys take a + prefix)")
@@ -722,11 +782,36 @@ def _omegaconf_error(e: BaseException) -> ConfigError:
     return ConfigError(key, "?", msg)
 
 
-def nearest_key(name: str) -> str | None:
-    """The schema key closest to a misspelt ``name`` (``train.stepz`` -> ``train.steps``), if one is close."""
+def _extension_of(key: str, schema: Any) -> type | None:
+    """``schema`` where it is an option's extension of the section ``key`` is in (a model's own keys), else None."""
+    sec = key.split(".", 1)[0]
+    base = SECTIONS.get(sec)
+    if sec not in _EXTENDED or base is None or not isinstance(schema, type) or schema is base:
+        return None
+    return schema if issubclass(schema, base) else None
+
+
+def _not_the_models(key: str, schema: type, node: Any) -> ConfigError:
+    """The refusal of ``key``, which the option of ``schema`` does not take: the nearest of its keys, and its own."""
+    from dataclasses import fields
+
+    sec, leaf = key.split(".", 1)[0], key.rsplit(".", 1)[-1]
+    name = OmegaConf.select(node, "name", default=None, throw_on_missing=False) if OmegaConf.is_config(node) else None
+    who = f"{sec}={name}" if name else f"this {sec}"
+    own = ", ".join(f"{sec}.{f.name}" for f in own_fields(schema, sec))
+    others = [n for n, s in extensions(sec).items() if leaf in {f.name for f in own_fields(s, sec)}]
+    near = None if others else nearest_key(key, [f"{sec}.{f.name}" for f in fields(schema)])
+    hint = (f"{near}, the nearest key {who} takes" if near else f"a key {who} takes"
+            + (f", not {' or '.join(others)}'s own" if others else ""))
+    return ConfigError(key, "?", f"{hint} (its own: {own or 'none'}; `gems run --help` lists every {sec}'s keys)")
+
+
+def nearest_key(name: str, keys: list[str] | None = None) -> str | None:
+    """The schema key (of ``keys``, default every section's) closest to a misspelt ``name`` (``train.stepz`` ->
+    ``train.steps``), if one is close."""
     import difflib
 
-    keys = list(schema_keys())
+    keys = list(schema_keys()) if keys is None else keys
     got = difflib.get_close_matches(name, keys, n=1, cutoff=0.6)
     if not got and "." in name:  # a right key in the wrong section, or a section misspelt
         leaf = name.rsplit(".", 1)[1]
@@ -737,7 +822,8 @@ def nearest_key(name: str) -> str | None:
 
 def help_text(command: str, overrides: list[str] | tuple[str, ...] = ()) -> str:
     """The keys every command takes, with the value a run with ``overrides`` would use (the composed defaults:
-    ``model=resnet --help`` shows resnet's), its bounds and meaning from the schemas."""
+    ``model=resnet --help`` shows resnet's), its bounds and meaning from the schemas; each registered model's own
+    keys under its name."""
     import dataclasses
 
     try:
@@ -751,36 +837,55 @@ def help_text(command: str, overrides: list[str] | tuple[str, ...] = ()) -> str:
              ""]
     for sec, cls in SECTIONS.items():
         lines.append(f"{sec}:")
-        for f in dataclasses.fields(cls):
-            meta = f.metadata
-            if composed is not None and OmegaConf.select(composed, f"{sec}.{f.name}", default="<none>") != "<none>":
-                value = OmegaConf.select(composed, f"{sec}.{f.name}")
-                default = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-            elif f.default is not dataclasses.MISSING:
-                default = f.default
-            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-                default = f.default_factory()  # type: ignore[misc]
-            else:
-                default = "(required)"
-            allowed = choices_of(f"{sec}.{f.name}")
-            extra = f" [{' | '.join(allowed)}]" if allowed else (f" [{_bounds_text(meta)}]" if _bounds_text(meta) else "")
-            lines.append(f"  {sec}.{f.name}={default}{extra}  {meta.get('help', '')}".rstrip())
+        lines += [_help_line(sec, f, composed) for f in dataclasses.fields(cls)]
+        for name, schema in extensions(sec).items():  # each model's own keys, under its name
+            chosen = composed is not None and OmegaConf.select(composed, f"{sec}.name", default=None,
+                                                               throw_on_missing=False) == name
+            lines.append(f"  {sec}.name={name} takes these too:")
+            lines += ["  " + _help_line(sec, f, composed if chosen else None) for f in own_fields(schema, sec)]
         lines.append("")
     lines.append("`gems COMMAND [OVERRIDES] --cfg job` prints the composed configuration.")
     return "\n".join(lines)
 
 
+def _help_line(sec: str, f: Any, composed: DictConfig | None) -> str:
+    """A key's line in ``--help``: the value ``composed`` gives it (else its default), its values, its meaning."""
+    import dataclasses
+
+    meta = f.metadata
+    if composed is not None and OmegaConf.select(composed, f"{sec}.{f.name}", default="<none>") != "<none>":
+        value = OmegaConf.select(composed, f"{sec}.{f.name}")
+        default = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+    elif f.default is not dataclasses.MISSING:
+        default = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        default = f.default_factory()
+    else:
+        default = "(required)"
+    allowed = choices_of(f"{sec}.{f.name}", f)
+    extra = f" [{' | '.join(allowed)}]" if allowed else (f" [{_bounds_text(meta)}]" if _bounds_text(meta) else "")
+    return f"  {sec}.{f.name}={default}{extra}  {meta.get('help', '')}".rstrip()
+
+
 def typed(cfg: Any) -> DictConfig:
     """``cfg`` (a mapping, a DictConfig, the YAML a launcher wrote) as the typed settings everything below an entry
-    point reads: merged onto the schemas (:class:`GemsConf`), so every key has its type and its one default
-    (written once, in the dataclasses above), and a misspelt or mistyped key fails here, naming itself. The
-    worker, the planner and the dry run take their configuration through this once; nothing below them reads a
-    key with a fallback of its own."""
+    point reads: merged onto the schemas (:class:`GemsConf`, the model section onto its model's: :func:`schema_of`),
+    so every key has its type and its one default (written once, in the dataclasses above and the models'), and a
+    misspelt or mistyped key fails here, naming itself. The worker, the planner and the dry run take their
+    configuration through this once; nothing below them reads a key with a fallback of its own."""
     if isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is GemsConf:
         return cfg  # typed already (a plan of a typed configuration: gems.plan.search plans thousands)
     base = OmegaConf.structured(GemsConf)
     try:
+        for sec in OPEN_SECTIONS:  # the section as its option declares it (the model's own keys)
+            schema = schema_of(sec, _node(cfg, sec))
+            if schema is not SECTIONS[sec]:
+                base[sec] = OmegaConf.structured(schema)
+            elif sec not in _EXTENDED:  # its registry not loaded here: its own keys are typed where it is built
+                OmegaConf.set_struct(base[sec], False)
         out = OmegaConf.merge(base, cfg)
+    except ConfigError:
+        raise
     except Exception as e:  # a key the schemas do not have, or a value of the wrong type
         raise _omegaconf_error(e) from None
     assert isinstance(out, DictConfig)
@@ -788,10 +893,14 @@ def typed(cfg: Any) -> DictConfig:
 
 
 def validate(cfg: DictConfig, relations: bool = True) -> None:
-    """Every key against its schema's choices and bounds, then (``relations``) the checks that relate keys
-    to each other (none needs the world or the model: those are :func:`gems.prepare.preflight`'s)."""
-    for name in schema_keys():
-        check_key(name, OmegaConf.select(cfg, name, default=None))
+    """Every key against its schema's choices and bounds (a model's own keys against its declaration), then
+    (``relations``) the checks that relate keys to each other (none needs the world or the model: those are
+    :func:`gems.prepare.preflight`'s, the batch over the mesh :func:`gems.parallel.resolve`'s). Reads only: what is
+    derived from the keys is derived where the configuration is built (:func:`compose`, :func:`place_job`)."""
+    for name, f in schema_keys(cfg).items():
+        check_key(name, OmegaConf.select(cfg, name, default=None), f)
+    for sec in _EXTENDED:  # a key the option does not declare (model.name changed after its keys were composed)
+        section(cfg, sec)
     if not relations:
         return
     t = cfg.train
@@ -809,16 +918,6 @@ def validate(cfg: DictConfig, relations: bool = True) -> None:
     from gems.mesh import mesh_from_config
 
     mesh = mesh_from_config(cfg)
-    B, R = cfg.train.batch_size, mesh.replicas
-    if B % R:
-        raise ConfigError("train.batch_size", B, f"a multiple of parallel.replicas={R} (the global batch is split over replicas)")
-    if (cfg.cluster.launcher == "slurm" or cfg.cluster.name != "local") and not cfg.parallel.get("auto"):
-        # (with parallel=auto the mesh is not chosen yet: each candidate is placed when it is planned)
-        nodes, tasks = place(cfg.cluster, mesh.size, mesh.describe())
-        from omegaconf import open_dict
-
-        with open_dict(cfg):
-            cfg.cluster.nodes, cfg.cluster.tasks_per_node, cfg.cluster.ntasks = nodes, tasks, mesh.size
     for k in ("kill_rank", "stall_rank", "nan_rank"):
         if int(cfg.fault.get(k, -1)) >= mesh.size:
             raise ConfigError(f"fault.{k}", cfg.fault[k], f"a rank below the world size {mesh.size} ({mesh.describe()}), "
@@ -832,6 +931,42 @@ def validate(cfg: DictConfig, relations: bool = True) -> None:
     if reads_files(cfg.data) and not cfg.data.path:
         raise ConfigError("data.path", cfg.data.path, "a folder of sample files in a layout gems reads (docs/data.md; "
                           "write one with `gems data synth`)")
+
+
+def type_options(cfg: DictConfig) -> None:
+    """Each open section of the composed ``cfg`` (the model) set to its option's schema (:func:`schema_of`): its own
+    keys with their types and defaults, one it does not declare refused, naming the option's keys. Left as composed
+    where the option's registry is not loaded, or the option is not registered (:func:`validate` names it)."""
+    from omegaconf import open_dict
+
+    for sec in OPEN_SECTIONS:
+        node = cfg.get(sec)
+        schema = schema_of(sec, node)
+        if node is None or schema is SECTIONS[sec]:
+            continue
+        try:
+            node = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.to_container(node))
+        except Exception as e:  # a key the option does not declare, a value of the wrong type
+            raise _omegaconf_error(e, within=sec) from None
+        with open_dict(cfg):
+            cfg[sec] = node
+
+
+def place_job(cfg: DictConfig) -> None:
+    """Where a launcher places the job on nodes (Slurm, or a cluster preset): ``cluster.nodes``,
+    ``cluster.tasks_per_node`` and ``cluster.ntasks`` for the mesh's ranks (:func:`place`, which refuses what does
+    not fit), set on ``cfg``. Not with ``parallel=auto``: the mesh is not chosen yet, and each candidate is placed
+    when it is planned."""
+    if not (cfg.cluster.launcher == "slurm" or cfg.cluster.name != "local") or cfg.parallel.get("auto"):
+        return
+    from omegaconf import open_dict
+
+    from gems.mesh import mesh_from_config
+
+    mesh = mesh_from_config(cfg)
+    nodes, tasks = place(cfg.cluster, mesh.size, mesh.describe())
+    with open_dict(cfg):
+        cfg.cluster.nodes, cfg.cluster.tasks_per_node, cfg.cluster.ntasks = nodes, tasks, mesh.size
 
 
 def serial(cfg: Any) -> DictConfig:

@@ -17,8 +17,8 @@ from gems.config import FILES, reads_files, section
 from gems.data.check import unchecked_note
 from gems.errors import ConfigError
 from gems.layers import keeps_running_statistics
-from gems.mesh import mesh_from_config
 from gems.models import build_model, check_shapes
+from gems.models.registry import saved_section
 from gems.parallel import resolve, spatial_model
 from gems.paths import readable_dir, writable_dir
 from gems.plan.fit import check_fit
@@ -178,9 +178,9 @@ def eval_config(path: str, overrides: list[str], cfg: DictConfig) -> DictConfig:
     saved = ckpt.inspect(path, "eval")  # the file read once here (each rank reads its weights)
     trained = saved.trained_on
     with open_dict(cfg):
-        try:
-            cfg.model = OmegaConf.merge(cfg.model, OmegaConf.create(saved.model))
-        except Exception as e:  # a key this gems's model schema does not know
+        try:  # the file's model, typed by its own keys (whatever model the overrides composed)
+            cfg.model = OmegaConf.structured(section({"model": saved_section(saved.model)}, "model"))
+        except Exception as e:  # a key this gems's model does not know
             raise ConfigError("eval", path, f"a model file of a model this gems builds ({type(e).__name__}: "
                               f"{str(e).splitlines()[0]})") from None
         evaluated = _eval_data(cfg, trained.get("data"), given)
@@ -250,7 +250,8 @@ def preflight(cfg: DictConfig) -> None:
     """
     import copy
 
-    mesh = mesh_from_config(cfg)
+    settings = resolve(cfg)  # the mesh and the schedule; the batch over replicas, passes and micro-batches
+    mesh = settings.mesh
     spec = build_model(section(cfg, "model"))
     check_shapes(spec)  # every layer takes what reaches it, the output fits the targets: on meta tensors
     p = cfg.parallel
@@ -270,8 +271,7 @@ def preflight(cfg: DictConfig) -> None:
         if note:
             print(f"gems: note: {note}", file=sys.stderr, flush=True)
         seq = apply_spatial(copy.deepcopy(spec.module), ctx, spec.spatial_end, bn_stats=p.bn_stats)
-    settings = resolve(cfg)
-    settings.check_layers(len(seq))  # the schedule, the batch over passes and micro-batches, the balance
+    settings.check_layers(len(seq))  # the partitions and the balance against the layers
 
 
 def run_steps(cfg: DictConfig) -> int:

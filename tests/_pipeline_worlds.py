@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from gems.commlog import Recorder
-from gems.config import ModelConf
 from gems.mesh import Mesh
 from gems.models import ModelSpec, build_model
 from gems.models.layers import batch_context
@@ -51,7 +50,7 @@ def build(model: str) -> ModelSpec:
     if model.startswith("registered:"):
         from gems.models import registered
 
-        return build_model(ModelConf(**registered()[model.split(":", 1)[1]].example))
+        return build_model(registered()[model.split(":", 1)[1]].example)
     if model == "cosmoflow":
         node: dict[str, Any] = dict(name="cosmoflow", size=32, width=0.125, dropout=0.3)
     elif model == "unet":  # skip connections across every cut (gems.models.skips carries them)
@@ -59,7 +58,7 @@ def build(model: str) -> ModelSpec:
     else:
         node = dict(name="resnet", depth=20, size=16, in_channels=3, num_classes=5, width=0.25,
                     norm="batch" if model == "resnet_bn" else "group")
-    return build_model(ModelConf(**node))
+    return build_model(node)
 
 
 def _kind(spec: ModelSpec) -> str:

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gems.config import ModelConf
 from gems.models.layers import SampleDropout, batch_context
 from gems.replication import GradientReducer
 from gems.spatial import SpatialContext, apply_spatial
@@ -178,7 +177,7 @@ def model_cases() -> dict[str, tuple[Callable[[], nn.Sequential], tuple[int, ...
     from gems.models import build_model
 
     def spec(**kw: Any) -> Any:
-        return build_model(ModelConf(**kw))
+        return build_model(kw)
 
     cf = dict(name="cosmoflow", size=32, width=0.125, dropout=0.2)
     cfbn = dict(cf, norm="batch")  # model.norm=batch: BatchNorm after each convolution, global statistics

@@ -5,7 +5,6 @@ import pytest
 import torch
 from torch import nn
 
-from gems.config import ModelConf
 from gems.errors import ConfigError
 from gems.models import build_model
 from gems.models.resnet import PreActBottleneck, resnet_v2
@@ -34,7 +33,7 @@ def test_parameter_counts_match_the_paper():
 
 
 def test_build_resnet_spec_and_forward():
-    cfg = ModelConf(name="resnet", depth=20, size=32, in_channels=1, num_classes=7, width=0.25, norm="group")
+    cfg = dict(name="resnet", depth=20, size=32, in_channels=1, num_classes=7, width=0.25, norm="group")
     spec = build_model(cfg)
     assert spec.input_shape == (1, 32, 32) and spec.num_outputs == 7 and spec.loss == "cross_entropy"
     assert spec.target == "vector"
@@ -59,7 +58,7 @@ def test_pre_activation_keeps_the_identity_path_clean():
 @pytest.mark.parametrize("bad,key", [(dict(depth=100), "model.depth"), (dict(depth=2), "model.depth"),
                                      (dict(norm="layer"), "model.norm"), (dict(size=2), "model.size")])
 def test_bad_config_names_the_key(bad, key):
-    cfg = ModelConf(**{**dict(name="resnet", depth=20, size=32), **bad})
+    cfg = {**dict(name="resnet", depth=20, size=32), **bad}
     with pytest.raises(ConfigError) as e:
         build_model(cfg)
     assert e.value.key == key

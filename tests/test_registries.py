@@ -60,7 +60,7 @@ def tiny_model():
 
     models()
     register_model("tiny_registered", build, "a test's model", "C x N^2", {"size": 8},
-                   config={"size": 12, "in_channels": 2, "num_classes": 3, "loss": "cross_entropy"})
+                   config={"size": 12, "in_channels": 2, "num_classes": 3})
     yield "tiny_registered"
     _REGISTRY.pop("tiny_registered")
 
@@ -79,14 +79,58 @@ def test_a_model_registered_without_a_yaml_is_composed_built_and_planned(tiny_mo
         register_model(tiny_model, lambda m: spec, "another", "", {})
 
 
+@pytest.fixture
+def keyed_model():
+    """tests/_keyed_model.py's model (a key of its own, registered by a module outside gems/models), registered as
+    that module does when imported, removed again after the test."""
+    import _keyed_model
+
+    models()
+    _keyed_model.register()
+    yield _keyed_model.NAME
+    _REGISTRY.pop(_keyed_model.NAME)
+
+
+def test_a_models_own_key_reaches_its_builder_on_the_ranks_and_its_help(keyed_model, tmp_path, capsys):
+    """``model.hidden``, declared beside the model's builder and set on the command line, is typed and checked at
+    once, counts in the checkpoint's fingerprint, and is what the rank built with (its trained model's convolution
+    has that many channels); a value out of bounds or a key the model does not take is one line, exit 2;
+    ``--help`` lists the key under the model."""
+    import torch
+    from _cli import gems_here, records
+
+    from gems.checkpoint import fingerprint
+
+    load_registries()
+    cfg = compose([f"model={keyed_model}", "model.hidden=3"])
+    assert cfg.model.hidden == 3 and cfg.model.module == "_keyed_model"
+    assert fingerprint(cfg)["model.hidden"] == 3 and fingerprint(compose([f"model={keyed_model}"]))["model.hidden"] == 2
+    run = gems_here("run", f"model={keyed_model}", "model.hidden=3", "train.batch_size=2", "train.steps=1",
+                    "train.warmup_steps=0", f"results.dir={tmp_path}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    (r,) = records(str(tmp_path))
+    weights = torch.load(r["model_file"], map_location="cpu", weights_only=True)["state_dict"]
+    assert r["status"] == "ok" and tuple(weights["0.weight"].shape) == (3, 1, 3, 3, 3)
+    for bad, said in (("model.hidden=0", "model.hidden=0: expected an integer >= 1"),
+                      ("model.hiden=3", "expected model.hidden, the nearest key model=keyed takes (its own: model.hidden;"),
+                      ("model.depth=11", "model.depth=11: expected a key model=keyed takes, not resnet's own")):
+        out = gems_here("run", f"model={keyed_model}", bad, f"results.dir={tmp_path / 'bad'}")
+        err = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(err) == 1 and said in err[0], out.stderr
+    assert not (tmp_path / "bad").exists()
+    assert main(["run", "--help"]) == 0
+    assert (f"  model.name={keyed_model} takes these too:\n    model.hidden=2 [>= 1]  channels of its convolution"
+            in capsys.readouterr().out)
+
+
 def test_the_check_before_launch_runs_for_every_model():
     """A built-in model's shape is traced before launch too (no model is exempt by its name): its example passes,
     and a shape the layers cannot take names the key that sets it."""
     for kind in models().values():
-        check_shapes(build_model(ModelConf(**kind.example)))
+        check_shapes(build_model(kind.example))
     from gems.errors import ConfigError
 
-    spec = build_model(ModelConf(name="resnet", depth=11, size=16, width=0.25, num_classes=5))
+    spec = build_model(dict(name="resnet", depth=11, size=16, width=0.25, num_classes=5))
     spec.module[-1] = nn.Linear(7, 5)  # (a layer that cannot take what reaches it)
     with pytest.raises(ConfigError) as e:
         check_shapes(spec)

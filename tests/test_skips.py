@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gems.config import ModelConf
 from gems.models import build_model
 from gems.models.skips import Carried, checkpointed, crossing, run_span, spans, store_of
 from gems.pipeline.partition import split
@@ -17,7 +16,7 @@ from gems.pipeline.partition import split
 
 def unet(norm: str = "batch") -> torch.nn.Sequential:
     torch.manual_seed(0)
-    spec = build_model(ModelConf(name="unet3d", size=16, width=0.0625, in_channels=1, num_classes=3, norm=norm))
+    spec = build_model(dict(name="unet3d", size=16, width=0.0625, in_channels=1, num_classes=3, norm=norm))
     return spec.module
 
 
@@ -42,7 +41,7 @@ def _pieces(n: int, how: str, norm: str) -> list[tuple[int, int]]:
     from gems.models import build_model
     from gems.parallel import recompute_pieces
 
-    spec = build_model(ModelConf(name="unet3d", size=16, width=0.0625, in_channels=1, num_classes=3, norm=norm))
+    spec = build_model(dict(name="unet3d", size=16, width=0.0625, in_channels=1, num_classes=3, norm=norm))
     pieces = recompute_pieces(spec, Mesh(1, 1))
     assert 2 < len(pieces) < n // 2  # neither one piece nor two layers a piece
     return pieces

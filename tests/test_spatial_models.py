@@ -36,10 +36,9 @@ def test_cosmoflow_paper_sizes_flatten_to_2048(size, pools):
     each of conv1-5, plus one more at 256^3 and two at 512^3, right after the first, so that the
     dense head always sees 256 x 2^3 = 2048 features. Traced on fake tensors (no 512^3 activation
     is allocated)."""
-    from gems.config import ModelConf
     from gems.models import build_model
 
-    spec = build_model(ModelConf(name="cosmoflow", size=size, width=1.0, dropout=0.2))
+    spec = build_model(dict(name="cosmoflow", size=size, width=1.0, dropout=0.2))
     seq, end = spec.module, spec.spatial_end
     assert spec.input_shape == (4, size, size, size) and isinstance(seq[end], nn.Flatten)
     kinds = [type(m).__name__ for m in seq[:end]]

@@ -83,7 +83,6 @@ def bench_rank(rank: int, world: int, size: int, steps: int, warmup: int, mode: 
     import torch.distributed as dist
 
     from gems.bootstrap import keep_host_memory
-    from gems.config import ModelConf
     from gems.data.synthetic import sample_input
     from gems.layers import batch_context
     from gems.memory import MemoryMeter, persistent_bytes, step_peak_bytes
@@ -95,7 +94,7 @@ def bench_rank(rank: int, world: int, size: int, steps: int, warmup: int, mode: 
         keep_host_memory()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    spec = build_model(ModelConf(name="cosmoflow", size=size, width=1.0, dropout=0.2))
+    spec = build_model(dict(name="cosmoflow", size=size, width=1.0, dropout=0.2))
     shape = spec.input_shape
     sctx = None
     model = spec.module

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from gems.config import ModelConf, section
+from gems.config import ModelConf, check_section, section
 from gems.errors import ConfigError
 from gems.models.registry import ModelKind, ModelSpec, first_flatten, register_model, registered, sized
 
@@ -48,14 +48,23 @@ def check_shapes(spec: ModelSpec) -> None:
 
 
 def build_model(model: ModelConf | Mapping[str, Any]) -> ModelSpec:
-    """Build the model named by ``model.name`` from the typed ``model`` section (``section(cfg, "model")``): every
-    key has its one default there, and a key left null (``model.norm``) means the model's own, the default of
-    its builder in its module. A mapping or DictConfig (the Python API: ``build_model({"name": "cosmoflow",
-    "size": 32})``) is typed here, once, against the same schema."""
-    from gems.models.registry import names_text
+    """Build the model named by ``model.name`` from the typed ``model`` section (``section(cfg, "model")``: an
+    instance of the model's own dataclass, :attr:`ModelKind.options`), every key with its one default there. A
+    mapping, a DictConfig or a section of another schema (the Python API: ``build_model({"name": "cosmoflow",
+    "size": 32})``) is typed here, once, against the model's; either way each key is checked against its
+    declaration (choices, bounds) before the builder sees it."""
+    import dataclasses
 
-    m: ModelConf = model if isinstance(model, ModelConf) else section({"model": model}, "model")
-    kind = registered().get(m.name)
+    from gems.models.registry import find, names_text
+
+    kind = find(model)
     if kind is None:
-        raise ConfigError("model.name", m.name, names_text())
+        name = model.name if isinstance(model, ModelConf) else model.get("name")
+        raise ConfigError("model.name", name, names_text())
+    if type(model) is kind.options:
+        m: ModelConf = model  # type: ignore[assignment]
+    else:
+        node = dataclasses.asdict(model) if isinstance(model, ModelConf) else model
+        m = section({"model": node}, "model")
+    check_section("model", m)
     return kind.build(m)

@@ -7,8 +7,9 @@ Paper variant (LBANN): 4 x N^3 input, N in {128, 256, 512}; Conv3d k=3 with
 flattened size is 2048 at every N; dense 2048 -> 256 -> 4 with dropout; MSE.
 Smaller N (32, 64: tests and the embedded default) keep the same layers,
 minus pools that would see fewer than 3 cells, with a smaller flattened size. ``width`` scales every channel count;
-``norm`` (``model.norm``; the paper's model has none) adds a BatchNorm or GroupNorm after each convolution (with
-BatchNorm, one without affine parameters on the input too); weights start from He's initialisation.
+``norm`` (``model.norm``, a key of its own: :class:`CosmoFlowConf`; the paper's model has none) adds a BatchNorm or
+GroupNorm after each convolution (with BatchNorm, one without affine parameters on the input too); weights start
+from He's initialisation.
 
 MLPerf HPC variant: 4 x 128^3; five Conv3d k=3 'same' with 32..512 channels,
 each LeakyReLU + MaxPool3d(2); dense -> 128 -> 64 -> 4, dropout 0.5, tanh x 1.2.
@@ -20,12 +21,12 @@ partitioning can see every layer. The convolutional trunk ends at the
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from gems.config import ModelConf
+from gems.config import ModelConf, key
 from gems.cut_rules import register_pointwise
 from gems.layers import SampleDropout
 from gems.models.registry import ModelSpec, first_flatten, register_model, sized
@@ -118,25 +119,45 @@ def cosmoflow_mlperf(size: int = 128, width: float = 1.0, dropout: float = 0.5, 
     return nn.Sequential(*layers)
 
 
-def _build(name: str, allowed: str) -> Any:
-    """The builder of ``model=NAME`` (the paper's variant or MLPerf's): 4 x size^3 in, 4 parameters out, MSE."""
+@dataclass
+class CosmoFlowConf(ModelConf):
+    """``model=cosmoflow``'s own keys."""
 
-    def build(m: ModelConf) -> ModelSpec:
-        kw: dict[str, Any] = dict(width=float(m.width), dropout=float(m.dropout))
-        if name == "cosmoflow" and m.norm is not None:
-            kw["norm"] = m.norm
-        seq = sized(allowed, cosmoflow if name == "cosmoflow" else cosmoflow_mlperf, int(m.size), **kw)
-        return ModelSpec(seq, name, (4, *[int(m.size)] * 3), 4, "mse", "vector", first_flatten(seq))
-
-    build.__qualname__ = f"build_{name}"
-    return build
+    dropout: float = key(0.2, "dropout probability of the dense head", ge=0, lt=1)
+    norm: str = key("none", "normalisation after each convolution: none (the paper's model), batch (BatchNorm, the "
+                            "input normalised too) or group (GroupNorm)", choices=("batch", "group", "none"))
 
 
-register_model("cosmoflow", _build("cosmoflow", "a power of two >= 32 (the paper uses 128, 256, 512)"),
+@dataclass
+class MLPerfConf(ModelConf):
+    """``model=cosmoflow_mlperf``'s own keys."""
+
+    dropout: float = key(0.5, "dropout probability of the two hidden dense layers (MLPerf's reference: 0.5)", ge=0,
+                         lt=1)
+
+
+def _spec(seq: nn.Sequential, name: str, size: int) -> ModelSpec:
+    """4 x size^3 in, 4 parameters out, MSE; the trunk ends at the Flatten."""
+    return ModelSpec(seq, name, (4, size, size, size), 4, "mse", "vector", first_flatten(seq))
+
+
+def build_cosmoflow(m: CosmoFlowConf) -> ModelSpec:
+    seq = sized("a power of two >= 32 (the paper uses 128, 256, 512)", cosmoflow, int(m.size), width=float(m.width),
+                dropout=float(m.dropout), norm=m.norm)
+    return _spec(seq, "cosmoflow", int(m.size))
+
+
+def build_cosmoflow_mlperf(m: MLPerfConf) -> ModelSpec:
+    seq = sized("a power of two >= 32 (MLPerf uses 128)", cosmoflow_mlperf, int(m.size), width=float(m.width),
+                dropout=float(m.dropout))
+    return _spec(seq, "cosmoflow_mlperf", int(m.size))
+
+
+register_model("cosmoflow", build_cosmoflow,
                "CosmoFlow as the strong-scaling paper trains it: seven 3D convolutions, pools, a dense head; 4 "
                "cosmological parameters a sample (MSE)", "4 x N^3, N a power of two >= 32",
-               {"size": 32, "width": 0.125, "dropout": 0.3}, benchmark="cosmoflow")
-register_model("cosmoflow_mlperf", _build("cosmoflow_mlperf", "a power of two >= 32 (MLPerf uses 128)"),
+               {"size": 32, "width": 0.125, "dropout": 0.3}, benchmark="cosmoflow", options=CosmoFlowConf)
+register_model("cosmoflow_mlperf", build_cosmoflow_mlperf,
                "CosmoFlow as MLPerf HPC's reference trains it: five conv + max-pool blocks, tanh x 1.2",
                "4 x N^3, N a power of two >= 32 (MLPerf: 128)", {"size": 32, "width": 0.0625, "dropout": 0.3},
-               benchmark="cosmoflow")
+               benchmark="cosmoflow", options=MLPerfConf)

@@ -1,17 +1,32 @@
 """``model=custom``: any callable named by ``model._target_`` that returns an ``nn.Sequential``, with its input
-shape (``model.input_shape``), outputs, loss and target given by the user."""
+shape (``model.input_shape``), outputs, loss and target given by the user (its own keys: :class:`CustomConf`)."""
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from torch import nn
 
-from gems.config import ModelConf
+from gems.config import ModelConf, key
 from gems.errors import ConfigError
 from gems.models.registry import ModelSpec, first_flatten, register_model
 
 
-def build_custom(m: ModelConf) -> ModelSpec:
+@dataclass
+class CustomConf(ModelConf):
+    """``model=custom``'s own keys."""
+
+    _target_: Optional[str] = key(None, "dotted path of a callable returning nn.Sequential")
+    kwargs: Any = key(None, "arguments of that callable, e.g. {n:8} (a mapping)")
+    input_shape: Optional[list] = key(None, "[C, *spatial] of one sample")
+    num_outputs: int = key(4, "outputs per sample (vector targets)", ge=1)
+    loss: str = key("mse", "the loss", choices=("mse", "cross_entropy"))
+    target: str = key("vector", "vector (one per sample) or dense (one class per voxel)", choices=("vector", "dense"))
+    spatial_end: Optional[int] = key(None, "first layer that needs the whole sample (null: the first Flatten)", ge=0)
+
+
+def build_custom(m: CustomConf) -> ModelSpec:
     target = m._target_
     if not target or "." not in str(target):
         raise ConfigError("model._target_", target,
@@ -28,10 +43,6 @@ def build_custom(m: ModelConf) -> ModelSpec:
     shape = m.input_shape
     if not shape or len(shape) < 2:
         raise ConfigError("model.input_shape", shape, "[C, *spatial], e.g. [1, 32, 32]")
-    if m.loss not in ("mse", "cross_entropy"):  # the Python API's mapping is typed, not checked against choices
-        raise ConfigError("model.loss", m.loss, "mse or cross_entropy")
-    if m.target not in ("vector", "dense"):
-        raise ConfigError("model.target", m.target, "vector or dense")
     end = m.spatial_end  # null: gather before the first Flatten, if any
     return ModelSpec(seq, "custom", tuple(int(s) for s in shape), int(m.num_outputs), m.loss, m.target,
                      first_flatten(seq) if end is None else int(end), shape_key="model.input_shape",
@@ -49,4 +60,4 @@ def example(channels: int = 4, outputs: int = 4) -> nn.Sequential:
 register_model("custom", build_custom, "any callable returning nn.Sequential (model._target_), with its input shape, "
                "outputs, loss and target given", "model.input_shape: [C, *spatial], 1D to 3D",
                {"_target_": "gems.models.custom.example", "input_shape": [1, 16, 16, 16], "num_outputs": 4},
-               {"num_outputs": 1})
+               {"num_outputs": 1}, options=CustomConf)

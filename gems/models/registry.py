@@ -2,21 +2,27 @@
 (gems.pipeline.schedules) and data layouts (gems.data.layouts) register theirs.
 
 A registration names the model (``model=NAME``), its builder (the typed ``model`` section -> :class:`ModelSpec`),
-one line about it, the shapes it takes, and what ``model=NAME`` sets where ``conf/model/NAME.yaml`` is absent (the
-YAML is optional: a preset with comments where it exists). Every module of the ``gems.models`` package is imported
-once when the registry is first read (:func:`registered`), so a new model module is found without a list to edit.
+one line about it, the shapes it takes, its own keys (a dataclass extending :class:`~gems.config.ModelConf`) and
+what ``model=NAME`` sets where ``conf/model/NAME.yaml`` is absent (the YAML is optional: a preset with comments
+where it exists). Every module of the ``gems.models`` package is imported once when the registry is first read
+(:func:`registered`), so a new model module is found without a list to edit.
 Nothing outside this package decides by a model's name: what other layers need of a model is a property of its
 :class:`ModelSpec` (its dims from its input shape, the key that sets that shape, whether its source is gems's own).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
+from omegaconf import OmegaConf
 from torch import nn
 
-from gems.config import ModelConf, import_modules, offered, owned
+from gems.config import ModelConf, extended, import_modules, offered, owned
 from gems.errors import ConfigError
+
+#: a model's section: :class:`ModelConf`, or the dataclass extending it with the model's own keys
+Conf = TypeVar("Conf", bound=ModelConf)
 
 
 @dataclass
@@ -61,35 +67,89 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class ModelKind:
-    """A registered model: ``build`` makes its :class:`ModelSpec` from the typed section; ``about`` is its line in
-    ``--help`` and the docs; ``shapes`` the inputs it takes (words); ``config`` what ``model=NAME`` sets where no
-    YAML of that name exists; ``example`` the model's keys at a size seconds train on a CPU (what the tests build
-    every registered model at, S = 2 and D = 2 against one process); ``benchmark`` the MLPerf HPC benchmark it is
-    a version of (what a run's MLPerf log names), None for none."""
+    """A registered model: ``build`` makes its :class:`ModelSpec` from the typed section (an instance of ``options``);
+    ``about`` is its line in ``--help`` and the docs; ``shapes`` the inputs it takes (words); ``config`` what
+    ``model=NAME`` sets where no YAML of that name exists; ``example`` the model's keys at a size seconds train on a
+    CPU (what the tests build every registered model at, S = 2 and D = 2 against one process); ``benchmark`` the
+    MLPerf HPC benchmark it is a version of (what a run's MLPerf log names), None for none; ``options`` the
+    dataclass of its keys: :class:`ModelConf`'s and its own (``model.KEY=value``, checked against their
+    declarations and listed under its name by ``gems run --help``)."""
 
     name: str
-    build: Callable[[ModelConf], ModelSpec]
+    build: Callable[[Any], ModelSpec]
     about: str
     shapes: str
     config: Mapping[str, Any]
     example: Mapping[str, Any]
     benchmark: str | None = None
+    options: type[ModelConf] = ModelConf
 
 
 _REGISTRY: dict[str, ModelKind] = {}
 _FOUND = False
 
 
-def register_model(name: str, build: Callable[[ModelConf], ModelSpec], about: str, shapes: str,
+def register_model(name: str, build: Callable[[Conf], ModelSpec], about: str, shapes: str,
                    example: Mapping[str, Any], config: Mapping[str, Any] | None = None,
-                   benchmark: str | None = None) -> None:
+                   benchmark: str | None = None, options: type[Conf] | None = None) -> None:
     """Register a model under ``name`` (``model=NAME``); called by the module that defines it, at import
-    (:class:`ModelKind` says what each argument is)."""
+    (:class:`ModelKind` says what each argument is). ``options``: a dataclass extending :class:`ModelConf` whose
+    fields, each a :func:`gems.config.key`, are the model's own keys; the builder takes an instance of it."""
     old = _REGISTRY.get(name)
     if old is not None and (old.build.__module__, old.build.__qualname__) != (build.__module__, build.__qualname__):
         raise ValueError(f"model {name!r} is registered twice ({old.build.__module__} and {build.__module__})")
-    _REGISTRY[name] = ModelKind(name, build, about, shapes, {"name": name, **dict(config or {})},
-                                {"name": name, **dict(example)}, benchmark)
+    schema: type[ModelConf] = options if options is not None else ModelConf
+    if not (dataclasses.is_dataclass(schema) and issubclass(schema, ModelConf)):
+        raise ValueError(f"model {name!r}: options must be a dataclass extending gems.config.ModelConf")
+    keys = {f.name for f in dataclasses.fields(schema)}
+    unknown = sorted((set(example) | set(config or {})) - keys)
+    if unknown:
+        raise ValueError(f"model {name!r}: {', '.join(unknown)} in its example or config is no key of "
+                         f"{schema.__name__}")
+    # a model registered outside this package: the ranks import its module to find it (model.module)
+    where = {} if build.__module__.startswith("gems.models.") or build.__module__ == "__main__" else \
+        {"module": build.__module__}
+    _REGISTRY[name] = ModelKind(name, build, about, shapes, {"name": name, **where, **dict(config or {})},
+                                {"name": name, **dict(example)}, benchmark, schema)
+
+
+def find(node: Any) -> ModelKind | None:
+    """The registered model a ``model`` section names (a mapping, a DictConfig or the schema's dataclass):
+    ``model.name``, found once ``model.module`` is imported where the section gives one (a model registered outside
+    this package); None for a name not registered."""
+    def value(k: str) -> Any:
+        if OmegaConf.is_config(node):
+            return OmegaConf.select(node, k, default=None, throw_on_missing=False)
+        return node.get(k) if isinstance(node, Mapping) else getattr(node, k, None)
+
+    name, module = value("name"), value("module")
+    if name not in registered() and module:
+        import importlib
+
+        try:
+            importlib.import_module(str(module))
+        except ImportError as e:
+            raise ConfigError("model.module", module, f"an importable module that registers model {name} "
+                              f"({type(e).__name__}: {e})") from None
+    return registered().get(str(name))
+
+
+#: the keys every model's section held before a model declared its own (gems's model files and checkpoints of then
+#: hold them all, a null norm meaning the model's own)
+_ONCE_SHARED = ("dropout", "depth", "norm", "_target_", "kwargs", "input_shape", "num_outputs", "loss", "target",
+                "spatial_end")
+
+
+def saved_section(node: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``model`` section as a model file or checkpoint holds it, as its model takes it now: of a file written before
+    models declared their own keys, the keys its model does not declare, and the nulls that meant its default, left
+    out (any other key stays, and is refused where the section is typed)."""
+    kind = find(node)
+    if kind is None:
+        return dict(node)
+    fields = {f.name: f for f in dataclasses.fields(kind.options)}
+    return {k: v for k, v in node.items()
+            if k not in _ONCE_SHARED or (k in fields and (v is not None or fields[k].default is None))}
 
 
 def registered() -> dict[str, ModelKind]:
@@ -124,7 +184,9 @@ def sized(allowed: str, fn: Callable[..., nn.Sequential], size: int, **kw: Any) 
 
 
 
-# the configuration checks model.name against the registry, lists it in --help, and composes model=NAME from a
-# registration where conf/model/NAME.yaml is absent (gems.config.owned, gems.config.offered)
+# the configuration checks model.name against the registry, lists it in --help, composes model=NAME from a
+# registration where conf/model/NAME.yaml is absent, and types the section by the model's own keys
+# (gems.config.owned, gems.config.offered, gems.config.extended)
 owned("model.name", lambda: registered())
 offered("model", lambda: {k.name: dict(k.config) for k in registered().values()})
+extended("model", lambda node: getattr(find(node), "options", None))

@@ -17,18 +17,20 @@ sample.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from gems.config import ModelConf
+from gems.config import ModelConf, key
 from gems.cut_rules import register_container
 from gems.errors import ConfigError
 from gems.models.registry import ModelSpec, register_model
 
-#: ``model.norm`` when the configuration leaves it null
+#: the published model's normalisation (``model.norm``'s default)
 DEFAULT_NORM = "batch"
 
-__all__ = ["PreActBottleneck", "resnet_v2", "build_resnet"]
+__all__ = ["PreActBottleneck", "ResNetConf", "resnet_v2", "build_resnet"]
 
 EXPANSION = 4
 
@@ -88,20 +90,25 @@ def resnet_v2(depth: int = 110, in_channels: int = 3, num_classes: int = 10, wid
     return nn.Sequential(*layers)
 
 
-def build_resnet(m: ModelConf) -> ModelSpec:
-    """``model=resnet``: keys depth, size, in_channels, num_classes, width, norm (batch | group | none; null:
-    batch)."""
+@dataclass
+class ResNetConf(ModelConf):
+    """``model=resnet``'s own keys."""
+
+    depth: int = key(110, "layers, 9n+2: n bottleneck blocks a stage (110, 1001)", ge=11)
+    norm: str = key(DEFAULT_NORM, "normalisation before each convolution: batch (the paper's), group (GroupNorm) or "
+                                  "none", choices=("batch", "group", "none"))
+
+
+def build_resnet(m: ResNetConf) -> ModelSpec:
+    """``model=resnet``: keys depth, size, in_channels, num_classes, width, norm."""
     depth = m.depth
     if not isinstance(depth, int) or depth < 11 or (depth - 2) % 9:
         raise ConfigError("model.depth", depth, "9n+2, e.g. 110 or 1001")
     size = m.size
     if not isinstance(size, int) or size < 4:
         raise ConfigError("model.size", size, "an image edge of at least 4 pixels (GEMS uses 512 to 2048)")
-    norm = m.norm if m.norm is not None else DEFAULT_NORM
-    if norm not in ("batch", "group", "none"):
-        raise ConfigError("model.norm", norm, "batch, group or none")
     in_channels, num_classes = int(m.in_channels), int(m.num_classes)
-    seq = resnet_v2(depth, in_channels, num_classes, float(m.width), norm)
+    seq = resnet_v2(depth, in_channels, num_classes, float(m.width), m.norm)
     pool = next(i for i, layer in enumerate(seq) if isinstance(layer, nn.AdaptiveAvgPool2d))
     return ModelSpec(seq, "resnet", (in_channels, size, size), num_classes, "cross_entropy", "vector", pool,
                      extra={"depth": depth, "blocks_per_stage": (depth - 2) // 9})
@@ -110,4 +117,4 @@ def build_resnet(m: ModelConf) -> ModelSpec:
 register_model("resnet", build_resnet, "ResNet-v2 of depth 9n+2 (110, 1001) on large 2D images, as GEMS trains "
                "it: pre-activation bottleneck blocks; one class a sample (cross-entropy)",
                "in_channels x N^2, N >= 4 (GEMS: 512 to 2048)",
-               {"depth": 11, "size": 16, "in_channels": 3, "num_classes": 5, "width": 0.25})
+               {"depth": 11, "size": 16, "in_channels": 3, "num_classes": 5, "width": 0.25}, options=ResNetConf)

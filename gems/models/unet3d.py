@@ -5,8 +5,9 @@ Down blocks of two Conv3d k=3 'same' (+ norm + ReLU) with [32, 64], [64, 128],
 up blocks of a ConvTranspose3d (k=2, s=2, channels kept), a concatenation with
 the skip activation of the same level and two convolutions, [256, 256],
 [128, 128], [64, 64]; a 1x1x1 convolution to ``num_classes`` (3 in the
-paper). ``width`` scales every channel count; ``norm`` is ``batch`` (global
-statistics under spatial parallelism) or ``none``.
+paper). ``width`` scales every channel count; ``norm`` (``model.norm``, a key of
+its own: :class:`UNetConf`) is ``batch`` (global statistics under spatial
+parallelism) or ``none``.
 
 Skip connections are layers too, so pipeline partitioning and spatial
 wrapping see every layer: :class:`~gems.models.skips.Stash` saves the
@@ -17,16 +18,18 @@ partition carry the skips that cross their boundaries
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 
-from gems.config import ModelConf
+from gems.config import ModelConf, key
 from gems.errors import ConfigError
 from gems.models.registry import ModelSpec, register_model
 from gems.models.skips import PopAdd, PopConcat, SkipStore, Stash
 
-__all__ = ["unet3d", "build_unet3d", "SkipStore", "Stash", "PopConcat", "PopAdd"]
+__all__ = ["unet3d", "build_unet3d", "UNetConf", "SkipStore", "Stash", "PopConcat", "PopAdd"]
 
-#: ``model.norm`` when the configuration leaves it null
+#: the paper's normalisation (``model.norm``'s default)
 DEFAULT_NORM = "batch"
 
 
@@ -61,22 +64,24 @@ def unet3d(in_channels: int = 1, num_classes: int = 3, width: float = 1.0, norm:
     return nn.Sequential(*layers)
 
 
-def build_unet3d(m: ModelConf) -> ModelSpec:
-    """``model=unet3d``: keys size, width, in_channels, num_classes, norm (batch | none; null: batch)."""
+@dataclass
+class UNetConf(ModelConf):
+    """``model=unet3d``'s own keys."""
+
+    norm: str = key(DEFAULT_NORM, "normalisation after each convolution: batch (global statistics over spatial "
+                                  "parts) or none", choices=("batch", "none"))
+
+
+def build_unet3d(m: UNetConf) -> ModelSpec:
+    """``model=unet3d``: keys size, width, in_channels, num_classes, norm."""
     size = m.size
     if not isinstance(size, int) or size < 8 or size % 8:
         raise ConfigError("model.size", size, "a multiple of 8 (three 2x poolings), e.g. 64 or 128")
-    norm = m.norm if m.norm is not None else DEFAULT_NORM
-    if norm not in ("batch", "none"):
-        raise ConfigError("model.norm", norm, "batch or none")
-    width = float(m.width)
-    if width <= 0:
-        raise ConfigError("model.width", width, "a positive channel multiplier, e.g. 1.0 or 0.25")
     in_channels, num_classes = int(m.in_channels), int(m.num_classes)
-    seq = unet3d(in_channels, num_classes, width, norm)
+    seq = unet3d(in_channels, num_classes, float(m.width), m.norm)
     return ModelSpec(seq, "unet3d", (in_channels, size, size, size), num_classes, "cross_entropy", "dense", None)
 
 
 register_model("unet3d", build_unet3d, "the 3D U-Net of the strong-scaling paper: four levels down and up, skips "
                "concatenated; one class per voxel (cross-entropy)", "in_channels x N^3, N a multiple of 8",
-               {"size": 16, "width": 0.0625, "in_channels": 1, "num_classes": 3})
+               {"size": 16, "width": 0.0625, "in_channels": 1, "num_classes": 3}, options=UNetConf)
