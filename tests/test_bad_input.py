@@ -44,6 +44,8 @@ CASES = [
     (["run", "train.on_nonfinite=ignore"], "train.on_nonfinite=ignore"),
     (["run", "train.stepz=3"], "train.stepz"),
     (["run", "model.dropout=1"], "model.dropout=1"),
+    (["run", "model=unet3d", "model.norm=group"], "model.norm=group"),  # a model's own key, its choices
+    (["run", "model=cosmoflow", "model.depth=20"], "model.depth=20"),  # another model's own key
     (["run", "model.width=0"], "model.width=0"),
     (["run", "model.size=-32"], "model.size=-32"),
     (["run", "data.num_samples=0"], "data.num_samples=0"),

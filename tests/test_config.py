@@ -67,16 +67,41 @@ def test_sweep_expansion_takes_experiment_axes_and_cli_axes():
     (["parallel.spatial=[2,2]", "parallel.spatial_dims=[0]"], "parallel.spatial_dims"),
     (["train.warmup_steps=9"], "train.warmup_steps"),
     (["comm.backend=carrier_pigeon"], "comm.backend"),
+    (["model=unet3d", "model.norm=group"], "model.norm"),  # a model's own key, against its declaration
+    (["model=resnet", "model.dropout=0.1"], "model.dropout"),  # another model's key
 ])
 def test_bad_config_names_the_key(overrides, key):
-    """As an entry point checks: composed and typed, then resolved (the mesh, and the schedule by its registry,
-    which owns the names: gems.config.owned)."""
+    """As an entry point checks: the registries loaded, composed and typed, then resolved (the mesh, and the
+    schedule by its registry, which owns the names: gems.config.owned)."""
+    from gems.cli import load_registries
     from gems.parallel import resolve
 
+    load_registries()
     with pytest.raises(ConfigError) as e:
         resolve(compose(overrides))
     assert e.value.key == key, str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_validation_reads_and_the_batch_is_the_meshs_to_check():
+    """``validate`` writes nothing: a job's placement on nodes is derived where the configuration is built
+    (compose), and a batch the replicas do not divide composes, refused where the mesh is resolved, once."""
+    from omegaconf import open_dict
+
+    from gems.config import validate
+    from gems.parallel import resolve
+
+    cfg = compose(["cluster=perlmutter", "cluster.account=x", "parallel.replicas=8", "train.batch_size=8"])
+    placed = ("cluster.nodes", "cluster.tasks_per_node", "cluster.ntasks")
+    assert [OmegaConf.select(cfg, k) for k in placed] == [2, 4, 8]
+    with open_dict(cfg):
+        cfg.cluster.nodes = cfg.cluster.tasks_per_node = cfg.cluster.ntasks = None
+    validate(cfg)
+    assert [OmegaConf.select(cfg, k) for k in placed] == [None, None, None]
+    odd = compose(["parallel.replicas=3"])
+    with pytest.raises(ConfigError) as e:
+        resolve(odd)
+    assert (e.value.key, e.value.value) == ("train.batch_size", 4) and "parallel.replicas=3" in e.value.expected
 
 
 def test_every_study_script_names_an_existing_experiment():

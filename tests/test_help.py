@@ -5,7 +5,7 @@ from __future__ import annotations
 import yaml
 
 from gems.cli import main
-from gems.config import schema_keys
+from gems.config import extensions, own_fields, schema_keys
 
 
 def test_run_help_lists_every_key_with_its_default_and_meaning(capsys):
@@ -13,6 +13,11 @@ def test_run_help_lists_every_key_with_its_default_and_meaning(capsys):
     out = capsys.readouterr().out
     for key in schema_keys():
         assert f"  {key}=" in out, key
+    assert extensions("model")  # (the registry loaded by the command)
+    for name, schema in extensions("model").items():  # each model's own keys, under its name
+        listed = out.split(f"  model.name={name} takes these too:\n", 1)[1]
+        for f in own_fields(schema, "model"):
+            assert f"    model.{f.name}=" in listed.split("takes these too")[0], (name, f.name)
     assert "fault.stall_timeout_s=60.0 [> 0]" in out and "parallel.schedule=lp [lp | gpipe | 1f1b" in out
     assert "interleaved1f1b" in out and "zbh1" in out  # the schedule list is the registry's
 
