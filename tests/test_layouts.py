@@ -498,3 +498,30 @@ def test_finding_8_with_prefetch_0_a_gpu_rank_copies_the_counts_and_finishes_the
     want = ds.finish(ds.read(ids, syms)[0].to(device))
     assert torch.equal(got, want)
     ds.close()
+
+
+def test_the_data_packages_modules_import_one_another_in_no_circle():
+    """Within gems.data, one unit of the layer map (tests/test_layers.py), no module imports, at its top or lazily,
+    one that imports it back (issue 78: gems.data.hdf5 and gems.data.layouts, nifti and tiles did)."""
+    import ast
+
+    from test_layers import ROOT, circle
+
+    files = sorted((ROOT / "gems" / "data").rglob("*.py"))
+    names = {f: ".".join(f.relative_to(ROOT).with_suffix("").parts[:-1 if f.name == "__init__.py" else None])
+             for f in files}
+    modules = set(names.values())
+    graph: dict[str, set[str]] = {}
+    for f, me in names.items():
+        package = me.split(".") if f.name == "__init__.py" else me.split(".")[:-1]
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(package[:len(package) - node.level + 1] + [node.module or ""]) if node.level else node.module
+                found = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else str(base) for a in node.names]
+            else:
+                continue
+            graph.setdefault(me, set()).update(t for t in found if t in modules and t != me)
+    assert len(graph) > 10 and "gems.data.hdf5" in graph["gems.data.layouts._h5"]  # (the reading found them)
+    assert circle(graph) is None, circle(graph)

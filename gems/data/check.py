@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Callable
 
@@ -98,8 +97,6 @@ def check_main(cfg: Any, job: Callable[..., int] | None = None, classes: int | N
     job's tasks."""
     from omegaconf import open_dict
 
-    from gems.data.convert import _Bar
-
     with open_dict(cfg):
         cfg.check_classes = classes
     items = work_of(cfg)
@@ -109,7 +106,7 @@ def check_main(cfg: Any, job: Callable[..., int] | None = None, classes: int | N
           f"{f'{workers} process(es)' if here else 'the tasks of a Slurm job'}", flush=True)
     t0 = time.perf_counter()
     if here:
-        bad = _here(items, workers, _Bar)
+        bad = _here(items, workers)
     elif job is not None:
         bad = _on_slurm(cfg, items, job)
     else:
@@ -133,47 +130,18 @@ def summary(total: int, bad: list[tuple[str, str]], seconds: float) -> str:
     return f"gems data check: {total} file(s) checked in {seconds:.1f} s, {len(bad)} bad: {shown}{more}"
 
 
-def _here(items: list[Any], workers: int, bar_of: Any) -> list[tuple[str, str]]:
+def _here(items: list[Any], workers: int) -> list[tuple[str, str]]:
     """Every item checked on ``workers`` processes (one: in this one), each bad one kept."""
-    from gems.data import convert
+    from gems.data.convert import work_through
 
     bad: list[tuple[str, str]] = []
-    if workers == 1 or len(items) == 1:
-        bar = bar_of(len(items), "files", "gems data check")
-        try:
-            for item in items:
-                got = _one(item)
-                if got is not None:
-                    bad.append(got)
-                bar.advance()
-        finally:
-            bar.close()
-        return bad
-    convert._PARENT[:] = [os.getpid()]  # the workers end with this process (gems.pools.die_with_parent)
-    with ProcessPoolExecutor(workers, mp_context=convert._context(), initializer=convert._init_worker) as pool:
-        queue = iter(items)
-        running: set[Future] = set()
 
-        def feed() -> None:
-            for item in queue:
-                running.add(pool.submit(_one, item))
-                if len(running) >= 2 * workers:
-                    return
+    def take(got: tuple[str, str] | None) -> bool:
+        if got is not None:
+            bad.append(got)
+        return True
 
-        feed()
-        bar = bar_of(len(items), "files", "gems data check")
-        try:
-            while running:
-                finished, _ = wait(running, return_when=FIRST_COMPLETED)
-                for f in finished:
-                    running.discard(f)
-                    got = f.result()
-                    if got is not None:
-                        bad.append(got)
-                    bar.advance()
-                feed()
-        finally:
-            bar.close()
+    work_through(_one, items, workers, take, "gems data check")
     return bad
 
 

@@ -15,13 +15,14 @@ before it stays.
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any, Callable, Protocol, cast
+from typing import Any, Callable, Protocol, Sequence, cast
 
 from gems.errors import ConfigError
 
@@ -210,51 +211,65 @@ def convert_main(cfg: Any, job: Callable[..., int] | None = None) -> int:
     return done
 
 
+def work_through(fn: Callable[[Any], Any], items: Sequence[Any], workers: int, take: Callable[[Any], bool],
+                 command: str = "gems data convert") -> None:
+    """``fn`` of each of ``items`` (a file's work) on ``workers`` processes here (one, or one item: in this
+    process), twice ``workers`` items queued at most, with a progress bar of the files that ``command`` names (gems
+    data convert's and gems data check's one loop). Each result is handed to ``take`` in this process as it comes:
+    True counts the file on the bar; False does not, and no more items are started (those under way are taken)."""
+    if workers == 1 or len(items) == 1:
+        bar = _Bar(len(items), "files", command)
+        try:
+            for item in items:
+                if not take(fn(item)):
+                    break
+                bar.advance()
+        finally:
+            bar.close()
+        return
+    _PARENT[:] = [os.getpid()]  # the workers end with this process (gems.pools.die_with_parent)
+    with ProcessPoolExecutor(min(workers, len(items)), mp_context=_context(), initializer=_init_worker) as pool:
+        queue = iter(items)
+        running: set[Future] = set()
+        going = True
+
+        def feed() -> None:
+            for item in queue:
+                running.add(pool.submit(fn, item))
+                if len(running) >= 2 * workers:
+                    return
+
+        feed()  # the workers start here, all of them (a forked pool's), before the bar's thread does
+        bar = _Bar(len(items), "files", command)
+        try:
+            while running:
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for f in finished:
+                    running.discard(f)
+                    if take(f.result()):
+                        bar.advance()
+                    else:
+                        going = False
+                if going:
+                    feed()
+        finally:
+            bar.close()
+
+
 def _here(work: Work, left: list[tuple[str, Path, Path]]) -> int:
     """Convert ``left`` on ``work.workers`` processes (one: in this one), the first bad file ending it."""
     done = 0
     bad: tuple[str, Any, str] | None = None
-    if work.workers == 1 or len(left) == 1:
-        bar = _Bar(len(left), "files")
-        try:
-            for item in left:
-                bad = convert_one(item, work.channels, work.tile)
-                if bad is not None:
-                    break
-                done += 1
-                bar.advance()
-        finally:
-            bar.close()
-    else:
-        _PARENT[:] = [os.getpid()]
-        with ProcessPoolExecutor(min(work.workers, len(left)), mp_context=_context(),
-                                 initializer=_init_worker) as pool:
-            queue = iter(left)
-            running: set[Future] = set()
 
-            def feed() -> None:
-                for item in queue:
-                    running.add(pool.submit(convert_one, item, work.channels, work.tile))
-                    if len(running) >= 2 * work.workers:
-                        return
+    def take(got: tuple[str, Any, str] | None) -> bool:
+        nonlocal done, bad
+        if got is not None:
+            bad = bad or got
+            return False
+        done += 1
+        return True
 
-            feed()  # the workers start here, all of them (a forked pool's), before the bar's thread does
-            bar = _Bar(len(left), "files")
-            try:
-                while running:
-                    finished, _ = wait(running, return_when=FIRST_COMPLETED)
-                    for f in finished:
-                        running.discard(f)
-                        got = f.result()
-                        if got is not None:
-                            bad = bad or got
-                        else:
-                            done += 1
-                            bar.advance()
-                    if bad is None:
-                        feed()
-            finally:
-                bar.close()
+    work_through(functools.partial(convert_one, channels=work.channels, tile=work.tile), left, work.workers, take)
     if bad is not None:
         key, value, expected = bad
         raise ConfigError(key, value, f"{expected} ({done} other file(s) were converted and are kept; run the same "

@@ -41,8 +41,7 @@ from gems.data import augment as augmentation
 from gems.data import reader as preader
 from gems.data.layouts import FileSamples
 from gems.data.samples import RAW_DTYPES as _RAW_DTYPES
-from gems.data.samples import Counts, change, raw_dtype, stamp, transform
-from gems.data.samples import full_slices as _full_slices
+from gems.data.samples import Counts, change, finished, holds_crops, raw_dtype, stamp, transform
 from gems.data.samples import native as _native
 from gems.data.samples import standardize as _standardize
 from gems.errors import ConfigError
@@ -177,7 +176,7 @@ class Chunks:
 DEFLATE, SHUFFLE = 1, 2
 
 
-def _chunks(ds: Any) -> Chunks | None:
+def chunks_of(ds: Any) -> Chunks | None:
     """The chunks of dataset ``ds`` where the reader can read them itself (module docstring), else None."""
     h5 = _h5()
     plist = ds.id.get_create_plist()
@@ -376,7 +375,7 @@ class HDF5Samples(FileSamples):
                     ds = f["full"]
                     source = _source(file, f.filename, ds.file.filename)
                     offset, why = _offset(ds)
-                    found = (offset, why, f["unitPar"][()], source, None if offset is not None else _chunks(ds))
+                    found = (offset, why, f["unitPar"][()], source, None if offset is not None else chunks_of(ds))
         except OSError as e:  # not HDF5, truncated, unreadable
             raise bad(layout, f"an unreadable file ({type(e).__name__}: {e})") from None
         full, par = meta["full"], meta["unitPar"]
@@ -394,7 +393,7 @@ class HDF5Samples(FileSamples):
                       "2.7 read into an int16 batch is 2)", f"`full` of dtype {dtype}")
         if self.file_shape is not None and shape != self.file_shape:  # every file as the first
             raise bad(f"`full` shaped {list(self.file_shape)} as the first file", str(list(shape)))
-        if self.expected is not None and not _holds_crops(shape, self.expected):
+        if self.expected is not None and not holds_crops(shape, self.expected):
             raise bad(f"`full` shaped {list(self.expected)} (C, *spatial) to match the model, or a whole multiple "
                       "of it in every spatial dim (cut into crops of the model's size)", str(list(shape)))
         size = 0 if pshape is None else math.prod(pshape)
@@ -435,13 +434,7 @@ class HDF5Samples(FileSamples):
     def _hyperslab(self, index: int, symmetry: int) -> tuple[int, tuple[slice, ...] | None]:
         """(file, the spatial hyperslab to read: None for all of it) of sample ``index``'s part under
         ``symmetry`` (gems.data.augment: the part it comes from)."""
-        file, origin = self.locate(index)
-        edges = self.shape[1:]
-        parts = self.slices if self.slices is not None else tuple(slice(0, n) for n in edges)
-        if symmetry:
-            parts = augmentation.source_slices(symmetry, _full_slices(parts, edges), edges)
-        if self.crops > 1:
-            parts = tuple(slice(o + s.start, o + s.stop) for o, s in zip(origin, _full_slices(parts, edges)))
+        file, parts = self.source(index, symmetry)
         whole = self.crops == 1 and self.slices is None  # the symmetry of a whole sample is read from all of it
         return file, None if whole else parts
 
@@ -456,9 +449,7 @@ class HDF5Samples(FileSamples):
         """Raw counts (``raw=True``, or :meth:`read`'s, whose symmetries and channel order are applied first, in
         the same pass as the conversion to float32) to the network's input, on their device (:func:`transform`,
         in place on that one new tensor)."""
-        if isinstance(x, Counts):
-            return transform(x.oriented(torch.float32), self.log1p, self.standardize, inplace=True)
-        return transform(x, self.log1p, self.standardize)
+        return finished(x, self.log1p, self.standardize)
 
     def target(self, index: int) -> torch.Tensor:
         """Only the target of sample ``index`` (a rank that computes the loss but reads no input)."""
@@ -532,12 +523,6 @@ class HDF5Samples(FileSamples):
                                          preader.SMALL_RUN, preader.MEDIUM_RUN, preader.GAP):
                 out += [(head.source, head.offset + g.start + b.at, b.span) for b in blocks]
         return out
-
-
-def _holds_crops(shape: Sequence[int], sample: Sequence[int]) -> bool:
-    """A file of ``shape`` is samples of ``sample``'s shape: the same channels, and whole multiples of it."""
-    return (len(shape) == len(sample) and shape[0] == sample[0]
-            and all(f >= s > 0 and f % s == 0 for f, s in zip(shape[1:], sample[1:])))
 
 
 def _oneline(text: str) -> str:

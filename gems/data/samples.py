@@ -4,9 +4,10 @@ base class, :class:`gems.data.layouts.FileSamples`).
 * :class:`Counts`: a batch of values as a reader leaves it, each sample in its file's order, the symmetries and
   the move of the channels applied where the batch is finished (on a GPU rank after the copy);
 * :func:`stamp` and :func:`change`: what tells that a file was cut, deleted, replaced or rewritten under a run;
-* :func:`transform`, :func:`raw_dtype`, :func:`standardize`: counts to the network's input, the type they are
-  held in until then, ``data.standardize`` checked;
-* :func:`native` and :func:`full_slices`: a dtype in this machine's byte order, a part's slices made explicit.
+* :func:`transform`, :func:`finished`, :func:`raw_dtype`, :func:`standardize`: counts to the network's input (a
+  tensor, or a batch as read), the type they are held in until then, ``data.standardize`` checked;
+* :func:`native`, :func:`full_slices` and :func:`holds_crops`: a dtype in this machine's byte order, a part's slices
+  made explicit, whether a file's array is whole crops of a sample.
 """
 from __future__ import annotations
 
@@ -44,6 +45,13 @@ def full_slices(parts: Sequence[slice], spatial: Sequence[int]) -> tuple[slice, 
     return tuple(slice(*s.indices(n)[:2]) for s, n in zip(full, spatial))
 
 
+def holds_crops(shape: Sequence[int], sample: Sequence[int]) -> bool:
+    """A file's array of (C, *spatial) ``shape`` is samples of ``sample``'s shape: the same channels, and a whole
+    multiple of it in every spatial dim."""
+    return (len(shape) == len(sample) and shape[0] == sample[0]
+            and all(f >= s > 0 and f % s == 0 for f, s in zip(shape[1:], sample[1:])))
+
+
 def standardize(value: Sequence[float] | None) -> tuple[float, float] | None:
     """``data.standardize``, checked: [mean, std] with std > 0, or None."""
     if value is None:
@@ -70,6 +78,15 @@ def transform(x: torch.Tensor, log1p: bool = True, standardize: tuple[float, flo
         mean, std = standardize
         x.sub_(float(mean)).div_(float(std))
     return x
+
+
+def finished(x: Any, log1p: bool = True, standardize: tuple[float, float] | None = None) -> torch.Tensor:
+    """A batch of counts as read (:class:`Counts`: its symmetries and channel order applied in the same pass as the
+    conversion to float32) or a tensor of them, to the network's input on its device (:func:`transform`, in place
+    on the one new tensor)."""
+    if isinstance(x, Counts):
+        return transform(x.oriented(torch.float32), log1p, standardize, inplace=True)
+    return transform(x, log1p, standardize)
 
 
 Stamp = tuple[int, int, int, int]

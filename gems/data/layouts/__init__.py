@@ -22,11 +22,15 @@ when the package is) and its tests.
   (:func:`detect`) takes the one layout that holds a folder; where none or several do it is bad input naming
   ``data.path`` or ``data.layout``.
 * :meth:`Layout.open` ``(path, shape, **options)``: the samples of ``path`` as one rank reads them, a
-  :class:`Samples` (below). ``shape`` is the model's input (C, *spatial); ``options`` are those of
+  :class:`Samples` (below). ``shape`` is the model's input (C, *spatial); ``options`` are every key of
   :class:`Options` (the rank's part ``slices``, ``crop``, ``standardize``, ``augment``, ``readers``, the
   setting ``key`` that names the folder, ``target``: ``vector`` or ``dense``, ``classes``: a model of dense
-  classes' count, which every label read must be below). A file that does not match is a
-  :class:`gems.errors.ConfigError` naming ``key`` and the file.
+  classes' count, which every label read must be below, ``window`` and ``orientation``: CT volumes'), taken
+  through :meth:`Layout.options` (a layout of target vectors refuses ``target=dense`` there). A file that does
+  not match is a :class:`gems.errors.ConfigError` naming ``key`` and the file. gems.data.layouts.array is the
+  base of a layout of one C-order array a file, which does all of this from each file's header.
+* :meth:`Layout.broken` ``(file)``: why a file this layout lists is not one it reads, where its headers tell
+  (an HDF5 ``full`` that links to a missing file), for the refusal of a folder no layout holds; None by default.
 * :meth:`Layout.rate` ``(samples, ids, symmetries)``: bytes a second ``samples.read`` moves into a batch on
   this machine (default: timed, the second of two reads into one buffer, from the page cache);
   :meth:`Layout.fallback_rate` ``(shape, slices)``: the planner's figure where no file is at hand
@@ -38,7 +42,8 @@ when the package is) and its tests.
   ``gems bench data``'s row and, for the layout ``gems data convert`` writes, convert.
 
 **Samples** (what ``open`` returns: a subclass of :class:`FileSamples`, which holds every member below but
-``read``, ``finish`` and ``target``; gems.data.hdf5.HDF5Samples, TFRecordSamples and NiftiSamples extend it):
+``read``, ``finish`` and ``target``; gems.data.hdf5.HDF5Samples, TFRecordSamples, NiftiSamples and
+gems.data.layouts.array.ArraySamples extend it):
 
 * ``layout`` (its :class:`Layout`), ``files`` (the sorted paths), ``shape`` (C, *spatial) of one sample,
   ``dtype`` (numpy: the values as read, native byte order), ``symmetries`` (how many ``data.augment`` draws
@@ -175,6 +180,20 @@ class Layout:
     def holds(self, files: Sequence[Path]) -> bool:
         raise NotImplementedError
 
+    def broken(self, file: Path) -> str | None:
+        """Why ``file`` (one :meth:`files` lists) is not this layout's where its headers tell, in a few words naming
+        it (the end of the refusal of a folder no layout holds: gems.data.layouts.closest); None by default."""
+        return None
+
+    def options(self, **options: Any) -> Options:
+        """The :class:`Options` :meth:`open` takes (every key a caller hands in), ``target`` checked against this
+        layout's: a layout of one target vector a sample refuses a model of dense targets."""
+        o = Options(**options)
+        if self.target == "vector" and o.target != "vector":
+            raise ConfigError("data.layout", self.name, "a layout with a class per voxel for a model of dense targets "
+                              "(these files carry one target vector per sample), or data=synthetic")
+        return o
+
     def open(self, path: str | os.PathLike, shape: Sequence[int] | None, **options: Any) -> Samples:
         raise NotImplementedError
 
@@ -245,7 +264,8 @@ class FileSamples:
     """The base of a layout's samples (the protocol's ``Samples``: module docstring). A subclass sets ``shape``,
     ``dtype`` and ``symmetries`` (and ``grid``/``crops`` where a file holds several samples) in its constructor,
     after this one's, and writes :meth:`read`, :meth:`finish` and :meth:`target`; where its files hold one sample
-    each, or a row-major grid of crops, :meth:`locate` is done. The base keeps the rules every reader keeps:
+    each, or a row-major grid of crops, :meth:`locate` is done, and :meth:`source` says which part of which file
+    a sample's part is read from. The base keeps the rules every reader keeps:
 
     * the files are the layout's at ``path`` (none: bad input naming ``key``, with what ``wanted`` says);
     * each file is stamped where its headers are read (:meth:`remember`) and looked at before a batch reads it
@@ -302,6 +322,19 @@ class FileSamples:
     def group(self, index: int) -> int:
         """The file sample ``index`` is cut from: validation averages a file's crops."""
         return self.locate(index)[0]
+
+    def source(self, index: int, symmetry: int = 0) -> tuple[int, tuple[slice, ...]]:
+        """(file, the part of it per spatial dim, explicit bounds) that this rank's part of sample ``index`` is read
+        from under ``symmetry`` (gems.data.augment.source_slices), within its crop (:meth:`locate`)."""
+        from gems.data import augment as augmentation
+        from gems.data.samples import full_slices
+
+        file, origin = self.locate(index)
+        edges = self.shape[1:]
+        parts = full_slices(self.slices or (), edges)
+        if symmetry:
+            parts = augmentation.source_slices(symmetry, parts, edges)
+        return file, tuple(slice(o + s.start, o + s.stop) for o, s in zip(origin, parts))
 
     def part_shape(self) -> tuple[int, ...]:
         """(C, *this rank's part) of every sample."""
@@ -551,13 +584,8 @@ def closest(path: str | os.PathLike, layouts: dict[str, Layout], key: str = "dat
     that name them), or that it holds nothing gems reads."""
     listed = sorted({f for lay in layouts.values() for f in lay.files(path)})
     if listed:
-        if listed[0].suffix in (".h5", ".hdf5"):  # a dataset that is an external link to a missing file
-            from gems.data.hdf5 import external_target
-
-            broken = external_target(listed[0], "full")
-            if broken:
-                return f"{listed[0].name}'s `full` is an external link to {broken}, which is missing"
-        return f"{listed[0].name} is none of them"
+        why = (lay.broken(listed[0]) for lay in layouts.values() if listed[0] in lay.files(path))
+        return next((w for w in why if w), f"{listed[0].name} is none of them")
     p = Path(path)
     subs = holding_subfolders(path, layouts.values())
     if subs:

@@ -9,8 +9,7 @@ from typing import Any, ClassVar, Iterable, Sequence
 
 import numpy as np
 
-from gems.data.layouts import Layout, Options, Samples
-from gems.errors import ConfigError
+from gems.data.layouts import Layout, Samples
 
 
 class HDF5Layout(Layout):
@@ -65,13 +64,17 @@ class HDF5Layout(Layout):
         """Whether the published tool writes files of this name."""
         return True
 
+    def broken(self, file: Path) -> str | None:
+        """A ``full`` that is an external link to a missing file, named."""
+        from gems.data.hdf5 import external_target
+
+        target = external_target(file, "full")
+        return f"{file.name}'s `full` is an external link to {target}, which is missing" if target else None
+
     def open(self, path: str | os.PathLike, shape: Sequence[int] | None, **options: Any) -> Samples:
         from gems.data.hdf5 import HDF5Samples
 
-        o = Options(**options)
-        if o.target != "vector":
-            raise ConfigError("data.layout", self.name, "a layout with a class per voxel for a model of dense targets "
-                              "(these files carry one target vector per sample), or data=synthetic")
+        o = self.options(**options)
         return HDF5Samples(path, shape, slices=o.slices, key=o.key, crop=o.crop, standardize=o.standardize,
                            augment=o.augment, readers=o.readers, layout=self)
 
@@ -81,14 +84,14 @@ class HDF5Layout(Layout):
         crop of a file of :attr:`published_edge` where the model's edge is smaller and divides it (MLPerf's 128^3
         crops of ExaLearn's 512^3 universes: a crop's rows are 1 KiB runs 4 KiB apart, the reader reads 4x its
         bytes), else a file; int16 counts."""
-        from gems.data.hdf5 import _full_slices
         from gems.data.reader import read_share
+        from gems.data.samples import full_slices
 
         channels, spatial = int(shape[0]), [int(n) for n in shape[1:]]
         edge = self.published_edge
         crop = edge is not None and all(n < edge and edge % n == 0 for n in spatial)
         files = [edge] * len(spatial) if crop and edge is not None else spatial
-        part = list(_full_slices(slices or (), spatial))
+        part = list(full_slices(slices or (), spatial))
         if self.channels == "last":
             file_shape, sel = [*files, channels], [*part, slice(None)]
         else:

@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Iterable, Sequence
 import numpy as np
 
 from gems.data.layouts import listing, register
-from gems.data.layouts.nifti import NiftiLayout, gunzip, missing_labels
+from gems.data.layouts.nifti import NiftiLayout, missing_labels, uncompressed
 from gems.errors import ConfigError
 from gems.paths import commit
 
@@ -135,12 +135,7 @@ class DecathlonLayout(NiftiLayout):
         for kind, src in ((LABELS, lab), (IMAGES, source)):
             (folder / kind).mkdir(parents=True, exist_ok=True)
             dst = folder / kind / (src.name[:-3] if src.name.endswith(".gz") else src.name)
-            if src.name.endswith(".gz"):
-                gunzip(src, dst, key)
-            else:
-                tmp = dst.with_name(f".{dst.name}.tmp")
-                shutil.copyfile(src, tmp)
-                commit(tmp, dst)
+            uncompressed(src, dst, key)
             out[kind] = dst
         return out[IMAGES]
 

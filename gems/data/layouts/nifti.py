@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from gems.data.layouts import IGNORE, FileSamples, Layout, Options, register
+from gems.data.layouts._case import write_case
 from gems.data.samples import native as _native
 from gems.data.samples import stamp
 from gems.errors import ConfigError
@@ -554,10 +555,14 @@ class NiftiSamples(FileSamples):
         return self.read([index], want_input=False)[1][0]
 
 
-def gunzip(source: Path, target: Path, key: str = "data.path") -> None:
-    """Write ``source`` (a ``.nii.gz``) uncompressed to ``target`` (a hidden name, synced, then renamed:
-    gems.paths.commit); a corrupt gzip stream is bad input naming the file."""
+def uncompressed(source: Path, target: Path, key: str = "data.path") -> None:
+    """Write ``source`` uncompressed to ``target`` (a hidden name, then renamed: gems.paths.commit): a ``.nii.gz``
+    decompressed, any other file copied as it is; a corrupt gzip stream is bad input naming the file."""
     tmp = target.with_name(f".{target.name}.tmp")
+    if not source.name.endswith(".gz"):
+        shutil.copyfile(source, tmp)
+        commit(tmp, target)
+        return
     try:
         with gzip.open(source, "rb") as src, open(tmp, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 22)
@@ -626,8 +631,6 @@ class NiftiLayout(Layout):
         the voxels as stored with their scaling, the labels read onto their grid by the affines (:func:`lined_up`,
         refused where they are on another grid) as classes (whole numbers from 0, under 255)."""
         import nibabel as nib
-
-        from gems.data.layouts.tiles import write_case
 
         v, g = header(source, key), header(lab, key)
         on_volume = lined_up(v, g, key)
@@ -704,11 +707,5 @@ class NiftiLayout(Layout):
         if tile:
             return self._tiled(source, lab, folder, int(tile), key)
         for src in (lab, source):
-            dst = folder / self.converted_name(src)
-            if src.name.endswith(".gz"):
-                gunzip(src, dst, key)
-            else:
-                tmp = dst.with_name(f".{dst.name}.tmp")
-                shutil.copyfile(src, tmp)
-                commit(tmp, dst)
+            uncompressed(src, folder / self.converted_name(src), key)
         return folder / self.converted_name(source)

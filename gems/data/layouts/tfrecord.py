@@ -41,7 +41,6 @@ from typing import Any, BinaryIO, ClassVar, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from gems.data import augment as augmentation
 from gems.data.layouts import FileSamples, Layout, Options, register
 from gems.errors import ConfigError
 
@@ -277,17 +276,6 @@ class TFRecordSamples(FileSamples):
         if readable(self.files[index], self.key) == "none":
             framed(self.files[index], self.key)
 
-    def _source(self, index: int, symmetry: int) -> tuple[int, tuple[slice, ...]]:
-        """(file, the spatial part of its crop to keep) of sample ``index`` under ``symmetry``."""
-        from gems.data.samples import full_slices
-
-        file, origin = self.locate(index)
-        edges = self.shape[1:]
-        parts = full_slices(self.slices or (), edges)
-        if symmetry:
-            parts = augmentation.source_slices(symmetry, parts, edges)
-        return file, tuple(slice(o + s.start, o + s.stop) for o, s in zip(origin, parts))
-
     def _fill(self, row: np.ndarray, targets: np.ndarray, r: int, file: int, part: tuple[slice, ...]) -> None:
         rec = read_file(self.files[file], self.channels, self.key)
         if file not in self._kind_of:  # (each file's first bytes once)
@@ -315,7 +303,7 @@ class TFRecordSamples(FileSamples):
         rows = out.numpy()
         jobs, shapes = [], []
         for r, (i, k) in enumerate(zip(indices, syms)):
-            file, src = self._source(i, k)
+            file, src = self.source(i, k)
             sh = (*(s.stop - s.start for s in src), self.channels)
             shapes.append(sh)
             jobs.append(functools.partial(self._fill, rows[r].reshape(sh), targets, r, file, src))
@@ -323,11 +311,9 @@ class TFRecordSamples(FileSamples):
         return Counts(out, syms, shapes, channels_last=True), torch.from_numpy(targets)
 
     def finish(self, x: Any) -> torch.Tensor:
-        from gems.data.samples import Counts, transform
+        from gems.data.samples import finished
 
-        if isinstance(x, Counts):
-            return transform(x.oriented(torch.float32), True, self.standardize, inplace=True)
-        return transform(x, True, self.standardize)
+        return finished(x, True, self.standardize)
 
     def target(self, index: int) -> torch.Tensor:
         file = self.locate(index)[0]

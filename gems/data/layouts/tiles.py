@@ -7,10 +7,10 @@ thread here: docs/data.md). nnU-Net, the field's reference, preprocesses every c
 gems writes each case as one HDF5 file (h5py) whose ``image`` and ``label`` datasets are chunked in tiles of ``T``
 voxels an edge, unfiltered: a tile of the model's edge ``T`` is then one contiguous block of the file (a spatial
 rank's part of it, a few long runs), read by position straight into the batch (gems.data.reader), never through
-h5py's lock. Each file also keeps the case's stored voxels and scaling (``image``'s ``scl_slope`` and
-``scl_inter``: nothing rounded), its volume's affine (``affine``), the classes' names (``classes``) and, in
-``label``, its labels already lined up onto the image's voxels by their affines (gems.data.layouts.nifti.lined_up,
-at conversion: one grid a case from then on).
+h5py's lock (gems.data.layouts._case writes a case). Each file also keeps the case's stored voxels and scaling
+(``image``'s ``scl_slope`` and ``scl_inter``: nothing rounded), its volume's affine (``affine``), the classes'
+names (``classes``) and, in ``label``, its labels already lined up onto the image's voxels by their affines
+(gems.data.layouts.nifti.lined_up, at conversion: one grid a case from then on).
 
 The samples are the NIfTI reader's own (gems.data.layouts.nifti.NiftiSamples: tiles of the model's edge, the
 edges padded and ignored, the CT window, ``data.orientation``, Dice by class name): only where the bytes lie
@@ -27,36 +27,9 @@ from typing import Any, ClassVar, Iterable, Sequence
 import numpy as np
 
 from gems.data.layouts import Layout, Options, listing, register
+from gems.data.layouts._case import MARK, write_case
 from gems.data.layouts.nifti import Grid, Header, NiftiLayout, NiftiSamples
 from gems.errors import ConfigError
-from gems.paths import commit
-
-#: the mark the writer leaves (an attribute of the file) and detection reads
-MARK = "tiles"
-
-
-def write_case(path: Path, image: np.ndarray, label: np.ndarray, tile: int, slope: float = 1.0, inter: float = 0.0,
-               affine: Any = None, classes: Sequence[str] | None = None, sync: bool = False) -> Path:
-    """One case as the layout stores it (module docstring): ``image`` (z, y, x) as stored, ``label`` (z, y, x) on
-    its voxels, chunked in tiles of ``tile`` voxels an edge (each edge at most the volume's), written to a hidden
-    name and renamed when whole."""
-    import h5py
-
-    if image.shape != label.shape or image.ndim != 3:
-        raise ValueError(f"a 3D image and labels of its shape, not {image.shape} and {label.shape}")
-    chunks = tuple(min(int(tile), int(n)) for n in image.shape)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with h5py.File(tmp, "w") as f:
-        f.attrs["layout"] = MARK
-        f.attrs["tile"] = int(tile)
-        f.attrs["affine"] = np.asarray(affine if affine is not None else np.eye(4), dtype=np.float64)
-        if classes:
-            f.attrs["classes"] = json.dumps(list(classes))
-        img = f.create_dataset("image", data=image, chunks=chunks)
-        img.attrs["scl_slope"], img.attrs["scl_inter"] = float(slope), float(inter)
-        f.create_dataset("label", data=label, chunks=chunks)
-    commit(tmp, path, sync)
-    return path
 
 
 def _headers(path: Path, key: str) -> tuple[Header, Header, list[str] | None, int]:
@@ -64,7 +37,7 @@ def _headers(path: Path, key: str) -> tuple[Header, Header, list[str] | None, in
     is not one is bad input naming it."""
     import h5py
 
-    from gems.data.hdf5 import _chunks
+    from gems.data.hdf5 import chunks_of
     from gems.data.samples import stamp
 
     try:
@@ -76,7 +49,7 @@ def _headers(path: Path, key: str) -> tuple[Header, Header, list[str] | None, in
             heads = []
             for name in ("image", "label"):
                 ds = f[name]
-                chunks = _chunks(ds)
+                chunks = chunks_of(ds)
                 if chunks is None or chunks.filters or ds.ndim != 3:
                     raise ConfigError(key, str(path.parent), f"cases of unfiltered 3D tiles; {path.name}'s `{name}` is "
                                       "stored otherwise (write it again with gems data convert)")
