@@ -25,7 +25,8 @@ VAL = ["data.val_samples=8"]
 
 def _run(folder: Path, *args: str) -> dict[str, Any]:
     given = {a.split("=", 1)[0] for a in args}
-    base = [a for a in MODEL if a.split("=", 1)[0] not in given]
+    base = [a for a in MODEL if a.split("=", 1)[0] not in given
+            and not ("model" in given and a.startswith("model."))]  # (another model takes none of custom's keys)
     out = gems_here("run", f"results.dir={folder}", *base, *args)
     assert out.returncode == 0, out.stderr[-3000:]
     (r,) = records(str(folder))
