@@ -145,7 +145,7 @@ def test_a_pipeline_step_reads_nothing_on_the_host(monkeypatch) -> None:
 class _HostReads:
     """Counts what would make the host wait for a GPU, on any device: scalar reads of a tensor (``item``,
     ``float``, ``bool``: aten's ``_local_scalar_dense``, seen by a dispatch mode), ``tolist``, ``cpu``,
-    ``numpy``, and the loop's device synchronisation (``gems.rank.loop._sync``: ``torch.cuda.synchronize``)."""
+    ``numpy``, and the loop's device synchronisation (``gems.rank.profiling.device_sync``: ``torch.cuda.synchronize``)."""
 
     def __init__(self, host: set[int] | None = None) -> None:
         self.count = 0
@@ -167,7 +167,7 @@ class _HostReads:
     def __enter__(self) -> "_HostReads":
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        import gems.rank.loop as loop
+        import gems.rank.profiling as profiling
 
         outer = self
 
@@ -186,9 +186,9 @@ class _HostReads:
 
             self._undo.append((torch.Tensor, name, real))
             setattr(torch.Tensor, name, wrap)
-        real_sync = loop._sync
-        self._undo.append((loop, "_sync", real_sync))
-        loop._sync = lambda device: (outer._hit("a device synchronisation"), real_sync(device))[1]  # type: ignore
+        real_sync = profiling.device_sync
+        self._undo.append((profiling, "device_sync", real_sync))
+        profiling.device_sync = lambda device: (outer._hit("a device synchronisation"), real_sync(device))[1]  # type: ignore
         self._mode = Reads()
         self._mode.__enter__()
         self._active.append(self)

@@ -479,7 +479,7 @@ def test_a_graphed_step_reads_nothing_from_the_device_and_its_figures_a_step_lat
 def test_the_watchdog_allows_a_step_read_late_what_the_device_took() -> None:
     """The stall allowance grows with the slowest step: a graphed step read a step late gives it the device's span
     of the step (its events), not the host's millisecond of launches; a step read at once, its wall time."""
-    from gems.rank.loop import Queued, took
+    from gems.rank.sync import Queued, took
 
     late = Queued(4, begun=10.0, t0=10.0, data_s=0.0, posted=None, verdict=False,  # type: ignore[arg-type]
                   host_s=0.001, deferred=True)

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,20 +12,17 @@ from omegaconf import DictConfig
 from gems import checkpoint as ckpt
 from gems import progress, timers
 from gems.bootstrap import World
-from gems.config import section
 from gems.errors import ConfigError
 from gems.fault import inject
 from gems.fault.watchdog import Watchdog
-from gems.memory import persistent_bytes, step_peak_bytes
-from gems.models import build_model
-from gems.pipeline.runtime import split_waits
-from gems.rank import hooks
-from gems.rank.data import Prefetcher, class_names, data_notes, finisher, step_batch, unstage
+from gems.rank import hooks, profiling
+from gems.rank.data import Prefetcher, finisher, step_batch, unstage
 from gems.rank.hooks import StepResult, Stop
 from gems.rank.hooks.faults import NonFiniteLoss, OverMemoryCap, Stopped
 from gems.rank.hooks.preemption import preempt
+from gems.rank.report import export_model, make_record
 from gems.rank.setup import RankState, set_up
-from gems.rank.sync import Posted, Readout, StepFigures, stop_request, with_verdict
+from gems.rank.sync import Queued, Readout, StepFigures, event, stop_request, took, with_verdict
 from gems.replication import average_buffers
 from gems.results import record as rec
 from gems.results.recorder import Recorder
@@ -38,22 +33,6 @@ __all__ = ["Loop", "NonFiniteLoss", "OverMemoryCap", "Stopped", "train", "write_
 def train(cfg: DictConfig, world: World, wd: Watchdog | None = None) -> dict[str, Any]:
     """Train on this rank; returns the record (complete on rank 0)."""
     return Loop(set_up(cfg, world, wd)).run()
-
-
-@dataclass
-class Queued:
-    """A step whose work is queued, its figures not yet read (a graphed run reads them during the next step)."""
-
-    step: int
-    begun: float  # the step's start on the host (the stall allowance)
-    t0: float  # after any stop at its start: its timed span starts here
-    data_s: float
-    posted: Posted
-    verdict: bool  # its figures end with fp16's overflow verdict, decided on the device
-    start: Any = None  # a GPU rank's event at t0, where its time is read late (the device's span, not the host's)
-    host_s: float = 0.0  # the host's time from t0 to the step's end (a CPU rank's step is done when queued)
-    terms: dict[str, float] | None = None  # its timed terms, taken when it was queued (read late)
-    deferred: bool = False
 
 
 class Loop:
@@ -98,8 +77,8 @@ class Loop:
             self.recorder.history["reader_s"] += self.prefetch.reader_s
         progress.mark("record")
         s.saver.finish()  # an async checkpoint still being written: complete, and latest moved to it
-        model_file = self.export()
-        record = self.record()
+        model_file = export_model(s, len(self.recorder.history["losses"]))
+        record = make_record(s, self.recorder)
         if model_file is not None:
             record["model_file"] = str(model_file)
         unstage(s.staged, s.world, self.barrier)
@@ -115,7 +94,7 @@ class Loop:
             self.stop(hook.before_step(step))
         t0 = time.perf_counter()
         late = s.stepper.graph is not None  # a graphed run's figures are read late: its span timed by events
-        start = _event() if late and s.world.device.type == "cuda" else None
+        start = event() if late and s.world.device.type == "cuda" else None
         try:
             (ids, x, y), data_s = self.prefetch.get(step)  # data_s: the exposed data time
         except ConfigError as e:  # a bad file: where this rank alone trains, nothing else need agree to keep it all
@@ -143,19 +122,22 @@ class Loop:
         return self.after(queued) or done
 
     def train_step(self, step: int, ids: list[int], x: Any, y: Any, quiesce: bool = False) -> tuple[torch.Tensor, bool]:
-        """The step: the stepper's forward, backward, gradient sums and sync, then the optimizer's update, the
-        weights' average and the floating buffers averaged over the copies. Its figures stay on the device (fp16's
-        verdict last where the device decided the update: the bool), read after it (:meth:`after`)."""
+        """One training step: the forward, the loss, the backward with the gradient sums over every copy of each
+        parameter, and the step's sync (the stepper: gems.rank.steppers), then the optimizer's update. Its figures
+        stay on the device (fp16's verdict last where the device decided the update: the bool), read after it."""
         s = self.state
+        # forward, loss, backward, gradient sums, the step's sync (the global loss, stop requests)
         figures = s.stepper.step(x, y, ids, step, stop=lambda: self.stop_request(step), quiesce=quiesce)
         progress.mark("optimizer")
         verdict = None
-        if not s.stepper.optimizer_in_step:  # fp16: unscaled after the sum; skipped where any rank overflowed
-            verdict = s.stepper.scaler.step_late(s.opt, step)
+        if not s.stepper.optimizer_in_step:  # the update (fp16: unscaled after the sum, skipped where any rank
+            verdict = s.stepper.scaler.step_late(s.opt, step)  # overflowed, decided on the device)
         s.opt.zero_grad(set_to_none=True)
         return with_verdict(figures, verdict), verdict is not None
 
     def after_update(self, step: int) -> None:
+        """After the update: the weights' moving average (train.ema), BatchNorm's statistics averaged over the copies
+        (a graphed step averages them itself)."""
         s = self.state
         if s.ema is not None:
             s.ema.update(step)
@@ -192,18 +174,13 @@ class Loop:
 
     def profiled_step(self, step: int, ids: list[int], x: Any, y: Any) -> tuple[torch.Tensor, bool]:
         """:meth:`train_step` under torch's profiler (``train.profile``), profiled for tensor memory (CPU ranks,
-        before the measured steps), or plain."""
+        before the measured steps), or plain; then the update's followers (:meth:`after_update`)."""
         s = self.state
         if step == s.plan.traced_at:
-            out = _profiled(s.cfg, s.world, lambda: self.train_step(step, ids, x, y, quiesce=True))
-        elif s.plan.profiles_memory(step):  # the tensor memory a GPU would count (gems/memory.py): the largest
-            held = persistent_bytes(s.stepper.params, s.opt, [b for m in s.stepper.modules for b in m.buffers()] +
-                                    (s.ema.average if s.ema is not None else []) +  # train.ema's copy
-                                    [t for t in (x, y) if t is not None])  # the batch: read before the step
-            box: list[tuple[torch.Tensor, bool]] = []
-            self.recorder.history["tensor_peaks"].append(held + step_peak_bytes(
-                lambda: box.append(self.train_step(step, ids, x, y, quiesce=True))))
-            out = box[0]
+            out = profiling.traced(s.cfg, s.world, lambda: self.train_step(step, ids, x, y, quiesce=True))
+        elif s.plan.profiles_memory(step):  # the tensor memory a GPU would count: the largest of these steps
+            out, peak = profiling.tensor_peak(s, [x, y], lambda: self.train_step(step, ids, x, y, quiesce=True))
+            self.recorder.history["tensor_peaks"].append(peak)
         else:
             out = self.train_step(step, ids, x, y)
         self.after_update(step)
@@ -292,7 +269,7 @@ class Loop:
         self.settle()
         s.saver.save(before, s.hold, self.recorder.history, wait=True)
         s.saver.finish()
-        return ckpt.ckpt_dir(s.cfg) / f"step{before:08d}", self.export()
+        return ckpt.ckpt_dir(s.cfg) / f"step{before:08d}", export_model(s, len(self.recorder.history["losses"]))
 
     def barrier(self) -> None:
         """Every rank of the job here (a one-rank job: nothing to wait for)."""
@@ -300,91 +277,6 @@ class Loop:
 
         if self.state.world.size > 1:
             dist.barrier()
-
-    # ---- the end ---------------------------------------------------------------------------------------------------
-    def export(self) -> Path | None:
-        """The trained model in one file beside the record (rank 0 writes it; every rank takes part): the averaged
-        weights of a ``train.ema`` run, the last step's otherwise (gems.checkpoint.export)."""
-        s = self.state
-        progress.mark("model file")
-        with torch.device("meta"):  # the serial state_dict's order, without allocating the model
-            order = list(build_model(section(s.cfg, "model")).module.state_dict())
-        path = rec.record_path(s.cfg).with_suffix(".model.pt")
-        return ckpt.export(s.cfg, s.world, s.hold, s.saver, len(self.recorder.history["losses"]), path, order)
-
-    def record(self) -> dict[str, Any]:
-        """The run's record (complete on rank 0)."""
-        s, stepper, h = self.state, self.state.stepper, self.recorder.history
-        measured = len(h["step_times"])
-        notes = list(stepper.notes) + s.plan.notes(measured) + ([s.staged.note()] if s.staged else [])
-        if measured < 3 and s.world.rank == 0:
-            print(f"gems: warning: {s.plan.notes(measured)[-1]}", file=sys.stderr, flush=True)
-        notes += data_notes(s.cfg, s.data)  # the files' layout, the readers' cap, a slow path taken
-        replay = stepper.replay_note()  # what a replay from CUDA graphs covered, and what stayed eager around it
-        if replay:
-            notes.append(replay)
-        if s.resumed is not None and not s.resumed["exact"]:
-            notes.append(f"resumed from a checkpoint of global batch {s.resumed['global_batch']} at batch "
-                         f"{s.cfg.train.batch_size}: the steps after it are not those of one uninterrupted run")
-        record = self.recorder.record(
-            s.cfg, s.world, s.mesh, s.meter, global_batch=stepper.samples_per_step * s.R, balance=stepper.balance,
-            wall_s=time.time() - s.t_start, restarts=s.restarts,
-            measured_from=s.plan.measure_from + int(s.plan.traced_at is not None),
-            profiled_steps=s.plan.profiled_to, notes=notes, split=split_waits)
-        record["host_memory"] = s.host_memory.summary
-        if stepper.scaler.enabled:
-            record["loss_scale"] = stepper.scaler.summary()
-        if s.saver.saves:  # how long checkpoints held the steps (an async save: the copy to host memory only)
-            record["checkpoint"] = {"saves": s.saver.saves, "held_s": s.saver.held_s,
-                                    "held_s_per_save": s.saver.held_s / s.saver.saves, "async": s.saver.asynchronous}
-        if s.resumed is not None:
-            record["resumed_from"] = s.resumed
-        record.update(self.recorder.training_figures(s.cfg.train, s.plan.steps, s.plan.steps_per_epoch))
-        names = class_names(s.val if s.val is not None else s.data, stepper.metric)
-        if names:
-            record["classes"] = names  # the Dice columns' names, by label (gems.results.table)
-        record["cuda_graphs"] = replay is not None
-        if s.cfg.parallel.get("chosen"):  # parallel=auto: the mesh was chosen by gems plan's search
-            from omegaconf import OmegaConf
-
-            record["chosen"] = OmegaConf.to_container(s.cfg.parallel.chosen, resolve=True)
-        return record
-
-
-def took(queued: Queued, dt: float, now: float) -> float:
-    """What step ``queued`` took, for the watchdog's allowance: read at once, its wall time on the host; read late (a
-    graphed step), the longer of the device's span ``dt`` and the host's time to queue it (the host's alone is its
-    launches, about a millisecond, where the device may take far longer)."""
-    return max(dt, queued.host_s) if queued.deferred else now - queued.begun
-
-
-def _profiled(cfg: DictConfig, world: World, fn: Any) -> Any:
-    """``train.profile``: run one step under torch.profiler and write this rank's chrome trace."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if world.device.type == "cuda" else [])
-    with profile(activities=acts, record_shapes=True) as prof:
-        out = fn()
-        _sync(world.device)
-    d = rec.job_dir(cfg) / "profile"
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    prof.export_chrome_trace(str(d / f"rank{world.rank}.json"))
-    return out
-
-
-def _event() -> Any:
-    """A timing event recorded now on the current CUDA stream."""
-    ev = torch.cuda.Event(enable_timing=True)
-    ev.record()
-    return ev
-
-
-def _sync(device: torch.device) -> None:
-    """Wait for the GPU's queue (the step's kernels and NCCL's communication): a hang on the GPU shows as this
-    wait in a stall report, not as whatever the host last marked."""
-    if device.type == "cuda":
-        with progress.waiting("gpu queue"):
-            torch.cuda.synchronize(device)
 
 
 def write_once(path: Any, record: dict[str, Any]) -> None:

@@ -132,3 +132,34 @@ class Readout:
             with waiting("gpu queue"):  # a hang on the GPU shows as this wait in a stall report
                 posted.event.synchronize()
         return [float(v) for v in posted.slot.numpy()[:posted.n]]
+
+
+@dataclass
+class Queued:
+    """A step whose work is queued, its figures posted but not yet read (a graphed run reads them during the next
+    step)."""
+
+    step: int
+    begun: float  # the step's start on the host (the stall allowance)
+    t0: float  # after its hooks' start: its timed span starts here
+    data_s: float
+    posted: Posted
+    verdict: bool  # its figures end with fp16's overflow verdict, decided on the device
+    start: Any = None  # a GPU rank's event at t0, where its time is read late (the device's span, not the host's)
+    host_s: float = 0.0  # the host's time from t0 to the step's end (a CPU rank's step is done when queued)
+    terms: dict[str, float] | None = None  # its timed terms, taken when it was queued (read late)
+    deferred: bool = False
+
+
+def took(queued: Queued, dt: float, now: float) -> float:
+    """What step ``queued`` took, for the watchdog's allowance: read at once, its wall time on the host; read late (a
+    graphed step), the longer of the device's span ``dt`` and the host's time to queue it (the host's alone is its
+    launches, about a millisecond, where the device may take far longer)."""
+    return max(dt, queued.host_s) if queued.deferred else now - queued.begun
+
+
+def event() -> Any:
+    """A timing event recorded now on the current CUDA stream."""
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev

@@ -1,0 +1,69 @@
+"""What a run leaves: its trained model's file and its record, made from the rank's state and history."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gems import checkpoint as ckpt
+from gems import progress
+from gems.config import section
+from gems.models import build_model
+from gems.pipeline.runtime import split_waits
+from gems.rank.data import class_names, data_notes
+from gems.results import record as rec
+from gems.results.recorder import Recorder
+
+
+def export_model(state: Any, steps_trained: int) -> Path | None:
+    """The trained model in one file beside the record (rank 0 writes it; every rank takes part): the averaged
+    weights of a ``train.ema`` run, the last step's otherwise (gems.checkpoint.export)."""
+    progress.mark("model file")
+    with torch.device("meta"):  # the serial state_dict's order, without allocating the model
+        order = list(build_model(section(state.cfg, "model")).module.state_dict())
+    path = rec.record_path(state.cfg).with_suffix(".model.pt")
+    return ckpt.export(state.cfg, state.world, state.hold, state.saver, steps_trained, path, order)
+
+
+def make_record(state: Any, recorder: Recorder) -> dict[str, Any]:
+    """The run's record (complete on rank 0; every rank takes part): the recorder's figures of every rank, and what
+    the run says of how it ran."""
+    s, stepper, h = state, state.stepper, recorder.history
+    measured = len(h["step_times"])
+    plan_notes = s.plan.notes(measured)
+    if measured < 3 and s.world.rank == 0:
+        print(f"gems: warning: {plan_notes[-1]}", file=sys.stderr, flush=True)
+    notes = list(stepper.notes) + plan_notes + ([s.staged.note()] if s.staged else [])
+    notes += data_notes(s.cfg, s.data)  # the files' layout, the readers' cap, a slow path taken
+    replay = stepper.replay_note()  # what a replay from CUDA graphs covered, and what stayed eager around it
+    if replay:
+        notes.append(replay)
+    if s.resumed is not None and not s.resumed["exact"]:
+        notes.append(f"resumed from a checkpoint of global batch {s.resumed['global_batch']} at batch "
+                     f"{s.cfg.train.batch_size}: the steps after it are not those of one uninterrupted run")
+    record = recorder.record(
+        s.cfg, s.world, s.mesh, s.meter, global_batch=stepper.samples_per_step * s.R, balance=stepper.balance,
+        wall_s=time.time() - s.t_start, restarts=s.restarts,
+        measured_from=s.plan.measure_from + int(s.plan.traced_at is not None),
+        profiled_steps=s.plan.profiled_to, notes=notes, split=split_waits)
+    record["host_memory"] = s.host_memory.summary
+    if stepper.scaler.enabled:
+        record["loss_scale"] = stepper.scaler.summary()
+    if s.saver.saves:  # how long checkpoints held the steps (an async save: the copy to host memory only)
+        record["checkpoint"] = {"saves": s.saver.saves, "held_s": s.saver.held_s,
+                                "held_s_per_save": s.saver.held_s / s.saver.saves, "async": s.saver.asynchronous}
+    if s.resumed is not None:
+        record["resumed_from"] = s.resumed
+    record.update(recorder.training_figures(s.cfg.train, s.plan.steps, s.plan.steps_per_epoch))
+    names = class_names(s.val if s.val is not None else s.data, stepper.metric)
+    if names:
+        record["classes"] = names  # the Dice columns' names, by label (gems.results.table)
+    record["cuda_graphs"] = replay is not None
+    if s.cfg.parallel.get("chosen"):  # parallel=auto: the mesh was chosen by gems plan's search
+        from omegaconf import OmegaConf
+
+        record["chosen"] = OmegaConf.to_container(s.cfg.parallel.chosen, resolve=True)
+    return record
