@@ -4,10 +4,12 @@ composition with Hydra that turns every user mistake into a ``ConfigError``.
 Schemas are registered in Hydra's ConfigStore as ``base_<group>`` and each
 YAML file in ``conf/<group>/`` lists its schema first in its defaults, so a
 misspelt key or a value of the wrong type fails at composition with the key
-named. ``conf/config.yaml`` holds only the defaults list.
+named. ``conf/config.yaml`` holds only the defaults list. A model's own keys are
+declared with its registration and type the ``model`` section once the model
+registry is loaded (:func:`extended`).
 
 Why one file of this length: it is the schema, one dataclass per group with each key's default, bounds and help
-line: the one place a default is written.
+line: the one place a default is written (a model's own keys beside its builder).
 """
 from __future__ import annotations
 
