@@ -39,8 +39,8 @@ commands:
   nodes check [OVERRIDES] every GPU of this node (or of an allocation's nodes: cluster=..., one task a node)
                          checked through NVML: ECC, retired pages, row remaps, other jobs' memory, throttling
                          at idle, PCIe, the driver; each failure named (exit 2)
-  bench NAME             side-by-side benchmark: overhead, spatial, pipeline, plan, data, checkpoint, step, search;
-                         calibrate (the GPU's rates for gems plan)
+  bench NAME             side-by-side benchmark: overhead, spatial, pipeline, plan, data, checkpoint, step, search,
+                         telemetry; calibrate (the GPU's rates for gems plan)
 
 overrides: key=value (train.steps=10), group=option (model=unet3d cluster=local_slurm),
            +experiment=NAME (see conf/experiment/). `gems run --help` lists every key with its default
@@ -635,6 +635,7 @@ BENCHES = {
     "step": ("gems.bench.step", "bench_step"),
     "calibrate": ("gems.bench.calibrate", "bench_calibrate"),
     "search": ("gems.bench.search", "bench_search"),
+    "telemetry": ("gems.bench.telemetry", "bench_telemetry"),
 }
 #: the benchmarks that take Hydra overrides (the model, the batch, the precision ...) beside out=DIR
 BENCH_OVERRIDES = {"calibrate", "overhead", "step"}
@@ -656,7 +657,8 @@ def cmd_bench(args: list[str]) -> int:
     mod, fn = BENCHES[args[0]]
     from gems.paths import writable_dir
 
-    out_dir = Path("results") / ("gpu" if args[0] == "calibrate" or (args[0] == "step" and _has_gpu()) else "bench")
+    out_dir = Path("results") / ("gpu" if args[0] == "calibrate" or (args[0] in ("step", "telemetry") and _has_gpu())
+                                 else "bench")
     overrides: list[str] = []
     for a in args[1:]:
         if a.startswith("out="):

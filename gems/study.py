@@ -206,10 +206,14 @@ def status_rows(folder: Path) -> list[dict[str, Any]]:
     for p in m.get("points", []):
         key = (p["point"], int(p.get("repeat", 0)))
         got = recs.get(key)
+        # a job submitted again without a bad node (cluster.exclude_bad_nodes): the manifest's, or the record's word
+        again = [f"Slurm job {a['slurm_job_id']} failed: {a['why']}; submitted again without {', '.join(a['excluded'])}"
+                 for a in p.get("resubmitted") or []]
         if got is not None:
             r = got
             state = "diverged" if r.get("diverged") else ("done" if r.get("status") == "ok" else "failed")
             why = (r.get("error") or "").splitlines()[0][:100] if state == "failed" else ""
+            again = [str(t) for t in [((r.get("config") or {}).get("cluster") or {}).get("resubmitted")] if t] or again
         elif p.get("job_id"):
             state = states.get(str(p["job_id"]), "pending")
             if state == "cancelled":
@@ -220,6 +224,8 @@ def status_rows(folder: Path) -> list[dict[str, Any]]:
                 why = ""
         else:
             state, why = "not submitted", ""
+        if again:
+            why = f"{why}; {again[-1]}" if why else again[-1]
         rows.append({"point": p["point"], "repeat": key[1], "run_id": p.get("run_id", ""), "job": p.get("job_id") or "",
                      "state": state, "why": why})
     return rows

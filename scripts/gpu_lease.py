@@ -20,13 +20,18 @@ deadline (``--seconds``, default 530) and each gets what is left of it, in this 
 5. ``science`` (asked for by name): the sample-size study's 128^3 point (docs/science.md) trained for many more
    epochs than a CPU allows. Its universes are written at the lease's start and it trains beside the rig (the rig's
    timings mean nothing anyway), so it ends before the one-rank rows, which have the GPU alone.
+6. ``telemetry`` (asked for by name; issue 80): ``gems nodes check`` on the lent GPU (every check passes on a good
+   one), ``gems bench telemetry`` (the sampler's cost beside a plain loop; the energy it read, greater than 0; the
+   mean power against the GPU's limit; NVML's peak memory beside torch's peak reserved), and one ``gems run`` with
+   ``health.check=always`` whose record goes into lease.tgz; both tables in ``telemetry-gpu.md``.
 
 At most 8 files come back from a device call; it writes these (``large-tensors.json`` too with ``probe``: name no
 more than seven of the phases that write one, or one comes back missing): ``step.md`` and ``step-records.json``
 (gems bench step), ``summary.json``, ``summary.md`` (the rig), ``rows.json``, ``overhead-gpu.md``, ``search-gpu.md``
 (gems bench search's GPU half, phase ``search``: issue 72) and ``lease.tgz`` (every log, record and calibration, and
-the environment). The one-rank rows run eager
-(``train.cuda_graphs=false``, as every earlier file's), and a few graphed beside them (``GRAPHED_ROWS``).
+the environment); ``telemetry-gpu.md`` with ``telemetry`` (name it with at most six of the others that write one).
+The one-rank rows run eager (``train.cuda_graphs=false``, as every earlier file's), and a few graphed beside them
+(``GRAPHED_ROWS``).
 The machine lacks gems's pure-Python dependencies: run ``bash scripts/gpu_check.sh --prepare`` here first and
 carry ``.gpu`` (the script puts ``.gpu/site`` on the path).
 """
@@ -112,7 +117,7 @@ GRAPHED_ROWS: list[tuple[str, list[str]]] = [
 ]
 #: the phases, in the order a lease runs them by default (science and search only when named); step: gems bench
 #: step; search: gems bench search's GPU half (issue 72: the search's choice on one GPU, as it is and under a cap)
-PHASES = ("step", "rig", "rows", "bench", "science", "probe", "search")
+PHASES = ("step", "rig", "rows", "bench", "science", "probe", "search", "telemetry")
 #: the most gems bench search's GPU half may take (two models, each searched twice, its picks in two rounds)
 SEARCH_S = 240.0
 #: the most gems bench step may take (4 contenders x 2 batches x 3 rounds of 40 steps, and the science point)
@@ -122,6 +127,8 @@ MARK = ".gems-gpu-lease"
 #: the most one command of each phase may take, in seconds (measured on an H100: a rig run 20-60 s, a row 13-22 s,
 #: the overhead benchmark 22 s, a calibration 5-12 s); the phases after one keep what they need of the deadline
 RUN_S, ROW_S, OVERHEAD_S, CALIBRATE_S, PROBE_S = 100.0, 40.0, 60.0, 40.0, 90.0
+#: the telemetry phase: the nodes' check, gems bench telemetry (3 contenders x 3 rounds of 30 steps) and one run
+NODES_S, TELEMETRY_S = 60.0, 120.0
 #: the models whose convolutions ``gems bench calibrate`` times (each its own file, in lease.tgz)
 CALIBRATE: list[tuple[str, list[str]]] = [
     ("cosmoflow128", ["model=cosmoflow", "model.size=128", "train.batch_size=8"]),
@@ -346,6 +353,32 @@ def search_phase(lease: Lease, dry: bool) -> None:
         (lease.out / "search-gpu.md").write_bytes((folder / "search-gpu.md").read_bytes())
 
 
+def telemetry_phase(lease: Lease, dry: bool) -> None:
+    """Issue 80 on the GPU: gems nodes check, gems bench telemetry and a run with the node's check on; the check's
+    lines and the benchmark's table in telemetry-gpu.md, the run's record in lease.tgz."""
+    folder, py = lease.work / "telemetry", sys.executable
+    folder.mkdir(parents=True, exist_ok=True)
+    if lease.left() < (30 if dry else NODES_S + TELEMETRY_S):
+        print(f"gpu_lease: {lease.left():.0f} s left: no telemetry phase", flush=True)
+        return
+    lease.run("nodes-check", [py, "-m", "gems.cli", "nodes", "check"], NODES_S)
+    if dry:  # the benchmark's plumbing on this CPU: a few steps
+        code = f"from pathlib import Path; from gems.bench.telemetry import bench_telemetry; " \
+               f"bench_telemetry(Path({str(folder)!r}), rounds=1, steps=4)"
+        lease.run("bench-telemetry", [py, "-c", code], TELEMETRY_S)
+    else:
+        lease.run("bench-telemetry", [py, "-m", "gems.cli", "bench", "telemetry", f"out={folder}"], TELEMETRY_S)
+    run = ["model.size=32", "model.width=0.25", "train.steps=2", "train.warmup_steps=1", "train.device=cpu"] if dry \
+        else ["train.steps=40", "train.warmup_steps=10", "train.device=cuda"]
+    lease.run("run-health", [py, "-m", "gems.cli", "run", "health.check=always", *run, "train.check_fit=false",
+                             f"results.dir={folder / 'run'}", "run_id=lease-telemetry"], ROW_S)
+    check = (lease.logs / "nodes-check.txt").read_text(errors="replace") if (lease.logs / "nodes-check.txt").exists() \
+        else "(no output)"
+    table = (folder / "telemetry.md").read_text() if (folder / "telemetry.md").exists() else "(gems bench telemetry " \
+        "wrote nothing: logs/bench-telemetry.txt)\n"
+    (lease.out / "telemetry-gpu.md").write_text(f"## gems nodes check\n\n```\n{check.rstrip()}\n```\n\n{table}")
+
+
 def archive(lease: Lease) -> None:
     """Every log, record and calibration in lease.tgz (no weights or checkpoints)."""
     work = lease.work
@@ -357,7 +390,7 @@ def archive(lease: Lease) -> None:
     runs = work / "check" / "runs"
     with tarfile.open(lease.out / "lease.tgz", "w:gz") as tar:
         for name in ("logs", "environment.json", "phases.json", "rows", "check/logs", "bench", "science/run",
-                     "search"):
+                     "search", "telemetry"):
             if (work / name).exists():
                 tar.add(work / name, arcname=name, filter=small)
         for rec in sorted(runs.rglob("*.json")) if runs.is_dir() else []:
@@ -370,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=530.0, help="the whole lease's deadline")
     p.add_argument("--dry", action="store_true", help="the plumbing on CPU")
     p.add_argument("--phases", default="step,rig,rows,bench", help="which phases, in this order (step, rig, rows, "
-                   "bench, science: it starts at once and trains beside the phases before it)")
+                   "bench, probe, search, telemetry, science: it starts at once and trains beside the phases before "
+                   "it)")
     p.add_argument("--rows", default="", help="the one-rank rows to run, by label, in this order (comma-separated; "
                    "default all)")
     p.add_argument("--science-epochs", type=int, default=SCIENCE_EPOCHS, help="the science point's epochs")
@@ -430,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
             lease.finish("science", keep_s)
         elif phase == "search":
             search_phase(lease, a.dry)
+        elif phase == "telemetry":
+            telemetry_phase(lease, a.dry)
         else:
             bench_phase(lease, a.dry)
     archive(lease)

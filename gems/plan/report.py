@@ -108,18 +108,23 @@ def cost(cfg: Any, plan: MemoryPlan) -> dict[str, Any] | None:
     step, and the staging once, on its nodes (``cluster.nodes``, or as the launcher places the ranks): GPU-hours (its
     ranks, on GPUs), node-hours, and an energy bound (every GPU at its model's power limit the whole time,
     :mod:`gems.telemetry.limits`). None without a prediction, or where the steps cannot be counted here."""
-    from gems.config import place
+    from omegaconf import DictConfig, OmegaConf
+
+    from gems.config import place_job
     from gems.rank.data import Sampler, dataset_size
 
     pr = plan.prediction
     if pr is None:
         return None
     t = cfg.train
+    placed = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    assert isinstance(placed, DictConfig)
     try:
         steps = Sampler(dataset_size(cfg), int(t.batch_size), int(t.seed), t.epochs, t.steps).total
-        nodes, _ = place(cfg.cluster, plan.world_size)
+        place_job(placed)  # the nodes as the launcher places the ranks (cluster=local: this machine)
     except (ConfigError, OSError):  # a data set not here to count: no cost line
         return None
+    nodes = int(placed.cluster.nodes or 1)
     seconds = steps * pr.step_s + pr.staging_s
     out: dict[str, Any] = {"steps": steps, "seconds": seconds, "ranks": plan.world_size, "nodes": nodes,
                            "node_hours": nodes * seconds / 3600}

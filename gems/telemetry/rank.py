@@ -163,10 +163,13 @@ class RankTelemetry:
     def start(self) -> None:
         """Find the device's meter and start the sampler (a daemon thread)."""
         if self.device_index is None:
-            self._meter = _CpuMeter()
-            if self.rank == 0 and self._meter.rapl.why:
-                print(f"gems: note: the CPU ranks' energy is not measured: {self._meter.rapl.why}", file=sys.stderr,
-                      flush=True)
+            cpu = _CpuMeter()
+            if cpu.rapl.why is None:
+                self._meter = cpu
+            else:
+                self._why = f"the CPU ranks' energy is not measured: {cpu.rapl.why}"
+                if self.rank == 0:
+                    _say_once(self._why)
         elif nvml.library() is None:
             self._why = f"no NVML here ({nvml.absent()})"
             if self.rank == 0:
@@ -248,6 +251,15 @@ class RankTelemetry:
             self._seen += 1
 
     # ------------------------------------------------------------------------- what it says
+    def metered(self) -> bool:
+        """Whether anything is metered (started, on a GPU NVML shows, or a CPU rank)."""
+        return self._meter is not None
+
+    def read(self) -> dict[str, Any]:
+        """One sample now, as the sampler takes it (what ``gems bench telemetry`` times); empty where nothing is
+        metered."""
+        return self._meter.sample() if self._meter is not None else {}
+
     def step_times(self) -> list[float]:
         """The measured steps' times, as :meth:`step_ended` was given them."""
         with self._lock:
@@ -279,7 +291,7 @@ class RankTelemetry:
             return {**out, "source": None, "device": "cpu" if self.device_index is None else f"cuda:{self.device_index}",
                     "left_out": {"everything": self._why or "not measured"}}
         out.update(source=m.source, meter=m.meter, device="cpu" if self.device_index is None else
-                   f"cuda:{self.device_index}", power_limit_w=m.limit_w, samples_read=f.n)
+                   f"cuda:{self.device_index}", power_limit_w=m.limit_w, samples_read=f.n, samples_taken=self._seen)
         if isinstance(m, _GpuMeter):
             out.update(gpu=m.gpu.name, uuid=m.gpu.uuid, gpu_index=m.gpu.index, mig=m.gpu.mig)
         left = dict(m.left_out)
@@ -305,6 +317,16 @@ class RankTelemetry:
         }))
         out["left_out"] = left
         return out
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(text: str) -> None:
+    """A note on stderr, once a process."""
+    if text not in _SAID:
+        _SAID.add(text)
+        print(f"gems: note: {text}", file=sys.stderr, flush=True)
 
 
 def words(s: dict[str, Any]) -> str:

@@ -17,7 +17,8 @@ runs on (``SLURMD_NODENAME``, else the host's name) or ``*``. A node: ``driver``
 ``retired_pending``, ``remap`` ([correctable, uncorrectable, pending, failure]), ``pcie`` ([gen, max gen, width, max
 width]), ``processes`` ([[pid or "self", bytes], ...]), ``mig`` ([{"uuid": ..., "memory_total": ...}]),
 ``not_supported`` and ``root_only`` (the names of functions that answer ``NotSupported``, or ``NoPermission``
-unless the caller is root: the node's ``root``, else whether this process runs as root).
+unless the caller is root: the node's ``root``, else whether this process runs as root), ``slow`` ({function:
+seconds it takes}: a GPU that stopped answering).
 Without the file NVML's library is not found (``NVMLError_LibraryNotFound``): a machine without NVIDIA's driver.
 """
 from __future__ import annotations
@@ -197,6 +198,7 @@ def _gpu(handle: _Handle, fn: str, mig_too: bool = False) -> dict[str, Any]:
         _fail(NVML_ERROR_NOT_SUPPORTED)
     if fn in g.get("root_only", []) and not _node().get("root", os.geteuid() == 0):
         _fail(NVML_ERROR_NO_PERMISSION)
+    time.sleep(float(g.get("slow", {}).get(fn, 0.0)))
     return g
 
 
