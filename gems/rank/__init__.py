@@ -1,9 +1,3 @@
-"""What every rank runs, one concern a module (``gems.worker`` is the entry that bootstraps the world and calls
-:func:`gems.rank.loop.train`):
-
-- :mod:`gems.rank.compose`: the strategies composed for this rank (spatial, pipeline, gradient sum), its set-up;
-- :mod:`gems.rank.loss`: the weighted local loss;
-- :mod:`gems.rank.optim`: the optimizer of its parameter copies;
-- :mod:`gems.rank.data`: the samples of each step (its replica's share, its spatial part);
-- :mod:`gems.rank.loop`: the step loop, its sync, faults, checkpoints and the record.
-"""
+"""What every rank runs (``gems.worker`` bootstraps the world and calls :func:`gems.rank.loop.train`): its state built
+once (setup), the loop over its steps (loop), the step (steppers, composed by compose), what follows a step (hooks).
+docs/design.md, "A rank's run", maps the modules."""
