@@ -126,6 +126,10 @@ class DataConf:
                                      "(RAS: x right, y anterior, z superior, each axis the file's nearest to it, as "
                                      "MONAI's Orientationd); labels are read onto their volume's grid either way",
                            choices=("stored", "RAS"))
+    affine_tolerance: float = key(0.01, "NIfTI volumes: how far, in voxels, a volume's labels (or a case's other channel "
+                                        "files) may lie off its grid and still be read on it: every corner of the "
+                                        "volume mapped through its affine and back through theirs, against where flips "
+                                        "and permutations of the axes put it (docs/data.md)", gt=0)
     out: Optional[str] = key(None, "gems data convert: the folder the converted files go to (a folder of the same "
                                    "name for each of data.path's, e.g. train/ and validation/)")
 
