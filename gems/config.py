@@ -712,7 +712,32 @@ def compose(overrides: list[str] | tuple[str, ...] = (), return_hydra_config: bo
         raise _with_value(e, overrides) from None
     if cfg.get("parallel") is not None and cfg.parallel.get("auto"):
         chosen_by_hand(overrides)
+    mark_given(cfg, overrides)
     return cfg
+
+
+#: the flag :func:`compose` sets on each key the command line gives (:func:`given`)
+GIVEN = "gems_given"
+
+
+def mark_given(cfg: DictConfig, overrides: Any) -> None:
+    """Flag each key that ``overrides`` set (``section.key=value``; not a group's option) as the user's."""
+    for ov in overrides:
+        k, eq, _ = str(ov).lstrip("+~").partition("=")
+        parent, _, name = k.rpartition(".")
+        node = OmegaConf.select(cfg, parent) if eq and parent else None
+        if isinstance(node, DictConfig) and name in node:
+            node._get_node(name)._set_flag(GIVEN, True)  # type: ignore[union-attr]
+
+
+def given(cfg: Any, key: str) -> bool:
+    """Whether ``key`` (``section.key``) was set on the command line that composed ``cfg`` (:func:`compose` flags
+    each), rather than left to its default or a YAML's value: what a value derived from elsewhere (a data set's
+    classes: gems.data.task) may replace, and what it must agree with."""
+    parent, _, name = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else None
+    return bool(isinstance(node, DictConfig) and name in node
+                and node._get_node(name)._get_flag(GIVEN))  # type: ignore[union-attr]
 
 
 #: the keys of a mesh that parallel=auto chooses (gems.plan.search): one given beside it is refused
