@@ -438,3 +438,20 @@ def test_a_slurm_job_stopped_by_a_bad_gpu_goes_once_more_without_its_node(fake, 
     (aside,) = job_dir.glob("nodes.job*")
     assert [p.name for p in aside.iterdir()] == [f"{found[0]}.json"] and not (job_dir / "nodes").exists()
     assert record["env"]["slurm_job_id"] != aside.name.removeprefix("nodes.job")
+
+
+@pytest.mark.slurm
+@pytest.mark.skipif(shutil.which("sinfo") is None, reason="no Slurm here (start one with scripts/slurm_cluster.sh start)")
+def test_gems_nodes_check_on_an_allocation_checks_each_node_once(fake, tmp_path: Path) -> None:
+    """`gems nodes check cluster=local_slurm cluster.nodes=3`: one Slurm task a node, each node's GPUs named; the one
+    node whose GPU holds its clocks down at idle fails (exit 2), the others pass."""
+    fake({"node2": {"gpus": [{**GOOD, "reasons": 0x80}]}, "*": {"gpus": [GOOD]}})
+    r = gems_here("nodes", "check", "cluster=local_slurm", "cluster.nodes=3", "cluster.exclude=[node4]",
+                  f"results.dir={tmp_path}")
+    assert r.returncode == 2, r.stdout + r.stderr
+    checked = sorted(ln.split()[0] for ln in r.stdout.splitlines() if ln.startswith("node") and " GPU 0 (" in ln)
+    assert checked == ["node1", "node2", "node3"], r.stdout
+    assert r.stdout.strip().splitlines()[-1] == (
+        "gems nodes check: 3 node(s), 3 GPU(s): 1 failed check(s): node node2 GPU 0 (GPU-11111111): the throttle check "
+        "failed: clocks held down at idle: hardware power brake (expected no hardware slowdown, thermal slowdown or "
+        "power brake; health.throttle=false skips it)")
