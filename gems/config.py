@@ -376,6 +376,8 @@ class ResultsConf:
     reference: Any = key(None, "expected figures per world size (or all): {WORLD: {throughput|efficiency|step_time: "
                                "[low, high]}}; `gems results` marks each point and exits 1 when one fails")
     detach: bool = key(False, "Slurm sweeps: submit every point, write the manifest and return at once")
+    check_space: bool = key(True, "refuse before launch a run whose checkpoints, model file and records would not fit "
+                                  "the room results.dir has (false: launch anyway)")
     point: Optional[str] = key(None, "set by gems sweep: the point of the sweep this run is")
     repeat: int = key(0, "set by gems sweep: which repeat of its point this run is", ge=0)
 

@@ -15,6 +15,7 @@ from gems import checkpoint as ckpt
 from gems.bootstrap import check_launch
 from gems.config import FILES, reads_files, section
 from gems.data.check import unchecked_note
+from gems.data.task import from_the_data
 from gems.errors import ConfigError
 from gems.layers import keeps_running_statistics
 from gems.models import build_model, check_shapes
@@ -55,6 +56,8 @@ def prepare(cfg: Any) -> Any:
     if reads_files(cfg.data):
         readable_dir("data.path", cfg.data.path, "a folder of sample files (docs/data.md; write one with "
                      "`gems data synth data.path=...`)")
+        for note in from_the_data(cfg, TRAINED if cfg.eval.path else ()):  # a task's classes and channels
+            print(f"gems: note: {note}", file=sys.stderr, flush=True)
     if given:  # a run id of the user's: resume its checkpoint, never replace its record
         if record_path(cfg).exists():
             raise ConfigError("run_id", given, f"a new run id (the record {record_path(cfg)} exists, and records "
@@ -67,7 +70,32 @@ def prepare(cfg: Any) -> Any:
     if cfg.train.check_fit:
         check_fit(cfg)  # memory: a point the planner says cannot fit is bad input (gems/plan/fit.py)
     writable_dir("results.dir", cfg.results.dir, "a folder for the run's records")
+    check_room(cfg)
     return cfg
+
+
+def check_room(cfg: Any) -> None:
+    """What the run will write against the room its folders have: ``results.dir`` (gems.checkpoint.space), and, for
+    a job here with ``data.stage=node``, the folder its data is copied to."""
+    from gems.checkpoint.space import check_space
+    from gems.rank.data import stage_root
+    from gems.storage import free_bytes, size
+
+    if cfg.results.check_space:
+        check_space(cfg)
+    if str(cfg.data.stage) != "node" or str(cfg.cluster.launcher) != "local" or not reads_files(cfg.data):
+        return  # (a Slurm job stages on its nodes: their folders are not this machine's)
+    need = sum(f.stat().st_size for d in (cfg.data.path, cfg.data.get("val_path")) if d
+               for f in Path(str(d)).rglob("*") if f.is_file())
+    folder = stage_root(cfg, str(cfg.run_id)).parent
+    free = free_bytes(folder)
+    if free is not None and free < need:
+        raise ConfigError("data.stage_dir", str(folder), f"a folder with room for the data set's copy ({size(need)}; "
+                          f"{size(free)} is free there), or data.stage=none to read the files where they are")
+
+
+#: the model's keys a model file fixes (gems eval): the data set's classes and channels must agree with them
+TRAINED = ("model.num_classes", "model.in_channels")
 
 
 def choose_mesh(cfg: Any) -> None:
@@ -84,11 +112,49 @@ def model_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
         return {n: tuple(t.shape) for n, t in build_model(section(cfg, "model")).module.state_dict().items()}
 
 
+#: what a run's training does not depend on: a run stopped under other values of these is the same run (the mesh
+#: too: a checkpoint goes on on any mesh, gems.checkpoint)
+NOT_TRAINING = ("run_id", "results", "cluster", "fault", "plan", "comm", "health", "telemetry", "eval", "parallel",
+                "train.resume_from", "train.resume_stopped", "train.check_fit", "train.profile", "train.threads",
+                "train.host_memory", "train.checkpoint_async", "train.checkpoint_writers", "train.cuda_graphs",
+                "train.graph_pieces", "train.graph_spatial", "train.graph_collectives", "train.graph_optimizer",
+                "data.readers", "data.prefetch", "data.stage", "data.stage_dir", "data.workers")
+
+
+def training_keys(config: dict[str, Any]) -> dict[str, Any]:
+    """A resolved configuration's keys that change what the run trains, flattened (``train.lr``: value)."""
+    out: dict[str, Any] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if prefix in NOT_TRAINING:
+            return
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            out[prefix] = node
+
+    walk("", config)
+    return out
+
+
+def stopped_checkpoint(folder: Path, record: dict[str, Any]) -> tuple[Path, int] | None:
+    """The last whole checkpoint a stopped run kept in its own folder (and its step), or None."""
+    root = folder / ".jobs" / str(record.get("run_id")) / "ckpt"
+    step = ckpt.latest_step(root)
+    if step is None:
+        return None
+    where = root / f"step{step:08d}"
+    return (where, step) if ckpt.complete(where) else None
+
+
 def resume_stopped(cfg: Any) -> None:
-    """The same command as a run that stopped on a bad file (gems.rank.loop.Run.stop_on_bad_data: its checkpoint
-    and model kept, its record in ``results.dir``) resumes from that run's checkpoint, the latest such, and says so
-    (``train.resume_stopped=false`` starts over). The same command: the same configuration but for the run id and
-    the checkpoint it resumed from."""
+    """The same command as a run that stopped before its end with a whole checkpoint kept (a bad file, a full disk or
+    quota, a dead or stalled rank, a non-finite loss, the time limit, a lost node: its failed record in
+    ``results.dir``) goes on from that checkpoint, the latest such, and says so (``train.resume_stopped=false``
+    starts over; the record's ``resumed_from`` names it). The same command: the same keys that change the training
+    (:data:`NOT_TRAINING` are not); a stopped run of this name that differs in one is said and not continued. A run
+    already continued by another is not continued again (the continuation's own checkpoint is)."""
     import json
 
     from omegaconf import OmegaConf
@@ -99,34 +165,47 @@ def resume_stopped(cfg: Any) -> None:
     folder = Path(str(cfg.results.dir))
     if not folder.is_dir():
         return
-
-    def same(c: dict[str, Any]) -> dict[str, Any]:
-        c = json.loads(json.dumps(c))
-        c.pop("run_id", None)
-        (c.get("train") or {}).pop("resume_from", None)
-        return c
-
-    now = same(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
-    best: tuple[int, float, str, str] | None = None
+    now = training_keys(json.loads(json.dumps(OmegaConf.to_container(cfg, resolve=True))))
+    records = []
     for path in folder.glob("*.json"):
         try:
             r = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        failure = r.get("failure") if isinstance(r, dict) else None
-        if not isinstance(failure, dict) or failure.get("kind") != "bad_data" or not failure.get("checkpoint"):
+        if isinstance(r, dict) and "run_id" in r and isinstance(r.get("config"), dict):
+            records.append((path, r))
+    continued = {str((r.get("resumed_from") or {}).get("run_id")) for _, r in records}
+    best: tuple[int, float, Path, dict[str, Any]] | None = None
+    other: tuple[float, dict[str, Any], str] | None = None
+    for path, r in records:
+        if r.get("status") != "failed" or str(r["run_id"]) in continued:
             continue
-        if not Path(failure["checkpoint"]).is_dir() or same(r.get("config") or {}) != now:
+        kept = stopped_checkpoint(folder, r)
+        if kept is None:
             continue
-        key = (int(failure.get("step") or 0), path.stat().st_mtime, failure["checkpoint"], str(r.get("run_id")))
-        best = key if best is None or key[:2] > best[:2] else best
-    if best is None:
-        return
-    step, _, where, run = best
-    with open_dict(cfg):
-        t.resume_from = where
-    print(f"gems: note: run {run} of this configuration stopped on a bad file after step {step}; resuming from its "
-          f"checkpoint ({where}; train.resume_stopped=false starts over)", file=sys.stderr, flush=True)
+        then = training_keys(r["config"])
+        key = next((k for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k)), None)
+        mtime = path.stat().st_mtime
+        if key is not None:
+            if r.get("name") == default_name(cfg) and (other is None or mtime > other[0]):
+                other = (mtime, r, key)
+            continue
+        if best is None or (kept[1], mtime) > best[:2]:
+            best = (kept[1], mtime, kept[0], r)
+    if best is not None:
+        step, _, where, r = best
+        kind = (r.get("failure") or {}).get("kind", "exit")
+        with open_dict(cfg):
+            t.resume_from = str(where)
+        print(f"gems: note: run {r['run_id']} of this configuration stopped ({kind}) with its checkpoint before step "
+              f"{step} kept; going on from it ({where}; train.resume_stopped=false starts over)", file=sys.stderr,
+              flush=True)
+    elif other is not None:
+        _, r, key = other
+        was = training_keys(r["config"]).get(key)
+        print(f"gems: note: run {r['run_id']} of this name stopped with a checkpoint kept, but {key} was {was} there "
+              f"and is {now.get(key)} here: starting over (train.resume_from=PATH goes on from its checkpoint anyway)",
+              file=sys.stderr, flush=True)
 
 
 def check_starting_point(cfg: Any) -> None:

@@ -33,6 +33,7 @@ from gems.fault.watchdog import Watchdog
 from gems.rank.evaluate import evaluate_model
 from gems.rank.loop import Stopped, train, write_once
 from gems.results import record as rec
+from gems.storage import StorageFailed, named
 from gems.telemetry.health import check_node
 
 
@@ -69,8 +70,7 @@ def run_rank(cfg_yaml: str) -> dict[str, Any] | None:
             if world.rank == 0:
                 progress.mark("record")
                 hardware(cfg, world, record)
-                rec.write_record(rec.record_path(cfg), record)
-                rec.write_steps(rec.record_path(cfg), record)
+                keep_record(cfg, record)
                 return record
             return None
         except Stopped:
@@ -81,6 +81,20 @@ def run_rank(cfg_yaml: str) -> dict[str, Any] | None:
             raise
         finally:
             end_rank(world, wd)
+
+
+def keep_record(cfg: Any, record: dict[str, Any]) -> None:
+    """Rank 0 writes a finished run's per-step CSV, then its record (where the CSV cannot be written for the storage's
+    reason, the record says so as a failure, and the rank stops with that line: exit 1)."""
+    path = rec.record_path(cfg)
+    try:
+        rec.write_steps(path, record)
+    except StorageFailed as e:
+        record.update(status="failed", error=f"{e.line()}; the training finished: its model file and checkpoints are "
+                      "kept", failure=e.as_dict())
+        write_once(path, record)
+        raise Stopped(record["error"]) from e
+    rec.write_record(path, record)
 
 
 def start_watchdog(cfg: Any, world: Any, on_stall: Any) -> Watchdog | None:
@@ -148,6 +162,14 @@ def hardware(cfg: Any, world: Any, record: dict[str, Any]) -> None:
     record["hardware"] = of_run(cfg, world.size, name, float(median))
 
 
+def _output_file() -> str:
+    """Where this process's output goes (its rank log, where a launcher sends it there)."""
+    try:
+        return os.readlink("/proc/self/fd/1")
+    except OSError:
+        return "stdout"
+
+
 def _env_rank() -> int | None:
     for key in ("RANK", "SLURM_PROCID", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
         if os.environ.get(key, "").isdigit():
@@ -169,9 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     except Stopped as e:  # every rank stopped at one step, the record written: one line
         print(f"gems: error: {e}", file=sys.stderr, flush=True)
         return 1
-    except Exception:
+    except Exception as e:
         rank = _env_rank()
-        print(f"gems: rank {'?' if rank is None else rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        failed = named(e, "this rank's output", _output_file())  # a full disk under the rank's log, say
+        with contextlib.suppress(OSError):
+            if failed is not None:
+                print(f"gems: error: rank {'?' if rank is None else rank}: {failed}", file=sys.stderr, flush=True)
+            else:
+                print(f"gems: rank {'?' if rank is None else rank} failed:\n{traceback.format_exc()}", file=sys.stderr,
+                      flush=True)
         return 1
     return 0
 

@@ -15,8 +15,9 @@ from typing import Any, Callable
 
 import torch
 
-from gems.checkpoint.sharded import Holding, Saver, entries, find, load, quiet, read_meta, save_file, trained_on
+from gems.checkpoint.sharded import Holding, Saver, entries, find, load, quiet, read_meta, save_file, state_bytes, trained_on
 from gems.errors import ConfigError
+from gems.storage import StorageFailed, writing
 
 MODEL_FILE_FORMAT = "gems.model/1"
 
@@ -57,18 +58,38 @@ def export(cfg: Any, world: Any, hold: Holding, saver: Saver, step: int, path: P
     writes the file, then removes the parts. No device holds more than its own tensors, and no collective but
     the writers' gloo group's carries a byte of them. ``order``: the serial ``state_dict``'s keys. Every rank
     calls it (the group is made by all)."""
+
+
+    ema = bool(hold.average)
+    parts = path.parent / f".{path.name}.parts"
+    what = "the trained model file"
+    saver.group()
+    failed: StorageFailed | None = None
+    if saver.share.writes:  # (a killed export's stale files: overwritten or not named by the new metadata)
+        mine = {k[len("model."):]: v for k, v in hold.state(ema_weights=ema).items() if k.startswith("model.")}
+        try:
+            with writing(what, parts, state_bytes(mine)):
+                saver.write(mine, parts, step, faults=False)  # DCP's coordinator (rank 0) returns once every writer's are
+        except StorageFailed as e:
+            failed = e
+    if world.rank == 0 and failed is None:
+        try:
+            with writing(what, path):
+                _write_model(cfg, parts, path, order, ema, step)
+        except StorageFailed as e:
+            failed = e
+    if world.rank == 0:
+        shutil.rmtree(parts, ignore_errors=True)
+    saver.agree(failed, None)  # every rank knows whether the file was written
+    return path if world.rank == 0 else None
+
+
+def _write_model(cfg: Any, parts: Path, path: Path, order: list[str], ema: bool, step: int) -> None:
+    """Rank 0: the model's tensors read back from ``parts`` into host memory, written as the model file."""
     from omegaconf import OmegaConf
 
     import gems
 
-    ema = bool(hold.average)
-    parts = path.parent / f".{path.name}.parts"
-    saver.group()
-    if saver.share.writes:  # (a killed export's stale files: overwritten or not named by the new metadata)
-        mine = {k[len("model."):]: v for k, v in hold.state(ema_weights=ema).items() if k.startswith("model.")}
-        saver.write(mine, parts, step, faults=False)  # DCP's coordinator (rank 0) returns once every writer's are
-    if world.rank != 0:
-        return None
     have = entries(parts, "model file")
     missing = [k for k in order if k not in have]
     if missing:
@@ -83,8 +104,6 @@ def export(cfg: Any, world: Any, hold: Holding, saver: Saver, step: int, path: P
            "trained_on": trained_on(cfg), "gems": gems.__version__}
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(out, path)
-    shutil.rmtree(parts, ignore_errors=True)
-    return path
 
 
 def read_model_file(path: str | os.PathLike[str], key: str) -> dict[str, Any]:

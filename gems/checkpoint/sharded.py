@@ -28,6 +28,7 @@ from torch import nn
 
 from gems.config import FILES
 from gems.errors import ConfigError
+from gems.storage import StorageFailed, writing
 
 #: the keys a job's own checkpoint must be resumed with (a requeued job comes back with them; the mesh, the
 #: schedule and the micro-batches may change: the state is the whole model's). Another run's checkpoint
@@ -179,15 +180,23 @@ def save_file(obj: Any, path: Path) -> None:
     """``torch.save`` under a temporary name, flushed and synced, then renamed: a reader finds the whole file or
     none (:func:`_commit`)."""
     tmp = path.parent / f".{path.name}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-    _commit(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+        _commit(tmp, path)
+    finally:  # (a write the disk cut short leaves no part behind)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 def _write_text(path: Path, text: str) -> None:
     tmp = path.parent / f".{path.name}.tmp"
-    tmp.write_text(text)
-    _commit(tmp, path)
+    try:
+        tmp.write_text(text)
+        _commit(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 def _commit(tmp: Path, path: Path) -> None:
@@ -361,6 +370,8 @@ class Saver:
         self.writers = writer_ranks(mesh, self.cap)
         self.held_s, self.saves = 0.0, 0
         self._pending: tuple[Any, Path, int] | None = None  # (future, folder, step) of an async save
+        self._failed: tuple[StorageFailed, Path] | None = None  # an async save that failed, said at finish()
+        self._in_flight = False  # an async save was started: every rank agrees on its end at finish()
         self._group: Any = None
         self._made = False
 
@@ -385,7 +396,8 @@ class Saver:
         import torch.distributed.checkpoint as dcp
 
         group = self.group()
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with contextlib.suppress(OSError):  # (where the folder cannot be made, DCP's write fails on every writer)
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
         chunks = chunks_of(state, self.share)
         f, rank = self.fault, self.world.rank
         delay = (lambda: time.sleep(f.save_delay_s)) if faults and f.save_delay_s > 0 else None
@@ -408,47 +420,102 @@ class Saver:
     def save(self, step: int, hold: Holding, history: dict[str, Any], wait: bool = False) -> None:
         """Every rank saves before ``step``: the writers their shares of the tensors, rank 0 the history and the
         bookkeeping; ``latest`` moves once the writers' files are complete. ``wait``: complete before returning (a
-        preemption)."""
+        preemption). Where the storage fails on any rank (a full disk, a quota, an I/O error), every rank raises
+        :class:`gems.storage.StorageFailed`, the partial checkpoint removed and the last whole one kept."""
         t0 = time.perf_counter()
         self.finish()  # at most one save in flight
         kept = gathered_history(history, self.world)  # every rank
         self.group()
         root = ckpt_dir(self.cfg)
         d = root / f"step{step:08d}"
+        what = f"the checkpoint before step {step}"
+        needed = state_bytes(hold.state()) if self.world.rank == 0 or self.share.writes else None
+        failed: StorageFailed | None = None
         if self.world.rank == 0:
-            d.mkdir(parents=True, exist_ok=True, mode=0o700)
-            os.chmod(root, 0o700)
-            write_meta(d, self.cfg, step, self.world.size)
-            save_file({"step": step, "history": kept, "world_size": self.world.size}, d / HISTORY)
+            try:
+                with writing(what, d, needed):
+                    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+                    os.chmod(root, 0o700)
+                    write_meta(d, self.cfg, step, self.world.size)
+                    save_file({"step": step, "history": kept, "world_size": self.world.size}, d / HISTORY)
+            except StorageFailed as e:
+                failed = e
         if self.share.writes:
-            fut = self.write(hold.state(), d, step, asynchronous=self.asynchronous and not wait)
+            fut = None
+            try:
+                with writing(what, d, needed):  # a writer's failure is every writer's (DCP gathers them)
+                    fut = self.write(hold.state(), d, step, asynchronous=self.asynchronous and not wait)
+            except StorageFailed as e:
+                failed = failed or e
             if fut is not None:
                 self._pending = (fut, d, step)
-            else:
+            elif failed is None:
                 self._complete(d, step)
         elif self.fault.kill_in_save:  # a rank that writes no tensor dies once it has taken its part
             from gems.fault import inject
 
             inject.in_save(self.fault, self.world.rank, step, self.restarts)
+        self.agree(failed, d)
+        self._in_flight = self.asynchronous and not wait  # every rank: its completion is agreed at finish()
         self.held_s += time.perf_counter() - t0
         self.saves += 1
 
     def poll(self) -> None:
-        """After a step: move ``latest`` once an async save has completed (nothing waits for it)."""
+        """After a step: move ``latest`` once an async save has completed (nothing waits for it). A save that
+        failed is said at the next point every rank passes (:meth:`finish`)."""
         if self._pending is not None and self._pending[0].done():
-            self.finish()
+            self._collect()
 
     def finish(self) -> None:
-        """Wait for an async save in flight, then move ``latest`` to it."""
-        if self._pending is None:
-            return
+        """Wait for an async save in flight, then move ``latest`` to it; where it failed on any rank for the
+        storage's reason, every rank raises that failure (every rank calls this at the same point)."""
+        if self._pending is not None:
+            self._collect()
+        if self._in_flight:
+            self._in_flight = False
+            failed, self._failed = self._failed, None
+            self.agree(*(failed if failed is not None else (None, None)))
+
+    def _collect(self) -> None:
+        """This rank's async save, waited for: ``latest`` moved where it completed, its failure kept where not."""
+        assert self._pending is not None
         fut, d, step = self._pending
         self._pending = None
         if not fut.done() and self.world.rank == 0:
             print(f"gems: checkpoint: waiting for the save of step {step}, still being written", file=sys.stderr,
                   flush=True)
-        fut.result()  # DCP's coordinator wrote the metadata after every writer's files: this save is complete
+        try:
+            with writing(f"the checkpoint before step {step}", d):
+                fut.result()  # DCP's coordinator wrote the metadata after every writer's files: the save is complete
+        except StorageFailed as e:
+            self._failed = (e, d)
+            return
         self._complete(d, step)
+
+    def agree(self, failed: StorageFailed | None, d: Path | None) -> None:
+        """Every rank learns whether any rank's part of a save failed (one collective of every rank; a one-rank job:
+        none); where one did, rank 0 removes the partial checkpoint ``d`` and every rank raises the first rank's
+        failure."""
+        if self.world.size > 1 and _distributed():
+            import torch.distributed as dist
+
+            flag = torch.tensor([0.0 if failed is None else 1.0], dtype=torch.float64, device=self.world.device)
+            dist.all_reduce(flag)
+            if float(flag.item()) > 0:
+                said = None if failed is None else (failed.as_dict(), failed.reason)
+                gathered: list[Any] = [None] * self.world.size
+                dist.all_gather_object(gathered, said)
+                first, reason = next(g for g in gathered if g is not None)
+                failed = failed or StorageFailed.from_dict(first, reason)
+        if failed is None:
+            return
+        if self._pending is not None:  # an async save still under way: its end waited for, whatever it was
+            with contextlib.suppress(BaseException):
+                self._pending[0].result()
+            self._pending, self._in_flight = None, False
+        if self.world.rank == 0 and d is not None and latest_step(d.parent) != _step_of(d):
+            shutil.rmtree(d, ignore_errors=True)  # the partial checkpoint goes first: the record needs the room
+        raise failed
 
     def _complete(self, d: Path, step: int) -> None:
         """Rank 0, once the checkpoint in ``d`` is complete: ``latest`` points at it, and the complete checkpoints
@@ -456,6 +523,11 @@ class Saver:
         incomplete one (:func:`tidy` removes those when a job starts)."""
         if self.world.rank == 0:
             retire(d.parent, step)
+
+
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    """The bytes of a checkpoint's tensors (this rank's share of the names it holds: on rank 0 a position's)."""
+    return int(sum(t.numel() * t.element_size() for t in state.values()))
 
 
 def retire(root: Path, step: int) -> None:

@@ -71,14 +71,18 @@ def write_report(job_dir: Path | str, rank: int, error: str, *, echo: bool, kind
     d = reports_dir(job_dir)
     report = {"rank": rank, "time": time.time(), "error": error, "echo": echo, "kind": kind,
               "blame": blame, "trace": trace[-4000:], "pid": os.getpid(), **extra}
+    tmp = d / f".rank{rank}.{os.getpid()}.tmp"
     try:
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = d / f".rank{rank}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(report))
         final = d / f"rank{rank}.json"
         os.replace(tmp, final)
         return final
     except OSError:
+        try:  # (a full disk: no half report left behind)
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
         return None
 
 

@@ -37,6 +37,7 @@ from gems.launch import cancel_on_signals
 from gems.launch.forkserver import Forked, start_worker
 from gems.mesh import mesh_from_config
 from gems.results import record as rec
+from gems.storage import full_note, writing
 from gems.telemetry.health import failure_of
 
 GRACE_S = 5.0  # after the first failure, how long the other ranks get to end (and report) by themselves
@@ -85,9 +86,10 @@ def launch(cfg: DictConfig, on_progress: Callable[[str], None] | None = None) ->
     from gems.config import to_yaml
 
     world = mesh_from_config(cfg).size
-    jd = rec.make_job_dir(cfg)
-    cfg_path = jd / "config.yaml"
-    cfg_path.write_text(to_yaml(cfg))
+    cfg_path = rec.job_dir(cfg) / "config.yaml"
+    with writing("the run's configuration", cfg_path):
+        jd = rec.make_job_dir(cfg)
+        cfg_path.write_text(to_yaml(cfg))
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, int(cfg.train.threads or 1))))
     env["PYTHONUNBUFFERED"] = "1"
@@ -113,8 +115,9 @@ def launch(cfg: DictConfig, on_progress: Callable[[str], None] | None = None) ->
         _keep(path, rec.failed_record(cfg, error, failure={"kind": "cancelled", "signal": c.signum}))
         c.detail = f"its {world} rank(s) were ended; record: {path}"
         raise
-    if path.exists():  # the ranks' own record: ok, or a failure they diagnosed (stall, non-finite loss)
-        return rec.read_record(path)
+    found = rec.find_record(path)  # the ranks' own record: ok, or a failure they diagnosed (its folder's or fallback)
+    if found is not None:
+        return rec.read_record(found)
     if watch.timed_out:
         cl = section(cfg, "cluster")
         error = (f"timed out after {cl.wait_s() / 60:g} min ({cl.wait_key()}): the ranks were ended unfinished "
@@ -123,6 +126,9 @@ def launch(cfg: DictConfig, on_progress: Callable[[str], None] | None = None) ->
     else:
         who = "rank" if cfg.comm.backend != "mpi" else "MPI rank"
         error, failure = failure_of(jd) or explain(jd, watch.exits, who)  # a node's failed health check first
+        full = full_note(jd)  # no record, and a full disk under the job: the likely cause, named
+        if full is not None:
+            error, failure = f"{error}; {full}", {**failure, "storage": "disk_full"}
     record = rec.failed_record(cfg, error, failure=failure)
     record["logs"] = [str(x) for x in watch.logs]
     return _keep(path, record)

@@ -118,6 +118,7 @@ import torch
 from torch import nn
 
 from gems.bootstrap import KEEP_GROWTH, backend_for, keeps_host_memory_within, node_memory_bytes, plan_device
+from gems.checkpoint.space import state_copies
 from gems.config import job_tasks, reads_files, section
 from gems.errors import ConfigError
 from gems.layers import Recompute
@@ -827,9 +828,7 @@ def setup(cfg: Any) -> Setup:
     spec, gather_note = _CACHE[cut]
     sched = str(p.schedule)
     eta = settings.schedule.replicas if settings.schedule is not None else 1
-    opt = str(cfg.train.optimizer)
-    factor = 2 if opt == "adam" else (1 if float(cfg.train.momentum) > 0 else 0)
-    factor += 1 if float(cfg.train.ema) > 0 else 0  # train.ema keeps one more copy of the parameters
+    factor = state_copies(cfg.train)  # the optimizer's state and train.ema's average, in copies of the parameters
     gpu = plan_device(cfg) == "cuda"
     # whether a GPU rank replays its model from CUDA graphs, and where not, why (the plan's notes say so)
     graphed, eager_why = graphs_decide(cfg, settings, mesh, torch.device("cuda")) if gpu else (False, None)

@@ -100,7 +100,20 @@ def render_table(plan: MemoryPlan, width: int = 120, cfg: Any = None) -> str:
             con.print(cost_line(spent), soft_wrap=True)
         if data_share(pr) > DATA_WARN:
             con.print(f"warning: {data_warning(cfg, data_share(pr))}", soft_wrap=True)
+    if cfg is not None:
+        con.print(disk_line(cfg), soft_wrap=True)
     return buf.getvalue()
+
+
+def disk_line(cfg: Any) -> str:
+    """What the run writes into ``results.dir`` at most at once, against the room there (gems run refuses less)."""
+    from gems.checkpoint.space import written
+    from gems.storage import free_bytes, size
+
+    need = written(cfg)
+    free = free_bytes(str(cfg.results.dir))
+    room = f"; {size(free)} free in {cfg.results.dir}" if free is not None else ""
+    return f"disk: the run writes at most {need.describe()} into results.dir{room}"
 
 
 def cost(cfg: Any, plan: MemoryPlan) -> dict[str, Any] | None:
@@ -204,7 +217,12 @@ def plan_main(cfg: Any, given: list[str] | None = None) -> int:
         return _dry_run_main(cfg, fmt)
     plan = make_plan(cfg)
     if fmt == "json":
-        print(json.dumps({**to_json(plan), "cost": cost(cfg, plan)}))
+        from gems.checkpoint.space import written
+
+        need = written(cfg)
+        print(json.dumps({**to_json(plan), "cost": cost(cfg, plan),
+                          "disk": {"peak_bytes": need.peak, "checkpoint_bytes": need.checkpoint,
+                                   "checkpoints_at_once": need.kept, "model_file_bytes": need.model_file}}))
     else:
         print(render_table(plan, cfg=cfg), end="")
     return 0

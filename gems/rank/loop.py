@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from omegaconf import DictConfig
@@ -18,7 +18,7 @@ from gems.fault.watchdog import Watchdog
 from gems.rank import hooks, profiling
 from gems.rank.data import Prefetcher, finisher, step_batch, unstage
 from gems.rank.hooks import StepResult, Stop
-from gems.rank.hooks.faults import NonFiniteLoss, OverMemoryCap, Stopped
+from gems.rank.hooks.faults import NonFiniteLoss, OverMemoryCap, Stopped, storage_stop
 from gems.rank.hooks.preemption import preempt
 from gems.rank.report import export_model, make_record
 from gems.rank.setup import RankState, set_up
@@ -26,6 +26,7 @@ from gems.rank.sync import Queued, Readout, StepFigures, event, stop_request, to
 from gems.replication import average_buffers
 from gems.results import record as rec
 from gems.results.recorder import Recorder
+from gems.storage import StorageFailed
 
 __all__ = ["Loop", "NonFiniteLoss", "OverMemoryCap", "Stopped", "train", "write_once"]
 
@@ -76,8 +77,11 @@ class Loop:
             self.prefetch.close()
             self.recorder.history["reader_s"] += self.prefetch.reader_s
         progress.mark("record")
-        s.saver.finish()  # an async checkpoint still being written: complete, and latest moved to it
-        model_file = export_model(s, len(self.recorder.history["losses"]))
+        try:
+            s.saver.finish()  # an async checkpoint still being written: complete, and latest moved to it
+            model_file = export_model(s, len(self.recorder.history["losses"]))
+        except StorageFailed as e:
+            self.stop(storage_stop(self, e, len(self.recorder.history["losses"])))
         record = make_record(s, self.recorder)
         if model_file is not None:
             record["model_file"] = str(model_file)
@@ -91,7 +95,7 @@ class Loop:
         progress.mark("data", step)
         begun = time.perf_counter()  # the whole step's wall time, for the stall allowance
         for hook in self.hooks:
-            self.stop(hook.before_step(step))
+            self.stop(self.guarded(lambda: hook.before_step(step), step))
         t0 = time.perf_counter()
         late = s.stepper.graph is not None  # a graphed run's figures are read late: its span timed by events
         start = event() if late and s.world.device.type == "cuda" else None
@@ -102,7 +106,7 @@ class Loop:
                 raise  # (the ranks agree before the batch is needed where a reader runs ahead: BadData.ahead)
             self.drain()
             self.bad.met = e
-            self.stop(self.bad.stop(step))
+            self.stop(self.guarded(lambda: self.bad.stop(step), step))
         x = inject.poison(s.fault, s.world.rank, step, x)
         self.recorder.history["lrs"].append(s.lr.apply(s.opt, step))
         timers.reset()
@@ -151,9 +155,16 @@ class Loop:
         result = self.read(queued)
         done = False
         for hook in self.hooks:
-            stop = hook.after_step(result)
-            done = self.stop(stop) or done
+            done = self.stop(self.guarded(lambda: hook.after_step(result), result.step + 1)) or done
         return done
+
+    def guarded(self, call: Callable[[], Stop | None], before: int) -> Stop | None:
+        """A hook's ``call``; a save in it that every rank took part in (a checkpoint, the model file) failing for the
+        storage's reason stops the run before step ``before`` (:func:`gems.rank.hooks.faults.storage_stop`)."""
+        try:
+            return call()
+        except StorageFailed as e:
+            return storage_stop(self, e, before)
 
     # ---- around the step --------------------------------------------------------------------------------------
     def finisher(self) -> Any:
@@ -247,13 +258,18 @@ class Loop:
         if stop.kind == "requeue":
             self.drain()
             self.settle()
-            preempt(s, stop.before, self.recorder.history, stop.message)
+            try:
+                preempt(s, stop.before, self.recorder.history, stop.message)
+            except StorageFailed as e:
+                stop = storage_stop(self, e, stop.before)
         assert stop.error is not None
         if s.world.rank == 0:
             record = rec.failed_record(s.cfg, stop.message, failure=stop.failure, losses=self.recorder.history["losses"],
                                        restarts=s.restarts)
-            record.update(stop.extra)
+            record.update(stop.extra, lr=list(self.recorder.history["lrs"]))
             write_once(rec.record_path(s.cfg), record)
+            with contextlib.suppress(StorageFailed):  # the losses so far, a line a step (a full disk: the record has them)
+                rec.write_steps(rec.record_path(s.cfg), record)
         self.barrier()  # the record is there before any rank ends (the launcher reads it then)
         raise stop.error
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gems.paths import write_result_json
+from gems.storage import StorageFailed, fallback_dir, with_fallback, writing
 
 SCHEMA = "gems.record/1"
 
@@ -176,8 +177,21 @@ def failed_record(cfg: Any, error: str, world_size: int | None = None, hosts: li
 
 
 def write_record(path: Path | str, record: dict[str, Any]) -> Path:
-    """Write ``record`` to ``path`` atomically; never replace an existing record."""
-    return write_result_json(path, record, replace=False, allow_nan=True)  # fails if a record already exists there
+    """Write ``record`` to ``path`` atomically; never replace an existing record (FileExistsError). Where the storage
+    under ``path`` fails (a full disk or quota, a folder removed), the record goes to the fallback folder
+    (gems.storage.with_fallback); returns where it went."""
+    where, _ = with_fallback(lambda p: write_result_json(p, record, replace=False, allow_nan=True), path,
+                             "the run's record")
+    return where
+
+
+def find_record(path: Path | str) -> Path | None:
+    """Where the record meant for ``path`` is: there, or in the fallback folder its own could not take it in."""
+    path = Path(path)
+    if path.exists():
+        return path
+    other = fallback_dir() / path.name
+    return other if other.exists() else None
 
 
 def write_steps(record_file: Path | str, record: dict[str, Any]) -> Path | None:
@@ -194,7 +208,7 @@ def write_steps(record_file: Path | str, record: dict[str, Any]) -> Path | None:
     lrs = record.get("lr") or []
     val = {int(v["step"]) - 1: v for v in record.get("validation") or []}  # evaluated after that step
     try:
-        with open(path, "w", newline="") as f:
+        with writing("the per-step CSV", path), open(path, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["step", "loss", "step_time_s", "warmup", "measured", "lr", "val_loss", "val_mae",
                         "val_accuracy"])
@@ -207,6 +221,9 @@ def write_steps(record_file: Path | str, record: dict[str, Any]) -> Path | None:
                 w.writerow([i, repr(float(loss)), t if t == "" else repr(float(t)), int(i < warm), int(i >= start),
                             repr(float(lrs[i])) if i < len(lrs) else "",
                             *(repr(float(v[k])) if k in v else "" for k in ("loss", "mae", "accuracy"))])
+    except StorageFailed:
+        path.unlink(missing_ok=True)  # no half file: the storage's failure is said by the caller
+        raise
     except OSError:
         return None
     try:

@@ -13,6 +13,7 @@ from gems.fault import inject
 from gems.memory import over_cap, rank_cap_bytes
 from gems.rank.data import replica_indices
 from gems.rank.hooks.base import Hook, Run, StepResult, Stop
+from gems.storage import StorageFailed
 
 
 class Stopped(RunError):
@@ -22,6 +23,11 @@ class Stopped(RunError):
 
 class NonFiniteLoss(Stopped):
     """The global loss of a step was NaN or Inf and ``train.on_nonfinite=stop``: every rank stops at that step."""
+
+
+class StorageStopped(Stopped):
+    """A write every rank agreed had failed for the storage's reason (a full disk or quota, an I/O error, a folder
+    removed): the run stopped with its last whole checkpoint kept."""
 
 
 class OverMemoryCap(Stopped):
@@ -186,3 +192,34 @@ class FaultInjection(Hook):
             return Stop.requeue(step, "fault injection: preempting the job")
         return None
 
+
+
+def storage_stop(run: Run, failed: StorageFailed, before: int) -> Stop:
+    """The storage failed under a write every rank took part in, before step ``before`` (gems.storage): the partial
+    checkpoint is gone already (gems.checkpoint), the last whole one is kept, the trained model is written where
+    there is room, and the line says what was being written and where, why it failed, what is kept and how the
+    same command goes on."""
+    from gems import checkpoint as ckpt
+    from gems.rank.report import export_model
+
+    s = run.state
+    root = ckpt.ckpt_dir(s.cfg)
+    step = ckpt.latest_step(root)
+    kept = root / f"step{step:08d}" if step is not None else None
+    model_file = None
+    if failed.what != "the trained model file":
+        try:
+            model_file = export_model(s, len(run.recorder.history["losses"]))
+        except StorageFailed:
+            model_file = None
+    if kept is not None:
+        then = (f"its last whole checkpoint, {kept} (before step {step}), is kept: once there is room, the same "
+                "command goes on from it (train.resume_stopped)")
+    else:
+        then = "no whole checkpoint was kept: the same command starts over"
+    if model_file is not None:
+        then += f"; the trained model: {model_file}"
+    message = f"{failed.line()}; {then}"
+    failure = {**failed.as_dict(), "step": before, "checkpoint": str(kept) if kept is not None else None}
+    return Stop.failed(StorageStopped(message), message, failure,
+                       model_file=str(model_file) if model_file is not None else None)
