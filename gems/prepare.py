@@ -64,7 +64,10 @@ def prepare(cfg: Any) -> Any:
                               "are never replaced)")
         if ckpt.has_checkpoint(cfg):
             ckpt.check_fingerprint(cfg)
+    asked = cfg.train.resume_from
     resume_stopped(cfg)
+    if cfg.train.resume_from and not asked:  # a stopped run's checkpoint: gone on from on the files it trained on
+        check_files(cfg, ckpt.find(str(cfg.train.resume_from), "train.resume_from"))
     check_starting_point(cfg)
     preflight(cfg)  # model, spatial cut and schedule: bad input fails here, before launching
     if cfg.train.check_fit:
@@ -206,6 +209,15 @@ def resume_stopped(cfg: Any) -> None:
         print(f"gems: note: run {r['run_id']} of this name stopped with a checkpoint kept, but {key} was {was} there "
               f"and is {now.get(key)} here: starting over (train.resume_from=PATH goes on from its checkpoint anyway)",
               file=sys.stderr, flush=True)
+
+
+def check_files(cfg: Any, folder: Path) -> None:
+    """The data sets as the run whose checkpoint (``folder``) a stopped run's command goes on from trained on them
+    (gems.checkpoint.files), else bad input naming the files gone or added."""
+    from gems.checkpoint.files import check_files as same_files
+
+    same_files(cfg, ckpt.read_meta(folder), folder, f"mend the set, or train.resume_stopped=false starts over; "
+               f"train.resume_from={folder} goes on from it on the set as it is")
 
 
 def check_starting_point(cfg: Any) -> None:

@@ -75,7 +75,7 @@ def test_each_ranks_part_of_each_tile_is_nibabels(folder: Path, slices) -> None:
     for i in ids:
         v, origin = s.locate(i)
         stored, hu, lab = _tile(folder, v, origin)
-        assert np.array_equal(voxels.data[i].numpy(), stored[part]) and np.array_equal(labels[i].numpy(), lab[part])
+        assert np.array_equal(voxels.data[i, 0].numpy(), stored[part]) and np.array_equal(labels[i].numpy(), lab[part])
         want = (np.clip(hu[part], -200, 250) + 200) / 450
         np.testing.assert_allclose(x[i, 0].numpy(), want, atol=2e-7)
         assert torch.equal(s.target(i), labels[i])
@@ -178,7 +178,7 @@ def test_volumes_of_mixed_types_are_read_as_float32(tmp_path: Path, folder: Path
     for i in ids:
         v, origin = s.locate(i)
         stored, hu, lab = _tile(tmp_path, v, origin)
-        assert np.array_equal(voxels.data[i].numpy(), stored.astype(np.float32)) and np.array_equal(labels[i], lab)
+        assert np.array_equal(voxels.data[i, 0].numpy(), stored.astype(np.float32)) and np.array_equal(labels[i], lab)
         np.testing.assert_allclose(x[i, 0].numpy(), (np.clip(hu, -200, 250) + 200) / 450, atol=2e-7)
     last = s.locate(ids[-1])[0]
     assert last == 1 and float(x[-1, 0, 5:].abs().max()) == 0.0  # depth 5 of 8: padding, 0 after the window

@@ -607,6 +607,7 @@ def write_meta(d: Path, cfg: Any, step: int, world_size: int) -> None:
     """``gems.json``: what the tensors do not say (rank 0 writes it)."""
     from omegaconf import OmegaConf
 
+    from gems.checkpoint.files import listing
     from gems.mesh import mesh_from_config
 
     mesh = mesh_from_config(cfg, world_size)
@@ -615,7 +616,7 @@ def write_meta(d: Path, cfg: Any, step: int, world_size: int) -> None:
             "mesh": mesh_of(mesh),
             "schedule": str(cfg.parallel.schedule), "global_batch": int(cfg.train.batch_size),
             "optimizer": str(cfg.train.optimizer), "ema": cfg.train.ema, "run_id": str(cfg.run_id),
-            "trained_on": trained_on(cfg)}
+            "trained_on": trained_on(cfg), "files": listing(cfg)}
     _write_text(d / META, json.dumps(meta, indent=1))
 
 

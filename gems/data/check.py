@@ -31,18 +31,19 @@ from gems.errors import ConfigError
 LARGE_BYTES = 8 * 2**30
 
 
-def _options(layout: Any, classes: int | None) -> dict[str, Any]:
-    return {"target": layout.target, "classes": classes}
-
-
-def check_file(name: str, file: str, key: str, classes: int | None) -> tuple[str, str] | None:
+def check_file(name: str, file: str, key: str, classes: int | None,
+               tolerance: float | None = None) -> tuple[str, str] | None:
     """Read file ``file`` of layout ``name`` whole, as a run's reader reads it (a set of that one file, every
-    sample of it); None where it is good, else (the file, what is wrong: the refusal's words)."""
+    sample of it), or, where a run reads it only once converted (a ``.nii.gz``), as the layout reads it whole
+    (gems.data.layouts.Layout.check_whole); None where it is good, else (the file, what is wrong: the refusal's
+    words). ``tolerance``: data.affine_tolerance."""
     from gems.data import layouts
 
     layout = layouts.get(name)
     try:
-        samples = layout.open(file, None, key=key, **_options(layout, classes))
+        if layout.check_whole(Path(file), key, classes, tolerance):
+            return None
+        samples = layout.open(file, None, key=key, target=layout.target, classes=classes, affine_tolerance=tolerance)
         try:
             samples.check_all(None, None)
             for i in range(len(samples)):
@@ -66,29 +67,35 @@ def _classes(cfg: Any, layout: Any, path: str) -> int | None:
     return len(names) if names else None
 
 
-def work_of(cfg: Any) -> list[tuple[str, str, str, int | None]]:
-    """(layout, file, key, classes) of every file of ``data.path`` and ``data.val_path``; bad input (no such folder,
-    no layout that holds it) is a ConfigError naming the key."""
+Item = tuple[str, str, str, int | None, float]
+
+
+def sets_of(cfg: Any) -> list[tuple[str, str, Any]]:
+    """(key, folder, layout) of ``data.path`` and ``data.val_path``; bad input (no such folder, no layout that holds
+    it) is a ConfigError naming the key."""
     from gems.data import layouts
 
     d = cfg.data
     if d.path in (None, "", "???"):
         raise ConfigError("data.path", d.path, "the folder of files to check, e.g. data.path=/data/Task03_Liver")
-    items = []
+    out = []
     for key, path in (("data.path", d.path), ("data.val_path", d.val_path)):
         if path in (None, ""):
             continue
         if not Path(str(path)).exists():
             raise ConfigError(key, str(path), "a folder (or file) of samples to check")
-        layout = layouts.detect(str(path), d.get("layout"), key)
-        classes = _classes(cfg, layout, str(path))
-        items += [(layout.name, str(f), key, classes) for f in layout.files(str(path))]
-    return items
+        out.append((key, str(path), layouts.detect(str(path), d.get("layout"), key)))
+    return out
 
 
-def _one(item: tuple[str, str, str, int | None]) -> tuple[str, str] | None:
-    name, file, key, classes = item
-    return check_file(name, file, key, classes)
+def work_of(cfg: Any) -> list[Item]:
+    """(layout, file, key, classes, data.affine_tolerance) of every file of ``data.path`` and ``data.val_path``."""
+    return [(layout.name, str(f), key, _classes(cfg, layout, path), float(cfg.data.affine_tolerance))
+            for key, path, layout in sets_of(cfg) for f in layout.files(path)]
+
+
+def _one(item: Item) -> tuple[str, str] | None:
+    return check_file(*item)
 
 
 def check_main(cfg: Any, job: Callable[..., int] | None = None, classes: int | None = None) -> int:
@@ -97,8 +104,13 @@ def check_main(cfg: Any, job: Callable[..., int] | None = None, classes: int | N
     job's tasks."""
     from omegaconf import open_dict
 
-    with open_dict(cfg):
-        cfg.check_classes = classes
+    from gems.config import given
+    from gems.data.task import from_the_data
+
+    sets = sets_of(cfg)
+    from_the_data(cfg)  # a task's classes against a model.num_classes the user set: refused as gems run refuses it
+    with open_dict(cfg):  # the model's where the user set them, else the set's own
+        cfg.check_classes = classes if given(cfg, "model.num_classes") else None
     items = work_of(cfg)
     here = cfg.cluster.launcher != "slurm"
     workers = min(int(cfg.data.workers) or (os.cpu_count() or 1), max(1, len(items)))
@@ -113,6 +125,10 @@ def check_main(cfg: Any, job: Callable[..., int] | None = None, classes: int | N
         raise ConfigError("cluster", cfg.cluster.name, "cluster=local here (a Slurm job is submitted by the "
                           "`gems data check` command)")
     print(summary(len(items), bad, time.perf_counter() - t0), flush=True)
+    for key, path, layout in sets:  # a set a run reads only once converted: said once
+        hint = layout.convert_hint(path, layout.files(path))
+        if hint:
+            print(f"gems: note: {key}: {hint}", flush=True)
     if bad:
         return 2
     for key, path in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
@@ -123,11 +139,11 @@ def check_main(cfg: Any, job: Callable[..., int] | None = None, classes: int | N
 
 def summary(total: int, bad: list[tuple[str, str]], seconds: float) -> str:
     """The check's last line: the files checked, each bad one named with what is wrong."""
+    from gems.data.convert import named
+
     if not bad:
         return f"gems data check: {total} file(s) checked in {seconds:.1f} s, all good"
-    shown = "; ".join(f"{Path(f).name}: {why}" for f, why in sorted(bad)[:20])
-    more = f"; and {len(bad) - 20} more" if len(bad) > 20 else ""
-    return f"gems data check: {total} file(s) checked in {seconds:.1f} s, {len(bad)} bad: {shown}{more}"
+    return f"gems data check: {total} file(s) checked in {seconds:.1f} s, {len(bad)} bad: {named(bad)}"
 
 
 def _here(items: list[Any], workers: int) -> list[tuple[str, str]]:
@@ -147,40 +163,25 @@ def _here(items: list[Any], workers: int) -> list[tuple[str, str]]:
 
 def task(cfg_yaml: str) -> int:
     """One Slurm task of the check: every k-th file (k the job's tasks), what it found written to the job's
-    folder (``task<K>.json``), which the command reads once the job is done."""
+    folder (gems.data.convert.report), which the command reads once the job is done."""
     import submitit
     from omegaconf import OmegaConf
 
-    from gems.data.convert import _init_worker
+    from gems.data.convert import _init_worker, report
 
     _init_worker()
     cfg = OmegaConf.create(cfg_yaml)
     env = submitit.JobEnvironment()
     mine = work_of(cfg)[env.global_rank::env.num_tasks]
-    bad = [got for item in mine if (got := _one(item)) is not None]
-    out = Path(str(cfg.data.out))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"task{env.global_rank}.json").write_text(json.dumps(bad))
+    report(cfg, env.global_rank, [got for item in mine if (got := _one(item)) is not None])
     return len(mine)
 
 
 def _on_slurm(cfg: Any, items: list[Any], job: Callable[..., int]) -> list[tuple[str, str]]:
-    from omegaconf import open_dict
+    from gems.data.convert import found, reporting
 
-    from gems.results.record import job_dir
-
-    with open_dict(cfg):
-        cfg.run_id = f"check-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        cfg.data.out = str(job_dir(cfg) / "found")
-    tasks = job(cfg, task, "check", f"{len(items)} file(s)")
-    bad: list[tuple[str, str]] = []
-    for k in range(tasks):
-        f = Path(str(cfg.data.out)) / f"task{k}.json"
-        if not f.is_file():
-            raise ConfigError("cluster", cfg.cluster.name, f"a job whose every task reports; task {k} wrote nothing "
-                              f"({f})")
-        bad += [tuple(b) for b in json.loads(f.read_text())]  # type: ignore[misc]
-    return bad
+    reporting(cfg, "check")
+    return found(cfg, job(cfg, task, "check", f"{len(items)} file(s)"))
 
 
 # ---------------------------------------------------------------------------- sets that passed

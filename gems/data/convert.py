@@ -10,8 +10,9 @@ It resumes where it stopped: a layout writes each file under a hidden name and r
 so a file there is finished and is never written again, and one half-written is done again. The work is spread
 over ``data.workers`` processes here (0: this machine's cores), with a progress bar, or over the tasks of one
 Slurm job (``cluster=...``: each task converts every k-th file left). A bad file (a corrupt gzip stream, a
-record whose CRC does not match, labels missing) stops the conversion and is named (exit 2); what was written
-before it stays.
+record whose CRC does not match, labels missing) is passed over: the rest is converted, and every bad one is named
+at the end (exit 2); the same command converts what is left once they are mended or removed. ``data.val_path`` is
+refused, naming the command that converts it.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ class Converts(Protocol):
     def converted_name(self, source: Path, tile: int | None = None) -> str: ...
 
     def convert(self, source: Path, folder: Path, channels: int | None = None, key: str = "data.path",
-                tile: int | None = None) -> Path: ...
+                tile: int | None = None, tolerance: float | None = None) -> Path: ...
 
 
 def _converter(name: str) -> Converts:
@@ -50,6 +51,7 @@ class Work:
     workers: int
     channels: int
     tile: int | None = None  # data.tile: labelled volumes written tile by tile (gems.data.layouts.tiles)
+    tolerance: float | None = None  # data.affine_tolerance: labels lined up onto their volume's grid (data.tile)
 
     def left(self, share: tuple[int, int] = (0, 1)) -> list[tuple[str, Path, Path]]:
         """The items whose converted file is not there yet (a file there is whole: module docstring); ``share``
@@ -85,6 +87,12 @@ def plan_of(cfg: Any) -> Work:
     out = Path(str(d.out))
     if out.absolute() == src.absolute():
         raise ConfigError("data.out", str(out), "a folder other than data.path (the sources are kept)")
+    if d.get("val_path") not in (None, ""):
+        val = Path(str(d.val_path))
+        shown = next((lay.convert_command(val) for lay in layouts.registered().values() if lay.files(val)), None)
+        raise ConfigError("data.val_path", str(val), "null for gems data convert, which converts data.path (a folder, "
+                          f"or a folder of folders: train/ and validation/); convert it on its own: "
+                          f"`{shown or f'gems data convert data.path={val} data.out={val}_converted'}`")
     name = d.get("layout")
     folders = [src] if _holds_any(src) else sorted(p for p in src.iterdir() if p.is_dir() and _holds_any(p))
     if not folders:
@@ -116,12 +124,12 @@ def plan_of(cfg: Any) -> Work:
     workers = int(d.workers) or (os.cpu_count() or 1)
     tile = d.get("tile")
     if tile is not None:
-        labelled = {"nifti", "decathlon"}
-        other = sorted({name for name, _, _ in items} - labelled)
+        other = sorted({name for name, _, _ in items if layouts.get(name).target != "dense"})
         if other:
             raise ConfigError("data.tile", tile, f"null for {other[0]} files (tiles are of labelled volumes: LiTS's "
-                              "NIfTI volumes, a Decathlon task)")
-    return Work(tuple(items), workers, int(cfg.model.in_channels), int(tile) if tile is not None else None)
+                              "NIfTI volumes, a Decathlon task, an nnU-Net dataset)")
+    return Work(tuple(items), workers, int(cfg.model.in_channels), int(tile) if tile is not None else None,
+                float(d.affine_tolerance))
 
 
 def _converts(layout: Any) -> bool:
@@ -139,15 +147,23 @@ def _holds_any(folder: Path) -> bool:
     return any(lay.files(folder) and _converts(lay) for lay in layouts.registered().values())
 
 
-def convert_one(item: tuple[str, Path, Path], channels: int, tile: int | None = None) -> tuple[str, Any, str] | None:
-    """Convert one source file; None, or the bad input it is as (key, value, expected) (a ConfigError does not
+def convert_one(item: tuple[str, Path, Path], channels: int, tile: int | None = None,
+                tolerance: float | None = None) -> tuple[str, str] | None:
+    """Convert one source file; None, or (the file, what is wrong: the refusal's words) (a ConfigError does not
     cross a process's bounds)."""
     name, src, out = item
     try:
-        _converter(name).convert(src, out, channels=channels, tile=tile)
+        _converter(name).convert(src, out, channels=channels, tile=tile, tolerance=tolerance)
     except ConfigError as e:
-        return e.key, e.value, e.expected
+        return str(src), e.expected
     return None
+
+
+def named(bad: Sequence[tuple[str, str]], shown: int = 20) -> str:
+    """Bad files in one line, each with what is wrong (the first ``shown``, by name): gems data convert's and
+    gems data check's last words."""
+    out = "; ".join(f"{Path(f).name}: {why}" for f, why in sorted(bad)[:shown])
+    return out + (f"; and {len(bad) - shown} more" if len(bad) > shown else "")
 
 
 def _context() -> Any:
@@ -257,24 +273,27 @@ def work_through(fn: Callable[[Any], Any], items: Sequence[Any], workers: int, t
 
 
 def _here(work: Work, left: list[tuple[str, Path, Path]]) -> int:
-    """Convert ``left`` on ``work.workers`` processes (one: in this one), the first bad file ending it."""
-    done = 0
-    bad: tuple[str, Any, str] | None = None
+    """Convert ``left`` on ``work.workers`` processes (one: in this one), past any bad file (:func:`refused`)."""
+    bad: list[tuple[str, str]] = []
 
-    def take(got: tuple[str, Any, str] | None) -> bool:
-        nonlocal done, bad
+    def take(got: tuple[str, str] | None) -> bool:
         if got is not None:
-            bad = bad or got
-            return False
-        done += 1
+            bad.append(got)
         return True
 
-    work_through(functools.partial(convert_one, channels=work.channels, tile=work.tile), left, work.workers, take)
-    if bad is not None:
-        key, value, expected = bad
-        raise ConfigError(key, value, f"{expected} ({done} other file(s) were converted and are kept; run the same "
-                          "command again once it is mended or removed)")
-    return done
+    work_through(functools.partial(convert_one, channels=work.channels, tile=work.tile, tolerance=work.tolerance),
+                 left, work.workers, take)
+    refused(bad, len(left) - len(bad))
+    return len(left)
+
+
+def refused(bad: list[tuple[str, str]], done: int) -> None:
+    """Every bad file of a conversion named in one refusal (none: nothing), with what was converted."""
+    if bad:
+        folder = str(Path(sorted(bad)[0][0]).parent)
+        raise ConfigError("data.path", folder, f"files that convert; {len(bad)} did not: {named(bad)} ({done} other "
+                          "file(s) were converted and are kept; the same command converts the rest once they are "
+                          "mended or removed)")
 
 
 # ---------------------------------------------------------------------------- as a Slurm job
@@ -288,11 +307,44 @@ def task(cfg_yaml: str) -> int:
     env = submitit.JobEnvironment()
     work = plan_of(cfg)
     mine = work.left((env.global_rank, env.num_tasks))
-    for item in mine:
-        bad = convert_one(item, work.channels, work.tile)
-        if bad is not None:
-            raise ConfigError(*bad)
+    bad = [got for item in mine if (got := convert_one(item, work.channels, work.tile, work.tolerance)) is not None]
+    report(cfg, env.global_rank, bad)
     return len(mine)
+
+
+def report(cfg: Any, rank: int, bad: list[tuple[str, str]]) -> None:
+    """What a Slurm task of gems data convert or check found bad, written to the job's folder (``task<K>.json``),
+    which the command reads once the job is done (:func:`found`)."""
+    import json
+
+    out = Path(str(cfg.found))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"task{rank}.json").write_text(json.dumps(bad))
+
+
+def found(cfg: Any, tasks: int) -> list[tuple[str, str]]:
+    """The bad files every task of a Slurm job of gems data convert or check reported (:func:`report`)."""
+    import json
+
+    bad: list[tuple[str, str]] = []
+    for k in range(tasks):
+        f = Path(str(cfg.found)) / f"task{k}.json"
+        if not f.is_file():
+            raise ConfigError("cluster", cfg.cluster.name, f"a job whose every task reports; task {k} wrote nothing "
+                              f"({f})")
+        bad += [(str(a), str(b)) for a, b in json.loads(f.read_text())]
+    return bad
+
+
+def reporting(cfg: Any, command: str) -> None:
+    """``cfg`` made a job's: its run id and the folder its tasks report in (gems.results.record.job_dir)."""
+    from omegaconf import open_dict
+
+    from gems.results.record import job_dir
+
+    with open_dict(cfg):
+        cfg.run_id = f"{command}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        cfg.found = str(job_dir(cfg) / "found")
 
 
 def _on_slurm(cfg: Any, work: Work, left: list[tuple[str, Path, Path]], job: Callable[..., int]) -> int:
@@ -305,9 +357,12 @@ def _on_slurm(cfg: Any, work: Work, left: list[tuple[str, Path, Path]], job: Cal
             bar.advance(now - shown[0])
             shown[0] = now
 
+    reporting(cfg, "convert")
     try:
-        job(cfg, task, "convert", f"{len(left)} file(s)", on_update=count)
+        tasks = job(cfg, task, "convert", f"{len(left)} file(s)", on_update=count)
         count()
     finally:
         bar.close()
+    bad = found(cfg, tasks)
+    refused(bad, len(left) - len(bad))
     return len(left)

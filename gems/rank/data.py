@@ -56,7 +56,7 @@ def make_data(cfg: DictConfig, spec: ModelSpec, slices: tuple[slice, ...] | None
         return _HDF5Batches(layout.open(path, spec.input_shape, key=key, slices=slices, crop=d.crop,
                                         standardize=d.standardize, augment="none" if validation else d.augment,
                                         readers=readers, target=spec.target, window=d.window, classes=classes,
-                                        orientation=str(d.orientation)),
+                                        orientation=str(d.orientation), affine_tolerance=float(d.affine_tolerance)),
                             pin=device is not None and device.type == "cuda", evaluated=validation)
     if d.augment != "none":
         raise ConfigError("data.augment", d.augment, "none for synthetic data (its samples are drawn, not read: "

@@ -31,6 +31,10 @@ when the package is) and its tests.
   base of a layout of one C-order array a file, which does all of this from each file's header.
 * :meth:`Layout.broken` ``(file)``: why a file this layout lists is not one it reads, where its headers tell
   (an HDF5 ``full`` that links to a missing file), for the refusal of a folder no layout holds; None by default.
+* :meth:`Layout.declared` ``(path)``: what the files declare of the model (a task's classes and channels, by
+  ``model.num_classes`` and ``model.in_channels``), which set the model unless the user did (gems.data.task);
+  :meth:`Layout.check_whole` ``(file, key)`` and :meth:`Layout.convert_hint` ``(path, files)``: ``gems data
+  check``'s reading of a file a run reads only once converted, and what it says of such a set. None by default.
 * :meth:`Layout.rate` ``(samples, ids, symmetries)``: bytes a second ``samples.read`` moves into a batch on
   this machine (default: timed, the second of two reads into one buffer, from the page cache);
   :meth:`Layout.fallback_rate` ``(shape, slices)``: the planner's figure where no file is at hand
@@ -93,6 +97,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Protocol, Sequence, T
 
 import numpy as np
 
+from gems.checkpoint.files import lists
 from gems.config import import_modules, owned
 from gems.errors import ConfigError
 
@@ -121,6 +126,7 @@ class Options:
     classes: int | None = None  # a model of dense classes: its classes (labels at or over it are bad input)
     window: Sequence[float] | None = None  # data.window: CT volumes' [low, high] Hounsfield units (nifti)
     orientation: str = "stored"  # data.orientation: volumes read as stored, or in RAS+ (nifti)
+    affine_tolerance: float | None = None  # data.affine_tolerance: voxels a file may lie off its grid (nifti; None: default)
 
 
 class Samples(Protocol):
@@ -180,6 +186,27 @@ class Layout:
     def holds(self, files: Sequence[Path]) -> bool:
         raise NotImplementedError
 
+    def declared(self, path: str | os.PathLike) -> dict[str, list[str]]:
+        """What the files at ``path`` declare of the model that trains on them, by its key: ``model.num_classes``
+        the classes' names by label, ``model.in_channels`` the channels' (a task's dataset.json); gems.data.task sets
+        the model by them. None by default."""
+        return {}
+
+    def check_whole(self, file: Path, key: str, classes: int | None = None, tolerance: float | None = None) -> bool:
+        """``gems data check`` of a file a run reads only once converted (a ``.nii.gz``): read whole here, bad input
+        a ConfigError naming it; False (the default) for a file a run reads where it lies, which the check reads
+        through the run's own reader."""
+        return False
+
+    def convert_command(self, path: str | os.PathLike) -> str:
+        """The command that converts the set at ``path``, as it runs (a layout that converts: ``convert``)."""
+        return f"gems data convert data.path={path} data.out={path}_converted"
+
+    def convert_hint(self, path: str | os.PathLike, files: Sequence[Path]) -> str | None:
+        """What ``gems data check`` says once of the set at ``path`` (its ``files``) where converting it first makes
+        a run read it faster, with the command; None by default."""
+        return None
+
     def broken(self, file: Path) -> str | None:
         """Why ``file`` (one :meth:`files` lists) is not this layout's where its headers tell, in a few words naming
         it (the end of the refusal of a folder no layout holds: gems.data.layouts.closest); None by default."""
@@ -211,7 +238,7 @@ class Layout:
         raise NotImplementedError
 
     def convert(self, source: Path, folder: Path, channels: int | None = None, key: str = "data.path",
-                tile: int | None = None) -> Path:
+                tile: int | None = None, tolerance: float | None = None) -> Path:
         """``gems data convert``: file ``source`` written into ``folder`` in a fast layout, whole or not at all
         (a hidden name, then renamed); its path. ``key`` names the folder in messages; ``tile``: the tiled layout
         of that edge (gems.data.layouts.tiles: labelled volumes; a layout without it refuses ``data.tile``)."""
@@ -656,4 +683,28 @@ def _load() -> None:
     import_modules(__name__)
 
 
+#: each set's listing, once a process: (key, folder) -> its files' names (:func:`set_files`)
+_SET_FILES: dict[tuple[str, str], list[str]] = {}
+
+
+def set_files(cfg: Any) -> dict[str, list[str]]:
+    """The files of each data set ``cfg`` reads (``data.path``'s, ``data.val_path``'s), by key: the sample files its
+    layout lists, as names under the set's folder, sorted; listed once a process. What a checkpoint keeps of the
+    sets its run trained on (gems.checkpoint.files)."""
+    from gems.config import reads_files
+
+    d = cfg.data
+    out: dict[str, list[str]] = {}
+    for key, path in (("data.path", d.path), ("data.val_path", d.get("val_path"))) if reads_files(d) else ():
+        if path in (None, ""):
+            continue
+        if (key, str(path)) not in _SET_FILES:
+            root = Path(str(path))
+            found = detect(root, d.get("layout"), key).files(root)
+            _SET_FILES[key, str(path)] = sorted(str(f.relative_to(root)) if root.is_dir() else f.name for f in found)
+        out[key] = _SET_FILES[key, str(path)]
+    return out
+
+
 owned("data.layout", lambda: registered())  # the configuration checks and lists them (gems.config.owned)
+lists(set_files)  # a checkpoint keeps each set's files (gems.checkpoint.files)

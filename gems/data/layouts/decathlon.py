@@ -2,24 +2,29 @@
 
 A task folder, as the Decathlon's tarballs unpack (``Task03_Liver``: LiTS's volumes as most users download them),
 holds ``imagesTr/`` (the training volumes, ``liver_N.nii.gz``), ``labelsTr/`` (their labels, under the same
-names), ``imagesTs/`` (test volumes without labels) and ``dataset.json`` (the task's name, its modality, its classes
-by label, the training pairs and the test volumes). The tarballs also carry macOS's ``._NAME`` resource forks beside
-every file: hidden names, left out as every hidden file is.
+names), ``imagesTs/`` (test volumes without labels) and ``dataset.json`` (the task's name, its modalities, its
+classes by label, the training pairs and the test volumes). The tarballs also carry macOS's ``._NAME`` resource
+forks beside every file: hidden names, left out as every hidden file is.
 
 gems reads it as it reads LiTS's volumes (gems.data.layouts.nifti: tiles of the model's edge, the CT window, labels
 lined up onto their volume's grid by their affines): each volume's labels are the file of its name in
 ``labelsTr/``; the classes' names are ``dataset.json``'s (the Dice columns of the record, the table and ``gems
-eval``); ``imagesTs/`` has no labels to train or validate on and is left out, which the run says. The volumes come
-gzip-compressed, which cannot be read by position: ``gems data convert`` writes the task uncompressed into
-``data.out`` (``imagesTr/``, ``labelsTr/`` and ``dataset.json``), which gems reads where it lies. Tasks of several
-channels a voxel (BrainTumour's four MR sequences, 4D files) are refused naming the file: the reader takes one.
+eval``), and they and its modalities set ``model.num_classes`` and ``model.in_channels`` unless the user set them
+(gems.data.task); ``imagesTs/`` has no labels to train or validate on and is left out, which the run says. A task of
+several modalities (BrainTumour's four MR sequences) holds a 4D volume a case, one 3D volume a channel, read as the
+input's channels; a channel ``dataset.json`` names other than CT is not windowed. The volumes come gzip-compressed,
+which cannot be read by position: ``gems data convert`` writes the task uncompressed into ``data.out``
+(``imagesTr/``, ``labelsTr/`` and ``dataset.json``), which gems reads where it lies.
+
+The helpers here read any ``dataset.json`` of this family: the Decathlon's and nnU-Net v1's (``"labels": {"0":
+"background", ...}``, ``"modality"``) and nnU-Net v2's (``"labels": {"background": 0, ...}``, ``"channel_names"``,
+``"file_ending"``); gems.data.layouts.nnunet extends this layout.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Sequence
 
@@ -32,6 +37,8 @@ from gems.paths import commit
 
 IMAGES, LABELS, TEST, MANIFEST = "imagesTr", "labelsTr", "imagesTs", "dataset.json"
 _NII = re.compile(r"^[^.].*\.nii(\.gz)?$")
+#: nnU-Net's image of one channel of a case: ``NAME_CCCC.nii.gz`` (its labels: ``NAME.nii.gz``)
+CHANNEL = re.compile(r"^(?P<case>.+)_(?P<channel>\d{4})(?P<ending>\.nii(\.gz)?)$")
 
 
 def _task(path: str | os.PathLike) -> Path:
@@ -55,20 +62,46 @@ def manifest(path: str | os.PathLike, key: str = "data.path") -> dict[str, Any] 
     return got
 
 
+def _numbered(raw: Any, what: str, key: str, path: str | os.PathLike) -> list[str]:
+    """``raw`` ({"0": name, ...}, the Decathlon's and nnU-Net v1's; or {name: 0, ...}, nnU-Net v2's) as the names
+    in order, numbered 0 .. n-1; else bad input naming ``what``."""
+    try:
+        items = dict(raw).items()
+        v2 = all(not str(k).strip().isdigit() for k, _ in items)
+        if v2 and any(not isinstance(v, int) for _, v in items):  # nnU-Net v2's regions: a list of labels a name
+            raise ConfigError(key, str(path), f"dataset.json's {what} one label a class; it holds regions "
+                              f"({str(raw)[:120]}), which gems does not read")
+        names = {int(v): str(k) for k, v in items} if v2 else {int(k): str(v) for k, v in items}
+    except (TypeError, ValueError):
+        raise ConfigError(key, str(path), f"dataset.json's {what} as {{\"0\": \"background\", \"1\": ...}} (or "
+                          f"nnU-Net v2's {{\"background\": 0, ...}}); it holds {str(raw)[:120]}") from None
+    if sorted(names) != list(range(len(names))):
+        raise ConfigError(key, str(path), f"dataset.json's {what} numbered 0 .. n-1; it numbers {sorted(names)}")
+    return [names[k] for k in range(len(names))]
+
+
 def labels_of(task: dict[str, Any] | None, key: str, path: str | os.PathLike) -> list[str] | None:
-    """The classes' names by label, from ``dataset.json``'s ``labels`` ({"0": "background", "1": "liver", ...}),
-    which must number them 0 .. n-1; None without one."""
+    """The classes' names by label, from ``dataset.json``'s ``labels`` (``{"0": "background", "1": "liver"}``, or
+    nnU-Net v2's ``{"background": 0, "liver": 1}``), which must number them 0 .. n-1; None without one."""
     if task is None or "labels" not in task:
         return None
-    raw = task["labels"]
-    try:
-        names = {int(k): str(v) for k, v in dict(raw).items()}
-    except (TypeError, ValueError):
-        raise ConfigError(key, str(path), f"dataset.json's labels as {{\"0\": \"background\", \"1\": ...}}; it holds "
-                          f"{str(raw)[:120]}") from None
-    if sorted(names) != list(range(len(names))):
-        raise ConfigError(key, str(path), f"dataset.json's labels numbered 0 .. n-1; it numbers {sorted(names)}")
-    return [names[k] for k in range(len(names))]
+    return _numbered(task["labels"], "labels", key, path)
+
+
+def channels_of(task: dict[str, Any] | None, key: str, path: str | os.PathLike) -> list[str] | None:
+    """The channels' names in order, from ``dataset.json``'s ``channel_names`` (nnU-Net v2) or ``modality`` (the
+    Decathlon's, nnU-Net v1's): ``{"0": "FLAIR", "1": "T1w", ...}``; None without either."""
+    for field in ("channel_names", "modality"):
+        if task is not None and field in task:
+            return [str(v) for v in _numbered({str(k): str(v) for k, v in dict(task[field]).items()}, field, key, path)]
+    return None
+
+
+def channel_files(files: Sequence[Path]) -> bool:
+    """Whether ``files`` (of ``imagesTr/``) are channels of nnU-Net's cases (each ``NAME_CCCC.nii.gz``, the first
+    without labels of its own name beside it) rather than a Decathlon task's volumes."""
+    return (bool(files) and all(CHANNEL.match(f.name) for f in files)
+            and not (files[0].parent.parent / LABELS / files[0].name).is_file())
 
 
 @register
@@ -93,7 +126,14 @@ class DecathlonLayout(NiftiLayout):
         return [file.parent.parent / LABELS / file.name]
 
     def holds(self, files: Sequence[Path]) -> bool:
-        return bool(files) and all(f.parent.name == IMAGES for f in files)
+        return bool(files) and all(f.parent.name == IMAGES for f in files) and not channel_files(files)
+
+    def root(self, path: str | os.PathLike) -> Path:
+        return _task(path)
+
+    def shown(self, file: Path) -> str:
+        """A file of the task in a message: its folder and name (an image and its labels share the name)."""
+        return f"{file.parent.name}/{file.name}"
 
     def folder_files(self, path: str | os.PathLike) -> list[Path]:
         """The task's ``dataset.json`` (copied where the run stages its files; it names the classes)."""
@@ -103,55 +143,80 @@ class DecathlonLayout(NiftiLayout):
     def class_names(self, path: str | os.PathLike) -> list[str] | None:
         return labels_of(manifest(path), "data.path", path)
 
+    def channel_names(self, path: str | os.PathLike) -> list[str] | None:
+        return channels_of(manifest(path), "data.path", path)
+
+    def declared(self, path: str | os.PathLike) -> dict[str, list[str]]:
+        """``dataset.json``'s classes and channels (gems.data.task sets the model by them)."""
+        task = manifest(path)
+        got = {"model.num_classes": labels_of(task, "data.path", path),
+               "model.in_channels": channels_of(task, "data.path", path)}
+        return {k: v for k, v in got.items() if v}
+
+    #: the set in a run's notes
+    what: ClassVar[str] = "the Decathlon task"
+
     def folder_notes(self, path: str | os.PathLike, key: str) -> list[str]:
         test = _task(path) / TEST
-        n = len([f for f in listing(test) if _NII.match(f)]) if test.is_dir() else 0
+        n = len([f for f in listing(test) if self.is_case(test / f)]) if test.is_dir() else 0
         task = manifest(path, key) or {}
         said = f" ({task['name']})" if isinstance(task.get("name"), str) else ""
-        return [f"{key}: the Decathlon task{said}: {TEST}/ ({n} volumes without labels) left out"] if n else []
+        return [f"{key}: {self.what}{said}: {TEST}/ ({n} volumes without labels) left out"] if n else []
+
+    def is_case(self, file: Path) -> bool:
+        """Whether ``file`` (a name in an images folder) is a case's first file (here: any NIfTI volume)."""
+        return bool(_NII.match(file.name))
 
     def converted_name(self, source: Path, tile: int | None = None) -> str:
         if tile:
             return super().converted_name(source, tile)
         return f"{IMAGES}/{source.name[:-3] if source.name.endswith('.gz') else source.name}"
 
+    def converted_manifest(self, task: dict[str, Any]) -> dict[str, Any]:
+        """The ``dataset.json`` of the converted task (the Decathlon's: as it was)."""
+        return task
+
     def convert(self, source: Path, folder: Path, channels: int | None = None, key: str = "data.path",
-                tile: int | None = None) -> Path:
-        """A training volume and its labels written uncompressed into the task folder ``folder`` (``imagesTr/``,
-        ``labelsTr/``; ``dataset.json`` beside them, once), or with ``tile`` one case of the tiled layout (its
-        classes dataset.json's); returns the volume's path (written last: once it is there, so are its labels)."""
-        if tile:
-            return super().convert(source, folder, channels, key, tile)
+                tile: int | None = None, tolerance: float | None = None) -> Path:
+        """A training case's files (its labels, its other channels' files, then the volume: written last, so that
+        once it is there so are the others) written uncompressed into the task folder ``folder`` under their
+        folders (``imagesTr/``, ``labelsTr/``; ``dataset.json`` beside them, once), or with ``tile`` one case of the
+        tiled layout (its classes dataset.json's); returns the volume's path."""
         lab = self.companions(source)[0]
         if not lab.is_file():
-            raise missing_labels(source, lab, key, self.labels_where)
-        task = source.parent.parent
-        if (task / MANIFEST).is_file() and not (folder / MANIFEST).is_file():
+            raise missing_labels(source, lab, key, self.labels_where, self.shown)
+        if tile:
+            return super().convert(source, folder, channels, key, tile, tolerance)
+        task = manifest(source, key)
+        if task is not None and not (folder / MANIFEST).is_file():
             folder.mkdir(parents=True, exist_ok=True)
             tmp = folder / f".{MANIFEST}.{os.getpid()}.tmp"
-            shutil.copyfile(task / MANIFEST, tmp)
+            tmp.write_text(json.dumps(self.converted_manifest(task), indent=4))
             commit(tmp, folder / MANIFEST)
-        out = {}
-        for kind, src in ((LABELS, lab), (IMAGES, source)):
-            (folder / kind).mkdir(parents=True, exist_ok=True)
-            dst = folder / kind / (src.name[:-3] if src.name.endswith(".gz") else src.name)
+        for src in (*self.companions(source), source):
+            if not src.is_file():
+                raise ConfigError(key, str(self.root(source)), f"every file of a case; {self.shown(src)} is missing "
+                                  f"for {self.shown(source)}")
+            dst = folder / src.parent.name / (src.name[:-3] if src.name.endswith(".gz") else src.name)
+            dst.parent.mkdir(parents=True, exist_ok=True)
             uncompressed(src, dst, key)
-            out[kind] = dst
-        return out[IMAGES]
+        return folder / self.converted_name(source)
 
     def write(self, folder: str | os.PathLike, samples: Iterable[tuple[np.ndarray, np.ndarray]],
               name: str = "liver_{}", compress: bool = True, spacing: Sequence[float] = (0.8, 0.8, 1.5), *,
               sync: bool = False, classes: Sequence[str] = ("background", "liver", "cancer"),
-              test: int = 1) -> list[Path]:
-        """A task folder as the Decathlon ships it, through nibabel: ``imagesTr/liver_N.nii.gz`` (int16, HU) and
-        ``labelsTr/liver_N.nii.gz`` (uint8) from (voxels, labels) pairs, ``test`` volumes more in ``imagesTs/``
-        (the last pairs' voxels, no labels), macOS's ``._`` forks beside each and ``dataset.json`` (its classes
-        ``classes``, the training pairs and the test volumes, with the Decathlon's ``./`` paths); returns the
+              test: int = 1, modality: Sequence[str] = ("CT",)) -> list[Path]:
+        """A task folder as the Decathlon ships it, through nibabel: ``imagesTr/liver_N.nii.gz`` (int16, HU; of
+        several ``modality``, a 4D volume whose 4th dim holds them) and ``labelsTr/liver_N.nii.gz`` (uint8) from
+        (voxels (C, z, y, x) or (z, y, x), labels) pairs, ``test`` volumes more in ``imagesTs/`` (the last pairs'
+        voxels, no labels), macOS's ``._`` forks beside each and ``dataset.json`` (its classes ``classes``, the
+        modalities, the training pairs and the test volumes, with the Decathlon's ``./`` paths); returns the
         training volumes' paths."""
         import nibabel as nib
 
         out = Path(folder)
-        pairs = [(np.asarray(v).reshape(np.asarray(v).shape[-3:]), np.asarray(g)) for v, g in samples]
+        shape = (len(modality),) if len(modality) > 1 else ()
+        pairs = [(np.asarray(v).reshape(shape + np.asarray(v).shape[-3:]), np.asarray(g)) for v, g in samples]
         if len(pairs) <= test:
             raise ValueError(f"more pairs than the {test} test volume(s)")
         affine = np.diag([*(float(s) for s in spacing), 1.0])
@@ -165,7 +230,7 @@ class DecathlonLayout(NiftiLayout):
                 (out / kind).mkdir(parents=True, exist_ok=True)
                 final = out / kind / f"{name.format(i)}{ext}"
                 tmp = final.with_name(f".{final.name}.tmp{ext}")
-                img = nib.Nifti1Image(np.asarray(arr, dtype=dt).T, affine)  # (z, y, x) in C order: (x, y, z) in F
+                img = nib.Nifti1Image(np.asarray(arr, dtype=dt).T, affine)  # (C, z, y, x) in C order: (x, y, z, C) in F
                 img.header.set_xyzt_units("mm")
                 nib.save(img, str(tmp))
                 commit(tmp, final, sync)
@@ -176,7 +241,9 @@ class DecathlonLayout(NiftiLayout):
             else:
                 testing.append(f"./{TEST}/{name.format(i)}{ext}")
         (out / MANIFEST).write_text(json.dumps({
-            "name": "Liver", "description": "written by gems for its tests, as the Decathlon's", "modality": {"0": "CT"},
+            "name": "Liver", "description": "written by gems for its tests, as the Decathlon's",
+            "modality": {str(k): m for k, m in enumerate(modality)},
             "labels": {str(k): c for k, c in enumerate(classes)}, "numTraining": len(training),
             "numTest": len(testing), "training": training, "test": testing}, indent=4))
         return files
+

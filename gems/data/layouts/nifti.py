@@ -1,4 +1,5 @@
-"""CT volumes with per-voxel labels in NIfTI files, LiTS's layout (layout ``nifti``), for ``model=unet3d``.
+"""CT volumes with per-voxel labels in NIfTI files, LiTS's layout (layout ``nifti``), for ``model=unet3d``; the base
+of the other NIfTI layouts (a Decathlon task, nnU-Net's raw dataset, the tiled cases).
 
 A folder holds ``volume-N.nii`` with ``segmentation-N.nii`` beside each (labels 0 background, 1 liver, 2 tumour),
 as the liver-tumour set LiTS publishes them; volumes differ in their shape (LiTS: 512 x 512 in-plane, 75-987
@@ -9,6 +10,11 @@ as a C-order array (z, y, x). gems takes it in that order: depth is the slices (
 spatial rank's depth slab is one contiguous run of bytes. Voxels are read as stored: neither reoriented by the
 affine nor resampled to another spacing (do that beforehand where a study needs it).
 
+**Cases of several channels.** A case is its channels and its labels (:class:`Case`): one 3D file here; a 4D file
+holds one volume a channel (the Decathlon's multi-modal tasks, BrainTumour's four MR sequences), each a block after
+the other; nnU-Net keeps a file a channel (gems.data.layouts.nnunet). Every channel and the labels are lined up onto
+the first channel's grid by their affines (gems.data.layouts._grids.lined_up, within ``data.affine_tolerance``).
+
 **Samples.** Each volume is cut into tiles of the model's input edge (``model.size``), row-major over (z, y, x);
 the tiles at a volume's far edges are padded to the full edge: the network's input with 0 after windowing (the
 window's low end: air, whatever the file's type and scaling), labels with :data:`gems.data.layouts.IGNORE`
@@ -17,17 +23,19 @@ one sample and counts once, training sees every part of each volume, and validat
 whole volumes' voxels, no padding among them (a sliding window without overlap, as nnU-Net and MONAI infer; the
 last partial batch is evaluated too, filled with samples of ignored labels alone).
 
-**CT windowing** (:func:`window`): each voxel's Hounsfield value (the stored value times ``scl_slope`` plus
+**CT windowing** (:func:`windowed`): each voxel's Hounsfield value (the stored value times ``scl_slope`` plus
 ``scl_inter``) is clipped to the window ``data.window`` (default [-200, 250] HU, the soft-tissue window liver
-studies on LiTS use) and scaled to [0, 1]: the network's input, one channel. It runs where the batch is
-finished (on a GPU rank after the copy: the stored int16 voxels cross, half a float's bytes).
+studies on LiTS use) and scaled to [0, 1]. A channel the task names other than CT (an MR sequence) has no fixed
+scale: it is the stored value scaled by the header, unwindowed. It runs where the batch is finished (on a GPU rank
+after the copy: the stored int16 voxels cross, half a float's bytes).
 
 ``volume-N.nii.gz`` is gzip-compressed: it cannot be read by position, so ``gems data convert`` writes the
-uncompressed ``.nii`` (the same bytes: a ``.nii.gz`` is the ``.nii`` gzip-compressed) first. Volumes of mixed types
-(int16 among uint8, say) are read as float32 (exact for integers of up to 16 bits and for float32; the run says
-so). A volume without its labels, labels of another shape or of a class at or over ``model.num_classes``, a
-corrupt gzip stream, or a volume or its labels changed while the run reads them (replaced, rewritten, cut short:
-each file's identity is taken with its header and looked at every batch) are bad input naming the file.
+uncompressed ``.nii`` (the same bytes: a ``.nii.gz`` is the ``.nii`` gzip-compressed) first; ``gems data check``
+reads it whole as a stream (:func:`streamed`). Volumes of mixed types (int16 among uint8, say) are read as float32
+(exact for integers of up to 16 bits and for float32; the run says so). A volume without its labels, labels of
+another shape or of a class at or over ``model.num_classes``, a corrupt gzip stream, or a volume or its labels
+changed while the run reads them (replaced, rewritten, cut short: each file's identity is taken with its header and
+looked at every batch) are bad input naming the file.
 """
 from __future__ import annotations
 
@@ -37,19 +45,22 @@ import os
 import re
 import shutil
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import numpy as np
 import torch
 
 from gems.data.layouts import IGNORE, FileSamples, Layout, Options, register
 from gems.data.layouts._case import write_case
+from gems.data.layouts._grids import Grid, canonical, lined_up
 from gems.data.samples import native as _native
 from gems.data.samples import stamp
 from gems.errors import ConfigError
 from gems.paths import commit
+
+__all__ = ["Grid", "Header", "Case", "NiftiLayout", "NiftiSamples", "header", "streamed", "uncompressed", "window"]
 
 #: the CT window of liver studies on LiTS, in Hounsfield units: clipped to it and scaled to [0, 1]
 WINDOW = (-200.0, 250.0)
@@ -65,14 +76,15 @@ def label_name(volume: Path) -> Path:
 LITS_CLASSES = ("background", "liver", "tumour")
 
 
-def missing_labels(volume: Path, labels: Path, key: str, how: str) -> ConfigError:
-    """A volume whose labels are not where the layout puts them (``how``: where that is): bad input naming both,
-    and the labels' other compression where that is there instead."""
+def missing_labels(volume: Path, labels: Path, key: str, how: str,
+                   shown: Callable[[Path], str] = lambda p: p.name) -> ConfigError:
+    """A volume whose labels are not where the layout puts them (``how``: where that is): bad input naming both
+    (``shown``: a file in a message), and the labels' other compression where that is there instead."""
     other = labels.with_name(labels.name[:-3]) if labels.name.endswith(".gz") else labels.with_name(labels.name + ".gz")
-    there = (f" ({other.name} is there: `gems data convert` writes volumes and labels alike, uncompressed)"
+    there = (f" ({shown(other)} is there: `gems data convert` writes volumes and labels alike, uncompressed)"
              if other.is_file() else "")
-    return ConfigError(key, str(volume.parent), f"labels for every volume ({how}); {labels.name} is missing for "
-                       f"{volume.name}{there}")
+    return ConfigError(key, str(volume.parent), f"labels for every volume ({how}); {shown(labels)} is missing for "
+                       f"{shown(volume)}{there}")
 
 
 def window(value: Sequence[float] | None) -> tuple[float, float]:
@@ -90,10 +102,11 @@ def window(value: Sequence[float] | None) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class Header:
-    """What reading one NIfTI file needs, from nibabel's header: the voxels' ``shape`` as a C-order array
-    (z, y, x), their ``dtype`` (the file's byte order), the byte ``offset`` of the block (None: compressed),
-    the scaling ``slope`` and ``inter``, and the file's ``stamp`` (gems.data.samples.stamp, taken before the header
-    was read: a file replaced or rewritten since is named, not read at its old offset and scaling)."""
+    """What reading one NIfTI file (or one channel of it) needs, from nibabel's header: the voxels' ``shape`` as a
+    C-order array (z, y, x), their ``dtype`` (the file's byte order), the byte ``offset`` of the block (None:
+    compressed), the scaling ``slope`` and ``inter``, and the file's ``stamp`` (gems.data.samples.stamp, taken
+    before the header was read: a file replaced or rewritten since is named, not read at its old offset and
+    scaling)."""
 
     path: Path
     shape: tuple[int, int, int]
@@ -108,10 +121,34 @@ class Header:
     #: the voxels stored in chunks (gems.data.hdf5.Chunks: the tiled layout's), each read by position, where
     #: ``offset`` is None
     chunks: Any = None
+    #: the volumes the file holds one after the other (a 4D file: a channel each)
+    channels: int = 1
+    #: the byte offset of the voxels in the file's uncompressed bytes (a ``.nii.gz``'s too: its stream's)
+    vox_offset: int = 0
+
+    def channel(self, c: int) -> Header:
+        """The header of channel ``c`` alone: the ``c``-th volume of the file's block."""
+        step = c * math.prod(self.shape) * self.dtype.itemsize
+        return replace(self, offset=None if self.offset is None else self.offset + step, channels=1,
+                       vox_offset=self.vox_offset + step)
+
+
+def _extent(shape: Sequence[int]) -> tuple[tuple[int, int, int] | None, int]:
+    """(the (x, y, z) voxels, the channels) of a NIfTI file's shape: 3D, or 4D of channels (a 5D one of one time
+    point too, as NIfTI's vectors lie); None for any other."""
+    s = tuple(int(n) for n in shape)
+    while len(s) > 4 and s[-1] == 1:
+        s = s[:-1]
+    if len(s) == 5 and s[3] == 1:
+        s = (*s[:3], s[4])
+    if len(s) == 4:
+        return (s[0], s[1], s[2]), s[3]
+    return ((s[0], s[1], s[2]), 1) if len(s) == 3 else (None, 0)
 
 
 def header(path: Path, key: str) -> Header:
-    """File ``path``'s :class:`Header`; a file nibabel cannot read, or not a 3D volume, is bad input naming it."""
+    """File ``path``'s :class:`Header`; a file nibabel cannot read, not a 3D volume (or a 4D one of channels), or
+    shorter than its header says is bad input naming it."""
     import nibabel as nib
 
     try:
@@ -122,148 +159,107 @@ def header(path: Path, key: str) -> Header:
     except Exception as e:  # nibabel's ImageFileError, a truncated header, a corrupt gzip stream
         raise ConfigError(key, str(path.parent), f"NIfTI volumes nibabel reads; {path.name} is not one "
                           f"({type(e).__name__}: {' '.join(str(e).split())[:160]})") from None
-    while len(shape) > 3 and shape[-1] == 1:
-        shape = shape[:-1]
-    if len(shape) != 3:
-        raise ConfigError(key, str(path.parent), f"3D NIfTI volumes; {path.name} holds {list(shape)} voxels")
+    xyz, channels = _extent(shape)
+    if xyz is None:
+        raise ConfigError(key, str(path.parent), f"3D NIfTI volumes, or 4D ones of a volume a channel (the Decathlon's "
+                          f"multi-modal tasks); {path.name} holds {list(shape)} voxels")
     slope, inter = float(getattr(proxy, "slope", 1.0)), float(getattr(proxy, "inter", 0.0))
-    offset = None if path.name.endswith(".gz") else int(proxy.offset)
+    vox = int(proxy.offset)
+    offset = None if path.name.endswith(".gz") else vox
     dtype = np.dtype(proxy.dtype)
     if dtype.kind not in "iuf":
         raise ConfigError(key, str(path.parent), f"NIfTI voxels of integers or floats; {path.name} holds {dtype}")
-    if offset is not None:  # the voxels the header promises, against the bytes the file holds
-        need = offset + math.prod(shape) * dtype.itemsize
-        if was[2] < need:
-            raise ConfigError(key, str(path.parent), f"whole NIfTI files; {path.name} is cut short: its header puts "
-                              f"{math.prod(shape) * dtype.itemsize} bytes of voxels from byte {offset} ({need} in "
-                              f"all), the file holds {was[2]}")
+    voxels = math.prod(xyz) * channels * dtype.itemsize
+    if offset is not None and was[2] < offset + voxels:  # the voxels the header promises, against the file's bytes
+        raise ConfigError(key, str(path.parent), f"whole NIfTI files; {path.name} is cut short: its header puts "
+                          f"{voxels} bytes of voxels from byte {offset} ({offset + voxels} in all), the file holds "
+                          f"{was[2]}")
     affine = tuple(tuple(float(v) for v in row) for row in np.asarray(img.affine, dtype=np.float64))
-    return Header(path, (shape[2], shape[1], shape[0]), dtype, offset, slope, inter, was, affine)
+    return Header(path, (xyz[2], xyz[1], xyz[0]), dtype, offset, slope, inter, was, affine, channels=channels,
+                  vox_offset=vox)
 
 
-# ---------------------------------------------------------------------------- grids: a file against the sample's
-#: how far (in voxels) two affines may differ and still be one grid: NIfTI stores them as float32, whose rounding of
-#: an origin 500 mm out is 3e-5 mm
-ALIGN_TOL = 1e-3
+def not_a_class(values: np.ndarray, top: int) -> Any:
+    """The first of ``values`` (labels, scaled as their file says) that is no class below ``top`` (a whole number
+    from 0), else None."""
+    if not values.size:
+        return None
+    if ((values.dtype.kind != "u" and values.min() < 0) or values.max() >= top
+            or (values.dtype.kind == "f" and not np.array_equal(values, np.round(values)))):
+        return values[(values < 0) | (values >= top) | (values != np.round(values))].flat[0]
+    return None
+
+
+def outside(key: str, where: str, shown: str, bad: Any, top: int, names: Sequence[str] | None) -> ConfigError:
+    """The refusal of a label file ``shown`` that holds ``bad``, not a class below ``top`` (``names``: theirs)."""
+    named = f" ({', '.join(names)})" if names and len(names) == top else ""
+    return ConfigError(key, where, f"labels 0 .. {top - 1}{named}: model.num_classes; {shown} holds {bad}")
+
+
+def _scaled(values: np.ndarray, head: Header) -> np.ndarray:
+    return values if (head.slope, head.inter) == (1.0, 0.0) else values * head.slope + head.inter
+
+
+def streamed(head: Header, key: str, top: int | None = None, shown: str | None = None,
+             names: Sequence[str] | None = None) -> None:
+    """File ``head`` (a whole file's header) read whole as a stream, the way ``gems data check`` reads a volume a run
+    reads only once converted: a ``.nii.gz`` decompressed (its gzip CRC and length checked at its end), the bytes of
+    voxels its header promises all there, and with ``top`` every voxel a class below it (labels: ``names``, the
+    classes' names); else bad input naming the file (``shown``) and what is wrong."""
+    name = shown or head.path.name
+    where = str(head.path.parent)
+    need = head.vox_offset + math.prod(head.shape) * head.channels * head.dtype.itemsize
+    size, got, carry = head.dtype.itemsize, 0, b""
+    try:
+        with (gzip.open(head.path, "rb") if head.path.name.endswith(".gz") else open(head.path, "rb")) as f:
+            while block := f.read(1 << 22):
+                lo, hi = max(head.vox_offset - got, 0), min(len(block), need - got)  # the block's voxels
+                if top is not None and hi > lo:
+                    buf = carry + block[lo:hi]
+                    whole = len(buf) // size * size
+                    bad = not_a_class(_scaled(np.frombuffer(buf[:whole], dtype=head.dtype), head), top)
+                    if bad is not None:
+                        raise outside(key, where, name, bad, top, names)
+                    carry = buf[whole:]
+                got += len(block)
+    except EOFError as e:
+        raise ConfigError(key, where, f"whole NIfTI files; {name} is cut short: its gzip stream ends before its end "
+                          f"({e})") from None
+    except (zlib.error, gzip.BadGzipFile) as e:
+        raise ConfigError(key, where, f"whole NIfTI files; {name} is a corrupt gzip stream ({type(e).__name__}: "
+                          f"{e})") from None
+    if got < need:
+        raise ConfigError(key, where, f"whole NIfTI files; {name} is cut short: its header puts {need - head.vox_offset} "
+                          f"bytes of voxels from byte {head.vox_offset} ({need} in all), it holds {got}")
 
 
 @dataclass(frozen=True)
-class Grid:
-    """How a file's voxels lie against the sample's grid (both as C-order (z, y, x) arrays): ``axes[a]`` is the
-    file's axis that the sample's axis ``a`` runs along, ``flips[a]`` whether it runs the other way. The identity
-    for a volume read as stored; a segmentation saved with an axis flipped or its axes permuted (and its affine to
-    match: the same labels in the same place) is read through its grid onto its volume's, exactly."""
+class Case:
+    """One sample file's voxels as a run reads them: each channel (a 3D :class:`Header` and the :class:`Grid` that
+    reads it onto the first channel's voxels) and the labels (likewise)."""
 
-    axes: tuple[int, int, int] = (0, 1, 2)
-    flips: tuple[bool, bool, bool] = (False, False, False)
+    channels: tuple[tuple[Header, Grid], ...]
+    labels: tuple[Header, Grid]
 
     @property
-    def identity(self) -> bool:
-        return self.axes == (0, 1, 2) and not any(self.flips)
+    def volume(self) -> Header:
+        """The first channel: the case's grid."""
+        return self.channels[0][0]
 
-    def shape(self, file_shape: Sequence[int]) -> tuple[int, int, int]:
-        """The sample grid's shape of a file of (C-order) ``file_shape``."""
-        return tuple(int(file_shape[a]) for a in self.axes)  # type: ignore[return-value]
-
-    def box(self, src: Sequence[slice], file_shape: Sequence[int]) -> tuple[slice, ...]:
-        """The file's box (C order) that holds the sample's box ``src``."""
-        out: list[slice] = [slice(0, 0)] * 3
-        for a, s in enumerate(src):
-            f, n = self.axes[a], int(file_shape[self.axes[a]])
-            out[f] = slice(n - s.stop, n - s.start) if self.flips[a] else slice(s.start, s.stop)
-        return tuple(out)
-
-    def orient(self, block: np.ndarray) -> np.ndarray:
-        """A block read from the file's box as the sample's (a view: transposed, then flipped)."""
-        view = block.transpose(self.axes)
-        flipped = tuple(a for a in range(3) if self.flips[a])
-        return np.flip(view, flipped) if flipped else view
-
-    def then(self, other: "Grid") -> "Grid":
-        """This grid (sample -> file A) followed by ``other`` (file A's grid -> file B): sample -> file B."""
-        return Grid(tuple(other.axes[self.axes[a]] for a in range(3)),  # type: ignore[arg-type]
-                    tuple(self.flips[a] != other.flips[self.axes[a]] for a in range(3)))  # type: ignore[arg-type]
-
-    def describe(self) -> str:
-        names = "zyx"
-        parts = []
-        if self.axes != (0, 1, 2):
-            parts.append("axes (z, y, x) read from its (" + ", ".join(names[a] for a in self.axes) + ")")
-        flipped = [names[a] for a in range(3) if self.flips[a]]
-        if flipped:
-            parts.append(" and ".join(flipped) + " flipped")
-        return "; ".join(parts) or "as stored"
-
-
-def _affine_text(affine: Any) -> str:
-    return "[" + "; ".join(" ".join(f"{v:.4g}" for v in row) for row in np.asarray(affine)[:3]) + "]"
-
-
-def lined_up(volume: Header, labels: Header, key: str) -> Grid:
-    """The grid that reads ``labels`` onto ``volume``'s voxels: where their affines differ by flips and
-    permutations of the axes only (within :data:`ALIGN_TOL` voxels), the labels lie on the same grid in another
-    order and are read in the volume's, exactly; any other difference (spacing, origin, shear, shape) is bad input
-    naming both files and both affines: labels trained against voxels they do not belong to, silently, are worse
-    than a refusal."""
-    av, al = np.asarray(volume.affine, dtype=np.float64), np.asarray(labels.affine, dtype=np.float64)
-    nv = np.array(volume.shape[::-1])  # (x, y, z): NIfTI's index order, the affine's
-    try:
-        m = np.linalg.solve(al, av)  # a volume index (x, y, z, 1) -> the labels' index
-    except np.linalg.LinAlgError:
-        m = np.full((4, 4), np.nan)
-    rot, shift = m[:3, :3], m[:3, 3]
-    perm = np.round(rot)
-    ok = bool(np.all(np.isfinite(m)) and np.allclose(rot, perm, atol=ALIGN_TOL)
-              and all(sorted(np.abs(perm[:, a]).tolist()) == [0, 0, 1] for a in range(3))
-              and all(sorted(np.abs(perm[b, :]).tolist()) == [0, 0, 1] for b in range(3)))
-    why = "more than a flip or permutation of the axes (other spacing, a rotation or a shear)"
-    if ok:
-        src = [int(np.argmax(np.abs(perm[b]))) for b in range(3)]  # the labels' axis b runs along the volume's src[b]
-        back = [bool(perm[b, src[b]] < 0) for b in range(3)]
-        want = np.array([nv[src[b]] - 1 if back[b] else 0 for b in range(3)], dtype=np.float64)
-        nl = np.array(labels.shape[::-1])
-        if not np.allclose(shift, want, atol=10 * ALIGN_TOL):
-            ok, why = False, f"another origin: the labels' grid is shifted by {_affine_vec(shift - want)} voxels"
-        elif any(int(nl[b]) != int(nv[src[b]]) for b in range(3)):
-            ok, why = False, "another shape once the axes are lined up"
-    if not ok:
-        raise ConfigError(key, str(volume.path.parent), f"labels on their volume's voxel grid (the same affine, or one "
-                          f"that flips or permutes its axes); {labels.path.name}'s affine {_affine_text(al)} and "
-                          f"{volume.path.name}'s {_affine_text(av)} differ by {why}: resample the labels onto the "
-                          "volume's grid")
-    # in C order (z, y, x): the sample's axis a is NIfTI's 2 - a
-    axes = tuple(2 - next(b for b in range(3) if src[b] == 2 - a) for a in range(3))
-    flips = tuple(back[2 - axes[a]] for a in range(3))
-    return Grid(axes, flips)  # type: ignore[arg-type]
-
-
-def _affine_vec(v: Any) -> str:
-    return "(" + ", ".join(f"{float(x):.3g}" for x in v) + ")"
-
-
-def canonical(volume: Header) -> Grid:
-    """The grid that reads ``volume`` in RAS+ orientation (``data.orientation=RAS``, as MONAI's ``Orientationd``
-    and nibabel's ``as_closest_canonical``): x towards the right, y anterior, z superior, each axis of the sample
-    the file's axis nearest to it (nibabel's ``io_orientation``)."""
-    import nibabel as nib
-
-    ornt = nib.orientations.io_orientation(np.asarray(volume.affine))  # per file axis (x, y, z): world axis, sign
-    axes, flips = [0, 0, 0], [False, False, False]
-    for f in range(3):
-        w, sign = int(ornt[f, 0]), float(ornt[f, 1])
-        a = 2 - w  # the sample's C-order axis of world axis w (R, A, S -> x, y, z -> C axes 2, 1, 0)
-        axes[a], flips[a] = 2 - f, sign < 0
-    return Grid(tuple(axes), tuple(flips))  # type: ignore[arg-type]
+    def stamps(self) -> list[tuple[Path, tuple[int, int, int, int]]]:
+        """Each file of the case once, with its stamp (what :meth:`FileSamples.still` looks at)."""
+        return list({h.path: (h.path, h.stamp) for h, _ in (*self.channels, self.labels)}.values())
 
 
 Box = tuple[tuple[int, int], ...]
 
 
 class Voxels:
-    """A batch of CT voxels as :meth:`NiftiSamples.read` leaves them: ``data`` (N, *part) as stored, ``slope`` and
-    ``inter`` (N) each sample's scaling to Hounsfield units, ``boxes`` (row, the volume's part of it: [lo, hi) a
-    dim) of each row that holds padding (0 where stored; 0 in the network's input: :meth:`NiftiSamples.finish`).
-    Moves as a tensor does (what gems.rank.data.Prefetcher asks of a batch it copies to the device)."""
+    """A batch of CT voxels as :meth:`NiftiSamples.read` leaves them: ``data`` (N, C, *part) as stored, ``slope``
+    and ``inter`` (N, C) each sample's channels' scaling to Hounsfield units, ``boxes`` (row, the volume's part of
+    it: [lo, hi) a dim) of each row that holds padding (0 where stored; 0 in the network's input:
+    :meth:`NiftiSamples.finish`). Moves as a tensor does (what gems.rank.data.Prefetcher asks of a batch it copies
+    to the device)."""
 
     def __init__(self, data: torch.Tensor, slope: torch.Tensor, inter: torch.Tensor,
                  boxes: Sequence[tuple[int, Box]] = ()) -> None:
@@ -281,8 +277,8 @@ class Voxels:
                       self.boxes)
 
     def oriented(self) -> torch.Tensor:
-        """The voxels as stored, channels first (N, 1, *part): a batch's ``raw`` form."""
-        return self.data.unsqueeze(1)
+        """The voxels as stored, channels first (N, C, *part): a batch's ``raw`` form."""
+        return self.data
 
 
 def _box_key(src: Sequence[slice]) -> tuple[tuple[int, int], ...]:
@@ -303,23 +299,29 @@ def padded(x: torch.Tensor, boxes: Sequence[tuple[int, Box]], value: float = 0.0
     return x
 
 
-def windowed(x: torch.Tensor, slope: torch.Tensor, inter: torch.Tensor, win: tuple[float, float]) -> torch.Tensor:
-    """Stored voxels (N, *part) to the network's input (N, 1, *part), on their device: Hounsfield units (``x *
-    slope + inter``, per sample), clipped to the window ``win`` and scaled to [0, 1]; elementwise, so any cut of a
-    sample gives the same values."""
+def windowed(x: torch.Tensor, slope: torch.Tensor, inter: torch.Tensor, win: tuple[float, float],
+             ct: Sequence[bool] = (True,)) -> torch.Tensor:
+    """Stored voxels (N, C, *part) to the network's input (N, C, *part), on their device: each channel's values
+    scaled (``x * slope + inter``, per sample and channel: Hounsfield units); a CT channel's (``ct``) clipped to the
+    window ``win`` and scaled to [0, 1]. Elementwise, so any cut of a sample gives the same values."""
     lo, hi = win
-    shape = (-1,) + (1,) * (x.dim() - 1)
+    shape = (x.shape[0], x.shape[1]) + (1,) * (x.dim() - 2)
     hu = x.to(torch.float32) * slope.to(torch.float32).view(shape) + inter.to(torch.float32).view(shape)
-    return hu.clamp_(lo, hi).sub_(lo).div_(hi - lo).unsqueeze(1)
+    if all(ct):
+        return hu.clamp_(lo, hi).sub_(lo).div_(hi - lo)
+    for c in (c for c, is_ct in enumerate(ct) if is_ct):
+        hu[:, c].clamp_(lo, hi).sub_(lo).div_(hi - lo)
+    return hu
 
 
 class NiftiSamples(FileSamples):
-    """The tiles of a folder of LiTS volumes as one rank reads them (gems.data.layouts' ``Samples``; module
-    docstring): raw voxels (:class:`Voxels`) and per-voxel classes, this rank's part of each."""
+    """The tiles of a folder of LiTS volumes (or of a NIfTI layout's cases) as one rank reads them
+    (gems.data.layouts' ``Samples``; module docstring): raw voxels (:class:`Voxels`) and per-voxel classes, this
+    rank's part of each."""
 
     def __init__(self, layout: NiftiLayout, path: str | os.PathLike, shape: Sequence[int] | None,
                  options: Options) -> None:
-        from gems.data.samples import full_slices, raw_dtype
+        from gems.data.samples import full_slices
 
         super().__init__(layout, path, options.key, options.readers, f"a folder of {layout.about} (`gems data synth "
                          "data.kind=segmentation` writes LiTS's)")
@@ -331,37 +333,66 @@ class NiftiSamples(FileSamples):
             raise ConfigError("data.augment", options.augment, "none for NIfTI volumes (a CT scan's axes are not "
                               "interchangeable)")
         self.window = window(options.window)
-        self.heads: list[Header] = []
-        self.labels: list[Header] = []
-        self.grids_of: list[tuple[Grid, Grid]] = []  # (the volume's, its labels') grid against the sample's
+        self.cases: list[Case] = []
+        #: (each channel's grid, the labels') against the sample's
+        self.grids_of: list[tuple[list[Grid], Grid]] = []
         self._notes: list[str] = []
-        turned: list[str] = []
-        for f in self.files:
-            v, g, on_volume = layout.pair(f, self.key, self.path)
-            self.remember(len(self.heads), [(v.path, v.stamp), (g.path, g.stamp)])
-            vgrid = canonical(v) if options.orientation == "RAS" else Grid()
-            self.heads.append(v)
-            self.labels.append(g)
-            self.grids_of.append((vgrid, vgrid.then(on_volume)))
-            if not on_volume.identity:
-                turned.append(f"{g.path.name} ({on_volume.describe()})")
-        if turned:
-            self._notes.append(f"{self.key}: labels reoriented onto their volume's voxel grid by their affines, "
-                               f"exactly: {', '.join(turned[:4])}" + (f" and {len(turned) - 4} more" if len(turned) > 4
-                                                                      else ""))
+        self._open(options)
         self._notes += layout.folder_notes(path, self.key)
         if options.orientation == "RAS":
             self._notes.append(f"{self.key}: volumes and labels read in RAS+ orientation (data.orientation=RAS)")
         #: each volume's shape (z, y, x) on the sample's grid (as stored, or RAS+)
-        self.shapes = [vg.shape(h.shape) for h, (vg, _) in zip(self.heads, self.grids_of)]
+        self.shapes = [vg[0].shape(c.volume.shape) for c, (vg, _) in zip(self.cases, self.grids_of)]
+        channels = len(self.cases[0].channels)
         edge = int(shape[1]) if shape is not None else max(max(h) for h in self.shapes)
-        self.shape = (1, edge, edge, edge) if shape is None else tuple(int(n) for n in shape)
-        if len(self.shape) != 4 or self.shape[0] != 1:
-            raise ConfigError("model.in_channels", self.shape[0], "1 for CT volumes (one value a voxel)")
+        self.shape = (channels, edge, edge, edge) if shape is None else tuple(int(n) for n in shape)
+        named = layout.channel_names(path)
+        if len(self.shape) != 4 or self.shape[0] != channels:
+            raise ConfigError("model.in_channels", self.shape[0], f"{channels} for these volumes (a value a voxel a "
+                              f"channel{': ' + ', '.join(named) if named else ''})")
         self.crop(options.crop)
         self.grids = [tuple(-(-n // e) for n, e in zip(h, self.shape[1:])) for h in self.shapes]
         self.starts = np.cumsum([0] + [math.prod(g) for g in self.grids])
-        types = sorted({_native(h.dtype) for h in self.heads}, key=str)
+        self._types()
+        self.slices = full_slices(options.slices or (), self.shape[1:])
+        self.symmetries = 1
+        self.classes: int | None = int(options.classes) if options.classes is not None else None
+        #: each class's name, by its label (the Dice columns'): the layout's (LiTS's, a Decathlon task's
+        #: dataset.json), where it names as many as the model has
+        self.class_names: list[str] | None = layout.class_names(path)
+        #: the channels windowed as CT (a channel the set names otherwise: scaled only)
+        self.ct = tuple(str(n).upper() == "CT" for n in named) if named else (True,) * channels
+        self.ignore = IGNORE  # the label of padding: the loss, accuracy and Dice leave it out (gems.rank.loss)
+        self._chunk_maps: dict[Any, dict[tuple[int, ...], int]] = {}
+        #: (volume, the part of it) whose labels were checked against the classes: the files are the same ones for
+        #: the run (their stamps are looked at every batch), so a part read again is not checked again
+        self._checked: set[tuple[int, tuple[tuple[int, int], ...]]] = set()
+
+    def _open(self, options: Options) -> None:
+        """Every case's headers, lined up (``options.orientation``: as stored or RAS+), each file stamped; cases of
+        another number of channels than the first's are bad input naming the file."""
+        turned: list[str] = []
+        for i, f in enumerate(self.files):
+            case = self.layout.case(f, self.key, self.path, options.affine_tolerance)
+            if len(case.channels) != len(self.cases[0].channels if self.cases else case.channels):
+                raise ConfigError(self.key, self.path, f"cases of {len(self.cases[0].channels)} channel(s) each, as "
+                                  f"the first; {self.layout.shown(f)} has {len(case.channels)}")
+            self.remember(i, case.stamps())
+            vgrid = canonical(case.volume) if options.orientation == "RAS" else Grid()
+            self.cases.append(case)
+            self.grids_of.append(([vgrid.then(g) for _, g in case.channels], vgrid.then(case.labels[1])))
+            turned += [f"{self.layout.shown(h.path)} ({g.describe()})"
+                       for h, g in (*case.channels[1:], case.labels) if not g.identity]
+        if turned:
+            self._notes.append(f"{self.key}: labels reoriented onto their volume's voxel grid by their affines, "
+                               f"exactly: {', '.join(dict.fromkeys(turned[:4]))}"
+                               + (f" and {len(turned) - 4} more" if len(turned) > 4 else ""))
+
+    def _types(self) -> None:
+        """The batch's one type: the volumes', or float32 where they differ (said)."""
+        from gems.data.samples import raw_dtype
+
+        types = sorted({_native(h.dtype) for c in self.cases for h, _ in c.channels}, key=str)
         self.dtype = types[0] if len(types) == 1 else np.dtype(np.float32)  # a batch holds one type
         self._notes += [] if len(types) == 1 else [
             f"{self.key}: volumes of {len(types)} types ({', '.join(map(str, types))}) read as float32 (a batch holds "
@@ -369,24 +400,13 @@ class NiftiSamples(FileSamples):
             + ("" if all(t.itemsize <= 2 or t == np.float32 for t in types) else
                f", rounded to float32's 24 bits for {', '.join(str(t) for t in types if t.itemsize > 2 and t != np.float32)}")]
         self.raw = raw_dtype(self.dtype)
-        self.slices = full_slices(options.slices or (), self.shape[1:])
-        self.symmetries = 1
-        self.classes: int | None = int(options.classes) if options.classes is not None else None
-        #: each class's name, by its label (the Dice columns'): the layout's (LiTS's, a Decathlon task's
-        #: dataset.json), where it names as many as the model has
-        self.class_names: list[str] | None = layout.class_names(path)
-        self.ignore = IGNORE  # the label of padding: the loss, accuracy and Dice leave it out (gems.rank.loss)
-        self._chunk_maps: dict[Any, dict[tuple[int, ...], int]] = {}
-        #: (volume, the part of it) whose labels were checked against the classes: the files are the same ones for
-        #: the run (their stamps are looked at every batch), so a part read again is not checked again
-        self._checked: set[tuple[int, tuple[tuple[int, int], ...]]] = set()
 
     def __len__(self) -> int:
         return int(self.starts[-1])
 
     def where(self, index: int) -> str:
         """Volume ``index`` in a message: its name (a volume is many samples, not a file of the folder's count)."""
-        return self.files[index].name
+        return self.layout.shown(self.files[index])
 
     def check_targets(self, target_size: int | None) -> None:
         """Every volume's headers were checked when the set was opened (its tiles need its shape); ``target_size``
@@ -474,7 +494,8 @@ class NiftiSamples(FileSamples):
         for i in indices:
             v, src, _ = self._box(i)
             shape = tuple(s.stop - s.start for s in src)
-            for head, grid in zip((self.heads[v], self.labels[v]), self.grids_of[v]):
+            case, (grids, lgrid) = self.cases[v], self.grids_of[v]
+            for head, grid in (*zip((h for h, _ in case.channels), grids), (case.labels[0], lgrid)):
                 self._read(head, src, np.empty(shape, dtype=_native(head.dtype)), tasks, [], grid)
         return [(t.path, t.base + b.at, b.span) for t in tasks for b in t.blocks]
 
@@ -483,40 +504,41 @@ class NiftiSamples(FileSamples):
         """This rank's part of each sample's voxels as stored (:class:`Voxels`; padding 0 and its box, for
         :meth:`finish`) and of its labels (uint8 classes, padding :data:`~gems.data.layouts.IGNORE`; the loss takes
         them as they are), by positional reads on the reader's threads, each file looked at first (:meth:`FileSamples.still`)."""
-        part = self.part_shape()[1:]
-        shape = (len(indices), *part)
+        part = self.part_shape()
+        shape = (len(indices), *part[1:])
         if want_input or out is not None:
-            out = self.batch_buffer(shape, self.raw, pin, out)
+            out = self.batch_buffer((len(indices), *part), self.raw, pin, out)
         labels = np.empty(shape, dtype=np.uint8)  # classes; made long where the loss takes them
         tasks: list = []
         posts: list = []
         lab_bufs: list[tuple[int, int, tuple[slice, ...], np.ndarray | None]] = []
         boxes: list[tuple[int, Box]] = []
-        slope, inter = np.ones(len(indices)), np.zeros(len(indices))
+        slope, inter = np.ones((len(indices), part[0])), np.zeros((len(indices), part[0]))
         seen: set[int] = set()
         for r, i in enumerate(indices):
             v, src, dst = self._box(i)
             if v not in seen:
                 self.still(v)
                 seen.add(v)
-            padded_row = any(d.stop - d.start != n for d, n in zip(dst, part))
+            padded_row = any(d.stop - d.start != n for d, n in zip(dst, part[1:]))
             if out is not None:
                 row = out.numpy()[r]
                 if padded_row:
                     row[...] = 0
                     boxes.append((r, tuple((d.start, d.stop) for d in dst)))
-                self._read(self.heads[v], src, row[dst], tasks, posts, self.grids_of[v][0])
-                slope[r], inter[r] = self.heads[v].slope, self.heads[v].inter
+                for c, ((head, _), grid) in enumerate(zip(self.cases[v].channels, self.grids_of[v][0])):
+                    self._read(head, src, row[c][dst], tasks, posts, grid)
+                    slope[r, c], inter[r, c] = head.slope, head.inter
             if padded_row:
                 labels[r] = IGNORE
-            g = self.labels[v]
+            g, lgrid = self.cases[v].labels[0], self.grids_of[v][1]
             if _native(g.dtype) == np.uint8 and (g.slope, g.inter) == (1.0, 0.0):  # classes as they lie: read in place
-                self._read(g, src, labels[r][dst], tasks, posts, self.grids_of[v][1])
+                self._read(g, src, labels[r][dst], tasks, posts, lgrid)
                 if (v, _box_key(src)) not in self._checked:  # (a part's labels checked once: a change is named anyway)
                     lab_bufs.append((r, v, dst, None))
             else:
                 buf = np.empty(tuple(s.stop - s.start for s in src), dtype=_native(g.dtype))
-                self._read(g, src, buf, tasks, posts, self.grids_of[v][1])
+                self._read(g, src, buf, tasks, posts, lgrid)
                 lab_bufs.append((r, v, dst, buf))
         self.run(tasks)  # (a file cut short, deleted or replaced since its header was read: named)
         for into, buf in posts:
@@ -534,22 +556,20 @@ class NiftiSamples(FileSamples):
         """Labels as classes (uint8): the stored values scaled as the file says, whole numbers from 0 below the
         model's classes (where known; below :data:`~gems.data.layouts.IGNORE` at most), else bad input naming the
         file."""
-        g = self.labels[v]
-        values = stored if (g.slope, g.inter) == (1.0, 0.0) else stored * g.slope + g.inter
+        g = self.cases[v].labels[0]
+        values = _scaled(stored, g)
         top = min(self.classes or IGNORE, IGNORE)
-        if values.size and ((values.dtype.kind != "u" and values.min() < 0) or values.max() >= top
-                            or (values.dtype.kind == "f" and not np.array_equal(values, np.round(values)))):
-            bad = values[(values < 0) | (values >= top) | (values != np.round(values))]
-            named = f" ({', '.join(self.class_names)})" if self.class_names else ""
-            raise ConfigError(self.key, self.path, f"labels 0 .. {(self.classes or 3) - 1}{named}: model.num_classes; "
-                              f"{g.path.name} holds {bad.flat[0]}")
+        bad = not_a_class(values, top)
+        if bad is not None:
+            raise outside(self.key, self.path, self.layout.shown(g.path), bad, top, self.class_names)
         return values.astype(np.uint8, copy=False)
 
     def finish(self, x: Any) -> torch.Tensor:
         """The network's input (:func:`windowed`), each row's padding 0 (the window's low end)."""
         if isinstance(x, Voxels):
-            return padded(windowed(x.data, x.slope, x.inter, self.window), x.boxes)
-        return windowed(x, torch.ones(x.shape[0]), torch.zeros(x.shape[0]), self.window)
+            return padded(windowed(x.data, x.slope, x.inter, self.window, self.ct), x.boxes)
+        ones = torch.ones(x.shape[:2])
+        return windowed(x, ones, torch.zeros(x.shape[:2]), self.window, self.ct)
 
     def target(self, index: int) -> torch.Tensor:
         return self.read([index], want_input=False)[1][0]
@@ -594,29 +614,76 @@ class NiftiLayout(Layout):
     #: where a volume's labels lie, for messages
     labels_where: ClassVar[str] = "LiTS: segmentation-N.nii beside volume-N.nii"
 
-    def pair(self, volume: Path, key: str, path: str) -> tuple[Header, Header, Grid]:
-        """(the volume's :class:`Header`, its labels', the grid that reads the labels onto the volume's voxels):
-        both uncompressed NIfTI files, the labels there and of the volume's shape, lined up by their affines
-        (:func:`lined_up`); else bad input naming the file."""
-        v = header(volume, key)
-        if v.offset is None:
-            raise ConfigError(key, path, f"uncompressed .nii volumes, read by slab; {volume.name} is gzip-compressed: "
-                              f"`gems data convert data.path={path} data.out=DIR` writes them uncompressed")
+    def root(self, path: str | os.PathLike) -> Path:
+        """The folder a set of ``path`` (the folder, or one of its sample files) is: what ``gems data convert``
+        takes."""
+        p = Path(path)
+        return p.parent if p.is_file() else p
+
+    def shown(self, file: Path) -> str:
+        """A file of the set in a message: its name."""
+        return file.name
+
+    def convert_command(self, path: str | os.PathLike) -> str:
+        """The command that writes the set at ``path`` uncompressed, as it runs (the set's folder and one beside
+        it)."""
+        root = self.root(path)
+        return f"gems data convert data.path={root} data.out={root.with_name(root.name + '_nii')}"
+
+    def channel_files(self, volume: Path) -> list[Path]:
+        """The files that hold a case's channels, in order (here: the volume, whose 4th dim holds any)."""
+        return [volume]
+
+    def channel_names(self, path: str | os.PathLike) -> list[str] | None:
+        """The channels' names, in order, where the set names them (else None: one CT channel a case)."""
+        return None
+
+    def case(self, volume: Path, key: str, path: str, tolerance: float | None = None, whole: bool = False) -> Case:
+        """Sample file ``volume``'s :class:`Case`: its channels' files and its labels uncompressed NIfTI files (or,
+        ``whole``, compressed too: gems data check reads them whole), the labels there, of one value a voxel and
+        of the first channel's shape; every file lined up onto the first channel's grid by the affines
+        (gems.data.layouts._grids.lined_up, ``tolerance``: data.affine_tolerance); else bad input naming the
+        file."""
+        heads = []
+        for f in self.channel_files(volume):
+            if not f.is_file():
+                raise ConfigError(key, path, f"every channel of a case ({self.shown(volume)}: {len(self.channel_files(volume))} "
+                                  f"files); {self.shown(f)} is missing")
+            heads.append(header(f, key))
+            if heads[-1].offset is None and not whole:
+                raise ConfigError(key, path, f"uncompressed .nii volumes, read by slab; {self.shown(f)} is "
+                                  f"gzip-compressed: `{self.convert_command(path)}` writes them uncompressed")
         lab = self.companions(volume)[0]
         if not lab.is_file():
-            raise missing_labels(volume, lab, key, self.labels_where)
+            raise missing_labels(volume, lab, key, self.labels_where, self.shown)
         g = header(lab, key)
-        if g.offset is None:
-            raise ConfigError(key, path, f"uncompressed .nii labels; {lab.name} is gzip-compressed (`gems data "
-                              "convert` writes them uncompressed)")
-        if sorted(g.shape) != sorted(v.shape):
-            raise ConfigError(key, path, f"labels of their volume's shape; {lab.name} holds {list(g.shape[::-1])} "
-                              f"voxels (x, y, z), {volume.name} {list(v.shape[::-1])}")
-        return v, g, lined_up(v, g, key)  # refused where the labels are not on the volume's grid
+        if g.offset is None and not whole:
+            raise ConfigError(key, path, f"uncompressed .nii labels; {self.shown(lab)} is gzip-compressed "
+                              f"(`{self.convert_command(path)}` writes them uncompressed)")
+        if g.channels != 1:
+            raise ConfigError(key, path, f"labels of one value a voxel; {self.shown(lab)} holds {g.channels} volumes")
+        ref = heads[0].channel(0)
+        channels: list[tuple[Header, Grid]] = []
+        for h in heads:
+            grid = Grid() if h is heads[0] else self._on(ref, h, key, path, tolerance, "channel files")
+            channels += [(h.channel(c), grid) for c in range(h.channels)]
+        names = self.channel_names(path)
+        if names and len(channels) != len(names):
+            raise ConfigError(key, path, f"cases of {len(names)} channel(s) ({', '.join(names)}: dataset.json); "
+                              f"{self.shown(volume)} has {len(channels)}")
+        return Case(tuple(channels), (g, self._on(ref, g, key, path, tolerance, "labels")))
+
+    def _on(self, ref: Header, other: Header, key: str, path: str, tolerance: float | None, noun: str) -> Grid:
+        """The grid that reads ``other`` onto ``ref``'s voxels: of its shape once the axes are lined up, by the
+        affines (:func:`lined_up`)."""
+        if sorted(other.shape) != sorted(ref.shape):
+            raise ConfigError(key, path, f"{noun} of their volume's shape; {self.shown(other.path)} holds "
+                              f"{list(other.shape[::-1])} voxels (x, y, z), {self.shown(ref.path)} {list(ref.shape[::-1])}")
+        return lined_up(ref, other, key, tolerance, self.shown, noun)  # refused where not on the volume's grid
 
     def companions(self, file: Path) -> list[Path]:
-        """The volume's labels (always the first: NiftiSamples reads them)."""
-        return [label_name(file)]
+        """The volume's labels (always the first: NiftiSamples reads them), then its other channels' files."""
+        return [label_name(file), *self.channel_files(file)[1:]]
 
     def class_names(self, path: str | os.PathLike) -> list[str] | None:
         """The classes' names by label: LiTS's."""
@@ -626,28 +693,56 @@ class NiftiLayout(Layout):
         """What a run over the folder says of it beyond its volumes (a Decathlon task's test volumes left out)."""
         return []
 
-    def _tiled(self, source: Path, lab: Path, folder: Path, tile: int, key: str) -> Path:
-        """``source`` and its labels ``lab`` (either compression) as one case of the tiled layout in ``folder``:
-        the voxels as stored with their scaling, the labels read onto their grid by the affines (:func:`lined_up`,
-        refused where they are on another grid) as classes (whole numbers from 0, under 255)."""
+    def check_whole(self, file: Path, key: str, classes: int | None = None, tolerance: float | None = None) -> bool:
+        """``gems data check`` of a case whose files are compressed (a run reads it only once converted): its
+        headers checked as a run's are, then every file read whole as a stream (:func:`streamed`: its bytes
+        against its header, its gzip CRC, its labels against ``classes`` or the set's own); False for a case a run
+        reads where it lies (the run's reader checks it)."""
+        file = Path(file)
+        if not any(f.name.endswith(".gz") for f in (*self.channel_files(file), *self.companions(file)[:1])):
+            return False
+        root = str(self.root(file))
+        case = self.case(file, key, root, tolerance, whole=True)
+        names = self.class_names(file)
+        top = min(int(classes) if classes is not None else len(names) if names else IGNORE, IGNORE)
+        for f, _ in case.stamps():
+            labels = f == case.labels[0].path
+            streamed(header(f, key), key, top if labels else None, self.shown(f), names if labels else None)
+        return True
+
+    def convert_hint(self, path: str | os.PathLike, files: Sequence[Path]) -> str | None:
+        """What ``gems data check`` says once of a set of compressed volumes (None where none is): that a run reads
+        them only once converted, and the command."""
+        gz = sum(1 for f in files if f.name.endswith(".gz"))
+        if not gz:
+            return None
+        return (f"{gz} of {len(files)} case(s) compressed (.nii.gz), read whole here as streams: a run reads them once "
+                f"converted, by slab (`{self.convert_command(path)}`)")
+
+    def _tiled(self, source: Path, folder: Path, tile: int, key: str, tolerance: float | None = None) -> Path:
+        """Case ``source`` (either compression) as one case of the tiled layout in ``folder``: the voxels as stored
+        with their scaling, the labels read onto their grid by the affines (:func:`lined_up`, refused where they
+        are on another grid) as classes (whole numbers from 0, under 255)."""
         import nibabel as nib
 
-        v, g = header(source, key), header(lab, key)
-        on_volume = lined_up(v, g, key)
+        case = self.case(source, key, str(self.root(source)), tolerance, whole=True)
+        if len(case.channels) != 1:
+            raise ConfigError("data.tile", tile, f"null for cases of several channels ({self.shown(source)} has "
+                              f"{len(case.channels)}): they convert uncompressed")
+        v, (g, on_volume) = case.volume, case.labels
         try:
-            img: Any = nib.load(str(source))
-            seg: Any = nib.load(str(lab))
+            img: Any = nib.load(str(v.path))
+            seg: Any = nib.load(str(g.path))
             voxels = np.asarray(img.dataobj.get_unscaled())
             labels = np.asarray(seg.dataobj)
         except (EOFError, zlib.error, OSError) as e:  # a corrupt gzip stream, a file cut short
-            raise ConfigError(key, str(source.parent), f"whole NIfTI files; {source.name} or {lab.name} cannot be read "
-                              f"({type(e).__name__}: {' '.join(str(e).split())[:120]})") from None
+            raise ConfigError(key, str(source.parent), f"whole NIfTI files; {self.shown(v.path)} or {self.shown(g.path)} "
+                              f"cannot be read ({type(e).__name__}: {' '.join(str(e).split())[:120]})") from None
         voxels = voxels.reshape(voxels.shape[:3]).T  # (x, y, z) in F order: (z, y, x) in C
         labels = on_volume.orient(labels.reshape(labels.shape[:3]).T)
-        if labels.size and (labels.min() < 0 or labels.max() >= IGNORE or not np.array_equal(labels, np.round(labels))):
-            bad = labels[(labels < 0) | (labels >= IGNORE) | (labels != np.round(labels))]
-            raise ConfigError(key, str(source.parent), f"labels that are classes 0 .. {IGNORE - 1}; {lab.name} holds "
-                              f"{bad.flat[0]}")
+        bad = not_a_class(labels, IGNORE)
+        if bad is not None:
+            raise outside(key, str(source.parent), self.shown(g.path), bad, IGNORE, None)
         names = self.class_names(source)
         out = folder / self.converted_name(source, tile)
         write_case(out, np.ascontiguousarray(voxels), np.ascontiguousarray(labels, dtype=np.uint8), tile,
@@ -695,7 +790,7 @@ class NiftiLayout(Layout):
         return source.name[:-3] if source.name.endswith(".gz") else source.name
 
     def convert(self, source: Path, folder: Path, channels: int | None = None, key: str = "data.path",
-                tile: int | None = None) -> Path:
+                tile: int | None = None, tolerance: float | None = None) -> Path:
         """A ``.nii.gz`` volume and its labels written uncompressed into ``folder`` (a ``.nii`` as is: copied);
         with ``tile``, one case of the tiled layout (gems.data.layouts.tiles: the stored voxels, the labels lined
         up onto them, tiles of that edge); returns the volume's path (written last: once it is there, so are its
@@ -703,9 +798,9 @@ class NiftiLayout(Layout):
         folder.mkdir(parents=True, exist_ok=True)
         lab = self.companions(source)[0]
         if not lab.is_file():
-            raise missing_labels(source, lab, key, self.labels_where)
+            raise missing_labels(source, lab, key, self.labels_where, self.shown)
         if tile:
-            return self._tiled(source, lab, folder, int(tile), key)
+            return self._tiled(source, folder, int(tile), key, tolerance)
         for src in (lab, source):
             uncompressed(src, folder / self.converted_name(src), key)
         return folder / self.converted_name(source)

@@ -383,7 +383,7 @@ class TFRecordLayout(Layout):
         return source.name[: -len(".tfrecord")] + str(getattr(layouts.get(CONVERTED), "extension", ".h5"))
 
     def convert(self, source: Path, folder: Path, channels: int | None = None, key: str = "data.path",
-                tile: int | None = None) -> Path:
+                tile: int | None = None, tolerance: float | None = None) -> Path:
         """Write file ``source``'s sample into ``folder`` in the :data:`CONVERTED` layout (hidden name, synced, then
         renamed: a file there is whole, through a crash too): ``full`` the record's int16 counts (D, H, W, C) as
         they are, ``unitPar`` its target."""

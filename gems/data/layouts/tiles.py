@@ -28,7 +28,8 @@ import numpy as np
 
 from gems.data.layouts import Layout, Options, listing, register
 from gems.data.layouts._case import MARK, write_case
-from gems.data.layouts.nifti import Grid, Header, NiftiLayout, NiftiSamples
+from gems.data.layouts._grids import Grid
+from gems.data.layouts.nifti import Case, Header, NiftiLayout, NiftiSamples
 from gems.errors import ConfigError
 
 
@@ -100,16 +101,21 @@ class TilesLayout(NiftiLayout):
         except OSError:
             return False
 
-    def pair(self, volume: Path, key: str, path: str) -> tuple[Header, Header, Grid]:
+    def case(self, volume: Path, key: str, path: str, tolerance: float | None = None, whole: bool = False) -> Case:
         v, g, _, _ = _headers(volume, key)
         if g.shape != v.shape:
             raise ConfigError(key, path, f"labels of their image's shape; {volume.name}'s `label` holds "
                               f"{list(g.shape)}, its `image` {list(v.shape)} (z, y, x)")
-        return v, g, Grid()  # lined up when written
+        return Case(((v, Grid()),), (g, Grid()))  # lined up when written
 
     def class_names(self, path: str | os.PathLike) -> list[str] | None:
         files = self.files(path)
         return _headers(files[0], "data.path")[2] if files else None
+
+    def declared(self, path: str | os.PathLike) -> dict[str, list[str]]:
+        """The classes the cases name (what their conversion kept of the task's)."""
+        names = self.class_names(path)
+        return {"model.num_classes": names} if names else {}
 
     def folder_notes(self, path: str | os.PathLike, key: str) -> list[str]:
         return []
