@@ -78,9 +78,9 @@ def prepare(cfg: Any) -> Any:
 
 
 def check_room(cfg: Any) -> None:
-    """What the run will write against the room its folders have: ``results.dir`` (gems.checkpoint.space), and, for
+    """What the run will write against the room its folders have: ``results.dir`` (gems.plan.disk), and, for
     a job here with ``data.stage=node``, the folder its data is copied to."""
-    from gems.checkpoint.space import check_space
+    from gems.plan.disk import check_space
     from gems.rank.data import stage_root
     from gems.storage import free_bytes, size
 

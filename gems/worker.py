@@ -88,7 +88,8 @@ def keep_record(cfg: Any, record: dict[str, Any]) -> None:
     reason, the record says so as a failure, and the rank stops with that line: exit 1)."""
     path = rec.record_path(cfg)
     try:
-        rec.write_steps(path, record)
+        if record.get("kind") != "eval":  # (gems eval's record has no steps)
+            rec.write_steps(path, record)
     except StorageFailed as e:
         record.update(status="failed", error=f"{e.line()}; the training finished: its model file and checkpoints are "
                       "kept", failure=e.as_dict())

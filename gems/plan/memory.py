@@ -118,7 +118,6 @@ import torch
 from torch import nn
 
 from gems.bootstrap import KEEP_GROWTH, backend_for, keeps_host_memory_within, node_memory_bytes, plan_device
-from gems.checkpoint.space import state_copies
 from gems.config import job_tasks, reads_files, section
 from gems.errors import ConfigError
 from gems.layers import Recompute
@@ -130,6 +129,7 @@ from gems.pipeline.partition import trace_shapes
 from gems.pipeline.schedules import GRAD, registered
 from gems.plan.calibration import load_calibration
 from gems.plan.devices import GPUS, gpu_memory_bytes
+from gems.plan.disk import state_copies
 from gems.plan.reserve import blas_workspace_bytes, gpu_reserve, rank_communicators
 from gems.plan.schema import SCHEMA, Breakdown, GiB, MemoryPlan, Position, gib
 from gems.plan.store import cached

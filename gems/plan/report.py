@@ -107,7 +107,7 @@ def render_table(plan: MemoryPlan, width: int = 120, cfg: Any = None) -> str:
 
 def disk_line(cfg: Any) -> str:
     """What the run writes into ``results.dir`` at most at once, against the room there (gems run refuses less)."""
-    from gems.checkpoint.space import written
+    from gems.plan.disk import written
     from gems.storage import free_bytes, size
 
     need = written(cfg)
@@ -217,7 +217,7 @@ def plan_main(cfg: Any, given: list[str] | None = None) -> int:
         return _dry_run_main(cfg, fmt)
     plan = make_plan(cfg)
     if fmt == "json":
-        from gems.checkpoint.space import written
+        from gems.plan.disk import written
 
         need = written(cfg)
         print(json.dumps({**to_json(plan), "cost": cost(cfg, plan),

@@ -206,7 +206,7 @@ def write_steps(record_file: Path | str, record: dict[str, Any]) -> Path | None:
     every = st.get("every")  # every step's time (records before it kept the measured ones only)
     start = int(st.get("measured_from", warm))
     lrs = record.get("lr") or []
-    val = {int(v["step"]) - 1: v for v in record.get("validation") or []}  # evaluated after that step
+    val = {int(v["step"]) - 1: v for v in record.get("validation") or [] if "step" in v}  # evaluated after that step
     try:
         with writing("the per-step CSV", path), open(path, "w", newline="") as f:
             w = csv.writer(f)

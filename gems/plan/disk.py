@@ -1,4 +1,4 @@
-"""The space a run will write (its checkpoints, the trained model's file, its records) against the space its
+"""The disk space a run will write (its checkpoints, the trained model's file, its records) against the space its
 folders have, checked before launch."""
 from __future__ import annotations
 
