@@ -52,10 +52,16 @@ def test_a_bad_training_record_ahead_of_step_3_keeps_the_training_and_the_same_c
     assert Path(stopped["failure"]["checkpoint"]).is_dir()
     trained = torch.load(stopped["model_file"], map_location="cpu", weights_only=False)
     assert trained["step"] == 3 and all(torch.is_tensor(v) for v in trained["state_dict"].values())
+    bad.rename(tmp_path / bad.name)  # deleted instead of mended: the run would go on on another set, silently
+    gone = gems_here("run", *args, f"results.dir={results}")
+    assert gone.returncode == 2 and len(_records(results)) == 1, gone.stderr[-2000:]
+    (line,) = [ln for ln in gone.stderr.splitlines() if ln.startswith("gems: error:")]
+    assert f"since then 1 file(s) gone ({bad.name})" in line and "train.resume_stopped=false starts over" in line, line
+    (tmp_path / bad.name).rename(bad)
     bad.write_bytes(good)  # mended
     second = gems_here("run", *args, f"results.dir={results}")
     assert second.returncode == 0, second.stderr[-2000:]
-    assert "stopped on a bad file after step 3; resuming from its checkpoint" in second.stderr
+    assert "stopped (bad_data) with its checkpoint before step 3 kept; going on from it" in second.stderr
     resumed = next(r for r in _records(results) if r["status"] == "ok")
     clean = gems_here("run", *args, f"results.dir={tmp_path / 'clean'}", "train.resume_stopped=false")
     assert clean.returncode == 0, clean.stderr[-2000:]

@@ -106,3 +106,43 @@ def test_every_bad_nifti_volume_is_named_and_a_large_unchecked_set_is_said_once(
     assert gems_here("data", "check", f"data.path={folder}", "data.workers=1").returncode == 0
     assert check.unchecked_note("data.path", str(folder), layouts.get("nifti").files(folder)) is None
 
+
+
+def test_a_compressed_task_is_read_whole_and_converted_past_its_bad_cases(tmp_path: Path) -> None:
+    """A Decathlon task as downloaded (.nii.gz) was every file bad "for being compressed", a cut volume and a label
+    of 5 among them unreported; the printed conversion was refused, and convert stopped at the first bad case. Now
+    every case is decompressed as a stream: a volume cut short, a label over the task's three classes and a gzip
+    CRC that does not match are each named with what is wrong, the good ones pass, the check says once that a run
+    reads the task once converted, and its command runs as printed: past the bad cases, naming each, the rest
+    converted."""
+    task = tmp_path / "Task03_Liver"
+    rng = np.random.default_rng(2)
+    pairs = [(rng.integers(-300, 400, (6, 8, 8)), rng.integers(0, 3, (6, 8, 8))) for _ in range(6)]
+    pairs[2][1][0, 0, 0] = 5  # a class over the task's three
+    layouts.get("decathlon").write(task, pairs)
+    cut = task / "imagesTr" / "liver_1.nii.gz"
+    cut.write_bytes(cut.read_bytes()[:-40])  # its stream's end gone
+    crc = task / "imagesTr" / "liver_3.nii.gz"
+    raw = bytearray(crc.read_bytes())
+    raw[-8] ^= 0x01  # the gzip trailer's CRC: every byte decompresses, the CRC does not match
+    crc.write_bytes(bytes(raw))
+    out = gems_here("data", "check", f"data.path={task}", "data.workers=2")
+    assert out.returncode == 2, out.stderr[-2000:]
+    line = _last(out)
+    assert "5 file(s) checked" in line and "3 bad:" in line and "liver_0" not in line and "liver_4" not in line, line
+    assert "liver_1.nii.gz: whole NIfTI files; imagesTr/liver_1.nii.gz is cut short" in line, line
+    assert "labelsTr/liver_2.nii.gz holds 5" in line and "labels 0 .. 2 (background, liver, cancer)" in line, line
+    assert "liver_3.nii.gz: whole NIfTI files; imagesTr/liver_3.nii.gz is a corrupt gzip stream" in line, line
+    assert "CRC check failed" in line and "compressed;" not in line, line
+    (note,) = [ln for ln in out.stdout.splitlines() if ln.startswith("gems: note:")]
+    command = note.split("`")[1]
+    assert command == f"gems data convert data.path={task} data.out={task}_nii", note
+    conv = gems_here(*command.split()[1:], "data.workers=2")
+    assert conv.returncode == 2, conv.stdout[-2000:]
+    (error,) = [ln for ln in conv.stderr.splitlines() if ln.startswith("gems: error:")]
+    assert "2 did not: liver_1.nii.gz: " in error and "; liver_3.nii.gz: " in error and "3 other file(s)" in error
+    assert sorted(p.name for p in Path(f"{task}_nii", "imagesTr").iterdir()) == ["liver_0.nii", "liver_2.nii",
+                                                                                "liver_4.nii"]
+    val = gems_here(*command.split()[1:], f"data.val_path={task}")
+    assert val.returncode == 2 and f"data.val_path={task}: expected null for gems data convert" in val.stderr
+    assert f"`gems data convert data.path={task} data.out={task}_nii`" in val.stderr, val.stderr

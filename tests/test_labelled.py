@@ -95,6 +95,58 @@ def test_labels_on_another_grid_are_refused_naming_both_files_and_affines(tmp_pa
     assert "segmentation-0.nii's affine [" in text and "volume-0.nii's [0.7 0 0 0; 0 0.7 0 0; 0 0 2.5 0]" in text
 
 
+def _header(name: str, zyx: tuple[int, int, int], affine: np.ndarray):
+    from gems.data.layouts.nifti import Header
+
+    return Header(Path("/data") / name, zyx, np.dtype("<i2"), 352, 1.0, 0.0,
+                  affine=tuple(tuple(float(v) for v in row) for row in np.asarray(affine, dtype=np.float32)))
+
+
+def _rotated(degrees: float, about: np.ndarray) -> np.ndarray:
+    """A rotation by ``degrees`` about z through the world point ``about`` (4 x 4)."""
+    t = np.radians(degrees)
+    r = np.eye(4)
+    r[:2, :2] = [[np.cos(t), -np.sin(t)], [np.sin(t), np.cos(t)]]
+    shift, back = np.eye(4), np.eye(4)
+    shift[:3, 3], back[:3, 3] = -about, about
+    return back @ r @ shift
+
+
+def test_the_tolerance_is_in_voxels_of_error_at_the_volumes_corners() -> None:
+    """Two grids are one where every corner of the volume, mapped through one affine and back through the other,
+    moves less than data.affine_tolerance voxels (0.01). A per-entry tolerance of 1e-3 passed a z spacing of 0.9992
+    against 1.0 over 1000 slices (the last 0.8 of a slice off) and a rotation of 0.05 degrees of a 512^2 slice (0.45
+    voxels at its corners); both are refused now, saying what differs. The same affine (as NIfTI stores it, in
+    float32), a permutation of the axes, and a tolerance raised to cover the error pass."""
+    from gems.data.layouts._grids import lined_up
+
+    vol = _header("volume-0.nii", (1000, 64, 64), np.diag([1.0, 1.0, 1.0, 1.0]))
+    near = _header("segmentation-0.nii", (1000, 64, 64), np.diag([1.0, 1.0, 0.9992, 1.0]))
+    with pytest.raises(ConfigError) as e:
+        lined_up(vol, near, "data.path")
+    text = str(e.value)
+    assert "spacing: (1, 1, 0.9992) mm against the volume's (1, 1, 1)" in text and "0.8 voxels off" in text, text
+    assert "rotation" not in text and "origin" not in text
+    assert lined_up(vol, near, "data.path", tolerance=0.9).identity  # asked for: within 0.9 voxels
+    ct = np.diag([0.7, 0.7, 2.5, 1.0])
+    ct[:3, 3] = [-180.0, -200.0, -400.0]
+    slab = _header("volume-1.nii", (8, 512, 512), ct)
+    centre = ct[:3, :3] @ np.array([255.5, 255.5, 3.5]) + ct[:3, 3]
+    turned = _header("segmentation-1.nii", (8, 512, 512), _rotated(0.05, centre) @ ct)
+    with pytest.raises(ConfigError) as e:
+        lined_up(slab, turned, "data.path")
+    text = str(e.value)
+    assert "a rotation of 0.05 degrees" in text and "spacing" not in text and "voxels off" in text, text
+    about_origin = _header("segmentation-1.nii", (8, 512, 512), _rotated(0.05, np.zeros(3)) @ ct)
+    with pytest.raises(ConfigError) as e:  # about the world's origin: the volume's corner moves too, both said
+        lined_up(slab, about_origin, "data.path")
+    assert "a rotation of 0.05 degrees; another origin" in str(e.value), str(e.value)
+    assert lined_up(slab, _header("segmentation-1.nii", (8, 512, 512), ct), "data.path").identity
+    swap = np.eye(4)[[1, 0, 2, 3]].T
+    got = lined_up(slab, _header("segmentation-1.nii", (8, 512, 512), ct @ swap), "data.path")
+    assert got.axes == (0, 2, 1) and not any(got.flips)
+
+
 def test_ras_reads_a_case_stored_in_another_orientation_as_the_ras_one(tmp_path: Path) -> None:
     """data.orientation=RAS: a volume and its labels stored with x flipped (LAS, as DICOM converters often leave
     them) read as the same case stored RAS+; as stored (the default) they read flipped."""

@@ -141,6 +141,10 @@ COMMANDS: dict[str, list[str] | str] = {
         "needs the Decathlon's Task03_Liver (tests/test_decathlon.py converts a task folder written as it ships)",
     "gems run model=unet3d model.size=128 data=files data.path=/data/Task03_Liver_nii data.val_path=/data/Task03_Liver_val":
         "needs the Decathlon's Task03_Liver converted (tests/test_decathlon.py trains on a converted task folder)",
+    "gems data convert data.path=/data/nnUNet_raw/Dataset003_Liver data.out=/data/Dataset003_Liver_nii":
+        "needs an nnU-Net raw dataset (tests/test_nnunet.py converts one written as nnU-Net takes it)",
+    "gems run model=unet3d model.size=128 data=files data.path=/data/Dataset003_Liver_nii":
+        "needs an nnU-Net dataset converted (tests/test_nnunet.py trains on a converted dataset)",
     "gems data check data.path=/data/Task03_Liver cluster=perlmutter cluster.nodes=4":
         "needs the Decathlon's task and submits to NERSC Perlmutter (tests/test_data_check.py checks as a Slurm job on "
         "the test cluster)",

@@ -52,6 +52,7 @@ class Work:
     channels: int
     tile: int | None = None  # data.tile: labelled volumes written tile by tile (gems.data.layouts.tiles)
     tolerance: float | None = None  # data.affine_tolerance: labels lined up onto their volume's grid (data.tile)
+    path: str = ""  # data.path (messages)
 
     def left(self, share: tuple[int, int] = (0, 1)) -> list[tuple[str, Path, Path]]:
         """The items whose converted file is not there yet (a file there is whole: module docstring); ``share``
@@ -129,7 +130,7 @@ def plan_of(cfg: Any) -> Work:
             raise ConfigError("data.tile", tile, f"null for {other[0]} files (tiles are of labelled volumes: LiTS's "
                               "NIfTI volumes, a Decathlon task, an nnU-Net dataset)")
     return Work(tuple(items), workers, int(cfg.model.in_channels), int(tile) if tile is not None else None,
-                float(d.affine_tolerance))
+                float(d.affine_tolerance), str(src))
 
 
 def _converts(layout: Any) -> bool:
@@ -283,15 +284,14 @@ def _here(work: Work, left: list[tuple[str, Path, Path]]) -> int:
 
     work_through(functools.partial(convert_one, channels=work.channels, tile=work.tile, tolerance=work.tolerance),
                  left, work.workers, take)
-    refused(bad, len(left) - len(bad))
+    refused(work, bad, len(left) - len(bad))
     return len(left)
 
 
-def refused(bad: list[tuple[str, str]], done: int) -> None:
+def refused(work: Work, bad: list[tuple[str, str]], done: int) -> None:
     """Every bad file of a conversion named in one refusal (none: nothing), with what was converted."""
     if bad:
-        folder = str(Path(sorted(bad)[0][0]).parent)
-        raise ConfigError("data.path", folder, f"files that convert; {len(bad)} did not: {named(bad)} ({done} other "
+        raise ConfigError("data.path", work.path, f"files that convert; {len(bad)} did not: {named(bad)} ({done} other "
                           "file(s) were converted and are kept; the same command converts the rest once they are "
                           "mended or removed)")
 
@@ -364,5 +364,5 @@ def _on_slurm(cfg: Any, work: Work, left: list[tuple[str, Path, Path]], job: Cal
     finally:
         bar.close()
     bad = found(cfg, tasks)
-    refused(bad, len(left) - len(bad))
+    refused(work, bad, len(left) - len(bad))
     return len(left)

@@ -243,6 +243,9 @@ def _row_of(rs: list[dict[str, Any]]) -> dict[str, Any]:
         })
         row["_spread"] = (min(thr), max(thr))
         row.update(_training(ok))
+        if row.get("_absent"):
+            _note(row, f"{', '.join(row['_absent'])}: neither labelled nor predicted in the last validation, no Dice "
+                  "(left out of dice_foreground, the foreground classes' mean)")
         row.update(_hardware(r))
         row.update(_energy(ok))
     elif status == "diverged":
@@ -332,13 +335,17 @@ def dice_names(r: dict[str, Any]) -> list[str]:
 
 def dice_of(ok: list[dict[str, Any]]) -> dict[str, Any]:
     """Each class's Dice of a point's last validation, by name (:func:`dice_names`), the median over its repeats
-    (a class neither predicted nor labelled in a run counts in none)."""
+    (a class neither predicted nor labelled in a run counts in none; one so in every repeat is named in
+    ``_absent``: the table's note says so)."""
     out: dict[str, Any] = {}
+    seen: list[str] = []
     for x in ok:
         for col, d in zip(dice_names(x), (x.get("validation") or [{}])[-1].get("dice") or []):
+            seen += [col] if col not in seen else []
             if isinstance(d, (int, float)):
                 out.setdefault(col, []).append(float(d))
-    return {col: _median(vs) for col, vs in out.items()}
+    absent = [col[len("dice_"):] for col in seen if col not in out]
+    return {col: _median(vs) for col, vs in out.items()} | ({"_absent": absent} if absent else {})
 
 
 def columns(rows: list[dict[str, Any]]) -> list[str]:

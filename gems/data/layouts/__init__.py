@@ -683,14 +683,14 @@ def _load() -> None:
     import_modules(__name__)
 
 
-#: each set's listing, once a process: (key, folder) -> its files' names (:func:`set_files`)
-_SET_FILES: dict[tuple[str, str], list[str]] = {}
+#: each set's listing: (key, folder) -> (its files' names, the modification times of the folders they lie in)
+_SET_FILES: dict[tuple[str, str], tuple[list[str], dict[str, int]]] = {}
 
 
 def set_files(cfg: Any) -> dict[str, list[str]]:
     """The files of each data set ``cfg`` reads (``data.path``'s, ``data.val_path``'s), by key: the sample files its
-    layout lists, as names under the set's folder, sorted; listed once a process. What a checkpoint keeps of the
-    sets its run trained on (gems.checkpoint.files)."""
+    layout lists, as names under the set's folder, sorted; listed again only where a folder they lie in changed.
+    What a checkpoint keeps of the sets its run trained on (gems.checkpoint.files)."""
     from gems.config import reads_files
 
     d = cfg.data
@@ -698,11 +698,14 @@ def set_files(cfg: Any) -> dict[str, list[str]]:
     for key, path in (("data.path", d.path), ("data.val_path", d.get("val_path"))) if reads_files(d) else ():
         if path in (None, ""):
             continue
-        if (key, str(path)) not in _SET_FILES:
+        kept = _SET_FILES.get((key, str(path)))
+        if kept is None or any(os.stat(f).st_mtime_ns != t for f, t in kept[1].items()):
             root = Path(str(path))
             found = detect(root, d.get("layout"), key).files(root)
-            _SET_FILES[key, str(path)] = sorted(str(f.relative_to(root)) if root.is_dir() else f.name for f in found)
-        out[key] = _SET_FILES[key, str(path)]
+            folders = {str(f) for f in (root, *(f.parent for f in found))}
+            kept = _SET_FILES[key, str(path)] = (sorted(str(f.relative_to(root)) if root.is_dir() else f.name
+                                                        for f in found), {f: os.stat(f).st_mtime_ns for f in folders})
+        out[key] = kept[0]
     return out
 
 

@@ -588,8 +588,9 @@ def uncompressed(source: Path, target: Path, key: str = "data.path") -> None:
             shutil.copyfileobj(src, dst, 1 << 22)
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:
         tmp.unlink(missing_ok=True)
-        raise ConfigError(key, str(source.parent), f".nii.gz files that are whole gzip streams; {source.name} is a "
-                          f"corrupt gzip stream ({type(e).__name__}: {e})") from None
+        how = "cut short: its gzip stream ends before its end" if isinstance(e, EOFError) else "a corrupt gzip stream"
+        raise ConfigError(key, str(source.parent), f".nii.gz files that are whole gzip streams; {source.name} is "
+                          f"{how} ({type(e).__name__}: {e})") from None
     commit(tmp, target)
 
 
