@@ -141,6 +141,12 @@ def training_keys(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: how the note says why a run stopped, by its record's failure kind
+STOPPED_BY = {"bad_data": "on a bad file", "storage": "when its storage failed", "nonfinite": "on a non-finite loss",
+              "stall": "when a rank stalled", "timeout": "at the launcher's time limit", "memory": "past its memory cap",
+              "node_fail": "when a node failed", "cancelled": "when it was cancelled"}
+
+
 def stopped_checkpoint(folder: Path, record: dict[str, Any]) -> tuple[Path, int] | None:
     """The last whole checkpoint a stopped run kept in its own folder (and its step), or None."""
     root = folder / ".jobs" / str(record.get("run_id")) / "ckpt"
@@ -197,12 +203,11 @@ def resume_stopped(cfg: Any) -> None:
             best = (kept[1], mtime, kept[0], r)
     if best is not None:
         step, _, where, r = best
-        kind = (r.get("failure") or {}).get("kind", "exit")
+        why = STOPPED_BY.get(str((r.get("failure") or {}).get("kind")), "when a rank failed")
         with open_dict(cfg):
             t.resume_from = str(where)
-        print(f"gems: note: run {r['run_id']} of this configuration stopped ({kind}) with its checkpoint before step "
-              f"{step} kept; going on from it ({where}; train.resume_stopped=false starts over)", file=sys.stderr,
-              flush=True)
+        print(f"gems: note: run {r['run_id']} of this configuration stopped {why} after step {step}; resuming from its "
+              f"checkpoint ({where}; train.resume_stopped=false starts over)", file=sys.stderr, flush=True)
     elif other is not None:
         _, r, key = other
         was = training_keys(r["config"]).get(key)
