@@ -95,6 +95,9 @@ def test_the_dataset_converts_and_trains_with_the_classes_and_channels_it_names(
     layouts.get("nnunet").write(raw, _cases(3, 2, 2, (12, 16, 16), 3), classes=("background", "spleen"),
                                 modality=("CT", "MR"))
     out = tmp_path / "Dataset009_Spleen_nii"
+    check = gems_here("data", "check", f"data.path={raw}", "data.workers=1")  # as downloaded: read whole, compressed
+    assert check.returncode == 0 and "3 file(s) checked" in check.stdout and "all good" in check.stdout, check.stdout
+    assert f"`gems data convert data.path={raw} data.out={raw}_nii`" in check.stdout
     conv = gems_here("data", "convert", f"data.path={raw}", f"data.out={out}", "data.workers=1")
     assert conv.returncode == 0, conv.stderr[-2000:]
     assert sorted(p.name for p in (out / "imagesTr").iterdir()) == [f"liver_00{i}_000{c}.nii" for i in range(3)
