@@ -1,8 +1,7 @@
-"""The files a checkpoint's run trained on: each data set's listing, kept in the checkpoint's ``gems.json``, so that
-a run that goes on from it on a set that has changed since (a bad case deleted instead of mended, a case added)
-says what changed instead of training on another set silently. What a set's files are is the data layouts' to say:
-gems.data.layouts hands its listing here when it is imported (:func:`lists`), as a registry hands the configuration
-its values (gems.config.owned)."""
+"""The files a checkpoint's run trained on: each data set's listing, kept in the checkpoint's ``gems.json``, and
+what changed in them since (files gone, files added), which a run that goes on from the checkpoint is refused on.
+What a set's files are is the data layouts' to say: gems.data.layouts hands its listing here when it is imported
+(:func:`lists`), as a registry hands the configuration its values (gems.config.owned)."""
 from __future__ import annotations
 
 import hashlib

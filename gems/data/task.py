@@ -1,8 +1,7 @@
 """What a data set declares of the model that trains on it, set on the configuration before launch: a task's
 ``dataset.json`` names its classes (``model.num_classes``) and its channels (``model.in_channels``), through its
 layout (gems.data.layouts.Layout.declared). A key the user did not set takes the data's value, said once; one the
-user set (gems.config.given) that disagrees is refused, naming both. So a two-class task trains a two-class model,
-with its classes' names on the Dice columns, and a four-modality one takes four channels."""
+user set (gems.config.given) that disagrees is refused, naming both."""
 from __future__ import annotations
 
 from typing import Any, Iterable

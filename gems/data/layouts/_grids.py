@@ -1,13 +1,9 @@
-"""How one file's voxel grid lies against another's, from their affines: the grid that reads a volume's labels (or a
-case's other channel files) onto its voxels exactly, where the two differ by flips and permutations of the axes
-alone, and the refusal that says what differs otherwise (spacing, a rotation in degrees, the origin, the shape); the
-grid that reads a volume in RAS+ orientation. The NIfTI layouts (gems.data.layouts.nifti and those that extend it)
-read their files through it.
-
-Two affines are one grid when every corner of the volume, mapped through the volume's affine and back through the
-other's, lands within ``data.affine_tolerance`` voxels of where the flips and permutations put it (0.01 of a voxel
-by default): a tolerance on what a voxel's place can be off by, not on a matrix entry, so that a spacing of 0.9992
-against 1.0 over 1000 slices (the last 370 one slice off) is refused as surely as a shifted origin.
+"""How one NIfTI file's voxel grid lies against another's, from their affines: :func:`lined_up`, the grid that reads
+a volume's labels (or a case's other channel files) onto its voxels where the two differ by flips and permutations
+of the axes alone, within ``data.affine_tolerance`` voxels at every corner of the volume, and the refusal naming
+what differs otherwise (spacing, a rotation in degrees, the origin, the shape); :func:`canonical`, the grid that
+reads a volume in RAS+ orientation. The NIfTI layouts (gems.data.layouts.nifti and those extending it) read through
+it.
 """
 from __future__ import annotations
 
