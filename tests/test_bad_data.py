@@ -61,7 +61,7 @@ def test_a_bad_training_record_ahead_of_step_3_keeps_the_training_and_the_same_c
     bad.write_bytes(good)  # mended
     second = gems_here("run", *args, f"results.dir={results}")
     assert second.returncode == 0, second.stderr[-2000:]
-    assert "stopped (bad_data) with its checkpoint before step 3 kept; going on from it" in second.stderr
+    assert "stopped on a bad file after step 3; resuming from its checkpoint" in second.stderr
     resumed = next(r for r in _records(results) if r["status"] == "ok")
     clean = gems_here("run", *args, f"results.dir={tmp_path / 'clean'}", "train.resume_stopped=false")
     assert clean.returncode == 0, clean.stderr[-2000:]
