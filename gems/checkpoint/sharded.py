@@ -13,6 +13,7 @@ job that starts removes what a crash while saving left (:func:`tidy`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -372,6 +373,7 @@ class Saver:
         self._pending: tuple[Any, Path, int] | None = None  # (future, folder, step) of an async save
         self._failed: tuple[StorageFailed, Path] | None = None  # an async save that failed, said at finish()
         self._in_flight = False  # an async save was started: every rank agrees on its end at finish()
+        self._root_made = False  # rank 0 made the checkpoints' folder: one missing later was removed under the run
         self._group: Any = None
         self._made = False
 
@@ -434,10 +436,13 @@ class Saver:
         if self.world.rank == 0:
             try:
                 with writing(what, d, needed):
+                    if self._root_made and not root.is_dir():  # its folder, made by an earlier save, removed since
+                        raise FileNotFoundError(errno.ENOENT, "the run's folder is gone", str(root))
                     d.mkdir(parents=True, exist_ok=True, mode=0o700)
                     os.chmod(root, 0o700)
                     write_meta(d, self.cfg, step, self.world.size)
                     save_file({"step": step, "history": kept, "world_size": self.world.size}, d / HISTORY)
+                    self._root_made = True
             except StorageFailed as e:
                 failed = e
         if self.share.writes:
