@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gems.errors import ConfigError
+from gems.fault.reports import read_requeues
 from gems.results import manifest
 from gems.results.manifest import point_name
 
@@ -224,6 +225,9 @@ def status_rows(folder: Path) -> list[dict[str, Any]]:
                 why = ""
         else:
             state, why = "not submitted", ""
+        lost = [f"node(s) {', '.join(q['nodes'])} failed (NODE_FAIL): Slurm job {q['slurm_job_id']} went on without them"
+                for q in (got or {}).get("requeued") or read_requeues(folder / ".jobs" / str(p.get("run_id")))]
+        again += lost
         if again:
             why = f"{why}; {again[-1]}" if why else again[-1]
         rows.append({"point": p["point"], "repeat": key[1], "run_id": p.get("run_id", ""), "job": p.get("job_id") or "",

@@ -228,3 +228,61 @@ def test_rendered_script_runs_when_submitted_by_hand(tmp_path: Path) -> None:
     assert path.exists(), (script.parent / f"{job_id}_0_log.err").read_text()[-2000:]
     record = rec.read_record(path)
     assert record["status"] == "ok" and record["world_size"] == 4
+
+
+def test_a_node_lost_mid_run_is_left_out_and_the_run_goes_on_to_the_losses_of_one_never_interrupted(
+        tmp_path: Path) -> None:
+    """Issue 79, item 4: a node of a two-node job fails mid-run (Slurm's NODE_FAIL: this test sets it down, then
+    drains it so that it stays out, as a failed node does); Slurm requeues the job, the launcher leaves the node out
+    of it (ExcNodeList) and the job goes on from its last checkpoint on the nodes it gets. Its record says so, and its
+    losses are those of the same run never interrupted."""
+    import threading
+
+    from _cli import gems_here, merged, records
+
+    from gems.checkpoint import ckpt_dir, latest_step
+
+    base = merged(*SMALL, "cluster=local_slurm", "cluster.nodes=2", "parallel.replicas=2", "train.steps=8",
+                  "train.checkpoint_every=1", "fault.step_delay_s=1", "fault.step_delay_once=true")
+    folder = tmp_path / "lost"
+    lost: list[str] = []
+
+    def take_a_node_down() -> None:
+        deadline = time.time() + 300
+        while time.time() < deadline and not lost:
+            jobs = _jobs_in_queue(folder)
+            done = [latest_step(ckpt_dir(compose([f"results.dir={folder}", f"run_id={p.name}"])))
+                    for p in (folder / ".jobs").glob("*")] if (folder / ".jobs").is_dir() else []
+            if jobs and any(s is not None and s >= 2 for s in done):
+                nodes = subprocess.run(["squeue", "-h", "-j", sorted(jobs)[0], "-o", "%N"], capture_output=True,
+                                       text=True).stdout.strip()
+                node = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True,
+                                      text=True).stdout.split()[-1]
+                for state in ("down", "drain"):
+                    subprocess.run(["scontrol", "update", f"nodename={node}", f"state={state}", "reason=gems-test"],
+                                   check=True, timeout=30)
+                lost.append(node)
+            time.sleep(0.5)
+
+    hand = threading.Thread(target=take_a_node_down, daemon=True)
+    hand.start()
+    try:
+        got = gems_here("run", *base, f"results.dir={folder}")
+        hand.join(timeout=5)
+    finally:
+        for node in lost:
+            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], timeout=30)
+    assert lost, "the job's second checkpoint never came"
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert f"node(s) {lost[0]} of Slurm job" in got.stderr and "goes on from its last checkpoint" in got.stderr
+    (r,) = records(str(folder))
+    assert r["status"] == "ok" and r["restarts"] == 1 and r["resumed_from"]["own"] is True
+    (requeue,) = r["requeued"]
+    assert requeue["nodes"] == lost and lost[0] in requeue["excluded"]
+    assert any("NODE_FAIL" in n and lost[0] in n for n in r["notes"])
+    assert lost[0] not in r["env"]["hostnames"]  # the attempt that finished ran without it
+    here = merged(*SMALL, "parallel.replicas=2", "train.steps=8", "train.checkpoint_every=1")
+    whole = gems_here("run", *here, f"results.dir={tmp_path / 'whole'}")
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    (w,) = records(str(tmp_path / "whole"))
+    assert r["loss"] == w["loss"]

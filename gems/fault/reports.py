@@ -166,3 +166,24 @@ def explain(job_dir: Path | str | None, exits: list[Exit], who: str = "rank") ->
         return f"{name} exited with status {e.code}: {e.last_line or 'no output'}", {
             "kind": "exit", "rank": e.rank, "status": e.code}
     return "the job ended without writing its record", {"kind": "exit"}
+
+
+#: the file in a run's folder that lists the nodes lost under it (gems.launch.watch.lost_nodes; the run's record says so)
+REQUEUED = "requeued.json"
+
+
+def read_requeues(folder: Path) -> list[dict[str, Any]]:
+    """The nodes lost under the run whose folder is ``folder``, a requeue an entry (Slurm's job id, the nodes, the
+    nodes it ran on, those left out after)."""
+    try:
+        got = json.loads((folder / REQUEUED).read_text())
+    except (OSError, ValueError):
+        return []
+    return got if isinstance(got, list) else []
+
+
+def write_requeues(folder: Path, entries: list[dict[str, Any]]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{REQUEUED}.tmp"
+    tmp.write_text(json.dumps(entries))
+    os.replace(tmp, folder / REQUEUED)

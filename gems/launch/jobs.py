@@ -44,6 +44,7 @@ class SlurmRun:
     detail: str = ""  # pending reason or node list
     seen: bool = False  # squeue has listed it at least once
     ran: bool = False  # squeue has listed it RUNNING at least once
+    ran_on: str = ""  # the nodes squeue last listed it running on (Slurm's node list form)
     #: when squeue first listed it running since it last waited in the queue (a requeue starts it again): the
     #: launcher's wait clock (cluster.timeout_min) counts from here, never from submission
     started_at: float | None = None

@@ -18,11 +18,14 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from gems.config import section
 from gems.errors import Cancelled
+from gems.fault.reports import read_requeues, write_requeues
 from gems.launch import cancel_on_signals
 from gems.launch.diagnose import error_of, outcome, stderr_tail
 from gems.launch.jobs import FINAL_STATES, Outcome, SlurmRun, slurm_command, task_outcomes
@@ -109,12 +112,21 @@ class Watcher:
         for run in live:
             if info is not None and run.job_id in info:
                 run.seen = True
+                was = run.state
                 run.state, run.detail = info[run.job_id]
                 if run.state in RUNNING_STATES:
                     run.ran = True
                     run.started_at = run.started_at or now
-                elif run.state in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"):
+                    if run.state == "RUNNING" and run.detail:
+                        run.ran_on = run.detail
+                elif run.state in WAITING:
                     run.started_at = None  # waiting again (requeued): the clock starts when it runs again
+                    # requeued after it ran (its last poll saw it running or completing): a node lost under it?
+                    lost = lost_nodes(run, run.ran_on) if run.ran and was not in WAITING else None
+                    if lost is not None:  # a second node lost: cancelled
+                        run.ended_at = now
+                        self.finished[run.job_id] = outcome(run, "NODE_FAIL", lost)
+                        continue
                 if run.state == "PENDING" and run.detail == "BeginTime" and run.ran:
                     # gems requeued it (a preemption, the time limit near): Slurm holds a requeued job back for
                     # two minutes; the job's own checkpoint makes an immediate restart safe
@@ -154,6 +166,49 @@ class Watcher:
         if not out.ok and self.retry is not None and self.retry(run, out):
             return
         self.finished[run.job_id] = out
+
+
+#: the states of a job waiting in the queue (again, where it ran before: requeued)
+WAITING = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED")
+
+
+def lost_nodes(run: SlurmRun, ran_on: str) -> str | None:
+    """A job Slurm requeued after it ran on ``ran_on`` (its node list): where some of those nodes are down now (Slurm's
+    NODE_FAIL: a node lost mid-run), the job goes on once from its last checkpoint on the nodes it gets, without
+    them (``scontrol update ExcNodeList``), and its folder says so for its record (:data:`REQUEUED`). A second node
+    lost cancels it: the error returned says so (None: it goes on)."""
+    down = down_nodes(ran_on)
+    if not down:
+        return None
+    folder = Path(str(run.cfg.results.dir)) / ".jobs" / run.run_id
+    said = read_requeues(folder)
+    if said:
+        _cancel(run)
+        run.state = "NODE_FAIL"
+        return (f"node(s) {', '.join(down)} failed (Slurm's NODE_FAIL) after the job had already gone on once without "
+                f"{', '.join(said[-1]['nodes'])}: cancelled; its last whole checkpoint is kept and the same command "
+                "goes on from it")
+    excluded = sorted({*[str(n) for n in run.cfg.cluster.get("exclude") or []], *down})
+    slurm_command(["scontrol", "update", f"JobId={run.job_id}", f"ExcNodeList={','.join(excluded)}"], timeout=30)
+    entry = {"slurm_job_id": run.job_id, "nodes": down, "ran_on": ran_on, "excluded": excluded, "at": time.time()}
+    write_requeues(folder, [*said, entry])
+    print(f"gems: {run.run_id}: node(s) {', '.join(down)} of Slurm job {run.job_id} failed (NODE_FAIL); Slurm requeued "
+          f"it: it goes on from its last checkpoint without them", file=sys.stderr, flush=True)
+    return None
+
+
+def down_nodes(nodelist: str) -> list[str]:
+    """The nodes of ``nodelist`` (Slurm's form, node[1-2]) that Slurm holds down, drained or failed now."""
+    if not nodelist or nodelist.startswith("("):
+        return []
+    try:
+        out = slurm_command(["sinfo", "-h", "-N", "-n", nodelist, "-t", "down,drain,fail,no_respond",
+                             "-o", "%N"], timeout=30)
+    except subprocess.TimeoutExpired:
+        return []
+    if out.returncode != 0:
+        return []
+    return sorted({ln.strip() for ln in out.stdout.splitlines() if ln.strip()})
 
 
 def _stop_waiting(run: SlurmRun) -> Outcome:

@@ -11,6 +11,7 @@ import torch
 from gems import checkpoint as ckpt
 from gems import progress
 from gems.config import section
+from gems.fault.reports import read_requeues
 from gems.models import build_model
 from gems.pipeline.runtime import split_waits
 from gems.rank.data import class_names, data_notes
@@ -41,6 +42,11 @@ def make_record(state: Any, recorder: Recorder) -> dict[str, Any]:
     replay = stepper.replay_note()  # what a replay from CUDA graphs covered, and what stayed eager around it
     if replay:
         notes.append(replay)
+    requeued = read_requeues(rec.job_dir(s.cfg))  # nodes lost under the job (Slurm's NODE_FAIL: gems.launch.watch)
+    if requeued:
+        last = requeued[-1]
+        notes.append(f"Slurm requeued job {last['slurm_job_id']} after node(s) {', '.join(last['nodes'])} failed "
+                     f"(NODE_FAIL): it went on from its checkpoint before step {s.plan.start} without them")
     if s.resumed is not None and not s.resumed["exact"]:
         notes.append(f"resumed from a checkpoint of global batch {s.resumed['global_batch']} at batch "
                      f"{s.cfg.train.batch_size}: the steps after it are not those of one uninterrupted run")
@@ -57,6 +63,8 @@ def make_record(state: Any, recorder: Recorder) -> dict[str, Any]:
                                 "held_s_per_save": s.saver.held_s / s.saver.saves, "async": s.saver.asynchronous}
     if s.resumed is not None:
         record["resumed_from"] = s.resumed
+    if requeued:
+        record["requeued"] = requeued
     record.update(recorder.training_figures(s.cfg.train, s.plan.steps, s.plan.steps_per_epoch))
     names = class_names(s.val if s.val is not None else s.data, stepper.metric)
     if names:

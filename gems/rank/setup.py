@@ -61,7 +61,7 @@ class RankState:
     host_memory: HostMemory
     plan: StepPlan
     restarts: int
-    resumed: dict[str, Any] | None  # another run's checkpoint this one went on from (the record's resumed_from)
+    resumed: dict[str, Any] | None  # the checkpoint this run went on from (the record's resumed_from)
     history: dict[str, Any]  # the history so far (a resumed run's from its checkpoint)
     t_start: float
 
@@ -158,19 +158,17 @@ def resume(cfg: DictConfig, world: World, mesh: Mesh, hold: ckpt.Holding, steppe
 def restore(cfg: DictConfig, world: World, mesh: Mesh, hold: ckpt.Holding, stepper: Stepper, folder: Path, step: int,
             history: dict[str, Any], another_run: bool) -> dict[str, Any] | None:
     """Continue from the checkpoint in ``folder`` (before ``step``), whatever mesh wrote it: the weights and the
-    optimizer into ``hold``, its history into ``history``; returns what the record says of it where it is another
-    run's or another mesh's (None for this job's own on its own mesh)."""
+    optimizer into ``hold``, its history into ``history``; returns what the record says of it (``resumed_from``:
+    ``own`` for this job's own checkpoint, after a requeue, a preemption or a lost node)."""
     meta = ckpt.load(folder, hold)
     same_mesh = not another_run and meta.get("mesh") == ckpt.mesh_of(mesh) and meta.get("world_size") == world.size
     history.update(ckpt.load_history(folder, world.rank, same_mesh))
     history["weight_average"] = meta["average"]
     if "loss_scale" in history:  # fp16: the scale and the steps skipped so far, as if never stopped
         stepper.scaler.load_state_dict(history["loss_scale"])
-    if not another_run and same_mesh:
-        return None
     return {"path": str(folder), "step": step, "run_id": meta.get("run_id"), "mesh": meta.get("mesh"),
             "schedule": meta.get("schedule"), "global_batch": meta.get("global_batch"),
-            "exact": meta.get("global_batch") == int(cfg.train.batch_size)}
+            "exact": meta.get("global_batch") == int(cfg.train.batch_size), "own": not another_run}
 
 
 def deterministic() -> None:
