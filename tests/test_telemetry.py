@@ -455,3 +455,81 @@ def test_gems_nodes_check_on_an_allocation_checks_each_node_once(fake, tmp_path:
         "gems nodes check: 3 node(s), 3 GPU(s): 1 failed check(s): node node2 GPU 0 (GPU-11111111): the throttle check "
         "failed: clocks held down at idle: hardware power brake (expected no hardware slowdown, thermal slowdown or "
         "power brake; health.throttle=false skips it)")
+
+
+def test_a_runs_record_holds_the_energy_of_its_measured_steps(tmp_path: Path, monkeypatch) -> None:
+    """The rank's loop (gems.rank.hooks.telemetry) meters its measured steps: a CPU rank's RAPL counter (a package zone
+    whose counter a thread moves on, 1 J every 10 ms, read where the kernel keeps it) gives the record's energy, J a
+    step and J a sample over exactly the measured steps, the rank's step times and its trace."""
+    import contextlib
+    import io
+    import threading
+
+    import torch
+    from omegaconf import open_dict
+
+    from gems.bootstrap import World
+    from gems.config import compose
+    from gems.rank.loop import train
+    from gems.telemetry import rapl
+
+    zone = tmp_path / "rapl" / "intel-rapl:0"
+    zone.mkdir(parents=True)
+    (zone / "max_energy_range_uj").write_text(str(2**40))
+    (zone / "energy_uj").write_text("0")
+    stop = threading.Event()
+
+    def burn() -> None:
+        uj = 0
+        while not stop.wait(0.01):
+            uj += 1_000_000
+            (zone / "energy_uj").write_text(str(uj))
+
+    monkeypatch.setattr(rapl, "ROOT", zone.parent)
+    cfg = compose(["model.size=32", "model.width=0.25", "train.batch_size=2", "train.steps=6", "train.warmup_steps=2",
+                   "train.check_fit=false", "telemetry.interval_s=0.01", f"results.dir={tmp_path / 'r'}"])
+    with open_dict(cfg):
+        cfg.run_id = "metered"
+    world = World(0, 1, 0, "127.0.0.1", 0, "single", torch.device("cpu"), "gloo", "torch", None, "localhost")
+    hand = threading.Thread(target=burn, daemon=True)
+    hand.start()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            record = train(cfg, world)
+    finally:
+        stop.set()
+        hand.join()
+    t = record["telemetry"]
+    measured = len(record["step_time_s"]["all"])
+    assert t["source"] == "rapl" and t["measured_steps"] == measured == 4 and t["devices"] == 1
+    (me,) = t["per_rank"]
+    assert me["steps"] == measured and me["samples"] == 2 * measured
+    assert t["energy_j"] > 0 and t["j_per_step"] == pytest.approx(t["energy_j"] / measured)
+    assert t["j_per_sample"] == pytest.approx(t["energy_j"] / (2 * measured))
+    # about 100 W over the measured steps' own time: never the whole run's (set-up and warm-up burn too)
+    assert me["metered_s"] <= sum(record["step_time_s"]["every"]) + 0.1
+    assert t["trace"]["0"] and "everything" not in t["left_out"]
+
+
+def test_a_stalls_report_names_what_the_stalled_ranks_device_was_doing() -> None:
+    """A rank's heartbeat carries its device's words (the sampler's latest reading: gems.rank.hooks.telemetry sets
+    Watchdog.describe_device where its device is metered), and the stall's message names them for the stalled rank."""
+    from gems.fault.watchdog import Watchdog, _LocalStore
+    from gems.progress import Progress
+
+    said: list[str] = []
+
+    class Kept(Watchdog):
+        def _end(self, message: str | None) -> None:  # (the real one ends the process)
+            raise SystemExit(message)
+
+    p = Progress()
+    p.mark("forward", 5)
+    p.since -= 100  # no progress for 100 s
+    wd = Kept(0, 1, stall_s=1, warmup_s=1, progress=p, tick=0.01, on_stall=lambda m, f: said.append(m))
+    wd.warm_until, wd.store = 0, _LocalStore()
+    wd.describe_device = lambda: "SM clock 1155 MHz, hardware thermal slowdown, 87 C, 100% busy"
+    with pytest.raises(SystemExit):
+        wd.beat()
+    assert "rank 0 made no progress" in said[0], said
+    assert said[0].endswith("rank 0's device: SM clock 1155 MHz, hardware thermal slowdown, 87 C, 100% busy"), said

@@ -80,6 +80,7 @@ class Beat:
     age: float  # seconds since the rank's last progress, when it published
     limit: float  # the allowance that applies to it there
     seen: float  # the monitor's clock when this seq arrived
+    device: str | None = None  # what its device was doing, where a sampler reads it (gems.telemetry)
 
     def age_now(self, now: float) -> float:
         return self.age + (now - self.seen)
@@ -206,6 +207,8 @@ class Watchdog:
         self.tick = float(tick if tick is not None else min(5.0, max(0.25, self.stall_s / 6)))
         self.launcher_pid = launcher_pid
         self.warm_until = 1  # steps below this get the warm-up allowance (set by the worker)
+        #: this rank's device in words, sent with its heartbeat (a sampler's: gems.rank.hooks.telemetry)
+        self.describe_device: Callable[[], str] | None = None
         self.slowest_step_s = 0.0  # the slowest step timed since the first after a (re)start (saw_step)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -290,7 +293,9 @@ class Watchdog:
         step, phase, age = p.step, p.phase, p.age()
         limit = self.limit(step, phase)
         self._seq += 1
-        beat = json.dumps({"seq": self._seq, "step": step, "phase": phase, "age": round(age, 3), "limit": limit})
+        device = self.describe_device() if self.describe_device is not None else None
+        beat = json.dumps({"seq": self._seq, "step": step, "phase": phase, "age": round(age, 3), "limit": limit,
+                           "device": device})
         self.store.set(hb_key(self.rank), beat)
         if self.rank == 0:
             self._monitor()
@@ -310,11 +315,15 @@ class Watchdog:
                 old = self._beats.get(r)
                 if old is None or old.seq != d["seq"]:
                     self._beats[r] = Beat(r, int(d["seq"]), int(d["step"]), str(d["phase"]), float(d["age"]),
-                                          float(d["limit"]), now)
+                                          float(d["limit"]), now, d.get("device"))
         stall = diagnose(self._beats, self.size, now, self._started, self.warmup_s, self.tick)
         if stall is None:
             return
         message = stall.message(self.stall_s, self.warmup_s)
+        seen = [f"rank {r}'s device: {self._beats[r].device}" for r in stall.ranks
+                if r in self._beats and self._beats[r].device]
+        if seen:  # why a rank is slow or stuck, where its device says (clocks, throttling, temperature, load)
+            message += "; " + "; ".join(seen)
         if os.environ.get("GEMS_DEBUG"):
             print(f"gems: watchdog beats at {now:.2f}: {self._beats}", file=sys.stderr, flush=True)
         failure = stall.as_dict()

@@ -47,9 +47,10 @@ class Loop:
         self.stopping = False  # a step read late asked to stop: the one queued since is read at once
         self.prefetch: Any = None
         self.bad = hooks.BadData(self)
+        self.telemetry = hooks.Telemetry(self)
         # in this order on every rank: the hooks' collectives meet
         self.hooks: list[Any] = [
-            state.host_memory, hooks.NonFinite(self), hooks.MemoryCap(self), hooks.StepLine(self),
+            self.telemetry, state.host_memory, hooks.NonFinite(self), hooks.MemoryCap(self), hooks.StepLine(self),
             hooks.PipelineRounds(self), self.bad, hooks.Preemption(self), hooks.MLPerfEpochs(self),
             hooks.FaultInjection(self), hooks.Evaluation(self, self.bad), hooks.Checkpoints(self)]
 
@@ -61,6 +62,7 @@ class Loop:
         self.prefetch = Prefetcher(self.fetch, range(s.plan.start, s.plan.steps), int(s.cfg.data.prefetch),
                                    s.world.device, self.finisher())
         s.mlperf.run_start()
+        self.telemetry.start()
         try:
             for step in range(s.plan.start, s.plan.steps):
                 with self.counting(step):
@@ -73,6 +75,7 @@ class Loop:
                 s.staged.discard(s.world)
             raise
         finally:
+            self.telemetry.stop()
             s.mlperf.pause()  # stopped to be requeued, or failed: the next job appends
             self.prefetch.close()
             self.recorder.history["reader_s"] += self.prefetch.reader_s
@@ -82,7 +85,7 @@ class Loop:
             model_file = export_model(s, len(self.recorder.history["losses"]))
         except StorageFailed as e:
             self.stop(storage_stop(self, e, len(self.recorder.history["losses"])))
-        record = make_record(s, self.recorder)
+        record = make_record(s, self.recorder, self.telemetry.summary())
         if model_file is not None:
             record["model_file"] = str(model_file)
         unstage(s.staged, s.world, self.barrier)

@@ -17,6 +17,7 @@ from gems.pipeline.runtime import split_waits
 from gems.rank.data import class_names, data_notes
 from gems.results import record as rec
 from gems.results.recorder import Recorder
+from gems.telemetry.figures import combine
 
 
 def export_model(state: Any, steps_trained: int) -> Path | None:
@@ -29,9 +30,9 @@ def export_model(state: Any, steps_trained: int) -> Path | None:
     return ckpt.export(state.cfg, state.world, state.hold, state.saver, steps_trained, path, order)
 
 
-def make_record(state: Any, recorder: Recorder) -> dict[str, Any]:
-    """The run's record (complete on rank 0; every rank takes part): the recorder's figures of every rank, and what
-    the run says of how it ran."""
+def make_record(state: Any, recorder: Recorder, telemetry: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run's record (complete on rank 0; every rank takes part): the recorder's figures of every rank, every
+    rank's ``telemetry`` summary (gems.telemetry.figures.combine), and what the run says of how it ran."""
     s, stepper, h = state, state.stepper, recorder.history
     measured = len(h["step_times"])
     plan_notes = s.plan.notes(measured)
@@ -56,6 +57,10 @@ def make_record(state: Any, recorder: Recorder) -> dict[str, Any]:
         measured_from=s.plan.measure_from + int(s.plan.traced_at is not None),
         profiled_steps=s.plan.profiled_to, notes=notes, split=split_waits)
     record["host_memory"] = s.host_memory.summary
+    if telemetry is not None:
+        per = gather_objects(s.world, telemetry)
+        record["telemetry"] = combine(per, stepper.samples_per_step * s.R, measured,
+                                      window=int(s.cfg.telemetry.straggler_window))
     if stepper.scaler.enabled:
         record["loss_scale"] = stepper.scaler.summary()
     if s.saver.saves:  # how long checkpoints held the steps (an async save: the copy to host memory only)
@@ -75,3 +80,14 @@ def make_record(state: Any, recorder: Recorder) -> dict[str, Any]:
 
         record["chosen"] = OmegaConf.to_container(s.cfg.parallel.chosen, resolve=True)
     return record
+
+
+def gather_objects(world: Any, mine: Any) -> list[Any]:
+    """Every rank's ``mine``, in rank order, on every rank (one collective; a one-rank job: none)."""
+    if world.size == 1:
+        return [mine]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * world.size
+    dist.all_gather_object(out, mine)
+    return out

@@ -5,6 +5,8 @@ from gems.rank.hooks.evaluation import Evaluation
 from gems.rank.hooks.faults import BadData, FaultInjection, MemoryCap, NonFinite
 from gems.rank.hooks.preemption import Preemption
 from gems.rank.hooks.steps import HostMemory, MLPerfEpochs, PipelineRounds, StepLine
+from gems.rank.hooks.telemetry import Telemetry
 
 __all__ = ["BadData", "Checkpoints", "Evaluation", "FaultInjection", "Hook", "HostMemory", "MLPerfEpochs",
-           "MemoryCap", "NonFinite", "PipelineRounds", "Preemption", "Run", "StepLine", "StepResult", "Stop"]
+           "MemoryCap", "NonFinite", "PipelineRounds", "Preemption", "Run", "StepLine", "StepResult", "Stop",
+           "Telemetry"]
