@@ -217,19 +217,50 @@ class Rates:
     large_sample: tuple[float, float] | None = None
     #: the convolutions (nd, cin, cout) these rates timed on that path, for the plan's assumptions
     large_seen: set[tuple] = field(default_factory=set)
+    #: a split backward's bookkeeping a deferrable module, on the host, in its W (gems.pipeline.deferred: the weight
+    #: gradients handed to autograd from Python); measured on CPU ranks (gems.plan.cpu), none counted on a GPU's
+    split_overhead_s: float = 0.0
+    #: host time a layer's call costs beyond its ops (the module's call and autograd's node, each direction), and a
+    #: pipeline action's bookkeeping (gems.pipeline.runtime: its messages posted, its finite check): measured on CPU
+    #: ranks (gems.plan.cpu), inside GPU_OP_OVERHEAD_S on a GPU's
+    layer_overhead_s: float = 0.0
+    action_overhead_s: float = 0.0
 
-    def layer_time(self, ops: Any, backward: bool, batch: int, first: bool = False) -> float:
+    def layer_time(self, ops: Any, backward: bool, batch: int, first: bool = False, part: str | None = None,
+                   deferred: int = 0) -> float:
         """Seconds of one layer's ops (``gems.trace.ops.LayerOps``) at micro-batch ``batch``, forward or backward.
-        ``first``: the model's first layer, whose input needs no gradient, so its convolutions' backward computes
-        the weight gradient only (half)."""
-        t = 0.0
+        ``first``: the model's first layer, whose input needs no gradient, so its convolutions' and matmuls' backward
+        computes the weight gradients only. ``part``: of a split backward (gems.pipeline.deferred), the ``input``
+        gradients' action (I) or the ``weight`` gradients' (W), where the layer has ``deferred`` deferrable modules
+        (its convolutions and dense layers: their weight gradients wait for the W, with the W's bookkeeping a
+        module, :attr:`split_overhead_s`); everything else of the layer's backward runs in the I."""
+        if part == "weight" and not deferred:
+            return 0.0
+        t = 0.0 if part == "weight" else self.share * self.layer_overhead_s
         for (cls, sig), (flops, nbytes, n) in ops.items():
             if n <= 0:
                 continue
-            per = self.time(cls, sig, flops / n, nbytes / n, backward, batch)
-            half = backward and first and cls in ("conv", "matmul") and not self.large(cls, sig, flops / n, batch)
-            t += n * per * (0.5 if half else 1.0)
+            t += n * self.op_time(cls, sig, flops / n, nbytes / n, backward, batch, first, part if deferred else None)
+        if part == "weight" and deferred:
+            t += deferred * self.split_overhead_s
         return t
+
+    def op_time(self, cls: str, sig: tuple, flops: float, nbytes: float, backward: bool, batch: int, first: bool,
+                part: str | None) -> float:
+        """One op's share of :meth:`layer_time` (``part`` None: the layer defers nothing, its whole backward is
+        the I's)."""
+        weights = cls in ("conv", "matmul")
+        if not backward:
+            return self.time(cls, sig, flops, nbytes, False, batch)
+        if part == "weight":
+            return self.time(cls, sig, flops, nbytes, True, batch, "weight") if weights else 0.0
+        if not weights or not (first or part == "input"):
+            return self.time(cls, sig, flops, nbytes, True, batch)
+        if first and self.large(cls, sig, flops, batch):  # (timed with both gradients together: the pair's time)
+            return 0.0 if part == "input" else self.time(cls, sig, flops, nbytes, True, batch)
+        if first:  # no input gradient: the weight gradients alone, in the I where nothing defers them
+            return 0.0 if part == "input" else self.time(cls, sig, flops, nbytes, True, batch, "weight")
+        return self.time(cls, sig, flops, nbytes, True, batch, "input")
 
     def large(self, cls: str, sig: tuple, flops: float, batch: int) -> bool:
         """Whether a GPU convolution has a sample past a 32-bit index (LARGE_SAMPLE_ELEMENTS), which its own rates
@@ -237,15 +268,18 @@ class Rates:
         return (self.large_sample is not None and cls == "conv"
                 and conv_sample_elements(sig, flops, batch) >= LARGE_SAMPLE_ELEMENTS)
 
-    def time(self, cls: str, sig: tuple, flops: float, nbytes: float, backward: bool, batch: int = 1) -> float:
+    def time(self, cls: str, sig: tuple, flops: float, nbytes: float, backward: bool, batch: int = 1,
+             part: str | None = None) -> float:
         """One op's time at micro-batch ``batch``: data-sheet rates (GPU) give a roofline, the larger of compute and
-        memory time, with a backward costing twice its forward (input and weight gradients); a convolution that
-        ``gems bench calibrate`` timed, its measured rates. (A CPU's measured rates: :class:`gems.plan.cpu.CpuRates`.)"""
+        memory time, with a backward costing twice its forward (input and weight gradients; ``part``: ``input`` or
+        ``weight``, one of the two); a convolution that ``gems bench calibrate`` timed, its measured rates. (A CPU's
+        measured rates: :class:`gems.plan.cpu.CpuRates`.)"""
+        half = 0.5 if backward and part is not None else 1.0
         if self.calibrated and cls == "conv" and sig in self.calibrated:
             # timed alone between CUDA events: the call's launches are in the measured time already
             fwd, bwd = self.calibrated[sig]
-            return self.share * flops / (bwd if backward else fwd)
-        k = 2.0 if backward else 1.0
+            return half * self.share * flops / (bwd if backward else fwd)
+        k = half * (2.0 if backward else 1.0)
         if self.large_sample is not None and self.large(cls, sig, flops, batch):
             self.large_seen.add(tuple(sig[1:4]))
             return self.share * (k * flops / self.large_sample[1 if backward else 0] + k * self.op_overhead_s)

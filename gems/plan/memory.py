@@ -586,6 +586,15 @@ class Planner:
             _CACHE[key] = self.layers_for(s)
         return _CACHE[key]
 
+    def deferred(self, s: int) -> list[int]:
+        """Per layer of spatial part ``s``, its modules a split backward defers (gems.pipeline.deferred.deferrable:
+        their weight gradients wait for the W), as the memory plan counts what the W holds."""
+        key = ("deferred", self.st.model_key, self.st.mesh.parts, self.st.mesh.spatial_dims, s, self.st.overlap,
+               self.st.gpu, self.st.bn_stats)
+        if key not in _CACHE:
+            _CACHE[key] = [len(deferrable(layer)) for layer in self._layers(s)[0]]
+        return list(_CACHE[key])
+
     def recomputed(self, n_layers: int) -> frozenset[int]:
         """The layers whose forward runs again in the backward (``parallel.checkpoint``): on a pipeline every layer
         and the loss (index ``n_layers``: each partition is replayed whole, gems.pipeline.runtime), on the plain path
@@ -929,7 +938,7 @@ def _blas_workspaces(cfg: Any, pl: Planner, dev: dict[str, Any]) -> int:
     gems.plan.reserve.blas_workspace_bytes), else 0."""
     if dev["kind"] != "gpu":
         return 0
-    t = pl.traced(0, 1)
+    t = pl.traced(pl.classes()[0][0], 1)  # (a part the plan traces anyway: every part runs the same ops)
     if not any(cls == "matmul" for ops in t.ops.values() for (cls, _sig) in ops):
         return 0
     return blas_workspace_bytes(cfg.cluster.gpu, dev.get("sm90"), dev.get("rocm"))

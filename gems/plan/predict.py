@@ -84,10 +84,10 @@ def predict_step(cfg: Any, pl: Planner, prof: Any, batch: int, dev: dict[str, An
                                                      "in the step (data.prefetch=0): memory-bound, a kernel a "
                                                      "block of planes")), True
     elif str(cfg.data.name) == "synthetic":  # made on the host: this machine's CPU, timed
-        share, threads = rates.share, rank_threads(cfg)
+        share, threads, kept = rates.share, rank_threads(cfg), getattr(rates, "kept", None)
 
         def data(part: Any, n: int, inp: bool, tgt: bool) -> float:
-            return share * n * synthetic_seconds(pl.st.spec, list(part), inp, tgt, threads)
+            return share * n * synthetic_seconds(pl.st.spec, list(part), inp, tgt, threads, kept)
 
         made = f"synthetic samples generated on the host as fast as here ({threads} thread(s))"
     elif reads_files(cfg.data):  # read by the rank's reader threads (gems.data.reader), at their rate

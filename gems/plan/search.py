@@ -473,8 +473,10 @@ def warm(planner: _Planner, meshes: list[dict[str, Any]], workers: int | None = 
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
+    from gems.plan.store import source_digest
     from gems.pools import start_worker
 
+    source_digest()  # the workers file their traces under this process's digest (a file edited meanwhile: not theirs)
     _WARMING[:] = [planner]
     try:
         with ProcessPoolExecutor(n, mp_context=get_context("fork"), initializer=start_worker) as pool:

@@ -17,8 +17,12 @@ bytes, not time, a pure function of the convolution, the batch, the threads, tor
 instruction sets (oneDNN picks its kernels by them: :func:`cpu_identity` is in the key). Measuring them took
 3-7 s of every ``gems plan`` of a CPU mesh.
 
+Beside the traces, in a folder of its own (``cpu``), it keeps what a CPU rank's kernels take on this machine
+(:func:`load` and :func:`keep`, ``gems.plan.cpu``): times, which load moves, kept as measurements are, with the rule
+of when they are measured again beside them; a changed gems does not discard them.
+
 What it never holds: a custom model's (``model=custom`` names a function whose source gems does not digest), a
-failure, the machine's free memory or measured rates (times are read fresh each time). A file that cannot be read, written
+failure, the machine's free memory. A file that cannot be read, written
 or unpickled is a miss: the value is made again; a write is atomic (a temporary file renamed), so processes
 planning at once never read half a file.
 """
@@ -36,7 +40,7 @@ from typing import Any, Callable, TypeVar
 
 from gems.paths import cache_root
 
-__all__ = ["cache_dir", "source_digest", "cached", "cpu_identity"]
+__all__ = ["cache_dir", "source_digest", "cached", "cpu_identity", "load", "keep"]
 
 T = TypeVar("T")
 
@@ -139,3 +143,32 @@ def _write(path: Path, item: Any) -> None:
     except Exception:  # noqa: BLE001 - a read-only or full home, or a value that does not pickle: not kept
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _kept_path(kind: str, key: tuple[Any, ...]) -> Path | None:
+    root = cache_root()
+    if root is None:
+        return None
+    return root / kind / f"{hashlib.sha256(repr(key).encode()).hexdigest()}.pkl"
+
+
+def load(kind: str, key: tuple[Any, ...]) -> Any:
+    """The value kept under ``key`` in the folder ``kind`` (measurements, not a function of gems's source), None
+    where there is none (or it cannot be read, or caching is off)."""
+    path = _kept_path(kind, key)
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            stored_key, value = pickle.load(f)
+    except Exception:  # noqa: BLE001 - no file, a truncated or foreign one: none kept
+        return None
+    return value if stored_key == key else None
+
+
+def keep(kind: str, key: tuple[Any, ...], value: Any) -> None:
+    """Keep ``value`` under ``key`` in the folder ``kind`` for the next process (atomic; nothing where caching is off,
+    or the folder cannot be written)."""
+    path = _kept_path(kind, key)
+    if path is not None:
+        _write(path, (key, value))

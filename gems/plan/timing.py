@@ -146,9 +146,11 @@ def spatial_comm(entries: Sequence[tuple[str, float, int]], parts: int, link: Li
     return t
 
 
-def layer_time(ops: LayerOps, rates: Rates, backward: bool, batch: int, first: bool = False) -> float:
-    """Seconds of one layer's ops at micro-batch ``batch``, forward or backward (:meth:`Rates.layer_time`)."""
-    return rates.layer_time(ops, backward, batch, first)
+def layer_time(ops: LayerOps, rates: Rates, backward: bool, batch: int, first: bool = False,
+               part: str | None = None, deferred: int = 0) -> float:
+    """Seconds of one layer's ops at micro-batch ``batch``, forward or backward, or one part of a split backward
+    (:meth:`Rates.layer_time`)."""
+    return rates.layer_time(ops, backward, batch, first, part, deferred)
 
 
 def pipeline_times(sched: Any, cost: Callable[[Any], float], transfer: Callable[[Any], float],
@@ -200,17 +202,19 @@ class _StageTime:
     #: of ``bwd`` and ``comm_bwd``, the recomputed layers' forward run again (parallel.checkpoint) and its messages
     replay: float = 0.0
     replay_comm: float = 0.0
+    #: a split backward's, per layer: (its I's compute, its W's compute), the I with any recomputed forward
+    split: list[tuple[float, float]] = field(default_factory=list)
 
     def backward(self, kind: Any) -> tuple[float, float]:
         """(compute, exposed messages) of a backward action of ``kind`` (gems.pipeline.schedules.Kind): a B all of
-        the stage's backward; an I and a W half each of what is not the recomputed forward, and the I that forward
-        whole (it replays it before its input gradients)."""
-        share = float(kind.backward_share)
-        if share >= 1.0:
+        the stage's backward; a split backward's I its layers' input gradients and whatever they do not defer (the
+        normalisations', activations' and spatial layers' whole backward, any recomputed forward, every exchange),
+        its W the deferred weight gradients and their bookkeeping (:meth:`gems.plan.devices.Rates.layer_time`)."""
+        if float(kind.backward_share) >= 1.0:
             return self.bwd, self.comm_bwd
-        first = 1.0 if kind.input_gradient else 0.0
-        return ((self.bwd - self.replay) * share + first * self.replay,
-                (self.comm_bwd - self.replay_comm) * share + first * self.replay_comm)
+        if kind.input_gradient:
+            return sum(i for i, _ in self.split), self.comm_bwd
+        return sum(w for _, w in self.split), 0.0
 
 
 def _meet(parts: Sequence[_StageTime]) -> _StageTime:
@@ -227,18 +231,22 @@ def _meet(parts: Sequence[_StageTime]) -> _StageTime:
         fwd, bwd = fwd + f, bwd + b
         cf += max(x[0] + x[2] for x in layer) - f
         cb += max(x[1] + x[3] for x in layer) - b
+    split = [(max(x[0] for x in layer), max(x[1] for x in layer)) for layer in zip(*(p.split for p in parts))]
     return _StageTime(fwd, bwd, cf, cb, replay=max(p.replay for p in parts),
-                      replay_comm=max(p.replay_comm for p in parts))
+                      replay_comm=max(p.replay_comm for p in parts), split=split)
 
 
 def _stage_times(ops1: dict[int, LayerOps], ops2: dict[int, LayerOps], b1: int, b2: int, chunk: int,
                  comm1: list[tuple[int, str, int, int]], comm2: list[tuple[int, str, int, int]],
                  a: int, e: int, last: bool, n_layers: int, rates: Rates, parts: int, link: Link | None,
-                 overlap: bool, jitter: float = 0.0, again: frozenset[int] = frozenset()) -> _StageTime:
+                 overlap: bool, jitter: float = 0.0, again: frozenset[int] = frozenset(),
+                 deferred: Sequence[int] | None = None) -> _StageTime:
     """A stage's times, layer by layer (its loss with the last stage); ``again``: the layers recomputed in the
     backward (parallel.checkpoint, :meth:`gems.plan.memory.Planner.recomputed`), whose forward and its exchanges
-    the backward runs once more."""
+    the backward runs once more; ``deferred``: under a split backward, each layer's deferrable modules
+    (gems.pipeline.deferred), by which its I and W are timed apart."""
     per: list[tuple[float, float, float, float]] = []
+    split: list[tuple[float, float]] = []
     meets: list[bool] = []
     replay = replay_comm = 0.0
     layers = list(range(a, e)) + ([n_layers] if last else [])  # the loss with the last stage
@@ -258,6 +266,10 @@ def _stage_times(ops1: dict[int, LayerOps], ops2: dict[int, LayerOps], b1: int, 
                 cf, cb = max(0.0, halo - tf) + rest, max(0.0, halo - tb) + rest
             else:
                 cf, cb = halo + rest, halo + rest
+        if deferred is not None:
+            n = deferred[j] if j < len(deferred) else 0
+            split.append((layer_time(ops, rates, True, chunk, j == 0, "input", n) + (tf if j in again else 0.0),
+                          layer_time(ops, rates, True, chunk, j == 0, "weight", n)))
         if j in again:  # its forward runs again before its backward (the same exchanges, in the same order)
             tb, cb = tb + tf, cb + cf
             replay, replay_comm = replay + tf, replay_comm + cf
@@ -266,7 +278,7 @@ def _stage_times(ops1: dict[int, LayerOps], ops2: dict[int, LayerOps], b1: int, 
     if jitter > 0 and any(meets):  # each exchange waits for the slowest part's noise since the last one
         per = _with_waits(per, meets, parts, jitter)
     return _StageTime(sum(x[0] for x in per), sum(x[1] for x in per), sum(x[2] for x in per),
-                      sum(x[3] for x in per), per, replay, replay_comm)
+                      sum(x[3] for x in per), per, replay, replay_comm, split)
 
 
 def _with_waits(per: list[tuple[float, float, float, float]], meets: list[bool], parts: int,
@@ -343,7 +355,8 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
     spatial_link = link_of(mesh.spatial_ranks(0, 0)) if S > 1 else None
     jitter = float(cluster.jitter or 0.0) if world > 1 else 0.0
     model_rates = replace(rates, op_overhead_s=GRAPH_OP_OVERHEAD_S) if graphed else rates
-    per_stage = _stage_list(pl, classes, bal, chunk, model_rates, S, spatial_link, overlap, jitter)
+    per_stage = _stage_list(pl, classes, bal, chunk, model_rates, S, spatial_link, overlap, jitter,
+                            bool(sched is not None and sched.split))
     stage_out = [classes[0][2][p].out.at(chunk) for p in range(n_stages)]
     stage_in = [classes[0][2][p].inp.at(chunk) for p in range(n_stages)]
 
@@ -359,13 +372,17 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
         data_s.append(max(data(cls[1], samples, inp, tgt) for cls in classes))
 
     # the schedule
+    booked = model_rates.share * model_rates.action_overhead_s  # each action's bookkeeping on the host
+    summed = _accumulations(sched, [classes[0][2][p].params for p in range(n_stages)], model_rates)
     if sched is not None:
 
         def cost(act: Any) -> float:
             t = per_stage[act.stage]
             if act.kind.forward:
-                return t.fwd + t.comm_fwd
-            return sum(t.backward(act.kind))  # B all of it, I or W half each (the I any recomputed forward)
+                return t.fwd + t.comm_fwd + booked
+            # B all of it, or a split's I or W (Rates.layer_time); the weight gradients added to the step's so far
+            return sum(t.backward(act.kind)) + booked + (summed.get((sched.rank_of(act.replica, act.stage), act.stage),
+                                                                    0.0) if act.kind.finishes_gradients else 0.0)
 
         def transfer(act: Any) -> float:
             nxt = act.stage + 1 if act.kind.forward else act.stage - 1
@@ -398,7 +415,8 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
         held = sched.partitions_of(d) if sched is not None else [0]
         if actions is not None:
             comp = sum((per_stage[a.stage].fwd if a.kind.forward else per_stage[a.stage].backward(a.kind)[0])
-                       for a in actions[d])
+                       for a in actions[d]) + booked * len(actions[d]) + \
+                sum(summed.get((d, a.stage), 0.0) for a in actions[d] if a.kind.finishes_gradients)
             spat = sum((per_stage[a.stage].comm_fwd if a.kind.forward else per_stage[a.stage].backward(a.kind)[1])
                        for a in actions[d])
             last_b = [a for a in actions[d] if a.kind.frees]
@@ -438,10 +456,31 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
     return Prediction(step, worst, batch / step if step > 0 else math.inf, worst_label, per_position, said)
 
 
+def _accumulations(sched: Any, params: Sequence[float], rates: Rates) -> dict[tuple[int, int], float]:
+    """Per (pipeline rank, stage), what each of the stage's backward actions that finish weight gradients (B, W)
+    adds on average for adding them to those of the step so far: a memory-bound pass over the stage's ``params``
+    bytes (the gradient read, the sum read and written), for every such action of the step but the first (its
+    gradients are taken as they are); none where each stage runs one such action a step (or no pipeline)."""
+    if sched is None:
+        return {}
+    out: dict[tuple[int, int], float] = {}
+    for d in range(sched.ranks):
+        runs: dict[int, int] = {}
+        for a in sched.actions[d]:
+            if a.kind.finishes_gradients:
+                runs[a.stage] = runs.get(a.stage, 0) + 1
+        for stage, n in runs.items():
+            if n > 1 and params[stage] > 0:
+                once = rates.time("memory", ("memory", "elementwise"), 0.0, 3.0 * params[stage], False)
+                out[(d, stage)] = once * (n - 1) / n
+    return out
+
+
 def _stage_list(pl: Any, classes: Any, bal: Sequence[int], chunk: int, rates: Rates, S: int,
-                spatial_link: Link | None, overlap: bool, jitter: float) -> list[_StageTime]:
+                spatial_link: Link | None, overlap: bool, jitter: float, split: bool = False) -> list[_StageTime]:
     """Each stage's times: its layers (``bal``: layers per stage) at micro-batch ``chunk`` on every spatial
-    class, the classes meeting at every layer's exchange (:func:`_meet`)."""
+    class, the classes meeting at every layer's exchange (:func:`_meet`); ``split``: a split backward's I and W
+    timed apart too."""
     out: list[_StageTime] = []
     start = 0
     for p, n in enumerate(bal):
@@ -453,7 +492,7 @@ def _stage_list(pl: Any, classes: Any, bal: Sequence[int], chunk: int, rates: Ra
             n_layers = len(t1.out_bytes) - 1
             parts.append(_stage_times(t1.ops, t2.ops, t1.batch, t2.batch, chunk, t1.comm, t2.comm, a, e,
                                       p == len(bal) - 1, n_layers, rates, S, spatial_link, overlap, jitter,
-                                      pl.recomputed(n_layers)))
+                                      pl.recomputed(n_layers), pl.deferred(members[0]) if split else None))
         out.append(_meet(parts))
     return out
 
