@@ -556,7 +556,15 @@ def cmd_plan(overrides: list[str]) -> int:
         from gems.plan.curves import predict_study
 
         return predict_study(combos, meta["experiment"])
-    return int(plan_main(compose(overrides), overrides) or 0)
+    cfg = compose(overrides)
+    from gems.config import reads_files
+
+    if reads_files(cfg.data):  # a task's classes and channels, as gems run takes them (gems.data.task)
+        from gems.data.task import from_the_data
+
+        for note in from_the_data(cfg):
+            print(f"gems: note: {note}", file=sys.stderr, flush=True)
+    return int(plan_main(cfg, overrides) or 0)
 
 
 def cmd_data(args: list[str]) -> int:

@@ -111,6 +111,8 @@ def test_the_dataset_converts_and_trains_with_the_classes_and_channels_it_names(
     assert "model.in_channels=2: the channels the set at data.path declares (CT, MR)" in run.stderr
     (rec,) = records(str(tmp_path / "r"))
     assert rec["classes"] == ["background", "spleen"] and len(rec["validation"][-1]["dice"]) == 2
+    plan = gems_here("plan", *args)  # the plan takes the task's channels as the run does
+    assert plan.returncode == 0 and "model.in_channels=2: the channels" in plan.stderr, plan.stderr[-2000:]
     assert rec["config"]["model"]["num_classes"] == 2 and rec["config"]["model"]["in_channels"] == 2
     from gems.results.table import rows_for
 
