@@ -1,25 +1,9 @@
 """gems: train CNNs on samples too large for one GPU.
 
-Three strategies on one R x D x S mesh, each in its own place, composed in
-``gems.rank.compose.parallelize``:
-
-* spatial parallelism (``gems.spatial``): each sample cut in space over S
-  ranks, halos exchanged by autograd functions, I/O partitioned the same way;
-* pipelines and GEMS (``gems.pipeline``): the model cut into D partitions,
-  run by a schedule (lp, gpipe, 1f1b, mast, master);
-* replication (``gems.replication``): gradients summed over every copy.
-
-For your own training script::
-
-    import gems
-    world = gems.init()                                   # torchrun, srun, mpirun or one process
-    mesh = gems.Mesh(parts=(world.size,), world_size=world.size)
-    mesh.build_groups(world.rank, timeout=world.timeout)
-    ctx = gems.SpatialContext.from_mesh(mesh, world.rank)
-    model = gems.apply_spatial(net, ctx, spatial_end=index_of_flatten)
-    reducer = gems.GradientReducer(model.parameters(), mesh.group("grad"))
-
-See examples/ and README.md.
+Three strategies on one R x D x S mesh, composed in ``gems.rank.compose``: spatial parts of a sample
+(``gems.spatial``), pipelines and GEMS (``gems.pipeline``), and replicas (``gems.replication``). For your own
+training script: ``gems.init``, ``gems.Mesh``, ``gems.apply_spatial``, ``gems.apply_pipeline``,
+``gems.GradientReducer`` (docs/parallelism.md, "Python API"; examples/).
 """
 from __future__ import annotations
 

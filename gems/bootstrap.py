@@ -1,28 +1,8 @@
-"""Rank discovery and rendezvous: who am I, how many are we, where do we meet.
+"""Rank discovery and rendezvous: who am I, how many are we, where do we meet; which device and which backend.
 
-A rank can be started by four launchers, and each leaves different traces:
-
-* ``mpirun``/``mpiexec``/``srun --mpi=pmi2`` with ``comm.backend=mpi``: mpi4py's
-  COMM_WORLD gives rank and size; rank 0 picks a free port and broadcasts
-  it with its ``MASTER_ADDR`` (its host name where none is set), so no
-  environment is needed at all and every rank takes rank 0's address.
-* Slurm (``srun``, also under submitit): ``SLURM_PROCID``, ``SLURM_NTASKS``,
-  ``SLURM_LOCALID``; the rendezvous host is the first node of
-  ``SLURM_JOB_NODELIST`` and the port is derived from the job id, so every
-  rank computes the same address without talking.
-* torchrun and gems' own local launcher: ``RANK``, ``WORLD_SIZE``,
-  ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.
-
-A ``MASTER_ADDR`` already in the environment always wins over the derived
-one, so a site that must rendezvous over another interface sets it in
-``cluster.setup``. The host name in records is ``SLURMD_NODENAME`` where
-Slurm sets it (several slurmd on one host are distinct nodes).
-* nothing: a single process.
-
-One GPU per rank on GPU nodes (``LOCAL_RANK`` picks it). The torch.distributed
-backend is nccl on GPUs and gloo on CPUs; ``comm.backend=mpi`` keeps that
-process group for point-to-point traffic (halos, pipeline activations) and
-does the gradient all-reduce through mpi4py (gems/replication.py).
+A rank started by mpirun, Slurm, torchrun or gems's local launcher, or alone, finds its rank, the world's size and
+the rendezvous (:func:`discover`), takes one GPU (``LOCAL_RANK``) or the CPU, and joins one backend a job: NCCL on
+GPUs, gloo on CPUs; ``comm.backend=mpi`` sums the gradients through mpi4py beside it (gems.replication).
 """
 from __future__ import annotations
 
@@ -110,7 +90,21 @@ def free_port(host: str = "") -> int:
 
 
 def discover(comm_backend: str = "auto") -> tuple[int, int, int, str, int, str, Any]:
-    """(rank, size, local_rank, master_addr, master_port, source, mpi_comm) from the environment."""
+    """(rank, size, local_rank, master_addr, master_port, source, mpi_comm) from the environment.
+
+    * ``mpirun``/``mpiexec``/``srun --mpi=pmi2`` with ``comm.backend=mpi``: mpi4py's COMM_WORLD gives rank and
+      size; rank 0 picks a free port and broadcasts it with its ``MASTER_ADDR`` (its host name where none is set),
+      so no environment is needed and every rank takes rank 0's address.
+    * Slurm (``srun``, also under submitit): ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``; the host is the
+      first node of ``SLURM_JOB_NODELIST`` and the port is derived from the job id (:func:`port_from_job`), so
+      every rank computes the same address without talking.
+    * torchrun and gems's local launcher: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+      ``MASTER_PORT``.
+    * nothing: a single process.
+
+    A ``MASTER_ADDR`` already in the environment always wins over the derived one, so a site that must rendezvous
+    over another interface sets it in ``cluster.setup``.
+    """
     env = os.environ
     if comm_backend == "mpi":
         try:
@@ -232,7 +226,7 @@ def init_world(cfg: Any) -> World:
         raise ConfigError("comm.backend", "gloo", "nccl, mpi or auto on GPU ranks (gloo has no CUDA point-to-point "
                           "messages or all-gather)")
     backend = backend_for(device)
-    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # several slurmd on one host: distinct nodes
     from gems.fault.watchdog import collective_timeout_s
 
     timeout = datetime.timedelta(seconds=collective_timeout_s(section(cfg, "comm"), section(cfg, "fault")))

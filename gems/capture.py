@@ -1,44 +1,10 @@
-"""What a CUDA graph's capture asks of the code that runs inside it, and of the rank that made the graph.
+"""What code inside a CUDA graph's capture keeps to, and what a rank that made graphs does before NCCL's teardown.
 
-A GPU rank replays its step from a CUDA graph (gems.rank.graphs) with NCCL work captured in it: the gradient sums,
-the halo messages of spatial parts, BatchNorm's global statistics, the step's sync. Three rules follow. They are
-kept here, below every layer that launches such work, so that the strategies (gems.replication, gems.spatial) and
-the step (gems.rank) keep them alike:
-
-1. **One NCCL order inside a graph.** Eagerly a rank issues its NCCL work in one host order, each communicator's
-   kernels queued on its own stream. In a replay the graph's kernels are ordered only by its dependencies: a
-   gradient sum (one communicator) and a halo exchange (another) that no edge orders may run concurrently, or in
-   one order on one rank and the other on another, and NCCL promises no progress for concurrent work on different
-   communicators (NVIDIA/nccl#783). So inside a graph every NCCL launch goes through :func:`launch`: it is issued
-   from the region's one *chain* stream, which first waits for the issuing stream (the launch's inputs are ready
-   there) and then for the launch's own completion (``wait()`` on each of its works, on the chain). Each NCCL
-   launch of a rank therefore depends on the one before it, in the order the eager step issues them, whatever its
-   communicator. The issuing stream waits for no more than eagerly: it waits on a work where its code does, so a
-   gradient sum still overlaps the backward and a halo the interior; a blocking call (no work handed back) makes
-   it wait on the chain at once, as the call's own wait would. At the capture's end the capturing stream joins the
-   chain (:func:`region`; every stream forked in a capture must join it).
-   On a CPU rank's stand-in for the capture (GEMS_CPU_GRAPH_STAND_IN) the same launches are marked chained and
-   nothing else changes; gems.commlog logs each launch inside a graph with that mark, and its replay refuses a
-   launch inside a graph that is not ordered after the one before it.
-2. **No deferred frees inside a capture.** A block with uses on another stream (``record_stream``) that is freed
-   during a capture is not reused in that capture: the caching allocator defers it until no capture is under way.
-   A graphed spatial step, whose halo buffers cross streams every layer, would grow its pool past the eager peak
-   and past its plan. Inside a graph :func:`keep` holds the tensor instead of recording the stream (the stream
-   joins order the work; the tensor lives to the region's end), and graphed GPU runs set
-   ``TORCH_NCCL_AVOID_RECORD_STREAMS=1`` (:func:`avoid_record_streams`: ProcessGroupNCCL then keeps the tensors
-   of a collective in its work until the work is waited for, which :func:`launch` does on the chain).
-3. **Graphs released before NCCL is torn down.** From NCCL 2.26 (torch 2.7 and later ship it) ``ncclCommDestroy``
-   waits until every graph holding captured work of that communicator is destroyed; a graph left alive (a
-   reference cycle, a traceback) makes ``destroy_process_group`` wait forever: training done, the record written,
-   every rank blocked (pytorch/pytorch#115388; NVIDIA-NeMo/Megatron-Bridge#3595 ends such Slurm jobs as TIMEOUT).
-   Every graph a rank makes is registered here (:func:`made`), and :func:`release` synchronises the device,
-   resets each graph, forgets them and collects; the worker calls it on every way a rank ends before it destroys
-   its process groups (gems.worker). A rank whose device cannot finish its queue (a peer hung in a collective)
-   does not wait for NCCL: the release waits in the ``gpu queue`` phase, where the watchdog ends the process
-   (gems.fault.watchdog), which destroys nothing.
-
-On the stand-in a graph is :class:`StandInGraph`, whose ``reset`` is logged in order with the rank's messages and
-its process groups' destruction (gems.commlog), so a test reads the order of a whole run.
+Three rules (docs/gpu.md, "Graphs and NCCL"): 1. every NCCL launch inside a graph is chained after the one before it
+(:func:`launch`); 2. no stream is recorded on a tensor inside a capture (:func:`keep`); 3. every graph is reset before
+the process groups are destroyed (:func:`made`, :func:`release`). They live here, below the strategies and the step
+that launch such work, so that all keep them alike. On a CPU rank's stand-in (GEMS_CPU_GRAPH_STAND_IN) the launches
+are marked chained and the resets logged in order with the messages (gems.commlog, :class:`StandInGraph`).
 """
 from __future__ import annotations
 
@@ -77,7 +43,7 @@ _LAUNCHING: list[bool] = [False]
 def region(device: torch.device, api: Any = None) -> Iterator[None]:
     """A graph's capture (``api``: ``torch.cuda``, or a mock of it) or the stand-in's run of one (``api`` None):
     NCCL launches inside it are chained (:func:`launch`), tensors kept (:func:`keep`). At its end the current
-    stream joins the chain, then the held tensors go."""
+    stream joins the chain, then the held tensors go (every stream forked in a capture must join it)."""
     r = _Region(next(_numbers), device, api)
     _REGION.append(r)
     try:

@@ -1,62 +1,9 @@
 """What a rank hands to torch.distributed, logged in issue order, and replayed as NCCL would run it.
 
-Every gems test runs over gloo, and gloo forgives what NCCL does not: a gloo
-receive is a passive buffer that any later send with the same tag fills, so a
-rank may post receives far ahead of its own sends. Under NCCL each message and
-collective is a kernel on the stream of its communicator, run in the order the
-rank issued it, and a receive holds that stream until its peer's send arrives;
-messages between two ranks match by order (NCCL has no tags), and collectives
-take device tensors only. An order that completes over gloo can hang at step 0
-under NCCL. This module makes that visible without a GPU:
-
-* :class:`Recorder` wraps torch.distributed's point-to-point and collective
-  functions in this process and logs every call in issue order: what it is,
-  the peer, the communicator it runs on, its bytes, dtype and device, the batch
-  it was issued in, and every ``wait()`` the host makes on its work. A run logs
-  each rank to ``DIR/rank<N>.jsonl`` when ``GEMS_COMM_LOG=DIR`` is set
-  (:func:`install_from_env`, called by the worker), or a test holds a recorder
-  around the code it checks.
-* :func:`replay` runs the logged orders of all ranks together under NCCL's
-  rules and raises :class:`OrderError` naming the stuck ranks and what each
-  waits for, or a mismatch (sizes or dtypes of the k-th message of a pair,
-  collectives issued in different orders, a message nobody receives).
-
-The rules :func:`replay` applies (docs/design.md, "Rules of the GPU path"): the
-least NCCL promises, since a replay more lenient than the hardware passed a
-runtime that hung on a GPU.
-
-1. What a rank issues on a communicator runs in issue order. torch's
-   ProcessGroupNCCL runs collectives and batched point-to-point
-   (``batch_isend_irecv``) on the group's communicator, and a lone
-   ``isend``/``irecv`` on a communicator of its own for the pair of ranks (per
-   group). Communicators start when every member first uses them (lazy
-   initialisation).
-2. CUDA does not promise that two streams progress independently (NCCL's
-   maintainers, NVIDIA/nccl issue 783), so what a rank issues towards one peer
-   also runs in issue order across all its communicators: each pair of ranks
-   has one ordered stream on each of them, and an operation waits until it is
-   at the head of its communicator's stream and of the pair stream of every
-   peer it involves (a collective: every other member). A receive therefore
-   holds everything the rank issued after it towards that peer.
-3. The operations of one ``batch_isend_irecv`` are one group: they start
-   together, and the group ends when all of them have. Nothing else is
-   grouped.
-4. The k-th send from rank a to rank b on a communicator meets the k-th receive
-   on b from a there; their bytes and dtypes must agree.
-5. A receive holds its streams until the matching send has started; a send
-   completes once it starts (``strict_sends=False``) or only once its receive
-   has started too (``strict_sends=True``, as NCCL does for messages larger than
-   its buffers: the rule gems's runtime is checked under).
-6. A collective completes when every member of the communicator has started it;
-   members must issue the same collectives in the same order.
-7. The host blocks where it called ``wait()`` (as gloo does; NCCL's ``wait`` only
-   orders streams, so this only adds waits: an order that passes here also
-   passes without them).
-
-The recorder also checks the device of every tensor a call gets against the
-rank's device (``device=``): NCCL takes device tensors only. On CPU ranks every
-tensor is on the CPU, so that check only bites on GPU ranks or fake-GPU dry
-runs; the static check in tests/test_comm_rules.py covers the CPU machines.
+Every test runs over gloo, which completes orders NCCL can hang on: a gloo receive is a passive buffer that any later
+send with its tag fills, while NCCL runs each message as a kernel on its communicator's stream in issue order and
+matches a pair's messages by order. :class:`Recorder` logs a rank's calls (``GEMS_COMM_LOG=DIR`` for a whole run);
+:func:`replay` runs every rank's log together under NCCL's rules and names what would hang.
 """
 from __future__ import annotations
 
@@ -128,11 +75,16 @@ class _Work:
 
 @dataclass
 class Recorder:
-    """Log this process's torch.distributed calls (see the module docstring); a context manager.
+    """Log this process's torch.distributed point-to-point and collective calls in issue order; a context manager.
 
+    Each call's kind, peer, communicator, bytes, dtype and device, the batch it was issued in, and every ``wait()``
+    the host makes on its work. A run logs each rank to ``DIR/rank<N>.jsonl`` when ``GEMS_COMM_LOG=DIR`` is set
+    (:func:`install_from_env`, called by the worker); a test holds a recorder around the code it checks.
     ``device``: the rank's device; a tensor on another device is a violation (``violations``), raised at
     once with ``strict_device=True``. ``sink``: a file to append each event to as JSON (a hung run still
-    leaves its log), else the events stay in ``events``.
+    leaves its log), else the events stay in ``events``. NCCL takes device tensors only; on CPU ranks every tensor
+    is on the CPU, so the device check bites on GPU ranks and fake-GPU dry runs (tests/test_comm_rules.py's static
+    check covers the CPU machines).
     """
 
     device: torch.device | None = None
@@ -480,8 +432,33 @@ class _Replay:
 
 
 def replay(logs: dict[int, list[dict[str, Any]]], strict_sends: bool = False) -> dict[str, int]:
-    """Run the logged orders under NCCL's rules (module docstring); raise :class:`OrderError` where they
-    hang or mismatch, else return counts of what ran (``ops``, ``messages``, ``collectives``)."""
+    """Run the logged orders of all ranks together under NCCL's rules; raise :class:`OrderError` naming the stuck
+    ranks and what each waits for, or a mismatch (sizes or dtypes of a pair's k-th message, collectives issued in
+    different orders, a message nobody receives), else return counts of what ran (``ops``, ``messages``,
+    ``collectives``).
+
+    The rules are the least NCCL promises (a replay more lenient than the hardware passed a runtime that hung on a
+    GPU; docs/design.md, "Rules of the GPU path"):
+
+    1. What a rank issues on a communicator runs in issue order. torch's ProcessGroupNCCL runs collectives and
+       ``batch_isend_irecv`` on the group's communicator, and a lone ``isend``/``irecv`` on a communicator of its
+       own for the pair (per group). Communicators start when every member first uses them (lazily).
+    2. CUDA does not promise that two streams progress independently (NVIDIA/nccl issue 783), so what a rank
+       issues towards one peer also runs in issue order across all its communicators: an operation waits until it
+       is at the head of its communicator's stream and of the pair stream of every peer it involves (a
+       collective: every other member). A receive holds everything the rank issued after it towards that peer.
+    3. The operations of one ``batch_isend_irecv`` are one group: they start together and end when all have.
+       Nothing else is grouped.
+    4. The k-th send from rank a to rank b on a communicator meets the k-th receive on b from a there; their
+       bytes and dtypes must agree.
+    5. A receive holds its streams until the matching send has started; a send completes once it starts, or with
+       ``strict_sends`` only once its receive has started too (as NCCL does for messages larger than its
+       buffers: the rule gems's runtime is checked under).
+    6. A collective completes when every member of the communicator has started it; members must issue the same
+       collectives in the same order.
+    7. The host blocks where it called ``wait()`` (as gloo does; NCCL's ``wait`` only orders streams, so this
+       only adds waits: an order that passes here also passes without them).
+    """
     unordered(logs)
     run = _Replay(logs, strict_sends)
     while run.advance_hosts() | run.advance_streams():

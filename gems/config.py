@@ -1,15 +1,9 @@
-"""Configuration: dataclass schemas behind the YAML groups in ``conf/``, and
-composition with Hydra that turns every user mistake into a ``ConfigError``.
+"""Configuration: the dataclass schemas behind the YAML groups in ``conf/``, one place for each key's default, and
+Hydra's composition, which turns every user mistake into a ``ConfigError``.
 
-Schemas are registered in Hydra's ConfigStore as ``base_<group>`` and each
-YAML file in ``conf/<group>/`` lists its schema first in its defaults, so a
-misspelt key or a value of the wrong type fails at composition with the key
-named. ``conf/config.yaml`` holds only the defaults list. A model's own keys are
-declared with its registration and type the ``model`` section once the model
-registry is loaded (:func:`extended`).
-
-Why one file of this length: it is the schema, one dataclass per group with each key's default, bounds and help
-line: the one place a default is written (a model's own keys beside its builder).
+Each YAML file of ``conf/<group>/`` lists its schema (``base_<group>`` in Hydra's ConfigStore) first in its defaults,
+so a misspelt key or a value of the wrong type fails at composition, naming the key. A model's own keys type the
+``model`` section once the model registry is loaded (:func:`extended`).
 """
 from __future__ import annotations
 

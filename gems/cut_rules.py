@@ -1,24 +1,8 @@
-"""Which layer types the spatial converter knows, one registration each.
+"""Which layer types the spatial converter knows, one registration each (docs/parallelism.md, "Adding a layer type").
 
-The spatial converter (:func:`gems.spatial.apply_spatial`) never imports the
-models: it asks this registry. gems registers torch's layers
-(``gems/spatial/apply.py``); each model module registers its own layer types
-where it defines them (CosmoFlow's ``Scale``, the U-Net's skip layers, the
-ResNet block), and a user registers theirs the same way::
-
-    from gems.spatial import register_layer, register_pointwise, register_container
-
-    register_pointwise(MyActivation)            # acts on each cell alone, no parameters
-    register_container(MyResidualBlock)         # f(x) + g(x): its children are converted
-    register_layer(MyLayer, lambda m, conv, label: MySpatialLayer(m, conv.sctx, label))
-
-A rule receives the layer, the converter (``conv.sctx`` is the spatial context,
-``conv.bn_stats`` the BatchNorm choice) and a label, and returns the layer's
-spatial version, or raises :class:`CannotCut` saying why; a layer with no rule
-cannot be cut either. Where a layer cannot be cut, gems gathers the activation
-before it and runs the rest of the model whole on every part (the record says
-so). This module imports nothing of gems and lies below every strategy, so any model can import it without
-loading the spatial strategy (a model cut by a pipeline alone never does).
+The converter (:func:`gems.spatial.apply_spatial`) asks this registry and never imports the models; this module
+imports nothing of gems, so a model registers its own layer types where it defines them without loading the spatial
+strategy (a model cut by a pipeline alone never does).
 """
 from __future__ import annotations
 
@@ -44,7 +28,9 @@ class CannotCut(Exception):
 
 def register_layer(cls: type, rule: Rule | str) -> type:
     """Register how layers of type ``cls`` (and its subclasses, unless they register their own) are cut:
-    a rule ``(layer, converter, label) -> spatial layer``, or ``POINTWISE`` / ``CONTAINER``."""
+    a rule ``(layer, converter, label) -> spatial layer``, or ``POINTWISE`` / ``CONTAINER``. A rule is given the
+    converter's spatial context (``conv.sctx``) and BatchNorm choice (``conv.bn_stats``), and raises
+    :class:`CannotCut` saying why where it cannot cut the layer (a layer with no rule cannot be cut either)."""
     _RULES[cls] = rule
     return cls
 

@@ -1,12 +1,6 @@
-"""``gems plan plan.dry_run=true``: one rank of the full-size world runs the real code for one step, alone.
-
-The real mesh and process groups of one chosen rank (``plan.dry_run_rank``) of the configured world (1024,
-2048 ranks ...) are built over torch's fake process group (``init_process_group("fake")``: collectives and
-messages complete at once and move no data), the real strategies (spatial conversion, pipeline partitions
-and schedule, gradient reducer) are applied to the real model on fake tensors (shapes, no memory), and one
-training step of that rank's schedule runs: its actions, halo exchanges, pipeline sends and receives and
-gradient all-reduces, with the optimizer step. Mesh, group, partition and schedule errors that only appear
-at full size surface here, in seconds, before a job queues. Values are not computed: the loss is 0.
+"""``gems plan plan.dry_run=true``: one rank of the full-size world runs the real code for one step, alone, over torch's
+fake process group and on fake tensors, so that mesh, group, partition and schedule errors that appear only at full
+size surface in seconds, before a job queues (docs/planner.md). Values are not computed: the loss is 0.
 """
 from __future__ import annotations
 

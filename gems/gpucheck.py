@@ -1,35 +1,10 @@
 """The GPU rig: gems's whole multi-rank matrix on one GPU, with one command (``bash scripts/gpu_check.sh``).
 
-A test aid, not a benchmark. Several ranks share the one GPU (``GEMS_TEST_SHARE_GPU=1``,
-:func:`gems.bootstrap.sharing_gpu`): each rank is an NCCL host of its own and its messages go over loopback
-sockets, with NCCL's real matching, stream and connection rules, so a message order NCCL cannot complete hangs
-here as it would on many GPUs. Timings of shared runs mean nothing; whether a run finishes and its losses do.
-
-The matrix (:func:`matrix`): the one-rank run eager against the same run replaying its model from CUDA graphs
-(train.cuda_graphs, the default: the graphs' exactness within fp32's tolerance, and bit for bit where both run
-deterministic kernels, train.deterministic), every registered schedule x D in {2, 4}
-x m in {1, 2, 4} (a combination a schedule refuses is listed as skipped, with its reason), GEMS-MAST and -MASTER at
-R2 x D2 x S2, S = 2, R = 2, pipelines at fp16 and bf16,
-and the strict mode (:data:`STRICT_NCCL`: NCCL's buffers too small for any halo, one
-connection a GPU) over S = 2, R2 x S2 and D2 x S2 with micro-batches, where an order that only NCCL's buffers
-completed hangs as it would at 512^3; the U-Net (:data:`UNET_POINTS`) pipelined, over spatial parts and
-checkpointed. Every run is a real ``gems run`` of the default CosmoFlow job (or the U-Net) on one global batch,
-compared step by step with the one-rank run of the same model, batch and precision, TF32 off in both
-(``train.tf32=false``: an exact comparison). As a control, ``torch.distributed.pipelining``'s ``Schedule1F1B``
-and ``ScheduleGPipe`` train the same module on the same rig against their own one-rank run: if they hang too,
-the rig is at fault, not gems.
-Last come the graphs that hold NCCL work (:func:`graphed_points`: R = 2, S = 2 with its halos, R2 x S2;
-``train.graph_collectives``, off by default until these have run to their end): each under a short limit of its own
-with ``NCCL_DEBUG=WARN``, and one that hangs runs once more with ``NCCL_GRAPH_MIXING_SUPPORT=0``; the summary says
-which setting its result is from.
+A test aid, not a benchmark: several ranks share the GPU (``GEMS_TEST_SHARE_GPU=1``), each an NCCL host of its own,
+so NCCL's real matching, stream and connection rules apply and an order it cannot complete hangs here as on many
+GPUs. Each point is a real ``gems run`` compared step by step with its one-rank run (docs/gpu.md, "The GPU rig").
 
     python -m gems.gpucheck [--dry] [--out DIR] [--budget S] [--limit S] [--ranks N] [--only TEXT[,TEXT...]]
-
-``--dry`` checks the plumbing on CPU (gloo, a few runs of the matrix and one control; CI runs it). Output:
-``DIR/summary.json`` (one entry a run: status, losses, the reference's, the largest relative difference, the
-verdict) and ``DIR/summary.md`` (the table), ``DIR/logs/`` (each run's output). Exit status 0 when every run
-of the matrix (after ``--only``) ran and finished equal to its reference, 1 otherwise: a point left for the
-budget counts, so a partial matrix never reads as a pass.
 """
 from __future__ import annotations
 
@@ -138,7 +113,12 @@ def _base(dry: bool) -> list[str]:
 
 
 def matrix(dry: bool = False) -> list[Run]:
-    """The runs of the rig, the one-rank references first (``dry``: a few, on CPU)."""
+    """The runs of the rig, the one-rank references first (``dry``: a few, on CPU): the one-rank run eager against
+    its CUDA graphs (within fp32's tolerance, bit for bit where both are deterministic), every registered schedule x
+    D in {2, 4} x m in {1, 2, 4} (a combination a schedule refuses listed as skipped, with its reason), GEMS-MAST and
+    -MASTER at R2 x D2 x S2, S = 2, R = 2, pipelines at fp16 and bf16, the strict mode (:data:`STRICT_NCCL`), the
+    U-Net (:data:`UNET_POINTS`), torch's ``Schedule1F1B`` and ``ScheduleGPipe`` as controls (if they hang too, the
+    rig is at fault, not gems), and last the graphs that hold NCCL work (:func:`graphed_points`)."""
     from gems.errors import ConfigError
     from gems.pipeline.schedules import make_schedule, registered
 
@@ -464,6 +444,10 @@ def control(schedule: str, result: Path, dry: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The rig's command. It writes ``DIR/summary.json`` (one entry a run: status, losses, the reference's, the
+    largest relative difference, the verdict), ``DIR/summary.md`` (the table) and ``DIR/logs/``. Exit status 0
+    when every run of the matrix (after ``--only``) ran and finished equal to its reference, else 1: a point left
+    for the budget counts, so a partial matrix never reads as a pass."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "control":
         p = argparse.ArgumentParser(prog="python -m gems.gpucheck control")

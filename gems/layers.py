@@ -1,22 +1,7 @@
-"""Building blocks the models and the strategies share (so that neither imports the other).
-
-Layers whose randomness is a pure function of (seed, step, sample), so that
-every mesh draws the same dropout masks as the serial run.
-
-Plain ``nn.Dropout`` draws from each rank's RNG, so a run on 4 ranks and a run
-on 1 would train different networks. ``SampleDropout``'s mask of sample ``i``
-at step ``t`` is a pure function of ``(seed, t, i)`` and each value's index: a
-32-bit integer hash (:func:`sample_keys`: two 32-bit keys a sample; then each
-value's index hashed under them), so every mesh and every kind of device draws
-the same masks. An eager step hashes the batch's masks on the host with numpy
-(:func:`host_keep_masks`) and copies them to the device at once (one copy, no
-generator a sample); inside a CUDA graph the same hash runs on the device in
-integer tensor operations (:func:`keep_masks`), its one input the keys, a
-static tensor refilled before each replay (:func:`batch_context`'s ``keys``).
-The two give the same bits (the tests compare them through whole runs). The runtime
-that calls the model says which samples are in the batch with
-:func:`batch_context`; pipeline runtimes set it again around the backward of a
-micro-batch, so recomputation draws the same masks.
+"""Building blocks the models and the strategies share, so that neither imports the other: the batch context, dropout
+whose masks are a pure function of (seed, step, sample) so that every mesh and device draws the serial run's
+(:class:`SampleDropout`), the evaluation mode, recomputation (:class:`Recompute`), and bf16 3D convolutions on CPU
+kept clear of a oneDNN bug.
 """
 from __future__ import annotations
 
@@ -119,8 +104,15 @@ def host_keep_masks(keys: Sequence[Sequence[int]], numel: int, p: float) -> Any:
 
 
 class SampleDropout(nn.Module):
-    """Dropout with masks a pure function of (seed, step, sample) and each value's index (module docstring),
-    identical on every mesh and device, drawn for the whole batch at once on the device."""
+    """Dropout with masks a pure function of (seed, step, sample) and each value's index, identical on every mesh
+    and device, drawn for the whole batch at once (plain ``nn.Dropout`` draws from each rank's generator, so 4
+    ranks and 1 would train different networks).
+
+    An eager step hashes the masks on the host (:func:`host_keep_masks`) and copies them to the device at once;
+    inside a CUDA graph the same hash runs on the device (:func:`keep_masks`), its one input the keys, a static
+    tensor refilled before each replay (:func:`batch_context`'s ``keys``): the same bits. The runtime that calls
+    the model names the batch's samples with :func:`batch_context`; pipeline runtimes set it again around a
+    micro-batch's backward, so a recomputation draws the same masks."""
 
     def __init__(self, p: float = 0.5) -> None:
         super().__init__()

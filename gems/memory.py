@@ -1,12 +1,6 @@
-"""Memory of a rank: what the record reports and the benchmarks compare.
-
-Two measures. :class:`MemoryMeter` is the process's peak: torch.cuda's peak
-allocation on GPU, peak RSS growth on CPU (which also counts what the C
-library keeps, all of it with ``train.host_memory=keep``, and its
-fragmentation). :func:`step_peak_bytes` with :func:`persistent_bytes` is the
-tensor memory a GPU would count, measured on CPU from the default CPU
-allocator's profiler events: what lives across steps plus the peak a step
-allocates on top. CPU records carry both (``peak_memory_bytes.tensor_per_rank``).
+"""Memory of a rank, as the record reports it and the benchmarks compare it: the process's peak (:class:`MemoryMeter`),
+and the tensor memory a GPU would count, measured on CPU (:func:`step_peak_bytes` with :func:`persistent_bytes`;
+the record's ``peak_memory_bytes.tensor_per_rank``); the cap a rank's tensors are held to.
 """
 from __future__ import annotations
 
@@ -37,7 +31,8 @@ def peak_rss_bytes() -> int:
 
 
 class MemoryMeter:
-    """Peak memory of this rank: torch.cuda's peak on GPU, peak RSS growth on CPU."""
+    """Peak memory of this rank: torch.cuda's peak allocation on GPU, peak RSS growth on CPU (which also counts what
+    the C library keeps, all of it with ``train.host_memory=keep``, and its fragmentation)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

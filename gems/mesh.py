@@ -1,26 +1,7 @@
-"""The R x D x S device mesh: one validated object, named axes, one vocabulary.
+"""The R x D x S device mesh: one validated object, named axes, one vocabulary (docs/design.md, "Vocabulary").
 
-Every parallel strategy in gems places ranks on this mesh and talks to its
-neighbours through the process groups it builds. The words are fixed here:
-
-* **axis** is a mesh axis (``replica``, ``pipeline``, ``spatial``); **dim** is
-  always a tensor dimension.
-* ``R`` = ``parallel.replicas`` (data-parallel copies of the whole model),
-  ``D`` = ``parallel.pipeline`` (model partitions), ``S`` = ``parallel.spatial``
-  (spatial parts of one sample; the product of ``parts`` over the cut dims).
-* Ranks are laid out spatial-innermost, replica-outermost::
-
-      rank = (r * D + d) * S + s
-
-  so the S parts of a sample, which exchange halos every layer, are neighbours
-  (same node when ``S`` divides the tasks per node), pipeline stages come next,
-  and the replica axis, which talks once per step, spans nodes.
-* The spatial index ``s`` is itself row-major over ``parts``: for parts
-  ``[2, 3]`` rank ``s = 4`` sits at grid coordinates ``(1, 1)``.
-
-The pure part (sizes, coordinates, rank lists) needs no process group, so the
-planner and the tests use it at any world size; :meth:`Mesh.build_groups`
-creates the torch.distributed groups once the world exists.
+Its pure part (sizes, coordinates, rank lists) needs no process group, so the planner and the tests use it at any
+world size; :meth:`Mesh.build_groups` makes the torch.distributed groups once the world exists.
 """
 from __future__ import annotations
 

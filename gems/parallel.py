@@ -1,13 +1,7 @@
-"""The parallel settings of a run, resolved once from the configuration.
-
-Every question "how is this run parallel" is answered here, once: the mesh, the
-schedule (built from its registration), whether the run is pipelined, which
-pipeline ranks hold copies of the same partitions (GEMS's mirrored pairs), the
-samples of one micro-batch, the number of partitions (stages: more than the
-ranks for interleaved schedules), the balance given or the rule that will
-choose it, and recomputation. The worker, the CLI's preflight, the spatial
-balance and the planner read :class:`ParallelSettings`; none derives these
-again. (In the spirit of torchtitan's ``ParallelDims``.)
+"""The parallel settings of a run, resolved once from the configuration (:class:`ParallelSettings`, as torchtitan's
+``ParallelDims``): the mesh, the schedule, the mirrored holders, the micro-batch, the stages, the balance or its
+rule, recomputation. The worker, the CLI's checks, the spatial balance and the planner read them; none derives them
+again.
 """
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Every path a command takes, checked for what the command will do with it, before it does anything.
-
-A path that cannot work is bad input like any other key (exit 2, one line
-naming the key, the path and what would work), found before anything is
-written: a folder to write into is probed by creating and removing an empty
-folder in its nearest existing ancestor (permissions alone do not say it: a
-read-only or virtual file system, ``/proc``, refuses root too), whose times are
-then restored; a folder to
-read is checked to exist and be listable.
+"""Every path a command takes, checked for what the command will do with it before it does anything: a path that
+cannot work is bad input (exit 2, one line naming the key, the path and what would work).
 """
 from __future__ import annotations
 
@@ -38,7 +31,9 @@ def _nearest_existing(p: Path) -> Path:
 
 
 def writable_dir(key: str, path: str | os.PathLike[str], what: str = "a folder gems can create or write") -> Path:
-    """``path`` if a command can create it (with its parents) or write into it; else ConfigError."""
+    """``path`` if a command can create it (with its parents) or write into it; else ConfigError. Probed by creating
+    and removing an empty folder in its nearest existing ancestor, whose times are then restored: permissions alone
+    do not say it (a read-only or virtual file system, ``/proc``, refuses root too)."""
     p = Path(os.path.expanduser(str(path)))
     if p.exists() and not p.is_dir():
         raise ConfigError(key, str(path), f"{what} (a file of that name exists)")

@@ -1,23 +1,5 @@
-"""Mixed precision on a rank: the autocast region and fp16's loss scaling.
-
-bf16 keeps fp32's exponent range, so it trains as fp32 does. fp16 does not: its
-smallest subnormal is 6e-8 and gems normalises the loss per cell (docs/design.md),
-so a dense model's output gradients at 128^3 are 0.1 / (128^3 x 8) ~ 6e-9, zero
-in fp16, and large ones overflow past 65504. ``train.precision=fp16`` therefore
-scales the loss (``train.loss_scaling``, auto: on for fp16 only) with
-``torch.amp.GradScaler``'s dynamic rule: the loss is multiplied by the scale
-before the backward (the last pipeline stage scales the micro-batch losses it
-computes), the gradients are summed over their ``grad`` group while scaled
-(gems.replication), then unscaled. A step whose gradients hold an Inf or NaN on
-any rank is skipped on every rank (one all-reduce of a flag over the world, since
-each pipeline position sees other gradients and the serial run would skip the
-step as a whole) and the scale halves; after ``train.loss_scale_growth_interval``
-clean steps it doubles. Every rank applies the same rule to the same flags, so
-the scale is the same everywhere. The record counts the skipped steps.
-
-Scaling by a power of two is exact in floating point, so an fp32 run with
-``train.loss_scaling=dynamic`` trains exactly as one without it: how the tests
-check the mechanics against the serial run on CPU ranks.
+"""Mixed precision on a rank: the autocast region, and fp16's loss scaling by ``torch.amp.GradScaler``'s dynamic rule,
+one skip decision for the whole world (docs/gpu.md, "fp16").
 """
 from __future__ import annotations
 

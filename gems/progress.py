@@ -1,16 +1,8 @@
-"""Where each rank is: the step and the phase of its work, kept for the watchdog.
+"""Where each rank is: the step and the phase of its work, kept for the watchdog (gems.fault.watchdog).
 
-The worker marks the phases of a step (``data``, ``forward``, ``backward``,
-``optimizer``...), and the strategies mark the waits inside them (``halo``,
-``spatial collective``, ``pipeline transfer``, ``gradient sum``) with
-:func:`waiting`. Every mark is progress: a rank that marks nothing for
-``fault.stall_timeout_s`` is stalled (:mod:`gems.fault.watchdog`), and the
-phase it is stuck in tells whether it is the cause (computing, reading data)
-or waiting for a peer that is.
-
-A mark is a few attribute writes, cheap enough for every layer's halo wait.
-The watchdog thread reads the fields without a lock: each is one atomic
-attribute read in CPython, and a read that mixes two marks is still a mark.
+The loop marks a step's phases, the strategies their waits for peers (:func:`waiting`). Every mark is progress; the
+phase a stalled rank is stuck in says whether it is the cause or waits for a peer that is. A mark is a few attribute
+writes, cheap enough for every layer's halo wait.
 """
 from __future__ import annotations
 
@@ -32,7 +24,9 @@ SLOW = frozenset({"setup", "staging", "checkpoint", "record", "evaluate"})
 
 
 class Progress:
-    """The step and phase of this rank, and when either last changed (``time.monotonic()``)."""
+    """The step and phase of this rank, and when either last changed (``time.monotonic()``). The watchdog's thread
+    reads the fields without a lock: each is one atomic attribute read in CPython, and a read that mixes two marks
+    is still a mark."""
 
     __slots__ = ("step", "phase", "marks", "since")
 

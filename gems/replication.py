@@ -1,77 +1,9 @@
-"""Replication: gradients summed over every rank that holds a copy of a parameter.
+"""Gradients summed over every rank that holds a copy of a parameter: replicas, spatial parts, GEMS's mirrored partitions.
 
-One reducer serves every strategy. Data-parallel replicas, the spatial parts
-of a sample and the mirrored partitions of GEMS-MAST all hold copies of the
-same parameters and each computes a *weighted* share of the global loss
-(docs/design.md), so the exact gradient is the plain **sum** over the copies:
-no averaging, no special cases.
-
-The sum is bucketed and overlapped with the backward pass, as in
-DistributedDataParallel, but launched only where every member of the group
-is at the same point of its communication (docs/design.md, "Rules of the GPU
-path"): NCCL runs a rank's kernels as if in one queue, so an all-reduce that
-one spatial part issues before a backward halo and the other after it hangs
-once the halo no longer fits NCCL's buffers. Autograd's order cannot be that
-point: a part that only sends a one-sided halo and one that only receives it
-run different nodes, and a gradient hook fires between them on one part and
-after them on the other. So the reducer is given the model's layers (a flat
-``nn.Sequential``, or one per pipeline partition) and:
-
-* a *point* sits on the input of a layer: it is reached once the gradient of
-  that input is complete, that is after the backward of every node that read
-  it, the layer's own and every later layer's, halos, norms and gathers
-  included, and before any node of the layers in front of it. Every part and
-  every copy runs the same layers, so each reaches the points in the same
-  order, interleaved the same way with the communication of the layers
-  between them: the layers form a chain and a layer's communication lies on
-  it;
-* a *tap* hands a layer its parameters through an identity that also reads
-  the layer's input, and accumulates their gradients into ``.grad`` itself
-  (through autograd's own accumulator, whose post-accumulate hooks count
-  them). Reading the input places the tap before the layer's point: so at a
-  point, every tapped parameter of the layers behind it holds this backward's
-  gradient, on every part, whatever order autograd gave the nodes in between
-  (a bucket that starts at its sequence's first layer takes no point and no
-  taps: it starts at :meth:`flush`, where its point would be);
-* a bucket (parameters of consecutive layers, last layer first, filled up to
-  ``bucket_mb`` across the sequences of a rank's partitions as DDP fills them
-  across a model, and as the planner counts them) launches at the point of its
-  first layer in the backward that completes it (``start_step(expected)``:
-  how many backwards a parameter takes this step; only the parameters of the
-  point's own sequence take taps, the others were completed, or not, by
-  earlier actions, alike on every member), at :meth:`flush` (the caller's end
-  of a backward: the first layer of a model, whose input has no gradient, and
-  the weight gradients a split schedule's ``W`` accumulates) or at
-  :meth:`finish`.
-
-GEMS's mirrored copies reach a bucket at other points of their exchange
-rounds, so there the pipeline runtime says which buckets the running action
-may start at its points (those it would launch right after the action:
-:meth:`GradientReducer.at_points`, gems.pipeline.exchange.at_points), and
-launches the others between two rounds every holder shares.
-
-Each of those is a function of the layers and of the step's actions alone,
-so every member issues the same sums at the same places of its backward: the
-order holds by construction, and ``gems.commlog.replay`` checks it with
-sends that wait for their receive. Without the layers (a bare list of
-parameters) the sums start in :meth:`finish`.
-Gradients of 1 MiB or more are summed in place in their ``.grad`` (one
-collective each, no copy; dense in any memory format: a channels-last
-convolution's gradient too); the small ones of a bucket go through one
-flattened copy, so the reducer holds extra memory only for the small
-gradients (:func:`summed_in_place`, which the planner counts with).
-
-Two transports: torch.distributed (gloo, nccl) and MPI through mpi4py
-(``comm.backend=mpi``; host buffers, or device buffers where the MPI library
-is CUDA-aware). PyTorch wheels carry no MPI backend, so this path is gems' own.
-MPI reads buffers from the host's side, so a GPU gradient is handed over only
-once the kernels that make it have run (an event on the producing stream),
-and without CUDA-aware MPI it is copied to pinned host memory on a side
-stream; the hooks poll those events and launch the sums in bucket order, so
-the backward is never drained for them (:class:`_Staged`).
-
-DDP would do the torch path for plain replication, but not the MPI path, the
-mirrored partitions or the multi-pass schedules; one reducer keeps them equal.
+Each copy computes a weighted share of the global loss, so the exact gradient is the plain sum over the copies
+(docs/design.md, "Global batch and the loss"). The sums are bucketed and overlapped with the backward, launched at
+points every member reaches in one order (docs/design.md, "Rules of the GPU path": gradient sums), over
+torch.distributed or, with ``comm.backend=mpi``, mpi4py. BatchNorm's buffers are averaged over the same copies.
 """
 from __future__ import annotations
 
@@ -88,7 +20,8 @@ from gems.progress import waiting
 
 
 class MPIGroup:
-    """A sub-communicator of COMM_WORLD over ``ranks`` (collective: every rank calls it)."""
+    """A sub-communicator of COMM_WORLD over ``ranks`` (collective: every rank calls it). PyTorch's wheels carry no
+    MPI backend, so the sums over MPI (``comm.backend=mpi``) are gems's own, through mpi4py."""
 
     def __init__(self, world_comm: Any, ranks: list[int]) -> None:
         me = world_comm.Get_rank()
@@ -116,8 +49,9 @@ IN_PLACE_BYTES = 1 << 20
 
 
 def summed_in_place(nbytes: int) -> bool:
-    """Whether a gradient of ``nbytes`` is summed in place in its ``.grad`` (else through its bucket's flattened
-    copy): the one rule the reducer and the planner's memory (gems.plan.memory) keep."""
+    """Whether a gradient of ``nbytes`` is summed in place in its ``.grad`` (one collective, no copy; dense in any
+    memory format) or through its bucket's flattened copy, so the reducer holds extra memory only for the small
+    gradients: the one rule the reducer and the planner's memory (gems.plan.memory) keep."""
     return nbytes >= IN_PLACE_BYTES
 
 
@@ -139,7 +73,7 @@ class _Bucket:
 class _Tap(torch.autograd.Function):
     """A layer's parameters, handed to its forward through an identity that also reads the layer's input
     (``anchor``): backward, their gradients are accumulated into ``.grad`` here, before the node that made the
-    input runs, so before the point on that input (module docstring)."""
+    input runs, so before the point on that input (docs/design.md, "Rules of the GPU path": gradient sums)."""
 
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, params: list[nn.Parameter]) -> tuple[torch.Tensor, ...]:
@@ -162,7 +96,8 @@ class _Staged:
     has only queued: with CUDA-aware MPI an event recorded on the producing stream must complete before MPI
     reads the device buffer (handing it over at once raced the backward); without, the copy to pinned host
     memory runs on a side stream (not inside the hook, which would drain the GPU) and its event says when
-    the host buffer holds the gradient. ``ready(block=False)`` only polls the event."""
+    the host buffer holds the gradient. ``ready(block=False)`` only polls the event; the gradient hooks poll and
+    launch the staged sums in bucket order, so the backward is never drained for them."""
 
     def __init__(self, bucket: "_Bucket", index: int, t: torch.Tensor, cuda_aware: bool) -> None:
         # MPI takes row-major buffers only: a channels-last gradient as its own memory seen row-major (a view)
@@ -239,9 +174,9 @@ class GradientReducer:
 
     ``model``: an ``nn.Sequential`` of layers, or ``{partition index: nn.Sequential}`` (the partitions this rank
     runs), the same on every rank of the group; or an iterable of parameters, listed in the same order on every
-    rank, whose sums then all start in :meth:`finish`. ``group`` is a torch.distributed group, or an
-    ``MPIGroup`` from :func:`mpi_group`, or None for a group of one (then nothing happens).
-    ``overlap=False`` places no points: every sum starts in :meth:`finish` (or where :meth:`launch_bucket` is
+    rank, whose sums then all start in :meth:`finish` (no points without the layers). ``group`` is a
+    torch.distributed group, or an ``MPIGroup`` from :func:`mpi_group`, or None for a group of one (then nothing
+    happens). ``overlap=False`` places no points: every sum starts in :meth:`finish` (or where :meth:`launch_bucket` is
     called). Where the group holds ranks the step exchanges messages with (GEMS's mirrored copies, in the same
     pipeline line), each reaches a bucket at another point of its exchange rounds: :func:`attach` puts the reducer
     in the pipeline runtime's hands, which launches each bucket between two rounds every holder shares
@@ -297,7 +232,7 @@ class GradientReducer:
         if self.overlap and layers is not None:
             self._instrument(layers, at)
 
-    # ---- points and taps (module docstring) ------------------------------------------------------------------
+    # ---- points and taps (docs/design.md, gradient sums) -------------------------------------------------------
     def _instrument(self, layers: Layers, at: dict[nn.Parameter, tuple[int, int]]) -> None:
         """A point on the input of each layer where a bucket starts, and taps on the layers whose parameters such a
         bucket holds. Not for a bucket that starts at its sequence's first layer (a whole small partition's): its

@@ -1,14 +1,7 @@
-"""What every strategy agrees on about a sample's spatial extent, kept below all of them.
-
-* How an extent is split into parts (:func:`split_bounds`: ``np.array_split``'s rule, the first parts one cell
-  larger) and the largest part a cut makes (:func:`largest_part`): the spatial strategy cuts by them, and
-  decisions that every rank must take alike (a pipeline's balance, the recomputed pieces) weigh a cut layer
-  by the largest part.
-* The tag an activation of a spatial part carries of the whole sample's spatial shape (:data:`GSHAPE`), which
-  the pipeline carries across its cuts and the skip connections carry across theirs, without knowing what a
-  halo is.
-
-Nothing here imports gems; :mod:`gems.spatial.geometry` builds the rest of the cut's index arithmetic on it.
+"""What every strategy agrees on about a sample's spatial extent, kept below all of them: how an extent splits into
+parts (:func:`split_bounds`, :func:`largest_part`, by which decisions every rank takes alike weigh a cut layer), and
+the tag an activation of a spatial part carries of the whole sample's shape (:data:`GSHAPE`), which pipeline cuts
+and skip connections carry without knowing what a halo is.
 """
 from __future__ import annotations
 
@@ -21,7 +14,7 @@ GSHAPE = "_gems_gshape"
 
 
 def split_bounds(n: int, parts: int) -> list[Range]:
-    """``[lo, hi)`` of each of ``parts`` parts of ``n`` cells (np.array_split's rule)."""
+    """``[lo, hi)`` of each of ``parts`` parts of ``n`` cells (np.array_split's rule: the first parts one cell larger)."""
     q, r = divmod(n, parts)
     out, lo = [], 0
     for i in range(parts):

@@ -1,22 +1,8 @@
 """Scaling studies that survive the cluster: ``gems sweep``, ``gems status``, ``gems cancel``.
 
-A study (a sweep) is its points (each combination of the swept values) times
-``results.repeats``. Everything about it lives in its folder
-``{results.dir}/{sweep}/``: the records, the manifest (``sweep.json``:
-points, run ids, Slurm job ids and folders, :mod:`gems.results.manifest`) and
-the tables. So a study can be left and picked up:
-
-* ``gems sweep ... --detach`` (``results.detach=true``, Slurm only) validates
-  every point, submits them, writes the manifest and returns at once;
-* an attached ``gems sweep`` that is ended (Ctrl-C, SIGTERM, a lost terminal)
-  leaves its Slurm jobs running and says how to follow them;
-* ``gems status [SWEEP]`` shows each point's state from the records and one
-  ``squeue`` (``sacct`` for the jobs that left the queue);
-* ``gems results`` builds the table from whatever has finished;
-* ``gems cancel SWEEP`` cancels what is left (one ``scancel``);
-* running the same sweep again skips what ``results.rerun`` says is done:
-  ``failed`` (default) re-runs failed and missing points, ``all`` every point,
-  ``none`` only the missing ones; points whose jobs still run are left alone.
+A study is its points times ``results.repeats``, and everything about it lives in its folder (the records, the
+manifest ``sweep.json``, the tables), so it can be left and picked up (docs/studies.md, "Studies that outlive the
+login session").
 """
 from __future__ import annotations
 

@@ -1,19 +1,8 @@
-"""Per-step time accounting shared by the strategies (halo, pipeline transfers, gradient sums).
+"""Per-step time accounting shared by the strategies (halos, pipeline transfers, gradient sums).
 
-A wait is measured on the clock of the device it holds up. On CPU ranks that is
-the host's clock: gloo's ``wait()`` blocks the host, so the host's seconds are
-what the rank loses. On GPU ranks NCCL's ``wait()`` returns at once and only
-makes the compute stream wait for the communication stream, so host seconds
-would measure how long it takes to *launch* the wait, and ``compute`` would
-absorb every transfer. There the span is a pair of CUDA events recorded on the
-current stream around the wait: the stream's stall, the same quantity the CPU
-measures and the planner predicts. Events are read once a step, after the
-worker's device synchronisation (:func:`settle`), never in the step.
-
-``t0 = now(device)`` starts a span; ``add_since(into, key, t0)`` adds its seconds to
-``into[key]`` (now on the host, or at :func:`settle` for events).
-``add(name, seconds)`` / ``timed(name)`` / :func:`snapshot` keep named per-step
-totals that the worker reads and resets every step.
+A wait is timed on the clock of the device it holds up: the host's on CPU ranks; on GPU ranks, where NCCL's
+``wait()`` only orders streams, CUDA events on the current stream around it, read once a step at :func:`settle`
+(docs/gpu.md, "Timing"). Named totals (:func:`add`, :func:`timed`) are read and reset by the loop every step.
 """
 from __future__ import annotations
 
@@ -77,11 +66,13 @@ def pending() -> bool:
 
 
 def add(name: str, seconds: float) -> None:
+    """Add ``seconds`` to this step's total ``name``."""
     _T[name] += seconds
 
 
 @contextlib.contextmanager
 def timed(name: str) -> Iterator[None]:
+    """Add the host seconds of the block to this step's total ``name``."""
     t0 = time.perf_counter()
     try:
         yield
@@ -90,6 +81,7 @@ def timed(name: str) -> Iterator[None]:
 
 
 def snapshot() -> dict[str, float]:
+    """This step's named totals so far."""
     return dict(_T)
 
 
