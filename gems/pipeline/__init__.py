@@ -1,16 +1,8 @@
-"""Pipelines and GEMS: partition a flat model over the pipeline axis and run a schedule.
+"""Pipelines and GEMS: a flat model cut over the pipeline axis and run by a schedule.
 
-``apply_pipeline`` is the one entry point (the worker calls it after
-``apply_spatial``): it cuts the ``nn.Sequential`` into the schedule's stages
-(``D = mesh.pipeline`` of them, or ``v x D`` for an interleaved schedule),
-picks the ones this rank holds under the schedule's placement (``mast`` and
-``master``: partition ``d`` of replica A and ``D-1-d`` of replica B) and
-returns a :class:`PipelineRunner` that runs one step's forwards and backwards.
-
-Gradients are left per rank; summing them over ``mesh.group("grad")`` (built
-with ``mesh.build_groups(rank, groups=schedule.holder_groups())``) gives every
-holder of a partition the serial gradient, so mirrored copies stay identical
-after the optimizer step.
+:func:`apply_pipeline`, the one entry point, cuts the ``nn.Sequential`` into the schedule's stages, keeps those this
+rank holds under the schedule's placement, and returns a :class:`PipelineRunner`. Gradients are left per rank: their
+sum over ``mesh.group("grad")`` gives every holder of a partition the serial gradient.
 """
 from __future__ import annotations
 

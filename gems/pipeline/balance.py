@@ -1,12 +1,5 @@
-"""Which layers go to which pipeline partition: the one place a balance is decided.
-
-:func:`decide` answers for the worker (through :func:`gems.pipeline.apply_pipeline`, and
-:func:`gems.parallel.stage_balance` for pipelines of spatial layers) and for the planner
-(:mod:`gems.plan.memory`), so a run and its plan cut the model the same way. The order of the
-rules: a balance given (``parallel.balance``) is checked and kept; one partition takes every layer;
-without a sample shape the layers are counted out evenly; a spatial cut balances the serial layers as
-each rank runs them (:func:`spatial_balance`); otherwise ``memory``, ``time`` or ``comm`` on the
-layers themselves (:mod:`gems.pipeline.partition` holds the costs and the cut of each).
+"""Which layers go to which pipeline partition: the one place a balance is decided (:func:`decide`), for the run and
+for the planner alike, so that a run and its plan cut the model the same way.
 """
 from __future__ import annotations
 
@@ -55,7 +48,9 @@ def decide(seq: nn.Sequential, stages: int, by: str, sample: tuple[int, ...] | N
     ``sample``: one micro-batch's input shape, batch first (None: count the layers out evenly); ``given``: a
     balance to check and keep; ``cut``: the spatial cut, under which ``seq`` is the serial model and the
     balance counts the gather as one more layer where ``cut.end`` is set; ``device``: where ``time`` measures
-    (default: where the layers are).
+    (default: where the layers are). The rules in order: a balance given is checked and kept; one partition
+    takes every layer; without a sample shape the layers are counted out evenly; a spatial cut balances the serial
+    layers as each rank runs them (:func:`spatial_balance`); otherwise ``by`` on the layers themselves.
     """
     n = len(seq) + (1 if cut is not None and cut.end is not None else 0)
     if given is not None:

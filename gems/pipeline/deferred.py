@@ -1,23 +1,10 @@
-"""The backward split in two: input gradients now, weight gradients later (zero-bubble schedules).
+"""The backward split in two for zero-bubble schedules: input gradients in an ``I`` action, weight gradients in a
+later ``W`` that fills a bubble.
 
-A split schedule runs each backward as an ``I`` action (the gradient the stage
-before waits for) and a ``W`` action (the weight gradients, which nothing waits
-for, run when the rank would otherwise idle). The convolutions and linear
-layers of a partition are made *deferrable* (:func:`make_deferrable`: the same
-module, parameters and state dict; only its class changes): while an ``I``
-runs inside :func:`deferring`, their backward computes the input gradient and
-queues what the weight gradient needs (the layer's input and its output's
-gradient, which autograd would have freed) under the action's key; ``W`` runs
-the queue (:meth:`WeightGrads.run`), accumulating into ``.grad`` through
-autograd, so post-accumulate hooks (the gradient sum's buckets) fire as for any
-backward. Outside :func:`deferring` the same layers compute both gradients at
-once, so nothing changes for other schedules. Layers with cheap weight
-gradients (norms) and gems' spatial layers keep computing theirs in ``I``:
-exact all the same, only less work moves into the bubbles.
-
-Mixed precision: a deferrable layer under autocast casts its input, weight and
-bias to the autocast dtype itself, as autocast would, and returns gradients in
-the dtypes it was given.
+A partition's convolutions and linear layers are made deferrable (:func:`make_deferrable`: only their class
+changes); inside :func:`deferring` their backward computes the input gradient and queues what the weight gradient
+needs, which ``W`` accumulates through autograd (:meth:`WeightGrads.run`), so the gradient sum's hooks fire as for any
+backward. Outside it, and for layers of cheap weight gradients (norms, gems's spatial layers), both come at once.
 """
 from __future__ import annotations
 
@@ -66,7 +53,8 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
 
 
 def _detached_operands(x: torch.Tensor, layer: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``x`` and the layer's weight and bias, detached, cast as autocast would cast them for the op."""
+    """``x`` and the layer's weight and bias, detached, cast as autocast would cast them for the op (a deferrable
+    layer casts under autocast itself, and returns gradients in the dtypes it was given)."""
     w, b = layer.weight.detach(), None if layer.bias is None else layer.bias.detach()
     dt = _autocast_dtype(x.device.type)
     return (x, w, b) if dt is None else (x.to(dt), w.to(dt), None if b is None else b.to(dt))

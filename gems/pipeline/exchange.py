@@ -1,62 +1,9 @@
 """When a pipeline's messages cross: exchange rounds that NCCL completes, whatever its streams do.
 
-The rule (docs/design.md, "Rules of the GPU path"). NCCL's maintainers (NVIDIA/nccl issue 783): CUDA does
-not promise that two streams progress independently, so two NCCL operations in flight on two communicators
-may deadlock; the first exchange between two ranks is a meeting of both; send when you also receive, in one
-group. Measured on an H200: receives posted ahead of compute on one communicator while the rank sent on
-another hung every schedule at step 0. So gems assumes the least NCCL promises:
-
-* a send may wait until its receiver has posted the receive (a rendezvous: what NCCL does once a message
-  exceeds its buffers);
-* a rank's communication and its compute may not progress independently: what it issued first may hold what
-  it issued after, on any stream.
-
-Under those assumptions an exchange must be a *meeting*: both ranks of every message in it have it in their
-current group. This module turns a schedule into meetings. It runs the per-rank orders on the schedule's
-unit-cost clock (:func:`gems.pipeline.schedules.run_orders`) and exchanges every message in the **round** of
-the tick its producing action ends. A round is one ``batch_isend_irecv`` per rank, on the pipeline line's one
-communicator (``mesh.groups.pipeline``; over gloo its operations one by one in its order, each direction of
-the line on a group of its own: :func:`gems.mesh.up_group_wanted`), holding every message of that tick the rank
-sends or receives, in one order both ends derive alike (:class:`Message`'s). Each rank runs its rounds in tick
-order: after its previous round, after the actions that made its sends in the round, and, where the round brings
-it messages, :data:`LOOKAHEAD` actions before the first action that needs one (or before its first action that starts at or
-after the tick, if that is earlier), so the transfer overlaps the compute between. The receiver keeps a buffer
-from its round to its action. Any place between the earliest its sends allow and the tick's is as safe:
-
-why no rank can hang, by induction on the ticks: suppose every round before tick ``t`` has completed. What a
-rank must have done before its round ``t`` is its rounds before ``t`` and the actions placed before the round,
-all of which start before ``t`` (the tick's place is before the first that does not); an action that starts
-before ``t`` needs only messages of rounds at or before its start, so before ``t``: done. Every rank of round
-``t`` therefore reaches it, and within it every message has both ends in their rank's current group, so the
-round completes, even with sends that wait for their receive and with nothing issued after the round able to
-run before it. What a rank computes after its round ``t`` is never what round ``t`` waits for, so the round
-may run beside that compute:
-the runtime waits for a round only where an action needs what it received (:func:`check` replays a plan under
-these rules; tests/test_schedules.py checks every registered schedule with it).
-
-The clock may be any whose actions take a positive time, the same on every rank: the induction uses only that
-each action starts once what it needs has ended and that a rank starts its actions in its order, which
-:func:`~gems.pipeline.schedules.run_orders` keeps for any costs. So the rounds may be placed by each action's
-measured time (``costs``: integer units of each (kind, stage), e.g. microseconds, agreed by every rank of the job
-before it adopts them: :meth:`gems.pipeline.runtime.PipelineRunner.place_rounds_by_time`), not only by the unit
-clock, where a backward is not twice a forward or the stages are uneven (a cut by memory or by the smallest
-crossing). Integers keep ties exact: two messages the clock ends at one tick share a round on every rank alike.
-
-Over gloo a receive is a buffer waiting for its send, not a kernel that holds the rank's other communication, and a
-send whose receive is not posted yet waits for gloo's I/O thread, which shares the rank's core with its compute: a
-message of a round both ends reach at once arrived milliseconds late (GEMS-MAST's crossing activations,
-results/history/pipeline-schedules.md#pipeline-gloo-receive-lead). So over gloo a rank posts a round's receives
-:func:`receive_lead` actions before the round (never before its step, after the rounds already due there), and the
-round carries its sends. Each direction of a gloo line is a group of its own (:func:`gems.mesh.up_group_wanted`), so
-on each group a pair has one sender and one receiver, which issue that pair's messages in round order, the same
-order on both ends (the posts move by one count for every round, so they keep the rounds' order). Nothing else
-moves: the sends, sums and waits stay where the rounds put them, and a posted gloo receive holds nothing, so a run
-that completes as rounds completes with the receives posted earlier. :func:`check` checks both orders.
-
-What this costs against posting every receive as early as gloo allows: a round ends only once every rank of it
-has reached it (on a GPU only the communication stream waits, the host and the compute stream go on), and a
-receiver keeps a message from its round to the action that needs it (:meth:`ExchangePlan.held`, what the
-planner counts).
+A schedule's messages are turned into meetings (docs/design.md, "Rules of the GPU path": message order): every
+message crosses in the round of the tick its producing action ends, one ``batch_isend_irecv`` a rank and round on
+the line's one communicator (:func:`plan_exchanges`); :func:`check` replays a plan with sends that wait for their
+receive. GEMS's mirrored copies sum their gradients between the rounds every holder shares (:func:`sum_points`).
 """
 from __future__ import annotations
 
@@ -79,7 +26,7 @@ def microseconds(seconds: float) -> int:
     return max(1, round(seconds * 1e6))
 
 
-#: over gloo a round's receives are posted this many actions before the round (module docstring), so that the
+#: over gloo a round's receives are posted this many actions before the round (:func:`plan_exchanges`), so that the
 #: receive is there before its send: a send that finds it goes out from the sender's own thread, one that does not
 #: waits for gloo's I/O thread on a busy core, 2-5 ms a message (a timed step: interleaved 1F1B at an uneven cut).
 #: One action covered a round both ends reach together; where the stages are uneven, or the clock the rounds are
@@ -285,10 +232,34 @@ def _message(sched: Schedule, a: Action) -> Message | None:
 
 
 def plan_exchanges(sched: Schedule, forward_only: bool = False, costs: Costs | None = None) -> ExchangePlan:
-    """The exchange rounds of ``sched`` (module docstring); ``forward_only``: of its forwards alone, in their
-    order (an evaluation); ``costs``: the clock's time of each (kind, stage) (:data:`Costs`; None: unit costs).
-    On the unit clock a schedule's rounds are planned once (schedules are values, made once for their arguments:
-    gems.pipeline.schedules.make_schedule; gems plan's mesh search asks for the same ones again and again)."""
+    """The exchange rounds of ``sched``; ``forward_only``: of its forwards alone, in their order (an evaluation);
+    ``costs``: the clock's time of each (kind, stage) (:data:`Costs`; None: unit costs). On the unit clock a
+    schedule's rounds are planned once (schedules are values, made once for their arguments:
+    gems.pipeline.schedules.make_schedule; gems plan's mesh search asks for the same ones again and again).
+
+    The per-rank orders run on the clock (:func:`gems.pipeline.schedules.run_orders`), and every message crosses in
+    the round of the tick its producing action ends, in one order both ends derive (:class:`Message`'s). Each rank
+    runs its rounds in tick order: after its previous round, after the actions that made its sends in the round,
+    and, where the round brings it messages, :data:`LOOKAHEAD` actions before the first action that needs one (or
+    before its first action that starts at or after the tick, if that is earlier), so the transfer overlaps the
+    compute between; the receiver keeps a buffer from its round to its action (:meth:`ExchangePlan.held`, what the
+    planner counts).
+
+    Why no rank can hang, by induction on the ticks: suppose every round before tick ``t`` has completed. What a rank
+    must have done before its round ``t`` is its rounds before ``t`` and the actions placed before the round, all
+    of which start before ``t``; an action that starts before ``t`` needs only messages of rounds at or before its
+    start, so before ``t``: done. Every rank of round ``t`` therefore reaches it, and within it every message has
+    both ends in their rank's current group, so the round completes, even with sends that wait for their receive and
+    with nothing issued after the round able to run before it. What a rank computes after its round ``t`` is never
+    what round ``t`` waits for, so the round may run beside that compute. The clock may be any whose actions take a
+    positive time, the same on every rank: the induction uses only that each action starts once what it needs has
+    ended and that a rank starts its actions in its order, which ``run_orders`` keeps for any costs. Integer costs
+    keep ties exact: two messages the clock ends at one tick share a round on every rank alike.
+
+    Over gloo a rank posts a round's receives :func:`receive_lead` actions ahead (:meth:`ExchangePlan.posts`) and
+    the round carries its sends: a posted gloo receive is a buffer that holds nothing else, and on each direction's
+    group a pair has one sender and one receiver, which issue its messages in round order, so a run that completes
+    as rounds completes with the receives posted earlier (:func:`check` checks both orders)."""
     if costs is not None:
         return _plan_exchanges(sched, forward_only, costs)
     got = _UNIT.get((id(sched), forward_only))
@@ -371,7 +342,7 @@ def sum_points(plan: ExchangePlan, buckets: Sequence[Bucket]) -> list[list[tuple
     launches ``b`` after its rounds up to ``J_b`` and that action, before its rounds after ``J_b``; ``J_b`` and the
     actions only grow from bucket to bucket. So every holder's program is a subsequence of one sequence, the
     rounds in index order with bucket ``b``'s sum right after round ``J_b``: a pair of holders meets each
-    round and each sum in the same order, and by the rounds' own induction (module docstring) nothing waits on
+    round and each sum in the same order, and by the rounds' own induction (:func:`plan_exchanges`) nothing waits on
     what comes after it. A position that holds no copy of a bucket's partition launches nothing for it."""
     sched = plan.schedule
     index = {id(r): i for i, r in enumerate(plan.rounds)}
@@ -457,7 +428,7 @@ def at_points(prog: Sequence[tuple[str, Any]]) -> dict[int, tuple[int, ...]]:
 
 
 def check(plan: ExchangePlan, buckets: dict[int, Sequence[Bucket]] | None = None, lead: int = 0) -> None:
-    """Run ``plan`` under the rules of the module docstring: every send waits for its receive, a rank runs its
+    """Run ``plan`` under the rules of :func:`plan_exchanges`: every send waits for its receive, a rank runs its
     rounds one at a time in its order and computes only what it has received; with ``buckets`` (each position's
     bucket partitions, as its gradient sum lists them) the mirrored copies' sums too, each a collective of its
     partitions' holders, issued where :func:`program` puts it (:func:`sum_points`). With a receive ``lead`` (gloo's:

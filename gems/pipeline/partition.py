@@ -1,32 +1,7 @@
-"""Cut a flat ``nn.Sequential`` into D contiguous partitions.
-
-Pipelines need three things from the model before any rank runs a step: how
-many layers go to each partition (``parallel.balance``, or a balance computed
-here from a per-layer cost), the partitions themselves, and the shape of the
-activation that crosses each cut, so that receivers can post their buffers
-before the data arrives. Shapes come from running the layers on fake tensors
-(:class:`torch._subclasses.fake_tensor.FakeTensorMode`): nothing of the
-full-size activation is allocated, so this works for a 2048^2 ResNet-1001 on
-a laptop.
-
-Costs for automatic balancing:
-
-* ``"memory"`` (deterministic, no compute): per layer, parameter bytes x 3
-  (weights, gradient, one optimizer state) + the bytes of its output
-  activation at the given micro-batch, from the fake run;
-* ``"time"``: forward + backward seconds per layer, measured on real tensors
-  of one micro-batch, layer by layer (the largest single activation is the
-  only one alive). Timings differ between ranks, so :func:`balance_by_time`
-  broadcasts rank 0's result when torch.distributed is up.
-
-The cut minimises the largest partition cost (contiguous linear partition,
-dynamic programming over prefix sums).
-
-Spatial partitions talk to other ranks, so they cannot be traced or timed on
-their own. :func:`gems.pipeline.balance.spatial_balance` balances the *serial* layers instead, as
-each rank runs them: the layers before the gather on the largest part of the
-sample (activation bytes and time scale with the part), the gather and the
-layers after it on the full activation, and the parameters whole everywhere.
+"""Cut a flat ``nn.Sequential`` into contiguous partitions: the costs a balance weighs (memory, measured time, the
+activation crossing a cut), the cut that minimises the largest partition (:func:`balance_by_cost`), the partitions,
+and the shape crossing each cut, traced on fake tensors (nothing full-size allocated: a 2048² ResNet-1001 traces on
+a laptop), so that receivers post their buffers before the data arrives.
 """
 from __future__ import annotations
 
@@ -73,7 +48,8 @@ def split(seq: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
 
 
 def balance_by_cost(costs: Sequence[float], D: int) -> list[int]:
-    """Contiguous cut of ``costs`` into ``D`` non-empty parts minimising the largest part's sum."""
+    """Contiguous cut of ``costs`` into ``D`` non-empty parts minimising the largest part's sum (dynamic
+    programming over prefix sums)."""
     n = len(costs)
     if D > n:
         raise ConfigError("parallel.pipeline", D, f"at most the model's {n} layers")
@@ -377,5 +353,7 @@ def on_rank0(compute: Callable[[], list[int]]) -> list[int]:
 
 def balance_by_time(seq: nn.Sequential, D: int, sample: tuple[int, ...],
                     device: torch.device | str | None = None) -> list[int]:
-    """Balance that evens out measured compute time; rank 0's measurement wins when torch.distributed is up."""
+    """Balance that evens out measured compute time (one micro-batch's forward and backward, layer by layer: the
+    largest single activation is the only one alive); rank 0's measurement wins when torch.distributed is up, since
+    timings differ between ranks."""
     return on_rank0(lambda: balance_by_cost(layer_times(seq, sample, device=device), D))

@@ -1,58 +1,10 @@
-"""One runtime that executes any :class:`~gems.pipeline.schedules.Schedule` over torch.distributed p2p.
+"""One runtime that executes any :class:`~gems.pipeline.schedules.Schedule` over torch.distributed point-to-point.
 
-The schedule says what this pipeline rank does, in order; this module does it:
-runs the forward or backward of its partition on the right chunk of the batch,
-and exchanges what the actions make and need in the rounds of the schedule's
-exchange plan, whose meetings cannot deadlock
-(:func:`gems.pipeline.exchange.check` checks every registered schedule).
-
-The messages cross in exchange rounds (:mod:`gems.pipeline.exchange`): every
-message in the round of the tick its producing action ends, on the schedule's
-unit-cost clock (``parallel.rounds_by=time``: on the actions' measured times,
-from the end of the warm-up: :meth:`PipelineRunner.place_rounds_by_time`);
-a round is one ``batch_isend_irecv`` on the pipeline line's one communicator
-(``mesh.groups.pipeline``) holding every message of that tick the rank sends
-or receives, in one order both ends derive alike (over gloo,
-which runs a batch as its operations one by one anyway, the operations are
-issued one by one in that order, those going up the line on a second group of
-the line's ranks, ``mesh.groups.pipeline_up``: :func:`gems.mesh.up_group_wanted`
-says why; over gloo a round's receives are posted a few actions ahead of it:
-:func:`gems.pipeline.exchange.receive_lead`). A rank runs
-its round right after the action that made its sends and before the action
-that needs its receives, and waits for a round only where an action needs what
-it received: on a GPU the compute stream waits, the host does not, so a round
-runs beside the compute that follows it. Rounds are meetings, so they complete
-even where a send waits for its receive and a rank's streams do not progress
-independently (NCCL promises no more: docs/design.md, "Rules of the GPU
-path"). Every pair of positions that exchanges messages is connected before
-the first step, one message of every shape each way, the pairs in one global
-order (:meth:`PipelineRunner.connect`).
-
-Batch split (deterministic, the same on every rank and for the serial
-reference): a line's share of ``n`` samples is cut into ``eta x m`` contiguous
-chunks of ``n / (eta m)``; chunk ``p * m + i`` is micro-batch ``i`` of replica
-pass ``p``. So ``mast`` gives the first half to replica A and the second to B;
-``master`` gives eta equal chunks alternating A, B, A, ...; ``lp``/``gpipe``/
-``1f1b`` have one pass cut into ``m`` micro-batches.
-
-Messages also carry a tag (step parity, activation | gradient | shape header,
-pass, micro-batch, stage), which gloo checks. The activation shape crossing each cut is
-known in advance when the partitions could be traced on fake tensors
-(:func:`~gems.pipeline.partition.boundary_shapes`); otherwise the round of the
-first activation into a stage exchanges a small shape header first, and the
-receiver reads it once (first step only; that step makes the pair's first
-exchanges at those sizes, so the run's first step is left out of its timing:
-:attr:`PipelineRunner.connected`). The header also carries a spatial part's
-global shape and, for a partition that packs skips with its activation
-(:class:`gems.models.skips.Carried`), the packed pieces' layout.
-
-Around every forward, and every backward (recomputation included),
-``gems.layers.batch_context(seed, step, chunk's sample ids)`` is set,
-so ``SampleDropout`` draws the serial masks. With ``checkpoint=True`` a
-partition keeps only its input between forward and backward and runs the
-forward again in the backward, under the first forward's random state and
-autocast; BatchNorm buffers are restored after the recomputation so running
-statistics are updated once (:class:`gems.layers.Recompute`).
+The schedule says what a pipeline rank does, in order; :class:`PipelineRunner` does it: each action's forward or
+backward of its partition on its chunk of the batch, its messages in the rounds of the schedule's exchange plan
+(gems.pipeline.exchange), a wait only where an action needs what a round received. Around every forward and backward
+the chunk's ``batch_context`` is set, so ``SampleDropout`` draws the serial masks; ``checkpoint=True`` runs a
+partition's forward again in its backward (:class:`gems.layers.Recompute`).
 """
 from __future__ import annotations
 
@@ -362,12 +314,18 @@ class PipelineRunner:
                 setattr(part, "memory_format", fmt)
 
     def chunk_slice(self, replica: int, micro_batch: int) -> slice:
-        """Which samples of the line's share a (pass, micro-batch) carries."""
+        """Which samples of the line's share a (pass, micro-batch) carries: the share of ``n`` samples cut into
+        ``eta x m`` contiguous chunks of ``n / (eta m)``, chunk ``p * m + i`` micro-batch ``i`` of pass ``p``, the same
+        on every rank and for the serial reference. So ``mast`` gives the first half to replica A and the second to
+        B, ``master`` eta equal chunks alternating A, B, A, ...; ``lp``, ``gpipe`` and ``1f1b`` cut one pass into
+        ``m`` micro-batches."""
         c = replica * self.schedule.micro_batches + micro_batch
         return slice(c * self.chunk, (c + 1) * self.chunk)
 
     # ---- p2p ---------------------------------------------------------------------------------------------
     def _tag(self, kind: int, replica: int, micro_batch: int, stage: int) -> int:
+        """A message's tag, which gloo checks: step parity, activation | gradient | shape header, pass, micro-batch,
+        stage."""
         s = self.schedule
         parity = 0 if kind == _HEADER else self._step_parity
         return (((parity * 3 + kind) * s.replicas + replica) * s.micro_batches + micro_batch) * s.stages + stage
@@ -425,9 +383,13 @@ class PipelineRunner:
 
     def _headers(self, messages: Sequence[Message]) -> None:
         """The shapes of the round's activations into stages whose shape this rank and its peers do not know
-        yet (the first step of untraced partitions): two batches, each read at once: every header's length, then
-        the headers (of any length: a cut carries as many skips as the model has). Both ends of every header
-        issue the two batches in the round's order."""
+        yet (the first step of partitions that could not be traced on fake tensors,
+        :func:`~gems.pipeline.partition.boundary_shapes`): two batches, each read at once: every header's length,
+        then the headers (of any length: a cut carries as many skips as the model has). Both ends of every header
+        issue the two batches in the round's order. A header also carries a spatial part's global shape and, for a
+        partition that packs skips with its activation (:class:`gems.models.skips.Carried`), the packed pieces'
+        layout. That first step makes the pair's first exchanges at those sizes, so the run leaves it out of its
+        timing (:attr:`PipelineRunner.connected`)."""
         order: list[tuple[Message, tuple[int, int]]] = []
         bodies: dict[tuple[int, int], list[int]] = {}  # what this rank sends
         for m in messages:

@@ -1,52 +1,10 @@
 """Pipeline schedules as pure data: which rank runs which forward or backward, in order.
 
-A schedule is decided before any process exists, so it can be drawn, checked
-and unit-tested here; :mod:`gems.pipeline.runtime` only executes it. Every
-schedule of gems is one list of :class:`Action` per rank plus its *placement*:
-
-* ``kind`` ``"F"`` (forward) or ``"B"`` (backward); a schedule with a *split*
-  backward has ``"I"`` (the input gradient, which the stage before waits for)
-  and ``"W"`` (the weight gradient, which nothing waits for, so it can fill a
-  bubble) instead of ``"B"``; ``stage`` the partition index (0 is the model's
-  first layers); ``micro_batch`` the micro-batch inside the pass;
-* ``replica`` the replica *pass* (0 .. eta-1);
-* ``placement[p % len(placement)][stage]`` is the rank that runs ``stage`` for
-  pass ``p``. A plain pipeline has one row, stage ``s`` on rank ``s``; GEMS
-  ``mast`` and ``master`` have two, down (``s`` on ``s``) and up (``s`` on
-  ``D-1-s``), so rank ``r`` holds partition ``r`` of replica A and ``D-1-r`` of
-  replica B, exactly as in GEMS-MAST; ``interleaved1f1b`` cuts the model into
-  ``v x D`` stages with stage ``s`` on rank ``s mod D``. A schedule has as many
-  stages as the model has partitions, which may be more than its ranks.
-
-What an action waits for is stated once, in :func:`needs` (the forward of the
-stage before, the backward of the stage after, its own forward), and what
-crosses ranks in :func:`sends` and :func:`receives`; the generator, the
-simulator, the runtime and the planner all ask them.
-
-Schedules are registered by name (:func:`register`); ``parallel.schedule``
-accepts exactly the registered names, and "does this schedule put copies of a
-partition on several pipeline ranks" is answered by the placement
-(:meth:`Schedule.holder_groups`), not by the name. To add one: write a function
-of ``(ranks, micro_batches, passes, virtual_stages, split)`` that returns a
-:class:`Schedule` of that name, decorate it with ``@register(name, ...)``, draw
-it in its docstring, give it tests (tests/test_schedules.py checks every
-registered schedule for completeness, order, deadlock freedom and its drawing)
-and a row in docs/parallelism.md's table.
-
-Most orders are produced by one list-scheduling simulation with unit costs
-(forward 1 tick, backward 2) and a bound on the micro-batches whose
-activations a rank keeps per placement row (its *in-flight limit*: 1 for ``lp``, every micro-batch for ``gpipe``,
-``min(D - s, m)`` for ``1f1b`` and, per direction, for ``mast`` and ``master``; ``s`` is the stage a rank holds in
-that direction; :attr:`ScheduleKind.in_flight` reads it off the action lists). The registered schedules, each with
-its line, are what ``gems run --help`` lists under ``parallel.schedule`` and docs/parallelism.md's table holds
-(tests/test_registries.py keeps both to the registry). With ``m = 1`` ``mast`` is
-GEMS-MAST and ``master`` is GEMS-MASTER (one pass per direction in flight: the
-memory of MAST, whatever eta); with ``m > 1`` they are the Chimera
-generalisation (at most ``D + 1`` micro-batches of activations per rank).
-``interleaved1f1b`` follows the Megatron-LM order (Narayanan et al., SC21).
-:func:`simulate` re-checks any schedule (every forward before its backward,
-stage order, each action exactly once, no deadlock under the point-to-point
-pattern) and :func:`draw` prints the clock table each docstring shows.
+A schedule is one list of :class:`Action` a rank plus its placement (the rank of each stage, per pass), decided
+before any process exists, so it is drawn (:func:`draw`), checked (:func:`simulate`) and tested here;
+:mod:`gems.pipeline.runtime` only executes it. What an action waits for is stated once (:func:`needs`, :func:`sends`,
+:func:`receives`), and schedules are registered by name (:func:`register`; docs/parallelism.md, "The registered
+schedules"), their facts asked of the registration, never of the name.
 """
 from __future__ import annotations
 
@@ -120,7 +78,8 @@ F_COST, B_COST = Kind.F.unit_cost, Kind.B.unit_cost
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One forward or backward of one micro-batch of one replica pass on one stage."""
+    """One forward or backward of one micro-batch of one replica pass on one stage: ``replica`` the pass (0 ..
+    eta-1), ``micro_batch`` inside the pass, ``stage`` the partition index (0 is the model's first layers)."""
 
     kind: Kind  # given as a Kind or its letter
     replica: int
@@ -338,8 +297,9 @@ owned("parallel.schedule", registered)  # the configuration checks and prints th
 def _generate(name: str, D: int, passes: int, m: int, mirrored: bool, prefer: str,
               limit: Callable[[int], int], split: bool = False,
               placement: tuple[tuple[int, ...], ...] = ()) -> Schedule:
-    """List scheduling with unit costs; ``limit(stage)`` bounds the micro-batches a rank keeps in flight on a
-    stage (per direction of the passes).
+    """List scheduling with unit costs (a forward 1 tick, a backward 2); ``limit(stage)`` bounds the micro-batches
+    a rank keeps in flight on a stage (per direction of the passes): 1 for ``lp``, every micro-batch for ``gpipe``,
+    ``min(D - s, m)`` for ``1f1b`` and, per direction, for ``mast`` and ``master``.
 
     With ``split`` the backward is an ``I`` (what the stage before waits for) and a ``W`` that nothing
     waits for: it runs only when no ``I`` or ``F`` can, so weight gradients fill the bubbles, and a
