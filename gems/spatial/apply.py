@@ -1,11 +1,8 @@
-"""``apply_spatial``: a model's layers, converted one for one to their spatial versions.
+"""``apply_spatial``: a model's layers converted one for one to their spatial versions, by the registered rules.
 
-The converted sequence has the same layers in the same order (nested
-``nn.Sequential`` and registered residual containers converted recursively),
-holding the same parameter objects under the same names, plus one gather
-layer inserted before ``spatial_end``. What it does not know how to
-partition is a :class:`gems.errors.ConfigError` naming the layer, never a
-silently wrong result.
+The same layers in the same order (nested ``nn.Sequential`` and registered containers converted recursively), the same
+parameter objects under the same names, plus one gather before ``spatial_end``. A layer it cannot cut is a
+:class:`gems.errors.ConfigError` naming the layer, never a silently wrong result.
 """
 from __future__ import annotations
 

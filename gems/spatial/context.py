@@ -1,18 +1,8 @@
 """Where this rank's part of a sample lies, and the collectives over the parts.
 
-A :class:`SpatialContext` is everything a spatial layer needs to know about
-the mesh: the process group of the ``S`` parts of one sample, the global rank
-of each part, how many parts each cut dim has, which spatial dims are cut and
-this rank's coordinates in the parts grid. It also carries the global
-spatial shape of activations: every tensor a spatial layer returns is tagged
-with its global spatial extents (a Python attribute), so the next layer knows
-how the sample is split without asking; an untagged input (the first layer,
-a pipeline stage's entry) costs one tiny all-reduce.
-
-``scatter`` and ``gather`` convert between a full sample and this rank's
-part. ``gather`` is a true all-gather whose backward is its adjoint: the sum
-of the gradients every part received for the full activation, then this
-rank's slice (docs/design.md).
+A :class:`SpatialContext` is what a spatial layer knows of the mesh: the group of the S parts, the parts grid and
+this rank's place in it. Every tensor a spatial layer returns is tagged with its global spatial shape, so the next
+layer knows how the sample is split without asking (an untagged input costs one tiny all-reduce).
 """
 from __future__ import annotations
 

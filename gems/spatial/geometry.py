@@ -1,17 +1,8 @@
-"""Index arithmetic of spatial partitioning, pure and exact.
-
-Every activation of a spatially partitioned trunk is split along each cut dim
-like ``np.array_split``: part ``i`` of ``n`` cells over ``P`` parts owns
-``[lo_i, hi_i)`` with sizes differing by at most one (:func:`gems.shapes.split_bounds`, kept below every
-strategy since the pipeline and the planner weigh cut layers by it too).
-A layer's rank owns the *output* cells in its range and asks for exactly the
-input cells those outputs read: :class:`Window` (convolution, pooling),
-:class:`Transposed` (transposed convolution) and :class:`Resample` (upsampling)
-map an output range to the input range it needs, per dim. The halo is then
-whatever part of that range another rank owns, however wide (it may span
-several neighbours) and at edges and corners when several dims are cut.
-
-Nothing here touches a tensor or a process group, so it is tested directly.
+"""Index arithmetic of spatial partitioning, pure and exact: every activation is split along each cut dim by
+:func:`gems.shapes.split_bounds`, a layer's rank owns the output cells in its range, and :class:`Window`,
+:class:`Transposed` and :class:`Resample` map an output range to the input range it reads, per dim. The halo is
+whatever of that range another rank owns, however wide, edges and corners included. Nothing here touches a tensor or
+a process group, so it is tested directly.
 """
 from __future__ import annotations
 

@@ -1,38 +1,9 @@
-"""Halo exchange as an autograd function: the cells a rank needs but does not own.
+"""Halo exchange as autograd functions: the cells a rank needs but does not own, and their gradients sent back.
 
-A spatial layer says which input box each part needs for the outputs it owns
-(:mod:`gems.spatial.geometry`). :func:`plan` intersects those boxes with what
-every part owns: the pieces to send and to receive, edges and corners
-included when several dims are cut, and wider than one neighbour when a layer
-reads that far. :class:`Pending` posts them non-blocking
-(``batch_isend_irecv``) from detached data, so the layer can compute the
-interior of its output while they are in flight; :class:`Assemble` then builds
-the windows the layer asked for, and its backward is the adjoint of the
-exchange: each halo gradient goes back to the rank that owns the cells and is
-*added* to that rank's gradient (the gradient of a cell is the sum over every
-output that read it, wherever that output was computed).
-
-On CUDA the boundary slices are packed and the messages posted on a side
-stream, so packing never queues behind the interior kernel on the compute
-stream; ``wait`` makes the compute stream wait for the side stream (the host
-only blocks for backends that complete on the host, such as gloo). On CPU the
-same code runs with gloo, whose transport threads move the data while the
-interior is computed.
-
-Linear window ops (convolution, average pooling) take a cheaper route that
-never copies the part (:class:`Exchange`, :class:`Source`, :class:`Shell`,
-:class:`AddInto`): the op runs on the local part as it is, with its own zero
-padding along the cut dims, and the few boundary planes are then corrected by
-adding the op applied to a *shell* window that holds only the received halo
-cells (zeros elsewhere). By linearity the sum equals the op on the assembled
-window. The gradient side is split over two autograd nodes so that nothing of
-the part's full size is allocated: the shell sends the halo gradients back,
-and the source (an identity on the part, upstream of the op) adds the
-gradients it receives into the op's input gradient in place. Measured on
-CosmoFlow 128^3 at S=2 on CPU, the copy route spent more time assembling,
-zero-filling and scattering full-size windows than exchanging halos
-(gems/bench/spatial.py). The messages of this route carry per-layer tags, so
-the two nodes may post and wait at different times without mismatching.
+:func:`plan` intersects the input box each part's outputs read (gems.spatial.geometry) with what every part owns;
+:class:`Pending` posts the pieces in one batch from detached data (on CUDA from a side stream), so the layer computes
+its interior while they travel; :class:`Assemble` builds the windows, and its backward adds each halo gradient to the
+owner's. Linear window ops take the no-copy route (:class:`Exchange`).
 """
 from __future__ import annotations
 
@@ -110,7 +81,9 @@ class Pending:
                                          [(peer, t) for (peer, _), t in zip(self.plan.recvs, self.bufs)], self.tag)
 
     def wait(self) -> list[torch.Tensor]:
-        """The received pieces, usable on the current stream."""
+        """The received pieces, usable on the current stream: on CUDA the compute stream waits for the side stream
+        (packing never queued behind the interior's kernel there); the host blocks only for backends that complete
+        on the host, such as gloo."""
         t0 = timers.now(self.stream.device if self.stream is not None else None)
         if self.stream is not None:
             with torch.cuda.stream(self.stream):
@@ -200,6 +173,16 @@ def windows(sctx: SpatialContext, x: torch.Tensor, p: Plan, targets: list[Box], 
 # ---- the route of linear ops: no copy of the part ------------------------------------------------
 class Exchange(Pending):
     """One call of one layer's tagged exchange: halo values forward, their gradients backward.
+
+    The no-copy route of linear window ops (convolution, average pooling; :class:`Source`, :class:`Shell`,
+    :class:`AddInto`): the op runs on the local part as it is, with its own zero padding along the cut dims, and the
+    few boundary planes are then corrected by adding the op applied to a *shell* window that holds only the received
+    halo cells (zeros elsewhere); by linearity the sum equals the op on the assembled window. The gradient side is
+    split over two nodes so that nothing of the part's size is allocated: the shell sends the halo gradients back,
+    and the source, an identity upstream of the op, adds those it receives into the op's input gradient in place.
+    Measured on CosmoFlow 128³ at S = 2 on CPU, the copy route spent more time assembling, zero-filling and
+    scattering full-size windows than exchanging halos (gems bench spatial). The messages carry the layer's tags, so
+    the two nodes may post and wait at different times without mismatching.
 
     Forward messages use ``tag``, backward ones ``tag + 1``. Backward, every
     rank posts all of this call's messages at its first node of the call

@@ -1,11 +1,7 @@
-"""What each layer of the planner's trace computes: FLOPs and bytes per op, counted on the same fake-tensor
-forward that measures memory (:func:`gems.trace.model.trace_layers`).
-
-Ops fall in three classes: ``conv`` (convolutions, with a signature of channels, kernel, stride, groups and
-transposition that CPU ranks time on the spot), ``matmul`` and ``memory`` (everything else that moves data:
-norms, activations, pooling, adds, copies; its bytes read and written). Views and allocations are free.
-FLOPs come from torch's own formulas (``torch.utils.flop_counter``), so a convolution counts as the
-multiply-adds its output needs.
+"""What each layer of the planner's trace computes: FLOPs (torch's own formulas, ``torch.utils.flop_counter``) and bytes
+per op, counted on the same fake-tensor forward that measures memory (:func:`gems.trace.model.trace_layers`), in
+three classes: ``conv`` (with a signature CPU ranks time on the spot), ``matmul``, and ``memory`` (everything else that
+moves data: its bytes read and written). Views and allocations are free.
 """
 from __future__ import annotations
 

@@ -1,5 +1,9 @@
-"""The window machinery of convolutions and pools: which input window each output box reads, the halo plan
-that fetches it, the overlap of interior and boundary slabs, and the no-copy route of linear ops.
+"""The window machinery of convolutions and pools: which input window each output box reads, the halo plan that
+fetches it, the overlap of interior and boundary slabs, and the no-copy route of linear ops.
+
+Padding at the sample's edges is applied explicitly, so any kernel, stride, padding, dilation and ``ceil_mode`` is
+exact, with uneven parts and halos wider than a neighbour. Convolutions and average pools that count padding take the
+no-copy route where the cut allows it (symmetric padding, parts aligned with the stride: gems.spatial.halo.Exchange).
 """
 from __future__ import annotations
 
