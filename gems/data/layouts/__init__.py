@@ -1,91 +1,9 @@
 """The layouts of sample files gems reads, one module a layout, registered by name (``data.layout``).
 
-A *layout* is how a published data set lies in its files: ExaLearn's channels-last universes, LBANN's CDHW
-crops, gems's own channels-first ``.h5`` files, MLPerf's TFRecords, LiTS's NIfTI volumes. Every user of files
-asks the one object this module hands out for a folder, never the files themselves: the run
-(gems.rank.data.make_data), ``gems plan`` (the layout's name and read rate), ``gems bench data`` (a row a
-layout) and ``gems data convert``. A new layout is one module in this package (imported, and so registered,
-when the package is) and its tests.
-
-**The protocol.** A layout is a subclass of :class:`Layout`, registered with ``@register``:
-
-* ``name`` (the value of ``data.layout``), ``about`` (one line: what the files are, for messages and the
-  plan), ``suffixes`` (the file name endings it reads: :meth:`Layout.files` lists them), ``thread_rate``
-  (bytes a second one reader thread moves into a batch, where no file is at hand to time: the planner's
-  figure), ``fast`` (whether ``gems data convert`` has nothing to gain: read where it lies at the page cache's
-  rate).
-* :meth:`Layout.companions` ``(file)`` (files a sample file needs beside it: a volume's labels) and
-  :meth:`Layout.folder_files` ``(path)`` (files of the folder as a whole: a Decathlon task's ``dataset.json``),
-  copied with the samples where a run stages them (their places under the folder kept).
-* :meth:`Layout.holds` ``(files)``: whether these files (listed by :meth:`Layout.files`) are of this layout, from
-  the first file's headers at most; never raises for a foreign file (it answers False). Detection
-  (:func:`detect`) takes the one layout that holds a folder; where none or several do it is bad input naming
-  ``data.path`` or ``data.layout``.
-* :meth:`Layout.open` ``(path, shape, **options)``: the samples of ``path`` as one rank reads them, a
-  :class:`Samples` (below). ``shape`` is the model's input (C, *spatial); ``options`` are every key of
-  :class:`Options` (the rank's part ``slices``, ``crop``, ``standardize``, ``augment``, ``readers``, the
-  setting ``key`` that names the folder, ``target``: ``vector`` or ``dense``, ``classes``: a model of dense
-  classes' count, which every label read must be below, ``window`` and ``orientation``: CT volumes'), taken
-  through :meth:`Layout.options` (a layout of target vectors refuses ``target=dense`` there). A file that does
-  not match is a :class:`gems.errors.ConfigError` naming ``key`` and the file. gems.data.layouts.array is the
-  base of a layout of one C-order array a file, which does all of this from each file's header.
-* :meth:`Layout.broken` ``(file)``: why a file this layout lists is not one it reads, where its headers tell
-  (an HDF5 ``full`` that links to a missing file), for the refusal of a folder no layout holds; None by default.
-* :meth:`Layout.declared` ``(path)``: what the files declare of the model (a task's classes and channels, by
-  ``model.num_classes`` and ``model.in_channels``), which set the model unless the user did (gems.data.task);
-  :meth:`Layout.check_whole` ``(file, key)`` and :meth:`Layout.convert_hint` ``(path, files)``: ``gems data
-  check``'s reading of a file a run reads only once converted, and what it says of such a set. None by default.
-* :meth:`Layout.rate` ``(samples, ids, symmetries)``: bytes a second ``samples.read`` moves into a batch on
-  this machine (default: timed, the second of two reads into one buffer, from the page cache);
-  :meth:`Layout.fallback_rate` ``(shape, slices)``: the planner's figure where no file is at hand
-  (``thread_rate``, scaled where a sample is a crop of a larger published file: the HDF5 layouts).
-* :meth:`Layout.convert` ``(source, folder)`` and :meth:`Layout.converted_name` ``(source)``: for a layout that
-  is not ``fast``, ``gems data convert``'s writing of one file into a fast layout, and the name it gets.
-* :meth:`Layout.write` ``(folder, samples)``: files of this layout, written the way the published tool writes
-  them (its library, dtype, compression, byte order), from (counts (C, *spatial), target) pairs; for tests,
-  ``gems bench data``'s row and, for the layout ``gems data convert`` writes, convert.
-
-**Samples** (what ``open`` returns: a subclass of :class:`FileSamples`, which holds every member below but
-``read``, ``finish`` and ``target``; gems.data.hdf5.HDF5Samples, TFRecordSamples, NiftiSamples and
-gems.data.layouts.array.ArraySamples extend it):
-
-* ``layout`` (its :class:`Layout`), ``files`` (the sorted paths), ``shape`` (C, *spatial) of one sample,
-  ``dtype`` (numpy: the values as read, native byte order), ``symmetries`` (how many ``data.augment`` draws
-  among), ``len()`` (samples), ``part_shape()`` ((C, *part): this rank's part of a sample);
-* ``read(ids, symmetries=None, pin=False, out=None) -> (raw, targets)``: this rank's part of each sample, as
-  stored (``raw``: a tensor, or an object that moves like one: ``is_cuda``, ``pin_memory()``, ``to(device,
-  non_blocking)`` and ``data``, the tensor holding it), each from the part its symmetry takes it from (a
-  sample of ids[i] under symmetry symmetries[i]: gems.data.augment.source_slices); ``targets`` (N, outputs)
-  for vector targets, (N, *part) class indices for dense ones; ``pin``: into pinned memory (a GPU rank's);
-  ``out``: the buffer ``raw.data`` to read into (a previous read's, reused);
-* ``finish(raw) -> Tensor``: the network's float32 input (N, C, *part) on ``raw``'s device (the symmetries
-  applied, channels first, ``log1p`` and ``data.standardize`` where the layout's values are counts): what a GPU
-  rank runs after the copy;
-* ``batch(ids, symmetries=None, raw=False, pin=False)``: ``read`` then ``finish`` (``raw``: oriented, not
-  transformed);
-* ``target(i)`` (sample i's target alone: a rank that computes the loss but reads no input), ``group(i)``
-  (the file sample i is cut from: validation averages a file's crops);
-* ``ignore`` (dense classes only): the label of voxels that count nowhere, :data:`IGNORE` (a tile's padding);
-  a set that has it is evaluated to its last sample (gems.rank.data.evaluation_batches: a last partial batch
-  filled with samples of that label alone);
-* ``check_all(count=None, target_size=None)``: the headers of every file the first ``count`` samples read
-  (ConfigError naming the first bad one), ``notes()`` (what the run and the plan must say: a slow path taken,
-  a cap applied), ``close()``.
-
-* optional members, with the base's defaults where they do not apply: ``runs(ids, symmetries)`` (the byte
-  ranges ``read`` reads by position: ``gems bench data``'s bound; None where reads are not ranges of files),
-  ``ignore`` (above; None), ``class_names`` (dense classes: each class's name by label where the files name
-  them; None).
-
-**The rules** every reader keeps (the base keeps those it can; docs/data.md, "Adding a layout"):
-
-* no file is mapped (mmap): a file cut short under a mapping kills the process with SIGBUS at the first lost
-  page, where a positional read fails and names the file; an array at a byte offset is read by
-  gems.data.reader.array_reads (positional reads on the rank's threads), or through a library's own reads;
-* each file is stamped where its headers are read (:meth:`FileSamples.remember`) and looked at before a batch
-  reads it (:meth:`FileSamples.still`); a read that fails all the same (:meth:`FileSamples.run`) is that refusal;
-* bad input is a ConfigError naming the key and the file: a wrong key or layout, mixed dtypes, a label outside
-  the model's classes, a file that changes under a run. See docs/data.md for the table of layouts.
+A layout is how a published data set lies in its files (ExaLearn's universes, LBANN's crops, gems's own ``.h5``,
+MLPerf's TFRecords, NIfTI volumes, ...): a :class:`Layout` that opens a folder's :class:`Samples`. Every user of files
+(the run, ``gems plan``, ``gems bench data``, ``gems data convert``) asks the one object :func:`detect` hands out for a
+folder, never the files themselves. The protocol and the rules every reader keeps: docs/data.md, "Adding a layout".
 """
 from __future__ import annotations
 
@@ -130,7 +48,28 @@ class Options:
 
 
 class Samples(Protocol):
-    """What :meth:`Layout.open` returns (module docstring)."""
+    """What :meth:`Layout.open` returns: one rank's view of a set's samples (:class:`FileSamples` is its base).
+
+    * ``layout``, ``files`` (the sorted paths), ``shape`` (C, *spatial) of one sample, ``dtype`` (numpy: the values
+      as read, native byte order), ``symmetries`` (how many ``data.augment`` draws among), ``len()``,
+      ``part_shape()`` ((C, *part): this rank's part of a sample);
+    * ``read(ids, symmetries=None, pin=False, out=None) -> (raw, targets)``: this rank's part of each sample, as
+      stored (``raw``: a tensor, or an object that moves like one: ``is_cuda``, ``pin_memory()``, ``to(device,
+      non_blocking)`` and ``data``, the tensor holding it), each from the part its symmetry takes it from
+      (gems.data.augment.source_slices); ``targets`` (N, outputs) for vector targets, (N, *part) class indices for
+      dense ones; ``pin``: into pinned memory (a GPU rank's); ``out``: the buffer ``raw.data`` to read into;
+    * ``finish(raw) -> Tensor``: the network's float32 input (N, C, *part) on ``raw``'s device (the symmetries
+      applied, channels first, ``log1p`` and ``data.standardize`` where the values are counts);
+    * ``batch(ids, symmetries=None, raw=False, pin=False)``: ``read`` then ``finish`` (``raw``: oriented only);
+    * ``target(i)`` (sample i's target alone: a rank that computes the loss but reads no input), ``group(i)`` (the
+      file sample i is cut from: validation averages a file's crops);
+    * ``check_all(count=None, target_size=None)``: the headers of every file the first ``count`` samples read
+      (ConfigError naming the first bad one), ``notes()`` (what the run and the plan must say), ``close()``;
+    * optional, the base's defaults where they do not apply: ``runs(ids, symmetries)`` (the byte ranges ``read``
+      reads by position: ``gems bench data``'s bound; None where reads are not ranges of files), ``ignore`` (dense
+      classes: the label of voxels that count nowhere, :data:`IGNORE`; a set that has it is evaluated to its last
+      sample), ``class_names`` (dense classes: each class's name by label where the files name them).
+    """
 
     layout: Layout
     files: list[Path]
@@ -155,8 +94,13 @@ class Samples(Protocol):
 
 
 class Layout:
-    """One way samples lie in files (module docstring: the protocol). Subclasses set the class attributes and
-    override :meth:`holds`, :meth:`open` and :meth:`write`."""
+    """One way samples lie in files. Subclasses set the class attributes and override :meth:`holds`, :meth:`open`
+    and :meth:`write`; every other method has a default (docs/data.md, "Adding a layout").
+
+    ``name`` (the value of ``data.layout``), ``about`` (one line: what the files are, for messages and the plan),
+    ``suffixes`` (the file name endings :meth:`files` lists), ``thread_rate`` (bytes a second one reader thread
+    moves into a batch where no file is at hand to time: the planner's figure), ``fast`` (whether ``gems data
+    convert`` has nothing to gain: read where it lies at the page cache's rate)."""
 
     name: ClassVar[str] = ""
     about: ClassVar[str] = ""
@@ -184,6 +128,8 @@ class Layout:
         return []
 
     def holds(self, files: Sequence[Path]) -> bool:
+        """Whether ``files`` (listed by :meth:`files`) are of this layout, from the first file's headers at most;
+        False for a foreign file, never an exception. :func:`detect` takes the one layout that holds a folder."""
         raise NotImplementedError
 
     def declared(self, path: str | os.PathLike) -> dict[str, list[str]]:
@@ -222,6 +168,9 @@ class Layout:
         return o
 
     def open(self, path: str | os.PathLike, shape: Sequence[int] | None, **options: Any) -> Samples:
+        """The samples of ``path`` as one rank reads them; ``shape``: the model's input (C, *spatial); ``options``:
+        every key of :class:`Options`, taken through :meth:`options`. A file that does not match is a ConfigError
+        naming ``options["key"]`` and the file."""
         raise NotImplementedError
 
     def write(self, folder: str | os.PathLike, samples: Iterable[tuple[np.ndarray, np.ndarray]],
@@ -288,7 +237,7 @@ class Looking:
 
 
 class FileSamples:
-    """The base of a layout's samples (the protocol's ``Samples``: module docstring). A subclass sets ``shape``,
+    """The base of a layout's samples (the protocol :class:`Samples`). A subclass sets ``shape``,
     ``dtype`` and ``symmetries`` (and ``grid``/``crops`` where a file holds several samples) in its constructor,
     after this one's, and writes :meth:`read`, :meth:`finish` and :meth:`target`; where its files hold one sample
     each, or a row-major grid of crops, :meth:`locate` is done, and :meth:`source` says which part of which file

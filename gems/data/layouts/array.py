@@ -1,14 +1,7 @@
-"""The base of a layout whose files each hold one array in C order at a byte offset, after a header of the
-layout's own (a raw file, as ``.npy`` is one): :class:`ArrayLayout` and the samples it opens, :class:`ArraySamples`.
-
-A layout on this base writes only :meth:`ArrayLayout.header` (a file's :class:`ArrayHeader`: the array's byte
-offset, shape, type and byte order, and the sample's target vector) and :meth:`~gems.data.layouts.Layout.write`;
-the base does the rest of the protocol (gems.data.layouts) as the other layouts do it: detection from the first
-file's header, every :class:`~gems.data.layouts.Options` key, each file's header checked against the first's and
-the bytes the file holds, a type neither integer nor float refused naming the file, crops of files larger than a
-sample, the rank's part of each sample read by position on the reader's threads, any integer or float type of
-either byte order converted exactly into the batch, and ``finish``'s ``log(1 + x)`` and ``data.standardize``.
-docs/data.md ("Adding a layout") shows one.
+"""The base of a layout whose files each hold one array in C order at a byte offset, after a header of the layout's own
+(a raw file, as ``.npy`` is one): :class:`ArrayLayout` and the samples it opens, :class:`ArraySamples`. A layout on
+it writes :meth:`ArrayLayout.header` and :meth:`~gems.data.layouts.Layout.write`; the base does the rest of the
+protocol (docs/data.md, "Adding a layout", shows one).
 """
 from __future__ import annotations
 

@@ -1,24 +1,7 @@
-"""The Medical Segmentation Decathlon's task folders (layout ``decathlon``), for ``model=unet3d``.
-
-A task folder, as the Decathlon's tarballs unpack (``Task03_Liver``: LiTS's volumes as most users download them),
-holds ``imagesTr/`` (the training volumes, ``liver_N.nii.gz``), ``labelsTr/`` (their labels, under the same
-names), ``imagesTs/`` (test volumes without labels) and ``dataset.json`` (the task's name, its modalities, its
-classes by label, the training pairs and the test volumes). The tarballs also carry macOS's ``._NAME`` resource
-forks beside every file: hidden names, left out as every hidden file is.
-
-gems reads it as it reads LiTS's volumes (gems.data.layouts.nifti: tiles of the model's edge, the CT window, labels
-lined up onto their volume's grid by their affines): each volume's labels are the file of its name in
-``labelsTr/``; the classes' names are ``dataset.json``'s (the Dice columns of the record, the table and ``gems
-eval``), and they and its modalities set ``model.num_classes`` and ``model.in_channels`` unless the user set them
-(gems.data.task); ``imagesTs/`` has no labels to train or validate on and is left out, which the run says. A task of
-several modalities (BrainTumour's four MR sequences) holds a 4D volume a case, one 3D volume a channel, read as the
-input's channels; a channel ``dataset.json`` names other than CT is not windowed. The volumes come gzip-compressed,
-which cannot be read by position: ``gems data convert`` writes the task uncompressed into ``data.out``
-(``imagesTr/``, ``labelsTr/`` and ``dataset.json``), which gems reads where it lies.
-
-The helpers here read any ``dataset.json`` of this family: the Decathlon's and nnU-Net v1's (``"labels": {"0":
-"background", ...}``, ``"modality"``) and nnU-Net v2's (``"labels": {"background": 0, ...}``, ``"channel_names"``,
-``"file_ending"``); gems.data.layouts.nnunet extends this layout.
+"""The Medical Segmentation Decathlon's task folders (layout ``decathlon``), for ``model=unet3d``: ``imagesTr/`` and
+``labelsTr/`` read as LiTS's volumes are (gems.data.layouts.nifti), the classes and modalities from ``dataset.json``
+(docs/data.md, "The Medical Segmentation Decathlon"). The helpers here read any ``dataset.json`` of the family:
+the Decathlon's, nnU-Net v1's and v2's; gems.data.layouts.nnunet extends this layout.
 """
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""LBANN's split CosmoFlow crops (``split_cosmoflow_sample.py``, what LBANN's DistConv reads): one ``.hdf5``
-file a crop, named ``<universe>_<i>_<j>_<k>.hdf5``, ``full`` (C, W, H, D): the universe's (D, H, W, C) array
-fully transposed (``.transpose()``), so the channels come first and the spatial axes come REVERSED, then cut;
-float32 by default, int16 with ``--datatype int16``; ``unitPar`` as the universe's.
-
-gems reads a crop's axes as they lie (as LBANN does): the file's first spatial axis is the sample's depth. For
-CosmoFlow this changes nothing a network can learn (a universe's statistics are the same under the box's 48
-symmetries, the reversal among them), but a user who mixes sources must know that an LBANN crop is the
-transpose of the same cells cut from the ExaLearn universe by ``data.crop``: the same crop from both is not the
-same tensor, and crop (i, j, k) of LBANN's names is the ExaLearn crop at depth k, height j, width i."""
+"""LBANN's split CosmoFlow crops (``split_cosmoflow_sample.py``, what LBANN's DistConv reads): one ``.hdf5`` file a crop,
+``<universe>_<i>_<j>_<k>.hdf5``, whose ``full`` (C, W, H, D) is the universe's array fully transposed, its spatial
+axes reversed; read as they lie, as LBANN does (docs/data.md, "LBANN's crops: the reversed axes").
+"""
 from __future__ import annotations
 
 import os

@@ -1,41 +1,9 @@
-"""CT volumes with per-voxel labels in NIfTI files, LiTS's layout (layout ``nifti``), for ``model=unet3d``; the base
-of the other NIfTI layouts (a Decathlon task, nnU-Net's raw dataset, the tiled cases).
+"""CT volumes with per-voxel labels in NIfTI files, LiTS's layout (layout ``nifti``), for ``model=unet3d``; the base of
+the other NIfTI layouts (a Decathlon task, nnU-Net's raw dataset, the tiled cases).
 
-A folder holds ``volume-N.nii`` with ``segmentation-N.nii`` beside each (labels 0 background, 1 liver, 2 tumour),
-as the liver-tumour set LiTS publishes them; volumes differ in their shape (LiTS: 512 x 512 in-plane, 75-987
-slices). The files are read through nibabel's headers (the voxels' type, their byte offset ``vox_offset``, the
-scaling ``scl_slope``/``scl_inter``) and then by positional reads (gems.data.reader), as contiguous HDF5 is: the
-voxels of an uncompressed NIfTI file are one block in Fortran order, so a volume of (x, y, z) voxels lies on disk
-as a C-order array (z, y, x). gems takes it in that order: depth is the slices (z), height y, width x, so a
-spatial rank's depth slab is one contiguous run of bytes. Voxels are read as stored: neither reoriented by the
-affine nor resampled to another spacing (do that beforehand where a study needs it).
-
-**Cases of several channels.** A case is its channels and its labels (:class:`Case`): one 3D file here; a 4D file
-holds one volume a channel (the Decathlon's multi-modal tasks, BrainTumour's four MR sequences), each a block after
-the other; nnU-Net keeps a file a channel (gems.data.layouts.nnunet). Every channel and the labels are lined up onto
-the first channel's grid by their affines (gems.data.layouts._grids.lined_up, within ``data.affine_tolerance``).
-
-**Samples.** Each volume is cut into tiles of the model's input edge (``model.size``), row-major over (z, y, x);
-the tiles at a volume's far edges are padded to the full edge: the network's input with 0 after windowing (the
-window's low end: air, whatever the file's type and scaling), labels with :data:`gems.data.layouts.IGNORE`
-(255), which the loss, accuracy and Dice leave out (gems.rank.loss). So every voxel of every volume is in exactly
-one sample and counts once, training sees every part of each volume, and validation's figures are those of the
-whole volumes' voxels, no padding among them (a sliding window without overlap, as nnU-Net and MONAI infer; the
-last partial batch is evaluated too, filled with samples of ignored labels alone).
-
-**CT windowing** (:func:`windowed`): each voxel's Hounsfield value (the stored value times ``scl_slope`` plus
-``scl_inter``) is clipped to the window ``data.window`` (default [-200, 250] HU, the soft-tissue window liver
-studies on LiTS use) and scaled to [0, 1]. A channel the task names other than CT (an MR sequence) has no fixed
-scale: it is the stored value scaled by the header, unwindowed. It runs where the batch is finished (on a GPU rank
-after the copy: the stored int16 voxels cross, half a float's bytes).
-
-``volume-N.nii.gz`` is gzip-compressed: it cannot be read by position, so ``gems data convert`` writes the
-uncompressed ``.nii`` (the same bytes: a ``.nii.gz`` is the ``.nii`` gzip-compressed) first; ``gems data check``
-reads it whole as a stream (:func:`streamed`). Volumes of mixed types (int16 among uint8, say) are read as float32
-(exact for integers of up to 16 bits and for float32; the run says so). A volume without its labels, labels of
-another shape or of a class at or over ``model.num_classes``, a corrupt gzip stream, or a volume or its labels
-changed while the run reads them (replaced, rewritten, cut short: each file's identity is taken with its header and
-looked at every batch) are bad input naming the file.
+A case's channels and labels are read by position from nibabel's headers, lined up onto the first channel's grid by
+their affines, cut into tiles of the model's edge (the far edges padded and ignored) and windowed where the batch is
+finished (docs/data.md, "LiTS's CT volumes with labels").
 """
 from __future__ import annotations
 
@@ -316,8 +284,14 @@ def windowed(x: torch.Tensor, slope: torch.Tensor, inter: torch.Tensor, win: tup
 
 class NiftiSamples(FileSamples):
     """The tiles of a folder of LiTS volumes (or of a NIfTI layout's cases) as one rank reads them
-    (gems.data.layouts' ``Samples``; module docstring): raw voxels (:class:`Voxels`) and per-voxel classes, this
-    rank's part of each."""
+    (gems.data.layouts' ``Samples``): raw voxels (:class:`Voxels`) and per-voxel classes, this rank's part of each.
+
+    An uncompressed NIfTI file's voxels are one block in Fortran order (x, y, z), that is a C-order array (z, y, x):
+    depth is the slices, so a spatial rank's depth slab is one run of bytes. Voxels are read as stored (or in RAS+
+    with ``data.orientation``), never resampled. Each volume is cut into tiles of the model's edge, row-major over
+    (z, y, x), those at the far edges padded: the input with 0 after windowing, the labels with
+    :data:`gems.data.layouts.IGNORE`, which the loss and the figures leave out, so every voxel counts once. Volumes
+    of mixed types are read as float32 (exact up to 16-bit integers and float32; the run says so)."""
 
     def __init__(self, layout: NiftiLayout, path: str | os.PathLike, shape: Sequence[int] | None,
                  options: Options) -> None:

@@ -1,15 +1,7 @@
-"""nnU-Net's raw dataset folders (layout ``nnunet``), for ``model=unet3d``.
-
-nnU-Net, the field's most used segmentation framework, takes a data set as a raw folder (v1's
-``nnUNet_raw_data/TaskXXX_NAME``, v2's ``nnUNet_raw/DatasetXXX_NAME``): ``imagesTr/NAME_CCCC.nii.gz``, one file a
-channel of case ``NAME`` (``CCCC`` the channel, ``0000`` first), ``labelsTr/NAME.nii.gz`` its labels, and a
-``dataset.json``: v1's as the Decathlon's (``"modality": {"0": "CT"}``, ``"labels": {"0": "background", ...}``,
-the training pairs named without the channel), v2's with ``"channel_names"``, ``"labels": {"background": 0, ...}``
-and ``"file_ending"``. gems reads it as a Decathlon task (gems.data.layouts.decathlon): a case is a sample file (its
-``_0000`` file), its other channels' files and its labels companions, the channels joined in the order of
-``channel_names`` (or ``modality``), every file lined up onto the first channel's grid by the affines; the classes
-and channels set ``model.num_classes`` and ``model.in_channels`` unless the user set them (gems.data.task).
-``gems data convert`` writes the dataset uncompressed (``dataset.json``'s endings made ``.nii``).
+"""nnU-Net's raw dataset folders, v1 and v2 (layout ``nnunet``), for ``model=unet3d``: a file a channel of each case
+(``imagesTr/NAME_CCCC.nii.gz``), its labels in ``labelsTr/``, read as a Decathlon task (gems.data.layouts.decathlon):
+a case's ``_0000`` file is its sample file, its other channels and its labels companions, the channels in the order
+``dataset.json`` names them (docs/data.md, "nnU-Net's raw datasets").
 """
 from __future__ import annotations
 

@@ -1,30 +1,9 @@
-"""MLPerf HPC's CosmoFlow TFRecords (layout ``tfrecord``), read without TensorFlow.
+"""MLPerf HPC's CosmoFlow TFRecords (layout ``tfrecord``), read without TensorFlow: each record's frame read here, both
+CRCs checked (``crc32c``), its ``tf.train.Example`` parsed by protobuf with the ``tfrecord`` package's schema.
 
-The published set (``cosmoUniverse_2019_05_4parE_tf_v2``) is one ``*.tfrecord`` file a 128^3 crop under ``train/``
-and ``validation/``, gzip-compressed. A TFRecord file is a sequence of records, each framed as
-
-    uint64 length | uint32 masked CRC32C of the length's 8 bytes | data | uint32 masked CRC32C of the data
-
-(little endian; a masked CRC is ``((crc >> 15 | crc << 17) + 0xa282ead8) mod 2^32``), the whole file optionally one
-gzip stream. MLPerf's ``prepare.py`` writes one record a file: a ``tf.train.Example`` whose feature ``x`` holds the
-raw bytes of the int16 counts shaped (D, H, W, C), channels last, and ``y`` the 4 ``unitPar`` floats; the reference
-reads them with ``decode_raw(x, int16)`` (little endian).
-
-The frame is read by :func:`records`, which checks both CRCs of every record with ``crc32c`` (hardware CRC32C), and
-the Example is parsed by protobuf with the schema the ``tfrecord`` package ships (``tfrecord.example_pb2``). That
-package's own reader is not used: it skips the CRCs, and finds a gzip file's end by decompressing it once more.
-Whether a file is compressed is read from the file itself (:func:`compression`): the first 12 bytes of a plain
-file are a length and its CRC, which a gzip stream's header never matches. A file that is not a TFRecord, a
-corrupt gzip stream, a ZLIB-compressed file (TensorFlow's other compression, told by its zlib header), a record cut
-short, a CRC that does not match, or an Example without ``x`` and ``y`` is a :class:`~gems.errors.ConfigError`
-naming the file (exit 2).
-
-Read where they lie (:class:`TFRecordSamples`) the files are a first look: a record is checked against its CRC
-as a whole, so every rank reads, decompresses and checks each of its samples' records whole and keeps its
-spatial part, on ``data.readers`` threads, and the run says so (:meth:`TFRecordSamples.notes`). ``gems data
-convert`` writes each record's sample into ExaLearn's channels-last HDF5 layout (:meth:`TFRecordLayout.convert`:
-the record's bytes as they are, so the converted sample equals the record bit for bit), which a spatial rank reads
-by part at the page cache's rate.
+Read where they lie (:class:`TFRecordSamples`) the files are a first look: every rank reads, decompresses and checks
+each of its samples' records whole and keeps its part. ``gems data convert`` writes them into ExaLearn's HDF5 layout,
+bit for bit (docs/data.md, "MLPerf HPC's TFRecords").
 """
 from __future__ import annotations
 
@@ -55,7 +34,8 @@ CHANNELS = 4
 
 # ---------------------------------------------------------------------------- the format
 def masked_crc(data: Any) -> int:
-    """The TFRecord format's masked CRC32C of ``data`` (bytes-like)."""
+    """The TFRecord format's masked CRC32C of ``data`` (bytes-like): ``((crc >> 15 | crc << 17) + 0xa282ead8) mod
+    2^32``."""
     import crc32c
 
     c = crc32c.crc32c(data)
@@ -125,7 +105,10 @@ def _read_exactly(f: BinaryIO, buf: memoryview) -> int:
 
 def records(path: str | os.PathLike, key: str = "data.path") -> Iterator[memoryview]:
     """The data of every record of the TFRecord file ``path`` (gzip or not), each CRC checked; a memoryview valid
-    until the next record is read. Bad input (module docstring) raises a ConfigError naming the file."""
+    until the next record is read. A record is framed as ``uint64 length | uint32 masked CRC32C of the length's 8
+    bytes | data | uint32 masked CRC32C of the data`` (little endian; :func:`masked_crc`), the whole file optionally
+    one gzip stream. A corrupt gzip stream, a record cut short or a CRC that does not match is a ConfigError naming
+    the file. (The ``tfrecord`` package's own reader skips the CRCs and decompresses a gzip file twice.)"""
     p = Path(path)
 
     def bad(what: str) -> ConfigError:

@@ -1,21 +1,7 @@
-"""Labelled volumes stored tile by tile (layout ``tiles``): what ``gems data convert data.tile=T`` writes of NIfTI
-volumes (LiTS's, a Decathlon task's), so that a tile reads at the page cache's rate.
-
-A tile of a volume as NIfTI stores it is many short runs: at 512 x 512 in-plane, a 128^3 tile is 128 x 128 runs
-of 256 bytes, each 1 KiB from the next, which the reader reads as their span and copies out (0.14-0.24 GB/s a
-thread here: docs/data.md). nnU-Net, the field's reference, preprocesses every case once into a form it reads fast;
-gems writes each case as one HDF5 file (h5py) whose ``image`` and ``label`` datasets are chunked in tiles of ``T``
-voxels an edge, unfiltered: a tile of the model's edge ``T`` is then one contiguous block of the file (a spatial
-rank's part of it, a few long runs), read by position straight into the batch (gems.data.reader), never through
-h5py's lock (gems.data.layouts._case writes a case). Each file also keeps the case's stored voxels and scaling
-(``image``'s ``scl_slope`` and ``scl_inter``: nothing rounded), its volume's affine (``affine``), the classes'
-names (``classes``) and, in ``label``, its labels already lined up onto the image's voxels by their affines
-(gems.data.layouts.nifti.lined_up, at conversion: one grid a case from then on).
-
-The samples are the NIfTI reader's own (gems.data.layouts.nifti.NiftiSamples: tiles of the model's edge, the
-edges padded and ignored, the CT window, ``data.orientation``, Dice by class name): only where the bytes lie
-differs. A tile that is not of the chunks' edge is read chunk by chunk (each chunk's part by position, copied into
-place): correct, not fast; the run says so.
+"""Labelled volumes stored tile by tile (layout ``tiles``): what ``gems data convert data.tile=T`` writes of NIfTI cases,
+one HDF5 file a case, its ``image`` and ``label`` (lined up at conversion) chunked in unfiltered T³ tiles, so that a
+tile of the model's edge is one block read by position at the page cache's rate (docs/data.md, "Tiles that read at
+the reader's rate"). The samples are the NIfTI reader's; a tile of another edge is read chunk by chunk, not fast.
 """
 from __future__ import annotations
 
