@@ -1,17 +1,7 @@
-"""Augmentation by the symmetries of the sample's box, exact under spatial parallelism.
-
-The statistics of a universe do not change when it is mirrored or its axes are swapped, so each of the box's
-symmetries gives the network another sample with the same target (``data.augment``): ``flip`` mirrors along
-any subset of the spatial dims (2^d symmetries), ``cube`` also permutes them (d! 2^d: 48 for a 3D cube; the
-edges must be equal). Which one a sample gets is drawn from (train.seed, epoch, sample) by the sampler
-(:class:`gems.rank.data.Sampler`), the same on every rank, so a run on any mesh trains on the same
-transformed batch as one process.
-
-Symmetry ``k`` is ``permutations[k // 2^d]`` then flips by the bits of ``k % 2^d``: the transformed sample is
-``y = flip(x.permute(0, 1 + p[0], .., 1 + p[d-1]), dims with bit set)``. Under a spatial cut a rank holds a
-part of ``y``; :func:`source_slices` names the part of ``x`` it comes from (a mirrored range along a flipped
-dim, the permuted dim's range along a swapped one), which the reader reads as its hyperslab, and :func:`apply`
-turns that part into the rank's part of ``y``. Symmetry 0 is the identity.
+"""Augmentation by the symmetries of the sample's box (``data.augment``: ``flip`` any subset of the spatial dims, ``cube``
+also their permutations, 48 for a 3D cube), exact under spatial parallelism: a sample's symmetry is drawn from
+(train.seed, epoch, sample), the same on every rank, and a rank reads the part of the untransformed sample its part
+comes from (:func:`source_slices`) and transforms it locally (:func:`apply`). Symmetry 0 is the identity.
 """
 from __future__ import annotations
 
@@ -35,7 +25,9 @@ def count(kind: str, ndim: int) -> int:
 
 
 def _parts(k: int, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(permutation of the spatial dims, the dims flipped after it) of symmetry ``k``."""
+    """(permutation of the spatial dims, the dims flipped after it) of symmetry ``k``: ``permutations[k // 2^d]``,
+    then flips by the bits of ``k % 2^d``, so the transformed sample is ``y = flip(x.permute(0, 1 + p[0], ..,
+    1 + p[d-1]), dims whose bit is set)``."""
     perms = list(itertools.permutations(range(ndim)))
     p, bits = divmod(int(k), 2 ** ndim)
     if not 0 <= p < len(perms):

@@ -1,20 +1,7 @@
-"""``gems data check``: a data set checked whole before a long run, every file read as a run would read it.
-
-The check before launch (gems.prepare) reads what is cheap: each file's headers, a NIfTI file's size against its
-header, a plain TFRecord's framing. What lies inside the files (a record's data CRC and its Example, a label of a
-class over the model's, a block of an HDF5 file that cannot be read) is found when a rank reads it, hours into a run
-over MLPerf's 524,288 files; the run then stops with what it trained kept (gems.rank.loop), but a check first costs
-nothing of the run. ``gems data check data.path=DIR [data.val_path=DIR]`` reads every file of each set through the
-reader the run uses (its layout's samples, one file a set, every sample of it read: every TFRecord's CRCs and
-Example, every HDF5 file's shape, type and bytes, every NIfTI volume's size against its header, its labels lined up
-with it and every label against the classes), on ``data.workers`` processes here with a progress bar, or over the
-tasks of one Slurm job (``cluster=...``, as ``gems data convert``). It goes on past a bad file and ends with one
-line: the files checked, and each bad one named with what is wrong with it (exit 2 where any is).
-
-The classes a label must be below are the model's (where the model takes a class a voxel: the command hands them in),
-else the data set's own (a Decathlon task's dataset.json, LiTS's three). A set that passes is remembered in gems's
-cache (gems.paths.cache_root: the folder, its files' names and the folder's modification time), and a run over a
-large set that has not passed says once that the check exists (:func:`unchecked_note`).
+"""``gems data check``: a data set checked whole before a long run, every file read through the reader a run uses, on
+``data.workers`` processes or one Slurm job's tasks; it goes on past a bad file and names each (exit 2 where any is).
+A set that passes is remembered in gems's cache, and a run over a large set that has not says once that the check
+exists (:func:`unchecked_note`; docs/data.md, "Checking a data set whole").
 """
 from __future__ import annotations
 
@@ -99,7 +86,8 @@ def _one(item: Item) -> tuple[str, str] | None:
 
 
 def check_main(cfg: Any, job: Callable[..., int] | None = None, classes: int | None = None) -> int:
-    """``gems data check``: every file checked (module docstring); the exit status (0 all good, 2 any bad).
+    """``gems data check``: every file of each set read through the reader a run uses; the exit status (0 all good,
+    2 any bad).
     ``classes``: the configured model's (:attr:`gems.models.ModelSpec.classes`), kept on ``cfg`` for a Slurm
     job's tasks."""
     from omegaconf import open_dict

@@ -1,18 +1,7 @@
-"""``gems data convert``: a published layout that cannot be read by position, written into one that can.
-
-``data.path`` is a folder of a layout that converts (gems.data.layouts: one with ``convert``),
-or a folder of such folders (MLPerf's ``train/`` and ``validation/``); ``data.out`` gets the converted files,
-in a folder of the same name for each (``data.out/train``, ``data.out/validation``). Each source file is one
-unit of work, converted by its layout (:meth:`convert`): MLPerf's TFRecords into ExaLearn's channels-last HDF5
-(the record's counts bit for bit, every record's CRC checked), LiTS's ``.nii.gz`` into ``.nii``.
-
-It resumes where it stopped: a layout writes each file under a hidden name and renames it when it is whole,
-so a file there is finished and is never written again, and one half-written is done again. The work is spread
-over ``data.workers`` processes here (0: this machine's cores), with a progress bar, or over the tasks of one
-Slurm job (``cluster=...``: each task converts every k-th file left). A bad file (a corrupt gzip stream, a
-record whose CRC does not match, labels missing) is passed over: the rest is converted, and every bad one is named
-at the end (exit 2); the same command converts what is left once they are mended or removed. ``data.val_path`` is
-refused, naming the command that converts it.
+"""``gems data convert``: a published layout that cannot be read by position (MLPerf's TFRecords, ``.nii.gz`` volumes)
+written into one that can, a source file a unit of work converted by its layout, on ``data.workers`` processes or one
+Slurm job's tasks. It resumes where it stopped (a file there is whole: :func:`gems.paths.commit`) and goes on past a
+bad file, naming each at the end (exit 2).
 """
 from __future__ import annotations
 
@@ -55,7 +44,7 @@ class Work:
     path: str = ""  # data.path (messages)
 
     def left(self, share: tuple[int, int] = (0, 1)) -> list[tuple[str, Path, Path]]:
-        """The items whose converted file is not there yet (a file there is whole: module docstring); ``share``
+        """The items whose converted file is not there yet (a file there is whole: gems.paths.commit); ``share``
         (k, n): of every n-th item from the k-th (a Slurm task's share: of all the items, so that the shares stay
         apart while other tasks convert theirs). Each output folder is listed once (one scandir, no stat a file:
         the progress of a Slurm conversion of half a million files asks this every update)."""

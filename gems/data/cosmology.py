@@ -1,32 +1,9 @@
 """Universes that carry the physics: the samples behind ``gems data synth data.kind=cosmology``.
 
-The strong-scaling paper's claim is that larger samples predict the cosmological parameters better. Noise
-cannot show it; an N-body code is too slow for this machine. In between lies first-order Lagrangian
-perturbation theory, which moves particles by a displacement computed from the linear density field, and
-keeps what the claim rests on: the field's power spectrum, its growth between redshifts and its nonlinear
-scales, all set by the parameters.
-
-One universe, a pure function of ``(seed, index)`` (:func:`make_universe`):
-
-1. its parameters ``(Omega_m, sigma_8, n_s, H_0)`` drawn uniformly from :data:`RANGES` (the ranges of the
-   CosmoFlow data set; ``data.param_ranges`` changes them), stored as ``unitPar`` normalised to [-1, 1];
-2. the linear matter power spectrum P(k) at z = 0 from colossus (a maintained cosmology library): its default
-   transfer function, Eisenstein and Hu (1998), a fit good to a few percent against a Boltzmann code,
-   normalised to the universe's sigma_8; flat LCDM with Omega_b = 0.049;
-3. a Gaussian field of that spectrum in a periodic box of side ``data.box_mpc`` (Mpc/h) on
-   ``data.box_cells``^3 cells: unit white noise drawn plane by plane (each plane seeded by
-   ``(seed, index, plane)``), Fourier transformed and scaled by sqrt(P(k) / V_cell);
-4. the Zel'dovich displacement Psi_k = i k delta_k / k^2 of one particle per cell, moved to x = q + D(z) Psi(q)
-   at each of :data:`REDSHIFTS` (D from colossus, 1 today): the 4 channels, as in CosmoFlow's data;
-5. the particles deposited cloud-in-cell, scaled to ``data.mean_count`` counts per cell on average (the
-   lattice of one particle a cell carries the displacement; the scale keeps the rounding to int16 counts
-   below the field's fluctuations at z = 3), written as ExaLearn's ``full``: (N, N, N, 4) int16, channels last
-   (gems.data.universes).
-
-The deposit, the costly part, is split over processes by slabs of particle planes (:func:`deposit`): each
-deposits into a slab of the grid widened by the largest displacement and the slabs are summed, so a 512^3
-universe runs on a node's cores in the memory :func:`memory_bytes` states. Many small universes are instead
-made one a process (:mod:`gems.data.universes` writes them).
+One universe is a pure function of ``(seed, index)`` (:func:`make_universe`): its parameters drawn from
+:data:`RANGES`, colossus's linear power spectrum, a Gaussian field of it, Zel'dovich displacements at each of
+:data:`REDSHIFTS`, and a cloud-in-cell deposit to int16 counts (docs/science.md, "Universes that carry the physics").
+The deposit may be split over processes by slabs of particle planes (:func:`deposit`), in :func:`memory_bytes`.
 """
 from __future__ import annotations
 

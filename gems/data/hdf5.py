@@ -1,28 +1,7 @@
-"""Partitioned reading of the HDF5 sample layouts: each rank reads its part only.
-
-One HDF5 file per sample (or per universe, cut into crops): dataset ``full`` of counts and ``unitPar``, the
-normalised cosmological parameters (the regression target). ``full`` lies either channels first, (C, D, H, W)
-(or (C, H, W) in 2D: gems's own layout, and LBANN's crops, whose spatial axes a full transpose reversed), or
-channels last, (D, H, W, C) (ExaLearn's universes, as NERSC publishes them); ``channels`` says which
-(gems.data.layouts names the layout). Counts become ``log(x + 1)`` in float32, as in the MLPerf HPC reference.
-
-Under spatial parallelism a 512^3 sample is 1 GiB of int16; reading it whole on every rank would multiply the
-I/O by S. :func:`read_sample` reads one hyperslab (h5py passes the slices to HDF5 as a hyperslab selection, so
-only those bytes are read), and :class:`HDF5Samples` picks the hyperslab of this rank from its
-:class:`gems.spatial.SpatialContext`: the I/O is partitioned like the sample. In a channels-last file a depth
-slab is one contiguous run of bytes. ``source`` may be a path or an open binary file object (h5py reads
-through it), which is how the tests count the bytes read.
-
-A run reads its batches with :meth:`HDF5Samples.read`: each file's headers once (h5py: the dataset's shape,
-type and byte offset, the target, the file's identity), then the counts of a contiguous dataset by positional
-reads on the rank's ``data.readers`` threads (gems.data.reader: h5py's lock would keep them to one), straight
-into the batch's rows, in the file's own order, through open files it keeps; a chunked file chunk by chunk on the
-same threads, each chunk's bytes read by position and its deflate and shuffle filters undone here (zlib lets
-the GIL go), a file of another filter through h5py, one at a time (both said in :meth:`HDF5Samples.notes`).
-A sample's symmetry (``data.augment``) and a channels-last file's move of the channels to the front are
-applied after the read, where the batch is finished (:class:`Counts`; on a GPU rank after the copy to its
-device). A file whose type differs from the first's, or that changes while the run reads it (cut short,
-deleted, replaced), is bad input naming it.
+"""Partitioned reading of the HDF5 sample layouts (gems's own, ExaLearn's universes, LBANN's crops): each rank reads its
+part only. A 512³ sample is 1 GiB of int16, so reading it whole on every rank would multiply the I/O by S: a rank
+reads its hyperslab (:class:`HDF5Samples` picks it from the spatial context), a contiguous dataset by positional reads
+on its reader threads, a chunked one chunk by chunk (docs/data.md, "Chunked and compressed HDF5 files").
 """
 from __future__ import annotations
 
@@ -177,7 +156,8 @@ DEFLATE, SHUFFLE = 1, 2
 
 
 def chunks_of(ds: Any) -> Chunks | None:
-    """The chunks of dataset ``ds`` where the reader can read them itself (module docstring), else None."""
+    """The chunks of dataset ``ds`` where the reader can read them itself (no filter but deflate and shuffle, undone
+    here on the reader threads: zlib lets the GIL go), else None (h5py reads it, one file at a time)."""
     h5 = _h5()
     plist = ds.id.get_create_plist()
     if plist.get_layout() != h5.h5d.CHUNKED or plist.get_external_count():

@@ -1,20 +1,7 @@
-"""Hyperslabs of contiguous HDF5 datasets read by several threads at once, past HDF5's lock.
-
-h5py runs every call under one global lock, so a rank that reads its batch through it reads one sample at a
-time on one core, however many threads ask. A dataset stored in one contiguous, unfiltered block (the
-ExaLearn's and LBANN's files; ``gems data synth``'s) needs no HDF5 to read: its data lie at one byte offset of its file in C
-order, so a hyperslab of it is a regular grid of equal runs of bytes (one run per channel for a depth slab, one
-per (channel, plane) for a cut in height, one per row for a cut in width; the whole dataset, one run).
-:func:`grid` finds those runs; :class:`Reader` reads them with positional reads (``os.preadv``, which drops
-the GIL while the kernel copies) from a pool of threads, straight into the caller's buffer, through a bounded
-cache of open files. h5py then only reads the headers, once a file (gems.data.hdf5).
-
-Each thread holds the GIL between its system calls, so the reads are few and large (:func:`pieces`): a long
-run is cut in pieces of a MiB, so that the threads share even one sample; runs of a few bytes (a cut in width:
-a row's part) are read as blocks of about a MiB into a buffer of the thread's and copied out, not a call a
-row; runs of a few KiB (a cut in height) are gathered, a call for many runs, the gaps between them read into
-a scrap buffer. Nothing is opened before the first read, and a process forked from one that read (the ranks
-fork from a server) opens its own files and threads.
+"""Hyperslabs of contiguous HDF5 datasets (and any array at a byte offset) read by several threads at once, past HDF5's
+lock, under which a rank would read one sample at a time on one core. A hyperslab of a contiguous C-order array is a
+regular grid of equal runs of bytes (:func:`grid`); :class:`Reader` reads them with ``os.preadv`` (the GIL dropped
+while the kernel copies) from a pool of threads straight into the caller's buffer, h5py reading only the headers.
 """
 from __future__ import annotations
 
@@ -122,7 +109,9 @@ def pieces(g: Grid, piece: int, small: int, medium: int, gap: int) -> tuple[tupl
     under ``medium`` bytes with gaps under ``medium`` gathered by one call a share of the grid's last dim (at
     most ``piece`` bytes, 512 runs); longer ones one by one (those over ``piece`` cut). Cached by the grid's
     shape (its ``start`` is added to every block's), so the crops of a universe share the plans of a rank's
-    part under each symmetry."""
+    part under each symmetry. Each thread holds the GIL between its system calls, so the reads are few and large:
+    a long run is cut in pieces that let the threads share even one sample, a row's part of a cut in width is read
+    in blocks and copied out, the runs of a cut in height gathered, a call for many."""
     if g.nbytes == 0:
         return ()
     k, counts, strides, run = len(g.counts), g.counts, g.strides, g.run

@@ -1,13 +1,6 @@
-"""The data package's ground: what every layout's samples share (gems.data.layouts holds the protocol and its
-base class, :class:`gems.data.layouts.FileSamples`).
-
-* :class:`Counts`: a batch of values as a reader leaves it, each sample in its file's order, the symmetries and
-  the move of the channels applied where the batch is finished (on a GPU rank after the copy);
-* :func:`stamp` and :func:`change`: what tells that a file was cut, deleted, replaced or rewritten under a run;
-* :func:`transform`, :func:`finished`, :func:`raw_dtype`, :func:`standardize`: counts to the network's input (a
-  tensor, or a batch as read), the type they are held in until then, ``data.standardize`` checked;
-* :func:`native`, :func:`full_slices` and :func:`holds_crops`: a dtype in this machine's byte order, a part's slices
-  made explicit, whether a file's array is whole crops of a sample.
+"""What every layout's samples share, below gems.data.layouts (the protocol and :class:`~gems.data.layouts.FileSamples`):
+a batch as read (:class:`Counts`), finished where the batch is; the stamps that tell a file changed under a run
+(:func:`stamp`, :func:`change`); counts to the network's input (:func:`transform`, :func:`finished`).
 """
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""``gems data synth data.kind=segmentation``: CT volumes with labels in LiTS's layout, for ``model=unet3d``.
-
-Each volume is a pure function of ``(train.seed, index)``: a body of soft tissue (about 20 HU) in air (-1000 HU)
-with a spine (500 HU) behind, a liver (an ellipsoid of about 110 HU, the contrast-enhanced parenchyma) and one to
-three lesions inside it (small ellipsoids of about 45 HU: hypodense tumours, darker than the liver but close to
-the tissue around it, so that telling them apart takes the context a U-Net sees), with noise of 20 HU a voxel;
-labels 0 background, 1 liver, 2 tumour. A volume is ``model.size`` voxels in-plane and 3/4 to all of that in
-slices (LiTS's slice counts vary too), so the tiles that read it are padded along depth
-(gems.data.layouts.nifti). Written through nibabel (:meth:`gems.data.layouts.nifti.NiftiLayout.write`):
-``volume-N.nii`` (int16) and ``segmentation-N.nii`` (uint8), ``data.num_samples`` of them to ``data.path`` and,
-with ``data.val_path``, ``data.val_samples`` others (a quarter as many where it is 0) there.
+"""``gems data synth data.kind=segmentation``: CT volumes with labels in LiTS's layout, for ``model=unet3d``, each a pure
+function of ``(train.seed, index)``: a body with a spine, a liver and one to three hypodense lesions in it, labels 0
+background, 1 liver, 2 tumour (docs/data.md, "Synthetic volumes").
 """
 from __future__ import annotations
 
@@ -29,7 +21,8 @@ def _ellipsoid(grid: tuple[np.ndarray, ...], centre: np.ndarray, radii: np.ndarr
 
 
 def make_volume(seed: int, index: int, edge: int) -> tuple[np.ndarray, np.ndarray]:
-    """Hounsfield values (int16, (z, y, x)) and labels (uint8) of volume ``index`` (module docstring)."""
+    """Hounsfield values (int16, (z, y, x)) and labels (uint8) of volume ``index``: tissue, spine, liver and lesions
+    in air, with noise of 20 HU a voxel; ``edge`` voxels in-plane and 3/4 to all of that in slices."""
     rng = np.random.default_rng([int(seed), int(index), 65])
     slices = int(rng.integers(max(1, (3 * edge) // 4), edge + 1))
     axes = [np.linspace(-1, 1, n) for n in (slices, edge, edge)]
@@ -53,7 +46,8 @@ def make_volume(seed: int, index: int, edge: int) -> tuple[np.ndarray, np.ndarra
 
 
 def synth_segmentation(cfg: Any) -> list[Path]:
-    """Write the volumes ``cfg`` asks for (module docstring); a folder that already holds volumes is bad input
+    """Write the volumes ``cfg`` asks for (``data.num_samples`` to ``data.path``, ``data.val_samples`` or a quarter as
+    many to ``data.val_path``); a folder that already holds volumes is bad input
     (nothing is overwritten)."""
     from gems.data.layouts import get
     from gems.paths import writable_dir

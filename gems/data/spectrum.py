@@ -1,20 +1,9 @@
-"""``gems data baseline``: how well a classical estimator reads the cosmological parameters from samples of each
-edge, the reference the sample-size study's network is held against.
+"""``gems data baseline``: how well a classical estimator reads the cosmological parameters from crops of each edge,
+the reference the sample-size study's network is held against (docs/science.md, "What the data holds").
 
-For every crop edge from the universes' box down to 16 cells (halving), each crop of every universe is reduced
-to its power spectrum: per redshift channel, the overdensity ``counts / mean - 1``, its Fourier modes, the mean
-``|delta_k|^2`` in shells of integer wavenumber 1 .. edge / 2 (log), and the log of the crop's mean count. A
-ridge regression from those features to the four targets (``unitPar``, in [-1, 1]) is fitted on the training
-universes' crops, its strength chosen by five-fold cross-validation with every universe's crops in one fold,
-and scored on the validation universes as the study scores the network: the mean absolute error of single
-crops, and of each universe's crops' predictions averaged.
-
-The power spectrum is what a Gaussian field's information is made of and the Zel'dovich universes
-(:mod:`gems.data.cosmology`) are close to Gaussian at these scales, so the baseline says how much of the targets
-a sample of that edge holds for a simple estimator: a network that scores worse than it has not learnt what the
-data can tell; the baseline's own fall with the edge is the volume effect the study is after. Written to
-``{results.dir}/{results.sweep}/baseline.json`` (the study's folder; ``{results.dir}`` without a sweep), where
-``gems results`` puts it beside the network's rows (:mod:`gems.results.accuracy`).
+Each crop is reduced to its power spectrum per redshift channel and its log mean count; a ridge regression to the
+four targets is fitted on the training universes' crops (five-fold cross-validation by universe) and scored on the
+validation universes as the study scores the network, into the study's ``baseline.json``.
 """
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""Synthetic samples in gems's own HDF5 layout (gems.data.layouts.own), for ``gems data synth``.
-
-Real CosmoFlow data is large and not redistributable with gems; these files
-hold what it holds (``full`` int16 counts, here channels first (C, D, H, W), ``unitPar`` 4 floats in
-[-1, 1]) and a similar spread of values: a Gaussian random field with a power
-law spectrum, exponentiated (a log-normal density, like matter) and drawn as
-Poisson counts, one channel per "redshift" with its own mean. The four target
-parameters set the spectral slope, the field amplitude, the mean count and
-the growth between channels, so a network has something to learn. Each
-sample is a pure function of ``(seed, index)``.
+"""Synthetic samples in gems's own HDF5 layout, for ``gems data synth``: what CosmoFlow's files hold (``full`` int16
+counts, channels first, ``unitPar`` 4 floats in [-1, 1]) and a similar spread, a log-normal field of power-law
+spectrum drawn as Poisson counts, one channel a "redshift", whose four parameters the network can learn; each
+sample a pure function of ``(seed, index)``.
 """
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
-"""Synthetic samples that are a pure function of (seed, sample index).
+"""Synthetic samples that are a pure function of (seed, sample index), so that every mesh sees the same global batch.
 
-Every mesh must see the same global batch, so a sample cannot depend on the
-rank that draws it. A sample is generated in blocks of planes along spatial
-dim 0 (depth in 3D, height in 2D), each block from its own seeded generator.
-The blocks are aligned, and how many planes a block holds is set by the
-sample's shape alone (:func:`planes_per_draw`, about 2^20 values a draw), never
-by a cut, so a rank that holds a slab of planes draws only the blocks it
-touches: a spatial part of a 512^3 sample costs its share (and at most two
-blocks more), not the whole sample. GPU ranks draw on their GPU (``device``),
-so the host's generator never sets a GPU step's pace, and a batch is a few
-dozen draws, not one a plane: drawn a plane at a time, a 128^3 batch of 8 was
-1024 launches from the reader thread, 51 ms of host time a batch against a
-32 ms step on an H100 (results/gpu/h100-2026-11-26).
+A sample is drawn in aligned blocks of planes along spatial dim 0, each from its own seeded generator, their size set
+by the sample's shape alone (:func:`planes_per_draw`), never by a cut: a rank draws only the blocks its slab touches.
+GPU ranks draw on their GPU, a few dozen draws a batch (one a plane was 1024 launches a 128³ batch of 8: 51 ms of host
+time against a 32 ms step on an H100).
 """
 from __future__ import annotations
 

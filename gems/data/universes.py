@@ -1,19 +1,7 @@
-"""``gems data synth data.kind=cosmology``: write a data set of universes (:mod:`gems.data.cosmology`) in
-ExaLearn's layout as NERSC publishes it (gems.data.layouts.exalearn: ``full`` (N, N, N, C) channels last, int16,
-``unitPar``), so the sample-size study and the real universes take one code path; training and validation sets
-split by universe, in parallel, resumable.
-
-Universes ``0 .. data.universes - 1`` go to ``data.path`` and ``data.val_universes`` others (:data:`VAL_BASE`
-on, so they do not change with the training set's size) to ``data.val_path``, one file each
-(``universe_00012.hdf5``, written to a temporary name and renamed, so a file
-either is whole or is not there). A universe is a pure function of ``(train.seed, index)``, so a file already
-written with the same settings is skipped and a stopped run picks up where it stopped; a file written with
-other settings, or a foreign ``.h5``/``.hdf5`` in the folder, is bad input (nothing is overwritten).
-
-Work is spread over ``data.workers`` processes on this machine (one universe a process), or over the tasks of
-one Slurm job (``cluster=...``: ``cluster.nodes`` x ``cluster.tasks_per_node`` tasks, each writing every
-k-th universe). Where there are fewer universes than processes (a few 512^3 ones), the processes share each
-universe instead, by slabs of its particles (:func:`gems.data.cosmology.make_universe`).
+"""``gems data synth data.kind=cosmology``: a data set of universes (:mod:`gems.data.cosmology`) written in ExaLearn's
+layout as NERSC publishes it, so the sample-size study and the real universes take one code path: training and
+validation sets split by universe (:data:`VAL_BASE`), one file a universe, on ``data.workers`` processes or one Slurm
+job's tasks, resumable (a universe written with the same settings is skipped; nothing is overwritten).
 """
 from __future__ import annotations
 
