@@ -1,22 +1,6 @@
-"""CosmoFlow, the 3D CNN of the strong-scaling paper and its MLPerf HPC variant.
-
-Paper variant (LBANN): 4 x N^3 input, N in {128, 256, 512}; Conv3d k=3 with
-16, 32, 64, 128 (stride 2), 256, 256, 256 channels, LeakyReLU; AvgPool3d
-(k=3, s=2, p=1) after conv1-5, plus one extra pool at 256^3 and two at 512^3
-(placed right after the first, where the activation is largest) so that the
-flattened size is 2048 at every N; dense 2048 -> 256 -> 4 with dropout; MSE.
-Smaller N (32, 64: tests and the embedded default) keep the same layers,
-minus pools that would see fewer than 3 cells, with a smaller flattened size. ``width`` scales every channel count;
-``norm`` (``model.norm``, a key of its own: :class:`CosmoFlowConf`; the paper's model has none) adds a BatchNorm or
-GroupNorm after each convolution (with BatchNorm, one without affine parameters on the input too); weights start
-from He's initialisation.
-
-MLPerf HPC variant: 4 x 128^3; five Conv3d k=3 'same' with 32..512 channels,
-each LeakyReLU + MaxPool3d(2); dense -> 128 -> 64 -> 4, dropout 0.5, tanh x 1.2.
-
-Both are one flat ``nn.Sequential`` so spatial wrapping and pipeline
-partitioning can see every layer. The convolutional trunk ends at the
-``Flatten``; ``spatial_end`` is its index: spatial parallelism gathers there.
+"""CosmoFlow, the 3D CNN of the strong-scaling paper (LBANN's), and its MLPerf HPC variant, each one flat
+``nn.Sequential`` so that spatial parts and pipeline cuts see every layer; the trunk ends at the ``Flatten``
+(``spatial_end``), where spatial parallelism gathers.
 """
 from __future__ import annotations
 
@@ -63,6 +47,12 @@ def _norm(kind: str, channels: int) -> list[nn.Module]:
 
 def cosmoflow(size: int = 128, width: float = 1.0, dropout: float = 0.2, slope: float = 0.3,
               in_channels: int = 4, num_outputs: int = 4, norm: str = "none") -> nn.Sequential:
+    """The paper's variant: 4 x N³ input, N in {128, 256, 512}; Conv3d k=3 of 16, 32, 64, 128 (stride 2), 256, 256,
+    256 channels, LeakyReLU; AvgPool3d (k=3, s=2, p=1) after conv1-5, one pool more at 256³ and two at 512³ (right
+    after the first, where the activation is largest), so the flattened size is 2048 at every N; dense 2048 -> 256
+    -> 4 with dropout; MSE. Smaller N (32, 64: tests and the default job) drop the pools that would see fewer than 3
+    cells. ``width`` scales every channel count; ``norm`` (none in the paper) adds a BatchNorm or GroupNorm after
+    each convolution (with BatchNorm, one without affine parameters on the input too); He's initialisation."""
     if size < 32 or size & (size - 1):
         raise ValueError("size")
     extra_pools = max(0, int(math.log2(size // 128))) if size >= 128 else 0
@@ -106,6 +96,8 @@ def _he_init(seq: nn.Sequential, slope: float) -> nn.Sequential:
 
 def cosmoflow_mlperf(size: int = 128, width: float = 1.0, dropout: float = 0.5, slope: float = 0.3,
                      in_channels: int = 4, num_outputs: int = 4) -> nn.Sequential:
+    """MLPerf HPC's variant: 4 x 128³; five Conv3d k=3 'same' of 32..512 channels, each LeakyReLU and MaxPool3d(2);
+    dense -> 128 -> 64 -> 4, dropout 0.5, tanh x 1.2."""
     if size < 32 or size & (size - 1):
         raise ValueError("size")
     layers: list[nn.Module] = []

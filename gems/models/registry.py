@@ -1,13 +1,7 @@
-"""The model registry: each model module registers its builder where the model is defined, as schedules
-(gems.pipeline.schedules) and data layouts (gems.data.layouts) register theirs.
-
-A registration names the model (``model=NAME``), its builder (the typed ``model`` section -> :class:`ModelSpec`),
-one line about it, the shapes it takes, its own keys (a dataclass extending :class:`~gems.config.ModelConf`) and
-what ``model=NAME`` sets where ``conf/model/NAME.yaml`` is absent (the YAML is optional: a preset with comments
-where it exists). Every module of the ``gems.models`` package is imported once when the registry is first read
-(:func:`registered`), so a new model module is found without a list to edit.
-Nothing outside this package decides by a model's name: what other layers need of a model is a property of its
-:class:`ModelSpec` (its dims from its input shape, the key that sets that shape, whether its source is gems's own).
+"""The model registry: each model module registers its builder, its shapes, its own keys and a small example where the
+model is defined (:func:`register_model`; docs/parallelism.md, "The registered models"). Every module of the package
+is imported when the registry is first read, and nothing outside it decides by a model's name: what other layers
+need is a property of its :class:`ModelSpec`.
 """
 from __future__ import annotations
 

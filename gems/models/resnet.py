@@ -1,19 +1,7 @@
-"""ResNet-v2 (pre-activation, bottleneck) of depth 9n+2: GEMS's model for very large images.
-
-He et al., "Identity Mappings in Deep Residual Networks" (ECCV 2016) train
-ResNet-110 and ResNet-1001 with bottleneck blocks on CIFAR; GEMS (SC20) runs
-the same network on 512^2..2048^2 images, where one sample's activations
-overflow a GPU. Depth 9n+2 = a 3x3 stem convolution, three stages of ``n``
-bottleneck blocks (three convolutions each) with 16, 32, 64 base channels
-(x4 at the block output) and strides 1, 2, 2, and the final linear layer.
-
-The model is one flat ``nn.Sequential`` so that pipeline partitioning sees
-3n+5 cut points: ``[stem, block x 3n, norm, relu, pool, flatten, linear]``.
-Each residual block is one module (the cut never splits a skip connection);
-its layers are named children (``norm1``, ``conv1``, ..., ``shortcut``) so
-layer-for-layer rewrites (spatial parallelism) can reach them.
-``spatial_end`` is the global pooling: the first layer needing the whole
-sample.
+"""ResNet-v2 (pre-activation, bottleneck) of depth 9n+2 (He et al., ECCV 2016: ResNet-110 and -1001), GEMS's model for
+very large images (512² to 2048²), as one flat ``nn.Sequential`` of 3n+5 cut points: ``[stem, block x 3n, norm, relu,
+pool, flatten, linear]``. A residual block is one module (no cut splits a skip) with named children that spatial
+rewrites reach; ``spatial_end`` is the global pooling.
 """
 from __future__ import annotations
 
@@ -74,7 +62,9 @@ class PreActBottleneck(nn.Module):
 
 def resnet_v2(depth: int = 110, in_channels: int = 3, num_classes: int = 10, width: float = 1.0,
               norm: str = DEFAULT_NORM) -> nn.Sequential:
-    """The flat sequence; ``depth`` must be 9n+2."""
+    """The flat sequence; ``depth`` must be 9n+2: a 3x3 stem convolution, three stages of ``n`` bottleneck blocks
+    (three convolutions each) of 16, 32, 64 base channels (x4 at the block's output) and strides 1, 2, 2, and the
+    final linear layer."""
     if depth < 11 or (depth - 2) % 9:
         raise ValueError("depth")
     n = (depth - 2) // 9

@@ -1,23 +1,7 @@
-"""Skip connections as layers of a flat sequence, and the rule that carries them across a cut of it.
-
-A model whose layers form one ``nn.Sequential`` (what pipeline partitioning and spatial wrapping take) makes a
-skip connection with two layers: :class:`Stash` saves an activation in a :class:`SkipStore` shared by the
-model's layers, and a later :class:`PopConcat` (or :class:`PopAdd`) takes it back. The store is first-in
-first-out per name.
-
-Run whole, the sequence needs nothing more. Cut into pieces that do not run as one forward, a skip whose stash
-is before a cut and whose pop after it must travel with the activation:
-
-* a **checkpointed segment** (``parallel.checkpoint`` on the plain path: :func:`checkpointed`) runs again in the
-  backward, where its stash would push a second time and its pop find nothing;
-* a **pipeline partition** (:class:`Carried`) runs on another rank than the one that stashed.
-
-One rule serves both (:func:`run_span`): the pieces' boundaries carry, besides the activation, every skip
-stashed before the boundary and popped after it (:func:`spans`, :func:`crossing`), in the order of their
-stashes. A piece pushes the skips it receives, runs its layers, and takes out of the store the skips the next
-piece needs; the store is empty between pieces, so a recomputation, a micro-batch in flight or another
-partition of the same rank never sees what another left. Autograd sees the skips as inputs and outputs of
-the piece, so their gradients come back the way they went.
+"""Skip connections as layers of a flat sequence (a :class:`Stash`, a later :class:`PopConcat` or :class:`PopAdd`, through
+a :class:`SkipStore` the model's layers share), and the one rule that carries them across a cut of it: a
+checkpointed piece that runs again in its backward (:func:`checkpointed`) and a pipeline partition on another rank
+(:class:`Carried`) both take and hand on the skips crossing their bounds (:func:`run_span`).
 """
 from __future__ import annotations
 
@@ -156,7 +140,9 @@ def run_span(store: SkipStore | None, layers: Sequence[nn.Module], x: torch.Tens
              skips_in: Sequence[tuple[str, torch.Tensor]], names_out: Sequence[str]
              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One piece of the sequence: push ``skips_in`` (the boundary's, in order), run ``layers`` on ``x``, take the
-    skips ``names_out`` names out of the store for the next piece. The store must be empty before and is after."""
+    skips ``names_out`` names out of the store for the next piece. The store must be empty before and is after, so
+    a recomputation, a micro-batch in flight or another partition of the same rank never sees what another left;
+    autograd sees the skips as inputs and outputs of the piece, so their gradients come back the way they went."""
     if store is None:
         for layer in layers:
             x = layer(x)

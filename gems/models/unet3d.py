@@ -1,20 +1,5 @@
-"""The 3D U-Net of the strong-scaling paper, as one flat ``nn.Sequential``.
-
-Down blocks of two Conv3d k=3 'same' (+ norm + ReLU) with [32, 64], [64, 128],
-[128, 256] channels, each followed by MaxPool3d(2); a bottom block [256, 512];
-up blocks of a ConvTranspose3d (k=2, s=2, channels kept), a concatenation with
-the skip activation of the same level and two convolutions, [256, 256],
-[128, 128], [64, 64]; a 1x1x1 convolution to ``num_classes`` (3 in the
-paper). ``width`` scales every channel count; ``norm`` (``model.norm``, a key of
-its own: :class:`UNetConf`) is ``batch`` (global statistics under spatial
-parallelism) or ``none``.
-
-Skip connections are layers too, so pipeline partitioning and spatial
-wrapping see every layer: :class:`~gems.models.skips.Stash` saves the
-activation of a level, :class:`~gems.models.skips.PopConcat` takes it back
-and concatenates it along channels. A checkpointed segment and a pipeline
-partition carry the skips that cross their boundaries
-(:mod:`gems.models.skips`).
+"""The 3D U-Net of the strong-scaling paper, as one flat ``nn.Sequential`` whose skip connections are layers too
+(gems.models.skips), so that pipeline cuts and spatial parts see every layer.
 """
 from __future__ import annotations
 
@@ -45,7 +30,11 @@ def _conv(c_in: int, c_out: int, norm: str) -> list[nn.Module]:
 
 
 def unet3d(in_channels: int = 1, num_classes: int = 3, width: float = 1.0, norm: str = DEFAULT_NORM) -> nn.Sequential:
-    """The flat layer sequence (input edge: a multiple of 8)."""
+    """The flat layer sequence (input edge: a multiple of 8). Down blocks of two Conv3d k=3 'same' (+ norm + ReLU)
+    of [32, 64], [64, 128], [128, 256] channels, each followed by MaxPool3d(2); a bottom block [256, 512]; up blocks
+    of a ConvTranspose3d (k=2, s=2, channels kept), the level's skip concatenated along channels and two
+    convolutions, [256, 256], [128, 128], [64, 64]; a 1x1x1 convolution to ``num_classes`` (3 in the paper).
+    ``width`` scales every channel count; ``norm``: ``batch`` (global statistics over spatial parts) or ``none``."""
     store = SkipStore()
     w = lambda c: _ch(c, width)  # noqa: E731
     layers: list[nn.Module] = []
