@@ -1,14 +1,9 @@
 """Checkpoints under the whole model's names, written by the writers through DCP and read back on any mesh.
 
-Every rank holds the serial model's own tensors, so a checkpoint is written under the keys of the serial
-model's ``state_dict`` (``gems.rank.compose.whole_names``): ``model.<name>``, ``optim.<name>.<key>`` (the
-optimizer's state of each parameter) and ``ema.<name>`` (``train.ema``'s average). The first
-``train.checkpoint_writers`` replicas of each pipeline position (spatial part 0 of each: :func:`share_of`) write
-it, each an equal run of its position's bytes (:func:`layout`), into one file a writer, over one gloo group of
-the writers (:meth:`Saver.group`); loading reshards, each rank reading the names it holds, alone. Beside the
-tensors, rank 0 writes ``gems.json`` (:func:`write_meta`) and ``history.pt`` (:func:`gathered_history`). Once
-every writer's files are complete, ``latest`` moves to the step and older complete ones go (:func:`retire`); a
-job that starts removes what a crash while saving left (:func:`tidy`).
+Every rank holds the serial model's own tensors, so a checkpoint is keyed by the serial ``state_dict``'s names
+(``model.<name>``, ``optim.<name>.<key>``, ``ema.<name>``: ``gems.rank.compose.whole_names``); the first
+``train.checkpoint_writers`` replicas of each pipeline position write it (:class:`Saver`), and loading reshards,
+each rank reading the names it holds. ``latest`` moves once every writer's files are complete (:func:`retire`).
 """
 from __future__ import annotations
 
@@ -358,7 +353,8 @@ class Saver:
     its position, over one gloo group of theirs made once at the first save (every rank takes part in making it,
     as torch asks); the other ranks only take part in :func:`gathered_history`. Rank 0 (the first writer, DCP's
     coordinator) writes ``gems.json`` and ``history.pt`` and, once DCP's ``.metadata`` says every writer's files are
-    complete, moves ``latest``: :meth:`_complete`."""
+    complete, moves ``latest`` (older complete ones go: :func:`retire`): :meth:`_complete`. A job that starts removes
+    what a crash while saving left (:func:`tidy`)."""
 
     def __init__(self, cfg: Any, world: Any, mesh: Any, asynchronous: bool = False) -> None:
         from gems.config import section

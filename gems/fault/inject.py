@@ -1,16 +1,6 @@
-"""Deliberate failures, so that tests (and users) can see gems survive or report them.
-
-``fault.kill_rank`` with ``fault.at_step``: the rank kills itself (SIGKILL) at
-that step. ``fault.stall_rank``: the rank stops making progress in the
-forward of that step (it sleeps, as a hung kernel or read would), for the
-watchdog to find. ``fault.nan_rank``: the rank's input of that step becomes
-NaN, for the non-finite check to stop the run. ``fault.kill_in_save``: the killed rank dies inside the
-checkpoint of that step instead, once its own files are written. ``fault.save_delay_s``: a checkpoint's writers
-wait before they write (an async save still in flight when the next one starts). ``fault.step_delay_s``: every
-step takes that much longer (a stand-in for long steps, to meet a time limit; with ``fault.step_delay_once``
-only until the job's first restart). ``fault.preempt_at_step`` is the
-worker's own (a checkpoint and a requeue, see :mod:`gems.checkpoint`).
-Steps count from 0, as the record's ``loss`` list does.
+"""Deliberate failures, so that tests (and users) can see gems survive or report them: a rank killed (at a step, or
+inside its checkpoint), stalled, or fed NaN; slow saves and slow steps (docs/faults.md). ``fault.preempt_at_step`` is
+the loop's own. Steps count from 0, as the record's ``loss`` list does.
 """
 from __future__ import annotations
 

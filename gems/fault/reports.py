@@ -1,17 +1,7 @@
-"""Why a run failed, told by the rank that caused it and not by the peers that noticed.
-
-When one rank fails, its peers fail soon after with errors that only echo it
-("Connection closed by peer", a collective timeout). The launcher sees exits
-in an order that says little about cause and effect, so every rank that
-fails writes a small report into its job folder (``failures/rank<k>.json``):
-when, its own error in one line, and whether that error is an echo of a
-peer's (a communication error) or its own. :func:`explain` reads the
-reports with the exit statuses the launcher observed and names, in this
-order: the earliest rank that failed on its own; a rank killed by a signal
-(with what the signal usually means); a rank the others blame (the host of
-the job's store, when it stops answering); the first rank that exited.
-The local launcher and the Slurm waiter both call it, so a failure reads the
-same on either.
+"""Why a run failed, told by the rank that caused it and not by the peers that noticed: every rank that fails writes a
+small report into its job folder (``failures/rank<k>.json``: when, its error in one line, whether it echoes a peer's),
+and :func:`explain` names the cause from them and the exits the launcher saw, the same for the local launcher and
+the Slurm waiter.
 """
 from __future__ import annotations
 
@@ -133,7 +123,10 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def explain(job_dir: Path | str | None, exits: list[Exit], who: str = "rank") -> tuple[str, dict[str, Any]]:
-    """(headline, failure details) of a run whose ranks failed; ``exits`` in the order they were seen."""
+    """(headline, failure details) of a run whose ranks failed; ``exits`` in the order they were seen. It names,
+    in this order: the earliest rank that failed on its own; a rank killed by a signal (with what the signal
+    usually means); a rank the others blame (the host of the job's store, when it stops answering); the first rank
+    that exited."""
     reports = read_reports(job_dir) if job_dir is not None else []
     causes = [r for r in reports if not r.get("echo")]
     echoes = [r for r in reports if r.get("echo")]

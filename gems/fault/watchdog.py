@@ -1,37 +1,9 @@
 """Stall detection: every rank's heartbeat, one monitor, and a job that ends instead of hanging.
 
-A rank that dies ends a job quickly (its peers' sockets close, srun's
-``--kill-on-bad-exit``). A rank that *stalls* (a hung kernel, a driver call,
-a filesystem read, a collective its peers never join) does not: its peers
-wait in their collectives for torch.distributed's timeout, 30 minutes on gloo.
-So every rank runs a :class:`Watchdog` thread that, every ``tick`` seconds:
-
-1. publishes its heartbeat (step, phase, seconds since its last progress and
-   the allowance that applies there) in the job's TCPStore, the one
-   torch.distributed already rendezvouses through (rank 0 hosts it);
-2. on rank 0, the monitor, reads every heartbeat (one ``multi_get``) and
-   calls :func:`diagnose`; a rank that made no progress for its allowance is
-   stalled. The diagnosis names the rank(s) that stalled while computing or
-   reading, and the phases the others wait in;
-3. on the other ranks, looks for the monitor's abort key and ends the process.
-
-When the monitor finds a stall it has the failed record written (by the
-worker's ``on_stall`` callback), sets the abort key, lets the peers go, asks
-Slurm to cancel the job (``scancel``, where ``SLURM_JOB_ID`` is set: a rank that
-cannot be interrupted must not hold the allocation until its time limit) and
-ends its own process. If rank 0 itself cannot answer (its process frozen or
-gone), the others see the store fall silent for their allowance and end with a
-report that blames rank 0; the launcher names it.
-
-The allowance is ``fault.stall_timeout_s`` after warm-up, or :data:`STALL_STEPS` times the slowest step
-the rank has timed since its first after a (re)start where that is longer (a run whose steps take
-minutes is not ended for one of them), and ``fault.warmup_timeout_s`` during set-up, the warm-up steps,
-the first step after a (re)start, checkpoints and the final record. A heartbeat carries its
-own age, so clocks need not agree across nodes; one that stops arriving ages
-on the monitor's clock (a frozen process is a stall too).
-
-Ranks started by gems' local launcher also end when the launcher is gone
-(``GEMS_LAUNCHER_PID``), so no rank outlives a killed ``gems run``.
+A rank that dies ends a job quickly; a rank that stalls (a hung kernel, a read, a collective its peers never join)
+would hold its peers in their collectives for torch.distributed's timeout, 30 minutes on gloo. Every rank runs a
+:class:`Watchdog`; the monitor on rank 0 names the stalled rank and the phases the others wait in (:func:`diagnose`),
+and the job ends (docs/faults.md).
 """
 from __future__ import annotations
 
@@ -192,7 +164,22 @@ class _LocalStore:
 
 
 class Watchdog:
-    """The heartbeat thread of one rank (and the monitor, on rank 0). See the module's text."""
+    """The heartbeat thread of one rank (and the monitor, on rank 0). Every ``tick`` seconds it
+
+    1. publishes the rank's heartbeat (step, phase, seconds since its last progress and the allowance that applies
+       there) in the job's TCPStore, the one torch.distributed rendezvouses through (rank 0 hosts it);
+    2. on rank 0, reads every heartbeat (one ``multi_get``) and calls :func:`diagnose`: a rank that made no progress
+       for its allowance is stalled;
+    3. on the other ranks, looks for the monitor's abort key and ends the process.
+
+    A stall found, the monitor has the failed record written (``on_stall``), sets the abort key, lets the peers go,
+    asks Slurm to cancel the job (``scancel`` where ``SLURM_JOB_ID`` is set: a rank that cannot be interrupted must
+    not hold the allocation) and ends its process. Where rank 0 cannot answer, the others see the store fall silent
+    for their allowance and end with a report that blames it. The allowance is ``fault.stall_timeout_s`` (or
+    :data:`STALL_STEPS` times the slowest step timed since the first after a (re)start, where longer), and
+    ``fault.warmup_timeout_s`` during set-up, warm-up, the first step after a (re)start, checkpoints and the record.
+    A heartbeat carries its own age, so clocks need not agree across nodes; one that stops arriving ages on the
+    monitor's clock. A rank of the local launcher also ends when the launcher is gone (``launcher_pid``)."""
 
     def __init__(self, rank: int, size: int, *, stall_s: float, warmup_s: float, addr: str = "127.0.0.1",
                  port: int = 0, on_stall: Callable[[str, dict[str, Any]], None] | None = None,

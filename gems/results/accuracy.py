@@ -1,14 +1,7 @@
-"""Accuracy against sample size: ``accuracy.md``, ``accuracy.csv`` and ``accuracy.png`` of a study whose points
-train the same model on samples of different edges and evaluate it (the sample-size study,
-``+experiment=cosmoflow_sample_size``).
-
-One row per sample edge: the validation mean absolute error of the last evaluation, per target and over the
-targets, of single crops and (``train.eval_average_crops``) of each universe's crops averaged, with the median
-and spread over repeats. The plot sets them against the edge on log-log axes beside the V^-1/2 law (errors
-falling as the square root of the volume, as a Gaussian field's Fourier modes grow with it), drawn through the
-smallest edge's error: the line larger samples would follow if every extra mode were used. Where the study's
-folder holds ``baseline.json`` (``gems data baseline``, :mod:`gems.data.spectrum`), each row also carries the
-power-spectrum ridge regression's errors at its edge, and the plot draws them at every edge the baseline has.
+"""Accuracy against sample size: ``accuracy.md``, ``accuracy.csv`` and ``accuracy.png`` of a study whose points train one
+model on samples of different edges (``+experiment=cosmoflow_sample_size``): a row an edge, the validation error per
+target, of single crops and of each universe's crops averaged, plotted against the V^-1/2 law and beside ``gems data
+baseline``'s power-spectrum errors where the study holds them (docs/science.md).
 """
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
-"""MLPerf HPC's log of a run trained to a target (``train.target_mae``), through the ``mlperf-logging`` package.
-
-Rank 0 writes ``{results.dir}/{run_id}.mlperf.log`` as the run goes, in mllog's format (one ``:::MLLOG {...}``
-line an event, with its time): the submission's description, init start and stop around the set-up (staging the
-data set to node-local storage in between, as MLPerf HPC v3 lets it sit outside the timed run), the
-hyperparameters (global batch, optimizer, learning rate and its schedule in epochs), run start at the first
-training step, every epoch's start and stop, every evaluation's start, stop and error (the validation mean
-absolute error, or the metric named by ``train.target_metric``), and run stop with ``success`` where the target
-was reached (``aborted`` otherwise). MLCommons's compliance checker reads it::
-
-    python -m mlperf_logging.compliance_checker --usage hpc --ruleset 3.0.0 results/RUN.mlperf.log
-
-gems logs the ``open`` division with status ``research`` (its model, data and recipe are the user's), and
-``cache_clear`` as False: gems does not drop the node's page cache before a run. A resumed run (a requeue after
-a preemption or a time limit) appends its epochs and evaluations to the same log without a second init or run
-start, so the log stays one run's.
+"""MLPerf HPC's log of a run trained to a target (``train.target_mae``), through the ``mlperf-logging`` package: rank 0
+writes ``{results.dir}/{run_id}.mlperf.log`` as the run goes, in mllog's format, in the ``open`` division with status
+``research``, for MLCommons's compliance checker (docs/training.md). A resumed run appends to the same log without a
+second init or run start, so the log stays one run's.
 """
 from __future__ import annotations
 

@@ -1,35 +1,8 @@
-"""``gems results``: records -> ``table.md``, ``table.csv`` and a plot per study.
+"""``gems results``: records -> ``table.md``, ``table.csv`` and a plot per study, written beside its records.
 
-Records are grouped by the folder that holds them and their ``sweep`` (so two
-studies of one name in different folders, a local and a Slurm one, stay apart;
-tables are written beside the records, never into new folders). Single runs
-(no sweep) get a plain table: no speedup or efficiency across unrelated runs.
-
-Within a sweep every *point* (one combination of the sweep's values) is one
-row: its repeats (``results.repeats``) give the median throughput and step time
-and their spread (min-max); a point re-run with ``results.rerun=all`` keeps its
-newest record per repeat. Points that have not finished (from the sweep's
-manifest) are listed as pending, running or lost. A failed or diverged point
-has no throughput, speedup or efficiency.
-
-Scaling: ``results.scaling=auto`` infers it from the points: the global batch
-growing with the world is weak scaling (efficiency T(p0)/T(p) of median step
-times), a fixed batch is strong scaling (p0 T(p0) / (p T(p))); anything else has
-no efficiency. Speedup and efficiency compare like with like only: one model,
-and within one *series* (the points that differ in world size alone); p0 is the
-series' smallest world. A sweep whose points all have one world size is a
-comparison: it is plotted as labelled bars. Points whose ranks outnumber their
-node's cores or GPUs are marked oversubscribed (their timings measure
-contention, not scaling).
-
-Energy (a record's ``telemetry`` section, gems/telemetry/figures.py): ``J/sample``
-and ``W/gpu`` beside the efficiency, where the records hold them (a study's
-energy per sample against its GPUs); each record with a trace gets its power and
-SM clock over the steps, one line a rank (``<run_id>.power.png`` beside it).
-
-References (``results.reference``) bound a point's throughput, efficiency or
-step time: each point is marked pass or fail, and :func:`aggregate` reports
-the failures (``gems results`` exits 1).
+A point of a sweep is one row (the median of its repeats and their spread), its speedup and efficiency taken within
+its series under the inferred scaling, its energy where the records hold it, its references marked pass or fail
+(:func:`aggregate`; docs/studies.md, "Tables and plots").
 """
 from __future__ import annotations
 
