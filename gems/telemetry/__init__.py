@@ -1,14 +1,7 @@
-"""The devices seen from outside the training: a node's GPUs checked before the world starts, and each rank's
-power, energy, clocks, throttling, temperature and memory sampled while it trains.
-
-- :mod:`gems.telemetry.nvml`: the one place that calls NVML (``pynvml``, imported only where GPUs are checked or
-  sampled); a query NVML does not answer is left out with its reason, never read as zero;
-- :mod:`gems.telemetry.health`: the node's checks (``gems nodes check``, and once a node before the rendezvous);
-- :mod:`gems.telemetry.rank`: :class:`~gems.telemetry.rank.RankTelemetry`, one sampler thread a rank (NVML on GPU
-  ranks, RAPL on CPU ranks: :mod:`gems.telemetry.rapl`);
-- :mod:`gems.telemetry.figures`: the record's ``telemetry`` section from every rank's summary, and the straggler
-  scores;
-- :mod:`gems.telemetry.limits`: the power limits of the GPU models ``cluster.gpu`` names (the plan's energy bound).
+"""The devices seen from outside the training: a node's GPUs checked before the world starts (:mod:`.health`), and each
+rank's power, energy, clocks, throttling, temperature and memory sampled while it trains (:mod:`.rank`), gathered into
+the record (:mod:`.figures`). NVML is called in one module (:mod:`.nvml`); a query it does not answer is left out
+with its reason, never read as zero.
 """
 from __future__ import annotations
 

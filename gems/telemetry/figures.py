@@ -1,24 +1,6 @@
-"""The record's ``telemetry`` section from every rank's :meth:`~gems.telemetry.rank.RankTelemetry.summary`, and the
-straggler scores.
-
-Ranks that read one meter (the ranks of a CPU node share its RAPL packages) count it once: a figure summed over
-the run is summed over meters, not ranks. The section (``record["telemetry"]``)::
-
-    source           "nvml", "rapl", or both joined with "+"
-    measured_steps, global_batch
-    energy_j         the measured steps' energy, every meter summed (absent where a meter has none: left_out says)
-    j_per_sample     energy_j / (global_batch x measured_steps); j_per_step: energy_j / measured_steps
-    devices          the meters (GPUs; a CPU node counts once)
-    w_per_device     the meters' mean power, averaged: the tables' W/gpu
-    power_w_peak, power_limit_w, sm_clock_mhz {mean, min}, throttle_s {reason: the most seconds on any rank},
-    temperature_c_peak, utilization_pct_mean
-    memory           {nvml_used_peak_bytes, torch_reserved_peak_bytes, and their difference named: this process's
-                     memory beside torch's (the CUDA context, NCCL, cuBLAS: context_nccl_bytes) and other processes'
-                     (other_processes_bytes)}, from the rank where NVML saw the most
-    stragglers       :func:`stragglers` over the ranks' measured step times
-    left_out         {figure: why, and which ranks}
-    per_rank         every rank's summary (its step times left out)
-    trace            {rank: [[seconds, step, W, SM MHz], ...]} where the ranks gave their trace
+"""The record's ``telemetry`` section (its keys: docs/studies.md, "Energy, power and clocks") from every rank's
+:meth:`~gems.telemetry.rank.RankTelemetry.summary`, and the straggler scores. Ranks that read one meter (a CPU
+node's RAPL packages) count it once: a figure summed over the run is summed over meters, not ranks.
 """
 from __future__ import annotations
 
@@ -123,7 +105,7 @@ def _left_out(per: list[dict[str, Any]]) -> dict[str, str]:
 
 def combine(per_rank: list[dict[str, Any]], global_batch: int, measured_steps: int,
             window: int = 10) -> dict[str, Any]:
-    """The record's ``telemetry`` section (module docstring) from every rank's summary (each with its ``trace``,
+    """The record's ``telemetry`` section (docs/studies.md) from every rank's summary (each with its ``trace``,
     where the plot is wanted), the run's global batch and its measured steps."""
     per = sorted((dict(s) for s in per_rank), key=lambda s: int(s["rank"]))
     traces = {str(s["rank"]): s.pop("trace") for s in per if s.get("trace")}

@@ -1,20 +1,9 @@
 """A node's GPUs checked before work lands on them: ``gems nodes check``, and once a node before a job's rendezvous.
 
-Each check has a key of the ``health`` section that skips it (a site where its query needs root):
-
-- ``gpus``: the GPUs the task sees (``CUDA_VISIBLE_DEVICES`` over NVML's), against those the job asked for;
-- ``ecc``: uncorrected ECC errors since the driver loaded (volatile);
-- ``retired_pages``: pages waiting to be retired (a reset retires them);
-- ``row_remap``: a row remap that failed, or remaps waiting for a reset;
-- ``memory``: memory held by processes that are not this job's;
-- ``throttle``: clocks held down at idle (hardware slowdown, thermal slowdown, power brake);
-- ``pcie``: a PCIe link below its maximum width, or generation (not judged at idle: the link slows down then);
-- ``driver``: the driver's CUDA against the CUDA torch was built for.
-
-A query NVML does not answer leaves its check out, with the reason (:func:`gems.telemetry.nvml.ask`). A failed
-check stops the job before training (exit 2: :class:`BadNode`, one line naming the node, the GPU's index and UUID,
-the check and the value found) and leaves ``nodes/<node>.json`` in the run's folder, where the launchers read it
-(:func:`failure_of`): the record names the node, and ``cluster.exclude_bad_nodes=true`` resubmits without it.
+Each check (gpus, ecc, retired_pages, row_remap, memory, throttle, pcie, driver) has a key of the ``health`` section
+that skips it; a query NVML does not answer leaves its check out with the reason. A failed check stops the job before
+training (:class:`BadNode`, exit 2) and leaves ``nodes/<node>.json`` where the launchers read it (:func:`failure_of`;
+docs/faults.md, "Bad nodes").
 """
 from __future__ import annotations
 

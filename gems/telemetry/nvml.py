@@ -1,12 +1,7 @@
-"""NVML, through NVIDIA's bindings (``nvidia-ml-py``, module ``pynvml``): the only module of gems that calls them.
-
-``pynvml`` is imported on first use, never at import time, so a CPU-only machine needs no driver. Where NVML cannot
-start (no library, no driver loaded) :func:`library` is None and :func:`absent` says why, once a process
-(:func:`note_absent`). A query is asked through :func:`ask`, which gives its value or the reason it is left out:
-NVML's ``NotSupported`` (energy before Volta, the clocks of a MIG instance), ``NoPermission`` (a query that needs
-root) and the rest are words, never a zero in a figure.
-
-A GPU is a :class:`Gpu`: its NVML index, handle, UUID and name; a MIG instance is one too, with its parent GPU.
+"""NVML, through NVIDIA's bindings (``nvidia-ml-py``, module ``pynvml``): the only module of gems that calls them,
+imported on first use so a CPU-only machine needs no driver. A query goes through :func:`ask`, which gives its value
+or the reason it is left out (``NotSupported``, ``NoPermission``, ...), never a zero; a GPU, or a MIG instance with
+its parent, is a :class:`Gpu`.
 """
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""One rank's telemetry while it trains: a sampler thread off the step's path, and the energy of the measured steps.
-
-The rank's loop makes a :class:`RankTelemetry` (its GPU's torch index, or None on a CPU rank), calls
-:meth:`~RankTelemetry.start`, then :meth:`~RankTelemetry.step_began` and :meth:`~RankTelemetry.step_ended` around
-every step, :meth:`~RankTelemetry.stop` on every way out, and puts :meth:`~RankTelemetry.summary` (with
-:meth:`~RankTelemetry.trace`) into what rank 0 gathers for :func:`gems.telemetry.figures.combine`.
-
-- Energy comes from the device's total-energy counter (NVML's, in mJ; RAPL's packages on a CPU rank), read on the
-  rank's thread at the bounds of each stretch of measured steps: one read a measured step, one more a stretch.
-- The sampler reads power, SM and memory clocks, throttle reasons, temperature, utilisation and memory used (the
-  whole GPU's and this process's) every ``interval_s``, in a daemon thread; what it reads during measured steps
-  makes the figures, everything it reads makes the trace (at most ``trace_points`` samples: past that, every other
-  one is dropped and the rest kept at half the rate).
-- A query the device does not answer is left out with its reason (:func:`gems.telemetry.nvml.ask`), once.
+"""One rank's telemetry while it trains: a sampler thread off the step's path, and the energy of the measured steps,
+read from the device's total-energy counter (NVML's; RAPL's packages on a CPU rank) at the bounds of each stretch of
+measured steps. A query the device does not answer is left out with its reason, once.
 """
 from __future__ import annotations
 
@@ -135,8 +124,16 @@ class _Figures:
 
 
 class RankTelemetry:
-    """One rank's sampler and energy meter (module docstring). ``device_index``: the rank's GPU as torch numbers it,
-    or None on a CPU rank; ``interval_s``: the sampler's period (None: no sampler, the energy still metered)."""
+    """One rank's sampler and energy meter. ``device_index``: the rank's GPU as torch numbers it, or None on a CPU
+    rank; ``interval_s``: the sampler's period (None: no sampler, the energy still metered).
+
+    The loop calls :meth:`start`, then :meth:`step_began` and :meth:`step_ended` around every step, :meth:`stop` on
+    every way out, and hands :meth:`summary` (with :meth:`trace`) to rank 0 for gems.telemetry.figures.combine. The
+    energy is read on the rank's thread, one read a measured step and one more a stretch. The sampler, a daemon
+    thread, reads power, SM and memory clocks, throttle reasons, temperature, utilisation and memory used (the
+    GPU's and this process's) every ``interval_s``: what it reads during measured steps makes the figures,
+    everything it reads the trace (at most ``trace_points`` samples: past that, every other one is dropped and the
+    rest kept at half the rate)."""
 
     def __init__(self, device_index: int | None, rank: int, interval_s: float | None = 0.25,
                  trace_points: int = 2000) -> None:
