@@ -1,10 +1,7 @@
-"""Launchers: ranks as local processes (:mod:`~gems.launch.local`), Slurm jobs through submitit
-(:mod:`~gems.launch.slurm`), both behind one interface (:mod:`~gems.launch.base`), and sbatch scripts for
-submitting by hand (:mod:`~gems.launch.render`). The Slurm path's concerns stand apart: its options
-(:mod:`~gems.launch.options`), the check before submitting (:mod:`~gems.launch.admission`), the job
-(:mod:`~gems.launch.jobs`), watching it (:mod:`~gems.launch.watch`), why it failed
-(:mod:`~gems.launch.diagnose`) and submitting it again without some nodes (:mod:`~gems.launch.resubmit`). Here:
-:func:`cancel_on_signals`, which every launcher uses."""
+"""Launchers: ranks as local processes (:mod:`~gems.launch.local`) or Slurm jobs through submitit
+(:mod:`~gems.launch.slurm`), behind one interface (:mod:`~gems.launch.base`), and sbatch scripts for submitting by
+hand (:mod:`~gems.launch.render`). Here: :func:`cancel_on_signals`, which every launcher uses.
+"""
 from __future__ import annotations
 
 import contextlib

@@ -1,10 +1,6 @@
-"""Diagnosis: why a Slurm job failed, from what it left behind.
-
-The ranks' own failure reports (:func:`gems.fault.reports.explain`) come first; else a task's Python
-exception from submitit's result files, unless srun saw another task end badly before it (a task that died
-with a bare exit status takes its peers' rendezvous down, and one may raise before srun kills it); else the
-job's state with the tail of the error stream of the first task that ended badly (srun's messages in task
-0's stream name it). :func:`outcome` puts it together.
+"""Why a Slurm job failed, from what it left behind (:func:`outcome`): the ranks' own failure reports first, else a
+task's Python exception from submitit's result files (unless srun saw another task end badly before it), else the
+job's state with the tail of the error stream of the first task that ended badly.
 """
 from __future__ import annotations
 

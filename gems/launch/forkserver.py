@@ -1,41 +1,8 @@
-"""Rank processes forked from a server that has imported torch once.
-
-A Python rank that starts from nothing imports torch, then torch._dynamo (torch's
-optimizers import it the first time they are built) and gems: about 3 s of CPU
-on the 2-core test machine, more than the steps of a short run, for every rank
-of every run. Two servers here import that once and then only fork; neither has
-run a torch operation, so no thread pool, no CUDA context and no lock that
-another thread held is copied into a rank:
-
-* the launcher's own (:func:`prestart`): a command that will start ranks on this
-  machine (``gems run``, ``eval``, ``sweep`` with the local launcher) forks
-  itself right after importing torch, before its checks run any torch operation.
-  The fork imports the rest of :data:`PRELOAD` while the launcher checks the run,
-  and forks each rank the launcher asks for, reporting the rank's pid and exit
-  status back over a socket. torch is imported once for the command and its ranks,
-  and the first rank does not wait for a fresh interpreter to import it (the
-  suite's time, which ``scripts/test.sh`` prints, is the figure: docs/commands.md);
-* multiprocessing's fork server (:func:`context`), an interpreter that imports
-  :data:`PRELOAD`, where no server was prestarted: the gloo worlds of
-  :func:`gems.launch.world.run_world` (tests, benchmarks) and a launcher called
-  from a script of the user's, or a command whose own server has ended: killed
-  from outside, or ended on its own when it found CUDA initialised in itself
-  before a fork (:func:`cuda_initialised`: a rank forked then would inherit a
-  context it cannot use; multiprocessing's server is a fresh interpreter). torch's documentation names forkserver, with
-  spawn, as a start method that CUDA allows. As under spawn, each process
-  imports the starting program's main module again (as ``__mp_main__``): such a
-  script keeps its work under ``if __name__ == "__main__":``.
-
-:func:`start` takes the first where there is one. A rank forked by either is set
-up as ``python -m gems.worker --config FILE`` would be: its own session (the
-launcher ends it with its process group), the environment the launcher gave it
-(``os.environ``, the thread count of ``OMP_NUM_THREADS`` applied, since the
-server's OpenMP read its own), the launcher's working folder first on
-``sys.path``, its log as stdout and stderr, written through, and ``gems.worker
---config FILE (rank R)`` as its process title (``ps``, ``pgrep -f``), where
-setproctitle is installed. /proc/PID/environ shows the environment the server
-started with, not the rank's (``os.environ`` inside the rank is its own); the
-title names the rank.
+"""Rank processes forked from a server that has imported torch once (about 3 s of CPU a rank on the 2-core test
+machine, more than the steps of a short run) and run no torch operation, so no thread pool, CUDA context or held lock
+reaches a rank: the launcher's own fork (:func:`prestart`), else multiprocessing's fork server (:func:`context`).
+:func:`start` takes the first there is and sets the rank up as ``python -m gems.worker --config FILE`` would be
+(docs/commands.md).
 """
 from __future__ import annotations
 
@@ -64,7 +31,12 @@ PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "gems.worker", "gems.l
 
 
 def context() -> Any:
-    """multiprocessing's forkserver context, the server to import :data:`PRELOAD` when this process starts it."""
+    """multiprocessing's forkserver context, the server to import :data:`PRELOAD` when this process starts it: where
+    no server was prestarted (the gloo worlds of gems.launch.world, a launcher called from a user's script) or the
+    command's own has ended (killed, or ended on finding CUDA initialised in itself: :func:`cuda_initialised`).
+    torch's documentation names forkserver, with spawn, as a start method CUDA allows. As under spawn, each process
+    imports the starting program's main module again (as ``__mp_main__``): such a script keeps its work under
+    ``if __name__ == "__main__":``."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # read when the server starts: the first process asked for
     return ctx
@@ -292,8 +264,10 @@ _SERVER: _Server | None = None
 
 
 def prestart() -> None:
-    """Fork this process as the server of the ranks it will start (see the module's docstring). Call it once torch
-    is imported and before any torch operation or thread; a second call does nothing."""
+    """Fork this process as the server of the ranks it will start (``gems run``, ``eval``, ``sweep`` with the local
+    launcher). Call it once torch is imported and before any torch operation or thread; a second call does nothing.
+    The fork imports the rest of :data:`PRELOAD` while the launcher checks the run, forks each rank asked for and
+    reports its pid and exit status back over a socket."""
     global _SERVER
     if _SERVER is None:
         import torch  # noqa: F401  the one import of torch the launcher and its ranks share
@@ -302,15 +276,18 @@ def prestart() -> None:
 
 
 def start_worker(config: Path, env: dict[str, str], log: Path, rank: int) -> Forked:
-    """Start ``gems.worker --config CONFIG`` as a forked rank (see the module's docstring) with ``env``, writing
-    ``log``; the working folder is this process's."""
+    """Start ``gems.worker --config CONFIG`` as a forked rank (:func:`start`) with ``env``, writing ``log``; the
+    working folder is this process's."""
     return start("gems.worker:main", ["--config", str(config)], env, log, f"gems.worker --config {config} (rank {rank})")
 
 
 def start(entry: str, argv: list[str], env: dict[str, str], log: Path, title: str) -> Forked:
     """Fork ``entry(argv)`` (``module:function``) from the server (this process's own where :func:`prestart` made
     one, else multiprocessing's), set up as ``python -m MODULE ARGV`` would be, with ``env``, this process's working
-    folder, ``log`` as its stdout and stderr and ``title`` as its process title."""
+    folder, ``log`` as its stdout and stderr and ``title`` as its process title. The process gets its own session
+    (the launcher ends it with its process group), ``os.environ`` as given (the thread count of ``OMP_NUM_THREADS``
+    applied, since the server's OpenMP read its own) and the launcher's working folder first on ``sys.path``.
+    /proc/PID/environ shows the environment the server started with, not the rank's: the title names the rank."""
     request = (entry, argv, env, str(log), os.getcwd(), title)
     server = _SERVER
     if server is not None and server.alive and server.owner == os.getpid():  # (not a fork of the launcher's)

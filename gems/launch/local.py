@@ -1,20 +1,9 @@
-"""``cluster=local``: the ranks as processes on this machine.
+"""``cluster=local``: the ranks as processes on this machine, forked from a server that has imported torch once
+(gems.launch.forkserver), or the whole world under ``mpiexec`` with ``comm.backend=mpi``.
 
-Each rank is ``gems.worker --config job/config.yaml`` with torchrun-style
-variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), forked from a
-server that has imported torch once (gems/launch/forkserver.py), or the whole
-world under ``mpiexec`` when ``comm.backend=mpi``. The launcher
-watches the processes: when one exits non-zero the others get a short grace
-period and are then killed, and the run is recorded as failed, never left
-hanging. The record names the cause, not the echo: a record the ranks wrote
-themselves (a stall, a non-finite loss) is kept as it is; otherwise the
-ranks' failure reports and the exits seen here go through
-:func:`gems.fault.reports.explain` (the first rank that failed on its own, a
-rank killed by a signal with its last resident memory, ...).
-
-Whatever ends the launcher ends its ranks: SIGINT, SIGTERM and SIGHUP kill
-them and record the run as cancelled; if the launcher is killed outright,
-each rank's watchdog sees ``GEMS_LAUNCHER_PID`` gone and ends itself.
+The launcher watches the processes: when one exits non-zero the others get a short grace and are killed, and the run
+is recorded as failed, naming the cause, not the echo (gems.fault.reports.explain). Whatever ends the launcher ends
+its ranks: a signal records the run as cancelled; a launcher killed outright leaves each rank's watchdog to end it.
 """
 from __future__ import annotations
 
@@ -135,7 +124,8 @@ def launch(cfg: DictConfig, on_progress: Callable[[str], None] | None = None) ->
 
 
 def _keep(path: Path, record: dict[str, Any]) -> dict[str, Any]:
-    """Write ``record`` unless a record exists (a record is never replaced); return the one on disk."""
+    """Write ``record`` unless a record exists (a record is never replaced: one the ranks wrote themselves, of a
+    stall or a non-finite loss, names the cause better than the launcher can); return the one on disk."""
     try:
         rec.write_record(path, record)
     except FileExistsError:

@@ -1,10 +1,6 @@
-"""The Slurm options of a job, from the typed ``cfg.cluster``: submitit's ``SlurmExecutor`` parameters
-under sbatch's own names (:func:`sbatch_parameters`), the interpreter on the compute nodes, and where a
-job keeps its files.
-
-One place builds them, so the submitit launcher (:mod:`gems.launch.slurm`), the check before submitting
-(:mod:`gems.launch.admission`) and a hand-submitted script (:mod:`gems.launch.render`) ask Slurm for the
-same thing.
+"""The Slurm options of a job from the typed ``cfg.cluster``, under sbatch's own names (:func:`sbatch_parameters`), the
+interpreter on the compute nodes, and where a job keeps its files: one place, so that the submitit launcher, the
+check before submitting and a hand-submitted script ask Slurm for the same thing.
 """
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""``gems render``: the sbatch script a configuration would submit, for people who submit by hand.
-
-Why it exists: on many clusters users want (or must) see and submit the batch script
-themselves. The script is rendered from a Jinja2 template in ``sbatch_templates/`` with the
-same #SBATCH options, setup lines and srun line that gems' submitit launcher uses
-(both come from :func:`gems.launch.options.sbatch_parameters`), so a hand-submitted job
-and a ``gems run cluster=...`` job ask Slurm for the same resources. The only difference
-is the command: ``python -m gems.worker --config <resolved.yaml>`` instead of submitit's
-pickle runner. ``tests/test_render.py`` keeps the two in step.
-
-A template named after the cluster (``sbatch_templates/<cluster.name>.sbatch.j2``) replaces
-the default ``gems.sbatch.j2`` for that cluster.
+"""``gems render``: the sbatch script a configuration would submit, for people who submit by hand, rendered from a Jinja2
+template in ``sbatch_templates/`` (``<cluster.name>.sbatch.j2`` where there is one) with the same options, setup and
+srun line as the submitit launcher (gems.launch.options.sbatch_parameters); only the command differs
+(``python -m gems.worker --config <resolved.yaml>``). ``tests/test_render.py`` keeps the two in step.
 """
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""A Slurm job submitted again as it was, without some nodes: the one way gems resubmits a job.
-
-:func:`resubmit` turns a :class:`~gems.launch.jobs.SlurmRun` into its new job in place: the same run id, record
-path and folder (a checkpoint there resumes it), the nodes added to ``cluster.exclude`` (sbatch ``--exclude``) and
-``cluster.resubmitted`` saying why, so the record's configuration says it; the first job's failure reports and
-bad-node files are set aside (``failures.job<ID>``, ``nodes.job<ID>``) so the new job's own are read. The waiter
-takes a policy (``gems.launch.watch.wait(retry=...)``) that decides from a failed job's outcome whether to
-resubmit it; :func:`retry_bad_nodes` is the policy of ``cluster.exclude_bad_nodes=true``: a job a node's health
-check stopped (gems/telemetry/health.py) goes once more without the nodes that failed. A node lost mid-run (Slurm's
-``NODE_FAIL``) would take the same path: a policy that reads the job's nodes and calls :func:`resubmit`.
+"""A Slurm job submitted again as it was, without some nodes: the one way gems resubmits a job (:func:`resubmit`), by a
+policy the waiter takes (``gems.launch.watch.wait(retry=...)``); :func:`retry_bad_nodes` is the policy of
+``cluster.exclude_bad_nodes=true``, a job a node's health check stopped gone once more without the nodes that failed.
 """
 from __future__ import annotations
 
@@ -32,7 +25,10 @@ _ATTEMPT = ("failures", "nodes")
 def resubmit(run: SlurmRun, nodes: Sequence[str], why: str) -> SlurmRun:
     """Submit ``run``'s job again (its function, its configuration) without ``nodes``, and make ``run`` that job:
     the waiter then waits for it as for any job. ``why``: what was found, for ``cluster.resubmitted``. Raises what
-    sbatch raises where Slurm refuses it (too few nodes left)."""
+    sbatch raises where Slurm refuses it (too few nodes left). The job keeps its run id, record path and folder (a
+    checkpoint there resumes it); the nodes join ``cluster.exclude`` (sbatch ``--exclude``); the first job's failure
+    reports and bad-node files are set aside (``failures.job<ID>``, ``nodes.job<ID>``) so the new job's own are
+    read."""
     old = run.job_id
     cfg = OmegaConf.create(OmegaConf.to_container(run.cfg, resolve=True))
     assert isinstance(cfg, DictConfig)

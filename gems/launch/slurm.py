@@ -1,17 +1,7 @@
-"""``cluster.launcher=slurm``: submit gems jobs to Slurm through submitit, wait for them, and keep their records.
-
-:class:`SlurmLauncher` is this module behind :class:`gems.launch.base.Launcher`. Around submission
-(:func:`submit_all`) stand the other concerns: the sbatch options from ``cfg.cluster``
-(:mod:`gems.launch.options`), the check that Slurm would take every job before any is submitted
-(:mod:`gems.launch.admission`), watching the jobs to their end (:mod:`gems.launch.watch`), and why one
-failed (:mod:`gems.launch.diagnose`).
-
-Public API::
-
-    run = submit(cfg)                       # one job -> SlurmRun
-    runs = submit_all([cfg1, cfg2, ...])    # a sweep: checked first, then submitted
-    outcomes = watch.wait(runs)             # live display; every job ends ok or failed
-    record = launch(cfg)                    # submit + wait + the results record
+"""``cluster.launcher=slurm``: gems jobs submitted to Slurm through submitit, waited for, and their records kept
+(:class:`SlurmLauncher`, behind :class:`gems.launch.base.Launcher`). Around submission (:func:`submit_all`) stand the
+sbatch options (gems.launch.options), the check that Slurm would take every job (gems.launch.admission), the watch
+to their end (gems.launch.watch) and why one failed (gems.launch.diagnose).
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Work spread over the tasks of one Slurm job, for the commands that are not training runs (``gems data synth``
-of universes, ``gems data convert``, ``gems nodes check``): the job sized by ``cluster.nodes`` x
-``cluster.tasks_per_node``, every task calling the same function, which picks its share by
-``submitit.JobEnvironment()`` (its ``global_rank`` of ``num_tasks``), and the launcher's usual wait with progress.
-
-The data commands and the nodes' check lie below the launchers and never import them: the command line hands
-:func:`run_tasks` to them (``job=``), as it hands them their configuration.
+"""Work spread over the tasks of one Slurm job, for the commands that are not training runs (``gems data synth``,
+``convert`` and ``check``, ``gems nodes check``): every task calls the same function, which picks its share by its
+``global_rank`` of ``num_tasks``. Those commands lie below the launchers: the command line hands them
+:func:`run_tasks` (``job=``).
 """
 from __future__ import annotations
 

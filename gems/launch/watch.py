@@ -1,17 +1,8 @@
-"""Watching Slurm jobs until each has ended, ok or failed, and the live view of them.
+"""Watching Slurm jobs until each has ended, ok or failed, and the live view of them (:func:`wait`).
 
-A job on a cluster can die in ways no Python code in it sees (a rank killed, a node lost, a time
-limit), and many sites (and the test cluster here) run without accounting, so ``sacct`` cannot say
-what happened and submitit alone would wait forever for a result that never comes. The
-:class:`Watcher` takes a job's state from ``squeue --states=all`` (one query for every job not yet
-finished; Slurm keeps finished jobs for ``MinJobAge``), then ``sacct`` where it works, then submitit's
-own per-task result files, and keeps the jobs that ended in a cache that is never asked about again.
-A job that leaves the queue without a result is reported failed (:mod:`gems.launch.diagnose` says why).
-Waiting in the queue is never held against a job: the launcher's clock (``cluster.timeout_min``, default the
-time limit and 5 minutes) starts when the job starts running and again at each requeue; when it runs out the
-launcher stops waiting and says how to follow the job, which goes on (``cluster.cancel_on_timeout=true``
-cancels it instead). :class:`LiveView` draws the watcher's jobs as a rich
-table; :func:`wait` runs the two until every job has ended.
+A job can die in ways no code in it sees (a rank killed, a node lost, a time limit), and many sites run without
+accounting, so submitit alone could wait forever: a job that leaves the queue without a result is failed
+(gems.launch.diagnose says why). Waiting in the queue is never held against a job (docs/commands.md).
 """
 from __future__ import annotations
 
@@ -81,7 +72,9 @@ def _cancel(run: SlurmRun) -> None:
 
 class Watcher:
     """What Slurm says of a set of jobs. Each :meth:`poll` asks once for every job not yet finished and
-    moves the ones that ended into :attr:`finished` (by job id), a cache that is never asked about again."""
+    moves the ones that ended into :attr:`finished` (by job id), a cache that is never asked about again. A job's
+    state comes from ``squeue --states=all`` (Slurm keeps finished jobs for ``MinJobAge``), then ``sacct`` where
+    it works, then submitit's own per-task result files."""
 
     def __init__(self, runs: Sequence[SlurmRun], error_grace_s: float = 30.0,
                  retry: Callable[[SlurmRun, Outcome], bool] | None = None) -> None:

@@ -1,17 +1,8 @@
-"""Run a function on every rank of a real gloo world on this machine (the benchmarks and the tests use it).
-
-Transparency tests compare a parallel run against the serial one; they need
-real processes and a real process group, not mocks. ``run_world(fn, n)``
-starts ``n`` processes, initialises torch.distributed with gloo over a free
-loopback port, calls ``fn(rank, world_size, *args)`` on each and returns the
-list of return values in rank order. A failure on any rank raises here with
-that rank's traceback; a hang ends at ``timeout`` seconds.
-
-The processes are forked by the fork server of gems/launch/forkserver.py, which
-has imported torch once and run no torch operation; each rank takes the caller's
-environment as it is at the call, as a spawned interpreter would. Starting a
-rank this way costs a fork instead of torch's import (about 1.6 s of CPU here),
-which the tests pay for hundreds of ranks.
+"""Run a function on every rank of a real gloo world on this machine (the tests and the benchmarks use it):
+``run_world(fn, n)`` returns ``fn(rank, world_size, *args)`` of each rank in rank order, raises with a failed rank's
+traceback, and ends a hang at ``timeout`` seconds. The ranks are forked from a server that has imported torch once
+(gems.launch.forkserver), each with the caller's environment at the call: a fork instead of torch's import (about
+1.6 s of CPU here), which the tests pay for hundreds of ranks.
 """
 from __future__ import annotations
 
