@@ -1,16 +1,7 @@
-"""``gems bench calibrate [OVERRIDES] [out=DIR]``: what the configured model's own convolutions reach on the GPU
-at hand, written for ``gems plan`` (``cluster.gpu_calibration=PATH``; the file's format: gems.plan.calibration).
-
-For every distinct convolution of the model (as the planner traces it, at the micro-batch the run uses) and each
-precision a GPU trains in (fp32 with torch's default TF32 convolutions, bf16), it times the forward, the input
-gradient and the weight gradient with CUDA events (the median of several calls after a warm-up, in the memory
-format gems runs in: channels-last), and takes the workspace each call allocates beyond its result from the
-caching allocator's peak. One elementwise op over a large tensor gives the bandwidth memory-bound ops reach.
-About a minute on a GPU for CosmoFlow. On a machine without a GPU it measures the CPU the same way: the file's
-plumbing, not a GPU's figures (its ``device`` says which).
-
-It writes ``DIR/calibration-<gpu>.json`` (default DIR results/gpu; ``cluster.gpu_calibration=PATH`` names the file
-instead) and ``DIR/calibration-<gpu>.md``, the table with its environment.
+"""``gems bench calibrate [OVERRIDES] [out=DIR]``: what the configured model's own convolutions reach on the GPU at hand,
+written for ``gems plan`` (``DIR/calibration-<gpu>.json``, read by ``cluster.gpu_calibration=PATH``; its format:
+gems.plan.calibration) with its table (``DIR/calibration-<gpu>.md``). Without a GPU it measures the CPU the same way:
+the file's plumbing, not a GPU's figures.
 """
 from __future__ import annotations
 
@@ -122,7 +113,12 @@ def _signatures(cfg: Any) -> tuple[list[tuple[tuple, bool]], int]:
 
 
 def measure(cfg: Any) -> dict[str, Any]:
-    """The calibration of the configured model on this machine's GPU (its CPU where it has none)."""
+    """The calibration of the configured model on this machine's GPU (its CPU where it has none): for every distinct
+    convolution of the model (as the planner traces it, at the run's micro-batch) and each precision a GPU trains in
+    (fp32 with torch's default TF32 convolutions, bf16), the forward, the input gradient and the weight gradient
+    timed with CUDA events (the median of several calls after a warm-up, channels-last), and the workspace each call
+    allocates beyond its result from the caching allocator's peak; one elementwise op over a large tensor gives the
+    bandwidth memory-bound ops reach. About a minute on a GPU for CosmoFlow."""
     from gems.results.record import git_commit
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -1,16 +1,5 @@
-"""``gems bench checkpoint``: does a checkpoint's stall fall as more copies write it?
-
-A run of R = 4 replicas (MLPerf's CosmoFlow at 32³: 37 MB of weights and Adam's moments, one sample a rank) saves
-a synchronous checkpoint after every step, with ``train.checkpoint_writers`` = 1, 2 and 4: the first 1, 2 or 4
-replicas each write their share (gems.checkpoint.layout), the others none. The contenders are real ``gems run``
-processes alternated in rounds, so that each sees the same machine noise; each row gives the median over rounds
-of what the record's ``checkpoint.held_s_per_save`` says the saves held rank 0's steps, the files of the last
-checkpoint and its largest file's share of the data, and the ratio to one writer measured in the same rounds.
-The step time beside it (a step holds no save: the step's own time) says what the stall is set against.
-
-On this machine every writer writes into the same page cache and syncs to the same disk, and four ranks share two
-cores: the parallel writes compete for both. On a cluster each writer is a replica on its own node, with its own
-link to the parallel filesystem, so the figure here is a floor on the gain, not its size there.
+"""``gems bench checkpoint``: does a checkpoint's stall fall as more copies write it? R = 4 replicas save after every step
+with 1, 2 and 4 writers, each writing its share (:func:`bench_checkpoint`).
 """
 from __future__ import annotations
 
@@ -44,6 +33,12 @@ def _one(folder: Path, writers: int) -> dict[str, Any]:
 
 
 def bench_checkpoint(out_dir: Path, rounds: int = 3) -> str:
+    """Real ``gems run`` processes of R = 4 replicas (MLPerf's CosmoFlow at 32³: 37 MB of weights and Adam's
+    moments, a sample a rank), a synchronous checkpoint after every step, ``train.checkpoint_writers`` 1, 2 and 4,
+    alternated in ``rounds`` rounds. A row: the median of the record's ``checkpoint.held_s_per_save`` (what the saves
+    held rank 0's steps), the last checkpoint's files and its largest file's share, the ratio to one writer in the
+    same rounds, and the step time beside it. Here every writer shares one page cache, one disk and two cores; on a
+    cluster each writer is a replica on its own node, so the gain here is a floor. Returns the table."""
     got: dict[int, list[dict[str, Any]]] = {w: [] for w in WRITERS}
     with tempfile.TemporaryDirectory(prefix="gems-bench-checkpoint-") as tmp:
         for k in range(rounds):  # alternated: every contender sees the same noise

@@ -1,35 +1,7 @@
-"""``gems bench data``: does the data path stay off the step's critical path?
-
-For CosmoFlow at 64^3 and 128^3, on S = 1 and 2 spatial ranks, with synthetic samples and with HDF5 files
-(``gems data synth``'s, gems's own layout), three contenders run side by side, alternated in rounds so that each
-sees the same machine noise:
-
-* **off**: ``data.prefetch=0``, every step reads (or generates) its samples first, as gems did before;
-* **on**: ``data.prefetch=2``, a background reader works two steps ahead (gems.rank.data.Prefetcher);
-* **bound**: the same run with no data path at all: every step trains on the batch read once before the
-  first step (the no-data step time, the best any reader can give).
-
-Each row gives the exposed data time per step (what the step waited for), the reader's own time per step, the
-step times, and on / bound. Goal: with prefetch on, the step within 5% of its bound wherever the reader alone
-is faster than the compute (reader time < bound). The runs are gems's own training loop (gems.rank.loop.Loop)
-on real gloo ranks, one compute thread per rank; on this 2-core machine an S = 2 run's ranks take both cores,
-so the reader's thread there competes with the compute instead of using an idle core, and the table says so.
-
-First, the reader alone (:func:`bench_reader`), a row a layout (gems.data.layouts: every registered layout, each
-file written as its published tool writes it; NIfTI's CT volumes with their labels), and a row more for what ``gems
-data convert`` writes of a layout that is not read fast where it lies (MLPerf's TFRecords): the samples read in
-batches of 4 by the layout's ``read`` on 1, 2, ... threads (``data.readers``), in GB/s, beside the page-cache bound
-of the same files at the same thread count: the faster of two positional reads that move those bytes from the page
-cache into a pre-touched buffer (each whole file by one read, and the reader's own byte runs by one read each), the
-files held open as the reader holds its own. Beside the bound, a memory copy out of the files mapped (faster here,
-but no reader of gems maps a file: one cut under a mapping kills the process with SIGBUS, where a read fails and the
-run names the file) and a plain memory copy (a ceiling). A row more reads crops of a larger ExaLearn universe
-(64^3 of 256^3), the path MLPerf's 128^3 crops of ExaLearn's 512^3 universes take (a crop's rows short runs far
-apart), set beside the planner's rule for crops where no file is at hand (gems.data.layouts: fallback_rate).
-Every contender of every layout is measured in each round, the rounds alternated; the ratios are each round's,
-side by side. Goals (issues 59 and 65), for the files a run reads by position: the reader at >= 0.7 of the bound
-with one thread on channels-last files and on gems's own, and two threads >= 1.6x one; converted TFRecords read at
-the rate of ``gems data synth``'s files. ``GEMS_BENCH_DATA=reader`` runs only this part (written to ``data-reader.md``).
+"""``gems bench data``: does the data path stay off the step's critical path? First each layout's reader alone against
+the page-cache bound of its own files (:func:`bench_reader`), then CosmoFlow's steps at 64³ and 128³ on S = 1 and 2
+with prefetch off, on, and the no-data bound, alternated in rounds (:func:`bench_data`; goals and figures:
+docs/benchmarks.md). ``GEMS_BENCH_DATA=reader`` runs only the first part.
 """
 from __future__ import annotations
 
@@ -464,7 +436,12 @@ class _ReaderBench:
 def bench_reader(folders: dict[str, Source], threads: Sequence[int] | None = None, rounds: int = 7,
                  size: int = READER_SIZE, quiet_s: float = 2.0,
                  skipped: dict[str, str] | None = None) -> tuple[list[list[Any]], str]:
-    """Each layout's reader against the page-cache bound of its own files (module docstring), ``folders``: a
+    """Each layout's reader (every registered layout, its files written as its published tool writes them, and a
+    row for what ``gems data convert`` writes of a layout not read fast where it lies) against the page-cache bound
+    of its own files at the same thread count: the faster of two positional reads of those bytes into a pre-touched
+    buffer (each whole file by one read, and the reader's own byte runs by one read each), the files held open as the
+    reader holds its own; beside it a copy out of the files mapped (no reader of gems maps a file: one cut under a
+    mapping kills the process with SIGBUS) and a plain memory copy (a ceiling). ``folders``: a
     row's name -> its files (:func:`layout_folders`: 4 x ``size``^3 samples, and crops of a universe): the
     table's rows and its text; ``quiet_s``: the most each round waits for idle cores first. Every contender of
     every row is measured in each round (alternated, each round in the other order), so that the ratios are each
@@ -590,7 +567,14 @@ def bench_data(out_dir: Path, sizes: tuple[int, ...] = (64, 128), spatials: tupl
                rounds: int = 2, parts: str | None = None, reader_size: int = READER_SIZE,
                reader_rounds: int = 7, quiet_s: float = 2.0) -> str:
     """The reader alone (``reader_size``^3 samples, ``reader_rounds`` rounds), then the steps; ``parts``
-    (default ``GEMS_BENCH_DATA``, else both): ``reader`` runs the first only, writing ``data-reader.md``."""
+    (default ``GEMS_BENCH_DATA``, else both): ``reader`` runs the first only, writing ``data-reader.md``.
+
+    The steps: with synthetic samples and with ``gems data synth``'s HDF5 files, three contenders alternated in
+    rounds: ``data.prefetch=0`` (every step reads first), ``data.prefetch=2`` (a reader two steps ahead), and the
+    bound (every step trains on the batch read once before the first step). Each row gives the step's exposed data
+    time, the reader's own time, the step times and on / bound. They are gems's own loop on real gloo ranks, one
+    compute thread a rank; on a 2-core machine an S = 2 run's ranks take both cores, so the reader competes with the
+    compute, and the table says so."""
     from gems.launch.world import run_world
 
     parts = parts if parts is not None else os.environ.get("GEMS_BENCH_DATA", "all")

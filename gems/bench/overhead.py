@@ -1,18 +1,6 @@
-"""``gems bench overhead``: what gems costs over a plain PyTorch loop, and what replication costs.
-
-1. One rank: the gems worker's training loop (``gems.rank.loop.train``, world of
-   one) against a hand-written PyTorch loop over the same model, the same
-   synthetic batches and the same optimizer, alternated in rounds so that
-   both see the same machine noise. Goal: gems throughput >= 0.97x plain.
-2. Replication weak scaling, 1 -> 2 ranks on CPU, one thread per rank, a
-   fixed batch per replica, through the real launcher (``gems run``).
-   Goal: efficiency T(1)/T(2) >= 0.9.
-
-On a machine with a GPU (``gems bench overhead [OVERRIDES]``, default CosmoFlow 128^3 at batch 8) it runs the GPU
-mode instead (:func:`device_rows`): in one process, alternated, gems's loop on the GPU against a plain loop a user
-would write there (gems's module in channels-last, Adam, one batch on the GPU, autocast for bf16, one
-synchronisation a step to time it), at fp32 and bf16. Goal: gems >= 0.97x plain. It writes
-``overhead-gpu.md``.
+"""``gems bench overhead``: what gems costs over a plain PyTorch loop (goal >= 0.97x), and what replication costs (weak
+scaling from 1 to 2 ranks through ``gems run``, goal >= 0.9 efficiency); on a machine with a GPU, gems's loop against a
+plain loop on the GPU at fp32 and bf16 (:func:`device_rows`, written to ``overhead-gpu.md``).
 """
 from __future__ import annotations
 
@@ -185,6 +173,10 @@ def check_overrides(overrides: list[str]) -> None:
 
 
 def bench_overhead(out_dir: Path, overrides: list[str] | None = None, rounds: int = 3) -> str:
+    """On one rank, the gems worker's loop against a hand-written loop over the same model, synthetic batches and
+    optimizer, alternated in ``rounds`` rounds; then replication's weak scaling, 1 -> 2 ranks on CPU, one thread a
+    rank, a fixed batch a replica, through the real launcher. With a GPU (or ``overrides``, default CosmoFlow 128³ at
+    batch 8) the GPU mode instead. Returns the table."""
     from gems.bootstrap import keep_host_memory
 
     if torch.cuda.is_available():

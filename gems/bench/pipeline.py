@@ -1,33 +1,7 @@
-"""``gems bench pipeline``: GEMS schedules against layer parallelism and torch's own pipelining.
-
-Three questions, on two ranks of this machine (one thread each, D = 2, the same
-ResNet-v2 cut at the same layer for every contender, the same global batch):
-
-1. What does the mirrored replica buy? ``mast`` against ``lp`` (goal >= 1.7x,
-   ideal 2x: B's work fills the half of the time A leaves idle).
-2. Is ``master`` worth it against what a PyTorch user would pick instead?
-   ``master`` against ``torch.distributed.pipelining``'s ``Schedule1F1B`` and
-   ``ScheduleGPipe`` at the same micro-batch size (goal >= 1.2x).
-3. Does gems run torch's own schedules as fast as torch? gems's ``1f1b``, ``gpipe`` and
-   ``interleaved1f1b`` against torch's same schedules (goal >= 1x: the runtime's overhead, the exchange
-   rounds' included).
-
-Two more rows put the first number in context. The *bound* runs what one
-``mast`` rank computes per step (the whole model on half of the batch) in both
-processes at once with no communication: the most two ranks get out of this
-machine. And ``lp``/``mast`` run again on 256^2 images (16x the pixels), where
-fixed per-step costs (Python, message latency) weigh less, as they do at the
-image sizes GEMS is for.
-
-Every contender runs whole training steps: zero_grad, forward and backward of
-the global batch, the gradient sum over the mirrored copies where the
-schedule has them, an SGD step. All contenders live in the same two
-processes and take turns step by step (a rotating order), so the noise of a
-shared machine falls on all of them alike. Throughput is global batch /
-median step time; memory is each rank's peak tensor memory (parameters,
-gradients and what a step allocates on top, from the CPU allocator's events:
-what a GPU would count), beside the parameter bytes it holds. Peak RSS is
-not per contender when they share a process, so it is not reported.
+"""``gems bench pipeline``: GEMS schedules against layer parallelism and torch's own pipelining, on two ranks of this
+machine (one thread each, D = 2, the same ResNet-v2 cut at the same layer for every contender, the same global batch):
+what the mirrored replica buys (``mast`` over ``lp``), ``master`` against torch's ``Schedule1F1B`` and
+``ScheduleGPipe``, and gems's runtime against torch's on torch's own schedules (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -262,6 +236,14 @@ def bench_pipeline(out_dir: str | os.PathLike[str] = "results/bench", cycles: in
     cycle to cycle. On a shared machine the noise then falls on all of them
     alike; a contender's step time is its median over the cycles, and each
     goal ratio is also given as the median of the ratios within a cycle.
+
+    A contender runs whole training steps: zero_grad, forward and backward of the global batch, the gradient sum
+    over the mirrored copies where the schedule has them, an SGD step. The *bound* runs what one ``mast`` rank
+    computes a step (the whole model on half the batch) in both processes at once with no communication: the most
+    two ranks get out of this machine; ``lp`` and ``mast`` run again on 256² images, where fixed per-step costs weigh
+    less, as at the image sizes GEMS is for. Memory is each rank's peak tensor memory (from the CPU allocator's
+    events: what a GPU would count) beside the parameter bytes it holds; peak RSS is not reported, since the
+    contenders share a process.
     """
     from gems.launch.world import run_world
 

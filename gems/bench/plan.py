@@ -1,18 +1,6 @@
-"""``gems bench plan``: gems plan's predictions against what the same configurations measure here.
-
-For each configuration that fits this machine (CosmoFlow 64^3 and 128^3 at S = 1, 2; ResNet-v2 under lp,
-1f1b and mast at D = 2; a replicated run), the planner predicts the step time, its breakdown and the peak
-tensor memory per rank; then ``gems run`` trains it (real processes over gloo, one thread a rank) and its
-record gives the median step time, its breakdown and the tensor memory per rank a GPU would count. The
-links are measured first (two gloo processes exchanging messages both ways at once, as a halo exchange and
-a ring all-reduce's steps do: latency and bandwidth per direction) and given to the
-planner as the preset's figures, as a user calibrating a cluster would. Goals: step time within 25%, peak
-tensor memory within 10%, both directions.
-
-The runs take turns on a shared 2-core machine: each configuration is planned with its CPU rates timed anew
-just before its run and again just after it, and the prediction is the mean of the two (this project's VM
-drifts by 20-30% over minutes: rates timed on one side of a run alone moved a prediction by up to 40%);
-a rerun still moves the ratios by 10-20%. Rerun with ``python -m gems.bench.plan [OUT_DIR]``.
+"""``gems bench plan``: gems plan's predictions against what the same configurations measure here (step time, its
+breakdown, peak tensor memory per rank; :func:`bench_plan`), and against published figures (:func:`published`).
+Rerun with ``python -m gems.bench.plan [OUT_DIR]``.
 """
 from __future__ import annotations
 
@@ -275,6 +263,14 @@ def _measure(overrides: list[str], results: Path) -> dict[str, Any]:
 
 
 def bench_plan(out_dir: Path | str = "results/bench") -> str:
+    """Each configuration that fits this machine (CosmoFlow 64³ and 128³ at S = 1, 2; ResNet-v2 under lp, 1f1b and
+    mast at D = 2; a replicated run) planned, then trained by ``gems run`` (gloo, one thread a rank), its record's
+    step time, breakdown and tensor memory set beside the prediction. The links are measured first
+    (:func:`measure_link`) and handed to the planner as the preset's figures, as a user calibrating a cluster would.
+    On this shared machine each configuration's CPU rates are timed just before its run and just after, and the
+    prediction is the mean of the two (the VM drifts 20-30% over minutes: one side alone moved a prediction by up
+    to 40%); a rerun still moves the ratios by 10-20%. Goals: step time within 25%, peak tensor memory within 10%.
+    Returns the table."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     bw, lat, delivery, jitter = measure_link()

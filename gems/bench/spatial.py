@@ -1,29 +1,7 @@
-"""``gems bench spatial``: does cutting one CosmoFlow sample in two pay off?
-
-CosmoFlow (paper variant) on one 4 x 128^3 sample, batch 1: a training step
-(forward, backward, gradient sum over the parts, SGD) serially (S=1, one
-process) and spatially partitioned along depth (S=2, two gloo processes),
-one thread per process. Reports the median step time and speedup (goal
->= 1.8x), each rank's peak tensor memory (what a GPU would count) and peak
-resident memory growth (goal <= 0.6x of S=1), and the share of the step
-spent exchanging halos, per layer. Runs keep freed host memory as ``gems
-run`` does on CPU ranks; two rows repeat S=1 and S=2 with glibc's defaults.
-
-Honest timing on a shared 2-core machine: the configurations run in
-*rounds* (S=1, S=2 with and without overlap, the bounds, then again), so
-every configuration sees the same background noise, and the table reports
-the median over rounds (with the spread). The gradient sum uses the
-runtime's own :class:`gems.replication.GradientReducer` (bucketed,
-overlapped with the backward), as ``gems run`` does.
-
-*Bounds* run the same rounds: the serial model on a half-depth slab (65 of
-128 planes, the part plus its one halo plane) in two concurrent processes
-with no halo exchange, i.e. what two ranks could at best do. ``plain`` uses
-torch's convolutions as they are; ``conv fix`` routes them through
-:func:`gems.spatial.conv_backend.conv_nd`, which avoids torch's slow reference
-kernel for slab shapes (see there); ``+ gradient sum`` adds the weight
-gradient sum over the two processes, which any spatial scheme needs. Rerun with
-``python -m gems.bench.spatial [OUT_DIR]``.
+"""``gems bench spatial``: does cutting one CosmoFlow sample in two pay off? CosmoFlow on one 4 x 128³ sample, a
+training step serially (S = 1) and cut along depth (S = 2, two gloo processes, one thread each): the step's speedup,
+each rank's peak tensor memory and resident growth, and the share of the step spent on halos, layer by layer
+(docs/benchmarks.md). Rerun with ``python -m gems.bench.spatial [OUT_DIR]``.
 """
 from __future__ import annotations
 
@@ -225,7 +203,16 @@ def _summary(rounds: list[list[dict[str, Any]]], steps: int) -> dict[str, float]
 
 def bench_spatial(out_dir: str | os.PathLike = "results/bench", size: int = 128, steps: int = 3, warmup: int = 1,
                   rounds: int = 5) -> str:
-    """Run every configuration of :data:`RUNS` in ``rounds`` rounds; write ``spatial.md`` and ``spatial.json``."""
+    """Run every configuration of :data:`RUNS` in ``rounds`` rounds; write ``spatial.md`` and ``spatial.json``.
+
+    Each round runs every configuration once (S = 1, S = 2 with and without overlap, the bounds), so every one sees
+    the same background noise, and the table gives the median over rounds with the spread. Runs keep freed host
+    memory as ``gems run`` does on CPU ranks (two rows repeat S = 1 and 2 with glibc's defaults), and sum gradients
+    with the run's own GradientReducer. The bounds: the serial model on a half-depth slab (65 of 128 planes: the part
+    and its halo plane) in two concurrent processes with no halo exchange, what two ranks could at best do;
+    ``plain`` with torch's convolutions as they are, ``conv fix`` through
+    :func:`gems.spatial.conv_backend.conv_nd`, and ``+ gradient sum`` with the weight gradients summed over the two,
+    which any spatial scheme needs."""
     import torch
 
     from gems.bench.common import cpu_name

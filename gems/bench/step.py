@@ -1,28 +1,8 @@
-"""``gems bench step``: is a gems step on one GPU as fast as MLPerf's best, and as the best plain loop?
-
-MLPerf HPC v3.0's best trains MLPerf's CosmoFlow at 200 samples/s an H100 (224 in its 32-GPU instances) at one
-sample a GPU, with the whole step captured as one CUDA graph (docs/benchmarks.md). Four contenders on the same
-model (``model=cosmoflow_mlperf``, bf16, SGD with momentum, no dropout as NVIDIA's run), alternated in rounds in one
-process so that each sees the same machine:
-
-* **gems**: gems's training loop (gems.rank.loop), its samples read from HDF5 files (int16 counts, 128³ x 4: the
-  MLPerf layout) by its reader and finished on the device, its model replayed from CUDA graphs (the default);
-* **gems eager**: the same with ``train.cuda_graphs=false``;
-* **gems whole step** (GPU, batch 1): the same with the optimizer's update inside the graph too
-  (``train.graph_optimizer``), which becomes the default where it measures faster than **gems**;
-* **plain**: the loop a user would write: the same module channels-last, one batch made once on the device, autocast,
-  one synchronisation a step;
-* **plain graphed**: that loop's whole step (forward, backward, optimizer) captured as one CUDA graph and replayed:
-  the physical control, what the device does with no host in the way (GPU only).
-
-At batch 1 and 8, and the science configuration (CosmoFlow 128³ at batch 4, HDF5 with ``data.augment=cube``, gems
-only). Each row gives samples/s, the ratio to the graphed plain loop of the same round, the share of gems's step
-spent waiting for data, and the model's fraction of the device's peak (gems.plan.roofline). Every gems record is
-written beside the table (``step-records.json``, gems.record/1). Goals (issue 59): gems at batch 1 >= 224 samples/s
-and >= 0.95 of the graphed plain loop, its data wait <= 5% of its step, the science step <= 20 ms.
-
-On a CPU the same code runs at a small size (MLPerf's model at 32³, batch 1, three steps): the plumbing, not the figures;
-the graphed control needs CUDA and is left out.
+"""``gems bench step``: is a gems step on one GPU as fast as MLPerf's best (MLPerf HPC v3.0: CosmoFlow at 200 samples/s
+an H100, 224 in its 32-GPU instances, the whole step one CUDA graph), and as the best plain loop? gems graphed, eager
+and with the whole step in the graph, against a plain loop and that loop captured whole, on MLPerf's CosmoFlow at
+batch 1 and 8 and the science configuration (:func:`bench_step`; docs/benchmarks.md). On a CPU the same code runs
+at 32³: the plumbing, not the figures.
 """
 from __future__ import annotations
 
@@ -66,7 +46,9 @@ def _gems(overrides: list[str], device: torch.device, steps: int, warmup: int, f
 
 
 def _plain(overrides: list[str], device: torch.device, steps: int, warmup: int, graphed: bool) -> float:
-    """Median step seconds of the plain loop (module docstring), its whole step one CUDA graph with ``graphed``."""
+    """Median step seconds of the plain loop a user would write (the module channels-last, one batch made once on
+    the device, autocast, one synchronisation a step), its whole step one CUDA graph with ``graphed``: the physical
+    control, what the device does with no host in the way."""
     from gems.config import compose
     from gems.models import build_model
     from gems.rank.optim import make_optimizer
@@ -138,6 +120,14 @@ def _figures(r: dict[str, Any], batch: int) -> dict[str, Any]:
 
 
 def bench_step(out_dir: Path, overrides: list[str] | None = None, rounds: int = 3) -> str:
+    """The contenders alternated in ``rounds`` rounds in one process, on ``model=cosmoflow_mlperf`` in bf16 with SGD
+    and momentum, no dropout (as NVIDIA's run): gems (its loop, its reader on HDF5 files of 128³ x 4 int16 counts,
+    its model replayed from CUDA graphs), gems eager, gems with the optimizer's update in the graph too (GPU, batch
+    1), the plain loop and the plain loop graphed (:func:`_plain`); then the science configuration (CosmoFlow 128³,
+    batch 4, ``data.augment=cube``, gems only). A row: samples/s, the ratio to the graphed plain loop of its round,
+    the share of gems's step spent waiting for data, the model's fraction of the device's peak; every gems record is
+    written beside the table (``step-records.json``). Goals (issue 59): gems at batch 1 >= 224 samples/s and >= 0.95
+    of the graphed plain loop, its data wait <= 5% of its step, the science step <= 20 ms. Returns the table."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     # a CPU runs the plumbing alone (one batch, the fewest steps that leave measured ones): its times are no figure

@@ -1,13 +1,5 @@
-"""``gems bench telemetry``: what a rank's sampler costs a step (issue 80's goal: at most 0.5%), and what it reads.
-
-One process trains CosmoFlow (128^3, batch 8 on a GPU; 32^3 at a quarter of the width, batch 2, on a CPU) with a
-plain loop, its device synchronised once a step to time it, in three contenders alternated in rounds so that each
-sees the same noise: no telemetry; :class:`~gems.telemetry.rank.RankTelemetry` at its default interval
-(``telemetry.interval_s``); and at 0.01 s, forty times as often, which shows the cost a sample has. Each row gives
-the median step, its ratio to the plain loop's and the samples read; below the table, one sample's own time, and
-what the sampler read: the energy (> 0 where the device meters it), the mean power against the device's limit,
-NVML's peak memory beside torch's peak reserved. Without NVML here the sampler meters the node's RAPL counters, or
-nothing (said). ``telemetry.json`` beside the table holds every figure.
+"""``gems bench telemetry``: what a rank's sampler costs a step (issue 80's goal: at most 0.5%), and what it reads
+(:func:`bench_telemetry`).
 """
 from __future__ import annotations
 
@@ -93,6 +85,12 @@ def sample_cost(index: int | None, reps: int = 50) -> float | None:
 
 
 def bench_telemetry(out_dir: Path, rounds: int = 3, steps: int = 30) -> str:
+    """One process trains CosmoFlow (128³, batch 8 on a GPU; 32³ at a quarter of the width, batch 2, on a CPU) with a
+    plain loop synchronised once a step, three contenders alternated in ``rounds`` rounds: no telemetry, the
+    sampler at its default interval, and at 0.01 s (forty times as often: the cost a sample has). A row: the median
+    step, its ratio to the plain loop's and the samples read; below, one sample's own time and what the sampler read
+    (:func:`read_line`); ``telemetry.json`` holds every figure. Without NVML the sampler meters RAPL, or nothing
+    (said). Returns the table."""
     from gems.telemetry import nvml
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
