@@ -1,17 +1,6 @@
-"""What a rank reads each step, and when: the training set walked in steps or epochs, its replica's share of
-each step's batch, its spatial part of the inputs where it runs a first stage, the targets where it runs a last
-one (synthetic samples or HDF5 hyperslabs), read ahead of the step by a background reader.
-
-* **Which samples** (:class:`Sampler`): without ``train.epochs`` step ``t`` trains on the global samples
-  ``t B .. (t+1) B - 1`` (wrapping around the set, as a throughput run needs); with it each epoch walks the set
-  once in an order drawn from ``(train.seed, epoch)`` (``data.shuffle``), the same on every rank, in batches of
-  ``B``, its last partial batch dropped. Replica ``r`` takes the ``r``-th contiguous share of the batch
-  (docs/design.md). The order is a pure function of the step, so a resumed run continues mid-epoch exactly.
-* **When** (:class:`Prefetcher`): a thread reads (or generates) the next ``data.prefetch`` steps' samples while
-  the current step computes, in a bounded queue; the step waits only for what is not ready yet (the record's
-  ``time_breakdown_s.data``: the exposed time; ``data_reader_s``: the reader's own). On GPU ranks the reader
-  pins host memory and copies on a side stream, and the step's stream waits for the copy's event (CUDA only:
-  not run here). What a step computes does not change: losses are bit-identical with and without it.
+"""What a rank reads each step, and when: which global samples a step trains on (:class:`Sampler`), the rank's share of
+them (its replica's, its spatial part of the inputs where it runs a first stage, the targets where it runs a last
+one), read ahead of the step by a background reader (:class:`Prefetcher`), and a node's files staged first.
 """
 from __future__ import annotations
 
@@ -282,7 +271,11 @@ def unstage(staged: Staged | None, world: Any, barrier: Callable[[], None]) -> N
 
 # ---------------------------------------------------------------------------- which samples
 class Sampler:
-    """The global sample indices of each step (module docstring)."""
+    """The global sample indices of each step. Without ``epochs`` step ``t`` trains on samples ``t B .. (t+1) B - 1``
+    (wrapping around the set, as a throughput run needs); with it each epoch walks the set once in an order drawn
+    from ``(seed, epoch)`` (``shuffle``), the same on every rank, in batches of ``B``, its last partial batch
+    dropped. Replica ``r`` takes the ``r``-th contiguous share (docs/design.md, "Global batch and the loss"). The
+    order is a pure function of the step, so a resumed run goes on mid-epoch exactly."""
 
     def __init__(self, num_samples: int, batch: int, seed: int, epochs: int | None = None,
                  steps: int | None = None, shuffle: bool = True, symmetries: int = 1) -> None:
@@ -373,8 +366,11 @@ Batch = tuple[list[int], Any, Any]
 
 
 class Prefetcher:
-    """Reads the batches of ``steps`` ahead on a thread, ``depth`` of them at most (module docstring); ``fetch``
-    makes one step's (ids, input, target) on the host. ``depth`` 0 reads in the caller's thread."""
+    """Reads the batches of ``steps`` ahead on a thread, ``depth`` (``data.prefetch``) of them at most, in a bounded
+    queue; ``fetch`` makes one step's (ids, input, target) on the host. ``depth`` 0 reads in the caller's thread.
+    The step waits only for what is not ready yet (the record's ``time_breakdown_s.data``; ``data_reader_s``: the
+    reader's own time). On GPU ranks the reader pins host memory and copies on a side stream, and the step's stream
+    waits for the copy's event. What a step computes does not change: the losses are the same bit for bit."""
 
     def __init__(self, fetch: Callable[[int], Batch], steps: Sequence[int], depth: int, device: torch.device,
                  finish: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
