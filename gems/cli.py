@@ -1,10 +1,6 @@
-"""The ``gems`` command: run, sweep, results, render, plan, data, nodes, bench.
-
-Every subcommand composes ``conf/config.yaml`` with the Hydra overrides
-given (``key=value``, ``group=option``, ``+experiment=NAME``). Exit status:
-0 done; 2 bad input, reported as one line naming the key, the value and what
-would work, before anything is submitted or written; 1 a run that failed
-after it started.
+"""The ``gems`` command: run, sweep, results, render, plan, data, nodes, bench, each composing ``conf/config.yaml`` with
+the Hydra overrides given. Exit status: 0 done; 2 bad input (one line naming the key, the value and what would work,
+before anything is submitted or written); 1 a run that failed after it started.
 """
 from __future__ import annotations
 
