@@ -211,7 +211,7 @@ def test_rendered_script_runs_when_submitted_by_hand(tmp_path: Path) -> None:
     from gems.launch.render import write_job
     from gems.results import record as rec
 
-    cfg = options.prepare(_cfg(tmp_path, *SMALL, f"cluster.python={sys.executable}"))
+    cfg = options.job_config(_cfg(tmp_path, *SMALL, f"cluster.python={sys.executable}"))
     script = write_job(cfg)
     out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60,
                          cwd=tmp_path)

@@ -17,7 +17,7 @@ RUN = ["model=cosmoflow_mlperf", "model.size=32", "parallel.replicas=4", "train.
        "train.warmup_steps=1", "train.checkpoint_every=1", "train.check_fit=false"]
 
 
-def _one(folder: Path, writers: int) -> dict[str, Any]:
+def _run_with_writers(folder: Path, writers: int) -> dict[str, Any]:
     """One real run; its record's save figures and the last checkpoint's files."""
     out = subprocess.run([sys.executable, "-m", "gems.cli", "run", f"results.dir={folder}", *RUN,
                           f"train.checkpoint_writers={writers}"], capture_output=True, text=True, timeout=1800)
@@ -43,7 +43,7 @@ def bench_checkpoint(out_dir: Path, rounds: int = 3) -> str:
     with tempfile.TemporaryDirectory(prefix="gems-bench-checkpoint-") as tmp:
         for k in range(rounds):  # alternated: every contender sees the same noise
             for w in WRITERS:
-                got[w].append(_one(Path(tmp) / f"r{k}-w{w}", w))
+                got[w].append(_run_with_writers(Path(tmp) / f"r{k}-w{w}", w))
     one = median([g["held"] for g in got[1]])
     rows = []
     for w in WRITERS:

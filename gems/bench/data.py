@@ -95,7 +95,7 @@ def thread_counts(cores: int | None = None) -> list[int]:
     return [n for n in (2 ** i for i in range(8)) if n <= top]
 
 
-def quiet(wait_s: float = 2.0, idle: float = 0.9) -> None:
+def wait_for_idle_cores(wait_s: float = 2.0, idle: float = 0.9) -> None:
     """Wait up to ``wait_s`` for a moment when the machine's cores are ``idle`` (a share of 0.1 s, from
     /proc/stat; elsewhere no wait): a reader's rate on two cores halves while another process computes."""
     def snap() -> tuple[int, int]:
@@ -458,7 +458,7 @@ def bench_reader(folders: dict[str, Source], threads: Sequence[int] | None = Non
     got: dict[tuple[str, int, str], list[float]] = {k: [] for k in names}
     try:
         for r in range(rounds + 1):  # round 0 warms (threads started, files opened), not counted
-            quiet(quiet_s)
+            wait_for_idle_cores(quiet_s)
             for lay, t, c in (names if r % 2 else names[::-1]):
                 rate = benches[lay].gbs(t, c)
                 if r:

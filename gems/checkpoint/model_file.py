@@ -15,7 +15,18 @@ from typing import Any, Callable
 
 import torch
 
-from gems.checkpoint.sharded import Holding, Saver, entries, find, load, quiet, read_meta, save_file, state_bytes, trained_on
+from gems.checkpoint.sharded import (
+    Holding,
+    Saver,
+    entries,
+    find,
+    load,
+    read_meta,
+    save_file,
+    state_bytes,
+    trained_on,
+    without_dcp_warning,
+)
 from gems.errors import ConfigError
 from gems.storage import StorageFailed, writing
 
@@ -97,7 +108,7 @@ def _write_model(cfg: Any, parts: Path, path: Path, order: list[str], ema: bool,
     state = OrderedDict((k, torch.empty(have[k][0], dtype=have[k][1])) for k in order)
     import torch.distributed.checkpoint as dcp
 
-    with quiet():
+    with without_dcp_warning():
         dcp.load(state, checkpoint_id=str(parts), no_dist=True)
     out = {"format": MODEL_FILE_FORMAT, "model": OmegaConf.to_container(cfg.model, resolve=True),
            "state_dict": state, "weights": "ema" if ema else "last", "step": int(step), "run_id": str(cfg.run_id),

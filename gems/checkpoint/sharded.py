@@ -260,7 +260,7 @@ def chunks_of(state: dict[str, torch.Tensor], share: Share) -> dict[str, tuple[t
 
 
 @contextlib.contextmanager
-def quiet() -> Any:
+def without_dcp_warning() -> Any:
     """DCP without a process group warns that it assumes one process, which is what gems asks of it there."""
     import warnings
 
@@ -409,7 +409,7 @@ class Saver:
                                                                                       state.items()}),
               "process_group": group, "no_dist": group is None}
         local = {k: v for k, (v, _) in chunks.items()}
-        with quiet():
+        with without_dcp_warning():
             if asynchronous:
                 return dcp.async_save(local, **kw)
             dcp.save(local, **kw)
@@ -688,7 +688,7 @@ def load(d: Path, hold: Holding, what: tuple[str, ...] = ("model", "optim", "ema
     if missing:
         raise ConfigError(key, str(d), f"a checkpoint of this model: it has no {missing[0]}")
     if want:  # each rank alone, from the metadata and the chunks it needs: no collective at any scale
-        with quiet():
+        with without_dcp_warning():
             dcp.load(want, checkpoint_id=str(d), no_dist=True)
     with torch.no_grad():
         for n, t in tensors.items():

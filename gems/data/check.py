@@ -81,7 +81,7 @@ def work_of(cfg: Any) -> list[Item]:
             for key, path, layout in sets_of(cfg) for f in layout.files(path)]
 
 
-def _one(item: Item) -> tuple[str, str] | None:
+def _check_item(item: Item) -> tuple[str, str] | None:
     return check_file(*item)
 
 
@@ -127,11 +127,11 @@ def check_main(cfg: Any, job: Callable[..., int] | None = None, classes: int | N
 
 def summary(total: int, bad: list[tuple[str, str]], seconds: float) -> str:
     """The check's last line: the files checked, each bad one named with what is wrong."""
-    from gems.data.convert import named
+    from gems.data.convert import bad_files_line
 
     if not bad:
         return f"gems data check: {total} file(s) checked in {seconds:.1f} s, all good"
-    return f"gems data check: {total} file(s) checked in {seconds:.1f} s, {len(bad)} bad: {named(bad)}"
+    return f"gems data check: {total} file(s) checked in {seconds:.1f} s, {len(bad)} bad: {bad_files_line(bad)}"
 
 
 def _here(items: list[Any], workers: int) -> list[tuple[str, str]]:
@@ -145,7 +145,7 @@ def _here(items: list[Any], workers: int) -> list[tuple[str, str]]:
             bad.append(got)
         return True
 
-    work_through(_one, items, workers, take, "gems data check")
+    work_through(_check_item, items, workers, take, "gems data check")
     return bad
 
 
@@ -161,15 +161,15 @@ def task(cfg_yaml: str) -> int:
     cfg = OmegaConf.create(cfg_yaml)
     env = submitit.JobEnvironment()
     mine = work_of(cfg)[env.global_rank::env.num_tasks]
-    report(cfg, env.global_rank, [got for item in mine if (got := _one(item)) is not None])
+    report(cfg, env.global_rank, [got for item in mine if (got := _check_item(item)) is not None])
     return len(mine)
 
 
 def _on_slurm(cfg: Any, items: list[Any], job: Callable[..., int]) -> list[tuple[str, str]]:
-    from gems.data.convert import found, reporting
+    from gems.data.convert import reported_bad_files, reporting
 
     reporting(cfg, "check")
-    return found(cfg, job(cfg, task, "check", f"{len(items)} file(s)"))
+    return reported_bad_files(cfg, job(cfg, task, "check", f"{len(items)} file(s)"))
 
 
 # ---------------------------------------------------------------------------- sets that passed

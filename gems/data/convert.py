@@ -149,7 +149,7 @@ def convert_one(item: tuple[str, Path, Path], channels: int, tile: int | None = 
     return None
 
 
-def named(bad: Sequence[tuple[str, str]], shown: int = 20) -> str:
+def bad_files_line(bad: Sequence[tuple[str, str]], shown: int = 20) -> str:
     """Bad files in one line, each with what is wrong (the first ``shown``, by name): gems data convert's and
     gems data check's last words."""
     out = "; ".join(f"{Path(f).name}: {why}" for f, why in sorted(bad)[:shown])
@@ -280,7 +280,7 @@ def _here(work: Work, left: list[tuple[str, Path, Path]]) -> int:
 def refused(work: Work, bad: list[tuple[str, str]], done: int) -> None:
     """Every bad file of a conversion named in one refusal (none: nothing), with what was converted."""
     if bad:
-        raise ConfigError("data.path", work.path, f"files that convert; {len(bad)} did not: {named(bad)} ({done} other "
+        raise ConfigError("data.path", work.path, f"files that convert; {len(bad)} did not: {bad_files_line(bad)} ({done} other "
                           "file(s) were converted and are kept; the same command converts the rest once they are "
                           "mended or removed)")
 
@@ -311,7 +311,7 @@ def report(cfg: Any, rank: int, bad: list[tuple[str, str]]) -> None:
     (out / f"task{rank}.json").write_text(json.dumps(bad))
 
 
-def found(cfg: Any, tasks: int) -> list[tuple[str, str]]:
+def reported_bad_files(cfg: Any, tasks: int) -> list[tuple[str, str]]:
     """The bad files every task of a Slurm job of gems data convert or check reported (:func:`report`)."""
     import json
 
@@ -352,6 +352,6 @@ def _on_slurm(cfg: Any, work: Work, left: list[tuple[str, Path, Path]], job: Cal
         count()
     finally:
         bar.close()
-    bad = found(cfg, tasks)
+    bad = reported_bad_files(cfg, tasks)
     refused(work, bad, len(left) - len(bad))
     return len(left)

@@ -102,8 +102,9 @@ def default_job_dir(cfg: DictConfig) -> Path:
     return Path(cfg.results.dir).resolve() / ".jobs" / str(cfg.run_id or "gems")
 
 
-def prepare(cfg: DictConfig) -> DictConfig:
-    """A copy of ``cfg`` with a run id and an absolute ``results.dir`` (ranks may start elsewhere)."""
+def job_config(cfg: DictConfig) -> DictConfig:
+    """The configuration a job is submitted with: a copy of ``cfg`` with a run id and an absolute ``results.dir``
+    (ranks may start elsewhere). Not :func:`gems.prepare.prepare`, which checks a run before launch."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[assignment]  # a mapping
     if not cfg.get("run_id"):
         cfg.run_id = rec.new_run_id(rec.default_name(cfg))
@@ -111,4 +112,4 @@ def prepare(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
-__all__ = ["job_name", "python_command", "sbatch_parameters", "default_job_dir", "prepare"]
+__all__ = ["job_name", "python_command", "sbatch_parameters", "default_job_dir", "job_config"]

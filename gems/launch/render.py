@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from gems.config import idle_gpus, job_tasks, to_yaml
 from gems.errors import ConfigError
-from gems.launch.options import default_job_dir, job_name, prepare, python_command, sbatch_parameters
+from gems.launch.options import default_job_dir, job_config, job_name, python_command, sbatch_parameters
 from gems.results.record import private_dir
 
 # submitit's sbatch parameters that are not #SBATCH options
@@ -88,7 +88,7 @@ def render(cfg: DictConfig, job_dir: str | Path | None = None, config_path: str 
 
 def write_job(cfg: DictConfig, job_dir: str | Path | None = None) -> Path:
     """Write ``config.yaml`` and ``<job name>.sbatch`` into the job folder; return the script's path."""
-    cfg = prepare(cfg)
+    cfg = job_config(cfg)
     jd = Path(job_dir).resolve() if job_dir is not None else default_job_dir(cfg)
     cp = jd / "config.yaml"
     text = render(cfg, jd, cp)  # first: a value the script cannot take is bad input, and nothing is written

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from gems.config import idle_gpus, job_tasks, section, to_yaml
 from gems.launch.admission import check_reachable, preflight, refusal
 from gems.launch.jobs import Outcome, SlurmRun, first_line
-from gems.launch.options import default_job_dir, prepare, python_command, sbatch_parameters
+from gems.launch.options import default_job_dir, job_config, python_command, sbatch_parameters
 from gems.launch.watch import wait
 from gems.results import record as rec
 
@@ -49,7 +49,7 @@ def submit_all(cfgs: Sequence[DictConfig], job_dirs: Sequence[Path | str] | None
     """Submit a sweep: every configuration is checked with Slurm first, so a bad one submits nothing."""
     if not cfgs:
         return []
-    prepared = [prepare(c) for c in cfgs]
+    prepared = [job_config(c) for c in cfgs]
     _note_idle_gpus(prepared)
     if job_dirs is not None and len(job_dirs) != len(prepared):
         raise ValueError("job_dirs must give one folder per configuration")

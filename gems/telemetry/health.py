@@ -265,11 +265,11 @@ def check_node(cfg: Any, device: str, ranks: int, job_dir: Path | str) -> None:
     node = node_name()
     bad = [f for f in check(cfg.health, want) if f.ok is False]
     if bad:
-        keep(Path(job_dir), node, bad)
+        write_failure(Path(job_dir), node, bad)
         raise BadNode(node, bad)
 
 
-def keep(job_dir: Path, node: str, bad: list[Finding]) -> Path:
+def write_failure(job_dir: Path, node: str, bad: list[Finding]) -> Path:
     """Write the node's failed checks where the launchers read them (``nodes/<node>.json`` in the run's folder)."""
     d = job_dir / "nodes"
     d.mkdir(parents=True, exist_ok=True)
@@ -379,5 +379,5 @@ def _said(reports: list[dict[str, Any]]) -> int:
     return 2 if bad else 0
 
 
-__all__ = ["BadNode", "CHECKS", "Finding", "bad_nodes", "check", "check_node", "describe", "failure_of", "keep",
-           "local_rank", "node_report", "nodes_main", "of_this_job", "task", "wanted"]
+__all__ = ["BadNode", "CHECKS", "Finding", "bad_nodes", "check", "check_node", "describe", "failure_of",
+           "local_rank", "node_report", "nodes_main", "of_this_job", "task", "wanted", "write_failure"]
