@@ -1,10 +1,8 @@
-"""The backward split in two for zero-bubble schedules: input gradients in an ``I`` action, weight gradients in a
-later ``W`` that fills a bubble.
-
-A partition's convolutions and linear layers are made deferrable (:func:`make_deferrable`: only their class
-changes); inside :func:`deferring` their backward computes the input gradient and queues what the weight gradient
-needs, which ``W`` accumulates through autograd (:meth:`WeightGrads.run`), so the gradient sum's hooks fire as for any
-backward. Outside it, and for layers of cheap weight gradients (norms, gems's spatial layers), both come at once.
+"""The backward split in two for zero-bubble schedules: input gradients in an ``I`` action, weight gradients in a later
+``W`` that fills a bubble. A partition's convolutions and linear layers are made deferrable (:func:`make_deferrable`);
+inside :func:`deferring` their backward computes the input gradient and queues what the weight gradient needs, which
+``W`` accumulates through autograd (:meth:`WeightGrads.run`), so the gradient sum's hooks fire as for any backward.
+Outside it, and for layers of cheap weight gradients (norms, gems's spatial layers), both come at once.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""One runtime that executes any :class:`~gems.pipeline.schedules.Schedule` over torch.distributed point-to-point.
-
-The schedule says what a pipeline rank does, in order; :class:`PipelineRunner` does it: each action's forward or
-backward of its partition on its chunk of the batch, its messages in the rounds of the schedule's exchange plan
-(gems.pipeline.exchange), a wait only where an action needs what a round received. Around every forward and backward
-the chunk's ``batch_context`` is set, so ``SampleDropout`` draws the serial masks; ``checkpoint=True`` runs a
-partition's forward again in its backward (:class:`gems.layers.Recompute`).
+"""One runtime that executes any :class:`~gems.pipeline.schedules.Schedule` over torch.distributed point-to-point:
+:class:`PipelineRunner` runs each action's forward or backward of its partition on its chunk of the batch, and the
+messages in the rounds of the schedule's exchange plan (gems.pipeline.exchange), waiting only where an action needs
+what a round received. Around every forward and backward the chunk's ``batch_context`` is set, so ``SampleDropout``
+draws the serial masks; ``checkpoint=True`` runs a partition's forward again in its backward.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""Pipeline schedules as pure data: which rank runs which forward or backward, in order.
-
-A schedule is one list of :class:`Action` a rank plus its placement (the rank of each stage, per pass), decided
-before any process exists, so it is drawn (:func:`draw`), checked (:func:`simulate`) and tested here;
-:mod:`gems.pipeline.runtime` only executes it. What an action waits for is stated once (:func:`needs`, :func:`sends`,
-:func:`receives`), and schedules are registered by name (:func:`register`; docs/parallelism.md, "The registered
-schedules"), their facts asked of the registration, never of the name.
+"""Pipeline schedules as pure data: which rank runs which forward or backward, in order. A schedule is one list of
+:class:`Action` a rank plus its placement (the rank of each stage, per pass), decided before any process exists, so
+it is drawn (:func:`draw`), checked (:func:`simulate`) and tested here; the runtime only executes it. What an action
+waits for is stated once (:func:`needs`, :func:`sends`, :func:`receives`); schedules are registered by name
+(:func:`register`; docs/parallelism.md), their facts asked of the registration, never of the name.
 """
 from __future__ import annotations
 
