@@ -416,7 +416,8 @@ class GradientReducer:
         """Start the sum of ``t`` in place over the torch.distributed group: (handle, None)."""
         import torch.distributed as dist
 
-        return capture.launch(lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)), None
+        return capture.launch(lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True),
+                              self.group), None
 
     def finish(self, timed: bool = True) -> float:
         """Launch what the hooks did not, wait for every bucket, write sums back. Returns seconds waited (0 with
@@ -520,11 +521,11 @@ def average_buffers(buffers: list[torch.Tensor], group: Any, size: int, flat: to
     import torch.distributed as dist
 
     if flat is not None:
-        capture.launch(lambda: dist.all_reduce(flat, group=group))
+        capture.launch(lambda: dist.all_reduce(flat, group=group), group)
         flat /= size
         return
     flat = torch.cat([b.reshape(-1).float() for b in buffers])
-    capture.launch(lambda: dist.all_reduce(flat, group=group))
+    capture.launch(lambda: dist.all_reduce(flat, group=group), group)
     flat /= size
     off = 0
     for b in buffers:

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import os
 import sys
+import threading
+import time
 import traceback
 from typing import Any
 
@@ -26,11 +29,12 @@ from gems.bootstrap import (
     job_device,
     ranks_on_this_node,
 )
-from gems.config import section, typed
+from gems.config import FaultConf, section, typed
 from gems.errors import ConfigError
 from gems.fault import reports
 from gems.fault.watchdog import Watchdog
 from gems.rank.evaluate import evaluate_model
+from gems.rank.graphs import stand_in
 from gems.rank.loop import Stopped, train, write_once
 from gems.results import record as rec
 from gems.storage import StorageFailed, named
@@ -48,6 +52,7 @@ def run_rank(cfg_yaml: str) -> dict[str, Any] | None:
     rank = _env_rank()
     wd: Watchdog | None = None
     world: Any = None
+    failed: list[str] = []  # this rank's own error, where it failed (what a teardown that hangs adds to)
     # the message log spans the rank's end: its graphs' release and its process groups' destruction are logged
     with contextlib.ExitStack() as logged:
         try:
@@ -78,9 +83,10 @@ def run_rank(cfg_yaml: str) -> dict[str, Any] | None:
         except BaseException as e:
             if not isinstance(e, (KeyboardInterrupt, SystemExit)) and rank is not None:
                 reports.report_exception(rec.job_dir(cfg), rank, e)
+            failed.append(reports.one_line(e))
             raise
         finally:
-            end_rank(world, wd)
+            end_rank(world, wd, cfg, failed[0] if failed else None)
 
 
 def keep_record(cfg: Any, record: dict[str, Any]) -> None:
@@ -118,34 +124,96 @@ def start_watchdog(cfg: Any, world: Any, on_stall: Any) -> Watchdog | None:
 
 
 def release_graphs(world: Any) -> bool:
-    """The rank's CUDA graphs released (gems.capture.release: its device's queue finished, every graph reset, the
-    garbage collected), before anything destroys its process groups. False where that failed (a device in error):
-    then nothing may wait on NCCL's teardown."""
+    """The rank's CUDA graphs released (gems.capture.release: its device's queue finished, every graph reset even
+    where the device failed, the garbage collected), before anything ends its process groups. False where the device
+    reported an error, now or at an earlier release: then the process groups end by abort, which waits for no queue."""
     try:
         rules.release(world.device if world is not None else None, waiting=lambda: progress.waiting("gpu queue"))
-        return True
-    except Exception as e:  # a device that failed cannot finish its queue: say so, and end without NCCL's teardown
-        print(f"gems: rank {getattr(world, 'rank', '?')}: its CUDA graphs could not be released "
-              f"({type(e).__name__}: {str(e)[:200]}); its process groups are left to the process's end",
-              file=sys.stderr, flush=True)
-        return False
+    except Exception as e:  # a device that failed cannot finish its queue: say so; its graphs were reset all the same
+        print(f"gems: rank {getattr(world, 'rank', '?')}: its device failed while its CUDA graphs were released "
+              f"({type(e).__name__}: {str(e)[:200]}); its process groups end by abort", file=sys.stderr, flush=True)
+    return not rules.DEVICE_ERRORS
 
 
-def end_rank(world: Any, wd: Watchdog | None) -> None:
-    """How every rank ends, whatever ended it (done, failed, preempted, a failed capture): its graphs released,
-    with the watchdog still watching (a device whose queue waits for a hung peer ends the process there, by the
-    watchdog's path, never by waiting on NCCL), then the watchdog stopped, then its process groups destroyed: NCCL's
-    teardown waits for every graph holding its work (gems.capture), so it comes after them."""
+#: the exit status of a rank whose process groups did not end within the time limit (a teardown, not a step:
+#: gems.gpucheck reports it as a teardown hang)
+TEARDOWN_EXIT = 70
+#: past the time limit, how long the rank's own report may take before faulthandler ends the process (a teardown
+#: that holds the interpreter's lock leaves no Python thread to run: its stacks are printed, exit status 1)
+LAST_RESORT_S = 30.0
+
+
+def teardown_s(fault: FaultConf) -> float:
+    """How long ending a rank's process groups may take: the watchdog's stall allowance (``fault.stall_timeout_s``;
+    its default where stall detection is off: the teardown is bounded all the same)."""
+    return float(fault.stall_timeout_s if fault.stall_timeout_s is not None else FaultConf().stall_timeout_s or 60.0)
+
+
+def end_rank(world: Any, wd: Watchdog | None, cfg: Any = None, error: str | None = None) -> None:
+    """How every rank ends, whatever ended it (done, failed, preempted, a failed capture): its graphs released, with
+    the watchdog still watching (a device whose queue waits for a hung peer ends the process there, by the watchdog's
+    path, never by waiting on NCCL), then the watchdog stopped, then its process groups ended (destroyed; aborted where
+    the device failed): NCCL's teardown waits for every graph holding its work (gems.capture), so it comes after
+    them, within :func:`teardown_s`; past it the rank names what it waits for and exits (:func:`teardown_hung`).
+    ``error``: this rank's own failure, where it failed."""
     import torch.distributed as dist
 
-    released = release_graphs(world)
+    healthy = release_graphs(world)
     if wd is not None:
         wd.stop()
-    if released and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # the peer may already be gone; the record says why
-            pass
+    if not dist.is_initialized():
+        return
+    limit = teardown_s(section(cfg, "fault")) if cfg is not None else teardown_s(FaultConf())
+    timer = threading.Timer(limit, teardown_hung, args=(cfg, world.rank, limit, healthy, error))
+    timer.daemon = True
+    timer.start()
+    faulthandler.dump_traceback_later(limit + LAST_RESORT_S, exit=True)
+    try:
+        end_groups(abort=not healthy)
+    except Exception:  # the peer may already be gone; the record says why
+        pass
+    finally:
+        timer.cancel()
+        faulthandler.cancel_dump_traceback_later()
+
+
+def end_groups(abort: bool) -> None:
+    """The process groups ended: destroyed, or NCCL's aborted where the device failed (no wait for its queue). On a
+    CPU rank's graph stand-in the end first waits while a graph holding NCCL work is alive, as NCCL's (2.26 on) does."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    while stand_in() and rules.holding():
+        time.sleep(0.05)
+    if abort and dist.get_backend() == "nccl":
+        c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
+
+
+def teardown_hung(cfg: Any, rank: int, limit: float, healthy: bool, error: str | None) -> None:
+    """Past the teardown's limit (a thread of its own, the rank blocked in NCCL's teardown): the rank names what its
+    teardown waits for (the graphs still alive and their communicators) in its failure report (added to the one it
+    wrote where it failed), rank 0 writes the run's record where none exists yet, and the rank exits
+    :data:`TEARDOWN_EXIT`."""
+    graphs = rules.alive()
+    how = "destroyed" if healthy else "aborted (its device failed)"
+    waits = ("CUDA graphs still alive: " + "; ".join(graphs)) if graphs else \
+        "no graph gems made is alive (NCCL's own teardown did not return)"
+    message = (f"rank {rank}: its process groups were not {how} within {limit:g} s (fault.stall_timeout_s): {waits}; "
+               f"it exits with status {TEARDOWN_EXIT} (a teardown, not a step)")
+    print(f"gems: error: {message}", file=sys.stderr, flush=True)
+    if cfg is not None:
+        jd = rec.job_dir(cfg)
+        if not reports.amend_report(jd, rank, teardown=message, graphs_alive=graphs):
+            reports.write_report(jd, rank, message, echo=False, kind="teardown", graphs_alive=graphs)
+        path = rec.record_path(cfg)
+        if rank == 0 and rec.find_record(path) is None:
+            write_once(path, rec.failed_record(cfg, f"{error}; then {message}" if error else message,
+                                               failure={"kind": "teardown", "graphs_alive": graphs}))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(TEARDOWN_EXIT)
 
 
 def hardware(cfg: Any, world: Any, record: dict[str, Any]) -> None:

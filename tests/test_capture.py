@@ -80,13 +80,15 @@ def test_nccl_launches_inside_a_graph_are_chained_in_issue_order_and_the_capture
             return [api.work(name)] if asynchronous else None
         return go
 
-    assert capture.launch(issue("eager", True)) is not None and api.calls == []  # outside: just the call
-    with capture.region(torch.device("cpu"), api):
+    assert capture.launch(issue("eager", True), None) is not None and api.calls == []  # outside: just the call
+    before = capture.alive()  # (another test's graphs, not yet collected)
+    graph = capture.StandInGraph("step")
+    with capture.region(torch.device("cpu"), api, graph):
         assert capture.in_graph()
-        capture.launch(issue("sum", True))  # a bucket's all-reduce (async_op=True)
+        capture.launch(issue("sum", True), "grad")  # a bucket's all-reduce (async_op=True)
         with api.stream(api._stream("halo")):  # a halo posted from its side stream
-            capture.launch(issue("halo", True))
-        capture.launch(issue("sync", False))  # the step's sync (blocking)
+            capture.launch(issue("halo", True), "spatial")
+        capture.launch(issue("sync", False), None)  # the step's sync (blocking)
     assert not capture.in_graph()
     assert issued == ["eager on main", "sum on chain1", "halo on chain1", "sync on chain1"]
     assert api.calls == [("wait_stream", "chain1", "main"), ("wait", "sum", "chain1"),
@@ -94,23 +96,48 @@ def test_nccl_launches_inside_a_graph_are_chained_in_issue_order_and_the_capture
                          ("wait_stream", "chain1", "main"), ("wait_stream", "main", "chain1"),  # blocking: at once
                          ("wait_stream", "main", "chain1")]  # the capture's end joins the chain
     assert api.made == 1  # one chain a graph
+    # the graph knows the communicators it holds NCCL work of (what a teardown that waits for it names)
+    assert capture.alive() == [*before, "step holding NCCL work of grad; spatial; the world, not in the registry"]
+    graph.reset()
+    assert capture.alive() == before
 
 
-def test_no_stream_is_recorded_on_a_tensor_inside_a_capture() -> None:
-    """Eagerly a tensor used on a second stream gets ``record_stream``; inside a graph the region holds it to its end
-    instead (a block with stream uses freed in a capture is never reused in it: the pool would grow past the plan)."""
+def test_no_stream_is_recorded_on_a_tensor_inside_a_capture_and_each_is_held_until_its_streams_join() -> None:
+    """Eagerly a tensor used on a second stream gets ``record_stream``; inside a graph the region holds it instead (a
+    block with stream uses freed in a capture is never reused in it: the pool would grow past the plan), until the
+    stream it was made on waits for the one that uses it: from then on its memory's next use there follows that use,
+    so the pool may take it back inside the capture (the halo's input when the compute stream joins the side stream,
+    the received buffers at the next post's join), as the eager step's allocator does."""
     recorded: list[Any] = []
+    api = _Api()
+    main, side = api.main, api._stream("side")
 
     class T:
-        def record_stream(self, s: Any) -> None:
-            recorded.append(s)
+        def __init__(self, name: str) -> None:
+            self.name = name
 
-    eager, inside = T(), T()
-    capture.keep(eager, "side")  # type: ignore[arg-type]
+        def record_stream(self, s: Any) -> None:
+            recorded.append((self.name, s.name))
+
+        def __repr__(self) -> str:
+            return self.name
+
+    capture.keep(T("eager"), side, main)  # type: ignore[arg-type]
+    x, buf, last = T("x"), T("buf"), T("last")
     with capture.region(torch.device("cpu")):
-        capture.keep(inside, "side")  # type: ignore[arg-type]
-        assert capture._REGION[-1].held == [inside]
-    assert recorded == ["side"]
+        held = lambda: [h[0] for h in capture._REGION[-1].held]  # noqa: E731
+        capture.keep(x, side, main)  # type: ignore[arg-type]  # the layer's input, packed on the side stream
+        capture.join(side, main)  # another layer's post: x stays (its use on side is not joined back yet)
+        assert held() == [x]
+        capture.join(main, side)  # the halo's wait: main follows the sends that read x
+        capture.keep(buf, main, side)  # type: ignore[arg-type]  # received on side, read on main
+        assert held() == [buf]
+        capture.join(side, main)  # the next post: side follows main's reads of buf
+        capture.keep(last, main, side)  # type: ignore[arg-type]
+        assert held() == [last]  # the last layer's buffers: to the region's end
+    assert recorded == [("eager", "side")]
+    assert api.calls == [("wait_stream", "side", "main"), ("wait_stream", "main", "side"),
+                         ("wait_stream", "side", "main")]
 
 
 def test_a_graph_launched_outside_the_chain_is_refused_by_the_replay() -> None:
@@ -156,14 +183,48 @@ def test_release_finishes_the_queue_in_the_watchdogs_gpu_phase_then_resets_every
     capture.made(G("piece"))
     assert capture.release(torch.device("cpu"), api=api, waiting=waiting) == 2
     assert api.calls == [("synchronize",)] and phases == ["gpu queue"] and resets == ["step", "piece"]
-    assert capture.GRAPHS == []
+    assert capture.GRAPHS == [] and capture.DEVICE_ERRORS == []
 
 
-def test_a_capture_whose_body_fails_after_it_ended_resets_its_graph_before_the_error_leaves() -> None:
-    """On a mock of torch.cuda: the body raises its own error (after NCCL work, say) while ``capture_end`` succeeds:
-    the instantiated graph is reset before the error leaves (a traceback holding it would hang NCCL's teardown),
-    and the error is the capture's named one. Where ``capture_end`` itself fails, no graph was made and nothing is
-    called on it."""
+def test_a_device_in_error_still_has_every_graph_reset_then_its_error_raised(monkeypatch) -> None:
+    """Where the device reports an error as its queue is finished (a failed first replay on a GPU), every graph is
+    reset all the same (NCCL's abort waits for live graphs too), and the error then leaves, kept for the worker, which
+    ends the process groups by abort. A graph whose reset fails stays registered and is named alive."""
+    monkeypatch.setattr(capture, "DEVICE_ERRORS", [])
+    api = _Api()
+    resets: list[str] = []
+
+    def broken(device: Any = None) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    api.synchronize = broken  # type: ignore[method-assign]
+
+    class G:
+        def __init__(self, name: str, fails: bool = False) -> None:
+            self.name, self.fails = name, fails
+
+        def reset(self) -> None:
+            if self.fails:
+                raise RuntimeError("the driver refused")
+            resets.append(self.name)
+
+    before = capture.alive()
+    kept = [capture.made(G("step"), "the step's graph"), capture.made(G("stuck", fails=True), "a stuck graph")]
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        capture.release(torch.device("cuda", 0), api=api)
+    assert resets == ["step"] and capture.GRAPHS == [kept[1]]
+    assert capture.DEVICE_ERRORS == ["RuntimeError: CUDA error: an illegal memory access was encountered"]
+    assert capture.alive() == [*before, "a stuck graph (no NCCL work captured)"]
+    kept[1].fails = False
+    assert capture.reset(kept[1]) and capture.GRAPHS == [] and capture.alive() == before
+
+
+@pytest.mark.parametrize("fails", ["body", "instantiate"])
+def test_a_graph_is_reset_on_every_failure_of_its_capture_before_the_error_leaves(fails: str) -> None:
+    """On a mock of torch.cuda: the body raises its own error (after NCCL work, say) while ``capture_end`` succeeds,
+    or ``capture_end`` raises after ``cudaStreamEndCapture`` made the graph (``instantiate()`` failing inside it):
+    either way the graph is reset before the error leaves (a traceback holding it would hang NCCL's teardown; torch's
+    ``reset()`` frees only what the graph holds, in every state), and the error is the capture's named one."""
     calls: list[str] = []
     api = _Api()
 
@@ -173,6 +234,8 @@ def test_a_capture_whose_body_fails_after_it_ended_resets_its_graph_before_the_e
 
         def capture_end(self) -> None:
             calls.append("capture_end")
+            if fails == "instantiate":
+                raise RuntimeError("CUDA error: out of memory (cudaGraphInstantiateWithFlags)")
 
         def reset(self) -> None:
             calls.append("reset")
@@ -181,15 +244,15 @@ def test_a_capture_whose_body_fails_after_it_ended_resets_its_graph_before_the_e
     api.empty_cache = lambda: None  # type: ignore[attr-defined]
 
     def body(s: graphs.Static) -> None:
-        if "capture_begin" in calls:
+        if "capture_begin" in calls and fails == "body":
             raise ValueError("the step's own error")
         s.figures.fill_(1.0)
 
     g = graphs.StepGraph(body, torch.device("cpu"), 1, capture=graphs._CudaCapture(torch.device("cpu"), api=api))
     x, y = torch.zeros(2, 3), torch.zeros(2, 1)
     g.run(x, y, 0, 0, [0, 1], False)
-    with pytest.raises(graphs.CaptureFailed, match="capturing the step failed on rank 1 at step 1: ValueError: the "
-                                                   "step's own error"):
+    named = "ValueError: the step's own error" if fails == "body" else "RuntimeError: CUDA error: out of memory"
+    with pytest.raises(graphs.CaptureFailed, match=f"capturing the step failed on rank 1 at step 1: {named}"):
         g.run(x, y, 0, 1, [0, 1], False)
     assert calls == ["capture_begin", "capture_end", "reset"] and capture.GRAPHS == []
 
@@ -235,9 +298,6 @@ def test_every_way_a_graphed_run_ends_resets_its_graphs_before_its_process_group
     assert sorted(logs) == [0, 1]
     for rank, events in logs.items():
         attempts = _ended(events)
-        if path == "capture-failed":  # capture_end failed: no graph was made, none to reset, none alive
-            assert attempts == [["destroy(0 alive)"]], (rank, attempts)
-            continue
         assert attempts and all(a and a[0] == "graph_reset" for a in attempts), (rank, attempts)
         for a in attempts:
             assert a.count("graph_reset") == len(a) - a.count("destroy(0 alive)"), (rank, a)
@@ -257,6 +317,38 @@ def test_every_way_a_graphed_run_ends_resets_its_graphs_before_its_process_group
     assert named[path] in error.lower() if path == "failed" else named[path] in error, error[:500]
     if path != "failed":
         assert ("train.graph_pieces=false" if "pieces" in path else "train.cuda_graphs=false") + " trains eager" in error
+
+
+def test_a_graph_the_registry_lost_ends_its_ranks_teardown_within_the_limit_naming_it(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """A graph held back from the registry on purpose (the stand-in's ``hold_back``: nothing resets it) is alive at the
+    rank's end, and the stand-in's teardown waits for it as NCCL's does. Each rank ends within its limit (the stall
+    allowance, fault.stall_timeout_s) all the same: its failure report, a teardown's and never a step timeout's,
+    names the graph, that the registry lost it and the communicators it holds NCCL work of; its log says it exits
+    with the teardown's status; the run's record, written before, stands."""
+    import json
+
+    from gems.worker import TEARDOWN_EXIT
+
+    monkeypatch.setenv(graphs.STAND_IN_ENV, "hold_back")
+    limit = 4.0
+    r = gems_here("run", *SMALL, "parallel.replicas=2", f"fault.stall_timeout_s={limit:g}", f"results.dir={tmp_path}")
+    (rec,) = records(str(tmp_path))
+    assert rec["status"] == "ok" and rec["cuda_graphs"] is True, (r.stderr[-2000:], rec.get("error"))
+    written = Path(rec["_path"]).stat().st_mtime
+    for rank in (0, 1):
+        (report_path,) = tmp_path.glob(f".jobs/*/failures/rank{rank}.json")
+        report = json.loads(report_path.read_text())
+        assert report["kind"] == "teardown" and not report["echo"], report
+        assert report["graphs_alive"] == ["the step's graph holding NCCL work of the group of ranks 0, 1; the world, "
+                                          "not in the registry"], report
+        assert f"were not destroyed within {limit:g} s (fault.stall_timeout_s)" in report["error"]
+        assert "timeout" not in report["kind"] and "step " not in report["error"].split("(")[0]
+        # at the teardown's limit (rank 0's began after it wrote the record, rank 1's about then): not at Slurm's,
+        # nor at the launcher's
+        assert limit - 2 <= report["time"] - written < limit + 15, report["time"] - written
+        (log,) = tmp_path.glob(f".jobs/*/rank{rank}.log")
+        assert f"it exits with status {TEARDOWN_EXIT} (a teardown, not a step)" in log.read_text()
 
 
 def test_by_default_a_multi_rank_step_captures_no_nccl_work_and_says_so_once(tmp_path: Path, monkeypatch) -> None:

@@ -538,14 +538,18 @@ class _FakeCuda:
             def replay(self) -> None:
                 fake.calls.append("replay")
 
+            def reset(self) -> None:
+                fake.calls.append("reset")
+
         return Graph()
 
 
 def test_a_capture_that_fails_stops_the_run_naming_its_cause_and_leaves_nothing_held() -> None:
     """On a mock of torch.cuda: a step whose capture fails inside (a host read, as CUDA refuses it) and then at its
     end raises CaptureFailed naming the first error, not capture_end's, and train.cuda_graphs=false; the capture
-    ended on its own stream, the current stream is back, the garbage collector is on again, the reader's lock is
-    free, and nothing ran after the failure (no empty_cache: the allocator is mid-capture then)."""
+    ended on its own stream, the graph was reset (safe in any state: torch's reset frees only what the graph holds),
+    the current stream is back, the garbage collector is on again, the reader's lock is free, and nothing else ran
+    after the failure (no empty_cache: the allocator is mid-capture then)."""
     fake = _FakeCuda()
 
     def body(s: graphs.Static) -> None:
@@ -564,7 +568,7 @@ def test_a_capture_that_fails_stops_the_run_naming_its_cause_and_leaves_nothing_
                            "operation failed due to a previous error during capture)")
     assert "train.cuda_graphs=false" in text
     assert fake.calls == ["Stream", "synchronize", "empty_cache", ("capture_begin", "thread_local", "side"),
-                          ("capture_end", "side")]  # nothing after the failure (empty_cache would assert)
+                          ("capture_end", "side"), "reset"]  # nothing else after the failure (empty_cache asserts)
     assert fake.current is fake.main and gc.isenabled() and not g.captured and not g.replayed
     assert _free(graphs.CUDA_WORK)
 

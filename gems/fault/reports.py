@@ -5,6 +5,7 @@ the Slurm waiter.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -74,6 +75,22 @@ def write_report(job_dir: Path | str, rank: int, error: str, *, echo: bool, kind
         except OSError:
             pass
         return None
+
+
+def amend_report(job_dir: Path | str, rank: int, **extra: Any) -> bool:
+    """Add ``extra`` to the report this rank wrote (atomically; its error, kind and time stay, so the cause it names
+    keeps its place); False where it wrote none or it cannot be rewritten."""
+    final = reports_dir(job_dir) / f"rank{rank}.json"
+    tmp = final.with_name(f".rank{rank}.{os.getpid()}.tmp")
+    try:
+        report = json.loads(final.read_text())
+        tmp.write_text(json.dumps({**report, **extra}))
+        os.replace(tmp, final)
+        return True
+    except (OSError, ValueError):
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        return False
 
 
 def report_exception(job_dir: Path | str, rank: int, exc: BaseException) -> Path | None:

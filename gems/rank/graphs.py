@@ -87,7 +87,6 @@ messages inside a graph.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import threading
 from dataclasses import dataclass
@@ -104,10 +103,11 @@ from gems.layers import sample_keys
 #: on a CPU rank, graph with a stand-in for the capture (the body run, checked and undone; each replay runs it
 #: again): ``1``; ``fail_at_end``: the stand-in's capture fails at its end, as CUDA's does when something during it
 #: invalidated the capture; ``fail_after_body``: an error of the body's own after its NCCL work, the capture ending
-#: well (its graph made, to be reset before the error leaves); ``fail_at_replay``: the first replay fails (the
-#: failures' tests)
+#: well (its graph made, to be reset before the error leaves); ``fail_at_replay``: the first replay fails;
+#: ``hold_back``: the step's graph is held back from the registry (gems.capture.GRAPHS), so the rank's release
+#: leaves it alive and the teardown, which waits for it as NCCL's does, runs into its time limit (the failures' tests)
 STAND_IN_ENV = "GEMS_CPU_GRAPH_STAND_IN"
-STAND_IN_MODES = ("1", "fail_at_end", "fail_after_body", "fail_at_replay")
+STAND_IN_MODES = ("1", "fail_at_end", "fail_after_body", "fail_at_replay", "hold_back")
 #: on a CPU rank, compute in a GPU rank's layout without the stand-in (:func:`gpu_layout`)
 LAYOUT_ENV = "GEMS_CPU_GPU_LAYOUT"
 #: steps of the body run eagerly, on the capture's stream, before the capture: torch's warm-up (libraries
@@ -429,32 +429,11 @@ class _CudaCapture:
         self.stream.wait_stream(current)
         self.api.synchronize(self.device)  # nothing of the eager steps still queued while the capture begins
         self.api.empty_cache()  # the eager step's blocks, cached for the capture's stream, back to the device
-        graph = rules.made(self.api.CUDAGraph())  # registered first: whatever happens, the rank resets it
-        collecting = gc.isenabled()
-        gc.collect()
-        gc.disable()
-        ended = False
-        try:
-            with CUDA_WORK, self.api.stream(self.stream):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    with rules.region(self.device, self.api):  # NCCL launched in one order (gems.capture)
-                        body()
-                finally:
-                    graph.capture_end()  # ends the stream's capture, after a failure inside it too
-                    ended = True
-        except BaseException:
-            # the capture ended but the body failed after it launched NCCL work: the graph is reset before the error
-            # leaves (a traceback would keep it alive, and NCCL's teardown waits for it); where capture_end itself
-            # failed no graph was made, and nothing is called on a mid-capture allocator
-            if ended:
-                rules.reset(graph)
-            else:
-                rules.GRAPHS[:] = [g for g in rules.GRAPHS if g is not graph]
-            raise
-        finally:
-            if collecting:
-                gc.enable()
+        graph = rules.made(self.api.CUDAGraph(), "the step's graph")  # registered first: the rank resets it
+        # reset on any failure (gems.capture.guarded); NCCL launched in one order (gems.capture.captured)
+        with rules.guarded(graph), CUDA_WORK, self.api.stream(self.stream), rules.captured(graph, self.device,
+                                                                                              self.api):
+            body()
         current.wait_stream(self.stream)
         self.graph = graph
 
@@ -484,28 +463,27 @@ class _StandInCapture:
 
     def capture(self, body: Callable[[], None]) -> None:
         saved = [(t, t.detach().clone()) for t in {id(t): t for t in self._static()}.values()]
-        failed = False
         trace = Trace(self._static)
-        graph = rules.made(rules.StandInGraph("step"))
-        try:
-            with NoHostReads(), trace, rules.region(torch.device("cpu")):
-                body()
-            if self.mode == "fail_after_body":  # the body's own error after its NCCL work; the capture ends well
-                raise RuntimeError("stand-in: an error of the step's own after its NCCL work was captured")
-        except BaseException:
+        graph = rules.made(rules.StandInGraph("step"), "the step's graph")
+        if self.mode == "hold_back":  # lost by the registry on purpose: nothing resets it (gems.worker's test)
+            rules.GRAPHS.remove(graph)
+        with rules.guarded(graph):  # reset on any failure, as the CUDA capture's graph is
             failed = True
-            raise
-        finally:
-            with torch.no_grad():
-                for t, v in saved:
-                    t.copy_(v)
-            if failed and self.mode == "fail_after_body":
-                rules.reset(graph)  # as the CUDA capture does where capture_end succeeded
-            elif failed or self.mode == "fail_at_end":  # as cudaStreamEndCapture answers an invalidated capture
-                rules.GRAPHS[:] = [g for g in rules.GRAPHS if g is not graph]
-                raise RuntimeError("CUDA error: operation failed due to a previous error during capture"
-                                   + (" (stand-in: injected at the capture's end)" if self.mode == "fail_at_end"
-                                      else ""))
+            try:
+                with NoHostReads(), trace, rules.region(torch.device("cpu"), graph=graph):
+                    body()
+                if self.mode == "fail_after_body":  # the body's own error after its NCCL work; the capture ends well
+                    raise RuntimeError("stand-in: an error of the step's own after its NCCL work was captured")
+                failed = False
+            finally:
+                with torch.no_grad():
+                    for t, v in saved:
+                        t.copy_(v)
+                if self.mode == "fail_at_end" or (failed and self.mode != "fail_after_body"):
+                    # as cudaStreamEndCapture answers a capture something invalidated
+                    raise RuntimeError("CUDA error: operation failed due to a previous error during capture"
+                                       + (" (stand-in: injected at the capture's end)" if self.mode == "fail_at_end"
+                                          else ""))
         self.body, self.recorded, self.graph = body, trace.ops, graph
 
     def replay(self) -> None:

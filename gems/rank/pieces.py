@@ -30,7 +30,6 @@ again): pipelines train as eager bit for bit and their messages replay under NCC
 from __future__ import annotations
 
 import contextlib
-import gc
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -92,49 +91,28 @@ class _Slot:
             del y
         api.synchronize(self.device)
         api.empty_cache()  # as torch.cuda.graph does: during a capture the allocator releases no cached block
-        # registered first (gems.capture: whatever happens, the rank resets them before NCCL's teardown)
-        fwd, bwd = rules.made(api.CUDAGraph()), rules.made(api.CUDAGraph())
-        ended: list[Any] = []
-        collecting = gc.isenabled()
-        gc.collect()
-        gc.disable()
-        try:
-            with CUDA_WORK, api.stream(side):
-                fwd.capture_begin(capture_error_mode="thread_local")
-                try:
-                    with rules.region(self.device, api):
-                        y = self._forward()
-                finally:
-                    fwd.capture_end()
-                    ended.append(fwd)
-                self.gy = torch.empty_like(y)
-                bwd.capture_begin(pool=fwd.pool(), capture_error_mode="thread_local")
-                try:
-                    with rules.region(self.device, api):
-                        grads = self._grads(y, self.gy)
-                finally:
-                    bwd.capture_end()
-                    ended.append(bwd)
-        except BaseException:
-            for g in (fwd, bwd):  # a graph made is reset before the error leaves; one whose capture failed is not
-                if any(g is e for e in ended):
-                    rules.reset(g)
-                else:
-                    rules.GRAPHS[:] = [x for x in rules.GRAPHS if x is not g]
-            raise
-        finally:
-            if collecting:
-                gc.enable()
+        # registered first, both reset on any failure (gems.capture.guarded: none outlives the rank's teardown)
+        fwd = rules.made(api.CUDAGraph(), f"the forward's graph of {self.name}")
+        bwd = rules.made(api.CUDAGraph(), f"the backward's graph of {self.name}")
+        with rules.guarded(fwd, bwd), CUDA_WORK, api.stream(side):
+            with rules.captured(fwd, self.device, api):
+                y = self._forward()
+            self.gy = torch.empty_like(y)
+            with rules.captured(bwd, self.device, api, pool=fwd.pool()):
+                grads = self._grads(y, self.gy)
         api.current_stream(self.device).wait_stream(side)
         self.y, self.grads, self.graphs = y.detach(), list(grads), (fwd, bwd)
 
     def capture_stand_in(self) -> None:
         """The stand-in: one forward and backward under the host-read check (what a capture refuses); the buffers
         are put back by the caller."""
-        rules.made(rules.StandInGraph("piece"))
-        with NoHostReads(), rules.region(torch.device("cpu")):
+        graph = rules.made(rules.StandInGraph("piece"), f"the graphs of {self.name}")
+        with rules.guarded(graph), NoHostReads(), rules.region(torch.device("cpu"), graph=graph):
             y = self._forward()
             grads = self._grads(y, torch.ones_like(y))
+            if stand_in() == "fail_at_end":
+                raise RuntimeError("CUDA error: operation failed due to a previous error during capture (stand-in: "
+                                   "injected at the capture's end)")
         self.y, self.gy = torch.zeros_like(y), torch.zeros_like(y)
         self.grads = [g if g is None else torch.zeros_like(g) for g in grads]
         self.graphs = None
@@ -262,9 +240,6 @@ class Pieces:
                     slot.capture_cuda(side, self.api)
                 else:
                     slot.capture_stand_in()
-                    if stand_in() == "fail_at_end":
-                        raise RuntimeError("CUDA error: operation failed due to a previous error during capture "
-                                           "(stand-in: injected at the capture's end)")
                 self.slots[key] = slot
         except Exception as e:
             raise CaptureFailed(f"train.graph_pieces: capturing the piece of stage {key[0] if key else '?'} failed on "

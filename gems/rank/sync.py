@@ -82,7 +82,7 @@ def all_reduce_sum(t: torch.Tensor, world: Any) -> None:
     if world.size > 1:
         import torch.distributed as dist
 
-        capture.launch(lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM))
+        capture.launch(lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM), None)
 
 
 @dataclass

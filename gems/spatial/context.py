@@ -82,7 +82,7 @@ class SpatialContext:
                              f"receives from {[p for p, _ in recv]}")
         ops = [dist.P2POp(dist.irecv, t, peer, group=self.group, tag=tag) for peer, t in recv]
         ops += [dist.P2POp(dist.isend, t, peer, group=self.group, tag=tag) for peer, t in send]
-        works = capture.launch(lambda: dist.batch_isend_irecv(ops)) if ops else []  # one order inside a graph
+        works = capture.launch(lambda: dist.batch_isend_irecv(ops), self.group) if ops else []  # one order inside a graph
         return Posted(works, len(recv), len(send), [t for _, t in [*recv, *send]])
 
     def avg_pool(self, nd: int) -> Callable[..., torch.Tensor]:
@@ -225,7 +225,7 @@ class SpatialContext:
                     v[j] = int(x.shape[2 + j])
             t = torch.tensor(v, dtype=torch.int64, device=x.device)
             with waiting("spatial collective"):
-                capture.launch(lambda: dist.all_reduce(t, group=self.group))
+                capture.launch(lambda: dist.all_reduce(t, group=self.group), self.group)
             g = tuple(int(n) for n in t.tolist())
         self.mark(x, g)
         return g
@@ -275,7 +275,7 @@ class SpatialContext:
         y = x.detach().clone().contiguous()
         if self.size > 1:
             with waiting("spatial collective"):
-                capture.launch(lambda: dist.all_reduce(y, op=op, group=self.group))  # on the rank's device
+                capture.launch(lambda: dist.all_reduce(y, op=op, group=self.group), self.group)  # on the rank's device
         return y
 
 
@@ -304,7 +304,7 @@ class _Gather(torch.autograd.Function):
         xp = F.pad(x, pad).contiguous() if any(pad) else x.contiguous()
         bufs = [torch.empty_like(xp) for _ in range(sctx.size)]
         with waiting("spatial collective"):
-            capture.launch(lambda: dist.all_gather(bufs, xp, group=sctx.group))
+            capture.launch(lambda: dist.all_gather(bufs, xp, group=sctx.group), sctx.group)
         full = x.new_empty((x.shape[0], x.shape[1], *gshape))
         for b, buf in zip(boxes, bufs):
             full[(slice(None), slice(None), *(slice(lo, hi) for lo, hi in b))] = \
@@ -316,7 +316,7 @@ class _Gather(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         g = g.contiguous().clone()
         with waiting("spatial collective"):
-            capture.launch(lambda: dist.all_reduce(g, group=ctx.sctx.group))
+            capture.launch(lambda: dist.all_reduce(g, group=ctx.sctx.group), ctx.sctx.group)
         return g[(slice(None), slice(None), *(slice(lo, hi) for lo, hi in ctx.box))].contiguous(), None, None
 
 
@@ -325,7 +325,7 @@ class _AllReduceSum(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, sctx: SpatialContext) -> torch.Tensor:
         y = x.detach().clone().contiguous()
         with waiting("spatial collective"):
-            capture.launch(lambda: dist.all_reduce(y, group=sctx.group))
+            capture.launch(lambda: dist.all_reduce(y, group=sctx.group), sctx.group)
         ctx.sctx = sctx
         return y
 
@@ -333,5 +333,5 @@ class _AllReduceSum(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         g = g.contiguous().clone()
         with waiting("spatial collective"):
-            capture.launch(lambda: dist.all_reduce(g, group=ctx.sctx.group))
+            capture.launch(lambda: dist.all_reduce(g, group=ctx.sctx.group), ctx.sctx.group)
         return g, None

@@ -65,10 +65,10 @@ class Pending:
         if x.is_cuda:
             main = torch.cuda.current_stream(x.device)
             self.stream = sctx.comm_stream(x.device)
-            self.stream.wait_stream(main)  # x is ready on the compute stream
+            capture.join(self.stream, main)  # x is ready on the compute stream (the buffers received before go)
             with torch.cuda.stream(self.stream):
                 self._post(x)
-            capture.keep(x, self.stream)  # (inside a graph: held, not recorded: gems.capture)
+            capture.keep(x, self.stream, main)  # (inside a graph: held until wait's join, not recorded: gems.capture)
         else:
             self._post(x)
         timers.add_since(sctx.halo_seconds, label, t0)
@@ -89,9 +89,9 @@ class Pending:
             with torch.cuda.stream(self.stream):
                 _wait([*self.posted.receives, *self.posted.sends])
             main = torch.cuda.current_stream(self.stream.device)
-            main.wait_stream(self.stream)
-            for b in self.bufs:
-                capture.keep(b, main)
+            capture.join(main, self.stream)  # (x goes: the sends that read it come before what main runs next)
+            for b in self.bufs:  # made on the side stream, read on main: held until the next post's join
+                capture.keep(b, main, self.stream)
         else:
             _wait([*self.posted.receives, *self.posted.sends])
         self.posted = None
