@@ -273,6 +273,9 @@ class _Entry:
 
     ops: list[_Op]
     streams: list[tuple[int, str]] = field(default_factory=list)
+    #: what must be done before it starts beside its streams' order: a graph's last chained launch, for the eager
+    #: work issued after that graph (its capture's end joined the chain: rule 8 of :func:`replay`)
+    after: list["_Entry"] = field(default_factory=list)
 
     def __str__(self) -> str:
         return str(self.ops[0]) + (f" and {len(self.ops) - 1} more in its batch" if len(self.ops) > 1 else "")
@@ -293,6 +296,7 @@ class _Replay:
         self.recvs: dict[tuple[str, int, int, int], _Op] = {}
         self.colls: dict[tuple[str, int, int], _Op] = {}
         self.first_use: dict[tuple[str, int], _Op] = {}
+        self.chained: dict[int, _Entry] = {}  # rank -> its last launch inside a graph (rule 8 of replay)
 
     # ---- issuing ----------------------------------------------------------------------------------------------
     def post(self, r: int, ev: dict[str, Any]) -> None:
@@ -328,11 +332,22 @@ class _Replay:
                 self.open_batch[r] = (b, entry)
             else:
                 self.open_batch.pop(r, None)
-        peers = [m for m in op.ranks if m != r] if op.kind == "coll" else [int(op.peer or 0)]
-        for stream in [(r, f"comm {op.comm}")] + [(r, f"pair {min(r, p)}-{max(r, p)}") for p in peers]:
+        for stream in self.streams_of(r, op, ev, entry):
             if stream not in entry.streams:  # a batch's ops are issued together: it is the tail of each stream
                 entry.streams.append(stream)
                 self.streams.setdefault(stream, deque()).append(entry)
+
+    def streams_of(self, r: int, op: _Op, ev: dict[str, Any], entry: _Entry) -> list[tuple[int, str]]:
+        """The streams rank ``r``'s operation runs on: its communicator's and a pair stream a peer (rules 1-2), and
+        inside a graph the rank's one chain (rule 8), which the eager work issued after the graph follows."""
+        peers = [m for m in op.ranks if m != r] if op.kind == "coll" else [int(op.peer or 0)]
+        out = [(r, f"comm {op.comm}")] + [(r, f"pair {min(r, p)}-{max(r, p)}") for p in peers]
+        if ev.get("graph") is not None and ev.get("chained"):
+            self.chained[r] = entry
+            out.append((r, "graph chain"))
+        elif ev.get("graph") is None and r in self.chained and self.chained[r] not in entry.after:
+            entry.after.append(self.chained[r])
+        return out
 
     def advance_hosts(self) -> bool:
         """Every host issues what it can: up to its next wait for an operation not done yet."""
@@ -395,7 +410,8 @@ class _Replay:
         moved = False
         heads = {id(q[0]): q[0] for q in self.streams.values() if q}
         for entry in heads.values():
-            if not all(self.streams[s][0] is entry for s in entry.streams):
+            if not all(self.streams[s][0] is entry for s in entry.streams) or \
+                    not all(op.done for e in entry.after for op in e.ops):
                 continue
             for op in entry.ops:
                 if not op.started and self.started(op):
@@ -458,6 +474,10 @@ def replay(logs: dict[int, list[dict[str, Any]]], strict_sends: bool = False) ->
        collectives in the same order.
     7. The host blocks where it called ``wait()`` (as gloo does; NCCL's ``wait`` only orders streams, so this
        only adds waits: an order that passes here also passes without them).
+    8. Inside a CUDA graph a rank's launches run in one order, each once the one before it is done (the chain of
+       gems.capture.launch: a replay issues them as the graph does, not on the eager streams alone), and the eager
+       work it issues after the graph waits for the graph's last launch (the capture's end joins the chain). An
+       order whose cycle of waits only this serialisation closes hangs here as it would in the graph.
     """
     unordered(logs)
     run = _Replay(logs, strict_sends)

@@ -130,3 +130,43 @@ def test_the_replay_flags_the_runtime_that_hung_on_the_h200() -> None:
             else:
                 with pytest.raises(OrderError, match="hang"):
                     replay(per, strict_sends=strict)
+
+
+def test_a_graphs_launches_replay_in_its_chains_one_order_and_an_order_only_that_serialisation_hangs_is_caught() -> None:
+    """Three ranks, each a sum with one neighbour and then one with the other (three communicators: rank 0 sums with
+    1 then 2, rank 1 with 2 then 0, rank 2 with 0 then 1). Eagerly each sum runs on its communicator's and its pair's
+    streams, none of which the other sum shares, so every order completes. Captured, a rank's launches form one chain,
+    each after the one before it is done: each rank's first sum waits for a peer whose first sum is another, around
+    the circle. The strict replay calls that a hang; launched in one global order the same chains replay. The eager
+    work after the graph waits for the graph's last launch (the capture's end joins the chain)."""
+    comms = {(0, 1): "g:a", (1, 2): "g:b", (0, 2): "g:c"}
+
+    def sum_with(i: int, r: int, peer: int, graph: bool) -> dict:
+        pair = (min(r, peer), max(r, peer))
+        ev = post(i, "coll", None, comms[pair], list(pair))
+        return {**ev, "graph": 0, "chained": True} if graph else ev
+
+    def logs(order: dict[int, list[int]], graph: bool) -> dict[int, list[dict]]:
+        return {r: [sum_with(i, r, p, graph) for i, p in enumerate(peers)] + [wait(0, 1)] for r, peers in order.items()}
+
+    circle = {0: [1, 2], 1: [2, 0], 2: [0, 1]}
+    assert replay(logs(circle, graph=False), strict_sends=True)["collectives"] == 6
+    with pytest.raises(OrderError, match="hang") as hung:
+        replay(logs(circle, graph=True), strict_sends=True)
+    assert "graph chain stream is held by all_reduce #0" in str(hung.value)
+    ordered = {0: [1, 2], 1: [0, 2], 2: [0, 1]}  # every rank meets (0,1), then (0,2), then (1,2) in one order
+    assert replay(logs(ordered, graph=True), strict_sends=True)["collectives"] == 6
+    # after the graph, eager work waits for its last launch: each rank receives from one neighbour inside its graph,
+    # then sends to the other eagerly; on the eager streams alone the sends go first and all complete
+    def ring(graph: bool) -> dict[int, list[dict]]:
+        out = {}
+        for r in range(3):
+            src, dst = (r + 1) % 3, (r + 2) % 3
+            recv = post(0, "recv", src, f"p:s:{min(r, src)}-{max(r, src)}", sorted([r, src]))
+            out[r] = [{**recv, "graph": 0, "chained": True} if graph else recv,
+                      post(1, "send", dst, f"p:s:{min(r, dst)}-{max(r, dst)}", sorted([r, dst])), wait(0, 1)]
+        return out
+
+    assert replay(ring(graph=False), strict_sends=True)["messages"] == 3
+    with pytest.raises(OrderError, match="hang"):
+        replay(ring(graph=True), strict_sends=True)
