@@ -102,11 +102,16 @@ UNET_POINTS = [("unet-D2", ["parallel.pipeline=2"], 2, {}),
                                             "parallel.checkpoint=true"], 2, {})]
 
 
+#: gems's own allowances in every run of the matrix (fault.warmup_timeout_s: set-up, warm-up and the first steps,
+#: the capture's and the first replay's among them; fault.stall_timeout_s: a later step, and a rank's teardown)
+WARMUP_S, STALL_S = 90.0, 30.0
+
+
 def _base(dry: bool) -> list[str]:
     """What every run of the matrix shares: the default CosmoFlow job on 8 samples a step, TF32 off, gems's own
     watchdog bounding a hang (a run that makes no progress ends with a record naming the stuck ranks)."""
-    common = ["train.batch_size=8", "train.warmup_steps=1", "train.check_fit=false", "fault.warmup_timeout_s=90",
-              "fault.stall_timeout_s=30"]
+    common = ["train.batch_size=8", "train.warmup_steps=1", "train.check_fit=false", f"fault.warmup_timeout_s={WARMUP_S:g}",
+              f"fault.stall_timeout_s={STALL_S:g}"]
     if dry:
         return common + ["model.size=32", "model.width=0.25", "train.steps=2", "train.device=cpu"]
     return common + ["train.steps=4", "train.device=cuda", "train.tf32=false"]
@@ -187,17 +192,23 @@ def matrix(dry: bool = False) -> list[Run]:
     return runs
 
 
-#: graphs holding NCCL work (train.graph_collectives, off by default until these run to their end): each point
-#: under a short limit of its own, NCCL's warnings on; one that hangs runs once more with NCCL's graph mixing off
-GRAPHED_LIMIT_S = 75.0
+#: graphs holding NCCL work (train.graph_collectives, off by default until these run to their end), NCCL's warnings
+#: on, each under a limit of its own past gems's: a hang at the capture or the first replay is named by gems's
+#: watchdog after the warm-up allowance (its record names the stuck ranks), a teardown's by the rank after the stall
+#: allowance; 45 s more for the run's start and the monitor's ticks. One that hangs runs once more with NCCL's graph
+#: mixing off, which tells whether eager NCCL calls beside a launched graph are what hangs; gems issues exactly those
+#: (eager collectives follow each replay), so a pass there is a pass of that setting only, never of the default
+GRAPHED_LIMIT_S = WARMUP_S + STALL_S + 45.0
 GRAPHED_ENV = {"NCCL_DEBUG": "WARN"}
 GRAPHED_RETRY = {"NCCL_GRAPH_MIXING_SUPPORT": "0"}
+#: a graphed point's key: its records are what turn it on by default (summary.json's graph_collectives)
+GRAPHED_KEY = "train.graph_collectives=true"
 
 
 def graphed_points() -> list[Run]:
     """The graphed multi-rank points, last in the matrix (a hang there costs no other point its run): R = 2, S = 2
     (its halos in the graph) and R2 x S2, each against the one-rank run."""
-    on = ["train.graph_collectives=true"]
+    on = [GRAPHED_KEY]
     points = [("graphed-R2", ["parallel.replicas=2", *on], 2),
               ("graphed-S2", ["parallel.spatial=2", "train.graph_spatial=true", *on], 2),
               ("graphed-R2xS2", ["parallel.replicas=2", "parallel.spatial=2", "train.graph_spatial=true", *on], 4)]
@@ -276,12 +287,8 @@ def run_matrix(runs: list[Run], out: Path, dry: bool, budget_s: float, ranks: in
             log.close()
             live.remove(item)
             run.wall_s = round(time.monotonic() - t0, 1)
-            run.status, run.losses, run.error = _losses(run, out)
-            if over:
-                run.status, run.error = "timeout", f"killed after {mine:.0f} s" + (f"; {run.error}" if run.error else "")
-            elif proc.returncode != 0 and run.status == "ok":
-                run.status, run.error = "failed", f"exit status {proc.returncode}"
-            if over and run.retry_env and run.setting == "as set":  # a hang: once more, the retry's setting
+            _ended(run, out, proc.returncode, mine if over else None)
+            if run.status == "timeout" and run.retry_env and run.setting == "as set":  # once more, the retry's setting
                 run.first_try, run.setting = run.error, " ".join(f"{k}={v}" for k, v in run.retry_env.items())
                 run.env = {**run.env, **run.retry_env}
                 _clear(out / "runs" / run.label)
@@ -311,6 +318,34 @@ def run_matrix(runs: list[Run], out: Path, dry: bool, budget_s: float, ranks: in
             run.equal = run.max_rel_diff is not None and run.max_rel_diff <= (0.0 if run.exact else
                                                                               TOLERANCE[run.precision])
     return runs
+
+
+def _ended(run: Run, out: Path, code: int, killed_at: float | None) -> None:
+    """A run's status, losses and error once its process ended (``killed_at``: the limit it was killed at). A run
+    that wrote a good record and whose ranks then did not end (a rank's teardown past its limit, which names the
+    graphs it waits for, or a process the rig killed) is a teardown hang, never a step's timeout."""
+    run.status, run.losses, run.error = _losses(run, out)
+    hung = _teardown(out / "runs" / run.label)
+    if run.status == "ok" and (hung or killed_at is not None):
+        run.status = "teardown hang"
+        run.error = hung or f"killed after {killed_at:.0f} s with its record written: its ranks did not end, and none " \
+                            "named what its teardown waits for"
+    elif killed_at is not None:
+        run.status, run.error = "timeout", f"killed after {killed_at:.0f} s" + (f"; {run.error}" if run.error else "")
+    elif code != 0 and run.status == "ok":
+        run.status, run.error = "failed", f"exit status {code}"
+
+
+def _teardown(folder: Path) -> str:
+    """What the ranks of a run under ``folder`` said of a teardown past its limit (gems.worker.teardown_hung: their
+    failure reports), or ''."""
+    from gems.fault.reports import read_reports
+
+    said = []
+    for jd in sorted(folder.glob(".jobs/*")):
+        said += [str(r.get("teardown") or r["error"]) for r in read_reports(jd)
+                 if r.get("kind") == "teardown" or r.get("teardown")]
+    return "; ".join(dict.fromkeys(said))
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
@@ -353,7 +388,11 @@ def write_summary(runs: list[Run], out: Path, dry: bool, wall_s: float) -> dict[
                "counts": {"runs": len(runs), "skipped": sum(1 for r in runs if r.skipped),
                           "not_run": sum(1 for r in runs if r.status == "not run" and not r.skipped),
                           "ok": sum(1 for r in started if r.status == "ok"),
-                          "equal": sum(1 for r in compared if r.equal), "compared": len(compared)},
+                          # a pass under the retry's setting is that setting's, not the run's as set
+                          "equal": sum(1 for r in compared if r.equal and r.setting == "as set"),
+                          "equal_other_setting": sum(1 for r in compared if r.equal and r.setting != "as set"),
+                          "compared": len(compared)},
+               "graph_collectives": graph_collectives(runs),
                "runs": [asdict(r) for r in runs]}
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -364,15 +403,31 @@ def write_summary(runs: list[Run], out: Path, dry: bool, wall_s: float) -> dict[
         note = (r.skipped or r.error).replace("|", "/")[:120]
         if r.first_try:  # retried after a hang: which setting the result is from
             note = f"ran with {r.setting} after a hang ({r.first_try[:60]}); {note}"[:160]
-        rows.append(f"| {r.label} | {r.ranks} | {r.precision} | {'skipped' if r.skipped else r.status} | "
+        status = "skipped" if r.skipped else r.status if r.setting == "as set" else f"{r.status} ({r.setting})"
+        rows.append(f"| {r.label} | {r.ranks} | {r.precision} | {status} | "
                     f"{r.wall_s if r.wall_s is not None else ''} | {diff} | "
                     f"{'' if r.equal is None else ('yes' if r.equal else 'NO')} | {note} |")
     c = summary["counts"]
     head = (f"# gems on one GPU, every rank sharing it ({summary['mode']})\n\n{summary['date']}, "
             f"{summary['machine']}, {summary['wall_s']} s. {c['equal']} of {c['compared']} runs equal to their "
-            f"one-rank reference; {c['skipped']} skipped (refused combinations), {c['not_run']} not run.\n\n")
+            f"one-rank reference; {c['skipped']} skipped (refused combinations), {c['not_run']} not run.\n\n"
+            f"train.graph_collectives by default: {summary['graph_collectives']['verdict']}\n\n")
     (out / "summary.md").write_text(head + "\n".join(rows) + "\n")
     return summary
+
+
+def graph_collectives(runs: list[Run]) -> dict[str, Any]:
+    """What the graphed points say of turning ``train.graph_collectives`` on by default: only a point that ran as
+    set (no retry's setting), ended (no teardown hang) and equalled its reference counts; the verdict is yes where
+    every one does."""
+    points = [r for r in runs if GRAPHED_KEY in r.args]
+    passed = [r.label for r in points if r.status == "ok" and r.equal and r.setting == "as set"]
+    others = [f"{r.label} {r.status}" + (f" under {r.setting}" if r.setting != "as set" else "")
+              for r in points if r.label not in passed]
+    turn_on = bool(points) and not others
+    verdict = ("yes: every graphed point ran as set to its end, equal to its reference" if turn_on else
+               "no graphed point ran" if not points else f"no ({', '.join(others)})")
+    return {"turn_on": turn_on, "passed": passed, "verdict": verdict}
 
 
 # ---- the control: torch.distributed.pipelining on the same rig -------------------------------------------

@@ -51,42 +51,67 @@ def test_the_matrix_covers_every_schedule_the_hybrids_and_the_precisions() -> No
     assert "train.tf32=false" in _base(dry=False) and "train.device=cuda" in _base(dry=False)
 
 
-def test_graphs_holding_nccl_work_run_last_and_a_hung_one_runs_again_with_graph_mixing_off(
+def test_graphs_holding_nccl_work_run_last_and_the_verdict_counts_only_their_passes_as_set(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The graphed multi-rank points come last in the matrix, each with a short limit of its own and NCCL's warnings
-    on; the deterministic pair compares graphed against eager bit for bit. A point that hangs (a command that
-    sleeps past its limit here, as a hang on a GPU would) is killed with what it started and runs once more with
-    NCCL_GRAPH_MIXING_SUPPORT=0, and the summary says which setting its result is from; one that hangs again is a
-    timeout. The hang itself is a GPU's: this drives the rig's handling of it with commands that stand for it."""
+    """The graphed multi-rank points come last in the matrix, each with a limit of its own past gems's warm-up and
+    stall allowances (gems's watchdog names the stuck ranks first) and NCCL's warnings on; the deterministic pair
+    compares graphed against eager bit for bit. A point that hangs (a command that sleeps past its limit here, as a
+    hang on a GPU would) is killed with what it started and runs once more with NCCL_GRAPH_MIXING_SUPPORT=0: a pass
+    there is that setting's, counted apart and never toward turning train.graph_collectives on. One that hangs again
+    is a timeout. One that wrote a good record and did not end, or whose ranks named their teardown past its limit,
+    is a teardown hang, never a timeout, and the graphs its ranks named are the reason given. The hangs themselves
+    are a GPU's: this drives the rig's handling of them with commands that stand for them."""
     import gems.gpucheck as gc
 
     runs = matrix(dry=False)
     graphed = [r for r in runs if r.label.startswith("graphed-")]
     assert [r.label for r in graphed] == ["graphed-R2", "graphed-S2", "graphed-R2xS2"]
-    assert runs[-len(graphed):] == graphed and all("train.graph_collectives=true" in r.args for r in graphed)
-    assert all(r.limit_s and r.limit_s < 100 and r.env["NCCL_DEBUG"] == "WARN" for r in graphed)
+    assert runs[-len(graphed):] == graphed and all(gc.GRAPHED_KEY in r.args for r in graphed)
+    base = gc._base(dry=False)
+    assert f"fault.warmup_timeout_s={gc.WARMUP_S:g}" in base and f"fault.stall_timeout_s={gc.STALL_S:g}" in base
+    assert all(r.limit_s and r.limit_s > gc.WARMUP_S + gc.STALL_S and r.env["NCCL_DEBUG"] == "WARN" for r in graphed)
     exact = next(r for r in runs if r.label == "1rank-deterministic-graphed")
     assert exact.exact and exact.reference_label == "1rank-deterministic-eager"
 
     def command(run: Any, out: Path, dry: bool) -> list[str]:  # hangs unless graph mixing is off (or it is "twice")
         folder = out / "runs" / run.label
         body = ("import os, sys, time, json, pathlib\n"
-                "if run.env.get('NCCL_GRAPH_MIXING_SUPPORT') != '0' or 'twice' in label: time.sleep(30)\n")
-        body = body.replace("run.env", "os.environ").replace("label", repr(run.label))
+                "if run.env.get('NCCL_GRAPH_MIXING_SUPPORT') != '0' and 'good' not in label or 'twice' in label: "
+                "time.sleep(30)\n").replace("run.env", "os.environ").replace("label", repr(run.label))
         body += f"pathlib.Path({str(folder)!r}).mkdir(parents=True, exist_ok=True)\n"
         body += f"pathlib.Path({str(folder / 'losses.json')!r}).write_text(json.dumps([1.0, 0.5]))\n"
+        if "stuck" in run.label:  # a good record, then a teardown that never ends
+            body += "time.sleep(30)\n"
+        if "named" in run.label:  # a good record, then the ranks' own limit: they name the graph and exit
+            report = {"rank": 1, "time": 1.0, "echo": False, "kind": "teardown", "error": "rank 1: its process groups "
+                      "were not destroyed within 30 s: CUDA graphs still alive: the step's graph holding NCCL work of "
+                      "the world, not in the registry"}
+            body += (f"f = pathlib.Path({str(folder / '.jobs' / 'x' / 'failures')!r}); f.mkdir(parents=True)\n"
+                     f"(f / 'rank1.json').write_text({json.dumps(report)!r})\n")
         return [sys.executable, "-c", body]
 
     monkeypatch.setattr(gc, "_command", command)
     ref = gc.Run("control-1f1b-1rank", [], 1, control="1f1b", env={"NCCL_GRAPH_MIXING_SUPPORT": "0"})
-    hung = gc.Run("graphed-R2", [], 1, control="1f1b", limit_s=2.0, retry_env=dict(gc.GRAPHED_RETRY))
-    twice = gc.Run("graphed-twice", [], 1, control="1f1b", limit_s=2.0, retry_env=dict(gc.GRAPHED_RETRY))
-    gc.run_matrix([ref, hung, twice], tmp_path, dry=True, budget_s=60, ranks=4)
+    point = dict(control="1f1b", limit_s=2.0, retry_env=dict(gc.GRAPHED_RETRY))
+    hung, twice, good, stuck, named = (gc.Run(label, [gc.GRAPHED_KEY], 1, **point)  # type: ignore[arg-type]
+                                       for label in ("graphed-R2", "graphed-twice", "graphed-good", "graphed-good-stuck",
+                                                     "graphed-good-named"))
+    gc.run_matrix([ref, hung, twice, good, stuck, named], tmp_path, dry=True, budget_s=60, ranks=8)
     assert hung.status == "ok" and hung.equal and hung.setting == "NCCL_GRAPH_MIXING_SUPPORT=0"
     assert hung.first_try.startswith("killed after 2 s")
     assert twice.status == "timeout" and twice.setting == "NCCL_GRAPH_MIXING_SUPPORT=0"
-    gc.write_summary([ref, hung, twice], tmp_path, dry=True, wall_s=1.0)
-    assert "ran with NCCL_GRAPH_MIXING_SUPPORT=0 after a hang" in (tmp_path / "summary.md").read_text()
+    assert good.status == "ok" and good.equal and good.setting == "as set"
+    assert stuck.status == "teardown hang" and stuck.setting == "as set" and "did not end" in stuck.error
+    assert named.status == "teardown hang" and "the step's graph holding NCCL work of the world" in named.error
+    summary = gc.write_summary([ref, hung, twice, good, stuck, named], tmp_path, dry=True, wall_s=1.0)
+    assert summary["counts"]["equal"] == 1 and summary["counts"]["equal_other_setting"] == 1
+    verdict = summary["graph_collectives"]
+    assert not verdict["turn_on"] and verdict["passed"] == ["graphed-good"]
+    assert "graphed-R2 ok under NCCL_GRAPH_MIXING_SUPPORT=0" in verdict["verdict"]
+    table = (tmp_path / "summary.md").read_text()
+    assert "| ok (NCCL_GRAPH_MIXING_SUPPORT=0) |" in table and "ran with NCCL_GRAPH_MIXING_SUPPORT=0 after a hang" in table
+    assert "train.graph_collectives by default: no (" in table
+    assert gc.graph_collectives([good])["turn_on"]
 
 
 def test_the_comparison_names_a_difference_and_refuses_unequal_lengths() -> None:
