@@ -1,11 +1,12 @@
 """Building blocks the models and the strategies share, so that neither imports the other: the batch context, dropout
 whose masks are a pure function of (seed, step, sample) so that every mesh and device draws the serial run's
-(:class:`SampleDropout`), the evaluation mode, recomputation (:class:`Recompute`), and bf16 3D convolutions on CPU
-kept clear of a oneDNN bug.
+(:class:`SampleDropout`), the evaluation mode, recomputation (:class:`Recompute`), an average pool whose backward is
+deterministic on a GPU (:class:`AvgPool3d`), and bf16 3D convolutions on CPU kept clear of a oneDNN bug.
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -250,6 +251,49 @@ class Recompute:
             for b, v in zip(self.buffers, self._kept):
                 b.copy_(v)
         self._kept = []
+
+
+# ---- average pooling with a deterministic backward ------------------------------------------------------
+class _AvgPoolDeterministic(torch.autograd.Function):
+    """torch's average pool forward, and its backward as one add a kernel offset: each output's gradient divided by
+    the window's cells, added into the strided view of the (padded) input's gradient that offset reads. Every add is
+    one elementwise kernel over distinct cells, in the offsets' order: the same bits every run, where torch's CUDA
+    backward adds with atomics and has no deterministic version. Zero padding counted, ``ceil_mode`` off."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, kernel: tuple[int, ...], stride: tuple[int, ...],
+                padding: tuple[int, ...]) -> torch.Tensor:
+        ctx.meta = (x.shape, kernel, stride, padding)
+        return torch.nn.functional.avg_pool3d(x, kernel, stride, padding)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        shape, kernel, stride, padding = ctx.meta
+        gx = g.new_zeros((*shape[:2], *(n + 2 * p for n, p in zip(shape[2:], padding))))
+        share = g / math.prod(kernel)
+        for offset in itertools.product(*(range(k) for k in kernel)):
+            window = tuple(slice(o, o + s * (n - 1) + 1, s) for o, s, n in zip(offset, stride, g.shape[2:]))
+            gx[(slice(None), slice(None), *window)].add_(share)
+        inside = tuple(slice(p, p + n) for p, n in zip(padding, shape[2:]))
+        return gx[(slice(None), slice(None), *inside)], None, None, None
+
+
+class AvgPool3d(nn.AvgPool3d):
+    """``nn.AvgPool3d`` (the same arguments and results) whose backward is deterministic on a GPU where torch's
+    deterministic algorithms are on (``train.deterministic``): torch's CUDA kernel has none (it warns under
+    ``warn_only`` and rounds differently from run to run). Elsewhere it is torch's pool; a pool that divides by the
+    cells inside the sample only, rounds its extent up or overrides its divisor is torch's everywhere."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.is_cuda and x.requires_grad and torch.is_grad_enabled() and torch.are_deterministic_algorithms_enabled()
+                and self.count_include_pad and not self.ceil_mode and self.divisor_override is None):
+            return _AvgPoolDeterministic.apply(x, _triple(self.kernel_size), _triple(self.stride or self.kernel_size),
+                                               _triple(self.padding))
+        return super().forward(x)
+
+
+def _triple(v: Any) -> tuple[int, ...]:
+    return tuple(int(x) for x in v) if isinstance(v, (tuple, list)) else (int(v),) * 3
 
 
 # ---- a guard against a torch CPU bug in bf16 3D convolutions --------------------------------------------

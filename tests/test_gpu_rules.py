@@ -518,3 +518,30 @@ def test_read_counts_are_copied_then_finished_on_the_side_stream(monkeypatch) ->
     (ids, x, _), event = pf._make(0)
     assert x == "input" and ids == [0] and event is not None
     assert order == ["enter side", "pin", "copy to cuda:1", "finish counts on the GPU", "event on side", "exit"], order
+
+
+def test_cosmoflows_pools_take_a_deterministic_backward_where_torch_has_none() -> None:
+    """train.deterministic on a GPU: torch's CUDA average-pool backward adds with atomics and has no deterministic
+    version, so CosmoFlow's pools (gems.layers.AvgPool3d) take one of gems's where torch's deterministic algorithms are
+    on: torch's forward, and the gradient as one elementwise add a kernel offset. Here, on CPU: the same output, the
+    gradient torch's up to the order of its sums (fp64), with padding, several strides and an uneven kernel; a
+    pool it does not take (no padding counted) stays torch's. The GPU's bits are the lease's deterministic pair."""
+    import torch.nn.functional as F
+
+    from gems.config import compose, section
+    from gems.layers import AvgPool3d, _AvgPoolDeterministic
+    from gems.models import build_model
+
+    torch.manual_seed(0)
+    for shape, k, s, p in [((2, 3, 9, 8, 7), (3, 3, 3), (2, 2, 2), (1, 1, 1)), ((1, 1, 5, 6, 7), (3, 2, 3), (1, 2, 3),
+                                                                             (1, 0, 1))]:
+        x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+        y, ref = _AvgPoolDeterministic.apply(x, k, s, p), F.avg_pool3d(x, k, s, p)
+        g = torch.randn_like(ref)
+        assert torch.equal(y, ref)
+        assert torch.allclose(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(ref, x, g)[0], rtol=0, atol=1e-15)
+    pools = [m for m in build_model(section(compose(["model.size=32"]), "model")).module.modules()
+             if isinstance(m, nn.AvgPool3d)]
+    assert pools and all(type(m) is AvgPool3d for m in pools)
+    x = torch.randn(1, 2, 6, 6, 6, requires_grad=True)
+    assert torch.equal(AvgPool3d(3, 2, 1, count_include_pad=False)(x), F.avg_pool3d(x, 3, 2, 1, count_include_pad=False))

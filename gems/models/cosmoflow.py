@@ -12,7 +12,7 @@ from torch import nn
 
 from gems.config import ModelConf, key
 from gems.cut_rules import register_pointwise
-from gems.layers import SampleDropout
+from gems.layers import AvgPool3d, SampleDropout
 from gems.models.registry import ModelSpec, first_flatten, register_model, sized
 
 
@@ -73,7 +73,7 @@ def cosmoflow(size: int = 128, width: float = 1.0, dropout: float = 0.2, slope: 
             for _ in range(pools):
                 if n < 3:  # only below the paper's sizes: torch pools need input >= kernel
                     break
-                layers.append(nn.AvgPool3d(3, stride=2, padding=1))
+                layers.append(AvgPool3d(3, stride=2, padding=1))  # deterministic on a GPU where asked
                 n = (n + 2 - 3) // 2 + 1
     flat = c_in * n ** 3
     layers += [nn.Flatten(), nn.Linear(flat, _ch(256, width)), nn.LeakyReLU(slope), SampleDropout(dropout),
