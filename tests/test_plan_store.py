@@ -1,7 +1,8 @@
 """The planner's traces kept on disk between processes (gems/plan/store.py): a second process plans the same
 point from the file without tracing (torch's fake-tensor machinery is never imported) and to the same figures; a
 damaged file is a miss; ``GEMS_CACHE_DIR=`` keeps nothing; a custom model is never kept; a changed gems or torch
-reads no old file; a convolution's workspace is measured once per CPU."""
+reads no old file; a convolution's workspace is measured once per CPU; CPU kernel times are kept, and measured
+again by their rule."""
 from __future__ import annotations
 
 import json
@@ -153,3 +154,46 @@ def test_a_convolutions_workspace_is_measured_once_per_cpu(tmp_path: Path, monke
     monkeypatch.setattr(dv, "_backward_workspace", lambda sig, grad: measured.append(sig[-1]) or 1)
     sig = ("conv", 3, 8, 16, (3, 3, 3), (1, 1, 1), 1, False, (1, 1, 1), (8, 8, 8))
     assert dv.conv_workspace(sig, 1, True) == 1 and measured == [1]
+
+
+def test_cpu_kernel_times_are_kept_and_measured_again_by_their_rule(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later process reads the kept times (the same rates, nothing measured); where the reference convolution runs
+    slower (a loaded moment) they stand, and a kernel new to them is scaled to the kept moment's speed; where it runs
+    more than DRIFT faster, or they are older than KEPT_FOR_S, they are measured again; GEMS_CACHE_DIR= keeps none.
+    The clock is the rule's input here, not a measurement: every timing is stood in for."""
+    import gems.plan.cpu as cpu
+
+    monkeypatch.setenv("GEMS_CACHE_DIR", str(tmp_path))
+    reference = [0.01]
+    measured: list[tuple] = []
+    monkeypatch.setattr(cpu, "_reference_seconds", lambda: reference[0])
+    monkeypatch.setattr(cpu, "_timed", lambda fn, budget_s=0.05, least=5: 1e-4)
+    monkeypatch.setattr(cpu, "_measure_op", lambda sig, pair="forward": measured.append(sig) or (2e9, 1e9))
+    conv = ("conv", 2, 8, 8, (3, 3), (1, 1), 1, False, (1, 1), (32, 32), 2)
+
+    def process() -> cpu.CpuRates:  # (a new process: nothing memoised in this one)
+        monkeypatch.setattr(cpu, "_CPU", {})
+        return cpu.cpu_rates(1)
+
+    first = process()
+    assert "kernel times measured now (nothing kept" in first.about and first.measured_rate(conv, False) == 2e9
+    n = len(measured)
+    again = process()
+    assert "kernel times kept from" in again.about and again.measured_rate(conv, False) == 2e9 and len(measured) == n
+    assert (again.in_step, again.op_overhead_s, again.bandwidth) == (first.in_step, first.op_overhead_s,
+                                                                     first.bandwidth)
+    reference[0] = 0.02  # twice as slow now: the kept times stand; a new kernel measured at half its rate is kept
+    slow = process()     # at the kept moment's
+    assert "kept from" in slow.about and "2.00x its time then" in slow.about
+    assert slow.measured_rate((*conv[:-1], 4), False) == pytest.approx(4e9)
+    assert slow.measured_rate(conv, False) == 2e9
+    reference[0] = 0.01 / (1.1 * cpu.DRIFT)  # faster than DRIFT: those kept were taken in a loaded moment
+    fast = process()
+    assert "measured now (the reference convolution ran" in fast.about and (*conv[:-1], 4) not in fast.measured
+    monkeypatch.setattr(cpu, "KEPT_FOR_S", -1.0)  # too old
+    assert "days old" in process().about
+    monkeypatch.setenv("GEMS_CACHE_DIR", "")
+    monkeypatch.setattr(cpu, "KEPT_FOR_S", 1e9)
+    before = kept(tmp_path)
+    assert "nothing kept" in process().about and "nothing kept" in process().about and kept(tmp_path) == before

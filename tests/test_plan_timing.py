@@ -441,7 +441,7 @@ def test_ranks_that_compute_at_once_are_timed_at_once(monkeypatch):
     # so measured stay this test's)
     timed_by: list[bool] = []  # by this thread (the plan's), or by another beside it
 
-    def once(fn, budget_s: float = 0.03, least: int = 3) -> float:  # noqa: ARG001
+    def once(fn, budget_s: float = 0.05, least: int = 5) -> float:  # noqa: ARG001
         fn()
         with lock:
             timed_by.append(threading.current_thread() is threading.main_thread())

@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from gems.bootstrap import keep_host_memory
 from gems.plan.devices import Rates
-from gems.plan.store import cached, cpu_identity, keep, load, source_digest
+from gems.plan.store import cached, cpu_identity, keep, load
 
 __all__ = ["CpuRates", "cpu_rates", "forget_cpu_rates", "conv_workspace", "synthetic_seconds", "matmul_rows",
            "conv_case", "reference_alone", "KEPT_FOR_S", "DRIFT"]
@@ -106,6 +107,15 @@ class CpuRates(Rates):
         alone = work / self.measured_rate(sig, which) + self.op_overhead_s * (2 if backward and part is None else 1)
         return self.share * self.in_step * alone
 
+    def update(self, nbytes: float, factor: int) -> float:
+        """Seconds of the optimizer's update of ``nbytes`` of parameters (:meth:`Rates.update`): torch's own fused
+        update, as a run makes it (gems.rank.optim), timed here per byte past the caches (Adam, SGD with momentum,
+        plain SGD); an average of the weights (``factor`` past Adam's 2) two passes more at the memory rate."""
+        kind = min(2, max(0, factor))
+        per_byte = self.kept.figure(("update", kind), lambda: _with_threads(self.threads, lambda: _update(kind))) \
+            if self.kept is not None else _with_threads(self.threads, lambda: _update(kind))
+        return self.share * (per_byte * nbytes + 2 * max(0, factor - 2) * nbytes / self.bandwidth)
+
     def measured_rate(self, sig: tuple, part: bool | str) -> float:
         """The rate of this signature (FLOP/s of a convolution or matmul, bytes/s of a kind of memory-bound op) for
         ``part`` (``forward``, ``backward``, or a backward's ``input`` or ``weight`` gradients alone; True and False:
@@ -166,7 +176,7 @@ def _crowded(k: int, fn: Any) -> Any:
 SAMPLE_S = 2e-4
 
 
-def _timed(fn: Any, budget_s: float = 0.03, least: int = 3) -> float:
+def _timed(fn: Any, budget_s: float = 0.05, least: int = 5) -> float:
     """Seconds a call of ``fn`` takes: the least of repeated samples (each of as many calls as last
     :data:`SAMPLE_S`), ``least`` of them at least and as many more as ``budget_s`` allows. A shared machine only
     ever slows a call, and a short sample is more often left alone by a loaded moment than a long one."""
@@ -214,11 +224,15 @@ _MEMORY_OPS: dict[str, Any] = {
 MEASURE_ELEMENTS = 2**23
 
 
+#: the most elements a memory-bound op is timed on (past a server's last cache)
+MEMORY_ELEMENTS = 2**24
+
+
 def _memory_elements(nbytes: float) -> int:
     """The elements a memory-bound op of ``nbytes`` (read and written) is timed on: a power of two near its
     fp32 operand's size, from 16 Ki (below, the per-op overhead dominates) to 16 Mi (64 MiB, past a server's last
     cache: at 4 Mi, 16 MiB fit this project's VM's 32 MiB and a dense head's gradients were added at cache speed)."""
-    return 2 ** min(24, max(14, round(math.log2(max(nbytes, 1.0) / 8))))
+    return min(MEMORY_ELEMENTS, 2 ** max(14, round(math.log2(max(nbytes, 1.0) / 8))))
 
 
 def _measure_batch(sig: tuple, batch: int) -> int:
@@ -384,7 +398,7 @@ def synthetic_seconds(spec: Any, part: list[int], want_input: bool, want_target:
     Timed here with the real generator, which makes each aligned block of planes along spatial dim 0 whole from
     its own seeded generator (so a cut along the other dims saves nothing): on as many of the part's planes as stay within
     DATA_ELEMENTS, scaled to all of them. Memoised per shape, and kept with the rates' times (``kept``: a rank's
-    :attr:`CpuRates.kept`) under gems's source (the generator is gems's code)."""
+    :attr:`CpuRates.kept`) under the generator's source."""
     key = (tuple(spec.input_shape), spec.target, tuple(part), want_input, want_target, threads)
     if not (want_input or want_target):
         return 0.0
@@ -405,8 +419,17 @@ def synthetic_seconds(spec: Any, part: list[int], want_input: bool, want_target:
         if kept is None:
             _DATA[key] = measure() * planes / timed
         else:
-            _DATA[key] = kept.figure(("data", source_digest()[:16], *key), measure) * planes / timed
+            _DATA[key] = kept.figure(("data", _generator_digest(), *key), measure) * planes / timed
     return _DATA[key]
+
+
+def _generator_digest() -> str:
+    """A digest of the synthetic data's generator (gems/data/synthetic.py): what its kept times are a function of."""
+    import hashlib
+
+    import gems.data.synthetic as synthetic
+
+    return hashlib.sha256(Path(synthetic.__file__).read_bytes()).hexdigest()[:16]
 
 
 def cpu_rates(threads: int, crowd: int = 1) -> CpuRates:
@@ -433,6 +456,9 @@ def cpu_rates(threads: int, crowd: int = 1) -> CpuRates:
     over = kept.figure("overhead", lambda: _with_threads(threads, lambda: _timed(lambda: torch.relu(small))))
     r = CpuRates("cpu", f"this machine's CPU, {threads} thread(s) a rank", {"conv": 1e10, "matmul": 1e10}, 1e10,
                  over, threads=threads, crowd=crowd, measured=kept.rates, kept=kept)
+    # memory-bound work the trace does not count op by op (the optimizer's update): an elementwise op's rate past
+    # the caches (before, a fixed 10 GB/s: a dense head's update planned at several times what it took)
+    r.bandwidth = r.measured_rate(("memory", "elementwise", MEMORY_ELEMENTS), False)
     r.in_step = kept.figure("in_step", lambda: _with_threads(threads, lambda: _in_step_factor(r)))
     r.layer_overhead_s = kept.figure("layer", lambda: _with_threads(threads, lambda: _layer_overhead(r)))
     r.split_overhead_s = kept.figure("split", lambda: _with_threads(threads, _split_overhead))
@@ -539,6 +565,16 @@ def _action_overhead() -> float | None:
         return max(0.0, (step - own * actions / 2) / actions)
     finally:
         dist.destroy_process_group()
+
+
+def _update(kind: int) -> float:
+    """Seconds a byte of parameters takes in torch's fused update (gems.rank.optim's: ``kind`` 2 Adam, 1 SGD with
+    momentum, 0 SGD), on a parameter of MEMORY_ELEMENTS values (past the caches)."""
+    p = torch.nn.Parameter(torch.zeros(MEMORY_ELEMENTS))
+    p.grad = torch.ones_like(p)
+    opt = (torch.optim.Adam([p], lr=1e-3, fused=True) if kind == 2 else
+           torch.optim.SGD([p], lr=1e-3, momentum=0.9 if kind == 1 else 0.0, fused=True))
+    return float(_timed(opt.step, budget_s=0.1)) / (4.0 * p.numel())
 
 
 def _split_overhead() -> float:

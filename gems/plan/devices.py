@@ -291,6 +291,14 @@ class Rates:
             bandwidth, traffic = self.pool_bandwidth or self.bandwidth, nbytes * pool_reads(sig)
         return self.share * k * (max(compute, traffic / bandwidth) + self.op_overhead_s)
 
+    def update(self, nbytes: float, factor: int) -> float:
+        """Seconds of the optimizer's update of ``nbytes`` of parameters holding ``factor`` copies of state
+        (gems.plan.memory.Setup.optimizer_factor: Adam 2, SGD with momentum 1, plain SGD 0; an average of the weights
+        one more): memory-bound, SGD reading parameter and gradient and writing the parameter, momentum and Adam
+        reading and writing their state too."""
+        per_param = {0: 3, 1: 5, 2: 7}.get(factor, 7)
+        return per_param * nbytes / self.bandwidth
+
     def shared(self, share: float) -> Rates:
         """These rates when ``share`` ranks' threads take turns on each core (measurements stay shared)."""
         from dataclasses import replace

@@ -57,6 +57,9 @@ _REASONS = {"parallel.spatial": "the model refuses the cut", "parallel.spatial_d
             "parallel.balance": "the layers do not split into the stages",
             "parallel.virtual_stages": "the layers do not split into the stages"}
 NOT_FIT = "does not fit"
+#: the prediction's own noise: candidates predicted within this fraction of each other are a tie (the planner does
+#: not claim to order them), and of tied candidates the simpler mesh is chosen (:meth:`Candidate.simplicity`)
+TIE = 0.02
 
 
 @dataclass
@@ -97,6 +100,16 @@ class Candidate:
                               o.get("parallel.gems_replicas"), o.get("parallel.virtual_stages"),
                               bool(o.get("parallel.split_backward")))
         return (*mesh, sched.actions, sched.placement, sched.split)
+
+    def simplicity(self) -> tuple[int, int]:
+        """How much a candidate asks of its ranks, the less the simpler: the ranks each one talks to (its replicas,
+        its pipeline neighbours, its spatial neighbours), then the options its command sets."""
+        o = self.overrides
+        spatial = o["parallel.spatial"]
+        parts = [spatial] if isinstance(spatial, int) else list(spatial)
+        peers = (int(o["parallel.replicas"]) - 1 + min(int(o["parallel.pipeline"]) - 1, 2)
+                 + sum(min(int(p) - 1, 2) for p in parts))
+        return peers, len(self.args())
 
     def args(self) -> list[str]:
         """The ``key=value`` strings that, added to the user's command, run this candidate (a key at its default
@@ -153,16 +166,21 @@ class Search:
 
     @property
     def ranked(self) -> list[Candidate]:
-        """Those that fit, by predicted samples/s (of one program, the shortest command: :meth:`Candidate.program`);
-        then those that fit but run the program of one above (:meth:`same`); then those that do not fit, the least
-        memory first; then the rejected."""
+        """Those that fit, by predicted samples/s, ties within :data:`TIE` the simpler first (:meth:`ties`; of one
+        program, the shortest command: :meth:`Candidate.program`); then those that fit but run the program of one
+        above (:meth:`same`); then those that do not fit, the least memory first; then the rejected."""
         return self._ranking()[0]
 
     def same(self) -> dict[int, int]:
         """Of :attr:`ranked`, each candidate that runs the program of one ranked before it: its index -> that one's."""
         return self._ranking()[1]
 
-    def _ranking(self) -> tuple[list[Candidate], dict[int, int]]:
+    def ties(self) -> dict[int, int]:
+        """Of :attr:`ranked`, each candidate predicted within :data:`TIE` of one ranked before it, the first of its
+        tie (the fastest left, and every candidate within TIE of it, the simplest first): its index -> that one's."""
+        return self._ranking()[2]
+
+    def _ranking(self) -> tuple[list[Candidate], dict[int, int], dict[int, int]]:
         ok = sorted((c for c in self.candidates if c.fits), key=lambda c: (-c.throughput, len(c.args())))
         firsts: dict[tuple[Any, ...], int] = {}  # program -> its place among the distinct ones
         distinct: list[Candidate] = []
@@ -174,10 +192,12 @@ class Search:
             else:
                 firsts[key] = len(distinct)
                 distinct.append(c)
+        distinct, ties = tied(distinct)
+        where = {c.program(): k for k, c in enumerate(distinct)}
         tight = sorted((c for c in self.candidates if c.plan is not None and not c.fits), key=lambda c: c.peak or 0)
         out = sorted((c for c in self.candidates if c.plan is None), key=lambda c: c.reason or "")
-        same = {len(distinct) + k: first for k, (_, first) in enumerate(again)}
-        return distinct + [c for c, _ in again] + tight + out, same
+        same = {len(distinct) + k: where[c.program()] for k, (c, _) in enumerate(again)}
+        return distinct + [c for c, _ in again] + tight + out, same, ties
 
     @property
     def best(self) -> Candidate | None:
@@ -192,6 +212,24 @@ class Search:
                 why = c.reason or NOT_FIT
                 out[why] = out.get(why, 0) + 1
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def tied(ranked: list[Candidate]) -> tuple[list[Candidate], dict[int, int]]:
+    """``ranked`` (by predicted samples/s, the fastest first) in ties: the fastest left leads every candidate
+    predicted within :data:`TIE` of it, ordered simplest first (:meth:`Candidate.simplicity`, then the faster);
+    then the next fastest left. The order, and each tied candidate's index -> its tie's first's: the one place a
+    tie is decided (the choice, the table and the JSON read it)."""
+    left, out, ties = list(ranked), list[Candidate](), dict[int, int]()
+    while left:
+        lead = left[0].throughput
+        group = [c for c in left if c.throughput >= lead * (1.0 - TIE)]
+        group.sort(key=lambda c: (c.simplicity(), -c.throughput))
+        first = len(out)
+        ties.update({first + k: first for k in range(1, len(group))})
+        out += group
+        ids = {id(c) for c in group}
+        left = [c for c in left if id(c) not in ids]
+    return out, ties
 
 
 # ---------------------------------------------------------------------------- the world and its meshes
@@ -511,7 +549,9 @@ def _warm_one(job: tuple[dict[str, Any], str, int, int]) -> None:
 
 
 def _best(out: Search) -> float:
-    return max((c.throughput for c in out.candidates if c.fits), default=0.0)
+    """The throughput a candidate must be able to reach to be planned: the best found, less the noise within which
+    a slower one ties with it (:data:`TIE`: a simpler one tied with the best is chosen)."""
+    return max((c.throughput for c in out.candidates if c.fits), default=0.0) * (1.0 - TIE)
 
 
 def _pipelines(planner: _Planner, out: Search, pipes: list[dict[str, Any]], B: int, layers: int) -> None:
@@ -638,14 +678,16 @@ def hardware_of(cfg: Any, cand: Candidate) -> dict[str, Any] | None:
 def as_json(cfg: Any, s: Search, given: list[str] | None = None) -> dict[str, Any]:
     """Every candidate, best first (schema ``gems.search/1``): ``overrides`` (``key=value`` strings that, added to
     the user's command, run it), ``mesh``, ``options``, ``samples_per_s``, ``step_s``, ``breakdown``,
-    ``peak_bytes``, ``fits``, ``reason``; and ``world``, ``tried``, ``rejected`` (by reason), ``seconds``,
-    ``command`` (the best's), ``best`` (its index: 0, or null where nothing fits)."""
+    ``peak_bytes``, ``fits``, ``reason``, ``tied_with`` (the rank of the first of its tie within :data:`TIE`, the
+    simplest: :func:`tied`); and ``world``, ``tried``, ``rejected`` (by reason), ``seconds``, ``command`` (the
+    best's), ``best`` (its index: 0, or null where nothing fits), ``tie`` (:data:`TIE`)."""
     ranked = s.ranked
-    same = s.same()
+    same, ties = s.same(), s.ties()
     out = []
     for i, c in enumerate(ranked):
         pr = c.plan.prediction if c.plan is not None else None
-        item = {"rank": i + 1, "same_as": same[i] + 1 if i in same else None, "overrides": c.args(), "mesh": c.mesh(),
+        item = {"rank": i + 1, "same_as": same[i] + 1 if i in same else None,
+                "tied_with": ties[i] + 1 if i in ties else None, "overrides": c.args(), "mesh": c.mesh(),
                 "options": c.options(),
                 "samples_per_s": c.throughput if pr is not None else None,
                 "step_s": pr.step_s if pr is not None else None,
@@ -656,8 +698,9 @@ def as_json(cfg: Any, s: Search, given: list[str] | None = None) -> dict[str, An
         out.append(item)
     best = s.best
     return {"schema": "gems.search/1", "world": s.world, "tried": len(s.candidates), "rejected": s.rejected(),
-            "pruned": s.pruned, "seconds": round(s.seconds, 2), "best": 0 if best is not None else None,
-            "command": command(given, best) if best is not None else None, "candidates": out}
+            "pruned": s.pruned, "seconds": round(s.seconds, 2), "best": 0 if best is not None else None, "tie": TIE,
+            "command": command(given, best) if best is not None else None, "candidates": out,
+            "rates": best.plan.prediction.assumptions[0] if best is not None and best.plan.prediction else None}
 
 
 def render(cfg: Any, s: Search, given: list[str] | None = None, top: int = 10) -> str:
@@ -669,14 +712,15 @@ def render(cfg: Any, s: Search, given: list[str] | None = None, top: int = 10) -
 
     t = Table(title=f"gems plan parallel=auto: {s.world} ranks, global batch {int(cfg.train.batch_size)}, "
                     f"{cfg.train.precision}", show_header=True, header_style="bold")
-    for col in ("#", "mesh", "schedule", "samples/s", "step s", *TERMS, "peak GiB", "fits", "TFLOP/s frac"):
+    for col in ("#", "tie", "mesh", "schedule", "samples/s", "step s", *TERMS, "peak GiB", "fits", "TFLOP/s frac"):
         t.add_column(col, justify="right" if col not in ("mesh", "schedule") else "left")
-    same = s.same()
+    same, ties = s.same(), s.ties()
     for i, c in enumerate([c for i, c in enumerate(s.ranked) if i not in same][:top]):
         pr = c.plan.prediction if c.plan is not None else None
         hw = hardware_of(cfg, c) or {}
         frac = hw.get("flops_fraction")
-        t.add_row(str(i + 1), c.mesh(), c.options(), f"{c.throughput:.3g}" if pr is not None else "-",
+        t.add_row(str(i + 1), f"= {ties[i] + 1}" if i in ties else "", c.mesh(), c.options(),
+                  f"{c.throughput:.3g}" if pr is not None else "-",
                   f"{pr.step_s:.3g}" if pr is not None else "-",
                   *((f"{pr.breakdown.get(k, 0.0):.3g}" if pr is not None else "-") for k in TERMS),
                   f"{c.peak / 2**30:.2f}" if c.peak is not None else "-", "yes" if c.fits else "no",
@@ -690,6 +734,13 @@ def render(cfg: Any, s: Search, given: list[str] | None = None, top: int = 10) -
                  "plan.format=json: same_as)" if same else "") + "\n")
     best = s.best
     if best is not None:
+        tie = sorted(i for i, first in ties.items() if first == 0)
+        if tie:
+            buf.write(f"#1 and #{', #'.join(str(i + 1) for i in tie)} are a tie (predicted within {100 * TIE:g}% of "
+                      "each other, the prediction's own noise): the simplest mesh is first (the fewest ranks each "
+                      "rank talks to, then the fewest options)\n")
+        if best.plan.prediction is not None:
+            buf.write(f"rates: {best.plan.prediction.assumptions[0]}\n")
         buf.write(f"best: {command(given, best)}\n")
     return buf.getvalue()
 
@@ -777,6 +828,7 @@ def choose(cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     chosen = {"by": "gems plan's search (parallel=auto: gems/plan/search.py)", "world": s.world,
               "candidates": len(s.candidates), "seconds": round(s.seconds, 2), "mesh": best.mesh(),
               "options": best.options(), "overrides": best.args(), "predicted_samples_per_s": best.throughput,
+              "tied": [c.mesh() + " " + c.options() for i, c in enumerate(s.ranked) if s.ties().get(i) == 0],
               "runner_up": None if runner is None else {"mesh": runner.mesh(), "options": runner.options(),
                                                         "overrides": runner.args(),
                                                         "predicted_samples_per_s": runner.throughput}}

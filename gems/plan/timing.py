@@ -430,10 +430,8 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
         group = [mesh.rank_of(r, h, s) for r in range(mesh.replicas) for h in holders for s in range(S)]
         ar_s = _gradient_sum(params, len(group), link_of(group), st.bucket_mb, window, rates.spare, mesh.replicas,
                              comp, jitter)
-        # the optimizer's update: memory-bound over parameters, gradients and state
-        # (SGD: read parameter and gradient, write parameter; momentum and Adam read and write their state too)
-        per_param = {0: 3, 1: 5, 2: 7}.get(st.optimizer_factor, 7)
-        opt_s = per_param * params / rates.bandwidth + 10 * len(held) * rates.op_overhead_s
+        # the optimizer's update: memory-bound over parameters, gradients and state (Rates.update)
+        opt_s = rates.update(params, st.optimizer_factor) + 10 * len(held) * rates.op_overhead_s
         bubble = max(0.0, end0[d] - data_s[d] - comp - spat) + (step_end - end[d])
         bubble = bubble if bubble > 1e-9 * step_end else 0.0  # the subtractions' rounding is no wait
         pcomm = max(0.0, end[d] - end0[d])
