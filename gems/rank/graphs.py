@@ -1,88 +1,9 @@
 """CUDA graphs on GPU ranks (``train.cuda_graphs``): the plain path's step replayed from one graph.
 
-A small step on a GPU is launches: CosmoFlow's MLPerf model at one sample is about 130 kernels forward and
-backward, each paid 10-25 µs of Python, dispatcher and driver time (gems plan's 25 µs an op). gems captures the
-step's work on the device as one CUDA graph and replays it: the forward with its finiteness checks, the loss, the
-backward into static gradients, the gradient sums over the ``grad`` group (NCCL's collectives captured where the
-reducer launches them: at its points during the backward, so the overlap is the eager step's), the average of the
-BatchNorm statistics over the copies, and the step's sync (the global loss and the stop flag, all-reduced); with
-``train.graph_optimizer`` the optimizer's update too (a whole-step graph, as NVIDIA's MLPerf CosmoFlow captures).
-Around the replay stay the copies of the step's input, target and host values (the stop flag, dropout's keys:
-one copy of one small tensor) into the graph's static tensors, the optimizer (one fused kernel) where it is not
-captured, and one asynchronous copy of the step's figures to the host, read a step late by the loop
-(gems.rank.loop: the host's work for the next step overlaps this one on the device). torch.compile's
-``reduce-overhead`` was the other candidate: it would compile the model's kernels anew (other kernels than eager's,
-so not bit-equal to the eager step) and needs a compile per shape; a graph of the eager kernels keeps the step
-exact.
-
-How a graphed rank runs its steps (:class:`StepGraph`):
-
-* the step is one function of static tensors (the body, built by gems.rank.compose): it reads the static input,
-  target and host values, writes the static figures, zeroes and fills the static gradients. Run eagerly it is the
-  step; captured, its replay is;
-* its first :data:`EAGER_STEPS` step(s) run the body eagerly on the capture's stream: the warm-up torch asks for
-  before a capture (cuBLAS and cuDNN initialised, NCCL's communicators made, the optimizer's state created), and
-  real steps, so nothing is put back afterwards. The next step captures the body (nothing runs) and replays it;
-* **gradients** are static tensors the graph owns (:meth:`gems.replication.GradientReducer.static_grads`: the
-  small ones views of their bucket's flattened buffer, which the sum reads in place, so no copy in or out; each of
-  its parameter's strides, a channels-last weight's too, as torch's fused optimizers require on a GPU). The body
-  zeroes them and attaches them to the parameters before its backward, and each step's backward writes its own:
-  ``zero_grad`` in either form, and anything left in ``.grad``, cannot double a gradient;
-* **dropout** (gems.layers.SampleDropout) hashes (seed, step, sample) on the device: the keys are host values
-  copied in with the stop flag, and the masks are drawn inside the graph;
-* **shapes**: one graph a batch shape; a step whose batch has another shape runs the eager step (with the same
-  sums and sync as the body, in the same order on every rank).
-
-**Spatial parts** (``train.graph_spatial``, off until a GPU has run it) capture their halo exchanges in the step's
-graph with the rest: the exchanges are NCCL point-to-point groups launched inside each layer, between the interior
-that computes while they travel and the boundary that needs them, in one order on every rank (the layers' order,
-forward then backward), as the gradient sums are collectives launched at their points. Graphed pieces between
-the messages, as a pipeline's, were the other way: they would cut every convolution into three graphs (the
-interior, the boundary, the gradient's), keep its launches around them, and lose the interior's overlap with the
-messages, which a capture keeps (the side stream a layer posts on is forked from and joined to the captured
-stream). Inside a capture no span is timed by CUDA events (gems.timers: the halo's time is the graph's, timed
-whole); BatchNorm's global statistics are all-reduces captured too.
-
-Where a graph is not taken, the run says why in its notes and runs eager: CPU ranks (no CUDA graphs), a pipeline
-(its stages exchange messages between their pieces), spatial parts without ``train.graph_spatial``, recomputation
-(``parallel.checkpoint``: the forward runs again inside the backward), MPI's sums (run by the host), hooks on the
-model (a fault injection's: a replay would skip them). Whether a collective is captured must be the same on every
-rank (NCCL's rule), so the ranks agree before their first step (gems.rank.compose: one all-reduce): a hook on one
-rank's model, or batches of other shapes on different ranks, make every rank run eager.
-
-**A capture that fails stops the run** (exit 1, the record naming the rank and the cause, and
-``train.cuda_graphs=false`` as the way on). It does not fall back to eager: torch's ``capture_end`` raises before
-it hands the private pool back to the caching allocator, which then believes a capture is under way for the rest
-of the process (freed blocks that a side stream used are never reused: the reader's batches leak, then the device
-runs out of memory), and only private, version-bound calls undo that; and under R > 1 a rank that went eager while
-the others replay would issue its sums at other points than theirs. An eager run is half as fast on a small step;
-a user rather reads why and chooses. The message names the first error of the capture (the illegal call inside
-it), not ``capture_end``'s generic one that follows it.
-
-**Other threads during the capture.** The capture runs in CUDA's thread-local mode: a call of another thread is
-not checked against it. Of the rank's threads, only the reader ahead issues CUDA work (it pins, copies and draws on
-its side stream): it pauses while the body is captured (:data:`CUDA_WORK`), as in the eager warm-up before it.
-NCCL's watchdog queries the events of collectives issued outside captures (torch does not hand it those issued
-inside one), which global mode would count as an illegal call of the capture; gems's own watchdog and heartbeat
-threads make no CUDA call. A rank forked from gems's fork server (gems.launch.forkserver) carries none of the
-server's threads (a fork copies the calling thread only) and no CUDA context (the server never makes one). Python's
-garbage collector is off during the capture (a collected CUDA event or graph would be destroyed inside it).
-
-What CPU tests check (tests/test_graphs.py), with a stand-in for the capture (``GEMS_CPU_GRAPH_STAND_IN=1``): the
-rank computes in a GPU's layout (channels-last convolutions) and checks its fused optimizer before every step as
-torch's CUDA kernels do (:func:`check_fused`: parameters, gradients and state of one layout); the capture runs the
-body once under a check that refuses what a capture cannot hold (:class:`NoHostReads`: a device value read on the
-host, by the op or inside its CUDA kernel; a tensor made from Python data),
-records its ops (:class:`Trace`) and puts back what that run changed; each replay runs the body again and must
-dispatch the ops recorded, with the same host values and the same tensors of the graph's (what a GPU's replay
-would freeze). So the whole protocol runs and a graphed run equals the eager one bit for bit (dropout, BatchNorm,
-R = 2, fp16's skipped steps, spatial parts with their halos); the device ops launched outside the replay, counted
-in every run's record (:class:`DeviceOps`); a capture failing at its end (``GEMS_CPU_GRAPH_STAND_IN=fail_at_end``)
-and inside (a host read), and the capture's order of calls on a mock of torch.cuda. What only a GPU shows
-(docs/gpu.md): the capture itself, the replay's speed and its results equal to eager's (scripts/gpu_check.sh runs
-the same comparison), syncs inside kernels the stand-in does not name, a tensor made on the host by a factory in the
-body (the stand-in's host is its device), the memory a capture takes, and NCCL's collectives and point-to-point
-messages inside a graph.
+The step is one function of static tensors (the body, built by gems.rank.compose), run eagerly for its first
+:data:`EAGER_STEPS` step(s), then captured once and replayed (:class:`StepGraph`); a step that cannot replay runs the
+eager step with the same collectives. On CPU ranks a stand-in for the capture (``GEMS_CPU_GRAPH_STAND_IN``) checks
+what a capture cannot hold. What the graph holds, what stays around it and why: docs/gpu.md, "CUDA graphs".
 """
 from __future__ import annotations
 
@@ -129,7 +50,7 @@ PIECES_NOTE = ("train.cuda_graphs: each partition's forward and backward of a mi
 
 
 class CaptureFailed(RunError):
-    """A capture of the step failed: the run stops (module docstring: why not eager)."""
+    """A capture of the step failed: the run stops (docs/gpu.md, "CUDA graphs": why not eager)."""
 
 
 def decide(cfg: Any, settings: Any, mesh: Any, device: torch.device) -> tuple[bool, str | None]:
@@ -402,7 +323,7 @@ def check_fused(optimizer: Any) -> None:
 
 # ---------------------------------------------------------------------------- captures
 class _CudaCapture:
-    """The body captured on a side stream of the rank's GPU and replayed on the current stream (module docstring).
+    """The body captured on a side stream of the rank's GPU and replayed on the current stream.
     ``api`` is ``torch.cuda`` (a test passes a mock of it)."""
 
     def __init__(self, device: torch.device, api: Any = None) -> None:
@@ -522,10 +443,17 @@ def cause(e: BaseException, in_capture: bool = True) -> str:
 
 # ---------------------------------------------------------------------------- the graphed step
 class StepGraph:
-    """A graphed rank's step (module docstring): :meth:`run` copies the step's batch and host values into the static
+    """A graphed rank's step: :meth:`run` copies the step's batch and host values into the static
     tensors and runs the body: eagerly for the first :data:`EAGER_STEPS` step(s), then captured once and replayed.
     ``body(static)`` is the step; ``touched()`` lists what it changes beyond its static outputs (the stand-in's
-    capture puts them back); ``capture`` makes the capture (default: CUDA's on a GPU, the stand-in on a CPU)."""
+    capture puts them back); ``capture`` makes the capture (default: CUDA's on a GPU, the stand-in on a CPU).
+
+    The gradients (``grads``) are static tensors the graph owns (gems.replication.GradientReducer.static_grads: the
+    small ones views of their bucket's flattened buffer, each of its parameter's strides); the body zeroes them and
+    attaches them before its backward, so no ``zero_grad``, nor anything left in ``.grad``, can double one.
+    Dropout's keys are host values copied in with the stop flag, its masks drawn inside the graph. One graph a batch
+    shape: a step of another shape runs the body eagerly, with the same sums and sync in the same order on every
+    rank."""
 
     def __init__(self, body: Callable[[Static], None], device: torch.device, rank: int,
                  touched: Callable[[], list[torch.Tensor]] = lambda: [], capture: Any = None,

@@ -1,31 +1,6 @@
-"""Graphed pieces of a pipeline's partitions (``train.graph_pieces``): each action's partition replayed from CUDA
-graphs between the schedule's messages, which stay eager.
-
-A pipeline's step is its schedule's actions, each a forward or a backward of one partition over one micro-batch,
-with exchange rounds between them (gems.pipeline.exchange); the whole step cannot be one graph (the rounds are
-NCCL's point-to-point groups, placed between the actions in one order on every rank, and the inputs of a forward
-arrive by them). So each *slot*, a (stage, replica pass, micro-batch) the rank runs, gets a pair of graphs, the
-partition's forward and its backward (as ``torch.cuda.make_graphed_callables`` makes them: the backward's graph
-takes the output's gradient and gives the input's and the parameters'), in a pool of its own (a slot's forward and
-backward replay in that order, between other slots'); the runtime calls them in place of the partition
-(``PipelineRunner.call_part``), and autograd routes the gradients: the input's to the message the runtime sends
-back, the parameters' (copied out of the graph: they never alias its buffers) to ``.grad`` through autograd's own
-accumulation, whose hooks the gradient sum counts. The loss of the last stage, fp16's scale, the messages, the
-sums (at the end of each backward action: points inside a replayed partition would not run) and the optimizer stay
-eager.
-
-The first step runs every partition eagerly (the slots and their shapes learnt; libraries and communicators
-initialised); the next step captures every slot before its first action (each after a warm-up of three forwards
-and backwards on its static input, BatchNorm's statistics put back after), then replays. Dropout's keys are a
-slot's static input too, copied in before its forward. A slot whose input has another shape runs eager.
-
-Off by default until a GPU has run them: every slot holds its own parameter gradients and its backward's
-workspace in its pool (``m`` micro-batches of a stage: ``m`` sets), which the planner holds all at once
-(gems.plan.memory: ``Planner._graphed_slots``).
-Not for spatial parts (their halos exchange inside the layers), recomputation or a split backward (the weight
-gradients wait for their W action). Checked on CPU with the capture's stand-in (``GEMS_CPU_GRAPH_STAND_IN=1``:
-its capture runs a slot once under the host-read check and puts its buffers back; a replay runs the partition
-again): pipelines train as eager bit for bit and their messages replay under NCCL's rules (tests/test_graphs.py).
+"""Graphed pieces of a pipeline's partitions (``train.graph_pieces``): each action's partition replayed from CUDA graphs
+between the schedule's messages, which stay eager, as do the last stage's loss, fp16's scale, the gradient sums and
+the optimizer (:class:`Pieces`; docs/gpu.md, "CUDA graphs": pipelines). Off by default until a GPU has run them.
 """
 from __future__ import annotations
 
@@ -201,8 +176,19 @@ class _Piece(torch.autograd.Function):
 
 
 class Pieces:
-    """A pipeline rank's slots (module docstring): called in place of a partition (``PipelineRunner.call_part``);
-    :meth:`begin_step` before each step captures them once the first step has run them eagerly."""
+    """A pipeline rank's slots: called in place of a partition (``PipelineRunner.call_part``); :meth:`begin_step`
+    before each step captures them once the first step has run them eagerly.
+
+    A slot, a (stage, replica pass, micro-batch) the rank runs, gets a pair of graphs, the partition's forward and its
+    backward (as ``torch.cuda.make_graphed_callables`` makes them), in a pool of its own; autograd routes the input's
+    gradient to the message the runtime sends back and the parameters' (copied out of the graph: they never alias its
+    buffers) to ``.grad`` through autograd's own accumulation, whose hooks the gradient sum counts; the sums start
+    at the end of each backward action (points inside a replayed partition would not run). The second step captures
+    every slot before its first action, each after a warm-up of three forwards and backwards on its static input
+    (BatchNorm's statistics put back after); dropout's keys are a slot's static input too. A slot whose input has
+    another shape runs eager. Every slot holds its own gradients and backward workspace (a stage's ``m``
+    micro-batches: ``m`` sets), which the planner holds all at once. Not for spatial parts (their halos exchange
+    inside the layers), recomputation or a split backward (the weight gradients wait for their W action)."""
 
     def __init__(self, device: torch.device, rank: int, amp: Callable[[], Any],
                  buffers: Callable[[], list[torch.Tensor]], api: Any = None) -> None:
