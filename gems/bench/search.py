@@ -1,34 +1,8 @@
-"""``gems bench search``: does the mesh gems plan's search chooses (``parallel=auto``: gems/plan/search.py) train
-as fast as the best one measured?
-
-On this machine's ranks (a world of two: its two cores, one compute thread a rank, gloo), for six models where
-different meshes should win:
-
-* **a compute-bound chain**: CosmoFlow's convolutions at 32^3 on a batch of 8 (its work splits over replicas);
-* **a large dense head**: a few convolutions and a 4096 x 4096 dense head (64 MiB of fp32 weights), where summing
-  the gradients over replicas costs more than the step's compute;
-* **one sample a step**: CosmoFlow at 64^3 and a batch of 1, where no replica split exists (S or D);
-* **the U-Net under a memory cap**: 3D U-Net at 64^3, a batch of 2 (skips across the cut and the pipeline's
-  stages, halos at every level), each rank capped at 0.29 GiB (``cluster.rank_memory_gb``, planned and held by the
-  run alike): the meshes that win without it (two replicas, GEMS-MAST, two spatial parts; 0.30-0.36 GiB a rank)
-  do not fit, and the search must find what does (recomputation, or a pipeline with micro-batches). The closest
-  mesh the cap rules out is run too, launched past the fit check: the run must stop at the cap, as the plan said;
-* **the U-Net without a cap** (the same, where replicas, GEMS-MAST and spatial parts all fit);
-* **a 2D ResNet on large images**: ResNet-20 at 512^2 and one image a step (its cut is rows or tiles).
-
-A hybrid (R x D or R x S) needs a world of four: on two cores four ranks take turns on half a core each, so what a
-hybrid measures there is the scheduler's sharing, not the mesh (:data:`HYBRID`: left to a machine of four cores).
-
-For each, the search ranks the world's candidates; the benchmark runs its top four, and the best-ranked candidate
-of every mesh family (replicas, pipeline, spatial) not among them, each a real ``gems run`` of the candidate's
-overrides, in rounds that alternate the candidates (this machine is shared and noisy), the median step time of a
-run's measured steps, the median over the rounds. It reports the chosen candidate's measured samples/s over the
-best measured (goal >= 0.95), the rank correlation (Spearman) of predicted and measured over the candidates run
-(goal >= 0.8), the pairs measured apart that the prediction orders alike (goal >= 90%), every candidate's
-predicted over measured, and where the search was wrong. It holds the predicted compute of every schedule,
-micro-batch count and split the search ranks against the measured (gems.bench.accuracy), and times the search itself
-at 2048 GPUs of a preset cluster (CosmoFlow 512^3 and the U-Net at 256^3 at 2 to 2048 GPUs, the first call on a
-fresh trace cache and a cached call, each a process of its own). Writes ``search.md``.
+"""``gems bench search``: does the mesh gems plan's search chooses (``parallel=auto``: gems/plan/search.py) train as fast
+as the best one measured? On a world of two CPU ranks, for models where different meshes should win (:data:`MODELS`),
+the search's top candidates and the best of every mesh family run as real ``gems run``s in alternating rounds; it
+reports the choice over the best measured, the rank correlation of predicted and measured, and the search's own time
+at up to 2048 GPUs (:func:`bench_search`; docs/benchmarks.md). Writes ``search.md``.
 """
 from __future__ import annotations
 
@@ -45,7 +19,11 @@ from typing import Any, Sequence
 from gems.bench.common import env_block, md_table, median, write
 from gems.plan.search import TIE  # (predictions within it are a tie: the search's own noise, one figure for both)
 
-#: the models (label, overrides)
+#: the models (label, overrides), each where another mesh should win: a compute-bound chain (its work splits over
+#: replicas); a large dense head (64 MiB of fp32 weights: summing its gradients over replicas costs more than the
+#: step); one sample a step (no replica split: S or D); the U-Net under a cap of 0.29 GiB a rank, planned and held by
+#: the run alike, which the meshes that win without it (0.30-0.36 GiB a rank) do not fit (the closest mesh the cap
+#: rules out runs too, past the fit check, and must stop at the cap)
 MODELS: list[tuple[str, list[str]]] = [
     ("compute-bound chain", ["model=cosmoflow", "model.size=32", "model.width=0.5", "train.batch_size=8"]),
     ("large dense head", ["model=custom", "model._target_=gems.bench.search.dense_head", "model.input_shape=[4,16,16,16]",
