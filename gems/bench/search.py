@@ -19,8 +19,8 @@ from typing import Any, Sequence
 from gems.bench.common import env_block, md_table, median, write
 from gems.plan.search import TIE  # (predictions within it are a tie: the search's own noise, one figure for both)
 
-#: the models (label, overrides), each where another mesh should win: a compute-bound chain (its work splits over
-#: replicas); a large dense head (64 MiB of fp32 weights: summing its gradients over replicas costs more than the
+#: the models (label, overrides), where different meshes should win, among them a compute-bound chain (its work splits
+#: over replicas); a large dense head (64 MiB of fp32 weights: summing its gradients over replicas costs more than the
 #: step); one sample a step (no replica split: S or D); the U-Net under a cap of 0.29 GiB a rank, planned and held by
 #: the run alike, which the meshes that win without it (0.30-0.36 GiB a rank) do not fit (the closest mesh the cap
 #: rules out runs too, past the fit check, and must stop at the cap)
