@@ -1,11 +1,6 @@
-"""The gems worker: the entry every rank runs, from configuration to results record.
-
-``run_rank(cfg_yaml)`` is the entry on every launcher (local processes,
-submitit tasks, ``srun``/``mpiexec`` via ``python -m gems.worker --config``).
-It bootstraps the world (gems/bootstrap.py), starts the rank's watchdog and,
-with ``GEMS_COMM_LOG``, its message log, and runs :func:`gems.rank.loop.train` (or, for ``gems eval``,
-:func:`gems.rank.evaluate.evaluate_model`); rank 0 writes the results record.
-A rank that fails writes its failure report before the error leaves it.
+"""The gems worker: the entry every rank runs on every launcher (:func:`run_rank`, ``python -m gems.worker --config``),
+from configuration to results record: the world bootstrapped, the rank's watchdog and message log started, the
+training (or ``gems eval``) run, the record written by rank 0; a rank that fails writes its failure report first.
 """
 from __future__ import annotations
 
