@@ -1,13 +1,7 @@
-"""The search's predicted compute held against one rank's measured step (``gems bench search``'s accuracy section,
-issue 82): every schedule x micro-batches x split combination the search ranks on a world of CPU ranks, its
-busiest rank's compute as a share of one rank's plain step, predicted and measured side by side in one process.
-
-A candidate's busiest rank runs its real step (the rank's stepper and optimizer as a run builds them, the real
-pipeline runtime) over torch's fake process group, where messages complete at once, so the rank computes without
-waiting for its peers; the least of its steps, in rounds that alternate the candidates with one rank's plain step.
-What it holds is the compute of a rank (micro-batches, split backwards, the runtime's bookkeeping); the waits a
-schedule leaves and the messages are what the benchmark's real runs measure. A benchmark, not a test: on this
-project's shared two-core machine a loaded moment moved one candidate's measured share by 2x within a process.
+"""The search's predicted compute held against one rank's measured step (``gems bench search``'s accuracy section, issue
+82): every schedule x micro-batches x split the search ranks on a world of CPU ranks, its busiest rank's compute as a
+share of one rank's plain step, predicted and measured side by side in one process (:func:`accuracy`). A benchmark,
+not a test: on this shared two-core machine a loaded moment moved one candidate's measured share by 2x.
 """
 from __future__ import annotations
 
@@ -64,7 +58,11 @@ def accuracy(label: str, over: list[str], rounds: int = 3, world: int = 2, steps
     """Of ``over``'s search at ``world`` CPU ranks, every pipeline candidate that fits (each program once; the first
     ``top`` where given): its busiest rank's predicted compute (the search's plan, its ops timed as one rank
     computing alone, as it is measured here) and measured step, each a share of one rank's plain step; how many are
-    within :data:`WITHIN`."""
+    within :data:`WITHIN`. The busiest rank runs its real step (its stepper, optimizer and pipeline runtime as a run
+    builds them) over torch's fake process group, where messages complete at once, so it computes without waiting
+    for its peers: what it holds is a rank's compute (micro-batches, split backwards, the runtime's bookkeeping); the
+    waits and the messages are what the benchmark's real runs measure. The least of its steps, in rounds that
+    alternate the candidates with one rank's plain step."""
     import torch
 
     import gems.plan.predict as predict
