@@ -54,8 +54,8 @@ def _typed(layout: ArrayLayout, file: Path) -> _Array:
 
 
 class ArrayLayout(Layout):
-    """A layout of one array a file (module docstring). A subclass sets ``name``, ``about`` and ``suffixes`` and
-    writes :meth:`header` and :meth:`write`; :meth:`holds` and :meth:`open` are the base's."""
+    """A layout of one array a file (docs/data.md, "Adding a layout"). A subclass sets ``name``, ``about`` and
+    ``suffixes`` and writes :meth:`header` and :meth:`write`; :meth:`holds` and :meth:`open` are the base's."""
 
     #: whether the values are counts, made ``log(1 + x)`` where the batch is finished (before ``data.standardize``)
     log1p: ClassVar[bool] = True
