@@ -6,6 +6,12 @@
 A lease is short (15 minutes of device time a session, the machine's start included), so the phases share one
 deadline (``--seconds``, default 530) and each gets what is left of it, in this order:
 
+- ``graphed`` (issue 83): the rig's graphed multi-rank points first (``graphed-R2``, ``graphed-S2``,
+  ``graphed-R2xS2``: graphs holding NCCL work, train.graph_collectives), each run to its processes' end (a rank
+  whose teardown passes its limit says so, and the rig calls that a teardown hang), with their one-rank reference
+  and the deterministic pair (graphed against eager, bit for bit); then each graphed point's pool against its plan
+  (the record's ``cuda_reserved_max`` beside ``gems plan``'s peak for the same configuration): ``graphed.md``, and
+  ``graphed.json`` with the rig's summary in lease.tgz;
 0. ``gems bench step`` (issue 59: gems's step graphed and eager, from HDF5 files, beside a plain loop and that loop
    captured whole as one CUDA graph; the science configuration), its table and every gems record back;
 1. the rig (``gems.gpucheck``): the one-rank run graphed against eager first, the strict mode, then the hybrids,
@@ -26,7 +32,8 @@ deadline (``--seconds``, default 530) and each gets what is left of it, in this 
    ``health.check=always`` whose record goes into lease.tgz; both tables in ``telemetry-gpu.md``.
 
 At most 8 files come back from a device call; it writes these (``large-tensors.json`` too with ``probe``: name no
-more than seven of the phases that write one, or one comes back missing): ``step.md`` and ``step-records.json``
+more than seven of the phases that write one, or one comes back missing): ``graphed.md`` (the graphed phase),
+``step.md`` and ``step-records.json``
 (gems bench step), ``summary.json``, ``summary.md`` (the rig), ``rows.json``, ``overhead-gpu.md``, ``search-gpu.md``
 (gems bench search's GPU half, phase ``search``: issue 72) and ``lease.tgz`` (every log, record and calibration, and
 the environment); ``telemetry-gpu.md`` with ``telemetry`` (name it with at most six of the others that write one).
@@ -117,7 +124,7 @@ GRAPHED_ROWS: list[tuple[str, list[str]]] = [
 ]
 #: the phases, in the order a lease runs them by default (science and search only when named); step: gems bench
 #: step; search: gems bench search's GPU half (issue 72: the search's choice on one GPU, as it is and under a cap)
-PHASES = ("step", "rig", "rows", "bench", "science", "probe", "search", "telemetry")
+PHASES = ("graphed", "step", "rig", "rows", "bench", "science", "probe", "search", "telemetry")
 #: the most gems bench search's GPU half may take (two models, each searched twice, its picks in two rounds)
 SEARCH_S = 240.0
 #: the most gems bench step may take (4 contenders x 2 batches x 3 rounds of 40 steps, and the science point)
@@ -126,7 +133,7 @@ STEP_S = 240.0
 MARK = ".gems-gpu-lease"
 #: the most one command of each phase may take, in seconds (measured on an H100: a rig run 20-60 s, a row 13-22 s,
 #: the overhead benchmark 22 s, a calibration 5-12 s); the phases after one keep what they need of the deadline
-RUN_S, ROW_S, OVERHEAD_S, CALIBRATE_S, PROBE_S = 100.0, 40.0, 60.0, 40.0, 90.0
+RUN_S, ROW_S, OVERHEAD_S, CALIBRATE_S, PROBE_S, PLAN_S = 100.0, 40.0, 60.0, 40.0, 90.0, 120.0
 #: the telemetry phase: the nodes' check, gems bench telemetry (3 contenders x 3 rounds of 30 steps) and one run
 NODES_S, TELEMETRY_S = 60.0, 120.0
 #: the models whose convolutions ``gems bench calibrate`` times (each its own file, in lease.tgz)
@@ -287,6 +294,71 @@ def rig_phase(lease: Lease, a: argparse.Namespace, keep_s: float) -> None:
             (lease.out / name).write_bytes((check / name).read_bytes())
 
 
+def graphed_phase(lease: Lease, dry: bool, keep_s: float) -> None:
+    """The rig's graphed points, their reference and the deterministic pair (each run to its processes' end), then
+    each graphed point's pool against its plan: graphed.md back, graphed.json and the records in lease.tgz."""
+    from gems import gpucheck
+
+    folder = lease.work / "graphed"
+    # gpucheck starts no run after its budget; a graphed point (or its retry) takes at most GRAPHED_LIMIT_S after
+    rig_s = lease.left() - keep_s - (10 if dry else 30)
+    budget = rig_s - gpucheck.GRAPHED_LIMIT_S
+    if budget < 10:
+        print(f"gpu_lease: {lease.left():.0f} s left: no graphed phase", flush=True)
+        return
+    lease.run("graphed", [sys.executable, "-m", "gems.gpucheck", "--out", str(folder), "--budget", str(budget),
+                          "--limit", str(RUN_S), "--only", GRAPHED_ONLY] + (["--dry"] if dry else []), rig_s + 20)
+    summary = json.loads((folder / "summary.json").read_text()) if (folder / "summary.json").exists() else None
+    if summary is None:
+        (lease.out / "graphed.md").write_text("# The graphed points\n\nThe rig wrote no summary: logs/graphed.txt\n")
+        return
+    points = {r.label: r for r in gpucheck.matrix(dry) if gpucheck.GRAPHED_KEY in r.args}
+    pools = [pool_row(lease, folder / "runs" / label, gpucheck.overrides(run, dry), label)
+             for label, run in points.items() if any(x["label"] == label for x in summary["runs"])]
+    (lease.work / "graphed.json").write_text(json.dumps({"summary": summary, "pools": pools}, indent=1) + "\n")
+    (lease.out / "graphed.md").write_text(graphed_table(summary, pools, (folder / "summary.md").read_text()))
+
+
+#: the graphed phase's points: the rig's graphed ones (and their one-rank reference) and the deterministic pair
+GRAPHED_ONLY = "graphed,deterministic"
+
+
+def pool_row(lease: Lease, folder: Path, overrides: list[str], label: str) -> dict[str, Any]:
+    """A graphed point's pool against its plan: what CUDA's allocator held at most (the graph's pool among it) and
+    allocated at most, per the run's record, beside ``gems plan``'s peak a rank for the same configuration."""
+    rec = _record(folder)
+    peak = (rec or {}).get("peak_memory_bytes") or {}
+    out = lease.work / "graphed" / f"plan-{label}.json"
+    try:
+        with open(out, "wb") as f:
+            subprocess.run([sys.executable, "-m", "gems.cli", "plan", "plan.format=json", *overrides], stdout=f,
+                           stderr=subprocess.DEVNULL, env=dict(_env(), GEMS_TEST_SHARE_GPU="1"), cwd=ROOT,
+                           timeout=PLAN_S)
+        planned = json.loads(out.read_text())["peak_memory_bytes"]["max"]
+    except (subprocess.TimeoutExpired, ValueError, KeyError, TypeError):  # the row says what the plan did not
+        planned = None
+    reserved = peak.get("cuda_reserved_max")
+    return {"label": label, "status": (rec or {}).get("status", "no record"), "planned_bytes": planned,
+            "reserved_bytes": reserved, "allocated_bytes": peak.get("max") if peak.get("kind") == "cuda_max_allocated"
+            else None, "reserved_over_planned": reserved / planned if reserved and planned else None}
+
+
+def graphed_table(summary: dict[str, Any], pools: list[dict[str, Any]], rig: str) -> str:
+    """graphed.md: the verdict on train.graph_collectives, the rig's table, and each graphed point's pool."""
+    def mib(v: Any) -> str:
+        return f"{v / 2**20:.0f}" if isinstance(v, (int, float)) else ""
+
+    rows = ["| point | record | planned MiB | reserved MiB | allocated MiB | reserved / planned |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for p in pools:
+        ratio = f"{p['reserved_over_planned']:.2f}" if p["reserved_over_planned"] is not None else ""
+        rows.append(f"| {p['label']} | {p['status']} | {mib(p['planned_bytes'])} | {mib(p['reserved_bytes'])} | "
+                    f"{mib(p['allocated_bytes'])} | {ratio} |")
+    return (f"# The graphed points (issue 83)\n\ntrain.graph_collectives by default: "
+            f"{summary['graph_collectives']['verdict']}\n\n## Each graphed point's pool against its plan\n\n"
+            + "\n".join(rows) + "\n\n## The rig\n\n" + rig.split("\n\n", 1)[-1])
+
+
 def rows_phase(lease: Lease, dry: bool, keep_s: float, env_info: dict[str, Any], only: str = "") -> None:
     """One-rank rows, the GPU alone, to rows.json (``only``: the labels to run, comma-separated)."""
     rows: dict[str, Any] = {}
@@ -387,14 +459,42 @@ def archive(lease: Lease) -> None:
     def small(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
         return None if info.name.endswith((".pt", ".distcp", ".tmp")) or info.size > 4 << 20 else info
 
-    runs = work / "check" / "runs"
+    runs = [work / "check" / "runs", work / "graphed" / "runs"]
     with tarfile.open(lease.out / "lease.tgz", "w:gz") as tar:
         for name in ("logs", "environment.json", "phases.json", "rows", "check/logs", "bench", "science/run",
-                     "search", "telemetry"):
+                     "search", "telemetry", "graphed.json", "graphed/logs"):
             if (work / name).exists():
                 tar.add(work / name, arcname=name, filter=small)
-        for rec in sorted(runs.rglob("*.json")) if runs.is_dir() else []:
-            tar.add(rec, arcname=str(rec.relative_to(work)))
+        for rec in sorted(r for folder in runs if folder.is_dir() for r in folder.rglob("*.json")):
+            tar.add(rec, arcname=str(rec.relative_to(work)))  # the records, and the ranks' failure reports
+
+
+def run_phases(lease: Lease, a: argparse.Namespace, phases: list[str], env_info: dict[str, Any]) -> None:
+    """Each phase in its order, each keeping what the rows and the benchmarks after it need of the deadline."""
+    for i, phase in enumerate(phases):
+        later = phases[i + 1:]
+        rows_kept = min(3, len([x for x in a.rows.split(",") if x]) or 3)  # the rows asked for, 3 at most
+        keep_s = (rows_kept * ROW_S if "rows" in later else 0) + (OVERHEAD_S + CALIBRATE_S if "bench" in later else 0)
+        if phase == "graphed":
+            graphed_phase(lease, a.dry, keep_s)
+        elif phase == "step":
+            step_phase(lease, a.dry)
+        elif phase == "rig":
+            rig_phase(lease, a, keep_s)
+        elif phase == "rows":
+            rows_phase(lease, a.dry, keep_s, env_info, a.rows)
+        elif phase == "probe":  # which layers slow down past 2^31 elements (a GPU only)
+            if not a.dry:
+                lease.run("probe", [sys.executable, str(ROOT / "scripts" / "gpu_large_tensors.py"), "--out",
+                                    str(lease.out / "large-tensors.json")], PROBE_S)
+        elif phase == "science":
+            lease.finish("science", keep_s)
+        elif phase == "search":
+            search_phase(lease, a.dry)
+        elif phase == "telemetry":
+            telemetry_phase(lease, a.dry)
+        else:
+            bench_phase(lease, a.dry)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,9 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "results/gpu/lease")))
     p.add_argument("--seconds", type=float, default=530.0, help="the whole lease's deadline")
     p.add_argument("--dry", action="store_true", help="the plumbing on CPU")
-    p.add_argument("--phases", default="step,rig,rows,bench", help="which phases, in this order (step, rig, rows, "
-                   "bench, probe, search, telemetry, science: it starts at once and trains beside the phases before "
-                   "it)")
+    p.add_argument("--phases", default="graphed,step,rig,rows,bench", help="which phases, in this order (graphed, "
+                   "step, rig, rows, bench, probe, search, telemetry, science: it starts at once and trains beside the "
+                   "phases before it)")
     p.add_argument("--rows", default="", help="the one-rank rows to run, by label, in this order (comma-separated; "
                    "default all)")
     p.add_argument("--science-epochs", type=int, default=SCIENCE_EPOCHS, help="the science point's epochs")
@@ -446,28 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     if "science" in phases:  # the universes, then the training: beside the phases listed before it
         workers = 1 if a.dry else max(1, (os.cpu_count() or 2) // (2 if "rig" in phases else 1))
         lease.start("science", science_commands(lease.work, a.dry, workers, a.science_epochs))
-    for i, phase in enumerate(phases):
-        later = phases[i + 1:]
-        rows_kept = min(3, len([x for x in a.rows.split(",") if x]) or 3)  # the rows asked for, 3 at most
-        keep_s = (rows_kept * ROW_S if "rows" in later else 0) + (OVERHEAD_S + CALIBRATE_S if "bench" in later else 0)
-        if phase == "step":
-            step_phase(lease, a.dry)
-        elif phase == "rig":
-            rig_phase(lease, a, keep_s)
-        elif phase == "rows":
-            rows_phase(lease, a.dry, keep_s, env_info, a.rows)
-        elif phase == "probe":  # which layers slow down past 2^31 elements (a GPU only)
-            if not a.dry:
-                lease.run("probe", [sys.executable, str(ROOT / "scripts" / "gpu_large_tensors.py"), "--out",
-                                    str(lease.out / "large-tensors.json")], PROBE_S)
-        elif phase == "science":
-            lease.finish("science", keep_s)
-        elif phase == "search":
-            search_phase(lease, a.dry)
-        elif phase == "telemetry":
-            telemetry_phase(lease, a.dry)
-        else:
-            bench_phase(lease, a.dry)
+    run_phases(lease, a, phases, env_info)
     archive(lease)
     print(json.dumps(lease.phases), flush=True)
     return 0

@@ -186,15 +186,15 @@ def test_bench_overhead_refuses_overrides_without_a_gpu(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def dry_lease(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One dry lease (scripts/gpu_lease.py --dry) of every phase but the rig (the dry rig has its test above):
-    gems bench step's plumbing, a one-rank row, the calibration, gems bench search's GPU half, and the science point
-    trained in the background beside them. Its folder: work/ (the lease's scratch) and out/ (what a device call
-    brings back)."""
+    """One dry lease (scripts/gpu_lease.py --dry) of every phase but the rig (the dry rig has its test above): the
+    graphed points first, gems bench step's plumbing, a one-rank row, the calibration, gems bench search's GPU half,
+    and the science point trained in the background beside them. Its folder: work/ (the lease's scratch) and out/
+    (what a device call brings back)."""
     tmp = tmp_path_factory.mktemp("lease")
     env = dict(os.environ, OMP_NUM_THREADS="1", GEMS_LEASE_WORK=str(tmp / "work"))
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_lease.py"), "--dry", "--phases",
-                        "step,rows,bench,search,science", "--out", str(tmp / "out")], capture_output=True, text=True,
-                       timeout=480, env=env)
+                        "graphed,step,rows,bench,search,science", "--out", str(tmp / "out")], capture_output=True,
+                       text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return tmp
 
@@ -232,6 +232,37 @@ def test_the_lease_scripts_science_point_writes_universes_trains_beside_a_phase_
     assert again.returncode == 0, again.stderr[-3000:]
     rerun = json.loads((tmp_path / "again" / "again.json").read_text())
     assert rerun["loss"] == record["loss"] and rerun["validation"][-1]["mae"] == record["validation"][-1]["mae"]
+
+
+@pytest.mark.xdist_group("dry_lease")  # one worker runs these: the lease runs once
+def test_the_lease_runs_the_graphed_points_first_to_their_end_with_the_deterministic_pair_and_their_pools(
+        dry_lease: Path) -> None:
+    """The graphed phase on CPU (--dry: R = 2 through the capture's stand-in, its sums and sync captured): it runs
+    first, its points and the deterministic pair through the rig to their processes' end (no rank named a teardown
+    past its limit), the pair equal bit for bit, each graphed point's record beside gems plan's peak for its
+    configuration (a CPU holds no CUDA pool: the lease's GPU fills that column), graphed.md back and the records and
+    graphed.json in the archive; a dry run turns nothing on."""
+    import tarfile
+
+    phases = json.loads((dry_lease / "work" / "phases.json").read_text())
+    assert [x["label"] for x in phases][:2] == ["imports", "graphed"] and phases[1]["rc"] == 0
+    got = json.loads((dry_lease / "work" / "graphed.json").read_text())
+    runs = {r["label"]: r for r in got["summary"]["runs"]}
+    assert set(runs) == {"1rank-fp32", "1rank-deterministic-eager", "1rank-deterministic-graphed", "graphed-R2"}
+    assert runs["graphed-R2"]["status"] == "ok" and runs["graphed-R2"]["equal"] and not runs["graphed-R2"]["first_try"]
+    pair = runs["1rank-deterministic-graphed"]
+    assert pair["exact"] and pair["equal"] and pair["max_rel_diff"] == 0.0
+    assert not got["summary"]["graph_collectives"]["turn_on"] and "not from a dry run" in \
+        got["summary"]["graph_collectives"]["verdict"]
+    (pool,) = got["pools"]
+    assert pool["label"] == "graphed-R2" and pool["status"] == "ok" and pool["planned_bytes"] > 0
+    assert pool["reserved_bytes"] is None
+    table = (dry_lease / "out" / "graphed.md").read_text()
+    assert "| graphed-R2 | ok |" in table and "| graphed-R2 | 2 | fp32 | ok |" in table
+    with tarfile.open(dry_lease / "out" / "lease.tgz") as tar:
+        names = tar.getnames()
+    assert "graphed.json" in names and any(n.startswith("graphed/runs/graphed-R2/") and n.endswith(".json")
+                                           for n in names)
 
 
 @pytest.mark.xdist_group("dry_lease")  # one worker runs these: the lease runs once
