@@ -373,3 +373,28 @@ def test_by_default_a_multi_rank_step_captures_no_nccl_work_and_says_so_once(tmp
     piped = SimpleNamespace(pipelined=True, schedule=SimpleNamespace(split=False))
     cfg.train.graph_pieces = True  # a pipeline's pieces hold none: they graph
     assert graphs.decide(cfg, piped, SimpleNamespace(spatial=1, size=2), cuda) == (True, None)
+
+
+def test_the_plan_prices_the_chain_a_graph_of_spatial_parts_puts_its_sums_on(monkeypatch) -> None:
+    """Inside a graph every NCCL launch follows the one before it (the chain), so at S > 1 each backward halo, and
+    the compute that needs it, waits for every gradient sum launched before it: the plan of a graphed spatial step
+    hides none of its sums behind the backward (their window is 0) and says so; a graphed step of replicas alone,
+    whose sums no halo follows, keeps the backward as its window, as eagerly."""
+    import gems.plan.timing as timing
+    from gems.config import compose
+    from gems.plan.make import make_plan
+
+    windows: list[float] = []
+    real = timing._gradient_sum
+
+    def gradient_sum(*args: Any) -> float:
+        windows.append(args[4])
+        return real(*args)
+
+    monkeypatch.setattr(timing, "_gradient_sum", gradient_sum)
+    base = ["model.size=32", "model.width=0.25", "train.batch_size=4", "train.device=cuda", "cluster.gpu=h100",
+            "parallel.replicas=2", "train.graph_collectives=true"]
+    spatial = make_plan(compose([*base, "parallel.spatial=2", "train.graph_spatial=true"]))
+    assert windows[-1] == 0.0 and any("the sums chained with the halos" in a for a in spatial.prediction.assumptions)
+    replicas = make_plan(compose(base))
+    assert windows[-1] > 0.0 and not any("chained" in a for a in replicas.prediction.assumptions)

@@ -855,10 +855,11 @@ def setup(cfg: Any) -> Setup:
 
 
 #: what the plan of a graphed spatial step assumes of the graph's pool (issue 74, item 2)
-GRAPHED_SPATIAL_POOL = ("train.graph_spatial: the graph's pool is planned as the eager step's peak: no block freed "
-                        "during the capture is held back for the halos' second stream (gems.capture: no stream "
-                        "recorded inside a capture, TORCH_NCCL_AVOID_RECORD_STREAMS=1); planned, not measured (the "
-                        "rig's graphed S = 2 point records max_memory_reserved beside it)")
+GRAPHED_SPATIAL_POOL = ("train.graph_spatial: the graph's pool is planned as the eager step's peak with the halo term "
+                        "beside it: no stream is recorded inside a capture, a halo's buffers are held until their "
+                        "streams join and then reused by the pool (gems.capture.keep, join), the received ones of one "
+                        "layer at most past their eager lifetime; planned, not measured (the lease's graphed phase "
+                        "sets each graphed point's max_memory_reserved beside it)")
 
 
 def _setup_notes(cfg: Any, settings: Any, notes: list[str]) -> list[str]:

@@ -423,7 +423,10 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
             window = sum(cost(a) for a in last_b[-len(held):]) if last_b else 0.0
         else:
             comp, spat = per_stage[0].fwd + per_stage[0].bwd, per_stage[0].comm_fwd + per_stage[0].comm_bwd
-            window = per_stage[0].bwd  # (a capture records the sums where the eager backward starts them)
+            # a capture records the sums where the eager backward starts them; in a graph of spatial parts every
+            # NCCL launch follows the one before it (gems.capture's chain), so each backward halo, and the compute
+            # that needs it, waits for every sum launched before: priced as not hidden behind the backward
+            window = 0.0 if graphed and S > 1 else per_stage[0].bwd
         # gradients: a ring over the replicas, spatial parts and mirrored holders of these partitions
         params = sum(classes[0][2][p].params for p in held)
         holders = next((g for g in sched.holder_groups() if d in g), (d,)) if sched is not None else (0,)
@@ -448,7 +451,9 @@ def predict(pl: Any, prof: Any, batch: int, rates: Rates, cluster: Any, nodes: i
     if graphed:
         said.insert(2, f"the model's forward and backward replayed from CUDA graphs (train.cuda_graphs): "
                        f"{GRAPH_OP_OVERHEAD_S * 1e6:.3g} us a kernel (planned: no lease has timed a replay yet), the "
-                       "loss, the gradient sums and the step's sync inside the replay; the optimizer launches its own")
+                       "loss, the gradient sums and the step's sync inside the replay; the optimizer launches its own"
+                       + ("; the sums chained with the halos, so not hidden behind the backward (docs/gpu.md)" if S > 1
+                          else ""))
     elif rates.kind == "gpu":  # the cost a launch was fit to rows that no longer measure the code (issue 74)
         said.insert(2, STALE_LAUNCH_FIT)
     return Prediction(step, worst, batch / step if step > 0 else math.inf, worst_label, per_position, said)
