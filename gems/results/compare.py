@@ -66,7 +66,10 @@ def compare(a_arg: str, b_arg: str) -> int:
         line.append("oversubscribed: ranks share cores" if any(r and r.get("_over") for r in (x, y)) else "")
         lines.append(line)
     name = f"compare-{a.title}-vs-{b.title}"
-    fmt = (lambda v: f"{v:.4g}" if isinstance(v, float) and not math.isnan(v) else ("" if isinstance(v, float) else str(v)))
+
+    def fmt(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) and not math.isnan(v) else ("" if isinstance(v, float) else str(v))
+
     md = [f"### {a.title} (A: {a.folder}) vs {b.title} (B: {b.folder})", "",
           "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     md += ["| " + " | ".join(fmt(v) for v in line) + " |" for line in lines]

@@ -8,8 +8,6 @@ points that already have what ``results.rerun`` asks for.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any

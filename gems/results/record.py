@@ -12,7 +12,6 @@ import os
 import platform
 import statistics
 import subprocess
-import tempfile
 import time
 import uuid
 from collections import Counter
@@ -163,7 +162,8 @@ def failed_record(cfg: Any, error: str, world_size: int | None = None, hosts: li
     mesh = mesh_from_config(cfg)
     return {
         "schema": SCHEMA, "run_id": cfg.run_id, "name": default_name(cfg), "sweep": cfg.results.sweep,
-        "point": cfg.results.point, "repeat": int(cfg.results.repeat or 0), "status": "failed", "error": error, "failure": failure or {"kind": "exit"},
+        "point": cfg.results.point, "repeat": int(cfg.results.repeat or 0), "status": "failed", "error": error,
+        "failure": failure or {"kind": "exit"},
         "config": OmegaConf.to_container(cfg, resolve=True),
         "world_size": world_size or mesh.size, "nodes": len(set(hosts or [])) or int(cfg.cluster.nodes),
         "mesh": {"replicas": mesh.replicas, "pipeline": mesh.pipeline, "spatial": mesh.spatial,
