@@ -4,9 +4,9 @@ Three rules (docs/gpu.md, "Graphs and NCCL"): 1. every NCCL launch inside a grap
 (:func:`launch`); 2. no stream is recorded on a tensor inside a capture, which is held until its streams join instead
 (:func:`keep`, :func:`join`); 3. every graph is registered the moment it exists, reset on any failure of its capture
 and before the process groups end (:func:`made`, :func:`guarded`, :func:`release`; :func:`alive` names any still
-alive where the teardown waits). They live here, below the strategies and the step
-that launch such work, so that all keep them alike. On a CPU rank's stand-in (GEMS_CPU_GRAPH_STAND_IN) the launches
-are marked chained and the resets logged in order with the messages (gems.commlog, :class:`StandInGraph`).
+alive where the teardown waits). They live here, below the strategies and the step that launch such work, so that all
+keep them alike. On a CPU rank's stand-in (GEMS_CPU_GRAPH_STAND_IN) the launches are marked chained and the resets
+logged in order with the messages (gems.commlog, :class:`StandInGraph`).
 """
 from __future__ import annotations
 

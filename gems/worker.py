@@ -141,7 +141,8 @@ LAST_RESORT_S = 30.0
 def teardown_s(fault: FaultConf) -> float:
     """How long ending a rank's process groups may take: the watchdog's stall allowance (``fault.stall_timeout_s``;
     its default where stall detection is off: the teardown is bounded all the same)."""
-    return float(fault.stall_timeout_s if fault.stall_timeout_s is not None else FaultConf().stall_timeout_s or 60.0)
+    stall = fault.stall_timeout_s if fault.stall_timeout_s is not None else FaultConf().stall_timeout_s
+    return float(stall or 0.0)
 
 
 def end_rank(world: Any, wd: Watchdog | None, cfg: Any = None, error: str | None = None) -> None:
@@ -197,18 +198,20 @@ def teardown_hung(cfg: Any, rank: int, limit: float, healthy: bool, error: str |
         "no graph gems made is alive (NCCL's own teardown did not return)"
     message = (f"rank {rank}: its process groups were not {how} within {limit:g} s (fault.stall_timeout_s): {waits}; "
                f"it exits with status {TEARDOWN_EXIT} (a teardown, not a step)")
-    print(f"gems: error: {message}", file=sys.stderr, flush=True)
-    if cfg is not None:
-        jd = rec.job_dir(cfg)
-        if not reports.amend_report(jd, rank, teardown=message, graphs_alive=graphs):
-            reports.write_report(jd, rank, message, echo=False, kind="teardown", graphs_alive=graphs)
-        path = rec.record_path(cfg)
-        if rank == 0 and rec.find_record(path) is None:
-            write_once(path, rec.failed_record(cfg, f"{error}; then {message}" if error else message,
-                                               failure={"kind": "teardown", "graphs_alive": graphs}))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(TEARDOWN_EXIT)
+    try:
+        print(f"gems: error: {message}", file=sys.stderr, flush=True)
+        if cfg is not None:
+            jd = rec.job_dir(cfg)
+            if not reports.amend_report(jd, rank, teardown=message, graphs_alive=graphs):
+                reports.write_report(jd, rank, message, echo=False, kind="teardown", graphs_alive=graphs)
+            path = rec.record_path(cfg)
+            if rank == 0 and rec.find_record(path) is None:
+                write_once(path, rec.failed_record(cfg, f"{error}; then {message}" if error else message,
+                                                   failure={"kind": "teardown", "graphs_alive": graphs}))
+    finally:  # whatever the writing met (a full disk), the rank ends
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(TEARDOWN_EXIT)
 
 
 def hardware(cfg: Any, world: Any, record: dict[str, Any]) -> None:
