@@ -397,7 +397,7 @@ class _Syncs:
     def __enter__(self) -> "_Syncs":
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        import gems.rank.loop as loop
+        import gems.rank.profiling as profiling
 
         outer = self
 
@@ -409,7 +409,7 @@ class _Syncs:
 
         self._undo: list[tuple[Any, str, Any]] = []
         for owner, name in [(torch.Tensor, "tolist"), (torch.Tensor, "cpu"), (torch.Tensor, "item"),
-                            (torch.cuda, "synchronize"), (loop, "_sync")]:
+                            (torch.cuda, "synchronize"), (profiling, "device_sync")]:
             real = getattr(owner, name)
             self._undo.append((owner, name, real))
             setattr(owner, name, lambda *a, _real=real, _name=name, **k: (outer.where.append(_name), _real(*a, **k))[1])
