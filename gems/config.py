@@ -214,10 +214,11 @@ class TrainConf:
     tf32: Optional[bool] = key(None, "TF32 for fp32 convolutions and matmuls on GPUs (null: torch's defaults, "
                                      "convolutions in TF32; false: full fp32, for exact comparisons)")
     threads: int = key(1, "torch threads per rank on CPU (0: torch's default)", ge=0)
-    deterministic: bool = key(False, "deterministic kernels (cuDNN's, torch's where it has them, cuBLAS's workspace "
-                                     "fixed): two runs of one configuration, graphed or eager, give the same bits on a "
-                                     "GPU; without it a GPU's atomic-add backward kernels (pooling, upsampling, weight "
-                                     "gradients) round differently from run to run")
+    deterministic: bool = key(False, "deterministic kernels (cuDNN's, torch's where it has them, gems's own average "
+                                     "pooling, cuBLAS's workspace fixed): two runs of one configuration, graphed or "
+                                     "eager, give the same bits on a GPU where every op has one (CosmoFlow's do); the "
+                                     "record names any op that had none; without it a GPU's atomic-add backward "
+                                     "kernels (pooling, upsampling, weight gradients) round differently from run to run")
     cuda_graphs: bool = key(True, "GPU ranks replay their step (forward, loss, backward, gradient sums, the sync) "
                                   "from a CUDA graph on the plain path: no pipeline, recomputation or spatial parts "
                                   "(but with train.graph_spatial), where the run says it stays eager "

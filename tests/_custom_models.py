@@ -140,3 +140,22 @@ def cosmo_tiny(n: int = 8) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv3d(4, 4, 3, padding=1), nn.LeakyReLU(0.3), nn.AvgPool3d(2), nn.Flatten(),
                          nn.Linear(4 * (n // 2) ** 3, 4))
+
+
+class _Alerting(nn.Module):
+    """An op as torch reports one without a deterministic kernel under use_deterministic_algorithms(warn_only=True)
+    (its warning, word for word: no CPU kernel of torch's raises one to test with)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import warnings
+
+        warnings.warn("scatter_add_cuda_kernel does not have a deterministic implementation, but you set "
+                      "'torch.use_deterministic_algorithms(True, warn_only=True)'. You can file an issue at "
+                      "https://github.com/pytorch/pytorch/issues", UserWarning)
+        return x
+
+
+def alerting_tiny(n: int = 8) -> nn.Sequential:
+    """cosmo_tiny with an op torch would run without a deterministic kernel (:class:`_Alerting`)."""
+    tiny = cosmo_tiny(n)
+    return nn.Sequential(tiny[0], _Alerting(), *tiny[1:])

@@ -545,3 +545,19 @@ def test_cosmoflows_pools_take_a_deterministic_backward_where_torch_has_none() -
     assert pools and all(type(m) is AvgPool3d for m in pools)
     x = torch.randn(1, 2, 6, 6, 6, requires_grad=True)
     assert torch.equal(AvgPool3d(3, 2, 1, count_include_pad=False)(x), F.avg_pool3d(x, 3, 2, 1, count_include_pad=False))
+
+
+def test_train_deterministic_names_the_ops_that_ran_without_a_deterministic_kernel(tmp_path: Any) -> None:
+    """Issue 83, item 5: "the same bits" under train.deterministic holds where every op has a deterministic kernel; an
+    op torch ran without one (its warn_only warning) is named in the record's notes, once however many steps ran it."""
+    args = ["model=custom", "model._target_=_custom_models.alerting_tiny", "model.input_shape=[4,8,8,8]",
+            "model.num_outputs=4", "train.batch_size=2", "train.steps=3", "train.check_fit=false"]
+    from _cli import gems_here, records
+
+    on = gems_here("run", *args, "train.deterministic=true", f"results.dir={tmp_path / 'on'}")
+    assert on.returncode == 0, on.stderr[-2000:]
+    ((r,),) = [records(str(tmp_path / "on"))]
+    (said,) = [n for n in r["notes"] if n.startswith("train.deterministic:")]
+    assert said.endswith("two runs may differ in their last bits: scatter_add_cuda_kernel"), said
+    off = gems_here("run", *args, f"results.dir={tmp_path / 'off'}")
+    assert off.returncode == 0 and not any("train.deterministic" in n for n in records(str(tmp_path / "off"))[0]["notes"])

@@ -191,3 +191,4 @@ def test_after_a_dead_rank_or_a_non_finite_loss_the_same_command_goes_on_from_th
     whole = gems_here("run", *base, f"results.dir={tmp_path / 'whole'}")
     assert whole.returncode == 0, whole.stderr[-2000:]
     assert done["loss"] == _one(tmp_path / "whole")["loss"]
+

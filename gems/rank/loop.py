@@ -18,6 +18,7 @@ from gems.fault.watchdog import Watchdog
 from gems.rank import hooks, profiling
 from gems.rank.data import Prefetcher, finisher, step_batch, unstage
 from gems.rank.hooks import StepResult, Stop
+from gems.rank.hooks.determinism import nondeterministic_ops
 from gems.rank.hooks.faults import NonFiniteLoss, OverMemoryCap, Stopped, storage_stop
 from gems.rank.hooks.preemption import preempt
 from gems.rank.report import export_model, make_record
@@ -48,6 +49,7 @@ class Loop:
         self.prefetch: Any = None
         self.bad = hooks.BadData(self)
         self.telemetry = hooks.Telemetry(self)
+        self.nondeterministic: set[str] = set()  # ops run without a deterministic kernel (train.deterministic)
         # in this order on every rank: the hooks' collectives meet
         self.hooks: list[Any] = [
             self.telemetry, state.host_memory, hooks.NonFinite(self), hooks.MemoryCap(self), hooks.StepLine(self),
@@ -64,11 +66,12 @@ class Loop:
         s.mlperf.run_start()
         self.telemetry.start()
         try:
-            for step in range(s.plan.start, s.plan.steps):
-                with self.counting(step):
-                    if self.one_step(step):
-                        break  # the target reached: every rank evaluated the same figures
-            self.drain()
+            with nondeterministic_ops(self.nondeterministic) if s.cfg.train.deterministic else contextlib.nullcontext():
+                for step in range(s.plan.start, s.plan.steps):
+                    with self.counting(step):
+                        if self.one_step(step):
+                            break  # the target reached: every rank evaluated the same figures
+                self.drain()
             s.mlperf.run_stop(reached=bool(self.recorder.history.get("target")))
         except BaseException:
             if s.staged is not None:  # a failure: the node's copies go with it (the others stop too)
@@ -85,7 +88,7 @@ class Loop:
             model_file = export_model(s, len(self.recorder.history["losses"]))
         except StorageFailed as e:
             self.stop(storage_stop(self, e, len(self.recorder.history["losses"])))
-        record = make_record(s, self.recorder, self.telemetry.summary())
+        record = make_record(s, self.recorder, self.telemetry.summary(), self.nondeterministic)
         if model_file is not None:
             record["model_file"] = str(model_file)
         unstage(s.staged, s.world, self.barrier)

@@ -15,6 +15,7 @@ from gems.fault.reports import read_requeues
 from gems.models import build_model
 from gems.pipeline.runtime import split_waits
 from gems.rank.data import class_names, data_notes
+from gems.rank.hooks.determinism import note
 from gems.results import record as rec
 from gems.results.recorder import Recorder
 from gems.telemetry.figures import combine
@@ -30,9 +31,11 @@ def export_model(state: Any, steps_trained: int) -> Path | None:
     return ckpt.export(state.cfg, state.world, state.hold, state.saver, steps_trained, path, order)
 
 
-def make_record(state: Any, recorder: Recorder, telemetry: dict[str, Any] | None = None) -> dict[str, Any]:
+def make_record(state: Any, recorder: Recorder, telemetry: dict[str, Any] | None = None,
+                nondeterministic: set[str] | None = None) -> dict[str, Any]:
     """The run's record (complete on rank 0; every rank takes part): the recorder's figures of every rank, every
-    rank's ``telemetry`` summary (gems.telemetry.figures.combine), and what the run says of how it ran."""
+    rank's ``telemetry`` summary (gems.telemetry.figures.combine), and what the run says of how it ran
+    (``nondeterministic``: the ops this rank ran without a deterministic kernel under train.deterministic)."""
     s, stepper, h = state, state.stepper, recorder.history
     measured = len(h["step_times"])
     plan_notes = s.plan.notes(measured)
@@ -40,6 +43,10 @@ def make_record(state: Any, recorder: Recorder, telemetry: dict[str, Any] | None
         print(f"gems: warning: {plan_notes[-1]}", file=sys.stderr, flush=True)
     notes = list(stepper.notes) + plan_notes + ([s.staged.note()] if s.staged else [])
     notes += data_notes(s.cfg, s.data)  # the files' layout, the readers' cap, a slow path taken
+    if s.cfg.train.deterministic:  # every rank's: a spatial part may run an op its peers do not
+        said = note(set().union(*gather_objects(s.world, sorted(nondeterministic or ()))))
+        if said:
+            notes.append(said)
     replay = stepper.replay_note()  # what a replay from CUDA graphs covered, and what stayed eager around it
     if replay:
         notes.append(replay)
