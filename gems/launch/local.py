@@ -28,6 +28,7 @@ from gems.mesh import mesh_from_config
 from gems.results import record as rec
 from gems.storage import full_note, writing
 from gems.telemetry.health import failure_of
+from gems.worker import TEARDOWN_EXIT
 
 GRACE_S = 5.0  # after the first failure, how long the other ranks get to end (and report) by themselves
 
@@ -106,7 +107,14 @@ def launch(cfg: DictConfig, on_progress: Callable[[str], None] | None = None) ->
         raise
     found = rec.find_record(path)  # the ranks' own record: ok, or a failure they diagnosed (its folder's or fallback)
     if found is not None:
-        return rec.read_record(found)
+        record = rec.read_record(found)
+        hung = sorted(e.rank for e in watch.exits if e.code == TEARDOWN_EXIT)
+        if hung:  # a rank whose process group's end outlasted its limit, after the record (its failure report says why)
+            record.setdefault("notes", []).append(
+                f"rank(s) {', '.join(map(str, hung))} ended past the teardown's limit after the record was written "
+                f"(exit {TEARDOWN_EXIT}: graphs still alive at the process group's end; their failure reports in {jd} "
+                "name them)")
+        return record
     if watch.timed_out:
         cl = section(cfg, "cluster")
         error = (f"timed out after {cl.wait_s() / 60:g} min ({cl.wait_key()}): the ranks were ended unfinished "

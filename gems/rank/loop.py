@@ -17,8 +17,8 @@ from gems.fault import inject
 from gems.fault.watchdog import Watchdog
 from gems.rank import hooks, profiling
 from gems.rank.data import Prefetcher, finisher, step_batch, unstage
+from gems.rank.determinism import nondeterministic_ops
 from gems.rank.hooks import StepResult, Stop
-from gems.rank.hooks.determinism import nondeterministic_ops
 from gems.rank.hooks.faults import NonFiniteLoss, OverMemoryCap, Stopped, storage_stop
 from gems.rank.hooks.preemption import preempt
 from gems.rank.report import export_model, make_record

@@ -15,7 +15,7 @@ from gems.fault.reports import read_requeues
 from gems.models import build_model
 from gems.pipeline.runtime import split_waits
 from gems.rank.data import class_names, data_notes
-from gems.rank.hooks.determinism import note
+from gems.rank.determinism import note
 from gems.results import record as rec
 from gems.results.recorder import Recorder
 from gems.telemetry.figures import combine
