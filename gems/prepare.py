@@ -84,7 +84,7 @@ def check_room(cfg: Any) -> None:
     from gems.rank.data import stage_root
     from gems.storage import free_bytes, size
 
-    if cfg.results.check_space:
+    if cfg.results.check_space and not cfg.eval.path:  # (gems eval writes its record and predictions alone)
         check_space(cfg)
     if str(cfg.data.stage) != "node" or str(cfg.cluster.launcher) != "local" or not reads_files(cfg.data):
         return  # (a Slurm job stages on its nodes: their folders are not this machine's)
@@ -115,12 +115,13 @@ def model_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
         return {n: tuple(t.shape) for n, t in build_model(section(cfg, "model")).module.state_dict().items()}
 
 
-#: what a run's training does not depend on: a run stopped under other values of these is the same run (the mesh
-#: too: a checkpoint goes on on any mesh, gems.checkpoint)
-NOT_TRAINING = ("run_id", "results", "cluster", "fault", "plan", "comm", "health", "telemetry", "eval", "parallel",
+#: what a run's training does not depend on: a run stopped under other values of these is the same run (the mesh is
+#: not among them: BatchNorm's statistics and a spatial cut's rounding follow it)
+NOT_TRAINING = ("run_id", "results", "cluster", "fault", "plan", "comm", "health", "telemetry", "eval",
                 "train.resume_from", "train.resume_stopped", "train.check_fit", "train.profile", "train.threads",
-                "train.host_memory", "train.checkpoint_async", "train.checkpoint_writers", "train.cuda_graphs",
-                "train.graph_pieces", "train.graph_spatial", "train.graph_collectives", "train.graph_optimizer",
+                "train.host_memory", "train.checkpoint_every", "train.checkpoint_async", "train.checkpoint_writers",
+                "train.warmup_steps", "train.eval_every", "train.cuda_graphs", "train.graph_pieces",
+                "train.graph_spatial", "train.graph_collectives", "train.graph_optimizer",
                 "data.readers", "data.prefetch", "data.stage", "data.stage_dir", "data.workers")
 
 
@@ -147,6 +148,31 @@ STOPPED_BY = {"bad_data": "on a bad file", "storage": "when its storage failed",
               "node_fail": "when a node failed", "cancelled": "when it was cancelled"}
 
 
+def stopped_runs(folder: Path, name: str) -> list[tuple[Path, dict[str, Any]]]:
+    """The failed records of runs named ``name`` in ``folder`` (not a sweep's) that no other run went on from yet (its
+    configuration's train.resume_from names their checkpoint, failed or not, however often it was requeued since)
+    and that did not finish their training."""
+    import json
+
+    records = []
+    for path in folder.glob("*.json"):
+        try:
+            r = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(r, dict) and "run_id" in r and isinstance(r.get("config"), dict):
+            records.append((path, r))
+    continued = {_run_of(str(((r["config"].get("train") or {}).get("resume_from")) or "")) for _, r in records}
+    return [(path, r) for path, r in records if r.get("status") == "failed" and str(r["run_id"]) not in continued
+            and not (r.get("failure") or {}).get("finished") and r.get("name") == name and not r.get("sweep")]
+
+
+def _run_of(checkpoint: str) -> str | None:
+    """The run id whose folder holds ``checkpoint`` (``.../.jobs/RUN_ID/ckpt/stepN``), or None."""
+    parts = Path(checkpoint).parts
+    return parts[parts.index(".jobs") + 1] if ".jobs" in parts[:-1] else None
+
+
 def stopped_checkpoint(folder: Path, record: dict[str, Any]) -> tuple[Path, int] | None:
     """The last whole checkpoint a stopped run kept in its own folder (and its step), or None."""
     root = folder / ".jobs" / str(record.get("run_id")) / "ckpt"
@@ -171,24 +197,15 @@ def resume_stopped(cfg: Any) -> None:
     t = cfg.train
     if not t.get("resume_stopped", True) or t.resume_from or t.init_from or ckpt.has_checkpoint(cfg):
         return
+    if cfg.eval.path or cfg.results.sweep:  # gems eval evaluates its file; a sweep runs its failed points again
+        return
     folder = Path(str(cfg.results.dir))
     if not folder.is_dir():
         return
     now = training_keys(json.loads(json.dumps(OmegaConf.to_container(cfg, resolve=True))))
-    records = []
-    for path in folder.glob("*.json"):
-        try:
-            r = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(r, dict) and "run_id" in r and isinstance(r.get("config"), dict):
-            records.append((path, r))
-    continued = {str((r.get("resumed_from") or {}).get("run_id")) for _, r in records}
     best: tuple[int, float, Path, dict[str, Any]] | None = None
     other: tuple[float, dict[str, Any], str] | None = None
-    for path, r in records:
-        if r.get("status") != "failed" or str(r["run_id"]) in continued:
-            continue
+    for path, r in stopped_runs(folder, default_name(cfg)):
         kept = stopped_checkpoint(folder, r)
         if kept is None:
             continue
@@ -196,7 +213,7 @@ def resume_stopped(cfg: Any) -> None:
         key = next((k for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k)), None)
         mtime = path.stat().st_mtime
         if key is not None:
-            if r.get("name") == default_name(cfg) and (other is None or mtime > other[0]):
+            if other is None or mtime > other[0]:
                 other = (mtime, r, key)
             continue
         if best is None or (kept[1], mtime) > best[:2]:

@@ -131,22 +131,23 @@ def writing(what: str, where: Path | str, needed: int | None = None) -> Iterator
         raise failed from e
 
 
-def fallback_dir() -> Path:
-    """Where a record goes when its folder cannot take it: ``$TMPDIR``, else the folder the command ran in."""
+def fallback_dirs() -> list[Path]:
+    """Where a record goes when its folder cannot take it, in order: ``$TMPDIR``, the system's temporary folder, the
+    folder the command ran in (:func:`with_fallback` writes there, ``gems.results.record.find_record`` looks there)."""
     given = os.environ.get("TMPDIR")
-    return Path(given) if given else Path.cwd()
+    return list(dict.fromkeys([*([Path(given)] if given else []), Path(tempfile.gettempdir()), Path.cwd()]))
 
 
 def with_fallback(write: Callable[[Path], T], path: Path | str, what: str) -> tuple[T, Path | None]:
-    """``write(path)``; where the storage fails, ``write`` into :func:`fallback_dir` (the same file name) instead.
-    Returns what ``write`` returned and the path it used instead of ``path`` (None where ``path`` took it). The
-    fallback failing too raises the first failure."""
+    """``write(path)``; where the storage fails, ``write`` into the first of :func:`fallback_dirs` that takes it (the
+    same file name). Returns what ``write`` returned and the path it used instead of ``path`` (None where ``path``
+    took it). Every fallback failing too raises the first failure."""
     path = Path(path)
     try:
         with writing(what, path):
             return write(path), None
     except StorageFailed as first:
-        for folder in dict.fromkeys([fallback_dir(), Path(tempfile.gettempdir()), Path.cwd()]):
+        for folder in fallback_dirs():
             other = folder / path.name
             if other.parent.resolve() == path.parent.resolve():
                 continue

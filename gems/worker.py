@@ -32,7 +32,7 @@ from gems.rank.evaluate import evaluate_model
 from gems.rank.graphs import stand_in
 from gems.rank.loop import Stopped, train, write_once
 from gems.results import record as rec
-from gems.storage import StorageFailed, named
+from gems.storage import StorageFailed, named, os_error
 from gems.telemetry.health import check_node
 
 
@@ -93,9 +93,11 @@ def keep_record(cfg: Any, record: dict[str, Any]) -> None:
             rec.write_steps(path, record)
     except StorageFailed as e:
         record.update(status="failed", error=f"{e.line()}; the training finished: its model file and checkpoints are "
-                      "kept", failure=e.as_dict())
+                      "kept", failure={**e.as_dict(), "finished": True})
         write_once(path, record)
         raise Stopped(record["error"]) from e
+    except Exception as e:  # the CSV is a copy of the record's figures: the record is written whatever it met
+        print(f"gems: warning: the per-step CSV was not written: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     rec.write_record(path, record)
 
 
@@ -260,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except Exception as e:
         rank = _env_rank()
-        failed = named(e, "this rank's output", _output_file())  # a full disk under the rank's log, say
+        err = os_error(e)  # a write to the rank's own output (its log: no file named) that the storage refused
+        failed = named(e, "this rank's output", _output_file()) if err is not None and err.filename is None else None
         with contextlib.suppress(OSError):
             if failed is not None:
                 print(f"gems: error: rank {'?' if rank is None else rank}: {failed}", file=sys.stderr, flush=True)

@@ -178,6 +178,9 @@ def test_after_a_dead_rank_or_a_non_finite_loss_the_same_command_goes_on_from_th
     assert first.returncode == 1, first.stderr[-2000:]
     stopped = _one(folder)
     assert stopped["status"] == "failed" and stopped["failure"]["kind"] == kind
+    # another mesh is another run (BatchNorm's statistics and the rounding follow the mesh): it starts over
+    mesh = gems_here("run", *merged(*base, "parallel.replicas=1"), f"results.dir={folder}")
+    assert mesh.returncode == 0 and "resuming" not in mesh.stderr and "starting over" not in mesh.stderr, mesh.stderr
     # a key that changes the training changed: it starts over, naming the key
     other = gems_here("run", *base, "train.lr=0.002", f"results.dir={folder}")
     assert other.returncode == 0 and "train.lr was 0.001 there and is 0.002 here: starting over" in other.stderr, \

@@ -394,8 +394,11 @@ class Saver:
         import torch.distributed.checkpoint as dcp
 
         group = self.group()
-        with contextlib.suppress(OSError):  # (where the folder cannot be made, DCP's write fails on every writer)
-            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # the folder made inside the job's (never the job's folder again: one removed under the run is a failure, which
+        # DCP's write then meets on every writer)
+        with contextlib.suppress(OSError):
+            if d.parent.parent.is_dir():
+                d.mkdir(parents=True, exist_ok=True, mode=0o700)
         chunks = chunks_of(state, self.share)
         f, rank = self.fault, self.world.rank
         delay = (lambda: time.sleep(f.save_delay_s)) if faults and f.save_delay_s > 0 else None
@@ -451,7 +454,11 @@ class Saver:
             if fut is not None:
                 self._pending = (fut, d, step)
             elif failed is None:
-                self._complete(d, step)
+                try:
+                    with writing(what, d.parent / "latest"):
+                        self._complete(d, step)
+                except StorageFailed as e:
+                    failed = e
         elif self.fault.kill_in_save:  # a rank that writes no tensor dies once it has taken its part
             from gems.fault import inject
 
@@ -488,10 +495,10 @@ class Saver:
         try:
             with writing(f"the checkpoint before step {step}", d):
                 fut.result()  # DCP's coordinator wrote the metadata after every writer's files: the save is complete
+            with writing(f"the checkpoint before step {step}", d.parent / "latest"):
+                self._complete(d, step)
         except StorageFailed as e:
             self._failed = (e, d)
-            return
-        self._complete(d, step)
 
     def agree(self, failed: StorageFailed | None, d: Path | None) -> None:
         """Every rank learns whether any rank's part of a save failed (one collective of every rank; a one-rank job:

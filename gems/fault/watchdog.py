@@ -280,7 +280,12 @@ class Watchdog:
         step, phase, age = p.step, p.phase, p.age()
         limit = self.limit(step, phase)
         self._seq += 1
-        device = self.describe_device() if self.describe_device is not None else None
+        device = None
+        if self.describe_device is not None:
+            try:  # (a reading that fails never stops the heartbeat)
+                device = self.describe_device()
+            except Exception:
+                device = None
         beat = json.dumps({"seq": self._seq, "step": step, "phase": phase, "age": round(age, 3), "limit": limit,
                            "device": device})
         self.store.set(hb_key(self.rank), beat)

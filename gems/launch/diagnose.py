@@ -12,6 +12,7 @@ from typing import Any
 from gems.fault.reports import Exit, explain, read_reports
 from gems.launch.jobs import Outcome, SlurmRun, task_outcomes
 from gems.launch.options import default_job_dir
+from gems.results import record as rec
 from gems.telemetry.health import failure_of
 
 
@@ -137,7 +138,7 @@ def outcome(run: SlurmRun, state: str, error: str | None) -> Outcome:
     """The :class:`Outcome` of a job that ended in ``state`` (``error`` None: it ended well), with its cause: a
     node's failed health check first (its own line and the node, gems/telemetry/health.py)."""
     results = [r[1] if r is not None and r[0] == "success" else None for r in task_outcomes(run)]
-    rp = run.record_path if run.record_path.exists() else None
+    rp = rec.find_record(run.record_path)  # its folder, or where the record went when that could not take it
     end = run.ended_at or time.time()
     failure = None
     if error is not None:

@@ -137,7 +137,7 @@ def _keep(path: Path, record: dict[str, Any]) -> dict[str, Any]:
     try:
         rec.write_record(path, record)
     except FileExistsError:
-        return rec.read_record(path)
+        return rec.read_record(rec.find_record(path) or path)
     return record
 
 

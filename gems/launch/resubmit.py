@@ -19,7 +19,7 @@ from gems.results import record as rec
 from gems.telemetry.health import failure_of
 
 #: what a job's own folder holds of one attempt, set aside when it is submitted again
-_ATTEMPT = ("failures", "nodes")
+_ATTEMPT = ("failures", "nodes", "requeued.json")
 
 
 def resubmit(run: SlurmRun, nodes: Sequence[str], why: str) -> SlurmRun:

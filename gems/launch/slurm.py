@@ -120,7 +120,7 @@ def record_of(run: SlurmRun, outcome: Outcome) -> dict[str, Any]:
     record = rec.failed_record(run.cfg, f"slurm job {outcome.job_id}: {error}", failure=outcome.failure)
     record["logs"] = str(run.job_dir)
     record["env"]["slurm_job_id"] = outcome.job_id
-    if not run.record_path.exists():
+    if rec.find_record(run.record_path) is None:
         rec.write_record(run.record_path, record)
     return record
 

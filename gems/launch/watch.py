@@ -184,7 +184,10 @@ def lost_nodes(run: SlurmRun, ran_on: str) -> str | None:
     excluded = sorted({*[str(n) for n in run.cfg.cluster.get("exclude") or []], *down})
     slurm_command(["scontrol", "update", f"JobId={run.job_id}", f"ExcNodeList={','.join(excluded)}"], timeout=30)
     entry = {"slurm_job_id": run.job_id, "nodes": down, "ran_on": ran_on, "excluded": excluded, "at": time.time()}
-    write_requeues(folder, [*said, entry])
+    try:
+        write_requeues(folder, [*said, entry])
+    except OSError as e:  # the record then says less; the job goes on all the same
+        print(f"gems: {run.run_id}: could not note the lost node(s) in {folder}: {e}", file=sys.stderr, flush=True)
     print(f"gems: {run.run_id}: node(s) {', '.join(down)} of Slurm job {run.job_id} failed (NODE_FAIL); Slurm requeued "
           f"it: it goes on from its last checkpoint without them", file=sys.stderr, flush=True)
     return None

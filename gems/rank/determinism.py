@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Iterator
+from typing import Any, Iterator
 
 #: how torch says an op ran without a deterministic kernel under ``use_deterministic_algorithms(True, warn_only=True)``
 ALERT = " does not have a deterministic implementation, but you set 'torch.use_deterministic_algorithms(True"
@@ -12,22 +12,22 @@ ALERT = " does not have a deterministic implementation, but you set 'torch.use_d
 
 @contextlib.contextmanager
 def nondeterministic_ops(seen: set[str]) -> Iterator[None]:
-    """Around a run with ``train.deterministic``: the op of every alert torch raises is added to ``seen``; any other
-    warning is shown as it would have been (after the run)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            yield
-        finally:
-            others = []
-            for w in caught:
-                text = str(w.message)
-                if ALERT in text:
-                    seen.add(text.split(ALERT)[0].strip())
-                else:
-                    others.append(w)
-    for w in others:
-        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    """Around a run with ``train.deterministic``: the op of every alert torch raises is added to ``seen`` (nothing
+    kept but the ops' names); any other warning is shown as it would have been."""
+    shown = warnings.showwarning
+
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        text = str(message)
+        if ALERT in text:
+            seen.add(text.split(ALERT)[0].strip())
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 def note(seen: set[str]) -> str | None:

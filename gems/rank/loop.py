@@ -64,8 +64,8 @@ class Loop:
         self.prefetch = Prefetcher(self.fetch, range(s.plan.start, s.plan.steps), int(s.cfg.data.prefetch),
                                    s.world.device, self.finisher())
         s.mlperf.run_start()
-        self.telemetry.start()
         try:
+            self.telemetry.start()
             with nondeterministic_ops(self.nondeterministic) if s.cfg.train.deterministic else contextlib.nullcontext():
                 for step in range(s.plan.start, s.plan.steps):
                     with self.counting(step):
@@ -274,7 +274,7 @@ class Loop:
                                        restarts=s.restarts)
             record.update(stop.extra, lr=list(self.recorder.history["lrs"]))
             write_once(rec.record_path(s.cfg), record)
-            with contextlib.suppress(StorageFailed):  # the losses so far, a line a step (a full disk: the record has them)
+            with contextlib.suppress(Exception):  # the losses so far, a line a step (the record has them too)
                 rec.write_steps(rec.record_path(s.cfg), record)
         self.barrier()  # the record is there before any rank ends (the launcher reads it then)
         raise stop.error

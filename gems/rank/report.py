@@ -44,7 +44,7 @@ def make_record(state: Any, recorder: Recorder, telemetry: dict[str, Any] | None
     notes = list(stepper.notes) + plan_notes + ([s.staged.note()] if s.staged else [])
     notes += data_notes(s.cfg, s.data)  # the files' layout, the readers' cap, a slow path taken
     if s.cfg.train.deterministic:  # every rank's: a spatial part may run an op its peers do not
-        said = note(set().union(*gather_objects(s.world, sorted(nondeterministic or ()))))
+        said = note(set().union(*gather_to_rank0(s.world, sorted(nondeterministic or ()))))
         if said:
             notes.append(said)
     replay = stepper.replay_note()  # what a replay from CUDA graphs covered, and what stayed eager around it
@@ -65,9 +65,10 @@ def make_record(state: Any, recorder: Recorder, telemetry: dict[str, Any] | None
         profiled_steps=s.plan.profiled_to, notes=notes, split=split_waits)
     record["host_memory"] = s.host_memory.summary
     if telemetry is not None:
-        per = gather_objects(s.world, telemetry)
-        record["telemetry"] = combine(per, stepper.samples_per_step * s.R, measured,
-                                      window=int(s.cfg.telemetry.straggler_window))
+        per = gather_to_rank0(s.world, telemetry)
+        if s.world.rank == 0:  # the steps this process measured (a resumed run's history holds earlier ones too)
+            record["telemetry"] = combine(per, stepper.samples_per_step * s.R, int(telemetry.get("steps") or 0),
+                                          window=int(s.cfg.telemetry.straggler_window))
     if stepper.scaler.enabled:
         record["loss_scale"] = stepper.scaler.summary()
     if s.saver.saves:  # how long checkpoints held the steps (an async save: the copy to host memory only)
@@ -89,12 +90,12 @@ def make_record(state: Any, recorder: Recorder, telemetry: dict[str, Any] | None
     return record
 
 
-def gather_objects(world: Any, mine: Any) -> list[Any]:
-    """Every rank's ``mine``, in rank order, on every rank (one collective; a one-rank job: none)."""
+def gather_to_rank0(world: Any, mine: Any) -> list[Any]:
+    """Every rank's ``mine``, in rank order, on rank 0 (elsewhere an empty list; one collective)."""
     if world.size == 1:
         return [mine]
     import torch.distributed as dist
 
-    out: list[Any] = [None] * world.size
-    dist.all_gather_object(out, mine)
+    out: list[Any] = [None] * world.size if world.rank == 0 else []
+    dist.gather_object(mine, out if world.rank == 0 else None, dst=0)
     return out

@@ -12,6 +12,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 import uuid
 from collections import Counter
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gems.paths import write_result_json
-from gems.storage import StorageFailed, fallback_dir, with_fallback, writing
+from gems.storage import StorageFailed, fallback_dirs, with_fallback, writing
 
 SCHEMA = "gems.record/1"
 
@@ -188,10 +189,7 @@ def write_record(path: Path | str, record: dict[str, Any]) -> Path:
 def find_record(path: Path | str) -> Path | None:
     """Where the record meant for ``path`` is: there, or in the fallback folder its own could not take it in."""
     path = Path(path)
-    if path.exists():
-        return path
-    other = fallback_dir() / path.name
-    return other if other.exists() else None
+    return next((p for p in [path, *(d / path.name for d in fallback_dirs())] if p.exists()), None)
 
 
 def write_steps(record_file: Path | str, record: dict[str, Any]) -> Path | None:
@@ -227,9 +225,21 @@ def write_steps(record_file: Path | str, record: dict[str, Any]) -> Path | None:
     except OSError:
         return None
     try:
+        tensorboard(record_file, record, every, times, lrs, start)
+    except Exception as e:  # (its scalars are a copy of the CSV's: never the run's end)
+        print(f"gems: warning: the TensorBoard scalars were not written: {type(e).__name__}: {e}", file=sys.stderr,
+              flush=True)
+    return path
+
+
+def tensorboard(record_file: Path | str, record: dict[str, Any], every: Any, times: list[Any], lrs: list[Any],
+                start: int) -> None:
+    """The per-step CSV's figures as TensorBoard scalars in the run's folder (``tb/``), where tensorboard is
+    installed."""
+    try:
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
     except ImportError:
-        return path
+        return
     tb = SummaryWriter(log_dir=str(Path(record_file).parent / ".jobs" / str(record.get("run_id")) / "tb"))
     for v in record.get("validation") or []:
         for k in ("loss", "mae", "accuracy"):
@@ -244,7 +254,6 @@ def write_steps(record_file: Path | str, record: dict[str, Any]) -> Path | None:
         elif i >= start and i - start < len(times):
             tb.add_scalar("step_time_s", float(times[i - start]), i)
     tb.close()
-    return path
 
 
 def read_record(path: Path | str) -> dict[str, Any]:

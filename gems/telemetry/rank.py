@@ -196,10 +196,12 @@ class RankTelemetry:
             if e is not None:
                 self._bound = (e, time.monotonic())
 
-    def step_ended(self, step: int, seconds: float, samples: int) -> None:
+    def step_ended(self, step: int, seconds: float, samples: int, measured: bool | None = None) -> None:
         """Step ``step`` ended: ``seconds`` the rank's own time for it (its waits for peers left out, where the loop
-        can tell: the straggler scores compare them), ``samples`` the samples it trained (the global batch)."""
-        if not self._measured:
+        can tell: the straggler scores compare them), ``samples`` the samples it trained (the global batch);
+        ``measured``: whether it counts (default: as :meth:`step_began` last said; a step read a step late, after its
+        successor began, says its own)."""
+        if not (self._measured if measured is None else measured):
             return
         e = self._meter.energy_j() if self._meter is not None and self._bound is not None else None
         with self._lock:

@@ -27,6 +27,8 @@ class Telemetry(Hook):
 
     def stop(self) -> None:
         self.meter.stop()
+        if self.state.wd is not None:  # (no reading of a stopped sampler sent on)
+            self.state.wd.describe_device = None
 
     def before_step(self, step: int) -> Stop | None:
         self.meter.step_began(step, self.state.plan.measured(step))
@@ -37,7 +39,8 @@ class Telemetry(Hook):
         # straggler scores compare what each rank itself took
         waits = result.terms.get("allreduce", 0.0) + result.terms.get("bubble_or_wait", 0.0)
         s = self.state
-        self.meter.step_ended(result.step, max(0.0, result.seconds - waits), s.stepper.samples_per_step * s.R)
+        self.meter.step_ended(result.step, max(0.0, result.seconds - waits), s.stepper.samples_per_step * s.R,
+                              result.measured)
         return None
 
     def summary(self) -> dict[str, Any]:
