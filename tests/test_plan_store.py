@@ -165,6 +165,7 @@ def test_cpu_kernel_times_are_kept_and_measured_again_by_their_rule(tmp_path: Pa
     import gems.plan.cpu as cpu
 
     monkeypatch.setenv("GEMS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu, "_ALONE", [False])  # (a test before may have timed its process alone)
     reference = [0.01]
     measured: list[tuple] = []
     monkeypatch.setattr(cpu, "_reference_seconds", lambda: reference[0])

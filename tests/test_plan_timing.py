@@ -235,6 +235,7 @@ def test_synthetic_data_is_timed_on_the_generator_scaled_by_its_planes(monkeypat
 
     monkeypatch.setattr(SyntheticData, "batch", batch)
     monkeypatch.setattr(cpu, "_timed", lambda fn: (fn(), 0.02)[1])  # one real call, a known time
+    monkeypatch.setattr(cpu, "_ALONE", [False])  # (forgetting times this process alone: not past this test)
     cpu.forget_cpu_rates()
     # a plane is 4 x 256 x 256 elements: 16 planes stay within DATA_ELEMENTS, so 16 of a part's 64 are made
     # (the real generator, a new sample) and the time scaled by 64 / 16
